@@ -1,0 +1,108 @@
+"""Base configuration: every value the code uses lives here (ml_collections).
+
+`get_config(arg)`: arg '' (default) = the built-in benchmark with the tiny model. Algorithm
+configs (`uniform.py`, `uniform_balanced.py`, `swil.py`, `no_replay.py`) start from this one.
+Any field can be overridden on the command line, e.g. `--config.replay.dedup=epoch`.
+"""
+
+import ml_collections
+
+KNOWN_ARGS = ("",)
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+  """Returns the base config. Raises ValueError for an unknown `arg`."""
+  if arg not in KNOWN_ARGS:
+    raise ValueError(f"unknown config argument {arg!r}; known: {KNOWN_ARGS}")
+  c = ml_collections.ConfigDict()
+  c.experiment_name = "base"
+  c.seed = 0
+  # Order of the downstream sequence: None keeps the benchmark's order, an int shuffles it.
+  c.sequence_seed = ml_collections.config_dict.placeholder(int)
+  # Where cached artefacts (built-in benchmark, pre-trained models, buffers) live.
+  c.cache_dir = "~/.cache/owl_cl"
+  # Persistent XLA compilation cache ('' disables): later runs skip recompiling.
+  c.compilation_cache_dir = "~/.cache/owl_cl/xla"
+
+  # --- model ---------------------------------------------------------------------------
+  c.model = ml_collections.ConfigDict()
+  c.model.variant = "tiny"
+  c.model.tokenizer = "word_hash"
+  c.model.overrides = ml_collections.ConfigDict()   # e.g. {'vision_layers': 2}
+  # A parameter checkpoint (owl_cl.train.checkpointing.save_params layout). None: pre-train
+  # the model on the pre-training set (built-in benchmark) and cache it.
+  c.init_checkpoint = ml_collections.config_dict.placeholder(str)
+
+  # --- data ----------------------------------------------------------------------------
+  c.data = ml_collections.ConfigDict()
+  c.data.root = ml_collections.config_dict.placeholder(str)   # None: built-in benchmark
+  c.data.num_queries = 8         # Q per training image ('' + positives + negatives + padding)
+  c.data.num_negatives = 4       # random negative class names per training image
+  c.data.max_instances = 8       # M boxes per image
+  c.data.num_workers = 0         # grain worker processes (0 = in process)
+  c.data.eval_batch_size = 64
+  c.data.builtin = ml_collections.ConfigDict()
+  c.data.builtin.seed = 0
+
+  # --- pre-training (only when no init_checkpoint is given) ------------------------------
+  c.pretrain = ml_collections.ConfigDict()
+  c.pretrain.batch_size = 32
+  c.pretrain.num_steps = 1600
+  c.pretrain.learning_rate = 1e-3
+  c.pretrain.warmup_steps = 100
+  c.pretrain.text_lr_multiplier = 1.0   # from scratch: the text tower learns at full LR
+  c.pretrain.layerwise_decay = 1.0
+  c.pretrain.weight_decay = 0.0
+
+  # --- continual fine-tuning (per downstream dataset; fresh optimizer each) -------------
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 16          # new images per step
+  c.train.num_epochs = 6
+  c.train.learning_rate = 3e-4
+  c.train.warmup_steps = 10
+  c.train.text_lr_multiplier = 0.1
+  c.train.layerwise_decay = 1.0
+  c.train.b1 = 0.9
+  c.train.b2 = 0.999
+  c.train.eps = 1e-8
+  c.train.weight_decay = 0.0
+  c.train.grad_clip_norm = 1.0
+  c.train.log_every_steps = 20
+
+  # --- detection loss (SPEC §3) ----------------------------------------------------------
+  c.loss = ml_collections.ConfigDict()
+  c.loss.focal_alpha = 0.3
+  c.loss.focal_gamma = 2.0
+  c.loss.class_weight = 1.0
+  c.loss.bbox_weight = 1.0
+  c.loss.giou_weight = 1.0
+
+  # --- replay (SPEC §6-§8) ---------------------------------------------------------------
+  c.replay = ml_collections.ConfigDict()
+  c.replay.algorithm = "swil"      # uniform | uniform_balanced | swil | none
+  c.replay.ratio = 1.0             # replayed images per new image (paper 1:1)
+  c.replay.dedup = "dataset"       # none | epoch | dataset
+  c.replay.der_alpha = 2.0         # DER++ logit distillation weight
+  c.replay.der_beta = 1.0          # DER++ replay detection-loss weight
+  c.replay.swil_w = 1.0            # similarity weighting exponent w
+  c.replay.top_k = 8               # k class embeddings per image
+  c.replay.buffer = ml_collections.ConfigDict()
+  c.replay.buffer.loss_threshold = 1.5   # eq. 7: keep images with pre-trained loss < t
+  c.replay.buffer.min_per_class = 20     # then top up each class to this many images
+  c.replay.buffer.fill_all_for_rare_classes = False   # released code: add all of them
+  c.replay.buffer.max_instances_per_prototype = 6
+
+  # --- evaluation (SPEC §4) --------------------------------------------------------------
+  c.eval = ml_collections.ConfigDict()
+  c.eval.top_k = 100               # detections per image
+  c.eval.max_dets = 100            # COCOeval maxDets
+  c.eval.multi_label = False       # exclusive datasets: argmax class per token
+
+  # --- checkpoints -----------------------------------------------------------------------
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.max_to_keep = ml_collections.config_dict.placeholder(int)   # None = all
+
+  # --- debugging / tiny budgets ----------------------------------------------------------
+  c.max_train_steps_per_dataset = ml_collections.config_dict.placeholder(int)
+  c.max_eval_images = ml_collections.config_dict.placeholder(int)
+  return c

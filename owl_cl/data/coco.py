@@ -1,0 +1,270 @@
+"""COCO-format detection datasets as grain random-access sources.
+
+`CocoSource` reads a COCO json (real data such as ODinW / Objects365 exports, or the built-in
+benchmark of `owl_cl.data.builtin`) with pycocotools, validates it eagerly and serves decoded
+examples by integer index, so it can be handed to `grain.MapDataset.source`.
+
+Conventions (docs/CONVENTIONS.md, "Data"): class indices are contiguous 0..C-1 in ascending COCO
+category id order; boxes are float32 xyxy in pixels of the original image; images uint8 RGB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+from PIL import Image
+from pycocotools.coco import COCO
+
+__all__ = ["DataError", "CocoSource"]
+
+
+class DataError(ValueError):
+  """A dataset file is missing or malformed; the message names the file, field and value."""
+
+
+_REQUIRED_TOP = ("images", "annotations", "categories")
+_REQUIRED_IMAGE = ("id", "file_name", "height", "width")
+_REQUIRED_ANN = ("image_id", "category_id", "bbox")
+_REQUIRED_CAT = ("id", "name")
+
+
+def _require(entry: Any, fields: Sequence[str], where: str, path: str, index: int) -> None:
+  if not isinstance(entry, dict):
+    raise DataError(f"{path}: {where}[{index}] must be an object, got {type(entry).__name__}")
+  for f in fields:
+    if f not in entry:
+      raise DataError(f"{path}: {where}[{index}] is missing required field '{f}' "
+                      f"(entry: {_short(entry)})")
+
+
+def _short(obj: Any, limit: int = 160) -> str:
+  s = json.dumps(obj, default=str)
+  return s if len(s) <= limit else s[:limit] + "..."
+
+
+class CocoSource:
+  """A COCO detection dataset served as a grain `RandomAccessDataSource`.
+
+  Args:
+    annotation_file: path of the COCO json (`images`, `annotations`, `categories` required;
+      per image `id, file_name, height, width`; per annotation `image_id, category_id, bbox`
+      [x, y, w, h] in pixels; per category `id, name`).
+    image_dir: folder that `file_name` is relative to.
+    name: display name (default: the json file's stem).
+    check_files: stat every image file at construction (cheap; a missing image then fails
+      before training starts). When False, a missing file raises at `load`.
+    box_tolerance: pixels a box may extend beyond the image before it is an error; boxes within
+      the tolerance are clipped to the image.
+    on_invalid: 'raise' (default) raises `DataError` for a degenerate / out-of-image box;
+      'skip' drops such annotations (counted in `num_skipped`). Unknown category ids, unknown
+      image ids, missing fields and missing files always raise.
+
+  Attributes:
+    class_names: list[str], contiguous index -> category name.
+    category_ids: list[int], contiguous index -> COCO category id (ascending).
+    image_ids: list[int], source index -> COCO image id (ascending).
+    coco: the pycocotools `COCO` object (all annotations, crowd ones included; for evaluation).
+    num_skipped: annotations dropped by `on_invalid='skip'`.
+
+  `iscrowd=1` annotations are kept in `coco` but excluded from `load()`'s training targets.
+
+  Raises:
+    DataError: missing annotation file; unreadable json; missing required field (names the
+      entry); duplicate image/category id; annotation with unknown `category_id` or `image_id`;
+      box with w <= 0 or h <= 0 or outside the image by more than `box_tolerance`; missing
+      image file (names the path and image id).
+
+  Source: docs/CONVENTIONS.md "Data"; SPEC §4 (contiguous index <-> category id mapped
+  explicitly, never assumed).
+  """
+
+  def __init__(self, annotation_file: str, image_dir: str, name: Optional[str] = None, *,
+               check_files: bool = True, box_tolerance: float = 2.0,
+               on_invalid: str = "raise"):
+    if on_invalid not in ("raise", "skip"):
+      raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
+    self.annotation_file = os.fspath(annotation_file)
+    self.image_dir = os.fspath(image_dir)
+    self.name = name or os.path.splitext(os.path.basename(self.annotation_file))[0]
+    path = self.annotation_file
+    if not os.path.isfile(path):
+      raise DataError(f"annotation file not found: {path}")
+    if not os.path.isdir(self.image_dir):
+      raise DataError(f"{path}: image_dir does not exist: {self.image_dir}")
+    try:
+      with open(path, "r") as f:
+        data = json.load(f)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{path}: not valid json ({e})") from e
+    if not isinstance(data, dict):
+      raise DataError(f"{path}: top level must be an object, got {type(data).__name__}")
+    for field in _REQUIRED_TOP:
+      if field not in data:
+        raise DataError(f"{path}: missing required top-level field '{field}'")
+      if not isinstance(data[field], list):
+        raise DataError(f"{path}: field '{field}' must be a list, got "
+                        f"{type(data[field]).__name__}")
+
+    # Categories.
+    cats = data["categories"]
+    cat_by_id: Dict[int, str] = {}
+    for i, c in enumerate(cats):
+      _require(c, _REQUIRED_CAT, "categories", path, i)
+      if c["id"] in cat_by_id:
+        raise DataError(f"{path}: categories[{i}] duplicate id {c['id']!r}")
+      cat_by_id[c["id"]] = str(c["name"])
+    self.category_ids: List[int] = sorted(cat_by_id)
+    self.class_names: List[str] = [cat_by_id[c] for c in self.category_ids]
+    self._cat_to_index = {c: i for i, c in enumerate(self.category_ids)}
+
+    # Images.
+    images: Dict[int, dict] = {}
+    for i, im in enumerate(data["images"]):
+      _require(im, _REQUIRED_IMAGE, "images", path, i)
+      if im["id"] in images:
+        raise DataError(f"{path}: images[{i}] duplicate id {im['id']!r}")
+      h, w = im["height"], im["width"]
+      if not (isinstance(h, (int, float)) and isinstance(w, (int, float)) and h > 0 and w > 0):
+        raise DataError(f"{path}: images[{i}] (id {im['id']}) has invalid size "
+                        f"height={h!r} width={w!r}")
+      images[im["id"]] = im
+    self.image_ids: List[int] = sorted(images)
+    self._images = [images[i] for i in self.image_ids]
+    self._paths = [os.path.join(self.image_dir, im["file_name"]) for im in self._images]
+    if check_files:
+      for im, p in zip(self._images, self._paths):
+        if not os.path.isfile(p):
+          raise DataError(f"{path}: image file not found: {p} (image id {im['id']}, "
+                          f"file_name {im['file_name']!r})")
+
+    # Annotations -> per-image training targets (crowd excluded).
+    self.num_skipped = 0
+    per_image: Dict[int, List[tuple]] = {i: [] for i in self.image_ids}
+    kept_anns = []
+    for i, a in enumerate(data["annotations"]):
+      _require(a, _REQUIRED_ANN, "annotations", path, i)
+      aid = a.get("id", i)
+      if a["category_id"] not in self._cat_to_index:
+        raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'category_id' has value "
+                        f"{a['category_id']!r}, which is not in 'categories' "
+                        f"(known ids: {_short(self.category_ids, 80)})")
+      im = images.get(a["image_id"])
+      if im is None:
+        raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
+                        f"{a['image_id']!r}, which is not in 'images'")
+      bbox = a["bbox"]
+      if (not isinstance(bbox, (list, tuple)) or len(bbox) != 4
+          or not all(isinstance(v, (int, float)) for v in bbox)):
+        raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'bbox' must be 4 numbers "
+                        f"[x, y, w, h], got {bbox!r}")
+      x, y, w, h = (float(v) for v in bbox)
+      W, H = float(im["width"]), float(im["height"])
+      problem = None
+      if not (np.isfinite([x, y, w, h]).all()):
+        problem = "is not finite"
+      elif w <= 0 or h <= 0:
+        problem = "is degenerate (w <= 0 or h <= 0)"
+      elif (x < -box_tolerance or y < -box_tolerance or x + w > W + box_tolerance
+            or y + h > H + box_tolerance):
+        problem = (f"lies outside the {int(W)}x{int(H)} (WxH) image by more than "
+                   f"{box_tolerance} px")
+      if problem is None:
+        x0, y0 = max(x, 0.0), max(y, 0.0)
+        x1, y1 = min(x + w, W), min(y + h, H)
+        if x1 <= x0 or y1 <= y0:
+          problem = "is empty after clipping to the image"
+      if problem is not None:
+        if on_invalid == "raise":
+          raise DataError(f"{path}: annotations[{i}] (id {aid}, image_id {a['image_id']}) "
+                          f"field 'bbox' value {list(bbox)!r} {problem}")
+        self.num_skipped += 1
+        continue
+      kept_anns.append(a)
+      if not a.get("iscrowd", 0):
+        per_image[a["image_id"]].append((x0, y0, x1, y1, self._cat_to_index[a["category_id"]]))
+
+    self._boxes = []
+    self._labels = []
+    for iid in self.image_ids:
+      rows = per_image[iid]
+      if rows:
+        arr = np.asarray(rows, dtype=np.float64)
+        self._boxes.append(arr[:, :4].astype(np.float32))
+        self._labels.append(arr[:, 4].astype(np.int32))
+      else:
+        self._boxes.append(np.zeros((0, 4), np.float32))
+        self._labels.append(np.zeros((0,), np.int32))
+
+    if self.num_skipped:
+      data = dict(data, annotations=kept_anns)
+    # pycocotools index, built from the already-parsed json (it prints; keep quiet).
+    coco = COCO()
+    coco.dataset = data
+    with contextlib.redirect_stdout(io.StringIO()):
+      coco.createIndex()
+    self.coco = coco
+
+  # --- grain RandomAccessDataSource protocol -------------------------------------------------
+  def __len__(self) -> int:
+    return len(self.image_ids)
+
+  def __getitem__(self, index: int) -> Dict[str, Any]:
+    return self.load(index)
+
+  def __repr__(self) -> str:
+    return (f"CocoSource(name={self.name!r}, images={len(self)}, classes={len(self.class_names)}, "
+            f"file={self.annotation_file!r})")
+
+  @property
+  def num_classes(self) -> int:
+    """C, the number of categories."""
+    return len(self.class_names)
+
+  def image_info(self, index: int) -> Dict[str, Any]:
+    """The json entry of image `index` (id, file_name, height, width, ...)."""
+    return self._images[index]
+
+  def targets(self, index: int) -> Dict[str, np.ndarray]:
+    """Training targets of image `index` without decoding it.
+
+    Returns dict(boxes float32 [M, 4] xyxy pixels (clipped to the image), labels int32 [M]
+    contiguous class indices); crowd annotations excluded. Arrays are copies.
+    """
+    return dict(boxes=self._boxes[index].copy(), labels=self._labels[index].copy())
+
+  def load(self, index: int) -> Dict[str, Any]:
+    """Decode example `index` (0 <= index < len).
+
+    Returns dict(image uint8 [H, W, 3] RGB, boxes float32 [M, 4] xyxy pixels, labels int32 [M]
+    contiguous class indices, image_id int). Non-crowd annotations only.
+
+    Raises:
+      IndexError: index out of range.
+      DataError: the image file is missing or unreadable (names path and image id), or its
+        decoded size differs from the json's height/width.
+    """
+    if not -len(self) <= index < len(self):
+      raise IndexError(f"{self.name}: index {index} out of range for {len(self)} images")
+    index = int(index) % len(self)
+    info = self._images[index]
+    p = self._paths[index]
+    try:
+      with Image.open(p) as im:
+        image = np.asarray(im.convert("RGB"))
+    except FileNotFoundError as e:
+      raise DataError(f"{self.annotation_file}: image file not found: {p} "
+                      f"(image id {info['id']})") from e
+    except OSError as e:
+      raise DataError(f"{self.annotation_file}: cannot decode image {p} "
+                      f"(image id {info['id']}): {e}") from e
+    if image.shape[0] != int(info["height"]) or image.shape[1] != int(info["width"]):
+      raise DataError(f"{self.annotation_file}: image {p} (image id {info['id']}) decodes to "
+                      f"{image.shape[1]}x{image.shape[0]} (WxH) but the json says "
+                      f"width={info['width']} height={info['height']}")
+    return dict(image=image, boxes=self._boxes[index].copy(),
+                labels=self._labels[index].copy(), image_id=int(info["id"]))

@@ -1,0 +1,548 @@
+"""Detection evaluation: scores, top-k decoding, COCO conversion, COCO AP (SPEC §4).
+
+Pipeline for one evaluation set (SPEC §4):
+
+1. `class_scores` / `ensemble_templates`: model logits -> per-(token, class) scores in [0, 1].
+   Scenic averages the *logits* over the 7 prompt templates and then applies the sigmoid; the
+   released PyTorch code averaged sigmoid *probabilities* (option `average="probs"`).
+2. `top_predictions` (jittable): top-K (token, class) pairs over all T*C for multi-label
+   datasets (LVIS), or argmax class per token then top-K tokens for datasets with exclusive
+   labels (ODinW, O365). No score threshold, no NMS.
+3. `to_coco_detections` (host): un-pad the boxes (relative to the padded square) to original
+   image pixels, clip to the image, convert to COCO `[x, y, w, h]`, map the contiguous label
+   index to the dataset's category id explicitly (class index 0 is a real class; COCO ids need
+   not be contiguous - scenic's evaluator gets both wrong, we do neither).
+4. `coco_evaluate`: pycocotools `COCOeval` (bbox) with a configurable number of detections per
+   image; returns AP@[.5:.95], AP50, AP75, APs/m/l and AR as floats in [0, 1], NaN where
+   pycocotools reports -1 ("no ground truth for this setting").
+5. `evaluate_source`: drives 1-4 over an iterable of batches with a progress bar. The
+   prediction function is supplied by the caller (`make_predict_fn` builds one from any
+   function returning `pred_logits` / `pred_boxes`), so the driver is testable with fakes.
+
+LVIS's federated AP (the `lvis` API: APr/APc/APf, `neg_category_ids`) is not computed here;
+`coco_evaluate(..., cat_ids=...)` gives the plain COCO AP over a subset of categories (e.g. the
+held-out / rare classes of a stand-in set).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import io
+import logging
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Names of the 12 COCOeval bbox summary statistics, in pycocotools' `stats` order. 'AR1' and
+# 'AR10' are AR at 1 and 10 detections per image; 'AR', 'ARs', 'ARm', 'ARl' use `max_dets`.
+COCO_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl",
+                     "AR1", "AR10", "AR", "ARs", "ARm", "ARl")
+
+
+# ------------------------------------------------------------------------------------------
+# Scores.
+# ------------------------------------------------------------------------------------------
+
+def class_scores(pred_logits: jax.Array) -> jax.Array:
+  """Per-(token, class) detection scores: sigmoid of the logits (SPEC §4).
+
+  Args:
+    pred_logits: [B, T, C] logits (any float dtype, e.g. bf16). Padded queries carry -1e6
+      (scenic) and therefore score 0.
+
+  Returns:
+    float32 [B, T, C] scores in [0, 1].
+
+  Source: SPEC §4; scenic `owl_vit` evaluator (sigmoid of `pred_logits`).
+  """
+  return jax.nn.sigmoid(jnp.asarray(pred_logits).astype(jnp.float32))
+
+
+def ensemble_templates(pred_logits: jax.Array, *, average: str = "logits",
+                       template_axis: int = -1,
+                       template_mask: jax.Array | None = None) -> jax.Array:
+  """Prompt-template ensembling of class scores (SPEC §2, §4).
+
+  Args:
+    pred_logits: [B, T, C, P] logits, one slice per prompt template (P = 7 evaluation
+      templates of SPEC §2) along `template_axis`.
+    average: 'logits' (default, scenic): sigmoid(mean_p logits); 'probs' (as in the released
+      code): mean_p sigmoid(logits).
+    template_axis: the axis holding the templates (default last).
+    template_mask: optional bool [P]; only templates with True are averaged.
+
+  Returns:
+    float32 scores in [0, 1], the input shape without the template axis ([B, T, C]).
+
+  Raises:
+    ValueError: unknown `average`, or a `template_mask` selecting no template.
+
+  Source: SPEC §2 ("Scenic averages the logits over templates; the released code averaged
+  sigmoid probabilities (option)").
+  """
+  logits = jnp.asarray(pred_logits).astype(jnp.float32)
+  logits = jnp.moveaxis(logits, template_axis, -1)
+  if template_mask is None:
+    weights = jnp.full((logits.shape[-1],), 1.0 / logits.shape[-1], jnp.float32)
+  else:
+    if isinstance(template_mask, (np.ndarray, list, tuple)) and not np.any(template_mask):
+      raise ValueError("template_mask selects no template.")
+    mask = jnp.asarray(template_mask, jnp.float32).reshape(-1)
+    weights = mask / jnp.maximum(mask.sum(), 1.0)
+  if average == "logits":
+    return jax.nn.sigmoid(jnp.einsum("...p,p->...", logits, weights))
+  if average == "probs":
+    return jnp.einsum("...p,p->...", jax.nn.sigmoid(logits), weights)
+  raise ValueError(f"average must be 'logits' or 'probs', got {average!r}.")
+
+
+# ------------------------------------------------------------------------------------------
+# Top-k decoding (jittable).
+# ------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("top_k", "multi_label"))
+def top_predictions(scores: jax.Array, pred_boxes: jax.Array, *, top_k: int,
+                    multi_label: bool,
+                    class_mask: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Top-K detections per image, without threshold or NMS (SPEC §4). Jitted.
+
+  Args:
+    scores: float [B, T, C] class scores in [0, 1] (`class_scores` / `ensemble_templates`).
+    pred_boxes: float [B, T, 4] cxcywh boxes relative to the padded square.
+    top_k: K (static). Clamped to T*C (multi-label) or T (exclusive) when larger, so the
+      output has K' = min(top_k, T*C) or min(top_k, T) columns.
+    multi_label: static. True (LVIS): top-K over all T*C (token, class) pairs, a token can
+      yield several detections with different classes. False (exclusive datasets: ODinW,
+      O365): each token keeps its argmax class, then the top-K tokens.
+    class_mask: optional bool [C] or [B, C]; False columns (e.g. padded queries) get score
+      -inf and are never selected while valid pairs remain (`to_coco_detections` drops
+      non-finite scores).
+
+  Returns:
+    scores float32 [B, K'] (descending), labels int32 [B, K'] (column index into C),
+    boxes float32 [B, K', 4] (cxcywh, relative to the padded square).
+    Ties are resolved towards the lower flat index (`jax.lax.top_k`).
+
+  Raises:
+    ValueError: rank/shape mismatch or top_k < 1 (at trace time).
+
+  Source: SPEC §4; scenic `owl_vit` evaluator (top-k over logits without NMS).
+  """
+  scores = jnp.asarray(scores).astype(jnp.float32)
+  pred_boxes = jnp.asarray(pred_boxes).astype(jnp.float32)
+  if scores.ndim != 3 or pred_boxes.ndim != 3 or pred_boxes.shape[-1] != 4:
+    raise ValueError(f"Expected scores [B,T,C] and boxes [B,T,4], got {scores.shape} and "
+                     f"{pred_boxes.shape}.")
+  if scores.shape[:2] != pred_boxes.shape[:2]:
+    raise ValueError(f"scores {scores.shape} and boxes {pred_boxes.shape} disagree on B, T.")
+  if top_k < 1:
+    raise ValueError(f"top_k must be >= 1, got {top_k}.")
+  batch, num_tokens, num_classes = scores.shape
+  if class_mask is not None:
+    mask = jnp.broadcast_to(jnp.asarray(class_mask, bool).reshape(
+        (-1, 1, num_classes)), scores.shape)
+    scores = jnp.where(mask, scores, -jnp.inf)
+  if multi_label:
+    k = min(top_k, num_tokens * num_classes)
+    top_scores, flat_idx = jax.lax.top_k(scores.reshape(batch, num_tokens * num_classes), k)
+    token_idx = flat_idx // num_classes
+    labels = flat_idx % num_classes
+  else:
+    k = min(top_k, num_tokens)
+    labels_all = jnp.argmax(scores, axis=-1)
+    token_scores = jnp.max(scores, axis=-1)
+    top_scores, token_idx = jax.lax.top_k(token_scores, k)
+    labels = jnp.take_along_axis(labels_all, token_idx, axis=1)
+  boxes = jnp.take_along_axis(pred_boxes, token_idx[..., None], axis=1)
+  return top_scores, labels.astype(jnp.int32), boxes
+
+
+# ------------------------------------------------------------------------------------------
+# Conversion to COCO detections (host side).
+# ------------------------------------------------------------------------------------------
+
+def unpad_boxes(boxes: np.ndarray, orig_sizes: np.ndarray,
+                image_size: int | None = None) -> np.ndarray:
+  """Boxes relative to the padded square -> clipped xyxy pixels of the original image.
+
+  The evaluation image is the original resized (aspect ratio kept) so that its long side is
+  the square's side S, placed at the top-left of the square and padded bottom/right (SPEC §5).
+  Hence the square of side S corresponds to max(h, w) original pixels on both axes:
+  `x_px = x_rel * max(h, w)`, `y_px = y_rel * max(h, w)` (SPEC §4: divide by
+  (w, h) / max(h, w) to get image-relative coordinates, then multiply by (w, h)).
+
+  Args:
+    boxes: float [..., 4] cxcywh relative to the padded square.
+    orig_sizes: int/float [..., 2] (height, width) of the original image in pixels,
+      broadcastable against boxes[..., 0].
+    image_size: optional S (pixels). If given, the resized image is taken to be exactly
+      (round(h * S / max), round(w * S / max)) pixels (a pipeline that rounds the resized
+      size and scales boxes by the realised per-axis factor), and each axis is un-padded with
+      its own factor: `x_px = x_rel * S * w / round(w * S / max(h, w))` (same for y). The
+      difference to the default is below half a resized pixel.
+
+  Returns:
+    float64 [..., 4] (x0, y0, x1, y1) pixels, clipped to [0, w] x [0, h].
+
+  Source: SPEC §4, §5; scenic `owl_vit` evaluator (un-padding by (w, h) / max(h, w)).
+  """
+  boxes = np.asarray(boxes, np.float64)
+  sizes = np.asarray(orig_sizes, np.float64)
+  h, w = sizes[..., 0], sizes[..., 1]
+  long_side = np.maximum(h, w)
+  if image_size is None:
+    scale_x = scale_y = long_side
+  else:
+    s = float(image_size)
+    scale_x = s * w / np.maximum(np.round(w * s / long_side), 1.0)
+    scale_y = s * h / np.maximum(np.round(h * s / long_side), 1.0)
+  cx, cy, bw, bh = (boxes[..., i] for i in range(4))
+  x0 = np.clip((cx - 0.5 * bw) * scale_x, 0.0, w)
+  x1 = np.clip((cx + 0.5 * bw) * scale_x, 0.0, w)
+  y0 = np.clip((cy - 0.5 * bh) * scale_y, 0.0, h)
+  y1 = np.clip((cy + 0.5 * bh) * scale_y, 0.0, h)
+  return np.stack([x0, y0, x1, y1], axis=-1)
+
+
+def to_coco_detections(scores: np.ndarray, labels: np.ndarray, boxes: np.ndarray, *,
+                       image_ids: np.ndarray, orig_sizes: np.ndarray,
+                       category_ids: Sequence[int] | np.ndarray,
+                       example_mask: np.ndarray | None = None,
+                       image_size: int | None = None) -> list[dict[str, Any]]:
+  """Top-K predictions of a batch -> COCO result dicts (SPEC §4).
+
+  Args:
+    scores: float [B, K] detection scores (`top_predictions`).
+    labels: int [B, K] contiguous class indices (columns of the score matrix).
+    boxes: float [B, K, 4] cxcywh relative to the padded square.
+    image_ids: int [B] COCO image ids; examples with id < 0 are skipped.
+    orig_sizes: int [B, 2] (height, width) of the original images in pixels.
+    category_ids: int [C] dataset category id of each contiguous class index (e.g.
+      `CocoSource.category_ids`). Mapped explicitly: index 0 is a real class and ids need not
+      be contiguous. Entries < 0 mark columns that are not classes (e.g. padded queries);
+      their detections are skipped.
+    example_mask: optional bool [B]; False examples (batch padding) are skipped.
+    image_size: optional padded square side S in pixels, see `unpad_boxes`.
+
+  Returns:
+    list of dicts {'image_id': int, 'category_id': int, 'bbox': [x, y, w, h] float pixels
+    of the original image (clipped to it), 'score': float}, in batch order, then descending
+    score. Non-finite scores (masked classes) are dropped; boxes that clip to zero area are
+    kept (they count as false positives, as in scenic).
+
+  Raises:
+    ValueError: inconsistent shapes or a label outside [0, C).
+
+  Source: SPEC §4; COCO results format (pycocotools `COCO.loadRes`).
+  """
+  scores = np.asarray(scores, np.float64)
+  labels = np.asarray(labels, np.int64)
+  boxes = np.asarray(boxes, np.float64)
+  image_ids = np.asarray(image_ids, np.int64).reshape(-1)
+  orig_sizes = np.asarray(orig_sizes, np.float64).reshape(-1, 2)
+  category_ids = np.asarray(category_ids, np.int64).reshape(-1)
+  batch = scores.shape[0]
+  if (scores.ndim != 2 or labels.shape != scores.shape or boxes.shape != scores.shape + (4,)
+      or image_ids.shape != (batch,) or orig_sizes.shape != (batch, 2)):
+    raise ValueError(
+        f"Inconsistent shapes: scores {scores.shape}, labels {labels.shape}, boxes "
+        f"{boxes.shape}, image_ids {image_ids.shape}, orig_sizes {orig_sizes.shape}.")
+  if example_mask is None:
+    example_mask = np.ones((batch,), bool)
+  example_mask = np.asarray(example_mask, bool).reshape(-1)
+  if example_mask.shape != (batch,):
+    raise ValueError(f"example_mask has shape {example_mask.shape}, expected ({batch},).")
+  keep_example = example_mask & (image_ids >= 0)
+  if labels.size and keep_example.any():
+    used = labels[keep_example]
+    if used.min() < 0 or used.max() >= len(category_ids):
+      raise ValueError(f"Labels must lie in [0, {len(category_ids)}), got range "
+                       f"[{used.min()}, {used.max()}].")
+  xyxy = unpad_boxes(boxes, orig_sizes[:, None, :], image_size)
+  detections = []
+  for b in np.flatnonzero(keep_example):
+    cats = category_ids[labels[b]]
+    valid = np.isfinite(scores[b]) & (cats >= 0)
+    img = int(image_ids[b])
+    for k in np.flatnonzero(valid):
+      x0, y0, x1, y1 = xyxy[b, k]
+      detections.append({
+          "image_id": img,
+          "category_id": int(cats[k]),
+          "bbox": [float(x0), float(y0), float(x1 - x0), float(y1 - y0)],
+          "score": float(scores[b, k]),
+      })
+  return detections
+
+
+# ------------------------------------------------------------------------------------------
+# COCO AP.
+# ------------------------------------------------------------------------------------------
+
+def _summarize(coco_eval, ap: bool, iou_thr: float | None = None, area: str = "all",
+               max_dets: int = 100, category_index: int | None = None) -> float:
+  """Replica of `COCOeval.summarize._summarize` (no printing); -1 when no data."""
+  p = coco_eval.params
+  a_ind = [i for i, lbl in enumerate(p.areaRngLbl) if lbl == area]
+  m_ind = [i for i, m in enumerate(p.maxDets) if m == max_dets]
+  if ap:
+    s = coco_eval.eval["precision"]  # [T, R, K, A, M]
+    if iou_thr is not None:
+      s = s[np.where(np.isclose(iou_thr, p.iouThrs))[0]]
+    s = s[:, :, :, a_ind, m_ind]
+    if category_index is not None:
+      s = s[:, :, category_index]
+  else:
+    s = coco_eval.eval["recall"]  # [T, K, A, M]
+    if iou_thr is not None:
+      s = s[np.where(np.isclose(iou_thr, p.iouThrs))[0]]
+    s = s[:, :, a_ind, m_ind]
+    if category_index is not None:
+      s = s[:, category_index]
+  valid = s[s > -1]
+  return float(np.mean(valid)) if valid.size else -1.0
+
+
+def _no_data_to_nan(value: float) -> float:
+  return float("nan") if value == -1.0 else float(value)
+
+
+def _result_coco(coco_gt, detections: list[dict[str, Any]]):
+  """COCO result object; pycocotools' `loadRes` crashes on an empty list, handle it here."""
+  from pycocotools.coco import COCO  # pylint: disable=g-import-not-at-top
+  if detections:
+    return coco_gt.loadRes(copy.deepcopy(detections))  # loadRes mutates its input.
+  res = COCO()
+  res.dataset["images"] = list(coco_gt.dataset.get("images", []))
+  res.dataset["categories"] = copy.deepcopy(coco_gt.dataset.get("categories", []))
+  res.dataset["annotations"] = []
+  res.createIndex()
+  return res
+
+
+def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
+                  image_ids: Sequence[int] | None = None,
+                  cat_ids: Sequence[int] | None = None,
+                  max_dets: int = 100,
+                  per_category: bool = False) -> dict[str, Any]:
+  """COCO box AP of detections against a ground truth, via pycocotools' COCOeval (SPEC §4).
+
+  Args:
+    coco_gt: `pycocotools.coco.COCO` ground truth (e.g. `CocoSource.coco`).
+    detections: COCO result dicts {'image_id', 'category_id', 'bbox' [x, y, w, h] pixels,
+      'score'} (`to_coco_detections`). Not modified. May be empty (AP 0 for every category
+      that has ground truth).
+    image_ids: evaluate on these images only (default: all images of `coco_gt`).
+    cat_ids: evaluate these category ids only (default: all categories of `coco_gt`); the AP
+      is the mean over these categories (e.g. the held-out / rare classes).
+    max_dets: detections per image considered (the largest of COCOeval's `maxDets`, which
+      become [1, 10, max_dets]); ODinW uses 100, LVIS/O365-style evaluation 300. Detections
+      beyond `max_dets` per image (by score) are ignored by COCOeval.
+    per_category: also return {'per_category': {cat_id: {'AP', 'AP50'}}}.
+
+  Returns:
+    dict with float keys `COCO_METRIC_NAMES` ('AP' = AP@[.5:.95], 'AP50', 'AP75', 'APs',
+    'APm', 'APl', 'AR1', 'AR10', 'AR' = AR@max_dets, 'ARs', 'ARm', 'ARl'), each in [0, 1],
+    or NaN where pycocotools reports -1 (no ground truth for that setting, e.g. no small
+    objects); plus 'num_detections' (int) and, if requested, 'per_category'.
+
+  Raises:
+    ValueError: a detection refers to an image id absent from `coco_gt`, or max_dets < 1.
+
+  Source: SPEC §4; pycocotools `COCOeval` (iouType 'bbox'): the statistics are computed as
+  `COCOeval.summarize` does, without its printing (evaluate/accumulate output goes to the
+  logger at DEBUG level).
+  """
+  from pycocotools.cocoeval import COCOeval  # pylint: disable=g-import-not-at-top
+  if max_dets < 1:
+    raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
+  detections = list(detections)
+  gt_image_ids = set(coco_gt.getImgIds())
+  unknown = {int(d["image_id"]) for d in detections} - gt_image_ids
+  if unknown:
+    raise ValueError(f"{len(unknown)} detection image ids are not in the ground truth, e.g. "
+                     f"{sorted(unknown)[:5]}.")
+  log = io.StringIO()
+  with contextlib.redirect_stdout(log):
+    coco_dt = _result_coco(coco_gt, detections)
+    coco_eval = COCOeval(coco_gt, coco_dt, iouType="bbox")
+    if image_ids is not None:
+      coco_eval.params.imgIds = sorted({int(i) for i in image_ids})
+    if cat_ids is not None:
+      coco_eval.params.catIds = sorted({int(c) for c in cat_ids})
+    coco_eval.params.maxDets = sorted({1, 10, int(max_dets)})
+    coco_eval.evaluate()
+    coco_eval.accumulate()
+  logger.debug("pycocotools: %s", log.getvalue())
+  m = int(max_dets)
+  stats = [
+      _summarize(coco_eval, True, max_dets=m),
+      _summarize(coco_eval, True, iou_thr=.5, max_dets=m),
+      _summarize(coco_eval, True, iou_thr=.75, max_dets=m),
+      _summarize(coco_eval, True, area="small", max_dets=m),
+      _summarize(coco_eval, True, area="medium", max_dets=m),
+      _summarize(coco_eval, True, area="large", max_dets=m),
+      _summarize(coco_eval, False, max_dets=1),
+      _summarize(coco_eval, False, max_dets=10),
+      _summarize(coco_eval, False, max_dets=m),
+      _summarize(coco_eval, False, area="small", max_dets=m),
+      _summarize(coco_eval, False, area="medium", max_dets=m),
+      _summarize(coco_eval, False, area="large", max_dets=m),
+  ]
+  result: dict[str, Any] = {
+      name: _no_data_to_nan(v) for name, v in zip(COCO_METRIC_NAMES, stats)}
+  result["num_detections"] = len(detections)
+  if per_category:
+    result["per_category"] = {
+        int(cat): {
+            "AP": _no_data_to_nan(_summarize(coco_eval, True, max_dets=m, category_index=k)),
+            "AP50": _no_data_to_nan(
+                _summarize(coco_eval, True, iou_thr=.5, max_dets=m, category_index=k)),
+        } for k, cat in enumerate(coco_eval.params.catIds)}
+  return result
+
+
+# ------------------------------------------------------------------------------------------
+# Driver.
+# ------------------------------------------------------------------------------------------
+
+PredictFn = Callable[[Mapping[str, Any]], tuple[Any, Any, Any]]
+
+
+def make_predict_fn(outputs_fn: Callable[..., Mapping[str, Any]], *, top_k: int,
+                    multi_label: bool, batch_keys: Sequence[str] = ("images",),
+                    average: str = "logits", template_axis: int = -1,
+                    class_mask: Any = None, jit: bool = True) -> PredictFn:
+  """Builds `predict_fn(batch) -> (scores, labels, boxes)` for `evaluate_source`.
+
+  Args:
+    outputs_fn: `outputs_fn(**{key: batch[key] for key in batch_keys}) -> dict` with
+      'pred_logits' [B, T, C] (or [B, T, C, P] with P prompt templates) and 'pred_boxes'
+      [B, T, 4]; typically a closure over the model and its variables, e.g.
+      `lambda images: model.apply(variables, images, queries=None, query_embeddings=q,
+      query_mask=m)`.
+    top_k, multi_label, class_mask: see `top_predictions`.
+    batch_keys: batch entries passed to `outputs_fn` (only these cross into the jit, so int64
+      host fields like `image_id` are never converted).
+    average, template_axis: template ensembling for 4-D logits, see `ensemble_templates`.
+    jit: wrap the whole prediction in `jax.jit` (default True).
+
+  Returns:
+    predict_fn(batch) -> (scores float32 [B, K], labels int32 [B, K], boxes float32 [B, K, 4])
+    as (asynchronously computed) jax arrays.
+
+  Source: SPEC §4.
+  """
+  def _predict(inputs):
+    outputs = outputs_fn(**inputs)
+    logits = outputs["pred_logits"]
+    if logits.ndim == 4:
+      scores = ensemble_templates(logits, average=average, template_axis=template_axis)
+    else:
+      scores = class_scores(logits)
+    return top_predictions(scores, outputs["pred_boxes"], top_k=top_k,
+                           multi_label=multi_label, class_mask=class_mask)
+
+  compiled = jax.jit(_predict) if jit else _predict
+
+  def predict_fn(batch):
+    return compiled({key: batch[key] for key in batch_keys})
+
+  return predict_fn
+
+
+def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mapping[str, Any]],
+                    category_ids: Sequence[int] | None = None, *,
+                    coco_gt: Any = None, image_size: int | None = None,
+                    max_dets: int = 100, cat_ids: Sequence[int] | None = None,
+                    restrict_to_seen_images: bool = True, per_category: bool = False,
+                    return_detections: bool = False, progress: bool = True,
+                    total: int | None = None, name: str | None = None) -> dict[str, Any]:
+  """Runs `predict_fn` over batches of one evaluation set and computes its COCO AP (SPEC §4).
+
+  Batch i + 1 is dispatched before the outputs of batch i are fetched to the host, so the
+  (asynchronous) device computation overlaps the conversion to COCO detections.
+
+  Args:
+    predict_fn: `predict_fn(batch) -> (scores [B, K], labels [B, K], boxes [B, K, 4])`
+      (`top_predictions` semantics; e.g. from `make_predict_fn`). Supplied by the caller.
+    source: the evaluation set, e.g. `owl_cl.data.coco.CocoSource`; uses `source.coco` (if
+      `coco_gt` is None), `source.category_ids` (if `category_ids` is None) and
+      `source.name` (progress-bar label, if present).
+    batches: iterable of batch dicts (CONVENTIONS.md) with at least `image_id` int [B],
+      `orig_size` int [B, 2] (h, w) and optionally `example_mask` bool [B].
+    category_ids: int [C] dataset category id of each label index (see `to_coco_detections`).
+    coco_gt: pycocotools COCO ground truth overriding `source.coco`.
+    image_size: padded square side S, see `unpad_boxes` (None: SPEC §4 formula).
+    max_dets, cat_ids, per_category: see `coco_evaluate`.
+    restrict_to_seen_images: evaluate only the images present in the batches (True, so a
+      partial pass over a set is scored on what was predicted) or on all images of coco_gt.
+    return_detections: also return the detection list under 'detections'.
+    progress: show a tqdm progress bar; total: its number of batches.
+    name: label of the progress bar (default `source.name`).
+
+  Returns:
+    `coco_evaluate`'s dict plus 'num_images' (int, evaluated images). With
+    `restrict_to_seen_images` and no valid example in `batches`, every metric is NaN.
+
+  Raises:
+    ValueError: from `to_coco_detections` / `coco_evaluate` (bad labels, unknown image ids).
+
+  Source: SPEC §4.
+  """
+  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+  if coco_gt is None:
+    coco_gt = source.coco
+  if category_ids is None:
+    category_ids = source.category_ids
+  if name is None:
+    name = getattr(source, "name", None) or "eval"
+  if total is None and hasattr(batches, "__len__"):
+    total = len(batches)  # type: ignore[arg-type]
+
+  detections: list[dict[str, Any]] = []
+  seen: set[int] = set()
+
+  def collect(batch, outputs):
+    scores, labels, boxes = jax.device_get(outputs)
+    image_ids = np.asarray(batch["image_id"]).reshape(-1)
+    mask = batch.get("example_mask")
+    mask = np.ones(image_ids.shape, bool) if mask is None else np.asarray(mask, bool)
+    seen.update(int(i) for i in image_ids[mask & (image_ids >= 0)])
+    detections.extend(to_coco_detections(
+        scores, labels, boxes, image_ids=image_ids, orig_sizes=batch["orig_size"],
+        category_ids=category_ids, example_mask=mask, image_size=image_size))
+
+  pending = None
+  for batch in tqdm(batches, desc=f"eval {name}", total=total, disable=not progress,
+                    leave=False):
+    outputs = predict_fn(batch)  # Dispatched asynchronously.
+    if pending is not None:
+      collect(*pending)
+    pending = (batch, outputs)
+  if pending is not None:
+    collect(*pending)
+
+  if restrict_to_seen_images and not seen:
+    logger.warning("evaluate_source(%s): no images were evaluated; metrics are NaN.", name)
+    result: dict[str, Any] = {key: float("nan") for key in COCO_METRIC_NAMES}
+    result.update(num_detections=0, num_images=0)
+    if per_category:
+      result["per_category"] = {}
+  else:
+    result = coco_evaluate(coco_gt, detections,
+                           image_ids=sorted(seen) if restrict_to_seen_images else None,
+                           cat_ids=cat_ids, max_dets=max_dets, per_category=per_category)
+    result["num_images"] = (len(seen) if restrict_to_seen_images
+                            else len(coco_gt.getImgIds()))
+  if return_detections:
+    result["detections"] = detections
+  return result
+

@@ -1,0 +1,449 @@
+"""One continual-learning run: the story of DESIGN.md, and the only place that knows it.
+
+  1 model      OwlViT + parameters: `init_checkpoint`, or pre-trained here on the built-in
+               benchmark's pre-training set (cached under `cache_dir` and reused by later runs)
+  2 data       COCO-format sources -> input pipeline -> sharded batches
+  3 buffer     selection over the pre-training set -> ReplayStore + prototypes (cached)
+  4 sequence   for each downstream dataset: retrieval + DER++ training, evaluation, checkpoint
+  5 results    results.json / results.md in the workdir, TensorBoard scalars
+
+Resuming: every finished stage is checkpointed (orbax) together with the metrics so far; the
+same command on the same workdir restores the last finished stage and goes on from there. A
+workdir that holds a run of a different config is refused (nothing is overwritten).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging as py_logging
+import os
+import time
+import uuid
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+from absl import logging
+from tensorboardX import SummaryWriter
+
+from owl_cl import model as model_lib
+from owl_cl.data import builtin
+from owl_cl.data import coco
+from owl_cl.data import pipeline
+from owl_cl.eval import detection
+from owl_cl.eval import results as results_lib
+from owl_cl.model import tokenizer as tokenizer_lib
+from owl_cl.replay import algorithms
+from owl_cl.replay import build as buffer_build
+from owl_cl.replay import dedup
+from owl_cl.replay import state as replay_state_lib
+from owl_cl.replay import store as store_lib
+from owl_cl.train import checkpointing
+from owl_cl.train import optim
+from owl_cl.train import sharding as sharding_lib
+from owl_cl.train import step as step_lib
+
+PRETRAIN_EVAL = "pretrain_val"
+HELD_OUT_EVAL = "held_out"
+
+
+class ConfigError(ValueError):
+  """A config value the run cannot use; the message names the field and the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """One detection dataset of the run: its training and evaluation sources."""
+  name: str
+  train: coco.CocoSource | None
+  test: coco.CocoSource
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+  """The data of a run: the pre-training set, the held-out classes and the sequence."""
+  pretrain: Dataset
+  held_out: Dataset
+  sequence: tuple[Dataset, ...]
+  fingerprint: str
+
+
+def _digest(obj: Any) -> str:
+  return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _expand(path: str) -> str:
+  return os.path.abspath(os.path.expanduser(path))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
+  """The built-in benchmark (config.data.root is None), sequence ordered by sequence_seed.
+
+  Raises:
+    ConfigError: config.data.root names user data (the paper protocol's real-data sources
+      are configured by the `:paper` configs).
+  """
+  if config.data.root is not None:
+    raise ConfigError(
+        f"config.data.root={config.data.root!r}: this config runs the built-in benchmark; "
+        "leave data.root unset")
+  bench = builtin.ensure_benchmark(os.path.join(_expand(config.cache_dir), "builtin"),
+                                   seed=config.data.builtin.seed)
+  make = lambda split: coco.CocoSource(split.annotation_file, split.image_dir, name=split.name)
+  pretrain = Dataset("pretrain", make(bench.pretrain_train), make(bench.pretrain_val))
+  held_out = Dataset(HELD_OUT_EVAL, None, make(bench.held_out_val))
+  sequence = [Dataset(d.name, make(d.train), make(d.test)) for d in bench.downstream]
+  if config.sequence_seed is not None:
+    order = np.random.default_rng(config.sequence_seed).permutation(len(sequence))
+    sequence = [sequence[i] for i in order]
+  return Benchmark(pretrain, held_out, tuple(sequence), fingerprint=bench.fingerprint)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class Runner:
+  """Holds the static pieces of a run (model, tokenizer, mesh, jitted steps)."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.config = config
+    self.tokenizer = tokenizer_lib.get_tokenizer(config.model.tokenizer)
+    overrides = dict(config.model.overrides)
+    if config.model.variant == "tiny":
+      overrides.setdefault("vocab_size", self.tokenizer.vocab_size)
+    self.model = model_lib.create_model(config.model.variant, **overrides)
+    self.image_size = self.model.config.image_size
+    self.mesh = sharding_lib.create_mesh()
+    self.loss_config = dict(
+        focal_alpha=config.loss.focal_alpha, focal_gamma=config.loss.focal_gamma,
+        class_weight=config.loss.class_weight, bbox_weight=config.loss.bbox_weight,
+        giou_weight=config.loss.giou_weight)
+    self.empty_tokens = self.tokenizer.encode([""])[0]
+    self._predict = step_lib.make_predict_step(
+        self.model, self.mesh, top_k=config.eval.top_k, multi_label=config.eval.multi_label)
+    self._text_embed = step_lib.make_text_embed_step(self.model)
+
+  def init_params(self, seed: int):
+    size = self.image_size
+    images = jnp.zeros((1, size, size, 3), jnp.float32)
+    queries = jnp.zeros((1, self.config.data.num_queries, self.tokenizer.context_length),
+                        jnp.int32)
+    return jax.jit(self.model.init)(jax.random.PRNGKey(seed), images, queries)["params"]
+
+  def class_tokens(self, source: coco.CocoSource) -> np.ndarray:
+    names = [tokenizer_lib.canonicalize_label(n) for n in source.class_names]
+    return self.tokenizer.encode(names)
+
+  def train_batches(self, source, *, batch_size: int, seed: int, epoch: int):
+    return pipeline.train_dataset(
+        source, class_tokens=self.class_tokens(source), empty_tokens=self.empty_tokens,
+        image_size=self.image_size, num_queries=self.config.data.num_queries,
+        max_instances=self.config.data.max_instances,
+        num_negatives=self.config.data.num_negatives, batch_size=batch_size, seed=seed,
+        epoch=epoch, num_workers=self.config.data.num_workers)
+
+  def evaluate(self, params, source: coco.CocoSource, desc: str) -> dict[str, float]:
+    """COCO AP of `params` on `source`, queries = the source's class names (SPEC §4)."""
+    query_embeddings = self._text_embed(params, jnp.asarray(self.class_tokens(source)))
+    batch_size = self.config.data.eval_batch_size
+    sharding_lib.check_batch_divisible(batch_size, self.mesh, "config.data.eval_batch_size")
+
+    def predict_fn(batch):
+      images = sharding_lib.shard_batch({"images": batch["images"]}, self.mesh)["images"]
+      return jax.device_get(self._predict(params, images, query_embeddings))
+
+    batches = pipeline.eval_dataset(source, image_size=self.image_size,
+                                    batch_size=batch_size,
+                                    max_images=self.config.max_eval_images)
+    return detection.evaluate_source(
+        predict_fn, source, batches, category_ids=source.category_ids,
+        image_size=self.image_size, max_dets=self.config.eval.max_dets, desc=desc)
+
+
+def _progress(total: int, desc: str):
+  return tqdm.tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
+
+
+def _log_scalars(writer: SummaryWriter | None, prefix: str, metrics: dict, step: int):
+  if writer is None:
+    return
+  for name, value in metrics.items():
+    if np.ndim(value) == 0 and np.isfinite(float(value)):
+      writer.add_scalar(f"{prefix}/{name}", float(value), step)
+
+
+# ----------------------------------------------------------------------------- pre-training
+
+
+def pretrain(runner: Runner, bench: Benchmark, workdir_writer: SummaryWriter | None):
+  """Pre-trains the model from scratch on the pre-training set. Returns (params, curve)."""
+  config = runner.config
+  pc = config.pretrain
+  sharding_lib.check_batch_divisible(pc.batch_size, runner.mesh, "config.pretrain.batch_size")
+  params = runner.init_params(config.seed)
+  tx, schedule = optim.create_optimizer(
+      params, learning_rate=pc.learning_rate, total_steps=pc.num_steps,
+      warmup_steps=pc.warmup_steps, text_lr_multiplier=pc.text_lr_multiplier,
+      layerwise_decay=pc.layerwise_decay, weight_decay=pc.weight_decay,
+      b1=config.train.b1, b2=config.train.b2, eps=config.train.eps,
+      grad_clip_norm=config.train.grad_clip_norm)
+  train_step = step_lib.make_train_step(runner.model, tx, runner.mesh,
+                                        loss_config=runner.loss_config, with_replay=False)
+  state = sharding_lib.replicate(step_lib.create_train_state(params, tx), runner.mesh)
+  key = jax.random.PRNGKey(config.seed + 1)
+  curve = []
+  step = 0
+  epoch = 0
+  start = time.time()
+  bar = _progress(pc.num_steps, "pre-training")
+  while step < pc.num_steps:
+    for batch in runner.train_batches(bench.pretrain.train, batch_size=pc.batch_size,
+                                      seed=config.seed, epoch=epoch):
+      if step >= pc.num_steps:
+        break
+      key, step_key = jax.random.split(key)
+      batch = sharding_lib.shard_batch(_model_inputs(batch), runner.mesh)
+      state, metrics = train_step(state, batch, None, step_key)
+      step += 1
+      bar.update(1)
+      if step % config.train.log_every_steps == 0 or step == pc.num_steps:
+        metrics = jax.device_get(metrics)
+        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+        _log_scalars(workdir_writer, "pretrain", dict(metrics, lr=schedule(step)), step)
+        curve.append({"step": step, "seconds": round(time.time() - start, 1),
+                      "loss": float(metrics["loss"])})
+    epoch += 1
+  bar.close()
+  return jax.device_get(state.params), curve
+
+
+def _model_inputs(batch: dict) -> dict:
+  """The arrays a train step consumes (drops host-side bookkeeping such as image ids)."""
+  return {k: batch[k] for k in ("images", "queries", "labels", "boxes")}
+
+
+def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, dict]:
+  """Loads `init_checkpoint`, or the cached pre-trained model, or pre-trains and caches it.
+
+  The cache key covers everything pre-training depends on (model, data, pre-training
+  config, seed), so a changed setting never reuses a stale model.
+  """
+  config = runner.config
+  like = jax.eval_shape(lambda: runner.init_params(config.seed))
+  if config.init_checkpoint:
+    params, meta = checkpointing.load_params(_expand(config.init_checkpoint), like)
+    return params, meta
+  key = _digest({"model": config.model.to_dict(), "pretrain": config.pretrain.to_dict(),
+                 "data": {k: v for k, v in config.data.to_dict().items()
+                          if k in ("num_queries", "num_negatives", "max_instances")},
+                 "loss": config.loss.to_dict(), "seed": config.seed,
+                 "benchmark": bench.fingerprint, "train_opt": [config.train.b1,
+                 config.train.b2, config.train.eps, config.train.grad_clip_norm]})
+  path = os.path.join(_expand(config.cache_dir), "pretrained", key)
+  if os.path.isdir(path):
+    logging.info("re-using the cached pre-trained model %s", path)
+    return checkpointing.load_params(path, like)
+  logging.info("no cached pre-trained model: pre-training (cache %s)", path)
+  start = time.time()
+  params, curve = pretrain(runner, bench, writer)
+  meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
+  meta["validation"] = runner.evaluate(params, bench.pretrain.test, "pre-training val")
+  checkpointing.save_params(path, params, meta)
+  return params, meta
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
+  """Creates or validates `workdir/run.json`; returns the run id.
+
+  Raises:
+    ConfigError: the workdir holds a run of another config (it would be overwritten).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  run_file = os.path.join(workdir, "run.json")
+  config_json = json.loads(config.to_json_best_effort())
+  if os.path.exists(run_file):
+    with open(run_file) as f:
+      existing = json.load(f)
+    if existing.get("config") != config_json:
+      changed = sorted(k for k in set(existing.get("config", {})) | set(config_json)
+                       if existing.get("config", {}).get(k) != config_json.get(k))
+      raise ConfigError(
+          f"workdir {workdir} holds a run of a different config (differing fields: "
+          f"{changed}); use another --workdir or the same config to resume it")
+    return existing["run_id"]
+  run_id = uuid.uuid4().hex
+  tmp = run_file + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump({"run_id": run_id, "config": config_json}, f, indent=2, sort_keys=True)
+  os.replace(tmp, run_file)
+  return run_id
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs (or resumes) the experiment of `config` in `workdir`. Returns the results dict.
+
+  Raises:
+    ConfigError: a config value that cannot be used, or a workdir holding another run.
+  """
+  py_logging.getLogger("absl").setLevel(py_logging.INFO)
+  workdir = _expand(workdir)
+  if config.compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", _expand(config.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  run_id = _check_workdir(workdir, config)
+  wall_start = time.time()
+  bench = load_benchmark(config)
+  runner = Runner(config)
+  writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+  checkpointer = checkpointing.StageCheckpointer(os.path.join(workdir, "checkpoints"),
+                                                 max_to_keep=config.checkpoint.max_to_keep)
+  algorithm_name = config.replay.algorithm
+  with_replay = algorithm_name != "none"
+
+  params, pretrain_meta = pretrained_params(runner, bench, writer)
+  store = None
+  if with_replay:
+    store = buffer_build.cached_buffer(runner, bench.pretrain.train, params, config)
+  eval_sets = [(PRETRAIN_EVAL, bench.pretrain.test), (HELD_OUT_EVAL, bench.held_out.test)]
+  eval_sets += [(d.name, d.test) for d in bench.sequence]
+
+  def evaluate_all(params, stage_name):
+    return {name: runner.evaluate(params, source, f"eval {name} @ {stage_name}")
+            for name, source in eval_sets}
+
+  rstate = replay_state_lib.init_replay_state(
+      store.num_images if store else 1, jax.random.PRNGKey(config.seed + 2))
+  latest = checkpointer.latest_stage()
+  if latest is None:
+    stages = [{"name": "pretrained", "metrics": evaluate_all(params, "pretrained")}]
+    checkpointer.save(0, params, rstate, {"stages": stages})
+    latest = 0
+  else:
+    logging.info("resuming %s after stage %d", workdir, latest)
+    params, rstate, meta = checkpointer.restore(latest, params, rstate)
+    stages = meta["stages"]
+  timings = {"pretrain_seconds": pretrain_meta.get("seconds")}
+
+  def write(status: str):
+    results = {
+        "run_id": run_id, "status": status, "algorithm": config.experiment_name,
+        "retrieval": algorithm_name, "seed": config.seed,
+        "sequence": [d.name for d in bench.sequence],
+        "eval_sets": {"pretrain": PRETRAIN_EVAL, "held_out": HELD_OUT_EVAL,
+                      "downstream": [d.name for d in bench.sequence]},
+        "stages": stages, "config": json.loads(config.to_json_best_effort()),
+        "pretraining": {k: pretrain_meta.get(k) for k in ("seconds", "curve", "validation")},
+        "timings": dict(timings, wall_seconds=round(time.time() - wall_start, 1)),
+    }
+    results_lib.write_results(workdir, results)
+    return results
+
+  write("running")
+  for index in range(latest + 1, len(bench.sequence) + 1):
+    dataset = bench.sequence[index - 1]
+    start = time.time()
+    params, rstate, train_metrics = train_on_dataset(runner, dataset, params, store, rstate,
+                                                     writer, index)
+    metrics = evaluate_all(params, dataset.name)
+    for name, values in metrics.items():
+      _log_scalars(writer, f"eval/{name}", values, index)
+    stages.append({"name": dataset.name, "metrics": metrics, "train": train_metrics,
+                   "seconds": round(time.time() - start, 1)})
+    checkpointer.save(index, params, rstate, {"stages": stages})
+    write("running")
+  results = write("complete")
+  writer.close()
+  checkpointer.close()
+  logging.info("results: %s", os.path.join(workdir, "results.md"))
+  return results
+
+
+def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, writer,
+                     index: int):
+  """Fine-tunes on one downstream dataset with retrieval + DER++ (fresh optimizer).
+
+  Returns (params, replay state, training summary dict).
+  """
+  config = runner.config
+  tc = config.train
+  batch_size = tc.batch_size
+  sharding_lib.check_batch_divisible(batch_size, runner.mesh, "config.train.batch_size")
+  steps_per_epoch = len(dataset.train) // batch_size
+  if steps_per_epoch < 1:
+    raise ConfigError(f"dataset {dataset.name} has {len(dataset.train)} training images, "
+                      f"fewer than config.train.batch_size={batch_size}")
+  total = steps_per_epoch * tc.num_epochs
+  if config.max_train_steps_per_dataset:
+    total = min(total, config.max_train_steps_per_dataset)
+  tx, schedule = optim.create_optimizer(
+      params, learning_rate=tc.learning_rate, total_steps=total, warmup_steps=tc.warmup_steps,
+      text_lr_multiplier=tc.text_lr_multiplier, layerwise_decay=tc.layerwise_decay,
+      b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
+      grad_clip_norm=tc.grad_clip_norm)
+  with_replay = store is not None
+  train_step = step_lib.make_train_step(
+      runner.model, tx, runner.mesh, loss_config=runner.loss_config,
+      alpha=config.replay.der_alpha, beta=config.replay.der_beta, with_replay=with_replay)
+  state = sharding_lib.replicate(step_lib.create_train_state(params, tx), runner.mesh)
+  if with_replay:
+    num_replay = max(1, int(round(config.replay.ratio * batch_size)))
+    sharding_lib.check_batch_divisible(num_replay, runner.mesh, "replay batch (ratio * batch)")
+    retrieve = algorithms.get_algorithm(config.replay.algorithm, config.replay)
+    retrieve = jax.jit(retrieve, static_argnames=("num_replay",))
+    schedule_name = config.replay.dedup
+    buffer = sharding_lib.replicate(store.buffer, runner.mesh)
+    embed = (step_lib.make_embed_step(runner.model, runner.mesh, k=config.replay.top_k)
+             if algorithms.needs_features(config.replay.algorithm) else None)
+  key = jax.random.PRNGKey(config.seed * 1000 + index)
+  step = 0
+  replayed = 0
+  bar = _progress(total, f"dataset {index}: {dataset.name}")
+  for epoch in range(tc.num_epochs):
+    if step >= total:
+      break
+    for batch in runner.train_batches(dataset.train, batch_size=batch_size,
+                                      seed=config.seed + index, epoch=epoch):
+      if step >= total:
+        break
+      key, step_key = jax.random.split(key)
+      inputs = sharding_lib.shard_batch(_model_inputs(batch), runner.mesh)
+      replay = None
+      if with_replay:
+        features = (embed(state.params, inputs["images"], inputs["queries"])
+                    if embed is not None else {})
+        indices, valid, rstate = retrieve(rstate, buffer, features, num_replay=num_replay)
+        indices, valid = jax.device_get((indices, valid))
+        rstate = dedup.reset_when_exhausted(rstate, schedule_name)
+        replay_batch = store.gather(indices)
+        replay_batch["replay_mask"] = valid
+        replayed += int(valid.sum())
+        replay = sharding_lib.shard_batch(
+            {k: replay_batch[k] for k in ("images", "queries", "labels", "boxes",
+                                          "stored_logits", "replay_mask")}, runner.mesh)
+      state, metrics = train_step(state, inputs, replay, step_key)
+      step += 1
+      bar.update(1)
+      if step % tc.log_every_steps == 0 or step == total:
+        metrics = jax.device_get(metrics)
+        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+        _log_scalars(writer, f"train/{dataset.name}",
+                     dict(metrics, lr=schedule(step)), step)
+    if with_replay:
+      rstate = dedup.reset_if(rstate, "epoch", schedule_name)
+  bar.close()
+  if with_replay:
+    rstate = dedup.reset_if(rstate, "dataset", schedule_name)
+  summary = {"steps": step, "replayed_images": replayed,
+             "final_loss": float(jax.device_get(metrics["loss"])) if step else None}
+  return jax.device_get(state.params), rstate, summary

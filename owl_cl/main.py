@@ -1,0 +1,48 @@
+r"""Entry point: `python -m owl_cl.main --config=configs/swil.py [--workdir=DIR]`.
+
+Runs the whole pipeline (`owl_cl.experiment.run`): pre-trained model (loaded, or pre-trained
+here on the built-in benchmark and cached), replay buffer, continual fine-tuning over the
+downstream sequence, evaluation after every stage, `results.json` / `results.md` in the
+workdir. The same command on the same workdir resumes after the last finished dataset.
+Any config field can be overridden: `--config.replay.dedup=epoch`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file, e.g. configs/swil.py (optionally ':arg').",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None,
+    "Output folder. Default: workdirs/<experiment_name>_<timestamp> (a new folder, so no run "
+    "overwrites another). Re-using a workdir resumes the run it holds.")
+
+
+def default_workdir(experiment_name: str) -> str:
+  """`workdirs/<experiment_name>_<YYYYmmdd-HHMMSS>` below the current folder."""
+  return os.path.join("workdirs", f"{experiment_name}_{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from owl_cl import experiment  # Imported after flag parsing: keeps --help fast.
+
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/swil.py")
+  workdir = _WORKDIR.value or default_workdir(config.experiment_name)
+  logging.info("workdir: %s", os.path.abspath(workdir))
+  experiment.run(config, workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,195 @@
+"""Jitted steps: training (detection loss + DER++ replay), embedding and prediction.
+
+All steps take parameters and batches as arguments (nothing closed over but the static model
+definition and constants) and are compiled with explicit shardings over the device mesh:
+batches split along 'data', parameters and optimizer state replicated
+(`owl_cl.train.sharding`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from owl_cl.train import losses
+from owl_cl.train import sharding as sharding_lib
+
+PyTree = Any
+Batch = dict[str, jax.Array]
+
+
+@struct.dataclass
+class TrainState:
+  """Parameters and optimizer state of one training stage.
+
+  Attributes:
+    step: int32 [] optimizer steps taken in this stage.
+    params: the model parameters (scenic tree, float32).
+    opt_state: optax state of `tx`.
+  """
+  step: jax.Array
+  params: PyTree
+  opt_state: PyTree
+
+
+def create_train_state(params: PyTree, tx: optax.GradientTransformation) -> TrainState:
+  """A fresh optimizer over `params` (the paper starts a fresh optimizer per dataset)."""
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def _forward(model: nn.Module, params: PyTree, images, queries, *, train: bool, key=None):
+  rngs = {"dropout": key} if train else None
+  return model.apply({"params": params}, images, queries, train=train, rngs=rngs)
+
+
+def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_config,
+             alpha: float, beta: float):
+  """Detection loss of the new half plus DER++ on the replay half (SPEC §3)."""
+  num_new = batch["images"].shape[0]
+  if replay is None:
+    outputs = _forward(model, params, batch["images"], batch["queries"], train=True, key=key)
+    new = losses.detection_loss(outputs["pred_logits"], outputs["pred_boxes"],
+                                batch["labels"], batch["boxes"], **loss_config)
+    metrics = {"loss": new["loss"], "new_loss": new["loss"],
+               "loss_class": new["loss_class"], "loss_bbox": new["loss_bbox"],
+               "loss_giou": new["loss_giou"]}
+    return new["loss"], metrics
+  # One forward over [new ; replay] (SPEC §3).
+  images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
+  queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
+  outputs = _forward(model, params, images, queries, train=True, key=key)
+  split = lambda x: (x[:num_new], x[num_new:])
+  logits_new, logits_replay = split(outputs["pred_logits"])
+  boxes_new, boxes_replay = split(outputs["pred_boxes"])
+  result = losses.der_plus_plus_loss(
+      new_outputs={"pred_logits": logits_new, "pred_boxes": boxes_new},
+      new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
+      replay_outputs={"pred_logits": logits_replay, "pred_boxes": boxes_replay},
+      replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
+      stored_logits=replay["stored_logits"].astype(jnp.float32),
+      replay_mask=replay["replay_mask"],
+      alpha=alpha, beta=beta, **loss_config)
+  metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
+  return result["loss"], metrics
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
+                    loss_config: dict, alpha: float = 2.0, beta: float = 1.0,
+                    with_replay: bool) -> Callable:
+  """Builds the jitted, sharded train step.
+
+  Returns:
+    `train_step(state: TrainState, batch, replay, key) -> (state, metrics)`; `replay` is
+    ignored (pass None) when `with_replay` is False. `batch` holds `images` [B,S,S,3],
+    `queries` [B,Q,L], `labels` [B,M,Q], `boxes` [B,M,4]; `replay` the same for B_r replayed
+    images plus `stored_logits` [B_r,T,Q] and `replay_mask` [B_r] bool. Metrics are scalars
+    (loss, its terms, grad norm, LR multiplier-free step count).
+  Source: SPEC §3 (DER++ with alpha 2, beta 1; one forward over new and replay).
+  """
+  loss_fn = functools.partial(_loss_fn, model=model, loss_config=loss_config,
+                              alpha=alpha, beta=beta)
+
+  def step(state: TrainState, batch: Batch, replay: Batch | None, key):
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (_, metrics), grads = grad_fn(state.params, batch, replay, key)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  data = sharding_lib.batch_sharding(mesh)
+  rep = sharding_lib.replicated(mesh)
+  if not with_replay:
+    fn = lambda state, batch, replay, key: step(state, batch, None, key)
+  else:
+    fn = step
+  return jax.jit(fn, in_shardings=(rep, data, data if with_replay else None, rep),
+                 out_shardings=(rep, rep), donate_argnums=(0,))
+
+
+def make_forward_step(model: nn.Module, mesh) -> Callable:
+  """Jitted eval-mode forward: `forward(params, images [B,S,S,3], queries [B,Q,L]) -> outputs`.
+
+  Outputs as `OwlViT.__call__` (pred_logits [B,T,Q], pred_boxes [B,T,4], class_embeddings
+  [B,T,E], query_embeddings [B,Q,E], feature_map). Used for buffer construction (per-image
+  loss, stored logits, top-k embeddings, prototypes).
+  """
+  data = sharding_lib.batch_sharding(mesh)
+  rep = sharding_lib.replicated(mesh)
+
+  def forward(params, images, queries):
+    return _forward(model, params, images, queries, train=False)
+
+  return jax.jit(forward, in_shardings=(rep, data, data), out_shardings=data)
+
+
+def make_text_embed_step(model: nn.Module) -> Callable:
+  """Jitted text embedding: `embed(params, tokens [N,L]) -> query_embeddings [N,E]`.
+
+  The text side of evaluation is embedded once per dataset (DESIGN.md).
+  """
+
+  def embed(params, tokens):
+    out = model.apply({"params": params}, tokens[None], train=False,
+                      method=type(model).text_embedder)
+    return out[0]
+
+  return jax.jit(embed)
+
+
+def make_predict_step(model: nn.Module, mesh, *, top_k: int,
+                      multi_label: bool = False) -> Callable:
+  """Jitted prediction for evaluation.
+
+  Returns:
+    `predict(params, images [B,S,S,3], query_embeddings [C,E]) -> (scores [B,K],
+    labels [B,K] int32 contiguous class index, boxes [B,K,4] cxcywh relative to the padded
+    square)` with K = min(top_k, T) (exclusive: argmax class per token then top-K tokens;
+    multi-label: top-K (token, class) pairs). Source: SPEC §4.
+  """
+  from owl_cl.eval import detection  # Local import: eval depends on nothing in train.
+
+  data = sharding_lib.batch_sharding(mesh)
+  rep = sharding_lib.replicated(mesh)
+
+  def predict(params, images, query_embeddings):
+    batch = images.shape[0]
+    q = jnp.broadcast_to(query_embeddings[None], (batch,) + query_embeddings.shape)
+    mask = jnp.ones(q.shape[:2], bool)
+    outputs = model.apply({"params": params}, images, None, query_embeddings=q,
+                          query_mask=mask, train=False)
+    scores = jax.nn.sigmoid(outputs["pred_logits"].astype(jnp.float32))
+    return detection.top_predictions(scores, outputs["pred_boxes"].astype(jnp.float32),
+                                     top_k=top_k, multi_label=multi_label)
+
+  return jax.jit(predict, in_shardings=(rep, data, rep), out_shardings=data)
+
+
+def make_embed_step(model: nn.Module, mesh, *, k: int) -> Callable:
+  """Jitted features for retrieval: the top-k class and query embeddings of new images.
+
+  Returns:
+    `embed(params, images [B,S,S,3], queries [B,Q,L]) -> dict(class_embeddings [B,k,E],
+    query_embeddings [B,k,E])`, tokens ranked by max over valid queries of the sigmoid logit
+    (SPEC §6-§7), computed with the current parameters in eval mode.
+  """
+  from owl_cl.replay import selection
+
+  data = sharding_lib.batch_sharding(mesh)
+  rep = sharding_lib.replicated(mesh)
+
+  def embed(params, images, queries):
+    outputs = _forward(model, params, images, queries, train=False)
+    query_mask = queries[..., 0] > 0
+    class_emb, query_emb = selection.top_k_embeddings(
+        outputs["pred_logits"], outputs["class_embeddings"], outputs["query_embeddings"],
+        query_mask, k)
+    return {"class_embeddings": class_emb, "query_embeddings": query_emb}
+
+  return jax.jit(embed, in_shardings=(rep, data, data), out_shardings=rep)
