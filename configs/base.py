@@ -43,6 +43,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.eval_batch_size = 64
   c.data.builtin = ml_collections.ConfigDict()
   c.data.builtin.seed = 0
+  c.data.builtin.num_pretrain_train = 1200
+  c.data.builtin.num_pretrain_val = 200
+  c.data.builtin.num_held_out_val = 100
+  c.data.builtin.num_downstream_train = 200
+  c.data.builtin.num_downstream_test = 60
+  c.data.builtin.downstream = ("thermal", "negative", "tiny", "clutter", "textured", "digits",
+                               "glyphs")
 
   # --- pre-training (only when no init_checkpoint is given) ------------------------------
   c.pretrain = ml_collections.ConfigDict()

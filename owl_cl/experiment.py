@@ -95,12 +95,15 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
     raise ConfigError(
         f"config.data.root={config.data.root!r}: this config runs the built-in benchmark; "
         "leave data.root unset")
-  bench = builtin.ensure_benchmark(os.path.join(_expand(config.cache_dir), "builtin"),
-                                   seed=config.data.builtin.seed)
-  make = lambda split: coco.CocoSource(split.annotation_file, split.image_dir, name=split.name)
-  pretrain = Dataset("pretrain", make(bench.pretrain_train), make(bench.pretrain_val))
-  held_out = Dataset(HELD_OUT_EVAL, None, make(bench.held_out_val))
-  sequence = [Dataset(d.name, make(d.train), make(d.test)) for d in bench.downstream]
+  bc = config.data.builtin
+  bench = builtin.ensure_benchmark(
+      os.path.join(_expand(config.cache_dir), "builtin"), seed=bc.seed,
+      num_pretrain_train=bc.num_pretrain_train, num_pretrain_val=bc.num_pretrain_val,
+      num_held_out_val=bc.num_held_out_val, num_downstream_train=bc.num_downstream_train,
+      num_downstream_test=bc.num_downstream_test, downstream=tuple(bc.downstream))
+  pretrain = Dataset("pretrain", bench.pretrain_train.source(), bench.pretrain_val.source())
+  held_out = Dataset(HELD_OUT_EVAL, None, bench.held_out_val.source())
+  sequence = [Dataset(d.name, d.train.source(), d.test.source()) for d in bench.downstream]
   if config.sequence_seed is not None:
     order = np.random.default_rng(config.sequence_seed).permutation(len(sequence))
     sequence = [sequence[i] for i in order]
@@ -260,6 +263,45 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
   return params, meta
 
 
+# ----------------------------------------------------------------------------- replay
+
+
+def make_algorithm(config: ml_collections.ConfigDict) -> algorithms.RetrievalAlgorithm:
+  """The retrieval algorithm named by config.replay.algorithm with its hyperparameters."""
+  name = config.replay.algorithm
+  if name not in algorithms.ALGORITHMS:
+    raise ConfigError(f"config.replay.algorithm={name!r} is unknown; known: "
+                      f"{sorted(algorithms.ALGORITHMS) + ['none']}")
+  hyperparameters = {}
+  if "swil_weight" in algorithms.ALGORITHMS[name].hyperparameter_names:
+    hyperparameters["swil_weight"] = config.replay.swil_w
+  return algorithms.get_algorithm(name, dedup=config.replay.dedup, **hyperparameters)
+
+
+def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict):
+  """The replay store over the pre-training set (cached; SPEC §6). Returns (store, stats)."""
+  config = runner.config
+  bc = config.replay.buffer
+  source = bench.pretrain.train
+  data = config.data
+  key_material = {
+      "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
+      "benchmark": bench.fingerprint, "buffer": bc.to_dict(), "top_k": config.replay.top_k,
+      "data": [data.num_queries, data.num_negatives, data.max_instances],
+      "loss": config.loss.to_dict(), "seed": config.seed, "format": 1}
+  build = lambda: buffer_build.build_store(
+      runner.model, params, source, class_tokens=runner.class_tokens(source),
+      empty_tokens=runner.empty_tokens, image_size=runner.image_size,
+      num_queries=data.num_queries, max_instances=data.max_instances,
+      num_negatives=data.num_negatives, seed=config.seed,
+      loss_threshold=bc.loss_threshold, min_per_class=bc.min_per_class,
+      fill_all_for_rare_classes=bc.fill_all_for_rare_classes, top_k=config.replay.top_k,
+      max_per_class=bc.max_instances_per_prototype, loss_config=runner.loss_config,
+      batch_size=data.eval_batch_size)
+  return buffer_build.cached_store(
+      os.path.join(_expand(config.cache_dir), "buffers"), key_material, build)
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -312,9 +354,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   with_replay = algorithm_name != "none"
 
   params, pretrain_meta = pretrained_params(runner, bench, writer)
-  store = None
+  store, buffer_stats = None, None
   if with_replay:
-    store = buffer_build.cached_buffer(runner, bench.pretrain.train, params, config)
+    store, buffer_stats = replay_buffer(runner, bench, params, pretrain_meta)
   eval_sets = [(PRETRAIN_EVAL, bench.pretrain.test), (HELD_OUT_EVAL, bench.held_out.test)]
   eval_sets += [(d.name, d.test) for d in bench.sequence]
 
@@ -345,6 +387,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "stages": stages, "config": json.loads(config.to_json_best_effort()),
         "pretraining": {k: pretrain_meta.get(k) for k in ("seconds", "curve", "validation")},
         "timings": dict(timings, wall_seconds=round(time.time() - wall_start, 1)),
+        "buffer": buffer_stats,
     }
     results_lib.write_results(workdir, results)
     return results
@@ -399,12 +442,12 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
   if with_replay:
     num_replay = max(1, int(round(config.replay.ratio * batch_size)))
     sharding_lib.check_batch_divisible(num_replay, runner.mesh, "replay batch (ratio * batch)")
-    retrieve = algorithms.get_algorithm(config.replay.algorithm, config.replay)
-    retrieve = jax.jit(retrieve, static_argnames=("num_replay",))
+    algorithm = make_algorithm(config)
+    retrieve = jax.jit(algorithm, static_argnums=3)
     schedule_name = config.replay.dedup
-    buffer = sharding_lib.replicate(store.buffer, runner.mesh)
+    buffer = sharding_lib.replicate(store.replay_buffer(), runner.mesh)
     embed = (step_lib.make_embed_step(runner.model, runner.mesh, k=config.replay.top_k)
-             if algorithms.needs_features(config.replay.algorithm) else None)
+             if algorithm.needs_features else None)
   key = jax.random.PRNGKey(config.seed * 1000 + index)
   step = 0
   replayed = 0
@@ -422,10 +465,10 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
       if with_replay:
         features = (embed(state.params, inputs["images"], inputs["queries"])
                     if embed is not None else {})
-        indices, valid, rstate = retrieve(rstate, buffer, features, num_replay=num_replay)
+        indices, valid, rstate = retrieve(rstate, buffer, features, num_replay)
         indices, valid = jax.device_get((indices, valid))
-        rstate = dedup.reset_when_exhausted(rstate, schedule_name)
-        replay_batch = store.gather(indices)
+        dedup.check_auto_reset(rstate)
+        replay_batch = store.gather(indices, valid)
         replay_batch["replay_mask"] = valid
         replayed += int(valid.sum())
         replay = sharding_lib.shard_batch(

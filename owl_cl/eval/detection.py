@@ -169,7 +169,8 @@ def top_predictions(scores: jax.Array, pred_boxes: jax.Array, *, top_k: int,
 # ------------------------------------------------------------------------------------------
 
 def unpad_boxes(boxes: np.ndarray, orig_sizes: np.ndarray,
-                image_size: int | None = None) -> np.ndarray:
+                image_size: int | None = None, *,
+                rounded_content: bool = False) -> np.ndarray:
   """Boxes relative to the padded square -> clipped xyxy pixels of the original image.
 
   The evaluation image is the original resized (aspect ratio kept) so that its long side is
@@ -182,14 +183,19 @@ def unpad_boxes(boxes: np.ndarray, orig_sizes: np.ndarray,
     boxes: float [..., 4] cxcywh relative to the padded square.
     orig_sizes: int/float [..., 2] (height, width) of the original image in pixels,
       broadcastable against boxes[..., 0].
-    image_size: optional S (pixels). If given, the resized image is taken to be exactly
-      (round(h * S / max), round(w * S / max)) pixels (a pipeline that rounds the resized
-      size and scales boxes by the realised per-axis factor), and each axis is un-padded with
-      its own factor: `x_px = x_rel * S * w / round(w * S / max(h, w))` (same for y). The
+    image_size: optional S (pixels); only used with `rounded_content`. The default
+      un-pad is exact for `owl_cl.data.pipeline`, which scales boxes by the single factor
+      S / max(h, w) (`resize_geometry`), so it does not depend on S.
+    rounded_content: for a pipeline that instead scales boxes by the realised per-axis
+      factors of a resize to (round(h * S / max), round(w * S / max)) pixels (requires
+      `image_size`): `x_px = x_rel * S * w / round(w * S / max(h, w))` (same for y). The
       difference to the default is below half a resized pixel.
 
   Returns:
     float64 [..., 4] (x0, y0, x1, y1) pixels, clipped to [0, w] x [0, h].
+
+  Raises:
+    ValueError: rounded_content without image_size.
 
   Source: SPEC §4, §5; scenic `owl_vit` evaluator (un-padding by (w, h) / max(h, w)).
   """
@@ -197,8 +203,10 @@ def unpad_boxes(boxes: np.ndarray, orig_sizes: np.ndarray,
   sizes = np.asarray(orig_sizes, np.float64)
   h, w = sizes[..., 0], sizes[..., 1]
   long_side = np.maximum(h, w)
-  if image_size is None:
+  if not rounded_content:
     scale_x = scale_y = long_side
+  elif image_size is None:
+    raise ValueError("rounded_content=True needs image_size.")
   else:
     s = float(image_size)
     scale_x = s * w / np.maximum(np.round(w * s / long_side), 1.0)
@@ -229,7 +237,8 @@ def to_coco_detections(scores: np.ndarray, labels: np.ndarray, boxes: np.ndarray
       be contiguous. Entries < 0 mark columns that are not classes (e.g. padded queries);
       their detections are skipped.
     example_mask: optional bool [B]; False examples (batch padding) are skipped.
-    image_size: optional padded square side S in pixels, see `unpad_boxes`.
+    image_size: optional padded square side S in pixels, see `unpad_boxes` (no effect on the
+      default un-pad, which is exact for `owl_cl.data.pipeline`).
 
   Returns:
     list of dicts {'image_id': int, 'category_id': int, 'bbox': [x, y, w, h] float pixels
@@ -327,10 +336,25 @@ def _result_coco(coco_gt, detections: list[dict[str, Any]]):
   return res
 
 
+def _truncate_per_image(detections: list[Mapping[str, Any]],
+                        max_dets: int) -> list[Mapping[str, Any]]:
+  """The `max_dets` highest-scoring detections of each image (stable for ties)."""
+  by_image: dict[int, list[Mapping[str, Any]]] = {}
+  for d in detections:
+    by_image.setdefault(int(d["image_id"]), []).append(d)
+  if all(len(v) <= max_dets for v in by_image.values()):
+    return detections
+  out = []
+  for dets in by_image.values():
+    out.extend(sorted(dets, key=lambda d: -float(d["score"]))[:max_dets])
+  return out
+
+
 def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
                   image_ids: Sequence[int] | None = None,
                   cat_ids: Sequence[int] | None = None,
                   max_dets: int = 100,
+                  truncate_per_image: bool = True,
                   per_category: bool = False) -> dict[str, Any]:
   """COCO box AP of detections against a ground truth, via pycocotools' COCOeval (SPEC §4).
 
@@ -343,8 +367,11 @@ def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
     cat_ids: evaluate these category ids only (default: all categories of `coco_gt`); the AP
       is the mean over these categories (e.g. the held-out / rare classes).
     max_dets: detections per image considered (the largest of COCOeval's `maxDets`, which
-      become [1, 10, max_dets]); ODinW uses 100, LVIS/O365-style evaluation 300. Detections
-      beyond `max_dets` per image (by score) are ignored by COCOeval.
+      become [1, 10, max_dets]); ODinW uses 100, LVIS/O365-style evaluation 300. Note that
+      COCOeval itself applies maxDets per (image, category); see `truncate_per_image`.
+    truncate_per_image: first keep only the `max_dets` highest-scoring detections of each
+      image (the COCO challenge rule, as the LVIS API does), so the limit is per image.
+      A no-op for `top_predictions` output with top_k <= max_dets.
     per_category: also return {'per_category': {cat_id: {'AP', 'AP50'}}}.
 
   Returns:
@@ -354,7 +381,8 @@ def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
     objects); plus 'num_detections' (int) and, if requested, 'per_category'.
 
   Raises:
-    ValueError: a detection refers to an image id absent from `coco_gt`, or max_dets < 1.
+    ValueError: a detection refers to an image id absent from `coco_gt`, a ground-truth
+      annotation lacks 'area', or max_dets < 1.
 
   Source: SPEC §4; pycocotools `COCOeval` (iouType 'bbox'): the statistics are computed as
   `COCOeval.summarize` does, without its printing (evaluate/accumulate output goes to the
@@ -364,11 +392,15 @@ def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
   if max_dets < 1:
     raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
   detections = list(detections)
+  if any("area" not in a for a in coco_gt.dataset.get("annotations", [])):
+    raise ValueError("Every ground-truth annotation needs an 'area' (COCOeval's area ranges).")
   gt_image_ids = set(coco_gt.getImgIds())
   unknown = {int(d["image_id"]) for d in detections} - gt_image_ids
   if unknown:
     raise ValueError(f"{len(unknown)} detection image ids are not in the ground truth, e.g. "
                      f"{sorted(unknown)[:5]}.")
+  if truncate_per_image:
+    detections = _truncate_per_image(detections, int(max_dets))
   log = io.StringIO()
   with contextlib.redirect_stdout(log):
     coco_dt = _result_coco(coco_gt, detections)
@@ -398,7 +430,7 @@ def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
   ]
   result: dict[str, Any] = {
       name: _no_data_to_nan(v) for name, v in zip(COCO_METRIC_NAMES, stats)}
-  result["num_detections"] = len(detections)
+  result["num_detections"] = len(detections)  # after truncation
   if per_category:
     result["per_category"] = {
         int(cat): {
@@ -464,7 +496,8 @@ def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mappin
                     max_dets: int = 100, cat_ids: Sequence[int] | None = None,
                     restrict_to_seen_images: bool = True, per_category: bool = False,
                     return_detections: bool = False, progress: bool = True,
-                    total: int | None = None, name: str | None = None) -> dict[str, Any]:
+                    total: int | None = None, name: str | None = None,
+                    desc: str | None = None) -> dict[str, Any]:
   """Runs `predict_fn` over batches of one evaluation set and computes its COCO AP (SPEC §4).
 
   Batch i + 1 is dispatched before the outputs of batch i are fetched to the host, so the
@@ -480,13 +513,14 @@ def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mappin
       `orig_size` int [B, 2] (h, w) and optionally `example_mask` bool [B].
     category_ids: int [C] dataset category id of each label index (see `to_coco_detections`).
     coco_gt: pycocotools COCO ground truth overriding `source.coco`.
-    image_size: padded square side S, see `unpad_boxes` (None: SPEC §4 formula).
+    image_size: padded square side S, see `unpad_boxes` (not needed by the default un-pad).
     max_dets, cat_ids, per_category: see `coco_evaluate`.
     restrict_to_seen_images: evaluate only the images present in the batches (True, so a
       partial pass over a set is scored on what was predicted) or on all images of coco_gt.
     return_detections: also return the detection list under 'detections'.
     progress: show a tqdm progress bar; total: its number of batches.
-    name: label of the progress bar (default `source.name`).
+    name: the set's name in messages (default `source.name`).
+    desc: progress-bar text (default f"eval {name}").
 
   Returns:
     `coco_evaluate`'s dict plus 'num_images' (int, evaluated images). With
@@ -521,7 +555,7 @@ def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mappin
         category_ids=category_ids, example_mask=mask, image_size=image_size))
 
   pending = None
-  for batch in tqdm(batches, desc=f"eval {name}", total=total, disable=not progress,
+  for batch in tqdm(batches, desc=desc or f"eval {name}", total=total, disable=not progress,
                     leave=False):
     outputs = predict_fn(batch)  # Dispatched asynchronously.
     if pending is not None:

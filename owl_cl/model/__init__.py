@@ -1,0 +1,43 @@
+"""OWL-ViT v1 model (scenic parameter tree) and query tokenizers.
+
+Public API (CONVENTIONS.md, Model / Tokenizer; SPEC §1, §2):
+
+* :func:`create_model` ``(variant, **overrides) -> OwlViT``; :func:`get_variant_config`
+  ``-> ModelConfig`` (also ``model.config``);
+  :data:`VARIANTS` (``tiny``, ``vit_b32``, ``vit_b16``, ``vit_l14``).
+* :class:`OwlViT` with methods ``image_embedder``, ``text_embedder``, ``class_predictor``,
+  ``box_predictor``; :func:`compute_box_bias`.
+* :func:`get_tokenizer`, :class:`WordHashTokenizer`, :func:`canonicalize_label`.
+"""
+
+from owl_cl.model.clip import quick_gelu
+from owl_cl.model.owl_vit import (
+    VARIANTS,
+    ModelConfig,
+    OwlViT,
+    compute_box_bias,
+    create_model,
+    get_variant_config,
+)
+from owl_cl.model.tokenizer import (
+    WordHashTokenizer,
+    canonicalize_label,
+    get_tokenizer,
+    known_tokenizers,
+    register_tokenizer,
+)
+
+__all__ = [
+    "ModelConfig",
+    "OwlViT",
+    "VARIANTS",
+    "WordHashTokenizer",
+    "canonicalize_label",
+    "compute_box_bias",
+    "create_model",
+    "get_tokenizer",
+    "get_variant_config",
+    "known_tokenizers",
+    "quick_gelu",
+    "register_tokenizer",
+]

@@ -1,0 +1,540 @@
+"""Input pipeline: resize-with-pad, training targets/queries, batched grain datasets.
+
+Produces the batch dict of docs/CONVENTIONS.md ("Batch dict"):
+
+- `images`       float32 [B, S, S, 3] in [0, 1] (pad 0.5 in training, 0.0 at evaluation)
+- `queries`      int32   [B, Q, L]   (training only) query 0 is always '' (the padding query)
+- `labels`       float32 [B, M, Q]   (training only) multi-hot, column 0 = padding instance
+- `boxes`        float32 [B, M, 4]   (training only) cxcywh / S
+- `query_class`  int32   [B, Q]      (training only) contiguous class index, -1 for ''
+- `image_id`     int64   [B]         COCO image id, -1 for padding examples
+- `orig_size`    int32   [B, 2]      (height, width) of the original image
+- `example_mask` bool    [B]         False for padding examples (last evaluation batch)
+
+Sources: SPEC §3 (targets/queries), §5 (preprocessing); scenic owl_vit `ResizeWithPad`
+(aspect-preserving resize, bottom/right pad) and the released code's HF squash-resize (option
+`squash=True`).
+
+Randomness: every random choice is drawn from an explicit `numpy.random.Generator`; the
+datasets derive one per example from `(seed, epoch, source index)` (`example_rng`), so results
+do not depend on worker count, thread scheduling or iteration order, and different images /
+epochs get different negatives (SPEC §12: the released code reseeded the per-image negative RNG
+so all images shared the same negatives; not reproduced).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import grain
+import numpy as np
+from PIL import Image
+
+__all__ = [
+    "resize_geometry", "resize_with_pad", "scale_boxes", "xyxy_to_cxcywh", "example_rng",
+    "merge_duplicate_instances", "sample_queries", "preprocess_train_example",
+    "preprocess_eval_example", "padding_eval_example", "stack_examples", "train_map_dataset",
+    "train_dataset", "eval_map_dataset", "eval_dataset", "TRAIN_PAD_VALUE", "EVAL_PAD_VALUE",
+]
+
+TRAIN_PAD_VALUE = 0.5  # SPEC §5 (scenic): padding value of training images.
+EVAL_PAD_VALUE = 0.0   # SPEC §5 (scenic): padding value of evaluation images.
+
+
+# ------------------------------------------------------------------------------------------
+# Geometry.
+# ------------------------------------------------------------------------------------------
+def resize_geometry(height: int, width: int, size: int, *,
+                    squash: bool = False) -> Tuple[int, int, float, float]:
+  """Target size of the resized image content and the box scale factors.
+
+  Args:
+    height, width: original image size in pixels (> 0).
+    size: S, side of the square network input in pixels.
+    squash: False (default, scenic): keep the aspect ratio, long side = S, i.e.
+      scale = S / max(H, W), new size = (round(H*scale), round(W*scale)) clamped to [1, S];
+      True (released code, HF processor): resize to S x S ignoring the aspect ratio.
+
+  Returns:
+    (new_h, new_w, scale_y, scale_x): content size in pixels and the factors mapping original
+    pixel coordinates to padded-frame pixel coordinates. With squash=False both factors equal
+    S / max(H, W) exactly (the same continuous factor the evaluator inverts, SPEC §4), so boxes
+    may deviate from the rounded content edge by < 0.5 px.
+
+  Raises:
+    ValueError: non-positive sizes.
+
+  Source: SPEC §5.
+  """
+  if height <= 0 or width <= 0 or size <= 0:
+    raise ValueError(f"sizes must be positive, got height={height} width={width} size={size}")
+  if squash:
+    return size, size, size / height, size / width
+  scale = size / max(height, width)
+  new_h = min(size, max(1, int(round(height * scale))))
+  new_w = min(size, max(1, int(round(width * scale))))
+  return new_h, new_w, scale, scale
+
+
+def _resize_array(image: np.ndarray, new_h: int, new_w: int) -> np.ndarray:
+  """Bilinear resize of [H, W, 3] uint8 or float to float32 [new_h, new_w, 3] in [0, 1]."""
+  if image.dtype == np.uint8:
+    if image.shape[0] == new_h and image.shape[1] == new_w:
+      return image.astype(np.float32) * np.float32(1 / 255)
+    out = Image.fromarray(image).resize((new_w, new_h), Image.BILINEAR)
+    return np.asarray(out, dtype=np.float32) * np.float32(1 / 255)
+  image = np.asarray(image, np.float32)
+  if image.shape[0] == new_h and image.shape[1] == new_w:
+    return image.copy()
+  chans = [np.asarray(Image.fromarray(np.ascontiguousarray(image[..., c]), mode="F")
+                      .resize((new_w, new_h), Image.BILINEAR)) for c in range(image.shape[2])]
+  return np.stack(chans, axis=-1).astype(np.float32)
+
+
+def resize_with_pad(image: np.ndarray, size: int, pad_value: float, *,
+                    squash: bool = False) -> np.ndarray:
+  """Resize keeping the aspect ratio (long side = S) and pad bottom/right to S x S.
+
+  Args:
+    image: [H, W, 3] uint8 (0..255, divided by 255) or float in [0, 1].
+    size: S in pixels.
+    pad_value: value of the padding pixels (0.5 training, 0.0 evaluation; SPEC §5).
+    squash: resize to S x S ignoring the aspect ratio (released code / HF), no padding.
+
+  Returns:
+    float32 [S, S, 3] in [0, 1]; content occupies rows [0, new_h) and columns [0, new_w) with
+    (new_h, new_w) from `resize_geometry`.
+
+  Interpolation: PIL bilinear (which widens its kernel when downscaling, i.e. antialiased;
+  tf.image.resize in scenic is not antialiased: values differ slightly at strong downscaling).
+
+  Raises:
+    ValueError: image not [H, W, 3].
+
+  Source: SPEC §5; scenic owl_vit preprocessing `ResizeWithPad`.
+  """
+  if image.ndim != 3 or image.shape[2] != 3:
+    raise ValueError(f"image must be [H, W, 3], got shape {image.shape}")
+  new_h, new_w, _, _ = resize_geometry(image.shape[0], image.shape[1], size, squash=squash)
+  content = _resize_array(image, new_h, new_w)
+  if new_h == size and new_w == size:
+    return content
+  out = np.full((size, size, 3), pad_value, np.float32)
+  out[:new_h, :new_w] = content
+  return out
+
+
+def scale_boxes(boxes: np.ndarray, height: int, width: int, size: int, *,
+                squash: bool = False) -> np.ndarray:
+  """Map xyxy pixel boxes of an H x W image into the padded S x S frame.
+
+  Args:
+    boxes: float [M, 4] xyxy, pixels of the original image.
+    height, width: original image size; size: S.
+    squash: as in `resize_geometry`.
+
+  Returns:
+    float32 [M, 4] xyxy pixels of the S x S input, clipped to [0, S].
+
+  Source: SPEC §5 ("boxes scale with the image").
+  """
+  _, _, sy, sx = resize_geometry(height, width, size, squash=squash)
+  b = np.asarray(boxes, np.float32).reshape(-1, 4) * np.array([sx, sy, sx, sy], np.float32)
+  return np.clip(b, 0.0, float(size))
+
+
+def xyxy_to_cxcywh(boxes: np.ndarray) -> np.ndarray:
+  """float [..., 4] (x0, y0, x1, y1) -> float32 [..., 4] (cx, cy, w, h), same units."""
+  b = np.asarray(boxes, np.float32)
+  return np.stack([(b[..., 0] + b[..., 2]) / 2, (b[..., 1] + b[..., 3]) / 2,
+                   b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]], axis=-1)
+
+
+# ------------------------------------------------------------------------------------------
+# Targets and queries.
+# ------------------------------------------------------------------------------------------
+def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+  """The per-example generator, a pure function of (seed, epoch, index) (all ints >= 0)."""
+  return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), int(index)]))
+
+
+def _pairwise_iou(b: np.ndarray) -> np.ndarray:
+  area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+  lt = np.maximum(b[:, None, :2], b[None, :, :2])
+  rb = np.minimum(b[:, None, 2:], b[None, :, 2:])
+  inter = np.prod(np.clip(rb - lt, 0, None), axis=-1)
+  union = area[:, None] + area[None, :] - inter
+  return inter / np.maximum(union, 1e-9)
+
+
+def merge_duplicate_instances(boxes: np.ndarray, labels: np.ndarray,
+                              iou_threshold: Optional[float] = 0.9
+                              ) -> Tuple[np.ndarray, List[List[int]]]:
+  """Merge boxes with IoU >= threshold into one multi-label instance (scenic, SPEC §3).
+
+  Args:
+    boxes: float [M, 4] xyxy; labels: int [M] class indices.
+    iou_threshold: merge threshold; None disables merging (one label per box).
+
+  Returns:
+    (boxes float32 [K, 4] — the first box of each group, in input order;
+     label lists: K lists of sorted unique class indices).
+  """
+  boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
+  labels = np.asarray(labels).reshape(-1)
+  if iou_threshold is None or len(boxes) < 2:
+    return boxes, [[int(l)] for l in labels]
+  iou = _pairwise_iou(boxes)
+  group = -np.ones(len(boxes), np.int64)
+  keep: List[int] = []
+  for i in range(len(boxes)):
+    if group[i] >= 0:
+      continue
+    group[i] = len(keep)
+    members = np.nonzero((iou[i] >= iou_threshold) & (group < 0))[0]
+    group[members] = len(keep)
+    keep.append(i)
+  label_sets: List[set] = [set() for _ in keep]
+  for i, g in enumerate(group):
+    label_sets[g].add(int(labels[i]))
+  return boxes[keep], [sorted(s) for s in label_sets]
+
+
+def sample_queries(positives: Sequence[int], excluded: Sequence[int], num_classes: int,
+                   num_queries: int, num_negatives: int, rng: np.random.Generator,
+                   negative_weights: Optional[np.ndarray] = None) -> np.ndarray:
+  """Query classes of one training image: [-1 (''), positives..., negatives..., -1...].
+
+  Args:
+    positives: class indices with a target box in the image (deduplicated, order kept); at most
+      Q-1 are used (the rest are cut, see `preprocess_train_example`).
+    excluded: classes present in the image (never sampled as negatives; includes `positives`).
+    num_classes: C, the dataset's class count.
+    num_queries: Q (>= 1).
+    num_negatives: maximum number of negatives; fewer when the free slots (Q-1-P) or the
+      candidate classes run out.
+    rng: numpy Generator (explicit randomness).
+    negative_weights: optional float [C] sampling weights (e.g. class frequencies, SPEC §3);
+      default uniform over the candidates. Negatives are drawn without replacement.
+
+  Returns:
+    int32 [Q] query_class; -1 marks '' (index 0 and padding).
+
+  Source: SPEC §3 (query list = unique(['', positives, negatives]) padded with '').
+  """
+  if num_queries < 1:
+    raise ValueError(f"num_queries must be >= 1, got {num_queries}")
+  pos: List[int] = list(dict.fromkeys(int(p) for p in positives))[: num_queries - 1]
+  excl = np.zeros(num_classes, bool)
+  excl[np.asarray(list(excluded) + pos, np.int64)] = True
+  candidates = np.nonzero(~excl)[0]
+  n_neg = max(0, min(num_negatives, num_queries - 1 - len(pos), len(candidates)))
+  if n_neg > 0:
+    p = None
+    if negative_weights is not None:
+      w = np.asarray(negative_weights, np.float64)[candidates]
+      if w.sum() > 0:
+        p = w / w.sum()
+        n_neg = min(n_neg, int(np.count_nonzero(p)))
+    neg = rng.choice(candidates, size=n_neg, replace=False, p=p)
+  else:
+    neg = np.zeros((0,), np.int64)
+  qc = np.full((num_queries,), -1, np.int32)
+  qc[1:1 + len(pos)] = pos
+  qc[1 + len(pos):1 + len(pos) + n_neg] = neg
+  return qc
+
+
+def _query_tokens(query_class: np.ndarray, class_tokens: np.ndarray, empty_tokens: np.ndarray,
+                  rng: np.random.Generator) -> np.ndarray:
+  """int32 [Q, L]; with class_tokens [C, P, L] a prompt variant is drawn per query."""
+  q = len(query_class)
+  out = np.broadcast_to(np.asarray(empty_tokens, np.int32), (q, empty_tokens.shape[-1])).copy()
+  real = query_class >= 0
+  if real.any():
+    cls = query_class[real]
+    if class_tokens.ndim == 3:
+      pick = rng.integers(0, class_tokens.shape[1], size=len(cls))
+      out[real] = class_tokens[cls, pick]
+    else:
+      out[real] = class_tokens[cls]
+  return out
+
+
+def _check_tokens(class_tokens: np.ndarray, empty_tokens: np.ndarray) -> Tuple[np.ndarray,
+                                                                               np.ndarray]:
+  class_tokens = np.asarray(class_tokens, np.int32)
+  empty_tokens = np.asarray(empty_tokens, np.int32).reshape(-1)
+  if class_tokens.ndim not in (2, 3) or class_tokens.shape[-1] != empty_tokens.shape[0]:
+    raise ValueError(f"class_tokens must be [C, L] or [C, P, L] with L = len(empty_tokens) "
+                     f"= {empty_tokens.shape[0]}, got {class_tokens.shape}")
+  return class_tokens, empty_tokens
+
+
+def preprocess_train_example(example: Dict[str, Any], *, class_tokens: np.ndarray,
+                             empty_tokens: np.ndarray, image_size: int, num_queries: int,
+                             max_instances: int, num_negatives: int,
+                             rng: np.random.Generator, pad_value: float = TRAIN_PAD_VALUE,
+                             squash: bool = False, merge_iou: Optional[float] = 0.9,
+                             hflip: bool = False,
+                             negative_weights: Optional[np.ndarray] = None
+                             ) -> Dict[str, np.ndarray]:
+  """One training example: image resized/padded, queries sampled, targets built.
+
+  Args:
+    example: dict(image uint8 [H, W, 3], boxes float [M0, 4] xyxy pixels, labels int [M0]
+      contiguous class indices, image_id int), e.g. `CocoSource.load(i)`.
+    class_tokens: int32 [C, L] tokenised class names, or [C, P, L] with P prompt variants
+      (one drawn uniformly per query, SPEC §2 training prompts).
+    empty_tokens: int32 [L] tokens of '' (query 0 and padding queries).
+    image_size: S. num_queries: Q. max_instances: M. num_negatives: negatives per image
+      (released code: 50). rng: numpy Generator (explicit randomness: negatives, prompts, flip).
+    pad_value: padding value (training 0.5, SPEC §5).
+    squash: resize ignoring the aspect ratio (released code), see `resize_with_pad`.
+    merge_iou: boxes with IoU >= merge_iou become one multi-label instance (scenic); None: off.
+    hflip: random horizontal flip with p = 0.5 (scenic augmentation; off by default).
+    negative_weights: optional float [C] negative sampling weights (default uniform).
+
+  Returns:
+    dict with the per-example (unbatched) entries of the batch dict: images float32 [S, S, 3],
+    queries int32 [Q, L], labels float32 [M, Q], boxes float32 [M, 4] (cxcywh / S),
+    query_class int32 [Q], image_id int64 [], orig_size int32 [2] (H, W), example_mask bool [].
+
+  Truncation rules (documented, deterministic):
+    * instances are taken in source order after duplicate merging; those beyond M are dropped;
+    * a class whose instances were all dropped is not used as a positive query, and it is never
+      used as a negative either (it is present in the image), so it simply does not appear;
+    * if more than Q-1 classes remain positive, the first Q-1 (ascending class index) are kept
+      and labels of the cut classes are removed from their instances (an instance left with no
+      label becomes a padding instance).
+  Padding instances (rows >= number of real instances) have labels[m, 0] = 1 and zero boxes.
+  Query 0 and padding queries are '' with query_class -1 and all-zero label columns for real
+  instances.
+
+  Raises:
+    ValueError: inconsistent token shapes, labels outside [0, C).
+
+  Source: SPEC §3 (targets per image), §5 (preprocessing); scenic owl_vit.
+  """
+  class_tokens, empty_tokens = _check_tokens(class_tokens, empty_tokens)
+  num_classes = class_tokens.shape[0]
+  image = example["image"]
+  h, w = int(image.shape[0]), int(image.shape[1])
+  boxes = np.asarray(example["boxes"], np.float32).reshape(-1, 4)
+  labels = np.asarray(example["labels"], np.int64).reshape(-1)
+  if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+    raise ValueError(f"image {example.get('image_id')}: labels {labels.tolist()} outside "
+                     f"[0, {num_classes})")
+  if hflip and rng.random() < 0.5:
+    image = np.ascontiguousarray(image[:, ::-1])
+    boxes = np.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], axis=-1)
+
+  inst_boxes, inst_labels = merge_duplicate_instances(boxes, labels, merge_iou)
+  present = sorted({int(l) for l in labels})
+  inst_boxes, inst_labels = inst_boxes[:max_instances], inst_labels[:max_instances]
+  positives = sorted({l for ls in inst_labels for l in ls})
+  query_class = sample_queries(positives, present, num_classes, num_queries, num_negatives, rng,
+                               negative_weights)
+  col = {int(c): j for j, c in enumerate(query_class) if c >= 0}
+
+  out_labels = np.zeros((max_instances, num_queries), np.float32)
+  out_boxes = np.zeros((max_instances, 4), np.float32)
+  scaled = xyxy_to_cxcywh(scale_boxes(inst_boxes, h, w, image_size, squash=squash)) / image_size
+  m = 0
+  for b, ls in zip(scaled, inst_labels):
+    cols = [col[l] for l in ls if l in col]
+    if not cols:
+      continue
+    out_labels[m, cols] = 1.0
+    out_boxes[m] = b
+    m += 1
+  out_labels[m:, 0] = 1.0
+
+  return dict(
+      images=resize_with_pad(image, image_size, pad_value, squash=squash),
+      queries=_query_tokens(query_class, class_tokens, empty_tokens, rng),
+      labels=out_labels,
+      boxes=out_boxes,
+      query_class=query_class,
+      image_id=np.int64(example["image_id"]),
+      orig_size=np.array([h, w], np.int32),
+      example_mask=np.bool_(True),
+  )
+
+
+def preprocess_eval_example(example: Dict[str, Any], *, image_size: int,
+                            pad_value: float = EVAL_PAD_VALUE,
+                            squash: bool = False) -> Dict[str, np.ndarray]:
+  """One evaluation example.
+
+  Args:
+    example: dict(image uint8 [H, W, 3], image_id int, ...).
+    image_size: S. pad_value: 0.0 (SPEC §5). squash: see `resize_with_pad`.
+
+  Returns:
+    dict(images float32 [S, S, 3], image_id int64 [], orig_size int32 [2] (H, W),
+    example_mask bool [] = True).
+
+  Source: SPEC §4-§5.
+  """
+  image = example["image"]
+  return dict(images=resize_with_pad(image, image_size, pad_value, squash=squash),
+              image_id=np.int64(example["image_id"]),
+              orig_size=np.array(image.shape[:2], np.int32),
+              example_mask=np.bool_(True))
+
+
+def padding_eval_example(image_size: int, pad_value: float = EVAL_PAD_VALUE
+                         ) -> Dict[str, np.ndarray]:
+  """A padding example for the last evaluation batch: images filled with `pad_value`,
+  image_id -1, orig_size (0, 0), example_mask False (shapes as `preprocess_eval_example`)."""
+  return dict(images=np.full((image_size, image_size, 3), pad_value, np.float32),
+              image_id=np.int64(-1), orig_size=np.zeros((2,), np.int32),
+              example_mask=np.bool_(False))
+
+
+def stack_examples(examples: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+  """Stack per-example dicts into a batch dict (adds the leading B axis, keeps dtypes)."""
+  return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+# ------------------------------------------------------------------------------------------
+# grain datasets. Transforms are module-level classes so they pickle to grain workers.
+# ------------------------------------------------------------------------------------------
+class _TrainTransform:
+
+  def __init__(self, source, perm: np.ndarray, seed: int, epoch: int, kwargs: Dict[str, Any]):
+    self.source, self.perm, self.seed, self.epoch, self.kwargs = source, perm, seed, epoch, kwargs
+
+  def __call__(self, position: int) -> Dict[str, np.ndarray]:
+    index = int(self.perm[position])
+    rng = example_rng(self.seed, self.epoch, index)
+    return preprocess_train_example(self.source[index], rng=rng, **self.kwargs)
+
+
+class _EvalTransform:
+
+  def __init__(self, source, image_size: int, pad_value: float, squash: bool,
+               num_images: Optional[int] = None):
+    self.source, self.image_size, self.pad_value, self.squash = (source, image_size, pad_value,
+                                                                 squash)
+    self.num_images = len(source) if num_images is None else num_images
+
+  def __call__(self, index: int) -> Dict[str, np.ndarray]:
+    if index >= self.num_images:
+      return padding_eval_example(self.image_size, self.pad_value)
+    return preprocess_eval_example(self.source[index], image_size=self.image_size,
+                                   pad_value=self.pad_value, squash=self.squash)
+
+
+def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+  """int64 [N] the order of source indices in `epoch` (a pure function of seed and epoch)."""
+  return np.random.default_rng(
+      np.random.SeedSequence([int(seed), int(epoch), 0x5EED])).permutation(num_examples)
+
+
+def train_map_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
+                      image_size: int, num_queries: int, max_instances: int,
+                      num_negatives: int, seed: int, epoch: int, **options) -> grain.MapDataset:
+  """Unbatched training `grain.MapDataset` of one epoch (length N, shuffled).
+
+  Position p holds `preprocess_train_example(source[perm[p]], rng=example_rng(seed, epoch,
+  perm[p]))` with perm = `epoch_permutation(N, seed, epoch)`. `options` are passed on to
+  `preprocess_train_example` (pad_value, squash, merge_iou, hflip, negative_weights).
+
+  Source: SPEC §3, §5.
+  """
+  class_tokens, empty_tokens = _check_tokens(class_tokens, empty_tokens)
+  kwargs = dict(class_tokens=class_tokens, empty_tokens=empty_tokens, image_size=image_size,
+                num_queries=num_queries, max_instances=max_instances,
+                num_negatives=num_negatives, **options)
+  perm = epoch_permutation(len(source), seed, epoch)
+  return grain.MapDataset.range(len(source)).map(_TrainTransform(source, perm, seed, epoch,
+                                                                 kwargs))
+
+
+def _to_batches(ds: grain.MapDataset, batch_size: int, drop_remainder: bool, num_workers: int,
+                num_threads: int, prefetch: int) -> Iterator[Dict[str, np.ndarray]]:
+  read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+  it = ds.to_iter_dataset(read).batch(batch_size, drop_remainder=drop_remainder,
+                                      batch_fn=stack_examples)
+  if num_workers > 0:
+    # grain's worker code reads absl flags; outside an absl app they are unparsed and reading
+    # them raises, so mark them parsed (their defaults are used). No effect inside an app.
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return iter(it)
+
+
+def train_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
+                  image_size: int, num_queries: int, max_instances: int, num_negatives: int,
+                  batch_size: int, seed: int, epoch: int, num_workers: int = 0,
+                  num_threads: int = 2, prefetch: int = 64,
+                  **options) -> Iterator[Dict[str, np.ndarray]]:
+  """Iterator over the training batches of one epoch.
+
+  Args:
+    source: random-access source of examples (`CocoSource` or any sequence of
+      `CocoSource.load`-style dicts).
+    class_tokens: int32 [C, L] (or [C, P, L]) tokens of the class names (tokenizer.encode).
+    empty_tokens: int32 [L] tokens of ''.
+    image_size: S. num_queries: Q. max_instances: M. num_negatives: negatives per image.
+    batch_size: B. seed, epoch: ints >= 0; the shuffle order and every per-example random
+      choice are pure functions of (seed, epoch, source index).
+    num_workers: 0 preprocesses in this process (with `num_threads` reader threads);
+      > 0 uses grain multiprocessing prefetch (`mp_prefetch`) with that many processes.
+    num_threads, prefetch: grain `ReadOptions` for the in-process readers.
+    **options: pad_value, squash, merge_iou, hflip, negative_weights (see
+      `preprocess_train_example`).
+
+  Returns:
+    iterator of batch dicts (CONVENTIONS.md) with fixed shapes: images [B, S, S, 3],
+    queries [B, Q, L], labels [B, M, Q], boxes [B, M, 4], query_class [B, Q], image_id [B],
+    orig_size [B, 2], example_mask [B] (all True). floor(N / B) batches (remainder dropped).
+
+  Raises:
+    ValueError: bad token shapes (at once); errors of the source (DataError) when iterated.
+
+  Source: SPEC §3, §5.
+  """
+  ds = train_map_dataset(source, class_tokens=class_tokens, empty_tokens=empty_tokens,
+                         image_size=image_size, num_queries=num_queries,
+                         max_instances=max_instances, num_negatives=num_negatives, seed=seed,
+                         epoch=epoch, **options)
+  return _to_batches(ds, batch_size, True, num_workers, num_threads, prefetch)
+
+
+def eval_map_dataset(source, *, image_size: int, batch_size: int,
+                     pad_value: float = EVAL_PAD_VALUE, squash: bool = False,
+                     max_images: Optional[int] = None) -> grain.MapDataset:
+  """Unbatched evaluation `grain.MapDataset` in source order (the first `max_images` images
+  when given), padded with `padding_eval_example` up to a multiple of `batch_size`."""
+  n = len(source) if max_images is None else min(len(source), int(max_images))
+  n_padded = -(-n // batch_size) * batch_size
+  return grain.MapDataset.range(n_padded).map(_EvalTransform(source, image_size, pad_value,
+                                                             squash, n))
+
+
+def eval_dataset(source, *, image_size: int, batch_size: int, num_workers: int = 0,
+                 num_threads: int = 2, prefetch: int = 64, pad_value: float = EVAL_PAD_VALUE,
+                 squash: bool = False, max_images: Optional[int] = None
+                 ) -> Iterator[Dict[str, np.ndarray]]:
+  """Iterator over evaluation batches, in source order, every image exactly once.
+
+  Args:
+    source: random-access source (`CocoSource`). image_size: S. batch_size: B.
+    num_workers, num_threads, prefetch: as `train_dataset`. pad_value: 0.0 (SPEC §5).
+    squash: see `resize_with_pad`. max_images: evaluate only the first N images (None: all).
+
+  Returns:
+    iterator of dict(images float32 [B, S, S, 3] (pad 0.0), image_id int64 [B],
+    orig_size int32 [B, 2] (H, W), example_mask bool [B]); ceil(N / B) batches, the last one
+    filled with padding examples (image_id -1, orig_size (0, 0), example_mask False).
+
+  Source: SPEC §4-§5.
+  """
+  ds = eval_map_dataset(source, image_size=image_size, batch_size=batch_size,
+                        pad_value=pad_value, squash=squash, max_images=max_images)
+  return _to_batches(ds, batch_size, False, num_workers, num_threads, prefetch)

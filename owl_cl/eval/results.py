@@ -1,0 +1,618 @@
+"""Run results: `results.json` (versioned schema) and `results.md` (the paper's Table 3 layout).
+
+## results.json, schema version 1
+
+```
+{
+  "schema": "owl_cl.results",        # constant
+  "schema_version": 1,
+  "run_id": str,                      # required; identifies the run that owns the workdir
+  "algorithm": str,                   # required; e.g. "no_replay", "uniform", "swil"
+  "config": dict,                     # the run's config (ConfigDict -> dict), {} if absent
+  "seed": int | null,
+  "status": str | null,               # optional, e.g. "running" / "complete"
+  "sequence": [str, ...],             # downstream datasets in training order
+  "wall_times": {str: float},         # seconds, e.g. {"total": 812.5, "<stage name>": 60.1}
+  "metadata": dict,                   # free form: git commit, host, jax version, ...
+  "created_at": str, "updated_at": str,   # ISO 8601 UTC, set by write_results
+  "roles": {                          # which eval set plays which Table-3 column
+    "pretrain":   {"eval_set": str|null, "AP": "AP", "AP50": "AP50"|null, "label": str},
+    "open_vocab": {...same...},       # the LVIS stand-in
+    "held_out":   {...same...},       # held-out (rare) classes: own set, or e.g. AP key "APr"
+    "downstream": [str, ...],         # eval sets averaged into the ODinW-style mean
+    "downstream_label": str
+  },                                  # input may give `eval_sets` {pretrain, held_out, ...}
+                                      # instead; a role given as a str names its eval set
+  ...                                 # any other caller key (timings, pretraining, ...) is
+                                      # kept verbatim (JSON-sanitised)
+  "stages": [                         # stage 0 = after pre-training, stage i = after dataset i
+    {"name": str, "index": int, "trained_on": str|null, "wall_time_s": float|null,
+     "metrics": {eval_set: {"AP": float|null, "AP50": float|null, "AP75": ..., ...}},
+     ...},                            # other stage keys (train metrics, seconds) kept
+    ...
+  ],
+  "summary": {                        # the Table-3 rows (metric values in [0, 1], null = NaN)
+    "no_finetuning": ROW, "final": ROW,
+    "num_downstream": int, "stages_completed": int, "stages_expected": int|null
+  },
+  "forgetting": {"AP": F, "AP50": F}  # F = owl_cl.eval.forgetting.forgetting_summary(...)
+}
+ROW = {"stage": str, "pretrain_AP", "pretrain_AP50", "open_vocab_AP", "open_vocab_AP50",
+       "held_out_AP", "held_out_AP50", "downstream_mean_AP", "downstream_mean_AP50"}
+```
+
+Metric values are fractions in [0, 1] (pycocotools' convention); NaN is stored as JSON `null`
+(strict JSON has no NaN). `results.md` shows them in % with one decimal, as the paper.
+"No fine-tuning" = stage 0, the run's algorithm row = the last stage written.
+
+Writing is atomic (temporary file in the same directory, fsync, `os.replace`) and serialised
+by an advisory lock; `write_results` refuses (`ResultsConflictError`) to overwrite files that
+belong to another `run_id` and re-writes only its own run's files (e.g. after every stage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import re
+import tempfile
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from owl_cl.eval import forgetting as forgetting_lib
+
+SCHEMA = "owl_cl.results"
+SCHEMA_VERSION = 1
+RESULTS_JSON = "results.json"
+RESULTS_MD = "results.md"
+_MD_MARKER = re.compile(r"<!--\s*owl_cl-results\s+run_id=\"([^\"]*)\"")
+
+_DEFAULT_LABELS = {
+    "pretrain": "O365 stand-in",
+    "open_vocab": "LVIS stand-in",
+    "held_out": "held-out (rare)",
+}
+# Label of the held-out column when there is no separate open-vocabulary (LVIS) column.
+_HELD_OUT_ONLY_LABEL = "LVIS stand-in / held-out (rare)"
+_DEFAULT_DOWNSTREAM_LABEL = "ODinW stand-in mean"
+_COLUMNS = ("pretrain", "open_vocab", "held_out")
+
+
+class ResultsConflictError(FileExistsError):
+  """The target results files exist and belong to another run (or cannot be attributed)."""
+
+
+# ------------------------------------------------------------------------------------------
+# Sanitising and schema completion.
+# ------------------------------------------------------------------------------------------
+
+def _to_jsonable(value: Any) -> Any:
+  """numpy / ConfigDict / NaN -> plain JSON values (NaN and inf -> None)."""
+  if hasattr(value, "to_dict") and callable(value.to_dict):  # ml_collections.ConfigDict
+    value = value.to_dict()
+  if isinstance(value, Mapping):
+    return {str(k): _to_jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_to_jsonable(v) for v in value]
+  if isinstance(value, np.ndarray):
+    return _to_jsonable(value.tolist())
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if isinstance(value, (int, np.integer)):
+    return int(value)
+  if isinstance(value, (float, np.floating)):
+    value = float(value)
+    return value if math.isfinite(value) else None
+  if value is None or isinstance(value, str):
+    return value
+  return str(value)
+
+
+def _num(value: Any) -> float:
+  """None / missing -> NaN, else float."""
+  return float("nan") if value is None else float(value)
+
+
+def _normalize_role(role: Any, key: str) -> dict[str, Any]:
+  if role is None:
+    role = {}
+  elif isinstance(role, str):
+    role = {"eval_set": role}
+  role = dict(role)
+  role.setdefault("eval_set", None)
+  role.setdefault("AP", "AP")
+  role.setdefault("AP50", "AP50")
+  role.setdefault("label", _DEFAULT_LABELS[key])
+  return role
+
+
+def _normalize_roles(roles: Mapping[str, Any] | None, sequence: Sequence[str],
+                     stages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  roles = dict(roles or {})
+  out = {key: _normalize_role(roles.get(key), key) for key in _COLUMNS}
+  if (out["open_vocab"]["eval_set"] is None and out["held_out"]["eval_set"] is not None
+      and not (isinstance(roles.get("held_out"), Mapping) and "label" in roles["held_out"])):
+    out["held_out"]["label"] = _HELD_OUT_ONLY_LABEL
+  downstream = roles.get("downstream")
+  if downstream is None:
+    if sequence:
+      downstream = list(sequence)
+    else:
+      keys = [s.get("trained_on") or s["name"] for s in stages[1:]]
+      downstream = [k for k in keys if any(k in (s.get("metrics") or {}) for s in stages)]
+  out["downstream"] = [str(d) for d in downstream]
+  out["downstream_label"] = roles.get("downstream_label", _DEFAULT_DOWNSTREAM_LABEL)
+  return out
+
+
+def _stage_value(stage: Mapping[str, Any], eval_set: str | None, key: str | None) -> float:
+  if eval_set is None or key is None:
+    return float("nan")
+  cell = (stage.get("metrics") or {}).get(eval_set)
+  if not isinstance(cell, Mapping):
+    return float("nan")
+  return _num(cell.get(key))
+
+
+def _downstream_mean(stage: Mapping[str, Any], downstream: Sequence[str], key: str) -> float:
+  values = [_stage_value(stage, d, key) for d in downstream]
+  if not values or any(math.isnan(v) for v in values):
+    return float("nan")  # Never report a partial average as the benchmark score.
+  return float(np.mean(values))
+
+
+def table3_row(stage: Mapping[str, Any], roles: Mapping[str, Any]) -> dict[str, Any]:
+  """The Table-3 row (pre-training set, open-vocabulary set, held-out, downstream mean).
+
+  Args:
+    stage: a results.json stage ({'name', 'metrics': {eval_set: {metric: value}}}).
+    roles: normalised roles (results.json 'roles').
+
+  Returns:
+    {'stage': name, 'pretrain_AP', 'pretrain_AP50', 'open_vocab_AP', 'open_vocab_AP50',
+     'held_out_AP', 'held_out_AP50', 'downstream_mean_AP', 'downstream_mean_AP50'}: floats in
+    [0, 1] or NaN (missing; the downstream mean is NaN if any downstream set is missing).
+
+  Source: the paper's Table 3 (tab:main): O365 | LVIS | LVIS rare | ODinW mean; SPEC §4.
+  """
+  row: dict[str, Any] = {"stage": stage.get("name")}
+  for key in _COLUMNS:
+    role = roles[key]
+    row[f"{key}_AP"] = _stage_value(stage, role["eval_set"], role["AP"])
+    row[f"{key}_AP50"] = _stage_value(stage, role["eval_set"], role["AP50"])
+  row["downstream_mean_AP"] = _downstream_mean(stage, roles["downstream"], "AP")
+  row["downstream_mean_AP50"] = _downstream_mean(stage, roles["downstream"], "AP50")
+  return row
+
+
+def _eval_set_order(results: Mapping[str, Any]) -> list[str]:
+  roles = results["roles"]
+  order: list[str] = []
+  for name in ([roles[k]["eval_set"] for k in _COLUMNS] + list(roles["downstream"])):
+    if name is not None and name not in order:
+      order.append(name)
+  for stage in results["stages"]:
+    for name in stage.get("metrics") or {}:
+      if name not in order:
+        order.append(name)
+  return order
+
+
+def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
+  """Validates a results dict and fills the derived schema fields (module docstring).
+
+  Args:
+    results: at least {'run_id': str, 'algorithm': str, 'stages': [{'name', 'metrics'}]};
+      optional 'config', 'seed', 'sequence', 'wall_times', 'metadata', 'roles'. Metric
+      values are fractions in [0, 1] (NaN / None for missing).
+
+  Returns:
+    A new JSON-ready dict with 'schema', 'schema_version', normalised 'roles' and 'stages'
+    ('index', 'trained_on'), and recomputed 'summary' and 'forgetting'. NaN -> None.
+
+  Raises:
+    ValueError: missing/empty run_id or algorithm, no stages, a stage without a name,
+      duplicate stage names.
+  """
+  for key in ("run_id", "algorithm"):
+    if not isinstance(results.get(key), str) or not results.get(key):
+      raise ValueError(f"results[{key!r}] must be a non-empty string.")
+  stages_in = results.get("stages")
+  if not stages_in:
+    raise ValueError("results['stages'] must hold at least stage 0 (after pre-training).")
+  stages = []
+  for i, stage in enumerate(stages_in):
+    if not stage.get("name"):
+      raise ValueError(f"Stage {i} has no name.")
+    out_stage = dict(stage)
+    out_stage["index"] = i
+    out_stage.setdefault("trained_on", None if i == 0 else stage["name"])
+    out_stage.setdefault("wall_time_s", None)
+    out_stage["metrics"] = dict(stage.get("metrics") or {})
+    stages.append(out_stage)
+  names = [s["name"] for s in stages]
+  if len(set(names)) != len(names):
+    raise ValueError(f"Duplicate stage names: {names}.")
+  sequence = [str(s) for s in (results.get("sequence") or [])]
+  out = {key: value for key, value in results.items()
+         if key not in ("summary", "forgetting", "eval_sets")}
+  out.update({
+      "schema": SCHEMA,
+      "schema_version": SCHEMA_VERSION,
+      "run_id": results["run_id"],
+      "algorithm": results["algorithm"],
+      "config": results.get("config") or {},
+      "seed": results.get("seed"),
+      "status": results.get("status"),
+      "sequence": sequence,
+      "wall_times": results.get("wall_times") or {},
+      "metadata": results.get("metadata") or {},
+      "created_at": results.get("created_at"),
+      "updated_at": results.get("updated_at"),
+      "roles": _normalize_roles(results.get("roles") or results.get("eval_sets"), sequence,
+                                stages),
+      "stages": stages,
+  })
+  roles = out["roles"]
+  out["summary"] = {
+      "no_finetuning": table3_row(stages[0], roles),
+      "final": table3_row(stages[-1], roles),
+      "num_downstream": len(roles["downstream"]),
+      "stages_completed": len(stages),
+      "stages_expected": len(sequence) + 1 if sequence else None,
+  }
+  eval_sets = _eval_set_order(out)
+  stage_keys = [s.get("trained_on") or s["name"] for s in stages]
+  trained_at = forgetting_lib.trained_at_from_names(
+      stage_keys, eval_sets, downstream=[d for d in roles["downstream"] if d in eval_sets])
+  out["forgetting"] = {}
+  for metric in ("AP", "AP50"):
+    A, _, _ = forgetting_lib.accuracy_matrix(stages, eval_sets, metric=metric)
+    out["forgetting"][metric] = forgetting_lib.forgetting_summary(A, names, eval_sets,
+                                                                  trained_at)
+  return _to_jsonable(out)
+
+
+# ------------------------------------------------------------------------------------------
+# Markdown.
+# ------------------------------------------------------------------------------------------
+
+def _pct(value: Any, signed: bool = False) -> str:
+  if value is None or (isinstance(value, float) and math.isnan(value)):
+    return "-"
+  return f"{100.0 * float(value):+.1f}" if signed else f"{100.0 * float(value):.1f}"
+
+
+def _shown_columns(roles: Mapping[str, Any]) -> list[str]:
+  """Table-3 columns with an eval set (a run without an LVIS stand-in has no LVIS column)."""
+  return [key for key in _COLUMNS if roles[key]["eval_set"] is not None]
+
+
+def _column_titles(roles: Mapping[str, Any]) -> list[str]:
+  titles = []
+  for key in _shown_columns(roles):
+    role = roles[key]
+    if role["AP"] != "AP":
+      titles.append(f"{role['label']} (`{role['eval_set']}` {role['AP']})")
+    else:
+      titles.append(f"{role['label']} (`{role['eval_set']}`)")
+  titles.append(f"{roles['downstream_label']} ({len(roles['downstream'])} sets)")
+  return titles
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+  lines += ["| " + " | ".join(row) + " |" for row in rows]
+  return lines
+
+
+def _row_cells(row: Mapping[str, Any], suffix: str, roles: Mapping[str, Any]) -> list[str]:
+  return [_pct(row.get(f"{key}_{suffix}")) for key in
+          _shown_columns(roles) + ["downstream_mean"]]
+
+
+def _partial_note(summary: Mapping[str, Any]) -> str:
+  expected = summary.get("stages_expected")
+  done = summary.get("stages_completed")
+  if expected and done is not None and done < expected:
+    return f" (partial: {done - 1}/{expected - 1} datasets)"
+  return ""
+
+
+def render_results_markdown(results: Mapping[str, Any]) -> str:
+  """`results.md` text of one finalised results dict (see `finalize_results`).
+
+  Sections: (a) the paper's Table 3 layout (Algorithm | O365 stand-in | LVIS stand-in |
+  held-out (rare) | ODinW stand-in mean), rows "No fine-tuning" (stage 0) and the run's
+  algorithm (last stage), AP then AP50, in % with one decimal; (b) per-dataset AP and AP50
+  matrices (rows: stages, columns: eval sets, plus the downstream mean); (c) forgetting, BWT
+  and FWT (AP and AP50 points, %). Missing values print as '-'.
+
+  Args:
+    results: a finalised results dict.
+
+  Returns:
+    Markdown text; its first line is the ownership marker
+    `<!-- owl_cl-results run_id="..." schema_version=1 -->`.
+  """
+  roles = results["roles"]
+  summary = results["summary"]
+  algo = results["algorithm"]
+  lines = [f'<!-- owl_cl-results run_id="{results["run_id"]}" '
+           f'schema_version={results["schema_version"]} -->',
+           f"# Results: {algo}", ""]
+  lines.append(f"- run id: `{results['run_id']}`")
+  if results.get("status"):
+    lines.append(f"- status: {results['status']}")
+  if results.get("seed") is not None:
+    lines.append(f"- seed: {results['seed']}")
+  if results.get("sequence"):
+    lines.append(f"- sequence ({len(results['sequence'])}): "
+                 + " -> ".join(results["sequence"]))
+  lines.append(f"- stages completed: {summary['stages_completed'] - 1} datasets after "
+               "pre-training" + _partial_note(summary))
+  total = ((results.get("wall_times") or {}).get("total")
+           or (results.get("timings") or {}).get("wall_seconds"))
+  if total is not None:
+    lines.append(f"- wall time: {total / 3600:.2f} h")
+  if results.get("updated_at"):
+    lines.append(f"- written: {results['updated_at']}")
+  lines.append("")
+
+  header = ["Algorithm"] + _column_titles(roles)
+  for suffix, title in (("AP", "mAP@[.5:.95]"), ("AP50", "AP50")):
+    lines += [f"## Table 3 layout: {title} (%) after stage `{summary['final']['stage']}`", ""]
+    rows = [["No fine-tuning"] + _row_cells(summary["no_finetuning"], suffix, roles),
+            [algo + _partial_note(summary)] + _row_cells(summary["final"], suffix, roles)]
+    lines += _table(header, rows) + [""]
+
+  eval_sets = _eval_set_order(results)
+  downstream = roles["downstream"]
+  for metric in ("AP", "AP50"):
+    lines += [f"## Per-dataset {metric} (%) after each stage", ""]
+    rows = []
+    for stage in results["stages"]:
+      cells = [_pct(_stage_value(stage, name, metric)) for name in eval_sets]
+      cells.append(_pct(_downstream_mean(stage, downstream, metric)))
+      rows.append([f"{stage['index']}: {stage['name']}"] + cells)
+    lines += _table(["Stage"] + [f"`{n}`" for n in eval_sets] + ["downstream mean"], rows)
+    lines.append("")
+
+  lines += ["## Forgetting and transfer (points, %)", "",
+            "Forgetting f_j = max over stages since j was learned (before the last) of the "
+            "metric minus its final value (Chaudhry et al. 2018); BWT = mean over downstream "
+            "sets learned before the last stage of final minus just-after-learning (Lopez-Paz "
+            "& Ranzato 2017); FWT = mean of the metric just before learning minus after "
+            "pre-training (zero-shot reference); retained = final / after pre-training.", ""]
+  for metric in ("AP", "AP50"):
+    f = results["forgetting"][metric]
+    rows = []
+    for name in eval_sets:
+      s = f["per_set"][name]
+      rows.append([f"`{name}`", s["trained_at"] or "-", _pct(s["initial"]),
+                   _pct(s["best_before_final"]), _pct(s["final"]), _pct(s["forgetting"]),
+                   _pct(s["retained_fraction"])])
+    lines += [f"### {metric}", ""]
+    lines += _table(["Eval set", "trained at", "after pre-training", "best before final",
+                     "final", "forgetting", "retained (%)"], rows)
+    lines += ["", f"- average forgetting: {_pct(f['average_forgetting'])}",
+              f"- BWT: {_pct(f['bwt'], signed=True)}",
+              f"- FWT: {_pct(f['fwt'], signed=True)}", ""]
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------
+# Writing.
+# ------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _locked(workdir: str) -> Iterator[None]:
+  """Advisory exclusive lock on `workdir/.results.lock` (no-op where fcntl is missing)."""
+  try:
+    import fcntl  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover (non-POSIX)
+    yield
+    return
+  fd = os.open(os.path.join(workdir, ".results.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+  """Writes `text` to a temporary file next to `path`, fsyncs it, then `os.replace`s it."""
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
+                             suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+    raise
+
+
+def _owner_of_json(path: str) -> tuple[str | None, dict[str, Any] | None]:
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ResultsConflictError(
+        f"{path} exists but cannot be read ({e}); refusing to overwrite it.") from e
+  run_id = data.get("run_id") if isinstance(data, dict) else None
+  if not isinstance(run_id, str):
+    raise ResultsConflictError(f"{path} exists but has no run_id; refusing to overwrite it.")
+  return run_id, data
+
+
+def _owner_of_md(path: str) -> str:
+  try:
+    with open(path, encoding="utf-8") as f:
+      first = f.readline()
+  except OSError as e:
+    raise ResultsConflictError(f"{path} exists but cannot be read ({e}).") from e
+  match = _MD_MARKER.search(first)
+  if not match:
+    raise ResultsConflictError(f"{path} exists but has no owl_cl run marker; refusing to "
+                               "overwrite it.")
+  return match.group(1)
+
+
+def write_results(workdir: str, results: Mapping[str, Any]) -> dict[str, Any]:
+  """Writes `results.json` and `results.md` of one run into `workdir`, atomically.
+
+  Args:
+    workdir: the run's directory (created if missing).
+    results: see `finalize_results` (at least run_id, algorithm, stages). May be called again
+      after every stage: the run's own files are replaced, `created_at` is kept.
+
+  Returns:
+    The finalised results dict that was written (NaN stored as None).
+
+  Raises:
+    ResultsConflictError (a FileExistsError): `results.json` or `results.md` exists in
+      `workdir` and belongs to a different run_id, or its owner cannot be determined. Nothing
+      is written in that case.
+    ValueError: invalid results (see `finalize_results`).
+    OSError: the files could not be written (the previous files are left intact).
+  """
+  final = finalize_results(results)
+  os.makedirs(workdir, exist_ok=True)
+  json_path = os.path.join(workdir, RESULTS_JSON)
+  md_path = os.path.join(workdir, RESULTS_MD)
+  with _locked(workdir):
+    created_at = None
+    if os.path.exists(json_path):
+      owner, old = _owner_of_json(json_path)
+      if owner != final["run_id"]:
+        raise ResultsConflictError(
+            f"{json_path} belongs to run {owner!r}, not {final['run_id']!r}; refusing to "
+            "overwrite another run's results.")
+      created_at = (old or {}).get("created_at")
+    if os.path.exists(md_path):
+      owner = _owner_of_md(md_path)
+      if owner != final["run_id"]:
+        raise ResultsConflictError(
+            f"{md_path} belongs to run {owner!r}, not {final['run_id']!r}; refusing to "
+            "overwrite another run's results.")
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    final["created_at"] = created_at or final.get("created_at") or now
+    final["updated_at"] = now
+    _atomic_write_text(json_path, json.dumps(final, indent=2, allow_nan=False) + "\n")
+    _atomic_write_text(md_path, render_results_markdown(final) + "\n")
+  return final
+
+
+def load_results(path: str) -> dict[str, Any]:
+  """Reads a results.json (or the results.json inside a directory) and finalises it.
+
+  Args:
+    path: a results.json file or a run directory containing one.
+
+  Returns:
+    The finalised results dict (derived fields recomputed, so older files get the current
+    summary).
+
+  Raises:
+    FileNotFoundError; ValueError: not an owl_cl results file or a newer schema version.
+  """
+  if os.path.isdir(path):
+    path = os.path.join(path, RESULTS_JSON)
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    raise ValueError(f"{path} is not an {SCHEMA} file.")
+  if int(data.get("schema_version", 0)) > SCHEMA_VERSION:
+    raise ValueError(f"{path} has schema_version {data.get('schema_version')}, newer than "
+                     f"{SCHEMA_VERSION}.")
+  return finalize_results(data)
+
+
+# ------------------------------------------------------------------------------------------
+# Several runs -> one Table 3.
+# ------------------------------------------------------------------------------------------
+
+def _mean_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+  out = {}
+  for key in ("pretrain", "open_vocab", "held_out", "downstream_mean"):
+    for suffix in ("AP", "AP50"):
+      values = [_num(r.get(f"{key}_{suffix}")) for r in rows]
+      values = [v for v in values if not math.isnan(v)]
+      out[f"{key}_{suffix}"] = float(np.mean(values)) if values else float("nan")
+  return out
+
+
+def merge_results_tables(paths: Sequence[str], *, group_by_algorithm: bool = True) -> str:
+  """One Table 3 (markdown) from several runs' results.json files.
+
+  Args:
+    paths: results.json files (or run directories), e.g. the no_replay, uniform and swil runs.
+      Row order = order of first appearance of each algorithm.
+    group_by_algorithm: average the final rows of runs with the same algorithm (the paper
+      averages over dataset orderings; the 'runs' column gives the count), else one row per
+      run (labelled `algorithm (run_id)`).
+
+  Returns:
+    Markdown: an AP table and an AP50 table (%, one decimal) with a "No fine-tuning" row (mean
+    of the runs' stage-0 rows; a note is added if they differ by more than 0.05 points) and
+    one row per algorithm (or run); partial runs are flagged.
+
+  Raises:
+    ValueError: no paths, or runs whose Table-3 columns use different eval sets.
+  """
+  if not paths:
+    raise ValueError("merge_results_tables needs at least one results file.")
+  runs = [load_results(p) for p in paths]
+  reference = runs[0]["roles"]
+
+  def signature(roles):
+    return ([(roles[k]["eval_set"], roles[k]["AP"]) for k in _COLUMNS],
+            sorted(roles["downstream"]))
+
+  for run in runs[1:]:
+    if signature(run["roles"]) != signature(reference):
+      raise ValueError(f"Run {run['run_id']!r} uses different evaluation sets "
+                       f"({signature(run['roles'])}) than {runs[0]['run_id']!r} "
+                       f"({signature(reference)}); refusing to merge.")
+  groups: dict[str, list[dict[str, Any]]] = {}
+  for run in runs:
+    key = run["algorithm"] if group_by_algorithm else f"{run['algorithm']} ({run['run_id']})"
+    groups.setdefault(key, []).append(run)
+
+  baseline_rows = [r["summary"]["no_finetuning"] for r in runs]
+  baseline = _mean_rows(baseline_rows)
+  spread = 0.0
+  for key, value in baseline.items():
+    values = [_num(r.get(key)) for r in baseline_rows]
+    values = [v for v in values if not math.isnan(v)]
+    if values:
+      spread = max(spread, max(values) - min(values))
+
+  header = ["Algorithm", "runs"] + _column_titles(reference)
+  lines: list[str] = []
+  for suffix, title in (("AP", "mAP@[.5:.95]"), ("AP50", "AP50")):
+    lines += [f"### Table 3 layout: {title} (%) after the final stage", ""]
+    rows = [["No fine-tuning", str(len(runs))] + _row_cells(baseline, suffix, reference)]
+    for label, members in groups.items():
+      partial = any(_partial_note(m["summary"]) for m in members)
+      mean = _mean_rows([m["summary"]["final"] for m in members])
+      rows.append([label + (" (partial)" if partial else ""), str(len(members))]
+                  + _row_cells(mean, suffix, reference))
+    lines += _table(header, rows) + [""]
+  if spread > 0.0005:
+    lines.append(f"Note: the runs' after-pre-training (No fine-tuning) values differ by up to "
+                 f"{100 * spread:.1f} points; the row shows their mean.")
+    lines.append("")
+  return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""Building the replay buffer from the pre-training set with the pre-trained model (SPEC §6).
+
+One eval-mode forward pass of the pre-trained model over every pre-training image (with its
+fixed, seeded training queries) gives, per image: the detection loss (eq. 7 ranks images by
+it), the logits to distil (DER++), the top-k class and query embeddings (retrieval features)
+and the per-class token embeddings that make the class prototypes. `select_buffer` keeps the
+images with loss < t and tops every class up to its minimum; prototypes and prototype
+distances are computed over the kept images. The result is a `ReplayStore`, cached on disk
+under a key of everything it depends on.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from absl import logging
+
+from owl_cl.data import pipeline
+from owl_cl.replay import selection
+from owl_cl.replay import state as state_lib
+from owl_cl.replay import store as store_lib
+from owl_cl.train import losses
+
+EXAMPLE_KEYS = ("images", "queries", "labels", "boxes", "query_class")
+
+
+def preprocess_source(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
+                      image_size: int, num_queries: int, max_instances: int,
+                      num_negatives: int, seed: int) -> dict[str, np.ndarray]:
+  """Fixed training examples of every image of `source` (queries drawn once, seeded).
+
+  Returns:
+    dict of stacked arrays with the batch-dict keys `EXAMPLE_KEYS` ([N, ...]) plus
+    `image_id` [N]; the negatives of image i come from `pipeline.example_rng(seed, 0, i)`.
+  """
+  examples = []
+  for i in tqdm.trange(len(source), desc="buffer: preprocessing", mininterval=2.0):
+    examples.append(pipeline.preprocess_train_example(
+        source.load(i), class_tokens=class_tokens, empty_tokens=empty_tokens,
+        image_size=image_size, num_queries=num_queries, max_instances=max_instances,
+        num_negatives=num_negatives, rng=pipeline.example_rng(seed, 0, i)))
+  stacked = pipeline.stack_examples(examples)
+  return {k: stacked[k] for k in EXAMPLE_KEYS + ("image_id",)}
+
+
+def _batches(n: int, batch_size: int):
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, min(start + batch_size, n))
+    # Pad the last batch with copies of its first row (static shapes); sliced off after.
+    yield idx, np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])
+
+
+def analyse_images(model, params, examples: dict[str, np.ndarray], *, num_classes: int,
+                   top_k: int, max_per_class: int, loss_config: dict,
+                   batch_size: int) -> dict[str, np.ndarray]:
+  """Per-image quantities of the pre-trained model (one jitted forward per batch).
+
+  Returns dict (N images, T tokens, Q queries, E width, C classes):
+    per_image_loss float32 [N] (detection loss, SPEC §3), logits float32 [N,T,Q],
+    top_class_embeddings / top_query_embeddings float32 [N,k,E] (SPEC §6),
+    prototype_sums float32 [N,C,E], prototype_counts float32 [N,C] (top-n_c tokens per class,
+    n_c = min(max_per_class, #instances)), instance_counts int32 [N,C],
+    class_embeddings float32 [N,T,E] (for the prototype distances).
+  """
+
+  @jax.jit
+  def forward(params, batch):
+    out = model.apply({"params": params}, batch["images"], batch["queries"], train=False)
+    det = losses.detection_loss(out["pred_logits"], out["pred_boxes"], batch["labels"],
+                                batch["boxes"], **loss_config)
+    query_mask = batch["queries"][..., 0] > 0
+    top_class, top_query = selection.top_k_embeddings(
+        out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask,
+        top_k)
+    counts = selection.instance_counts_from_labels(batch["labels"], batch["query_class"],
+                                                   num_classes)
+    sums, token_counts = selection.per_image_class_token_embeddings(
+        out["pred_logits"], out["class_embeddings"], batch["query_class"], counts,
+        max_per_class=max_per_class)
+    return {"per_image_loss": det["per_example"], "logits": out["pred_logits"],
+            "top_class_embeddings": top_class, "top_query_embeddings": top_query,
+            "prototype_sums": sums, "prototype_counts": token_counts,
+            "instance_counts": counts, "class_embeddings": out["class_embeddings"]}
+
+  n = examples["images"].shape[0]
+  parts: dict[str, list] = {}
+  for idx, padded in tqdm.tqdm(list(_batches(n, batch_size)), desc="buffer: pre-trained "
+                               "model forward", mininterval=2.0):
+    batch = {k: jnp.asarray(examples[k][padded]) for k in EXAMPLE_KEYS}
+    out = jax.device_get(forward(params, batch))
+    for k, v in out.items():
+      parts.setdefault(k, []).append(np.asarray(v)[:len(idx)])
+  return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def build_store(model, params, source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
+                image_size: int, num_queries: int, max_instances: int, num_negatives: int,
+                seed: int, loss_threshold: float, min_per_class: int,
+                fill_all_for_rare_classes: bool, top_k: int, max_per_class: int,
+                loss_config: dict, batch_size: int) -> tuple[store_lib.ReplayStore, dict]:
+  """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
+
+  Selection is eq. 7 of the paper (SPEC §6): loss < `loss_threshold`, then each class with
+  fewer than `min_per_class` kept images gets its images in ascending loss order.
+
+  Returns:
+    (store, statistics dict: images considered / kept, per-class counts, loss quantiles).
+
+  Raises:
+    ValueError: if no image is selected (threshold and minimum both select nothing).
+  """
+  num_classes = len(source.class_names)
+  examples = preprocess_source(source, class_tokens=class_tokens, empty_tokens=empty_tokens,
+                               image_size=image_size, num_queries=num_queries,
+                               max_instances=max_instances, num_negatives=num_negatives,
+                               seed=seed)
+  analysis = analyse_images(model, params, examples, num_classes=num_classes, top_k=top_k,
+                            max_per_class=max_per_class, loss_config=loss_config,
+                            batch_size=batch_size)
+  membership = analysis["instance_counts"] > 0
+  keep = selection.select_buffer(analysis["per_image_loss"], membership, loss_threshold,
+                                 min_per_class=min_per_class,
+                                 fill_all_for_rare_classes=fill_all_for_rare_classes)
+  if not keep.any():
+    raise ValueError(f"replay.buffer selected no image (loss_threshold={loss_threshold}, "
+                     f"min_per_class={min_per_class})")
+  prototypes, _ = selection.compute_prototypes(jnp.asarray(analysis["prototype_sums"][keep]),
+                                               jnp.asarray(analysis["prototype_counts"][keep]))
+  distances = jax.jit(selection.prototype_distances, static_argnames=("max_instances",))(
+      jnp.asarray(analysis["logits"][keep]), jnp.asarray(analysis["class_embeddings"][keep]),
+      jnp.asarray(examples["query_class"][keep]),
+      jnp.asarray(analysis["instance_counts"][keep]), prototypes,
+      max_instances=max_instances)
+  buffer = state_lib.make_replay_buffer(
+      jnp.asarray(membership[keep]), prototypes, distances,
+      jnp.asarray(analysis["top_class_embeddings"][keep]),
+      jnp.asarray(analysis["top_query_embeddings"][keep]))
+  store = store_lib.ReplayStore({k: examples[k][keep] for k in EXAMPLE_KEYS},
+                                analysis["logits"][keep], buffer, source.class_names)
+  loss = analysis["per_image_loss"]
+  stats = {
+      "images_considered": int(len(keep)), "images_kept": int(keep.sum()),
+      "kept_below_threshold": int((loss < loss_threshold).sum()),
+      "images_per_class": {name: int(membership[keep][:, c].sum())
+                           for c, name in enumerate(source.class_names)},
+      "loss_quantiles": {q: float(np.quantile(loss, float(q)))
+                         for q in ("0.1", "0.25", "0.5", "0.75", "0.9")},
+  }
+  return store, stats
+
+
+def cached_store(cache_root: str, key_material: dict, build_fn) -> tuple[store_lib.ReplayStore,
+                                                                         dict]:
+  """Loads the store cached under a digest of `key_material`, or builds and caches it.
+
+  The store is written to a temporary folder and renamed (ReplayStore.save), so an
+  interrupted build never leaves a cache that is later trusted.
+  """
+  key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()
+                       ).hexdigest()[:16]
+  path = os.path.join(cache_root, key)
+  stats_path = path + ".stats.json"
+  if os.path.isdir(path) and os.path.exists(stats_path):
+    logging.info("re-using the cached replay buffer %s", path)
+    with open(stats_path) as f:
+      return store_lib.ReplayStore.load(path), json.load(f)
+  start = time.time()
+  store, stats = build_fn()
+  stats["seconds"] = round(time.time() - start, 1)
+  os.makedirs(cache_root, exist_ok=True)
+  if not os.path.isdir(path):
+    store.save(path)
+  tmp = stats_path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(stats, f, indent=2)
+  os.replace(tmp, stats_path)
+  logging.info("replay buffer: %d of %d images (%.1f s), cached in %s", stats["images_kept"],
+               stats["images_considered"], stats["seconds"], path)
+  return store, stats

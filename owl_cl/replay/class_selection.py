@@ -1,0 +1,140 @@
+"""Class-selection primitives (paper §4 "Class Selection Primitives", suppl. §B; SPEC §7).
+
+A class-selection primitive picks one buffer class per replay slot (one slot per new image).
+All functions are jittable; `num` arguments are static.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# Normalisation eps of `normalize`: v / max(||v||, 1e-6). (The OWL-ViT class head divides by
+# ||v|| + 1e-6, SPEC §1, which would leave identical vectors at distance ~2e-6 instead of 0.)
+NORM_EPS = 1e-6
+# Added to cosine distances before the inverse power (SPEC §7: (d + 1e-8)^(-w)).
+DISTANCE_EPS = 1e-8
+
+
+def normalize(x: Array, eps: float = NORM_EPS) -> Array:
+  """x / max(||x||_2, eps) along the last axis, computed in float32.
+
+  Unit vectors stay exactly unit (so identical directions have cosine distance 0 up to
+  float32 rounding); vectors shorter than eps (e.g. zero rows) stay ~0.
+  Shapes: [..., E] -> [..., E] float32. Source: SPEC §6-§7 (cosine distance).
+  """
+  x = jnp.asarray(x, jnp.float32)
+  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
+def cosine_distance(a: Array, b: Array, eps: float = NORM_EPS) -> Array:
+  """Cosine distance 1 - cos(a, b) of every a-vector to every b-vector (suppl. eq. 5).
+
+  Args:
+    a: float [..., E].
+    b: float [C, E].
+    eps: normalisation eps of `normalize` (vectors are divided by max(||v||, eps)).
+  Returns:
+    float32 [..., C], clipped to [0, 2] (rounding can push 1 - cos slightly below 0).
+    Zero vectors have cos 0, i.e. distance 1.
+  Source: paper suppl. §B eq. (cosine distance), SPEC §6-§7. Matmul at HIGHEST precision.
+  """
+  cos = jnp.einsum('...e,ce->...c', normalize(a, eps), normalize(b, eps),
+                   precision=jax.lax.Precision.HIGHEST)
+  return jnp.clip(1.0 - cos, 0.0, 2.0)
+
+
+def similarity_weighted_probs(class_embeddings: Array, prototypes: Array, w: float,
+                              class_eligible: Array) -> Array:
+  """SWIL class distribution per new image (similarity-weighted class selection).
+
+  d[b, c] = min_j (1 - cos(class_embeddings[b, j], prototypes[c])) (cosine distance of each
+  of the image's k top class embeddings to every prototype, min over k); then
+  p[b, c] = (d[b, c] + 1e-8)^(-w) / Z_b over eligible classes, 0 for ineligible ones.
+  Computed in float32 in log space (softmax of -w * log(d + 1e-8)), so large w cannot
+  overflow; mathematically identical to normalising the powers. Vectors are normalised as
+  v / max(||v||, 1e-6) (`normalize`), and d is clipped to [0, 2].
+
+  Args:
+    class_embeddings: float [B, k, E]; top-k class embeddings of each new image
+      (`selection.top_k_embeddings`).
+    prototypes: float [C, E]; class prototypes of the buffer.
+    w: float >= 0; inverse-distance exponent (SPEC §7: 1.0). w = 0 gives uniform over the
+      eligible classes. May be a traced scalar.
+    class_eligible: bool [C]; classes with at least one eligible buffer image.
+  Returns:
+    float32 [B, C]; each row sums to 1 over eligible classes. If no class is eligible every
+    row is all zeros (`sample_classes` then returns -1).
+  Source: paper §4 and suppl. §B (with the inverse power of the prose, SPEC §7), SPEC §7.
+  """
+  d = cosine_distance(class_embeddings, prototypes).min(axis=-2)            # [B, C]
+  logits = -jnp.asarray(w, jnp.float32) * jnp.log(d + DISTANCE_EPS)
+  eligible = jnp.asarray(class_eligible, bool)[None, :]
+  logits = jnp.where(eligible, logits, -jnp.inf)
+  top = jnp.max(jnp.where(eligible, logits, -jnp.inf), axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  unnorm = jnp.where(eligible, jnp.exp(logits - top), 0.0)
+  total = unnorm.sum(axis=-1, keepdims=True)
+  return jnp.where(total > 0, unnorm / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def balanced_classes(class_pointer: Array, class_eligible: Array, num: int,
+                     order: Optional[Array] = None) -> Tuple[Array, Array]:
+  """Balanced class selection: the next `num` eligible classes in a fixed cyclic order.
+
+  The paper's deterministic order: if the last class drawn was 10, the next draws are
+  11, 12, ... (ineligible classes skipped), wrapping around after the last class; the pointer
+  persists across calls. If `num` exceeds the number of eligible classes the cycle repeats
+  within the call.
+
+  Args:
+    class_pointer: int32 []; position in `order` of the class drawn last (-1 = none yet, so
+      the first class drawn is `order[0]`). `ReplayState.class_pointer`.
+    class_eligible: bool [C]; classes that may be drawn (have an eligible buffer image).
+    num: number of classes to draw (static).
+    order: optional int32 [C] permutation of the classes (position -> class). Default: the
+      identity (the paper's order; pointer = class index). Hook for the released code's
+      reshuffled order (issue 4): pass a permutation kept in the replay state and reshuffle it
+      when the pointer wraps.
+  Returns:
+    classes: int32 [num] class indices; all -1 if no class is eligible.
+    new_pointer: int32 []; position of the last class drawn (unchanged if none eligible).
+  Source: paper §4 "Balanced", SPEC §7.
+  """
+  class_eligible = jnp.asarray(class_eligible, bool)
+  c = class_eligible.shape[0]
+  if order is None:
+    order = jnp.arange(c, dtype=jnp.int32)
+  order = jnp.asarray(order, jnp.int32)
+  pointer = jnp.asarray(class_pointer, jnp.int32)
+  positions = jnp.arange(c, dtype=jnp.int32)
+  offset = jnp.mod(positions - pointer - 1, c)                 # 0 = the position after pointer
+  eligible_at = class_eligible[order]
+  ranked = jnp.argsort(jnp.where(eligible_at, offset, offset + c))   # eligible first, cyclic
+  num_eligible = jnp.sum(eligible_at, dtype=jnp.int32)
+  slot = jnp.mod(jnp.arange(num, dtype=jnp.int32), jnp.maximum(num_eligible, 1))
+  chosen = ranked[slot].astype(jnp.int32)
+  any_eligible = num_eligible > 0
+  classes = jnp.where(any_eligible, order[chosen], -1)
+  new_pointer = jnp.where(any_eligible, chosen[-1], pointer) if num > 0 else pointer
+  return classes, new_pointer
+
+
+def sample_classes(key: Array, probs: Array) -> Array:
+  """Draws one class per row of `probs`.
+
+  Args:
+    key: PRNG key.
+    probs: float [B, C] non-negative rows (need not be normalised).
+  Returns:
+    int32 [B] class indices ~ probs[b]; -1 for rows without mass (no eligible class).
+  Source: paper suppl. §B step 5, SPEC §7.
+  """
+  probs = jnp.asarray(probs, jnp.float32)
+  has_mass = probs.sum(axis=-1) > 0
+  logits = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+  drawn = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  return jnp.where(has_mass, drawn, -1)

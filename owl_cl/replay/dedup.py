@@ -1,0 +1,195 @@
+"""Deduplication schedules (paper §4 "Deduplication Schedules", SPEC §8).
+
+A dedup mask over the buffer (`ReplayState.dedup_mask`) marks images already replayed; they
+are ineligible until the next reset. Only replays are marked (never candidate sets).
+
+Schedules (by name):
+  'none'     nothing is ever marked ineligible; repeats are allowed, even within one call.
+  'epoch'    reset at the end of every epoch (a dataset's end also ends its last epoch).
+  'dataset'  reset at the end of every dataset (the paper's best).
+  (issue 4 adds 'fraction': reset once `fraction * N` images were replayed since the last
+  reset; it plugs into `DedupSchedule.in_call_reset` and `_SCHEDULES` below.)
+
+Resets happen in three ways:
+  * scheduled: the training loop calls `reset_if(state, 'epoch'|'dataset', schedule)` at the
+    event; it resets iff the schedule resets on that event.
+  * automatic, inside the jitted retrieval call: `auto_reset_if_exhausted` resets the mask
+    *before* selection when fewer unreplayed images remain than the call needs (the buffer is
+    exhausted for this cycle), and sets `state.auto_reset`. The few leftover images (< the
+    number of replays per call) then simply start the next cycle as eligible again. Doing this
+    inside jit keeps every replay slot valid, needs no host sync and keeps replicated state
+    identical on every host.
+  * the host calls `check_auto_reset(state)` after a call (whenever convenient: it reads one
+    scalar) to log a warning when an automatic reset happened.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from owl_cl.replay.state import ReplayState
+
+Array = jax.Array
+
+EVENTS = ('epoch', 'dataset')
+# name -> events on which the schedule resets, whether replays are marked.
+_SCHEDULES = {
+    'none': dict(events=(), marks=False),
+    'epoch': dict(events=('epoch', 'dataset'), marks=True),
+    'dataset': dict(events=('dataset',), marks=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DedupSchedule:
+  """A deduplication schedule (static config; hashable, so usable as a jit static argument).
+
+  Attributes:
+    name: one of `SCHEDULE_NAMES` ('none', 'epoch', 'dataset').
+    fraction: reserved for the 'fraction' schedule (issue 4); must be None for the others.
+  Raises:
+    ValueError: unknown name, or a fraction given to a schedule that does not take one.
+  Source: paper §4, SPEC §8.
+  """
+  name: str = 'dataset'
+  fraction: Optional[float] = None
+
+  def __post_init__(self):
+    if self.name not in _SCHEDULES:
+      raise ValueError(f'unknown dedup schedule {self.name!r}; known: {sorted(_SCHEDULES)}')
+    if self.fraction is not None:
+      raise ValueError(f'dedup schedule {self.name!r} takes no fraction')
+
+  @property
+  def marks_replays(self) -> bool:
+    """Whether replayed images become ineligible (False only for 'none')."""
+    return _SCHEDULES[self.name]['marks']
+
+  def resets_on(self, event: str) -> bool:
+    """Whether the schedule resets at `event` ('epoch' | 'dataset'); ValueError otherwise."""
+    if event not in EVENTS:
+      raise ValueError(f'unknown dedup event {event!r}; known: {EVENTS}')
+    return event in _SCHEDULES[self.name]['events']
+
+  def in_call_reset(self, state: ReplayState, num_needed: int) -> Array:
+    """bool []: whether a retrieval call needing `num_needed` images resets first (jittable).
+
+    True iff replays are marked and fewer than `num_needed` images are unreplayed. (The
+    'fraction' schedule of issue 4 ORs in `state.num_replayed >= ceil(fraction * N)`.)
+    """
+    if not self.marks_replays:
+      return jnp.zeros((), bool)
+    num_eligible = jnp.sum(~state.dedup_mask, dtype=jnp.int32)
+    return num_eligible < num_needed
+
+
+SCHEDULE_NAMES = tuple(_SCHEDULES)
+
+
+def as_schedule(schedule: Union[str, DedupSchedule]) -> DedupSchedule:
+  """Returns `schedule` as a DedupSchedule (a name is looked up); ValueError if unknown."""
+  if isinstance(schedule, DedupSchedule):
+    return schedule
+  if isinstance(schedule, str):
+    return DedupSchedule(schedule)
+  raise ValueError(f'expected a dedup schedule name or DedupSchedule, got {schedule!r}')
+
+
+def eligible_images(state: ReplayState, schedule: Union[str, DedupSchedule]) -> Array:
+  """bool [N]: buffer images that may be replayed now (all True with schedule 'none').
+
+  Source: SPEC §8. Jittable (schedule static).
+  """
+  schedule = as_schedule(schedule)
+  if not schedule.marks_replays:
+    return jnp.ones_like(state.dedup_mask)
+  return ~state.dedup_mask
+
+
+def mark_replayed(state: ReplayState, indices: Array, valid: Array,
+                  schedule: Union[str, DedupSchedule, None] = None) -> ReplayState:
+  """Records replays: marks `indices[valid]` in the dedup mask and updates the counters.
+
+  Args:
+    state: ReplayState.
+    indices: int [B] buffer indices that were replayed (duplicates allowed).
+    valid: bool [B]; only valid entries are marked/counted.
+    schedule: optional; with a schedule that marks nothing ('none') only the counters change.
+      None = always mark.
+  Returns:
+    the new ReplayState (num_replayed and total_replayed += number of valid entries).
+  Source: SPEC §8. Jittable.
+  """
+  indices = jnp.asarray(indices, jnp.int32)
+  valid = jnp.asarray(valid, bool)
+  count = jnp.sum(valid, dtype=jnp.int32)
+  mask = state.dedup_mask
+  if schedule is None or as_schedule(schedule).marks_replays:
+    # invalid entries point past the end and are dropped.
+    mask = mask.at[jnp.where(valid, indices, mask.shape[0])].set(True, mode='drop')
+  return state.replace(dedup_mask=mask, num_replayed=state.num_replayed + count,
+                       total_replayed=state.total_replayed + count)
+
+
+def reset(state: ReplayState) -> ReplayState:
+  """Unconditional reset: all images eligible again, num_replayed 0, num_resets + 1. Jittable."""
+  return state.replace(dedup_mask=jnp.zeros_like(state.dedup_mask),
+                       num_replayed=jnp.zeros_like(state.num_replayed),
+                       num_resets=state.num_resets + 1)
+
+
+def reset_if(state: ReplayState, event: str,
+             schedule: Union[str, DedupSchedule]) -> ReplayState:
+  """Scheduled reset: resets iff `schedule` resets on `event`.
+
+  Args:
+    state: ReplayState.
+    event: 'epoch' (end of an epoch) or 'dataset' (end of a dataset). Static.
+    schedule: schedule name or DedupSchedule. Static.
+  Returns:
+    the (possibly) reset state; unchanged otherwise.
+  Raises:
+    ValueError: unknown event or schedule.
+  Source: paper §4, SPEC §8.
+  """
+  if as_schedule(schedule).resets_on(event):
+    return reset(state)
+  return state
+
+
+def auto_reset_if_exhausted(state: ReplayState, schedule: Union[str, DedupSchedule],
+                            num_needed: int) -> ReplayState:
+  """In-call automatic reset (jittable): resets before selection when the buffer is exhausted.
+
+  Resets (like `reset`) iff `schedule.in_call_reset(state, num_needed)`, i.e. replays are
+  marked and fewer than `num_needed` images are unreplayed; sets `state.auto_reset` to that
+  flag (False otherwise) so the host can log it (`check_auto_reset`).
+
+  Args:
+    state: ReplayState.
+    schedule: schedule name or DedupSchedule (static).
+    num_needed: replays the call will make (static int).
+  Source: SPEC §8; this module's docstring.
+  """
+  flag = as_schedule(schedule).in_call_reset(state, num_needed)
+  reset_state = reset(state)
+  new = jax.tree_util.tree_map(lambda a, b: jnp.where(flag, a, b), reset_state, state)
+  return new.replace(auto_reset=flag)
+
+
+def check_auto_reset(state: ReplayState, logger: Optional[logging.Logger] = None) -> bool:
+  """Host-side: logs a warning and returns True iff the last call reset automatically.
+
+  Reads the scalar `state.auto_reset` (a device->host transfer of one bool).
+  """
+  if not bool(jax.device_get(state.auto_reset)):
+    return False
+  (logger or logging.getLogger(__name__)).warning(
+      'Replay buffer exhausted: every image was replayed since the last dedup reset; '
+      'the dedup mask was reset automatically (reset #%d, %d replays in total).',
+      int(jax.device_get(state.num_resets)), int(jax.device_get(state.total_replayed)))
+  return True

@@ -1,0 +1,272 @@
+"""Host-side replay store: the buffer images' training examples, DER++ logits, buffer arrays.
+
+`ReplayStore` holds, for N buffer images (SPEC §6):
+  * the preprocessed training examples, with the batch-dict keys of CONVENTIONS.md
+    (`images`, `queries`, `labels`, `boxes`, `query_class`; optionally `image_id`,
+    `orig_size`, and any further per-image key), leading dim N;
+  * `stored_logits` [N, T, Q]: the pre-trained model's logits for DER++ (SPEC §3);
+  * the `ReplayBuffer` arrays used by retrieval (`class_membership`, `prototypes`,
+    `prototype_distances`, `class_embeddings`, `query_embeddings`).
+
+`gather(indices)` returns a batch dict (NumPy fancy indexing) for the train step.
+
+Storage of the logits (`logits_dtype`): 'float32', 'float16' (default) or 'bfloat16'.
+Padded query slots (all-zero token rows: the model's query mask, SPEC §1) are stored as 0
+and restored to exactly `pad_logit` (-1e6, scenic) at gather time, so the DER++ MSE of padded
+slots stays exactly 0 (-1e6 is not representable in float16 and only approximately in
+bfloat16). Real logits are clipped to the float16 range (+-65504) before casting; the
+rounding error is relative: 2^-11 (float16) or 2^-8 (bfloat16), e.g. +-0.005 / +-0.04 on a
+logit of 10. Gathered logits are always float32. Images stored as uint8 are returned as
+float32 / 255 (note: the training pad value 0.5 is not exact in uint8).
+
+On disk (`save`/`load`): a directory with one `.npy` per array (bfloat16 saved as its uint16
+bit pattern) and `meta.json`; written to a temporary sibling directory and renamed into place
+(atomic on POSIX filesystems). `load(mmap=True)` memory-maps the arrays, so a store larger
+than RAM is read lazily by `gather`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from owl_cl.replay.state import ReplayBuffer, make_replay_buffer
+
+REQUIRED_EXAMPLE_KEYS = ('images', 'queries', 'labels', 'boxes', 'query_class')
+BUFFER_KEYS = ('class_membership', 'prototypes', 'prototype_distances', 'class_embeddings',
+               'query_embeddings')
+LOGITS_DTYPES = {'float32': np.dtype(np.float32), 'float16': np.dtype(np.float16),
+                 'bfloat16': np.dtype(ml_dtypes.bfloat16)}
+FORMAT_VERSION = 1
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def query_padding(queries: np.ndarray) -> np.ndarray:
+  """bool [..., Q]: padded query slots (all-zero token rows), as the model's mask (SPEC §1)."""
+  return np.asarray(queries)[..., 0] == 0
+
+
+def encode_logits(logits: np.ndarray, queries: np.ndarray, dtype: str = 'float16') -> np.ndarray:
+  """Converts float [n, T, Q] logits to the storage dtype (padded slots -> 0, see module doc).
+
+  Args:
+    logits: float [n, T, Q] (padded query slots hold the model's pad value).
+    queries: int [n, Q, L] the images' query tokens.
+    dtype: 'float32' | 'float16' | 'bfloat16'.
+  Returns:
+    np.ndarray [n, T, Q] of the storage dtype.
+  Raises:
+    ValueError: unknown dtype or shape mismatch.
+  """
+  if dtype not in LOGITS_DTYPES:
+    raise ValueError(f'unknown logits dtype {dtype!r}; known: {sorted(LOGITS_DTYPES)}')
+  logits = np.asarray(logits, np.float32)
+  pad = query_padding(queries)
+  if logits.ndim != 3 or pad.shape != (logits.shape[0], logits.shape[2]):
+    raise ValueError(f'logits {logits.shape} do not match queries {np.shape(queries)}')
+  logits = np.where(pad[:, None, :], 0.0, np.clip(logits, -_FLOAT16_MAX, _FLOAT16_MAX))
+  return logits.astype(LOGITS_DTYPES[dtype])
+
+
+def decode_logits(stored: np.ndarray, queries: np.ndarray, pad_logit: float = -1e6) -> np.ndarray:
+  """Inverse of `encode_logits`: float32 [n, T, Q] with padded slots = pad_logit exactly."""
+  pad = query_padding(queries)
+  return np.where(pad[:, None, :], np.float32(pad_logit),
+                  np.asarray(stored).astype(np.float32)).astype(np.float32)
+
+
+def _buffer_dict(buffer: Any) -> Dict[str, np.ndarray]:
+  if isinstance(buffer, ReplayBuffer):
+    buffer = {k: getattr(buffer, k) for k in BUFFER_KEYS}
+  missing = [k for k in BUFFER_KEYS if k not in buffer]
+  if missing:
+    raise ValueError(f'buffer arrays missing {missing}')
+  return {k: np.asarray(buffer[k]) for k in BUFFER_KEYS}
+
+
+class ReplayStore:
+  """Host-side arrays of the N buffer images (see the module docstring).
+
+  Args:
+    examples: mapping key -> array with leading dim N; must contain REQUIRED_EXAMPLE_KEYS.
+    stored_logits: float [N, T, Q] pre-trained logits (or already encoded, see
+      `logits_encoded`).
+    buffer: ReplayBuffer or mapping with BUFFER_KEYS (`class_membership` [N, C] bool,
+      `prototypes` [C, E], `prototype_distances` [N, C], `class_embeddings` [N, k, E],
+      `query_embeddings` [N, k, E]).
+    class_names: C strings, contiguous class index -> name.
+    logits_dtype: storage dtype of the logits: 'float32' | 'float16' | 'bfloat16'.
+    pad_logit: the model's padded-query logit (-1e6 scenic; HF uses float min).
+    logits_encoded: True if `stored_logits` is already `encode_logits` output of
+      `logits_dtype` (used by `load`).
+  Raises:
+    ValueError: missing keys, inconsistent leading dims / class counts, unknown dtype.
+  Source: SPEC §3 (DER++), §6 (buffer contents), §11 (size).
+  """
+
+  def __init__(self, examples: Mapping[str, np.ndarray], stored_logits: np.ndarray,
+               buffer: Any, class_names: Sequence[str], *, logits_dtype: str = 'float16',
+               pad_logit: float = -1e6, logits_encoded: bool = False):
+    missing = [k for k in REQUIRED_EXAMPLE_KEYS if k not in examples]
+    if missing:
+      raise ValueError(f'examples missing keys {missing}')
+    if logits_dtype not in LOGITS_DTYPES:
+      raise ValueError(f'unknown logits dtype {logits_dtype!r}; known: {sorted(LOGITS_DTYPES)}')
+    self.examples = {k: v if isinstance(v, np.ndarray) else np.asarray(v)
+                     for k, v in examples.items()}
+    n = self.examples['images'].shape[0]
+    for k, v in self.examples.items():
+      if v.shape[:1] != (n,):
+        raise ValueError(f'examples[{k!r}] has leading dim {v.shape[:1]}, expected ({n},)')
+    self.logits_dtype = logits_dtype
+    self.pad_logit = float(pad_logit)
+    if logits_encoded:
+      if np.dtype(stored_logits.dtype) != LOGITS_DTYPES[logits_dtype]:
+        raise ValueError(f'encoded logits have dtype {stored_logits.dtype}, '
+                         f'expected {logits_dtype}')
+      self.stored_logits = stored_logits
+    else:
+      self.stored_logits = encode_logits(stored_logits, self.examples['queries'], logits_dtype)
+    if self.stored_logits.shape[0] != n:
+      raise ValueError(f'stored_logits leading dim {self.stored_logits.shape[0]} != N={n}')
+    self.buffer_arrays = _buffer_dict(buffer)
+    membership = self.buffer_arrays['class_membership']
+    if membership.shape[0] != n:
+      raise ValueError(f'class_membership leading dim {membership.shape[0]} != N={n}')
+    self._class_names = tuple(str(c) for c in class_names)
+    if len(self._class_names) != membership.shape[1]:
+      raise ValueError(f'{len(self._class_names)} class names for C={membership.shape[1]}')
+
+  @property
+  def num_images(self) -> int:
+    """N, the number of buffer images."""
+    return int(self.examples['images'].shape[0])
+
+  @property
+  def num_classes(self) -> int:
+    """C, the number of buffer classes."""
+    return int(self.buffer_arrays['class_membership'].shape[1])
+
+  @property
+  def class_names(self) -> tuple:
+    """C class names (contiguous index -> text)."""
+    return self._class_names
+
+  def replay_buffer(self) -> ReplayBuffer:
+    """The retrieval arrays as a `ReplayBuffer` of jnp arrays (on the default device)."""
+    return make_replay_buffer(**{k: np.asarray(v) for k, v in self.buffer_arrays.items()})
+
+  def gather(self, indices, valid: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
+    """Batch dict of the buffer images `indices` (host-side NumPy fancy indexing).
+
+    Args:
+      indices: int [n] buffer indices in [0, N) (duplicates allowed).
+      valid: optional bool [n] (the retrieval's validity mask); ANDed into `example_mask`.
+    Returns:
+      dict with every example key ([n, ...]; uint8 images -> float32 / 255), `stored_logits`
+      float32 [n, T, Q] (padded slots = pad_logit), `example_mask` bool [n], `buffer_index`
+      int32 [n].
+    Raises:
+      IndexError: an index outside [0, N). ValueError: valid's shape differs from indices'.
+    Source: SPEC §3 (DER++ replay batch), CONVENTIONS.md batch dict.
+    """
+    indices = np.asarray(indices).astype(np.int64).reshape(-1)
+    if indices.size and (indices.min() < 0 or indices.max() >= self.num_images):
+      raise IndexError(f'buffer indices must lie in [0, {self.num_images})')
+    batch = {}
+    for k, v in self.examples.items():
+      x = np.asarray(v[indices])
+      if k == 'images' and x.dtype == np.uint8:
+        x = x.astype(np.float32) / np.float32(255.0)
+      batch[k] = x
+    batch['stored_logits'] = decode_logits(self.stored_logits[indices], batch['queries'],
+                                           self.pad_logit)
+    mask = np.ones(indices.shape, bool)
+    if 'example_mask' in batch:
+      mask &= batch['example_mask'].astype(bool)
+    if valid is not None:
+      valid = np.asarray(valid, bool)
+      if valid.shape != indices.shape:
+        raise ValueError(f'valid {valid.shape} does not match indices {indices.shape}')
+      mask &= valid
+    batch['example_mask'] = mask
+    batch['buffer_index'] = indices.astype(np.int32)
+    return batch
+
+  # ------------------------------------------------------------------------- persistence
+  def _arrays(self) -> Dict[str, np.ndarray]:
+    arrays = {f'examples.{k}': v for k, v in self.examples.items()}
+    arrays['stored_logits'] = self.stored_logits
+    arrays.update({f'buffer.{k}': v for k, v in self.buffer_arrays.items()})
+    return arrays
+
+  def save(self, path: str) -> None:
+    """Writes the store to directory `path` atomically (temp sibling dir + rename).
+
+    An existing store at `path` is replaced. Raises OSError on filesystem errors (the
+    temporary directory is removed).
+    """
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + '.tmp-', dir=parent)
+    try:
+      meta = dict(format_version=FORMAT_VERSION, class_names=list(self._class_names),
+                  logits_dtype=self.logits_dtype, pad_logit=self.pad_logit, arrays={})
+      for name, array in self._arrays().items():
+        array = np.asarray(array)
+        dtype = str(array.dtype)
+        if array.dtype == LOGITS_DTYPES['bfloat16']:
+          array, dtype = array.view(np.uint16), 'bfloat16'
+        with open(os.path.join(tmp, name + '.npy'), 'wb') as f:
+          np.save(f, array, allow_pickle=False)
+          f.flush()
+          os.fsync(f.fileno())
+        meta['arrays'][name] = dtype
+      with open(os.path.join(tmp, 'meta.json'), 'w') as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+      old = None
+      if os.path.exists(path):
+        old = f'{path}.old-{uuid.uuid4().hex}'
+        os.rename(path, old)
+      os.rename(tmp, path)
+      if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+
+  @classmethod
+  def load(cls, path: str, mmap: bool = True) -> 'ReplayStore':
+    """Reads a store written by `save`.
+
+    Args:
+      path: the store directory.
+      mmap: memory-map the arrays (read lazily by `gather`); False loads them into RAM.
+    Raises:
+      FileNotFoundError: no store at path. ValueError: unsupported format version.
+    """
+    with open(os.path.join(path, 'meta.json')) as f:
+      meta = json.load(f)
+    if meta.get('format_version') != FORMAT_VERSION:
+      raise ValueError(f'unsupported replay store format {meta.get("format_version")}')
+    arrays = {}
+    for name, dtype in meta['arrays'].items():
+      array = np.load(os.path.join(path, name + '.npy'), mmap_mode='r' if mmap else None,
+                      allow_pickle=False)
+      if dtype == 'bfloat16':
+        array = array.view(LOGITS_DTYPES['bfloat16'])
+      arrays[name] = array
+    examples = {k[len('examples.'):]: v for k, v in arrays.items() if k.startswith('examples.')}
+    buffer = {k[len('buffer.'):]: v for k, v in arrays.items() if k.startswith('buffer.')}
+    return cls(examples, arrays['stored_logits'], buffer, meta['class_names'],
+               logits_dtype=meta['logits_dtype'], pad_logit=meta['pad_logit'],
+               logits_encoded=True)

@@ -1,0 +1,225 @@
+"""Built-in benchmark: determinism, caching, exact boxes, split requirements."""
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+from pycocotools import mask as mask_utils
+
+from owl_cl.data import builtin as B
+from owl_cl.data.coco import CocoSource
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools")
+
+TINY = dict(num_pretrain_train=10, num_pretrain_val=3, num_held_out_val=4,
+            num_downstream_train=4, num_downstream_test=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  return B.ensure_benchmark(str(tmp_path_factory.mktemp("cache_a")), seed=7, progress=False,
+                            **TINY)
+
+
+def _all_files(root):
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for f in files:
+      out[os.path.relpath(os.path.join(dirpath, f), root)] = os.path.join(dirpath, f)
+  return out
+
+
+def test_deterministic(tiny, tmp_path):
+  other = B.ensure_benchmark(str(tmp_path), seed=7, progress=False, **TINY)
+  assert os.path.basename(other.root) == os.path.basename(tiny.root)
+  fa, fb = _all_files(tiny.root), _all_files(other.root)
+  assert set(fa) == set(fb)
+  for rel in fa:
+    if rel == "benchmark.json":
+      continue  # holds the generation wall time
+    if rel.endswith(".json"):
+      with open(fa[rel], "rb") as f1, open(fb[rel], "rb") as f2:
+        assert f1.read() == f2.read(), rel
+    else:
+      np.testing.assert_array_equal(np.asarray(Image.open(fa[rel])),
+                                    np.asarray(Image.open(fb[rel])), err_msg=rel)
+  # Another seed gives other pixels.
+  third = B.ensure_benchmark(str(tmp_path), seed=8, progress=False, num_pretrain_train=2,
+                             num_pretrain_val=1, num_held_out_val=1, num_downstream_train=1,
+                             num_downstream_test=1, downstream=("tiny",))
+  assert third.root != other.root
+  a = np.asarray(Image.open(os.path.join(third.root, "pretrain", "images", "train_000000.png")))
+  b = np.asarray(Image.open(os.path.join(tiny.root, "pretrain", "images", "train_000000.png")))
+  assert a.shape != b.shape or not np.array_equal(a, b)
+
+
+def test_cache_reused_and_incomplete_regenerated(tmp_path):
+  kw = dict(seed=1, progress=False, num_pretrain_train=2, num_pretrain_val=1,
+            num_held_out_val=1, num_downstream_train=1, num_downstream_test=1,
+            downstream=("digits",))
+  bm = B.ensure_benchmark(str(tmp_path), **kw)
+  marker = os.path.join(bm.root, "benchmark.json")
+  mtime = os.stat(marker).st_mtime_ns
+  bm2 = B.ensure_benchmark(str(tmp_path), **kw)
+  assert os.stat(marker).st_mtime_ns == mtime and bm2.counts == bm.counts
+  # A missing image makes the cache incomplete: regenerated, not trusted.
+  os.remove(os.path.join(bm.root, "digits", "images", "train_000000.png"))
+  bm3 = B.ensure_benchmark(str(tmp_path), **kw)
+  assert os.path.isfile(os.path.join(bm3.root, "digits", "images", "train_000000.png"))
+  # No temporary folders are left behind.
+  assert [d for d in os.listdir(tmp_path) if d.startswith(".")] == []
+  with pytest.raises(ValueError, match="unknown downstream"):
+    B.ensure_benchmark(str(tmp_path), downstream=("nope",), progress=False)
+
+
+def test_failed_generation_leaves_no_cache(tmp_path, monkeypatch):
+  calls = []
+
+  def boom(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("interrupted")
+    return real(*args, **kwargs)
+
+  real = B._write_split
+  monkeypatch.setattr(B, "_write_split", boom)
+  kw = dict(seed=2, progress=False, num_pretrain_train=1, num_pretrain_val=1,
+            num_held_out_val=1, num_downstream_train=1, num_downstream_test=1,
+            downstream=("tiny",))
+  with pytest.raises(RuntimeError, match="interrupted"):
+    B.ensure_benchmark(str(tmp_path), **kw)
+  assert os.listdir(tmp_path) == []
+  monkeypatch.setattr(B, "_write_split", real)
+  bm = B.ensure_benchmark(str(tmp_path), **kw)
+  assert bm.counts["tiny/test"]["images"] == 1
+
+
+def test_boxes_exact_and_inside(tiny):
+  for (ds, sp), files in tiny.splits.items():
+    with open(files.annotation_file) as f:
+      data = json.load(f)
+    ims = {im["id"]: im for im in data["images"]}
+    per_image = {}
+    for a in data["annotations"]:
+      im = ims[a["image_id"]]
+      x, y, w, h = a["bbox"]
+      assert 0 <= x and 0 <= y and x + w <= im["width"] and y + h <= im["height"]
+      m = mask_utils.decode(dict(size=a["segmentation"]["size"],
+                                 counts=a["segmentation"]["counts"].encode()))
+      assert m.shape == (im["height"], im["width"]) and a["area"] == int(m.sum()) > 0
+      ys, xs = np.nonzero(m)
+      assert [xs.min(), ys.min(), xs.max() + 1 - xs.min(), ys.max() + 1 - ys.min()] == [x, y, w,
+                                                                                        h]
+      per_image.setdefault(a["image_id"], []).append((a, m))
+    for im_id, objs in per_image.items():
+      assert 1 <= len(objs) <= 4, (ds, sp, im_id)
+      for (a, ma), (b, mb) in itertools.combinations(objs, 2):
+        assert not (ma & mb).any()
+        assert mask_utils.iou([a["bbox"]], [b["bbox"]], [0])[0, 0] < 0.3
+    assert set(per_image) == set(ims), (ds, sp)  # every image has an object
+
+
+def test_object_pixels_carry_the_class_colour(tiny):
+  """Pixels under a pre-training object's mask have that class's colour (nearest of 5)."""
+  src = tiny.source("pretrain", "train")
+  palette = np.array([B.COLORS[c] for c in B.PRETRAIN_COLORS], np.float32)
+  n = 0
+  for i in range(len(src)):
+    ex = src.load(i)
+    anns = src.coco.loadAnns(src.coco.getAnnIds(imgIds=[ex["image_id"]]))
+    for a in anns:
+      m = mask_utils.decode(dict(size=a["segmentation"]["size"],
+                                 counts=a["segmentation"]["counts"].encode())).astype(bool)
+      mean = ex["image"][m].astype(np.float32).mean(0)
+      colour = B.PRETRAIN_COLORS[int(np.argmin(((palette - mean) ** 2).sum(1)))]
+      name = src.coco.cats[a["category_id"]]["name"]
+      assert name.split()[0] == colour, (i, name, mean)
+      n += 1
+  assert n >= 10
+
+
+def test_read_through_coco_source(tiny):
+  for (ds, sp) in tiny.splits:
+    src = tiny.source(ds, sp)
+    assert isinstance(src, CocoSource) and len(src) == tiny.counts[f"{ds}/{sp}"]["images"]
+    assert src.class_names == list(tiny.classes[ds])
+    ex = src.load(0)
+    assert ex["image"].dtype == np.uint8 and ex["image"].ndim == 3
+    assert 96 <= max(ex["image"].shape[:2]) <= 128 and min(ex["image"].shape[:2]) >= 48
+    assert len(ex["labels"]) >= 1
+
+
+def test_accessors(tiny):
+  assert tiny.pretrain_train == tiny.split("pretrain", "train")
+  assert tiny.pretrain_train.name == "pretrain/train"
+  assert tiny.held_out_val.source().name == "held_out/val"
+  assert [d.name for d in tiny.downstream] == list(B.DOWNSTREAM_NAMES)
+  assert tiny.downstream[0].test == tiny.split(B.DOWNSTREAM_NAMES[0], "test")
+  assert tiny.fingerprint.startswith(f"builtin_v{B.FORMAT_VERSION}_")
+  assert tiny.pretrain_classes == tuple(B.pretrain_class_names())
+  with pytest.raises(KeyError, match="available"):
+    tiny.split("pretrain", "test")
+
+
+def test_held_out_never_in_pretraining(tiny):
+  held = set(B.held_out_class_names())
+  for sp in ("train", "val"):
+    with open(tiny.split("pretrain", sp).annotation_file) as f:
+      names = {c["name"] for c in json.load(f)["categories"]}
+    assert not names & held
+  with open(tiny.split("held_out", "val").annotation_file) as f:
+    data = json.load(f)
+  assert {c["name"] for c in data["categories"]} == held
+  assert len(data["annotations"]) > 0
+  # Compositional: every held-out word occurs in pre-training class names.
+  pre_words = {w for n in B.pretrain_class_names() for w in n.split()}
+  assert all(w in pre_words for n in held for w in n.split())
+  # Distractors (clutter) are pre-training classes only.
+  assert not {f"{c} {s}" for c, s in B._PRETRAIN_PAIRS} & held
+
+
+def test_requirements_at_default_sizes():
+  cfg = B.BuiltinConfig()
+  splits = {(d, s): (dom, n) for d, s, dom, n in cfg.splits()}
+  pre_dom, n_pre = splits[("pretrain", "train")]
+  assert len(pre_dom.classes) >= 20 and n_pre >= 1000
+  assert splits[("pretrain", "val")][1] >= 150
+  assert splits[("held_out", "val")][1] >= 100
+  downstream = [d for d in cfg.downstream]
+  assert len(downstream) >= 5
+  all_names = [n for n, _ in pre_dom.classes] + [n for n, _ in splits[("held_out", "val")][0]
+                                                 .classes]
+  for d in downstream:
+    dom, n_train = splits[(d, "train")]
+    assert 1 <= len(dom.classes) <= 6 and 100 <= n_train <= 400
+    assert splits[(d, "test")][1] >= 50
+    all_names += [n for n, _ in dom.classes]
+    # Objects not too small at a 64 px input (scale-shift dataset may go to ~8 px).
+    assert dom.size_frac[0] * 64 >= (8.5 if d == "tiny" else 12.5)
+    assert dom.n_objects[0] >= 1 and dom.n_objects[1] <= 4
+  assert len(all_names) == len(set(all_names))  # new class names per dataset
+  total = sum(n for _, n in splits.values())
+  assert total == 1200 + 200 + 100 + len(downstream) * 260
+
+
+def test_object_sizes_after_resize(tiny):
+  for (ds, sp), files in tiny.splits.items():
+    with open(files.annotation_file) as f:
+      data = json.load(f)
+    ims = {im["id"]: im for im in data["images"]}
+    for a in data["annotations"]:
+      im = ims[a["image_id"]]
+      long_side = max(a["bbox"][2:]) * 64 / max(im["height"], im["width"])
+      assert long_side >= (8.0 if ds == "tiny" else 11.0), (ds, a)
+
+
+def test_describe_and_preview(tiny, tmp_path):
+  text = tiny.describe()
+  for ds in ["pretrain", "held_out"] + list(B.DOWNSTREAM_NAMES):
+    assert f"| {ds} |" in text
+  assert "red triangle" in text and "train 10 /" in text
+  p = B.render_preview(tiny, str(tmp_path / "grid.png"), per_dataset=2)
+  assert Image.open(p).size[0] > 100

@@ -1,0 +1,194 @@
+"""Tests of owl_cl.eval.results: schema, Table-3 markdown, merge, ownership and atomicity."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from owl_cl.eval import results as rl
+
+
+def metrics(ap, ap50, **extra):
+  return {"AP": ap, "AP50": ap50, "AP75": ap / 2, **extra}
+
+
+def make_results(run_id="run-a", algorithm="swil", final_shift=0.0, n_stages=3):
+  stages = [
+      {"name": "pretrained", "metrics": {
+          "o365": metrics(0.242, 0.35), "lvis": metrics(0.290, 0.40, APr=0.238),
+          "D1": metrics(0.10, 0.20), "D2": metrics(0.14, 0.30)}},
+      {"name": "D1", "wall_time_s": 60.0, "metrics": {
+          "o365": metrics(0.230, 0.33), "lvis": metrics(0.270, 0.38, APr=0.220),
+          "D1": metrics(0.60, 0.80), "D2": metrics(0.20, 0.32)}},
+      {"name": "D2", "wall_time_s": 70.0, "metrics": {
+          "o365": metrics(0.225 + final_shift, 0.32), "lvis": metrics(0.249, 0.36, APr=0.216),
+          "D1": metrics(0.40, 0.70), "D2": metrics(0.71, 0.90)}},
+  ][:n_stages]
+  return {
+      "run_id": run_id, "algorithm": algorithm, "config": {"lr": 1e-5, "arr": np.arange(2)},
+      "seed": 3, "sequence": ["D1", "D2"], "wall_times": {"total": 7200.0},
+      "roles": {"pretrain": "o365", "open_vocab": "lvis",
+                "held_out": {"eval_set": "lvis", "AP": "APr", "AP50": None},
+                "downstream": ["D1", "D2"]},
+      "stages": stages,
+  }
+
+
+def test_finalize_summary_and_forgetting():
+  r = rl.finalize_results(make_results())
+  assert r["schema"] == rl.SCHEMA and r["schema_version"] == rl.SCHEMA_VERSION
+  nf, final = r["summary"]["no_finetuning"], r["summary"]["final"]
+  assert nf["pretrain_AP"] == pytest.approx(0.242)
+  assert nf["held_out_AP"] == pytest.approx(0.238)
+  assert nf["held_out_AP50"] is None  # NaN stored as null
+  assert nf["downstream_mean_AP"] == pytest.approx(0.12)
+  assert final["stage"] == "D2"
+  assert final["downstream_mean_AP"] == pytest.approx((0.40 + 0.71) / 2)
+  assert final["downstream_mean_AP50"] == pytest.approx(0.8)
+  f = r["forgetting"]["AP"]
+  assert f["per_set"]["o365"]["forgetting"] == pytest.approx(0.242 - 0.225)
+  assert f["per_set"]["D1"]["forgetting"] == pytest.approx(0.2)
+  assert f["bwt"] == pytest.approx(-0.2)
+  assert f["fwt"] == pytest.approx(0.20 - 0.14)
+  assert r["config"]["arr"] == [0, 1]
+  assert r["stages"][2]["index"] == 2 and r["stages"][2]["trained_on"] == "D2"
+  json.dumps(r, allow_nan=False)  # strict JSON
+  with pytest.raises(ValueError):
+    rl.finalize_results({**make_results(), "run_id": ""})
+  with pytest.raises(ValueError):
+    rl.finalize_results({**make_results(), "stages": []})
+
+
+def test_write_results_files_and_markdown_numbers(tmp_path):
+  workdir = str(tmp_path / "run")
+  written = rl.write_results(workdir, make_results())
+  with open(os.path.join(workdir, "results.json")) as f:
+    data = json.load(f)
+  assert data["run_id"] == "run-a" and data["summary"] == written["summary"]
+  md = open(os.path.join(workdir, "results.md")).read()
+  assert md.startswith('<!-- owl_cl-results run_id="run-a"')
+  # (a) Table 3 layout: No fine-tuning = stage 0, algorithm = final stage, % one decimal.
+  assert "| No fine-tuning | 24.2 | 29.0 | 23.8 | 12.0 |" in md
+  assert "| swil | 22.5 | 24.9 | 21.6 | 55.5 |" in md
+  assert "| No fine-tuning | 35.0 | 40.0 | - | 25.0 |" in md  # AP50 table
+  assert "| swil | 32.0 | 36.0 | - | 80.0 |" in md
+  assert "O365 stand-in (`o365`)" in md and "held-out (rare) (`lvis` APr)" in md
+  assert "ODinW stand-in mean (2 sets)" in md
+  # (b) per-dataset matrices.
+  assert "| 1: D1 | 23.0 | 27.0 | 60.0 | 20.0 | 40.0 |" in md  # AP
+  assert "| 2: D2 | 32.0 | 36.0 | 70.0 | 90.0 | 80.0 |" in md  # AP50
+  # (c) forgetting / BWT.
+  assert "| `D1` | D1 | 10.0 | 60.0 | 40.0 | 20.0 | 400.0 |" in md
+  assert "- BWT: -20.0" in md and "- average forgetting: 20.0" in md
+  assert "- FWT: +6.0" in md
+  assert not [p for p in os.listdir(workdir) if p.endswith(".tmp")]
+
+
+def test_rewrite_own_run_keeps_created_at(tmp_path):
+  workdir = str(tmp_path)
+  first = rl.write_results(workdir, make_results(n_stages=2))
+  assert "(partial: 1/2 datasets)" in open(os.path.join(workdir, "results.md")).read()
+  second = rl.write_results(workdir, make_results(n_stages=3))
+  assert second["created_at"] == first["created_at"]
+  assert len(rl.load_results(workdir)["stages"]) == 3
+
+
+def test_refuses_to_overwrite_another_run(tmp_path):
+  workdir = str(tmp_path)
+  rl.write_results(workdir, make_results(run_id="run-a"))
+  before = {n: open(os.path.join(workdir, n)).read() for n in ("results.json", "results.md")}
+  with pytest.raises(rl.ResultsConflictError):
+    rl.write_results(workdir, make_results(run_id="run-b"))
+  with pytest.raises(FileExistsError):  # ResultsConflictError is a FileExistsError
+    rl.write_results(workdir, make_results(run_id="run-b"))
+  after = {n: open(os.path.join(workdir, n)).read() for n in ("results.json", "results.md")}
+  assert before == after
+  # A results.md of another run alone also blocks, and so does an unattributable file.
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "results.md").write_text("# hand-written notes\n")
+  with pytest.raises(rl.ResultsConflictError):
+    rl.write_results(str(other), make_results())
+  assert (other / "results.md").read_text() == "# hand-written notes\n"
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  (broken / "results.json").write_text("{not json")
+  with pytest.raises(rl.ResultsConflictError):
+    rl.write_results(str(broken), make_results())
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+  workdir = str(tmp_path)
+  rl.write_results(workdir, make_results())
+  before = open(os.path.join(workdir, "results.json")).read()
+
+  def failing_fsync(fd):
+    raise OSError("disk full")
+
+  monkeypatch.setattr(rl.os, "fsync", failing_fsync)
+  with pytest.raises(OSError):
+    rl.write_results(workdir, make_results(final_shift=0.01))
+  monkeypatch.undo()
+  assert open(os.path.join(workdir, "results.json")).read() == before
+  assert json.loads(before)["run_id"] == "run-a"
+  assert not [p for p in os.listdir(workdir) if p.endswith(".tmp")]
+
+
+def test_merge_results_tables(tmp_path):
+  paths = []
+  for n, (run_id, algo, shift) in enumerate([("a1", "no_replay", -0.2), ("b1", "swil", 0.0),
+                                             ("b2", "swil", 0.01)]):
+    workdir = str(tmp_path / run_id)
+    rl.write_results(workdir, make_results(run_id=run_id, algorithm=algo, final_shift=shift))
+    paths.append(workdir if n % 2 else os.path.join(workdir, "results.json"))
+  md = rl.merge_results_tables(paths)
+  assert "| No fine-tuning | 3 | 24.2 | 29.0 | 23.8 | 12.0 |" in md
+  assert "| no_replay | 1 | 2.5 | 24.9 | 21.6 | 55.5 |" in md
+  assert "| swil | 2 | 23.0 | 24.9 | 21.6 | 55.5 |" in md  # mean of 22.5 and 23.5
+  per_run = rl.merge_results_tables(paths, group_by_algorithm=False)
+  assert "| swil (b2) | 1 | 23.5 |" in per_run
+  bad = make_results(run_id="c1")
+  bad["roles"]["pretrain"] = "lvis"
+  rl.write_results(str(tmp_path / "c1"), bad)
+  with pytest.raises(ValueError):
+    rl.merge_results_tables(paths + [str(tmp_path / "c1")])
+  with pytest.raises(ValueError):
+    rl.merge_results_tables([])
+
+
+def test_missing_values_render_as_dash(tmp_path):
+  r = make_results()
+  del r["stages"][2]["metrics"]["D2"]
+  r["stages"][2]["metrics"]["o365"]["AP"] = float("nan")
+  final = rl.write_results(str(tmp_path), r)
+  assert final["summary"]["final"]["downstream_mean_AP"] is None
+  assert final["summary"]["final"]["pretrain_AP"] is None
+  md = open(os.path.join(tmp_path, "results.md")).read()
+  assert "| swil | - | 24.9 | 21.6 | - |" in md
+  assert math.isnan(rl.table3_row(r["stages"][2], rl.finalize_results(r)["roles"])
+                    ["downstream_mean_AP"])
+
+
+def test_eval_sets_alias_extra_keys_and_hidden_columns(tmp_path):
+  """The form written by owl_cl.experiment: `eval_sets` roles, extra keys, no LVIS column."""
+  r = make_results()
+  del r["roles"]
+  r["eval_sets"] = {"pretrain": "o365", "held_out": "lvis", "downstream": ["D1", "D2"]}
+  del r["wall_times"]
+  r.update(status="complete", timings={"wall_seconds": 3600.0}, retrieval="swil")
+  r["stages"][1]["train"] = {"loss": np.float32(0.5)}
+  final = rl.write_results(str(tmp_path), r)
+  assert final["status"] == "complete" and final["retrieval"] == "swil"
+  assert final["timings"] == {"wall_seconds": 3600.0}
+  assert final["stages"][1]["train"] == {"loss": 0.5}
+  assert final["roles"]["open_vocab"]["eval_set"] is None
+  assert final["summary"]["final"]["held_out_AP"] == pytest.approx(0.249)
+  md = open(os.path.join(tmp_path, "results.md")).read()
+  assert ("| Algorithm | O365 stand-in (`o365`) | LVIS stand-in / held-out (rare) (`lvis`) | "
+          "ODinW stand-in mean (2 sets) |") in md
+  assert "| swil | 22.5 | 24.9 | 55.5 |" in md
+  assert "- wall time: 1.00 h" in md and "- status: complete" in md
+  merged = rl.merge_results_tables([str(tmp_path)])
+  assert "| swil | 1 | 22.5 | 24.9 | 55.5 |" in merged

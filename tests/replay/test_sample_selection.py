@@ -1,0 +1,78 @@
+"""Tests of owl_cl.replay.sample_selection (SPEC §7)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from owl_cl.replay import sample_selection as ss
+
+# 6 images, 3 classes.
+MEMBERSHIP = np.array([
+    [1, 0, 0],
+    [1, 1, 0],
+    [0, 1, 0],
+    [0, 0, 1],
+    [1, 0, 0],
+    [0, 1, 0],
+], bool)
+
+
+def test_class_eligibility():
+  eligible = np.array([0, 0, 1, 1, 0, 0], bool)
+  np.testing.assert_array_equal(np.asarray(ss.class_eligibility(MEMBERSHIP, eligible)),
+                                [False, True, True])
+
+
+_in_class = jax.jit(ss.uniform_in_class, static_argnames='without_replacement')
+
+
+def test_uniform_in_class_members_unique_and_fallback():
+  eligible = np.ones(6, bool)
+  for seed in range(10):
+    idx, valid = _in_class(jax.random.PRNGKey(seed), MEMBERSHIP, eligible,
+                           np.array([0, 0, 0, 2], np.int32))
+    idx, valid = np.asarray(idx), np.asarray(valid)
+    assert valid.all()
+    assert len(set(idx.tolist())) == 4                       # never twice within a call
+    assert MEMBERSHIP[idx[:3], 0].all()                      # class 0 has exactly 3 images
+    assert idx[3] == 3
+  # class 2 has a single image: the second slot falls back to another eligible image.
+  idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, eligible, np.array([2, 2], np.int32))
+  assert np.asarray(valid).all() and idx[0] == 3 and idx[1] != 3
+  # class -1 means "any eligible image".
+  only = np.array([0, 0, 0, 0, 1, 0], bool)
+  idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, only, np.array([-1], np.int32))
+  assert int(idx[0]) == 4 and bool(valid[0])
+  # nothing eligible at all: invalid slots with index 0.
+  idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, only, np.array([1, 1], np.int32))
+  assert int(idx[0]) == 4 and np.asarray(valid).tolist() == [True, False] and int(idx[1]) == 0
+
+
+def test_uniform_in_class_with_replacement_allows_repeats():
+  idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, np.ones(6, bool),
+                         np.array([2, 2, 2], np.int32), without_replacement=False)
+  assert np.asarray(idx).tolist() == [3, 3, 3] and np.asarray(valid).all()
+
+
+def test_uniform_in_class_is_uniform_over_eligible_members():
+  eligible = np.array([1, 1, 0, 1, 0, 1], bool)                # class 1 members 1, 5 eligible
+  keys = jax.random.split(jax.random.PRNGKey(5), 3000)
+  idx, _ = jax.vmap(lambda k: ss.uniform_in_class(k, MEMBERSHIP, eligible,
+                                                   jnp.array([1], jnp.int32)))(keys)
+  counts = np.bincount(np.asarray(idx)[:, 0], minlength=6)
+  assert counts[[0, 2, 3, 4]].sum() == 0
+  assert abs(counts[1] / 3000 - 0.5) < 0.04
+
+
+def test_uniform_without_replacement():
+  f = jax.jit(ss.uniform, static_argnums=2)
+  eligible = np.array([1, 0, 1, 1, 0, 1, 1, 1], bool)
+  for seed in range(5):
+    idx, valid = f(jax.random.PRNGKey(seed), eligible, 4)
+    idx = np.asarray(idx)
+    assert np.asarray(valid).all() and len(set(idx.tolist())) == 4 and eligible[idx].all()
+  idx, valid = f(jax.random.PRNGKey(0), np.array([0, 1, 0, 1, 0, 0, 0, 0], bool), 4)
+  assert np.asarray(valid).tolist() == [True, True, False, False]
+  assert sorted(np.asarray(idx)[:2].tolist()) == [1, 3] and np.asarray(idx)[2:].tolist() == [0, 0]
+  with pytest.raises(ValueError):
+    ss.uniform(jax.random.PRNGKey(0), eligible, 9)
