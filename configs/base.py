@@ -28,7 +28,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.variant = "tiny"
   c.model.tokenizer = "word_hash"
-  c.model.overrides = ml_collections.ConfigDict()   # e.g. {'vision_layers': 2}
+  # Any field of the variant's ModelConfig, e.g. vision_layers=2. The tiny model's queries are
+  # at most a few words: a text context of 8 halves the text tower's cost.
+  c.model.overrides = ml_collections.ConfigDict({"context_length": 8})
   # A parameter checkpoint (owl_cl.train.checkpointing.save_params layout). None: pre-train
   # the model on the pre-training set (built-in benchmark) and cache it.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
@@ -60,6 +62,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.pretrain.text_lr_multiplier = 1.0   # from scratch: the text tower learns at full LR
   c.pretrain.layerwise_decay = 1.0
   c.pretrain.weight_decay = 0.0
+  c.pretrain.eval_every_steps = 400    # validation AP on the pre-training val split (curve)
 
   # --- continual fine-tuning (per downstream dataset; fresh optimizer each) -------------
   c.train = ml_collections.ConfigDict()

@@ -118,11 +118,13 @@ class Runner:
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
-    self.tokenizer = tokenizer_lib.get_tokenizer(config.model.tokenizer)
-    overrides = dict(config.model.overrides)
-    if config.model.variant == "tiny":
-      overrides.setdefault("vocab_size", self.tokenizer.vocab_size)
-    self.model = model_lib.create_model(config.model.variant, **overrides)
+    self.model = model_lib.create_model(config.model.variant, **dict(config.model.overrides))
+    model_config = self.model.config
+    # The self-contained tokenizer is sized by the model (vocabulary and context length).
+    tokenizer_kwargs = ({"vocab_size": model_config.vocab_size,
+                         "context_length": model_config.context_length}
+                        if config.model.tokenizer == "word_hash" else {})
+    self.tokenizer = tokenizer_lib.get_tokenizer(config.model.tokenizer, **tokenizer_kwargs)
     self.image_size = self.model.config.image_size
     self.mesh = sharding_lib.create_mesh()
     self.loss_config = dict(
@@ -223,6 +225,15 @@ def pretrain(runner: Runner, bench: Benchmark, workdir_writer: SummaryWriter | N
         _log_scalars(workdir_writer, "pretrain", dict(metrics, lr=schedule(step)), step)
         curve.append({"step": step, "seconds": round(time.time() - start, 1),
                       "loss": float(metrics["loss"])})
+      if pc.eval_every_steps and step % pc.eval_every_steps == 0 and step < pc.num_steps:
+        params_now = jax.device_get(state.params)
+        val = runner.evaluate(params_now, bench.pretrain.test, f"pre-training val @ {step}")
+        curve[-1 if curve and curve[-1]["step"] == step else len(curve):] = [dict(
+            curve[-1] if curve and curve[-1]["step"] == step else {"step": step},
+            seconds=round(time.time() - start, 1), val_AP=val["AP"], val_AP50=val["AP50"])]
+        _log_scalars(workdir_writer, "pretrain_val", val, step)
+        logging.info("pre-training step %d: validation AP50 %.3f AP %.3f", step,
+                     val["AP50"], val["AP"])
     epoch += 1
   bar.close()
   return jax.device_get(state.params), curve

@@ -9,6 +9,7 @@ Any config field can be overridden: `--config.replay.dedup=epoch`.
 
 from __future__ import annotations
 
+import logging as py_logging
 import os
 import time
 
@@ -31,7 +32,15 @@ def default_workdir(experiment_name: str) -> str:
   return os.path.join("workdirs", f"{experiment_name}_{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+class _QuietLibraryInfo(py_logging.Filter):
+  """Drops INFO lines of libraries that log every checkpoint file operation (orbax)."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return record.levelno >= py_logging.WARNING or "orbax" not in record.pathname
+
+
 def main(argv):
+  logging.get_absl_handler().addFilter(_QuietLibraryInfo())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from owl_cl import experiment  # Imported after flag parsing: keeps --help fast.

@@ -100,7 +100,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
     (_, metrics), grads = grad_fn(state.params, batch, replay, key)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   data = sharding_lib.batch_sharding(mesh)

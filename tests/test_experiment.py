@@ -1,0 +1,137 @@
+"""End to end: the main job with a tiny budget, resume after an interruption, workdir safety."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from owl_cl import experiment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name: str):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs",
+                                                                   f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config("")
+
+
+def tiny_config(name: str, cache_dir: str):
+  """A config that runs the whole pipeline in well under a minute on 2 CPU cores."""
+  c = load_config(name)
+  c.cache_dir = cache_dir
+  c.compilation_cache_dir = ""
+  c.model.overrides.vision_layers = 1
+  c.model.overrides.text_layers = 1
+  c.model.overrides.vision_width = 64
+  c.model.overrides.vision_heads = 1
+  c.model.overrides.vision_mlp_dim = 128
+  c.model.overrides.text_width = 64
+  c.model.overrides.text_heads = 1
+  c.model.overrides.text_mlp_dim = 128
+  c.model.overrides.embed_dim = 64
+  c.model.overrides.vocab_size = 1024
+  c.pretrain.num_steps = 4
+  c.pretrain.batch_size = 8
+  c.train.batch_size = 8
+  c.train.num_epochs = 1
+  c.max_train_steps_per_dataset = 2
+  c.data.eval_batch_size = 16
+  c.data.builtin.num_pretrain_train = 48
+  c.data.builtin.num_pretrain_val = 16
+  c.data.builtin.num_held_out_val = 16
+  c.data.builtin.num_downstream_train = 16
+  c.data.builtin.num_downstream_test = 16
+  c.data.builtin.downstream = ("thermal", "digits")
+  c.replay.buffer.min_per_class = 2
+  return c
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("cache"))
+
+
+def _stage_names(results):
+  return [s["name"] for s in results["stages"]]
+
+
+def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
+  config = tiny_config("swil", cache_dir)
+  workdir = str(tmp_path / "run")
+
+  # Interrupt the first run while it trains on the second downstream dataset.
+  original = experiment.train_on_dataset
+  calls = []
+
+  def interrupted(runner, dataset, *args, **kwargs):
+    calls.append(dataset.name)
+    if len(calls) == 2:
+      raise KeyboardInterrupt("simulated preemption")
+    return original(runner, dataset, *args, **kwargs)
+
+  monkeypatch.setattr(experiment, "train_on_dataset", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    experiment.run(config, workdir)
+  partial = json.load(open(os.path.join(workdir, "results.json")))
+  assert partial["status"] == "running"
+  assert _stage_names(partial) == ["pretrained", "thermal"]
+
+  # The same command on the same workdir resumes after the last finished dataset.
+  calls.clear()
+  monkeypatch.setattr(experiment, "train_on_dataset", lambda *a, **k: (
+      calls.append(a[1].name), original(*a, **k))[1])
+  results = experiment.run(config, workdir)
+  assert calls == ["digits"]                       # 'thermal' was not trained again
+  assert results["status"] == "complete"
+  assert _stage_names(results) == ["pretrained", "thermal", "digits"]
+  # Metrics of the finished stages are carried over unchanged.
+  final = json.load(open(os.path.join(workdir, "results.json")))
+  assert final["stages"][1]["metrics"] == partial["stages"][1]["metrics"]
+  for stage in results["stages"]:
+    assert set(stage["metrics"]) == {"pretrain_val", "held_out", "thermal", "digits"}
+    for values in stage["metrics"].values():
+      assert 0.0 <= values["AP50"] <= 1.0
+  assert results["buffer"]["images_kept"] >= 1
+  with open(os.path.join(workdir, "results.md")) as f:
+    text = f.read()
+  assert "swil" in text and "No fine-tuning" in text
+
+  # A third call finds the run complete and trains nothing.
+  calls.clear()
+  again = experiment.run(config, workdir)
+  assert calls == []
+  assert again["stages"] == results["stages"]
+
+
+def test_no_replay_reuses_cached_pretrained_model(cache_dir, tmp_path, monkeypatch):
+  config = tiny_config("no_replay", cache_dir)
+  # The swil test above (same cache, same pre-training config) already pre-trained.
+  pretrained = os.listdir(os.path.join(cache_dir, "pretrained"))
+  monkeypatch.setattr(experiment, "pretrain", lambda *a, **k: pytest.fail("re-trained"))
+  results = experiment.run(config, str(tmp_path / "run"))
+  assert os.listdir(os.path.join(cache_dir, "pretrained")) == pretrained
+  assert results["retrieval"] == "none" and results["buffer"] is None
+  assert results["stages"][0]["metrics"]  # evaluated after pre-training
+
+
+def test_workdir_of_another_config_is_refused(cache_dir, tmp_path):
+  workdir = str(tmp_path / "run")
+  config = tiny_config("swil", cache_dir)
+  experiment._check_workdir(workdir, config)
+  other = tiny_config("uniform", cache_dir)
+  with pytest.raises(experiment.ConfigError, match="different config"):
+    experiment._check_workdir(workdir, other)
+  # Nothing was overwritten.
+  run = json.load(open(os.path.join(workdir, "run.json")))
+  assert run["config"]["replay"]["algorithm"] == "swil"
+
+
+def test_unknown_algorithm_is_a_config_error(cache_dir):
+  config = tiny_config("swil", cache_dir)
+  config.replay.algorithm = "nonexistent"
+  with pytest.raises(experiment.ConfigError, match="replay.algorithm"):
+    experiment.make_algorithm(config)
