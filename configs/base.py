@@ -38,8 +38,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- data ----------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
   c.data.root = ml_collections.config_dict.placeholder(str)   # None: built-in benchmark
-  c.data.num_queries = 8         # Q per training image ('' + positives + negatives + padding)
-  c.data.num_negatives = 4       # random negative class names per training image
+  # Q per training image: '' + positives + negatives, padded with ''. 24 > 20 pre-training
+  # classes: every image contrasts its objects against every other class name.
+  c.data.num_queries = 24
+  c.data.num_negatives = 23      # random negative class names per training image (up to)
   c.data.max_instances = 8       # M boxes per image
   c.data.num_workers = 0         # grain worker processes (0 = in process)
   c.data.eval_batch_size = 64
@@ -62,6 +64,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.pretrain.text_lr_multiplier = 1.0   # from scratch: the text tower learns at full LR
   c.pretrain.layerwise_decay = 1.0
   c.pretrain.weight_decay = 0.0
+  # The text tower embeds each distinct query row of a batch once (at most this many distinct
+  # rows; more falls back to embedding every row). 0 disables it.
+  c.pretrain.max_unique_queries = 64
   c.pretrain.eval_every_steps = 400    # validation AP on the pre-training val split (curve)
 
   # --- continual fine-tuning (per downstream dataset; fresh optimizer each) -------------
@@ -78,6 +83,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.0
   c.train.grad_clip_norm = 1.0
   c.train.log_every_steps = 20
+  c.train.max_unique_queries = 64    # see pretrain.max_unique_queries
 
   # --- detection loss (SPEC §3) ----------------------------------------------------------
   c.loss = ml_collections.ConfigDict()
@@ -115,4 +121,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- debugging / tiny budgets ----------------------------------------------------------
   c.max_train_steps_per_dataset = ml_collections.config_dict.placeholder(int)
   c.max_eval_images = ml_collections.config_dict.placeholder(int)
+  return c
+
+
+def algorithm_config(experiment_name: str, algorithm: str,
+                     arg: str = "") -> ml_collections.ConfigDict:
+  """The base config with `replay.algorithm` set (used by the per-algorithm config files)."""
+  c = get_config(arg)
+  c.experiment_name = experiment_name
+  c.replay.algorithm = algorithm
   return c

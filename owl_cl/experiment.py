@@ -201,7 +201,8 @@ def pretrain(runner: Runner, bench: Benchmark, workdir_writer: SummaryWriter | N
       b1=config.train.b1, b2=config.train.b2, eps=config.train.eps,
       grad_clip_norm=config.train.grad_clip_norm)
   train_step = step_lib.make_train_step(runner.model, tx, runner.mesh,
-                                        loss_config=runner.loss_config, with_replay=False)
+                                        loss_config=runner.loss_config, with_replay=False,
+                                        max_unique_queries=pc.max_unique_queries)
   state = sharding_lib.replicate(step_lib.create_train_state(params, tx), runner.mesh)
   key = jax.random.PRNGKey(config.seed + 1)
   curve = []
@@ -448,7 +449,8 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
   with_replay = store is not None
   train_step = step_lib.make_train_step(
       runner.model, tx, runner.mesh, loss_config=runner.loss_config,
-      alpha=config.replay.der_alpha, beta=config.replay.der_beta, with_replay=with_replay)
+      alpha=config.replay.der_alpha, beta=config.replay.der_beta, with_replay=with_replay,
+      max_unique_queries=tc.max_unique_queries)
   state = sharding_lib.replicate(step_lib.create_train_state(params, tx), runner.mesh)
   if with_replay:
     num_replay = max(1, int(round(config.replay.ratio * batch_size)))

@@ -1,6 +1,6 @@
 """End to end: the main job with a tiny budget, resume after an interruption, workdir safety."""
 
-import importlib.util
+import importlib
 import json
 import os
 
@@ -8,15 +8,9 @@ import pytest
 
 from owl_cl import experiment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def load_config(name: str):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs",
-                                                                   f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config("")
+  return importlib.import_module(f"configs.{name}").get_config("")
 
 
 def tiny_config(name: str, cache_dir: str):

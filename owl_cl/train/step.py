@@ -43,17 +43,52 @@ def create_train_state(params: PyTree, tx: optax.GradientTransformation) -> Trai
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def _forward(model: nn.Module, params: PyTree, images, queries, *, train: bool, key=None):
-  rngs = {"dropout": key} if train else None
-  return model.apply({"params": params}, images, queries, train=train, rngs=rngs)
+def _forward(model: nn.Module, params: PyTree, images, queries, *, train: bool, key=None,
+             max_unique_queries: int | None = None):
+  """Model outputs for images [B,S,S,3] and queries [B,Q,L].
+
+  With `max_unique_queries` = U, the text tower embeds only the distinct query rows of the
+  batch (a batch draws its queries from a few class names, so B*Q rows hold few distinct ones)
+  and the embeddings are gathered back to [B,Q,E]; gradients flow through the gather. If the
+  batch has more than U distinct rows, `lax.cond` takes the plain path (same result). In
+  training, stochastic depth of the text tower is then drawn per distinct query, not per
+  (image, query) pair.
+  """
+  variables = {"params": params}
+  if not max_unique_queries:
+    rngs = {"dropout": key} if train else None
+    return model.apply(variables, images, queries, train=train, rngs=rngs)
+  text_key, image_key = jax.random.split(key) if train else (None, None)
+  batch, num_queries, length = queries.shape
+  flat = queries.reshape(batch * num_queries, length)
+  unique, inverse = jnp.unique(flat, axis=0, size=flat.shape[0], fill_value=0,
+                               return_inverse=True)
+  inverse = inverse.reshape(batch, num_queries)
+  size = min(max_unique_queries, flat.shape[0])
+  text_rngs = {"dropout": text_key} if train else None
+
+  def embed_distinct():
+    emb = model.apply(variables, unique[:size], train=train, rngs=text_rngs,
+                      method=type(model).text_embedder)
+    return emb[jnp.minimum(inverse, size - 1)]
+
+  def embed_all():
+    return model.apply(variables, queries, train=train, rngs=text_rngs,
+                       method=type(model).text_embedder)
+
+  query_embeddings = jax.lax.cond(jnp.max(inverse) < size, embed_distinct, embed_all)
+  return model.apply(variables, images, None, query_embeddings=query_embeddings,
+                     query_mask=queries[..., 0] > 0, train=train,
+                     rngs={"dropout": image_key} if train else None)
 
 
 def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_config,
-             alpha: float, beta: float):
+             alpha: float, beta: float, max_unique_queries: int | None):
   """Detection loss of the new half plus DER++ on the replay half (SPEC §3)."""
   num_new = batch["images"].shape[0]
   if replay is None:
-    outputs = _forward(model, params, batch["images"], batch["queries"], train=True, key=key)
+    outputs = _forward(model, params, batch["images"], batch["queries"], train=True, key=key,
+                       max_unique_queries=max_unique_queries)
     new = losses.detection_loss(outputs["pred_logits"], outputs["pred_boxes"],
                                 batch["labels"], batch["boxes"], **loss_config)
     metrics = {"loss": new["loss"], "new_loss": new["loss"],
@@ -63,7 +98,8 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
   # One forward over [new ; replay] (SPEC §3).
   images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
   queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
-  outputs = _forward(model, params, images, queries, train=True, key=key)
+  outputs = _forward(model, params, images, queries, train=True, key=key,
+                     max_unique_queries=max_unique_queries)
   split = lambda x: (x[:num_new], x[num_new:])
   logits_new, logits_replay = split(outputs["pred_logits"])
   boxes_new, boxes_replay = split(outputs["pred_boxes"])
@@ -81,7 +117,7 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
                     loss_config: dict, alpha: float = 2.0, beta: float = 1.0,
-                    with_replay: bool) -> Callable:
+                    with_replay: bool, max_unique_queries: int | None = None) -> Callable:
   """Builds the jitted, sharded train step.
 
   Returns:
@@ -90,10 +126,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
     `queries` [B,Q,L], `labels` [B,M,Q], `boxes` [B,M,4]; `replay` the same for B_r replayed
     images plus `stored_logits` [B_r,T,Q] and `replay_mask` [B_r] bool. Metrics are scalars
     (loss, its terms, grad norm, LR multiplier-free step count).
+    `max_unique_queries`: see `_forward` (the text tower embeds each distinct query once).
   Source: SPEC §3 (DER++ with alpha 2, beta 1; one forward over new and replay).
   """
   loss_fn = functools.partial(_loss_fn, model=model, loss_config=loss_config,
-                              alpha=alpha, beta=beta)
+                              alpha=alpha, beta=beta, max_unique_queries=max_unique_queries)
 
   def step(state: TrainState, batch: Batch, replay: Batch | None, key):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
