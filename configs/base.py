@@ -47,18 +47,18 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.eval_batch_size = 64
   c.data.builtin = ml_collections.ConfigDict()
   c.data.builtin.seed = 0
-  c.data.builtin.num_pretrain_train = 1200
+  c.data.builtin.num_pretrain_train = 4000
   c.data.builtin.num_pretrain_val = 200
   c.data.builtin.num_held_out_val = 100
   c.data.builtin.num_downstream_train = 200
   c.data.builtin.num_downstream_test = 60
-  c.data.builtin.downstream = ("thermal", "negative", "tiny", "clutter", "textured", "digits",
-                               "glyphs")
+  # The sequence (ODinW stand-in); also available: "tiny", "digits" (slower to learn).
+  c.data.builtin.downstream = ("thermal", "negative", "clutter", "textured", "glyphs")
 
   # --- pre-training (only when no init_checkpoint is given) ------------------------------
   c.pretrain = ml_collections.ConfigDict()
   c.pretrain.batch_size = 32
-  c.pretrain.num_steps = 1600
+  c.pretrain.num_steps = 1500
   c.pretrain.learning_rate = 1e-3
   c.pretrain.warmup_steps = 100
   c.pretrain.text_lr_multiplier = 1.0   # from scratch: the text tower learns at full LR
@@ -72,10 +72,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- continual fine-tuning (per downstream dataset; fresh optimizer each) -------------
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 16          # new images per step
-  c.train.num_epochs = 6
-  c.train.learning_rate = 3e-4
+  c.train.num_epochs = 8
+  c.train.learning_rate = 1e-3
   c.train.warmup_steps = 10
-  c.train.text_lr_multiplier = 0.1
+  # The paper trains the text tower at 0.1x; CLIP's text tower already knows the downstream
+  # words. The tiny model's text tower has never seen the built-in benchmark's downstream
+  # words, so it trains at the full LR here.
+  c.train.text_lr_multiplier = 1.0
   c.train.layerwise_decay = 1.0
   c.train.b1 = 0.9
   c.train.b2 = 0.999
@@ -103,7 +106,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.swil_w = 1.0            # similarity weighting exponent w
   c.replay.top_k = 8               # k class embeddings per image
   c.replay.buffer = ml_collections.ConfigDict()
-  c.replay.buffer.loss_threshold = 1.5   # eq. 7: keep images with pre-trained loss < t
+  c.replay.buffer.loss_threshold = 0.3   # eq. 7: keep images with pre-trained loss < t
   c.replay.buffer.min_per_class = 20     # then top up each class to this many images
   c.replay.buffer.fill_all_for_rare_classes = False   # released code: add all of them
   c.replay.buffer.max_instances_per_prototype = 6

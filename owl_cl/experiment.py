@@ -77,6 +77,11 @@ def _digest(obj: Any) -> str:
   return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _file_digest(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def _expand(path: str) -> str:
   return os.path.abspath(os.path.expanduser(path))
 
@@ -260,7 +265,8 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
                  "data": {k: v for k, v in config.data.to_dict().items()
                           if k in ("num_queries", "num_negatives", "max_instances")},
                  "loss": config.loss.to_dict(), "seed": config.seed,
-                 "benchmark": bench.fingerprint, "train_opt": [config.train.b1,
+                 "pretrain_data": _file_digest(bench.pretrain.train.annotation_file),
+                 "train_opt": [config.train.b1,
                  config.train.b2, config.train.eps, config.train.grad_clip_norm]})
   path = os.path.join(_expand(config.cache_dir), "pretrained", key)
   if os.path.isdir(path):
@@ -298,7 +304,8 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
   data = config.data
   key_material = {
       "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
-      "benchmark": bench.fingerprint, "buffer": bc.to_dict(), "top_k": config.replay.top_k,
+      "pretrain_data": _file_digest(source.annotation_file), "buffer": bc.to_dict(),
+      "top_k": config.replay.top_k,
       "data": [data.num_queries, data.num_negatives, data.max_instances],
       "loss": config.loss.to_dict(), "seed": config.seed, "format": 1}
   build = lambda: buffer_build.build_store(

@@ -122,10 +122,13 @@ def test_boxes_exact_and_inside(tiny):
     assert set(per_image) == set(ims), (ds, sp)  # every image has an object
 
 
-def test_object_pixels_carry_the_class_colour(tiny):
-  """Pixels under a pre-training object's mask have that class's colour (nearest of 5)."""
+def test_object_pixels_carry_the_class_appearance(tiny):
+  """Pixels under a pre-training object's mask show its class: the dominant palette colour
+  is the class colour; 'plain' objects have (almost) no pattern ink, patterned ones do."""
   src = tiny.source("pretrain", "train")
-  palette = np.array([B.COLORS[c] for c in B.PRETRAIN_COLORS], np.float32)
+  names = list(B.PRETRAIN_COLORS)
+  palette = np.array([B.COLORS[c] for c in names] + [(247, 247, 242), (25, 25, 30)],
+                     np.float32)
   n = 0
   for i in range(len(src)):
     ex = src.load(i)
@@ -133,10 +136,17 @@ def test_object_pixels_carry_the_class_colour(tiny):
     for a in anns:
       m = mask_utils.decode(dict(size=a["segmentation"]["size"],
                                  counts=a["segmentation"]["counts"].encode())).astype(bool)
-      mean = ex["image"][m].astype(np.float32).mean(0)
-      colour = B.PRETRAIN_COLORS[int(np.argmin(((palette - mean) ** 2).sum(1)))]
-      name = src.coco.cats[a["category_id"]]["name"]
-      assert name.split()[0] == colour, (i, name, mean)
+      pix = ex["image"][m].astype(np.float32)
+      nearest = np.argmin(((pix[:, None] - palette[None]) ** 2).sum(-1), axis=1)
+      counts = np.bincount(nearest, minlength=len(palette))
+      colour, pattern = src.coco.cats[a["category_id"]]["name"].split()
+      assert names[int(np.argmax(counts[:len(names)]))] == colour, (i, colour, counts)
+      ink = (counts[-2] if B._lum(np.array(B.COLORS[colour], np.float32) / 255) < 0.6
+             else counts[-1]) / len(pix)
+      if pattern == "plain":
+        assert ink < 0.05, (i, colour, pattern, ink)
+      else:
+        assert ink > 0.15, (i, colour, pattern, ink)
       n += 1
   assert n >= 10
 
@@ -178,7 +188,7 @@ def test_held_out_never_in_pretraining(tiny):
   pre_words = {w for n in B.pretrain_class_names() for w in n.split()}
   assert all(w in pre_words for n in held for w in n.split())
   # Distractors (clutter) are pre-training classes only.
-  assert not {f"{c} {s}" for c, s in B._PRETRAIN_PAIRS} & held
+  assert not {f"{c} {p}" for c, p in B._PRETRAIN_PAIRS} & held
 
 
 def test_requirements_at_default_sizes():
@@ -220,6 +230,6 @@ def test_describe_and_preview(tiny, tmp_path):
   text = tiny.describe()
   for ds in ["pretrain", "held_out"] + list(B.DOWNSTREAM_NAMES):
     assert f"| {ds} |" in text
-  assert "red triangle" in text and "train 10 /" in text
+  assert "red plain" in text and "train 10 /" in text
   p = B.render_preview(tiny, str(tmp_path / "grid.png"), per_dataset=2)
   assert Image.open(p).size[0] > 100
