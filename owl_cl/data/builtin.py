@@ -181,9 +181,9 @@ _DOWNSTREAM: Tuple[_Domain, ...] = (
     _Domain("glyphs", (("letter w", _Obj("glyph", "W", "ink", "green ink")),
                        ("letter o", _Obj("glyph", "O", "ink", "orange ink")),
                        ("letter i", _Obj("glyph", "I", "ink", "purple ink"))),
-            size_frac=(0.25, 0.45), n_objects=(1, 3), background="document",
+            size_frac=(0.30, 0.50), n_objects=(1, 3), background="document",
             bg_photos=("page", "text"),
-            description="letters W (green), O (orange), I (purple) in DejaVu fonts on "
+            description="letters W (green), O (orange), I (purple) in bold DejaVu fonts on "
                         "document-photograph backgrounds"),
 )
 DOWNSTREAM_NAMES = tuple(d.name for d in _DOWNSTREAM)
@@ -239,8 +239,7 @@ class _Assets:
     self.digit_index = {d: np.nonzero(digits.target == d)[0] for d in range(10)}
     font_dir = os.path.join(matplotlib.get_data_path(), "fonts", "ttf")
     self.fonts = [ImageFont.truetype(os.path.join(font_dir, f), 96) for f in
-                  ("DejaVuSans-Bold.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSansMono-Bold.ttf",
-                   "DejaVuSans.ttf")]
+                  ("DejaVuSans-Bold.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSansMono-Bold.ttf")]
     import matplotlib as mpl
     self.inferno = (mpl.colormaps["inferno"](np.linspace(0, 1, 256))[:, :3]).astype(np.float32)
 

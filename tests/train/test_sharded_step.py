@@ -53,8 +53,11 @@ SCRIPT = textwrap.dedent("""
     (p1, m1), (p8, m8) = results
     for k in m1:
       np.testing.assert_allclose(m1[k], m8[k], rtol=2e-4, atol=1e-5, err_msg=k)
+    # Adam normalises each update to ~LR (1e-3) whatever the gradient's size, so leaves with
+    # tiny gradients (the class head starts at std 1e-6) amplify reduction-order noise: the
+    # parameters agree to 5% of one LR-sized update.
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
-      np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+      np.testing.assert_allclose(a, b, rtol=2e-4, atol=5e-5)
     assert float(m1["loss"]) > 0 and np.isfinite(float(m1["loss"]))
     print("OK", float(m1["loss"]), float(m8["loss"]))
 """)
