@@ -68,7 +68,7 @@ __all__ = [
     "downstream_class_names",
 ]
 
-FORMAT_VERSION = 2  # bump whenever generated content changes (keys the cache)
+FORMAT_VERSION = 3  # bump whenever generated content changes (keys the cache)
 
 # ------------------------------------------------------------------------------------------
 # Class vocabulary.
