@@ -38,7 +38,8 @@ were learnt far too slowly by the tiny ViT trained from scratch on CPU (pre-trai
 after 1,600 steps; 0.05-0.2 after 100 fine-tuning steps).
 
 Scenes are 96-128 px on the long side, aspect ratio 0.7-1.43, with 1-4 annotated objects whose
-long side is 20-45% of the scene's (>= 12.8 px after resizing to 64; `tiny`: 14-20%, >= 9 px).
+long side is 20-45% of the scene's (>= 12.8 px after resizing to 64; `tiny`: 14-20%, >= 9 px;
+`digits` 32-50%, `glyphs` 30-50%, 1-3 objects).
 
 API: `ensure_benchmark(cache_dir, seed=0, **sizes) -> BuiltinBenchmark`,
 `BuiltinBenchmark.describe()`, `render_preview(...)`.
