@@ -21,7 +21,7 @@ import logging as py_logging
 import os
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,6 @@ from owl_cl.replay import algorithms
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import dedup
 from owl_cl.replay import state as replay_state_lib
-from owl_cl.replay import store as store_lib
 from owl_cl.train import checkpointing
 from owl_cl.train import optim
 from owl_cl.train import sharding as sharding_lib
@@ -234,9 +233,10 @@ def pretrain(runner: Runner, bench: Benchmark, workdir_writer: SummaryWriter | N
       if pc.eval_every_steps and step % pc.eval_every_steps == 0 and step < pc.num_steps:
         params_now = jax.device_get(state.params)
         val = runner.evaluate(params_now, bench.pretrain.test, f"pre-training val @ {step}")
-        curve[-1 if curve and curve[-1]["step"] == step else len(curve):] = [dict(
-            curve[-1] if curve and curve[-1]["step"] == step else {"step": step},
-            seconds=round(time.time() - start, 1), val_AP=val["AP"], val_AP50=val["AP50"])]
+        if not curve or curve[-1]["step"] != step:
+          curve.append({"step": step})
+        curve[-1].update(seconds=round(time.time() - start, 1), val_AP=val["AP"],
+                         val_AP50=val["AP50"])
         _log_scalars(workdir_writer, "pretrain_val", val, step)
         logging.info("pre-training step %d: validation AP50 %.3f AP %.3f", step,
                      val["AP50"], val["AP"])
