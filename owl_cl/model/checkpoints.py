@@ -54,6 +54,7 @@ __all__ = [
     "abstract_params",
     "check_params",
     "fix_scenic_names",
+    "fresh_head_params",
     "hf_config_to_model_config",
     "hf_state_dict_to_params",
     "infer_model_config",
@@ -208,8 +209,13 @@ def model_config_from_dict(fields: Mapping[str, Any]) -> owl_lib.ModelConfig:
         raise ValueError(f"model config fields differ: missing {sorted(names - set(fields))}, "
                          f"unknown {sorted(set(fields) - names)}")
     values = dict(fields)
-    values["dtype"] = jnp.dtype(values["dtype"]).type
+    values["dtype"] = _dtype(values["dtype"])
     return owl_lib.ModelConfig(**values)
+
+
+def _dtype(name: Any) -> Any:
+    """'float32' / 'bfloat16' (or a dtype) -> the ``jnp`` scalar type the variants use."""
+    return getattr(jnp, jnp.dtype(name).name)
 
 
 def infer_model_config(params: PyTree, *, tokenizer: str = "clip", hf_compat: bool = False,
@@ -915,8 +921,9 @@ def load_clip_torchscript(path_or_state_dict: Union[str, Mapping[str, Any]],
       path_or_state_dict: a TorchScript file (``torch.jit.load(path, map_location='cpu')
         .state_dict()``; a plain ``torch.save`` state dict also works) or a state dict
         (torch tensors or numpy).
-      init_params: a freshly initialised parameter tree of the target module (concrete
-        arrays: heads and merged LN are copied from it).
+      init_params: a freshly initialised parameter tree of the target module: the leaves
+        outside ``backbone/clip`` (heads, merged LN) are copied from it; those inside only
+        give shapes (arrays or ``jax.ShapeDtypeStruct``, see :func:`fresh_head_params`).
       source: name for errors (default: the path).
 
     Returns:
@@ -948,7 +955,7 @@ def load_clip_torchscript(path_or_state_dict: Union[str, Mapping[str, Any]],
         source = source or "CLIP state dict"
     state = {k: v for k, v in state.items()}
     init = _flat(init_params)
-    like = {k: tuple(np.shape(v)) for k, v in init.items()}
+    like = {k: tuple(v.shape) for k, v in init.items()}
     cv, ct = "backbone/clip/visual", "backbone/clip/text"
 
     def layers(prefix):
@@ -1053,7 +1060,7 @@ def _parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
         except (ValueError, SyntaxError):
             out[name] = value
     if "dtype" in out:
-        out["dtype"] = jnp.dtype(out["dtype"]).type
+        out["dtype"] = _dtype(out["dtype"])
     return out
 
 
@@ -1111,13 +1118,42 @@ def _cmd_ours_to_hf(args) -> None:
     save_hf_checkpoint(params, args.output, config, overwrite=args.overwrite)
 
 
+def fresh_head_params(config: owl_lib.ModelConfig, key: jax.Array) -> Dict[str, np.ndarray]:
+    """Freshly initialised parameters of everything outside the CLIP towers.
+
+    Initialises only ``backbone/merged_class_token``, ``class_head`` and ``obj_box_head``
+    (scenic's initialisers: zero box-head output kernel, logit-shift prior bias -4.59512,
+    unit LayerNorm), without the cost of initialising the towers.
+
+    Args:
+      config: the module's ``ModelConfig``. key: PRNG key.
+
+    Returns:
+      Nested ``dict`` of float32 ``np.ndarray`` with exactly those subtrees (the other
+      paths of :func:`abstract_params` absent).
+
+    Source: SPEC §2 (CLIP init: heads and merged LN stay fresh).
+    """
+    model = owl_lib.OwlViT(**dict(config))
+    feats = jnp.zeros((1, config.num_tokens, config.vision_width), jnp.float32)
+    query = jnp.zeros((1, 1, config.embed_dim), jnp.float32)
+
+    def heads(module, feats, query):
+        # Setup-defined submodules create their parameters when first called.
+        module._embedder.merged_class_token(feats)
+        module.class_predictor(feats, query)
+        return module._box_head(feats)
+
+    variables = jax.jit(lambda k: model.init(k, feats, query, method=heads))(key)
+    return jax.tree.map(np.asarray, flax.core.unfreeze(variables)["params"])
+
+
 def _cmd_clip(args) -> None:
     config = _config_from_args(args)
-    model = owl_lib.OwlViT(**dict(config))
-    images = jnp.zeros((1, config.image_size, config.image_size, 3), jnp.float32)
-    queries = jnp.zeros((1, 1, config.context_length), jnp.int32)
-    init = jax.jit(model.init)(jax.random.key(args.seed), images, queries)["params"]
-    params = load_clip_torchscript(args.input, jax.device_get(init))
+    like = _flat(abstract_params(config))
+    fresh = _flat(fresh_head_params(config, jax.random.key(args.seed)))
+    init = {k: fresh.get(k, v) for k, v in like.items()}
+    params = load_clip_torchscript(args.input, _unflat(init))
     meta = _meta(args.input, "openai_clip", config)
     meta["init_seed"] = args.seed
     _write_ours(args.output, params, meta, args.overwrite)
