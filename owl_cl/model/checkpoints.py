@@ -37,7 +37,7 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import flax
 import jax
@@ -787,7 +787,7 @@ def params_to_hf_state_dict(params: PyTree, config: Optional[owl_lib.ModelConfig
     """
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
-    config = config or infer_model_config(params)
+    config = infer_model_config(params) if config is None else config
     params = check_params(params, config, "the parameters to export")
     flat = _flat(params)
     out = {key: _contiguous(layout.to_torch(flat[ours]))
@@ -806,22 +806,27 @@ def params_to_hf_state_dict(params: PyTree, config: Optional[owl_lib.ModelConfig
 
 
 def _replace_dir(tmp: str, path: str, overwrite: bool) -> None:
-    """Moves the finished folder ``tmp`` to ``path``; an existing ``path`` is replaced only
-    with ``overwrite`` and only after ``tmp`` is complete."""
-    if os.path.exists(path):
-        if not overwrite:
-            raise FileExistsError(f"refusing to overwrite existing {path} (pass overwrite)")
-        backup = tempfile.mkdtemp(prefix=".old-" + os.path.basename(path) + "-",
-                                  dir=os.path.dirname(path))
-        os.rmdir(backup)
-        os.replace(path, backup)
+    """Moves the finished folder ``tmp`` to ``path``. An existing ``path`` is replaced only
+    with ``overwrite``: it is moved aside, the new folder moved in, then the old one deleted
+    (moved back if the move in fails)."""
+    if not os.path.exists(path):
         os.replace(tmp, path)
-        if os.path.isdir(backup):
-            shutil.rmtree(backup)
-        else:
-            os.remove(backup)
+        return
+    if not overwrite:
+        raise FileExistsError(f"refusing to overwrite existing {path} (pass overwrite)")
+    backup = tempfile.mkdtemp(prefix=".old-" + os.path.basename(path) + "-",
+                              dir=os.path.dirname(path))
+    os.rmdir(backup)
+    os.replace(path, backup)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.replace(backup, path)
+        raise
+    if os.path.isdir(backup):
+        shutil.rmtree(backup)
     else:
-        os.replace(tmp, path)
+        os.remove(backup)
 
 
 def save_hf_checkpoint(params: PyTree, path: str,
@@ -851,7 +856,7 @@ def save_hf_checkpoint(params: PyTree, path: str,
     path = os.path.abspath(path)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"refusing to overwrite existing {path} (pass overwrite)")
-    config = config or infer_model_config(params)
+    config = infer_model_config(params) if config is None else config
     hf_config = model_config_to_hf_config(config)
     state = params_to_hf_state_dict(params, config, visual_projection=visual_projection)
     parent = os.path.dirname(path)
@@ -1083,8 +1088,7 @@ def _write_ours(path: str, params: PyTree, meta: dict, overwrite: bool) -> None:
     staging = tempfile.mkdtemp(prefix=".new-" + os.path.basename(path) + "-", dir=parent)
     try:
         checkpointing.save_params(os.path.join(staging, "out"), params, meta)
-        os.replace(os.path.join(staging, "out"), os.path.join(staging, "done"))
-        _replace_dir(os.path.join(staging, "done"), path, overwrite=True)
+        _replace_dir(os.path.join(staging, "out"), path, overwrite=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

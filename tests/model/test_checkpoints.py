@@ -2,9 +2,12 @@
 
 HF conversion and parity: tests/model/test_hf_parity.py.
 """
+# torch.jit.load of OpenAI's TorchScript files is deprecated in torch 2.13 (still supported).
+# pylint: disable=protected-access
 
 import collections
 import os
+import warnings
 
 import flax
 import jax
@@ -15,9 +18,11 @@ import scipy.ndimage
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from owl_cl.model import checkpoints as ck
-from owl_cl.model import clip as clip_lib
 from owl_cl.model import create_model
 from owl_cl.train import checkpointing
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.load` is deprecated:DeprecationWarning")
 
 # A small model: 32 px images, 8 px patches (4 x 4 grid), 2 + 2 layers.
 OVERRIDES = dict(vocab_size=100, context_length=16, embed_dim=24, image_size=32, patch_size=8,
@@ -280,9 +285,10 @@ def clip_file(tmp_path_factory):
     torch, module = _torch_clip_module()
     image = torch.zeros(1, 3, CLIP_RESOLUTION, CLIP_RESOLUTION)
     text = torch.zeros(1, CLIP_CONTEXT, dtype=torch.long)
-    scripted = torch.jit.trace(module, (image, text), check_trace=False)
     path = str(tmp_path_factory.mktemp("clip") / "ViT-tiny.pt")
-    torch.jit.save(scripted, path)
+    with warnings.catch_warnings():   # tracer notes on MultiheadAttention; jit deprecation
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.trace(module, (image, text), check_trace=False), path)
     return torch, module, path
 
 
