@@ -312,3 +312,37 @@ def test_cli_hf_round_trip(hf_model, converted, tmp_path):
         np.testing.assert_array_equal(_flat(again)[k], v)
     with pytest.raises(SystemExit):
         ck.main(["hf-to-owl_cl", folder, ours_dir])
+
+
+@pytest.mark.parametrize("variant", ["vit_b32", "vit_b16", "vit_l14"])
+def test_real_variant_configs_round_trip(variant):
+    config = owl_lib.get_variant_config(variant)
+    hf = ck.model_config_to_hf_config(config)
+    back = ck.hf_config_to_model_config(hf.to_dict(), dtype=config.dtype)
+    assert back == config.replace(hf_compat=True)
+    if variant == "vit_l14":   # google/owlvit-large-patch14
+        assert (hf.vision_config.image_size, hf.vision_config.patch_size,
+                hf.vision_config.hidden_size, hf.vision_config.num_hidden_layers,
+                hf.vision_config.num_attention_heads, hf.vision_config.intermediate_size) == (
+                    840, 14, 1024, 24, 16, 4096)
+        assert (hf.text_config.hidden_size, hf.text_config.num_hidden_layers,
+                hf.text_config.num_attention_heads, hf.text_config.intermediate_size,
+                hf.text_config.max_position_embeddings, hf.projection_dim) == (
+                    768, 12, 12, 3072, 16, 768)
+
+
+def test_l14_mapping_covers_the_real_hf_model():
+    """Every one of the 603 L/14 leaves maps onto an HF parameter of the right shape, and
+    every HF entry but visual_projection is mapped (HF model built on the meta device: no
+    memory)."""
+    config = owl_lib.get_variant_config("vit_l14")
+    with torch.device("meta"):
+        hf = transformers.OwlViTForObjectDetection(ck.model_config_to_hf_config(config))
+    hf_shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    like = _flat(ck.abstract_params(config))
+    rows = ck._hf_rows(config)
+    assert len(rows) == len(like) == 603
+    assert {r[0] for r in rows} == set(like)
+    assert set(hf_shapes) - {r[1] for r in rows} == {"owlvit.visual_projection.weight"}
+    for ours, key, layout in rows:
+        assert layout.torch_shape(tuple(like[ours].shape)) == hf_shapes[key], (ours, key)
