@@ -1049,6 +1049,36 @@ def load_clip_torchscript(path_or_state_dict: Union[str, Mapping[str, Any]],
     return check_params(_unflat(out), _unflat(init), source)
 
 
+def fresh_head_params(config: owl_lib.ModelConfig, key: jax.Array) -> Dict[str, np.ndarray]:
+    """Freshly initialised parameters of everything outside the CLIP towers.
+
+    Initialises only ``backbone/merged_class_token``, ``class_head`` and ``obj_box_head``
+    (scenic's initialisers: zero box-head output kernel, logit-shift prior bias -4.59512,
+    unit LayerNorm), without the cost of initialising the towers.
+
+    Args:
+      config: the module's ``ModelConfig``. key: PRNG key.
+
+    Returns:
+      Nested ``dict`` of float32 ``np.ndarray`` with exactly those subtrees (the other
+      paths of :func:`abstract_params` absent).
+
+    Source: SPEC §2 (CLIP init: heads and merged LN stay fresh).
+    """
+    model = owl_lib.OwlViT(**dict(config))
+    feats = jnp.zeros((1, config.num_tokens, config.vision_width), jnp.float32)
+    query = jnp.zeros((1, 1, config.embed_dim), jnp.float32)
+
+    def heads(module, feats, query):
+        # Setup-defined submodules create their parameters when first called.
+        module._embedder.merged_class_token(feats)
+        module.class_predictor(feats, query)
+        return module._box_head(feats)
+
+    variables = jax.jit(lambda k: model.init(k, feats, query, method=heads))(key)
+    return jax.tree.map(np.asarray, flax.core.unfreeze(variables)["params"])
+
+
 # ============================================================================================
 # Command line.
 # ============================================================================================
@@ -1120,36 +1150,6 @@ def _cmd_ours_to_hf(args) -> None:
     else:
         config = infer_model_config(params)
     save_hf_checkpoint(params, args.output, config, overwrite=args.overwrite)
-
-
-def fresh_head_params(config: owl_lib.ModelConfig, key: jax.Array) -> Dict[str, np.ndarray]:
-    """Freshly initialised parameters of everything outside the CLIP towers.
-
-    Initialises only ``backbone/merged_class_token``, ``class_head`` and ``obj_box_head``
-    (scenic's initialisers: zero box-head output kernel, logit-shift prior bias -4.59512,
-    unit LayerNorm), without the cost of initialising the towers.
-
-    Args:
-      config: the module's ``ModelConfig``. key: PRNG key.
-
-    Returns:
-      Nested ``dict`` of float32 ``np.ndarray`` with exactly those subtrees (the other
-      paths of :func:`abstract_params` absent).
-
-    Source: SPEC §2 (CLIP init: heads and merged LN stay fresh).
-    """
-    model = owl_lib.OwlViT(**dict(config))
-    feats = jnp.zeros((1, config.num_tokens, config.vision_width), jnp.float32)
-    query = jnp.zeros((1, 1, config.embed_dim), jnp.float32)
-
-    def heads(module, feats, query):
-        # Setup-defined submodules create their parameters when first called.
-        module._embedder.merged_class_token(feats)
-        module.class_predictor(feats, query)
-        return module._box_head(feats)
-
-    variables = jax.jit(lambda k: model.init(k, feats, query, method=heads))(key)
-    return jax.tree.map(np.asarray, flax.core.unfreeze(variables)["params"])
 
 
 def _cmd_clip(args) -> None:
