@@ -748,15 +748,19 @@ def train_map_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndar
 def _to_batches(ds: grain.MapDataset, batch_size: int, drop_remainder: bool, num_workers: int,
                 num_threads: int, prefetch: int) -> Iterator[Dict[str, np.ndarray]]:
   read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-  it = ds.to_iter_dataset(read).batch(batch_size, drop_remainder=drop_remainder,
-                                      batch_fn=stack_examples)
+  it = ds.to_iter_dataset(read)
   if num_workers > 0:
     # grain's worker code reads absl flags; outside an absl app they are unparsed and reading
     # them raises, so mark them parsed (their defaults are used). No effect inside an app.
     from absl import flags
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
+    # Workers decode and preprocess single examples (worker w takes elements w, w + n, ...;
+    # grain interleaves them back in order); batching happens afterwards, so the batches are
+    # identical for every worker count (batching inside the workers would group each
+    # worker's elements into its own batches).
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  it = it.batch(batch_size, drop_remainder=drop_remainder, batch_fn=stack_examples)
   return iter(it)
 
 
