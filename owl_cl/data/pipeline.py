@@ -8,12 +8,26 @@ Produces the batch dict of docs/CONVENTIONS.md ("Batch dict"):
 - `boxes`        float32 [B, M, 4]   (training only) cxcywh / S
 - `query_class`  int32   [B, Q]      (training only) contiguous class index, -1 for ''
 - `image_id`     int64   [B]         COCO image id, -1 for padding examples
-- `orig_size`    int32   [B, 2]      (height, width) of the original image
+- `orig_size`    int32   [B, 2]      (height, width) of the original image (training: of the
+                                     image after crop / mosaic, i.e. what was resized)
 - `example_mask` bool    [B]         False for padding examples (last evaluation batch)
 
 Sources: SPEC §3 (targets/queries), §5 (preprocessing); scenic owl_vit `ResizeWithPad`
 (aspect-preserving resize, bottom/right pad) and the released code's HF squash-resize (option
 `squash=True`).
+
+Training options (all off by default, so the defaults reproduce the built-in benchmark runs):
+
+- negatives: `negative_weights` [C] (e.g. `class_frequencies(source)`: frequency-weighted
+  random negatives, SPEC §3 / released code), `annotated_negatives` (LVIS `neg_category_ids`
+  first; on by default but only federated sources carry them);
+- `merge_iou` (0.9 by default): boxes with IoU >= 0.9 become one multi-label instance;
+- scenic augmentations (SPEC §5): `hflip`, `random_crop` (area 0.3-1.0, aspect 0.75-1.33,
+  boxes keeping < 60% of their area dropped), `mosaic_sizes` / `mosaic_probs` ((1, 2, 3) with
+  (.4, .3, .3) as `MOSAIC_SIZES` / `MOSAIC_PROBS`);
+- `squash=True`: the released code's HF resize to S x S without padding;
+- `num_workers` > 0: decoding/preprocessing in grain worker processes (same batches as 0);
+- `shard`: host sharding ('jax' = `grain.sharding.ShardByJaxProcess`, or (index, count)).
 
 Randomness: every random choice is drawn from an explicit `numpy.random.Generator`; the
 datasets derive one per example from `(seed, epoch, source index)` (`example_rng`), so results

@@ -256,6 +256,14 @@ def test_workers_give_the_same_batches(dice):
   assert (w > 0).all() and (h > 0).all()
   assert (cx - w / 2 >= -1e-6).all() and (cx + w / 2 <= 1 + 1e-6).all()
   assert (cy - h / 2 >= -1e-6).all() and (cy + h / 2 <= 1 + 1e-6).all()
+  # Evaluation: same batches, the padding examples only at the end (9 images, B = 4).
+  ev0 = list(P.eval_dataset(dice, image_size=32, batch_size=4, num_workers=0))
+  ev2 = list(P.eval_dataset(dice, image_size=32, batch_size=4, num_workers=2))
+  assert len(ev0) == len(ev2) == 3
+  for x, y in zip(ev0, ev2):
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+  assert np.concatenate([x["image_id"] for x in ev2]).tolist() == dice.image_ids + [-1] * 3
 
 
 def test_host_sharding_is_disjoint(dice):
