@@ -27,6 +27,7 @@ import io
 import json
 import logging
 import os
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -187,7 +188,10 @@ def lvis_evaluate(lvis_gt: Any, detections: Sequence[Mapping[str, Any]], *,
     raise ValueError(f"{len(unknown_cats)} detection category ids are not in the LVIS ground "
                      f"truth, e.g. {sorted(unknown_cats)[:5]}.")
   log = io.StringIO()
-  with contextlib.redirect_stdout(log):
+  with contextlib.redirect_stdout(log), warnings.catch_warnings():
+    # lvis 0.5.3 calls the deprecated Logger.warn.
+    warnings.filterwarnings("ignore", message="The 'warn' method is deprecated",
+                            category=DeprecationWarning)
     dt = _results(api, gt, detections, int(max_dets))
     evaluator = api.LVISEval(gt, dt, iou_type="bbox")
     evaluator.params.max_dets = int(max_dets)
