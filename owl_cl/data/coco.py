@@ -14,7 +14,7 @@ import contextlib
 import io
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 from PIL import Image
@@ -66,13 +66,32 @@ class CocoSource:
     on_invalid: 'raise' (default) raises `DataError` for a degenerate / out-of-image box;
       'skip' drops such annotations (counted in `num_skipped`). Unknown category ids, unknown
       image ids, missing fields and missing files always raise.
+    dataset: the already-parsed json object (e.g. a Visual Genome export converted in memory);
+      `annotation_file` then only names its origin in messages and need not exist.
+    exclude_category_ids: COCO category ids removed from the dataset together with all their
+      annotations (e.g. the forbidden Objects365 categories, or ChessPieces' empty category);
+      they are neither classes nor negatives. Ids not in 'categories' raise `DataError`.
+      Removed annotations are counted in `num_excluded`.
+    image_ids: keep only these images (and their annotations), e.g. a balanced subset; ids not
+      in 'images' raise `DataError`. Default: all images.
+    file_name_fn: maps an image's json entry to its path relative to `image_dir` (LVIS images
+      have no 'file_name', only 'coco_url'); when given, 'file_name' is not required.
+
+  Per-image federated fields (LVIS): when an image entry has `neg_category_ids` /
+  `not_exhaustive_category_ids` (lists of category ids), `federated` is True and `load()` adds
+  `negative_labels` / `not_exhaustive_labels` (int32 [K], contiguous indices; ids of excluded
+  categories are dropped). Unknown ids in these fields raise `DataError`.
 
   Attributes:
     class_names: list[str], contiguous index -> category name.
+    category_entries: list[dict], contiguous index -> the category's json entry (LVIS:
+      `frequency`, `synonyms`, `image_count`, ...).
     category_ids: list[int], contiguous index -> COCO category id (ascending).
     image_ids: list[int], source index -> COCO image id (ascending).
     coco: the pycocotools `COCO` object (all annotations, crowd ones included; for evaluation).
     num_skipped: annotations dropped by `on_invalid='skip'`.
+    num_excluded: annotations dropped by `exclude_category_ids`.
+    federated: whether the json has per-image `neg_category_ids` / `not_exhaustive_category_ids`.
 
   `iscrowd=1` annotations are kept in `coco` but excluded from `load()`'s training targets.
 
@@ -88,23 +107,32 @@ class CocoSource:
 
   def __init__(self, annotation_file: str, image_dir: str, name: Optional[str] = None, *,
                check_files: bool = True, box_tolerance: float = 2.0,
-               on_invalid: str = "raise", cache_images: bool = False):
+               on_invalid: str = "raise", cache_images: bool = False,
+               dataset: Optional[dict] = None, exclude_category_ids: Sequence[int] = (),
+               image_ids: Optional[Sequence[int]] = None,
+               file_name_fn: Optional[Callable[[dict], str]] = None):
     if on_invalid not in ("raise", "skip"):
       raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
     self.annotation_file = os.fspath(annotation_file)
     self._cache: Optional[Dict[int, np.ndarray]] = {} if cache_images else None
     self.image_dir = os.fspath(image_dir)
     self.name = name or os.path.splitext(os.path.basename(self.annotation_file))[0]
+    self._options = dict(check_files=check_files, box_tolerance=box_tolerance,
+                         on_invalid=on_invalid, cache_images=cache_images,
+                         file_name_fn=file_name_fn)
     path = self.annotation_file
-    if not os.path.isfile(path):
+    if dataset is None and not os.path.isfile(path):
       raise DataError(f"annotation file not found: {path}")
     if not os.path.isdir(self.image_dir):
       raise DataError(f"{path}: image_dir does not exist: {self.image_dir}")
-    try:
-      with open(path, "r") as f:
-        data = json.load(f)
-    except json.JSONDecodeError as e:
-      raise DataError(f"{path}: not valid json ({e})") from e
+    if dataset is not None:
+      data = dataset
+    else:
+      try:
+        with open(path, "r") as f:
+          data = json.load(f)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid json ({e})") from e
     if not isinstance(data, dict):
       raise DataError(f"{path}: top level must be an object, got {type(data).__name__}")
     for field in _REQUIRED_TOP:
@@ -116,20 +144,38 @@ class CocoSource:
 
     # Categories.
     cats = data["categories"]
-    cat_by_id: Dict[int, str] = {}
+    cat_by_id: Dict[int, dict] = {}
     for i, c in enumerate(cats):
       _require(c, _REQUIRED_CAT, "categories", path, i)
       if c["id"] in cat_by_id:
         raise DataError(f"{path}: categories[{i}] duplicate id {c['id']!r}")
-      cat_by_id[c["id"]] = str(c["name"])
-    self.category_ids: List[int] = sorted(cat_by_id)
-    self.class_names: List[str] = [cat_by_id[c] for c in self.category_ids]
+      cat_by_id[c["id"]] = c
+    excluded = set()
+    for cid in exclude_category_ids:
+      if cid not in cat_by_id:
+        raise DataError(f"{path}: exclude_category_ids value {cid!r} is not a category id in "
+                        f"'categories' (known ids: {_short(sorted(cat_by_id), 80)})")
+      excluded.add(cid)
+    self.category_ids: List[int] = sorted(c for c in cat_by_id if c not in excluded)
+    self.category_entries: List[dict] = [cat_by_id[c] for c in self.category_ids]
+    self.class_names: List[str] = [str(cat_by_id[c]["name"]) for c in self.category_ids]
     self._cat_to_index = {c: i for i, c in enumerate(self.category_ids)}
+    self.num_excluded = 0
 
     # Images.
+    required_image = _REQUIRED_IMAGE if file_name_fn is None else ("id", "height", "width")
+    keep_ids = None
+    if image_ids is not None:
+      keep_ids = set(image_ids)
+      known = {im.get("id") for im in data["images"] if isinstance(im, dict)}
+      unknown = sorted(keep_ids - known, key=str)
+      if unknown:
+        raise DataError(f"{path}: image_ids value(s) {_short(unknown, 80)} not in 'images'")
     images: Dict[int, dict] = {}
     for i, im in enumerate(data["images"]):
-      _require(im, _REQUIRED_IMAGE, "images", path, i)
+      _require(im, required_image, "images", path, i)
+      if keep_ids is not None and im["id"] not in keep_ids:
+        continue
       if im["id"] in images:
         raise DataError(f"{path}: images[{i}] duplicate id {im['id']!r}")
       h, w = im["height"], im["width"]
@@ -139,12 +185,23 @@ class CocoSource:
       images[im["id"]] = im
     self.image_ids: List[int] = sorted(images)
     self._images = [images[i] for i in self.image_ids]
-    self._paths = [os.path.join(self.image_dir, im["file_name"]) for im in self._images]
+    if file_name_fn is None:
+      names = [im["file_name"] for im in self._images]
+    else:
+      names = []
+      for im in self._images:
+        try:
+          names.append(file_name_fn(im))
+        except (KeyError, ValueError, TypeError) as e:
+          raise DataError(f"{path}: image id {im['id']}: cannot derive the file name from the "
+                          f"entry {_short(im)} ({e!r})") from e
+    self._paths = [os.path.join(self.image_dir, n) for n in names]
+    self._parse_federated(path, excluded)
     if check_files:
       for im, p in zip(self._images, self._paths):
         if not os.path.isfile(p):
           raise DataError(f"{path}: image file not found: {p} (image id {im['id']}, "
-                          f"file_name {im['file_name']!r})")
+                          f"file_name {im.get('file_name', os.path.relpath(p, self.image_dir))!r})")
 
     # Annotations -> per-image training targets (crowd excluded).
     self.num_skipped = 0
@@ -153,6 +210,14 @@ class CocoSource:
     for i, a in enumerate(data["annotations"]):
       _require(a, _REQUIRED_ANN, "annotations", path, i)
       aid = a.get("id", i)
+      if a["category_id"] in excluded:
+        self.num_excluded += 1
+        continue
+      if keep_ids is not None and a["image_id"] not in keep_ids:
+        if a["image_id"] not in known:
+          raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
+                          f"{a['image_id']!r}, which is not in 'images'")
+        continue
       if a["category_id"] not in self._cat_to_index:
         raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'category_id' has value "
                         f"{a['category_id']!r}, which is not in 'categories' "
@@ -204,14 +269,57 @@ class CocoSource:
         self._boxes.append(np.zeros((0, 4), np.float32))
         self._labels.append(np.zeros((0,), np.int32))
 
-    if self.num_skipped:
-      data = dict(data, annotations=kept_anns)
+    if self.num_skipped or self.num_excluded or keep_ids is not None:
+      data = dict(data, annotations=kept_anns, images=self._images,
+                  categories=self.category_entries)
     # pycocotools index, built from the already-parsed json (it prints; keep quiet).
     coco = COCO()
     coco.dataset = data
     with contextlib.redirect_stdout(io.StringIO()):
       coco.createIndex()
     self.coco = coco
+
+  _FEDERATED_FIELDS = (("neg_category_ids", "negative_labels"),
+                       ("not_exhaustive_category_ids", "not_exhaustive_labels"))
+
+  def _parse_federated(self, path: str, excluded: set) -> None:
+    """Per-image LVIS federated fields -> contiguous int32 arrays (see the class docstring)."""
+    self.federated = any(f in im for im in self._images for f, _ in self._FEDERATED_FIELDS)
+    self._federated: Dict[str, List[np.ndarray]] = {}
+    if not self.federated:
+      return
+    for field, key in self._FEDERATED_FIELDS:
+      rows = []
+      for im in self._images:
+        ids = im.get(field, [])
+        if not isinstance(ids, list):
+          raise DataError(f"{path}: image id {im['id']} field '{field}' must be a list of "
+                          f"category ids, got {_short(ids)}")
+        out = []
+        for cid in ids:
+          if cid in excluded:
+            continue
+          if cid not in self._cat_to_index:
+            raise DataError(f"{path}: image id {im['id']} field '{field}' has value {cid!r}, "
+                            f"which is not in 'categories'")
+          out.append(self._cat_to_index[cid])
+        rows.append(np.asarray(sorted(set(out)), np.int32))
+      self._federated[key] = rows
+
+  def federated_labels(self, index: int) -> Dict[str, np.ndarray]:
+    """LVIS federated labels of image `index`: dict(negative_labels int32 [K1],
+    not_exhaustive_labels int32 [K2]) of contiguous class indices (sorted, unique); an empty
+    dict when the json has no federated fields. Source: LVIS v1 format; SPEC §3-§4."""
+    return {k: v[index].copy() for k, v in self._federated.items()}
+
+  def subset(self, image_ids: Sequence[int], name: Optional[str] = None) -> "CocoSource":
+    """A new source with only `image_ids` (and their annotations), same options and classes.
+
+    Raises:
+      DataError: an id not in this source.
+    """
+    return CocoSource(self.annotation_file, self.image_dir, name or self.name,
+                      dataset=self.coco.dataset, image_ids=image_ids, **self._options)
 
   # --- grain RandomAccessDataSource protocol -------------------------------------------------
   def __len__(self) -> int:
@@ -245,7 +353,8 @@ class CocoSource:
     """Decode example `index` (0 <= index < len).
 
     Returns dict(image uint8 [H, W, 3] RGB, boxes float32 [M, 4] xyxy pixels, labels int32 [M]
-    contiguous class indices, image_id int). Non-crowd annotations only.
+    contiguous class indices, image_id int), plus `negative_labels` / `not_exhaustive_labels`
+    int32 [K] for federated (LVIS) sources. Non-crowd annotations only.
 
     Raises:
       IndexError: index out of range.
@@ -258,7 +367,8 @@ class CocoSource:
     info = self._images[index]
     if self._cache is not None and index in self._cache:
       return dict(image=self._cache[index], boxes=self._boxes[index].copy(),
-                  labels=self._labels[index].copy(), image_id=int(info["id"]))
+                  labels=self._labels[index].copy(), image_id=int(info["id"]),
+                  **self.federated_labels(index))
     p = self._paths[index]
     try:
       with Image.open(p) as im:
@@ -277,4 +387,5 @@ class CocoSource:
       image.setflags(write=False)
       self._cache[index] = image
     return dict(image=image, boxes=self._boxes[index].copy(),
-                labels=self._labels[index].copy(), image_id=int(info["id"]))
+                labels=self._labels[index].copy(), image_id=int(info["id"]),
+                **self.federated_labels(index))
