@@ -18,6 +18,8 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",     # built-in benchmark photographs/fonts, plots
     "tqdm>=4.66",
     "tensorboardX>=2.6",
+    "tokenizers>=0.15",    # the CLIP BPE tokenizer of the ViT variants (no transformers needed)
+    "lvis>=0.5.3",         # LVIS AP / APr / APc / APf (federated evaluation)
 ]
 
 EXTRAS = {

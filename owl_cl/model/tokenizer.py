@@ -12,7 +12,9 @@ Contents:
   ``1 + crc32(word) % (vocab_size - 3)``; ``SOT = vocab_size - 2`` and ``EOT = vocab_size - 1``
   so that the EOT is the largest id (the text tower pools the row at ``argmax(token id)``).
 * :func:`get_tokenizer` / :func:`register_tokenizer` — a name -> factory registry. Known names:
-  ``'word_hash'``. (The CLIP BPE tokenizer, ``'clip'``, is added by registering a factory.)
+  ``'word_hash'`` and ``'clip'`` (the OpenAI CLIP BPE of the ViT variants,
+  :class:`owl_cl.model.clip_tokenizer.ClipTokenizer`, from a local vocabulary:
+  ``get_tokenizer('clip', vocab_path=...)``).
 
 Every tokenizer exposes ``encode(texts) -> np.ndarray int32 [N, context_length]``,
 ``vocab_size``, ``context_length``, ``sot_token`` and ``eot_token``.
@@ -181,8 +183,16 @@ class WordHashTokenizer:
                 f"context_length={self._context_length})")
 
 
+def _clip_tokenizer(**kwargs):
+    """Factory of ``'clip'``: :class:`owl_cl.model.clip_tokenizer.ClipTokenizer` (kwargs
+    ``vocab_path``, ``context_length``, ``canonicalize``). Imported lazily (needs `tokenizers`)."""
+    from owl_cl.model.clip_tokenizer import ClipTokenizer  # pylint: disable=g-import-not-at-top
+    return ClipTokenizer(**kwargs)
+
+
 _REGISTRY: Dict[str, Callable[..., object]] = {
     "word_hash": WordHashTokenizer,
+    "clip": _clip_tokenizer,
 }
 
 
@@ -213,8 +223,9 @@ def get_tokenizer(name: str, **kwargs):
     """Builds a tokenizer by name.
 
     Args:
-      name: one of :func:`known_tokenizers` (``'word_hash'``).
-      **kwargs: passed to the factory (for ``'word_hash'``: ``vocab_size``, ``context_length``).
+      name: one of :func:`known_tokenizers` (``'word_hash'``, ``'clip'``).
+      **kwargs: passed to the factory (for ``'word_hash'``: ``vocab_size``, ``context_length``;
+        for ``'clip'``: ``vocab_path`` (required), ``context_length``, ``canonicalize``).
 
     Returns:
       The tokenizer object (``encode(texts) -> np.ndarray int32 [N, L]``, ``vocab_size``,
@@ -222,7 +233,8 @@ def get_tokenizer(name: str, **kwargs):
 
     Raises:
       ValueError: for an unknown name (the message lists the known names), or invalid kwargs
-        values as raised by the factory.
+        values as raised by the factory ('clip' without ``vocab_path``).
+      FileNotFoundError: 'clip' with a missing vocabulary (the message names the path).
 
     Source: CONVENTIONS.md (Tokenizer); SPEC §2.
     """
