@@ -209,8 +209,10 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.model.variant = "vit_l14"
   c.model.tokenizer = "clip"
   c.model.overrides = ml_collections.ConfigDict()
-  # The CLIP BPE vocabulary (bpe_simple_vocab_16e6.txt.gz); None: the tokenizer's default.
-  c.model.vocabulary_path = ml_collections.config_dict.placeholder(str)
+  # The CLIP BPE vocabulary (required): an HF folder with vocab.json + merges.txt, or OpenAI's
+  # bpe_simple_vocab_16e6.txt.gz (owl_cl.model.clip_tokenizer).
+  if "tokenizer_vocab_path" not in c.model:
+    c.model.tokenizer_vocab_path = ml_collections.config_dict.placeholder(str)
   # Required: a scenic msgpack, an HF folder or an owl_cl parameter checkpoint.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
   # --- data --------------------------------------------------------------------------------
@@ -243,9 +245,6 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   # --- evaluation ----------------------------------------------------------------------------
   c.eval.top_k = 300
   c.eval.max_dets = 100
-  # SPEC §4: 100 detections per image for EgoHands and BrackishUnderwater.
-  c.eval.top_k_per_dataset = ml_collections.ConfigDict(
-      {"EgoHands": 100, "BrackishUnderwater": 100})
   # O365 val, LVIS val and all 15 ODinW test sets are expensive at L/14: after each dataset
   # only the ODinW sets seen so far; the final stage evaluates everything.
   c.eval.downstream_after_each_dataset = "seen"

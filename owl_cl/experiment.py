@@ -149,15 +149,31 @@ def uses_real_data(config: ml_collections.ConfigDict) -> bool:
 
 
 def _real_data_module():
-  """owl_cl.data.odinw (ODinW, Objects365, LVIS, Visual Genome sources), or a clear error."""
-  try:
-    from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ConfigError(
-        "the paper's protocol reads real data through owl_cl.data.odinw, which this "
-        f"installation lacks ({e}); it comes with the real-data sources (branch real-data)"
-    ) from e
+  """owl_cl.data.odinw (the ODinW registry and sources)."""
+  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
   return odinw
+
+
+def pretraining_input_paths(root: str) -> list[str]:
+  """Files / folders of Objects365 (train: buffer candidates, val: evaluation) and LVIS val
+  (json + the COCO 2017 image folders its images live in) below `root`.
+
+  Source: owl_cl.data.pretraining (layout); SPEC §4, §6.
+  """
+  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+  paths = [p for split in ("train", "val") for p in pretraining.objects365_paths(root, split)]
+  lvis_json, coco_dir = pretraining.lvis_paths(root, "val")
+  paths += [lvis_json] + [os.path.join(coco_dir, f) for f in ("train2017", "val2017")]
+  return paths
+
+
+def real_data_layout(names: tuple[str, ...]) -> str:
+  """The folder tree the paper's protocol expects below `data.root` (for error messages)."""
+  odinw = _real_data_module()
+  root = "<root>"
+  pretraining = "\n".join(f"  {p}" for p in pretraining_input_paths(root))
+  return (odinw.layout_description(names) + "\n<root>/  Objects365 v2 and LVIS v1 val "
+          "(owl_cl.data.pretraining):\n" + pretraining)
 
 
 def odinw_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
@@ -215,9 +231,13 @@ def input_problems(config: ml_collections.ConfigDict) -> tuple[list[str], list[s
                     "owl_cl parameter checkpoint of the pre-trained OWL-ViT)")
   elif not os.path.exists(_expand(config.init_checkpoint)):
     missing.append(f"{_expand(config.init_checkpoint)} (config.init_checkpoint)")
-  vocabulary = config.model.get("vocabulary_path")
-  if vocabulary and not os.path.exists(_expand(vocabulary)):
-    missing.append(f"{_expand(vocabulary)} (config.model.vocabulary_path)")
+  vocabulary = config.model.get("tokenizer_vocab_path")
+  if config.model.tokenizer == "clip" and not vocabulary:
+    problems.append("config.model.tokenizer_vocab_path is not set (the CLIP BPE vocabulary: "
+                    "an HF folder with vocab.json + merges.txt, or OpenAI's "
+                    "bpe_simple_vocab_16e6.txt.gz)")
+  elif vocabulary and not os.path.exists(_expand(vocabulary)):
+    missing.append(f"{_expand(vocabulary)} (config.model.tokenizer_vocab_path)")
   if config.data.root is None:
     problems.append("config.data.root is not set (the folder holding odinw/, objects365/, "
                     "lvis/)")
@@ -229,6 +249,7 @@ def input_problems(config: ml_collections.ConfigDict) -> tuple[list[str], list[s
   odinw = _real_data_module()
   names = odinw_names(config)
   missing += [str(m) for m in odinw.missing_files(root, names)]
+  missing += [p for p in pretraining_input_paths(root) if not os.path.exists(p)]
   return missing, problems
 
 
@@ -253,15 +274,8 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
   if missing:
     lines.append(f"  missing ({len(missing)}):")
     lines += [f"    {m}" for m in missing]
-  if config.data.root is not None and os.path.isdir(_expand(config.data.root)):
-    layout = _real_data_module().layout_description(odinw_names(config))
-  else:
-    try:
-      odinw = _real_data_module()
-      layout = odinw.layout_description(tuple(config.data.odinw_datasets))
-    except ConfigError as e:
-      layout = str(e)
-  lines += ["expected layout below config.data.root:", layout]
+  lines += ["expected layout below config.data.root:",
+            real_data_layout(odinw_names(config))]
   raise MissingInputsError("\n".join(lines))
 
 
@@ -275,6 +289,7 @@ def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   Raises:
     MissingInputsError: see `check_inputs`.
   """
+  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
   check_inputs(config)
   odinw = _real_data_module()
   root = _expand(config.data.root)
@@ -282,14 +297,15 @@ def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   subset_seed = config.data.get("subset_seed", 0)
   sequence = []
   for name in names:
-    split = lambda s: odinw.odinw_source(root, name, s, subset_seed=subset_seed)
-    sequence.append(Dataset(name, split("train"), split("test"), valid=split("valid")))
+    split = lambda s, name=name: odinw.odinw_source(root, name, s, subset_seed=subset_seed)
+    sequence.append(Dataset(name, split("train"), split("test"), valid=split("val")))
   if config.sequence_seed is not None:
     order = np.random.default_rng(config.sequence_seed).permutation(len(sequence))
     sequence = [sequence[i] for i in order]
-  pretrain = Dataset(OBJECTS365_EVAL, odinw.objects365_source(root, "train"),
-                     odinw.objects365_source(root, "val"))
-  held_out = Dataset(LVIS_EVAL, None, odinw.lvis_source(root, "val"), evaluation="lvis")
+  pretrain = Dataset(OBJECTS365_EVAL, pretraining.objects365_source(root, "train"),
+                     pretraining.objects365_source(root, "val"))
+  held_out = Dataset(LVIS_EVAL, None, pretraining.lvis_source(root, "val"),
+                     evaluation="lvis")
   roles = {
       "pretrain": {"eval_set": OBJECTS365_EVAL, "label": "O365"},
       "open_vocab": {"eval_set": LVIS_EVAL, "label": "LVIS"},
@@ -340,8 +356,6 @@ class Runner:
     tokenizer_kwargs = ({"vocab_size": model_config.vocab_size,
                          "context_length": model_config.context_length}
                         if config.model.tokenizer == "word_hash" else {})
-    if config.model.get("vocabulary_path"):
-      tokenizer_kwargs["vocabulary_path"] = _expand(config.model.vocabulary_path)
     self.tokenizer = tokenizer_lib.get_tokenizer(config.model.tokenizer, **tokenizer_kwargs)
     self.image_size = self.model.config.image_size
     self.mesh = sharding_lib.create_mesh()
@@ -352,15 +366,7 @@ class Runner:
     self.empty_tokens = self.tokenizer.encode([""])[0]
     self._predict = step_lib.make_predict_step(
         self.model, self.mesh, top_k=config.eval.top_k, multi_label=config.eval.multi_label)
-    self._predict_by_top_k = {config.eval.top_k: self._predict}
     self._text_embed = step_lib.make_text_embed_step(self.model)
-
-  def _predict_step(self, top_k: int):
-    """The jitted predict step keeping `top_k` detections per image (built once per k)."""
-    if top_k not in self._predict_by_top_k:
-      self._predict_by_top_k[top_k] = step_lib.make_predict_step(
-          self.model, self.mesh, top_k=top_k, multi_label=self.config.eval.multi_label)
-    return self._predict_by_top_k[top_k]
 
   def init_params(self, seed: int):
     size = self.image_size
@@ -381,20 +387,15 @@ class Runner:
         num_negatives=self.config.data.num_negatives, batch_size=batch_size, seed=seed,
         epoch=epoch, num_workers=self.config.data.num_workers)
 
-  def evaluate(self, params, source: coco.CocoSource, desc: str,
-               top_k: int | None = None) -> dict[str, float]:
-    """COCO AP of `params` on `source`, queries = the source's class names (SPEC §4).
-
-    `top_k` detections per image (default `eval.top_k`).
-    """
+  def evaluate(self, params, source: coco.CocoSource, desc: str) -> dict[str, float]:
+    """COCO AP of `params` on `source`, queries = the source's class names (SPEC §4)."""
     query_embeddings = self._text_embed(params, jnp.asarray(self.class_tokens(source)))
     batch_size = self.config.data.eval_batch_size
     sharding_lib.check_batch_divisible(batch_size, self.mesh, "config.data.eval_batch_size")
-    predict = self._predict_step(top_k or self.config.eval.top_k)
 
     def predict_fn(batch):
       images = sharding_lib.shard_batch({"images": batch["images"]}, self.mesh)["images"]
-      return jax.device_get(predict(params, images, query_embeddings))
+      return jax.device_get(self._predict(params, images, query_embeddings))
 
     batches = pipeline.eval_dataset(source, image_size=self.image_size,
                                     batch_size=batch_size,
@@ -406,36 +407,21 @@ class Runner:
 
 def evaluate_dataset(runner: Runner, params, name: str, source, evaluation: str,
                      desc: str) -> dict[str, float]:
-  """Metrics of `params` on one eval set: COCO AP ('coco') or LVIS AP / APr ('lvis').
-
-  The detections per image are `eval.top_k_per_dataset[name]` where given, else
-  `eval.top_k` (SPEC §4: 100 for EgoHands and BrackishUnderwater, 300 otherwise).
+  """Metrics of `params` on one eval set: COCO AP ('coco') or LVIS AP / APr ('lvis', SPEC §4).
 
   Raises:
-    ConfigError: 'lvis' evaluation while the LVIS evaluator (owl_cl.eval.lvis) is missing.
+    ConfigError: an unknown evaluation, or 'lvis' while the Runner has no LVIS protocol
+      (owl_cl.eval.lvis_eval, branch tokenizer-lvis).
   """
-  per_dataset = runner.config.eval.get("top_k_per_dataset") or {}
-  top_k = per_dataset.get(name, runner.config.eval.top_k)
   if evaluation == "coco":
-    return runner.evaluate(params, source, desc, top_k=top_k)
+    return runner.evaluate(params, source, desc)
   if evaluation == "lvis":
-    return evaluate_lvis(runner, params, source, desc)
+    try:
+      return runner.evaluate(params, source, desc, protocol="lvis")
+    except TypeError as e:
+      raise ConfigError("LVIS evaluation needs Runner.evaluate(..., protocol='lvis') from "
+                        f"owl_cl.eval.lvis_eval (branch tokenizer-lvis): {e}") from e
   raise ConfigError(f"eval set {name!r}: unknown evaluation {evaluation!r} (coco | lvis)")
-
-
-def evaluate_lvis(runner: Runner, params, source, desc: str) -> dict[str, float]:
-  """LVIS AP / APr of `params` on `source` (SPEC §4; owl_cl.eval.lvis).
-
-  Raises:
-    ConfigError: owl_cl.eval.lvis (branch tokenizer-lvis) is not installed.
-  """
-  try:
-    from owl_cl.eval import lvis as lvis_eval  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ConfigError(f"LVIS evaluation needs owl_cl.eval.lvis, which this installation "
-                      f"lacks ({e}); it comes with branch tokenizer-lvis") from e
-  raise ConfigError(f"owl_cl.eval.lvis ({lvis_eval.__file__}) is present but not yet wired "
-                    "into the experiment")
 
 
 def _progress(total: int, desc: str):
