@@ -6,6 +6,7 @@ the expected hyperparameters: the paper's per-dataset table (configs/base.py).
 """
 
 import importlib
+import inspect
 import json
 import os
 
@@ -21,7 +22,8 @@ from owl_cl.train import checkpointing
 ALGORITHM_FILES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__),
                                                                    "..", "configs"))
                          if f.endswith(".py") and f not in ("__init__.py", "base.py"))
-DATASETS = ("Pothole", "ThermalCheetah")
+# Two datasets with the same class count: one compiled prediction step serves both.
+DATASETS = ("ThermalCheetah", "ThermalDogsAndPeople")
 
 
 def paper_config(name="swil"):
@@ -191,7 +193,7 @@ def tiny_paper_config(root, cache_dir, init_checkpoint=None):
   c.data.max_instances = 4
   c.data.eval_batch_size = 4
   c.train.batch_size = 4
-  c.max_train_steps_per_dataset = 4           # 2 of each dataset's 5-7 epochs of 2 steps
+  c.max_train_steps_per_dataset = 2           # 2 of each dataset's 5-7 epochs of 1 step
   c.train.carry = "best_validation"
   c.train.layerwise_granularity = "tensor"
   return c
@@ -200,12 +202,16 @@ def tiny_paper_config(root, cache_dir, init_checkpoint=None):
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
   root = str(tmp_path_factory.mktemp("data"))
-  fake_data.write_fake_odinw(root, DATASETS, num_images=dict(train=8, val=3, test=4))
+  fake_data.write_fake_odinw(root, DATASETS, num_images=dict(train=4, val=2, test=4))
   fake_data.write_fake_objects365(root, num_images=dict(train=8, val=4))
   fake_data.write_fake_lvis(root, num_images=dict(train=2, val=4))
   return root
 
 
+@pytest.mark.skipif(
+    "protocol" not in inspect.signature(experiment.Runner.evaluate).parameters,
+    reason="LVIS AP/APr evaluation (Runner.evaluate(..., protocol='lvis')) is not merged yet "
+    "(branch tokenizer-lvis)")
 def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
   cache_dir = str(tmp_path / "cache")
   c = tiny_paper_config(data_root, cache_dir)
@@ -235,15 +241,15 @@ def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
   assert on_disk["roles"]["held_out"]["AP"] == "APr"
   assert set(on_disk["summary"]["final"]) >= {"pretrain_AP", "open_vocab_AP", "held_out_AP",
                                               "downstream_mean_AP"}
-  # The paper's per-dataset hyperparameters reached the optimiser (2 steps per epoch).
+  # The paper's per-dataset hyperparameters reached the optimiser (1 step per epoch).
   for stage in stages[1:]:
     epochs, warmup, vit_lr, _, decay = base.PAPER_HYPERPARAMETERS[stage["name"]]
     train = stage["train"]
     assert train["settings"] == {"num_epochs": epochs, "learning_rate": vit_lr,
                                  "text_lr_multiplier": 0.1, "layerwise_decay": decay,
-                                 "warmup_steps": warmup * 2}
-    assert train["steps"] == 4
+                                 "warmup_steps": warmup * 1}
+    assert train["steps"] == 2
     assert train["carried"] == "best_validation"
     assert [v["epoch"] for v in train["validation"]] == [1, 2]
-    assert train["replayed_images"] == 4 * 4               # 1:1 replay
+    assert train["replayed_images"] == 2 * 4               # 1:1 replay
   assert results["buffer"]["images_kept"] >= 1
