@@ -66,7 +66,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- model ---------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
   c.model.variant = "tiny"
-  c.model.tokenizer = "word_hash"
+  c.model.tokenizer = "word_hash"   # word_hash (tiny) | clip (ViT variants, SPEC §2)
+  # The 'clip' tokenizer's local vocabulary: an HF checkpoint folder with vocab.json +
+  # merges.txt, or OpenAI's bpe_simple_vocab_16e6.txt.gz (nothing is downloaded).
+  c.model.tokenizer_vocab_path = ml_collections.config_dict.placeholder(str)
   # Any field of the variant's ModelConfig, e.g. vision_layers=2. The tiny model's queries are
   # at most a few words: a text context of 8 halves the text tower's cost.
   c.model.overrides = ml_collections.ConfigDict({"context_length": 8})
@@ -84,6 +87,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.max_instances = 8       # M boxes per image
   c.data.num_workers = 0         # grain worker processes (0 = in process)
   c.data.eval_batch_size = 64
+  # Training prompts (SPEC §2): 'none' = the bare class name (built-in benchmark); 'clip_80' =
+  # per label and image one template drawn from ['{}'] + the 80 CLIP ImageNet templates.
+  c.data.train_prompt_templates = "none"
   c.data.builtin = ml_collections.ConfigDict()
   c.data.builtin.seed = 0
   c.data.builtin.num_pretrain_train = 4000
@@ -173,6 +179,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # held-out sets (O365, LVIS in the paper config) are evaluated too.
   c.eval.downstream_after_each_dataset = "all"
   c.eval.pretraining_sets_after_each_dataset = True
+  # Query prompts at evaluation (SPEC §2): 'none' = the bare class name (built-in benchmark);
+  # 'owl_vit_7' = the 7 OWL-ViT templates, ensembled per `ensemble`.
+  c.eval.prompt_templates = "none"
+  c.eval.ensemble = "logits"       # logits (scenic) | probabilities (released code)
+  # LVIS protocol (Runner.evaluate(..., protocol='lvis')): multi-label top-k (token, class)
+  # pairs, the lvis API's federated AP with this many detections per image.
+  c.eval.lvis_top_k = 300
+  c.eval.lvis_max_dets = 300
 
   # --- checkpoints -----------------------------------------------------------------------
   c.checkpoint = ml_collections.ConfigDict()
@@ -209,10 +223,7 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.model.variant = "vit_l14"
   c.model.tokenizer = "clip"
   c.model.overrides = ml_collections.ConfigDict()
-  # The CLIP BPE vocabulary (required): an HF folder with vocab.json + merges.txt, or OpenAI's
-  # bpe_simple_vocab_16e6.txt.gz (owl_cl.model.clip_tokenizer).
-  if "tokenizer_vocab_path" not in c.model:
-    c.model.tokenizer_vocab_path = ml_collections.config_dict.placeholder(str)
+  # Required with 'clip': model.tokenizer_vocab_path (the CLIP BPE vocabulary).
   # Required: a scenic msgpack, an HF folder or an owl_cl parameter checkpoint.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
   # --- data --------------------------------------------------------------------------------
@@ -245,6 +256,11 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   # --- evaluation ----------------------------------------------------------------------------
   c.eval.top_k = 300
   c.eval.max_dets = 100
+  c.eval.prompt_templates = "owl_vit_7"   # SPEC §2: the 7 OWL-ViT templates, logits averaged
+  c.eval.ensemble = "logits"
+  c.eval.lvis_top_k = 300
+  c.eval.lvis_max_dets = 300
+  c.data.train_prompt_templates = "clip_80"   # ['{}'] + the 80 CLIP ImageNet templates
   # O365 val, LVIS val and all 15 ODinW test sets are expensive at L/14: after each dataset
   # only the ODinW sets seen so far; the final stage evaluates everything.
   c.eval.downstream_after_each_dataset = "seen"

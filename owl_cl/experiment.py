@@ -35,7 +35,9 @@ from owl_cl import model as model_lib
 from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import pipeline
+from owl_cl.data import prompts
 from owl_cl.eval import detection
+from owl_cl.eval import lvis_eval
 from owl_cl.eval import results as results_lib
 from owl_cl.model import tokenizer as tokenizer_lib
 from owl_cl.replay import algorithms
@@ -352,11 +354,33 @@ class Runner:
     self.config = config
     self.model = model_lib.create_model(config.model.variant, **dict(config.model.overrides))
     model_config = self.model.config
-    # The self-contained tokenizer is sized by the model (vocabulary and context length).
-    tokenizer_kwargs = ({"vocab_size": model_config.vocab_size,
-                         "context_length": model_config.context_length}
-                        if config.model.tokenizer == "word_hash" else {})
+    # The self-contained tokenizer is sized by the model (vocabulary and context length); the
+    # CLIP BPE reads its vocabulary from config.model.tokenizer_vocab_path (SPEC §2).
+    tokenizer_kwargs = {}
+    if config.model.tokenizer == "word_hash":
+      tokenizer_kwargs = {"vocab_size": model_config.vocab_size,
+                          "context_length": model_config.context_length}
+    elif config.model.tokenizer == "clip":
+      if not config.model.tokenizer_vocab_path:
+        raise ConfigError(
+            "config.model.tokenizer='clip' needs config.model.tokenizer_vocab_path: an HF "
+            "checkpoint folder with vocab.json + merges.txt, or OpenAI's "
+            "bpe_simple_vocab_16e6.txt.gz")
+      tokenizer_kwargs = {"vocab_path": _expand(config.model.tokenizer_vocab_path),
+                          "context_length": model_config.context_length}
     self.tokenizer = tokenizer_lib.get_tokenizer(config.model.tokenizer, **tokenizer_kwargs)
+    if self.tokenizer.vocab_size > model_config.vocab_size:
+      raise ConfigError(
+          f"config.model.tokenizer={config.model.tokenizer!r} has {self.tokenizer.vocab_size} "
+          f"ids but the model's vocab_size is {model_config.vocab_size}")
+    try:
+      self.train_templates = prompts.train_templates(config.data.train_prompt_templates)
+      self.eval_templates = prompts.eval_templates(config.eval.prompt_templates)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+    if config.eval.ensemble not in step_lib.ENSEMBLE_MODES:
+      raise ConfigError(f"config.eval.ensemble={config.eval.ensemble!r} is unknown; known: "
+                        f"{list(step_lib.ENSEMBLE_MODES)}")
     self.image_size = self.model.config.image_size
     self.mesh = sharding_lib.create_mesh()
     self.loss_config = dict(
@@ -367,6 +391,7 @@ class Runner:
     self._predict = step_lib.make_predict_step(
         self.model, self.mesh, top_k=config.eval.top_k, multi_label=config.eval.multi_label)
     self._text_embed = step_lib.make_text_embed_step(self.model)
+    self._predict_steps = {}   # (templates?, top_k, multi_label) -> jitted prediction
 
   def init_params(self, seed: int):
     size = self.image_size
@@ -379,27 +404,79 @@ class Runner:
     names = [tokenizer_lib.canonicalize_label(n) for n in source.class_names]
     return self.tokenizer.encode(names)
 
+  def train_class_tokens(self, source: coco.CocoSource) -> np.ndarray:
+    """Training query tokens: [C, L] class names (data.train_prompt_templates='none'), or
+    [C, P, L] prompts, one drawn per label and image by the pipeline (SPEC §2)."""
+    if self.config.data.train_prompt_templates == "none":
+      return self.class_tokens(source)
+    return prompts.prompt_tokens(self.tokenizer, source.class_names, self.train_templates)
+
+  def eval_query_embeddings(self, params, source: coco.CocoSource) -> jax.Array:
+    """Query embeddings of the source's classes: [C, E] (eval.prompt_templates='none') or
+    [P, C, E], one slice per evaluation template (SPEC §2)."""
+    if self.config.eval.prompt_templates == "none":
+      return self._text_embed(params, jnp.asarray(self.class_tokens(source)))
+    tokens = prompts.prompt_tokens(self.tokenizer, source.class_names, self.eval_templates)
+    num_classes, num_templates, length = tokens.shape
+    embeddings = self._text_embed(params, jnp.asarray(tokens.reshape(-1, length)))
+    return jnp.transpose(embeddings.reshape(num_classes, num_templates, -1), (1, 0, 2))
+
+  def _predict_step(self, *, templates: bool, top_k: int, multi_label: bool):
+    key = (templates, top_k, multi_label)
+    if key not in self._predict_steps:
+      if templates:
+        self._predict_steps[key] = step_lib.make_template_predict_step(
+            self.model, self.mesh, top_k=top_k, multi_label=multi_label,
+            ensemble=self.config.eval.ensemble)
+      else:
+        self._predict_steps[key] = step_lib.make_predict_step(
+            self.model, self.mesh, top_k=top_k, multi_label=multi_label)
+    return self._predict_steps[key]
+
   def train_batches(self, source, *, batch_size: int, seed: int, epoch: int):
     return pipeline.train_dataset(
-        source, class_tokens=self.class_tokens(source), empty_tokens=self.empty_tokens,
+        source, class_tokens=self.train_class_tokens(source), empty_tokens=self.empty_tokens,
         image_size=self.image_size, num_queries=self.config.data.num_queries,
         max_instances=self.config.data.max_instances,
         num_negatives=self.config.data.num_negatives, batch_size=batch_size, seed=seed,
         epoch=epoch, num_workers=self.config.data.num_workers)
 
-  def evaluate(self, params, source: coco.CocoSource, desc: str) -> dict[str, float]:
-    """COCO AP of `params` on `source`, queries = the source's class names (SPEC §4)."""
-    query_embeddings = self._text_embed(params, jnp.asarray(self.class_tokens(source)))
+  def evaluate(self, params, source: coco.CocoSource, desc: str, *,
+               protocol: str = "coco") -> dict[str, float]:
+    """AP of `params` on `source`, queries = the source's class names (SPEC §4).
+
+    protocol 'coco': pycocotools AP, eval.top_k detections (argmax class per token unless
+    eval.multi_label). 'lvis': the lvis API's federated AP/APr/APc/APf of the top
+    eval.lvis_top_k (token, class) pairs, eval.lvis_max_dets per image, ground truth read
+    from `source.annotation_file` (LVIS v1 json). With eval.prompt_templates != 'none' the
+    class scores are ensembled over the templates (eval.ensemble).
+    """
+    if protocol not in ("coco", "lvis"):
+      raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
+    ec = self.config.eval
+    lvis = protocol == "lvis"
+    templates = ec.prompt_templates != "none"
+    if lvis or templates:
+      predict_step = self._predict_step(
+          templates=templates, top_k=ec.lvis_top_k if lvis else ec.top_k,
+          multi_label=True if lvis else ec.multi_label)
+    else:
+      predict_step = self._predict   # the built-in benchmark's path
+    query_embeddings = self.eval_query_embeddings(params, source)
     batch_size = self.config.data.eval_batch_size
     sharding_lib.check_batch_divisible(batch_size, self.mesh, "config.data.eval_batch_size")
 
     def predict_fn(batch):
       images = sharding_lib.shard_batch({"images": batch["images"]}, self.mesh)["images"]
-      return jax.device_get(self._predict(params, images, query_embeddings))
+      return jax.device_get(predict_step(params, images, query_embeddings))
 
     batches = pipeline.eval_dataset(source, image_size=self.image_size,
                                     batch_size=batch_size,
                                     max_images=self.config.max_eval_images)
+    if lvis:
+      return lvis_eval.evaluate_lvis_source(
+          predict_fn, source, batches, category_ids=source.category_ids,
+          image_size=self.image_size, max_dets=ec.lvis_max_dets, desc=desc)
     return detection.evaluate_source(
         predict_fn, source, batches, category_ids=source.category_ids,
         image_size=self.image_size, max_dets=self.config.eval.max_dets, desc=desc)
@@ -410,17 +487,12 @@ def evaluate_dataset(runner: Runner, params, name: str, source, evaluation: str,
   """Metrics of `params` on one eval set: COCO AP ('coco') or LVIS AP / APr ('lvis', SPEC §4).
 
   Raises:
-    ConfigError: an unknown evaluation, or 'lvis' while the Runner has no LVIS protocol
-      (owl_cl.eval.lvis_eval, branch tokenizer-lvis).
+    ConfigError: an unknown evaluation.
   """
   if evaluation == "coco":
     return runner.evaluate(params, source, desc)
   if evaluation == "lvis":
-    try:
-      return runner.evaluate(params, source, desc, protocol="lvis")
-    except TypeError as e:
-      raise ConfigError("LVIS evaluation needs Runner.evaluate(..., protocol='lvis') from "
-                        f"owl_cl.eval.lvis_eval (branch tokenizer-lvis): {e}") from e
+    return runner.evaluate(params, source, desc, protocol="lvis")
   raise ConfigError(f"eval set {name!r}: unknown evaluation {evaluation!r} (coco | lvis)")
 
 
@@ -511,7 +583,8 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
     raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
   key = _digest({"model": config.model.to_dict(), "pretrain": config.pretrain.to_dict(),
                  "data": {k: v for k, v in config.data.to_dict().items()
-                          if k in ("num_queries", "num_negatives", "max_instances")},
+                          if k in ("num_queries", "num_negatives", "max_instances",
+                                   "train_prompt_templates")},
                  "loss": config.loss.to_dict(), "seed": config.seed,
                  "pretrain_data": _file_digest(bench.pretrain.train.annotation_file),
                  "train_opt": [config.train.b1,

@@ -6,7 +6,6 @@ the expected hyperparameters: the paper's per-dataset table (configs/base.py).
 """
 
 import importlib
-import inspect
 import json
 import os
 
@@ -47,6 +46,8 @@ def test_every_algorithm_config_has_the_paper_protocol(name):
   assert c.replay.buffer.visual_genome_loss_threshold == 0.0
   assert c.train.text_lr_multiplier == 0.1
   assert c.sequence_seed is not None
+  assert (c.eval.prompt_templates, c.data.train_prompt_templates) == ("owl_vit_7", "clip_80")
+  assert (c.eval.lvis_top_k, c.eval.lvis_max_dets) == (300, 300)
   with pytest.raises(ValueError, match="unknown config argument"):
     importlib.import_module(f"configs.{name}").get_config("papers")
 
@@ -208,10 +209,6 @@ def data_root(tmp_path_factory):
   return root
 
 
-@pytest.mark.skipif(
-    "protocol" not in inspect.signature(experiment.Runner.evaluate).parameters,
-    reason="LVIS AP/APr evaluation (Runner.evaluate(..., protocol='lvis')) is not merged yet "
-    "(branch tokenizer-lvis)")
 def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
   cache_dir = str(tmp_path / "cache")
   c = tiny_paper_config(data_root, cache_dir)

@@ -19,7 +19,8 @@ Pipeline for one evaluation set (SPEC §4):
    prediction function is supplied by the caller (`make_predict_fn` builds one from any
    function returning `pred_logits` / `pred_boxes`), so the driver is testable with fakes.
 
-LVIS's federated AP (the `lvis` API: APr/APc/APf, `neg_category_ids`) is not computed here;
+LVIS's federated AP (the `lvis` API: APr/APc/APf, `neg_category_ids`) is computed by
+`owl_cl.eval.lvis_eval` (`evaluate_lvis_source`, which shares `collect_detections`);
 `coco_evaluate(..., cat_ids=...)` gives the plain COCO AP over a subset of categories (e.g. the
 held-out / rare classes of a stand-in set).
 """
@@ -72,8 +73,8 @@ def ensemble_templates(pred_logits: jax.Array, *, average: str = "logits",
   Args:
     pred_logits: [B, T, C, P] logits, one slice per prompt template (P = 7 evaluation
       templates of SPEC §2) along `template_axis`.
-    average: 'logits' (default, scenic): sigmoid(mean_p logits); 'probs' (as in the released
-      code): mean_p sigmoid(logits).
+    average: 'logits' (default, scenic): sigmoid(mean_p logits); 'probs' or 'probabilities'
+      (as in the released code): mean_p sigmoid(logits).
     template_axis: the axis holding the templates (default last).
     template_mask: optional bool [P]; only templates with True are averaged.
 
@@ -97,9 +98,9 @@ def ensemble_templates(pred_logits: jax.Array, *, average: str = "logits",
     weights = mask / jnp.maximum(mask.sum(), 1.0)
   if average == "logits":
     return jax.nn.sigmoid(jnp.einsum("...p,p->...", logits, weights))
-  if average == "probs":
+  if average in ("probs", "probabilities"):
     return jnp.einsum("...p,p->...", jax.nn.sigmoid(logits), weights)
-  raise ValueError(f"average must be 'logits' or 'probs', got {average!r}.")
+  raise ValueError(f"average must be 'logits' or 'probs' ('probabilities'), got {average!r}.")
 
 
 # ------------------------------------------------------------------------------------------
@@ -490,6 +491,58 @@ def make_predict_fn(outputs_fn: Callable[..., Mapping[str, Any]], *, top_k: int,
   return predict_fn
 
 
+def collect_detections(predict_fn: PredictFn, batches: Iterable[Mapping[str, Any]],
+                       category_ids: Sequence[int], *, image_size: int | None = None,
+                       progress: bool = True, total: int | None = None,
+                       desc: str = "eval") -> tuple[list[dict[str, Any]], set[int]]:
+  """Runs `predict_fn` over batches and converts the outputs to COCO detections (SPEC §4).
+
+  Batch i + 1 is dispatched before the outputs of batch i are fetched to the host, so the
+  (asynchronous) device computation overlaps the conversion.
+
+  Args:
+    predict_fn: `predict_fn(batch) -> (scores [B, K], labels [B, K], boxes [B, K, 4])`.
+    batches: iterable of batch dicts with `image_id` int [B], `orig_size` int [B, 2] (h, w) and
+      optionally `example_mask` bool [B].
+    category_ids: int [C] dataset category id of each label index (`to_coco_detections`).
+    image_size: see `unpad_boxes`. progress, total, desc: the tqdm progress bar.
+
+  Returns:
+    (detections: list of COCO result dicts, in batch order; seen: set of the image ids of the
+    valid examples).
+
+  Raises:
+    ValueError: from `to_coco_detections`.
+
+  Source: SPEC §4.
+  """
+  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+  if total is None and hasattr(batches, "__len__"):
+    total = len(batches)  # type: ignore[arg-type]
+  detections: list[dict[str, Any]] = []
+  seen: set[int] = set()
+
+  def collect(batch, outputs):
+    scores, labels, boxes = jax.device_get(outputs)
+    image_ids = np.asarray(batch["image_id"]).reshape(-1)
+    mask = batch.get("example_mask")
+    mask = np.ones(image_ids.shape, bool) if mask is None else np.asarray(mask, bool)
+    seen.update(int(i) for i in image_ids[mask & (image_ids >= 0)])
+    detections.extend(to_coco_detections(
+        scores, labels, boxes, image_ids=image_ids, orig_sizes=batch["orig_size"],
+        category_ids=category_ids, example_mask=mask, image_size=image_size))
+
+  pending = None
+  for batch in tqdm(batches, desc=desc, total=total, disable=not progress, leave=False):
+    outputs = predict_fn(batch)  # Dispatched asynchronously.
+    if pending is not None:
+      collect(*pending)
+    pending = (batch, outputs)
+  if pending is not None:
+    collect(*pending)
+  return detections, seen
+
+
 def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mapping[str, Any]],
                     category_ids: Sequence[int] | None = None, *,
                     coco_gt: Any = None, image_size: int | None = None,
@@ -500,8 +553,8 @@ def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mappin
                     desc: str | None = None) -> dict[str, Any]:
   """Runs `predict_fn` over batches of one evaluation set and computes its COCO AP (SPEC §4).
 
-  Batch i + 1 is dispatched before the outputs of batch i are fetched to the host, so the
-  (asynchronous) device computation overlaps the conversion to COCO detections.
+  The batches are run and converted by `collect_detections` (device work overlaps the
+  host-side conversion).
 
   Args:
     predict_fn: `predict_fn(batch) -> (scores [B, K], labels [B, K], boxes [B, K, 4])`
@@ -531,38 +584,15 @@ def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mappin
 
   Source: SPEC §4.
   """
-  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
   if coco_gt is None:
     coco_gt = source.coco
   if category_ids is None:
     category_ids = source.category_ids
   if name is None:
     name = getattr(source, "name", None) or "eval"
-  if total is None and hasattr(batches, "__len__"):
-    total = len(batches)  # type: ignore[arg-type]
-
-  detections: list[dict[str, Any]] = []
-  seen: set[int] = set()
-
-  def collect(batch, outputs):
-    scores, labels, boxes = jax.device_get(outputs)
-    image_ids = np.asarray(batch["image_id"]).reshape(-1)
-    mask = batch.get("example_mask")
-    mask = np.ones(image_ids.shape, bool) if mask is None else np.asarray(mask, bool)
-    seen.update(int(i) for i in image_ids[mask & (image_ids >= 0)])
-    detections.extend(to_coco_detections(
-        scores, labels, boxes, image_ids=image_ids, orig_sizes=batch["orig_size"],
-        category_ids=category_ids, example_mask=mask, image_size=image_size))
-
-  pending = None
-  for batch in tqdm(batches, desc=desc or f"eval {name}", total=total, disable=not progress,
-                    leave=False):
-    outputs = predict_fn(batch)  # Dispatched asynchronously.
-    if pending is not None:
-      collect(*pending)
-    pending = (batch, outputs)
-  if pending is not None:
-    collect(*pending)
+  detections, seen = collect_detections(
+      predict_fn, batches, category_ids, image_size=image_size, progress=progress,
+      total=total, desc=desc or f"eval {name}")
 
   if restrict_to_seen_images and not seen:
     logger.warning("evaluate_source(%s): no images were evaluated; metrics are NaN.", name)

@@ -1,0 +1,288 @@
+"""LVIS evaluation: federated box AP, APr / APc / APf with the `lvis` API (SPEC §4).
+
+* `load_lvis_ground_truth`: an `lvis.LVIS` from a json path, a dict (LVIS v1 schema) or an
+  existing object, with the fields LVISEval needs checked up front (clear errors naming the
+  file, field and value instead of a KeyError deep inside the API).
+* `lvis_evaluate`: `lvis.LVISResults` + `lvis.LVISEval` (iou_type 'bbox'): at most `max_dets`
+  (300) detections per image, federated semantics handled by the API: a detection of a
+  category that is neither annotated in its image nor in the image's `neg_category_ids` is
+  dropped; unmatched detections of a category in `not_exhaustive_category_ids` are ignored.
+  Returns AP, AP50, AP75, APs/m/l, APr (rare), APc (common), APf (frequent) and AR@max_dets.
+* `evaluate_lvis_source`: the `evaluate_source` analogue for an LVIS set: runs a prediction
+  function over batches (multi-label top-300 (token, class) pairs, `top_predictions`), maps
+  the contiguous label indices back to LVIS category ids explicitly (`to_coco_detections`)
+  and evaluates them.
+
+The `lvis` package (0.5.3) still calls `np.float`, which NumPy >= 1.24 removed; `_lvis_api`
+sets `numpy.float = float` only when it is missing, before the API runs.
+
+Source: SPEC §4; the `lvis` API (lvis-dataset/lvis-api: `LVIS`, `LVISResults`, `LVISEval`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import logging
+import os
+import warnings
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from owl_cl.eval import detection
+
+logger = logging.getLogger(__name__)
+
+#: Summary metrics of `lvis_evaluate` (LVISEval.results keys; 'AR' is AR@max_dets and
+#: 'ARs'/'ARm'/'ARl' its area splits).
+LVIS_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "APr", "APc", "APf",
+                     "AR", "ARs", "ARm", "ARl")
+FREQUENCIES = ("r", "c", "f")
+
+_REQUIRED_IMAGE = ("id", "neg_category_ids", "not_exhaustive_category_ids")
+_REQUIRED_ANNOTATION = ("id", "image_id", "category_id", "bbox", "area")
+_REQUIRED_CATEGORY = ("id", "frequency")
+
+
+def _lvis_api():
+  """The `lvis` module (LVIS, LVISResults, LVISEval), with the NumPy-2 `np.float` shim."""
+  if "float" not in np.__dict__:
+    np.float = float  # type: ignore[attr-defined]  # lvis 0.5.3 calls np.float (NumPy < 1.24).
+  import lvis  # pylint: disable=g-import-not-at-top
+  return lvis
+
+
+def _check_schema(dataset: Any, where: str) -> None:
+  """Raises ValueError naming `where`, the field and the value for what LVISEval needs."""
+  if not isinstance(dataset, dict):
+    raise ValueError(f"{where}: LVIS ground truth must be a json object, got "
+                     f"{type(dataset).__name__}")
+  for key in ("images", "annotations", "categories"):
+    if not isinstance(dataset.get(key), list):
+      raise ValueError(f"{where}: missing or non-list top-level field '{key}'")
+  for kind, fields in (("images", _REQUIRED_IMAGE), ("annotations", _REQUIRED_ANNOTATION),
+                       ("categories", _REQUIRED_CATEGORY)):
+    for i, entry in enumerate(dataset[kind]):
+      missing = [f for f in fields if f not in entry]
+      if missing:
+        raise ValueError(f"{where}: {kind}[{i}] (id {entry.get('id')!r}) is missing "
+                         f"field(s) {missing} (LVIS v1 schema)")
+  for i, cat in enumerate(dataset["categories"]):
+    if cat["frequency"] not in FREQUENCIES:
+      raise ValueError(f"{where}: categories[{i}] (id {cat['id']}) has frequency "
+                       f"{cat['frequency']!r}; expected one of {FREQUENCIES}")
+  cat_ids = {c["id"] for c in dataset["categories"]}
+  image_ids = {im["id"] for im in dataset["images"]}
+  for i, ann in enumerate(dataset["annotations"]):
+    if ann["category_id"] not in cat_ids:
+      raise ValueError(f"{where}: annotations[{i}] has category_id {ann['category_id']!r} "
+                       "absent from 'categories'")
+    if ann["image_id"] not in image_ids:
+      raise ValueError(f"{where}: annotations[{i}] has image_id {ann['image_id']!r} absent "
+                       "from 'images'")
+
+
+def load_lvis_ground_truth(annotations: Any):
+  """An `lvis.LVIS` ground truth, schema-checked.
+
+  Args:
+    annotations: path of an LVIS json (v1 schema), a dict with that content (copied, not
+      modified), or an `lvis.LVIS` (returned as is).
+
+  Returns:
+    `lvis.LVIS`.
+
+  Raises:
+    FileNotFoundError: the path does not exist.
+    ValueError: invalid json or a missing/invalid field (images: `id`, `neg_category_ids`,
+      `not_exhaustive_category_ids`; annotations: `id`, `image_id`, `category_id`, `bbox`,
+      `area`; categories: `id`, `frequency` in r/c/f), with file, field and value named.
+
+  Source: SPEC §4; `lvis.LVIS`.
+  """
+  api = _lvis_api()
+  if isinstance(annotations, api.LVIS):
+    return annotations
+  if isinstance(annotations, (str, os.PathLike)):
+    path = os.fspath(annotations)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"LVIS annotation file not found: {path}")
+    try:
+      with open(path, "r") as f:
+        dataset = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: not valid json ({e})") from e
+    where = path
+  else:
+    dataset, where = copy.deepcopy(annotations), "LVIS ground truth (dict)"
+  _check_schema(dataset, where)
+  gt = api.LVIS.__new__(api.LVIS)  # LVIS() only reads files; index the dict the same way.
+  gt.logger = logging.getLogger("lvis.lvis")
+  gt.dataset = dataset
+  gt._create_index()  # pylint: disable=protected-access
+  return gt
+
+
+def _results(api, lvis_gt, detections: list, max_dets: int):
+  """`LVISResults` of the detections; an empty list (which LVISResults rejects) gives a
+  results object without annotations."""
+  if detections:
+    return api.LVISResults(lvis_gt, copy.deepcopy(detections), max_dets=max_dets)
+  res = api.LVISResults.__new__(api.LVISResults)
+  res.logger = logging.getLogger("lvis.results")
+  res.dataset = dict(lvis_gt.dataset, annotations=[])
+  res._create_index()  # pylint: disable=protected-access
+  return res
+
+
+def _no_data_to_nan(value: float) -> float:
+  value = float(value)
+  return float("nan") if value == -1.0 else value
+
+
+def lvis_evaluate(lvis_gt: Any, detections: Sequence[Mapping[str, Any]], *,
+                  image_ids: Sequence[int] | None = None,
+                  cat_ids: Sequence[int] | None = None, max_dets: int = 300,
+                  per_category: bool = False) -> dict[str, Any]:
+  """LVIS box AP of detections (SPEC §4), via `lvis.LVISEval`.
+
+  Args:
+    lvis_gt: ground truth (path, dict or `lvis.LVIS`, see `load_lvis_ground_truth`).
+    detections: COCO-style result dicts {'image_id', 'category_id' (LVIS id), 'bbox'
+      [x, y, w, h] pixels, 'score'} (`detection.to_coco_detections`); not modified. May be
+      empty (AP 0 for every category with ground truth).
+    image_ids: evaluate these images only (default: all images of the ground truth).
+    cat_ids: evaluate these category ids only (default: all).
+    max_dets: detections kept per image, highest scores first (LVIS: 300), applied by
+      `LVISResults`; also LVISEval's `max_dets`.
+    per_category: also return {'per_category': {cat_id: {'AP', 'frequency'}}}.
+
+  Returns:
+    dict of floats `LVIS_METRIC_NAMES` in [0, 1]: 'AP' (AP@[.5:.95]), 'AP50', 'AP75',
+    'APs'/'APm'/'APl' (area), 'APr'/'APc'/'APf' (rare / common / frequent categories), 'AR'
+    (AR@max_dets), 'ARs'/'ARm'/'ARl'; NaN where the API reports -1 (e.g. no rare category
+    with ground truth among the evaluated images). Plus 'num_detections' (int, after the
+    per-image limit) and, if requested, 'per_category'.
+
+  Raises:
+    ValueError: a detection's image id or category id is absent from the ground truth,
+      max_dets < 1, or a ground-truth schema error (see `load_lvis_ground_truth`).
+
+  Source: SPEC §4; `lvis.LVISEval` (federated: detections of categories neither annotated in
+  the image nor in its `neg_category_ids` are dropped; `not_exhaustive_category_ids`).
+  """
+  api = _lvis_api()
+  if max_dets < 1:
+    raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
+  gt = load_lvis_ground_truth(lvis_gt)
+  detections = list(detections)
+  unknown_images = {int(d["image_id"]) for d in detections} - set(gt.imgs)
+  if unknown_images:
+    raise ValueError(f"{len(unknown_images)} detection image ids are not in the LVIS ground "
+                     f"truth, e.g. {sorted(unknown_images)[:5]}.")
+  unknown_cats = {int(d["category_id"]) for d in detections} - set(gt.cats)
+  if unknown_cats:
+    raise ValueError(f"{len(unknown_cats)} detection category ids are not in the LVIS ground "
+                     f"truth, e.g. {sorted(unknown_cats)[:5]}.")
+  log = io.StringIO()
+  with contextlib.redirect_stdout(log), warnings.catch_warnings():
+    # lvis 0.5.3 calls the deprecated Logger.warn.
+    warnings.filterwarnings("ignore", message="The 'warn' method is deprecated",
+                            category=DeprecationWarning)
+    dt = _results(api, gt, detections, int(max_dets))
+    evaluator = api.LVISEval(gt, dt, iou_type="bbox")
+    evaluator.params.max_dets = int(max_dets)
+    if image_ids is not None:
+      evaluator.params.img_ids = sorted({int(i) for i in image_ids})
+    if cat_ids is not None:
+      evaluator.params.cat_ids = sorted({int(c) for c in cat_ids})
+    evaluator.run()
+  logger.debug("lvis: %s", log.getvalue())
+  raw = evaluator.get_results()
+  m = int(max_dets)
+  keys = {"AR": f"AR@{m}", "ARs": f"ARs@{m}", "ARm": f"ARm@{m}", "ARl": f"ARl@{m}"}
+  result: dict[str, Any] = {name: _no_data_to_nan(raw[keys.get(name, name)])
+                            for name in LVIS_METRIC_NAMES}
+  result["num_detections"] = len(dt.dataset["annotations"])
+  if per_category:
+    precision = evaluator.eval["precision"]  # [iou, recall, category, area]
+    per_cat = {}
+    for k, cat in enumerate(evaluator.params.cat_ids):
+      values = precision[:, :, k, 0]
+      valid = values[values > -1]
+      per_cat[int(cat)] = {"AP": float(np.mean(valid)) if valid.size else float("nan"),
+                           "frequency": gt.cats[cat]["frequency"]}
+    result["per_category"] = per_cat
+  return result
+
+
+def evaluate_lvis_source(predict_fn: detection.PredictFn, source: Any,
+                         batches: Iterable[Mapping[str, Any]],
+                         category_ids: Sequence[int] | None = None, *,
+                         lvis_gt: Any = None, image_size: int | None = None,
+                         max_dets: int = 300, cat_ids: Sequence[int] | None = None,
+                         restrict_to_seen_images: bool = True, per_category: bool = False,
+                         return_detections: bool = False, progress: bool = True,
+                         total: int | None = None, name: str | None = None,
+                         desc: str | None = None) -> dict[str, Any]:
+  """Runs `predict_fn` over an LVIS evaluation set and computes its LVIS AP (SPEC §4).
+
+  Args:
+    predict_fn: `predict_fn(batch) -> (scores [B, K], labels [B, K], boxes [B, K, 4])`, for
+      LVIS the multi-label top-300 (token, class) pairs (`detection.top_predictions` with
+      `multi_label=True, top_k=300`).
+    source: the evaluation set (e.g. a `CocoSource` over the LVIS json); uses
+      `source.category_ids` (if `category_ids` is None), `source.annotation_file` (if `lvis_gt`
+      is None) and `source.name` (messages).
+    batches: iterable of batch dicts (CONVENTIONS.md) with `image_id`, `orig_size` and
+      optionally `example_mask`.
+    category_ids: int [C] the LVIS category id of each contiguous label index; mapped back
+      explicitly (`detection.to_coco_detections`).
+    lvis_gt: ground truth (path, dict or `lvis.LVIS`; default `source.annotation_file`).
+    image_size: see `detection.unpad_boxes`.
+    max_dets, cat_ids, per_category: see `lvis_evaluate`.
+    restrict_to_seen_images: evaluate only the images present in the batches (default), or
+      all images of the ground truth.
+    return_detections: also return the detection list under 'detections'.
+    progress, total, name, desc: progress bar and messages.
+
+  Returns:
+    `lvis_evaluate`'s dict plus 'num_images'. With `restrict_to_seen_images` and no valid
+    example, every metric is NaN.
+
+  Raises:
+    ValueError: from `to_coco_detections` / `lvis_evaluate`, or no ground truth given and the
+      source has no `annotation_file`.
+
+  Source: SPEC §4.
+  """
+  if category_ids is None:
+    category_ids = source.category_ids
+  if lvis_gt is None:
+    lvis_gt = getattr(source, "annotation_file", None)
+    if lvis_gt is None:
+      raise ValueError("evaluate_lvis_source needs lvis_gt (the source has no "
+                       "annotation_file)")
+  if name is None:
+    name = getattr(source, "name", None) or "lvis"
+  gt = load_lvis_ground_truth(lvis_gt)
+  detections, seen = detection.collect_detections(
+      predict_fn, batches, category_ids, image_size=image_size, progress=progress, total=total,
+      desc=desc or f"eval {name}")
+  if restrict_to_seen_images and not seen:
+    logger.warning("evaluate_lvis_source(%s): no images were evaluated; metrics are NaN.", name)
+    result: dict[str, Any] = {key: float("nan") for key in LVIS_METRIC_NAMES}
+    result.update(num_detections=0, num_images=0)
+    if per_category:
+      result["per_category"] = {}
+  else:
+    result = lvis_evaluate(gt, detections,
+                           image_ids=sorted(seen) if restrict_to_seen_images else None,
+                           cat_ids=cat_ids, max_dets=max_dets, per_category=per_category)
+    result["num_images"] = len(seen) if restrict_to_seen_images else len(gt.imgs)
+  if return_detections:
+    result["detections"] = detections
+  return result
