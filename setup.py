@@ -24,7 +24,8 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     "test": ["pytest>=8", "pytest-xdist>=3.5"],
-    "hf": ["torch==2.13.0", "transformers>=4.44"],
+    # HF weight conversion and parity tests; OpenAI CLIP TorchScript init.
+    "hf": ["torch==2.13.0", "transformers>=4.44", "safetensors>=0.4"],
     "cuda12": ["jax[cuda12]"],
     "tpu": ["jax[tpu]"],
 }

@@ -321,27 +321,32 @@ def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
 
 
 def load_init_checkpoint(path: str, like) -> tuple[Any, dict]:
-  """Parameters of `config.init_checkpoint`: an owl_cl checkpoint, a scenic msgpack or an HF
-  folder (SPEC §2). Returns (params, meta).
+  """Parameters of `config.init_checkpoint` (SPEC §2). Returns (params, meta).
+
+  Formats, recognised by what `path` holds: an owl_cl parameter checkpoint (a folder with
+  `params/`, `owl_cl.train.checkpointing.save_params`); an HF `OwlViTForObjectDetection`
+  folder (`config.json` + weights); otherwise a scenic msgpack file (or a folder of
+  `checkpoint_<step>` files). Scenic and HF go through owl_cl.model.checkpoints.
 
   Args:
     path: the checkpoint (expanded).
     like: ShapeDtypeStruct tree of the model's parameters.
 
   Raises:
-    ConfigError: a scenic / HF checkpoint while owl_cl.model.checkpoints (branch checkpoints)
-      is not installed, or a path that is none of the three formats.
+    owl_cl.model.checkpoints.CheckpointMismatchError: listing every missing, unexpected or
+      wrongly shaped parameter against the configured model (e.g. a B/32 checkpoint for the
+      L/14 config).
+    FileNotFoundError: nothing readable at `path`.
   """
   if os.path.isdir(os.path.join(path, "params")):
     return checkpointing.load_params(path, like)
-  try:
-    from owl_cl.model import checkpoints  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ConfigError(
-        f"config.init_checkpoint={path!r} is not an owl_cl parameter checkpoint (no params/ "
-        "folder); scenic msgpack and HF checkpoints are read by owl_cl.model.checkpoints, "
-        f"which this installation lacks ({e})") from e
-  return checkpoints.load_checkpoint(path, like), {"source": path}
+  from owl_cl.model import checkpoints  # pylint: disable=g-import-not-at-top
+  if os.path.isfile(os.path.join(path, "config.json")):
+    params, hf_config = checkpoints.load_hf_checkpoint(path)
+    params = checkpoints.check_params(params, like, path)
+    return params, {"source": path, "format": "hf", "hf_model_config": str(hf_config)}
+  params = checkpoints.load_scenic_checkpoint(path, like)
+  return params, {"source": path, "format": "scenic"}
 
 
 # ----------------------------------------------------------------------------- helpers
