@@ -8,12 +8,26 @@ Produces the batch dict of docs/CONVENTIONS.md ("Batch dict"):
 - `boxes`        float32 [B, M, 4]   (training only) cxcywh / S
 - `query_class`  int32   [B, Q]      (training only) contiguous class index, -1 for ''
 - `image_id`     int64   [B]         COCO image id, -1 for padding examples
-- `orig_size`    int32   [B, 2]      (height, width) of the original image
+- `orig_size`    int32   [B, 2]      (height, width) of the original image (training: of the
+                                     image after crop / mosaic, i.e. what was resized)
 - `example_mask` bool    [B]         False for padding examples (last evaluation batch)
 
 Sources: SPEC §3 (targets/queries), §5 (preprocessing); scenic owl_vit `ResizeWithPad`
 (aspect-preserving resize, bottom/right pad) and the released code's HF squash-resize (option
 `squash=True`).
+
+Training options (all off by default, so the defaults reproduce the built-in benchmark runs):
+
+- negatives: `negative_weights` [C] (e.g. `class_frequencies(source)`: frequency-weighted
+  random negatives, SPEC §3 / released code), `annotated_negatives` (LVIS `neg_category_ids`
+  first; on by default but only federated sources carry them);
+- `merge_iou` (0.9 by default): boxes with IoU >= 0.9 become one multi-label instance;
+- scenic augmentations (SPEC §5): `hflip`, `random_crop` (area 0.3-1.0, aspect 0.75-1.33,
+  boxes keeping < 60% of their area dropped), `mosaic_sizes` / `mosaic_probs` ((1, 2, 3) with
+  (.4, .3, .3) as `MOSAIC_SIZES` / `MOSAIC_PROBS`);
+- `squash=True`: the released code's HF resize to S x S without padding;
+- `num_workers` > 0: decoding/preprocessing in grain worker processes (same batches as 0);
+- `shard`: host sharding ('jax' = `grain.sharding.ShardByJaxProcess`, or (index, count)).
 
 Randomness: every random choice is drawn from an explicit `numpy.random.Generator`; the
 datasets derive one per example from `(seed, epoch, source index)` (`example_rng`), so results
@@ -35,6 +49,9 @@ __all__ = [
     "merge_duplicate_instances", "sample_queries", "preprocess_train_example",
     "preprocess_eval_example", "padding_eval_example", "stack_examples", "train_map_dataset",
     "train_dataset", "eval_map_dataset", "eval_dataset", "TRAIN_PAD_VALUE", "EVAL_PAD_VALUE",
+    "class_frequencies", "hflip_example", "sample_crop_region", "crop_example",
+    "random_crop_example", "build_mosaic", "sample_mosaic_size", "shard_options",
+    "MOSAIC_SIZES", "MOSAIC_PROBS",
 ]
 
 TRAIN_PAD_VALUE = 0.5  # SPEC §5 (scenic): padding value of training images.
@@ -151,6 +168,232 @@ def xyxy_to_cxcywh(boxes: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------
+# Augmentations (scenic owl_vit image_ops / mosaic.py; SPEC §5). Pure functions of their inputs
+# and the explicit numpy Generator. Examples are `CocoSource.load`-style dicts: image [H, W, 3]
+# (uint8, or float32 in [0, 1] for mosaics), boxes float [M, 4] xyxy pixels, labels int [M];
+# optional `negative_labels` (LVIS) and `excluded_labels` (classes whose boxes an augmentation
+# removed: never used as negatives, since parts of them may still be visible).
+# ------------------------------------------------------------------------------------------
+MOSAIC_SIZES = (1, 2, 3)     # SPEC §5 / scenic configs: mosaic_sizes
+MOSAIC_PROBS = (.4, .3, .3)  # SPEC §5 / scenic configs: mosaic_probs
+
+
+def class_frequencies(source) -> np.ndarray:
+  """float64 [C] number of images of `source` that contain each class (non-crowd boxes).
+
+  Use as `negative_weights` for frequency-weighted random negatives (SPEC §3; the released
+  code's `data/add_negatives.py` weights each label by the number of training images listing
+  it). Reads `source.targets(i)` (no image decoding) when available, else `source[i]`.
+  """
+  counts = np.zeros(source.num_classes if hasattr(source, "num_classes") else 0, np.float64)
+  get = getattr(source, "targets", None) or (lambda i: source[i])
+  for i in range(len(source)):
+    labels = np.unique(np.asarray(get(i)["labels"], np.int64))
+    if labels.size and labels.max() >= counts.size:
+      counts = np.pad(counts, (0, int(labels.max()) + 1 - counts.size))
+    counts[labels] += 1
+  return counts
+
+
+def _with(example: Dict[str, Any], **updates) -> Dict[str, Any]:
+  out = dict(example)
+  out.update(updates)
+  return out
+
+
+def hflip_example(example: Dict[str, Any]) -> Dict[str, Any]:
+  """Mirror the image left-right; boxes map x -> W - x exactly ([x0, y0, x1, y1] ->
+  [W - x1, y0, W - x0, y1]). Source: scenic `RandomFlipLeftRight` (applied with p = 0.5)."""
+  image = example["image"]
+  w = image.shape[1]
+  boxes = np.asarray(example["boxes"], np.float32).reshape(-1, 4)
+  boxes = np.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], axis=-1)
+  return _with(example, image=np.ascontiguousarray(image[:, ::-1]), boxes=boxes)
+
+
+def sample_crop_region(height: int, width: int, rng: np.random.Generator, *,
+                       area_range: Tuple[float, float] = (0.3, 1.0),
+                       aspect_ratio_range: Tuple[float, float] = (0.75, 1.33),
+                       max_attempts: int = 100) -> Tuple[int, int, int, int]:
+  """A random crop window as tf.image.sample_distorted_bounding_box draws it.
+
+  Per attempt: area fraction a ~ U(area_range), aspect ratio r = w / h ~ U(aspect_ratio_range),
+  h = round(sqrt(a H W / r)), w = round(r h); the first window that fits is placed uniformly.
+  After `max_attempts` misses the whole image is returned.
+
+  Returns:
+    (top, left, crop_height, crop_width) in pixels (ints, 1 <= crop <= image).
+
+  Source: scenic `RandomCrop` (area 0.3-1.0, aspect 0.75-1.33; SPEC §5).
+  """
+  for _ in range(max_attempts):
+    area = rng.uniform(*area_range) * height * width
+    ratio = rng.uniform(*aspect_ratio_range)
+    h = int(round(np.sqrt(area / ratio)))
+    w = int(round(ratio * h))
+    if 1 <= h <= height and 1 <= w <= width:
+      top = int(rng.integers(0, height - h + 1))
+      left = int(rng.integers(0, width - w + 1))
+      return top, left, h, w
+  return 0, 0, height, width
+
+
+def crop_example(example: Dict[str, Any], top: int, left: int, height: int, width: int, *,
+                 min_area_fraction: float = 0.6) -> Dict[str, Any]:
+  """Crop the window [top, top+height) x [left, left+width) and its boxes.
+
+  Boxes are clipped to the window and shifted to its origin; a box is dropped when its area
+  inside the window is 0 or less than `min_area_fraction` of its original area (scenic:
+  `area_left >= min_area_fraction` keeps it). Labels of dropped boxes are added to
+  `excluded_labels`.
+
+  Returns:
+    the example with image [height, width, 3], boxes float32 [M', 4], labels int32 [M'].
+
+  Source: scenic `RandomCropBase._drop_degenerate_features` (min_area_fraction 0.6 in the
+  OWL-ViT configs; SPEC §5).
+  """
+  image = example["image"][top:top + height, left:left + width]
+  boxes = np.asarray(example["boxes"], np.float32).reshape(-1, 4)
+  labels = np.asarray(example["labels"], np.int32).reshape(-1)
+  area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+  clipped = boxes - np.array([left, top, left, top], np.float32)
+  clipped = np.clip(clipped, 0.0, np.array([width, height, width, height], np.float32))
+  new_area = (clipped[:, 2] - clipped[:, 0]) * (clipped[:, 3] - clipped[:, 1])
+  keep = (new_area > 0) & (new_area >= min_area_fraction * area)
+  excluded = np.union1d(np.asarray(example.get("excluded_labels", []), np.int32),
+                        labels[~keep]).astype(np.int32)
+  return _with(example, image=np.ascontiguousarray(image), boxes=clipped[keep],
+               labels=labels[keep], excluded_labels=excluded)
+
+
+def random_crop_example(example: Dict[str, Any], rng: np.random.Generator, *,
+                        area_range: Tuple[float, float] = (0.3, 1.0),
+                        aspect_ratio_range: Tuple[float, float] = (0.75, 1.33),
+                        min_area_fraction: float = 0.6) -> Dict[str, Any]:
+  """`crop_example` at a window drawn by `sample_crop_region` (scenic `RandomCrop`)."""
+  h, w = example["image"].shape[:2]
+  top, left, ch, cw = sample_crop_region(h, w, rng, area_range=area_range,
+                                         aspect_ratio_range=aspect_ratio_range)
+  return crop_example(example, top, left, ch, cw, min_area_fraction=min_area_fraction)
+
+
+def sample_mosaic_size(rng: np.random.Generator, sizes: Sequence[int] = MOSAIC_SIZES,
+                       probs: Sequence[float] = MOSAIC_PROBS) -> int:
+  """k, the number of tiles per mosaic side, drawn with probabilities `probs` (SPEC §5)."""
+  if len(sizes) != len(probs) or not np.isclose(sum(probs), 1.0):
+    raise ValueError(f"mosaic sizes {tuple(sizes)} and probs {tuple(probs)} must have equal "
+                     f"length and probs must sum to 1")
+  return int(sizes[int(rng.choice(len(sizes), p=np.asarray(probs, np.float64)))])
+
+
+def _augment(example: Dict[str, Any], rng: np.random.Generator, hflip: bool,
+             random_crop: bool, crop_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+  if hflip and rng.random() < 0.5:
+    example = hflip_example(example)
+  if random_crop:
+    example = random_crop_example(example, rng, **crop_kwargs)
+  return example
+
+
+def build_mosaic(examples: Sequence[Dict[str, Any]], mosaic_size: int, image_size: int,
+                 rng: Optional[np.random.Generator] = None, *,
+                 pad_value: float = TRAIN_PAD_VALUE, squash: bool = False,
+                 hflip: bool = False, random_crop: bool = False,
+                 crop_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+  """Assemble k x k examples into one S x S training image (scenic `CreateMosaic`).
+
+  Tile t (row t // k, column t % k) is examples[t], augmented (flip, crop; in that order, with
+  `rng`), resized with padding to S / k (`resize_with_pad`) and placed at
+  (row * S / k, column * S / k); its boxes are scaled with it and shifted by the same offset.
+
+  Args:
+    examples: k*k examples (image [H, W, 3] uint8, boxes [M, 4] xyxy pixels, labels [M]).
+    mosaic_size: k >= 1. image_size: S, divisible by k.
+    rng: Generator for the augmentations (required when hflip or random_crop).
+    pad_value, squash: as `resize_with_pad`. hflip, random_crop, crop_kwargs: per-tile
+      augmentations (`random_crop_example` keyword arguments).
+
+  Returns:
+    example dict: image float32 [S, S, 3] in [0, 1], boxes float32 [sum M, 4] xyxy pixels of
+    the mosaic, labels int32 [sum M], image_id of the first tile, excluded_labels (classes
+    dropped by crops), negative_labels (union of the tiles' LVIS negatives minus every class
+    present in the mosaic) when any tile has them.
+
+  Raises:
+    ValueError: wrong number of examples, S not divisible by k.
+
+  Source: scenic owl_vit `preprocessing/mosaic.py` and `input_pipeline.py` (resize ops divided
+  by the mosaic size); SPEC §5.
+  """
+  k = int(mosaic_size)
+  if k < 1 or len(examples) != k * k:
+    raise ValueError(f"a {k}x{k} mosaic needs {k * k} examples, got {len(examples)}")
+  if image_size % k:
+    raise ValueError(f"image_size {image_size} is not divisible by the mosaic size {k}")
+  tile = image_size // k
+  out = np.empty((image_size, image_size, 3), np.float32)
+  boxes, labels, excluded, negatives = [], [], [], []
+  has_negatives = False
+  for t, ex in enumerate(examples):
+    if hflip or random_crop:
+      ex = _augment(ex, rng, hflip, random_crop, crop_kwargs or {})
+    r, c = divmod(t, k)
+    h, w = ex["image"].shape[:2]
+    out[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] = resize_with_pad(
+        ex["image"], tile, pad_value, squash=squash)
+    b = scale_boxes(ex["boxes"], h, w, tile, squash=squash)
+    boxes.append(b + np.array([c, r, c, r], np.float32) * tile)
+    labels.append(np.asarray(ex["labels"], np.int32).reshape(-1))
+    excluded.append(np.asarray(ex.get("excluded_labels", []), np.int32))
+    if "negative_labels" in ex:
+      has_negatives = True
+      negatives.append(np.asarray(ex["negative_labels"], np.int32))
+  labels_all = np.concatenate(labels)
+  result = dict(image=out, boxes=np.concatenate(boxes).astype(np.float32), labels=labels_all,
+                image_id=examples[0]["image_id"],
+                excluded_labels=np.unique(np.concatenate(excluded)).astype(np.int32))
+  if has_negatives:
+    neg = np.unique(np.concatenate(negatives))
+    present = np.union1d(labels_all, result["excluded_labels"])
+    result["negative_labels"] = np.setdiff1d(neg, present).astype(np.int32)
+  return result
+
+
+def shard_options(shard: Any = None):
+  """Resolve a host-sharding request to `grain.sharding.ShardOptions` (or None).
+
+  Args:
+    shard: None (no sharding), 'jax' (this JAX process of all: `ShardByJaxProcess`, i.e.
+      jax.process_index() / jax.process_count(), remainder dropped), a
+      `grain.sharding.ShardOptions`, or a (shard_index, shard_count) pair.
+  """
+  if shard is None:
+    return None
+  if isinstance(shard, str):
+    if shard != "jax":
+      raise ValueError(f"shard must be None, 'jax', ShardOptions or (index, count), got "
+                       f"{shard!r}")
+    return grain.sharding.ShardByJaxProcess(drop_remainder=True)
+  if isinstance(shard, grain.sharding.ShardOptions):
+    return shard
+  index, count = shard
+  return grain.sharding.ShardOptions(shard_index=int(index), shard_count=int(count),
+                                     drop_remainder=True)
+
+
+def _apply_shard(ds: grain.MapDataset, shard: Any) -> grain.MapDataset:
+  opts = shard_options(shard)
+  if opts is None or opts.shard_count == 1:
+    return ds
+  if not 0 <= opts.shard_index < opts.shard_count:
+    raise ValueError(f"shard_index {opts.shard_index} outside [0, {opts.shard_count})")
+  n = len(ds)
+  end = (n // opts.shard_count) * opts.shard_count if opts.drop_remainder else n
+  return ds[opts.shard_index:end:opts.shard_count]
+
+
+# ------------------------------------------------------------------------------------------
 # Targets and queries.
 # ------------------------------------------------------------------------------------------
 def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -202,7 +445,8 @@ def merge_duplicate_instances(boxes: np.ndarray, labels: np.ndarray,
 
 def sample_queries(positives: Sequence[int], excluded: Sequence[int], num_classes: int,
                    num_queries: int, num_negatives: int, rng: np.random.Generator,
-                   negative_weights: Optional[np.ndarray] = None) -> np.ndarray:
+                   negative_weights: Optional[np.ndarray] = None,
+                   annotated_negatives: Sequence[int] = ()) -> np.ndarray:
   """Query classes of one training image: [-1 (''), positives..., negatives..., -1...].
 
   Args:
@@ -214,8 +458,11 @@ def sample_queries(positives: Sequence[int], excluded: Sequence[int], num_classe
     num_negatives: maximum number of negatives; fewer when the free slots (Q-1-P) or the
       candidate classes run out.
     rng: numpy Generator (explicit randomness).
-    negative_weights: optional float [C] sampling weights (e.g. class frequencies, SPEC §3);
-      default uniform over the candidates. Negatives are drawn without replacement.
+    negative_weights: optional float [C] sampling weights (e.g. `class_frequencies`,
+      SPEC §3); default uniform over the candidates. Negatives are drawn without replacement.
+    annotated_negatives: classes verified absent (LVIS `neg_category_ids`); they come first
+      (in a random order, at most `num_negatives`), the rest is topped up by random sampling
+      (SPEC §3). Excluded / positive classes among them are ignored.
 
   Returns:
     int32 [Q] query_class; -1 marks '' (index 0 and padding).
@@ -227,8 +474,16 @@ def sample_queries(positives: Sequence[int], excluded: Sequence[int], num_classe
   pos: List[int] = list(dict.fromkeys(int(p) for p in positives))[: num_queries - 1]
   excl = np.zeros(num_classes, bool)
   excl[np.asarray(list(excluded) + pos, np.int64)] = True
+  budget = max(0, min(num_negatives, num_queries - 1 - len(pos)))
+  first = np.zeros((0,), np.int64)
+  if len(annotated_negatives) and budget > 0:
+    ann = np.unique(np.asarray(annotated_negatives, np.int64))
+    ann = ann[(ann >= 0) & (ann < num_classes)]
+    ann = ann[~excl[ann]]
+    first = rng.permutation(ann)[:budget]
+    excl[first] = True
   candidates = np.nonzero(~excl)[0]
-  n_neg = max(0, min(num_negatives, num_queries - 1 - len(pos), len(candidates)))
+  n_neg = max(0, min(budget - len(first), len(candidates)))
   if n_neg > 0:
     p = None
     if negative_weights is not None:
@@ -239,6 +494,8 @@ def sample_queries(positives: Sequence[int], excluded: Sequence[int], num_classe
     neg = rng.choice(candidates, size=n_neg, replace=False, p=p)
   else:
     neg = np.zeros((0,), np.int64)
+  neg = np.concatenate([first, np.asarray(neg, np.int64)])
+  n_neg = len(neg)
   qc = np.full((num_queries,), -1, np.int32)
   qc[1:1 + len(pos)] = pos
   qc[1 + len(pos):1 + len(pos) + n_neg] = neg
@@ -277,7 +534,12 @@ def preprocess_train_example(example: Dict[str, Any], *, class_tokens: np.ndarra
                              rng: np.random.Generator, pad_value: float = TRAIN_PAD_VALUE,
                              squash: bool = False, merge_iou: Optional[float] = 0.9,
                              hflip: bool = False,
-                             negative_weights: Optional[np.ndarray] = None
+                             negative_weights: Optional[np.ndarray] = None,
+                             random_crop: bool = False,
+                             crop_area_range: Tuple[float, float] = (0.3, 1.0),
+                             crop_aspect_ratio_range: Tuple[float, float] = (0.75, 1.33),
+                             crop_min_area_fraction: float = 0.6,
+                             annotated_negatives: bool = True
                              ) -> Dict[str, np.ndarray]:
   """One training example: image resized/padded, queries sampled, targets built.
 
@@ -293,7 +555,13 @@ def preprocess_train_example(example: Dict[str, Any], *, class_tokens: np.ndarra
     squash: resize ignoring the aspect ratio (released code), see `resize_with_pad`.
     merge_iou: boxes with IoU >= merge_iou become one multi-label instance (scenic); None: off.
     hflip: random horizontal flip with p = 0.5 (scenic augmentation; off by default).
-    negative_weights: optional float [C] negative sampling weights (default uniform).
+    negative_weights: optional float [C] negative sampling weights (default uniform;
+      `class_frequencies(source)` for frequency-weighted negatives, SPEC §3).
+    random_crop: scenic random crop after the flip (`random_crop_example` with
+      crop_area_range, crop_aspect_ratio_range, crop_min_area_fraction; off by default).
+    annotated_negatives: use the example's `negative_labels` (LVIS `neg_category_ids`) as the
+      first negatives, topped up by random ones (SPEC §3). Classes in `excluded_labels` (boxes
+      removed by augmentation) are never negatives.
 
   Returns:
     dict with the per-example (unbatched) entries of the batch dict: images float32 [S, S, 3],
@@ -325,16 +593,24 @@ def preprocess_train_example(example: Dict[str, Any], *, class_tokens: np.ndarra
   if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
     raise ValueError(f"image {example.get('image_id')}: labels {labels.tolist()} outside "
                      f"[0, {num_classes})")
-  if hflip and rng.random() < 0.5:
-    image = np.ascontiguousarray(image[:, ::-1])
-    boxes = np.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], axis=-1)
+  if hflip or random_crop:
+    example = _augment(_with(example, boxes=boxes, labels=labels), rng, hflip, random_crop,
+                       dict(area_range=crop_area_range,
+                            aspect_ratio_range=crop_aspect_ratio_range,
+                            min_area_fraction=crop_min_area_fraction))
+    image = example["image"]
+    h, w = int(image.shape[0]), int(image.shape[1])
+    boxes = np.asarray(example["boxes"], np.float32).reshape(-1, 4)
+    labels = np.asarray(example["labels"], np.int64).reshape(-1)
 
   inst_boxes, inst_labels = merge_duplicate_instances(boxes, labels, merge_iou)
-  present = sorted({int(l) for l in labels})
+  present = sorted({int(l) for l in labels}
+                   | {int(l) for l in np.asarray(example.get("excluded_labels", [])).ravel()})
   inst_boxes, inst_labels = inst_boxes[:max_instances], inst_labels[:max_instances]
   positives = sorted({l for ls in inst_labels for l in ls})
+  given_negatives = example.get("negative_labels", ()) if annotated_negatives else ()
   query_class = sample_queries(positives, present, num_classes, num_queries, num_negatives, rng,
-                               negative_weights)
+                               negative_weights, given_negatives)
   col = {int(c): j for j, c in enumerate(query_class) if c >= 0}
 
   out_labels = np.zeros((max_instances, num_queries), np.float32)
@@ -404,12 +680,30 @@ def stack_examples(examples: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.nd
 class _TrainTransform:
 
   def __init__(self, source, perm: np.ndarray, seed: int, epoch: int, kwargs: Dict[str, Any]):
+    kwargs = dict(kwargs)
+    self.mosaic_sizes = kwargs.pop("mosaic_sizes", None)
+    self.mosaic_probs = kwargs.pop("mosaic_probs", MOSAIC_PROBS)
     self.source, self.perm, self.seed, self.epoch, self.kwargs = source, perm, seed, epoch, kwargs
 
   def __call__(self, position: int) -> Dict[str, np.ndarray]:
     index = int(self.perm[position])
     rng = example_rng(self.seed, self.epoch, index)
-    return preprocess_train_example(self.source[index], rng=rng, **self.kwargs)
+    if self.mosaic_sizes is None:
+      return preprocess_train_example(self.source[index], rng=rng, **self.kwargs)
+    k = sample_mosaic_size(rng, self.mosaic_sizes, self.mosaic_probs)
+    if k == 1:
+      return preprocess_train_example(self.source[index], rng=rng, **self.kwargs)
+    others = rng.integers(0, len(self.source), size=k * k - 1)
+    kw = self.kwargs
+    mosaic = build_mosaic(
+        [self.source[index]] + [self.source[int(j)] for j in others], k, kw["image_size"], rng,
+        pad_value=kw.get("pad_value", TRAIN_PAD_VALUE), squash=kw.get("squash", False),
+        hflip=kw.get("hflip", False), random_crop=kw.get("random_crop", False),
+        crop_kwargs=dict(
+            area_range=kw.get("crop_area_range", (0.3, 1.0)),
+            aspect_ratio_range=kw.get("crop_aspect_ratio_range", (0.75, 1.33)),
+            min_area_fraction=kw.get("crop_min_area_fraction", 0.6)))
+    return preprocess_train_example(mosaic, rng=rng, **dict(kw, hflip=False, random_crop=False))
 
 
 class _EvalTransform:
@@ -435,43 +729,59 @@ def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
 
 def train_map_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
                       image_size: int, num_queries: int, max_instances: int,
-                      num_negatives: int, seed: int, epoch: int, **options) -> grain.MapDataset:
+                      num_negatives: int, seed: int, epoch: int, shard: Any = None,
+                      **options) -> grain.MapDataset:
   """Unbatched training `grain.MapDataset` of one epoch (length N, shuffled).
 
   Position p holds `preprocess_train_example(source[perm[p]], rng=example_rng(seed, epoch,
   perm[p]))` with perm = `epoch_permutation(N, seed, epoch)`. `options` are passed on to
-  `preprocess_train_example` (pad_value, squash, merge_iou, hflip, negative_weights).
+  `preprocess_train_example` (pad_value, squash, merge_iou, hflip, negative_weights,
+  random_crop, crop_*, annotated_negatives), except:
 
-  Source: SPEC §3, §5.
+  * `mosaic_sizes` (e.g. `MOSAIC_SIZES` = (1, 2, 3)) and `mosaic_probs` (`MOSAIC_PROBS` =
+    (.4, .3, .3)): per position, k is drawn from the example's generator; for k > 1 the
+    position's image becomes tile 0 of a k x k mosaic whose k*k - 1 other tiles are drawn
+    uniformly from the source with the same generator (`build_mosaic`; scenic instead groups
+    consecutive shuffled examples). Default None: no mosaics.
+
+  `shard` (see `shard_options`; e.g. 'jax' or (index, count)) keeps positions
+  index, index + count, ... of the epoch (remainder dropped so every host has
+  floor(N / count) examples): hosts get disjoint parts of the same global permutation.
+
+  Source: SPEC §3, §5; scenic owl_vit input pipeline (mosaics, host sharding).
   """
   class_tokens, empty_tokens = _check_tokens(class_tokens, empty_tokens)
   kwargs = dict(class_tokens=class_tokens, empty_tokens=empty_tokens, image_size=image_size,
                 num_queries=num_queries, max_instances=max_instances,
                 num_negatives=num_negatives, **options)
   perm = epoch_permutation(len(source), seed, epoch)
-  return grain.MapDataset.range(len(source)).map(_TrainTransform(source, perm, seed, epoch,
-                                                                 kwargs))
+  ds = grain.MapDataset.range(len(source))
+  return _apply_shard(ds, shard).map(_TrainTransform(source, perm, seed, epoch, kwargs))
 
 
 def _to_batches(ds: grain.MapDataset, batch_size: int, drop_remainder: bool, num_workers: int,
                 num_threads: int, prefetch: int) -> Iterator[Dict[str, np.ndarray]]:
   read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-  it = ds.to_iter_dataset(read).batch(batch_size, drop_remainder=drop_remainder,
-                                      batch_fn=stack_examples)
+  it = ds.to_iter_dataset(read)
   if num_workers > 0:
     # grain's worker code reads absl flags; outside an absl app they are unparsed and reading
     # them raises, so mark them parsed (their defaults are used). No effect inside an app.
     from absl import flags
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
+    # Workers decode and preprocess single examples (worker w takes elements w, w + n, ...;
+    # grain interleaves them back in order); batching happens afterwards, so the batches are
+    # identical for every worker count (batching inside the workers would group each
+    # worker's elements into its own batches).
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  it = it.batch(batch_size, drop_remainder=drop_remainder, batch_fn=stack_examples)
   return iter(it)
 
 
 def train_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
                   image_size: int, num_queries: int, max_instances: int, num_negatives: int,
                   batch_size: int, seed: int, epoch: int, num_workers: int = 0,
-                  num_threads: int = 2, prefetch: int = 64,
+                  num_threads: int = 2, prefetch: int = 64, shard: Any = None,
                   **options) -> Iterator[Dict[str, np.ndarray]]:
   """Iterator over the training batches of one epoch.
 
@@ -486,8 +796,11 @@ def train_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
     num_workers: 0 preprocesses in this process (with `num_threads` reader threads);
       > 0 uses grain multiprocessing prefetch (`mp_prefetch`) with that many processes.
     num_threads, prefetch: grain `ReadOptions` for the in-process readers.
-    **options: pad_value, squash, merge_iou, hflip, negative_weights (see
-      `preprocess_train_example`).
+    shard: host sharding (`shard_options`: None, 'jax', ShardOptions or (index, count)); each
+      host then iterates floor(N / count) / B batches of its disjoint part.
+    **options: pad_value, squash, merge_iou, hflip, negative_weights, random_crop, crop_*,
+      annotated_negatives (see `preprocess_train_example`), mosaic_sizes, mosaic_probs (see
+      `train_map_dataset`).
 
   Returns:
     iterator of batch dicts (CONVENTIONS.md) with fixed shapes: images [B, S, S, 3],
@@ -502,7 +815,7 @@ def train_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
   ds = train_map_dataset(source, class_tokens=class_tokens, empty_tokens=empty_tokens,
                          image_size=image_size, num_queries=num_queries,
                          max_instances=max_instances, num_negatives=num_negatives, seed=seed,
-                         epoch=epoch, **options)
+                         epoch=epoch, shard=shard, **options)
   return _to_batches(ds, batch_size, True, num_workers, num_threads, prefetch)
 
 

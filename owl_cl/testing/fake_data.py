@@ -69,7 +69,7 @@ def _draw_image(path: str, height: int, width: int, boxes: Sequence[Sequence[flo
   for (x, y, w, h), c in zip(boxes, colours):
     img[int(y):int(y + h), int(x):int(x + w)] = c
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  Image.fromarray(img).save(path, quality=95)
+  Image.fromarray(img).save(path, quality=95, subsampling=0)
 
 
 def _random_boxes(rng: np.random.Generator, height: int, width: int,
