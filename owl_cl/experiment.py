@@ -51,6 +51,10 @@ from owl_cl.train import step as step_lib
 
 PRETRAIN_EVAL = "pretrain_val"
 HELD_OUT_EVAL = "held_out"
+# Fields a `train.per_dataset.<dataset name>` entry may set; each replaces the `train.*` field
+# of the same name while training on that dataset (`dataset_train_settings`).
+PER_DATASET_FIELDS = ("num_epochs", "warmup_epochs", "warmup_steps", "learning_rate",
+                      "text_lr_multiplier", "layerwise_decay")
 
 
 class ConfigError(ValueError):
@@ -59,19 +63,34 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """One detection dataset of the run: its training and evaluation sources."""
+  """One detection dataset of the run: its training and evaluation sources.
+
+  `valid` is the validation split (used by `train.carry='best_validation'`), None when the
+  dataset has none; `evaluation` is 'coco' (COCO AP, exclusive classes) or 'lvis' (LVIS AP
+  and APr, federated; SPEC §4).
+  """
   name: str
   train: coco.CocoSource | None
   test: coco.CocoSource
+  valid: coco.CocoSource | None = None
+  evaluation: str = "coco"
 
 
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
-  """The data of a run: the pre-training set, the held-out classes and the sequence."""
+  """The data of a run: the pre-training set, the held-out classes and the sequence.
+
+  `pretrain.test` and `held_out.test` are evaluated under the names `pretrain_eval` and
+  `held_out_eval`; `roles` says which eval set fills which Table 3 column (results.json
+  `roles`; None: the built-in benchmark's default roles).
+  """
   pretrain: Dataset
   held_out: Dataset
   sequence: tuple[Dataset, ...]
   fingerprint: str
+  pretrain_eval: str = PRETRAIN_EVAL
+  held_out_eval: str = HELD_OUT_EVAL
+  roles: dict | None = None
 
 
 def _digest(obj: Any) -> str:
@@ -91,16 +110,16 @@ def _expand(path: str) -> str:
 
 
 def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
-  """The built-in benchmark (config.data.root is None), sequence ordered by sequence_seed.
+  """The run's data: the built-in benchmark (config.data.root is None) or real data.
+
+  With `data.root` set the paper's protocol's real data is loaded (`load_real_benchmark`);
+  otherwise the built-in benchmark, sequence ordered by sequence_seed.
 
   Raises:
-    ConfigError: config.data.root names user data (the paper protocol's real-data sources
-      are configured by the `:paper` configs).
+    MissingInputsError: real data with missing files (one error listing all of them).
   """
-  if config.data.root is not None:
-    raise ConfigError(
-        f"config.data.root={config.data.root!r}: this config runs the built-in benchmark; "
-        "leave data.root unset")
+  if uses_real_data(config):
+    return load_real_benchmark(config)
   bc = config.data.builtin
   bench = builtin.ensure_benchmark(
       os.path.join(_expand(config.cache_dir), "builtin"), seed=bc.seed,
@@ -114,6 +133,220 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
     order = np.random.default_rng(config.sequence_seed).permutation(len(sequence))
     sequence = [sequence[i] for i in order]
   return Benchmark(pretrain, held_out, tuple(sequence), fingerprint=bench.fingerprint)
+
+
+# ----------------------------------------------------------------------------- real data
+
+OBJECTS365_EVAL = "o365"
+LVIS_EVAL = "lvis"
+
+
+class MissingInputsError(ConfigError):
+  """Files or folders the run needs are missing; the message lists all of them and the layout."""
+
+
+def uses_real_data(config: ml_collections.ConfigDict) -> bool:
+  """True for the paper's protocol (a `:paper` config, or any config with data.root set)."""
+  return config.data.root is not None or "odinw_datasets" in config.data
+
+
+def _real_data_module():
+  """owl_cl.data.odinw (the ODinW registry and sources)."""
+  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
+  return odinw
+
+
+def pretraining_input_paths(root: str) -> list[str]:
+  """Files / folders of Objects365 (train: buffer candidates, val: evaluation) and LVIS val
+  (json + the COCO 2017 image folders its images live in) below `root`.
+
+  Source: owl_cl.data.pretraining (layout); SPEC §4, §6.
+  """
+  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+  paths = [p for split in ("train", "val") for p in pretraining.objects365_paths(root, split)]
+  lvis_json, coco_dir = pretraining.lvis_paths(root, "val")
+  paths += [lvis_json] + [os.path.join(coco_dir, f) for f in ("train2017", "val2017")]
+  return paths
+
+
+def real_data_layout(names: tuple[str, ...]) -> str:
+  """The folder tree the paper's protocol expects below `data.root` (for error messages)."""
+  odinw = _real_data_module()
+  root = "<root>"
+  pretraining = "\n".join(f"  {p}" for p in pretraining_input_paths(root))
+  return (odinw.layout_description(names) + "\n<root>/  Objects365 v2 and LVIS v1 val "
+          "(owl_cl.data.pretraining):\n" + pretraining)
+
+
+def odinw_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The ODinW datasets of the run (`data.odinw_datasets`), validated, in the table's order.
+
+  Raises:
+    ConfigError: an empty list, a duplicate, or a name outside the ODinW registry.
+  """
+  names = tuple(config.data.odinw_datasets)
+  if not names:
+    raise ConfigError("config.data.odinw_datasets is empty; name at least one ODinW dataset")
+  if len(set(names)) != len(names):
+    raise ConfigError(f"config.data.odinw_datasets={names} lists a dataset twice")
+  known = tuple(_real_data_module().ODINW_DATASETS)
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ConfigError(f"config.data.odinw_datasets names unknown datasets {unknown}; "
+                      f"known: {list(known)}")
+  return names
+
+
+def _visual_genome_needed(config: ml_collections.ConfigDict) -> bool:
+  """Whether the buffer takes images from Visual Genome (SPEC §6).
+
+  A loss threshold <= 0 keeps no image (losses are >= 0), and with no per-class minimum
+  nothing tops it up: the paper's setting (t = 0.0) takes nothing from Visual Genome, so
+  Visual Genome is neither loaded nor required.
+
+  Raises:
+    ConfigError: a setting that would take Visual Genome images: a buffer over two
+      pre-training sets (two class vocabularies) is not implemented.
+  """
+  bc = config.replay.buffer
+  threshold = bc.get("visual_genome_loss_threshold", 0.0)
+  minimum = bc.get("visual_genome_min_per_class", 0)
+  if threshold > 0.0 or minimum > 0:
+    raise ConfigError(
+        f"config.replay.buffer.visual_genome_loss_threshold={threshold} / "
+        f"visual_genome_min_per_class={minimum} would add Visual Genome images to the "
+        "Objects365 buffer; a buffer over two pre-training sets is not implemented (the "
+        "paper's protocol uses 0.0 / 0, which selects no Visual Genome image)")
+  return False
+
+
+def input_problems(config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
+  """Everything the paper's protocol lacks before it can start (nothing is read but stats).
+
+  Returns:
+    (missing, problems): paths of missing files / folders, and config fields that must be
+    set (e.g. `config.data.root is not set`). Both empty = ready.
+  """
+  missing, problems = [], []
+  if config.init_checkpoint is None:
+    problems.append("config.init_checkpoint is not set (a scenic msgpack, an HF folder or an "
+                    "owl_cl parameter checkpoint of the pre-trained OWL-ViT)")
+  elif not os.path.exists(_expand(config.init_checkpoint)):
+    missing.append(f"{_expand(config.init_checkpoint)} (config.init_checkpoint)")
+  vocabulary = config.model.get("tokenizer_vocab_path")
+  if config.model.tokenizer == "clip" and not vocabulary:
+    problems.append("config.model.tokenizer_vocab_path is not set (the CLIP BPE vocabulary: "
+                    "an HF folder with vocab.json + merges.txt, or OpenAI's "
+                    "bpe_simple_vocab_16e6.txt.gz)")
+  elif vocabulary and not os.path.exists(_expand(vocabulary)):
+    missing.append(f"{_expand(vocabulary)} (config.model.tokenizer_vocab_path)")
+  if config.data.root is None:
+    problems.append("config.data.root is not set (the folder holding odinw/, objects365/, "
+                    "lvis/)")
+    return missing, problems
+  root = _expand(config.data.root)
+  if not os.path.isdir(root):
+    missing.append(f"{root} (config.data.root)")
+    return missing, problems
+  odinw = _real_data_module()
+  names = odinw_names(config)
+  missing += [str(m) for m in odinw.missing_files(root, names)]
+  missing += [p for p in pretraining_input_paths(root) if not os.path.exists(p)]
+  return missing, problems
+
+
+def check_inputs(config: ml_collections.ConfigDict) -> None:
+  """Raises one MissingInputsError listing every missing input of the paper's protocol.
+
+  No-op for the built-in benchmark. Called by `run` before anything is trained or written.
+
+  Raises:
+    MissingInputsError: with every missing file / folder, every unset field and the
+      expected data layout.
+    ConfigError: an invalid `data.odinw_datasets` or buffer setting.
+  """
+  if not uses_real_data(config):
+    return
+  _visual_genome_needed(config)
+  missing, problems = input_problems(config)
+  if not missing and not problems:
+    return
+  lines = ["the paper's protocol cannot start:"]
+  lines += [f"  - {p}" for p in problems]
+  if missing:
+    lines.append(f"  missing ({len(missing)}):")
+    lines += [f"    {m}" for m in missing]
+  lines += ["expected layout below config.data.root:",
+            real_data_layout(odinw_names(config))]
+  raise MissingInputsError("\n".join(lines))
+
+
+def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
+  """The paper's data (SPEC §10): Objects365, LVIS val and the ODinW sequence.
+
+  pre-training set = Objects365 (train: the buffer's images; val: evaluated as 'o365'),
+  held-out = LVIS val (evaluated as 'lvis': AP, and APr as the rare column), sequence = the
+  `data.odinw_datasets` (train / valid / test splits) shuffled by `sequence_seed`.
+
+  Raises:
+    MissingInputsError: see `check_inputs`.
+  """
+  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+  check_inputs(config)
+  odinw = _real_data_module()
+  root = _expand(config.data.root)
+  names = odinw_names(config)
+  subset_seed = config.data.get("subset_seed", 0)
+  sequence = []
+  for name in names:
+    split = lambda s, name=name: odinw.odinw_source(root, name, s, subset_seed=subset_seed)
+    sequence.append(Dataset(name, split("train"), split("test"), valid=split("val")))
+  if config.sequence_seed is not None:
+    order = np.random.default_rng(config.sequence_seed).permutation(len(sequence))
+    sequence = [sequence[i] for i in order]
+  pretrain = Dataset(OBJECTS365_EVAL, pretraining.objects365_source(root, "train"),
+                     pretraining.objects365_source(root, "val"))
+  held_out = Dataset(LVIS_EVAL, None, pretraining.lvis_source(root, "val"),
+                     evaluation="lvis")
+  roles = {
+      "pretrain": {"eval_set": OBJECTS365_EVAL, "label": "O365"},
+      "open_vocab": {"eval_set": LVIS_EVAL, "label": "LVIS"},
+      "held_out": {"eval_set": LVIS_EVAL, "AP": "APr", "AP50": None, "label": "LVIS rare"},
+      "downstream": [d.name for d in sequence],
+      "downstream_label": "ODinW mean",
+  }
+  fingerprint = _digest({"root": root, "datasets": names, "subset_seed": subset_seed})
+  return Benchmark(pretrain, held_out, tuple(sequence), fingerprint=fingerprint,
+                   pretrain_eval=OBJECTS365_EVAL, held_out_eval=LVIS_EVAL, roles=roles)
+
+
+def load_init_checkpoint(path: str, like) -> tuple[Any, dict]:
+  """Parameters of `config.init_checkpoint` (SPEC §2). Returns (params, meta).
+
+  Formats, recognised by what `path` holds: an owl_cl parameter checkpoint (a folder with
+  `params/`, `owl_cl.train.checkpointing.save_params`); an HF `OwlViTForObjectDetection`
+  folder (`config.json` + weights); otherwise a scenic msgpack file (or a folder of
+  `checkpoint_<step>` files). Scenic and HF go through owl_cl.model.checkpoints.
+
+  Args:
+    path: the checkpoint (expanded).
+    like: ShapeDtypeStruct tree of the model's parameters.
+
+  Raises:
+    owl_cl.model.checkpoints.CheckpointMismatchError: listing every missing, unexpected or
+      wrongly shaped parameter against the configured model (e.g. a B/32 checkpoint for the
+      L/14 config).
+    FileNotFoundError: nothing readable at `path`.
+  """
+  if os.path.isdir(os.path.join(path, "params")):
+    return checkpointing.load_params(path, like)
+  from owl_cl.model import checkpoints  # pylint: disable=g-import-not-at-top
+  if os.path.isfile(os.path.join(path, "config.json")):
+    params, hf_config = checkpoints.load_hf_checkpoint(path)
+    params = checkpoints.check_params(params, like, path)
+    return params, {"source": path, "format": "hf", "hf_model_config": str(hf_config)}
+  params = checkpoints.load_scenic_checkpoint(path, like)
+  return params, {"source": path, "format": "scenic"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -254,6 +487,20 @@ class Runner:
         image_size=self.image_size, max_dets=self.config.eval.max_dets, desc=desc)
 
 
+def evaluate_dataset(runner: Runner, params, name: str, source, evaluation: str,
+                     desc: str) -> dict[str, float]:
+  """Metrics of `params` on one eval set: COCO AP ('coco') or LVIS AP / APr ('lvis', SPEC §4).
+
+  Raises:
+    ConfigError: an unknown evaluation.
+  """
+  if evaluation == "coco":
+    return runner.evaluate(params, source, desc)
+  if evaluation == "lvis":
+    return runner.evaluate(params, source, desc, protocol="lvis")
+  raise ConfigError(f"eval set {name!r}: unknown evaluation {evaluation!r} (coco | lvis)")
+
+
 def _progress(total: int, desc: str):
   return tqdm.tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
 
@@ -336,8 +583,9 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
   config = runner.config
   like = jax.eval_shape(lambda: runner.init_params(config.seed))
   if config.init_checkpoint:
-    params, meta = checkpointing.load_params(_expand(config.init_checkpoint), like)
-    return params, meta
+    return load_init_checkpoint(_expand(config.init_checkpoint), like)
+  if uses_real_data(config):
+    raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
   key = _digest({"model": config.model.to_dict(), "pretrain": config.pretrain.to_dict(),
                  "data": {k: v for k, v in config.data.to_dict().items()
                           if k in ("num_queries", "num_negatives", "max_instances",
@@ -429,6 +677,71 @@ def _check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
   return run_id
 
 
+def benchmark_eval_sets(bench: Benchmark) -> list[tuple[str, Any, str]]:
+  """(name, source, evaluation) of every eval set: pre-training, held-out, each dataset."""
+  return ([(bench.pretrain_eval, bench.pretrain.test, bench.pretrain.evaluation),
+           (bench.held_out_eval, bench.held_out.test, bench.held_out.evaluation)]
+          + [(d.name, d.test, d.evaluation) for d in bench.sequence])
+
+
+def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark,
+                     index: int) -> list[str]:
+  """The eval sets evaluated after dataset `index` (1-based) of the sequence.
+
+  The final stage evaluates every set; earlier stages the downstream sets per
+  `eval.downstream_after_each_dataset` ('all' | 'seen': datasets 1..index) plus the
+  pre-training and held-out sets if `eval.pretraining_sets_after_each_dataset`.
+  Stage 0 (after pre-training) always evaluates everything (the "No fine-tuning" row).
+
+  Raises:
+    ConfigError: an unknown `eval.downstream_after_each_dataset`.
+  """
+  names = [d.name for d in bench.sequence]
+  everything = [bench.pretrain_eval, bench.held_out_eval] + names
+  if index >= len(bench.sequence):
+    return everything
+  mode = config.eval.downstream_after_each_dataset
+  if mode not in ("all", "seen"):
+    raise ConfigError(f"config.eval.downstream_after_each_dataset={mode!r}; use 'all' or "
+                      "'seen'")
+  out = []
+  if config.eval.pretraining_sets_after_each_dataset:
+    out += [bench.pretrain_eval, bench.held_out_eval]
+  return out + (names if mode == "all" else names[:index])
+
+
+def check_sequence_config(config: ml_collections.ConfigDict, bench: Benchmark) -> None:
+  """Validates the sequence-dependent settings before anything is trained.
+
+  Raises:
+    ConfigError: `train.per_dataset` naming a dataset outside the run's registry or setting
+      an unknown field; `train.carry` unknown, or 'best_validation' with a dataset that has
+      no valid split; an unknown `eval.downstream_after_each_dataset`.
+  """
+  known = {d.name for d in bench.sequence}
+  if uses_real_data(config):
+    known |= set(_real_data_module().ODINW_DATASETS)
+  for name, overrides in config.train.per_dataset.items():
+    if name not in known:
+      raise ConfigError(f"config.train.per_dataset.{name}: no dataset named {name!r}; "
+                        f"known: {sorted(known)}")
+    for field in overrides:
+      if field not in PER_DATASET_FIELDS:
+        raise ConfigError(f"config.train.per_dataset.{name}.{field}: unknown field; "
+                          f"allowed: {list(PER_DATASET_FIELDS)}")
+  carry = config.train.carry
+  if carry not in ("last", "best_validation"):
+    raise ConfigError(f"config.train.carry={carry!r}; use 'last' or 'best_validation'")
+  if carry == "best_validation":
+    without = [d.name for d in bench.sequence if d.valid is None]
+    if without:
+      raise ConfigError(f"config.train.carry='best_validation' needs a valid split, which "
+                        f"{without} lack (the built-in benchmark has none)")
+  if config.eval.downstream_after_each_dataset not in ("all", "seen"):
+    raise ConfigError("config.eval.downstream_after_each_dataset="
+                      f"{config.eval.downstream_after_each_dataset!r}; use 'all' or 'seen'")
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) the experiment of `config` in `workdir`. Returns the results dict.
 
@@ -440,9 +753,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", _expand(config.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  check_inputs(config)      # real data: one error listing every missing input, up front
   run_id = _check_workdir(workdir, config)
   wall_start = time.time()
   bench = load_benchmark(config)
+  check_sequence_config(config, bench)
   runner = Runner(config)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
   checkpointer = checkpointing.StageCheckpointer(os.path.join(workdir, "checkpoints"),
@@ -454,12 +769,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   store, buffer_stats = None, None
   if with_replay:
     store, buffer_stats = replay_buffer(runner, bench, params, pretrain_meta)
-  eval_sets = [(PRETRAIN_EVAL, bench.pretrain.test), (HELD_OUT_EVAL, bench.held_out.test)]
-  eval_sets += [(d.name, d.test) for d in bench.sequence]
+  eval_sets = benchmark_eval_sets(bench)
 
-  def evaluate_all(params, stage_name):
-    return {name: runner.evaluate(params, source, f"eval {name} @ {stage_name}")
-            for name, source in eval_sets}
+  def evaluate_all(params, stage_name, names=None):
+    return {name: evaluate_dataset(runner, params, name, source, evaluation,
+                                   f"eval {name} @ {stage_name}")
+            for name, source, evaluation in eval_sets if names is None or name in names}
 
   rstate = replay_state_lib.init_replay_state(
       store.num_images if store else 1, jax.random.PRNGKey(config.seed + 2))
@@ -479,13 +794,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "run_id": run_id, "status": status, "algorithm": config.experiment_name,
         "retrieval": algorithm_name, "seed": config.seed,
         "sequence": [d.name for d in bench.sequence],
-        "eval_sets": {"pretrain": PRETRAIN_EVAL, "held_out": HELD_OUT_EVAL,
+        "eval_sets": {"pretrain": bench.pretrain_eval, "held_out": bench.held_out_eval,
                       "downstream": [d.name for d in bench.sequence]},
         "stages": stages, "config": json.loads(config.to_json_best_effort()),
         "pretraining": {k: pretrain_meta.get(k) for k in ("seconds", "curve", "validation")},
         "timings": dict(timings, wall_seconds=round(time.time() - wall_start, 1)),
         "buffer": buffer_stats,
     }
+    if bench.roles is not None:
+      results["roles"] = bench.roles
     results_lib.write_results(workdir, results)
     return results
 
@@ -495,7 +812,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     start = time.time()
     params, rstate, train_metrics = train_on_dataset(runner, dataset, params, store, rstate,
                                                      writer, index)
-    metrics = evaluate_all(params, dataset.name)
+    metrics = evaluate_all(params, dataset.name, stage_eval_names(config, bench, index))
     for name, values in metrics.items():
       _log_scalars(writer, f"eval/{name}", values, index)
     stages.append({"name": dataset.name, "metrics": metrics, "train": train_metrics,
@@ -523,12 +840,17 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
   if steps_per_epoch < 1:
     raise ConfigError(f"dataset {dataset.name} has {len(dataset.train)} training images, "
                       f"fewer than config.train.batch_size={batch_size}")
-  total = steps_per_epoch * tc.num_epochs
+  settings = dataset_train_settings(config, dataset.name, steps_per_epoch)
+  num_epochs = settings["num_epochs"]
+  total = steps_per_epoch * num_epochs
   if config.max_train_steps_per_dataset:
     total = min(total, config.max_train_steps_per_dataset)
   tx, schedule = optim.create_optimizer(
-      params, learning_rate=tc.learning_rate, total_steps=total, warmup_steps=tc.warmup_steps,
-      text_lr_multiplier=tc.text_lr_multiplier, layerwise_decay=tc.layerwise_decay,
+      params, learning_rate=settings["learning_rate"], total_steps=total,
+      warmup_steps=settings["warmup_steps"],
+      text_lr_multiplier=settings["text_lr_multiplier"],
+      layerwise_decay=settings["layerwise_decay"],
+      layerwise_granularity=tc.get("layerwise_granularity", "layer"),
       b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
       grad_clip_norm=tc.grad_clip_norm)
   with_replay = store is not None
@@ -550,7 +872,10 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
   step = 0
   replayed = 0
   bar = _progress(total, f"dataset {index}: {dataset.name}")
-  for epoch in range(tc.num_epochs):
+  carry_best = tc.get("carry", "last") == "best_validation"
+  best = {"AP": -np.inf, "epoch": None, "params": None}
+  validation = []
+  for epoch in range(num_epochs):
     if step >= total:
       break
     for batch in runner.train_batches(dataset.train, batch_size=batch_size,
@@ -582,9 +907,78 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
                      dict(metrics, lr=schedule(step)), step)
     if with_replay:
       rstate = dedup.reset_if(rstate, "epoch", schedule_name)
+    if carry_best:
+      best = _track_best_epoch(runner, dataset, state.params, epoch, best, validation, writer,
+                               index)
   bar.close()
   if with_replay:
     rstate = dedup.reset_if(rstate, "dataset", schedule_name)
   summary = {"steps": step, "replayed_images": replayed,
-             "final_loss": float(jax.device_get(metrics["loss"])) if step else None}
+             "final_loss": float(jax.device_get(metrics["loss"])) if step else None,
+             "settings": settings}
+  if carry_best and best["params"] is not None:
+    summary.update(carried="best_validation", best_epoch=best["epoch"],
+                   validation=validation)
+    return best["params"], rstate, summary
+  summary["carried"] = "last"
   return jax.device_get(state.params), rstate, summary
+
+
+def _track_best_epoch(runner: Runner, dataset: Dataset, params, epoch: int, best: dict,
+                      validation: list, writer, index: int) -> dict:
+  """Evaluates `params` on the dataset's valid split; returns the better of it and `best`.
+
+  The released code's best-validation-epoch carry (SPEC §10): AP on the valid split after
+  each epoch; ties keep the earlier epoch; a NaN AP (no annotations) never wins.
+  """
+  params = jax.device_get(params)
+  metrics = runner.evaluate(params, dataset.valid, f"valid {dataset.name} @ epoch {epoch + 1}")
+  ap = float(metrics["AP"])
+  validation.append({"epoch": epoch + 1, "AP": ap, "AP50": float(metrics["AP50"])})
+  _log_scalars(writer, f"valid/{dataset.name}", metrics, epoch + 1)
+  logging.info("dataset %d (%s) epoch %d: valid AP %.4f", index, dataset.name, epoch + 1, ap)
+  if np.isfinite(ap) and ap > best["AP"]:
+    return {"AP": ap, "epoch": epoch + 1, "params": params}
+  if best["params"] is None and not np.isfinite(ap):
+    return {"AP": best["AP"], "epoch": epoch + 1, "params": params}
+  return best
+
+
+def dataset_train_settings(config: ml_collections.ConfigDict, name: str,
+                           steps_per_epoch: int) -> dict:
+  """The optimiser settings of one dataset: `train.*` with `train.per_dataset.<name>` applied.
+
+  Args:
+    config: the run's config.
+    name: the dataset's name (a key of `train.per_dataset`, e.g. 'Pothole').
+    steps_per_epoch: optimiser steps per epoch of this dataset (images // batch size).
+
+  Returns:
+    {'num_epochs', 'learning_rate', 'text_lr_multiplier', 'layerwise_decay',
+     'warmup_steps'}; warmup_steps = warmup_epochs * steps_per_epoch when `warmup_epochs` is
+    set (globally or for the dataset; the paper's table gives warmup in epochs), else
+    `warmup_steps`. A dataset's `warmup_steps` override wins over a global `warmup_epochs`.
+
+  Raises:
+    ConfigError: an unknown field in `train.per_dataset.<name>`.
+
+  Source: the paper's per-dataset hyperparameter table (configs/base.py
+  PAPER_HYPERPARAMETERS).
+  """
+  tc = config.train
+  overrides = dict(tc.per_dataset.get(name, {}) or {})
+  unknown = sorted(set(overrides) - set(PER_DATASET_FIELDS))
+  if unknown:
+    raise ConfigError(f"config.train.per_dataset.{name}: unknown fields {unknown}; "
+                      f"allowed: {list(PER_DATASET_FIELDS)}")
+  value = lambda field, default=None: overrides.get(field, tc.get(field, default))
+  warmup_epochs = value("warmup_epochs")
+  if "warmup_steps" in overrides or warmup_epochs is None:
+    warmup_steps = int(value("warmup_steps"))
+  else:
+    warmup_steps = int(warmup_epochs) * steps_per_epoch
+  return {"num_epochs": int(value("num_epochs")),
+          "learning_rate": float(value("learning_rate")),
+          "text_lr_multiplier": float(value("text_lr_multiplier")),
+          "layerwise_decay": float(value("layerwise_decay")),
+          "warmup_steps": warmup_steps}

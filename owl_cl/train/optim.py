@@ -5,6 +5,12 @@ times the vision/head LR. Layer-wise LR decay with coefficient m multiplies each
 by m**depth, where depth counts from the heads down each tower independently (the paper's
 "per layer" granularity): heads and the final LayerNorm / projection have depth 0, the last
 transformer block depth 1, ..., the first block depth L, the embeddings depth L + 1.
+
+The released code (5hadytru/optimal_retrieval, `util_funcs/model_utils.apply_lw_lr_decay`)
+decays per parameter *tensor* instead (`layerwise_granularity='tensor'`, see
+`hf_tensor_order`): walking HF `OwlViTForObjectDetection.named_parameters()` backwards from
+the last tensor, every tensor gets the current LR and the LR is then multiplied by m; the
+walk restarts at the text tower's LR when it reaches the last text-tower tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +26,22 @@ from flax import traverse_util
 PyTree = Any
 
 _BLOCK = re.compile(r"resblocks_(\d+)$")
+
+GRANULARITIES = ("layer", "tensor")
+
+# One transformer block's tensors in HF `named_parameters()` order (OwlViTEncoderLayer:
+# self_attn.{k,v,q,out}_proj.{weight,bias}, layer_norm1, mlp.fc1, mlp.fc2, layer_norm2), as
+# paths below `resblocks_i` of the scenic tree (SPEC §1.2 mapping).
+_HF_BLOCK_ORDER = (
+    ("attn", "key", "kernel"), ("attn", "key", "bias"),
+    ("attn", "value", "kernel"), ("attn", "value", "bias"),
+    ("attn", "query", "kernel"), ("attn", "query", "bias"),
+    ("attn", "out", "kernel"), ("attn", "out", "bias"),
+    ("ln_0", "scale"), ("ln_0", "bias"),
+    ("mlp", "c_fc", "kernel"), ("mlp", "c_fc", "bias"),
+    ("mlp", "c_proj", "kernel"), ("mlp", "c_proj", "bias"),
+    ("ln_1", "scale"), ("ln_1", "bias"),
+)
 
 
 def _num_blocks(flat_paths, tower: str) -> int:
@@ -66,31 +88,133 @@ def parameter_depth(path: tuple[str, ...], num_vision_blocks: int,
   return "vision", 0
 
 
+def hf_tensor_order(num_text_blocks: int, num_vision_blocks: int
+                    ) -> tuple[list[tuple[str, ...] | None], int]:
+  """The parameter tensors of OWL-ViT v1 in HF `named_parameters()` order, as scenic paths.
+
+  Order of transformers' `OwlViTForObjectDetection` (a module's own parameters come before
+  its sub-modules'): `owlvit.logit_scale`; text tower (token and position embeddings, blocks
+  0..L-1, final LayerNorm); vision tower (class, patch and position embeddings,
+  pre-LayerNorm, blocks, post-LayerNorm); `owlvit.visual_projection` (no scenic counterpart:
+  listed as None, it still takes one step of the decay walk); `owlvit.text_projection`;
+  class head (dense0, logit_shift, logit_scale); box head (dense0..2); `layer_norm`
+  (= `merged_class_token`). Weight before bias, LayerNorm weight (= scale) before bias.
+
+  Args:
+    num_text_blocks / num_vision_blocks: transformer depth of each tower (L/14: 12 / 24).
+
+  Returns:
+    (paths, first_vision_index): paths below `params` (None for visual_projection), and the
+    index of the first vision-tower tensor, which splits the two decay walks (the released
+    code's `tower_indices`: 197 for L/14 = 1 + 2 + 12 * 16 + 2).
+
+  Source: transformers `modeling_owlvit.py` module order (checked against
+  `OwlViTForObjectDetection(config).named_parameters()` of transformers 5.23); the released
+  code's `util_funcs/model_utils.py` (`tower_indices = {"OWL_L14": [197]}`).
+  """
+  clip = ("backbone", "clip")
+  text = clip + ("text",)
+  visual = clip + ("visual",)
+  paths: list[tuple[str, ...] | None] = [clip + ("logit_scale",)]
+  paths += [text + ("token_embedding", "embedding"), text + ("positional_embedding",)]
+  for i in range(num_text_blocks):
+    paths += [text + ("transformer", f"resblocks_{i}") + p for p in _HF_BLOCK_ORDER]
+  paths += [text + ("ln_final", "scale"), text + ("ln_final", "bias")]
+  first_vision = len(paths)
+  paths += [visual + ("class_embedding",), visual + ("conv1", "kernel"),
+            visual + ("positional_embedding",), visual + ("ln_pre", "scale"),
+            visual + ("ln_pre", "bias")]
+  for i in range(num_vision_blocks):
+    paths += [visual + ("transformer", f"resblocks_{i}") + p for p in _HF_BLOCK_ORDER]
+  paths += [visual + ("ln_post", "scale"), visual + ("ln_post", "bias")]
+  paths += [None, text + ("text_projection", "kernel")]
+  for head, names in (("class_head", ("Dense_0", "logit_shift", "logit_scale")),
+                      ("obj_box_head", ("Dense_0", "Dense_1", "Dense_2"))):
+    for name in names:
+      paths += [(head, name, "kernel"), (head, name, "bias")]
+  paths += [("backbone", "merged_class_token", "scale"),
+            ("backbone", "merged_class_token", "bias")]
+  return paths, first_vision
+
+
+def tensor_decay_exponents(flat_paths, num_text_blocks: int, num_vision_blocks: int
+                           ) -> dict[tuple[str, ...], tuple[str, int]]:
+  """(group, exponent) of every parameter for the released code's per-tensor decay.
+
+  Walking the HF order (`hf_tensor_order`) backwards, the last tensor has exponent 0 and each
+  earlier tensor one more. As in the released code, the walk switches to the text tower's LR
+  (exponent 0 again) when it reaches HF index `tower_indices` = `first_vision_index` (197 for
+  L/14), *before* assigning that tensor: so the vision `class_embedding` (the first vision
+  tensor) is the text group's exponent 0, `ln_final` bias its exponent 1, ..., and
+  `backbone/clip/logit_scale` (HF index 0) its deepest. `owlvit.text_projection`, which HF
+  lists after the vision tower, is in the vision group.
+
+  Args:
+    flat_paths: every parameter path of the tree (tuples of str).
+    num_text_blocks / num_vision_blocks: tower depths.
+
+  Returns:
+    {path: ('text' | 'vision', exponent >= 0)} for every path of `flat_paths`.
+
+  Raises:
+    ValueError: naming the tree's paths that have no place in the HF order (e.g. a tree of
+      another architecture).
+
+  Source: released code `util_funcs/model_utils.apply_lw_lr_decay`; SPEC §3
+  (`llrd_granularity='tensor'`).
+  """
+  order, first_vision = hf_tensor_order(num_text_blocks, num_vision_blocks)
+  position = {path: i for i, path in enumerate(order) if path is not None}
+  unknown = sorted("/".join(p) for p in flat_paths if tuple(p) not in position)
+  if unknown:
+    raise ValueError("per-tensor layer-wise decay (train.layerwise_granularity='tensor') "
+                     f"found parameters outside the HF OWL-ViT tensor order: {unknown[:10]}"
+                     f"{' ...' if len(unknown) > 10 else ''}")
+  out = {}
+  for path in flat_paths:
+    i = position[tuple(path)]
+    if i > first_vision:
+      out[tuple(path)] = ("vision", len(order) - 1 - i)
+    else:
+      out[tuple(path)] = ("text", first_vision - i)
+  return out
+
+
 def lr_multipliers(params: PyTree, *, text_lr_multiplier: float,
-                   layerwise_decay: float) -> PyTree:
+                   layerwise_decay: float, layerwise_granularity: str = "layer") -> PyTree:
   """Per-parameter LR multipliers: group multiplier * decay**depth.
 
   Args:
     params: the parameter tree (scenic layout, SPEC §1.1), arrays or ShapeDtypeStructs.
     text_lr_multiplier: LR of the text tower relative to vision/heads (paper: 0.1).
     layerwise_decay: m in (0, 1]; 1.0 disables layer-wise decay.
+    layerwise_granularity: 'layer' (the paper: depth of `parameter_depth`) or 'tensor' (as in
+      the released code: exponent of `tensor_decay_exponents`, one step per HF tensor).
 
   Returns:
     A tree of Python floats with the structure of `params`.
 
   Raises:
-    ValueError: if layerwise_decay is not in (0, 1] or text_lr_multiplier < 0.
+    ValueError: if layerwise_decay is not in (0, 1], text_lr_multiplier < 0, an unknown
+      granularity, or (granularity 'tensor') a tree that is not OWL-ViT v1's.
   """
   if not 0.0 < layerwise_decay <= 1.0:
     raise ValueError(f"train.layerwise_decay must be in (0, 1], got {layerwise_decay}")
   if text_lr_multiplier < 0:
     raise ValueError(f"train.text_lr_multiplier must be >= 0, got {text_lr_multiplier}")
+  if layerwise_granularity not in GRANULARITIES:
+    raise ValueError(f"train.layerwise_granularity must be one of {GRANULARITIES}, got "
+                     f"{layerwise_granularity!r}")
   flat = traverse_util.flatten_dict(params)
   num_vision = _num_blocks(flat, "visual")
   num_text = _num_blocks(flat, "text")
+  if layerwise_granularity == "tensor":
+    depths = tensor_decay_exponents(list(flat), num_text, num_vision)
+  else:
+    depths = {path: parameter_depth(path, num_vision, num_text) for path in flat}
   out = {}
   for path in flat:
-    group, depth = parameter_depth(path, num_vision, num_text)
+    group, depth = depths[path]
     base = text_lr_multiplier if group == "text" else 1.0
     out[path] = base * layerwise_decay ** depth
   return traverse_util.unflatten_dict(out)
@@ -115,7 +239,8 @@ def warmup_cosine_schedule(learning_rate: float, total_steps: int,
 
 def create_optimizer(params: PyTree, *, learning_rate: float, total_steps: int,
                      warmup_steps: int, text_lr_multiplier: float = 0.1,
-                     layerwise_decay: float = 1.0, b1: float = 0.9, b2: float = 0.999,
+                     layerwise_decay: float = 1.0, layerwise_granularity: str = "layer",
+                     b1: float = 0.9, b2: float = 0.999,
                      eps: float = 1e-8, weight_decay: float = 0.0,
                      grad_clip_norm: float | None = 1.0
                      ) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -128,7 +253,7 @@ def create_optimizer(params: PyTree, *, learning_rate: float, total_steps: int,
     params: parameter tree (to derive the multipliers; not modified).
     learning_rate: peak vision/head LR.
     total_steps, warmup_steps: schedule length and linear warmup (steps).
-    text_lr_multiplier, layerwise_decay: see `lr_multipliers`.
+    text_lr_multiplier, layerwise_decay, layerwise_granularity: see `lr_multipliers`.
     b1, b2, eps, weight_decay: AdamW constants (paper: 0.9, 0.999, 1e-8, 0).
     grad_clip_norm: global gradient-norm clip (paper 1.0); None disables it.
 
@@ -137,7 +262,8 @@ def create_optimizer(params: PyTree, *, learning_rate: float, total_steps: int,
   """
   schedule = warmup_cosine_schedule(learning_rate, total_steps, warmup_steps)
   multipliers = lr_multipliers(params, text_lr_multiplier=text_lr_multiplier,
-                               layerwise_decay=layerwise_decay)
+                               layerwise_decay=layerwise_decay,
+                               layerwise_granularity=layerwise_granularity)
 
   def scale_by_multipliers(updates, state, params=None):
     del params

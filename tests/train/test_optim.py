@@ -96,3 +96,100 @@ def test_global_norm_clip():
   tx, _ = optim.create_optimizer(params, learning_rate=1.0, total_steps=10, warmup_steps=0)
   updates, _ = tx.update(grads, tx.init(params), params)
   assert np.all(np.isfinite(np.asarray(updates["class_head"]["w"])))
+
+
+# ----------------------------------------------------------------------------- per tensor
+
+
+def _hf_name_to_path(name: str):
+  """Scenic path of an HF OwlViTForObjectDetection parameter name (SPEC §1.2), or None."""
+  parts = name.split(".")
+  leaf = {"weight": "kernel", "bias": "bias"}
+  if name == "owlvit.logit_scale":
+    return ("backbone", "clip", "logit_scale")
+  if name == "owlvit.visual_projection.weight":
+    return None
+  if name == "owlvit.text_projection.weight":
+    return ("backbone", "clip", "text", "text_projection", "kernel")
+  if parts[0] in ("class_head", "box_head"):
+    head = "class_head" if parts[0] == "class_head" else "obj_box_head"
+    sub = {"dense0": "Dense_0", "dense1": "Dense_1", "dense2": "Dense_2",
+           "logit_shift": "logit_shift", "logit_scale": "logit_scale"}[parts[1]]
+    return (head, sub, leaf[parts[2]])
+  ln = {"weight": "scale", "bias": "bias"}
+  if parts[0] == "layer_norm":
+    return ("backbone", "merged_class_token", ln[parts[1]])
+  tower = "text" if parts[1] == "text_model" else "visual"
+  base = ("backbone", "clip", tower)
+  if parts[2] == "embeddings":
+    return base + {"token_embedding": ("token_embedding", "embedding"),
+                   "position_embedding": ("positional_embedding",),
+                   "patch_embedding": ("conv1", "kernel"),
+                   "class_embedding": ("class_embedding",)}[parts[3]]
+  if parts[2] in ("final_layer_norm", "pre_layernorm", "post_layernorm"):
+    top = {"final_layer_norm": "ln_final", "pre_layernorm": "ln_pre",
+           "post_layernorm": "ln_post"}[parts[2]]
+    return base + (top, ln[parts[3]])
+  assert parts[2] == "encoder" and parts[3] == "layers"
+  block = base + ("transformer", f"resblocks_{parts[4]}")
+  sub = parts[5:]
+  if sub[0] == "self_attn":
+    proj = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "out_proj": "out"}[sub[1]]
+    return block + ("attn", proj, leaf[sub[2]])
+  if sub[0] == "mlp":
+    return block + ("mlp", {"fc1": "c_fc", "fc2": "c_proj"}[sub[1]], leaf[sub[2]])
+  return block + ({"layer_norm1": "ln_0", "layer_norm2": "ln_1"}[sub[0]], ln[sub[1]])
+
+
+def test_per_tensor_decay_matches_released_code_walk_over_hf_parameters():
+  """Reference: the released code's apply_lw_lr_decay walk over a real HF model's tensors."""
+  transformers = pytest.importorskip("transformers")
+  from flax import traverse_util
+  from owl_cl import model as model_lib
+
+  layers_text, layers_vision = 2, 3
+  hf = transformers.OwlViTForObjectDetection(transformers.OwlViTConfig(
+      text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers_text,
+                       num_attention_heads=2),
+      vision_config=dict(hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers_vision, num_attention_heads=2,
+                         image_size=32, patch_size=16),
+      projection_dim=16))
+  names = [n for n, _ in hf.named_parameters()]
+  tower_index = names.index("owlvit.vision_model.embeddings.class_embedding")
+  lrs, mult = [1.0, 0.1], 0.9    # [vision (walked first), text], as lrs in the released code
+  expected = {}
+  current_tower, current_lr = 0, lrs[0]
+  for idx in reversed(range(len(names))):
+    if current_tower == 0 and idx == tower_index:
+      current_tower, current_lr = 1, lrs[1]
+    expected[names[idx]] = current_lr
+    current_lr *= mult
+
+  model = model_lib.create_model("tiny", vision_layers=layers_vision, text_layers=layers_text)
+  cfg = model.config
+  params = jax.eval_shape(lambda: model.init(
+      jax.random.PRNGKey(0), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)),
+      jnp.zeros((1, 2, cfg.context_length), jnp.int32)))["params"]
+  got = traverse_util.flatten_dict(optim.lr_multipliers(
+      params, text_lr_multiplier=0.1, layerwise_decay=mult, layerwise_granularity="tensor"))
+  mapped = {_hf_name_to_path(n): v for n, v in expected.items() if _hf_name_to_path(n)}
+  assert set(mapped) == set(got)
+  for path, value in mapped.items():
+    assert got[path] == pytest.approx(value, rel=1e-12), path
+  # Spot values: the last tensor (merged LN bias) is undecayed; the vision class embedding
+  # falls in the text walk at its start (the released code's tower boundary).
+  assert got[("backbone", "merged_class_token", "bias")] == 1.0
+  assert got[("backbone", "clip", "visual", "class_embedding")] == pytest.approx(0.1)
+  assert got[("backbone", "clip", "text", "ln_final", "bias")] == pytest.approx(0.1 * mult)
+  # For L/14 the boundary is HF index 197, as the released code's tower_indices.
+  assert optim.hf_tensor_order(12, 24)[1] == 197
+
+
+def test_per_tensor_decay_rejects_foreign_tree_and_unknown_granularity():
+  with pytest.raises(ValueError, match="outside the HF OWL-ViT tensor order"):
+    optim.lr_multipliers({"foo": {"kernel": jnp.ones(2)}}, text_lr_multiplier=0.1,
+                         layerwise_decay=0.9, layerwise_granularity="tensor")
+  with pytest.raises(ValueError, match="layerwise_granularity"):
+    optim.lr_multipliers(_params(), text_lr_multiplier=0.1, layerwise_decay=0.9,
+                         layerwise_granularity="block")
