@@ -809,7 +809,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   rstate = replay_state_lib.init_replay_state(
       store.num_images if store else 1, jax.random.PRNGKey(config.seed + 2),
-      num_classes=store.num_classes if store else 0)
+      num_classes=store.num_classes if store else 1)   # orbax saves no empty arrays
   latest = checkpointer.latest_stage()
   if latest is None:
     stages = [{"name": "pretrained", "metrics": evaluate_all(params, "pretrained")}]
