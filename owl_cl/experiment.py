@@ -68,13 +68,16 @@ class Dataset:
 
   `valid` is the validation split (used by `train.carry='best_validation'`), None when the
   dataset has none; `evaluation` is 'coco' (COCO AP, exclusive classes) or 'lvis' (LVIS AP
-  and APr, federated; SPEC §4).
+  and APr, federated; SPEC §4); `max_detections` overrides the detections kept per image
+  (`eval.top_k` and COCOeval's maxDets; SPEC §4: 100 for EgoHands and BrackishUnderwater),
+  None = the config's.
   """
   name: str
   train: coco.CocoSource | None
   test: coco.CocoSource
   valid: coco.CocoSource | None = None
   evaluation: str = "coco"
+  max_detections: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +304,8 @@ def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   sequence = []
   for name in names:
     split = lambda s, name=name: odinw.odinw_source(root, name, s, subset_seed=subset_seed)
-    sequence.append(Dataset(name, split("train"), split("test"), valid=split("val")))
+    sequence.append(Dataset(name, split("train"), split("test"), valid=split("val"),
+                            max_detections=odinw.ODINW_DATASETS[name].max_detections))
   if config.sequence_seed is not None:
     order = np.random.default_rng(config.sequence_seed).permutation(len(sequence))
     sequence = [sequence[i] for i in order]
@@ -448,24 +452,30 @@ class Runner:
         epoch=epoch, num_workers=self.config.data.num_workers)
 
   def evaluate(self, params, source: coco.CocoSource, desc: str, *,
-               protocol: str = "coco") -> dict[str, float]:
+               protocol: str = "coco", max_detections: int | None = None
+               ) -> dict[str, float]:
     """AP of `params` on `source`, queries = the source's class names (SPEC §4).
 
     protocol 'coco': pycocotools AP, eval.top_k detections (argmax class per token unless
     eval.multi_label). 'lvis': the lvis API's federated AP/APr/APc/APf of the top
     eval.lvis_top_k (token, class) pairs, eval.lvis_max_dets per image, ground truth read
     from `source.annotation_file` (LVIS v1 json). With eval.prompt_templates != 'none' the
-    class scores are ensembled over the templates (eval.ensemble).
+    class scores are ensembled over the templates (eval.ensemble). `max_detections`, when
+    given, replaces both the detections kept per image and maxDets of that protocol (SPEC §4:
+    100 for EgoHands and BrackishUnderwater).
     """
     if protocol not in ("coco", "lvis"):
       raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
     ec = self.config.eval
     lvis = protocol == "lvis"
     templates = ec.prompt_templates != "none"
-    if lvis or templates:
+    top_k = ec.lvis_top_k if lvis else ec.top_k
+    max_dets = ec.lvis_max_dets if lvis else ec.max_dets
+    if max_detections is not None:
+      top_k = max_dets = int(max_detections)
+    if lvis or templates or top_k != ec.top_k:
       predict_step = self._predict_step(
-          templates=templates, top_k=ec.lvis_top_k if lvis else ec.top_k,
-          multi_label=True if lvis else ec.multi_label)
+          templates=templates, top_k=top_k, multi_label=True if lvis else ec.multi_label)
     else:
       predict_step = self._predict   # the built-in benchmark's path
     query_embeddings = self.eval_query_embeddings(params, source)
@@ -482,24 +492,25 @@ class Runner:
     if lvis:
       return lvis_eval.evaluate_lvis_source(
           predict_fn, source, batches, category_ids=source.category_ids,
-          image_size=self.image_size, max_dets=ec.lvis_max_dets, desc=desc)
+          image_size=self.image_size, max_dets=max_dets, desc=desc)
     return detection.evaluate_source(
         predict_fn, source, batches, category_ids=source.category_ids,
-        image_size=self.image_size, max_dets=self.config.eval.max_dets, desc=desc)
+        image_size=self.image_size, max_dets=max_dets, desc=desc)
 
 
-def evaluate_dataset(runner: Runner, params, name: str, source, evaluation: str,
+def evaluate_dataset(runner: Runner, params, name: str, dataset: Dataset,
                      desc: str) -> dict[str, float]:
-  """Metrics of `params` on one eval set: COCO AP ('coco') or LVIS AP / APr ('lvis', SPEC §4).
+  """Metrics of `params` on `dataset.test`: COCO AP (`dataset.evaluation` 'coco') or LVIS AP /
+  APr ('lvis'), with `dataset.max_detections` detections per image when set (SPEC §4).
 
   Raises:
     ConfigError: an unknown evaluation.
   """
-  if evaluation == "coco":
-    return runner.evaluate(params, source, desc)
-  if evaluation == "lvis":
-    return runner.evaluate(params, source, desc, protocol="lvis")
-  raise ConfigError(f"eval set {name!r}: unknown evaluation {evaluation!r} (coco | lvis)")
+  if dataset.evaluation not in ("coco", "lvis"):
+    raise ConfigError(f"eval set {name!r}: unknown evaluation {dataset.evaluation!r} "
+                      "(coco | lvis)")
+  return runner.evaluate(params, dataset.test, desc, protocol=dataset.evaluation,
+                         max_detections=dataset.max_detections)
 
 
 def _progress(total: int, desc: str):
@@ -708,11 +719,10 @@ def _check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
   return run_id
 
 
-def benchmark_eval_sets(bench: Benchmark) -> list[tuple[str, Any, str]]:
-  """(name, source, evaluation) of every eval set: pre-training, held-out, each dataset."""
-  return ([(bench.pretrain_eval, bench.pretrain.test, bench.pretrain.evaluation),
-           (bench.held_out_eval, bench.held_out.test, bench.held_out.evaluation)]
-          + [(d.name, d.test, d.evaluation) for d in bench.sequence])
+def benchmark_eval_sets(bench: Benchmark) -> list[tuple[str, Dataset]]:
+  """(eval-set name, dataset) of every eval set: pre-training, held-out, each dataset."""
+  return ([(bench.pretrain_eval, bench.pretrain), (bench.held_out_eval, bench.held_out)]
+          + [(d.name, d) for d in bench.sequence])
 
 
 def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark,
@@ -803,9 +813,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   eval_sets = benchmark_eval_sets(bench)
 
   def evaluate_all(params, stage_name, names=None):
-    return {name: evaluate_dataset(runner, params, name, source, evaluation,
+    return {name: evaluate_dataset(runner, params, name, dataset,
                                    f"eval {name} @ {stage_name}")
-            for name, source, evaluation in eval_sets if names is None or name in names}
+            for name, dataset in eval_sets if names is None or name in names}
 
   rstate = replay_state_lib.init_replay_state(
       store.num_images if store else 1, jax.random.PRNGKey(config.seed + 2),

@@ -256,3 +256,34 @@ def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
     assert [v["epoch"] for v in train["validation"]] == [1, 2]
     assert train["replayed_images"] == 2 * 4               # 1:1 replay
   assert results["buffer"]["images_kept"] >= 1
+
+
+def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypatch):
+  """SPEC §4: EgoHands and BrackishUnderwater are scored with 100 detections, others 300."""
+  root = str(tmp_path / "data")
+  names = ("EgoHands", "Pothole")
+  fake_data.write_fake_odinw(root, names, num_images=dict(train=4, val=2, test=2))
+  fake_data.write_fake_objects365(root, num_images=dict(train=2, val=2))
+  fake_data.write_fake_lvis(root, num_images=dict(train=2, val=2))
+  c = tiny_paper_config(root, str(tmp_path / "cache"), init_checkpoint=root)  # not loaded
+  c.data.odinw_datasets = names
+  c.eval.top_k = c.eval.max_dets = 300
+  bench = experiment.load_real_benchmark(c)
+  by_name = {d.name: d for d in bench.sequence}
+  assert by_name["EgoHands"].max_detections == 100
+  assert by_name["Pothole"].max_detections == 300
+  runner = experiment.Runner(c)
+  seen = {}
+
+  def fake_evaluate_source(predict_fn, source, batches, **kwargs):
+    seen[source.annotation_file] = kwargs["max_dets"]
+    return {"AP": 0.0}
+
+  monkeypatch.setattr(experiment.detection, "evaluate_source", fake_evaluate_source)
+  monkeypatch.setattr(runner, "eval_query_embeddings", lambda params, source: None)
+  for dataset in bench.sequence:
+    experiment.evaluate_dataset(runner, None, dataset.name, dataset, "test")
+  assert seen == {by_name["EgoHands"].test.annotation_file: 100,
+                  by_name["Pothole"].test.annotation_file: 300}
+  # The 100-detection prediction step was built with top_k 100 (the others use eval.top_k).
+  assert {key[1] for key in runner._predict_steps} == {100}
