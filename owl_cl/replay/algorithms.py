@@ -124,8 +124,14 @@ class RetrievalAlgorithm:
     return self.class_step in FEATURE_STEPS or self.sample_step in FEATURE_STEPS
 
   def __call__(self, rstate: ReplayState, buffer: ReplayBuffer, features: Mapping[str, Array],
-               num_replay: int) -> Tuple[Array, Array, ReplayState]:
-    """Retrieves `num_replay` buffer images; see the module docstring for shapes."""
+               num_replay: int, active: Optional[Array] = None
+               ) -> Tuple[Array, Array, ReplayState]:
+    """Retrieves `num_replay` buffer images; see the module docstring for shapes.
+
+    `active`: optional bool [num_replay] (traced; None = all active): slots to fill (loss
+    adaptivity, SPEC §9). Inactive slots return valid=False and are not marked by dedup.
+    (Minimal version: the class and sample steps still run for every slot.)
+    """
     num_replay = int(num_replay)
     rstate = dedup_lib.auto_reset_if_exhausted(rstate, self.dedup, num_replay)
     eligible = dedup_lib.eligible_images(rstate, self.dedup)
@@ -143,6 +149,8 @@ class RetrievalAlgorithm:
         self.dedup.marks_replays, **dict(self.sample_hyperparameters))
     indices = jnp.asarray(indices, jnp.int32)
     valid = jnp.asarray(valid, bool)
+    if active is not None:
+      valid = valid & jnp.asarray(active, bool)
     rstate = dedup_lib.mark_replayed(rstate, indices, valid, self.dedup)
     return indices, valid, rstate
 
