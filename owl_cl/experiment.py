@@ -363,6 +363,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", _expand(config.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  loss_adaptivity_mode(config)   # a bad mode fails before any work
   run_id = _check_workdir(workdir, config)
   wall_start = time.time()
   bench = load_benchmark(config)
@@ -372,7 +373,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                                  max_to_keep=config.checkpoint.max_to_keep)
   algorithm_name = config.replay.algorithm
   with_replay = algorithm_name != "none"
-  loss_adaptivity_mode(config)   # a bad mode fails before any work
 
   params, pretrain_meta = pretrained_params(runner, bench, writer)
   store, buffer_stats = None, None
