@@ -1,7 +1,8 @@
 """Base configuration: every value the code uses lives here (ml_collections).
 
 `get_config(arg)`: arg '' (default) = the built-in benchmark with the tiny model. Algorithm
-configs (`uniform.py`, `uniform_balanced.py`, `swil.py`, `no_replay.py`) start from this one.
+configs (`uniform.py`, `uniform_balanced.py`, `grasp.py`, `swil.py`, `sw_grasp.py`,
+`a_sw_grasp.py`, `aser.py`, `aser_pc.py`, `sw_aser_pc.py`, `no_replay.py`) start from this one.
 Any field can be overridden on the command line, e.g. `--config.replay.dedup=epoch`.
 """
 
@@ -98,12 +99,34 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   # --- replay (SPEC §6-§8) ---------------------------------------------------------------
   c.replay = ml_collections.ConfigDict()
-  c.replay.algorithm = "swil"      # uniform | uniform_balanced | swil | none
+  # uniform | uniform_balanced | grasp | swil | sw_grasp | a_sw_grasp | aser | aser_pc |
+  # sw_aser_pc | none (paper Table 2)
+  c.replay.algorithm = "swil"
   c.replay.ratio = 1.0             # replayed images per new image (paper 1:1)
-  c.replay.dedup = "dataset"       # none | epoch | dataset
+  c.replay.dedup = "dataset"       # none | epoch | dataset | fraction (SPEC §8)
+  c.replay.dedup_fraction = 1.0 / 3.0   # 'fraction': reset after this fraction of the buffer
   c.replay.der_alpha = 2.0         # DER++ logit distillation weight
   c.replay.der_beta = 1.0          # DER++ replay detection-loss weight
-  c.replay.swil_w = 1.0            # similarity weighting exponent w
+  c.replay.swil_w = 1.0            # similarity weighting exponent w (SWIL, paper 1.0)
+  c.replay.grasp_w = 1.0           # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
+  # Balanced class order: 'sequential' (paper) | 'reshuffled' (released code: a random
+  # permutation reshuffled after every pass).
+  c.replay.balanced_order = "sequential"
+  # A-SW-GRASP: GRASP for a new image iff the normalised entropy of its SWIL distribution
+  # exceeds tau (the paper gives no value; it describes tau as "too close to 1.0").
+  c.replay.adaptive_entropy_threshold = 0.99
+  # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, SPEC §7).
+  c.replay.aser = ml_collections.ConfigDict()
+  # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).
+  c.replay.aser.num_candidates = ml_collections.config_dict.placeholder(int)
+  c.replay.aser.knn_k = 20                 # K of the KNN-SV recursion
+  c.replay.aser.c = 0.15                   # c of eq. 4 (dynamic w)
+  c.replay.aser.token_matching = "all_to_all"   # paper | 'nearest_token' (released code)
+  c.replay.aser.distance = "l2"            # 'l2' (released code) | 'cosine'
+  c.replay.aser.weight_reduction = "min"   # eq. 4 min/min (paper) | 'max' (released code)
+  c.replay.aser.chunk_size = 64            # images per chunk of the ASER-PC precomputation
+  # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
+  c.replay.records = True
   c.replay.top_k = 8               # k class embeddings per image
   # Loss adaptivity (paper §4 eqs. 5-6, Table 4; SPEC §9). mode: 'none' (1:1 replay, the
   # paper's main results); 'paper' (replay only for the r new images whose pre-step loss

@@ -21,7 +21,7 @@ import logging as py_logging
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ from owl_cl.model import tokenizer as tokenizer_lib
 from owl_cl.replay import algorithms
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import dedup
+from owl_cl.replay import records as records_lib
 from owl_cl.replay import state as replay_state_lib
 from owl_cl.train import checkpointing
 from owl_cl.train import losses
@@ -285,16 +286,46 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
 # ----------------------------------------------------------------------------- replay
 
 
-def make_algorithm(config: ml_collections.ConfigDict) -> algorithms.RetrievalAlgorithm:
-  """The retrieval algorithm named by config.replay.algorithm with its hyperparameters."""
-  name = config.replay.algorithm
+def make_algorithm(config: ml_collections.ConfigDict):
+  """The retrieval algorithm named by config.replay.algorithm with its hyperparameters.
+
+  Every hyperparameter the algorithm accepts (`algorithms.ALGORITHMS[name]
+  .hyperparameter_names`) is taken from `config.replay` (table below); the dedup schedule
+  from `replay.dedup` (+ `replay.dedup_fraction` for 'fraction').
+
+  Raises:
+    ConfigError: unknown algorithm, dedup schedule or option value (naming the field).
+  """
+  rc = config.replay
+  name = rc.algorithm
   if name not in algorithms.ALGORITHMS:
     raise ConfigError(f"config.replay.algorithm={name!r} is unknown; known: "
                       f"{sorted(algorithms.ALGORITHMS) + ['none']}")
+  fields = {
+      "swil_weight": ("replay.swil_w", rc.swil_w),
+      "grasp_weight": ("replay.grasp_w", rc.grasp_w),
+      "balanced_order": ("replay.balanced_order", rc.balanced_order),
+      "adaptive_entropy_threshold": ("replay.adaptive_entropy_threshold",
+                                     rc.adaptive_entropy_threshold),
+      "num_candidates": ("replay.aser.num_candidates", rc.aser.num_candidates),
+      "knn_k": ("replay.aser.knn_k", rc.aser.knn_k),
+      "asv_c": ("replay.aser.c", rc.aser.c),
+      "asv_token_matching": ("replay.aser.token_matching", rc.aser.token_matching),
+      "asv_distance": ("replay.aser.distance", rc.aser.distance),
+      "asv_weight_reduction": ("replay.aser.weight_reduction", rc.aser.weight_reduction),
+      "asv_chunk_size": ("replay.aser.chunk_size", rc.aser.chunk_size),
+  }
   hyperparameters = {}
-  if "swil_weight" in algorithms.ALGORITHMS[name].hyperparameter_names:
-    hyperparameters["swil_weight"] = config.replay.swil_w
-  return algorithms.get_algorithm(name, dedup=config.replay.dedup, **hyperparameters)
+  for hp in algorithms.ALGORITHMS[name].hyperparameter_names:
+    field, value = fields[hp]
+    if value is not None:
+      hyperparameters[hp] = value
+  try:
+    schedule = (dedup.DedupSchedule("fraction", rc.dedup_fraction) if rc.dedup == "fraction"
+                else dedup.as_schedule(rc.dedup))
+    return algorithms.get_algorithm(name, dedup=schedule, **hyperparameters)
+  except ValueError as e:
+    raise ConfigError(f"config.replay ({name}): {e}") from e
 
 
 def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict):
@@ -386,7 +417,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
             for name, source in eval_sets}
 
   rstate = replay_state_lib.init_replay_state(
-      store.num_images if store else 1, jax.random.PRNGKey(config.seed + 2))
+      store.num_images if store else 1, jax.random.PRNGKey(config.seed + 2),
+      num_classes=store.num_classes if store else 0)
   latest = checkpointer.latest_stage()
   if latest is None:
     stages = [{"name": "pretrained", "metrics": evaluate_all(params, "pretrained")}]
@@ -417,8 +449,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   for index in range(latest + 1, len(bench.sequence) + 1):
     dataset = bench.sequence[index - 1]
     start = time.time()
-    params, rstate, train_metrics = train_on_dataset(runner, dataset, params, store, rstate,
-                                                     writer, index)
+    params, rstate, train_metrics = train_on_dataset(
+        runner, dataset, params, store, rstate, writer, index,
+        records_path=os.path.join(workdir, "records", f"{dataset.name}.npz"))
     metrics = evaluate_all(params, dataset.name)
     for name, values in metrics.items():
       _log_scalars(writer, f"eval/{name}", values, index)
@@ -434,9 +467,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, writer,
-                     index: int):
+                     index: int, records_path: Optional[str] = None):
   """Fine-tunes on one downstream dataset with retrieval + DER++ (fresh optimizer).
 
+  With `config.replay.records` and a `records_path`, the retrieval analysis records
+  (`owl_cl.replay.records`) of the dataset are written there.
   Returns (params, replay state, training summary dict).
   """
   config = runner.config
@@ -472,9 +507,16 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
           f"config.replay.loss_adaptivity.mode='paper' replays one image per new image above "
           f"the threshold and needs config.replay.ratio=1.0, got {config.replay.ratio}")
     algorithm = make_algorithm(config)
-    retrieve = jax.jit(algorithm, static_argnums=3)
-    schedule_name = config.replay.dedup
+    recorder = None
+    if config.replay.records and records_path:
+      recorder = records_lib.RetrievalRecords(store.num_classes,
+                                              getattr(algorithm, "num_candidates", 0))
+      retrieve = jax.jit(algorithm.retrieve_with_records, static_argnums=3)
+    else:
+      retrieve = jax.jit(algorithm, static_argnums=3)
+    dedup_schedule = algorithm.dedup
     buffer = sharding_lib.replicate(store.replay_buffer(), runner.mesh)
+    rstate = algorithm.prepare(rstate, buffer)
     top_k = config.replay.top_k if algorithm.needs_features else None
     # 'paper': one eval-mode forward gives the new images' losses (and the features).
     new_losses = (step_lib.make_new_loss_step(runner.model, runner.mesh,
@@ -511,8 +553,11 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
           features = embed(state.params, inputs["images"], inputs["queries"])
         else:
           features = {}
-        indices, valid, rstate = retrieve(rstate, buffer, features, num_replay, active)
+        retrieved = retrieve(rstate, buffer, features, num_replay, active)
+        indices, valid, rstate = retrieved[:3]
         indices, valid = jax.device_get((indices, valid))
+        if recorder is not None:
+          recorder.add(jax.device_get(retrieved[3]), valid)
         dedup.check_auto_reset(rstate)
         replay_batch = store.gather(indices, valid)
         replay_batch["replay_mask"] = valid
@@ -540,10 +585,12 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
         bar.set_postfix(**postfix)
         _log_scalars(writer, f"train/{dataset.name}", scalars, step)
     if with_replay:
-      rstate = dedup.reset_if(rstate, "epoch", schedule_name)
+      rstate = dedup.reset_if(rstate, "epoch", dedup_schedule)
   bar.close()
   if with_replay:
-    rstate = dedup.reset_if(rstate, "dataset", schedule_name)
+    rstate = dedup.reset_if(rstate, "dataset", dedup_schedule)
+    if recorder is not None:
+      recorder.save(records_path)
   summary = {"steps": step, "replayed_images": replayed,
              "final_loss": float(jax.device_get(metrics["loss"])) if step else None}
   if with_replay:

@@ -2,33 +2,46 @@
 
 Every algorithm has the signature
 
-    algorithm(rstate, buffer, features, num_replay) -> (indices, valid, rstate)
+    algorithm(rstate, buffer, features, num_replay, active=None) -> (indices, valid, rstate)
 
   rstate:     `ReplayState` (uses and advances `rstate.key`, the dedup mask and counters,
-              and the balanced class pointer);
+              the balanced class pointer/order);
   buffer:     `ReplayBuffer` (jnp arrays, passed as an argument, never closed over);
-  features:   dict of the new batch, at least `class_embeddings` float [B, k, E] for
-              algorithms with a similarity step (`selection.top_k_embeddings`); may be empty
-              for 'uniform' / 'uniform_balanced';
+  features:   dict of the new batch: `class_embeddings` float [B, k, E] for algorithms with a
+              similarity step, plus `query_embeddings` float [B, k, E] for the ASV algorithms
+              (`train.step.make_embed_step`); may be empty for 'uniform', 'uniform_balanced',
+              'grasp' (`algorithm.needs_features` tells);
   num_replay: static int, replays to retrieve (1:1 with the new batch: num_replay = B);
-  indices:    int32 [num_replay] buffer indices; valid: bool [num_replay].
+  active:     optional bool [num_replay] slot mask (traced; None = all active) for loss
+              adaptivity (SPEC §9). Inactive slots return valid False, are not marked by
+              dedup, do not consume the balanced class pointer and do not count in the
+              exhaustion check; the i-th active slot gets what slot i would get with all
+              slots active (for balanced: the i-th class of the cycle);
+  indices:    int32 [num_replay] buffer indices (0 where invalid); valid: bool [num_replay].
 
 It is jittable with `jax.jit(algorithm, static_argnums=3)`. One call: (1) the in-call dedup
-auto-reset if the buffer is exhausted (`dedup.auto_reset_if_exhausted`); (2) eligible images
-from the dedup mask; (3) the class step (if any) on the classes that still have an eligible
-image; (4) the sample step; (5) the replays are marked (`dedup.mark_replayed`).
+reset if the buffer is exhausted or a 'fraction' period ends (`dedup.auto_reset_if_exhausted`);
+(2) eligible images from the dedup mask; (3) the class step (if any) on the classes that still
+have an eligible image (others get probability 0 / are skipped); (4) the sample step;
+(5) the replays are marked (`dedup.mark_replayed`). `algorithm.retrieve_with_records(...)`
+returns, in addition, a dict of per-call analysis records (paper Figures 3-5; see
+`RECORD_KEYS`), computed in the same jitted call. `algorithm.prepare(rstate, buffer)` fills
+state that is computed once per buffer (ASER-PC's precomputed left term); call it before the
+first retrieval (a no-op for the other algorithms).
 
 A new composition is one registry line, e.g. `'grasp': Composition(balanced_step,
 prototype_weighted_step)`. Step protocols (hyperparameters are keyword-only arguments with
 defaults; `get_algorithm` discovers them by name and rejects unknown ones):
 
-  class step:  step(key, rstate, buffer, features, class_eligible [C], num, **hp)
-               -> (classes int32 [num] (-1 = no class), rstate)
-  sample step: step(key, rstate, buffer, features, classes [num] | None, eligible [N], num,
-               without_replacement, **hp) -> (indices int32 [num], valid bool [num])
+  class step:  step(key, rstate, buffer, features, class_eligible [C], active [num], **hp)
+               -> (classes int32 [num] (-1 = no class), rstate, records dict)
+  sample step: step(key, rstate, buffer, features, classes [num] | None, eligible [N],
+               active [num], without_replacement, **hp)
+               -> (indices int32 [num], valid bool [num], records dict)
 
 Registry entries may also be any other builder object with `hyperparameter_names` and
-`build(name, dedup, hyperparameters) -> algorithm` (e.g. A-SW-GRASP's per-image switch).
+`build(name, dedup, hyperparameters) -> algorithm`: A-SW-GRASP's per-image switch
+(`AdaptiveComposition`) and the ASV algorithms (`AsvComposition`).
 """
 from __future__ import annotations
 
@@ -41,18 +54,57 @@ import jax.numpy as jnp
 
 from owl_cl.replay import class_selection
 from owl_cl.replay import dedup as dedup_lib
+from owl_cl.replay import knn_shapley
 from owl_cl.replay import sample_selection
 from owl_cl.replay.state import ReplayBuffer, ReplayState
 
 Array = jax.Array
 
+BALANCED_ORDERS = ('sequential', 'reshuffled')
+
+# Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
+# applies to it. B = new images, N_c = candidates, num = num_replay.
+RECORD_KEYS = {
+    'sampled_classes': 'int32 [num]: class step class of each replay slot (-1: none/inactive)',
+    'swil_entropy': 'float32 [B]: normalised entropy of p_SWIL of each new image (Fig. 4)',
+    'grasp_entropy': 'float32 [num]: normalised entropy of the GRASP distribution of the '
+                     "slot's class over its eligible members (NaN: not GRASP) (Fig. 3)",
+    'used_grasp': 'bool [num]: A-SW-GRASP slot used GRASP (entropy > tau)',
+    'knn_sv': 'float32 [B, N_c]: right-term KNN-SVs of the candidates (Fig. 5 left)',
+    'knn_sv_valid': 'bool [N_c]: valid candidates of knn_sv',
+    'min_sv_rank': 'int32 [B]: distance rank (1 = nearest) of the lowest-KNN-SV candidate of '
+                   'each new image (Fig. 5 right)',
+    'selected_rank': 'int32 [num]: distance rank of each replayed candidate to its nearest '
+                     'new image (-1: invalid slot)',
+}
+
+
 
 # ----------------------------------------------------------------------------- class steps
-def balanced_step(key, rstate, buffer, features, class_eligible, num):
-  """Balanced class step (`class_selection.balanced_classes`); advances the class pointer."""
-  del key, buffer, features
-  classes, pointer = class_selection.balanced_classes(rstate.class_pointer, class_eligible, num)
-  return classes, rstate.replace(class_pointer=pointer)
+def balanced_step(key, rstate, buffer, features, class_eligible, active, *,
+                  balanced_order: str = 'sequential'):
+  """Balanced class step: the paper's sequential cycle (`class_selection.balanced_classes`)
+  or the released code's order reshuffled every pass ('reshuffled',
+  `class_selection.balanced_classes_reshuffled`). Advances the class pointer by the active
+  slots only.
+  """
+  del buffer, features
+  num = active.shape[0]
+  if balanced_order == 'sequential':
+    classes, pointer = class_selection.balanced_classes(rstate.class_pointer, class_eligible,
+                                                        num, active=active)
+    rstate = rstate.replace(class_pointer=pointer)
+  elif balanced_order == 'reshuffled':
+    if rstate.class_order.shape != class_eligible.shape:
+      raise ValueError('balanced_order="reshuffled" needs ReplayState.class_order of shape '
+                       f'{class_eligible.shape}, got {rstate.class_order.shape}: make the state '
+                       'with init_replay_state(N, key, num_classes=C)')
+    classes, pointer, order = class_selection.balanced_classes_reshuffled(
+        key, rstate.class_pointer, rstate.class_order, class_eligible, active)
+    rstate = rstate.replace(class_pointer=pointer, class_order=order)
+  else:
+    raise ValueError(f'balanced_order must be one of {BALANCED_ORDERS}, got {balanced_order!r}')
+  return classes, rstate, {'sampled_classes': classes}
 
 
 def _new_image_rows(num: int, batch: int) -> Array:
@@ -60,36 +112,79 @@ def _new_image_rows(num: int, batch: int) -> Array:
   return jnp.arange(num, dtype=jnp.int32) % batch
 
 
-def similarity_weighted_step(key, rstate, buffer, features, class_eligible, num, *,
+def _require(features: Mapping[str, Array], names, who: str):
+  missing = [n for n in names if n not in features]
+  if missing:
+    raise ValueError(f"{who} needs features {missing} (from train.step.make_embed_step); "
+                     f"got {sorted(features)}")
+
+
+def _swil_probs(buffer, features, class_eligible, swil_weight):
+  _require(features, ('class_embeddings',), 'similarity-weighted class selection')
+  return class_selection.similarity_weighted_probs(features['class_embeddings'],
+                                                   buffer.prototypes, swil_weight,
+                                                   class_eligible)
+
+
+def similarity_weighted_step(key, rstate, buffer, features, class_eligible, active, *,
                              swil_weight: float = 1.0):
   """Similarity-weighted (SWIL) class step: one class per new image.
 
   Uses `features['class_embeddings']` [B, k, E] and `buffer.prototypes`; slot j serves new
   image j mod B (slots = new images when num_replay = B). Hyperparameter `swil_weight` is w
-  of SPEC §7 (default 1.0).
+  of SPEC §7 (default 1.0). Inactive slots get -1.
   """
-  if 'class_embeddings' not in features:
-    raise ValueError("similarity-weighted class selection needs features['class_embeddings']")
-  embeddings = features['class_embeddings']
-  probs = class_selection.similarity_weighted_probs(embeddings, buffer.prototypes, swil_weight,
-                                                    class_eligible)
-  probs = probs[_new_image_rows(num, embeddings.shape[0])]
-  return class_selection.sample_classes(key, probs), rstate
+  probs = _swil_probs(buffer, features, class_eligible, swil_weight)
+  slot_probs = probs[_new_image_rows(active.shape[0], probs.shape[0])]
+  classes = jnp.where(active, class_selection.sample_classes(key, slot_probs), -1)
+  return classes, rstate, {'sampled_classes': classes,
+                           'swil_entropy': sample_selection.normalized_entropy(probs)}
 
 
 # ---------------------------------------------------------------------------- sample steps
-def uniform_step(key, rstate, buffer, features, classes, eligible, num, without_replacement):
+def uniform_step(key, rstate, buffer, features, classes, eligible, active, without_replacement):
   """Uniform over all eligible buffer images, no class step (always without replacement)."""
   del rstate, buffer, features, classes, without_replacement
-  return sample_selection.uniform(key, eligible, num)
+  indices, valid = sample_selection.uniform_active(key, eligible, active)
+  return indices, valid, {}
 
 
-def uniform_in_class_step(key, rstate, buffer, features, classes, eligible, num,
+def uniform_in_class_step(key, rstate, buffer, features, classes, eligible, active,
                           without_replacement):
-  """Uniform among the eligible members of each slot's class (`uniform_in_class`)."""
-  del rstate, features, num
-  return sample_selection.uniform_in_class(key, buffer.class_membership, eligible, classes,
-                                           without_replacement=without_replacement)
+  """Uniform among the eligible members of each slot's class (`uniform_in_class_active`)."""
+  del rstate, features
+  indices, valid = sample_selection.uniform_in_class_active(
+      key, buffer.class_membership, eligible, classes, active,
+      without_replacement=without_replacement)
+  return indices, valid, {}
+
+
+def _grasp_entropy(buffer, eligible, classes, weights):
+  """Normalised entropy (by log of the number of eligible members) of each slot's GRASP
+  distribution, at the start of the call; NaN for slots without a class."""
+  columns = jnp.take(buffer.prototype_distances, jnp.maximum(classes, 0), axis=1).T  # [num, N]
+  members = eligible[None, :] & jnp.isfinite(columns)
+  probs = sample_selection.prototype_weighted_probs(columns, members, weights[:, None])
+  count = jnp.sum(members, axis=-1)
+  plogp = jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0)
+  entropy = -plogp.sum(-1) / jnp.log(jnp.maximum(count, 2).astype(jnp.float32))
+  entropy = jnp.where(count > 1, entropy, 0.0)
+  return jnp.where(classes >= 0, entropy, jnp.nan)
+
+
+def prototype_weighted_step(key, rstate, buffer, features, classes, eligible, active,
+                            without_replacement, *, grasp_weight: float = 1.0):
+  """Prototype-weighted (GRASP) sample selection within each slot's class (eqs. 1-2).
+
+  Hyperparameter `grasp_weight` is w of eq. 1 (paper 1.0; released code default 0.7).
+  """
+  del rstate, features
+  num = active.shape[0]
+  weights = jnp.full((num,), grasp_weight, jnp.float32)
+  indices, valid = sample_selection.prototype_weighted_in_class(
+      key, buffer.prototype_distances, eligible, classes, weights, active,
+      without_replacement=without_replacement)
+  return indices, valid, {'grasp_entropy': _grasp_entropy(buffer, eligible, classes, weights)}
 
 
 # ----------------------------------------------------------------------------- composition
@@ -100,9 +195,63 @@ def _keyword_hyperparameters(fn: Optional[Callable]) -> Tuple[str, ...]:
                if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def _keyword_defaults(fn: Optional[Callable]) -> Dict[str, Any]:
+  if fn is None:
+    return {}
+  return {p.name: p.default for p in inspect.signature(fn).parameters.values()
+          if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _check_active(active, num_replay: int) -> Array:
+  if active is None:
+    return jnp.ones((num_replay,), bool)
+  active = jnp.asarray(active, bool)
+  if active.shape != (num_replay,):
+    raise ValueError(f'active must be bool [num_replay={num_replay}], got shape {active.shape}')
+  return active
+
+
+class _AlgorithmBase:
+  """Shared call protocol of every algorithm (module docstring)."""
+
+  dedup: dedup_lib.DedupSchedule
+
+  def __call__(self, rstate: ReplayState, buffer: ReplayBuffer, features: Mapping[str, Array],
+               num_replay: int, active: Optional[Array] = None
+               ) -> Tuple[Array, Array, ReplayState]:
+    """Retrieves `num_replay` buffer images; see the module docstring for shapes."""
+    indices, valid, rstate, _ = self.retrieve_with_records(rstate, buffer, features, num_replay,
+                                                           active)
+    return indices, valid, rstate
+
+  def retrieve_with_records(self, rstate, buffer, features, num_replay, active=None):
+    """As `__call__`, plus a dict of analysis records (`RECORD_KEYS`)."""
+    num_replay = int(num_replay)
+    active = _check_active(active, num_replay)
+    features = {} if features is None else features
+    rstate = dedup_lib.auto_reset_if_exhausted(rstate, self.dedup,
+                                               jnp.sum(active, dtype=jnp.int32))
+    eligible = dedup_lib.eligible_images(rstate, self.dedup)
+    class_eligible = (sample_selection.class_eligibility(buffer.class_membership, eligible)
+                      & buffer.class_valid)
+    key, class_key, sample_key = jax.random.split(rstate.key, 3)
+    rstate = rstate.replace(key=key)
+    indices, valid, rstate, records = self._select(class_key, sample_key, rstate, buffer,
+                                                   features, eligible, class_eligible, active)
+    valid = jnp.asarray(valid, bool) & active
+    indices = jnp.where(valid, jnp.asarray(indices, jnp.int32), 0)
+    rstate = dedup_lib.mark_replayed(rstate, indices, valid, self.dedup)
+    return indices, valid, rstate, records
+
+  def prepare(self, rstate: ReplayState, buffer: ReplayBuffer) -> ReplayState:
+    """Once-per-buffer state (ASER-PC's left term); identity for most algorithms."""
+    del buffer
+    return rstate
+
+
 @dataclasses.dataclass(frozen=True)
-class RetrievalAlgorithm:
-  """A configured retrieval algorithm (hashable; jit with `static_argnums=3`).
+class RetrievalAlgorithm(_AlgorithmBase):
+  """A configured class step + sample step (hashable; jit with `static_argnums=3`).
 
   Attributes:
     name: registry name.
@@ -123,36 +272,18 @@ class RetrievalAlgorithm:
     callers skip the extra embedding forward pass otherwise."""
     return self.class_step in FEATURE_STEPS or self.sample_step in FEATURE_STEPS
 
-  def __call__(self, rstate: ReplayState, buffer: ReplayBuffer, features: Mapping[str, Array],
-               num_replay: int, active: Optional[Array] = None
-               ) -> Tuple[Array, Array, ReplayState]:
-    """Retrieves `num_replay` buffer images; see the module docstring for shapes.
-
-    `active`: optional bool [num_replay] (traced; None = all active): slots to fill (loss
-    adaptivity, SPEC §9). Inactive slots return valid=False and are not marked by dedup.
-    (Minimal version: the class and sample steps still run for every slot.)
-    """
-    num_replay = int(num_replay)
-    rstate = dedup_lib.auto_reset_if_exhausted(rstate, self.dedup, num_replay)
-    eligible = dedup_lib.eligible_images(rstate, self.dedup)
-    key, class_key, sample_key = jax.random.split(rstate.key, 3)
-    rstate = rstate.replace(key=key)
-    features = {} if features is None else features
+  def _select(self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible,
+              active):
     classes = None
+    records = {}
     if self.class_step is not None:
-      class_eligible = (sample_selection.class_eligibility(buffer.class_membership, eligible)
-                        & buffer.class_valid)
-      classes, rstate = self.class_step(class_key, rstate, buffer, features, class_eligible,
-                                        num_replay, **dict(self.class_hyperparameters))
-    indices, valid = self.sample_step(
-        sample_key, rstate, buffer, features, classes, eligible, num_replay,
+      classes, rstate, records = self.class_step(class_key, rstate, buffer, features,
+                                                 class_eligible, active,
+                                                 **dict(self.class_hyperparameters))
+    indices, valid, sample_records = self.sample_step(
+        sample_key, rstate, buffer, features, classes, eligible, active,
         self.dedup.marks_replays, **dict(self.sample_hyperparameters))
-    indices = jnp.asarray(indices, jnp.int32)
-    valid = jnp.asarray(valid, bool)
-    if active is not None:
-      valid = valid & jnp.asarray(active, bool)
-    rstate = dedup_lib.mark_replayed(rstate, indices, valid, self.dedup)
-    return indices, valid, rstate
+    return indices, valid, rstate, {**records, **sample_records}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,31 +308,240 @@ class Composition:
                                      if k in sample_names))
 
 
+# ------------------------------------------------------------------------------ A-SW-GRASP
+@dataclasses.dataclass(frozen=True)
+class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
+  """A-SW-GRASP: per new image, GRASP (balanced class + prototype-weighted sample) if the
+  normalised entropy of its SWIL class distribution exceeds `adaptive_entropy_threshold`
+  (tau), else SWIL (similarity-weighted class + uniform sample). Only GRASP slots consume
+  the balanced class pointer.
+
+  Source: paper §4 "Composing and Modifying Primitives" item 2; released code
+  `get_SWIL_retrieval_indices(adaptivity='img')` (entropy H / log C of p_SWIL).
+  """
+  name: str
+  dedup: dedup_lib.DedupSchedule
+  swil_weight: float = 1.0
+  grasp_weight: float = 1.0
+  adaptive_entropy_threshold: float = 0.99
+  balanced_order: str = 'sequential'
+
+  needs_features = True
+
+  def _select(self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible,
+              active):
+    num = active.shape[0]
+    probs = _swil_probs(buffer, features, class_eligible, self.swil_weight)     # [B, C]
+    entropy = sample_selection.normalized_entropy(probs)                        # [B]
+    rows = _new_image_rows(num, probs.shape[0])
+    use_grasp = entropy[rows] > self.adaptive_entropy_threshold
+    balanced_key, swil_key = jax.random.split(class_key)
+    grasp_classes, rstate, _ = balanced_step(balanced_key, rstate, buffer, features,
+                                             class_eligible, active & use_grasp,
+                                             balanced_order=self.balanced_order)
+    swil_classes = class_selection.sample_classes(swil_key, probs[rows])
+    classes = jnp.where(active, jnp.where(use_grasp, grasp_classes, swil_classes), -1)
+    weights = jnp.where(use_grasp, jnp.float32(self.grasp_weight), 0.0)
+    indices, valid = sample_selection.prototype_weighted_in_class(
+        sample_key, buffer.prototype_distances, eligible, classes, weights, active,
+        without_replacement=self.dedup.marks_replays)
+    grasp_entropy = jnp.where(use_grasp, _grasp_entropy(buffer, eligible, classes, weights),
+                              jnp.nan)
+    return indices, valid, rstate, {'sampled_classes': classes, 'swil_entropy': entropy,
+                                    'grasp_entropy': grasp_entropy,
+                                    'used_grasp': use_grasp & active}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveComposition:
+  """Registry entry of A-SW-GRASP (`AdaptiveSwGraspAlgorithm`)."""
+
+  @property
+  def hyperparameter_names(self) -> Tuple[str, ...]:
+    return ('swil_weight', 'grasp_weight', 'adaptive_entropy_threshold', 'balanced_order')
+
+  def build(self, name, dedup, hyperparameters):
+    return AdaptiveSwGraspAlgorithm(name=name, dedup=dedup, **hyperparameters)
+
+
+# ------------------------------------------------------------------------------------- ASV
+def _distance_ranks(distances: Array) -> Array:
+  """int32 ranks (1 = nearest, ties by index) along the last axis; +inf entries rank last."""
+  order = jnp.argsort(distances, axis=-1, stable=True)
+  return (jnp.argsort(order, axis=-1, stable=True) + 1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsvAlgorithm(_AlgorithmBase):
+  """ASER / ASER-PC / SW-ASER-PC: a candidate set drawn by a class step + uniform sample
+  step (N_c distinct eligible images, not marked), scored by the adversarial Shapley value
+  against the new batch; the top-scoring candidates are replayed (one per active slot).
+
+  Attributes:
+    name, dedup: as `RetrievalAlgorithm`.
+    candidate_class_step: `balanced_step` (ASER, ASER-PC) or `similarity_weighted_step`
+      (SW-ASER-PC; candidate j serves new image j mod B).
+    precomputed: ASER-PC: the left term is `ReplayState.asv_left` (whole buffer as candidate
+      and evaluation set, `prepare`); else computed over the candidate set each call.
+    num_candidates: N_c (paper 168 ASER, 352 ASER-PC).
+    knn_k: K of the KNN-SV (paper 20).
+    asv_c: c of eq. 4 (paper 0.15).
+    asv_token_matching: 'all_to_all' (paper) | 'nearest_token' (released code).
+    asv_distance: 'l2' (released code; the paper does not say) | 'cosine'.
+    asv_weight_reduction: 'min' (paper eq. 4) | 'max' (released code).
+    asv_chunk_size: evaluation images per chunk of the precomputation.
+    class_hyperparameters: (name, value) of the candidate class step.
+  Source: paper §4, eqs. (3)-(4), suppl. §C; SPEC §7.
+  """
+  name: str
+  dedup: dedup_lib.DedupSchedule
+  candidate_class_step: Callable
+  precomputed: bool
+  num_candidates: int = 168
+  knn_k: int = 20
+  asv_c: float = 0.15
+  asv_token_matching: str = 'all_to_all'
+  asv_distance: str = 'l2'
+  asv_weight_reduction: str = 'min'
+  asv_chunk_size: int = 64
+  class_hyperparameters: Tuple[Tuple[str, Any], ...] = ()
+
+  needs_features = True
+
+  def prepare(self, rstate: ReplayState, buffer: ReplayBuffer) -> ReplayState:
+    """Fills `asv_left`/`asv_left_min` over the whole buffer once (precomputed variants).
+
+    Host-side (not jitted as a whole; the chunks are). A no-op when already
+    `asv_left_ready` (e.g. restored from a checkpoint) or for ASER.
+    """
+    if not self.precomputed or bool(jax.device_get(rstate.asv_left_ready)):
+      return rstate
+    left, left_min = knn_shapley.precompute_left_term(
+        buffer.class_embeddings, buffer.query_embeddings, self.knn_k,
+        chunk_size=self.asv_chunk_size, token_matching=self.asv_token_matching,
+        distance=self.asv_distance)
+    return rstate.replace(asv_left=left, asv_left_min=left_min,
+                          asv_left_ready=jnp.ones((), bool))
+
+  def _select(self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible,
+              active):
+    _require(features, ('class_embeddings', 'query_embeddings'), f'retrieval {self.name!r}')
+    num, n_c = active.shape[0], int(self.num_candidates)
+    if n_c < num:
+      raise ValueError(f'{self.name}: num_candidates={n_c} < num_replay={num}')
+    any_active = jnp.any(active)
+    candidate_active = jnp.broadcast_to(any_active, (n_c,))
+    classes, rstate, class_records = self.candidate_class_step(
+        class_key, rstate, buffer, features, class_eligible, candidate_active,
+        **dict(self.class_hyperparameters))
+    candidates, candidate_valid = sample_selection.uniform_in_class_active(
+        sample_key, buffer.class_membership, eligible, classes, candidate_active,
+        without_replacement=True)
+    options = dict(token_matching=self.asv_token_matching, distance=self.asv_distance)
+    right, distances = knn_shapley.image_knn_shapley(
+        features['class_embeddings'], features['query_embeddings'],
+        buffer.class_embeddings[candidates], buffer.query_embeddings[candidates], self.knn_k,
+        candidate_valid, reduction='min', **options)                           # [B, N_c]
+    if self.precomputed:
+      left_term = rstate.asv_left[candidates]
+      if self.asv_weight_reduction == 'min':
+        extreme = jnp.min(jnp.where(candidate_valid, rstate.asv_left_min[candidates], jnp.inf))
+      else:
+        extreme = jnp.max(jnp.where(candidate_valid, left_term, -jnp.inf))
+      extreme = jnp.where(jnp.isfinite(extreme), extreme, 0.0)
+    else:
+      cand_class = buffer.class_embeddings[candidates]
+      cand_query = buffer.query_embeddings[candidates]
+      left, _ = knn_shapley.image_knn_shapley(cand_class, cand_query, cand_class, cand_query,
+                                              self.knn_k, candidate_valid, reduction='max',
+                                              **options)                      # [N_c, N_c]
+      left_term, extreme = sample_selection.left_term_and_extreme(
+          left, candidate_valid, self.asv_weight_reduction)
+    asv, _ = sample_selection.asv_from_terms(left_term, extreme, right, candidate_valid,
+                                             self.asv_c, self.asv_weight_reduction)
+    order = jnp.argsort(-asv, stable=True)                                  # best first
+    rank = jnp.clip(jnp.cumsum(active, dtype=jnp.int32) - 1, 0, n_c - 1)
+    chosen = order[rank]
+    valid = active & (rank < jnp.sum(candidate_valid, dtype=jnp.int32))
+    indices = candidates[chosen]
+    # Records (paper Fig. 5): distance ranks of candidates per new image.
+    ranks = _distance_ranks(distances)                                       # [B, N_c]
+    lowest = jnp.argmin(jnp.where(candidate_valid[None, :], right, jnp.inf), axis=-1)
+    min_sv_rank = jnp.take_along_axis(ranks, lowest[:, None], axis=-1)[:, 0]
+    selected_rank = jnp.where(valid, jnp.min(ranks[:, chosen], axis=0), -1)
+    records = {'sampled_classes': jnp.where(valid, classes[chosen], -1), 'knn_sv': right,
+               'knn_sv_valid': candidate_valid, 'min_sv_rank': min_sv_rank,
+               'selected_rank': selected_rank}
+    if 'swil_entropy' in class_records:
+      records['swil_entropy'] = class_records['swil_entropy']
+    return indices, valid, rstate, records
+
+
+_ASV_NAMES = ('num_candidates', 'knn_k', 'asv_c', 'asv_token_matching', 'asv_distance',
+              'asv_weight_reduction')
+
+
+@dataclasses.dataclass(frozen=True)
+class AsvComposition:
+  """Registry entry of an ASV algorithm: candidate class step, precomputed left term or not,
+  and the default candidate set size N_c."""
+  candidate_class_step: Callable
+  precomputed: bool
+  num_candidates: int
+
+  @property
+  def hyperparameter_names(self) -> Tuple[str, ...]:
+    extra = ('asv_chunk_size',) if self.precomputed else ()
+    return _keyword_hyperparameters(self.candidate_class_step) + _ASV_NAMES + extra
+
+  def build(self, name, dedup, hyperparameters):
+    class_names = _keyword_hyperparameters(self.candidate_class_step)
+    own = {k: v for k, v in hyperparameters.items() if k not in class_names}
+    own.setdefault('num_candidates', self.num_candidates)
+    return AsvAlgorithm(
+        name=name, dedup=dedup, candidate_class_step=self.candidate_class_step,
+        precomputed=self.precomputed,
+        class_hyperparameters=tuple((k, v) for k, v in sorted(hyperparameters.items())
+                                    if k in class_names), **own)
+
+
 # Steps that read the new batch's features (`features['class_embeddings']`, ...).
 FEATURE_STEPS = (similarity_weighted_step,)
 
-# The Table 2 compositions. Issue 4 adds grasp, sw_grasp, a_sw_grasp, aser, aser_pc, sw_aser_pc.
+# The Table 2 compositions (hyperparameter defaults: paper suppl. Table 7 / SPEC §7).
 ALGORITHMS: Dict[str, Any] = {
     'uniform': Composition(None, uniform_step),
     'uniform_balanced': Composition(balanced_step, uniform_in_class_step),
+    'grasp': Composition(balanced_step, prototype_weighted_step),
     'swil': Composition(similarity_weighted_step, uniform_in_class_step),
+    'sw_grasp': Composition(similarity_weighted_step, prototype_weighted_step),
+    'a_sw_grasp': AdaptiveComposition(),
+    'aser': AsvComposition(balanced_step, precomputed=False, num_candidates=168),
+    'aser_pc': AsvComposition(balanced_step, precomputed=True, num_candidates=352),
+    'sw_aser_pc': AsvComposition(similarity_weighted_step, precomputed=True,
+                                 num_candidates=352),
 }
 
 
 def get_algorithm(name: str, *, dedup: Union[str, dedup_lib.DedupSchedule] = 'dataset',
-                  **hyperparameters) -> RetrievalAlgorithm:
+                  **hyperparameters):
   """Looks up a retrieval algorithm by its Table 2 name and binds its hyperparameters.
 
   Args:
-    name: one of `ALGORITHMS` ('uniform', 'uniform_balanced', 'swil').
-    dedup: dedup schedule name ('none' | 'epoch' | 'dataset') or DedupSchedule; default
-      'dataset' (the paper's best, SPEC §8).
-    **hyperparameters: the steps' hyperparameters, e.g. `swil_weight` (w of SWIL, 1.0).
+    name: one of `ALGORITHMS` ('uniform', 'uniform_balanced', 'grasp', 'swil', 'sw_grasp',
+      'a_sw_grasp', 'aser', 'aser_pc', 'sw_aser_pc').
+    dedup: dedup schedule name ('none' | 'epoch' | 'dataset' | 'fraction' (1/3)) or a
+      DedupSchedule (e.g. `DedupSchedule('fraction', 0.25)`); default 'dataset' (SPEC §8).
+    **hyperparameters: the algorithm's hyperparameters (`ALGORITHMS[name].hyperparameter_names`),
+      e.g. `swil_weight` (w of SWIL, 1.0), `grasp_weight` (w of GRASP, 1.0),
+      `balanced_order` ('sequential' | 'reshuffled'), `adaptive_entropy_threshold` (tau),
+      `num_candidates`, `knn_k` (20), `asv_c` (0.15), `asv_token_matching`, `asv_distance`,
+      `asv_weight_reduction`, `asv_chunk_size`.
   Returns:
-    a callable `(rstate, buffer, features, num_replay) -> (indices, valid, rstate)`.
+    a callable `(rstate, buffer, features, num_replay, active=None) -> (indices, valid, rstate)`.
   Raises:
     ValueError: unknown algorithm name (listing the known ones), unknown hyperparameter for
-      that algorithm (listing the accepted ones), or unknown dedup schedule.
+      that algorithm (listing the accepted ones), or unknown dedup schedule / option value.
   Source: paper Table 2, SPEC §7-§8.
   """
   if name not in ALGORITHMS:
@@ -212,4 +552,18 @@ def get_algorithm(name: str, *, dedup: Union[str, dedup_lib.DedupSchedule] = 'da
   if unknown:
     raise ValueError(f'retrieval algorithm {name!r} got unknown hyperparameters {unknown}; '
                      f'accepted: {sorted(accepted)} (and dedup)')
+  _check_option_values(hyperparameters)
   return entry.build(name, dedup_lib.as_schedule(dedup), dict(hyperparameters))
+
+
+def _check_option_values(hp: Mapping[str, Any]):
+  choices = {'balanced_order': BALANCED_ORDERS,
+             'asv_token_matching': knn_shapley.TOKEN_MATCHING,
+             'asv_distance': knn_shapley.DISTANCES,
+             'asv_weight_reduction': sample_selection.WEIGHT_REDUCTIONS}
+  for field, allowed in choices.items():
+    if field in hp and hp[field] not in allowed:
+      raise ValueError(f'retrieval hyperparameter {field}={hp[field]!r} is not one of {allowed}')
+  for field in ('num_candidates', 'knn_k', 'asv_chunk_size'):
+    if field in hp and int(hp[field]) < 1:
+      raise ValueError(f'retrieval hyperparameter {field}={hp[field]!r} must be >= 1')

@@ -82,7 +82,8 @@ def similarity_weighted_probs(class_embeddings: Array, prototypes: Array, w: flo
 
 
 def balanced_classes(class_pointer: Array, class_eligible: Array, num: int,
-                     order: Optional[Array] = None) -> Tuple[Array, Array]:
+                     order: Optional[Array] = None,
+                     active: Optional[Array] = None) -> Tuple[Array, Array]:
   """Balanced class selection: the next `num` eligible classes in a fixed cyclic order.
 
   The paper's deterministic order: if the last class drawn was 10, the next draws are
@@ -97,10 +98,11 @@ def balanced_classes(class_pointer: Array, class_eligible: Array, num: int,
     num: number of classes to draw (static).
     order: optional int32 [C] permutation of the classes (position -> class). Default: the
       identity (the paper's order; pointer = class index). Hook for the released code's
-      reshuffled order (issue 4): pass a permutation kept in the replay state and reshuffle it
-      when the pointer wraps.
+      reshuffled order is `balanced_classes_reshuffled`.
+    active: optional bool [num]; inactive slots get class -1 and do not advance the pointer
+      (the i-th active slot gets the i-th class of the cycle). None = all active.
   Returns:
-    classes: int32 [num] class indices; all -1 if no class is eligible.
+    classes: int32 [num] class indices; -1 for inactive slots and if no class is eligible.
     new_pointer: int32 []; position of the last class drawn (unchanged if none eligible).
   Source: paper §4 "Balanced", SPEC §7.
   """
@@ -115,12 +117,69 @@ def balanced_classes(class_pointer: Array, class_eligible: Array, num: int,
   eligible_at = class_eligible[order]
   ranked = jnp.argsort(jnp.where(eligible_at, offset, offset + c))   # eligible first, cyclic
   num_eligible = jnp.sum(eligible_at, dtype=jnp.int32)
-  slot = jnp.mod(jnp.arange(num, dtype=jnp.int32), jnp.maximum(num_eligible, 1))
+  if active is None:
+    active = jnp.ones((num,), bool)
+  active = jnp.asarray(active, bool)
+  rank = jnp.cumsum(active, dtype=jnp.int32) - 1                  # i-th active slot -> i
+  slot = jnp.mod(jnp.maximum(rank, 0), jnp.maximum(num_eligible, 1))
   chosen = ranked[slot].astype(jnp.int32)
   any_eligible = num_eligible > 0
-  classes = jnp.where(any_eligible, order[chosen], -1)
-  new_pointer = jnp.where(any_eligible, chosen[-1], pointer) if num > 0 else pointer
+  classes = jnp.where(any_eligible & active, order[chosen], -1)
+  if num == 0:
+    return classes, pointer
+  num_active = jnp.sum(active, dtype=jnp.int32)
+  last = ranked[jnp.mod(jnp.maximum(num_active - 1, 0), jnp.maximum(num_eligible, 1))]
+  new_pointer = jnp.where(any_eligible & (num_active > 0), last.astype(jnp.int32), pointer)
   return classes, new_pointer
+
+
+def balanced_classes_reshuffled(key: Array, class_pointer: Array, class_order: Array,
+                                class_eligible: Array, active: Array
+                                ) -> Tuple[Array, Array, Array]:
+  """Balanced class selection in a random order reshuffled after every pass (released code).
+
+  Walks `class_order` from the position after `class_pointer`, skipping ineligible classes;
+  when the end of the order is reached a new random permutation is drawn and the walk
+  starts again at its position 0 (the released `get_UB_retrieval_indices`: `rng.shuffle`
+  at every wrap). Inactive slots get -1 and do not move the walk.
+
+  Args:
+    key: PRNG key (split once per slot; used only when a pass ends).
+    class_pointer: int32 []; position in `class_order` of the class drawn last (-1 = none).
+    class_order: int32 [C]; the current pass's permutation (`ReplayState.class_order`).
+    class_eligible: bool [C].
+    active: bool [num].
+  Returns:
+    classes: int32 [num] (-1 for inactive slots or if no class is eligible);
+    new_pointer: int32 []; new_order: int32 [C].
+  Source: released code (5hadytru/optimal_retrieval `ReplayBuffer.get_UB_retrieval_indices`),
+    offered as an option (SPEC §7).
+  """
+  class_eligible = jnp.asarray(class_eligible, bool)
+  c = class_eligible.shape[0]
+  positions = jnp.arange(c, dtype=jnp.int32)
+  active = jnp.asarray(active, bool)
+  keys = jax.random.split(key, active.shape[0])
+  any_eligible = class_eligible.any()
+
+  def step(carry, inputs):
+    pointer, order = carry
+    k, on = inputs
+    ahead = class_eligible[order] & (positions > pointer)
+    wrap = ~ahead.any()
+    order_new = jnp.where(wrap, jax.random.permutation(k, c).astype(jnp.int32), order)
+    candidates = jnp.where(wrap, class_eligible[order_new], ahead)
+    position = jnp.argmax(candidates).astype(jnp.int32)
+    take = on & any_eligible
+    cls = jnp.where(take, order_new[position], -1)
+    pointer = jnp.where(take, position, pointer)
+    order = jnp.where(take, order_new, order)
+    return (pointer, order), cls
+
+  (pointer, order), classes = jax.lax.scan(
+      step, (jnp.asarray(class_pointer, jnp.int32), jnp.asarray(class_order, jnp.int32)),
+      (keys, active))
+  return classes, pointer, order
 
 
 def sample_classes(key: Array, probs: Array) -> Array:

@@ -7,8 +7,9 @@ Schedules (by name):
   'none'     nothing is ever marked ineligible; repeats are allowed, even within one call.
   'epoch'    reset at the end of every epoch (a dataset's end also ends its last epoch).
   'dataset'  reset at the end of every dataset (the paper's best).
-  (issue 4 adds 'fraction': reset once `fraction * N` images were replayed since the last
-  reset; it plugs into `DedupSchedule.in_call_reset` and `_SCHEDULES` below.)
+  'fraction' reset once ceil(fraction * N) images were replayed since the last reset
+             (paper: 1/3 of the buffer); the reset happens inside the retrieval call that
+             would exceed the period (`auto_reset_if_exhausted`), not at an event.
 
 Resets happen in three ways:
   * scheduled: the training loop calls `reset_if(state, 'epoch'|'dataset', schedule)` at the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Optional, Union
 
 import jax
@@ -41,7 +43,10 @@ _SCHEDULES = {
     'none': dict(events=(), marks=False),
     'epoch': dict(events=('epoch', 'dataset'), marks=True),
     'dataset': dict(events=('dataset',), marks=True),
+    'fraction': dict(events=(), marks=True),
 }
+DEFAULT_FRACTION = 1.0 / 3.0      # paper §4: "within 1/3 of the replay buffer that is replayed"
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +54,12 @@ class DedupSchedule:
   """A deduplication schedule (static config; hashable, so usable as a jit static argument).
 
   Attributes:
-    name: one of `SCHEDULE_NAMES` ('none', 'epoch', 'dataset').
-    fraction: reserved for the 'fraction' schedule (issue 4); must be None for the others.
+    name: one of `SCHEDULE_NAMES` ('none', 'epoch', 'dataset', 'fraction').
+    fraction: the 'fraction' schedule's period as a fraction of the buffer, in (0, 1]
+      (None -> 1/3, the paper's); must be None for the other schedules.
   Raises:
-    ValueError: unknown name, or a fraction given to a schedule that does not take one.
+    ValueError: unknown name, a fraction outside (0, 1], or a fraction given to a schedule
+      that does not take one.
   Source: paper §4, SPEC §8.
   """
   name: str = 'dataset'
@@ -61,8 +68,18 @@ class DedupSchedule:
   def __post_init__(self):
     if self.name not in _SCHEDULES:
       raise ValueError(f'unknown dedup schedule {self.name!r}; known: {sorted(_SCHEDULES)}')
-    if self.fraction is not None:
+    if self.name == 'fraction':
+      if self.fraction is None:
+        object.__setattr__(self, 'fraction', DEFAULT_FRACTION)
+      if not 0.0 < float(self.fraction) <= 1.0:
+        raise ValueError(f'dedup fraction must be in (0, 1], got {self.fraction!r}')
+      object.__setattr__(self, 'fraction', float(self.fraction))
+    elif self.fraction is not None:
       raise ValueError(f'dedup schedule {self.name!r} takes no fraction')
+
+  def period(self, num_images: int) -> int:
+    """Replays per dedup period of the 'fraction' schedule: ceil(fraction * N) (>= 1)."""
+    return max(1, math.ceil(self.fraction * int(num_images) - 1e-9))
 
   @property
   def marks_replays(self) -> bool:
@@ -75,16 +92,29 @@ class DedupSchedule:
       raise ValueError(f'unknown dedup event {event!r}; known: {EVENTS}')
     return event in _SCHEDULES[self.name]['events']
 
-  def in_call_reset(self, state: ReplayState, num_needed: int) -> Array:
+  def in_call_reset(self, state: ReplayState, num_needed) -> Array:
     """bool []: whether a retrieval call needing `num_needed` images resets first (jittable).
 
-    True iff replays are marked and fewer than `num_needed` images are unreplayed. (The
-    'fraction' schedule of issue 4 ORs in `state.num_replayed >= ceil(fraction * N)`.)
+    True iff replays are marked and either fewer than `num_needed` images are unreplayed
+    (`exhausted`) or, for 'fraction', this call would take the period past
+    ceil(fraction * N) replays (`period_over`). `num_needed` may be traced.
     """
+    return self.exhausted(state, num_needed) | self.period_over(state, num_needed)
+
+  def exhausted(self, state: ReplayState, num_needed) -> Array:
+    """bool []: replays are marked and fewer than `num_needed` images are unreplayed."""
     if not self.marks_replays:
       return jnp.zeros((), bool)
     num_eligible = jnp.sum(~state.dedup_mask, dtype=jnp.int32)
     return num_eligible < num_needed
+
+  def period_over(self, state: ReplayState, num_needed) -> Array:
+    """bool []: 'fraction' only: num_replayed + num_needed > ceil(fraction * N), i.e. this
+    call's replays would not all fit in the current period (so it starts a new one)."""
+    if self.name != 'fraction':
+      return jnp.zeros((), bool)
+    period = self.period(state.dedup_mask.shape[0])
+    return (state.num_replayed > 0) & (state.num_replayed + num_needed > period)
 
 
 SCHEDULE_NAMES = tuple(_SCHEDULES)
@@ -166,19 +196,23 @@ def auto_reset_if_exhausted(state: ReplayState, schedule: Union[str, DedupSchedu
   """In-call automatic reset (jittable): resets before selection when the buffer is exhausted.
 
   Resets (like `reset`) iff `schedule.in_call_reset(state, num_needed)`, i.e. replays are
-  marked and fewer than `num_needed` images are unreplayed; sets `state.auto_reset` to that
-  flag (False otherwise) so the host can log it (`check_auto_reset`).
+  marked and fewer than `num_needed` images are unreplayed (exhausted), or the 'fraction'
+  schedule's period would be exceeded by this call; sets `state.auto_reset` to the exhausted
+  flag only (False otherwise) so the host can log a warning (`check_auto_reset`).
 
   Args:
     state: ReplayState.
     schedule: schedule name or DedupSchedule (static).
-    num_needed: replays the call will make (static int).
+    num_needed: replays the call will make (int, may be traced: the number of active slots).
   Source: SPEC §8; this module's docstring.
   """
-  flag = as_schedule(schedule).in_call_reset(state, num_needed)
+  schedule = as_schedule(schedule)
+  exhausted = schedule.exhausted(state, num_needed)
+  flag = exhausted | schedule.period_over(state, num_needed)
   reset_state = reset(state)
   new = jax.tree_util.tree_map(lambda a, b: jnp.where(flag, a, b), reset_state, state)
-  return new.replace(auto_reset=flag)
+  # Only an exhausted buffer is worth a warning; a 'fraction' period ending is scheduled.
+  return new.replace(auto_reset=exhausted & ~schedule.period_over(state, num_needed))
 
 
 def check_auto_reset(state: ReplayState, logger: Optional[logging.Logger] = None) -> bool:

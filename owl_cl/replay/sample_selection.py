@@ -6,7 +6,7 @@ index 0 with valid False, so that gathering them is always safe.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -102,3 +102,252 @@ def uniform(key: Array, eligible: Array, num: int) -> Tuple[Array, Array]:
   first = jnp.argsort(~eligible[perm], stable=True)[:num]      # eligible first, in perm order
   valid = jnp.arange(num) < jnp.sum(eligible, dtype=jnp.int32)
   return jnp.where(valid, perm[first], 0), valid
+
+
+def uniform_in_class_active(key: Array, class_membership: Array, eligible: Array, classes: Array,
+                            active: Array, without_replacement: bool = True
+                            ) -> Tuple[Array, Array]:
+  """`uniform_in_class` with a slot mask: inactive slots pick nothing (valid False).
+
+  Args:
+    key, class_membership, eligible, classes, without_replacement: as `uniform_in_class`.
+    active: bool [B]; inactive slots return index 0, valid False and remove nothing from the
+      eligible set.
+  Returns:
+    indices int32 [B], valid bool [B].
+  Source: paper §4 "Uniform", SPEC §7, §9 (slot mask for loss adaptivity).
+  """
+  membership = jnp.asarray(class_membership, bool)
+  classes = jnp.asarray(classes, jnp.int32)
+  active = jnp.asarray(active, bool)
+  keys = jax.random.split(key, classes.shape[0])
+
+  def step(available, inputs):
+    k, c, on = inputs
+    column = jnp.take(membership, jnp.maximum(c, 0), axis=1)
+    members = (column & available) & (c >= 0)
+    candidates = jnp.where(members.any(), members, available) & on
+    index, found = _pick_uniform(k, candidates)
+    if without_replacement:
+      available = available.at[index].set(available[index] & ~found)
+    return available, (index, found)
+
+  _, (indices, valid) = jax.lax.scan(step, jnp.asarray(eligible, bool), (keys, classes, active))
+  return indices, valid
+
+
+def uniform_active(key: Array, eligible: Array, active: Array) -> Tuple[Array, Array]:
+  """`uniform` with a slot mask: the i-th active slot gets the i-th eligible image of a random
+  permutation; inactive slots get index 0, valid False.
+
+  Args:
+    key: PRNG key.
+    eligible: bool [N].
+    active: bool [num] (num <= N, static length).
+  Returns:
+    indices int32 [num]; valid bool [num].
+  Raises:
+    ValueError: num > N.
+  Source: paper Table 2 "Uniform", SPEC §7.
+  """
+  eligible = jnp.asarray(eligible, bool)
+  active = jnp.asarray(active, bool)
+  n, num = eligible.shape[0], active.shape[0]
+  if num > n:
+    raise ValueError(f'cannot draw {num} distinct images from a buffer of {n}')
+  perm = jax.random.permutation(key, n).astype(jnp.int32)
+  first = perm[jnp.argsort(~eligible[perm], stable=True)[:num]]
+  rank = jnp.cumsum(active, dtype=jnp.int32) - 1
+  valid = active & (rank < jnp.sum(eligible, dtype=jnp.int32))
+  return jnp.where(valid, first[jnp.clip(rank, 0, num - 1)], 0), valid
+
+
+def prototype_weighted_probs(distances: Array, eligible: Array, w) -> Array:
+  """Prototype-weighted (GRASP) distribution over images (paper eqs. 1-2).
+
+  p_i = s_i / sum_{eligible m} s_m with s_i = (d_i + 1e-8)^(-w), computed in float32 in log
+  space (a softmax of -w * log(d + 1e-8)), so large w cannot overflow. Entries that are not
+  eligible, or whose distance is not finite (+inf marks non-members in
+  `ReplayBuffer.prototype_distances`), get probability 0.
+
+  Args:
+    distances: float [..., M]; prototype distances d_{i,c} of the M images to the class
+      prototype (cosine distances in [0, 2]).
+    eligible: bool [..., M]; images that may be drawn (members of the class, not deduplicated).
+    w: float >= 0 (may be traced); paper 1.0, released code 0.7. w = 0 gives uniform.
+  Returns:
+    float32 [..., M]; sums to 1 over the last axis, all zeros where nothing is eligible.
+  Source: paper §4 "Prototype-Weighted" eqs. (1)-(2), SPEC §7.
+  """
+  distances = jnp.asarray(distances, jnp.float32)
+  eligible = jnp.asarray(eligible, bool) & jnp.isfinite(distances)
+  logits = -jnp.asarray(w, jnp.float32) * jnp.log(jnp.where(eligible, distances, 1.0) + 1e-8)
+  logits = jnp.where(eligible, logits, -jnp.inf)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  unnorm = jnp.where(eligible, jnp.exp(logits - top), 0.0)
+  total = unnorm.sum(axis=-1, keepdims=True)
+  return jnp.where(total > 0, unnorm / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def prototype_weighted_in_class(key: Array, prototype_distances: Array, eligible: Array,
+                                classes: Array, weights: Array, active: Array,
+                                without_replacement: bool = True) -> Tuple[Array, Array]:
+  """Prototype-weighted (GRASP) sample selection: one image per slot within its class.
+
+  Slot j draws among the eligible members of `classes[j]` with `prototype_weighted_probs`
+  (exponent `weights[j]`; 0 = uniform within the class); slots are filled sequentially
+  (lax.scan) and, with `without_replacement`, a drawn image leaves the eligible set. If the
+  slot's class has no eligible member left (or is -1) the slot falls back to a uniform draw
+  among all eligible images (as `uniform_in_class`); if nothing is eligible, or the slot is
+  inactive, it returns index 0, valid False.
+
+  Args:
+    key: PRNG key.
+    prototype_distances: float [N, C]; +inf for non-members (`ReplayBuffer`).
+    eligible: bool [N].
+    classes: int [B]; -1 = no class.
+    weights: float [B] (or scalar, broadcast); w of eq. 1 per slot.
+    active: bool [B].
+    without_replacement: static.
+  Returns:
+    indices int32 [B], valid bool [B].
+  Source: paper §4 "Prototype-Weighted" (eqs. 1-2), SPEC §7.
+  """
+  distances = jnp.asarray(prototype_distances, jnp.float32)
+  classes = jnp.asarray(classes, jnp.int32)
+  num = classes.shape[0]
+  weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), (num,))
+  active = jnp.asarray(active, bool)
+  keys = jax.random.split(key, num)
+
+  def step(available, inputs):
+    k, c, w, on = inputs
+    k_weighted, k_uniform = jax.random.split(k)
+    column = jnp.take(distances, jnp.maximum(c, 0), axis=1)
+    members = available & jnp.isfinite(column) & (c >= 0) & on
+    probs = prototype_weighted_probs(column, members, w)
+    logits = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+    weighted = jax.random.categorical(k_weighted, logits).astype(jnp.int32)
+    fallback, found_any = _pick_uniform(k_uniform, available & on)
+    has_member = members.any()
+    index = jnp.where(has_member, weighted, fallback)
+    found = has_member | found_any
+    index = jnp.where(found, index, 0)
+    if without_replacement:
+      available = available.at[index].set(available[index] & ~found)
+    return available, (index, found)
+
+  _, (indices, valid) = jax.lax.scan(step, jnp.asarray(eligible, bool),
+                                     (keys, classes, weights, active))
+  return indices, valid
+
+
+def normalized_entropy(p: Array, axis: int = -1) -> Array:
+  """Normalised Shannon entropy H(p) / log(n) of distributions along `axis`.
+
+  Args:
+    p: float [..., n, ...]; non-negative, summing to 1 along `axis` (zeros allowed: 0 log 0 = 0).
+    axis: the distribution axis; n = p.shape[axis] (the released code normalises by the
+      number of outcomes, ineligible classes included).
+  Returns:
+    float32 with `axis` removed, in [0, 1]; 1 = uniform over all n outcomes. n = 1 gives 0.
+  Source: paper §4 "A-SW-GRASP", Figures 3-4; released code `calculate_entropy`.
+  """
+  p = jnp.asarray(p, jnp.float32)
+  n = p.shape[axis]
+  plogp = jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0)
+  h = -jnp.sum(plogp, axis=axis)
+  if n <= 1:
+    return jnp.zeros_like(h)
+  return h / jnp.log(jnp.float32(n))
+
+
+WEIGHT_REDUCTIONS = ('min', 'max')
+
+
+def asv_from_terms(left_term: Array, left_extreme: Array, right_values: Array,
+                   candidate_valid: Array, c, weight_reduction: str = 'min'
+                   ) -> Tuple[Array, Array]:
+  """ASV (eq. 3) from a left term per candidate and the right term's KNN-SV matrix.
+
+  Args:
+    left_term: float [N_c]; mean over evaluation points of the left KNN-SVs of each candidate.
+    left_extreme: float []; min over the set S_l (weight_reduction 'min', paper) or max of
+      the left term over valid candidates ('max', released code) — the denominator of eq. 4.
+    right_values: float [N_e, N_c]; right KNN-SVs (rows = new images).
+    candidate_valid: bool [N_c].
+    c: float; eq. 4's constant (paper 0.15).
+    weight_reduction: 'min' | 'max' (only documents which extreme was passed).
+  Returns:
+    asv: float32 [N_c], -inf for invalid candidates.
+    w: float32 [], eq. 4's weight c |min S_r| / |left_extreme| (c if the denominator is 0).
+  Source: paper eqs. (3)-(4), SPEC §7.
+  """
+  if weight_reduction not in WEIGHT_REDUCTIONS:
+    raise ValueError(f'weight_reduction must be one of {WEIGHT_REDUCTIONS}, '
+                     f'got {weight_reduction!r}')
+  valid = jnp.asarray(candidate_valid, bool)
+  right_values = jnp.asarray(right_values, jnp.float32)
+  right_term = jnp.min(right_values, axis=0)
+  right_min = jnp.min(jnp.where(valid, right_term, jnp.inf))
+  right_min = jnp.where(jnp.isfinite(right_min), right_min, 0.0)
+  denominator = jnp.abs(jnp.asarray(left_extreme, jnp.float32))
+  c = jnp.asarray(c, jnp.float32)
+  w = jnp.where(denominator > 0, c * jnp.abs(right_min) / jnp.where(denominator > 0,
+                                                                    denominator, 1.0), c)
+  asv = w * jnp.asarray(left_term, jnp.float32) - right_term
+  return jnp.where(valid, asv, -jnp.inf), w
+
+
+def adversarial_shapley_value(sv_left: Array, sv_right: Array, c, *,
+                              valid: Optional[Array] = None,
+                              weight_reduction: str = 'min') -> Array:
+  """Adversarial Shapley value of each candidate (paper eqs. 3-4).
+
+  ASV(i) = w * mean_{j in D_c} sv_left[j, i] - min_{j in D_e} sv_right[j, i], with
+  w = c * |min S_r| / |min S_l| (eq. 4; S_r, S_l = all entries of sv_right, sv_left over valid
+  candidates). weight_reduction 'max' (released code): the denominator is |max of the left
+  term| (the mean over rows) instead.
+
+  Args:
+    sv_left: float [N_c, N_c]; rows = candidates acting as evaluation points, columns =
+      candidates (`knn_shapley` layout), image-level (max-reduced over tokens).
+    sv_right: float [N_e, N_c]; rows = new images, columns = candidates (min-reduced).
+    c: float (paper 0.15); may be traced.
+    valid: optional bool [N_c]; invalid candidates are excluded from rows, means and minima,
+      and get -inf.
+    weight_reduction: 'min' (paper) | 'max' (released code).
+  Returns:
+    float32 [N_c]; higher = replay first (take the top-n).
+  Raises:
+    ValueError: unknown weight_reduction or shapes that disagree.
+  Source: paper eqs. (3)-(4), suppl. §C, SPEC §7.
+  """
+  sv_left = jnp.asarray(sv_left, jnp.float32)
+  sv_right = jnp.asarray(sv_right, jnp.float32)
+  n_c = sv_left.shape[-1]
+  if sv_left.shape != (n_c, n_c) or sv_right.ndim != 2 or sv_right.shape[1] != n_c:
+    raise ValueError(f'sv_left must be [N_c, N_c] and sv_right [N_e, N_c]; got '
+                     f'{sv_left.shape} and {sv_right.shape}')
+  valid = jnp.ones((n_c,), bool) if valid is None else jnp.asarray(valid, bool)
+  left_term, left_extreme = left_term_and_extreme(sv_left, valid, weight_reduction)
+  return asv_from_terms(left_term, left_extreme, sv_right, valid, c, weight_reduction)[0]
+
+
+def left_term_and_extreme(sv_left: Array, valid: Array, weight_reduction: str = 'min'
+                          ) -> Tuple[Array, Array]:
+  """Left term (mean over valid rows) of [N_c, N_c] left KNN-SVs, and eq. 4's denominator.
+
+  Returns (left_term float32 [N_c], extreme float32 []): extreme = min over valid entries
+  (paper) or max of the left term over valid candidates (released code). Source: eqs. (3)-(4).
+  """
+  valid = jnp.asarray(valid, bool)
+  pair = valid[:, None] & valid[None, :]
+  count = jnp.maximum(jnp.sum(valid, dtype=jnp.float32), 1.0)
+  left_term = jnp.sum(jnp.where(pair, sv_left, 0.0), axis=0) / count
+  if weight_reduction == 'min':
+    extreme = jnp.min(jnp.where(pair, sv_left, jnp.inf))
+  else:
+    extreme = jnp.max(jnp.where(valid, left_term, -jnp.inf))
+  return left_term, jnp.where(jnp.isfinite(extreme), extreme, 0.0)

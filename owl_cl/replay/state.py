@@ -46,6 +46,17 @@ class ReplayState:
     auto_reset: bool []; True iff the most recent retrieval call reset the dedup mask because
       fewer unreplayed images remained than it needed (see `dedup.auto_reset_if_exhausted`;
       the host logs it with `dedup.check_auto_reset`).
+    class_order: int32 [C]; the current pass's class permutation of balanced selection with
+      the released code's reshuffled order (`class_selection.balanced_classes_reshuffled`);
+      [0] when the state was made without `num_classes`. Unused by the paper's sequential
+      order.
+    asv_left: float32 [N]; ASER-PC's precomputed ASV left term (mean over the whole buffer of
+      each image's max-reduced KNN-SV, `knn_shapley.precompute_left_term`); zeros until
+      `asv_left_ready`.
+    asv_left_min: float32 [N]; min over the buffer's evaluation images of those KNN-SVs (for
+      eq. 4's weight over a candidate subset).
+    asv_left_ready: bool []; whether asv_left/asv_left_min hold the precomputed values
+      (`RetrievalAlgorithm.prepare` fills them once).
   """
   dedup_mask: Array
   class_pointer: Array
@@ -54,6 +65,10 @@ class ReplayState:
   num_resets: Array
   key: Array
   auto_reset: Array
+  class_order: Array
+  asv_left: Array
+  asv_left_min: Array
+  asv_left_ready: Array
 
   @property
   def num_images(self) -> int:
@@ -70,15 +85,19 @@ def _raw_key(key: Any) -> Array:
   return key
 
 
-def init_replay_state(num_buffer: int, key: Any) -> ReplayState:
+def init_replay_state(num_buffer: int, key: Any, num_classes: int = 0) -> ReplayState:
   """A fresh `ReplayState` for a buffer of `num_buffer` images.
 
   Args:
     num_buffer: N, the number of buffer images (static, > 0).
     key: PRNG key, typed (`jax.random.key`) or raw uint32 [2] (`jax.random.PRNGKey`); stored
       raw (uint32 [2]).
+    num_classes: C, the buffer's classes (needed only by balanced selection with the
+      reshuffled order; 0 = unknown). class_order starts as a random permutation drawn from
+      `fold_in(key, 1)`.
   Returns:
-    ReplayState with an all-False dedup mask, class_pointer -1, zero counters.
+    ReplayState with an all-False dedup mask, class_pointer -1, zero counters, ASV left term
+    not ready.
   Raises:
     ValueError: num_buffer < 1 or key is not a PRNG key.
   Source: SPEC §7-§8, DESIGN.md "Principles".
@@ -94,6 +113,11 @@ def init_replay_state(num_buffer: int, key: Any) -> ReplayState:
       num_resets=zero,
       key=_raw_key(key),
       auto_reset=jnp.zeros((), bool),
+      class_order=jax.random.permutation(jax.random.fold_in(_raw_key(key), 1),
+                                         int(num_classes)).astype(jnp.int32),
+      asv_left=jnp.zeros((int(num_buffer),), jnp.float32),
+      asv_left_min=jnp.zeros((int(num_buffer),), jnp.float32),
+      asv_left_ready=jnp.zeros((), bool),
   )
 
 

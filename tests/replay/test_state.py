@@ -19,7 +19,7 @@ def test_init_replay_state():
     assert getattr(s, name).dtype == jnp.int32 and int(getattr(s, name)) == 0
   assert s.num_images == 7
   leaves = jax.tree_util.tree_leaves(s)
-  assert len(leaves) == 7                                         # a pytree of arrays
+  assert len(leaves) == 11                                        # a pytree of arrays
   with pytest.raises(ValueError):
     state_lib.init_replay_state(0, jax.random.PRNGKey(0))
   with pytest.raises(ValueError):

@@ -1,0 +1,12 @@
+"""Continual fine-tuning with `aser` retrieval (paper Table 2); every field: configs/base.py.
+
+`get_config('')` runs on the built-in benchmark.
+"""
+
+from configs import base
+
+
+def get_config(arg: str = ""):
+  c = base.algorithm_config("aser", "aser", arg)
+  c.replay.aser.num_candidates = 168    # N_c, paper suppl. Table 7
+  return c

@@ -1,0 +1,235 @@
+"""KNN Shapley values (KNN-SV) of replay candidates (paper suppl. §C, SPEC §7; Jia et al. 2019).
+
+The KNN utility of a candidate subset S for an evaluation point j is
+    U_j(S) = (1/K) * sum of u_j(i) over the min(K, |S|) members i of S nearest to j,
+with u_j(i) a real-valued utility (the paper replaces the label-match indicator by the cosine
+similarity of the query embeddings of i and j). Its exact Shapley value follows the recursion
+over candidates sorted by distance to j, alpha_1 nearest ... alpha_N farthest (N valid):
+    s_j(alpha_N) = u_j(alpha_N) / max(N, K)
+    s_j(alpha_m) = s_j(alpha_{m+1}) + (u_j(alpha_m) - u_j(alpha_{m+1})) / K * min(K, m) / m.
+(The paper writes u/N for the base case, which is exact only for N >= K; u/max(N, K) is exact
+for every N, SPEC §7.) Ties in distance are broken by candidate index (lower index = nearer),
+which is also the tie-break of U_j.
+
+Instance-level KNN-SVs (paper suppl. §C): each image carries its top-k class embeddings
+(distance) and the matching query embeddings (utility); `image_knn_shapley` turns them into an
+image-level [N_e, N_c] matrix, either all-to-all over tokens ([N_c, k, N_e, k], reduced over
+both k dims, the paper) or by the released code's nearest-token matching (option).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from owl_cl.replay import class_selection
+
+Array = jax.Array
+
+TOKEN_MATCHING = ('all_to_all', 'nearest_token')
+DISTANCES = ('l2', 'cosine')
+REDUCTIONS = ('max', 'min')
+
+
+def knn_shapley(distances: Array, utilities: Array, k: int,
+                valid: Optional[Array] = None) -> Array:
+  """Exact KNN Shapley value of every candidate for every evaluation point.
+
+  Args:
+    distances: float [N_e, N_c]; distance of candidate i to evaluation point j (any metric;
+      only the order within a row matters). Ties: lower candidate index counts as nearer.
+    utilities: float [N_e, N_c]; u_j(i), the utility of candidate i for evaluation point j
+      (paper: cosine similarity of query embeddings; Jia et al.: 1[y_i = y_j]).
+    k: K of the KNN utility (static int >= 1; paper 20).
+    valid: optional bool [N_c]; invalid candidates get 0 and do not count in N_c.
+  Returns:
+    float32 [N_e, N_c]; entry [j, i] = s_j(i), the Shapley value of candidate i for the KNN
+    utility U_j (module docstring). Rows sum to U_j(all valid candidates) (efficiency).
+  Raises:
+    ValueError: k < 1 or shapes that disagree.
+  Source: paper suppl. §C recursion (base case u / max(N_c, K), SPEC §7); computed with
+    `jax.lax.scan(..., reverse=True)` over candidates sorted by distance.
+  """
+  k = int(k)
+  if k < 1:
+    raise ValueError(f'knn_shapley: K must be >= 1, got {k}')
+  distances = jnp.asarray(distances, jnp.float32)
+  utilities = jnp.asarray(utilities, jnp.float32)
+  if distances.ndim != 2 or distances.shape != utilities.shape:
+    raise ValueError('knn_shapley: distances and utilities must both be [N_e, N_c]; got '
+                     f'{distances.shape} and {utilities.shape}')
+  n_e, n_c = distances.shape
+  if valid is None:
+    valid = jnp.ones((n_c,), bool)
+  valid = jnp.asarray(valid, bool)
+  if valid.shape != (n_c,):
+    raise ValueError(f'knn_shapley: valid must be [N_c={n_c}], got {valid.shape}')
+  n_valid = jnp.sum(valid, dtype=jnp.int32)
+  # Valid candidates first (nearest first, ties by index), invalid ones after them.
+  key = jnp.where(valid[None, :], distances, jnp.inf)
+  rank_of_invalid = jnp.where(valid, 0, 1)[None, :].repeat(n_e, 0)
+  order = jnp.lexsort((jnp.broadcast_to(jnp.arange(n_c), (n_e, n_c)), key, rank_of_invalid),
+                      axis=-1)
+  u_sorted = jnp.take_along_axis(utilities, order, axis=-1)           # [N_e, N_c]
+  m = jnp.arange(1, n_c + 1, dtype=jnp.int32)                          # 1-based position
+  base_denominator = jnp.maximum(n_valid, k).astype(jnp.float32)
+
+  def step(carry, inputs):
+    s_next, u_next = carry
+    u, pos = inputs
+    pos_f = pos.astype(jnp.float32)
+    s = jnp.where(pos == n_valid, u / base_denominator,
+                  s_next + (u - u_next) / k * jnp.minimum(k, pos).astype(jnp.float32) / pos_f)
+    beyond = pos > n_valid
+    s = jnp.where(beyond, 0.0, s)
+    carry = (jnp.where(beyond, s_next, s), jnp.where(beyond, u_next, u))
+    return carry, s
+
+  zeros = jnp.zeros((n_e,), jnp.float32)
+  _, s_sorted = jax.lax.scan(step, (zeros, zeros), (u_sorted.T, m), reverse=True)
+  inverse = jnp.argsort(order, axis=-1)
+  return jnp.take_along_axis(s_sorted.T, inverse, axis=-1)
+
+
+def _pairwise_distance(a: Array, b: Array, metric: str) -> Array:
+  """[..., E] x [M, E] -> [..., M] float32: Euclidean or cosine distance."""
+  if metric == 'cosine':
+    return class_selection.cosine_distance(a, b)
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  sq = (jnp.sum(a * a, -1)[..., None] + jnp.sum(b * b, -1)
+        - 2.0 * jnp.einsum('...e,me->...m', a, b, precision=jax.lax.Precision.HIGHEST))
+  return jnp.sqrt(jnp.maximum(sq, 0.0))
+
+
+def _cosine_similarity(a: Array, b: Array) -> Array:
+  return jnp.einsum('...e,...e->...', class_selection.normalize(a), class_selection.normalize(b),
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+def _check_options(token_matching: str, distance: str, reduction: str):
+  if token_matching not in TOKEN_MATCHING:
+    raise ValueError(f'token_matching must be one of {TOKEN_MATCHING}, got {token_matching!r}')
+  if distance not in DISTANCES:
+    raise ValueError(f'distance must be one of {DISTANCES}, got {distance!r}')
+  if reduction not in REDUCTIONS:
+    raise ValueError(f'reduction must be one of {REDUCTIONS}, got {reduction!r}')
+
+
+def image_knn_shapley(eval_class_embeddings: Array, eval_query_embeddings: Array,
+                      candidate_class_embeddings: Array, candidate_query_embeddings: Array,
+                      k: int, candidate_valid: Optional[Array] = None, *,
+                      reduction: str = 'min', token_matching: str = 'all_to_all',
+                      distance: str = 'l2') -> Tuple[Array, Array]:
+  """Image-level KNN-SVs of candidate images for evaluation images, from their top-k tokens.
+
+  all_to_all (paper): every candidate token is a KNN candidate (N_c * t of them), every
+    evaluation token an evaluation point; distance = `distance` between class embeddings,
+    utility = cosine similarity of the tokens' query embeddings; the [N_e, t, N_c, t] KNN-SVs
+    are reduced with `reduction` (max for the ASV left term, min for the right) over both
+    token dims.
+  nearest_token (released code, option): for each evaluation token, each candidate image is
+    represented by its token nearest to it (distance = that minimum, utility = cosine of the
+    evaluation token's and that token's query embeddings); KNN-SVs [N_e, t, N_c] over N_c
+    image candidates, reduced over the evaluation token dim.
+
+  Args:
+    eval_class_embeddings / eval_query_embeddings: float [N_e, t, E].
+    candidate_class_embeddings / candidate_query_embeddings: float [N_c, t', E].
+    k: K of the KNN utility (static).
+    candidate_valid: optional bool [N_c]; invalid candidates (all their tokens) get 0 and do
+      not count.
+    reduction: 'max' | 'min' over the token dims.
+    token_matching: 'all_to_all' | 'nearest_token'.
+    distance: 'l2' (the released code) | 'cosine' between class embeddings.
+  Returns:
+    values: float32 [N_e, N_c] image-level KNN-SVs (0 for invalid candidates).
+    image_distances: float32 [N_e, N_c]; min over token pairs of the distance (+inf for
+      invalid candidates), for distance-rank records.
+  Raises:
+    ValueError: unknown option.
+  Source: paper suppl. §C (instance level, max/min over k), SPEC §7; released code
+    `C_ASER.compute_shapley_values` for nearest_token and L2.
+  """
+  _check_options(token_matching, distance, reduction)
+  eval_class = jnp.asarray(eval_class_embeddings, jnp.float32)
+  eval_query = jnp.asarray(eval_query_embeddings, jnp.float32)
+  cand_class = jnp.asarray(candidate_class_embeddings, jnp.float32)
+  cand_query = jnp.asarray(candidate_query_embeddings, jnp.float32)
+  n_e, t_e, e = eval_class.shape
+  n_c, t_c, _ = cand_class.shape
+  if candidate_valid is None:
+    candidate_valid = jnp.ones((n_c,), bool)
+  candidate_valid = jnp.asarray(candidate_valid, bool)
+  reduce = jnp.max if reduction == 'max' else jnp.min
+  d = _pairwise_distance(eval_class.reshape(n_e * t_e, e), cand_class.reshape(n_c * t_c, e),
+                         distance).reshape(n_e, t_e, n_c, t_c)
+  image_distances = jnp.where(candidate_valid[None, :], d.min(axis=(1, 3)), jnp.inf)
+  if token_matching == 'all_to_all':
+    u = jnp.einsum('ae,be->ab', class_selection.normalize(eval_query.reshape(n_e * t_e, e)),
+                   class_selection.normalize(cand_query.reshape(n_c * t_c, e)),
+                   precision=jax.lax.Precision.HIGHEST)
+    sv = knn_shapley(d.reshape(n_e * t_e, n_c * t_c), u, k,
+                     jnp.repeat(candidate_valid, t_c)).reshape(n_e, t_e, n_c, t_c)
+    values = reduce(reduce(sv, axis=3), axis=1)
+  else:
+    nearest = jnp.argmin(d, axis=-1)                                        # [N_e, t, N_c]
+    d_img = jnp.min(d, axis=-1)
+    matched = jnp.take_along_axis(cand_query[None, None],                   # [N_e,t,N_c,E]
+                                  nearest[..., None, None], axis=3)[..., 0, :]
+    u = _cosine_similarity(eval_query[:, :, None, :], matched)              # [N_e, t, N_c]
+    sv = knn_shapley(d_img.reshape(n_e * t_e, n_c), u.reshape(n_e * t_e, n_c), k,
+                     candidate_valid).reshape(n_e, t_e, n_c)
+    values = reduce(sv, axis=1)
+  return jnp.where(candidate_valid[None, :], values, 0.0), image_distances
+
+
+def precompute_left_term(class_embeddings: Array, query_embeddings: Array, k: int, *,
+                         chunk_size: int = 64, token_matching: str = 'all_to_all',
+                         distance: str = 'l2') -> Tuple[Array, Array]:
+  """ASER-PC's precomputed ASV left term over the whole buffer (candidates = evaluation = buffer).
+
+  For evaluation images j in chunks of `chunk_size` (memory: chunk * t * N * t floats), the
+  max-reduced image-level KNN-SVs s_j(i) of every buffer image i are computed
+  (`image_knn_shapley`, reduction 'max'); their mean and min over j are accumulated.
+
+  Args:
+    class_embeddings / query_embeddings: float [N, t, E]; the buffer's top-k embeddings.
+    k: K of the KNN utility.
+    chunk_size: evaluation images per chunk (static, >= 1).
+    token_matching, distance: as in `image_knn_shapley`.
+  Returns:
+    left_term: float32 [N]; (1/N) sum_j s_j(i) (the left term of eq. 3 without w).
+    left_min: float32 [N]; min_j s_j(i) (for w of eq. 4 over a candidate subset).
+  Raises:
+    ValueError: chunk_size < 1 or unknown options.
+  Source: paper §4 "ASER-PC", suppl. §C; SPEC §7.
+  """
+  if int(chunk_size) < 1:
+    raise ValueError(f'chunk_size must be >= 1, got {chunk_size}')
+  class_embeddings = jnp.asarray(class_embeddings, jnp.float32)
+  query_embeddings = jnp.asarray(query_embeddings, jnp.float32)
+  n = class_embeddings.shape[0]
+  chunk = min(int(chunk_size), n)
+  num_chunks = -(-n // chunk)
+  pad = num_chunks * chunk - n
+  rows_class = jnp.pad(class_embeddings, ((0, pad), (0, 0), (0, 0)))
+  rows_query = jnp.pad(query_embeddings, ((0, pad), (0, 0), (0, 0)))
+  row_valid = jnp.arange(num_chunks * chunk) < n
+
+  def one_chunk(carry, rows):
+    total, minimum = carry
+    r_class, r_query, r_valid = rows
+    values, _ = image_knn_shapley(r_class, r_query, class_embeddings, query_embeddings, k,
+                                  reduction='max', token_matching=token_matching,
+                                  distance=distance)
+    total = total + jnp.sum(jnp.where(r_valid[:, None], values, 0.0), axis=0)
+    minimum = jnp.minimum(minimum, jnp.min(jnp.where(r_valid[:, None], values, jnp.inf), 0))
+    return (total, minimum), None
+
+  shape = lambda x: x.reshape((num_chunks, chunk) + x.shape[1:])
+  (total, minimum), _ = jax.lax.scan(
+      one_chunk, (jnp.zeros((n,), jnp.float32), jnp.full((n,), jnp.inf, jnp.float32)),
+      (shape(rows_class), shape(rows_query), shape(row_valid)))
+  return total / n, minimum
