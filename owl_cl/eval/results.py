@@ -28,6 +28,11 @@
   "stages": [                         # stage 0 = after pre-training, stage i = after dataset i
     {"name": str, "index": int, "trained_on": str|null, "wall_time_s": float|null,
      "metrics": {eval_set: {"AP": float|null, "AP50": float|null, "AP75": ..., ...}},
+     "train": {...},                  # optional training summary of the stage; with replay:
+                                      # steps, replayed_images (retrieved), replays_in_loss,
+                                      # replay_slots, replay_steps, replay_steps_fraction,
+                                      # replay_samples_fraction (paper Table 4),
+                                      # loss_adaptivity, loss_threshold
      ...},                            # other stage keys (train metrics, seconds) kept
     ...
   ],
