@@ -342,7 +342,8 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> Dict
 def _row(kind, name, jax_t, np_t, shape, max_abs_diff=None, note=''):
   return {'kind': kind, 'name': name, 'shape': shape,
           'jax_s': jax_t, 'numpy_s': np_t,
-          'ratio_numpy_over_jax': (np_t / jax_t if jax_t and np_t else None),
+          'ratio_numpy_over_jax': (np_t['median_s'] / jax_t['median_s']
+                                   if jax_t and np_t else None),
           'max_abs_diff': max_abs_diff, 'note': note}
 
 
