@@ -102,6 +102,9 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
                "loss_class": new["loss_class"], "loss_bbox": new["loss_bbox"],
                "loss_giou": new["loss_giou"]}
     return new["loss"], metrics
+  replay_mask = jnp.asarray(replay["replay_mask"], bool)
+  if loss_adaptivity == "paper":   # L_R over the active replays only
+    replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
   # One forward over [new ; replay] (SPEC §3).
   images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
   queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
@@ -116,12 +119,12 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
       replay_outputs={"pred_logits": logits_replay, "pred_boxes": boxes_replay},
       replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
       stored_logits=replay["stored_logits"].astype(jnp.float32),
-      replay_mask=replay["replay_mask"],
+      replay_mask=replay_mask,
       alpha=alpha, beta=beta, **loss_config)
   metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
   replay_total = alpha * result["distill_loss"] + beta * result["replay_loss"]
   num_slots = replay["images"].shape[0]
-  used = jnp.asarray(replay["replay_mask"], bool)
+  used = replay_mask
   if loss_adaptivity == "none":
     weight = jnp.ones((), jnp.float32)
     loss = result["loss"]
@@ -132,7 +135,6 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
     r = jnp.sum(active, dtype=jnp.int32)
     loss = losses.loss_adaptive_combination(result["new_loss"], replay_total, r, num_slots)
     weight = r.astype(jnp.float32) / num_slots
-    used = used & active
     metrics["num_above_threshold"] = r
   elif loss_adaptivity == "released_gate":
     gate = jax.lax.stop_gradient(result["new_loss"]) >= loss_threshold
@@ -162,8 +164,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
     `max_unique_queries`: see `_forward` (the text tower embeds each distinct query once).
     `loss_adaptivity` (SPEC §9; static): 'none' L = L_B + L_R; 'paper' L = L_B + (r/|B|) L_R
     (eq. 6) with r = sum of `replay['replay_active']` bool [B_r] (slots of the new images whose
-    pre-forward loss exceeds l; B_r = B) and L_R over the replays with `replay_mask` (the
-    caller masks inactive slots); 'released_gate' drops L_R when L_B < `loss_threshold`.
+    pre-forward loss exceeds l; B_r = B) and L_R over the replays with `replay_mask` and
+    `replay_active`; 'released_gate' drops L_R when L_B < `loss_threshold`.
     With replay, metrics also hold `replay_weight` (the factor of L_R) and `replays_in_loss`
     (int32, replayed images that contribute to the loss).
   Raises:

@@ -144,7 +144,8 @@ def test_paper_train_step_equals_reference_combination():
   threshold = float((order[1] + order[2]) / 2)
   active = per_example > threshold
   valid = np.array([True, True, True, False])    # one slot found nothing to replay
-  replay = dict(replay, replay_mask=valid & active, replay_active=active)
+  # The step itself restricts L_R to the active slots (replay_mask & replay_active).
+  replay = dict(replay, replay_mask=valid, replay_active=active)
 
   def reference(p):
     pe, replay_loss = _reference_losses(model, p, new, replay, valid & active)
