@@ -194,6 +194,16 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8               # k class embeddings per image
+  # Loss adaptivity (paper §4 eqs. 5-6, Table 4; SPEC §9). mode: 'none' (1:1 replay, the
+  # paper's main results); 'paper' (replay only for the r new images whose pre-step loss
+  # exceeds l, L_T = L_B + (r/|B|) L_R; needs ratio 1); 'released_gate' (the released code:
+  # drop L_R on steps whose mean new loss is below l; replays still retrieved and marked).
+  # The paper gives no value of l (Table 4 reports the resulting replay fractions, 97% and
+  # 85%; the released code's `replay_thresh` has no default): 0.3 here, the buffer loss
+  # threshold, i.e. "replay for new images not yet learned as well as the buffer images".
+  c.replay.loss_adaptivity = ml_collections.ConfigDict()
+  c.replay.loss_adaptivity.mode = "none"       # none | paper | released_gate
+  c.replay.loss_adaptivity.threshold = 0.3     # l, in units of the detection loss
   c.replay.buffer = ml_collections.ConfigDict()
   c.replay.buffer.loss_threshold = 0.3   # eq. 7: keep images with pre-trained loss < t
   c.replay.buffer.min_per_class = 20     # then top up each class to this many images

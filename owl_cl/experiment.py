@@ -46,6 +46,7 @@ from owl_cl.replay import dedup
 from owl_cl.replay import records as records_lib
 from owl_cl.replay import state as replay_state_lib
 from owl_cl.train import checkpointing
+from owl_cl.train import losses
 from owl_cl.train import optim
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
@@ -795,6 +796,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     jax.config.update("jax_compilation_cache_dir", _expand(config.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   check_inputs(config)      # real data: one error listing every missing input, up front
+  loss_adaptivity_mode(config)   # a bad mode fails before any work
   run_id = _check_workdir(workdir, config)
   wall_start = time.time()
   bench = load_benchmark(config)
@@ -899,14 +901,21 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
       b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
       grad_clip_norm=tc.grad_clip_norm)
   with_replay = store is not None
+  adaptivity = loss_adaptivity_mode(config) if with_replay else "none"
+  threshold = float(config.replay.loss_adaptivity.threshold)
   train_step = step_lib.make_train_step(
       runner.model, tx, runner.mesh, loss_config=runner.loss_config,
       alpha=config.replay.der_alpha, beta=config.replay.der_beta, with_replay=with_replay,
-      max_unique_queries=tc.max_unique_queries)
+      max_unique_queries=tc.max_unique_queries, loss_adaptivity=adaptivity,
+      loss_threshold=threshold)
   state = sharding_lib.replicate(step_lib.create_train_state(params, tx), runner.mesh)
   if with_replay:
     num_replay = max(1, int(round(config.replay.ratio * batch_size)))
     sharding_lib.check_batch_divisible(num_replay, runner.mesh, "replay batch (ratio * batch)")
+    if adaptivity == "paper" and num_replay != batch_size:
+      raise ConfigError(
+          f"config.replay.loss_adaptivity.mode='paper' replays one image per new image above "
+          f"the threshold and needs config.replay.ratio=1.0, got {config.replay.ratio}")
     algorithm = make_algorithm(config)
     recorder = None
     if config.replay.records and records_path:
@@ -918,8 +927,17 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
     dedup_schedule = algorithm.dedup
     buffer = sharding_lib.replicate(store.replay_buffer(), runner.mesh)
     rstate = algorithm.prepare(rstate, buffer)
-    embed = (step_lib.make_embed_step(runner.model, runner.mesh, k=config.replay.top_k)
-             if algorithm.needs_features else None)
+    top_k = config.replay.top_k if algorithm.needs_features else None
+    # 'paper': one eval-mode forward gives the new images' losses (and the features).
+    new_losses = (step_lib.make_new_loss_step(runner.model, runner.mesh,
+                                              loss_config=runner.loss_config, k=top_k)
+                  if adaptivity == "paper" else None)
+    embed = (step_lib.make_embed_step(runner.model, runner.mesh, k=top_k)
+             if top_k and new_losses is None else None)
+    # Device-side counters (no host sync per step): replays that entered the loss, steps
+    # with at least one.
+    replays_in_loss = jnp.zeros((), jnp.int32)
+    replay_steps = jnp.zeros((), jnp.int32)
   key = jax.random.PRNGKey(config.seed * 1000 + index)
   step = 0
   replayed = 0
@@ -938,9 +956,17 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
       inputs = sharding_lib.shard_batch(_model_inputs(batch), runner.mesh)
       replay = None
       if with_replay:
-        features = (embed(state.params, inputs["images"], inputs["queries"])
-                    if embed is not None else {})
-        retrieved = retrieve(rstate, buffer, features, num_replay)
+        active = None
+        if new_losses is not None:
+          features = new_losses(state.params, inputs["images"], inputs["queries"],
+                                inputs["labels"], inputs["boxes"])
+          # Slot j serves new image j: active iff its loss exceeds l (eq. 5).
+          active = features.pop("per_example") > threshold
+        elif embed is not None:
+          features = embed(state.params, inputs["images"], inputs["queries"])
+        else:
+          features = {}
+        retrieved = retrieve(rstate, buffer, features, num_replay, active)
         indices, valid, rstate = retrieved[:3]
         indices, valid = jax.device_get((indices, valid))
         if recorder is not None:
@@ -949,17 +975,28 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
         replay_batch = store.gather(indices, valid)
         replay_batch["replay_mask"] = valid
         replayed += int(valid.sum())
-        replay = sharding_lib.shard_batch(
-            {k: replay_batch[k] for k in ("images", "queries", "labels", "boxes",
-                                          "stored_logits", "replay_mask")}, runner.mesh)
+        names = ["images", "queries", "labels", "boxes", "stored_logits", "replay_mask"]
+        if active is not None:
+          replay_batch["replay_active"] = np.asarray(jax.device_get(active), bool)
+          names.append("replay_active")
+        replay = sharding_lib.shard_batch({k: replay_batch[k] for k in names}, runner.mesh)
       state, metrics = train_step(state, inputs, replay, step_key)
       step += 1
       bar.update(1)
+      if with_replay:
+        replays_in_loss = replays_in_loss + metrics["replays_in_loss"]
+        replay_steps = replay_steps + (metrics["replays_in_loss"] > 0).astype(jnp.int32)
       if step % tc.log_every_steps == 0 or step == total:
         metrics = jax.device_get(metrics)
-        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-        _log_scalars(writer, f"train/{dataset.name}",
-                     dict(metrics, lr=schedule(step)), step)
+        postfix = {"loss": f"{float(metrics['loss']):.3f}"}
+        scalars = dict(metrics, lr=schedule(step))
+        if with_replay:
+          fractions = _replay_fractions(int(replays_in_loss), int(replay_steps), step,
+                                        num_replay)
+          postfix["replay"] = f"{fractions['replay_samples_fraction']:.0%}"
+          scalars.update(fractions)
+        bar.set_postfix(**postfix)
+        _log_scalars(writer, f"train/{dataset.name}", scalars, step)
     if with_replay:
       rstate = dedup.reset_if(rstate, "epoch", dedup_schedule)
     if carry_best:
@@ -973,6 +1010,13 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
   summary = {"steps": step, "replayed_images": replayed,
              "final_loss": float(jax.device_get(metrics["loss"])) if step else None,
              "settings": settings}
+  if with_replay:
+    summary.update(loss_adaptivity=adaptivity,
+                   loss_threshold=threshold if adaptivity != "none" else None,
+                   replay_slots=step * num_replay, replays_in_loss=int(replays_in_loss),
+                   replay_steps=int(replay_steps),
+                   **_replay_fractions(int(replays_in_loss), int(replay_steps), step,
+                                       num_replay))
   if carry_best and best["params"] is not None:
     summary.update(carried="best_validation", best_epoch=best["epoch"],
                    validation=validation)
@@ -1039,3 +1083,25 @@ def dataset_train_settings(config: ml_collections.ConfigDict, name: str,
           "text_lr_multiplier": float(value("text_lr_multiplier")),
           "layerwise_decay": float(value("layerwise_decay")),
           "warmup_steps": warmup_steps}
+
+
+def loss_adaptivity_mode(config: ml_collections.ConfigDict) -> str:
+  """config.replay.loss_adaptivity.mode, checked (SPEC §9). Raises ConfigError if unknown."""
+  mode = config.replay.loss_adaptivity.mode
+  if mode not in losses.LOSS_ADAPTIVITY_MODES:
+    raise ConfigError(f"config.replay.loss_adaptivity.mode={mode!r} is unknown; known: "
+                      f"{list(losses.LOSS_ADAPTIVITY_MODES)}")
+  return mode
+
+
+def _replay_fractions(replays_in_loss: int, replay_steps: int, steps: int,
+                      num_replay: int) -> dict[str, float]:
+  """The paper's Table 4 figures: fraction of steps with replay, of replay slots used.
+
+  replay_steps_fraction = steps whose loss included at least one replay / steps;
+  replay_samples_fraction = replays in the loss / (steps * replays per step) (at 1:1 the
+  fraction of new samples that were given a replay, the paper's "Replay %").
+  """
+  return {"replay_steps_fraction": replay_steps / steps if steps else 0.0,
+          "replay_samples_fraction": (replays_in_loss / (steps * num_replay)
+                                      if steps else 0.0)}

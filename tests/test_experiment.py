@@ -130,3 +130,54 @@ def test_unknown_algorithm_is_a_config_error(cache_dir):
   config.replay.algorithm = "nonexistent"
   with pytest.raises(experiment.ConfigError, match="replay.algorithm"):
     experiment.make_algorithm(config)
+
+
+def test_loss_adaptivity_reports_replay_fractions(cache_dir, tmp_path, monkeypatch):
+  """Paper loss adaptivity end to end: the reported replay fractions count the replays made.
+
+  The pre-forward's per-example losses are replaced by a known pattern (a test double for
+  the new images' losses): on every dataset, step 1 has 3 of 8 new images above l, step 2
+  none. Expected per dataset: 3 retrieved images, 3 in the loss, samples 3/16, steps 1/2.
+  """
+  import jax
+  import numpy as np
+  from owl_cl.train import step as step_lib
+
+  config = tiny_config("swil", cache_dir)
+  config.replay.loss_adaptivity.mode = "paper"
+  config.replay.loss_adaptivity.threshold = 1.0
+  patterns = [np.array([9, 0, 9, 0, 0, 0, 9, 1.0], np.float32), np.ones(8, np.float32)]
+  original = step_lib.make_new_loss_step
+  calls = []
+
+  def make_patterned(*args, **kwargs):
+    fn = original(*args, **kwargs)
+
+    def patterned(*inputs):
+      out = dict(fn(*inputs))
+      calls.append(out["per_example"].shape)
+      out["per_example"] = jax.numpy.asarray(patterns[(len(calls) - 1) % 2])
+      return out
+    return patterned
+
+  monkeypatch.setattr(step_lib, "make_new_loss_step", make_patterned)
+  results = experiment.run(config, str(tmp_path / "run"))
+  assert calls == [(8,)] * 4                       # 2 datasets x 2 steps, [B] losses
+  for stage in results["stages"][1:]:
+    train = stage["train"]
+    assert train["loss_adaptivity"] == "paper" and train["loss_threshold"] == 1.0
+    assert train["steps"] == 2 and train["replay_slots"] == 16
+    assert train["replayed_images"] == 3 == train["replays_in_loss"]
+    assert train["replay_samples_fraction"] == pytest.approx(3 / 16)
+    assert train["replay_steps_fraction"] == pytest.approx(1 / 2)
+  with open(os.path.join(str(tmp_path / "run"), "results.md")) as f:
+    text = f.read()
+  assert "samples replayed (%)" in text
+  assert "| all | 4 | 6 | 6 | 50.0 | 18.8 |" in text
+
+
+def test_unknown_loss_adaptivity_mode_is_a_config_error(cache_dir, tmp_path):
+  config = tiny_config("swil", cache_dir)
+  config.replay.loss_adaptivity.mode = "sometimes"
+  with pytest.raises(experiment.ConfigError, match="loss_adaptivity.mode"):
+    experiment.run(config, str(tmp_path / "run"))

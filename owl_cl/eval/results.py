@@ -28,6 +28,11 @@
   "stages": [                         # stage 0 = after pre-training, stage i = after dataset i
     {"name": str, "index": int, "trained_on": str|null, "wall_time_s": float|null,
      "metrics": {eval_set: {"AP": float|null, "AP50": float|null, "AP75": ..., ...}},
+     "train": {...},                  # optional training summary of the stage; with replay:
+                                      # steps, replayed_images (retrieved), replays_in_loss,
+                                      # replay_slots, replay_steps, replay_steps_fraction,
+                                      # replay_samples_fraction (paper Table 4),
+                                      # loss_adaptivity, loss_threshold
      ...},                            # other stage keys (train metrics, seconds) kept
     ...
   ],
@@ -324,14 +329,50 @@ def _partial_note(summary: Mapping[str, Any]) -> str:
   return ""
 
 
+def _replay_section(results: Mapping[str, Any]) -> list[str]:
+  """Per-dataset replay fractions (the paper's Table 4 "Replay %"), from each stage's
+  `train` summary (`replay_steps_fraction`, `replay_samples_fraction`, `replays_in_loss`,
+  `replay_slots`, `replayed_images`, `loss_adaptivity`, `loss_threshold`); [] if no stage
+  has them (e.g. no replay)."""
+  trained = [(s["name"], s.get("train") or {}) for s in results["stages"][1:]]
+  trained = [(n, t) for n, t in trained if "replay_samples_fraction" in t]
+  if not trained:
+    return []
+  modes = sorted({str(t.get("loss_adaptivity")) for _, t in trained})
+  thresholds = sorted({t.get("loss_threshold") for _, t in trained
+                       if t.get("loss_threshold") is not None})
+  lines = ["## Replay (paper Table 4: fraction replayed)", "",
+           f"- loss adaptivity: {', '.join(modes)}"
+           + (f" (threshold l = {', '.join(f'{x:g}' for x in thresholds)})"
+              if thresholds else ""), ""]
+  rows = []
+  totals = {"steps": 0, "replay_steps": 0, "replays_in_loss": 0, "replay_slots": 0,
+            "replayed_images": 0}
+  for name, t in trained:
+    rows.append([f"`{name}`", str(t.get("steps", "-")), str(t.get("replayed_images", "-")),
+                 str(t.get("replays_in_loss", "-")), _pct(t.get("replay_steps_fraction")),
+                 _pct(t.get("replay_samples_fraction"))])
+    for key in totals:
+      totals[key] += int(t.get(key) or 0)
+  steps, slots = totals["steps"], totals["replay_slots"]
+  rows.append(["all", str(steps), str(totals["replayed_images"]),
+               str(totals["replays_in_loss"]),
+               _pct(totals["replay_steps"] / steps if steps else None),
+               _pct(totals["replays_in_loss"] / slots if slots else None)])
+  lines += _table(["Dataset", "steps", "retrieved images", "replays in loss",
+                   "steps with replay (%)", "samples replayed (%)"], rows)
+  return lines + [""]
+
+
 def render_results_markdown(results: Mapping[str, Any]) -> str:
   """`results.md` text of one finalised results dict (see `finalize_results`).
 
   Sections: (a) the paper's Table 3 layout (Algorithm | O365 stand-in | LVIS stand-in |
   held-out (rare) | ODinW stand-in mean), rows "No fine-tuning" (stage 0) and the run's
   algorithm (last stage), AP then AP50, in % with one decimal; (b) per-dataset AP and AP50
-  matrices (rows: stages, columns: eval sets, plus the downstream mean); (c) forgetting, BWT
-  and FWT (AP and AP50 points, %). Missing values print as '-'.
+  matrices (rows: stages, columns: eval sets, plus the downstream mean); (c) with replay,
+  the fraction of steps and samples replayed per dataset (paper Table 4, `_replay_section`);
+  (d) forgetting, BWT and FWT (AP and AP50 points, %). Missing values print as '-'.
 
   Args:
     results: a finalised results dict.
@@ -383,6 +424,7 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
     lines += _table(["Stage"] + [f"`{n}`" for n in eval_sets] + ["downstream mean"], rows)
     lines.append("")
 
+  lines += _replay_section(results)
   lines += ["## Forgetting and transfer (points, %)", "",
             "Forgetting f_j = max over stages since j was learned (before the last) of the "
             "metric minus its final value (Chaudhry et al. 2018); BWT = mean over downstream "

@@ -59,6 +59,9 @@ __all__ = [
     "detection_loss",
     "distillation_mse",
     "der_plus_plus_loss",
+    "LOSS_ADAPTIVITY_MODES",
+    "loss_adaptive_combination",
+    "loss_adaptive_total",
 ]
 
 
@@ -657,3 +660,61 @@ def der_plus_plus_loss(new_outputs: Mapping[str, Array], new_targets: Mapping[st
              replay_loss_class=replay["loss_class"], replay_loss_bbox=replay["loss_bbox"],
              replay_loss_giou=replay["loss_giou"], per_example_replay=replay["per_example"])
   return out
+
+
+# ------------------------------------------------------------------------------------------
+# Loss adaptivity (paper eqs. 5-6)
+# ------------------------------------------------------------------------------------------
+
+LOSS_ADAPTIVITY_MODES = ("none", "paper", "released_gate")
+
+
+def loss_adaptive_combination(new_loss: Array, replay_loss: Array, num_replayed: Array,
+                              batch_size: int) -> Array:
+  """Eq. 6 given r: L_T = L_B + (r / |B|) * L_R.
+
+  Args:
+    new_loss: float [] L_B, the mean loss of the new batch.
+    replay_loss: float [] L_R, the mean loss of the replay batch (for DER++:
+      alpha * distillation + beta * replay detection loss, averaged over the replays used).
+    num_replayed: int or float [] r, the number of replays (new samples above the threshold).
+    batch_size: |B| (static int > 0), the number of new samples.
+  Returns:
+    float32 [] L_T.
+  Raises:
+    ValueError: batch_size < 1.
+  Source: paper §4 "Loss Adaptivity" eq. 6; SPEC §9.
+  """
+  if int(batch_size) < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  weight = jnp.asarray(num_replayed, jnp.float32) / float(batch_size)
+  return (jnp.asarray(new_loss, jnp.float32) +
+          weight * jnp.asarray(replay_loss, jnp.float32))
+
+
+def loss_adaptive_total(new_losses: Array, replay_loss: Array,
+                        threshold: float) -> tuple[Array, Array]:
+  """Loss adaptivity: r = |{s in B : loss(s) > l}|, L_T = L_B + (r / |B|) * L_R.
+
+  r counts the new samples whose loss is strictly above the threshold l (a loss equal to l
+  does not count, eq. 5); L_B is the mean of `new_losses`. No gradient flows through r
+  (a count); gradients flow into L_B and L_R.
+
+  Args:
+    new_losses: float [B] per-example loss of each new sample (e.g. `detection_loss(...)
+      ['per_example']`), B >= 1.
+    replay_loss: float [] L_R, the mean loss over the replayed samples.
+    threshold: float [] l (static or traced), in the units of `new_losses`.
+  Returns:
+    total: float32 [] L_T (eq. 6).
+    r: int32 [] number of new samples with loss > threshold, in [0, B].
+  Raises:
+    ValueError: new_losses is not a non-empty vector.
+  Source: paper §4 "Loss Adaptivity" eqs. 5-6; SPEC §9.
+  """
+  new_losses = jnp.asarray(new_losses, jnp.float32)
+  if new_losses.ndim != 1 or new_losses.shape[0] < 1:
+    raise ValueError(f"new_losses must be a non-empty vector [B], got shape {new_losses.shape}")
+  r = jnp.sum(jax.lax.stop_gradient(new_losses) > threshold, dtype=jnp.int32)
+  total = loss_adaptive_combination(jnp.mean(new_losses), replay_loss, r, new_losses.shape[0])
+  return total, r

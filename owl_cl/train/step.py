@@ -83,8 +83,15 @@ def _forward(model: nn.Module, params: PyTree, images, queries, *, train: bool, 
 
 
 def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_config,
-             alpha: float, beta: float, max_unique_queries: int | None):
-  """Detection loss of the new half plus DER++ on the replay half (SPEC §3)."""
+             alpha: float, beta: float, max_unique_queries: int | None,
+             loss_adaptivity: str = "none", loss_threshold: float = 0.0):
+  """Detection loss of the new half plus DER++ on the replay half (SPEC §3).
+
+  L_T = L_B + weight * L_R with L_R = alpha * distillation + beta * replay detection loss
+  (averaged over the replays with `replay_mask`); weight by `loss_adaptivity` (SPEC §9):
+  'none' 1; 'paper' r / |B| with r = sum(replay['replay_active']) (eq. 6); 'released_gate'
+  1 if L_B >= loss_threshold else 0 (L_B of this forward, as the released code).
+  """
   num_new = batch["images"].shape[0]
   if replay is None:
     outputs = _forward(model, params, batch["images"], batch["queries"], train=True, key=key,
@@ -95,6 +102,9 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
                "loss_class": new["loss_class"], "loss_bbox": new["loss_bbox"],
                "loss_giou": new["loss_giou"]}
     return new["loss"], metrics
+  replay_mask = jnp.asarray(replay["replay_mask"], bool)
+  if loss_adaptivity == "paper":   # L_R over the active replays only
+    replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
   # One forward over [new ; replay] (SPEC §3).
   images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
   queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
@@ -109,15 +119,40 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
       replay_outputs={"pred_logits": logits_replay, "pred_boxes": boxes_replay},
       replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
       stored_logits=replay["stored_logits"].astype(jnp.float32),
-      replay_mask=replay["replay_mask"],
+      replay_mask=replay_mask,
       alpha=alpha, beta=beta, **loss_config)
   metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
-  return result["loss"], metrics
+  replay_total = alpha * result["distill_loss"] + beta * result["replay_loss"]
+  num_slots = replay["images"].shape[0]
+  used = replay_mask
+  if loss_adaptivity == "none":
+    weight = jnp.ones((), jnp.float32)
+    loss = result["loss"]
+  elif loss_adaptivity == "paper":
+    # r = replay slots made active by the pre-forward (new images whose loss exceeds l);
+    # slot j serves new image j, so |B| = the number of slots (1:1, checked by the caller).
+    active = jnp.asarray(replay["replay_active"], bool)
+    r = jnp.sum(active, dtype=jnp.int32)
+    loss = losses.loss_adaptive_combination(result["new_loss"], replay_total, r, num_slots)
+    weight = r.astype(jnp.float32) / num_slots
+    metrics["num_above_threshold"] = r
+  elif loss_adaptivity == "released_gate":
+    gate = jax.lax.stop_gradient(result["new_loss"]) >= loss_threshold
+    weight = gate.astype(jnp.float32)
+    loss = result["new_loss"] + weight * replay_total
+    used = used & gate
+  else:
+    raise ValueError(f"unknown loss_adaptivity {loss_adaptivity!r}; known: "
+                     f"{losses.LOSS_ADAPTIVITY_MODES}")
+  metrics.update(loss=loss, replay_weight=weight,
+                 replays_in_loss=jnp.sum(used, dtype=jnp.int32))
+  return loss, metrics
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
                     loss_config: dict, alpha: float = 2.0, beta: float = 1.0,
-                    with_replay: bool, max_unique_queries: int | None = None) -> Callable:
+                    with_replay: bool, max_unique_queries: int | None = None,
+                    loss_adaptivity: str = "none", loss_threshold: float = 0.0) -> Callable:
   """Builds the jitted, sharded train step.
 
   Returns:
@@ -127,10 +162,24 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
     images plus `stored_logits` [B_r,T,Q] and `replay_mask` [B_r] bool. Metrics are scalars
     (loss, its terms, grad norm, LR multiplier-free step count).
     `max_unique_queries`: see `_forward` (the text tower embeds each distinct query once).
-  Source: SPEC §3 (DER++ with alpha 2, beta 1; one forward over new and replay).
+    `loss_adaptivity` (SPEC §9; static): 'none' L = L_B + L_R; 'paper' L = L_B + (r/|B|) L_R
+    (eq. 6) with r = sum of `replay['replay_active']` bool [B_r] (slots of the new images whose
+    pre-forward loss exceeds l; B_r = B) and L_R over the replays with `replay_mask` and
+    `replay_active`; 'released_gate' drops L_R when L_B < `loss_threshold`.
+    With replay, metrics also hold `replay_weight` (the factor of L_R) and `replays_in_loss`
+    (int32, replayed images that contribute to the loss).
+  Raises:
+    ValueError: unknown `loss_adaptivity`.
+  Source: SPEC §3 (DER++ with alpha 2, beta 1; one forward over new and replay), SPEC §9
+  (paper eqs. 5-6; the released code's gate).
   """
+  if loss_adaptivity not in losses.LOSS_ADAPTIVITY_MODES:
+    raise ValueError(f"unknown loss_adaptivity {loss_adaptivity!r}; known: "
+                     f"{losses.LOSS_ADAPTIVITY_MODES}")
   loss_fn = functools.partial(_loss_fn, model=model, loss_config=loss_config,
-                              alpha=alpha, beta=beta, max_unique_queries=max_unique_queries)
+                              alpha=alpha, beta=beta, max_unique_queries=max_unique_queries,
+                              loss_adaptivity=loss_adaptivity,
+                              loss_threshold=float(loss_threshold))
 
   def step(state: TrainState, batch: Batch, replay: Batch | None, key):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -320,3 +369,38 @@ def make_embed_step(model: nn.Module, mesh, *, k: int) -> Callable:
     return {"class_embeddings": class_emb, "query_embeddings": query_emb}
 
   return jax.jit(embed, in_shardings=(rep, data, data), out_shardings=rep)
+
+
+def make_new_loss_step(model: nn.Module, mesh, *, loss_config: dict,
+                       k: int | None = None) -> Callable:
+  """Jitted eval-mode pre-forward of the new batch: per-example losses (+ retrieval features).
+
+  Loss adaptivity (SPEC §9) needs each new sample's loss before retrieval (r decides how
+  many, and which, replays to retrieve); with `k` the same forward also gives the top-k
+  features of `make_embed_step`, so a feature-based algorithm costs no extra forward.
+
+  Returns:
+    `new_losses(params, images [B,S,S,3], queries [B,Q,L], labels [B,M,Q], boxes [B,M,4])
+    -> dict(per_example float32 [B] (`losses.detection_loss`), and with k:
+    class_embeddings [B,k,E], query_embeddings [B,k,E])`, replicated (retrieval runs on
+    replicated state).
+  Source: SPEC §9 (paper §4 "Loss Adaptivity": "we begin by computing each sample's loss").
+  """
+  from owl_cl.replay import selection
+
+  data = sharding_lib.batch_sharding(mesh)
+  rep = sharding_lib.replicated(mesh)
+
+  def new_losses(params, images, queries, labels, boxes):
+    outputs = _forward(model, params, images, queries, train=False)
+    result = {"per_example": losses.detection_loss(
+        outputs["pred_logits"], outputs["pred_boxes"], labels, boxes,
+        **loss_config)["per_example"]}
+    if k:
+      class_emb, query_emb = selection.top_k_embeddings(
+          outputs["pred_logits"], outputs["class_embeddings"], outputs["query_embeddings"],
+          queries[..., 0] > 0, k)
+      result.update(class_embeddings=class_emb, query_embeddings=query_emb)
+    return result
+
+  return jax.jit(new_losses, in_shardings=(rep, data, data, data, data), out_shardings=rep)

@@ -1,0 +1,249 @@
+"""Loss adaptivity (paper eqs. 5-6, SPEC §9): the formula, the train step, the retrieval mask."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from owl_cl import model as model_lib
+from owl_cl.replay import algorithms
+from owl_cl.replay import state as state_lib
+from owl_cl.train import losses
+from owl_cl.train import sharding
+from owl_cl.train import step as step_lib
+
+ALPHA, BETA = 2.0, 1.0
+LOSS_CONFIG = dict(focal_alpha=0.3, focal_gamma=2.0)
+
+
+# ------------------------------------------------------------------- loss_adaptive_total
+
+
+def test_loss_adaptive_total_hand_worked():
+  new = np.array([0.1, 0.5, 0.9, 0.3], np.float32)
+  # l = 0.4: samples 0.5 and 0.9 exceed it -> r = 2; L_B = 0.45; L_T = 0.45 + 2/4 * 2.0.
+  total, r = losses.loss_adaptive_total(new, 2.0, 0.4)
+  assert int(r) == 2
+  np.testing.assert_allclose(float(total), 1.45, rtol=1e-6)
+  # r = 0: nothing exceeds l, the replay loss is dropped entirely.
+  total, r = losses.loss_adaptive_total(new, 2.0, 5.0)
+  assert int(r) == 0
+  np.testing.assert_allclose(float(total), 0.45, rtol=1e-6)
+  # r = |B|: the plain 1:1 objective L_B + L_R.
+  total, r = losses.loss_adaptive_total(new, 2.0, 0.0)
+  assert int(r) == 4
+  np.testing.assert_allclose(float(total), 2.45, rtol=1e-6)
+
+
+def test_loss_adaptive_total_ties_do_not_count():
+  # eq. 5 is strict: loss(s) > l. Two samples sit exactly on l = 0.5.
+  new = np.array([0.5, 0.5, 0.75, 0.25], np.float32)
+  total, r = losses.loss_adaptive_total(new, 4.0, 0.5)
+  assert int(r) == 1
+  np.testing.assert_allclose(float(total), 0.5 + 1 / 4 * 4.0, rtol=1e-6)
+
+
+def test_loss_adaptive_total_gradients():
+  new = jnp.array([0.1, 0.5, 0.9, 0.3])
+  g_new, g_replay = jax.grad(lambda a, b: losses.loss_adaptive_total(a, b, 0.4)[0],
+                             argnums=(0, 1))(new, jnp.float32(2.0))
+  np.testing.assert_allclose(np.asarray(g_new), np.full(4, 0.25), rtol=1e-6)  # d mean
+  np.testing.assert_allclose(float(g_replay), 0.5, rtol=1e-6)                 # r / |B|
+
+
+def test_loss_adaptive_total_rejects_bad_shapes():
+  with pytest.raises(ValueError, match="new_losses"):
+    losses.loss_adaptive_total(np.zeros((2, 2), np.float32), 1.0, 0.5)
+  with pytest.raises(ValueError, match="new_losses"):
+    losses.loss_adaptive_total(np.zeros((0,), np.float32), 1.0, 0.5)
+
+
+# ------------------------------------------------------------------------- the train step
+
+
+@functools.lru_cache(maxsize=None)
+def _setup_cached():
+  model = model_lib.create_model("tiny", vision_layers=1, text_layers=1, vocab_size=64,
+                                 image_size=32, vision_width=32, vision_heads=1,
+                                 vision_mlp_dim=64, text_width=32, text_heads=1,
+                                 text_mlp_dim=64, embed_dim=32)
+  rng = np.random.default_rng(0)
+  B, Q, M, L = 4, 4, 3, 16
+  T = (32 // 8) ** 2
+
+  def batch():
+    queries = np.zeros((B, Q, L), np.int32)
+    queries[:, :, 0] = 62
+    queries[:, :, 1] = 63
+    queries[:, 1:, 1] = rng.integers(1, 60, (B, Q - 1))
+    queries[:, 1:, 2] = 63
+    labels = np.zeros((B, M, Q), np.float32)
+    labels[:, 0, 1] = 1
+    labels[:, 1, 2] = 1
+    labels[:, 2, 0] = 1
+    cxcy = rng.uniform(0.3, 0.7, (B, M, 2))
+    wh = rng.uniform(0.1, 0.3, (B, M, 2))
+    return {"images": rng.uniform(size=(B, 32, 32, 3)).astype(np.float32),
+            "queries": queries, "labels": labels,
+            "boxes": np.concatenate([cxcy, wh], -1).astype(np.float32)}
+
+  new, replay = batch(), batch()
+  replay["stored_logits"] = rng.normal(size=(B, T, Q)).astype(np.float32)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
+  # A non-trivial class head (initialised near 0), so per-image losses differ clearly.
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: np.asarray(x) + 0.05 * rng.normal(size=x.shape).astype(np.float32)
+      if "class_head" in str(p) else np.asarray(x), jax.device_get(params))
+  return model, params, new, replay
+
+
+def _setup():
+  model, params, new, replay = _setup_cached()
+  return model, params, dict(new), dict(replay)
+
+
+def _reference_losses(model, params, new, replay, replay_mask):
+  """Separately computed L_B per example and L_R = alpha * MSE + beta * L_det(replay)."""
+  images = jnp.concatenate([new["images"], replay["images"]])
+  queries = jnp.concatenate([new["queries"], replay["queries"]])
+  out = model.apply({"params": params}, images, queries, train=False)
+  b = new["images"].shape[0]
+  new_loss = losses.detection_loss(out["pred_logits"][:b], out["pred_boxes"][:b],
+                                   new["labels"], new["boxes"], **LOSS_CONFIG)
+  replay_det = losses.detection_loss(out["pred_logits"][b:], out["pred_boxes"][b:],
+                                     replay["labels"], replay["boxes"],
+                                     example_mask=replay_mask, **LOSS_CONFIG)
+  distill = losses.distillation_mse(out["pred_logits"][b:], replay["stored_logits"],
+                                    example_mask=replay_mask)
+  return new_loss["per_example"], ALPHA * distill + BETA * replay_det["loss"]
+
+
+def _run_step(model, params, new, replay, **kwargs):
+  mesh = sharding.create_mesh()
+  tx = optax.sgd(1.0)
+  train_step = step_lib.make_train_step(model, tx, mesh, loss_config=LOSS_CONFIG,
+                                        alpha=ALPHA, beta=BETA, with_replay=True, **kwargs)
+  state = sharding.replicate(step_lib.create_train_state(params, tx), mesh)
+  state, metrics = train_step(state, sharding.shard_batch(new, mesh),
+                              sharding.shard_batch(replay, mesh), jax.random.PRNGKey(0))
+  return jax.device_get(state.params), jax.device_get(metrics)
+
+
+def test_paper_train_step_equals_reference_combination():
+  model, params, new, replay = _setup()
+  # The pre-forward decides the active slots: new images whose loss exceeds l (eq. 5).
+  pre_forward = step_lib.make_new_loss_step(model, sharding.create_mesh(),
+                                            loss_config=LOSS_CONFIG)
+  per_example = np.asarray(pre_forward(params, new["images"], new["queries"], new["labels"],
+                                       new["boxes"])["per_example"])
+  order = np.sort(per_example)
+  assert order[1] < order[2], per_example       # distinct losses, so r = 2 below
+  threshold = float((order[1] + order[2]) / 2)
+  active = per_example > threshold
+  valid = np.array([True, True, True, False])    # one slot found nothing to replay
+  # The step itself restricts L_R to the active slots (replay_mask & replay_active).
+  replay = dict(replay, replay_mask=valid, replay_active=active)
+
+  def reference(p):
+    pe, replay_loss = _reference_losses(model, p, new, replay, valid & active)
+    total, r = losses.loss_adaptive_total(pe, replay_loss, threshold)
+    return total, (r, jnp.mean(pe) + replay_loss)
+
+  (ref_total, (ref_r, unweighted)), ref_grads = jax.jit(
+      jax.value_and_grad(reference, has_aux=True))(params)
+  assert int(ref_r) == 2 == active.sum()
+  new_params, metrics = _run_step(model, params, new, replay, loss_adaptivity="paper",
+                                  loss_threshold=threshold)
+  np.testing.assert_allclose(metrics["loss"], float(ref_total), rtol=1e-5)
+  np.testing.assert_allclose(metrics["replay_weight"], 0.5)
+  assert int(metrics["num_above_threshold"]) == 2
+  assert int(metrics["replays_in_loss"]) == int((valid & active).sum())
+  # SGD with LR 1: the update is minus the gradient of the reference combination.
+  for p0, p1, g in zip(jax.tree.leaves(params), jax.tree.leaves(new_params),
+                       jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(p0 - p1, g, rtol=2e-3, atol=1e-6)
+  # ...which differs from the unweighted 1:1 objective (the test can fail).
+  assert float(ref_total) + 1e-3 < float(unweighted)
+
+
+def test_released_gate_drops_replay_loss_below_threshold():
+  model, params, new, replay = _setup()
+  valid = np.array([True, True, False, True])
+  replay = dict(replay, replay_mask=valid)
+
+  def reference(p):
+    per_example, replay_loss = _reference_losses(model, p, new, replay, valid)
+    return jnp.mean(per_example), replay_loss
+
+  (new_loss, replay_loss), new_loss_grads = jax.jit(
+      lambda p: (reference(p), jax.grad(lambda q: reference(q)[0])(p)))(params)
+  new_loss, replay_loss = float(new_loss), float(replay_loss)
+
+  # One compiled step for both thresholds (traced l).
+  @jax.jit
+  def gated(p, threshold):
+    grad_fn = jax.value_and_grad(step_lib._loss_fn, has_aux=True)
+    return grad_fn(p, new, replay, jax.random.PRNGKey(0), model=model,
+                   loss_config=LOSS_CONFIG, alpha=ALPHA, beta=BETA, max_unique_queries=None,
+                   loss_adaptivity="released_gate", loss_threshold=threshold)
+
+  # Mean new loss above l: the gate is open, the step is the plain DER++ objective.
+  (_, open_gate), _ = jax.device_get(gated(params, new_loss - 0.01))
+  np.testing.assert_allclose(open_gate["loss"], new_loss + replay_loss, rtol=1e-5)
+  assert float(open_gate["replay_weight"]) == 1.0 and int(open_gate["replays_in_loss"]) == 3
+  # Mean new loss below l: only L_B remains (the replay terms are still reported)...
+  (_, closed), closed_grads = jax.device_get(gated(params, new_loss + 0.01))
+  np.testing.assert_allclose(closed["loss"], new_loss, rtol=1e-5)
+  np.testing.assert_allclose(closed["replay_loss"], open_gate["replay_loss"], rtol=1e-6)
+  assert float(closed["replay_weight"]) == 0.0 and int(closed["replays_in_loss"]) == 0
+  # ...and its gradient is that of L_B alone.
+  for g, ref in zip(jax.tree.leaves(closed_grads), jax.tree.leaves(new_loss_grads)):
+    np.testing.assert_allclose(g, ref, rtol=2e-3, atol=1e-6)
+
+
+def test_unknown_mode_is_rejected():
+  model = _setup()[0]
+  with pytest.raises(ValueError, match="loss_adaptivity"):
+    step_lib.make_train_step(model, optax.sgd(1.0), sharding.create_mesh(),
+                             loss_config=LOSS_CONFIG, with_replay=True,
+                             loss_adaptivity="sometimes")
+
+
+def test_new_loss_step_matches_detection_loss():
+  model, params, new, replay = _setup()
+  step = step_lib.make_new_loss_step(model, sharding.create_mesh(), loss_config=LOSS_CONFIG,
+                                     k=2)
+  out = jax.device_get(step(params, new["images"], new["queries"], new["labels"],
+                            new["boxes"]))
+  reference = jax.jit(lambda p: _reference_losses(model, p, new, replay, None)[0])(params)
+  np.testing.assert_allclose(out["per_example"], np.asarray(reference), rtol=1e-5)
+  assert out["class_embeddings"].shape[:2] == (4, 2)
+
+
+# ------------------------------------------------------- retrieval with inactive slots
+
+
+def test_inactive_slots_are_invalid_and_not_marked():
+  rng = np.random.default_rng(1)
+  n, c = 40, 5
+  membership = rng.random((n, c)) < 0.4
+  membership[np.arange(n), rng.integers(0, c, n)] = True
+  buffer = state_lib.make_replay_buffer(
+      membership, rng.normal(size=(c, 8)).astype(np.float32),
+      np.where(membership, rng.random((n, c)), np.inf).astype(np.float32),
+      rng.normal(size=(n, 3, 8)).astype(np.float32),
+      rng.normal(size=(n, 3, 8)).astype(np.float32))
+  features = {"class_embeddings": jnp.asarray(rng.normal(size=(4, 3, 8)), jnp.float32)}
+  active = jnp.array([True, False, True, False])
+  for name in ("uniform", "uniform_balanced", "swil"):
+    algorithm = jax.jit(algorithms.get_algorithm(name, dedup="dataset"), static_argnums=3)
+    rstate = state_lib.init_replay_state(n, jax.random.PRNGKey(0))
+    indices, valid, new_state = algorithm(rstate, buffer, features, 4, active)
+    valid, indices = np.asarray(valid), np.asarray(indices)
+    np.testing.assert_array_equal(valid, [True, False, True, False], err_msg=name)
+    marked = np.flatnonzero(np.asarray(new_state.dedup_mask))
+    np.testing.assert_array_equal(marked, np.sort(indices[valid]), err_msg=name)
+    assert int(new_state.total_replayed) == 2
