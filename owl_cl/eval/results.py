@@ -658,3 +658,25 @@ def merge_results_tables(paths: Sequence[str], *, group_by_algorithm: bool = Tru
                  f"{100 * spread:.1f} points; the row shows their mean.")
     lines.append("")
   return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`python -m owl_cl.eval.results RUN [RUN ...] [--per-run]`: prints one Table 3 (markdown)
+  merging the runs' results.json (workdirs or files), e.g. no_replay, uniform and swil.
+
+  Raises:
+    SystemExit: bad arguments (argparse); ValueError: see `merge_results_tables`.
+  """
+  import argparse  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(prog="python -m owl_cl.eval.results",
+                                   description=main.__doc__.splitlines()[0])
+  parser.add_argument("runs", nargs="+", help="workdirs or results.json files")
+  parser.add_argument("--per-run", action="store_true",
+                      help="one row per run instead of averaging runs of the same algorithm")
+  args = parser.parse_args(argv)
+  print(merge_results_tables(args.runs, group_by_algorithm=not args.per_run))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

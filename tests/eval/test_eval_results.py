@@ -158,6 +158,17 @@ def test_merge_results_tables(tmp_path):
     rl.merge_results_tables([])
 
 
+def test_merge_command_line(tmp_path, capsys):
+  paths = []
+  for run_id, algo in (("a1", "no_replay"), ("b1", "swil")):
+    rl.write_results(str(tmp_path / run_id), make_results(run_id=run_id, algorithm=algo))
+    paths.append(str(tmp_path / run_id))
+  assert rl.main(paths) == 0
+  assert capsys.readouterr().out.strip() == rl.merge_results_tables(paths).strip()
+  assert rl.main(paths + ["--per-run"]) == 0
+  assert "| swil (b1) | 1 |" in capsys.readouterr().out
+
+
 def test_missing_values_render_as_dash(tmp_path):
   r = make_results()
   del r["stages"][2]["metrics"]["D2"]
