@@ -403,6 +403,7 @@ class Runner:
         self.model, self.mesh, top_k=config.eval.top_k, multi_label=config.eval.multi_label)
     self._text_embed = step_lib.make_text_embed_step(self.model)
     self._predict_steps = {}   # (templates?, top_k, multi_label) -> jitted prediction
+    self._class_frequencies = {}   # source -> float64 [C] images per class (negatives)
 
   def init_params(self, seed: int):
     size = self.image_size
@@ -444,13 +445,54 @@ class Runner:
             self.model, self.mesh, top_k=top_k, multi_label=multi_label)
     return self._predict_steps[key]
 
+  def example_options(self, source) -> dict[str, Any]:
+    """Preprocessing options of a training example of `source` from `config.data`:
+    `squash` (data.squash_resize), `merge_iou`, and `negative_weights` (float64 [C] images
+    per class, when data.negatives_by_frequency; computed once per source). The same options
+    preprocess the replay buffer's images. Source: SPEC §3, §5; pipeline.preprocess_train_example.
+    """
+    d = self.config.data
+    options = {"squash": bool(d.squash_resize),
+               "merge_iou": None if d.merge_iou is None else float(d.merge_iou)}
+    if d.negatives_by_frequency:
+      key = getattr(source, "annotation_file", None) or id(source)
+      if key not in self._class_frequencies:
+        self._class_frequencies[key] = pipeline.class_frequencies(source)
+      options["negative_weights"] = self._class_frequencies[key]
+    return options
+
+  def augment_options(self) -> dict[str, Any]:
+    """scenic's training augmentations from `config.data.augment` (SPEC §5): hflip,
+    random_crop (+ area / aspect ranges, minimum kept box area), mosaics (sizes and their
+    probabilities; off when `mosaic_sizes` is None).
+
+    Raises:
+      ConfigError: mosaic_sizes and mosaic_probs of different lengths.
+    """
+    a = self.config.data.augment
+    options = {"hflip": bool(a.hflip), "random_crop": bool(a.random_crop),
+               "crop_area_range": tuple(a.crop_area_range),
+               "crop_aspect_ratio_range": tuple(a.crop_aspect_ratio_range),
+               "crop_min_area_fraction": float(a.crop_min_area_fraction)}
+    if a.mosaic_sizes:
+      if len(a.mosaic_sizes) != len(a.mosaic_probs):
+        raise ConfigError(f"config.data.augment.mosaic_sizes={tuple(a.mosaic_sizes)} and "
+                          f"mosaic_probs={tuple(a.mosaic_probs)} differ in length")
+      options.update(mosaic_sizes=tuple(int(k) for k in a.mosaic_sizes),
+                     mosaic_probs=tuple(float(p) for p in a.mosaic_probs))
+    return options
+
   def train_batches(self, source, *, batch_size: int, seed: int, epoch: int):
+    """Training batches of one epoch of `source` (pipeline.train_dataset) with the config's
+    preprocessing options, augmentations and host sharding (data.host_sharding)."""
     return pipeline.train_dataset(
         source, class_tokens=self.train_class_tokens(source), empty_tokens=self.empty_tokens,
         image_size=self.image_size, num_queries=self.config.data.num_queries,
         max_instances=self.config.data.max_instances,
         num_negatives=self.config.data.num_negatives, batch_size=batch_size, seed=seed,
-        epoch=epoch, num_workers=self.config.data.num_workers)
+        epoch=epoch, num_workers=self.config.data.num_workers,
+        shard="jax" if self.config.data.host_sharding else None,
+        **self.example_options(source), **self.augment_options())
 
   def evaluate(self, params, source: coco.CocoSource, desc: str, *,
                protocol: str = "coco", max_detections: int | None = None
@@ -489,6 +531,7 @@ class Runner:
 
     batches = pipeline.eval_dataset(source, image_size=self.image_size,
                                     batch_size=batch_size,
+                                    squash=bool(self.config.data.squash_resize),
                                     max_images=self.config.max_eval_images)
     if lvis:
       return lvis_eval.evaluate_lvis_source(
@@ -603,6 +646,7 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
                  "data": {k: v for k, v in config.data.to_dict().items()
                           if k in ("num_queries", "num_negatives", "max_instances",
                                    "train_prompt_templates")},
+                 **non_default_data_options(config),
                  "loss": config.loss.to_dict(), "seed": config.seed,
                  "pretrain_data": _file_digest(bench.pretrain.train.annotation_file),
                  "train_opt": [config.train.b1,
@@ -665,6 +709,37 @@ def make_algorithm(config: ml_collections.ConfigDict):
     raise ConfigError(f"config.replay ({name}): {e}") from e
 
 
+# The input-pipeline options' defaults (configs/base.py). Cache keys list only the options
+# that differ from them, so caches made before an option existed stay valid.
+DEFAULT_DATA_OPTIONS = {
+    "squash_resize": False, "merge_iou": 0.9, "negatives_by_frequency": False,
+    "augment": {"hflip": False, "random_crop": False, "crop_area_range": (0.3, 1.0),
+                "crop_aspect_ratio_range": (0.75, 1.33), "crop_min_area_fraction": 0.6,
+                "mosaic_sizes": None, "mosaic_probs": (0.4, 0.3, 0.3)}}
+
+
+def non_default_data_options(config: ml_collections.ConfigDict, buffer: bool = False
+                             ) -> dict[str, Any]:
+  """{'data_options': {...}} with the `config.data` pipeline options that differ from
+  `DEFAULT_DATA_OPTIONS` ({} when none do), for the cache keys of the pre-trained model and
+  (buffer=True: augmentations excluded, the buffer's images are not augmented) the buffer."""
+  d = config.data
+  differing = {}
+  for name, default in DEFAULT_DATA_OPTIONS.items():
+    if name == "augment":
+      if buffer:
+        continue
+      value = {k: (tuple(v) if isinstance(v, (list, tuple)) else v)
+               for k, v in d.augment.to_dict().items()}
+      default = {k: (tuple(v) if isinstance(v, (list, tuple)) else v)
+                 for k, v in default.items()}
+    else:
+      value = d.get(name, default)
+    if value != default:
+      differing[name] = value
+  return {"data_options": differing} if differing else {}
+
+
 def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict):
   """The replay store over the pre-training set (cached; SPEC §6). Returns (store, stats)."""
   config = runner.config
@@ -676,7 +751,8 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
       "pretrain_data": _file_digest(source.annotation_file), "buffer": bc.to_dict(),
       "top_k": config.replay.top_k,
       "data": [data.num_queries, data.num_negatives, data.max_instances],
-      "loss": config.loss.to_dict(), "seed": config.seed, "format": 1}
+      "loss": config.loss.to_dict(), "seed": config.seed, "format": 1,
+      **non_default_data_options(config, buffer=True)}
   build = lambda: buffer_build.build_store(
       runner.model, params, source, class_tokens=runner.class_tokens(source),
       empty_tokens=runner.empty_tokens, image_size=runner.image_size,
@@ -685,7 +761,7 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
       loss_threshold=bc.loss_threshold, min_per_class=bc.min_per_class,
       fill_all_for_rare_classes=bc.fill_all_for_rare_classes, top_k=config.replay.top_k,
       max_per_class=bc.max_instances_per_prototype, loss_config=runner.loss_config,
-      batch_size=data.eval_batch_size)
+      batch_size=data.eval_batch_size, example_options=runner.example_options(source))
   return buffer_build.cached_store(
       os.path.join(_expand(config.cache_dir), "buffers"), key_material, build)
 

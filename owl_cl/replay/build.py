@@ -35,8 +35,11 @@ EXAMPLE_KEYS = ("images", "queries", "labels", "boxes", "query_class")
 
 def preprocess_source(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
                       image_size: int, num_queries: int, max_instances: int,
-                      num_negatives: int, seed: int) -> dict[str, np.ndarray]:
+                      num_negatives: int, seed: int, **options) -> dict[str, np.ndarray]:
   """Fixed training examples of every image of `source` (queries drawn once, seeded).
+
+  `options` go to `pipeline.preprocess_train_example` (squash, merge_iou, negative_weights:
+  the run's preprocessing; no augmentation).
 
   Returns:
     dict of stacked arrays with the batch-dict keys `EXAMPLE_KEYS` ([N, ...]) plus
@@ -47,7 +50,7 @@ def preprocess_source(source, *, class_tokens: np.ndarray, empty_tokens: np.ndar
     examples.append(pipeline.preprocess_train_example(
         source.load(i), class_tokens=class_tokens, empty_tokens=empty_tokens,
         image_size=image_size, num_queries=num_queries, max_instances=max_instances,
-        num_negatives=num_negatives, rng=pipeline.example_rng(seed, 0, i)))
+        num_negatives=num_negatives, rng=pipeline.example_rng(seed, 0, i), **options))
   stacked = pipeline.stack_examples(examples)
   return {k: stacked[k] for k in EXAMPLE_KEYS + ("image_id",)}
 
@@ -106,11 +109,14 @@ def build_store(model, params, source, *, class_tokens: np.ndarray, empty_tokens
                 image_size: int, num_queries: int, max_instances: int, num_negatives: int,
                 seed: int, loss_threshold: float, min_per_class: int,
                 fill_all_for_rare_classes: bool, top_k: int, max_per_class: int,
-                loss_config: dict, batch_size: int) -> tuple[store_lib.ReplayStore, dict]:
+                loss_config: dict, batch_size: int, example_options: dict | None = None
+                ) -> tuple[store_lib.ReplayStore, dict]:
   """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
 
   Selection is eq. 7 of the paper (SPEC §6): loss < `loss_threshold`, then each class with
   fewer than `min_per_class` kept images gets its images in ascending loss order.
+  `example_options`: preprocessing options of `preprocess_source` (the run's squash,
+  merge_iou, negative_weights).
 
   Returns:
     (store, statistics dict: images considered / kept, per-class counts, loss quantiles).
@@ -122,7 +128,7 @@ def build_store(model, params, source, *, class_tokens: np.ndarray, empty_tokens
   examples = preprocess_source(source, class_tokens=class_tokens, empty_tokens=empty_tokens,
                                image_size=image_size, num_queries=num_queries,
                                max_instances=max_instances, num_negatives=num_negatives,
-                               seed=seed)
+                               seed=seed, **(example_options or {}))
   analysis = analyse_images(model, params, examples, num_classes=num_classes, top_k=top_k,
                             max_per_class=max_per_class, loss_config=loss_config,
                             batch_size=batch_size)
