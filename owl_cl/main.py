@@ -4,6 +4,7 @@ Runs the whole pipeline (`owl_cl.experiment.run`): pre-trained model (loaded, or
 here on the built-in benchmark and cached), replay buffer, continual fine-tuning over the
 downstream sequence, evaluation after every stage, `results.json` / `results.md` in the
 workdir. The same command on the same workdir resumes after the last finished dataset.
+Multi-host (TPU pod slices, several GPU nodes): add `--distributed` on every host.
 Any config field can be overridden: `--config.replay.dedup=epoch`.
 """
 
@@ -25,6 +26,11 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None,
     "Output folder. Default: workdirs/<experiment_name>_<timestamp> (a new folder, so no run "
     "overwrites another). Re-using a workdir resumes the run it holds.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False,
+    "Multi-host (Cloud TPU VM pods, multi-node GPU): call jax.distributed.initialize() before "
+    "anything else, so every host joins one JAX runtime (coordinator from the environment: "
+    "TPU metadata, SLURM or JAX_COORDINATOR_ADDRESS). Run the same command on every host.")
 
 
 def default_workdir(experiment_name: str) -> str:
@@ -43,6 +49,12 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraryInfo())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _DISTRIBUTED.value:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.initialize()  # Before any other JAX call (device lists, compilation).
+    logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
+                 jax.process_index(), jax.process_count(), jax.local_device_count(),
+                 jax.device_count())
   from owl_cl import experiment  # Imported after flag parsing: keeps --help fast.
 
   config = _CONFIG.value
