@@ -1,0 +1,20 @@
+"""Analysis of finished runs: results and retrieval records -> matrices, curves, figures.
+
+`load_run(workdir)`, `stage_matrix`, `forgetting_curve` (owl_cl/analysis/runs.py) and the
+matplotlib figures (owl_cl/analysis/plots.py, Agg canvas, no display). Example:
+notebooks/analysis.ipynb.
+"""
+
+from owl_cl.analysis.plots import plot_distance_ranks
+from owl_cl.analysis.plots import plot_entropy_histograms
+from owl_cl.analysis.plots import plot_forgetting_curves
+from owl_cl.analysis.plots import plot_knn_sv_histogram
+from owl_cl.analysis.plots import plot_sampled_classes
+from owl_cl.analysis.plots import plot_stage_heatmap
+from owl_cl.analysis.plots import records_figures
+from owl_cl.analysis.runs import Run
+from owl_cl.analysis.runs import eval_set_order
+from owl_cl.analysis.runs import forgetting_curve
+from owl_cl.analysis.runs import load_records
+from owl_cl.analysis.runs import load_run
+from owl_cl.analysis.runs import stage_matrix
