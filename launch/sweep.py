@@ -1,0 +1,257 @@
+r"""Command lines of a sweep: algorithms x sequence seeds (x optional config grids).
+
+    python launch/sweep.py --algorithms=no_replay,uniform,swil --seeds=0,1,2 \
+        [--paper] [--set replay.dedup=epoch,dataset] [--fixed data.root=/data] \
+        [--root=workdirs/sweep] [--task-file=sweep.tasks] [--run]
+
+Each command is `python -m owl_cl.main --config=configs/<algorithm>.py[:paper]
+--workdir=<root>/<algorithm>_seed<k>[_<field>=<v>...] --config.sequence_seed=<k>
+[--config.<field>=<v> ...]`. The order is deterministic: algorithms as given, then seeds,
+then the `--set` grid (itertools.product in the order of the flags). Every workdir is
+distinct; re-running a command on its workdir resumes it (owl_cl.main), so a sweep can be
+re-submitted after a failure or preemption.
+
+Default (dry run): print the commands, one per line. `--task-file F`: also write them to F,
+one per line, for `launch/slurm_gpu.sbatch` (line i+1 = array task i); an existing F with
+other contents is never overwritten. `--run`: run them here one after another (stops at
+the first failure).
+
+Values are checked before anything is printed: algorithms against configs/*.py, every
+`--set` / `--fixed` field against the algorithm's config. A value list is split on commas
+outside brackets, so `--set "data.augment.mosaic_sizes=(1,2),(1,2,3)"` gives two values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib
+import itertools
+import os
+import shlex
+import subprocess
+import sys
+from typing import Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # `python launch/sweep.py` from anywhere: import configs/.
+  sys.path.insert(0, REPO)
+
+_NOT_ALGORITHMS = ("base", "__init__")
+
+
+def known_algorithms(configs_dir: str = os.path.join(REPO, "configs")) -> list[str]:
+  """Algorithm config names: configs/<name>.py except base.py / __init__.py, sorted."""
+  names = [os.path.splitext(os.path.basename(p))[0]
+           for p in glob.glob(os.path.join(configs_dir, "*.py"))]
+  return sorted(n for n in names if n not in _NOT_ALGORITHMS)
+
+
+def split_values(text: str) -> list[str]:
+  """Splits `a,b,(1,2)` on commas outside (), [], {} -> ['a', 'b', '(1,2)'].
+
+  Raises:
+    ValueError: unbalanced brackets or an empty value (names the text).
+  """
+  values, depth, current = [], 0, ""
+  for char in text:
+    if char in "([{":
+      depth += 1
+    elif char in ")]}":
+      depth -= 1
+      if depth < 0:
+        raise ValueError(f"unbalanced brackets in {text!r}")
+    if char == "," and depth == 0:
+      values.append(current)
+      current = ""
+    else:
+      current += char
+  if depth:
+    raise ValueError(f"unbalanced brackets in {text!r}")
+  values.append(current)
+  values = [v.strip() for v in values]
+  if any(not v for v in values):
+    raise ValueError(f"empty value in {text!r}")
+  return values
+
+
+def parse_assignment(text: str, *, multiple: bool) -> tuple[str, list[str]]:
+  """`field=v1,v2` -> ('field', ['v1', 'v2']) (or one value when not `multiple`).
+
+  Raises:
+    ValueError: no '=' or an empty field / value.
+  """
+  field, sep, value = text.partition("=")
+  field = field.strip()
+  if field.startswith("config."):
+    field = field[len("config."):]
+  if not sep or not field or not value.strip():
+    raise ValueError(f"expected FIELD=VALUE{'S' if multiple else ''}, got {text!r}")
+  return field, (split_values(value) if multiple else [value.strip()])
+
+
+def _check_field(config, field: str, where: str) -> None:
+  node = config
+  for n, part in enumerate(field.split(".")):
+    try:
+      node = node[part]
+    except (KeyError, AttributeError, TypeError):
+      raise ValueError(f"{where}: config field {field!r} does not exist (no "
+                       f"{'.'.join(field.split('.')[:n + 1])!r})") from None
+
+
+def _load_config(algorithm: str, paper: bool):
+  module = importlib.import_module(f"configs.{algorithm}")
+  return module.get_config("paper" if paper else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One run of the sweep: its workdir and its command line (argv, unquoted)."""
+  algorithm: str
+  seed: int
+  grid: tuple[tuple[str, str], ...]
+  workdir: str
+  argv: tuple[str, ...]
+
+  @property
+  def command(self) -> str:
+    """The shell-quoted command line."""
+    return " ".join(shlex.quote(a) for a in self.argv)
+
+
+def _name_part(field: str, value: str) -> str:
+  part = f"{field}={value}"
+  return "".join(c if c.isalnum() or c in "._=-+," else "-" for c in part)
+
+
+def build_sweep(algorithms: Sequence[str], seeds: Sequence[int], *, root: str = "workdirs/sweep",
+                paper: bool = False, grid: Sequence[tuple[str, Sequence[str]]] = (),
+                fixed: Sequence[tuple[str, str]] = (), python: str = "python",
+                check_fields: bool = True) -> list[Task]:
+  """The sweep's tasks in deterministic order (algorithm, then seed, then grid product).
+
+  Args:
+    algorithms: config names (configs/<name>.py), e.g. ['no_replay', 'swil'].
+    seeds: sequence seeds (`config.sequence_seed`: the order of the downstream datasets).
+    root: parent folder of the workdirs `<root>/<algorithm>_seed<k>[_<field>=<v>...]`
+      (characters other than letters, digits and `._=-+,` in a value become '-').
+    paper: use `configs/<algorithm>.py:paper` (the paper's protocol on real data).
+    grid: [(field, [values])]: one task per combination; fields appear in the workdir name.
+    fixed: [(field, value)]: passed to every task, not in the workdir name (e.g. data.root).
+    python: the interpreter of the command lines.
+    check_fields: check that every field exists in each algorithm's config.
+
+  Returns:
+    [Task] of len(algorithms) * len(seeds) * prod(len(values)).
+
+  Raises:
+    ValueError: an unknown algorithm (the message lists the known ones), no algorithms or
+      seeds, a repeated field, a field missing from the config, or two tasks with the same
+      workdir.
+  """
+  known = known_algorithms()
+  unknown = [a for a in algorithms if a not in known]
+  if unknown:
+    raise ValueError(f"unknown algorithm(s) {unknown}; known: {', '.join(known)}")
+  if not algorithms or not seeds:
+    raise ValueError("a sweep needs at least one algorithm and one seed.")
+  fields = [f for f, _ in grid] + [f for f, _ in fixed] + ["sequence_seed"]
+  repeated = sorted({f for f in fields if fields.count(f) > 1})
+  if repeated:
+    raise ValueError(f"field(s) {repeated} given more than once (sequence_seed is set by "
+                     "--seeds).")
+  if check_fields:
+    for algorithm in dict.fromkeys(algorithms):
+      config = _load_config(algorithm, paper)
+      for field in fields:
+        _check_field(config, field, f"configs/{algorithm}.py{':paper' if paper else ''}")
+  tasks, workdirs = [], set()
+  grid_fields = [f for f, _ in grid]
+  for algorithm in algorithms:
+    for seed in seeds:
+      for values in itertools.product(*[list(v) for _, v in grid]):
+        pairs = tuple(zip(grid_fields, values))
+        name = "_".join([f"{algorithm}_seed{int(seed)}"] + [_name_part(f, v) for f, v in pairs])
+        workdir = os.path.join(root, name)
+        if workdir in workdirs:
+          raise ValueError(f"two tasks share the workdir {workdir!r}; give distinct "
+                           "algorithms, seeds and values.")
+        workdirs.add(workdir)
+        argv = [python, "-m", "owl_cl.main",
+                f"--config=configs/{algorithm}.py{':paper' if paper else ''}",
+                f"--workdir={workdir}", f"--config.sequence_seed={int(seed)}"]
+        argv += [f"--config.{f}={v}" for f, v in list(pairs) + list(fixed)]
+        tasks.append(Task(algorithm, int(seed), pairs, workdir, tuple(argv)))
+  return tasks
+
+
+def write_task_file(path: str, tasks: Sequence[Task]) -> None:
+  """Writes one command per line (atomically). An existing file with the same contents is
+  left as is; one with other contents is refused (FileExistsError naming it)."""
+  text = "".join(t.command + "\n" for t in tasks)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      if f.read() == text:
+        return
+    raise FileExistsError(f"{path} exists with other commands; remove it or choose another "
+                          "--task-file (a running array job may still read it).")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Command line (module docstring). Returns the exit status."""
+  parser = argparse.ArgumentParser(prog="launch/sweep.py", description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=__doc__.split("\n", 2)[2])
+  parser.add_argument("--algorithms", required=True,
+                      help=f"comma-separated, of: {', '.join(known_algorithms())}")
+  parser.add_argument("--seeds", default="0", help="comma-separated sequence seeds (0)")
+  parser.add_argument("--root", default="workdirs/sweep", help="parent of the workdirs")
+  parser.add_argument("--paper", action="store_true", help="configs/<algorithm>.py:paper")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
+                      help="grid over a config field (repeatable)")
+  parser.add_argument("--fixed", action="append", default=[], metavar="FIELD=VALUE",
+                      help="config override for every task, not in the workdir name")
+  parser.add_argument("--python", default="python", help="interpreter in the commands")
+  parser.add_argument("--task-file", help="write the commands here for slurm_gpu.sbatch")
+  parser.add_argument("--dry-run", dest="dry_run", action="store_true", default=True,
+                      help="print the commands only (default)")
+  parser.add_argument("--run", dest="dry_run", action="store_false",
+                      help="run the commands here, one after another")
+  args = parser.parse_args(argv)
+  try:
+    seeds = [int(s) for s in split_values(args.seeds)]
+  except ValueError:
+    parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+  try:
+    tasks = build_sweep(
+        split_values(args.algorithms), seeds, root=args.root, paper=args.paper,
+        grid=[parse_assignment(s, multiple=True) for s in args.set],
+        fixed=[(f, v[0]) for f, v in (parse_assignment(s, multiple=False) for s in args.fixed)],
+        python=args.python)
+  except ValueError as e:
+    parser.error(str(e))
+  for task in tasks:
+    print(task.command)
+  if args.task_file:
+    write_task_file(args.task_file, tasks)
+    print(f"# {len(tasks)} tasks in {args.task_file}; submit with: sbatch --array=0-"
+          f"{len(tasks) - 1} launch/slurm_gpu.sbatch {args.task_file}", file=sys.stderr)
+  if not args.dry_run:
+    for n, task in enumerate(tasks):
+      print(f"# [{n + 1}/{len(tasks)}] {task.workdir}", file=sys.stderr, flush=True)
+      status = subprocess.call(list(task.argv), cwd=REPO)
+      if status:
+        print(f"# failed with status {status}: {task.command}", file=sys.stderr)
+        return status
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
