@@ -33,6 +33,8 @@ DISTANCES = ('l2', 'cosine')
 # on CPU at the paper's sizes ([1344, 1344]: 284 ms at 1, 359 at 8, 318 at 32; the scan step is one
 # vector add, the sorts dominate).
 SCAN_UNROLL = 1
+# Largest N_c for the packed int32 sort of `_sort_order` (N_c^2 < 2^31).
+PACKED_SORT_MAX_CANDIDATES = 46_340
 REDUCTIONS = ('max', 'min')
 
 
@@ -104,11 +106,17 @@ def _sort_order(distances: Array, valid: Array) -> Array:
   single-operand int32 sorts: (1) the distances mapped to order-preserving int32 keys are
   sorted, and each candidate's rank r (number of strictly smaller keys in its row) is found
   by binary search; (2) r * N_c + index (distinct; < 2^31 for N_c <= 46,340) is sorted, which
-  orders by rank and then by index, i.e. a stable sort by distance.
+  orders by rank and then by index, i.e. a stable sort by distance. Above
+  `PACKED_SORT_MAX_CANDIDATES` candidates (ASER-PC's whole-buffer precomputation) one
+  generic stable three-operand sort gives the same order.
   """
   n_e, n_c = distances.shape
-  if n_c > 46_340:
-    raise ValueError(f'knn_shapley: at most 46,340 candidates are supported, got {n_c}')
+  if n_c > PACKED_SORT_MAX_CANDIDATES:
+    # r * N_c + index would overflow int32: one generic stable sort (slower on CPU).
+    index = jax.lax.broadcasted_iota(jnp.int32, (n_e, n_c), 1)
+    invalid = jnp.broadcast_to((~valid).astype(jnp.int32)[None, :], (n_e, n_c))
+    return jax.lax.sort((invalid, distances, index), dimension=1, is_stable=True,
+                        num_keys=2)[2]
   # Valid distances are clipped to the largest finite float32 so that +inf (invalid) sorts
   # strictly after every valid candidate.
   finite_max = jnp.finfo(jnp.float32).max

@@ -85,6 +85,21 @@ def test_knn_shapley_infinite_and_negative_distances_keep_the_stable_order():
   np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
+def test_knn_shapley_generic_sort_path_matches_packed_sort(monkeypatch):
+  # Above PACKED_SORT_MAX_CANDIDATES (the whole-buffer precomputation) a generic stable sort
+  # is used; both orders must give the same values (ties, invalid candidates).
+  rng = np.random.default_rng(8)
+  d = rng.integers(0, 5, (6, 25)).astype(np.float32)
+  u = rng.uniform(-1, 1, (6, 25)).astype(np.float32)
+  valid = rng.random(25) < 0.7
+  packed = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
+  monkeypatch.setattr(knn_shapley, 'PACKED_SORT_MAX_CANDIDATES', 10)
+  generic = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
+  expected = np.stack([_recursion_reference(d[j], u[j], 4, valid) for j in range(6)])
+  np.testing.assert_allclose(generic, expected, atol=1e-6)
+  np.testing.assert_allclose(packed, expected, atol=1e-6)
+
+
 def test_knn_shapley_errors_and_no_valid_candidate():
   with pytest.raises(ValueError, match='K must be >= 1'):
     knn_shapley.knn_shapley(np.zeros((1, 2)), np.zeros((1, 2)), 0)
