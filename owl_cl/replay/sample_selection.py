@@ -77,11 +77,25 @@ def uniform_in_class(key: Array, class_membership: Array, eligible: Array, class
   return indices, valid
 
 
+def _gumbel_top_k(key: Array, eligible: Array, num: int) -> Array:
+  """int32 [num]: an ordered uniform sample without replacement of the True entries of bool
+  [N] (Gumbel-top-k: the `num` largest of i.i.d. Gumbel scores, -inf where not eligible).
+
+  Every ordered num-tuple of distinct eligible images is equally likely (the Gumbel-max
+  trick applied sequentially, Vieira 2014 / Kool et al. 2019, "Stochastic Beams and Where to
+  Find Them" eq. 2 with uniform logits); entries past the number of eligible images are
+  ineligible ones (the caller masks them). Costs O(N) draws and a top-k, not a sort of N.
+  """
+  scores = jnp.where(eligible, jax.random.gumbel(key, eligible.shape, jnp.float32), -jnp.inf)
+  return jax.lax.top_k(scores, num)[1].astype(jnp.int32)
+
+
 def uniform(key: Array, eligible: Array, num: int) -> Tuple[Array, Array]:
   """Uniform selection without a class step: `num` distinct images among the eligible ones.
 
-  Draws a uniform random permutation of the buffer and takes its first `num` eligible
-  entries (sampling without replacement). If fewer than `num` images are eligible the
+  Gumbel-top-k (`_gumbel_top_k`): the `num` eligible images with the largest i.i.d. Gumbel
+  scores, an exactly uniform ordered sample without replacement, in O(N) (no permutation
+  of the buffer). If fewer than `num` images are eligible the
   remaining slots are invalid (index 0, valid False).
 
   Args:
@@ -98,10 +112,9 @@ def uniform(key: Array, eligible: Array, num: int) -> Tuple[Array, Array]:
   n = eligible.shape[0]
   if num > n:
     raise ValueError(f'cannot draw {num} distinct images from a buffer of {n}')
-  perm = jax.random.permutation(key, n).astype(jnp.int32)
-  first = jnp.argsort(~eligible[perm], stable=True)[:num]      # eligible first, in perm order
+  first = _gumbel_top_k(key, eligible, num)
   valid = jnp.arange(num) < jnp.sum(eligible, dtype=jnp.int32)
-  return jnp.where(valid, perm[first], 0), valid
+  return jnp.where(valid, first, 0), valid
 
 
 def uniform_in_class_active(key: Array, class_membership: Array, eligible: Array, classes: Array,
@@ -137,8 +150,9 @@ def uniform_in_class_active(key: Array, class_membership: Array, eligible: Array
 
 
 def uniform_active(key: Array, eligible: Array, active: Array) -> Tuple[Array, Array]:
-  """`uniform` with a slot mask: the i-th active slot gets the i-th eligible image of a random
-  permutation; inactive slots get index 0, valid False.
+  """`uniform` with a slot mask: the i-th active slot gets the i-th image of a uniform ordered
+  sample without replacement of the eligible images (Gumbel-top-k, `_gumbel_top_k`);
+  inactive slots get index 0, valid False.
 
   Args:
     key: PRNG key.
@@ -155,8 +169,7 @@ def uniform_active(key: Array, eligible: Array, active: Array) -> Tuple[Array, A
   n, num = eligible.shape[0], active.shape[0]
   if num > n:
     raise ValueError(f'cannot draw {num} distinct images from a buffer of {n}')
-  perm = jax.random.permutation(key, n).astype(jnp.int32)
-  first = perm[jnp.argsort(~eligible[perm], stable=True)[:num]]
+  first = _gumbel_top_k(key, eligible, num)
   rank = jnp.cumsum(active, dtype=jnp.int32) - 1
   valid = active & (rank < jnp.sum(eligible, dtype=jnp.int32))
   return jnp.where(valid, first[jnp.clip(rank, 0, num - 1)], 0), valid

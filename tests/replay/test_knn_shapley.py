@@ -72,6 +72,34 @@ def test_knn_shapley_matches_numpy_recursion(k):
   np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
+def test_knn_shapley_infinite_and_negative_distances_keep_the_stable_order():
+  # The sort maps float distances to int32 keys: +inf valid candidates must still sort
+  # before invalid ones (ties by index), negative distances before positive ones.
+  rng = np.random.default_rng(7)
+  n_e, n_c, k = 4, 30, 3
+  d = rng.choice(np.array([-2.0, -0.5, 0.0, 0.5, 3.0, np.inf], np.float32), (n_e, n_c))
+  u = rng.uniform(-1, 1, (n_e, n_c)).astype(np.float32)
+  valid = rng.random(n_c) < 0.6
+  got = np.asarray(knn_shapley.knn_shapley(d, u, k, valid))
+  expected = np.stack([_recursion_reference(d[j], u[j], k, valid) for j in range(n_e)])
+  np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_knn_shapley_generic_sort_path_matches_packed_sort(monkeypatch):
+  # Above PACKED_SORT_MAX_CANDIDATES (the whole-buffer precomputation) a generic stable sort
+  # is used; both orders must give the same values (ties, invalid candidates).
+  rng = np.random.default_rng(8)
+  d = rng.integers(0, 5, (6, 25)).astype(np.float32)
+  u = rng.uniform(-1, 1, (6, 25)).astype(np.float32)
+  valid = rng.random(25) < 0.7
+  packed = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
+  monkeypatch.setattr(knn_shapley, 'PACKED_SORT_MAX_CANDIDATES', 10)
+  generic = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
+  expected = np.stack([_recursion_reference(d[j], u[j], 4, valid) for j in range(6)])
+  np.testing.assert_allclose(generic, expected, atol=1e-6)
+  np.testing.assert_allclose(packed, expected, atol=1e-6)
+
+
 def test_knn_shapley_errors_and_no_valid_candidate():
   with pytest.raises(ValueError, match='K must be >= 1'):
     knn_shapley.knn_shapley(np.zeros((1, 2)), np.zeros((1, 2)), 0)

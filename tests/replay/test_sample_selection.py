@@ -64,6 +64,25 @@ def test_uniform_in_class_is_uniform_over_eligible_members():
   assert abs(counts[1] / 3000 - 0.5) < 0.04
 
 
+def test_uniform_gumbel_top_k_is_uniform_over_ordered_samples():
+  # 4 eligible images, 2 slots: each of the 12 ordered pairs has probability 1/12
+  # (chi-square, 11 degrees of freedom; p = 0.001 critical value 31.3). uniform_active's
+  # i-th active slot takes the i-th of the same sample.
+  eligible = np.array([1, 0, 1, 1, 0, 1], bool)
+  keys = jax.random.split(jax.random.PRNGKey(11), 6000)
+  idx, valid = jax.vmap(lambda k: ss.uniform(k, eligible, 2))(keys)
+  idx = np.asarray(idx)
+  assert np.asarray(valid).all() and (idx[:, 0] != idx[:, 1]).all() and eligible[idx].all()
+  pairs = [(a, b) for a in (0, 2, 3, 5) for b in (0, 2, 3, 5) if a != b]
+  counts = np.array([np.sum((idx[:, 0] == a) & (idx[:, 1] == b)) for a, b in pairs])
+  expected = len(idx) / len(pairs)
+  assert ((counts - expected) ** 2 / expected).sum() < 31.3
+  active = jnp.array([False, True, True])
+  idx_a, valid_a = jax.vmap(lambda k: ss.uniform_active(k, eligible, active))(keys[:50])
+  np.testing.assert_array_equal(np.asarray(idx_a)[:, 1:], idx[:50])
+  assert not np.asarray(valid_a)[:, 0].any()
+
+
 def test_uniform_without_replacement():
   f = jax.jit(ss.uniform, static_argnums=2)
   eligible = np.array([1, 0, 1, 1, 0, 1, 1, 1], bool)
