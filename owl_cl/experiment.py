@@ -399,8 +399,6 @@ class Runner:
         class_weight=config.loss.class_weight, bbox_weight=config.loss.bbox_weight,
         giou_weight=config.loss.giou_weight)
     self.empty_tokens = self.tokenizer.encode([""])[0]
-    self._predict = step_lib.make_predict_step(
-        self.model, self.mesh, top_k=config.eval.top_k, multi_label=config.eval.multi_label)
     self._text_embed = step_lib.make_text_embed_step(self.model)
     self._predict_steps = {}   # (templates?, top_k, multi_label) -> jitted prediction
     self._class_frequencies = {}   # source -> float64 [C] images per class (negatives)
@@ -516,11 +514,8 @@ class Runner:
     max_dets = ec.lvis_max_dets if lvis else ec.max_dets
     if max_detections is not None:
       top_k = max_dets = int(max_detections)
-    if lvis or templates or top_k != ec.top_k:
-      predict_step = self._predict_step(
-          templates=templates, top_k=top_k, multi_label=True if lvis else ec.multi_label)
-    else:
-      predict_step = self._predict   # the built-in benchmark's path
+    predict_step = self._predict_step(
+        templates=templates, top_k=top_k, multi_label=True if lvis else ec.multi_label)
     query_embeddings = self.eval_query_embeddings(params, source)
     batch_size = self.config.data.eval_batch_size
     sharding_lib.check_batch_divisible(batch_size, self.mesh, "config.data.eval_batch_size")
@@ -1053,7 +1048,7 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
         replayed += int(valid.sum())
         names = ["images", "queries", "labels", "boxes", "stored_logits", "replay_mask"]
         if active is not None:
-          replay_batch["replay_active"] = np.asarray(jax.device_get(active), bool)
+          replay_batch["replay_active"] = active
           names.append("replay_active")
         replay = sharding_lib.shard_batch({k: replay_batch[k] for k in names}, runner.mesh)
       state, metrics = train_step(state, inputs, replay, step_key)

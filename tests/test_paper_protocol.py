@@ -285,5 +285,5 @@ def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypat
     experiment.evaluate_dataset(runner, None, dataset.name, dataset, "test")
   assert seen == {by_name["EgoHands"].test.annotation_file: 100,
                   by_name["Pothole"].test.annotation_file: 300}
-  # The 100-detection prediction step was built with top_k 100 (the others use eval.top_k).
-  assert {key[1] for key in runner._predict_steps} == {100}
+  # One prediction step per detection count: top_k 100 (EgoHands) and eval.top_k 300.
+  assert {key[1] for key in runner._predict_steps} == {100, 300}
