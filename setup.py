@@ -1,42 +1,44 @@
 """owl_cl: continual learning of OWL-ViT with replay, in JAX/Flax."""
+
 import setuptools
 
 INSTALL_REQUIRES = [
-    "jax>=0.4.35",
-    "flax>=0.10",
-    "optax>=0.2.4",
-    "orbax-checkpoint>=0.11",
-    "grain>=0.2.10",
-    "ml_collections>=1.0",
-    "absl-py>=2.1",
-    "numpy>=1.26",
-    "scipy>=1.13",
-    "pycocotools>=2.0.8",
-    "pillow>=10.0",
-    "scikit-learn>=1.5",   # built-in benchmark: bundled handwritten digits
-    "scikit-image>=0.24",  # built-in benchmark: bundled photographs
-    "matplotlib>=3.8",     # built-in benchmark photographs/fonts, plots
-    "tqdm>=4.66",
-    "tensorboardX>=2.6",
-    "tokenizers>=0.15",    # the CLIP BPE tokenizer of the ViT variants (no transformers needed)
-    "lvis>=0.5.3",         # LVIS AP / APr / APc / APf (federated evaluation)
+  "jax>=0.4.35",
+  "flax>=0.10",
+  "optax>=0.2.4",
+  "orbax-checkpoint>=0.11",
+  "grain>=0.2.10",
+  "ml_collections>=1.0",
+  "absl-py>=2.1",
+  "numpy>=1.26",
+  "scipy>=1.13",
+  "pycocotools>=2.0.8",
+  "pillow>=10.0",
+  "scikit-learn>=1.5",  # built-in benchmark: bundled handwritten digits
+  "scikit-image>=0.24",  # built-in benchmark: bundled photographs
+  "matplotlib>=3.8",  # built-in benchmark photographs/fonts, plots
+  "tqdm>=4.66",
+  "tensorboardX>=2.6",
+  "tokenizers>=0.15",  # the CLIP BPE tokenizer of the ViT variants (no transformers needed)
+  "lvis>=0.5.3",  # LVIS AP / APr / APc / APf (federated evaluation)
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-xdist>=3.5"],
-    # HF weight conversion and parity tests; OpenAI CLIP TorchScript init.
-    "hf": ["torch==2.13.0", "transformers>=4.44", "safetensors>=0.4"],
-    "cuda12": ["jax[cuda12]"],
-    "tpu": ["jax[tpu]"],
+  # ruff is pinned: its formatter's output may change between releases (ruff.toml).
+  "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6"],
+  # HF weight conversion and parity tests; OpenAI CLIP TorchScript init.
+  "hf": ["torch==2.13.0", "transformers>=4.44", "safetensors>=0.4"],
+  "cuda12": ["jax[cuda12]"],
+  "tpu": ["jax[tpu]"],
 }
 
 setuptools.setup(
-    name="owl_cl",
-    version="0.1.0",
-    description="Continual learning of the open-vocabulary detector OWL-ViT with replay (JAX/Flax).",
-    packages=setuptools.find_packages(include=["owl_cl", "owl_cl.*", "configs"]),
-    package_data={"owl_cl.data": ["forbidden_labels.json"]},
-    python_requires=">=3.10",
-    install_requires=INSTALL_REQUIRES,
-    extras_require=EXTRAS,
+  name="owl_cl",
+  version="0.1.0",
+  description="Continual learning of the open-vocabulary detector OWL-ViT with replay (JAX/Flax).",
+  packages=setuptools.find_packages(include=["owl_cl", "owl_cl.*", "configs"]),
+  package_data={"owl_cl.data": ["forbidden_labels.json"]},
+  python_requires=">=3.10",
+  install_requires=INSTALL_REQUIRES,
+  extras_require=EXTRAS,
 )

@@ -33,9 +33,11 @@ unchanged on CPU, GPU or TPU (the device is recorded). `--train-step-seconds` is
 train step time to express retrieval as a fraction of it (default: the tiny model's CPU
 step from the README, about 0.25 s for 32 images; the L/14 GPU step is not measured here).
 """
+
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import dataclasses
 import json
 import os
@@ -43,7 +45,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 
@@ -63,30 +65,48 @@ EPS = 1e-8
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-  num_images: int = 54_226      # N
-  num_classes: int = 365        # C
-  top_k: int = 8                # k
-  embed_dim: int = 768          # E
-  batch: int = 16               # B
-  candidates_aser: int = 168    # N_c of ASER
-  candidates_pc: int = 352      # N_c of ASER-PC, SW-ASER-PC
-  knn_k: int = 20               # K
-  precompute_chunk: int = 16    # evaluation images per timed precomputation chunk
+  num_images: int = 54_226  # N
+  num_classes: int = 365  # C
+  top_k: int = 8  # k
+  embed_dim: int = 768  # E
+  batch: int = 16  # B
+  candidates_aser: int = 168  # N_c of ASER
+  candidates_pc: int = 352  # N_c of ASER-PC, SW-ASER-PC
+  knn_k: int = 20  # K
+  precompute_chunk: int = 16  # evaluation images per timed precomputation chunk
 
 
 FULL = Sizes()
-QUICK = Sizes(num_images=600, num_classes=40, top_k=4, embed_dim=64, batch=8,
-              candidates_aser=32, candidates_pc=48, knn_k=5, precompute_chunk=600)
+QUICK = Sizes(
+  num_images=600,
+  num_classes=40,
+  top_k=4,
+  embed_dim=64,
+  batch=8,
+  candidates_aser=32,
+  candidates_pc=48,
+  knn_k=5,
+  precompute_chunk=600,
+)
 
 # Paper hyperparameters (suppl. Table 7): SWIL / GRASP w = 1, ASER c = 0.15; tau of
 # A-SW-GRASP 0.99 (configs/base.py).
 SWIL_W, GRASP_W, ASV_C, TAU = 1.0, 1.0, 0.15, 0.99
-ALGORITHM_NAMES = ('uniform', 'uniform_balanced', 'grasp', 'swil', 'sw_grasp', 'a_sw_grasp',
-                   'aser', 'aser_pc', 'sw_aser_pc')
+ALGORITHM_NAMES = (
+  "uniform",
+  "uniform_balanced",
+  "grasp",
+  "swil",
+  "sw_grasp",
+  "a_sw_grasp",
+  "aser",
+  "aser_pc",
+  "sw_aser_pc",
+)
 
 
 # ------------------------------------------------------------------------- synthetic data
-def synthetic_buffer(sizes: Sizes, seed: int = 0) -> Dict[str, np.ndarray]:
+def synthetic_buffer(sizes: Sizes, seed: int = 0) -> dict[str, np.ndarray]:
   """NumPy arrays of a random buffer with 1-4 classes per image (Zipf-like frequencies)."""
   rng = np.random.default_rng(seed)
   n, c, k, e = sizes.num_images, sizes.num_classes, sizes.top_k, sizes.embed_dim
@@ -98,21 +118,27 @@ def synthetic_buffer(sizes: Sizes, seed: int = 0) -> Dict[str, np.ndarray]:
     rows = np.flatnonzero(num_classes == count)
     for _ in range(count):
       membership[rows, rng.choice(c, rows.size, p=freq)] = True
-  membership[rng.choice(n, c, replace=False), np.arange(c)] = True   # every class has members
+  membership[rng.choice(n, c, replace=False), np.arange(c)] = True  # every class has members
   prototypes = rng.standard_normal((c, e), dtype=np.float32)
   class_embeddings = rng.standard_normal((n, k, e), dtype=np.float32)
   query_embeddings = rng.standard_normal((n, k, e), dtype=np.float32)
   distances = np.where(membership, rng.uniform(0.05, 1.5, (n, c)), np.inf).astype(np.float32)
-  return dict(class_membership=membership, prototypes=prototypes,
-              prototype_distances=distances, class_embeddings=class_embeddings,
-              query_embeddings=query_embeddings)
+  return dict(
+    class_membership=membership,
+    prototypes=prototypes,
+    prototype_distances=distances,
+    class_embeddings=class_embeddings,
+    query_embeddings=query_embeddings,
+  )
 
 
-def synthetic_features(sizes: Sizes, seed: int = 1) -> Dict[str, np.ndarray]:
+def synthetic_features(sizes: Sizes, seed: int = 1) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(seed)
   shape = (sizes.batch, sizes.top_k, sizes.embed_dim)
-  return dict(class_embeddings=rng.standard_normal(shape, dtype=np.float32),
-              query_embeddings=rng.standard_normal(shape, dtype=np.float32))
+  return dict(
+    class_embeddings=rng.standard_normal(shape, dtype=np.float32),
+    query_embeddings=rng.standard_normal(shape, dtype=np.float32),
+  )
 
 
 # ------------------------------------------------------------------ NumPy reference maths
@@ -123,8 +149,8 @@ def np_normalize(x):
 
 def np_swil_probs(class_embeddings, prototypes, w, class_eligible):
   """p[b, c] proportional to (min_k cosine distance + 1e-8)^(-w) over eligible classes."""
-  cos = np.einsum('bke,ce->bkc', np_normalize(class_embeddings), np_normalize(prototypes))
-  d = np.clip(1.0 - cos, 0.0, 2.0).min(axis=1)                        # [B, C]
+  cos = np.einsum("bke,ce->bkc", np_normalize(class_embeddings), np_normalize(prototypes))
+  d = np.clip(1.0 - cos, 0.0, 2.0).min(axis=1)  # [B, C]
   s = np.where(class_eligible[None], (d + EPS) ** (-w), 0.0)
   total = s.sum(-1, keepdims=True)
   return np.where(total > 0, s / np.where(total > 0, total, 1.0), 0.0)
@@ -156,7 +182,7 @@ def np_knn_shapley(distances, utilities, k, valid=None):
   out = np.zeros((n_e, n_c), np.float32)
   if n == 0:
     return out
-  order = np.argsort(distances[:, cols], axis=1, kind='stable')
+  order = np.argsort(distances[:, cols], axis=1, kind="stable")
   u = np.take_along_axis(utilities[:, cols], order, axis=1)
   m = np.arange(1, n, dtype=np.float32)
   terms = (u[:, :-1] - u[:, 1:]) * (np.minimum(k, m) / (k * m))
@@ -202,20 +228,19 @@ def np_asv(sv_left, sv_right, c, valid=None):
 
 def np_precompute_rows(rows_class, rows_query, class_embeddings, query_embeddings, k):
   """One chunk of ASER-PC's precomputation: max-reduced KNN-SVs [rows, N]."""
-  return np_image_knn_shapley(rows_class, rows_query, class_embeddings, query_embeddings, k,
-                              np.max)
+  return np_image_knn_shapley(rows_class, rows_query, class_embeddings, query_embeddings, k, np.max)
 
 
 class NumpyRetrieval:
   """The Table 2 compositions in NumPy (SPEC §7), dedup 'dataset' (replays marked)."""
 
-  def __init__(self, buffer: Dict[str, np.ndarray], sizes: Sizes, seed: int = 0):
+  def __init__(self, buffer: dict[str, np.ndarray], sizes: Sizes, seed: int = 0):
     self.b = buffer
     self.sizes = sizes
     self.rng = np.random.default_rng(seed)
     self.replayed = np.zeros(sizes.num_images, bool)
     self.pointer = -1
-    self.members = [np.flatnonzero(col) for col in buffer['class_membership'].T]
+    self.members = [np.flatnonzero(col) for col in buffer["class_membership"].T]
     self.left = self.left_min = None
 
   # class steps
@@ -231,8 +256,7 @@ class NumpyRetrieval:
     return chosen
 
   def swil_probs(self, features, class_eligible):
-    return np_swil_probs(features['class_embeddings'], self.b['prototypes'], SWIL_W,
-                         class_eligible)
+    return np_swil_probs(features["class_embeddings"], self.b["prototypes"], SWIL_W, class_eligible)
 
   def sample_classes(self, probs):
     cumulative = probs.cumsum(-1)
@@ -256,10 +280,10 @@ class NumpyRetrieval:
     out = []
     for cls, w in zip(classes, weights):
       members = self.members[cls]
-      p = np_prototype_probs(self.b['prototype_distances'][members, cls], eligible[members], w)
+      p = np_prototype_probs(self.b["prototype_distances"][members, cls], eligible[members], w)
       if p.sum() > 0:
         i = members[self.rng.choice(members.size, p=p)]
-      else:   # no eligible member left: any eligible image
+      else:  # no eligible member left: any eligible image
         pool = np.flatnonzero(eligible)
         i = pool[self.rng.integers(pool.size)]
       eligible[i] = False
@@ -268,11 +292,12 @@ class NumpyRetrieval:
 
   def _asv_select(self, classes, eligible, features, precomputed):
     candidates = self.uniform_in_class(classes, eligible.copy())
-    cand_class = self.b['class_embeddings'][candidates]
-    cand_query = self.b['query_embeddings'][candidates]
+    cand_class = self.b["class_embeddings"][candidates]
+    cand_query = self.b["query_embeddings"][candidates]
     k = self.sizes.knn_k
-    right = np_image_knn_shapley(features['class_embeddings'], features['query_embeddings'],
-                                 cand_class, cand_query, k, np.min)
+    right = np_image_knn_shapley(
+      features["class_embeddings"], features["query_embeddings"], cand_class, cand_query, k, np.min
+    )
     if precomputed:
       left_term = self.left[candidates]
       denominator = abs(self.left_min[candidates].min())
@@ -281,53 +306,64 @@ class NumpyRetrieval:
     else:
       left = np_image_knn_shapley(cand_class, cand_query, cand_class, cand_query, k, np.max)
       asv = np_asv(left, right, ASV_C)
-    return candidates[np.argsort(-asv, kind='stable')[:self.sizes.batch]]
+    return candidates[np.argsort(-asv, kind="stable")[: self.sizes.batch]]
 
-  def __call__(self, name: str, features: Dict[str, np.ndarray]) -> np.ndarray:
+  def __call__(self, name: str, features: dict[str, np.ndarray]) -> np.ndarray:
     sizes, num = self.sizes, self.sizes.batch
     if (~self.replayed).sum() < num:
       self.replayed[:] = False
     eligible = ~self.replayed
-    if name == 'uniform':
+    if name == "uniform":
       indices = self.rng.choice(np.flatnonzero(eligible), num, replace=False)
     else:
       class_eligible = self._class_eligible(eligible)
-      if name == 'uniform_balanced':
+      if name == "uniform_balanced":
         indices = self.uniform_in_class(self.balanced(class_eligible, num), eligible.copy())
-      elif name == 'grasp':
-        indices = self.prototype_in_class(self.balanced(class_eligible, num), eligible.copy(),
-                                          np.full(num, GRASP_W))
-      elif name in ('swil', 'sw_grasp'):
+      elif name == "grasp":
+        indices = self.prototype_in_class(
+          self.balanced(class_eligible, num), eligible.copy(), np.full(num, GRASP_W)
+        )
+      elif name in ("swil", "sw_grasp"):
         classes = self.sample_classes(self.swil_probs(features, class_eligible))
-        indices = (self.uniform_in_class(classes, eligible.copy()) if name == 'swil' else
-                   self.prototype_in_class(classes, eligible.copy(), np.full(num, GRASP_W)))
-      elif name == 'a_sw_grasp':
+        indices = (
+          self.uniform_in_class(classes, eligible.copy())
+          if name == "swil"
+          else self.prototype_in_class(classes, eligible.copy(), np.full(num, GRASP_W))
+        )
+      elif name == "a_sw_grasp":
         probs = self.swil_probs(features, class_eligible)
         use_grasp = np_normalized_entropy(probs) > TAU
         classes = self.sample_classes(probs)
         if use_grasp.any():
           classes[use_grasp] = self.balanced(class_eligible, int(use_grasp.sum()))
-        indices = self.prototype_in_class(classes, eligible.copy(),
-                                          np.where(use_grasp, GRASP_W, 0.0))
-      elif name == 'aser':
-        indices = self._asv_select(self.balanced(class_eligible, sizes.candidates_aser),
-                                   eligible, features, precomputed=False)
-      elif name == 'aser_pc':
-        indices = self._asv_select(self.balanced(class_eligible, sizes.candidates_pc),
-                                   eligible, features, precomputed=True)
-      elif name == 'sw_aser_pc':
+        indices = self.prototype_in_class(
+          classes, eligible.copy(), np.where(use_grasp, GRASP_W, 0.0)
+        )
+      elif name == "aser":
+        indices = self._asv_select(
+          self.balanced(class_eligible, sizes.candidates_aser),
+          eligible,
+          features,
+          precomputed=False,
+        )
+      elif name == "aser_pc":
+        indices = self._asv_select(
+          self.balanced(class_eligible, sizes.candidates_pc), eligible, features, precomputed=True
+        )
+      elif name == "sw_aser_pc":
         probs = self.swil_probs(features, class_eligible)
         rows = np.arange(sizes.candidates_pc) % num
-        indices = self._asv_select(self.sample_classes(probs[rows]), eligible, features,
-                                   precomputed=True)
+        indices = self._asv_select(
+          self.sample_classes(probs[rows]), eligible, features, precomputed=True
+        )
       else:
-        raise ValueError(f'unknown algorithm {name!r}')
+        raise ValueError(f"unknown algorithm {name!r}")
     self.replayed[indices] = True
     return indices
 
 
 # ----------------------------------------------------------------------------- timing
-def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> Dict[str, float]:
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, float]:
   """Median / min wall time of `fn()` (JAX results are blocked on) after `warmup` calls."""
   for _ in range(warmup):
     jax.block_until_ready(fn())
@@ -336,57 +372,91 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> Dict
     start = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
-  return {'median_s': statistics.median(times), 'min_s': min(times), 'repeats': repeats}
+  return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
 
 
-def _row(kind, name, jax_t, np_t, shape, max_abs_diff=None, note=''):
-  return {'kind': kind, 'name': name, 'shape': shape,
-          'jax_s': jax_t, 'numpy_s': np_t,
-          'ratio_numpy_over_jax': (np_t['median_s'] / jax_t['median_s']
-                                   if jax_t and np_t else None),
-          'max_abs_diff': max_abs_diff, 'note': note}
+def _row(kind, name, jax_t, np_t, shape, max_abs_diff=None, note=""):
+  return {
+    "kind": kind,
+    "name": name,
+    "shape": shape,
+    "jax_s": jax_t,
+    "numpy_s": np_t,
+    "ratio_numpy_over_jax": (np_t["median_s"] / jax_t["median_s"] if jax_t and np_t else None),
+    "max_abs_diff": max_abs_diff,
+    "note": note,
+  }
 
 
-def bench_kernels(sizes: Sizes, buf, feats, repeats: int) -> List[dict]:
+def bench_kernels(sizes: Sizes, buf, feats, repeats: int) -> list[dict]:
   rows = []
   rng = np.random.default_rng(2)
   c, b, t = sizes.num_classes, sizes.batch, sizes.top_k
   # similarity_weighted_probs: [B,k,E] x [C,E].
   eligible_c = rng.random(c) < 0.95
   j = jax.jit(lambda x, p, el: class_selection.similarity_weighted_probs(x, p, SWIL_W, el))
-  args = (jnp.asarray(feats['class_embeddings']), jnp.asarray(buf['prototypes']),
-          jnp.asarray(eligible_c))
-  ref = np_swil_probs(feats['class_embeddings'], buf['prototypes'], SWIL_W, eligible_c)
+  args = (
+    jnp.asarray(feats["class_embeddings"]),
+    jnp.asarray(buf["prototypes"]),
+    jnp.asarray(eligible_c),
+  )
+  ref = np_swil_probs(feats["class_embeddings"], buf["prototypes"], SWIL_W, eligible_c)
   diff = float(np.abs(np.asarray(j(*args)) - ref).max())
-  rows.append(_row('kernel', 'similarity_weighted_probs', median_seconds(lambda: j(*args),
-                   repeats), median_seconds(lambda: np_swil_probs(
-                       feats['class_embeddings'], buf['prototypes'], SWIL_W, eligible_c),
-                       repeats), f'[{b},{t},{sizes.embed_dim}] x [{c},{sizes.embed_dim}]',
-                   diff))
+  rows.append(
+    _row(
+      "kernel",
+      "similarity_weighted_probs",
+      median_seconds(lambda: j(*args), repeats),
+      median_seconds(
+        lambda: np_swil_probs(feats["class_embeddings"], buf["prototypes"], SWIL_W, eligible_c),
+        repeats,
+      ),
+      f"[{b},{t},{sizes.embed_dim}] x [{c},{sizes.embed_dim}]",
+      diff,
+    )
+  )
   # normalized_entropy of the SWIL distributions [B, C].
   j = jax.jit(sample_selection.normalized_entropy)
   p = jnp.asarray(ref)
   diff = float(np.abs(np.asarray(j(p)) - np_normalized_entropy(ref)).max())
-  rows.append(_row('kernel', 'normalized_entropy', median_seconds(lambda: j(p), repeats),
-                   median_seconds(lambda: np_normalized_entropy(ref), repeats),
-                   f'[{b},{c}]', diff))
+  rows.append(
+    _row(
+      "kernel",
+      "normalized_entropy",
+      median_seconds(lambda: j(p), repeats),
+      median_seconds(lambda: np_normalized_entropy(ref), repeats),
+      f"[{b},{c}]",
+      diff,
+    )
+  )
   # prototype_weighted_probs: one class column per slot over the whole buffer [B, N].
   cols = rng.integers(0, c, b)
-  d = np.ascontiguousarray(buf['prototype_distances'][:, cols].T)
+  d = np.ascontiguousarray(buf["prototype_distances"][:, cols].T)
   el = rng.random(d.shape) < 0.9
   j = jax.jit(lambda d, e: sample_selection.prototype_weighted_probs(d, e, GRASP_W))
   dj, ej = jnp.asarray(d), jnp.asarray(el)
   ref = np_prototype_probs(d, el, GRASP_W)
   diff = float(np.abs(np.asarray(j(dj, ej)) - ref).max())
-  rows.append(_row('kernel', 'prototype_weighted_probs', median_seconds(lambda: j(dj, ej),
-                   repeats), median_seconds(lambda: np_prototype_probs(d, el, GRASP_W),
-                                            repeats), f'[{b},{sizes.num_images}]', diff))
+  rows.append(
+    _row(
+      "kernel",
+      "prototype_weighted_probs",
+      median_seconds(lambda: j(dj, ej), repeats),
+      median_seconds(lambda: np_prototype_probs(d, el, GRASP_W), repeats),
+      f"[{b},{sizes.num_images}]",
+      diff,
+    )
+  )
   # knn_shapley: ASER-PC right term (B*k eval tokens x N_c*k candidate tokens) and ASER's
   # left term (N_c*k x N_c*k).
-  for label, n_e, n_c in (('right term, N_c=%d' % sizes.candidates_pc, b * t,
-                           sizes.candidates_pc * t),
-                          ('left term, N_c=%d' % sizes.candidates_aser,
-                           sizes.candidates_aser * t, sizes.candidates_aser * t)):
+  for label, n_e, n_c in (
+    (f"right term, N_c={sizes.candidates_pc}", b * t, sizes.candidates_pc * t),
+    (
+      f"left term, N_c={sizes.candidates_aser}",
+      sizes.candidates_aser * t,
+      sizes.candidates_aser * t,
+    ),
+  ):
     dist = rng.random((n_e, n_c), dtype=np.float32)
     util = rng.uniform(-1, 1, (n_e, n_c)).astype(np.float32)
     valid = rng.random(n_c) < 0.97
@@ -394,10 +464,16 @@ def bench_kernels(sizes: Sizes, buf, feats, repeats: int) -> List[dict]:
     args = tuple(map(jnp.asarray, (dist, util, valid)))
     ref = np_knn_shapley(dist, util, sizes.knn_k, valid)
     diff = float(np.abs(np.asarray(j(*args)) - ref).max())
-    rows.append(_row('kernel', f'knn_shapley ({label})', median_seconds(lambda: j(*args),
-                     repeats), median_seconds(lambda: np_knn_shapley(dist, util, sizes.knn_k,
-                                                                     valid), repeats),
-                     f'[{n_e},{n_c}], K={sizes.knn_k}', diff))
+    rows.append(
+      _row(
+        "kernel",
+        f"knn_shapley ({label})",
+        median_seconds(lambda: j(*args), repeats),
+        median_seconds(lambda: np_knn_shapley(dist, util, sizes.knn_k, valid), repeats),
+        f"[{n_e},{n_c}], K={sizes.knn_k}",
+        diff,
+      )
+    )
   # adversarial_shapley_value: [N_c, N_c] left, [B, N_c] right.
   n_c = sizes.candidates_pc
   left = rng.uniform(-0.01, 0.05, (n_c, n_c)).astype(np.float32)
@@ -406,9 +482,16 @@ def bench_kernels(sizes: Sizes, buf, feats, repeats: int) -> List[dict]:
   lj, rj = jnp.asarray(left), jnp.asarray(right)
   ref = np_asv(left, right, ASV_C)
   diff = float(np.abs(np.asarray(j(lj, rj)) - ref).max())
-  rows.append(_row('kernel', 'adversarial_shapley_value', median_seconds(lambda: j(lj, rj),
-                   repeats), median_seconds(lambda: np_asv(left, right, ASV_C), repeats),
-                   f'[{n_c},{n_c}] + [{b},{n_c}]', diff))
+  rows.append(
+    _row(
+      "kernel",
+      "adversarial_shapley_value",
+      median_seconds(lambda: j(lj, rj), repeats),
+      median_seconds(lambda: np_asv(left, right, ASV_C), repeats),
+      f"[{n_c},{n_c}] + [{b},{n_c}]",
+      diff,
+    )
+  )
   return rows
 
 
@@ -417,143 +500,197 @@ def bench_precompute(sizes: Sizes, buf, buffer, repeats: int) -> dict:
   n, rows = sizes.num_images, min(sizes.precompute_chunk, sizes.num_images)
   num_chunks = -(-n // rows)
   k = sizes.knn_k
-  r_class = buf['class_embeddings'][:rows]
-  r_query = buf['query_embeddings'][:rows]
+  r_class = buf["class_embeddings"][:rows]
+  r_query = buf["query_embeddings"][:rows]
 
   @jax.jit
   def chunk(rc, rq, cc, cq):
-    return knn_shapley.image_knn_shapley(rc, rq, cc, cq, k, reduction='max')[0]
+    return knn_shapley.image_knn_shapley(rc, rq, cc, cq, k, reduction="max")[0]
 
-  args = (jnp.asarray(r_class), jnp.asarray(r_query), buffer.class_embeddings,
-          buffer.query_embeddings)
-  ref = np_precompute_rows(r_class, r_query, buf['class_embeddings'], buf['query_embeddings'],
-                           k)
+  args = (
+    jnp.asarray(r_class),
+    jnp.asarray(r_query),
+    buffer.class_embeddings,
+    buffer.query_embeddings,
+  )
+  ref = np_precompute_rows(r_class, r_query, buf["class_embeddings"], buf["query_embeddings"], k)
   diff = float(np.abs(np.asarray(chunk(*args)) - ref).max())
   reps = max(1, min(repeats, 3))
   jt = median_seconds(lambda: chunk(*args), reps)
-  nt = median_seconds(lambda: np_precompute_rows(r_class, r_query, buf['class_embeddings'],
-                                                 buf['query_embeddings'], k), reps, warmup=0)
-  scale = lambda t: dict(t, median_s=t['median_s'] * num_chunks, min_s=t['min_s'] * num_chunks,
-                         chunk_median_s=t['median_s'])
-  note = (f'{rows} of {n} evaluation images timed, x{num_chunks} chunks (estimate)'
-          if num_chunks > 1 else 'whole buffer')
-  return _row('precompute', 'aser_pc left term (whole buffer)', scale(jt), scale(nt),
-              f'[{n}*{sizes.top_k}] x [{n}*{sizes.top_k}] tokens, K={k}', diff, note)
+  nt = median_seconds(
+    lambda: np_precompute_rows(
+      r_class, r_query, buf["class_embeddings"], buf["query_embeddings"], k
+    ),
+    reps,
+    warmup=0,
+  )
+  scale = lambda t: dict(
+    t,
+    median_s=t["median_s"] * num_chunks,
+    min_s=t["min_s"] * num_chunks,
+    chunk_median_s=t["median_s"],
+  )
+  note = (
+    f"{rows} of {n} evaluation images timed, x{num_chunks} chunks (estimate)"
+    if num_chunks > 1
+    else "whole buffer"
+  )
+  return _row(
+    "precompute",
+    "aser_pc left term (whole buffer)",
+    scale(jt),
+    scale(nt),
+    f"[{n}*{sizes.top_k}] x [{n}*{sizes.top_k}] tokens, K={k}",
+    diff,
+    note,
+  )
 
 
-def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> List[dict]:
+def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> list[dict]:
   rows = []
   features = {k: jnp.asarray(v) for k, v in feats.items()}
   rng = np.random.default_rng(3)
   left = rng.uniform(-0.01, 0.05, sizes.num_images).astype(np.float32)
   left_min = (left - 0.02).astype(np.float32)
   for name in names:
-    algorithm = algorithms.get_algorithm(name, dedup='dataset')
-    rstate = state_lib.init_replay_state(sizes.num_images, jax.random.PRNGKey(0),
-                                         sizes.num_classes)
-    if name in ('aser_pc', 'sw_aser_pc'):
+    algorithm = algorithms.get_algorithm(name, dedup="dataset")
+    rstate = state_lib.init_replay_state(sizes.num_images, jax.random.PRNGKey(0), sizes.num_classes)
+    if name in ("aser_pc", "sw_aser_pc"):
       # The per-call cost does not depend on the precomputed values (timed separately).
-      rstate = rstate.replace(asv_left=jnp.asarray(left), asv_left_min=jnp.asarray(left_min),
-                              asv_left_ready=jnp.ones((), bool))
+      rstate = rstate.replace(
+        asv_left=jnp.asarray(left),
+        asv_left_min=jnp.asarray(left_min),
+        asv_left_ready=jnp.ones((), bool),
+      )
     call = jax.jit(algorithm, static_argnums=3)
-    holder = {'state': rstate}
+    holder = {"state": rstate}
 
     def run_jax():
-      indices, valid, holder['state'] = call(holder['state'], buffer, features, sizes.batch)
+      indices, valid, holder["state"] = call(holder["state"], buffer, features, sizes.batch)
       return indices
 
     ref = NumpyRetrieval(buf, sizes)
     ref.left, ref.left_min = left, left_min
     jt = median_seconds(run_jax, repeats)
     nt = median_seconds(lambda: ref(name, feats), repeats)
-    rows.append(_row('algorithm', name, jt, nt, f'B={sizes.batch}'))
-    print(f'  {name}: jax {jt["median_s"] * 1e3:.2f} ms, numpy {nt["median_s"] * 1e3:.2f} ms',
-          flush=True)
+    rows.append(_row("algorithm", name, jt, nt, f"B={sizes.batch}"))
+    print(
+      f"  {name}: jax {jt['median_s'] * 1e3:.2f} ms, numpy {nt['median_s'] * 1e3:.2f} ms",
+      flush=True,
+    )
   return rows
 
 
 # ------------------------------------------------------------------------------ report
-def _fmt_s(t: Optional[dict]) -> str:
+def _fmt_s(t: dict | None) -> str:
   if not t:
-    return 'not measured'
-  s = t['median_s']
-  return f'{s * 1e3:.2f} ms' if s < 1 else (f'{s:.2f} s' if s < 600 else f'{s / 3600:.2f} h')
+    return "not measured"
+  s = t["median_s"]
+  return f"{s * 1e3:.2f} ms" if s < 1 else (f"{s:.2f} s" if s < 600 else f"{s / 3600:.2f} h")
 
 
 def render_markdown(report: dict) -> str:
-  sizes = report['sizes']
-  step = report.get('train_step_seconds')
-  lines = [f"Device: {report['device']} ({report['backend']}), JAX {report['jax_version']}, "
-           f"NumPy {report['numpy_version']}; sizes: N={sizes['num_images']}, "
-           f"C={sizes['num_classes']}, k={sizes['top_k']}, E={sizes['embed_dim']}, "
-           f"B={sizes['batch']}, N_c={sizes['candidates_aser']}/{sizes['candidates_pc']}, "
-           f"K={sizes['knn_k']}; median of {report['repeats']} repeats after a warm-up.", '']
-  header = ['What', 'shape', 'JAX', 'NumPy', 'NumPy / JAX', 'max |JAX - NumPy|']
+  sizes = report["sizes"]
+  step = report.get("train_step_seconds")
+  lines = [
+    f"Device: {report['device']} ({report['backend']}), JAX {report['jax_version']}, "
+    f"NumPy {report['numpy_version']}; sizes: N={sizes['num_images']}, "
+    f"C={sizes['num_classes']}, k={sizes['top_k']}, E={sizes['embed_dim']}, "
+    f"B={sizes['batch']}, N_c={sizes['candidates_aser']}/{sizes['candidates_pc']}, "
+    f"K={sizes['knn_k']}; median of {report['repeats']} repeats after a warm-up.",
+    "",
+  ]
+  header = ["What", "shape", "JAX", "NumPy", "NumPy / JAX", "max |JAX - NumPy|"]
   if step:
-    header.append(f'JAX / train step ({step:g} s)')
-  lines += ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
-  for row in report['rows']:
-    ratio = row['ratio_numpy_over_jax']
-    cells = [f"{row['kind']}: `{row['name']}`" + (f" ({row['note']})" if row['note'] else ''),
-             row['shape'], _fmt_s(row['jax_s']), _fmt_s(row['numpy_s']),
-             f'{ratio:.1f}x' if ratio else '-',
-             f"{row['max_abs_diff']:.1e}" if row['max_abs_diff'] is not None else '-']
+    header.append(f"JAX / train step ({step:g} s)")
+  lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for row in report["rows"]:
+    ratio = row["ratio_numpy_over_jax"]
+    cells = [
+      f"{row['kind']}: `{row['name']}`" + (f" ({row['note']})" if row["note"] else ""),
+      row["shape"],
+      _fmt_s(row["jax_s"]),
+      _fmt_s(row["numpy_s"]),
+      f"{ratio:.1f}x" if ratio else "-",
+      f"{row['max_abs_diff']:.1e}" if row["max_abs_diff"] is not None else "-",
+    ]
     if step:
-      cells.append(f"{row['jax_s']['median_s'] / step:.1%}"
-                   if row['jax_s'] and row['kind'] == 'algorithm' else '-')
-    lines.append('| ' + ' | '.join(cells) + ' |')
-  for name in report.get('not_measured', []):
-    lines.append(f'| algorithm: `{name}` | - | not measured | not measured | - | - |'
-                 + (' - |' if step else ''))
-  return '\n'.join(lines) + '\n'
+      cells.append(
+        f"{row['jax_s']['median_s'] / step:.1%}"
+        if row["jax_s"] and row["kind"] == "algorithm"
+        else "-"
+      )
+    lines.append("| " + " | ".join(cells) + " |")
+  for name in report.get("not_measured", []):
+    lines.append(
+      f"| algorithm: `{name}` | - | not measured | not measured | - | - |"
+      + (" - |" if step else "")
+    )
+  return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--quick', action='store_true', help='small sizes for a fast check')
-  parser.add_argument('--repeats', type=int, default=5)
-  parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
-  parser.add_argument('--train-step-seconds', type=float, default=0.25,
-                      help='a measured train step time (s) to express retrieval as a '
-                           'fraction of it; default: README tiny model, CPU')
-  parser.add_argument('--algorithms', default=','.join(ALGORITHM_NAMES))
-  parser.add_argument('--skip-precompute', action='store_true')
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="small sizes for a fast check")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  parser.add_argument(
+    "--train-step-seconds",
+    type=float,
+    default=0.25,
+    help="a measured train step time (s) to express retrieval as a "
+    "fraction of it; default: README tiny model, CPU",
+  )
+  parser.add_argument("--algorithms", default=",".join(ALGORITHM_NAMES))
+  parser.add_argument("--skip-precompute", action="store_true")
   args = parser.parse_args(argv)
   sizes = QUICK if args.quick else FULL
-  names = [n for n in args.algorithms.split(',') if n]
+  names = [n for n in args.algorithms.split(",") if n]
   known = [n for n in names if n in algorithms.ALGORITHMS]
   missing = [n for n in names if n not in algorithms.ALGORITHMS]
-  print(f'sizes: {sizes}; device: {jax.devices()[0]}', flush=True)
+  print(f"sizes: {sizes}; device: {jax.devices()[0]}", flush=True)
   buf = synthetic_buffer(sizes)
   feats = synthetic_features(sizes)
-  buffer = state_lib.make_replay_buffer(buf['class_membership'], buf['prototypes'],
-                                        buf['prototype_distances'], buf['class_embeddings'],
-                                        buf['query_embeddings'])
+  buffer = state_lib.make_replay_buffer(
+    buf["class_membership"],
+    buf["prototypes"],
+    buf["prototype_distances"],
+    buf["class_embeddings"],
+    buf["query_embeddings"],
+  )
   rows = []
-  print('kernels', flush=True)
+  print("kernels", flush=True)
   rows += bench_kernels(sizes, buf, feats, args.repeats)
-  print('algorithms', flush=True)
+  print("algorithms", flush=True)
   rows += bench_algorithms(sizes, buf, buffer, feats, known, args.repeats)
-  if not args.skip_precompute and 'aser_pc' in known:
-    print('precompute', flush=True)
+  if not args.skip_precompute and "aser_pc" in known:
+    print("precompute", flush=True)
     rows.append(bench_precompute(sizes, buf, buffer, args.repeats))
   device = jax.devices()[0]
-  report = {'sizes': dataclasses.asdict(sizes), 'quick': args.quick, 'repeats': args.repeats,
-            'device': getattr(device, 'device_kind', str(device)),
-            'backend': jax.default_backend(), 'jax_version': jax.__version__,
-            'numpy_version': np.__version__, 'host': platform.node(),
-            'cpu_count': os.cpu_count(), 'train_step_seconds': args.train_step_seconds,
-            'rows': rows, 'not_measured': missing}
+  report = {
+    "sizes": dataclasses.asdict(sizes),
+    "quick": args.quick,
+    "repeats": args.repeats,
+    "device": getattr(device, "device_kind", str(device)),
+    "backend": jax.default_backend(),
+    "jax_version": jax.__version__,
+    "numpy_version": np.__version__,
+    "host": platform.node(),
+    "cpu_count": os.cpu_count(),
+    "train_step_seconds": args.train_step_seconds,
+    "rows": rows,
+    "not_measured": missing,
+  }
   os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, 'retrieval' + ('_quick' if args.quick else ''))
-  with open(stem + '.json', 'w') as f:
+  stem = os.path.join(args.out, "retrieval" + ("_quick" if args.quick else ""))
+  with open(stem + ".json", "w") as f:
     json.dump(report, f, indent=2)
   text = render_markdown(report)
-  with open(stem + '.md', 'w') as f:
+  with open(stem + ".md", "w") as f:
     f.write(text)
   print(text)
   return report
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
   main()

@@ -8,5 +8,5 @@ from configs import base
 
 def get_config(arg: str = ""):
   c = base.algorithm_config("aser", "aser", arg)
-  c.replay.aser.num_candidates = 168    # N_c, paper suppl. Table 7
+  c.replay.aser.num_candidates = 168  # N_c, paper suppl. Table 7
   return c

@@ -20,9 +20,22 @@ KNOWN_ARGS = ("", "paper")
 # The paper's ODinW sequence (SPEC §10; the paper's Datasets table, tab:ds), in the table's
 # order. `sequence_seed` shuffles it.
 PAPER_ODINW_DATASETS = (
-    "Pothole", "WildfireSmoke", "ThermalCheetah", "ThermalDogsAndPeople", "BCCD",
-    "ShellfishOpenImages", "EgoHands", "AerialMaritimeDrone", "BrackishUnderwater", "Dice",
-    "Aquarium", "ChessPieces", "AmericanSignLanguageLetters", "Plantdoc", "OxfordPets")
+  "Pothole",
+  "WildfireSmoke",
+  "ThermalCheetah",
+  "ThermalDogsAndPeople",
+  "BCCD",
+  "ShellfishOpenImages",
+  "EgoHands",
+  "AerialMaritimeDrone",
+  "BrackishUnderwater",
+  "Dice",
+  "Aquarium",
+  "ChessPieces",
+  "AmericanSignLanguageLetters",
+  "Plantdoc",
+  "OxfordPets",
+)
 
 # The paper's per-dataset hyperparameters, transcribed from the supplementary material's
 # "Hyperparameters used for each dataset in this work" table and its continuation
@@ -31,22 +44,22 @@ PAPER_ODINW_DATASETS = (
 # decay m, "starting from the classifier and applied to the vision and text towers
 # independently"). The text encoder LR is 0.1x the ViT LR in every row (train.text_lr_multiplier).
 PAPER_HYPERPARAMETERS = {
-    # name: (epochs, warmup epochs, ViT LR, text encoder LR, LW-LRD coefficient)
-    "Pothole": (5, 1, 2.56e-4, 2.56e-5, 0.99),
-    "WildfireSmoke": (5, 1, 1.4e-4, 1.4e-5, 0.99),
-    "ThermalCheetah": (7, 2, 1.4e-4, 1.4e-5, 0.99),
-    "ThermalDogsAndPeople": (5, 1, 1.4e-4, 1.4e-5, 0.99),
-    "BCCD": (7, 2, 2.56e-4, 2.56e-5, 0.99),
-    "ShellfishOpenImages": (7, 2, 2.56e-4, 2.56e-5, 0.99),
-    "EgoHands": (5, 1, 1.4e-4, 1.4e-5, 0.99),
-    "AerialMaritimeDrone": (7, 2, 1.4e-4, 1.4e-5, 0.98),
-    "BrackishUnderwater": (7, 2, 2.56e-4, 2.56e-5, 0.99),
-    "Dice": (7, 2, 2.56e-4, 2.56e-5, 0.99),
-    "Aquarium": (5, 1, 1.4e-4, 1.4e-5, 0.99),
-    "ChessPieces": (7, 2, 6.4e-4, 6.4e-5, 0.94),
-    "AmericanSignLanguageLetters": (7, 2, 2.56e-4, 2.56e-5, 0.96),
-    "Plantdoc": (5, 1, 2.56e-4, 2.56e-5, 0.99),
-    "OxfordPets": (5, 1, 2.56e-4, 2.56e-5, 0.99),
+  # name: (epochs, warmup epochs, ViT LR, text encoder LR, LW-LRD coefficient)
+  "Pothole": (5, 1, 2.56e-4, 2.56e-5, 0.99),
+  "WildfireSmoke": (5, 1, 1.4e-4, 1.4e-5, 0.99),
+  "ThermalCheetah": (7, 2, 1.4e-4, 1.4e-5, 0.99),
+  "ThermalDogsAndPeople": (5, 1, 1.4e-4, 1.4e-5, 0.99),
+  "BCCD": (7, 2, 2.56e-4, 2.56e-5, 0.99),
+  "ShellfishOpenImages": (7, 2, 2.56e-4, 2.56e-5, 0.99),
+  "EgoHands": (5, 1, 1.4e-4, 1.4e-5, 0.99),
+  "AerialMaritimeDrone": (7, 2, 1.4e-4, 1.4e-5, 0.98),
+  "BrackishUnderwater": (7, 2, 2.56e-4, 2.56e-5, 0.99),
+  "Dice": (7, 2, 2.56e-4, 2.56e-5, 0.99),
+  "Aquarium": (5, 1, 1.4e-4, 1.4e-5, 0.99),
+  "ChessPieces": (7, 2, 6.4e-4, 6.4e-5, 0.94),
+  "AmericanSignLanguageLetters": (7, 2, 2.56e-4, 2.56e-5, 0.96),
+  "Plantdoc": (5, 1, 2.56e-4, 2.56e-5, 0.99),
+  "OxfordPets": (5, 1, 2.56e-4, 2.56e-5, 0.99),
 }
 
 
@@ -67,7 +80,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- model ---------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
   c.model.variant = "tiny"
-  c.model.tokenizer = "word_hash"   # word_hash (tiny) | clip (ViT variants, SPEC §2)
+  c.model.tokenizer = "word_hash"  # word_hash (tiny) | clip (ViT variants, SPEC §2)
   # The 'clip' tokenizer's local vocabulary: an HF checkpoint folder with vocab.json +
   # merges.txt, or OpenAI's bpe_simple_vocab_16e6.txt.gz (nothing is downloaded).
   c.model.tokenizer_vocab_path = ml_collections.config_dict.placeholder(str)
@@ -80,16 +93,16 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   # --- data ----------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
-  c.data.root = ml_collections.config_dict.placeholder(str)   # None: built-in benchmark
+  c.data.root = ml_collections.config_dict.placeholder(str)  # None: built-in benchmark
   # Q per training image: '' + positives + negatives, padded with ''. 24 > 20 pre-training
   # classes: every image contrasts its objects against every other class name.
   c.data.num_queries = 24
-  c.data.num_negatives = 23      # random negative class names per training image (up to)
-  c.data.max_instances = 8       # M boxes per image
-  c.data.num_workers = 0         # grain worker processes (0 = in process)
+  c.data.num_negatives = 23  # random negative class names per training image (up to)
+  c.data.max_instances = 8  # M boxes per image
+  c.data.num_workers = 0  # grain worker processes (0 = in process)
   # Input-pipeline options (SPEC §3, §5; owl_cl.data.pipeline). The defaults are the built-in
   # benchmark's; a non-default value also keys the cached pre-trained model and buffer.
-  c.data.squash_resize = False   # True: resize to S x S ignoring aspect (released code, HF)
+  c.data.squash_resize = False  # True: resize to S x S ignoring aspect (released code, HF)
   # Boxes with IoU >= this become one multi-label instance (scenic); None: off.
   c.data.merge_iou = ml_collections.config_dict.placeholder(float)
   c.data.merge_iou = 0.9
@@ -100,11 +113,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # ShardByJaxProcess); False: every process reads everything.
   c.data.host_sharding = False
   c.data.augment = ml_collections.ConfigDict()
-  c.data.augment.hflip = False           # random horizontal flip, p = 0.5 (scenic)
-  c.data.augment.random_crop = False     # scenic random crop:
+  c.data.augment.hflip = False  # random horizontal flip, p = 0.5 (scenic)
+  c.data.augment.random_crop = False  # scenic random crop:
   c.data.augment.crop_area_range = (0.3, 1.0)
   c.data.augment.crop_aspect_ratio_range = (0.75, 1.33)
-  c.data.augment.crop_min_area_fraction = 0.6   # boxes keeping less of their area are dropped
+  c.data.augment.crop_min_area_fraction = 0.6  # boxes keeping less of their area are dropped
   # Mosaics of k x k images with these probabilities (scenic: (1, 2, 3) / (.4, .3, .3));
   # None: off.
   c.data.augment.mosaic_sizes = ml_collections.config_dict.placeholder(tuple)
@@ -133,17 +146,17 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.pretrain.num_steps = 1200
   c.pretrain.learning_rate = 1e-3
   c.pretrain.warmup_steps = 100
-  c.pretrain.text_lr_multiplier = 1.0   # from scratch: the text tower learns at full LR
+  c.pretrain.text_lr_multiplier = 1.0  # from scratch: the text tower learns at full LR
   c.pretrain.layerwise_decay = 1.0
   c.pretrain.weight_decay = 0.0
   # The text tower embeds each distinct query row of a batch once (at most this many distinct
   # rows; more falls back to embedding every row). 0 disables it.
   c.pretrain.max_unique_queries = 64
-  c.pretrain.eval_every_steps = 400    # validation AP on the pre-training val split (curve)
+  c.pretrain.eval_every_steps = 400  # validation AP on the pre-training val split (curve)
 
   # --- continual fine-tuning (per downstream dataset; fresh optimizer each) -------------
   c.train = ml_collections.ConfigDict()
-  c.train.batch_size = 16          # new images per step
+  c.train.batch_size = 16  # new images per step
   c.train.num_epochs = 8
   # 3e-4 (not the pre-training 1e-3): with 1e-3 one dataset's training wrecked the features
   # the next one needs (sequence probe without replay: `textured` AP50 0.19 after its own
@@ -175,7 +188,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.0
   c.train.grad_clip_norm = 1.0
   c.train.log_every_steps = 20
-  c.train.max_unique_queries = 64    # see pretrain.max_unique_queries
+  c.train.max_unique_queries = 64  # see pretrain.max_unique_queries
 
   # --- detection loss (SPEC §3) ----------------------------------------------------------
   c.loss = ml_collections.ConfigDict()
@@ -190,13 +203,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # uniform | uniform_balanced | grasp | swil | sw_grasp | a_sw_grasp | aser | aser_pc |
   # sw_aser_pc | none (paper Table 2)
   c.replay.algorithm = "swil"
-  c.replay.ratio = 1.0             # replayed images per new image (paper 1:1)
-  c.replay.dedup = "dataset"       # none | epoch | dataset | fraction (SPEC §8)
-  c.replay.dedup_fraction = 1.0 / 3.0   # 'fraction': reset after this fraction of the buffer
-  c.replay.der_alpha = 2.0         # DER++ logit distillation weight
-  c.replay.der_beta = 1.0          # DER++ replay detection-loss weight
-  c.replay.swil_w = 1.0            # similarity weighting exponent w (SWIL, paper 1.0)
-  c.replay.grasp_w = 1.0           # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
+  c.replay.ratio = 1.0  # replayed images per new image (paper 1:1)
+  c.replay.dedup = "dataset"  # none | epoch | dataset | fraction (SPEC §8)
+  c.replay.dedup_fraction = 1.0 / 3.0  # 'fraction': reset after this fraction of the buffer
+  c.replay.der_alpha = 2.0  # DER++ logit distillation weight
+  c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
+  c.replay.swil_w = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
+  c.replay.grasp_w = 1.0  # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
   # Balanced class order: 'sequential' (paper) | 'reshuffled' (released code: a random
   # permutation reshuffled after every pass).
   c.replay.balanced_order = "sequential"
@@ -207,15 +220,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.aser = ml_collections.ConfigDict()
   # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).
   c.replay.aser.num_candidates = ml_collections.config_dict.placeholder(int)
-  c.replay.aser.knn_k = 20                 # K of the KNN-SV recursion
-  c.replay.aser.c = 0.15                   # c of eq. 4 (dynamic w)
-  c.replay.aser.token_matching = "all_to_all"   # paper | 'nearest_token' (released code)
-  c.replay.aser.distance = "l2"            # 'l2' (released code) | 'cosine'
-  c.replay.aser.weight_reduction = "min"   # eq. 4 min/min (paper) | 'max' (released code)
-  c.replay.aser.chunk_size = 64            # images per chunk of the ASER-PC precomputation
+  c.replay.aser.knn_k = 20  # K of the KNN-SV recursion
+  c.replay.aser.c = 0.15  # c of eq. 4 (dynamic w)
+  c.replay.aser.token_matching = "all_to_all"  # paper | 'nearest_token' (released code)
+  c.replay.aser.distance = "l2"  # 'l2' (released code) | 'cosine'
+  c.replay.aser.weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
+  c.replay.aser.chunk_size = 64  # images per chunk of the ASER-PC precomputation
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
-  c.replay.top_k = 8               # k class embeddings per image
+  c.replay.top_k = 8  # k class embeddings per image
   # Loss adaptivity (paper §4 eqs. 5-6, Table 4; SPEC §9). mode: 'none' (1:1 replay, the
   # paper's main results); 'paper' (replay only for the r new images whose pre-step loss
   # exceeds l, L_T = L_B + (r/|B|) L_R; needs ratio 1); 'released_gate' (the released code:
@@ -224,19 +237,19 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # 85%; the released code's `replay_thresh` has no default): 0.3 here, the buffer loss
   # threshold, i.e. "replay for new images not yet learned as well as the buffer images".
   c.replay.loss_adaptivity = ml_collections.ConfigDict()
-  c.replay.loss_adaptivity.mode = "none"       # none | paper | released_gate
-  c.replay.loss_adaptivity.threshold = 0.3     # l, in units of the detection loss
+  c.replay.loss_adaptivity.mode = "none"  # none | paper | released_gate
+  c.replay.loss_adaptivity.threshold = 0.3  # l, in units of the detection loss
   c.replay.buffer = ml_collections.ConfigDict()
-  c.replay.buffer.loss_threshold = 0.3   # eq. 7: keep images with pre-trained loss < t
-  c.replay.buffer.min_per_class = 20     # then top up each class to this many images
-  c.replay.buffer.fill_all_for_rare_classes = False   # released code: add all of them
+  c.replay.buffer.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
+  c.replay.buffer.min_per_class = 20  # then top up each class to this many images
+  c.replay.buffer.fill_all_for_rare_classes = False  # released code: add all of them
   c.replay.buffer.max_instances_per_prototype = 6
 
   # --- evaluation (SPEC §4) --------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()
-  c.eval.top_k = 100               # detections per image
-  c.eval.max_dets = 100            # COCOeval maxDets
-  c.eval.multi_label = False       # exclusive datasets: argmax class per token
+  c.eval.top_k = 100  # detections per image
+  c.eval.max_dets = 100  # COCOeval maxDets
+  c.eval.multi_label = False  # exclusive datasets: argmax class per token
   # After each dataset (the final stage and stage 0 always evaluate every set):
   # downstream sets 'all' or only those 'seen' so far; and whether the pre-training /
   # held-out sets (O365, LVIS in the paper config) are evaluated too.
@@ -245,7 +258,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Query prompts at evaluation (SPEC §2): 'none' = the bare class name (built-in benchmark);
   # 'owl_vit_7' = the 7 OWL-ViT templates, ensembled per `ensemble`.
   c.eval.prompt_templates = "none"
-  c.eval.ensemble = "logits"       # logits (scenic) | probabilities (released code)
+  c.eval.ensemble = "logits"  # logits (scenic) | probabilities (released code)
   # LVIS protocol (Runner.evaluate(..., protocol='lvis')): multi-label top-k (token, class)
   # pairs, the lvis API's federated AP with this many detections per image.
   c.eval.lvis_top_k = 300
@@ -253,7 +266,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   # --- checkpoints -----------------------------------------------------------------------
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.max_to_keep = ml_collections.config_dict.placeholder(int)   # None = all
+  c.checkpoint.max_to_keep = ml_collections.config_dict.placeholder(int)  # None = all
 
   # --- debugging / tiny budgets ----------------------------------------------------------
   c.max_train_steps_per_dataset = ml_collections.config_dict.placeholder(int)
@@ -267,9 +280,14 @@ def paper_per_dataset() -> ml_collections.ConfigDict:
   """`train.per_dataset` of the paper's protocol: PAPER_HYPERPARAMETERS as config fields."""
   out = ml_collections.ConfigDict()
   for name, (epochs, warmup, vit_lr, _, decay) in PAPER_HYPERPARAMETERS.items():
-    out[name] = ml_collections.ConfigDict({
-        "num_epochs": epochs, "warmup_epochs": warmup, "learning_rate": vit_lr,
-        "layerwise_decay": decay})
+    out[name] = ml_collections.ConfigDict(
+      {
+        "num_epochs": epochs,
+        "warmup_epochs": warmup,
+        "learning_rate": vit_lr,
+        "layerwise_decay": decay,
+      }
+    )
   return out
 
 
@@ -281,7 +299,7 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   configs/main.yaml for the values the paper leaves implicit (train_batch 16, coreset_N 50,
   reset_dedup_on 'dataset').
   """
-  c.sequence_seed = 0              # the paper averages several seeded orderings
+  c.sequence_seed = 0  # the paper averages several seeded orderings
   # --- model: OWL-ViT L/14 at 840 px, CLIP BPE tokenizer -----------------------------------
   c.model.variant = "vit_l14"
   c.model.tokenizer = "clip"
@@ -290,19 +308,19 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   # Required: a scenic msgpack, an HF folder or an owl_cl parameter checkpoint.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
   # --- data --------------------------------------------------------------------------------
-  c.data.root = ml_collections.config_dict.placeholder(str)   # required (README layout)
+  c.data.root = ml_collections.config_dict.placeholder(str)  # required (README layout)
   c.data.odinw_datasets = PAPER_ODINW_DATASETS
-  c.data.subset_seed = 0           # the balanced ODinW subsets (EgoHands, Brackish, ASL)
-  c.data.num_queries = 126         # released code: 126 incl. 50 negatives (SPEC §3)
+  c.data.subset_seed = 0  # the balanced ODinW subsets (EgoHands, Brackish, ASL)
+  c.data.num_queries = 126  # released code: 126 incl. 50 negatives (SPEC §3)
   c.data.num_negatives = 50
-  c.data.negatives_by_frequency = True   # released code: weighted by label frequency
+  c.data.negatives_by_frequency = True  # released code: weighted by label frequency
   c.data.max_instances = 100
   c.data.eval_batch_size = 16
   # --- continual fine-tuning: the paper's per-dataset table ----------------------------------
-  c.train.batch_size = 16          # + 16 replayed (replay.ratio 1)
+  c.train.batch_size = 16  # + 16 replayed (replay.ratio 1)
   c.train.text_lr_multiplier = 0.1
   c.train.per_dataset = paper_per_dataset()
-  c.train.warmup_epochs = 1        # every dataset sets its own in per_dataset
+  c.train.warmup_epochs = 1  # every dataset sets its own in per_dataset
   c.train.carry = "last"
   # --- replay: Objects365 buffer, loss threshold 0.15, 50 images per class -----------------
   c.replay.ratio = 1.0
@@ -311,7 +329,7 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.replay.der_beta = 1.0
   c.replay.swil_w = 1.0
   c.replay.top_k = 8
-  c.replay.buffer.loss_threshold = 0.15          # Objects365
+  c.replay.buffer.loss_threshold = 0.15  # Objects365
   c.replay.buffer.min_per_class = 50
   # Visual Genome: threshold 0.0 keeps no image (losses are >= 0) and, as in the released
   # code, VG classes are not topped up: VG contributes nothing to the paper's buffer.
@@ -320,11 +338,11 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   # --- evaluation ----------------------------------------------------------------------------
   c.eval.top_k = 300
   c.eval.max_dets = 100
-  c.eval.prompt_templates = "owl_vit_7"   # SPEC §2: the 7 OWL-ViT templates, logits averaged
+  c.eval.prompt_templates = "owl_vit_7"  # SPEC §2: the 7 OWL-ViT templates, logits averaged
   c.eval.ensemble = "logits"
   c.eval.lvis_top_k = 300
   c.eval.lvis_max_dets = 300
-  c.data.train_prompt_templates = "clip_80"   # ['{}'] + the 80 CLIP ImageNet templates
+  c.data.train_prompt_templates = "clip_80"  # ['{}'] + the 80 CLIP ImageNet templates
   # O365 val, LVIS val and all 15 ODinW test sets are expensive at L/14: after each dataset
   # only the ODinW sets seen so far; the final stage evaluates everything.
   c.eval.downstream_after_each_dataset = "seen"
@@ -332,8 +350,9 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   return c
 
 
-def algorithm_config(experiment_name: str, algorithm: str,
-                     arg: str = "") -> ml_collections.ConfigDict:
+def algorithm_config(
+  experiment_name: str, algorithm: str, arg: str = ""
+) -> ml_collections.ConfigDict:
   """The base config with `replay.algorithm` set (used by the per-algorithm config files).
 
   `arg` as `get_config`: '' the built-in benchmark, 'paper' the paper's protocol.

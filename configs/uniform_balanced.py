@@ -1,4 +1,6 @@
-"""Continual fine-tuning with `uniform_balanced` retrieval (paper Table 2); every field: configs/base.py.
+"""Continual fine-tuning with `uniform_balanced` retrieval (paper Table 2).
+
+Every field: configs/base.py.
 
 `get_config('')` runs on the built-in benchmark; `get_config('paper')`
 (`--config=configs/uniform_balanced.py:paper`) runs the paper's protocol on real data (README).

@@ -24,6 +24,7 @@ outside brackets, so `--set "data.augment.mosaic_sizes=(1,2),(1,2,3)"` gives two
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 import dataclasses
 import glob
 import importlib
@@ -32,7 +33,6 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # `python launch/sweep.py` from anywhere: import configs/.
@@ -43,8 +43,9 @@ _NOT_ALGORITHMS = ("base", "__init__")
 
 def known_algorithms(configs_dir: str = os.path.join(REPO, "configs")) -> list[str]:
   """Algorithm config names: configs/<name>.py except base.py / __init__.py, sorted."""
-  names = [os.path.splitext(os.path.basename(p))[0]
-           for p in glob.glob(os.path.join(configs_dir, "*.py"))]
+  names = [
+    os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(configs_dir, "*.py"))
+  ]
   return sorted(n for n in names if n not in _NOT_ALGORITHMS)
 
 
@@ -85,7 +86,7 @@ def parse_assignment(text: str, *, multiple: bool) -> tuple[str, list[str]]:
   field, sep, value = text.partition("=")
   field = field.strip()
   if field.startswith("config."):
-    field = field[len("config."):]
+    field = field[len("config.") :]
   if not sep or not field or not value.strip():
     raise ValueError(f"expected FIELD=VALUE{'S' if multiple else ''}, got {text!r}")
   return field, (split_values(value) if multiple else [value.strip()])
@@ -97,8 +98,10 @@ def _check_field(config, field: str, where: str) -> None:
     try:
       node = node[part]
     except (KeyError, AttributeError, TypeError):
-      raise ValueError(f"{where}: config field {field!r} does not exist (no "
-                       f"{'.'.join(field.split('.')[:n + 1])!r})") from None
+      raise ValueError(
+        f"{where}: config field {field!r} does not exist (no "
+        f"{'.'.join(field.split('.')[: n + 1])!r})"
+      ) from None
 
 
 def _load_config(algorithm: str, paper: bool):
@@ -109,6 +112,7 @@ def _load_config(algorithm: str, paper: bool):
 @dataclasses.dataclass(frozen=True)
 class Task:
   """One run of the sweep: its workdir and its command line (argv, unquoted)."""
+
   algorithm: str
   seed: int
   grid: tuple[tuple[str, str], ...]
@@ -126,10 +130,17 @@ def _name_part(field: str, value: str) -> str:
   return "".join(c if c.isalnum() or c in "._=-+," else "-" for c in part)
 
 
-def build_sweep(algorithms: Sequence[str], seeds: Sequence[int], *, root: str = "workdirs/sweep",
-                paper: bool = False, grid: Sequence[tuple[str, Sequence[str]]] = (),
-                fixed: Sequence[tuple[str, str]] = (), python: str = "python",
-                check_fields: bool = True) -> list[Task]:
+def build_sweep(
+  algorithms: Sequence[str],
+  seeds: Sequence[int],
+  *,
+  root: str = "workdirs/sweep",
+  paper: bool = False,
+  grid: Sequence[tuple[str, Sequence[str]]] = (),
+  fixed: Sequence[tuple[str, str]] = (),
+  python: str = "python",
+  check_fields: bool = True,
+) -> list[Task]:
   """The sweep's tasks in deterministic order (algorithm, then seed, then grid product).
 
   Args:
@@ -160,8 +171,7 @@ def build_sweep(algorithms: Sequence[str], seeds: Sequence[int], *, root: str = 
   fields = [f for f, _ in grid] + [f for f, _ in fixed] + ["sequence_seed"]
   repeated = sorted({f for f in fields if fields.count(f) > 1})
   if repeated:
-    raise ValueError(f"field(s) {repeated} given more than once (sequence_seed is set by "
-                     "--seeds).")
+    raise ValueError(f"field(s) {repeated} given more than once (sequence_seed is set by --seeds).")
   if check_fields:
     for algorithm in dict.fromkeys(algorithms):
       config = _load_config(algorithm, paper)
@@ -176,12 +186,18 @@ def build_sweep(algorithms: Sequence[str], seeds: Sequence[int], *, root: str = 
         name = "_".join([f"{algorithm}_seed{int(seed)}"] + [_name_part(f, v) for f, v in pairs])
         workdir = os.path.join(root, name)
         if workdir in workdirs:
-          raise ValueError(f"two tasks share the workdir {workdir!r}; give distinct "
-                           "algorithms, seeds and values.")
+          raise ValueError(
+            f"two tasks share the workdir {workdir!r}; give distinct algorithms, seeds and values."
+          )
         workdirs.add(workdir)
-        argv = [python, "-m", "owl_cl.main",
-                f"--config=configs/{algorithm}.py{':paper' if paper else ''}",
-                f"--workdir={workdir}", f"--config.sequence_seed={int(seed)}"]
+        argv = [
+          python,
+          "-m",
+          "owl_cl.main",
+          f"--config=configs/{algorithm}.py{':paper' if paper else ''}",
+          f"--workdir={workdir}",
+          f"--config.sequence_seed={int(seed)}",
+        ]
         argv += [f"--config.{f}={v}" for f, v in list(pairs) + list(fixed)]
         tasks.append(Task(algorithm, int(seed), pairs, workdir, tuple(argv)))
   return tasks
@@ -195,8 +211,10 @@ def write_task_file(path: str, tasks: Sequence[Task]) -> None:
     with open(path, encoding="utf-8") as f:
       if f.read() == text:
         return
-    raise FileExistsError(f"{path} exists with other commands; remove it or choose another "
-                          "--task-file (a running array job may still read it).")
+    raise FileExistsError(
+      f"{path} exists with other commands; remove it or choose another "
+      "--task-file (a running array job may still read it)."
+    )
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
@@ -206,24 +224,44 @@ def write_task_file(path: str, tasks: Sequence[Task]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Command line (module docstring). Returns the exit status."""
-  parser = argparse.ArgumentParser(prog="launch/sweep.py", description=__doc__.splitlines()[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=__doc__.split("\n", 2)[2])
-  parser.add_argument("--algorithms", required=True,
-                      help=f"comma-separated, of: {', '.join(known_algorithms())}")
+  parser = argparse.ArgumentParser(
+    prog="launch/sweep.py",
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog=__doc__.split("\n", 2)[2],
+  )
+  parser.add_argument(
+    "--algorithms", required=True, help=f"comma-separated, of: {', '.join(known_algorithms())}"
+  )
   parser.add_argument("--seeds", default="0", help="comma-separated sequence seeds (0)")
   parser.add_argument("--root", default="workdirs/sweep", help="parent of the workdirs")
   parser.add_argument("--paper", action="store_true", help="configs/<algorithm>.py:paper")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2",
-                      help="grid over a config field (repeatable)")
-  parser.add_argument("--fixed", action="append", default=[], metavar="FIELD=VALUE",
-                      help="config override for every task, not in the workdir name")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=V1,V2",
+    help="grid over a config field (repeatable)",
+  )
+  parser.add_argument(
+    "--fixed",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="config override for every task, not in the workdir name",
+  )
   parser.add_argument("--python", default="python", help="interpreter in the commands")
   parser.add_argument("--task-file", help="write the commands here for slurm_gpu.sbatch")
-  parser.add_argument("--dry-run", dest="dry_run", action="store_true", default=True,
-                      help="print the commands only (default)")
-  parser.add_argument("--run", dest="dry_run", action="store_false",
-                      help="run the commands here, one after another")
+  parser.add_argument(
+    "--dry-run",
+    dest="dry_run",
+    action="store_true",
+    default=True,
+    help="print the commands only (default)",
+  )
+  parser.add_argument(
+    "--run", dest="dry_run", action="store_false", help="run the commands here, one after another"
+  )
   args = parser.parse_args(argv)
   try:
     seeds = [int(s) for s in split_values(args.seeds)]
@@ -231,18 +269,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
   try:
     tasks = build_sweep(
-        split_values(args.algorithms), seeds, root=args.root, paper=args.paper,
-        grid=[parse_assignment(s, multiple=True) for s in args.set],
-        fixed=[(f, v[0]) for f, v in (parse_assignment(s, multiple=False) for s in args.fixed)],
-        python=args.python)
+      split_values(args.algorithms),
+      seeds,
+      root=args.root,
+      paper=args.paper,
+      grid=[parse_assignment(s, multiple=True) for s in args.set],
+      fixed=[(f, v[0]) for f, v in (parse_assignment(s, multiple=False) for s in args.fixed)],
+      python=args.python,
+    )
   except ValueError as e:
     parser.error(str(e))
   for task in tasks:
     print(task.command)
   if args.task_file:
     write_task_file(args.task_file, tasks)
-    print(f"# {len(tasks)} tasks in {args.task_file}; submit with: sbatch --array=0-"
-          f"{len(tasks) - 1} launch/slurm_gpu.sbatch {args.task_file}", file=sys.stderr)
+    print(
+      f"# {len(tasks)} tasks in {args.task_file}; submit with: sbatch --array=0-"
+      f"{len(tasks) - 1} launch/slurm_gpu.sbatch {args.task_file}",
+      file=sys.stderr,
+    )
   if not args.dry_run:
     for n, task in enumerate(tasks):
       print(f"# [{n + 1}/{len(tasks)}] {task.workdir}", file=sys.stderr, flush=True)

@@ -20,16 +20,16 @@ import json
 import logging as py_logging
 import os
 import time
+from typing import Any
 import uuid
-from typing import Any, Optional
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import tqdm
-from absl import logging
 from tensorboardX import SummaryWriter
+import tqdm
 
 from owl_cl import model as model_lib
 from owl_cl.data import builtin
@@ -55,8 +55,14 @@ PRETRAIN_EVAL = "pretrain_val"
 HELD_OUT_EVAL = "held_out"
 # Fields a `train.per_dataset.<dataset name>` entry may set; each replaces the `train.*` field
 # of the same name while training on that dataset (`dataset_train_settings`).
-PER_DATASET_FIELDS = ("num_epochs", "warmup_epochs", "warmup_steps", "learning_rate",
-                      "text_lr_multiplier", "layerwise_decay")
+PER_DATASET_FIELDS = (
+  "num_epochs",
+  "warmup_epochs",
+  "warmup_steps",
+  "learning_rate",
+  "text_lr_multiplier",
+  "layerwise_decay",
+)
 
 
 class ConfigError(ValueError):
@@ -73,6 +79,7 @@ class Dataset:
   (`eval.top_k` and COCOeval's maxDets; SPEC §4: 100 for EgoHands and BrackishUnderwater),
   None = the config's.
   """
+
   name: str
   train: coco.CocoSource | None
   test: coco.CocoSource
@@ -89,6 +96,7 @@ class Benchmark:
   `held_out_eval`; `roles` says which eval set fills which Table 3 column (results.json
   `roles`; None: the built-in benchmark's default roles).
   """
+
   pretrain: Dataset
   held_out: Dataset
   sequence: tuple[Dataset, ...]
@@ -127,10 +135,15 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
     return load_real_benchmark(config)
   bc = config.data.builtin
   bench = builtin.ensure_benchmark(
-      os.path.join(_expand(config.cache_dir), "builtin"), seed=bc.seed,
-      num_pretrain_train=bc.num_pretrain_train, num_pretrain_val=bc.num_pretrain_val,
-      num_held_out_val=bc.num_held_out_val, num_downstream_train=bc.num_downstream_train,
-      num_downstream_test=bc.num_downstream_test, downstream=tuple(bc.downstream))
+    os.path.join(_expand(config.cache_dir), "builtin"),
+    seed=bc.seed,
+    num_pretrain_train=bc.num_pretrain_train,
+    num_pretrain_val=bc.num_pretrain_val,
+    num_held_out_val=bc.num_held_out_val,
+    num_downstream_train=bc.num_downstream_train,
+    num_downstream_test=bc.num_downstream_test,
+    downstream=tuple(bc.downstream),
+  )
   pretrain = Dataset("pretrain", bench.pretrain_train.source(), bench.pretrain_val.source())
   held_out = Dataset(HELD_OUT_EVAL, None, bench.held_out_val.source())
   sequence = [Dataset(d.name, d.train.source(), d.test.source()) for d in bench.downstream]
@@ -158,6 +171,7 @@ def uses_real_data(config: ml_collections.ConfigDict) -> bool:
 def _real_data_module():
   """owl_cl.data.odinw (the ODinW registry and sources)."""
   from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
+
   return odinw
 
 
@@ -168,6 +182,7 @@ def pretraining_input_paths(root: str) -> list[str]:
   Source: owl_cl.data.pretraining (layout); SPEC §4, §6.
   """
   from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+
   paths = [p for split in ("train", "val") for p in pretraining.objects365_paths(root, split)]
   lvis_json, coco_dir = pretraining.lvis_paths(root, "val")
   paths += [lvis_json] + [os.path.join(coco_dir, f) for f in ("train2017", "val2017")]
@@ -179,8 +194,10 @@ def real_data_layout(names: tuple[str, ...]) -> str:
   odinw = _real_data_module()
   root = "<root>"
   pretraining = "\n".join(f"  {p}" for p in pretraining_input_paths(root))
-  return (odinw.layout_description(names) + "\n<root>/  Objects365 v2 and LVIS v1 val "
-          "(owl_cl.data.pretraining):\n" + pretraining)
+  return (
+    odinw.layout_description(names) + "\n<root>/  Objects365 v2 and LVIS v1 val "
+    "(owl_cl.data.pretraining):\n" + pretraining
+  )
 
 
 def odinw_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
@@ -197,8 +214,9 @@ def odinw_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   known = tuple(_real_data_module().ODINW_DATASETS)
   unknown = [n for n in names if n not in known]
   if unknown:
-    raise ConfigError(f"config.data.odinw_datasets names unknown datasets {unknown}; "
-                      f"known: {list(known)}")
+    raise ConfigError(
+      f"config.data.odinw_datasets names unknown datasets {unknown}; known: {list(known)}"
+    )
   return names
 
 
@@ -218,10 +236,11 @@ def _visual_genome_needed(config: ml_collections.ConfigDict) -> bool:
   minimum = bc.get("visual_genome_min_per_class", 0)
   if threshold > 0.0 or minimum > 0:
     raise ConfigError(
-        f"config.replay.buffer.visual_genome_loss_threshold={threshold} / "
-        f"visual_genome_min_per_class={minimum} would add Visual Genome images to the "
-        "Objects365 buffer; a buffer over two pre-training sets is not implemented (the "
-        "paper's protocol uses 0.0 / 0, which selects no Visual Genome image)")
+      f"config.replay.buffer.visual_genome_loss_threshold={threshold} / "
+      f"visual_genome_min_per_class={minimum} would add Visual Genome images to the "
+      "Objects365 buffer; a buffer over two pre-training sets is not implemented (the "
+      "paper's protocol uses 0.0 / 0, which selects no Visual Genome image)"
+    )
   return False
 
 
@@ -234,20 +253,23 @@ def input_problems(config: ml_collections.ConfigDict) -> tuple[list[str], list[s
   """
   missing, problems = [], []
   if config.init_checkpoint is None:
-    problems.append("config.init_checkpoint is not set (a scenic msgpack, an HF folder or an "
-                    "owl_cl parameter checkpoint of the pre-trained OWL-ViT)")
+    problems.append(
+      "config.init_checkpoint is not set (a scenic msgpack, an HF folder or an "
+      "owl_cl parameter checkpoint of the pre-trained OWL-ViT)"
+    )
   elif not os.path.exists(_expand(config.init_checkpoint)):
     missing.append(f"{_expand(config.init_checkpoint)} (config.init_checkpoint)")
   vocabulary = config.model.get("tokenizer_vocab_path")
   if config.model.tokenizer == "clip" and not vocabulary:
-    problems.append("config.model.tokenizer_vocab_path is not set (the CLIP BPE vocabulary: "
-                    "an HF folder with vocab.json + merges.txt, or OpenAI's "
-                    "bpe_simple_vocab_16e6.txt.gz)")
+    problems.append(
+      "config.model.tokenizer_vocab_path is not set (the CLIP BPE vocabulary: "
+      "an HF folder with vocab.json + merges.txt, or OpenAI's "
+      "bpe_simple_vocab_16e6.txt.gz)"
+    )
   elif vocabulary and not os.path.exists(_expand(vocabulary)):
     missing.append(f"{_expand(vocabulary)} (config.model.tokenizer_vocab_path)")
   if config.data.root is None:
-    problems.append("config.data.root is not set (the folder holding odinw/, objects365/, "
-                    "lvis/)")
+    problems.append("config.data.root is not set (the folder holding odinw/, objects365/, lvis/)")
     return missing, problems
   root = _expand(config.data.root)
   if not os.path.isdir(root):
@@ -281,8 +303,7 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
   if missing:
     lines.append(f"  missing ({len(missing)}):")
     lines += [f"    {m}" for m in missing]
-  lines += ["expected layout below config.data.root:",
-            real_data_layout(odinw_names(config))]
+  lines += ["expected layout below config.data.root:", real_data_layout(odinw_names(config))]
   raise MissingInputsError("\n".join(lines))
 
 
@@ -297,6 +318,7 @@ def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
     MissingInputsError: see `check_inputs`.
   """
   from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+
   check_inputs(config)
   odinw = _real_data_module()
   root = _expand(config.data.root)
@@ -305,25 +327,41 @@ def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   sequence = []
   for name in names:
     split = lambda s, name=name: odinw.odinw_source(root, name, s, subset_seed=subset_seed)
-    sequence.append(Dataset(name, split("train"), split("test"), valid=split("val"),
-                            max_detections=odinw.ODINW_DATASETS[name].max_detections))
+    sequence.append(
+      Dataset(
+        name,
+        split("train"),
+        split("test"),
+        valid=split("val"),
+        max_detections=odinw.ODINW_DATASETS[name].max_detections,
+      )
+    )
   if config.sequence_seed is not None:
     order = np.random.default_rng(config.sequence_seed).permutation(len(sequence))
     sequence = [sequence[i] for i in order]
-  pretrain = Dataset(OBJECTS365_EVAL, pretraining.objects365_source(root, "train"),
-                     pretraining.objects365_source(root, "val"))
-  held_out = Dataset(LVIS_EVAL, None, pretraining.lvis_source(root, "val"),
-                     evaluation="lvis")
+  pretrain = Dataset(
+    OBJECTS365_EVAL,
+    pretraining.objects365_source(root, "train"),
+    pretraining.objects365_source(root, "val"),
+  )
+  held_out = Dataset(LVIS_EVAL, None, pretraining.lvis_source(root, "val"), evaluation="lvis")
   roles = {
-      "pretrain": {"eval_set": OBJECTS365_EVAL, "label": "O365"},
-      "open_vocab": {"eval_set": LVIS_EVAL, "label": "LVIS"},
-      "held_out": {"eval_set": LVIS_EVAL, "AP": "APr", "AP50": None, "label": "LVIS rare"},
-      "downstream": [d.name for d in sequence],
-      "downstream_label": "ODinW mean",
+    "pretrain": {"eval_set": OBJECTS365_EVAL, "label": "O365"},
+    "open_vocab": {"eval_set": LVIS_EVAL, "label": "LVIS"},
+    "held_out": {"eval_set": LVIS_EVAL, "AP": "APr", "AP50": None, "label": "LVIS rare"},
+    "downstream": [d.name for d in sequence],
+    "downstream_label": "ODinW mean",
   }
   fingerprint = _digest({"root": root, "datasets": names, "subset_seed": subset_seed})
-  return Benchmark(pretrain, held_out, tuple(sequence), fingerprint=fingerprint,
-                   pretrain_eval=OBJECTS365_EVAL, held_out_eval=LVIS_EVAL, roles=roles)
+  return Benchmark(
+    pretrain,
+    held_out,
+    tuple(sequence),
+    fingerprint=fingerprint,
+    pretrain_eval=OBJECTS365_EVAL,
+    held_out_eval=LVIS_EVAL,
+    roles=roles,
+  )
 
 
 def load_init_checkpoint(path: str, like) -> tuple[Any, dict]:
@@ -347,6 +385,7 @@ def load_init_checkpoint(path: str, like) -> tuple[Any, dict]:
   if os.path.isdir(os.path.join(path, "params")):
     return checkpointing.load_params(path, like)
   from owl_cl.model import checkpoints  # pylint: disable=g-import-not-at-top
+
   if os.path.isfile(os.path.join(path, "config.json")):
     params, hf_config = checkpoints.load_hf_checkpoint(path)
     params = checkpoints.check_params(params, like, path)
@@ -369,45 +408,55 @@ class Runner:
     # CLIP BPE reads its vocabulary from config.model.tokenizer_vocab_path (SPEC §2).
     tokenizer_kwargs = {}
     if config.model.tokenizer == "word_hash":
-      tokenizer_kwargs = {"vocab_size": model_config.vocab_size,
-                          "context_length": model_config.context_length}
+      tokenizer_kwargs = {
+        "vocab_size": model_config.vocab_size,
+        "context_length": model_config.context_length,
+      }
     elif config.model.tokenizer == "clip":
       if not config.model.tokenizer_vocab_path:
         raise ConfigError(
-            "config.model.tokenizer='clip' needs config.model.tokenizer_vocab_path: an HF "
-            "checkpoint folder with vocab.json + merges.txt, or OpenAI's "
-            "bpe_simple_vocab_16e6.txt.gz")
-      tokenizer_kwargs = {"vocab_path": _expand(config.model.tokenizer_vocab_path),
-                          "context_length": model_config.context_length}
+          "config.model.tokenizer='clip' needs config.model.tokenizer_vocab_path: an HF "
+          "checkpoint folder with vocab.json + merges.txt, or OpenAI's "
+          "bpe_simple_vocab_16e6.txt.gz"
+        )
+      tokenizer_kwargs = {
+        "vocab_path": _expand(config.model.tokenizer_vocab_path),
+        "context_length": model_config.context_length,
+      }
     self.tokenizer = tokenizer_lib.get_tokenizer(config.model.tokenizer, **tokenizer_kwargs)
     if self.tokenizer.vocab_size > model_config.vocab_size:
       raise ConfigError(
-          f"config.model.tokenizer={config.model.tokenizer!r} has {self.tokenizer.vocab_size} "
-          f"ids but the model's vocab_size is {model_config.vocab_size}")
+        f"config.model.tokenizer={config.model.tokenizer!r} has {self.tokenizer.vocab_size} "
+        f"ids but the model's vocab_size is {model_config.vocab_size}"
+      )
     try:
       self.train_templates = prompts.train_templates(config.data.train_prompt_templates)
       self.eval_templates = prompts.eval_templates(config.eval.prompt_templates)
     except ValueError as e:
       raise ConfigError(str(e)) from e
     if config.eval.ensemble not in step_lib.ENSEMBLE_MODES:
-      raise ConfigError(f"config.eval.ensemble={config.eval.ensemble!r} is unknown; known: "
-                        f"{list(step_lib.ENSEMBLE_MODES)}")
+      raise ConfigError(
+        f"config.eval.ensemble={config.eval.ensemble!r} is unknown; known: "
+        f"{list(step_lib.ENSEMBLE_MODES)}"
+      )
     self.image_size = self.model.config.image_size
     self.mesh = sharding_lib.create_mesh()
     self.loss_config = dict(
-        focal_alpha=config.loss.focal_alpha, focal_gamma=config.loss.focal_gamma,
-        class_weight=config.loss.class_weight, bbox_weight=config.loss.bbox_weight,
-        giou_weight=config.loss.giou_weight)
+      focal_alpha=config.loss.focal_alpha,
+      focal_gamma=config.loss.focal_gamma,
+      class_weight=config.loss.class_weight,
+      bbox_weight=config.loss.bbox_weight,
+      giou_weight=config.loss.giou_weight,
+    )
     self.empty_tokens = self.tokenizer.encode([""])[0]
     self._text_embed = step_lib.make_text_embed_step(self.model)
-    self._predict_steps = {}   # (templates?, top_k, multi_label) -> jitted prediction
-    self._class_frequencies = {}   # source -> float64 [C] images per class (negatives)
+    self._predict_steps = {}  # (templates?, top_k, multi_label) -> jitted prediction
+    self._class_frequencies = {}  # source -> float64 [C] images per class (negatives)
 
   def init_params(self, seed: int):
     size = self.image_size
     images = jnp.zeros((1, size, size, 3), jnp.float32)
-    queries = jnp.zeros((1, self.config.data.num_queries, self.tokenizer.context_length),
-                        jnp.int32)
+    queries = jnp.zeros((1, self.config.data.num_queries, self.tokenizer.context_length), jnp.int32)
     return jax.jit(self.model.init)(jax.random.PRNGKey(seed), images, queries)["params"]
 
   def class_tokens(self, source: coco.CocoSource) -> np.ndarray:
@@ -436,11 +485,16 @@ class Runner:
     if key not in self._predict_steps:
       if templates:
         self._predict_steps[key] = step_lib.make_template_predict_step(
-            self.model, self.mesh, top_k=top_k, multi_label=multi_label,
-            ensemble=self.config.eval.ensemble)
+          self.model,
+          self.mesh,
+          top_k=top_k,
+          multi_label=multi_label,
+          ensemble=self.config.eval.ensemble,
+        )
       else:
         self._predict_steps[key] = step_lib.make_predict_step(
-            self.model, self.mesh, top_k=top_k, multi_label=multi_label)
+          self.model, self.mesh, top_k=top_k, multi_label=multi_label
+        )
     return self._predict_steps[key]
 
   def example_options(self, source) -> dict[str, Any]:
@@ -450,8 +504,10 @@ class Runner:
     preprocess the replay buffer's images. Source: SPEC §3, §5; pipeline.preprocess_train_example.
     """
     d = self.config.data
-    options = {"squash": bool(d.squash_resize),
-               "merge_iou": None if d.merge_iou is None else float(d.merge_iou)}
+    options = {
+      "squash": bool(d.squash_resize),
+      "merge_iou": None if d.merge_iou is None else float(d.merge_iou),
+    }
     if d.negatives_by_frequency:
       key = getattr(source, "annotation_file", None) or id(source)
       if key not in self._class_frequencies:
@@ -468,33 +524,54 @@ class Runner:
       ConfigError: mosaic_sizes and mosaic_probs of different lengths.
     """
     a = self.config.data.augment
-    options = {"hflip": bool(a.hflip), "random_crop": bool(a.random_crop),
-               "crop_area_range": tuple(a.crop_area_range),
-               "crop_aspect_ratio_range": tuple(a.crop_aspect_ratio_range),
-               "crop_min_area_fraction": float(a.crop_min_area_fraction)}
+    options = {
+      "hflip": bool(a.hflip),
+      "random_crop": bool(a.random_crop),
+      "crop_area_range": tuple(a.crop_area_range),
+      "crop_aspect_ratio_range": tuple(a.crop_aspect_ratio_range),
+      "crop_min_area_fraction": float(a.crop_min_area_fraction),
+    }
     if a.mosaic_sizes:
       if len(a.mosaic_sizes) != len(a.mosaic_probs):
-        raise ConfigError(f"config.data.augment.mosaic_sizes={tuple(a.mosaic_sizes)} and "
-                          f"mosaic_probs={tuple(a.mosaic_probs)} differ in length")
-      options.update(mosaic_sizes=tuple(int(k) for k in a.mosaic_sizes),
-                     mosaic_probs=tuple(float(p) for p in a.mosaic_probs))
+        raise ConfigError(
+          f"config.data.augment.mosaic_sizes={tuple(a.mosaic_sizes)} and "
+          f"mosaic_probs={tuple(a.mosaic_probs)} differ in length"
+        )
+      options.update(
+        mosaic_sizes=tuple(int(k) for k in a.mosaic_sizes),
+        mosaic_probs=tuple(float(p) for p in a.mosaic_probs),
+      )
     return options
 
   def train_batches(self, source, *, batch_size: int, seed: int, epoch: int):
     """Training batches of one epoch of `source` (pipeline.train_dataset) with the config's
     preprocessing options, augmentations and host sharding (data.host_sharding)."""
     return pipeline.train_dataset(
-        source, class_tokens=self.train_class_tokens(source), empty_tokens=self.empty_tokens,
-        image_size=self.image_size, num_queries=self.config.data.num_queries,
-        max_instances=self.config.data.max_instances,
-        num_negatives=self.config.data.num_negatives, batch_size=batch_size, seed=seed,
-        epoch=epoch, num_workers=self.config.data.num_workers,
-        shard="jax" if self.config.data.host_sharding else None,
-        **self.example_options(source), **self.augment_options())
+      source,
+      class_tokens=self.train_class_tokens(source),
+      empty_tokens=self.empty_tokens,
+      image_size=self.image_size,
+      num_queries=self.config.data.num_queries,
+      max_instances=self.config.data.max_instances,
+      num_negatives=self.config.data.num_negatives,
+      batch_size=batch_size,
+      seed=seed,
+      epoch=epoch,
+      num_workers=self.config.data.num_workers,
+      shard="jax" if self.config.data.host_sharding else None,
+      **self.example_options(source),
+      **self.augment_options(),
+    )
 
-  def evaluate(self, params, source: coco.CocoSource, desc: str, *,
-               protocol: str = "coco", max_detections: int | None = None
-               ) -> dict[str, float]:
+  def evaluate(
+    self,
+    params,
+    source: coco.CocoSource,
+    desc: str,
+    *,
+    protocol: str = "coco",
+    max_detections: int | None = None,
+  ) -> dict[str, float]:
     """AP of `params` on `source`, queries = the source's class names (SPEC §4).
 
     protocol 'coco': pycocotools AP, eval.top_k detections (argmax class per token unless
@@ -515,7 +592,8 @@ class Runner:
     if max_detections is not None:
       top_k = max_dets = int(max_detections)
     predict_step = self._predict_step(
-        templates=templates, top_k=top_k, multi_label=True if lvis else ec.multi_label)
+      templates=templates, top_k=top_k, multi_label=True if lvis else ec.multi_label
+    )
     query_embeddings = self.eval_query_embeddings(params, source)
     batch_size = self.config.data.eval_batch_size
     sharding_lib.check_batch_divisible(batch_size, self.mesh, "config.data.eval_batch_size")
@@ -524,21 +602,37 @@ class Runner:
       images = sharding_lib.shard_batch({"images": batch["images"]}, self.mesh)["images"]
       return jax.device_get(predict_step(params, images, query_embeddings))
 
-    batches = pipeline.eval_dataset(source, image_size=self.image_size,
-                                    batch_size=batch_size,
-                                    squash=bool(self.config.data.squash_resize),
-                                    max_images=self.config.max_eval_images)
+    batches = pipeline.eval_dataset(
+      source,
+      image_size=self.image_size,
+      batch_size=batch_size,
+      squash=bool(self.config.data.squash_resize),
+      max_images=self.config.max_eval_images,
+    )
     if lvis:
       return lvis_eval.evaluate_lvis_source(
-          predict_fn, source, batches, category_ids=source.category_ids,
-          image_size=self.image_size, max_dets=max_dets, desc=desc)
+        predict_fn,
+        source,
+        batches,
+        category_ids=source.category_ids,
+        image_size=self.image_size,
+        max_dets=max_dets,
+        desc=desc,
+      )
     return detection.evaluate_source(
-        predict_fn, source, batches, category_ids=source.category_ids,
-        image_size=self.image_size, max_dets=max_dets, desc=desc)
+      predict_fn,
+      source,
+      batches,
+      category_ids=source.category_ids,
+      image_size=self.image_size,
+      max_dets=max_dets,
+      desc=desc,
+    )
 
 
-def evaluate_dataset(runner: Runner, params, name: str, dataset: Dataset,
-                     desc: str) -> dict[str, float]:
+def evaluate_dataset(
+  runner: Runner, params, name: str, dataset: Dataset, desc: str
+) -> dict[str, float]:
   """Metrics of `params` on `dataset.test`: COCO AP (`dataset.evaluation` 'coco') or LVIS AP /
   APr ('lvis'), with `dataset.max_detections` detections per image when set (SPEC §4).
 
@@ -546,10 +640,10 @@ def evaluate_dataset(runner: Runner, params, name: str, dataset: Dataset,
     ConfigError: an unknown evaluation.
   """
   if dataset.evaluation not in ("coco", "lvis"):
-    raise ConfigError(f"eval set {name!r}: unknown evaluation {dataset.evaluation!r} "
-                      "(coco | lvis)")
-  return runner.evaluate(params, dataset.test, desc, protocol=dataset.evaluation,
-                         max_detections=dataset.max_detections)
+    raise ConfigError(f"eval set {name!r}: unknown evaluation {dataset.evaluation!r} (coco | lvis)")
+  return runner.evaluate(
+    params, dataset.test, desc, protocol=dataset.evaluation, max_detections=dataset.max_detections
+  )
 
 
 def _progress(total: int, desc: str):
@@ -574,14 +668,26 @@ def pretrain(runner: Runner, bench: Benchmark, workdir_writer: SummaryWriter | N
   sharding_lib.check_batch_divisible(pc.batch_size, runner.mesh, "config.pretrain.batch_size")
   params = runner.init_params(config.seed)
   tx, schedule = optim.create_optimizer(
-      params, learning_rate=pc.learning_rate, total_steps=pc.num_steps,
-      warmup_steps=pc.warmup_steps, text_lr_multiplier=pc.text_lr_multiplier,
-      layerwise_decay=pc.layerwise_decay, weight_decay=pc.weight_decay,
-      b1=config.train.b1, b2=config.train.b2, eps=config.train.eps,
-      grad_clip_norm=config.train.grad_clip_norm)
-  train_step = step_lib.make_train_step(runner.model, tx, runner.mesh,
-                                        loss_config=runner.loss_config, with_replay=False,
-                                        max_unique_queries=pc.max_unique_queries)
+    params,
+    learning_rate=pc.learning_rate,
+    total_steps=pc.num_steps,
+    warmup_steps=pc.warmup_steps,
+    text_lr_multiplier=pc.text_lr_multiplier,
+    layerwise_decay=pc.layerwise_decay,
+    weight_decay=pc.weight_decay,
+    b1=config.train.b1,
+    b2=config.train.b2,
+    eps=config.train.eps,
+    grad_clip_norm=config.train.grad_clip_norm,
+  )
+  train_step = step_lib.make_train_step(
+    runner.model,
+    tx,
+    runner.mesh,
+    loss_config=runner.loss_config,
+    with_replay=False,
+    max_unique_queries=pc.max_unique_queries,
+  )
   state = sharding_lib.replicate(step_lib.create_train_state(params, tx), runner.mesh)
   key = jax.random.PRNGKey(config.seed + 1)
   curve = []
@@ -590,8 +696,9 @@ def pretrain(runner: Runner, bench: Benchmark, workdir_writer: SummaryWriter | N
   start = time.time()
   bar = _progress(pc.num_steps, "pre-training")
   while step < pc.num_steps:
-    for batch in runner.train_batches(bench.pretrain.train, batch_size=pc.batch_size,
-                                      seed=config.seed, epoch=epoch):
+    for batch in runner.train_batches(
+      bench.pretrain.train, batch_size=pc.batch_size, seed=config.seed, epoch=epoch
+    ):
       if step >= pc.num_steps:
         break
       key, step_key = jax.random.split(key)
@@ -603,18 +710,21 @@ def pretrain(runner: Runner, bench: Benchmark, workdir_writer: SummaryWriter | N
         metrics = jax.device_get(metrics)
         bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
         _log_scalars(workdir_writer, "pretrain", dict(metrics, lr=schedule(step)), step)
-        curve.append({"step": step, "seconds": round(time.time() - start, 1),
-                      "loss": float(metrics["loss"])})
+        curve.append(
+          {"step": step, "seconds": round(time.time() - start, 1), "loss": float(metrics["loss"])}
+        )
       if pc.eval_every_steps and step % pc.eval_every_steps == 0 and step < pc.num_steps:
         params_now = jax.device_get(state.params)
         val = runner.evaluate(params_now, bench.pretrain.test, f"pre-training val @ {step}")
         if not curve or curve[-1]["step"] != step:
           curve.append({"step": step})
-        curve[-1].update(seconds=round(time.time() - start, 1), val_AP=val["AP"],
-                         val_AP50=val["AP50"])
+        curve[-1].update(
+          seconds=round(time.time() - start, 1), val_AP=val["AP"], val_AP50=val["AP50"]
+        )
         _log_scalars(workdir_writer, "pretrain_val", val, step)
-        logging.info("pre-training step %d: validation AP50 %.3f AP %.3f", step,
-                     val["AP50"], val["AP"])
+        logging.info(
+          "pre-training step %d: validation AP50 %.3f AP %.3f", step, val["AP50"], val["AP"]
+        )
     epoch += 1
   bar.close()
   return jax.device_get(state.params), curve
@@ -637,15 +747,27 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
     return load_init_checkpoint(_expand(config.init_checkpoint), like)
   if uses_real_data(config):
     raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
-  key = _digest({"model": config.model.to_dict(), "pretrain": config.pretrain.to_dict(),
-                 "data": {k: v for k, v in config.data.to_dict().items()
-                          if k in ("num_queries", "num_negatives", "max_instances",
-                                   "train_prompt_templates")},
-                 **non_default_data_options(config),
-                 "loss": config.loss.to_dict(), "seed": config.seed,
-                 "pretrain_data": _file_digest(bench.pretrain.train.annotation_file),
-                 "train_opt": [config.train.b1,
-                 config.train.b2, config.train.eps, config.train.grad_clip_norm]})
+  key = _digest(
+    {
+      "model": config.model.to_dict(),
+      "pretrain": config.pretrain.to_dict(),
+      "data": {
+        k: v
+        for k, v in config.data.to_dict().items()
+        if k in ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
+      },
+      **non_default_data_options(config),
+      "loss": config.loss.to_dict(),
+      "seed": config.seed,
+      "pretrain_data": _file_digest(bench.pretrain.train.annotation_file),
+      "train_opt": [
+        config.train.b1,
+        config.train.b2,
+        config.train.eps,
+        config.train.grad_clip_norm,
+      ],
+    }
+  )
   path = os.path.join(_expand(config.cache_dir), "pretrained", key)
   if os.path.isdir(path):
     logging.info("re-using the cached pre-trained model %s", path)
@@ -675,21 +797,25 @@ def make_algorithm(config: ml_collections.ConfigDict):
   rc = config.replay
   name = rc.algorithm
   if name not in algorithms.ALGORITHMS:
-    raise ConfigError(f"config.replay.algorithm={name!r} is unknown; known: "
-                      f"{sorted(algorithms.ALGORITHMS) + ['none']}")
+    raise ConfigError(
+      f"config.replay.algorithm={name!r} is unknown; known: "
+      f"{sorted(algorithms.ALGORITHMS) + ['none']}"
+    )
   fields = {
-      "swil_weight": ("replay.swil_w", rc.swil_w),
-      "grasp_weight": ("replay.grasp_w", rc.grasp_w),
-      "balanced_order": ("replay.balanced_order", rc.balanced_order),
-      "adaptive_entropy_threshold": ("replay.adaptive_entropy_threshold",
-                                     rc.adaptive_entropy_threshold),
-      "num_candidates": ("replay.aser.num_candidates", rc.aser.num_candidates),
-      "knn_k": ("replay.aser.knn_k", rc.aser.knn_k),
-      "asv_c": ("replay.aser.c", rc.aser.c),
-      "asv_token_matching": ("replay.aser.token_matching", rc.aser.token_matching),
-      "asv_distance": ("replay.aser.distance", rc.aser.distance),
-      "asv_weight_reduction": ("replay.aser.weight_reduction", rc.aser.weight_reduction),
-      "asv_chunk_size": ("replay.aser.chunk_size", rc.aser.chunk_size),
+    "swil_weight": ("replay.swil_w", rc.swil_w),
+    "grasp_weight": ("replay.grasp_w", rc.grasp_w),
+    "balanced_order": ("replay.balanced_order", rc.balanced_order),
+    "adaptive_entropy_threshold": (
+      "replay.adaptive_entropy_threshold",
+      rc.adaptive_entropy_threshold,
+    ),
+    "num_candidates": ("replay.aser.num_candidates", rc.aser.num_candidates),
+    "knn_k": ("replay.aser.knn_k", rc.aser.knn_k),
+    "asv_c": ("replay.aser.c", rc.aser.c),
+    "asv_token_matching": ("replay.aser.token_matching", rc.aser.token_matching),
+    "asv_distance": ("replay.aser.distance", rc.aser.distance),
+    "asv_weight_reduction": ("replay.aser.weight_reduction", rc.aser.weight_reduction),
+    "asv_chunk_size": ("replay.aser.chunk_size", rc.aser.chunk_size),
   }
   hyperparameters = {}
   for hp in algorithms.ALGORITHMS[name].hyperparameter_names:
@@ -697,8 +823,11 @@ def make_algorithm(config: ml_collections.ConfigDict):
     if value is not None:
       hyperparameters[hp] = value
   try:
-    schedule = (dedup.DedupSchedule("fraction", rc.dedup_fraction) if rc.dedup == "fraction"
-                else dedup.as_schedule(rc.dedup))
+    schedule = (
+      dedup.DedupSchedule("fraction", rc.dedup_fraction)
+      if rc.dedup == "fraction"
+      else dedup.as_schedule(rc.dedup)
+    )
     return algorithms.get_algorithm(name, dedup=schedule, **hyperparameters)
   except ValueError as e:
     raise ConfigError(f"config.replay ({name}): {e}") from e
@@ -707,14 +836,24 @@ def make_algorithm(config: ml_collections.ConfigDict):
 # The input-pipeline options' defaults (configs/base.py). Cache keys list only the options
 # that differ from them, so caches made before an option existed stay valid.
 DEFAULT_DATA_OPTIONS = {
-    "squash_resize": False, "merge_iou": 0.9, "negatives_by_frequency": False,
-    "augment": {"hflip": False, "random_crop": False, "crop_area_range": (0.3, 1.0),
-                "crop_aspect_ratio_range": (0.75, 1.33), "crop_min_area_fraction": 0.6,
-                "mosaic_sizes": None, "mosaic_probs": (0.4, 0.3, 0.3)}}
+  "squash_resize": False,
+  "merge_iou": 0.9,
+  "negatives_by_frequency": False,
+  "augment": {
+    "hflip": False,
+    "random_crop": False,
+    "crop_area_range": (0.3, 1.0),
+    "crop_aspect_ratio_range": (0.75, 1.33),
+    "crop_min_area_fraction": 0.6,
+    "mosaic_sizes": None,
+    "mosaic_probs": (0.4, 0.3, 0.3),
+  },
+}
 
 
-def non_default_data_options(config: ml_collections.ConfigDict, buffer: bool = False
-                             ) -> dict[str, Any]:
+def non_default_data_options(
+  config: ml_collections.ConfigDict, buffer: bool = False
+) -> dict[str, Any]:
   """{'data_options': {...}} with the `config.data` pipeline options that differ from
   `DEFAULT_DATA_OPTIONS` ({} when none do), for the cache keys of the pre-trained model and
   (buffer=True: augmentations excluded, the buffer's images are not augmented) the buffer."""
@@ -724,10 +863,10 @@ def non_default_data_options(config: ml_collections.ConfigDict, buffer: bool = F
     if name == "augment":
       if buffer:
         continue
-      value = {k: (tuple(v) if isinstance(v, (list, tuple)) else v)
-               for k, v in d.augment.to_dict().items()}
-      default = {k: (tuple(v) if isinstance(v, (list, tuple)) else v)
-                 for k, v in default.items()}
+      value = {
+        k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in d.augment.to_dict().items()
+      }
+      default = {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in default.items()}
     else:
       value = d.get(name, default)
     if value != default:
@@ -742,23 +881,39 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
   source = bench.pretrain.train
   data = config.data
   key_material = {
-      "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
-      "pretrain_data": _file_digest(source.annotation_file), "buffer": bc.to_dict(),
-      "top_k": config.replay.top_k,
-      "data": [data.num_queries, data.num_negatives, data.max_instances],
-      "loss": config.loss.to_dict(), "seed": config.seed, "format": 1,
-      **non_default_data_options(config, buffer=True)}
+    "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
+    "pretrain_data": _file_digest(source.annotation_file),
+    "buffer": bc.to_dict(),
+    "top_k": config.replay.top_k,
+    "data": [data.num_queries, data.num_negatives, data.max_instances],
+    "loss": config.loss.to_dict(),
+    "seed": config.seed,
+    "format": 1,
+    **non_default_data_options(config, buffer=True),
+  }
   build = lambda: buffer_build.build_store(
-      runner.model, params, source, class_tokens=runner.class_tokens(source),
-      empty_tokens=runner.empty_tokens, image_size=runner.image_size,
-      num_queries=data.num_queries, max_instances=data.max_instances,
-      num_negatives=data.num_negatives, seed=config.seed,
-      loss_threshold=bc.loss_threshold, min_per_class=bc.min_per_class,
-      fill_all_for_rare_classes=bc.fill_all_for_rare_classes, top_k=config.replay.top_k,
-      max_per_class=bc.max_instances_per_prototype, loss_config=runner.loss_config,
-      batch_size=data.eval_batch_size, example_options=runner.example_options(source))
+    runner.model,
+    params,
+    source,
+    class_tokens=runner.class_tokens(source),
+    empty_tokens=runner.empty_tokens,
+    image_size=runner.image_size,
+    num_queries=data.num_queries,
+    max_instances=data.max_instances,
+    num_negatives=data.num_negatives,
+    seed=config.seed,
+    loss_threshold=bc.loss_threshold,
+    min_per_class=bc.min_per_class,
+    fill_all_for_rare_classes=bc.fill_all_for_rare_classes,
+    top_k=config.replay.top_k,
+    max_per_class=bc.max_instances_per_prototype,
+    loss_config=runner.loss_config,
+    batch_size=data.eval_batch_size,
+    example_options=runner.example_options(source),
+  )
   return buffer_build.cached_store(
-      os.path.join(_expand(config.cache_dir), "buffers"), key_material, build)
+    os.path.join(_expand(config.cache_dir), "buffers"), key_material, build
+  )
 
 
 # ----------------------------------------------------------------------------- the run
@@ -777,11 +932,15 @@ def _check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
     with open(run_file) as f:
       existing = json.load(f)
     if existing.get("config") != config_json:
-      changed = sorted(k for k in set(existing.get("config", {})) | set(config_json)
-                       if existing.get("config", {}).get(k) != config_json.get(k))
+      changed = sorted(
+        k
+        for k in set(existing.get("config", {})) | set(config_json)
+        if existing.get("config", {}).get(k) != config_json.get(k)
+      )
       raise ConfigError(
-          f"workdir {workdir} holds a run of a different config (differing fields: "
-          f"{changed}); use another --workdir or the same config to resume it")
+        f"workdir {workdir} holds a run of a different config (differing fields: "
+        f"{changed}); use another --workdir or the same config to resume it"
+      )
     return existing["run_id"]
   run_id = uuid.uuid4().hex
   tmp = run_file + ".tmp"
@@ -793,12 +952,12 @@ def _check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
 
 def benchmark_eval_sets(bench: Benchmark) -> list[tuple[str, Dataset]]:
   """(eval-set name, dataset) of every eval set: pre-training, held-out, each dataset."""
-  return ([(bench.pretrain_eval, bench.pretrain), (bench.held_out_eval, bench.held_out)]
-          + [(d.name, d) for d in bench.sequence])
+  return [(bench.pretrain_eval, bench.pretrain), (bench.held_out_eval, bench.held_out)] + [
+    (d.name, d) for d in bench.sequence
+  ]
 
 
-def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark,
-                     index: int) -> list[str]:
+def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index: int) -> list[str]:
   """The eval sets evaluated after dataset `index` (1-based) of the sequence.
 
   The final stage evaluates every set; earlier stages the downstream sets per
@@ -815,8 +974,7 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark,
     return everything
   mode = config.eval.downstream_after_each_dataset
   if mode not in ("all", "seen"):
-    raise ConfigError(f"config.eval.downstream_after_each_dataset={mode!r}; use 'all' or "
-                      "'seen'")
+    raise ConfigError(f"config.eval.downstream_after_each_dataset={mode!r}; use 'all' or 'seen'")
   out = []
   if config.eval.pretraining_sets_after_each_dataset:
     out += [bench.pretrain_eval, bench.held_out_eval]
@@ -836,23 +994,30 @@ def check_sequence_config(config: ml_collections.ConfigDict, bench: Benchmark) -
     known |= set(_real_data_module().ODINW_DATASETS)
   for name, overrides in config.train.per_dataset.items():
     if name not in known:
-      raise ConfigError(f"config.train.per_dataset.{name}: no dataset named {name!r}; "
-                        f"known: {sorted(known)}")
+      raise ConfigError(
+        f"config.train.per_dataset.{name}: no dataset named {name!r}; known: {sorted(known)}"
+      )
     for field in overrides:
       if field not in PER_DATASET_FIELDS:
-        raise ConfigError(f"config.train.per_dataset.{name}.{field}: unknown field; "
-                          f"allowed: {list(PER_DATASET_FIELDS)}")
+        raise ConfigError(
+          f"config.train.per_dataset.{name}.{field}: unknown field; "
+          f"allowed: {list(PER_DATASET_FIELDS)}"
+        )
   carry = config.train.carry
   if carry not in ("last", "best_validation"):
     raise ConfigError(f"config.train.carry={carry!r}; use 'last' or 'best_validation'")
   if carry == "best_validation":
     without = [d.name for d in bench.sequence if d.valid is None]
     if without:
-      raise ConfigError(f"config.train.carry='best_validation' needs a valid split, which "
-                        f"{without} lack (the built-in benchmark has none)")
+      raise ConfigError(
+        f"config.train.carry='best_validation' needs a valid split, which "
+        f"{without} lack (the built-in benchmark has none)"
+      )
   if config.eval.downstream_after_each_dataset not in ("all", "seen"):
-    raise ConfigError("config.eval.downstream_after_each_dataset="
-                      f"{config.eval.downstream_after_each_dataset!r}; use 'all' or 'seen'")
+    raise ConfigError(
+      "config.eval.downstream_after_each_dataset="
+      f"{config.eval.downstream_after_each_dataset!r}; use 'all' or 'seen'"
+    )
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -866,16 +1031,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", _expand(config.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-  check_inputs(config)      # real data: one error listing every missing input, up front
-  loss_adaptivity_mode(config)   # a bad mode fails before any work
+  check_inputs(config)  # real data: one error listing every missing input, up front
+  loss_adaptivity_mode(config)  # a bad mode fails before any work
   run_id = _check_workdir(workdir, config)
   wall_start = time.time()
   bench = load_benchmark(config)
   check_sequence_config(config, bench)
   runner = Runner(config)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
-  checkpointer = checkpointing.StageCheckpointer(os.path.join(workdir, "checkpoints"),
-                                                 max_to_keep=config.checkpoint.max_to_keep)
+  checkpointer = checkpointing.StageCheckpointer(
+    os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
+  )
   algorithm_name = config.replay.algorithm
   with_replay = algorithm_name != "none"
 
@@ -886,13 +1052,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   eval_sets = benchmark_eval_sets(bench)
 
   def evaluate_all(params, stage_name, names=None):
-    return {name: evaluate_dataset(runner, params, name, dataset,
-                                   f"eval {name} @ {stage_name}")
-            for name, dataset in eval_sets if names is None or name in names}
+    return {
+      name: evaluate_dataset(runner, params, name, dataset, f"eval {name} @ {stage_name}")
+      for name, dataset in eval_sets
+      if names is None or name in names
+    }
 
   rstate = replay_state_lib.init_replay_state(
-      store.num_images if store else 1, jax.random.PRNGKey(config.seed + 2),
-      num_classes=store.num_classes if store else 1)   # orbax saves no empty arrays
+    store.num_images if store else 1,
+    jax.random.PRNGKey(config.seed + 2),
+    num_classes=store.num_classes if store else 1,
+  )  # orbax saves no empty arrays
   latest = checkpointer.latest_stage()
   if latest is None:
     stages = [{"name": "pretrained", "metrics": evaluate_all(params, "pretrained")}]
@@ -906,15 +1076,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   def write(status: str):
     results = {
-        "run_id": run_id, "status": status, "algorithm": config.experiment_name,
-        "retrieval": algorithm_name, "seed": config.seed,
-        "sequence": [d.name for d in bench.sequence],
-        "eval_sets": {"pretrain": bench.pretrain_eval, "held_out": bench.held_out_eval,
-                      "downstream": [d.name for d in bench.sequence]},
-        "stages": stages, "config": json.loads(config.to_json_best_effort()),
-        "pretraining": {k: pretrain_meta.get(k) for k in ("seconds", "curve", "validation")},
-        "timings": dict(timings, wall_seconds=round(time.time() - wall_start, 1)),
-        "buffer": buffer_stats,
+      "run_id": run_id,
+      "status": status,
+      "algorithm": config.experiment_name,
+      "retrieval": algorithm_name,
+      "seed": config.seed,
+      "sequence": [d.name for d in bench.sequence],
+      "eval_sets": {
+        "pretrain": bench.pretrain_eval,
+        "held_out": bench.held_out_eval,
+        "downstream": [d.name for d in bench.sequence],
+      },
+      "stages": stages,
+      "config": json.loads(config.to_json_best_effort()),
+      "pretraining": {k: pretrain_meta.get(k) for k in ("seconds", "curve", "validation")},
+      "timings": dict(timings, wall_seconds=round(time.time() - wall_start, 1)),
+      "buffer": buffer_stats,
     }
     if bench.roles is not None:
       results["roles"] = bench.roles
@@ -926,13 +1103,26 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     dataset = bench.sequence[index - 1]
     start = time.time()
     params, rstate, train_metrics = train_on_dataset(
-        runner, dataset, params, store, rstate, writer, index,
-        records_path=os.path.join(workdir, "records", f"{dataset.name}.npz"))
+      runner,
+      dataset,
+      params,
+      store,
+      rstate,
+      writer,
+      index,
+      records_path=os.path.join(workdir, "records", f"{dataset.name}.npz"),
+    )
     metrics = evaluate_all(params, dataset.name, stage_eval_names(config, bench, index))
     for name, values in metrics.items():
       _log_scalars(writer, f"eval/{name}", values, index)
-    stages.append({"name": dataset.name, "metrics": metrics, "train": train_metrics,
-                   "seconds": round(time.time() - start, 1)})
+    stages.append(
+      {
+        "name": dataset.name,
+        "metrics": metrics,
+        "train": train_metrics,
+        "seconds": round(time.time() - start, 1),
+      }
+    )
     checkpointer.save(index, params, rstate, {"stages": stages})
     write("running")
   results = write("complete")
@@ -942,8 +1132,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return results
 
 
-def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, writer,
-                     index: int, records_path: Optional[str] = None):
+def train_on_dataset(
+  runner: Runner,
+  dataset: Dataset,
+  params,
+  store,
+  rstate,
+  writer,
+  index: int,
+  records_path: str | None = None,
+):
   """Fine-tunes on one downstream dataset with retrieval + DER++ (fresh optimizer).
 
   With `config.replay.records` and a `records_path`, the retrieval analysis records
@@ -956,42 +1154,59 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
   sharding_lib.check_batch_divisible(batch_size, runner.mesh, "config.train.batch_size")
   steps_per_epoch = len(dataset.train) // batch_size
   if steps_per_epoch < 1:
-    raise ConfigError(f"dataset {dataset.name} has {len(dataset.train)} training images, "
-                      f"fewer than config.train.batch_size={batch_size}")
+    raise ConfigError(
+      f"dataset {dataset.name} has {len(dataset.train)} training images, "
+      f"fewer than config.train.batch_size={batch_size}"
+    )
   settings = dataset_train_settings(config, dataset.name, steps_per_epoch)
   num_epochs = settings["num_epochs"]
   total = steps_per_epoch * num_epochs
   if config.max_train_steps_per_dataset:
     total = min(total, config.max_train_steps_per_dataset)
   tx, schedule = optim.create_optimizer(
-      params, learning_rate=settings["learning_rate"], total_steps=total,
-      warmup_steps=settings["warmup_steps"],
-      text_lr_multiplier=settings["text_lr_multiplier"],
-      layerwise_decay=settings["layerwise_decay"],
-      layerwise_granularity=tc.get("layerwise_granularity", "layer"),
-      b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
-      grad_clip_norm=tc.grad_clip_norm)
+    params,
+    learning_rate=settings["learning_rate"],
+    total_steps=total,
+    warmup_steps=settings["warmup_steps"],
+    text_lr_multiplier=settings["text_lr_multiplier"],
+    layerwise_decay=settings["layerwise_decay"],
+    layerwise_granularity=tc.get("layerwise_granularity", "layer"),
+    b1=tc.b1,
+    b2=tc.b2,
+    eps=tc.eps,
+    weight_decay=tc.weight_decay,
+    grad_clip_norm=tc.grad_clip_norm,
+  )
   with_replay = store is not None
   adaptivity = loss_adaptivity_mode(config) if with_replay else "none"
   threshold = float(config.replay.loss_adaptivity.threshold)
   train_step = step_lib.make_train_step(
-      runner.model, tx, runner.mesh, loss_config=runner.loss_config,
-      alpha=config.replay.der_alpha, beta=config.replay.der_beta, with_replay=with_replay,
-      max_unique_queries=tc.max_unique_queries, loss_adaptivity=adaptivity,
-      loss_threshold=threshold)
+    runner.model,
+    tx,
+    runner.mesh,
+    loss_config=runner.loss_config,
+    alpha=config.replay.der_alpha,
+    beta=config.replay.der_beta,
+    with_replay=with_replay,
+    max_unique_queries=tc.max_unique_queries,
+    loss_adaptivity=adaptivity,
+    loss_threshold=threshold,
+  )
   state = sharding_lib.replicate(step_lib.create_train_state(params, tx), runner.mesh)
   if with_replay:
     num_replay = max(1, int(round(config.replay.ratio * batch_size)))
     sharding_lib.check_batch_divisible(num_replay, runner.mesh, "replay batch (ratio * batch)")
     if adaptivity == "paper" and num_replay != batch_size:
       raise ConfigError(
-          f"config.replay.loss_adaptivity.mode='paper' replays one image per new image above "
-          f"the threshold and needs config.replay.ratio=1.0, got {config.replay.ratio}")
+        f"config.replay.loss_adaptivity.mode='paper' replays one image per new image above "
+        f"the threshold and needs config.replay.ratio=1.0, got {config.replay.ratio}"
+      )
     algorithm = make_algorithm(config)
     recorder = None
     if config.replay.records and records_path:
-      recorder = records_lib.RetrievalRecords(store.num_classes,
-                                              getattr(algorithm, "num_candidates", 0))
+      recorder = records_lib.RetrievalRecords(
+        store.num_classes, getattr(algorithm, "num_candidates", 0)
+      )
       retrieve = jax.jit(algorithm.retrieve_with_records, static_argnums=3)
     else:
       retrieve = jax.jit(algorithm, static_argnums=3)
@@ -1000,11 +1215,18 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
     rstate = algorithm.prepare(rstate, buffer)
     top_k = config.replay.top_k if algorithm.needs_features else None
     # 'paper': one eval-mode forward gives the new images' losses (and the features).
-    new_losses = (step_lib.make_new_loss_step(runner.model, runner.mesh,
-                                              loss_config=runner.loss_config, k=top_k)
-                  if adaptivity == "paper" else None)
-    embed = (step_lib.make_embed_step(runner.model, runner.mesh, k=top_k)
-             if top_k and new_losses is None else None)
+    new_losses = (
+      step_lib.make_new_loss_step(
+        runner.model, runner.mesh, loss_config=runner.loss_config, k=top_k
+      )
+      if adaptivity == "paper"
+      else None
+    )
+    embed = (
+      step_lib.make_embed_step(runner.model, runner.mesh, k=top_k)
+      if top_k and new_losses is None
+      else None
+    )
     # Device-side counters (no host sync per step): replays that entered the loss, steps
     # with at least one.
     replays_in_loss = jnp.zeros((), jnp.int32)
@@ -1019,8 +1241,9 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
   for epoch in range(num_epochs):
     if step >= total:
       break
-    for batch in runner.train_batches(dataset.train, batch_size=batch_size,
-                                      seed=config.seed + index, epoch=epoch):
+    for batch in runner.train_batches(
+      dataset.train, batch_size=batch_size, seed=config.seed + index, epoch=epoch
+    ):
       if step >= total:
         break
       key, step_key = jax.random.split(key)
@@ -1029,8 +1252,9 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
       if with_replay:
         active = None
         if new_losses is not None:
-          features = new_losses(state.params, inputs["images"], inputs["queries"],
-                                inputs["labels"], inputs["boxes"])
+          features = new_losses(
+            state.params, inputs["images"], inputs["queries"], inputs["labels"], inputs["boxes"]
+          )
           # Slot j serves new image j: active iff its loss exceeds l (eq. 5).
           active = features.pop("per_example") > threshold
         elif embed is not None:
@@ -1062,8 +1286,7 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
         postfix = {"loss": f"{float(metrics['loss']):.3f}"}
         scalars = dict(metrics, lr=schedule(step))
         if with_replay:
-          fractions = _replay_fractions(int(replays_in_loss), int(replay_steps), step,
-                                        num_replay)
+          fractions = _replay_fractions(int(replays_in_loss), int(replay_steps), step, num_replay)
           postfix["replay"] = f"{fractions['replay_samples_fraction']:.0%}"
           scalars.update(fractions)
         bar.set_postfix(**postfix)
@@ -1071,33 +1294,46 @@ def train_on_dataset(runner: Runner, dataset: Dataset, params, store, rstate, wr
     if with_replay:
       rstate = dedup.reset_if(rstate, "epoch", dedup_schedule)
     if carry_best:
-      best = _track_best_epoch(runner, dataset, state.params, epoch, best, validation, writer,
-                               index)
+      best = _track_best_epoch(
+        runner, dataset, state.params, epoch, best, validation, writer, index
+      )
   bar.close()
   if with_replay:
     rstate = dedup.reset_if(rstate, "dataset", dedup_schedule)
     if recorder is not None:
       recorder.save(records_path)
-  summary = {"steps": step, "replayed_images": replayed,
-             "final_loss": float(jax.device_get(metrics["loss"])) if step else None,
-             "settings": settings}
+  summary = {
+    "steps": step,
+    "replayed_images": replayed,
+    "final_loss": float(jax.device_get(metrics["loss"])) if step else None,
+    "settings": settings,
+  }
   if with_replay:
-    summary.update(loss_adaptivity=adaptivity,
-                   loss_threshold=threshold if adaptivity != "none" else None,
-                   replay_slots=step * num_replay, replays_in_loss=int(replays_in_loss),
-                   replay_steps=int(replay_steps),
-                   **_replay_fractions(int(replays_in_loss), int(replay_steps), step,
-                                       num_replay))
+    summary.update(
+      loss_adaptivity=adaptivity,
+      loss_threshold=threshold if adaptivity != "none" else None,
+      replay_slots=step * num_replay,
+      replays_in_loss=int(replays_in_loss),
+      replay_steps=int(replay_steps),
+      **_replay_fractions(int(replays_in_loss), int(replay_steps), step, num_replay),
+    )
   if carry_best and best["params"] is not None:
-    summary.update(carried="best_validation", best_epoch=best["epoch"],
-                   validation=validation)
+    summary.update(carried="best_validation", best_epoch=best["epoch"], validation=validation)
     return best["params"], rstate, summary
   summary["carried"] = "last"
   return jax.device_get(state.params), rstate, summary
 
 
-def _track_best_epoch(runner: Runner, dataset: Dataset, params, epoch: int, best: dict,
-                      validation: list, writer, index: int) -> dict:
+def _track_best_epoch(
+  runner: Runner,
+  dataset: Dataset,
+  params,
+  epoch: int,
+  best: dict,
+  validation: list,
+  writer,
+  index: int,
+) -> dict:
   """Evaluates `params` on the dataset's valid split; returns the better of it and `best`.
 
   The released code's best-validation-epoch carry (SPEC §10): AP on the valid split after
@@ -1116,8 +1352,9 @@ def _track_best_epoch(runner: Runner, dataset: Dataset, params, epoch: int, best
   return best
 
 
-def dataset_train_settings(config: ml_collections.ConfigDict, name: str,
-                           steps_per_epoch: int) -> dict:
+def dataset_train_settings(
+  config: ml_collections.ConfigDict, name: str, steps_per_epoch: int
+) -> dict:
   """The optimiser settings of one dataset: `train.*` with `train.per_dataset.<name>` applied.
 
   Args:
@@ -1141,38 +1378,46 @@ def dataset_train_settings(config: ml_collections.ConfigDict, name: str,
   overrides = dict(tc.per_dataset.get(name, {}) or {})
   unknown = sorted(set(overrides) - set(PER_DATASET_FIELDS))
   if unknown:
-    raise ConfigError(f"config.train.per_dataset.{name}: unknown fields {unknown}; "
-                      f"allowed: {list(PER_DATASET_FIELDS)}")
+    raise ConfigError(
+      f"config.train.per_dataset.{name}: unknown fields {unknown}; "
+      f"allowed: {list(PER_DATASET_FIELDS)}"
+    )
   value = lambda field, default=None: overrides.get(field, tc.get(field, default))
   warmup_epochs = value("warmup_epochs")
   if "warmup_steps" in overrides or warmup_epochs is None:
     warmup_steps = int(value("warmup_steps"))
   else:
     warmup_steps = int(warmup_epochs) * steps_per_epoch
-  return {"num_epochs": int(value("num_epochs")),
-          "learning_rate": float(value("learning_rate")),
-          "text_lr_multiplier": float(value("text_lr_multiplier")),
-          "layerwise_decay": float(value("layerwise_decay")),
-          "warmup_steps": warmup_steps}
+  return {
+    "num_epochs": int(value("num_epochs")),
+    "learning_rate": float(value("learning_rate")),
+    "text_lr_multiplier": float(value("text_lr_multiplier")),
+    "layerwise_decay": float(value("layerwise_decay")),
+    "warmup_steps": warmup_steps,
+  }
 
 
 def loss_adaptivity_mode(config: ml_collections.ConfigDict) -> str:
   """config.replay.loss_adaptivity.mode, checked (SPEC §9). Raises ConfigError if unknown."""
   mode = config.replay.loss_adaptivity.mode
   if mode not in losses.LOSS_ADAPTIVITY_MODES:
-    raise ConfigError(f"config.replay.loss_adaptivity.mode={mode!r} is unknown; known: "
-                      f"{list(losses.LOSS_ADAPTIVITY_MODES)}")
+    raise ConfigError(
+      f"config.replay.loss_adaptivity.mode={mode!r} is unknown; known: "
+      f"{list(losses.LOSS_ADAPTIVITY_MODES)}"
+    )
   return mode
 
 
-def _replay_fractions(replays_in_loss: int, replay_steps: int, steps: int,
-                      num_replay: int) -> dict[str, float]:
+def _replay_fractions(
+  replays_in_loss: int, replay_steps: int, steps: int, num_replay: int
+) -> dict[str, float]:
   """The paper's Table 4 figures: fraction of steps with replay, of replay slots used.
 
   replay_steps_fraction = steps whose loss included at least one replay / steps;
   replay_samples_fraction = replays in the loss / (steps * replays per step) (at 1:1 the
   fraction of new samples that were given a replay, the paper's "Replay %").
   """
-  return {"replay_steps_fraction": replay_steps / steps if steps else 0.0,
-          "replay_samples_fraction": (replays_in_loss / (steps * num_replay)
-                                      if steps else 0.0)}
+  return {
+    "replay_steps_fraction": replay_steps / steps if steps else 0.0,
+    "replay_samples_fraction": (replays_in_loss / (steps * num_replay) if steps else 0.0),
+  }

@@ -20,17 +20,24 @@ from absl import logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Path to a config file, e.g. configs/swil.py (optionally ':arg').",
-    lock_config=True)
+  "config",
+  None,
+  "Path to a config file, e.g. configs/swil.py (optionally ':arg').",
+  lock_config=True,
+)
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None,
-    "Output folder. Default: workdirs/<experiment_name>_<timestamp> (a new folder, so no run "
-    "overwrites another). Re-using a workdir resumes the run it holds.")
+  "workdir",
+  None,
+  "Output folder. Default: workdirs/<experiment_name>_<timestamp> (a new folder, so no run "
+  "overwrites another). Re-using a workdir resumes the run it holds.",
+)
 _DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False,
-    "Multi-host (Cloud TPU VM pods, multi-node GPU): call jax.distributed.initialize() before "
-    "anything else, so every host joins one JAX runtime (coordinator from the environment: "
-    "TPU metadata, SLURM or JAX_COORDINATOR_ADDRESS). Run the same command on every host.")
+  "distributed",
+  False,
+  "Multi-host (Cloud TPU VM pods, multi-node GPU): call jax.distributed.initialize() before "
+  "anything else, so every host joins one JAX runtime (coordinator from the environment: "
+  "TPU metadata, SLURM or JAX_COORDINATOR_ADDRESS). Run the same command on every host.",
+)
 
 
 def default_workdir(experiment_name: str) -> str:
@@ -51,10 +58,15 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _DISTRIBUTED.value:
     import jax  # pylint: disable=g-import-not-at-top
+
     jax.distributed.initialize()  # Before any other JAX call (device lists, compilation).
-    logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
-                 jax.process_index(), jax.process_count(), jax.local_device_count(),
-                 jax.device_count())
+    logging.info(
+      "jax.distributed: process %d of %d, %d local / %d global devices",
+      jax.process_index(),
+      jax.process_count(),
+      jax.local_device_count(),
+      jax.device_count(),
+    )
   from owl_cl import experiment  # Imported after flag parsing: keeps --help fast.
 
   config = _CONFIG.value

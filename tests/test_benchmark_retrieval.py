@@ -1,4 +1,5 @@
 """The NumPy references of benchmarks/retrieval.py (the benchmark's independent check)."""
+
 import importlib.util
 import itertools
 import math
@@ -7,11 +8,12 @@ import sys
 
 import numpy as np
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "benchmarks", "retrieval.py")
+_PATH = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "retrieval.py"
+)
 _spec = importlib.util.spec_from_file_location("benchmark_retrieval", _PATH)
 bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench          # dataclasses look their module up by name
+sys.modules[_spec.name] = bench  # dataclasses look their module up by name
 _spec.loader.exec_module(bench)
 
 
@@ -35,11 +37,11 @@ def _brute_force_shapley(distances, utilities, k, candidates):
 
 def test_numpy_knn_shapley_is_the_exact_shapley_value():
   rng = np.random.default_rng(0)
-  for n_c, k in ((5, 2), (4, 6), (6, 3)):            # N_c >= K and N_c < K
+  for n_c, k in ((5, 2), (4, 6), (6, 3)):  # N_c >= K and N_c < K
     distances = rng.random((2, n_c)).astype(np.float32)
     utilities = rng.uniform(-1, 1, (2, n_c)).astype(np.float32)
     valid = np.ones(n_c, bool)
-    valid[1] = False                                  # an invalid candidate does not count
+    valid[1] = False  # an invalid candidate does not count
     got = bench.np_knn_shapley(distances, utilities, k, valid)
     for row in range(2):
       want = _brute_force_shapley(distances[row], utilities[row], k, np.flatnonzero(valid))
@@ -48,29 +50,32 @@ def test_numpy_knn_shapley_is_the_exact_shapley_value():
 
 
 def test_numpy_asv_hand_worked():
-  left = np.array([[0.2, 0.4], [0.0, 0.2]], np.float32)    # min S_l = 0.0 -> w = c
+  left = np.array([[0.2, 0.4], [0.0, 0.2]], np.float32)  # min S_l = 0.0 -> w = c
   right = np.array([[-0.1, 0.3], [0.1, -0.2]], np.float32)
   asv = bench.np_asv(left, right, 0.5)
   # column means of left: [0.1, 0.3]; minima of right: [-0.1, -0.2]; w = 0.5.
   np.testing.assert_allclose(asv, [0.05 + 0.1, 0.15 + 0.2], rtol=1e-6)
-  left[1, 0] = 0.1                                           # min S_l = 0.1 -> w = 0.5*0.2/0.1
-  np.testing.assert_allclose(bench.np_asv(left, right, 0.5), [1.0 * 0.15 + 0.1,
-                                                              1.0 * 0.3 + 0.2], rtol=1e-6)
+  left[1, 0] = 0.1  # min S_l = 0.1 -> w = 0.5*0.2/0.1
+  np.testing.assert_allclose(
+    bench.np_asv(left, right, 0.5), [1.0 * 0.15 + 0.1, 1.0 * 0.3 + 0.2], rtol=1e-6
+  )
 
 
 def test_numpy_probabilities_and_entropy():
-  p = bench.np_prototype_probs(np.array([[0.5, 1.0, np.inf, 0.25]]),
-                               np.array([[True, True, True, False]]), 1.0)
+  p = bench.np_prototype_probs(
+    np.array([[0.5, 1.0, np.inf, 0.25]]), np.array([[True, True, True, False]]), 1.0
+  )
   np.testing.assert_allclose(p, [[2 / 3, 1 / 3, 0, 0]], rtol=1e-6)
   np.testing.assert_allclose(bench.np_normalized_entropy(np.full((1, 4), 0.25)), [1.0])
-  np.testing.assert_allclose(bench.np_normalized_entropy(np.array([[0.5, 0.5, 0, 0]])),
-                             [math.log(2) / math.log(4)])
+  np.testing.assert_allclose(
+    bench.np_normalized_entropy(np.array([[0.5, 0.5, 0, 0]])), [math.log(2) / math.log(4)]
+  )
 
 
 def test_synthetic_buffer_membership():
   sizes = bench.Sizes(num_images=300, num_classes=20, top_k=2, embed_dim=4)
   buf = bench.synthetic_buffer(sizes)
   per_image = buf["class_membership"].sum(1)
-  assert per_image.min() >= 1 and per_image.max() <= 5      # 1-4 drawn (+1 coverage)
-  assert buf["class_membership"].any(0).all()               # every class has members
+  assert per_image.min() >= 1 and per_image.max() <= 5  # 1-4 drawn (+1 coverage)
+  assert buf["class_membership"].any(0).all()  # every class has members
   assert np.isinf(buf["prototype_distances"][~buf["class_membership"]]).all()

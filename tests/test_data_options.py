@@ -1,6 +1,7 @@
 """The input-pipeline options of the config (SPEC §3, §5) reach the pipeline, the buffer and
 the cache keys: `data.squash_resize`, `merge_iou`, `negatives_by_frequency`, `host_sharding`
 and `data.augment.*`."""
+
 import os
 import sys
 
@@ -13,7 +14,8 @@ from owl_cl.data import coco
 from owl_cl.data import pipeline
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
-from owl_data_helpers import basic_dataset, write_coco  # noqa: E402  pylint: disable=g-import-not-at-top
+from owl_data_helpers import basic_dataset  # noqa: E402  pylint: disable=g-import-not-at-top
+from owl_data_helpers import write_coco  # noqa: E402  pylint: disable=g-import-not-at-top
 from test_experiment import tiny_config  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
@@ -36,16 +38,25 @@ def _batches_equal(a, b):
 def _explicit(runner, source, **options):
   c = runner.config
   return pipeline.train_dataset(
-      source, class_tokens=runner.train_class_tokens(source), empty_tokens=runner.empty_tokens,
-      image_size=runner.image_size, num_queries=c.data.num_queries,
-      max_instances=c.data.max_instances, num_negatives=c.data.num_negatives, batch_size=1,
-      seed=3, epoch=1, **options)
+    source,
+    class_tokens=runner.train_class_tokens(source),
+    empty_tokens=runner.empty_tokens,
+    image_size=runner.image_size,
+    num_queries=c.data.num_queries,
+    max_instances=c.data.max_instances,
+    num_negatives=c.data.num_negatives,
+    batch_size=1,
+    seed=3,
+    epoch=1,
+    **options,
+  )
 
 
 def test_defaults_give_the_plain_pipeline(tmp_path, source):
   runner = experiment.Runner(tiny_config("swil", str(tmp_path / "cache")))
-  _batches_equal(runner.train_batches(source, batch_size=1, seed=3, epoch=1),
-                 _explicit(runner, source))
+  _batches_equal(
+    runner.train_batches(source, batch_size=1, seed=3, epoch=1), _explicit(runner, source)
+  )
   assert experiment.non_default_data_options(runner.config) == {}
 
 
@@ -61,16 +72,27 @@ def test_every_option_reaches_the_pipeline(tmp_path, source):
   c.data.augment.mosaic_probs = (0.5, 0.5)
   runner = experiment.Runner(c)
   frequencies = pipeline.class_frequencies(source)
-  np.testing.assert_array_equal(frequencies, [1, 1, 1])    # dog, cat: image 5; bird: image 2
+  np.testing.assert_array_equal(frequencies, [1, 1, 1])  # dog, cat: image 5; bird: image 2
   expected = _explicit(
-      runner, source, squash=True, merge_iou=None, negative_weights=frequencies, hflip=True,
-      random_crop=True, crop_area_range=(0.5, 1.0), crop_aspect_ratio_range=(0.75, 1.33),
-      crop_min_area_fraction=0.6, mosaic_sizes=(1, 2), mosaic_probs=(0.5, 0.5))
+    runner,
+    source,
+    squash=True,
+    merge_iou=None,
+    negative_weights=frequencies,
+    hflip=True,
+    random_crop=True,
+    crop_area_range=(0.5, 1.0),
+    crop_aspect_ratio_range=(0.75, 1.33),
+    crop_min_area_fraction=0.6,
+    mosaic_sizes=(1, 2),
+    mosaic_probs=(0.5, 0.5),
+  )
   _batches_equal(runner.train_batches(source, batch_size=1, seed=3, epoch=1), expected)
   # ... and they change the batches (the options are not silently ignored).
   with pytest.raises(AssertionError):
-    _batches_equal(runner.train_batches(source, batch_size=1, seed=3, epoch=1),
-                   _explicit(runner, source))
+    _batches_equal(
+      runner.train_batches(source, batch_size=1, seed=3, epoch=1), _explicit(runner, source)
+    )
   # The buffer gets the preprocessing options but no augmentation.
   assert set(runner.example_options(source)) == {"squash", "merge_iou", "negative_weights"}
   key = experiment.non_default_data_options(c)["data_options"]
@@ -90,9 +112,11 @@ def test_mosaic_lengths_must_match(tmp_path):
 def test_defaults_match_the_config_and_the_paper_weights_negatives_by_frequency():
   d = base.get_config().data
   assert {k: d[k] for k in ("squash_resize", "merge_iou", "negatives_by_frequency")} == {
-      k: experiment.DEFAULT_DATA_OPTIONS[k]
-      for k in ("squash_resize", "merge_iou", "negatives_by_frequency")}
-  augment = {k: tuple(v) if isinstance(v, (list, tuple)) else v
-             for k, v in d.augment.to_dict().items()}
+    k: experiment.DEFAULT_DATA_OPTIONS[k]
+    for k in ("squash_resize", "merge_iou", "negatives_by_frequency")
+  }
+  augment = {
+    k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in d.augment.to_dict().items()
+  }
   assert augment == experiment.DEFAULT_DATA_OPTIONS["augment"]
   assert base.get_config("paper").data.negatives_by_frequency

@@ -76,10 +76,11 @@ def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
 
   # The same command on the same workdir resumes after the last finished dataset.
   calls.clear()
-  monkeypatch.setattr(experiment, "train_on_dataset", lambda *a, **k: (
-      calls.append(a[1].name), original(*a, **k))[1])
+  monkeypatch.setattr(
+    experiment, "train_on_dataset", lambda *a, **k: (calls.append(a[1].name), original(*a, **k))[1]
+  )
   results = experiment.run(config, workdir)
-  assert calls == ["digits"]                       # 'thermal' was not trained again
+  assert calls == ["digits"]  # 'thermal' was not trained again
   assert results["status"] == "complete"
   assert _stage_names(results) == ["pretrained", "thermal", "digits"]
   # Metrics of the finished stages are carried over unchanged.
@@ -141,6 +142,7 @@ def test_loss_adaptivity_reports_replay_fractions(cache_dir, tmp_path, monkeypat
   """
   import jax
   import numpy as np
+
   from owl_cl.train import step as step_lib
 
   config = tiny_config("swil", cache_dir)
@@ -158,11 +160,12 @@ def test_loss_adaptivity_reports_replay_fractions(cache_dir, tmp_path, monkeypat
       calls.append(out["per_example"].shape)
       out["per_example"] = jax.numpy.asarray(patterns[(len(calls) - 1) % 2])
       return out
+
     return patterned
 
   monkeypatch.setattr(step_lib, "make_new_loss_step", make_patterned)
   results = experiment.run(config, str(tmp_path / "run"))
-  assert calls == [(8,)] * 4                       # 2 datasets x 2 steps, [B] losses
+  assert calls == [(8,)] * 4  # 2 datasets x 2 steps, [B] losses
   for stage in results["stages"][1:]:
     train = stage["train"]
     assert train["loss_adaptivity"] == "paper" and train["loss_threshold"] == 1.0

@@ -18,9 +18,11 @@ from owl_cl.data import odinw
 from owl_cl.testing import fake_data
 from owl_cl.train import checkpointing
 
-ALGORITHM_FILES = sorted(f[:-3] for f in os.listdir(os.path.join(os.path.dirname(__file__),
-                                                                   "..", "configs"))
-                         if f.endswith(".py") and f not in ("__init__.py", "base.py"))
+ALGORITHM_FILES = sorted(
+  f[:-3]
+  for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))
+  if f.endswith(".py") and f not in ("__init__.py", "base.py")
+)
 # Two datasets with the same row of the paper's table (5 epochs, 1 warmup, 1.4e-4, 0.99): their
 # train steps lower to the same program, so the second one comes from the compilation cache.
 DATASETS = ("WildfireSmoke", "ThermalDogsAndPeople")
@@ -40,8 +42,8 @@ def test_every_algorithm_config_has_the_paper_protocol(name):
   assert c.replay.algorithm == builtin.replay.algorithm
   assert c.experiment_name == builtin.experiment_name
   assert (c.model.variant, c.model.tokenizer) == ("vit_l14", "clip")
-  assert tuple(c.data.odinw_datasets) == odinw.ODINW_NAMES      # the 15, table order
-  assert c.train.batch_size == 16 and c.replay.ratio == 1.0     # 16 new + 16 replayed
+  assert tuple(c.data.odinw_datasets) == odinw.ODINW_NAMES  # the 15, table order
+  assert c.train.batch_size == 16 and c.replay.ratio == 1.0  # 16 new + 16 replayed
   assert (c.replay.der_alpha, c.replay.der_beta, c.replay.top_k) == (2.0, 1.0, 8)
   assert c.replay.buffer.loss_threshold == 0.15 and c.replay.buffer.min_per_class == 50
   assert c.replay.buffer.visual_genome_loss_threshold == 0.0
@@ -63,18 +65,27 @@ def test_paper_table_transcription():
   assert table["ChessPieces"] == (7, 2, 6.4e-4, 6.4e-5, 0.94)
   assert table["AmericanSignLanguageLetters"] == (7, 2, 2.56e-4, 2.56e-5, 0.96)
   for name, (epochs, warmup, vit_lr, text_lr, decay) in table.items():
-    assert text_lr == pytest.approx(0.1 * vit_lr), name   # text LR = 0.1x ViT LR
+    assert text_lr == pytest.approx(0.1 * vit_lr), name  # text LR = 0.1x ViT LR
     assert 1 <= warmup < epochs and 0.9 < decay < 1.0, name
   per_dataset = paper_config().train.per_dataset
   assert per_dataset.ChessPieces.to_dict() == {
-      "num_epochs": 7, "warmup_epochs": 2, "learning_rate": 6.4e-4, "layerwise_decay": 0.94}
+    "num_epochs": 7,
+    "warmup_epochs": 2,
+    "learning_rate": 6.4e-4,
+    "layerwise_decay": 0.94,
+  }
 
 
 def test_dataset_train_settings_apply_per_dataset_overrides():
   c = paper_config()
   got = experiment.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
-  assert got == {"num_epochs": 7, "learning_rate": 1.4e-4, "text_lr_multiplier": 0.1,
-                 "layerwise_decay": 0.98, "warmup_steps": 2 * 23}
+  assert got == {
+    "num_epochs": 7,
+    "learning_rate": 1.4e-4,
+    "text_lr_multiplier": 0.1,
+    "layerwise_decay": 0.98,
+    "warmup_steps": 2 * 23,
+  }
   # A dataset without overrides falls back on train.*; warmup_epochs (global) still in epochs.
   c.train.per_dataset = {}
   got = experiment.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
@@ -82,20 +93,30 @@ def test_dataset_train_settings_apply_per_dataset_overrides():
   # The built-in config: exactly train.* (warmup in steps).
   builtin = importlib.import_module("configs.swil").get_config("")
   got = experiment.dataset_train_settings(builtin, "thermal", steps_per_epoch=12)
-  assert got == {"num_epochs": builtin.train.num_epochs,
-                 "learning_rate": builtin.train.learning_rate,
-                 "text_lr_multiplier": builtin.train.text_lr_multiplier,
-                 "layerwise_decay": builtin.train.layerwise_decay,
-                 "warmup_steps": builtin.train.warmup_steps}
+  assert got == {
+    "num_epochs": builtin.train.num_epochs,
+    "learning_rate": builtin.train.learning_rate,
+    "text_lr_multiplier": builtin.train.text_lr_multiplier,
+    "layerwise_decay": builtin.train.layerwise_decay,
+    "warmup_steps": builtin.train.warmup_steps,
+  }
   c.train.per_dataset = {"Dice": {"epochs": 3}}
-  with pytest.raises(experiment.ConfigError, match=r"per_dataset.Dice: unknown fields \['epochs'\]"):
+  with pytest.raises(
+    experiment.ConfigError, match=r"per_dataset.Dice: unknown fields \['epochs'\]"
+  ):
     experiment.dataset_train_settings(c, "Dice", steps_per_epoch=5)
 
 
 def _bench(names):
   ds = lambda n: experiment.Dataset(n, None, None)
-  return experiment.Benchmark(ds("o365"), ds("lvis"), tuple(ds(n) for n in names), "x",
-                              pretrain_eval="o365", held_out_eval="lvis")
+  return experiment.Benchmark(
+    ds("o365"),
+    ds("lvis"),
+    tuple(ds(n) for n in names),
+    "x",
+    pretrain_eval="o365",
+    held_out_eval="lvis",
+  )
 
 
 def test_stage_eval_names():
@@ -125,8 +146,9 @@ def test_best_validation_epoch_is_carried():
   best = {"AP": -np.inf, "epoch": None, "params": None}
   log = []
   for epoch in range(4):
-    best = experiment._track_best_epoch(runner, dataset, {"w": np.float32(epoch)}, epoch, best,
-                                        log, None, 1)
+    best = experiment._track_best_epoch(
+      runner, dataset, {"w": np.float32(epoch)}, epoch, best, log, None, 1
+    )
   assert best["epoch"] == 2 and best["AP"] == 0.5 and float(best["params"]["w"]) == 1.0
   assert [v["epoch"] for v in log] == [1, 2, 3, 4]
 
@@ -143,12 +165,13 @@ def test_missing_inputs_are_listed_in_one_error_before_anything_is_written(tmp_p
   with pytest.raises(experiment.MissingInputsError) as info:
     experiment.run(c, str(workdir))
   message = str(info.value)
-  assert not workdir.exists()                         # nothing written, nothing trained
+  assert not workdir.exists()  # nothing written, nothing trained
   assert "config.init_checkpoint is not set" in message
   assert "config.model.tokenizer_vocab_path is not set" in message
   root = os.path.abspath(c.data.root)
-  expected = odinw.expected_files(root, ["Pothole", "Dice"]) + \
-      experiment.pretraining_input_paths(root)
+  expected = odinw.expected_files(root, ["Pothole", "Dice"]) + experiment.pretraining_input_paths(
+    root
+  )
   for path in expected:
     assert path in message, path
   assert f"missing ({len(expected)})" in message
@@ -187,15 +210,26 @@ def tiny_paper_config(root, cache_dir, init_checkpoint=None):
   c.model.variant = "tiny"
   c.model.tokenizer = "word_hash"
   c.model.overrides = dict(
-      vision_layers=1, text_layers=1, vision_width=32, vision_heads=1, vision_mlp_dim=64,
-      text_width=32, text_heads=1, text_mlp_dim=64, embed_dim=32, vocab_size=512,
-      context_length=8, image_size=32, patch_size=8)
+    vision_layers=1,
+    text_layers=1,
+    vision_width=32,
+    vision_heads=1,
+    vision_mlp_dim=64,
+    text_width=32,
+    text_heads=1,
+    text_mlp_dim=64,
+    embed_dim=32,
+    vocab_size=512,
+    context_length=8,
+    image_size=32,
+    patch_size=8,
+  )
   c.data.num_queries = 8
   c.data.num_negatives = 3
   c.data.max_instances = 4
   c.data.eval_batch_size = 4
   c.train.batch_size = 4
-  c.max_train_steps_per_dataset = 2           # 2 of each dataset's 5 epochs of 1 step
+  c.max_train_steps_per_dataset = 2  # 2 of each dataset's 5 epochs of 1 step
   # Fewer detections and bare class names keep the tiny run cheap (the template ensemble and
   # the 300-detection LVIS protocol are the paper config's defaults, tested by their owners).
   c.eval.top_k = c.eval.lvis_top_k = 20
@@ -230,9 +264,9 @@ def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
   stages = results["stages"]
   assert [s["name"] for s in stages] == ["pretrained"] + order
   everything = {"o365", "lvis", *DATASETS}
-  assert set(stages[0]["metrics"]) == everything           # "No fine-tuning" row
-  assert set(stages[1]["metrics"]) == {order[0]}             # only the sets seen so far
-  assert set(stages[2]["metrics"]) == everything             # the final stage: all
+  assert set(stages[0]["metrics"]) == everything  # "No fine-tuning" row
+  assert set(stages[1]["metrics"]) == {order[0]}  # only the sets seen so far
+  assert set(stages[2]["metrics"]) == everything  # the final stage: all
   for stage in (stages[0], stages[2]):
     for name, values in stage["metrics"].items():
       keys = ("AP", "APr") if name == "lvis" else ("AP", "AP50")
@@ -242,19 +276,27 @@ def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
   on_disk = json.load(open(os.path.join(str(tmp_path / "run"), "results.json")))
   assert on_disk["roles"]["pretrain"]["eval_set"] == "o365"
   assert on_disk["roles"]["held_out"]["AP"] == "APr"
-  assert set(on_disk["summary"]["final"]) >= {"pretrain_AP", "open_vocab_AP", "held_out_AP",
-                                              "downstream_mean_AP"}
+  assert set(on_disk["summary"]["final"]) >= {
+    "pretrain_AP",
+    "open_vocab_AP",
+    "held_out_AP",
+    "downstream_mean_AP",
+  }
   # The paper's per-dataset hyperparameters reached the optimiser (1 step per epoch).
   for stage in stages[1:]:
     epochs, warmup, vit_lr, _, decay = base.PAPER_HYPERPARAMETERS[stage["name"]]
     train = stage["train"]
-    assert train["settings"] == {"num_epochs": epochs, "learning_rate": vit_lr,
-                                 "text_lr_multiplier": 0.1, "layerwise_decay": decay,
-                                 "warmup_steps": warmup * 1}
+    assert train["settings"] == {
+      "num_epochs": epochs,
+      "learning_rate": vit_lr,
+      "text_lr_multiplier": 0.1,
+      "layerwise_decay": decay,
+      "warmup_steps": warmup * 1,
+    }
     assert train["steps"] == 2
     assert train["carried"] == "best_validation"
     assert [v["epoch"] for v in train["validation"]] == [1, 2]
-    assert train["replayed_images"] == 2 * 4               # 1:1 replay
+    assert train["replayed_images"] == 2 * 4  # 1:1 replay
   assert results["buffer"]["images_kept"] >= 1
 
 
@@ -283,7 +325,9 @@ def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypat
   monkeypatch.setattr(runner, "eval_query_embeddings", lambda params, source: None)
   for dataset in bench.sequence:
     experiment.evaluate_dataset(runner, None, dataset.name, dataset, "test")
-  assert seen == {by_name["EgoHands"].test.annotation_file: 100,
-                  by_name["Pothole"].test.annotation_file: 300}
+  assert seen == {
+    by_name["EgoHands"].test.annotation_file: 100,
+    by_name["Pothole"].test.annotation_file: 300,
+  }
   # One prediction step per detection count: top_k 100 (EgoHands) and eval.top_k 300.
   assert {key[1] for key in runner._predict_steps} == {100, 300}

@@ -18,3 +18,19 @@ from owl_cl.analysis.runs import forgetting_curve
 from owl_cl.analysis.runs import load_records
 from owl_cl.analysis.runs import load_run
 from owl_cl.analysis.runs import stage_matrix
+
+__all__ = [
+  "plot_distance_ranks",
+  "plot_entropy_histograms",
+  "plot_forgetting_curves",
+  "plot_knn_sv_histogram",
+  "plot_sampled_classes",
+  "plot_stage_heatmap",
+  "records_figures",
+  "Run",
+  "eval_set_order",
+  "forgetting_curve",
+  "load_records",
+  "load_run",
+  "stage_matrix",
+]

@@ -7,11 +7,12 @@ it in a notebook with `display(fig)`. Values are shown in % (results store fract
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+import numpy as np
 
 from owl_cl.analysis import runs as runs_lib
 
@@ -32,8 +33,9 @@ def _label_of(run: Any) -> str:
   return f"{run['algorithm']} ({run['run_id']})"
 
 
-def plot_stage_heatmap(results: Mapping[str, Any], metric: str = "AP50",
-                       title: str | None = None) -> Figure:
+def plot_stage_heatmap(
+  results: Mapping[str, Any], metric: str = "AP50", title: str | None = None
+) -> Figure:
   """Heat map of the per-stage, per-eval-set metric (`stage_matrix`), cells annotated in %.
 
   Args:
@@ -49,8 +51,13 @@ def plot_stage_heatmap(results: Mapping[str, Any], metric: str = "AP50",
   rows, columns, values = runs_lib.stage_matrix(results, metric=metric)
   fig = _figure(1.2 + 0.9 * len(columns), 1.2 + 0.45 * len(rows))
   ax = fig.add_subplot()
-  image = ax.imshow(np.ma.masked_invalid(100 * values), cmap="viridis", vmin=0,
-                    vmax=max(1.0, float(np.nanmax(100 * values, initial=0.0))), aspect="auto")
+  image = ax.imshow(
+    np.ma.masked_invalid(100 * values),
+    cmap="viridis",
+    vmin=0,
+    vmax=max(1.0, float(np.nanmax(100 * values, initial=0.0))),
+    aspect="auto",
+  )
   ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right")
   ax.set_yticks(range(len(rows)), rows)
   ax.set_xlabel("evaluation set")
@@ -58,15 +65,26 @@ def plot_stage_heatmap(results: Mapping[str, Any], metric: str = "AP50",
   for i in range(values.shape[0]):
     for j in range(values.shape[1]):
       v = values[i, j]
-      ax.text(j, i, "-" if np.isnan(v) else f"{100 * v:.1f}", ha="center", va="center",
-              fontsize=8, color="w" if np.isnan(v) or v < 0.6 * np.nanmax(values) else "k")
+      ax.text(
+        j,
+        i,
+        "-" if np.isnan(v) else f"{100 * v:.1f}",
+        ha="center",
+        va="center",
+        fontsize=8,
+        color="w" if np.isnan(v) or v < 0.6 * np.nanmax(values) else "k",
+      )
   ax.set_title(title or f"{results['algorithm']}: {metric} (%) after each stage")
   fig.colorbar(image, ax=ax, label=f"{metric} (%)")
   return fig
 
 
-def plot_forgetting_curves(runs: Sequence[Any], eval_set: str | None = None,
-                           metric: str = "AP", labels: Sequence[str] | None = None) -> Figure:
+def plot_forgetting_curves(
+  runs: Sequence[Any],
+  eval_set: str | None = None,
+  metric: str = "AP",
+  labels: Sequence[str] | None = None,
+) -> Figure:
   """One eval set's metric over the stages for several runs (the paper's forgetting view:
   pre-training AP after each downstream dataset, no_replay vs replay algorithms).
 
@@ -94,8 +112,9 @@ def plot_forgetting_curves(runs: Sequence[Any], eval_set: str | None = None,
     results = _results_of(run)
     stages, values = runs_lib.forgetting_curve(results, eval_set, metric=metric)
     names.append(eval_set or results["roles"]["pretrain"]["eval_set"])
-    ax.plot(stages, 100 * values, marker="o",
-            label=labels[n] if labels is not None else _label_of(run))
+    ax.plot(
+      stages, 100 * values, marker="o", label=labels[n] if labels is not None else _label_of(run)
+    )
   ax.set_xlabel("stage (0 = after pre-training, i = after the i-th dataset)")
   ax.set_ylabel(f"{metric} (%)")
   ax.set_title(f"{metric} on {', '.join(dict.fromkeys(names))} over the sequence")
@@ -104,9 +123,11 @@ def plot_forgetting_curves(runs: Sequence[Any], eval_set: str | None = None,
   return fig
 
 
-def plot_sampled_classes(records: Mapping[str, np.ndarray],
-                         class_names: Sequence[str] | None = None,
-                         title: str = "Replays per buffer class") -> Figure:
+def plot_sampled_classes(
+  records: Mapping[str, np.ndarray],
+  class_names: Sequence[str] | None = None,
+  title: str = "Replays per buffer class",
+) -> Figure:
   """Bar chart of how often each buffer class was the class step's choice (paper Fig. 4's
   view of SWIL's class preference; uniform_balanced gives a flat chart).
 
@@ -123,8 +144,9 @@ def plot_sampled_classes(records: Mapping[str, np.ndarray],
   """
   counts = np.asarray(records["sampled_class_counts"])
   if class_names is not None and len(class_names) != counts.shape[0]:
-    raise ValueError(f"{len(class_names)} class names for {counts.shape[0]} classes "
-                     "(sampled_class_counts).")
+    raise ValueError(
+      f"{len(class_names)} class names for {counts.shape[0]} classes (sampled_class_counts)."
+    )
   fig = _figure(max(4.0, 0.12 * counts.shape[0] + 2), 3.5)
   ax = fig.add_subplot()
   ax.bar(np.arange(counts.shape[0]), counts, width=0.9)
@@ -157,8 +179,10 @@ def plot_entropy_histograms(records: Mapping[str, np.ndarray]) -> Figure:
   """
   fig = _figure(8.0, 3.2)
   axes = fig.subplots(1, 2)
-  for ax, key, name in ((axes[0], "swil_entropy_counts", "SWIL (over classes)"),
-                        (axes[1], "grasp_entropy_counts", "GRASP (over samples in a class)")):
+  for ax, key, name in (
+    (axes[0], "swil_entropy_counts", "SWIL (over classes)"),
+    (axes[1], "grasp_entropy_counts", "GRASP (over samples in a class)"),
+  ):
     counts = np.asarray(records[key])
     _histogram_bars(ax, records["entropy_bin_edges"], counts)
     ax.set_xlim(0, 1)
@@ -167,8 +191,7 @@ def plot_entropy_histograms(records: Mapping[str, np.ndarray]) -> Figure:
     ax.set_title(f"{name}, n = {int(counts.sum())}", fontsize=9)
   used = np.asarray(records["used_grasp"])
   if used.sum():
-    fig.suptitle(f"A-SW-GRASP: {int(used[1])} of {int(used.sum())} replays used GRASP",
-                 fontsize=9)
+    fig.suptitle(f"A-SW-GRASP: {int(used[1])} of {int(used.sum())} replays used GRASP", fontsize=9)
   return fig
 
 
@@ -209,8 +232,10 @@ def plot_distance_ranks(records: Mapping[str, np.ndarray]) -> Figure:
   """
   fig = _figure(8.0, 3.2)
   axes = fig.subplots(1, 2)
-  for ax, key, name in ((axes[0], "min_sv_rank_counts", "lowest-KNN-SV candidate"),
-                        (axes[1], "selected_rank_counts", "replayed candidates")):
+  for ax, key, name in (
+    (axes[0], "min_sv_rank_counts", "lowest-KNN-SV candidate"),
+    (axes[1], "selected_rank_counts", "replayed candidates"),
+  ):
     counts = np.asarray(records[key])[1:]
     ax.bar(np.arange(1, counts.shape[0] + 1), counts, width=1.0)
     ax.set_xlabel("distance rank (1 = nearest)")
@@ -219,8 +244,9 @@ def plot_distance_ranks(records: Mapping[str, np.ndarray]) -> Figure:
   return fig
 
 
-def records_figures(records: Mapping[str, np.ndarray],
-                    class_names: Sequence[str] | None = None) -> dict[str, Figure]:
+def records_figures(
+  records: Mapping[str, np.ndarray], class_names: Sequence[str] | None = None
+) -> dict[str, Figure]:
   """All record figures of one dataset, skipping those whose histograms are all zero (the
   run's algorithm does not produce them, e.g. no KNN-SVs for SWIL).
 

@@ -7,10 +7,11 @@ here is a pure function of those files / dicts; nothing imports JAX.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import dataclasses
 import glob
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,7 @@ class Run:
       run's training order (datasets not in `results['sequence']` follow, sorted); {} when
       the run wrote no records (`replay.records=False`, `no_replay`, or not reached yet).
   """
+
   workdir: str
   results: dict[str, Any]
   records: dict[str, dict[str, np.ndarray]]
@@ -64,8 +66,10 @@ def load_records(path: str) -> dict[str, np.ndarray]:
   with np.load(path) as data:
     missing = [k for k in RECORD_KEYS if k not in data.files]
     if missing:
-      raise ValueError(f"{path}: not an owl_cl retrieval records file, missing keys {missing} "
-                       f"(expected {list(RECORD_KEYS)}).")
+      raise ValueError(
+        f"{path}: not an owl_cl retrieval records file, missing keys {missing} "
+        f"(expected {list(RECORD_KEYS)})."
+      )
     return {k: np.asarray(data[k]) for k in data.files}
 
 
@@ -84,16 +88,19 @@ def load_run(workdir: str) -> Run:
   """
   path = os.path.join(workdir, results_lib.RESULTS_JSON)
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path} does not exist: is {workdir!r} an owl_cl workdir whose "
-                            "first evaluation has finished?")
+    raise FileNotFoundError(
+      f"{path} does not exist: is {workdir!r} an owl_cl workdir whose "
+      "first evaluation has finished?"
+    )
   results = results_lib.load_results(path)
-  files = {os.path.splitext(os.path.basename(p))[0]: p
-           for p in glob.glob(os.path.join(workdir, RECORDS_DIR, "*.npz"))
-           if not p.endswith(".tmp.npz")}
+  files = {
+    os.path.splitext(os.path.basename(p))[0]: p
+    for p in glob.glob(os.path.join(workdir, RECORDS_DIR, "*.npz"))
+    if not p.endswith(".tmp.npz")
+  }
   order = [d for d in results.get("sequence") or [] if d in files]
   order += sorted(d for d in files if d not in order)
-  return Run(workdir=workdir, results=results,
-             records={d: load_records(files[d]) for d in order})
+  return Run(workdir=workdir, results=results, records={d: load_records(files[d]) for d in order})
 
 
 def eval_set_order(results: Mapping[str, Any]) -> list[str]:
@@ -119,9 +126,9 @@ def eval_set_order(results: Mapping[str, Any]) -> list[str]:
   return order
 
 
-def stage_matrix(results: Mapping[str, Any], metric: str = "AP50",
-                 eval_sets: Sequence[str] | None = None
-                 ) -> tuple[list[str], list[str], np.ndarray]:
+def stage_matrix(
+  results: Mapping[str, Any], metric: str = "AP50", eval_sets: Sequence[str] | None = None
+) -> tuple[list[str], list[str], np.ndarray]:
   """The per-stage, per-eval-set metric matrix of one run.
 
   Args:
@@ -141,14 +148,16 @@ def stage_matrix(results: Mapping[str, Any], metric: str = "AP50",
   """
   if eval_sets is None:
     eval_sets = eval_set_order(results)
-  values, stage_names, columns = forgetting_lib.accuracy_matrix(results["stages"], eval_sets,
-                                                                metric=metric)
+  values, stage_names, columns = forgetting_lib.accuracy_matrix(
+    results["stages"], eval_sets, metric=metric
+  )
   rows = [f"{i}: {name}" for i, name in enumerate(stage_names)]
   return rows, columns, values
 
 
-def forgetting_curve(results: Mapping[str, Any], eval_set: str | None = None,
-                     metric: str = "AP") -> tuple[np.ndarray, np.ndarray]:
+def forgetting_curve(
+  results: Mapping[str, Any], eval_set: str | None = None, metric: str = "AP"
+) -> tuple[np.ndarray, np.ndarray]:
   """One eval set's metric after every stage (the paper's forgetting view when `eval_set` is
   the pre-training set: how much of the O365 AP survives each downstream dataset).
 
@@ -168,11 +177,14 @@ def forgetting_curve(results: Mapping[str, Any], eval_set: str | None = None,
   if eval_set is None:
     eval_set = ((results.get("roles") or {}).get("pretrain") or {}).get("eval_set")
     if eval_set is None:
-      raise ValueError(f"run {results.get('run_id')!r} has no pre-training eval set "
-                       "(roles.pretrain); pass eval_set.")
+      raise ValueError(
+        f"run {results.get('run_id')!r} has no pre-training eval set "
+        "(roles.pretrain); pass eval_set."
+      )
   known = eval_set_order(results)
   if eval_set not in known:
-    raise KeyError(f"eval set {eval_set!r} not in run {results.get('run_id')!r}; "
-                   f"evaluated: {known}")
+    raise KeyError(
+      f"eval set {eval_set!r} not in run {results.get('run_id')!r}; evaluated: {known}"
+    )
   _, _, values = stage_matrix(results, metric=metric, eval_sets=[eval_set])
   return np.arange(values.shape[0], dtype=np.int64), values[:, 0]

@@ -47,6 +47,7 @@ API: `ensure_benchmark(cache_dir, seed=0, **sizes) -> BuiltinBenchmark`,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import hashlib
 import json
@@ -54,19 +55,32 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Any
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image
+from PIL import ImageDraw
+from PIL import ImageFont
 
 from owl_cl.data.coco import CocoSource
 
 __all__ = [
-    "FORMAT_VERSION", "BuiltinConfig", "SplitFiles", "DownstreamDataset", "BuiltinBenchmark", "ensure_benchmark",
-    "generate_benchmark", "render_preview", "PRETRAIN_COLORS", "PRETRAIN_PATTERNS",
-    "HELD_OUT_PAIRS", "DOWNSTREAM_NAMES", "pretrain_class_names", "held_out_class_names",
-    "downstream_class_names",
+  "FORMAT_VERSION",
+  "BuiltinConfig",
+  "SplitFiles",
+  "DownstreamDataset",
+  "BuiltinBenchmark",
+  "ensure_benchmark",
+  "generate_benchmark",
+  "render_preview",
+  "PRETRAIN_COLORS",
+  "PRETRAIN_PATTERNS",
+  "HELD_OUT_PAIRS",
+  "DOWNSTREAM_NAMES",
+  "pretrain_class_names",
+  "held_out_class_names",
+  "downstream_class_names",
 ]
 
 FORMAT_VERSION = 3  # bump whenever generated content changes (keys the cache)
@@ -74,11 +88,18 @@ FORMAT_VERSION = 3  # bump whenever generated content changes (keys the cache)
 # ------------------------------------------------------------------------------------------
 # Class vocabulary.
 # ------------------------------------------------------------------------------------------
-COLORS: Dict[str, Tuple[int, int, int]] = {
-    "red": (215, 35, 35), "green": (40, 170, 60), "blue": (35, 75, 225),
-    "yellow": (245, 215, 40), "purple": (145, 55, 195), "brown": (140, 85, 35),
-    "orange": (250, 135, 20), "cyan": (30, 205, 215), "pink": (250, 115, 195),
-    "white": (245, 245, 240), "black": (25, 25, 25),
+COLORS: dict[str, tuple[int, int, int]] = {
+  "red": (215, 35, 35),
+  "green": (40, 170, 60),
+  "blue": (35, 75, 225),
+  "yellow": (245, 215, 40),
+  "purple": (145, 55, 195),
+  "brown": (140, 85, 35),
+  "orange": (250, 135, 20),
+  "cyan": (30, 205, 215),
+  "pink": (250, 115, 195),
+  "white": (245, 245, 240),
+  "black": (25, 25, 25),
 }
 # Pre-training classes are colour x fill-pattern pairs. Both attributes are visible inside a
 # single 8 px patch of a 64 px input, which a small ViT trained from scratch learns within a few
@@ -91,16 +112,17 @@ NUISANCE_SHAPES = ("square", "circle", "triangle", "hexagon")
 # pre-training (every pattern with 5 colours, every colour with >= 3 patterns) while these
 # combinations never are (neither in pre-training nor as downstream distractors).
 HELD_OUT_PAIRS = tuple((PRETRAIN_COLORS[i], PRETRAIN_PATTERNS[(i + 1) % 4]) for i in range(4))
-_PRETRAIN_PAIRS = tuple((c, p) for c in PRETRAIN_COLORS for p in PRETRAIN_PATTERNS
-                        if (c, p) not in HELD_OUT_PAIRS)
+_PRETRAIN_PAIRS = tuple(
+  (c, p) for c in PRETRAIN_COLORS for p in PRETRAIN_PATTERNS if (c, p) not in HELD_OUT_PAIRS
+)
 
 
-def pretrain_class_names() -> List[str]:
+def pretrain_class_names() -> list[str]:
   """The 20 pre-training classes, 'colour pattern' (e.g. 'red plain'), colour-major order."""
   return [f"{c} {p}" for c, p in _PRETRAIN_PAIRS]
 
 
-def held_out_class_names() -> List[str]:
+def held_out_class_names() -> list[str]:
   """The 4 held-out (never pre-trained) classes, 'colour pattern'."""
   return [f"{c} {p}" for c, p in HELD_OUT_PAIRS]
 
@@ -108,90 +130,174 @@ def held_out_class_names() -> List[str]:
 @dataclasses.dataclass(frozen=True)
 class _Obj:
   """How to draw one object class."""
-  kind: str                 # 'shape' | 'digit' | 'glyph'
-  form: Any                 # shape name | tuple of shape names (one drawn) | digit | letter
-  fill: str                 # 'color' | 'any_color' | 'texture' | 'hot' | 'warm' | 'ink'
-  color: str = ""           # colour name for fill='color'; texture name for fill='texture'
-  pattern: str = "plain"    # plain | striped | dotted | checkered
+
+  kind: str  # 'shape' | 'digit' | 'glyph'
+  form: Any  # shape name | tuple of shape names (one drawn) | digit | letter
+  fill: str  # 'color' | 'any_color' | 'texture' | 'hot' | 'warm' | 'ink'
+  color: str = ""  # colour name for fill='color'; texture name for fill='texture'
+  pattern: str = "plain"  # plain | striped | dotted | checkered
 
 
 @dataclasses.dataclass(frozen=True)
 class _Domain:
   """A dataset's rendering recipe."""
+
   name: str
-  classes: Tuple[Tuple[str, _Obj], ...]
-  size_frac: Tuple[float, float] = (0.20, 0.45)   # object long side / scene long side
-  n_objects: Tuple[int, int] = (1, 4)
-  background: str = "muted"                       # muted | light | document | thermal
-  bg_photos: Tuple[str, ...] = ()                 # () = the default photo set
-  post: str = ""                                  # '' | 'invert' | 'thermal'
-  distractors: Tuple[int, int] = (0, 0)
-  distractor_size: Tuple[float, float] = (0.12, 0.30)
+  classes: tuple[tuple[str, _Obj], ...]
+  size_frac: tuple[float, float] = (0.20, 0.45)  # object long side / scene long side
+  n_objects: tuple[int, int] = (1, 4)
+  background: str = "muted"  # muted | light | document | thermal
+  bg_photos: tuple[str, ...] = ()  # () = the default photo set
+  post: str = ""  # '' | 'invert' | 'thermal'
+  distractors: tuple[int, int] = (0, 0)
+  distractor_size: tuple[float, float] = (0.12, 0.30)
   description: str = ""
 
 
-def _colour_pattern_domain(name: str, pairs: Sequence[Tuple[str, str]], description: str
-                           ) -> _Domain:
-  return _Domain(name, tuple((f"{c} {p}", _Obj("shape", NUISANCE_SHAPES, "color", c, p))
-                             for c, p in pairs), description=description)
+def _colour_pattern_domain(
+  name: str, pairs: Sequence[tuple[str, str]], description: str
+) -> _Domain:
+  return _Domain(
+    name,
+    tuple((f"{c} {p}", _Obj("shape", NUISANCE_SHAPES, "color", c, p)) for c, p in pairs),
+    description=description,
+  )
 
 
 # Ink colours of digits and glyphs: each class is written in its own ink (a cue visible inside
 # one patch; outline-only classes were learnt too slowly in ~100 fine-tuning steps).
-_INKS = {"blue ink": (30, 60, 190), "red ink": (185, 30, 30), "green ink": (25, 130, 45),
-         "orange ink": (225, 115, 15), "purple ink": (125, 35, 165)}
-_BG_DEFAULT = ("astronaut", "coffee", "chelsea", "rocket", "camera", "coins", "moon", "clock",
-               "grass", "gravel", "brick", "hubble", "ihc", "cell", "retina", "motorcycle",
-               "grace_hopper", "page")
-_TEXTURES = {"fur patch": "chelsea", "brick patch": "brick", "starfield patch": "hubble",
-             "checkerboard patch": "checkerboard"}
+_INKS = {
+  "blue ink": (30, 60, 190),
+  "red ink": (185, 30, 30),
+  "green ink": (25, 130, 45),
+  "orange ink": (225, 115, 15),
+  "purple ink": (125, 35, 165),
+}
+_BG_DEFAULT = (
+  "astronaut",
+  "coffee",
+  "chelsea",
+  "rocket",
+  "camera",
+  "coins",
+  "moon",
+  "clock",
+  "grass",
+  "gravel",
+  "brick",
+  "hubble",
+  "ihc",
+  "cell",
+  "retina",
+  "motorcycle",
+  "grace_hopper",
+  "page",
+)
+_TEXTURES = {
+  "fur patch": "chelsea",
+  "brick patch": "brick",
+  "starfield patch": "hubble",
+  "checkerboard patch": "checkerboard",
+}
 
-_DOWNSTREAM: Tuple[_Domain, ...] = (
-    _Domain("thermal", (("hot spot", _Obj("shape", ("circle", "hexagon"), "hot")),
-                        ("warm body", _Obj("shape", ("square", "triangle", "circle"), "warm"))),
-            size_frac=(0.22, 0.45), background="thermal", post="thermal",
-            description="thermal-like false colour (inferno colour map of intensity): hot "
-                        "(white-yellow) and warm (red-orange) objects on a cool scene"),
-    _Domain("negative", tuple((f"{p} sticker", _Obj("shape", NUISANCE_SHAPES, "color", c, p))
-                              for p, c in (("striped", "orange"), ("dotted", "cyan"),
-                                           ("checkered", "pink"))),
-            post="invert", description="colour negative of pre-training-like scenes: striped "
-                                       "orange / dotted cyan / checkered pink stickers, "
-                                       "inverted"),
-    _Domain("tiny", (("orange bead", _Obj("shape", "circle", "color", "orange")),
-                     ("cyan tile", _Obj("shape", "square", "color", "cyan"))),
-            size_frac=(0.14, 0.20), description="scale shift: tiny objects (9-13 px after "
-                                                 "resizing to 64)"),
-    _Domain("clutter", (("pink star", _Obj("shape", "star", "color", "pink")),
-                        ("white square", _Obj("shape", "square", "color", "white"))),
-            size_frac=(0.20, 0.40), n_objects=(1, 3), distractors=(3, 6),
-            description="clutter: 3-6 unannotated distractors of pre-training classes"),
-    _Domain("textured", tuple((n, _Obj("shape", "blob", "texture", t))
-                              for n, t in _TEXTURES.items()),
-            size_frac=(0.25, 0.45),
-            bg_photos=("astronaut", "coffee", "rocket", "camera", "coins", "moon", "grass",
-                       "gravel", "clock", "cell", "motorcycle", "grace_hopper"),
-            description="objects filled with photograph crops (cat fur, brick, Hubble "
-                        "starfield, checkerboard), dark outline"),
-    _Domain("digits", (("digit zero", _Obj("digit", 0, "ink", "blue ink")),
-                       ("digit one", _Obj("digit", 1, "ink", "red ink"))),
-            size_frac=(0.32, 0.50), n_objects=(1, 3), background="light",
-            description="large handwritten digits 0 (blue ink) and 1 (red ink) "
-                        "(scikit-learn digits; train/test drawn from disjoint scans) on light "
-                        "paper"),
-    _Domain("glyphs", (("letter w", _Obj("glyph", "W", "ink", "green ink")),
-                       ("letter o", _Obj("glyph", "O", "ink", "orange ink")),
-                       ("letter i", _Obj("glyph", "I", "ink", "purple ink"))),
-            size_frac=(0.30, 0.50), n_objects=(1, 3), background="document",
-            bg_photos=("page", "text"),
-            description="letters W (green), O (orange), I (purple) in bold DejaVu fonts on "
-                        "document-photograph backgrounds"),
+_DOWNSTREAM: tuple[_Domain, ...] = (
+  _Domain(
+    "thermal",
+    (
+      ("hot spot", _Obj("shape", ("circle", "hexagon"), "hot")),
+      ("warm body", _Obj("shape", ("square", "triangle", "circle"), "warm")),
+    ),
+    size_frac=(0.22, 0.45),
+    background="thermal",
+    post="thermal",
+    description="thermal-like false colour (inferno colour map of intensity): hot "
+    "(white-yellow) and warm (red-orange) objects on a cool scene",
+  ),
+  _Domain(
+    "negative",
+    tuple(
+      (f"{p} sticker", _Obj("shape", NUISANCE_SHAPES, "color", c, p))
+      for p, c in (("striped", "orange"), ("dotted", "cyan"), ("checkered", "pink"))
+    ),
+    post="invert",
+    description="colour negative of pre-training-like scenes: striped "
+    "orange / dotted cyan / checkered pink stickers, "
+    "inverted",
+  ),
+  _Domain(
+    "tiny",
+    (
+      ("orange bead", _Obj("shape", "circle", "color", "orange")),
+      ("cyan tile", _Obj("shape", "square", "color", "cyan")),
+    ),
+    size_frac=(0.14, 0.20),
+    description="scale shift: tiny objects (9-13 px after resizing to 64)",
+  ),
+  _Domain(
+    "clutter",
+    (
+      ("pink star", _Obj("shape", "star", "color", "pink")),
+      ("white square", _Obj("shape", "square", "color", "white")),
+    ),
+    size_frac=(0.20, 0.40),
+    n_objects=(1, 3),
+    distractors=(3, 6),
+    description="clutter: 3-6 unannotated distractors of pre-training classes",
+  ),
+  _Domain(
+    "textured",
+    tuple((n, _Obj("shape", "blob", "texture", t)) for n, t in _TEXTURES.items()),
+    size_frac=(0.25, 0.45),
+    bg_photos=(
+      "astronaut",
+      "coffee",
+      "rocket",
+      "camera",
+      "coins",
+      "moon",
+      "grass",
+      "gravel",
+      "clock",
+      "cell",
+      "motorcycle",
+      "grace_hopper",
+    ),
+    description="objects filled with photograph crops (cat fur, brick, Hubble "
+    "starfield, checkerboard), dark outline",
+  ),
+  _Domain(
+    "digits",
+    (
+      ("digit zero", _Obj("digit", 0, "ink", "blue ink")),
+      ("digit one", _Obj("digit", 1, "ink", "red ink")),
+    ),
+    size_frac=(0.32, 0.50),
+    n_objects=(1, 3),
+    background="light",
+    description="large handwritten digits 0 (blue ink) and 1 (red ink) "
+    "(scikit-learn digits; train/test drawn from disjoint scans) on light "
+    "paper",
+  ),
+  _Domain(
+    "glyphs",
+    (
+      ("letter w", _Obj("glyph", "W", "ink", "green ink")),
+      ("letter o", _Obj("glyph", "O", "ink", "orange ink")),
+      ("letter i", _Obj("glyph", "I", "ink", "purple ink")),
+    ),
+    size_frac=(0.30, 0.50),
+    n_objects=(1, 3),
+    background="document",
+    bg_photos=("page", "text"),
+    description="letters W (green), O (orange), I (purple) in bold DejaVu fonts on "
+    "document-photograph backgrounds",
+  ),
 )
 DOWNSTREAM_NAMES = tuple(d.name for d in _DOWNSTREAM)
 _DOMAINS = {d.name: d for d in _DOWNSTREAM}
 
 
-def downstream_class_names() -> Dict[str, List[str]]:
+def downstream_class_names() -> dict[str, list[str]]:
   """Downstream dataset name -> its class names (in contiguous index order)."""
   return {d.name: [n for n, _ in d.classes] for d in _DOWNSTREAM}
 
@@ -199,18 +305,33 @@ def downstream_class_names() -> Dict[str, List[str]]:
 # ------------------------------------------------------------------------------------------
 # Assets (bundled photographs, digits, fonts).
 # ------------------------------------------------------------------------------------------
-def _load_photos(max_side: int = 256) -> Dict[str, np.ndarray]:
+def _load_photos(max_side: int = 256) -> dict[str, np.ndarray]:
   import matplotlib.cbook
   import skimage.data as sd
+
   loaders = {
-      "astronaut": sd.astronaut, "coffee": sd.coffee, "chelsea": sd.chelsea,
-      "rocket": sd.rocket, "camera": sd.camera, "coins": sd.coins, "moon": sd.moon,
-      "page": sd.page, "text": sd.text, "clock": sd.clock, "brick": sd.brick,
-      "grass": sd.grass, "gravel": sd.gravel, "hubble": sd.hubble_deep_field,
-      "ihc": sd.immunohistochemistry, "cell": sd.cell, "retina": sd.retina,
-      "checkerboard": sd.checkerboard, "motorcycle": lambda: sd.stereo_motorcycle()[0],
-      "grace_hopper": lambda: np.asarray(Image.open(
-          matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))),
+    "astronaut": sd.astronaut,
+    "coffee": sd.coffee,
+    "chelsea": sd.chelsea,
+    "rocket": sd.rocket,
+    "camera": sd.camera,
+    "coins": sd.coins,
+    "moon": sd.moon,
+    "page": sd.page,
+    "text": sd.text,
+    "clock": sd.clock,
+    "brick": sd.brick,
+    "grass": sd.grass,
+    "gravel": sd.gravel,
+    "hubble": sd.hubble_deep_field,
+    "ihc": sd.immunohistochemistry,
+    "cell": sd.cell,
+    "retina": sd.retina,
+    "checkerboard": sd.checkerboard,
+    "motorcycle": lambda: sd.stereo_motorcycle()[0],
+    "grace_hopper": lambda: np.asarray(
+      Image.open(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False))
+    ),
   }
   photos = {}
   for name, fn in loaders.items():
@@ -223,25 +344,27 @@ def _load_photos(max_side: int = 256) -> Dict[str, np.ndarray]:
     im = Image.fromarray(a)
     s = max_side / max(im.size)
     if s < 1:
-      im = im.resize((max(1, round(im.size[0] * s)), max(1, round(im.size[1] * s))),
-                     Image.LANCZOS)
+      im = im.resize((max(1, round(im.size[0] * s)), max(1, round(im.size[1] * s))), Image.LANCZOS)
     photos[name] = np.asarray(im)
   return photos
 
 
 class _Assets:
-
   def __init__(self):
     import matplotlib
     from sklearn.datasets import load_digits
+
     self.photos = _load_photos()
     digits = load_digits()
     self.digit_images = digits.images.astype(np.float32) / 16.0
     self.digit_index = {d: np.nonzero(digits.target == d)[0] for d in range(10)}
     font_dir = os.path.join(matplotlib.get_data_path(), "fonts", "ttf")
-    self.fonts = [ImageFont.truetype(os.path.join(font_dir, f), 96) for f in
-                  ("DejaVuSans-Bold.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSansMono-Bold.ttf")]
+    self.fonts = [
+      ImageFont.truetype(os.path.join(font_dir, f), 96)
+      for f in ("DejaVuSans-Bold.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSansMono-Bold.ttf")
+    ]
     import matplotlib as mpl
+
     self.inferno = (mpl.colormaps["inferno"](np.linspace(0, 1, 256))[:, :3]).astype(np.float32)
 
 
@@ -263,8 +386,15 @@ def _poly(draw: ImageDraw.ImageDraw, pts: np.ndarray, fill: int = 255) -> None:
 
 def _ellipse(draw, cx, cy, rad, fill=255):
   r = _RES / 2
-  draw.ellipse([r + (cx - rad) * r * 0.96, r + (cy - rad) * r * 0.96,
-                r + (cx + rad) * r * 0.96, r + (cy + rad) * r * 0.96], fill=fill)
+  draw.ellipse(
+    [
+      r + (cx - rad) * r * 0.96,
+      r + (cy - rad) * r * 0.96,
+      r + (cx + rad) * r * 0.96,
+      r + (cy + rad) * r * 0.96,
+    ],
+    fill=fill,
+  )
 
 
 def _shape_hires(shape: str, rng: np.random.Generator) -> np.ndarray:
@@ -296,8 +426,22 @@ def _shape_hires(shape: str, rng: np.random.Generator) -> np.ndarray:
     _poly(d, np.stack([rad * np.cos(a), rad * np.sin(a)], -1))
   elif shape == "cross":
     w = 0.32
-    pts = np.array([[-w, -1], [w, -1], [w, -w], [1, -w], [1, w], [w, w], [w, 1], [-w, 1],
-                    [-w, w], [-1, w], [-1, -w], [-w, -w]])
+    pts = np.array(
+      [
+        [-w, -1],
+        [w, -1],
+        [w, -w],
+        [1, -w],
+        [1, w],
+        [w, w],
+        [w, 1],
+        [-w, 1],
+        [-w, w],
+        [-1, w],
+        [-1, -w],
+        [-w, -w],
+      ]
+    )
     _poly(d, _rot(pts, small))
   elif shape == "hexagon":
     a = full + k(6) * np.pi / 3
@@ -315,8 +459,9 @@ def _shape_hires(shape: str, rng: np.random.Generator) -> np.ndarray:
     pts = np.stack([x, y + 2.5], -1) / 17.0
     _poly(d, _rot(pts, small))
   elif shape == "arrow":
-    pts = np.array([[-1, -0.2], [0.15, -0.2], [0.15, -0.6], [1, 0], [0.15, 0.6], [0.15, 0.2],
-                    [-1, 0.2]])
+    pts = np.array(
+      [[-1, -0.2], [0.15, -0.2], [0.15, -0.6], [1, 0], [0.15, 0.6], [0.15, 0.2], [-1, 0.2]]
+    )
     _poly(d, _rot(pts, full))
   elif shape == "diamond":
     pts = np.array([[0, -1], [0.62, 0], [0, 1], [-0.62, 0]])
@@ -350,7 +495,7 @@ def _glyph_hires(assets: _Assets, letter: str, rng) -> np.ndarray:
 def _tight(mask: np.ndarray) -> np.ndarray:
   ys = np.nonzero(mask.any(1))[0]
   xs = np.nonzero(mask.any(0))[0]
-  return mask[ys[0]:ys[-1] + 1, xs[0]:xs[-1] + 1]
+  return mask[ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
 
 
 def _finalize(hires: np.ndarray, long_side: int, aspect: float) -> np.ndarray:
@@ -401,7 +546,7 @@ def _photo_crop(photo: np.ndarray, h: int, w: int, rng, lo: float = 0.35) -> np.
   ch, cw = max(2, int(mh * s)), max(2, int(mw * s))
   y = int(rng.integers(0, ph - ch + 1))
   x = int(rng.integers(0, pw - cw + 1))
-  im = Image.fromarray(photo[y:y + ch, x:x + cw]).resize((w, h), Image.BILINEAR)
+  im = Image.fromarray(photo[y : y + ch, x : x + cw]).resize((w, h), Image.BILINEAR)
   out = np.asarray(im, np.float32) / 255.0
   if rng.random() < 0.5:
     out = out[:, ::-1]
@@ -441,11 +586,14 @@ def _fill(assets: _Assets, obj: _Obj, mask: np.ndarray, rng) -> np.ndarray:
     base = np.asarray(COLORS[name], np.float32) / 255.0
     c = np.clip(base * rng.uniform(0.88, 1.06) + rng.normal(0, 0.02, 3), 0, 1)
     a = rng.uniform(0, 2 * np.pi)
-    grad = ((xx / max(w - 1, 1) - 0.5) * np.cos(a) + (yy / max(h - 1, 1) - 0.5) * np.sin(a))
+    grad = (xx / max(w - 1, 1) - 0.5) * np.cos(a) + (yy / max(h - 1, 1) - 0.5) * np.sin(a)
     out = np.clip(c * (1 + 0.15 * grad)[..., None], 0, 1)
     if obj.pattern != "plain":
-      ink = (np.array([0.97, 0.97, 0.95], np.float32) if _lum(base) < 0.6
-             else np.array([0.1, 0.1, 0.12], np.float32))
+      ink = (
+        np.array([0.97, 0.97, 0.95], np.float32)
+        if _lum(base) < 0.6
+        else np.array([0.1, 0.1, 0.12], np.float32)
+      )
       out[_pattern_mask(obj.pattern, h, w, rng)] = ink
     return out
   if obj.fill in ("hot", "warm"):
@@ -459,8 +607,7 @@ def _fill(assets: _Assets, obj: _Obj, mask: np.ndarray, rng) -> np.ndarray:
     photo = assets.photos[obj.color]
     tex = _photo_crop(photo, h, w, rng, lo=0.25 if obj.color != "checkerboard" else 0.3)
     if obj.color == "brick":
-      tex = np.clip(_lum(tex)[..., None] * np.array([1.25, 0.62, 0.42], np.float32) + 0.08,
-                    0, 1)
+      tex = np.clip(_lum(tex)[..., None] * np.array([1.25, 0.62, 0.42], np.float32) + 0.08, 0, 1)
     edge = mask & ~_erode(mask)
     tex = tex.copy()
     tex[edge] = 0.08
@@ -522,8 +669,13 @@ _MAX_IOU = 0.3
 _GAP = 2  # minimum pixel gap between object masks
 
 
-def _render_scene(assets: _Assets, dom: _Domain, split: str, rng: np.random.Generator,
-                  distractor_objs: Sequence[_Obj]):
+def _render_scene(
+  assets: _Assets,
+  dom: _Domain,
+  split: str,
+  rng: np.random.Generator,
+  distractor_objs: Sequence[_Obj],
+):
   """Returns (uint8 [H, W, 3], list of (class index, x0, y0, mask bool [h, w]))."""
   long_side = int(rng.integers(96, 129))
   ar = float(np.exp(rng.uniform(np.log(0.7), np.log(1.43))))
@@ -533,10 +685,10 @@ def _render_scene(assets: _Assets, dom: _Domain, split: str, rng: np.random.Gene
     H, W = long_side, max(48, int(round(long_side * ar)))
   img = _background(assets, dom, H, W, rng).astype(np.float32)
   occupied = np.zeros((H, W), bool)
-  placed: List[Tuple[int, int, int, np.ndarray]] = []
-  boxes: List[Tuple[int, int, int, int]] = []
+  placed: list[tuple[int, int, int, np.ndarray]] = []
+  boxes: list[tuple[int, int, int, int]] = []
 
-  def place(obj: _Obj, frac: Tuple[float, float]) -> Optional[Tuple[int, int, np.ndarray]]:
+  def place(obj: _Obj, frac: tuple[float, float]) -> tuple[int, int, np.ndarray] | None:
     mask = None
     for attempt in range(40):
       if attempt % 5 == 0:  # a new size/pose every 5 position attempts
@@ -554,11 +706,11 @@ def _render_scene(assets: _Assets, dom: _Domain, split: str, rng: np.random.Gene
       y0, x0 = y - _GAP, x - _GAP
       sy0, sx0 = max(0, y0), max(0, x0)
       sy1, sx1 = min(H, y0 + grown.shape[0]), min(W, x0 + grown.shape[1])
-      if (occupied[sy0:sy1, sx0:sx1] & grown[sy0 - y0:sy1 - y0, sx0 - x0:sx1 - x0]).any():
+      if (occupied[sy0:sy1, sx0:sx1] & grown[sy0 - y0 : sy1 - y0, sx0 - x0 : sx1 - x0]).any():
         continue
-      occupied[y:y + h, x:x + w] |= mask
+      occupied[y : y + h, x : x + w] |= mask
       boxes.append(box)
-      region = img[y:y + h, x:x + w]
+      region = img[y : y + h, x : x + w]
       region[mask] = _fill(assets, obj, mask, rng)[mask]
       return x, y, mask
     return None
@@ -591,9 +743,18 @@ def _split_code(dataset: str, split: str) -> int:
   return zlib.crc32(f"{dataset}/{split}".encode())
 
 
-def _write_split(root: str, dataset: str, split: str, dom: _Domain, num_images: int, seed: int,
-                 assets: _Assets, pbar) -> Dict[str, int]:
+def _write_split(
+  root: str,
+  dataset: str,
+  split: str,
+  dom: _Domain,
+  num_images: int,
+  seed: int,
+  assets: _Assets,
+  pbar,
+) -> dict[str, int]:
   from pycocotools import mask as mask_utils
+
   img_dir = os.path.join(root, dataset, "images")
   os.makedirs(img_dir, exist_ok=True)
   distractors = [_Obj("shape", NUISANCE_SHAPES, "color", c, p) for c, p in _PRETRAIN_PAIRS]
@@ -610,20 +771,34 @@ def _write_split(root: str, dataset: str, split: str, dom: _Domain, num_images: 
     for ci, x, y, m in objs:
       h, w = m.shape
       full = np.zeros((H, W), np.uint8, order="F")
-      full[y:y + h, x:x + w] = m
+      full[y : y + h, x : x + w] = m
       rle = mask_utils.encode(full)
-      anns.append(dict(id=len(anns) + 1, image_id=image_id, category_id=ci + 1,
-                       bbox=[x, y, w, h], area=int(m.sum()), iscrowd=0,
-                       segmentation=dict(size=[H, W], counts=rle["counts"].decode("ascii"))))
+      anns.append(
+        dict(
+          id=len(anns) + 1,
+          image_id=image_id,
+          category_id=ci + 1,
+          bbox=[x, y, w, h],
+          area=int(m.sum()),
+          iscrowd=0,
+          segmentation=dict(size=[H, W], counts=rle["counts"].decode("ascii")),
+        )
+      )
     if pbar is not None:
       pbar.update(1)
   cats = [dict(id=i + 1, name=n, supercategory=dataset) for i, (n, _) in enumerate(dom.classes)]
-  info = dict(description=f"owl_cl built-in benchmark: {dataset}/{split}",
-              format_version=FORMAT_VERSION, seed=seed, dataset=dataset, split=split,
-              domain=dom.description)
+  info = dict(
+    description=f"owl_cl built-in benchmark: {dataset}/{split}",
+    format_version=FORMAT_VERSION,
+    seed=seed,
+    dataset=dataset,
+    split=split,
+    domain=dom.description,
+  )
   with open(os.path.join(root, dataset, f"{split}.json"), "w") as f:
-    json.dump(dict(info=info, images=images, annotations=anns, categories=cats), f,
-              separators=(",", ":"))
+    json.dump(
+      dict(info=info, images=images, annotations=anns, categories=cats), f, separators=(",", ":")
+    )
   return dict(images=len(images), instances=len(anns))
 
 
@@ -633,32 +808,38 @@ def _write_split(root: str, dataset: str, split: str, dom: _Domain, num_images: 
 @dataclasses.dataclass(frozen=True)
 class BuiltinConfig:
   """All generation parameters (they, with FORMAT_VERSION, key the cache folder)."""
+
   seed: int = 0
   num_pretrain_train: int = 1200
   num_pretrain_val: int = 200
   num_held_out_val: int = 100
   num_downstream_train: int = 200
   num_downstream_test: int = 60
-  downstream: Tuple[str, ...] = DOWNSTREAM_NAMES
+  downstream: tuple[str, ...] = DOWNSTREAM_NAMES
 
   def key(self) -> str:
     """'builtin_v<FORMAT_VERSION>_<12 hex digits of sha256 of the parameters>'."""
-    payload = json.dumps(dict(dataclasses.asdict(self), format_version=FORMAT_VERSION),
-                         sort_keys=True)
+    payload = json.dumps(
+      dict(dataclasses.asdict(self), format_version=FORMAT_VERSION), sort_keys=True
+    )
     return f"builtin_v{FORMAT_VERSION}_{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
 
-  def splits(self) -> List[Tuple[str, str, _Domain, int]]:
+  def splits(self) -> list[tuple[str, str, _Domain, int]]:
     """(dataset, split, domain, number of images) in generation order."""
     unknown = [d for d in self.downstream if d not in _DOMAINS]
     if unknown:
       raise ValueError(f"unknown downstream datasets {unknown}; known: {DOWNSTREAM_NAMES}")
-    pre = _colour_pattern_domain("pretrain", _PRETRAIN_PAIRS,
-                                 "colour x fill-pattern pairs on muted photograph backgrounds")
-    held = _colour_pattern_domain("held_out", HELD_OUT_PAIRS,
-                                  "held-out colour-pattern pairs, never in pre-training")
-    out = [("pretrain", "train", pre, self.num_pretrain_train),
-           ("pretrain", "val", pre, self.num_pretrain_val),
-           ("held_out", "val", held, self.num_held_out_val)]
+    pre = _colour_pattern_domain(
+      "pretrain", _PRETRAIN_PAIRS, "colour x fill-pattern pairs on muted photograph backgrounds"
+    )
+    held = _colour_pattern_domain(
+      "held_out", HELD_OUT_PAIRS, "held-out colour-pattern pairs, never in pre-training"
+    )
+    out = [
+      ("pretrain", "train", pre, self.num_pretrain_train),
+      ("pretrain", "val", pre, self.num_pretrain_val),
+      ("held_out", "val", held, self.num_held_out_val),
+    ]
     for d in self.downstream:
       out.append((d, "train", _DOMAINS[d], self.num_downstream_train))
       out.append((d, "test", _DOMAINS[d], self.num_downstream_test))
@@ -669,11 +850,12 @@ class BuiltinConfig:
 class SplitFiles:
   """One split on disk: its COCO json, the folder its file names are relative to, and its
   name 'dataset/split'."""
+
   annotation_file: str
   image_dir: str
   name: str = ""
 
-  def source(self, name: Optional[str] = None, **kwargs) -> CocoSource:
+  def source(self, name: str | None = None, **kwargs) -> CocoSource:
     """`CocoSource(annotation_file, image_dir, name or self.name, **kwargs)`."""
     return CocoSource(self.annotation_file, self.image_dir, name or self.name or None, **kwargs)
 
@@ -681,10 +863,11 @@ class SplitFiles:
 @dataclasses.dataclass(frozen=True)
 class DownstreamDataset:
   """One downstream dataset: name, train/test `SplitFiles` and class names."""
+
   name: str
   train: SplitFiles
   test: SplitFiles
-  classes: Tuple[str, ...]
+  classes: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -702,12 +885,13 @@ class BuiltinBenchmark:
     counts: 'dataset/split' -> dict(images, instances).
     generation_seconds: wall time of the generation that produced the cache.
   """
+
   root: str
   config: BuiltinConfig
-  splits: Dict[Tuple[str, str], SplitFiles]
-  downstream_names: Tuple[str, ...]
-  classes: Dict[str, Tuple[str, ...]]
-  counts: Dict[str, Dict[str, int]]
+  splits: dict[tuple[str, str], SplitFiles]
+  downstream_names: tuple[str, ...]
+  classes: dict[str, tuple[str, ...]]
+  counts: dict[str, dict[str, int]]
   generation_seconds: float
 
   @property
@@ -728,17 +912,19 @@ class BuiltinBenchmark:
     return self.splits[("held_out", "val")]
 
   @property
-  def downstream(self) -> Tuple[DownstreamDataset, ...]:
+  def downstream(self) -> tuple[DownstreamDataset, ...]:
     """The downstream datasets in canonical order."""
-    return tuple(DownstreamDataset(d, self.splits[(d, "train")], self.splits[(d, "test")],
-                                   self.classes[d]) for d in self.downstream_names)
+    return tuple(
+      DownstreamDataset(d, self.splits[(d, "train")], self.splits[(d, "test")], self.classes[d])
+      for d in self.downstream_names
+    )
 
   @property
-  def pretrain_classes(self) -> Tuple[str, ...]:
+  def pretrain_classes(self) -> tuple[str, ...]:
     return self.classes["pretrain"]
 
   @property
-  def held_out_classes(self) -> Tuple[str, ...]:
+  def held_out_classes(self) -> tuple[str, ...]:
     return self.classes["held_out"]
 
   def split(self, dataset: str, split: str) -> SplitFiles:
@@ -746,8 +932,9 @@ class BuiltinBenchmark:
     try:
       return self.splits[(dataset, split)]
     except KeyError:
-      raise KeyError(f"no split {dataset}/{split}; available: "
-                     f"{sorted('/'.join(k) for k in self.splits)}") from None
+      raise KeyError(
+        f"no split {dataset}/{split}; available: {sorted('/'.join(k) for k in self.splits)}"
+      ) from None
 
   def source(self, dataset: str, split: str, **kwargs) -> CocoSource:
     """`CocoSource` of (dataset, split), named 'dataset/split'; decoded images are cached in
@@ -757,98 +944,130 @@ class BuiltinBenchmark:
 
   def describe(self) -> str:
     """A markdown summary: per dataset its domain shift, classes and image/instance counts."""
-    descr = {"pretrain": "colour x fill-pattern pairs on muted photograph backgrounds, "
-                         "shapes vary (O365 stand-in)",
-             "held_out": "held-out colour-pattern pairs, never in pre-training (LVIS-rare "
-                         "stand-in)"}
+    descr = {
+      "pretrain": "colour x fill-pattern pairs on muted photograph backgrounds, "
+      "shapes vary (O365 stand-in)",
+      "held_out": "held-out colour-pattern pairs, never in pre-training (LVIS-rare stand-in)",
+    }
     descr.update({d.name: d.description for d in _DOWNSTREAM})
-    lines = [f"Built-in benchmark `{os.path.basename(self.root)}` (seed {self.config.seed}, "
-             f"format v{FORMAT_VERSION})", "",
-             "| dataset | split(s): images / instances | classes | domain |",
-             "|---|---|---|---|"]
+    lines = [
+      f"Built-in benchmark `{os.path.basename(self.root)}` (seed {self.config.seed}, "
+      f"format v{FORMAT_VERSION})",
+      "",
+      "| dataset | split(s): images / instances | classes | domain |",
+      "|---|---|---|---|",
+    ]
     for ds in ["pretrain", "held_out"] + list(self.downstream_names):
-      parts = [f"{sp} {self.counts[f'{ds}/{sp}']['images']} / "
-               f"{self.counts[f'{ds}/{sp}']['instances']}" for sp in ("train", "val", "test")
-               if f"{ds}/{sp}" in self.counts]
-      lines.append(f"| {ds} | {'; '.join(parts)} | {len(self.classes[ds])}: "
-                   f"{', '.join(self.classes[ds])} | {descr[ds]} |")
+      parts = [
+        f"{sp} {self.counts[f'{ds}/{sp}']['images']} / {self.counts[f'{ds}/{sp}']['instances']}"
+        for sp in ("train", "val", "test")
+        if f"{ds}/{sp}" in self.counts
+      ]
+      lines.append(
+        f"| {ds} | {'; '.join(parts)} | {len(self.classes[ds])}: "
+        f"{', '.join(self.classes[ds])} | {descr[ds]} |"
+      )
     return "\n".join(lines)
 
 
-def _benchmark_from_meta(root: str, meta: Dict[str, Any]) -> BuiltinBenchmark:
+def _benchmark_from_meta(root: str, meta: dict[str, Any]) -> BuiltinBenchmark:
   cfg = meta["config"]
   cfg = BuiltinConfig(**dict(cfg, downstream=tuple(cfg["downstream"])))
   splits = {}
   for ds, sp in ((k.split("/")[0], k.split("/")[1]) for k in meta["counts"]):
-    splits[(ds, sp)] = SplitFiles(os.path.join(root, ds, f"{sp}.json"),
-                                  os.path.join(root, ds, "images"), f"{ds}/{sp}")
-  return BuiltinBenchmark(root=root, config=cfg, splits=splits,
-                          downstream_names=tuple(cfg.downstream),
-                          classes={k: tuple(v) for k, v in meta["classes"].items()},
-                          counts=meta["counts"],
-                          generation_seconds=float(meta["generation_seconds"]))
+    splits[(ds, sp)] = SplitFiles(
+      os.path.join(root, ds, f"{sp}.json"), os.path.join(root, ds, "images"), f"{ds}/{sp}"
+    )
+  return BuiltinBenchmark(
+    root=root,
+    config=cfg,
+    splits=splits,
+    downstream_names=tuple(cfg.downstream),
+    classes={k: tuple(v) for k, v in meta["classes"].items()},
+    counts=meta["counts"],
+    generation_seconds=float(meta["generation_seconds"]),
+  )
 
 
 _META = "benchmark.json"
 
 
-def _complete(root: str) -> Optional[Dict[str, Any]]:
+def _complete(root: str) -> dict[str, Any] | None:
   """The metadata if `root` holds a complete generation (metadata, every json, every PNG)."""
   try:
     with open(os.path.join(root, _META)) as f:
       meta = json.load(f)
     if meta.get("format_version") != FORMAT_VERSION:
       return None
-    per_dataset: Dict[str, int] = {}
+    per_dataset: dict[str, int] = {}
     for key, c in meta["counts"].items():
       ds, sp = key.split("/")
       if not os.path.isfile(os.path.join(root, ds, f"{sp}.json")):
         return None
       per_dataset[ds] = per_dataset.get(ds, 0) + c["images"]
     for ds, n in per_dataset.items():
-      if len([f for f in os.listdir(os.path.join(root, ds, "images"))
-              if f.endswith(".png")]) != n:
+      if len([f for f in os.listdir(os.path.join(root, ds, "images")) if f.endswith(".png")]) != n:
         return None
     return meta
   except (OSError, ValueError, KeyError):
     return None
 
 
-def generate_benchmark(root: str, config: BuiltinConfig, *, progress: bool = True
-                       ) -> Dict[str, Any]:
+def generate_benchmark(
+  root: str, config: BuiltinConfig, *, progress: bool = True
+) -> dict[str, Any]:
   """Generate every split of `config` into the (new, empty) folder `root`, non-atomically.
 
   Returns the metadata dict written last to `root/benchmark.json` (its presence marks the
   generation complete). Prefer `ensure_benchmark`, which adds caching and atomicity.
   """
   from tqdm.auto import tqdm
+
   t0 = time.perf_counter()
   assets = _Assets()
   todo = config.splits()
   counts, classes = {}, {}
-  with tqdm(total=sum(n for *_, n in todo), desc="built-in benchmark", unit="img",
-            disable=not progress) as pbar:
+  with tqdm(
+    total=sum(n for *_, n in todo), desc="built-in benchmark", unit="img", disable=not progress
+  ) as pbar:
     for ds, sp, dom, n in todo:
       counts[f"{ds}/{sp}"] = _write_split(root, ds, sp, dom, n, config.seed, assets, pbar)
       classes[ds] = [c for c, _ in dom.classes]
   import PIL
   import skimage
   import sklearn
-  meta = dict(format_version=FORMAT_VERSION, key=config.key(),
-              config=dataclasses.asdict(config), counts=counts, classes=classes,
-              generation_seconds=round(time.perf_counter() - t0, 3),
-              versions=dict(numpy=np.__version__, pillow=PIL.__version__,
-                            skimage=skimage.__version__, sklearn=sklearn.__version__))
+
+  meta = dict(
+    format_version=FORMAT_VERSION,
+    key=config.key(),
+    config=dataclasses.asdict(config),
+    counts=counts,
+    classes=classes,
+    generation_seconds=round(time.perf_counter() - t0, 3),
+    versions=dict(
+      numpy=np.__version__,
+      pillow=PIL.__version__,
+      skimage=skimage.__version__,
+      sklearn=sklearn.__version__,
+    ),
+  )
   with open(os.path.join(root, _META), "w") as f:
     json.dump(meta, f, indent=1, sort_keys=True)
   return meta
 
 
-def ensure_benchmark(cache_dir: str, seed: int = 0, *, num_pretrain_train: int = 1200,
-                     num_pretrain_val: int = 200, num_held_out_val: int = 100,
-                     num_downstream_train: int = 200, num_downstream_test: int = 60,
-                     downstream: Sequence[str] = DOWNSTREAM_NAMES,
-                     progress: bool = True) -> BuiltinBenchmark:
+def ensure_benchmark(
+  cache_dir: str,
+  seed: int = 0,
+  *,
+  num_pretrain_train: int = 1200,
+  num_pretrain_val: int = 200,
+  num_held_out_val: int = 100,
+  num_downstream_train: int = 200,
+  num_downstream_test: int = 60,
+  downstream: Sequence[str] = DOWNSTREAM_NAMES,
+  progress: bool = True,
+) -> BuiltinBenchmark:
   """Return the built-in benchmark, generating it into `cache_dir` if needed.
 
   The cache folder is `cache_dir/builtin_v<FORMAT_VERSION>_<hash of all parameters>/`. It is
@@ -876,10 +1095,15 @@ def ensure_benchmark(cache_dir: str, seed: int = 0, *, num_pretrain_train: int =
   Default size (3,320 images): ~21 s of CPU time on one core (measured; ~50 s wall on a
   shared, busy 2-core machine), of which ~3 s loading the bundled photographs.
   """
-  config = BuiltinConfig(seed=seed, num_pretrain_train=num_pretrain_train,
-                         num_pretrain_val=num_pretrain_val, num_held_out_val=num_held_out_val,
-                         num_downstream_train=num_downstream_train,
-                         num_downstream_test=num_downstream_test, downstream=tuple(downstream))
+  config = BuiltinConfig(
+    seed=seed,
+    num_pretrain_train=num_pretrain_train,
+    num_pretrain_val=num_pretrain_val,
+    num_held_out_val=num_held_out_val,
+    num_downstream_train=num_downstream_train,
+    num_downstream_test=num_downstream_test,
+    downstream=tuple(downstream),
+  )
   config.splits()  # validates names
   os.makedirs(cache_dir, exist_ok=True)
   root = os.path.join(os.fspath(cache_dir), config.key())
@@ -910,14 +1134,21 @@ def ensure_benchmark(cache_dir: str, seed: int = 0, *, num_pretrain_train: int =
   return _benchmark_from_meta(root, meta)
 
 
-def render_preview(benchmark: BuiltinBenchmark, path: str, *, per_dataset: int = 6,
-                   cell: int = 128, draw_boxes: bool = True) -> str:
+def render_preview(
+  benchmark: BuiltinBenchmark,
+  path: str,
+  *,
+  per_dataset: int = 6,
+  cell: int = 128,
+  draw_boxes: bool = True,
+) -> str:
   """Save a PNG grid: one row per dataset (first split), `per_dataset` scenes each, boxes and
   class names drawn. Returns `path`."""
   datasets = ["pretrain", "held_out"] + list(benchmark.downstream_names)
   label_h = 12
-  grid = Image.new("RGB", (per_dataset * (cell + 4) + 70, len(datasets) * (cell + label_h + 4)),
-                   (255, 255, 255))
+  grid = Image.new(
+    "RGB", (per_dataset * (cell + 4) + 70, len(datasets) * (cell + label_h + 4)), (255, 255, 255)
+  )
   draw = ImageDraw.Draw(grid)
   for r, ds in enumerate(datasets):
     sp = "train" if (ds, "train") in benchmark.splits else "val"
@@ -933,8 +1164,9 @@ def render_preview(benchmark: BuiltinBenchmark, path: str, *, per_dataset: int =
       names = []
       if draw_boxes:
         for b, l in zip(ex["boxes"] * s, ex["labels"]):
-          d.rectangle([float(b[0]), float(b[1]), float(b[2]) - 1, float(b[3]) - 1],
-                      outline=(0, 255, 0))
+          d.rectangle(
+            [float(b[0]), float(b[1]), float(b[2]) - 1, float(b[3]) - 1], outline=(0, 255, 0)
+          )
           names.append(src.class_names[l])
       x0 = 70 + c * (cell + 4)
       grid.paste(im, (x0, y0))

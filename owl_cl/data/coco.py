@@ -10,11 +10,12 @@ category id order; boxes are float32 xyxy in pixels of the original image; image
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import contextlib
 import io
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -38,8 +39,9 @@ def _require(entry: Any, fields: Sequence[str], where: str, path: str, index: in
     raise DataError(f"{path}: {where}[{index}] must be an object, got {type(entry).__name__}")
   for f in fields:
     if f not in entry:
-      raise DataError(f"{path}: {where}[{index}] is missing required field '{f}' "
-                      f"(entry: {_short(entry)})")
+      raise DataError(
+        f"{path}: {where}[{index}] is missing required field '{f}' (entry: {_short(entry)})"
+      )
 
 
 def _short(obj: Any, limit: int = 160) -> str:
@@ -105,21 +107,34 @@ class CocoSource:
   explicitly, never assumed).
   """
 
-  def __init__(self, annotation_file: str, image_dir: str, name: Optional[str] = None, *,
-               check_files: bool = True, box_tolerance: float = 2.0,
-               on_invalid: str = "raise", cache_images: bool = False,
-               dataset: Optional[dict] = None, exclude_category_ids: Sequence[int] = (),
-               image_ids: Optional[Sequence[int]] = None,
-               file_name_fn: Optional[Callable[[dict], str]] = None):
+  def __init__(
+    self,
+    annotation_file: str,
+    image_dir: str,
+    name: str | None = None,
+    *,
+    check_files: bool = True,
+    box_tolerance: float = 2.0,
+    on_invalid: str = "raise",
+    cache_images: bool = False,
+    dataset: dict | None = None,
+    exclude_category_ids: Sequence[int] = (),
+    image_ids: Sequence[int] | None = None,
+    file_name_fn: Callable[[dict], str] | None = None,
+  ):
     if on_invalid not in ("raise", "skip"):
       raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
     self.annotation_file = os.fspath(annotation_file)
-    self._cache: Optional[Dict[int, np.ndarray]] = {} if cache_images else None
+    self._cache: dict[int, np.ndarray] | None = {} if cache_images else None
     self.image_dir = os.fspath(image_dir)
     self.name = name or os.path.splitext(os.path.basename(self.annotation_file))[0]
-    self._options = dict(check_files=check_files, box_tolerance=box_tolerance,
-                         on_invalid=on_invalid, cache_images=cache_images,
-                         file_name_fn=file_name_fn)
+    self._options = dict(
+      check_files=check_files,
+      box_tolerance=box_tolerance,
+      on_invalid=on_invalid,
+      cache_images=cache_images,
+      file_name_fn=file_name_fn,
+    )
     path = self.annotation_file
     if dataset is None and not os.path.isfile(path):
       raise DataError(f"annotation file not found: {path}")
@@ -129,7 +144,7 @@ class CocoSource:
       data = dataset
     else:
       try:
-        with open(path, "r") as f:
+        with open(path) as f:
           data = json.load(f)
       except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid json ({e})") from e
@@ -139,12 +154,11 @@ class CocoSource:
       if field not in data:
         raise DataError(f"{path}: missing required top-level field '{field}'")
       if not isinstance(data[field], list):
-        raise DataError(f"{path}: field '{field}' must be a list, got "
-                        f"{type(data[field]).__name__}")
+        raise DataError(f"{path}: field '{field}' must be a list, got {type(data[field]).__name__}")
 
     # Categories.
     cats = data["categories"]
-    cat_by_id: Dict[int, dict] = {}
+    cat_by_id: dict[int, dict] = {}
     for i, c in enumerate(cats):
       _require(c, _REQUIRED_CAT, "categories", path, i)
       if c["id"] in cat_by_id:
@@ -153,12 +167,14 @@ class CocoSource:
     excluded = set()
     for cid in exclude_category_ids:
       if cid not in cat_by_id:
-        raise DataError(f"{path}: exclude_category_ids value {cid!r} is not a category id in "
-                        f"'categories' (known ids: {_short(sorted(cat_by_id), 80)})")
+        raise DataError(
+          f"{path}: exclude_category_ids value {cid!r} is not a category id in "
+          f"'categories' (known ids: {_short(sorted(cat_by_id), 80)})"
+        )
       excluded.add(cid)
-    self.category_ids: List[int] = sorted(c for c in cat_by_id if c not in excluded)
-    self.category_entries: List[dict] = [cat_by_id[c] for c in self.category_ids]
-    self.class_names: List[str] = [str(cat_by_id[c]["name"]) for c in self.category_ids]
+    self.category_ids: list[int] = sorted(c for c in cat_by_id if c not in excluded)
+    self.category_entries: list[dict] = [cat_by_id[c] for c in self.category_ids]
+    self.class_names: list[str] = [str(cat_by_id[c]["name"]) for c in self.category_ids]
     self._cat_to_index = {c: i for i, c in enumerate(self.category_ids)}
     self.num_excluded = 0
 
@@ -171,7 +187,7 @@ class CocoSource:
       unknown = sorted(keep_ids - known, key=str)
       if unknown:
         raise DataError(f"{path}: image_ids value(s) {_short(unknown, 80)} not in 'images'")
-    images: Dict[int, dict] = {}
+    images: dict[int, dict] = {}
     for i, im in enumerate(data["images"]):
       _require(im, required_image, "images", path, i)
       if keep_ids is not None and im["id"] not in keep_ids:
@@ -180,10 +196,11 @@ class CocoSource:
         raise DataError(f"{path}: images[{i}] duplicate id {im['id']!r}")
       h, w = im["height"], im["width"]
       if not (isinstance(h, (int, float)) and isinstance(w, (int, float)) and h > 0 and w > 0):
-        raise DataError(f"{path}: images[{i}] (id {im['id']}) has invalid size "
-                        f"height={h!r} width={w!r}")
+        raise DataError(
+          f"{path}: images[{i}] (id {im['id']}) has invalid size height={h!r} width={w!r}"
+        )
       images[im["id"]] = im
-    self.image_ids: List[int] = sorted(images)
+    self.image_ids: list[int] = sorted(images)
     self._images = [images[i] for i in self.image_ids]
     if file_name_fn is None:
       names = [im["file_name"] for im in self._images]
@@ -193,19 +210,23 @@ class CocoSource:
         try:
           names.append(file_name_fn(im))
         except (KeyError, ValueError, TypeError) as e:
-          raise DataError(f"{path}: image id {im['id']}: cannot derive the file name from the "
-                          f"entry {_short(im)} ({e!r})") from e
+          raise DataError(
+            f"{path}: image id {im['id']}: cannot derive the file name from the "
+            f"entry {_short(im)} ({e!r})"
+          ) from e
     self._paths = [os.path.join(self.image_dir, n) for n in names]
     self._parse_federated(path, excluded)
     if check_files:
       for im, p in zip(self._images, self._paths):
         if not os.path.isfile(p):
-          raise DataError(f"{path}: image file not found: {p} (image id {im['id']}, "
-                          f"file_name {im.get('file_name', os.path.relpath(p, self.image_dir))!r})")
+          raise DataError(
+            f"{path}: image file not found: {p} (image id {im['id']}, "
+            f"file_name {im.get('file_name', os.path.relpath(p, self.image_dir))!r})"
+          )
 
     # Annotations -> per-image training targets (crowd excluded).
     self.num_skipped = 0
-    per_image: Dict[int, List[tuple]] = {i: [] for i in self.image_ids}
+    per_image: dict[int, list[tuple]] = {i: [] for i in self.image_ids}
     kept_anns = []
     for i, a in enumerate(data["annotations"]):
       _require(a, _REQUIRED_ANN, "annotations", path, i)
@@ -215,22 +236,33 @@ class CocoSource:
         continue
       if keep_ids is not None and a["image_id"] not in keep_ids:
         if a["image_id"] not in known:
-          raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
-                          f"{a['image_id']!r}, which is not in 'images'")
+          raise DataError(
+            f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
+            f"{a['image_id']!r}, which is not in 'images'"
+          )
         continue
       if a["category_id"] not in self._cat_to_index:
-        raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'category_id' has value "
-                        f"{a['category_id']!r}, which is not in 'categories' "
-                        f"(known ids: {_short(self.category_ids, 80)})")
+        raise DataError(
+          f"{path}: annotations[{i}] (id {aid}) field 'category_id' has value "
+          f"{a['category_id']!r}, which is not in 'categories' "
+          f"(known ids: {_short(self.category_ids, 80)})"
+        )
       im = images.get(a["image_id"])
       if im is None:
-        raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
-                        f"{a['image_id']!r}, which is not in 'images'")
+        raise DataError(
+          f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
+          f"{a['image_id']!r}, which is not in 'images'"
+        )
       bbox = a["bbox"]
-      if (not isinstance(bbox, (list, tuple)) or len(bbox) != 4
-          or not all(isinstance(v, (int, float)) for v in bbox)):
-        raise DataError(f"{path}: annotations[{i}] (id {aid}) field 'bbox' must be 4 numbers "
-                        f"[x, y, w, h], got {bbox!r}")
+      if (
+        not isinstance(bbox, (list, tuple))
+        or len(bbox) != 4
+        or not all(isinstance(v, (int, float)) for v in bbox)
+      ):
+        raise DataError(
+          f"{path}: annotations[{i}] (id {aid}) field 'bbox' must be 4 numbers "
+          f"[x, y, w, h], got {bbox!r}"
+        )
       x, y, w, h = (float(v) for v in bbox)
       W, H = float(im["width"]), float(im["height"])
       problem = None
@@ -238,10 +270,13 @@ class CocoSource:
         problem = "is not finite"
       elif w <= 0 or h <= 0:
         problem = "is degenerate (w <= 0 or h <= 0)"
-      elif (x < -box_tolerance or y < -box_tolerance or x + w > W + box_tolerance
-            or y + h > H + box_tolerance):
-        problem = (f"lies outside the {int(W)}x{int(H)} (WxH) image by more than "
-                   f"{box_tolerance} px")
+      elif (
+        x < -box_tolerance
+        or y < -box_tolerance
+        or x + w > W + box_tolerance
+        or y + h > H + box_tolerance
+      ):
+        problem = f"lies outside the {int(W)}x{int(H)} (WxH) image by more than {box_tolerance} px"
       if problem is None:
         x0, y0 = max(x, 0.0), max(y, 0.0)
         x1, y1 = min(x + w, W), min(y + h, H)
@@ -249,8 +284,10 @@ class CocoSource:
           problem = "is empty after clipping to the image"
       if problem is not None:
         if on_invalid == "raise":
-          raise DataError(f"{path}: annotations[{i}] (id {aid}, image_id {a['image_id']}) "
-                          f"field 'bbox' value {list(bbox)!r} {problem}")
+          raise DataError(
+            f"{path}: annotations[{i}] (id {aid}, image_id {a['image_id']}) "
+            f"field 'bbox' value {list(bbox)!r} {problem}"
+          )
         self.num_skipped += 1
         continue
       kept_anns.append(a)
@@ -270,8 +307,9 @@ class CocoSource:
         self._labels.append(np.zeros((0,), np.int32))
 
     if self.num_skipped or self.num_excluded or keep_ids is not None:
-      data = dict(data, annotations=kept_anns, images=self._images,
-                  categories=self.category_entries)
+      data = dict(
+        data, annotations=kept_anns, images=self._images, categories=self.category_entries
+      )
     # pycocotools index, built from the already-parsed json (it prints; keep quiet).
     coco = COCO()
     coco.dataset = data
@@ -279,13 +317,15 @@ class CocoSource:
       coco.createIndex()
     self.coco = coco
 
-  _FEDERATED_FIELDS = (("neg_category_ids", "negative_labels"),
-                       ("not_exhaustive_category_ids", "not_exhaustive_labels"))
+  _FEDERATED_FIELDS = (
+    ("neg_category_ids", "negative_labels"),
+    ("not_exhaustive_category_ids", "not_exhaustive_labels"),
+  )
 
   def _parse_federated(self, path: str, excluded: set) -> None:
     """Per-image LVIS federated fields -> contiguous int32 arrays (see the class docstring)."""
     self.federated = any(f in im for im in self._images for f, _ in self._FEDERATED_FIELDS)
-    self._federated: Dict[str, List[np.ndarray]] = {}
+    self._federated: dict[str, list[np.ndarray]] = {}
     if not self.federated:
       return
     for field, key in self._FEDERATED_FIELDS:
@@ -293,55 +333,67 @@ class CocoSource:
       for im in self._images:
         ids = im.get(field, [])
         if not isinstance(ids, list):
-          raise DataError(f"{path}: image id {im['id']} field '{field}' must be a list of "
-                          f"category ids, got {_short(ids)}")
+          raise DataError(
+            f"{path}: image id {im['id']} field '{field}' must be a list of "
+            f"category ids, got {_short(ids)}"
+          )
         out = []
         for cid in ids:
           if cid in excluded:
             continue
           if cid not in self._cat_to_index:
-            raise DataError(f"{path}: image id {im['id']} field '{field}' has value {cid!r}, "
-                            f"which is not in 'categories'")
+            raise DataError(
+              f"{path}: image id {im['id']} field '{field}' has value {cid!r}, "
+              f"which is not in 'categories'"
+            )
           out.append(self._cat_to_index[cid])
         rows.append(np.asarray(sorted(set(out)), np.int32))
       self._federated[key] = rows
 
-  def federated_labels(self, index: int) -> Dict[str, np.ndarray]:
+  def federated_labels(self, index: int) -> dict[str, np.ndarray]:
     """LVIS federated labels of image `index`: dict(negative_labels int32 [K1],
     not_exhaustive_labels int32 [K2]) of contiguous class indices (sorted, unique); an empty
     dict when the json has no federated fields. Source: LVIS v1 format; SPEC §3-§4."""
     return {k: v[index].copy() for k, v in self._federated.items()}
 
-  def subset(self, image_ids: Sequence[int], name: Optional[str] = None) -> "CocoSource":
+  def subset(self, image_ids: Sequence[int], name: str | None = None) -> CocoSource:
     """A new source with only `image_ids` (and their annotations), same options and classes.
 
     Raises:
       DataError: an id not in this source.
     """
-    return CocoSource(self.annotation_file, self.image_dir, name or self.name,
-                      dataset=self.coco.dataset, image_ids=image_ids, **self._options)
+    return CocoSource(
+      self.annotation_file,
+      self.image_dir,
+      name or self.name,
+      dataset=self.coco.dataset,
+      image_ids=image_ids,
+      **self._options,
+    )
 
   # --- grain RandomAccessDataSource protocol -------------------------------------------------
   def __len__(self) -> int:
     return len(self.image_ids)
 
-  def __getitem__(self, index: int) -> Dict[str, Any]:
+  def __getitem__(self, index: int) -> dict[str, Any]:
     return self.load(index)
 
   def __repr__(self) -> str:
-    return (f"CocoSource(name={self.name!r}, images={len(self)}, classes={len(self.class_names)}, "
-            f"file={self.annotation_file!r})")
+    return (
+      f"CocoSource(name={self.name!r}, images={len(self)}, classes={len(self.class_names)}, "
+      f"file={self.annotation_file!r})"
+    )
 
   @property
   def num_classes(self) -> int:
     """C, the number of categories."""
     return len(self.class_names)
 
-  def image_info(self, index: int) -> Dict[str, Any]:
+  def image_info(self, index: int) -> dict[str, Any]:
     """The json entry of image `index` (id, file_name, height, width, ...)."""
     return self._images[index]
 
-  def targets(self, index: int) -> Dict[str, np.ndarray]:
+  def targets(self, index: int) -> dict[str, np.ndarray]:
     """Training targets of image `index` without decoding it.
 
     Returns dict(boxes float32 [M, 4] xyxy pixels (clipped to the image), labels int32 [M]
@@ -349,7 +401,7 @@ class CocoSource:
     """
     return dict(boxes=self._boxes[index].copy(), labels=self._labels[index].copy())
 
-  def load(self, index: int) -> Dict[str, Any]:
+  def load(self, index: int) -> dict[str, Any]:
     """Decode example `index` (0 <= index < len).
 
     Returns dict(image uint8 [H, W, 3] RGB, boxes float32 [M, 4] xyxy pixels, labels int32 [M]
@@ -366,26 +418,38 @@ class CocoSource:
     index = int(index) % len(self)
     info = self._images[index]
     if self._cache is not None and index in self._cache:
-      return dict(image=self._cache[index], boxes=self._boxes[index].copy(),
-                  labels=self._labels[index].copy(), image_id=int(info["id"]),
-                  **self.federated_labels(index))
+      return dict(
+        image=self._cache[index],
+        boxes=self._boxes[index].copy(),
+        labels=self._labels[index].copy(),
+        image_id=int(info["id"]),
+        **self.federated_labels(index),
+      )
     p = self._paths[index]
     try:
       with Image.open(p) as im:
         image = np.asarray(im.convert("RGB"))
     except FileNotFoundError as e:
-      raise DataError(f"{self.annotation_file}: image file not found: {p} "
-                      f"(image id {info['id']})") from e
+      raise DataError(
+        f"{self.annotation_file}: image file not found: {p} (image id {info['id']})"
+      ) from e
     except OSError as e:
-      raise DataError(f"{self.annotation_file}: cannot decode image {p} "
-                      f"(image id {info['id']}): {e}") from e
+      raise DataError(
+        f"{self.annotation_file}: cannot decode image {p} (image id {info['id']}): {e}"
+      ) from e
     if image.shape[0] != int(info["height"]) or image.shape[1] != int(info["width"]):
-      raise DataError(f"{self.annotation_file}: image {p} (image id {info['id']}) decodes to "
-                      f"{image.shape[1]}x{image.shape[0]} (WxH) but the json says "
-                      f"width={info['width']} height={info['height']}")
+      raise DataError(
+        f"{self.annotation_file}: image {p} (image id {info['id']}) decodes to "
+        f"{image.shape[1]}x{image.shape[0]} (WxH) but the json says "
+        f"width={info['width']} height={info['height']}"
+      )
     if self._cache is not None:
       image.setflags(write=False)
       self._cache[index] = image
-    return dict(image=image, boxes=self._boxes[index].copy(),
-                labels=self._labels[index].copy(), image_id=int(info["id"]),
-                **self.federated_labels(index))
+    return dict(
+      image=image,
+      boxes=self._boxes[index].copy(),
+      labels=self._labels[index].copy(),
+      image_id=int(info["id"]),
+      **self.federated_labels(index),
+    )

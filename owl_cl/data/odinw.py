@@ -50,18 +50,28 @@ it trained on), `main.py` (top-100 detections for EgoHands and BrackishUnderwate
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 import dataclasses
 import os
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from owl_cl.data.coco import CocoSource, DataError
+from owl_cl.data.coco import CocoSource
+from owl_cl.data.coco import DataError
 
 __all__ = [
-    "OdinwSpec", "ODINW_DATASETS", "ODINW_NAMES", "SPLITS", "odinw_spec", "odinw_paths",
-    "odinw_source", "balanced_subset", "expected_files", "missing_files", "check_odinw",
-    "layout_description",
+  "OdinwSpec",
+  "ODINW_DATASETS",
+  "ODINW_NAMES",
+  "SPLITS",
+  "odinw_spec",
+  "odinw_paths",
+  "odinw_source",
+  "balanced_subset",
+  "expected_files",
+  "missing_files",
+  "check_odinw",
+  "layout_description",
 ]
 
 SPLITS = ("train", "val", "test")
@@ -88,16 +98,17 @@ class OdinwSpec:
     max_detections: detections kept per image at evaluation (SPEC §4: 100 for EgoHands and
       BrackishUnderwater, 300 otherwise).
   """
+
   name: str
   folder: str
   variant: str
-  category_names: Tuple[str, ...]
+  category_names: tuple[str, ...]
   supercategory: str
   num_train: int
   num_test: int
   single_folder: bool = False
-  exclude_category_ids: Tuple[int, ...] = ()
-  subset_size: Optional[int] = None
+  exclude_category_ids: tuple[int, ...] = ()
+  subset_size: int | None = None
   max_detections: int = 300
 
   @property
@@ -110,7 +121,7 @@ class OdinwSpec:
     """The dataset's folder relative to the data root, e.g. 'odinw/pothole'."""
     return "/".join(p for p in ("odinw", self.folder, self.variant) if p)
 
-  def paths(self, split: str) -> Tuple[str, str]:
+  def paths(self, split: str) -> tuple[str, str]:
     """(annotation json, image folder) of `split`, relative to the data root.
 
     Raises:
@@ -124,68 +135,192 @@ class OdinwSpec:
     return f"{folder}/{_ANN}", folder
 
 
-def _letters() -> Tuple[str, ...]:
+def _letters() -> tuple[str, ...]:
   return tuple(chr(ord("A") + i) for i in range(26))
 
 
 _PETS = (
-    "cat-Abyssinian", "cat-Bengal", "cat-Birman", "cat-Bombay", "cat-British_Shorthair",
-    "cat-Egyptian_Mau", "cat-Maine_Coon", "cat-Persian", "cat-Ragdoll", "cat-Russian_Blue",
-    "cat-Siamese", "cat-Sphynx", "dog-american_bulldog", "dog-american_pit_bull_terrier",
-    "dog-basset_hound", "dog-beagle", "dog-boxer", "dog-chihuahua",
-    "dog-english_cocker_spaniel", "dog-english_setter", "dog-german_shorthaired",
-    "dog-great_pyrenees", "dog-havanese", "dog-japanese_chin", "dog-keeshond", "dog-leonberger",
-    "dog-miniature_pinscher", "dog-newfoundland", "dog-pomeranian", "dog-pug",
-    "dog-saint_bernard", "dog-samoyed", "dog-scottish_terrier", "dog-shiba_inu",
-    "dog-staffordshire_bull_terrier", "dog-wheaten_terrier", "dog-yorkshire_terrier")
-
-_PLANTDOC = (
-    "Apple Scab Leaf", "Apple leaf", "Apple rust leaf", "Bell_pepper leaf",
-    "Bell_pepper leaf spot", "Blueberry leaf", "Cherry leaf", "Corn Gray leaf spot",
-    "Corn leaf blight", "Corn rust leaf", "Peach leaf", "Potato leaf", "Potato leaf early blight",
-    "Potato leaf late blight", "Raspberry leaf", "Soyabean leaf", "Soybean leaf",
-    "Squash Powdery mildew leaf", "Strawberry leaf", "Tomato Early blight leaf",
-    "Tomato Septoria leaf spot", "Tomato leaf", "Tomato leaf bacterial spot",
-    "Tomato leaf late blight", "Tomato leaf mosaic virus", "Tomato leaf yellow virus",
-    "Tomato mold leaf", "Tomato two spotted spider mites leaf", "grape leaf",
-    "grape leaf black rot")
-
-_CHESS = ("  ", "black bishop", "black king", "black knight", "black pawn", "black queen",
-          "black rook", "white bishop", "white king", "white knight", "white pawn",
-          "white queen", "white rook")
-
-_SPECS = (
-    OdinwSpec("Pothole", "pothole", "", ("pothole",), "potholes", 465, 67),
-    OdinwSpec("WildfireSmoke", "WildfireSmoke", "", ("smoke",), "Smoke", 516, 74),
-    OdinwSpec("ThermalCheetah", "ThermalCheetah", "", ("cheetah", "human"), "cheetah", 90, 14),
-    OdinwSpec("ThermalDogsAndPeople", "thermalDogsAndPeople", "", ("dog", "person"),
-              "dogs-person", 142, 20),
-    OdinwSpec("BCCD", "BCCD", "BCCD.v3-raw.coco", ("Platelets", "RBC", "WBC"), "cells", 255, 36),
-    OdinwSpec("ShellfishOpenImages", "ShellfishOpenImages", "raw", ("Crab", "Lobster", "Shrimp"),
-              "shellfish", 407, 58),
-    OdinwSpec("EgoHands", "EgoHands", "specific", ("myleft", "myright", "yourleft", "yourright"),
-              "hands", 1000, 480, subset_size=1000, max_detections=100),
-    OdinwSpec("AerialMaritimeDrone", "AerialMaritimeDrone", "tiled",
-              ("boat", "car", "dock", "jetski", "lift"), "movable-objects", 371, 32),
-    OdinwSpec("BrackishUnderwater", "brackishUnderwater", "1920x1080",
-              ("crab", "fish", "jellyfish", "shrimp", "small_fish", "starfish"), "animals",
-              800, 1468, subset_size=800, max_detections=100),
-    OdinwSpec("Dice", "dice", "mediumColor/export", ("1", "2", "3", "4", "5", "6"), "dice",
-              576, 71, single_folder=True),
-    OdinwSpec("Aquarium", "Aquarium", "Aquarium Combined.v2-raw-1024.coco",
-              ("fish", "jellyfish", "penguin", "puffin", "shark", "starfish", "stingray"),
-              "creatures", 448, 63),
-    OdinwSpec("ChessPieces", "ChessPieces", "Chess Pieces.v23-raw.coco", _CHESS, "pieces",
-              202, 29, exclude_category_ids=(1,)),
-    OdinwSpec("AmericanSignLanguageLetters", "AmericanSignLanguageLetters",
-              "American Sign Language Letters.v1-v1.coco", _letters(), "Letters", 780, 72,
-              subset_size=780),
-    OdinwSpec("Plantdoc", "plantdoc", "416x416", _PLANTDOC, "leaves", 2128, 239),
-    OdinwSpec("OxfordPets", "OxfordPets", "by-breed", _PETS, "pets", 2437, 345),
+  "cat-Abyssinian",
+  "cat-Bengal",
+  "cat-Birman",
+  "cat-Bombay",
+  "cat-British_Shorthair",
+  "cat-Egyptian_Mau",
+  "cat-Maine_Coon",
+  "cat-Persian",
+  "cat-Ragdoll",
+  "cat-Russian_Blue",
+  "cat-Siamese",
+  "cat-Sphynx",
+  "dog-american_bulldog",
+  "dog-american_pit_bull_terrier",
+  "dog-basset_hound",
+  "dog-beagle",
+  "dog-boxer",
+  "dog-chihuahua",
+  "dog-english_cocker_spaniel",
+  "dog-english_setter",
+  "dog-german_shorthaired",
+  "dog-great_pyrenees",
+  "dog-havanese",
+  "dog-japanese_chin",
+  "dog-keeshond",
+  "dog-leonberger",
+  "dog-miniature_pinscher",
+  "dog-newfoundland",
+  "dog-pomeranian",
+  "dog-pug",
+  "dog-saint_bernard",
+  "dog-samoyed",
+  "dog-scottish_terrier",
+  "dog-shiba_inu",
+  "dog-staffordshire_bull_terrier",
+  "dog-wheaten_terrier",
+  "dog-yorkshire_terrier",
 )
 
-ODINW_DATASETS: Dict[str, OdinwSpec] = {s.name: s for s in _SPECS}
-ODINW_NAMES: Tuple[str, ...] = tuple(ODINW_DATASETS)
+_PLANTDOC = (
+  "Apple Scab Leaf",
+  "Apple leaf",
+  "Apple rust leaf",
+  "Bell_pepper leaf",
+  "Bell_pepper leaf spot",
+  "Blueberry leaf",
+  "Cherry leaf",
+  "Corn Gray leaf spot",
+  "Corn leaf blight",
+  "Corn rust leaf",
+  "Peach leaf",
+  "Potato leaf",
+  "Potato leaf early blight",
+  "Potato leaf late blight",
+  "Raspberry leaf",
+  "Soyabean leaf",
+  "Soybean leaf",
+  "Squash Powdery mildew leaf",
+  "Strawberry leaf",
+  "Tomato Early blight leaf",
+  "Tomato Septoria leaf spot",
+  "Tomato leaf",
+  "Tomato leaf bacterial spot",
+  "Tomato leaf late blight",
+  "Tomato leaf mosaic virus",
+  "Tomato leaf yellow virus",
+  "Tomato mold leaf",
+  "Tomato two spotted spider mites leaf",
+  "grape leaf",
+  "grape leaf black rot",
+)
+
+_CHESS = (
+  "  ",
+  "black bishop",
+  "black king",
+  "black knight",
+  "black pawn",
+  "black queen",
+  "black rook",
+  "white bishop",
+  "white king",
+  "white knight",
+  "white pawn",
+  "white queen",
+  "white rook",
+)
+
+_SPECS = (
+  OdinwSpec("Pothole", "pothole", "", ("pothole",), "potholes", 465, 67),
+  OdinwSpec("WildfireSmoke", "WildfireSmoke", "", ("smoke",), "Smoke", 516, 74),
+  OdinwSpec("ThermalCheetah", "ThermalCheetah", "", ("cheetah", "human"), "cheetah", 90, 14),
+  OdinwSpec(
+    "ThermalDogsAndPeople", "thermalDogsAndPeople", "", ("dog", "person"), "dogs-person", 142, 20
+  ),
+  OdinwSpec("BCCD", "BCCD", "BCCD.v3-raw.coco", ("Platelets", "RBC", "WBC"), "cells", 255, 36),
+  OdinwSpec(
+    "ShellfishOpenImages",
+    "ShellfishOpenImages",
+    "raw",
+    ("Crab", "Lobster", "Shrimp"),
+    "shellfish",
+    407,
+    58,
+  ),
+  OdinwSpec(
+    "EgoHands",
+    "EgoHands",
+    "specific",
+    ("myleft", "myright", "yourleft", "yourright"),
+    "hands",
+    1000,
+    480,
+    subset_size=1000,
+    max_detections=100,
+  ),
+  OdinwSpec(
+    "AerialMaritimeDrone",
+    "AerialMaritimeDrone",
+    "tiled",
+    ("boat", "car", "dock", "jetski", "lift"),
+    "movable-objects",
+    371,
+    32,
+  ),
+  OdinwSpec(
+    "BrackishUnderwater",
+    "brackishUnderwater",
+    "1920x1080",
+    ("crab", "fish", "jellyfish", "shrimp", "small_fish", "starfish"),
+    "animals",
+    800,
+    1468,
+    subset_size=800,
+    max_detections=100,
+  ),
+  OdinwSpec(
+    "Dice",
+    "dice",
+    "mediumColor/export",
+    ("1", "2", "3", "4", "5", "6"),
+    "dice",
+    576,
+    71,
+    single_folder=True,
+  ),
+  OdinwSpec(
+    "Aquarium",
+    "Aquarium",
+    "Aquarium Combined.v2-raw-1024.coco",
+    ("fish", "jellyfish", "penguin", "puffin", "shark", "starfish", "stingray"),
+    "creatures",
+    448,
+    63,
+  ),
+  OdinwSpec(
+    "ChessPieces",
+    "ChessPieces",
+    "Chess Pieces.v23-raw.coco",
+    _CHESS,
+    "pieces",
+    202,
+    29,
+    exclude_category_ids=(1,),
+  ),
+  OdinwSpec(
+    "AmericanSignLanguageLetters",
+    "AmericanSignLanguageLetters",
+    "American Sign Language Letters.v1-v1.coco",
+    _letters(),
+    "Letters",
+    780,
+    72,
+    subset_size=780,
+  ),
+  OdinwSpec("Plantdoc", "plantdoc", "416x416", _PLANTDOC, "leaves", 2128, 239),
+  OdinwSpec("OxfordPets", "OxfordPets", "by-breed", _PETS, "pets", 2437, 345),
+)
+
+ODINW_DATASETS: dict[str, OdinwSpec] = {s.name: s for s in _SPECS}
+ODINW_NAMES: tuple[str, ...] = tuple(ODINW_DATASETS)
 
 
 def odinw_spec(name: str) -> OdinwSpec:
@@ -200,7 +335,7 @@ def odinw_spec(name: str) -> OdinwSpec:
     raise KeyError(f"unknown ODinW dataset {name!r}; known: {', '.join(ODINW_NAMES)}") from None
 
 
-def _names(names: Optional[Iterable[str]]) -> List[str]:
+def _names(names: Iterable[str] | None) -> list[str]:
   if names is None:
     return list(ODINW_NAMES)
   if isinstance(names, str):
@@ -211,8 +346,7 @@ def _names(names: Optional[Iterable[str]]) -> List[str]:
   return names
 
 
-def odinw_paths(root: str, name: str, split: str, *,
-                variant: Optional[str] = None) -> Tuple[str, str]:
+def odinw_paths(root: str, name: str, split: str, *, variant: str | None = None) -> tuple[str, str]:
   """(annotation json, image folder) absolute paths of `split` of dataset `name` under `root`.
 
   `variant` overrides the spec's export folder (e.g. '960x540' for BrackishUnderwater).
@@ -224,7 +358,7 @@ def odinw_paths(root: str, name: str, split: str, *,
   return os.path.join(root, ann), os.path.join(root, img)
 
 
-def balanced_subset(source: CocoSource, size: int, seed: int) -> List[int]:
+def balanced_subset(source: CocoSource, size: int, seed: int) -> list[int]:
   """Class-balanced subset of `size` image ids of `source` (definition: module docstring).
 
   Args:
@@ -244,13 +378,13 @@ def balanced_subset(source: CocoSource, size: int, seed: int) -> List[int]:
   if size >= n:
     return list(source.image_ids)
   rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0xBA1A]))
-  per_class: List[List[int]] = [[] for _ in range(source.num_classes)]
+  per_class: list[list[int]] = [[] for _ in range(source.num_classes)]
   for i in range(n):
     for c in np.unique(source.targets(i)["labels"]):
       per_class[int(c)].append(i)
   pools = [list(rng.permutation(p)) for p in per_class]
   order = [int(c) for c in rng.permutation(source.num_classes)]
-  chosen: List[int] = []
+  chosen: list[int] = []
   taken = np.zeros(n, bool)
   while len(chosen) < size:
     active = False
@@ -274,9 +408,16 @@ def balanced_subset(source: CocoSource, size: int, seed: int) -> List[int]:
   return sorted(source.image_ids[i] for i in chosen)
 
 
-def odinw_source(root: str, name: str, split: str, *, subset_seed: Optional[int] = 0,
-                 subset_size: Optional[int] = None, variant: Optional[str] = None,
-                 **coco_options) -> CocoSource:
+def odinw_source(
+  root: str,
+  name: str,
+  split: str,
+  *,
+  subset_seed: int | None = 0,
+  subset_size: int | None = None,
+  variant: str | None = None,
+  **coco_options,
+) -> CocoSource:
   """The `split` of ODinW dataset `name` as a `CocoSource`.
 
   Args:
@@ -303,16 +444,22 @@ def odinw_source(root: str, name: str, split: str, *, subset_seed: Optional[int]
   spec = odinw_spec(name)
   ann, img = odinw_paths(root, name, split, variant=variant)
   if not os.path.isfile(ann):
-    raise DataError(f"ODinW {name} {split}: annotation file not found: {ann}\n"
-                    f"expected layout:\n{layout_description([name])}")
+    raise DataError(
+      f"ODinW {name} {split}: annotation file not found: {ann}\n"
+      f"expected layout:\n{layout_description([name])}"
+    )
   label = name if split == "train" else f"{name}/{split}"
-  source = CocoSource(ann, img, label, exclude_category_ids=spec.exclude_category_ids,
-                      **coco_options)
-  expected = [n for i, n in enumerate(spec.category_names, start=1)
-              if i not in spec.exclude_category_ids]
+  source = CocoSource(
+    ann, img, label, exclude_category_ids=spec.exclude_category_ids, **coco_options
+  )
+  expected = [
+    n for i, n in enumerate(spec.category_names, start=1) if i not in spec.exclude_category_ids
+  ]
   if source.class_names != expected:
-    raise DataError(f"{ann}: field 'categories' has names {source.class_names!r} (ids "
-                    f"{source.category_ids}), expected {expected!r} for ODinW {name}")
+    raise DataError(
+      f"{ann}: field 'categories' has names {source.class_names!r} (ids "
+      f"{source.category_ids}), expected {expected!r} for ODinW {name}"
+    )
   size = spec.subset_size if subset_size is None else subset_size
   if split == "train" and size is not None and subset_seed is not None:
     ids = balanced_subset(source, size, subset_seed)
@@ -321,8 +468,9 @@ def odinw_source(root: str, name: str, split: str, *, subset_seed: Optional[int]
   return source
 
 
-def expected_files(root: str, names: Optional[Iterable[str]] = None,
-                   splits: Sequence[str] = SPLITS) -> List[str]:
+def expected_files(
+  root: str, names: Iterable[str] | None = None, splits: Sequence[str] = SPLITS
+) -> list[str]:
   """Paths (under `root`) of every annotation json and image folder the datasets need.
 
   Image files are listed by `CocoSource` when it opens a json (check_files=True).
@@ -335,26 +483,33 @@ def expected_files(root: str, names: Optional[Iterable[str]] = None,
   return sorted(out)
 
 
-def missing_files(root: str, names: Optional[Iterable[str]] = None,
-                  splits: Sequence[str] = SPLITS) -> List[str]:
+def missing_files(
+  root: str, names: Iterable[str] | None = None, splits: Sequence[str] = SPLITS
+) -> list[str]:
   """The subset of `expected_files(root, names, splits)` that does not exist (sorted)."""
   return [p for p in expected_files(root, names, splits) if not os.path.exists(p)]
 
 
-def check_odinw(root: str, names: Optional[Iterable[str]] = None,
-                splits: Sequence[str] = SPLITS) -> None:
+def check_odinw(
+  root: str, names: Iterable[str] | None = None, splits: Sequence[str] = SPLITS
+) -> None:
   """Raise one `DataError` listing every missing json / folder (and the expected layout)."""
   missing = missing_files(root, names, splits)
   if missing:
-    raise DataError(f"ODinW under {root}: {len(missing)} missing path(s):\n  "
-                    + "\n  ".join(missing) + f"\nexpected layout:\n{layout_description(names)}")
+    raise DataError(
+      f"ODinW under {root}: {len(missing)} missing path(s):\n  "
+      + "\n  ".join(missing)
+      + f"\nexpected layout:\n{layout_description(names)}"
+    )
 
 
-def layout_description(names: Optional[Iterable[str]] = None) -> str:
+def layout_description(names: Iterable[str] | None = None) -> str:
   """Human-readable folder tree (relative to the data root) of the given datasets."""
-  lines = ["<root>/  (GLIP ODinW-35 layout; download: "
-           "https://vlpdatasets.blob.core.windows.net/odinw/odinw/odinw_35/<folder>.zip, "
-           "unzip into <root>/odinw/)"]
+  lines = [
+    "<root>/  (GLIP ODinW-35 layout; download: "
+    "https://vlpdatasets.blob.core.windows.net/odinw/odinw/odinw_35/<folder>.zip, "
+    "unzip into <root>/odinw/)"
+  ]
   for n in _names(names):
     spec = odinw_spec(n)
     extra = []
@@ -362,8 +517,7 @@ def layout_description(names: Optional[Iterable[str]] = None) -> str:
       extra.append(f"balanced {spec.subset_size}-image training subset")
     if spec.exclude_category_ids:
       extra.append(f"category ids {list(spec.exclude_category_ids)} excluded")
-    lines.append(f"  {n}: {spec.num_classes} classes" + (f" ({'; '.join(extra)})"
-                                                        if extra else ""))
+    lines.append(f"  {n}: {spec.num_classes} classes" + (f" ({'; '.join(extra)})" if extra else ""))
     for split in SPLITS:
       ann, img = spec.paths(split)
       lines.append(f"    {split:5s} {ann}  (images in {img}/)")

@@ -38,31 +38,53 @@ so all images shared the same negatives; not reproduced).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grain
 import numpy as np
 from PIL import Image
 
 __all__ = [
-    "resize_geometry", "resize_with_pad", "scale_boxes", "xyxy_to_cxcywh", "example_rng",
-    "merge_duplicate_instances", "sample_queries", "preprocess_train_example",
-    "preprocess_eval_example", "padding_eval_example", "stack_examples", "train_map_dataset",
-    "train_dataset", "eval_map_dataset", "eval_dataset", "TRAIN_PAD_VALUE", "EVAL_PAD_VALUE",
-    "class_frequencies", "hflip_example", "sample_crop_region", "crop_example",
-    "random_crop_example", "build_mosaic", "sample_mosaic_size", "shard_options",
-    "MOSAIC_SIZES", "MOSAIC_PROBS",
+  "resize_geometry",
+  "resize_with_pad",
+  "scale_boxes",
+  "xyxy_to_cxcywh",
+  "example_rng",
+  "merge_duplicate_instances",
+  "sample_queries",
+  "preprocess_train_example",
+  "preprocess_eval_example",
+  "padding_eval_example",
+  "stack_examples",
+  "train_map_dataset",
+  "train_dataset",
+  "eval_map_dataset",
+  "eval_dataset",
+  "TRAIN_PAD_VALUE",
+  "EVAL_PAD_VALUE",
+  "class_frequencies",
+  "hflip_example",
+  "sample_crop_region",
+  "crop_example",
+  "random_crop_example",
+  "build_mosaic",
+  "sample_mosaic_size",
+  "shard_options",
+  "MOSAIC_SIZES",
+  "MOSAIC_PROBS",
 ]
 
 TRAIN_PAD_VALUE = 0.5  # SPEC §5 (scenic): padding value of training images.
-EVAL_PAD_VALUE = 0.0   # SPEC §5 (scenic): padding value of evaluation images.
+EVAL_PAD_VALUE = 0.0  # SPEC §5 (scenic): padding value of evaluation images.
 
 
 # ------------------------------------------------------------------------------------------
 # Geometry.
 # ------------------------------------------------------------------------------------------
-def resize_geometry(height: int, width: int, size: int, *,
-                    squash: bool = False) -> Tuple[int, int, float, float]:
+def resize_geometry(
+  height: int, width: int, size: int, *, squash: bool = False
+) -> tuple[int, int, float, float]:
   """Target size of the resized image content and the box scale factors.
 
   Args:
@@ -103,13 +125,20 @@ def _resize_array(image: np.ndarray, new_h: int, new_w: int) -> np.ndarray:
   image = np.asarray(image, np.float32)
   if image.shape[0] == new_h and image.shape[1] == new_w:
     return image.copy()
-  chans = [np.asarray(Image.fromarray(np.ascontiguousarray(image[..., c]), mode="F")
-                      .resize((new_w, new_h), Image.BILINEAR)) for c in range(image.shape[2])]
+  chans = [
+    np.asarray(
+      Image.fromarray(np.ascontiguousarray(image[..., c]), mode="F").resize(
+        (new_w, new_h), Image.BILINEAR
+      )
+    )
+    for c in range(image.shape[2])
+  ]
   return np.stack(chans, axis=-1).astype(np.float32)
 
 
-def resize_with_pad(image: np.ndarray, size: int, pad_value: float, *,
-                    squash: bool = False) -> np.ndarray:
+def resize_with_pad(
+  image: np.ndarray, size: int, pad_value: float, *, squash: bool = False
+) -> np.ndarray:
   """Resize keeping the aspect ratio (long side = S) and pad bottom/right to S x S.
 
   Args:
@@ -141,8 +170,9 @@ def resize_with_pad(image: np.ndarray, size: int, pad_value: float, *,
   return out
 
 
-def scale_boxes(boxes: np.ndarray, height: int, width: int, size: int, *,
-                squash: bool = False) -> np.ndarray:
+def scale_boxes(
+  boxes: np.ndarray, height: int, width: int, size: int, *, squash: bool = False
+) -> np.ndarray:
   """Map xyxy pixel boxes of an H x W image into the padded S x S frame.
 
   Args:
@@ -163,8 +193,15 @@ def scale_boxes(boxes: np.ndarray, height: int, width: int, size: int, *,
 def xyxy_to_cxcywh(boxes: np.ndarray) -> np.ndarray:
   """float [..., 4] (x0, y0, x1, y1) -> float32 [..., 4] (cx, cy, w, h), same units."""
   b = np.asarray(boxes, np.float32)
-  return np.stack([(b[..., 0] + b[..., 2]) / 2, (b[..., 1] + b[..., 3]) / 2,
-                   b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]], axis=-1)
+  return np.stack(
+    [
+      (b[..., 0] + b[..., 2]) / 2,
+      (b[..., 1] + b[..., 3]) / 2,
+      b[..., 2] - b[..., 0],
+      b[..., 3] - b[..., 1],
+    ],
+    axis=-1,
+  )
 
 
 # ------------------------------------------------------------------------------------------
@@ -174,8 +211,8 @@ def xyxy_to_cxcywh(boxes: np.ndarray) -> np.ndarray:
 # optional `negative_labels` (LVIS) and `excluded_labels` (classes whose boxes an augmentation
 # removed: never used as negatives, since parts of them may still be visible).
 # ------------------------------------------------------------------------------------------
-MOSAIC_SIZES = (1, 2, 3)     # SPEC §5 / scenic configs: mosaic_sizes
-MOSAIC_PROBS = (.4, .3, .3)  # SPEC §5 / scenic configs: mosaic_probs
+MOSAIC_SIZES = (1, 2, 3)  # SPEC §5 / scenic configs: mosaic_sizes
+MOSAIC_PROBS = (0.4, 0.3, 0.3)  # SPEC §5 / scenic configs: mosaic_probs
 
 
 def class_frequencies(source) -> np.ndarray:
@@ -195,13 +232,13 @@ def class_frequencies(source) -> np.ndarray:
   return counts
 
 
-def _with(example: Dict[str, Any], **updates) -> Dict[str, Any]:
+def _with(example: dict[str, Any], **updates) -> dict[str, Any]:
   out = dict(example)
   out.update(updates)
   return out
 
 
-def hflip_example(example: Dict[str, Any]) -> Dict[str, Any]:
+def hflip_example(example: dict[str, Any]) -> dict[str, Any]:
   """Mirror the image left-right; boxes map x -> W - x exactly ([x0, y0, x1, y1] ->
   [W - x1, y0, W - x0, y1]). Source: scenic `RandomFlipLeftRight` (applied with p = 0.5)."""
   image = example["image"]
@@ -211,10 +248,15 @@ def hflip_example(example: Dict[str, Any]) -> Dict[str, Any]:
   return _with(example, image=np.ascontiguousarray(image[:, ::-1]), boxes=boxes)
 
 
-def sample_crop_region(height: int, width: int, rng: np.random.Generator, *,
-                       area_range: Tuple[float, float] = (0.3, 1.0),
-                       aspect_ratio_range: Tuple[float, float] = (0.75, 1.33),
-                       max_attempts: int = 100) -> Tuple[int, int, int, int]:
+def sample_crop_region(
+  height: int,
+  width: int,
+  rng: np.random.Generator,
+  *,
+  area_range: tuple[float, float] = (0.3, 1.0),
+  aspect_ratio_range: tuple[float, float] = (0.75, 1.33),
+  max_attempts: int = 100,
+) -> tuple[int, int, int, int]:
   """A random crop window as tf.image.sample_distorted_bounding_box draws it.
 
   Per attempt: area fraction a ~ U(area_range), aspect ratio r = w / h ~ U(aspect_ratio_range),
@@ -238,8 +280,15 @@ def sample_crop_region(height: int, width: int, rng: np.random.Generator, *,
   return 0, 0, height, width
 
 
-def crop_example(example: Dict[str, Any], top: int, left: int, height: int, width: int, *,
-                 min_area_fraction: float = 0.6) -> Dict[str, Any]:
+def crop_example(
+  example: dict[str, Any],
+  top: int,
+  left: int,
+  height: int,
+  width: int,
+  *,
+  min_area_fraction: float = 0.6,
+) -> dict[str, Any]:
   """Crop the window [top, top+height) x [left, left+width) and its boxes.
 
   Boxes are clipped to the window and shifted to its origin; a box is dropped when its area
@@ -253,7 +302,7 @@ def crop_example(example: Dict[str, Any], top: int, left: int, height: int, widt
   Source: scenic `RandomCropBase._drop_degenerate_features` (min_area_fraction 0.6 in the
   OWL-ViT configs; SPEC §5).
   """
-  image = example["image"][top:top + height, left:left + width]
+  image = example["image"][top : top + height, left : left + width]
   boxes = np.asarray(example["boxes"], np.float32).reshape(-1, 4)
   labels = np.asarray(example["labels"], np.int32).reshape(-1)
   area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
@@ -261,34 +310,55 @@ def crop_example(example: Dict[str, Any], top: int, left: int, height: int, widt
   clipped = np.clip(clipped, 0.0, np.array([width, height, width, height], np.float32))
   new_area = (clipped[:, 2] - clipped[:, 0]) * (clipped[:, 3] - clipped[:, 1])
   keep = (new_area > 0) & (new_area >= min_area_fraction * area)
-  excluded = np.union1d(np.asarray(example.get("excluded_labels", []), np.int32),
-                        labels[~keep]).astype(np.int32)
-  return _with(example, image=np.ascontiguousarray(image), boxes=clipped[keep],
-               labels=labels[keep], excluded_labels=excluded)
+  excluded = np.union1d(
+    np.asarray(example.get("excluded_labels", []), np.int32), labels[~keep]
+  ).astype(np.int32)
+  return _with(
+    example,
+    image=np.ascontiguousarray(image),
+    boxes=clipped[keep],
+    labels=labels[keep],
+    excluded_labels=excluded,
+  )
 
 
-def random_crop_example(example: Dict[str, Any], rng: np.random.Generator, *,
-                        area_range: Tuple[float, float] = (0.3, 1.0),
-                        aspect_ratio_range: Tuple[float, float] = (0.75, 1.33),
-                        min_area_fraction: float = 0.6) -> Dict[str, Any]:
+def random_crop_example(
+  example: dict[str, Any],
+  rng: np.random.Generator,
+  *,
+  area_range: tuple[float, float] = (0.3, 1.0),
+  aspect_ratio_range: tuple[float, float] = (0.75, 1.33),
+  min_area_fraction: float = 0.6,
+) -> dict[str, Any]:
   """`crop_example` at a window drawn by `sample_crop_region` (scenic `RandomCrop`)."""
   h, w = example["image"].shape[:2]
-  top, left, ch, cw = sample_crop_region(h, w, rng, area_range=area_range,
-                                         aspect_ratio_range=aspect_ratio_range)
+  top, left, ch, cw = sample_crop_region(
+    h, w, rng, area_range=area_range, aspect_ratio_range=aspect_ratio_range
+  )
   return crop_example(example, top, left, ch, cw, min_area_fraction=min_area_fraction)
 
 
-def sample_mosaic_size(rng: np.random.Generator, sizes: Sequence[int] = MOSAIC_SIZES,
-                       probs: Sequence[float] = MOSAIC_PROBS) -> int:
+def sample_mosaic_size(
+  rng: np.random.Generator,
+  sizes: Sequence[int] = MOSAIC_SIZES,
+  probs: Sequence[float] = MOSAIC_PROBS,
+) -> int:
   """k, the number of tiles per mosaic side, drawn with probabilities `probs` (SPEC §5)."""
   if len(sizes) != len(probs) or not np.isclose(sum(probs), 1.0):
-    raise ValueError(f"mosaic sizes {tuple(sizes)} and probs {tuple(probs)} must have equal "
-                     f"length and probs must sum to 1")
+    raise ValueError(
+      f"mosaic sizes {tuple(sizes)} and probs {tuple(probs)} must have equal "
+      f"length and probs must sum to 1"
+    )
   return int(sizes[int(rng.choice(len(sizes), p=np.asarray(probs, np.float64)))])
 
 
-def _augment(example: Dict[str, Any], rng: np.random.Generator, hflip: bool,
-             random_crop: bool, crop_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+def _augment(
+  example: dict[str, Any],
+  rng: np.random.Generator,
+  hflip: bool,
+  random_crop: bool,
+  crop_kwargs: dict[str, Any],
+) -> dict[str, Any]:
   if hflip and rng.random() < 0.5:
     example = hflip_example(example)
   if random_crop:
@@ -296,11 +366,18 @@ def _augment(example: Dict[str, Any], rng: np.random.Generator, hflip: bool,
   return example
 
 
-def build_mosaic(examples: Sequence[Dict[str, Any]], mosaic_size: int, image_size: int,
-                 rng: Optional[np.random.Generator] = None, *,
-                 pad_value: float = TRAIN_PAD_VALUE, squash: bool = False,
-                 hflip: bool = False, random_crop: bool = False,
-                 crop_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def build_mosaic(
+  examples: Sequence[dict[str, Any]],
+  mosaic_size: int,
+  image_size: int,
+  rng: np.random.Generator | None = None,
+  *,
+  pad_value: float = TRAIN_PAD_VALUE,
+  squash: bool = False,
+  hflip: bool = False,
+  random_crop: bool = False,
+  crop_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
   """Assemble k x k examples into one S x S training image (scenic `CreateMosaic`).
 
   Tile t (row t // k, column t % k) is examples[t], augmented (flip, crop; in that order, with
@@ -340,8 +417,9 @@ def build_mosaic(examples: Sequence[Dict[str, Any]], mosaic_size: int, image_siz
       ex = _augment(ex, rng, hflip, random_crop, crop_kwargs or {})
     r, c = divmod(t, k)
     h, w = ex["image"].shape[:2]
-    out[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] = resize_with_pad(
-        ex["image"], tile, pad_value, squash=squash)
+    out[r * tile : (r + 1) * tile, c * tile : (c + 1) * tile] = resize_with_pad(
+      ex["image"], tile, pad_value, squash=squash
+    )
     b = scale_boxes(ex["boxes"], h, w, tile, squash=squash)
     boxes.append(b + np.array([c, r, c, r], np.float32) * tile)
     labels.append(np.asarray(ex["labels"], np.int32).reshape(-1))
@@ -350,9 +428,13 @@ def build_mosaic(examples: Sequence[Dict[str, Any]], mosaic_size: int, image_siz
       has_negatives = True
       negatives.append(np.asarray(ex["negative_labels"], np.int32))
   labels_all = np.concatenate(labels)
-  result = dict(image=out, boxes=np.concatenate(boxes).astype(np.float32), labels=labels_all,
-                image_id=examples[0]["image_id"],
-                excluded_labels=np.unique(np.concatenate(excluded)).astype(np.int32))
+  result = dict(
+    image=out,
+    boxes=np.concatenate(boxes).astype(np.float32),
+    labels=labels_all,
+    image_id=examples[0]["image_id"],
+    excluded_labels=np.unique(np.concatenate(excluded)).astype(np.int32),
+  )
   if has_negatives:
     neg = np.unique(np.concatenate(negatives))
     present = np.union1d(labels_all, result["excluded_labels"])
@@ -372,14 +454,14 @@ def shard_options(shard: Any = None):
     return None
   if isinstance(shard, str):
     if shard != "jax":
-      raise ValueError(f"shard must be None, 'jax', ShardOptions or (index, count), got "
-                       f"{shard!r}")
+      raise ValueError(f"shard must be None, 'jax', ShardOptions or (index, count), got {shard!r}")
     return grain.sharding.ShardByJaxProcess(drop_remainder=True)
   if isinstance(shard, grain.sharding.ShardOptions):
     return shard
   index, count = shard
-  return grain.sharding.ShardOptions(shard_index=int(index), shard_count=int(count),
-                                     drop_remainder=True)
+  return grain.sharding.ShardOptions(
+    shard_index=int(index), shard_count=int(count), drop_remainder=True
+  )
 
 
 def _apply_shard(ds: grain.MapDataset, shard: Any) -> grain.MapDataset:
@@ -390,7 +472,7 @@ def _apply_shard(ds: grain.MapDataset, shard: Any) -> grain.MapDataset:
     raise ValueError(f"shard_index {opts.shard_index} outside [0, {opts.shard_count})")
   n = len(ds)
   end = (n // opts.shard_count) * opts.shard_count if opts.drop_remainder else n
-  return ds[opts.shard_index:end:opts.shard_count]
+  return ds[opts.shard_index : end : opts.shard_count]
 
 
 # ------------------------------------------------------------------------------------------
@@ -410,9 +492,9 @@ def _pairwise_iou(b: np.ndarray) -> np.ndarray:
   return inter / np.maximum(union, 1e-9)
 
 
-def merge_duplicate_instances(boxes: np.ndarray, labels: np.ndarray,
-                              iou_threshold: Optional[float] = 0.9
-                              ) -> Tuple[np.ndarray, List[List[int]]]:
+def merge_duplicate_instances(
+  boxes: np.ndarray, labels: np.ndarray, iou_threshold: float | None = 0.9
+) -> tuple[np.ndarray, list[list[int]]]:
   """Merge boxes with IoU >= threshold into one multi-label instance (scenic, SPEC §3).
 
   Args:
@@ -429,7 +511,7 @@ def merge_duplicate_instances(boxes: np.ndarray, labels: np.ndarray,
     return boxes, [[int(l)] for l in labels]
   iou = _pairwise_iou(boxes)
   group = -np.ones(len(boxes), np.int64)
-  keep: List[int] = []
+  keep: list[int] = []
   for i in range(len(boxes)):
     if group[i] >= 0:
       continue
@@ -437,16 +519,22 @@ def merge_duplicate_instances(boxes: np.ndarray, labels: np.ndarray,
     members = np.nonzero((iou[i] >= iou_threshold) & (group < 0))[0]
     group[members] = len(keep)
     keep.append(i)
-  label_sets: List[set] = [set() for _ in keep]
+  label_sets: list[set] = [set() for _ in keep]
   for i, g in enumerate(group):
     label_sets[g].add(int(labels[i]))
   return boxes[keep], [sorted(s) for s in label_sets]
 
 
-def sample_queries(positives: Sequence[int], excluded: Sequence[int], num_classes: int,
-                   num_queries: int, num_negatives: int, rng: np.random.Generator,
-                   negative_weights: Optional[np.ndarray] = None,
-                   annotated_negatives: Sequence[int] = ()) -> np.ndarray:
+def sample_queries(
+  positives: Sequence[int],
+  excluded: Sequence[int],
+  num_classes: int,
+  num_queries: int,
+  num_negatives: int,
+  rng: np.random.Generator,
+  negative_weights: np.ndarray | None = None,
+  annotated_negatives: Sequence[int] = (),
+) -> np.ndarray:
   """Query classes of one training image: [-1 (''), positives..., negatives..., -1...].
 
   Args:
@@ -471,7 +559,7 @@ def sample_queries(positives: Sequence[int], excluded: Sequence[int], num_classe
   """
   if num_queries < 1:
     raise ValueError(f"num_queries must be >= 1, got {num_queries}")
-  pos: List[int] = list(dict.fromkeys(int(p) for p in positives))[: num_queries - 1]
+  pos: list[int] = list(dict.fromkeys(int(p) for p in positives))[: num_queries - 1]
   excl = np.zeros(num_classes, bool)
   excl[np.asarray(list(excluded) + pos, np.int64)] = True
   budget = max(0, min(num_negatives, num_queries - 1 - len(pos)))
@@ -497,13 +585,17 @@ def sample_queries(positives: Sequence[int], excluded: Sequence[int], num_classe
   neg = np.concatenate([first, np.asarray(neg, np.int64)])
   n_neg = len(neg)
   qc = np.full((num_queries,), -1, np.int32)
-  qc[1:1 + len(pos)] = pos
-  qc[1 + len(pos):1 + len(pos) + n_neg] = neg
+  qc[1 : 1 + len(pos)] = pos
+  qc[1 + len(pos) : 1 + len(pos) + n_neg] = neg
   return qc
 
 
-def _query_tokens(query_class: np.ndarray, class_tokens: np.ndarray, empty_tokens: np.ndarray,
-                  rng: np.random.Generator) -> np.ndarray:
+def _query_tokens(
+  query_class: np.ndarray,
+  class_tokens: np.ndarray,
+  empty_tokens: np.ndarray,
+  rng: np.random.Generator,
+) -> np.ndarray:
   """int32 [Q, L]; with class_tokens [C, P, L] a prompt variant is drawn per query."""
   q = len(query_class)
   out = np.broadcast_to(np.asarray(empty_tokens, np.int32), (q, empty_tokens.shape[-1])).copy()
@@ -518,29 +610,40 @@ def _query_tokens(query_class: np.ndarray, class_tokens: np.ndarray, empty_token
   return out
 
 
-def _check_tokens(class_tokens: np.ndarray, empty_tokens: np.ndarray) -> Tuple[np.ndarray,
-                                                                               np.ndarray]:
+def _check_tokens(
+  class_tokens: np.ndarray, empty_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
   class_tokens = np.asarray(class_tokens, np.int32)
   empty_tokens = np.asarray(empty_tokens, np.int32).reshape(-1)
   if class_tokens.ndim not in (2, 3) or class_tokens.shape[-1] != empty_tokens.shape[0]:
-    raise ValueError(f"class_tokens must be [C, L] or [C, P, L] with L = len(empty_tokens) "
-                     f"= {empty_tokens.shape[0]}, got {class_tokens.shape}")
+    raise ValueError(
+      f"class_tokens must be [C, L] or [C, P, L] with L = len(empty_tokens) "
+      f"= {empty_tokens.shape[0]}, got {class_tokens.shape}"
+    )
   return class_tokens, empty_tokens
 
 
-def preprocess_train_example(example: Dict[str, Any], *, class_tokens: np.ndarray,
-                             empty_tokens: np.ndarray, image_size: int, num_queries: int,
-                             max_instances: int, num_negatives: int,
-                             rng: np.random.Generator, pad_value: float = TRAIN_PAD_VALUE,
-                             squash: bool = False, merge_iou: Optional[float] = 0.9,
-                             hflip: bool = False,
-                             negative_weights: Optional[np.ndarray] = None,
-                             random_crop: bool = False,
-                             crop_area_range: Tuple[float, float] = (0.3, 1.0),
-                             crop_aspect_ratio_range: Tuple[float, float] = (0.75, 1.33),
-                             crop_min_area_fraction: float = 0.6,
-                             annotated_negatives: bool = True
-                             ) -> Dict[str, np.ndarray]:
+def preprocess_train_example(
+  example: dict[str, Any],
+  *,
+  class_tokens: np.ndarray,
+  empty_tokens: np.ndarray,
+  image_size: int,
+  num_queries: int,
+  max_instances: int,
+  num_negatives: int,
+  rng: np.random.Generator,
+  pad_value: float = TRAIN_PAD_VALUE,
+  squash: bool = False,
+  merge_iou: float | None = 0.9,
+  hflip: bool = False,
+  negative_weights: np.ndarray | None = None,
+  random_crop: bool = False,
+  crop_area_range: tuple[float, float] = (0.3, 1.0),
+  crop_aspect_ratio_range: tuple[float, float] = (0.75, 1.33),
+  crop_min_area_fraction: float = 0.6,
+  annotated_negatives: bool = True,
+) -> dict[str, np.ndarray]:
   """One training example: image resized/padded, queries sampled, targets built.
 
   Args:
@@ -591,26 +694,44 @@ def preprocess_train_example(example: Dict[str, Any], *, class_tokens: np.ndarra
   boxes = np.asarray(example["boxes"], np.float32).reshape(-1, 4)
   labels = np.asarray(example["labels"], np.int64).reshape(-1)
   if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-    raise ValueError(f"image {example.get('image_id')}: labels {labels.tolist()} outside "
-                     f"[0, {num_classes})")
+    raise ValueError(
+      f"image {example.get('image_id')}: labels {labels.tolist()} outside [0, {num_classes})"
+    )
   if hflip or random_crop:
-    example = _augment(_with(example, boxes=boxes, labels=labels), rng, hflip, random_crop,
-                       dict(area_range=crop_area_range,
-                            aspect_ratio_range=crop_aspect_ratio_range,
-                            min_area_fraction=crop_min_area_fraction))
+    example = _augment(
+      _with(example, boxes=boxes, labels=labels),
+      rng,
+      hflip,
+      random_crop,
+      dict(
+        area_range=crop_area_range,
+        aspect_ratio_range=crop_aspect_ratio_range,
+        min_area_fraction=crop_min_area_fraction,
+      ),
+    )
     image = example["image"]
     h, w = int(image.shape[0]), int(image.shape[1])
     boxes = np.asarray(example["boxes"], np.float32).reshape(-1, 4)
     labels = np.asarray(example["labels"], np.int64).reshape(-1)
 
   inst_boxes, inst_labels = merge_duplicate_instances(boxes, labels, merge_iou)
-  present = sorted({int(l) for l in labels}
-                   | {int(l) for l in np.asarray(example.get("excluded_labels", [])).ravel()})
+  present = sorted(
+    {int(l) for l in labels}
+    | {int(l) for l in np.asarray(example.get("excluded_labels", [])).ravel()}
+  )
   inst_boxes, inst_labels = inst_boxes[:max_instances], inst_labels[:max_instances]
   positives = sorted({l for ls in inst_labels for l in ls})
   given_negatives = example.get("negative_labels", ()) if annotated_negatives else ()
-  query_class = sample_queries(positives, present, num_classes, num_queries, num_negatives, rng,
-                               negative_weights, given_negatives)
+  query_class = sample_queries(
+    positives,
+    present,
+    num_classes,
+    num_queries,
+    num_negatives,
+    rng,
+    negative_weights,
+    given_negatives,
+  )
   col = {int(c): j for j, c in enumerate(query_class) if c >= 0}
 
   out_labels = np.zeros((max_instances, num_queries), np.float32)
@@ -627,20 +748,24 @@ def preprocess_train_example(example: Dict[str, Any], *, class_tokens: np.ndarra
   out_labels[m:, 0] = 1.0
 
   return dict(
-      images=resize_with_pad(image, image_size, pad_value, squash=squash),
-      queries=_query_tokens(query_class, class_tokens, empty_tokens, rng),
-      labels=out_labels,
-      boxes=out_boxes,
-      query_class=query_class,
-      image_id=np.int64(example["image_id"]),
-      orig_size=np.array([h, w], np.int32),
-      example_mask=np.bool_(True),
+    images=resize_with_pad(image, image_size, pad_value, squash=squash),
+    queries=_query_tokens(query_class, class_tokens, empty_tokens, rng),
+    labels=out_labels,
+    boxes=out_boxes,
+    query_class=query_class,
+    image_id=np.int64(example["image_id"]),
+    orig_size=np.array([h, w], np.int32),
+    example_mask=np.bool_(True),
   )
 
 
-def preprocess_eval_example(example: Dict[str, Any], *, image_size: int,
-                            pad_value: float = EVAL_PAD_VALUE,
-                            squash: bool = False) -> Dict[str, np.ndarray]:
+def preprocess_eval_example(
+  example: dict[str, Any],
+  *,
+  image_size: int,
+  pad_value: float = EVAL_PAD_VALUE,
+  squash: bool = False,
+) -> dict[str, np.ndarray]:
   """One evaluation example.
 
   Args:
@@ -654,22 +779,28 @@ def preprocess_eval_example(example: Dict[str, Any], *, image_size: int,
   Source: SPEC §4-§5.
   """
   image = example["image"]
-  return dict(images=resize_with_pad(image, image_size, pad_value, squash=squash),
-              image_id=np.int64(example["image_id"]),
-              orig_size=np.array(image.shape[:2], np.int32),
-              example_mask=np.bool_(True))
+  return dict(
+    images=resize_with_pad(image, image_size, pad_value, squash=squash),
+    image_id=np.int64(example["image_id"]),
+    orig_size=np.array(image.shape[:2], np.int32),
+    example_mask=np.bool_(True),
+  )
 
 
-def padding_eval_example(image_size: int, pad_value: float = EVAL_PAD_VALUE
-                         ) -> Dict[str, np.ndarray]:
+def padding_eval_example(
+  image_size: int, pad_value: float = EVAL_PAD_VALUE
+) -> dict[str, np.ndarray]:
   """A padding example for the last evaluation batch: images filled with `pad_value`,
   image_id -1, orig_size (0, 0), example_mask False (shapes as `preprocess_eval_example`)."""
-  return dict(images=np.full((image_size, image_size, 3), pad_value, np.float32),
-              image_id=np.int64(-1), orig_size=np.zeros((2,), np.int32),
-              example_mask=np.bool_(False))
+  return dict(
+    images=np.full((image_size, image_size, 3), pad_value, np.float32),
+    image_id=np.int64(-1),
+    orig_size=np.zeros((2,), np.int32),
+    example_mask=np.bool_(False),
+  )
 
 
-def stack_examples(examples: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+def stack_examples(examples: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   """Stack per-example dicts into a batch dict (adds the leading B axis, keeps dtypes)."""
   return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
@@ -678,14 +809,13 @@ def stack_examples(examples: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.nd
 # grain datasets. Transforms are module-level classes so they pickle to grain workers.
 # ------------------------------------------------------------------------------------------
 class _TrainTransform:
-
-  def __init__(self, source, perm: np.ndarray, seed: int, epoch: int, kwargs: Dict[str, Any]):
+  def __init__(self, source, perm: np.ndarray, seed: int, epoch: int, kwargs: dict[str, Any]):
     kwargs = dict(kwargs)
     self.mosaic_sizes = kwargs.pop("mosaic_sizes", None)
     self.mosaic_probs = kwargs.pop("mosaic_probs", MOSAIC_PROBS)
     self.source, self.perm, self.seed, self.epoch, self.kwargs = source, perm, seed, epoch, kwargs
 
-  def __call__(self, position: int) -> Dict[str, np.ndarray]:
+  def __call__(self, position: int) -> dict[str, np.ndarray]:
     index = int(self.perm[position])
     rng = example_rng(self.seed, self.epoch, index)
     if self.mosaic_sizes is None:
@@ -696,41 +826,64 @@ class _TrainTransform:
     others = rng.integers(0, len(self.source), size=k * k - 1)
     kw = self.kwargs
     mosaic = build_mosaic(
-        [self.source[index]] + [self.source[int(j)] for j in others], k, kw["image_size"], rng,
-        pad_value=kw.get("pad_value", TRAIN_PAD_VALUE), squash=kw.get("squash", False),
-        hflip=kw.get("hflip", False), random_crop=kw.get("random_crop", False),
-        crop_kwargs=dict(
-            area_range=kw.get("crop_area_range", (0.3, 1.0)),
-            aspect_ratio_range=kw.get("crop_aspect_ratio_range", (0.75, 1.33)),
-            min_area_fraction=kw.get("crop_min_area_fraction", 0.6)))
+      [self.source[index]] + [self.source[int(j)] for j in others],
+      k,
+      kw["image_size"],
+      rng,
+      pad_value=kw.get("pad_value", TRAIN_PAD_VALUE),
+      squash=kw.get("squash", False),
+      hflip=kw.get("hflip", False),
+      random_crop=kw.get("random_crop", False),
+      crop_kwargs=dict(
+        area_range=kw.get("crop_area_range", (0.3, 1.0)),
+        aspect_ratio_range=kw.get("crop_aspect_ratio_range", (0.75, 1.33)),
+        min_area_fraction=kw.get("crop_min_area_fraction", 0.6),
+      ),
+    )
     return preprocess_train_example(mosaic, rng=rng, **dict(kw, hflip=False, random_crop=False))
 
 
 class _EvalTransform:
-
-  def __init__(self, source, image_size: int, pad_value: float, squash: bool,
-               num_images: Optional[int] = None):
-    self.source, self.image_size, self.pad_value, self.squash = (source, image_size, pad_value,
-                                                                 squash)
+  def __init__(
+    self, source, image_size: int, pad_value: float, squash: bool, num_images: int | None = None
+  ):
+    self.source, self.image_size, self.pad_value, self.squash = (
+      source,
+      image_size,
+      pad_value,
+      squash,
+    )
     self.num_images = len(source) if num_images is None else num_images
 
-  def __call__(self, index: int) -> Dict[str, np.ndarray]:
+  def __call__(self, index: int) -> dict[str, np.ndarray]:
     if index >= self.num_images:
       return padding_eval_example(self.image_size, self.pad_value)
-    return preprocess_eval_example(self.source[index], image_size=self.image_size,
-                                   pad_value=self.pad_value, squash=self.squash)
+    return preprocess_eval_example(
+      self.source[index], image_size=self.image_size, pad_value=self.pad_value, squash=self.squash
+    )
 
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   """int64 [N] the order of source indices in `epoch` (a pure function of seed and epoch)."""
-  return np.random.default_rng(
-      np.random.SeedSequence([int(seed), int(epoch), 0x5EED])).permutation(num_examples)
+  return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), 0x5EED])).permutation(
+    num_examples
+  )
 
 
-def train_map_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
-                      image_size: int, num_queries: int, max_instances: int,
-                      num_negatives: int, seed: int, epoch: int, shard: Any = None,
-                      **options) -> grain.MapDataset:
+def train_map_dataset(
+  source,
+  *,
+  class_tokens: np.ndarray,
+  empty_tokens: np.ndarray,
+  image_size: int,
+  num_queries: int,
+  max_instances: int,
+  num_negatives: int,
+  seed: int,
+  epoch: int,
+  shard: Any = None,
+  **options,
+) -> grain.MapDataset:
   """Unbatched training `grain.MapDataset` of one epoch (length N, shuffled).
 
   Position p holds `preprocess_train_example(source[perm[p]], rng=example_rng(seed, epoch,
@@ -751,22 +904,35 @@ def train_map_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndar
   Source: SPEC §3, §5; scenic owl_vit input pipeline (mosaics, host sharding).
   """
   class_tokens, empty_tokens = _check_tokens(class_tokens, empty_tokens)
-  kwargs = dict(class_tokens=class_tokens, empty_tokens=empty_tokens, image_size=image_size,
-                num_queries=num_queries, max_instances=max_instances,
-                num_negatives=num_negatives, **options)
+  kwargs = dict(
+    class_tokens=class_tokens,
+    empty_tokens=empty_tokens,
+    image_size=image_size,
+    num_queries=num_queries,
+    max_instances=max_instances,
+    num_negatives=num_negatives,
+    **options,
+  )
   perm = epoch_permutation(len(source), seed, epoch)
   ds = grain.MapDataset.range(len(source))
   return _apply_shard(ds, shard).map(_TrainTransform(source, perm, seed, epoch, kwargs))
 
 
-def _to_batches(ds: grain.MapDataset, batch_size: int, drop_remainder: bool, num_workers: int,
-                num_threads: int, prefetch: int) -> Iterator[Dict[str, np.ndarray]]:
+def _to_batches(
+  ds: grain.MapDataset,
+  batch_size: int,
+  drop_remainder: bool,
+  num_workers: int,
+  num_threads: int,
+  prefetch: int,
+) -> Iterator[dict[str, np.ndarray]]:
   read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
   it = ds.to_iter_dataset(read)
   if num_workers > 0:
     # grain's worker code reads absl flags; outside an absl app they are unparsed and reading
     # them raises, so mark them parsed (their defaults are used). No effect inside an app.
     from absl import flags
+
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
     # Workers decode and preprocess single examples (worker w takes elements w, w + n, ...;
@@ -778,11 +944,24 @@ def _to_batches(ds: grain.MapDataset, batch_size: int, drop_remainder: bool, num
   return iter(it)
 
 
-def train_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
-                  image_size: int, num_queries: int, max_instances: int, num_negatives: int,
-                  batch_size: int, seed: int, epoch: int, num_workers: int = 0,
-                  num_threads: int = 2, prefetch: int = 64, shard: Any = None,
-                  **options) -> Iterator[Dict[str, np.ndarray]]:
+def train_dataset(
+  source,
+  *,
+  class_tokens: np.ndarray,
+  empty_tokens: np.ndarray,
+  image_size: int,
+  num_queries: int,
+  max_instances: int,
+  num_negatives: int,
+  batch_size: int,
+  seed: int,
+  epoch: int,
+  num_workers: int = 0,
+  num_threads: int = 2,
+  prefetch: int = 64,
+  shard: Any = None,
+  **options,
+) -> Iterator[dict[str, np.ndarray]]:
   """Iterator over the training batches of one epoch.
 
   Args:
@@ -812,28 +991,52 @@ def train_dataset(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
 
   Source: SPEC §3, §5.
   """
-  ds = train_map_dataset(source, class_tokens=class_tokens, empty_tokens=empty_tokens,
-                         image_size=image_size, num_queries=num_queries,
-                         max_instances=max_instances, num_negatives=num_negatives, seed=seed,
-                         epoch=epoch, shard=shard, **options)
+  ds = train_map_dataset(
+    source,
+    class_tokens=class_tokens,
+    empty_tokens=empty_tokens,
+    image_size=image_size,
+    num_queries=num_queries,
+    max_instances=max_instances,
+    num_negatives=num_negatives,
+    seed=seed,
+    epoch=epoch,
+    shard=shard,
+    **options,
+  )
   return _to_batches(ds, batch_size, True, num_workers, num_threads, prefetch)
 
 
-def eval_map_dataset(source, *, image_size: int, batch_size: int,
-                     pad_value: float = EVAL_PAD_VALUE, squash: bool = False,
-                     max_images: Optional[int] = None) -> grain.MapDataset:
+def eval_map_dataset(
+  source,
+  *,
+  image_size: int,
+  batch_size: int,
+  pad_value: float = EVAL_PAD_VALUE,
+  squash: bool = False,
+  max_images: int | None = None,
+) -> grain.MapDataset:
   """Unbatched evaluation `grain.MapDataset` in source order (the first `max_images` images
   when given), padded with `padding_eval_example` up to a multiple of `batch_size`."""
   n = len(source) if max_images is None else min(len(source), int(max_images))
   n_padded = -(-n // batch_size) * batch_size
-  return grain.MapDataset.range(n_padded).map(_EvalTransform(source, image_size, pad_value,
-                                                             squash, n))
+  return grain.MapDataset.range(n_padded).map(
+    _EvalTransform(source, image_size, pad_value, squash, n)
+  )
 
 
-def eval_dataset(source, *, image_size: int, batch_size: int, num_workers: int = 0,
-                 num_threads: int = 2, prefetch: int = 64, pad_value: float = EVAL_PAD_VALUE,
-                 squash: bool = False, max_images: Optional[int] = None
-                 ) -> Iterator[Dict[str, np.ndarray]]:
+def eval_dataset(
+  source,
+  *,
+  image_size: int,
+  batch_size: int,
+  num_workers: int = 0,
+  num_threads: int = 2,
+  prefetch: int = 64,
+  pad_value: float = EVAL_PAD_VALUE,
+  squash: bool = False,
+  max_images: int | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
   """Iterator over evaluation batches, in source order, every image exactly once.
 
   Args:
@@ -848,6 +1051,12 @@ def eval_dataset(source, *, image_size: int, batch_size: int, num_workers: int =
 
   Source: SPEC §4-§5.
   """
-  ds = eval_map_dataset(source, image_size=image_size, batch_size=batch_size,
-                        pad_value=pad_value, squash=squash, max_images=max_images)
+  ds = eval_map_dataset(
+    source,
+    image_size=image_size,
+    batch_size=batch_size,
+    pad_value=pad_value,
+    squash=squash,
+    max_images=max_images,
+  )
   return _to_batches(ds, batch_size, False, num_workers, num_threads, prefetch)

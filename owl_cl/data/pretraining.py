@@ -56,22 +56,35 @@ Source: SPEC §3, §4, §6; scenic owl_vit `preprocessing/label_ops.py`; release
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 import functools
 import json
 import os
 import re
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
-from owl_cl.data.coco import CocoSource, DataError
+from owl_cl.data.coco import CocoSource
+from owl_cl.data.coco import DataError
 from owl_cl.model.tokenizer import canonicalize_label
 
 __all__ = [
-    "forbidden_label_names", "forbidden_key", "is_forbidden", "forbidden_category_ids",
-    "objects365_paths", "objects365_relative_path", "objects365_source", "lvis_paths",
-    "coco_url_relative_path", "lvis_source", "lvis_frequency_groups", "visual_genome_paths",
-    "visual_genome_to_coco", "visual_genome_source", "pretraining_expected_files",
+  "forbidden_label_names",
+  "forbidden_key",
+  "is_forbidden",
+  "forbidden_category_ids",
+  "objects365_paths",
+  "objects365_relative_path",
+  "objects365_source",
+  "lvis_paths",
+  "coco_url_relative_path",
+  "lvis_source",
+  "lvis_frequency_groups",
+  "visual_genome_paths",
+  "visual_genome_to_coco",
+  "visual_genome_source",
+  "pretraining_expected_files",
 ]
 
 _FORBIDDEN_FILE = os.path.join(os.path.dirname(__file__), "forbidden_labels.json")
@@ -81,7 +94,7 @@ _FORBIDDEN_FILE = os.path.join(os.path.dirname(__file__), "forbidden_labels.json
 # Forbidden labels (scenic).
 # ------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
-def forbidden_label_names() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+def forbidden_label_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
   """(LVIS-rare class names [337], O365/VG near matches [275]) as stored by scenic."""
   with open(_FORBIDDEN_FILE) as f:
     data = json.load(f)
@@ -96,12 +109,12 @@ def forbidden_key(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _forbidden_keys() -> FrozenSet[str]:
+def _forbidden_keys() -> frozenset[str]:
   rare, near = forbidden_label_names()
   return frozenset(forbidden_key(n) for n in rare + near)
 
 
-def is_forbidden(name: str, forbidden: Optional[Iterable[str]] = None) -> bool:
+def is_forbidden(name: str, forbidden: Iterable[str] | None = None) -> bool:
   """Whether label `name` matches a forbidden label (default: scenic's two lists).
 
   Source: scenic owl_vit `label_ops._is_forbidden_label`.
@@ -110,8 +123,9 @@ def is_forbidden(name: str, forbidden: Optional[Iterable[str]] = None) -> bool:
   return forbidden_key(name) in keys
 
 
-def forbidden_category_ids(categories: Sequence[Dict[str, Any]],
-                           forbidden: Optional[Iterable[str]] = None) -> List[int]:
+def forbidden_category_ids(
+  categories: Sequence[dict[str, Any]], forbidden: Iterable[str] | None = None
+) -> list[int]:
   """Ids of the COCO `categories` entries whose `name` is forbidden (input order)."""
   keys = _forbidden_keys() if forbidden is None else {forbidden_key(n) for n in forbidden}
   return [c["id"] for c in categories if forbidden_key(str(c["name"])) in keys]
@@ -137,15 +151,17 @@ def _last_components(path: str, n: int = 2) -> str:
 # ------------------------------------------------------------------------------------------
 # Objects365.
 # ------------------------------------------------------------------------------------------
-def objects365_paths(root: str, split: str) -> Tuple[str, str]:
+def objects365_paths(root: str, split: str) -> tuple[str, str]:
   """(annotation json, image folder) of Objects365 v2 `split` ('train' | 'val') under `root`."""
   if split not in ("train", "val"):
     raise ValueError(f"Objects365 split must be 'train' or 'val', got {split!r}")
-  return (os.path.join(root, "objects365", "annotations", f"zhiyuan_objv2_{split}.json"),
-          os.path.join(root, "objects365", split))
+  return (
+    os.path.join(root, "objects365", "annotations", f"zhiyuan_objv2_{split}.json"),
+    os.path.join(root, "objects365", split),
+  )
 
 
-def objects365_relative_path(image: Dict[str, Any]) -> str:
+def objects365_relative_path(image: dict[str, Any]) -> str:
   """Image path relative to the split folder: the last two components of `file_name`
   ('images/v1/patch8/objects365_v1_00420917.jpg' -> 'patch8/objects365_v1_00420917.jpg').
 
@@ -155,11 +171,16 @@ def objects365_relative_path(image: Dict[str, Any]) -> str:
   return _last_components(image["file_name"])
 
 
-def objects365_source(root: Optional[str] = None, split: str = "train", *,
-                      remove_forbidden: Optional[bool] = None,
-                      forbidden: Optional[Iterable[str]] = None,
-                      annotation_file: Optional[str] = None, image_dir: Optional[str] = None,
-                      **coco_options) -> CocoSource:
+def objects365_source(
+  root: str | None = None,
+  split: str = "train",
+  *,
+  remove_forbidden: bool | None = None,
+  forbidden: Iterable[str] | None = None,
+  annotation_file: str | None = None,
+  image_dir: str | None = None,
+  **coco_options,
+) -> CocoSource:
   """Objects365 v2 `split` as a `CocoSource`.
 
   Args:
@@ -191,25 +212,33 @@ def objects365_source(root: Optional[str] = None, split: str = "train", *,
   if remove_forbidden:
     for i, c in enumerate(data["categories"]):
       if not isinstance(c, dict) or "name" not in c or "id" not in c:
-        raise DataError(f"{annotation_file}: categories[{i}] is missing required field "
-                        f"'id' or 'name' (entry: {c!r})")
+        raise DataError(
+          f"{annotation_file}: categories[{i}] is missing required field "
+          f"'id' or 'name' (entry: {c!r})"
+        )
     exclude = forbidden_category_ids(data["categories"], forbidden)
-  return CocoSource(annotation_file, image_dir, f"objects365/{split}", dataset=data,
-                    exclude_category_ids=exclude, file_name_fn=objects365_relative_path,
-                    **coco_options)
+  return CocoSource(
+    annotation_file,
+    image_dir,
+    f"objects365/{split}",
+    dataset=data,
+    exclude_category_ids=exclude,
+    file_name_fn=objects365_relative_path,
+    **coco_options,
+  )
 
 
 # ------------------------------------------------------------------------------------------
 # LVIS.
 # ------------------------------------------------------------------------------------------
-def lvis_paths(root: str, split: str) -> Tuple[str, str]:
+def lvis_paths(root: str, split: str) -> tuple[str, str]:
   """(annotation json, COCO image root) of LVIS v1 `split` ('train' | 'val') under `root`."""
   if split not in ("train", "val"):
     raise ValueError(f"LVIS split must be 'train' or 'val', got {split!r}")
   return os.path.join(root, "lvis", f"lvis_v1_{split}.json"), os.path.join(root, "coco")
 
 
-def coco_url_relative_path(image: Dict[str, Any]) -> str:
+def coco_url_relative_path(image: dict[str, Any]) -> str:
   """'http://images.cocodataset.org/val2017/000000397133.jpg' -> 'val2017/000000397133.jpg'.
 
   Raises:
@@ -221,9 +250,14 @@ def coco_url_relative_path(image: Dict[str, Any]) -> str:
 _FREQUENCIES = ("r", "c", "f")
 
 
-def lvis_source(root: Optional[str] = None, split: str = "val", *,
-                annotation_file: Optional[str] = None, image_dir: Optional[str] = None,
-                **coco_options) -> CocoSource:
+def lvis_source(
+  root: str | None = None,
+  split: str = "val",
+  *,
+  annotation_file: str | None = None,
+  image_dir: str | None = None,
+  **coco_options,
+) -> CocoSource:
   """LVIS v1 `split` as a federated `CocoSource` (see the module docstring).
 
   Raises:
@@ -239,21 +273,28 @@ def lvis_source(root: Optional[str] = None, split: str = "val", *,
   data = _read_json(annotation_file, f"LVIS {split}")
   for i, im in enumerate(data.get("images", []) if isinstance(data, dict) else []):
     if isinstance(im, dict) and "coco_url" not in im and "file_name" not in im:
-      raise DataError(f"{annotation_file}: images[{i}] (id {im.get('id')}) has neither "
-                      f"'coco_url' nor 'file_name'")
-  source = CocoSource(annotation_file, image_dir, f"lvis/{split}", dataset=data,
-                      file_name_fn=_lvis_file_name, **coco_options)
+      raise DataError(
+        f"{annotation_file}: images[{i}] (id {im.get('id')}) has neither 'coco_url' nor 'file_name'"
+      )
+  source = CocoSource(
+    annotation_file,
+    image_dir,
+    f"lvis/{split}",
+    dataset=data,
+    file_name_fn=_lvis_file_name,
+    **coco_options,
+  )
   lvis_frequency_groups(source)  # validates 'frequency'
   return source
 
 
-def _lvis_file_name(image: Dict[str, Any]) -> str:
+def _lvis_file_name(image: dict[str, Any]) -> str:
   if "coco_url" in image:
     return coco_url_relative_path(image)
   return image["file_name"]
 
 
-def lvis_frequency_groups(source: CocoSource) -> Dict[str, np.ndarray]:
+def lvis_frequency_groups(source: CocoSource) -> dict[str, np.ndarray]:
   """Contiguous class indices of each LVIS frequency group.
 
   Returns:
@@ -263,12 +304,14 @@ def lvis_frequency_groups(source: CocoSource) -> Dict[str, np.ndarray]:
   Raises:
     DataError: a category without `frequency` or with a value outside ('r', 'c', 'f').
   """
-  groups: Dict[str, List[int]] = {f: [] for f in _FREQUENCIES}
+  groups: dict[str, list[int]] = {f: [] for f in _FREQUENCIES}
   for i, c in enumerate(source.category_entries):
     f = c.get("frequency")
     if f not in groups:
-      raise DataError(f"{source.annotation_file}: category id {c.get('id')} ({c.get('name')!r})"
-                      f" field 'frequency' has value {f!r}, expected one of 'r', 'c', 'f'")
+      raise DataError(
+        f"{source.annotation_file}: category id {c.get('id')} ({c.get('name')!r})"
+        f" field 'frequency' has value {f!r}, expected one of 'r', 'c', 'f'"
+      )
     groups[f].append(i)
   return {f: np.asarray(v, np.int32) for f, v in groups.items()}
 
@@ -276,24 +319,30 @@ def lvis_frequency_groups(source: CocoSource) -> Dict[str, np.ndarray]:
 # ------------------------------------------------------------------------------------------
 # Visual Genome.
 # ------------------------------------------------------------------------------------------
-def visual_genome_paths(root: str) -> Dict[str, str]:
+def visual_genome_paths(root: str) -> dict[str, str]:
   """dict(objects_file, image_data_file, image_dir) of Visual Genome v1.4 under `root`."""
   base = os.path.join(root, "visual_genome")
-  return dict(objects_file=os.path.join(base, "objects.json"),
-              image_data_file=os.path.join(base, "image_data.json"), image_dir=base)
+  return dict(
+    objects_file=os.path.join(base, "objects.json"),
+    image_data_file=os.path.join(base, "image_data.json"),
+    image_dir=base,
+  )
 
 
 def _vg_name(name: Any) -> str:
   return " ".join(str(name).split()).lower()
 
 
-def visual_genome_to_coco(objects: Sequence[Dict[str, Any]],
-                          image_data: Sequence[Dict[str, Any]], *,
-                          remove_forbidden: bool = True,
-                          forbidden: Optional[Iterable[str]] = None,
-                          image_ids: Optional[Iterable[int]] = None,
-                          objects_file: str = "objects.json",
-                          image_data_file: str = "image_data.json") -> Dict[str, Any]:
+def visual_genome_to_coco(
+  objects: Sequence[dict[str, Any]],
+  image_data: Sequence[dict[str, Any]],
+  *,
+  remove_forbidden: bool = True,
+  forbidden: Iterable[str] | None = None,
+  image_ids: Iterable[int] | None = None,
+  objects_file: str = "objects.json",
+  image_data_file: str = "image_data.json",
+) -> dict[str, Any]:
   """Visual Genome v1.4 `objects.json` + `image_data.json` -> a COCO dict (module docstring).
 
   Args:
@@ -317,21 +366,24 @@ def visual_genome_to_coco(objects: Sequence[Dict[str, Any]],
   if remove_forbidden:
     keys = _forbidden_keys() if forbidden is None else {forbidden_key(n) for n in forbidden}
   keep = None if image_ids is None else set(int(i) for i in image_ids)
-  images: Dict[int, Dict[str, Any]] = {}
+  images: dict[int, dict[str, Any]] = {}
   for i, im in enumerate(image_data):
     iid = im.get("image_id", im.get("id")) if isinstance(im, dict) else None
     if iid is None or "width" not in im or "height" not in im or "url" not in im:
-      raise DataError(f"{image_data_file}: entry [{i}] needs 'image_id', 'width', 'height' and "
-                      f"'url' (entry: {json.dumps(im, default=str)[:160]})")
+      raise DataError(
+        f"{image_data_file}: entry [{i}] needs 'image_id', 'width', 'height' and "
+        f"'url' (entry: {json.dumps(im, default=str)[:160]})"
+      )
     if keep is not None and iid not in keep:
       continue
     try:
       file_name = _last_components(im["url"])
     except ValueError as e:
-      raise DataError(f"{image_data_file}: entry [{i}] (image_id {iid}) field 'url' has value "
-                      f"{im['url']!r}: {e}") from e
+      raise DataError(
+        f"{image_data_file}: entry [{i}] (image_id {iid}) field 'url' has value {im['url']!r}: {e}"
+      ) from e
     images[iid] = dict(id=iid, file_name=file_name, height=im["height"], width=im["width"])
-  pairs: List[Tuple[int, List[float], str]] = []
+  pairs: list[tuple[int, list[float], str]] = []
   names = set()
   for i, entry in enumerate(objects):
     iid = entry.get("image_id", entry.get("id")) if isinstance(entry, dict) else None
@@ -340,12 +392,16 @@ def visual_genome_to_coco(objects: Sequence[Dict[str, Any]],
     if keep is not None and iid not in keep:
       continue
     if iid not in images:
-      raise DataError(f"{objects_file}: entry [{i}] field 'image_id' has value {iid!r}, which "
-                      f"is not in {image_data_file}")
+      raise DataError(
+        f"{objects_file}: entry [{i}] field 'image_id' has value {iid!r}, which "
+        f"is not in {image_data_file}"
+      )
     for j, o in enumerate(entry["objects"]):
       if not all(k in o for k in ("x", "y", "w", "h", "names")):
-        raise DataError(f"{objects_file}: entry [{i}] (image_id {iid}) objects[{j}] needs "
-                        f"'x', 'y', 'w', 'h', 'names' (object: {json.dumps(o)[:160]})")
+        raise DataError(
+          f"{objects_file}: entry [{i}] (image_id {iid}) objects[{j}] needs "
+          f"'x', 'y', 'w', 'h', 'names' (object: {json.dumps(o)[:160]})"
+        )
       obj_names = [_vg_name(n) for n in o["names"]]
       obj_names = [n for n in dict.fromkeys(obj_names) if n]
       if keys is not None and any(forbidden_key(n) in keys for n in obj_names):
@@ -355,19 +411,28 @@ def visual_genome_to_coco(objects: Sequence[Dict[str, Any]],
         pairs.append((iid, box, n))
         names.add(n)
   cat_ids = {n: k for k, n in enumerate(sorted(names), start=1)}
-  annotations = [dict(id=k, image_id=iid, category_id=cat_ids[n], bbox=box,
-                      area=box[2] * box[3], iscrowd=0)
-                 for k, (iid, box, n) in enumerate(pairs, start=1)]
-  return dict(images=[images[i] for i in sorted(images)], annotations=annotations,
-              categories=[dict(id=k, name=n) for n, k in cat_ids.items()])
+  annotations = [
+    dict(id=k, image_id=iid, category_id=cat_ids[n], bbox=box, area=box[2] * box[3], iscrowd=0)
+    for k, (iid, box, n) in enumerate(pairs, start=1)
+  ]
+  return dict(
+    images=[images[i] for i in sorted(images)],
+    annotations=annotations,
+    categories=[dict(id=k, name=n) for n, k in cat_ids.items()],
+  )
 
 
-def visual_genome_source(root: Optional[str] = None, *, objects_file: Optional[str] = None,
-                         image_data_file: Optional[str] = None, image_dir: Optional[str] = None,
-                         remove_forbidden: bool = True,
-                         forbidden: Optional[Iterable[str]] = None,
-                         image_ids: Optional[Iterable[int]] = None,
-                         **coco_options) -> CocoSource:
+def visual_genome_source(
+  root: str | None = None,
+  *,
+  objects_file: str | None = None,
+  image_data_file: str | None = None,
+  image_dir: str | None = None,
+  remove_forbidden: bool = True,
+  forbidden: Iterable[str] | None = None,
+  image_ids: Iterable[int] | None = None,
+  **coco_options,
+) -> CocoSource:
   """Visual Genome as a `CocoSource` (replay-buffer candidate; conversion in
   `visual_genome_to_coco`). Boxes outside the image by more than `box_tolerance` raise unless
   `on_invalid='skip'` (VG has a few such boxes: pass on_invalid='skip' for the real data).
@@ -381,19 +446,26 @@ def visual_genome_source(root: Optional[str] = None, *, objects_file: Optional[s
   image_dir = image_dir or paths.get("image_dir")
   if not (objects_file and image_data_file and image_dir):
     raise ValueError("give root, or objects_file, image_data_file and image_dir")
-  data = visual_genome_to_coco(_read_json(objects_file, "Visual Genome objects"),
-                               _read_json(image_data_file, "Visual Genome image data"),
-                               remove_forbidden=remove_forbidden, forbidden=forbidden,
-                               image_ids=image_ids, objects_file=objects_file,
-                               image_data_file=image_data_file)
+  data = visual_genome_to_coco(
+    _read_json(objects_file, "Visual Genome objects"),
+    _read_json(image_data_file, "Visual Genome image data"),
+    remove_forbidden=remove_forbidden,
+    forbidden=forbidden,
+    image_ids=image_ids,
+    objects_file=objects_file,
+    image_data_file=image_data_file,
+  )
   return CocoSource(objects_file, image_dir, "visual_genome", dataset=data, **coco_options)
 
 
-def pretraining_expected_files(root: str) -> Dict[str, List[str]]:
+def pretraining_expected_files(root: str) -> dict[str, list[str]]:
   """The json files and image folders of each dataset: dict name -> list of paths."""
   o365 = [p for s in ("train", "val") for p in objects365_paths(root, s)]
   lvis = [lvis_paths(root, s)[0] for s in ("train", "val")]
   lvis += [os.path.join(root, "coco", f) for f in ("train2017", "val2017")]
   vg = visual_genome_paths(root)
-  return dict(objects365=sorted(set(o365)), lvis=lvis,
-              visual_genome=[vg["objects_file"], vg["image_data_file"], vg["image_dir"]])
+  return dict(
+    objects365=sorted(set(o365)),
+    lvis=lvis,
+    visual_genome=[vg["objects_file"], vg["image_data_file"], vg["image_dir"]],
+  )

@@ -23,115 +23,121 @@ notebook ``Prompt_Engineering_for_ImageNet.ipynb``.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
 from owl_cl.model.tokenizer import canonicalize_label
 
 __all__ = [
-    "CLIP_IMAGENET_TEMPLATES", "EVAL_TEMPLATE_SETS", "OWL_VIT_EVAL_TEMPLATES",
-    "TRAIN_TEMPLATE_SETS", "TRAINING_TEMPLATES", "eval_templates", "prompt_texts",
-    "prompt_tokens", "train_templates",
+  "CLIP_IMAGENET_TEMPLATES",
+  "EVAL_TEMPLATE_SETS",
+  "OWL_VIT_EVAL_TEMPLATES",
+  "TRAIN_TEMPLATE_SETS",
+  "TRAINING_TEMPLATES",
+  "eval_templates",
+  "prompt_texts",
+  "prompt_tokens",
+  "train_templates",
 ]
 
 #: The 80 CLIP ImageNet prompt templates (OpenAI CLIP notebook
 #: ``Prompt_Engineering_for_ImageNet.ipynb``, ``imagenet_templates``), in its order.
-CLIP_IMAGENET_TEMPLATES: Tuple[str, ...] = (
-    "a bad photo of a {}.",
-    "a photo of many {}.",
-    "a sculpture of a {}.",
-    "a photo of the hard to see {}.",
-    "a low resolution photo of the {}.",
-    "a rendering of a {}.",
-    "graffiti of a {}.",
-    "a bad photo of the {}.",
-    "a cropped photo of the {}.",
-    "a tattoo of a {}.",
-    "the embroidered {}.",
-    "a photo of a hard to see {}.",
-    "a bright photo of a {}.",
-    "a photo of a clean {}.",
-    "a photo of a dirty {}.",
-    "a dark photo of the {}.",
-    "a drawing of a {}.",
-    "a photo of my {}.",
-    "the plastic {}.",
-    "a photo of the cool {}.",
-    "a close-up photo of a {}.",
-    "a black and white photo of the {}.",
-    "a painting of the {}.",
-    "a painting of a {}.",
-    "a pixelated photo of the {}.",
-    "a sculpture of the {}.",
-    "a bright photo of the {}.",
-    "a cropped photo of a {}.",
-    "a plastic {}.",
-    "a photo of the dirty {}.",
-    "a jpeg corrupted photo of a {}.",
-    "a blurry photo of the {}.",
-    "a photo of the {}.",
-    "a good photo of the {}.",
-    "a rendering of the {}.",
-    "a {} in a video game.",
-    "a photo of one {}.",
-    "a doodle of a {}.",
-    "a close-up photo of the {}.",
-    "a photo of a {}.",
-    "the origami {}.",
-    "the {} in a video game.",
-    "a sketch of a {}.",
-    "a doodle of the {}.",
-    "a origami {}.",
-    "a low resolution photo of a {}.",
-    "the toy {}.",
-    "a rendition of the {}.",
-    "a photo of the clean {}.",
-    "a photo of a large {}.",
-    "a rendition of a {}.",
-    "a photo of a nice {}.",
-    "a photo of a weird {}.",
-    "a blurry photo of a {}.",
-    "a cartoon {}.",
-    "art of a {}.",
-    "a sketch of the {}.",
-    "a embroidered {}.",
-    "a pixelated photo of a {}.",
-    "itap of the {}.",
-    "a jpeg corrupted photo of the {}.",
-    "a good photo of a {}.",
-    "a plushie {}.",
-    "a photo of the nice {}.",
-    "a photo of the small {}.",
-    "a photo of the weird {}.",
-    "the cartoon {}.",
-    "art of the {}.",
-    "a drawing of the {}.",
-    "a photo of the large {}.",
-    "a black and white photo of a {}.",
-    "the plushie {}.",
-    "a dark photo of a {}.",
-    "itap of a {}.",
-    "graffiti of the {}.",
-    "a toy {}.",
-    "itap of my {}.",
-    "a photo of a cool {}.",
-    "a photo of a small {}.",
-    "a tattoo of the {}.",
+CLIP_IMAGENET_TEMPLATES: tuple[str, ...] = (
+  "a bad photo of a {}.",
+  "a photo of many {}.",
+  "a sculpture of a {}.",
+  "a photo of the hard to see {}.",
+  "a low resolution photo of the {}.",
+  "a rendering of a {}.",
+  "graffiti of a {}.",
+  "a bad photo of the {}.",
+  "a cropped photo of the {}.",
+  "a tattoo of a {}.",
+  "the embroidered {}.",
+  "a photo of a hard to see {}.",
+  "a bright photo of a {}.",
+  "a photo of a clean {}.",
+  "a photo of a dirty {}.",
+  "a dark photo of the {}.",
+  "a drawing of a {}.",
+  "a photo of my {}.",
+  "the plastic {}.",
+  "a photo of the cool {}.",
+  "a close-up photo of a {}.",
+  "a black and white photo of the {}.",
+  "a painting of the {}.",
+  "a painting of a {}.",
+  "a pixelated photo of the {}.",
+  "a sculpture of the {}.",
+  "a bright photo of the {}.",
+  "a cropped photo of a {}.",
+  "a plastic {}.",
+  "a photo of the dirty {}.",
+  "a jpeg corrupted photo of a {}.",
+  "a blurry photo of the {}.",
+  "a photo of the {}.",
+  "a good photo of the {}.",
+  "a rendering of the {}.",
+  "a {} in a video game.",
+  "a photo of one {}.",
+  "a doodle of a {}.",
+  "a close-up photo of the {}.",
+  "a photo of a {}.",
+  "the origami {}.",
+  "the {} in a video game.",
+  "a sketch of a {}.",
+  "a doodle of the {}.",
+  "a origami {}.",
+  "a low resolution photo of a {}.",
+  "the toy {}.",
+  "a rendition of the {}.",
+  "a photo of the clean {}.",
+  "a photo of a large {}.",
+  "a rendition of a {}.",
+  "a photo of a nice {}.",
+  "a photo of a weird {}.",
+  "a blurry photo of a {}.",
+  "a cartoon {}.",
+  "art of a {}.",
+  "a sketch of the {}.",
+  "a embroidered {}.",
+  "a pixelated photo of a {}.",
+  "itap of the {}.",
+  "a jpeg corrupted photo of the {}.",
+  "a good photo of a {}.",
+  "a plushie {}.",
+  "a photo of the nice {}.",
+  "a photo of the small {}.",
+  "a photo of the weird {}.",
+  "the cartoon {}.",
+  "art of the {}.",
+  "a drawing of the {}.",
+  "a photo of the large {}.",
+  "a black and white photo of a {}.",
+  "the plushie {}.",
+  "a dark photo of a {}.",
+  "itap of a {}.",
+  "graffiti of the {}.",
+  "a toy {}.",
+  "itap of my {}.",
+  "a photo of a cool {}.",
+  "a photo of a small {}.",
+  "a tattoo of the {}.",
 )
 
 #: Training prompts (SPEC §2; scenic ``TRAINING_PROMPT_TEMPLATES``): the bare label + the 80.
-TRAINING_TEMPLATES: Tuple[str, ...] = ("{}",) + CLIP_IMAGENET_TEMPLATES
+TRAINING_TEMPLATES: tuple[str, ...] = ("{}",) + CLIP_IMAGENET_TEMPLATES
 
 #: The 7 evaluation templates of SPEC §2 (scenic ``CLIP_BEST_PROMPT_TEMPLATES``).
-OWL_VIT_EVAL_TEMPLATES: Tuple[str, ...] = (
-    "itap of a {}.",
-    "a bad photo of the {}.",
-    "a origami {}.",
-    "a photo of the large {}.",
-    "a {} in a video game.",
-    "art of the {}.",
-    "a photo of the small {}.",
+OWL_VIT_EVAL_TEMPLATES: tuple[str, ...] = (
+  "itap of a {}.",
+  "a bad photo of the {}.",
+  "a origami {}.",
+  "a photo of the large {}.",
+  "a {} in a video game.",
+  "art of the {}.",
+  "a photo of the small {}.",
 )
 
 #: ``data.train_prompt_templates`` values -> templates.
@@ -140,19 +146,19 @@ TRAIN_TEMPLATE_SETS = {"none": ("{}",), "clip_80": TRAINING_TEMPLATES}
 EVAL_TEMPLATE_SETS = {"none": ("{}",), "owl_vit_7": OWL_VIT_EVAL_TEMPLATES}
 
 
-def _lookup(table: dict, name: str, field: str) -> Tuple[str, ...]:
+def _lookup(table: dict, name: str, field: str) -> tuple[str, ...]:
   if name not in table:
     raise ValueError(f"{field}={name!r} is unknown; known: {sorted(table)}")
   return table[name]
 
 
-def train_templates(name: str) -> Tuple[str, ...]:
+def train_templates(name: str) -> tuple[str, ...]:
   """Templates of a ``data.train_prompt_templates`` value ('none' -> ('{}',), 'clip_80' ->
   :data:`TRAINING_TEMPLATES`). Raises ValueError naming the field for an unknown name."""
   return _lookup(TRAIN_TEMPLATE_SETS, name, "config.data.train_prompt_templates")
 
 
-def eval_templates(name: str) -> Tuple[str, ...]:
+def eval_templates(name: str) -> tuple[str, ...]:
   """Templates of an ``eval.prompt_templates`` value ('none' -> ('{}',), 'owl_vit_7' ->
   :data:`OWL_VIT_EVAL_TEMPLATES`). Raises ValueError naming the field for an unknown name."""
   return _lookup(EVAL_TEMPLATE_SETS, name, "config.eval.prompt_templates")
@@ -181,8 +187,10 @@ def prompt_texts(class_names: Sequence[str], templates: Sequence[str]) -> list:
   for t in templates:
     if not isinstance(t, str) or t.count("{}") != 1:
       raise ValueError(f"prompt template must contain exactly one '{{}}': {t!r}")
-  return [[canonicalize_label(t.format(canonicalize_label(name))) for t in templates]
-          for name in class_names]
+  return [
+    [canonicalize_label(t.format(canonicalize_label(name))) for t in templates]
+    for name in class_names
+  ]
 
 
 def prompt_tokens(tokenizer, class_names: Sequence[str], templates: Sequence[str]) -> np.ndarray:

@@ -27,12 +27,13 @@ held-out / rare classes of a stand-in set).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 import contextlib
 import copy
 import functools
 import io
 import logging
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +43,26 @@ logger = logging.getLogger(__name__)
 
 # Names of the 12 COCOeval bbox summary statistics, in pycocotools' `stats` order. 'AR1' and
 # 'AR10' are AR at 1 and 10 detections per image; 'AR', 'ARs', 'ARm', 'ARl' use `max_dets`.
-COCO_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl",
-                     "AR1", "AR10", "AR", "ARs", "ARm", "ARl")
+COCO_METRIC_NAMES = (
+  "AP",
+  "AP50",
+  "AP75",
+  "APs",
+  "APm",
+  "APl",
+  "AR1",
+  "AR10",
+  "AR",
+  "ARs",
+  "ARm",
+  "ARl",
+)
 
 
 # ------------------------------------------------------------------------------------------
 # Scores.
 # ------------------------------------------------------------------------------------------
+
 
 def class_scores(pred_logits: jax.Array) -> jax.Array:
   """Per-(token, class) detection scores: sigmoid of the logits (SPEC §4).
@@ -65,9 +79,13 @@ def class_scores(pred_logits: jax.Array) -> jax.Array:
   return jax.nn.sigmoid(jnp.asarray(pred_logits).astype(jnp.float32))
 
 
-def ensemble_templates(pred_logits: jax.Array, *, average: str = "logits",
-                       template_axis: int = -1,
-                       template_mask: jax.Array | None = None) -> jax.Array:
+def ensemble_templates(
+  pred_logits: jax.Array,
+  *,
+  average: str = "logits",
+  template_axis: int = -1,
+  template_mask: jax.Array | None = None,
+) -> jax.Array:
   """Prompt-template ensembling of class scores (SPEC §2, §4).
 
   Args:
@@ -107,11 +125,16 @@ def ensemble_templates(pred_logits: jax.Array, *, average: str = "logits",
 # Top-k decoding (jittable).
 # ------------------------------------------------------------------------------------------
 
+
 @functools.partial(jax.jit, static_argnames=("top_k", "multi_label"))
-def top_predictions(scores: jax.Array, pred_boxes: jax.Array, *, top_k: int,
-                    multi_label: bool,
-                    class_mask: jax.Array | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def top_predictions(
+  scores: jax.Array,
+  pred_boxes: jax.Array,
+  *,
+  top_k: int,
+  multi_label: bool,
+  class_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Top-K detections per image, without threshold or NMS (SPEC §4). Jitted.
 
   Args:
@@ -139,16 +162,18 @@ def top_predictions(scores: jax.Array, pred_boxes: jax.Array, *, top_k: int,
   scores = jnp.asarray(scores).astype(jnp.float32)
   pred_boxes = jnp.asarray(pred_boxes).astype(jnp.float32)
   if scores.ndim != 3 or pred_boxes.ndim != 3 or pred_boxes.shape[-1] != 4:
-    raise ValueError(f"Expected scores [B,T,C] and boxes [B,T,4], got {scores.shape} and "
-                     f"{pred_boxes.shape}.")
+    raise ValueError(
+      f"Expected scores [B,T,C] and boxes [B,T,4], got {scores.shape} and {pred_boxes.shape}."
+    )
   if scores.shape[:2] != pred_boxes.shape[:2]:
     raise ValueError(f"scores {scores.shape} and boxes {pred_boxes.shape} disagree on B, T.")
   if top_k < 1:
     raise ValueError(f"top_k must be >= 1, got {top_k}.")
   batch, num_tokens, num_classes = scores.shape
   if class_mask is not None:
-    mask = jnp.broadcast_to(jnp.asarray(class_mask, bool).reshape(
-        (-1, 1, num_classes)), scores.shape)
+    mask = jnp.broadcast_to(
+      jnp.asarray(class_mask, bool).reshape((-1, 1, num_classes)), scores.shape
+    )
     scores = jnp.where(mask, scores, -jnp.inf)
   if multi_label:
     k = min(top_k, num_tokens * num_classes)
@@ -169,9 +194,14 @@ def top_predictions(scores: jax.Array, pred_boxes: jax.Array, *, top_k: int,
 # Conversion to COCO detections (host side).
 # ------------------------------------------------------------------------------------------
 
-def unpad_boxes(boxes: np.ndarray, orig_sizes: np.ndarray,
-                image_size: int | None = None, *,
-                rounded_content: bool = False) -> np.ndarray:
+
+def unpad_boxes(
+  boxes: np.ndarray,
+  orig_sizes: np.ndarray,
+  image_size: int | None = None,
+  *,
+  rounded_content: bool = False,
+) -> np.ndarray:
   """Boxes relative to the padded square -> clipped xyxy pixels of the original image.
 
   The evaluation image is the original resized (aspect ratio kept) so that its long side is
@@ -220,11 +250,17 @@ def unpad_boxes(boxes: np.ndarray, orig_sizes: np.ndarray,
   return np.stack([x0, y0, x1, y1], axis=-1)
 
 
-def to_coco_detections(scores: np.ndarray, labels: np.ndarray, boxes: np.ndarray, *,
-                       image_ids: np.ndarray, orig_sizes: np.ndarray,
-                       category_ids: Sequence[int] | np.ndarray,
-                       example_mask: np.ndarray | None = None,
-                       image_size: int | None = None) -> list[dict[str, Any]]:
+def to_coco_detections(
+  scores: np.ndarray,
+  labels: np.ndarray,
+  boxes: np.ndarray,
+  *,
+  image_ids: np.ndarray,
+  orig_sizes: np.ndarray,
+  category_ids: Sequence[int] | np.ndarray,
+  example_mask: np.ndarray | None = None,
+  image_size: int | None = None,
+) -> list[dict[str, Any]]:
   """Top-K predictions of a batch -> COCO result dicts (SPEC §4).
 
   Args:
@@ -259,11 +295,17 @@ def to_coco_detections(scores: np.ndarray, labels: np.ndarray, boxes: np.ndarray
   orig_sizes = np.asarray(orig_sizes, np.float64).reshape(-1, 2)
   category_ids = np.asarray(category_ids, np.int64).reshape(-1)
   batch = scores.shape[0]
-  if (scores.ndim != 2 or labels.shape != scores.shape or boxes.shape != scores.shape + (4,)
-      or image_ids.shape != (batch,) or orig_sizes.shape != (batch, 2)):
+  if (
+    scores.ndim != 2
+    or labels.shape != scores.shape
+    or boxes.shape != scores.shape + (4,)
+    or image_ids.shape != (batch,)
+    or orig_sizes.shape != (batch, 2)
+  ):
     raise ValueError(
-        f"Inconsistent shapes: scores {scores.shape}, labels {labels.shape}, boxes "
-        f"{boxes.shape}, image_ids {image_ids.shape}, orig_sizes {orig_sizes.shape}.")
+      f"Inconsistent shapes: scores {scores.shape}, labels {labels.shape}, boxes "
+      f"{boxes.shape}, image_ids {image_ids.shape}, orig_sizes {orig_sizes.shape}."
+    )
   if example_mask is None:
     example_mask = np.ones((batch,), bool)
   example_mask = np.asarray(example_mask, bool).reshape(-1)
@@ -273,8 +315,9 @@ def to_coco_detections(scores: np.ndarray, labels: np.ndarray, boxes: np.ndarray
   if labels.size and keep_example.any():
     used = labels[keep_example]
     if used.min() < 0 or used.max() >= len(category_ids):
-      raise ValueError(f"Labels must lie in [0, {len(category_ids)}), got range "
-                       f"[{used.min()}, {used.max()}].")
+      raise ValueError(
+        f"Labels must lie in [0, {len(category_ids)}), got range [{used.min()}, {used.max()}]."
+      )
   xyxy = unpad_boxes(boxes, orig_sizes[:, None, :], image_size)
   detections = []
   for b in np.flatnonzero(keep_example):
@@ -283,12 +326,14 @@ def to_coco_detections(scores: np.ndarray, labels: np.ndarray, boxes: np.ndarray
     img = int(image_ids[b])
     for k in np.flatnonzero(valid):
       x0, y0, x1, y1 = xyxy[b, k]
-      detections.append({
+      detections.append(
+        {
           "image_id": img,
           "category_id": int(cats[k]),
           "bbox": [float(x0), float(y0), float(x1 - x0), float(y1 - y0)],
           "score": float(scores[b, k]),
-      })
+        }
+      )
   return detections
 
 
@@ -296,8 +341,15 @@ def to_coco_detections(scores: np.ndarray, labels: np.ndarray, boxes: np.ndarray
 # COCO AP.
 # ------------------------------------------------------------------------------------------
 
-def _summarize(coco_eval, ap: bool, iou_thr: float | None = None, area: str = "all",
-               max_dets: int = 100, category_index: int | None = None) -> float:
+
+def _summarize(
+  coco_eval,
+  ap: bool,
+  iou_thr: float | None = None,
+  area: str = "all",
+  max_dets: int = 100,
+  category_index: int | None = None,
+) -> float:
   """Replica of `COCOeval.summarize._summarize` (no printing); -1 when no data."""
   p = coco_eval.params
   a_ind = [i for i, lbl in enumerate(p.areaRngLbl) if lbl == area]
@@ -327,6 +379,7 @@ def _no_data_to_nan(value: float) -> float:
 def _result_coco(coco_gt, detections: list[dict[str, Any]]):
   """COCO result object; pycocotools' `loadRes` crashes on an empty list, handle it here."""
   from pycocotools.coco import COCO  # pylint: disable=g-import-not-at-top
+
   if detections:
     return coco_gt.loadRes(copy.deepcopy(detections))  # loadRes mutates its input.
   res = COCO()
@@ -337,8 +390,9 @@ def _result_coco(coco_gt, detections: list[dict[str, Any]]):
   return res
 
 
-def _truncate_per_image(detections: list[Mapping[str, Any]],
-                        max_dets: int) -> list[Mapping[str, Any]]:
+def _truncate_per_image(
+  detections: list[Mapping[str, Any]], max_dets: int
+) -> list[Mapping[str, Any]]:
   """The `max_dets` highest-scoring detections of each image (stable for ties)."""
   by_image: dict[int, list[Mapping[str, Any]]] = {}
   for d in detections:
@@ -351,12 +405,16 @@ def _truncate_per_image(detections: list[Mapping[str, Any]],
   return out
 
 
-def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
-                  image_ids: Sequence[int] | None = None,
-                  cat_ids: Sequence[int] | None = None,
-                  max_dets: int = 100,
-                  truncate_per_image: bool = True,
-                  per_category: bool = False) -> dict[str, Any]:
+def coco_evaluate(
+  coco_gt,
+  detections: Sequence[Mapping[str, Any]],
+  *,
+  image_ids: Sequence[int] | None = None,
+  cat_ids: Sequence[int] | None = None,
+  max_dets: int = 100,
+  truncate_per_image: bool = True,
+  per_category: bool = False,
+) -> dict[str, Any]:
   """COCO box AP of detections against a ground truth, via pycocotools' COCOeval (SPEC §4).
 
   Args:
@@ -390,6 +448,7 @@ def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
   logger at DEBUG level).
   """
   from pycocotools.cocoeval import COCOeval  # pylint: disable=g-import-not-at-top
+
   if max_dets < 1:
     raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
   detections = list(detections)
@@ -398,8 +457,9 @@ def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
   gt_image_ids = set(coco_gt.getImgIds())
   unknown = {int(d["image_id"]) for d in detections} - gt_image_ids
   if unknown:
-    raise ValueError(f"{len(unknown)} detection image ids are not in the ground truth, e.g. "
-                     f"{sorted(unknown)[:5]}.")
+    raise ValueError(
+      f"{len(unknown)} detection image ids are not in the ground truth, e.g. {sorted(unknown)[:5]}."
+    )
   if truncate_per_image:
     detections = _truncate_per_image(detections, int(max_dets))
   log = io.StringIO()
@@ -416,29 +476,31 @@ def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
   logger.debug("pycocotools: %s", log.getvalue())
   m = int(max_dets)
   stats = [
-      _summarize(coco_eval, True, max_dets=m),
-      _summarize(coco_eval, True, iou_thr=.5, max_dets=m),
-      _summarize(coco_eval, True, iou_thr=.75, max_dets=m),
-      _summarize(coco_eval, True, area="small", max_dets=m),
-      _summarize(coco_eval, True, area="medium", max_dets=m),
-      _summarize(coco_eval, True, area="large", max_dets=m),
-      _summarize(coco_eval, False, max_dets=1),
-      _summarize(coco_eval, False, max_dets=10),
-      _summarize(coco_eval, False, max_dets=m),
-      _summarize(coco_eval, False, area="small", max_dets=m),
-      _summarize(coco_eval, False, area="medium", max_dets=m),
-      _summarize(coco_eval, False, area="large", max_dets=m),
+    _summarize(coco_eval, True, max_dets=m),
+    _summarize(coco_eval, True, iou_thr=0.5, max_dets=m),
+    _summarize(coco_eval, True, iou_thr=0.75, max_dets=m),
+    _summarize(coco_eval, True, area="small", max_dets=m),
+    _summarize(coco_eval, True, area="medium", max_dets=m),
+    _summarize(coco_eval, True, area="large", max_dets=m),
+    _summarize(coco_eval, False, max_dets=1),
+    _summarize(coco_eval, False, max_dets=10),
+    _summarize(coco_eval, False, max_dets=m),
+    _summarize(coco_eval, False, area="small", max_dets=m),
+    _summarize(coco_eval, False, area="medium", max_dets=m),
+    _summarize(coco_eval, False, area="large", max_dets=m),
   ]
-  result: dict[str, Any] = {
-      name: _no_data_to_nan(v) for name, v in zip(COCO_METRIC_NAMES, stats)}
+  result: dict[str, Any] = {name: _no_data_to_nan(v) for name, v in zip(COCO_METRIC_NAMES, stats)}
   result["num_detections"] = len(detections)  # after truncation
   if per_category:
     result["per_category"] = {
-        int(cat): {
-            "AP": _no_data_to_nan(_summarize(coco_eval, True, max_dets=m, category_index=k)),
-            "AP50": _no_data_to_nan(
-                _summarize(coco_eval, True, iou_thr=.5, max_dets=m, category_index=k)),
-        } for k, cat in enumerate(coco_eval.params.catIds)}
+      int(cat): {
+        "AP": _no_data_to_nan(_summarize(coco_eval, True, max_dets=m, category_index=k)),
+        "AP50": _no_data_to_nan(
+          _summarize(coco_eval, True, iou_thr=0.5, max_dets=m, category_index=k)
+        ),
+      }
+      for k, cat in enumerate(coco_eval.params.catIds)
+    }
   return result
 
 
@@ -449,10 +511,17 @@ def coco_evaluate(coco_gt, detections: Sequence[Mapping[str, Any]], *,
 PredictFn = Callable[[Mapping[str, Any]], tuple[Any, Any, Any]]
 
 
-def make_predict_fn(outputs_fn: Callable[..., Mapping[str, Any]], *, top_k: int,
-                    multi_label: bool, batch_keys: Sequence[str] = ("images",),
-                    average: str = "logits", template_axis: int = -1,
-                    class_mask: Any = None, jit: bool = True) -> PredictFn:
+def make_predict_fn(
+  outputs_fn: Callable[..., Mapping[str, Any]],
+  *,
+  top_k: int,
+  multi_label: bool,
+  batch_keys: Sequence[str] = ("images",),
+  average: str = "logits",
+  template_axis: int = -1,
+  class_mask: Any = None,
+  jit: bool = True,
+) -> PredictFn:
   """Builds `predict_fn(batch) -> (scores, labels, boxes)` for `evaluate_source`.
 
   Args:
@@ -473,6 +542,7 @@ def make_predict_fn(outputs_fn: Callable[..., Mapping[str, Any]], *, top_k: int,
 
   Source: SPEC §4.
   """
+
   def _predict(inputs):
     outputs = outputs_fn(**inputs)
     logits = outputs["pred_logits"]
@@ -480,8 +550,9 @@ def make_predict_fn(outputs_fn: Callable[..., Mapping[str, Any]], *, top_k: int,
       scores = ensemble_templates(logits, average=average, template_axis=template_axis)
     else:
       scores = class_scores(logits)
-    return top_predictions(scores, outputs["pred_boxes"], top_k=top_k,
-                           multi_label=multi_label, class_mask=class_mask)
+    return top_predictions(
+      scores, outputs["pred_boxes"], top_k=top_k, multi_label=multi_label, class_mask=class_mask
+    )
 
   compiled = jax.jit(_predict) if jit else _predict
 
@@ -491,10 +562,16 @@ def make_predict_fn(outputs_fn: Callable[..., Mapping[str, Any]], *, top_k: int,
   return predict_fn
 
 
-def collect_detections(predict_fn: PredictFn, batches: Iterable[Mapping[str, Any]],
-                       category_ids: Sequence[int], *, image_size: int | None = None,
-                       progress: bool = True, total: int | None = None,
-                       desc: str = "eval") -> tuple[list[dict[str, Any]], set[int]]:
+def collect_detections(
+  predict_fn: PredictFn,
+  batches: Iterable[Mapping[str, Any]],
+  category_ids: Sequence[int],
+  *,
+  image_size: int | None = None,
+  progress: bool = True,
+  total: int | None = None,
+  desc: str = "eval",
+) -> tuple[list[dict[str, Any]], set[int]]:
   """Runs `predict_fn` over batches and converts the outputs to COCO detections (SPEC §4).
 
   Batch i + 1 is dispatched before the outputs of batch i are fetched to the host, so the
@@ -517,6 +594,7 @@ def collect_detections(predict_fn: PredictFn, batches: Iterable[Mapping[str, Any
   Source: SPEC §4.
   """
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+
   if total is None and hasattr(batches, "__len__"):
     total = len(batches)  # type: ignore[arg-type]
   detections: list[dict[str, Any]] = []
@@ -528,9 +606,18 @@ def collect_detections(predict_fn: PredictFn, batches: Iterable[Mapping[str, Any
     mask = batch.get("example_mask")
     mask = np.ones(image_ids.shape, bool) if mask is None else np.asarray(mask, bool)
     seen.update(int(i) for i in image_ids[mask & (image_ids >= 0)])
-    detections.extend(to_coco_detections(
-        scores, labels, boxes, image_ids=image_ids, orig_sizes=batch["orig_size"],
-        category_ids=category_ids, example_mask=mask, image_size=image_size))
+    detections.extend(
+      to_coco_detections(
+        scores,
+        labels,
+        boxes,
+        image_ids=image_ids,
+        orig_sizes=batch["orig_size"],
+        category_ids=category_ids,
+        example_mask=mask,
+        image_size=image_size,
+      )
+    )
 
   pending = None
   for batch in tqdm(batches, desc=desc, total=total, disable=not progress, leave=False):
@@ -543,14 +630,24 @@ def collect_detections(predict_fn: PredictFn, batches: Iterable[Mapping[str, Any
   return detections, seen
 
 
-def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mapping[str, Any]],
-                    category_ids: Sequence[int] | None = None, *,
-                    coco_gt: Any = None, image_size: int | None = None,
-                    max_dets: int = 100, cat_ids: Sequence[int] | None = None,
-                    restrict_to_seen_images: bool = True, per_category: bool = False,
-                    return_detections: bool = False, progress: bool = True,
-                    total: int | None = None, name: str | None = None,
-                    desc: str | None = None) -> dict[str, Any]:
+def evaluate_source(
+  predict_fn: PredictFn,
+  source: Any,
+  batches: Iterable[Mapping[str, Any]],
+  category_ids: Sequence[int] | None = None,
+  *,
+  coco_gt: Any = None,
+  image_size: int | None = None,
+  max_dets: int = 100,
+  cat_ids: Sequence[int] | None = None,
+  restrict_to_seen_images: bool = True,
+  per_category: bool = False,
+  return_detections: bool = False,
+  progress: bool = True,
+  total: int | None = None,
+  name: str | None = None,
+  desc: str | None = None,
+) -> dict[str, Any]:
   """Runs `predict_fn` over batches of one evaluation set and computes its COCO AP (SPEC §4).
 
   The batches are run and converted by `collect_detections` (device work overlaps the
@@ -591,8 +688,14 @@ def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mappin
   if name is None:
     name = getattr(source, "name", None) or "eval"
   detections, seen = collect_detections(
-      predict_fn, batches, category_ids, image_size=image_size, progress=progress,
-      total=total, desc=desc or f"eval {name}")
+    predict_fn,
+    batches,
+    category_ids,
+    image_size=image_size,
+    progress=progress,
+    total=total,
+    desc=desc or f"eval {name}",
+  )
 
   if restrict_to_seen_images and not seen:
     logger.warning("evaluate_source(%s): no images were evaluated; metrics are NaN.", name)
@@ -601,12 +704,15 @@ def evaluate_source(predict_fn: PredictFn, source: Any, batches: Iterable[Mappin
     if per_category:
       result["per_category"] = {}
   else:
-    result = coco_evaluate(coco_gt, detections,
-                           image_ids=sorted(seen) if restrict_to_seen_images else None,
-                           cat_ids=cat_ids, max_dets=max_dets, per_category=per_category)
-    result["num_images"] = (len(seen) if restrict_to_seen_images
-                            else len(coco_gt.getImgIds()))
+    result = coco_evaluate(
+      coco_gt,
+      detections,
+      image_ids=sorted(seen) if restrict_to_seen_images else None,
+      cat_ids=cat_ids,
+      max_dets=max_dets,
+      per_category=per_category,
+    )
+    result["num_images"] = len(seen) if restrict_to_seen_images else len(coco_gt.getImgIds())
   if return_detections:
     result["detections"] = detections
   return result
-

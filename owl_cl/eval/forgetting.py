@@ -35,9 +35,10 @@ Formulas (all NaN-safe: NaN entries are ignored in max/mean, an empty selection 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import math
+from typing import Any
 import warnings
-from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -54,8 +55,9 @@ def _nanmean(x) -> float:
   return float(x.mean()) if x.size else float("nan")
 
 
-def _check(A: np.ndarray, trained_at: Sequence[int] | np.ndarray | None) -> tuple[np.ndarray,
-                                                                                 np.ndarray]:
+def _check(
+  A: np.ndarray, trained_at: Sequence[int] | np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
   A = np.asarray(A, np.float64)
   if A.ndim != 2 or A.shape[0] < 1:
     raise ValueError(f"A must be [stages, eval_sets] with >= 1 stage, got shape {A.shape}.")
@@ -69,9 +71,12 @@ def _check(A: np.ndarray, trained_at: Sequence[int] | np.ndarray | None) -> tupl
   return A, trained_at
 
 
-def accuracy_matrix(stages: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
-                    eval_sets: Sequence[str] | None = None, *,
-                    metric: str = "AP") -> tuple[np.ndarray, list[str], list[str]]:
+def accuracy_matrix(
+  stages: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]],
+  eval_sets: Sequence[str] | None = None,
+  *,
+  metric: str = "AP",
+) -> tuple[np.ndarray, list[str], list[str]]:
   """Builds the accuracy matrix from per-stage metrics.
 
   Args:
@@ -113,9 +118,11 @@ def accuracy_matrix(stages: Sequence[Mapping[str, Any]] | Mapping[str, Mapping[s
   return A, [name for name, _ in items], eval_sets
 
 
-def trained_at_from_names(stage_names: Sequence[str], eval_sets: Sequence[str],
-                          downstream: Mapping[str, str] | Sequence[str] | None = None
-                          ) -> np.ndarray:
+def trained_at_from_names(
+  stage_names: Sequence[str],
+  eval_sets: Sequence[str],
+  downstream: Mapping[str, str] | Sequence[str] | None = None,
+) -> np.ndarray:
   """The stage at which each evaluation set was learned.
 
   Args:
@@ -151,8 +158,9 @@ def trained_at_from_names(stage_names: Sequence[str], eval_sets: Sequence[str],
   return out
 
 
-def forgetting(A: np.ndarray, trained_at: Sequence[int] | np.ndarray | None = None, *,
-               since: str = "trained") -> np.ndarray:
+def forgetting(
+  A: np.ndarray, trained_at: Sequence[int] | np.ndarray | None = None, *, since: str = "trained"
+) -> np.ndarray:
   """Per-set forgetting f_j = max_{l in L_j} A[l, j] - A[T, j] (Chaudhry et al. 2018, eq. 5).
 
   Args:
@@ -184,8 +192,9 @@ def _downstream_before_final(A: np.ndarray, trained_at: np.ndarray) -> np.ndarra
   return (trained_at >= 1) & (trained_at <= final - 1)
 
 
-def average_forgetting(A: np.ndarray, trained_at: Sequence[int] | np.ndarray, *,
-                       since: str = "trained") -> float:
+def average_forgetting(
+  A: np.ndarray, trained_at: Sequence[int] | np.ndarray, *, since: str = "trained"
+) -> float:
   """Average forgetting over downstream sets learned before the final stage.
 
   F = mean_{j : 1 <= trained_at[j] <= T-1} f_j (Chaudhry et al. 2018, eq. 6), NaN-safe.
@@ -254,8 +263,9 @@ def retained_fraction(A: np.ndarray) -> np.ndarray:
   return np.where(np.isnan(first) | np.isnan(last), np.nan, out)
 
 
-def downstream_mean(A: np.ndarray, trained_at: Sequence[int] | np.ndarray, *,
-                    stage: int = -1, skipna: bool = False) -> float:
+def downstream_mean(
+  A: np.ndarray, trained_at: Sequence[int] | np.ndarray, *, stage: int = -1, skipna: bool = False
+) -> float:
   """Unweighted mean over downstream sets of A[stage, j] (the ODinW score, SPEC §4).
 
   Args:
@@ -276,9 +286,14 @@ def downstream_mean(A: np.ndarray, trained_at: Sequence[int] | np.ndarray, *,
   return float(values.mean())
 
 
-def forgetting_summary(A: np.ndarray, stage_names: Sequence[str], eval_sets: Sequence[str],
-                       trained_at: Sequence[int] | np.ndarray, *,
-                       since: str = "trained") -> dict[str, Any]:
+def forgetting_summary(
+  A: np.ndarray,
+  stage_names: Sequence[str],
+  eval_sets: Sequence[str],
+  trained_at: Sequence[int] | np.ndarray,
+  *,
+  since: str = "trained",
+) -> dict[str, Any]:
   """All of the above for one metric, as a JSON-friendly dict.
 
   Args:
@@ -300,8 +315,10 @@ def forgetting_summary(A: np.ndarray, stage_names: Sequence[str], eval_sets: Seq
   """
   A, trained_at = _check(A, trained_at)
   if len(stage_names) != A.shape[0] or len(eval_sets) != A.shape[1]:
-    raise ValueError(f"{len(stage_names)} stage names / {len(eval_sets)} eval sets for a "
-                     f"matrix of shape {A.shape}.")
+    raise ValueError(
+      f"{len(stage_names)} stage names / {len(eval_sets)} eval sets for a "
+      f"matrix of shape {A.shape}."
+    )
   final = A.shape[0] - 1
   f = forgetting(A, trained_at, since=since)
   kept = retained_fraction(A)
@@ -309,22 +326,22 @@ def forgetting_summary(A: np.ndarray, stage_names: Sequence[str], eval_sets: Seq
   for j, name in enumerate(eval_sets):
     start = int(trained_at[j]) if since == "trained" else 0
     per_set[name] = {
-        "trained_at": stage_names[trained_at[j]] if trained_at[j] >= 1 else None,
-        "initial": float(A[0, j]),
-        "best_before_final": _nanmax(A[start:final, j]),
-        "final": float(A[final, j]),
-        "forgetting": float(f[j]),
-        "retained_fraction": float(kept[j]),
+      "trained_at": stage_names[trained_at[j]] if trained_at[j] >= 1 else None,
+      "initial": float(A[0, j]),
+      "best_before_final": _nanmax(A[start:final, j]),
+      "final": float(A[final, j]),
+      "forgetting": float(f[j]),
+      "retained_fraction": float(kept[j]),
     }
   return {
-      "final_stage": stage_names[final],
-      "per_set": per_set,
-      "average_forgetting": average_forgetting(A, trained_at, since=since),
-      "bwt": backward_transfer(A, trained_at),
-      "fwt": forward_transfer(A, trained_at),
-      "downstream_mean_initial": downstream_mean(A, trained_at, stage=0),
-      "downstream_mean_final": downstream_mean(A, trained_at, stage=final),
-      "num_downstream": int((trained_at >= 1).sum()),
+    "final_stage": stage_names[final],
+    "per_set": per_set,
+    "average_forgetting": average_forgetting(A, trained_at, since=since),
+    "bwt": backward_transfer(A, trained_at),
+    "fwt": forward_transfer(A, trained_at),
+    "downstream_mean_initial": downstream_mean(A, trained_at, stage=0),
+    "downstream_mean_final": downstream_mean(A, trained_at, stage=final),
+    "num_downstream": int((trained_at >= 1).sum()),
   }
 
 

@@ -21,14 +21,15 @@ Source: SPEC §4; the `lvis` API (lvis-dataset/lvis-api: `LVIS`, `LVISResults`, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 import contextlib
 import copy
 import io
 import json
 import logging
 import os
+from typing import Any
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -38,8 +39,21 @@ logger = logging.getLogger(__name__)
 
 #: Summary metrics of `lvis_evaluate` (LVISEval.results keys; 'AR' is AR@max_dets and
 #: 'ARs'/'ARm'/'ARl' its area splits).
-LVIS_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "APr", "APc", "APf",
-                     "AR", "ARs", "ARm", "ARl")
+LVIS_METRIC_NAMES = (
+  "AP",
+  "AP50",
+  "AP75",
+  "APs",
+  "APm",
+  "APl",
+  "APr",
+  "APc",
+  "APf",
+  "AR",
+  "ARs",
+  "ARm",
+  "ARl",
+)
 FREQUENCIES = ("r", "c", "f")
 
 _REQUIRED_IMAGE = ("id", "neg_category_ids", "not_exhaustive_category_ids")
@@ -52,37 +66,48 @@ def _lvis_api():
   if "float" not in np.__dict__:
     np.float = float  # type: ignore[attr-defined]  # lvis 0.5.3 calls np.float (NumPy < 1.24).
   import lvis  # pylint: disable=g-import-not-at-top
+
   return lvis
 
 
 def _check_schema(dataset: Any, where: str) -> None:
   """Raises ValueError naming `where`, the field and the value for what LVISEval needs."""
   if not isinstance(dataset, dict):
-    raise ValueError(f"{where}: LVIS ground truth must be a json object, got "
-                     f"{type(dataset).__name__}")
+    raise ValueError(
+      f"{where}: LVIS ground truth must be a json object, got {type(dataset).__name__}"
+    )
   for key in ("images", "annotations", "categories"):
     if not isinstance(dataset.get(key), list):
       raise ValueError(f"{where}: missing or non-list top-level field '{key}'")
-  for kind, fields in (("images", _REQUIRED_IMAGE), ("annotations", _REQUIRED_ANNOTATION),
-                       ("categories", _REQUIRED_CATEGORY)):
+  for kind, fields in (
+    ("images", _REQUIRED_IMAGE),
+    ("annotations", _REQUIRED_ANNOTATION),
+    ("categories", _REQUIRED_CATEGORY),
+  ):
     for i, entry in enumerate(dataset[kind]):
       missing = [f for f in fields if f not in entry]
       if missing:
-        raise ValueError(f"{where}: {kind}[{i}] (id {entry.get('id')!r}) is missing "
-                         f"field(s) {missing} (LVIS v1 schema)")
+        raise ValueError(
+          f"{where}: {kind}[{i}] (id {entry.get('id')!r}) is missing "
+          f"field(s) {missing} (LVIS v1 schema)"
+        )
   for i, cat in enumerate(dataset["categories"]):
     if cat["frequency"] not in FREQUENCIES:
-      raise ValueError(f"{where}: categories[{i}] (id {cat['id']}) has frequency "
-                       f"{cat['frequency']!r}; expected one of {FREQUENCIES}")
+      raise ValueError(
+        f"{where}: categories[{i}] (id {cat['id']}) has frequency "
+        f"{cat['frequency']!r}; expected one of {FREQUENCIES}"
+      )
   cat_ids = {c["id"] for c in dataset["categories"]}
   image_ids = {im["id"] for im in dataset["images"]}
   for i, ann in enumerate(dataset["annotations"]):
     if ann["category_id"] not in cat_ids:
-      raise ValueError(f"{where}: annotations[{i}] has category_id {ann['category_id']!r} "
-                       "absent from 'categories'")
+      raise ValueError(
+        f"{where}: annotations[{i}] has category_id {ann['category_id']!r} absent from 'categories'"
+      )
     if ann["image_id"] not in image_ids:
-      raise ValueError(f"{where}: annotations[{i}] has image_id {ann['image_id']!r} absent "
-                       "from 'images'")
+      raise ValueError(
+        f"{where}: annotations[{i}] has image_id {ann['image_id']!r} absent from 'images'"
+      )
 
 
 def load_lvis_ground_truth(annotations: Any):
@@ -111,7 +136,7 @@ def load_lvis_ground_truth(annotations: Any):
     if not os.path.isfile(path):
       raise FileNotFoundError(f"LVIS annotation file not found: {path}")
     try:
-      with open(path, "r") as f:
+      with open(path) as f:
         dataset = json.load(f)
     except json.JSONDecodeError as e:
       raise ValueError(f"{path}: not valid json ({e})") from e
@@ -143,10 +168,15 @@ def _no_data_to_nan(value: float) -> float:
   return float("nan") if value == -1.0 else value
 
 
-def lvis_evaluate(lvis_gt: Any, detections: Sequence[Mapping[str, Any]], *,
-                  image_ids: Sequence[int] | None = None,
-                  cat_ids: Sequence[int] | None = None, max_dets: int = 300,
-                  per_category: bool = False) -> dict[str, Any]:
+def lvis_evaluate(
+  lvis_gt: Any,
+  detections: Sequence[Mapping[str, Any]],
+  *,
+  image_ids: Sequence[int] | None = None,
+  cat_ids: Sequence[int] | None = None,
+  max_dets: int = 300,
+  per_category: bool = False,
+) -> dict[str, Any]:
   """LVIS box AP of detections (SPEC §4), via `lvis.LVISEval`.
 
   Args:
@@ -181,17 +211,22 @@ def lvis_evaluate(lvis_gt: Any, detections: Sequence[Mapping[str, Any]], *,
   detections = list(detections)
   unknown_images = {int(d["image_id"]) for d in detections} - set(gt.imgs)
   if unknown_images:
-    raise ValueError(f"{len(unknown_images)} detection image ids are not in the LVIS ground "
-                     f"truth, e.g. {sorted(unknown_images)[:5]}.")
+    raise ValueError(
+      f"{len(unknown_images)} detection image ids are not in the LVIS ground "
+      f"truth, e.g. {sorted(unknown_images)[:5]}."
+    )
   unknown_cats = {int(d["category_id"]) for d in detections} - set(gt.cats)
   if unknown_cats:
-    raise ValueError(f"{len(unknown_cats)} detection category ids are not in the LVIS ground "
-                     f"truth, e.g. {sorted(unknown_cats)[:5]}.")
+    raise ValueError(
+      f"{len(unknown_cats)} detection category ids are not in the LVIS ground "
+      f"truth, e.g. {sorted(unknown_cats)[:5]}."
+    )
   log = io.StringIO()
   with contextlib.redirect_stdout(log), warnings.catch_warnings():
     # lvis 0.5.3 calls the deprecated Logger.warn.
-    warnings.filterwarnings("ignore", message="The 'warn' method is deprecated",
-                            category=DeprecationWarning)
+    warnings.filterwarnings(
+      "ignore", message="The 'warn' method is deprecated", category=DeprecationWarning
+    )
     dt = _results(api, gt, detections, int(max_dets))
     evaluator = api.LVISEval(gt, dt, iou_type="bbox")
     evaluator.params.max_dets = int(max_dets)
@@ -204,8 +239,9 @@ def lvis_evaluate(lvis_gt: Any, detections: Sequence[Mapping[str, Any]], *,
   raw = evaluator.get_results()
   m = int(max_dets)
   keys = {"AR": f"AR@{m}", "ARs": f"ARs@{m}", "ARm": f"ARm@{m}", "ARl": f"ARl@{m}"}
-  result: dict[str, Any] = {name: _no_data_to_nan(raw[keys.get(name, name)])
-                            for name in LVIS_METRIC_NAMES}
+  result: dict[str, Any] = {
+    name: _no_data_to_nan(raw[keys.get(name, name)]) for name in LVIS_METRIC_NAMES
+  }
   result["num_detections"] = len(dt.dataset["annotations"])
   if per_category:
     precision = evaluator.eval["precision"]  # [iou, recall, category, area]
@@ -213,21 +249,32 @@ def lvis_evaluate(lvis_gt: Any, detections: Sequence[Mapping[str, Any]], *,
     for k, cat in enumerate(evaluator.params.cat_ids):
       values = precision[:, :, k, 0]
       valid = values[values > -1]
-      per_cat[int(cat)] = {"AP": float(np.mean(valid)) if valid.size else float("nan"),
-                           "frequency": gt.cats[cat]["frequency"]}
+      per_cat[int(cat)] = {
+        "AP": float(np.mean(valid)) if valid.size else float("nan"),
+        "frequency": gt.cats[cat]["frequency"],
+      }
     result["per_category"] = per_cat
   return result
 
 
-def evaluate_lvis_source(predict_fn: detection.PredictFn, source: Any,
-                         batches: Iterable[Mapping[str, Any]],
-                         category_ids: Sequence[int] | None = None, *,
-                         lvis_gt: Any = None, image_size: int | None = None,
-                         max_dets: int = 300, cat_ids: Sequence[int] | None = None,
-                         restrict_to_seen_images: bool = True, per_category: bool = False,
-                         return_detections: bool = False, progress: bool = True,
-                         total: int | None = None, name: str | None = None,
-                         desc: str | None = None) -> dict[str, Any]:
+def evaluate_lvis_source(
+  predict_fn: detection.PredictFn,
+  source: Any,
+  batches: Iterable[Mapping[str, Any]],
+  category_ids: Sequence[int] | None = None,
+  *,
+  lvis_gt: Any = None,
+  image_size: int | None = None,
+  max_dets: int = 300,
+  cat_ids: Sequence[int] | None = None,
+  restrict_to_seen_images: bool = True,
+  per_category: bool = False,
+  return_detections: bool = False,
+  progress: bool = True,
+  total: int | None = None,
+  name: str | None = None,
+  desc: str | None = None,
+) -> dict[str, Any]:
   """Runs `predict_fn` over an LVIS evaluation set and computes its LVIS AP (SPEC §4).
 
   Args:
@@ -264,14 +311,19 @@ def evaluate_lvis_source(predict_fn: detection.PredictFn, source: Any,
   if lvis_gt is None:
     lvis_gt = getattr(source, "annotation_file", None)
     if lvis_gt is None:
-      raise ValueError("evaluate_lvis_source needs lvis_gt (the source has no "
-                       "annotation_file)")
+      raise ValueError("evaluate_lvis_source needs lvis_gt (the source has no annotation_file)")
   if name is None:
     name = getattr(source, "name", None) or "lvis"
   gt = load_lvis_ground_truth(lvis_gt)
   detections, seen = detection.collect_detections(
-      predict_fn, batches, category_ids, image_size=image_size, progress=progress, total=total,
-      desc=desc or f"eval {name}")
+    predict_fn,
+    batches,
+    category_ids,
+    image_size=image_size,
+    progress=progress,
+    total=total,
+    desc=desc or f"eval {name}",
+  )
   if restrict_to_seen_images and not seen:
     logger.warning("evaluate_lvis_source(%s): no images were evaluated; metrics are NaN.", name)
     result: dict[str, Any] = {key: float("nan") for key in LVIS_METRIC_NAMES}
@@ -279,9 +331,14 @@ def evaluate_lvis_source(predict_fn: detection.PredictFn, source: Any,
     if per_category:
       result["per_category"] = {}
   else:
-    result = lvis_evaluate(gt, detections,
-                           image_ids=sorted(seen) if restrict_to_seen_images else None,
-                           cat_ids=cat_ids, max_dets=max_dets, per_category=per_category)
+    result = lvis_evaluate(
+      gt,
+      detections,
+      image_ids=sorted(seen) if restrict_to_seen_images else None,
+      cat_ids=cat_ids,
+      max_dets=max_dets,
+      per_category=per_category,
+    )
     result["num_images"] = len(seen) if restrict_to_seen_images else len(gt.imgs)
   if return_detections:
     result["detections"] = detections

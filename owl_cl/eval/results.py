@@ -57,6 +57,7 @@ belong to another `run_id` and re-writes only its own run's files (e.g. after ev
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 import contextlib
 import datetime
 import json
@@ -64,7 +65,7 @@ import math
 import os
 import re
 import tempfile
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -77,9 +78,9 @@ RESULTS_MD = "results.md"
 _MD_MARKER = re.compile(r"<!--\s*owl_cl-results\s+run_id=\"([^\"]*)\"")
 
 _DEFAULT_LABELS = {
-    "pretrain": "O365 stand-in",
-    "open_vocab": "LVIS stand-in",
-    "held_out": "held-out (rare)",
+  "pretrain": "O365 stand-in",
+  "open_vocab": "LVIS stand-in",
+  "held_out": "held-out (rare)",
 }
 # Label of the held-out column when there is no separate open-vocabulary (LVIS) column.
 _HELD_OUT_ONLY_LABEL = "LVIS stand-in / held-out (rare)"
@@ -94,6 +95,7 @@ class ResultsConflictError(FileExistsError):
 # ------------------------------------------------------------------------------------------
 # Sanitising and schema completion.
 # ------------------------------------------------------------------------------------------
+
 
 def _to_jsonable(value: Any) -> Any:
   """numpy / ConfigDict / NaN -> plain JSON values (NaN and inf -> None)."""
@@ -135,12 +137,16 @@ def _normalize_role(role: Any, key: str) -> dict[str, Any]:
   return role
 
 
-def _normalize_roles(roles: Mapping[str, Any] | None, sequence: Sequence[str],
-                     stages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def _normalize_roles(
+  roles: Mapping[str, Any] | None, sequence: Sequence[str], stages: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
   roles = dict(roles or {})
   out = {key: _normalize_role(roles.get(key), key) for key in _COLUMNS}
-  if (out["open_vocab"]["eval_set"] is None and out["held_out"]["eval_set"] is not None
-      and not (isinstance(roles.get("held_out"), Mapping) and "label" in roles["held_out"])):
+  if (
+    out["open_vocab"]["eval_set"] is None
+    and out["held_out"]["eval_set"] is not None
+    and not (isinstance(roles.get("held_out"), Mapping) and "label" in roles["held_out"])
+  ):
     out["held_out"]["label"] = _HELD_OUT_ONLY_LABEL
   downstream = roles.get("downstream")
   if downstream is None:
@@ -197,7 +203,7 @@ def table3_row(stage: Mapping[str, Any], roles: Mapping[str, Any]) -> dict[str, 
 def _eval_set_order(results: Mapping[str, Any]) -> list[str]:
   roles = results["roles"]
   order: list[str] = []
-  for name in ([roles[k]["eval_set"] for k in _COLUMNS] + list(roles["downstream"])):
+  for name in [roles[k]["eval_set"] for k in _COLUMNS] + list(roles["downstream"]):
     if name is not None and name not in order:
       order.append(name)
   for stage in results["stages"]:
@@ -243,9 +249,13 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
   if len(set(names)) != len(names):
     raise ValueError(f"Duplicate stage names: {names}.")
   sequence = [str(s) for s in (results.get("sequence") or [])]
-  out = {key: value for key, value in results.items()
-         if key not in ("summary", "forgetting", "eval_sets")}
-  out.update({
+  out = {
+    key: value
+    for key, value in results.items()
+    if key not in ("summary", "forgetting", "eval_sets")
+  }
+  out.update(
+    {
       "schema": SCHEMA,
       "schema_version": SCHEMA_VERSION,
       "run_id": results["run_id"],
@@ -258,33 +268,34 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
       "metadata": results.get("metadata") or {},
       "created_at": results.get("created_at"),
       "updated_at": results.get("updated_at"),
-      "roles": _normalize_roles(results.get("roles") or results.get("eval_sets"), sequence,
-                                stages),
+      "roles": _normalize_roles(results.get("roles") or results.get("eval_sets"), sequence, stages),
       "stages": stages,
-  })
+    }
+  )
   roles = out["roles"]
   out["summary"] = {
-      "no_finetuning": table3_row(stages[0], roles),
-      "final": table3_row(stages[-1], roles),
-      "num_downstream": len(roles["downstream"]),
-      "stages_completed": len(stages),
-      "stages_expected": len(sequence) + 1 if sequence else None,
+    "no_finetuning": table3_row(stages[0], roles),
+    "final": table3_row(stages[-1], roles),
+    "num_downstream": len(roles["downstream"]),
+    "stages_completed": len(stages),
+    "stages_expected": len(sequence) + 1 if sequence else None,
   }
   eval_sets = _eval_set_order(out)
   stage_keys = [s.get("trained_on") or s["name"] for s in stages]
   trained_at = forgetting_lib.trained_at_from_names(
-      stage_keys, eval_sets, downstream=[d for d in roles["downstream"] if d in eval_sets])
+    stage_keys, eval_sets, downstream=[d for d in roles["downstream"] if d in eval_sets]
+  )
   out["forgetting"] = {}
   for metric in ("AP", "AP50"):
     A, _, _ = forgetting_lib.accuracy_matrix(stages, eval_sets, metric=metric)
-    out["forgetting"][metric] = forgetting_lib.forgetting_summary(A, names, eval_sets,
-                                                                  trained_at)
+    out["forgetting"][metric] = forgetting_lib.forgetting_summary(A, names, eval_sets, trained_at)
   return _to_jsonable(out)
 
 
 # ------------------------------------------------------------------------------------------
 # Markdown.
 # ------------------------------------------------------------------------------------------
+
 
 def _pct(value: Any, signed: bool = False) -> str:
   if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -310,15 +321,16 @@ def _column_titles(roles: Mapping[str, Any]) -> list[str]:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-  lines = ["| " + " | ".join(header) + " |",
-           "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+  lines = [
+    "| " + " | ".join(header) + " |",
+    "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+  ]
   lines += ["| " + " | ".join(row) + " |" for row in rows]
   return lines
 
 
 def _row_cells(row: Mapping[str, Any], suffix: str, roles: Mapping[str, Any]) -> list[str]:
-  return [_pct(row.get(f"{key}_{suffix}")) for key in
-          _shown_columns(roles) + ["downstream_mean"]]
+  return [_pct(row.get(f"{key}_{suffix}")) for key in _shown_columns(roles) + ["downstream_mean"]]
 
 
 def _partial_note(summary: Mapping[str, Any]) -> str:
@@ -339,28 +351,59 @@ def _replay_section(results: Mapping[str, Any]) -> list[str]:
   if not trained:
     return []
   modes = sorted({str(t.get("loss_adaptivity")) for _, t in trained})
-  thresholds = sorted({t.get("loss_threshold") for _, t in trained
-                       if t.get("loss_threshold") is not None})
-  lines = ["## Replay (paper Table 4: fraction replayed)", "",
-           f"- loss adaptivity: {', '.join(modes)}"
-           + (f" (threshold l = {', '.join(f'{x:g}' for x in thresholds)})"
-              if thresholds else ""), ""]
+  thresholds = sorted(
+    {t.get("loss_threshold") for _, t in trained if t.get("loss_threshold") is not None}
+  )
+  lines = [
+    "## Replay (paper Table 4: fraction replayed)",
+    "",
+    f"- loss adaptivity: {', '.join(modes)}"
+    + (f" (threshold l = {', '.join(f'{x:g}' for x in thresholds)})" if thresholds else ""),
+    "",
+  ]
   rows = []
-  totals = {"steps": 0, "replay_steps": 0, "replays_in_loss": 0, "replay_slots": 0,
-            "replayed_images": 0}
+  totals = {
+    "steps": 0,
+    "replay_steps": 0,
+    "replays_in_loss": 0,
+    "replay_slots": 0,
+    "replayed_images": 0,
+  }
   for name, t in trained:
-    rows.append([f"`{name}`", str(t.get("steps", "-")), str(t.get("replayed_images", "-")),
-                 str(t.get("replays_in_loss", "-")), _pct(t.get("replay_steps_fraction")),
-                 _pct(t.get("replay_samples_fraction"))])
+    rows.append(
+      [
+        f"`{name}`",
+        str(t.get("steps", "-")),
+        str(t.get("replayed_images", "-")),
+        str(t.get("replays_in_loss", "-")),
+        _pct(t.get("replay_steps_fraction")),
+        _pct(t.get("replay_samples_fraction")),
+      ]
+    )
     for key in totals:
       totals[key] += int(t.get(key) or 0)
   steps, slots = totals["steps"], totals["replay_slots"]
-  rows.append(["all", str(steps), str(totals["replayed_images"]),
-               str(totals["replays_in_loss"]),
-               _pct(totals["replay_steps"] / steps if steps else None),
-               _pct(totals["replays_in_loss"] / slots if slots else None)])
-  lines += _table(["Dataset", "steps", "retrieved images", "replays in loss",
-                   "steps with replay (%)", "samples replayed (%)"], rows)
+  rows.append(
+    [
+      "all",
+      str(steps),
+      str(totals["replayed_images"]),
+      str(totals["replays_in_loss"]),
+      _pct(totals["replay_steps"] / steps if steps else None),
+      _pct(totals["replays_in_loss"] / slots if slots else None),
+    ]
+  )
+  lines += _table(
+    [
+      "Dataset",
+      "steps",
+      "retrieved images",
+      "replays in loss",
+      "steps with replay (%)",
+      "samples replayed (%)",
+    ],
+    rows,
+  )
   return lines + [""]
 
 
@@ -384,21 +427,26 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
   roles = results["roles"]
   summary = results["summary"]
   algo = results["algorithm"]
-  lines = [f'<!-- owl_cl-results run_id="{results["run_id"]}" '
-           f'schema_version={results["schema_version"]} -->',
-           f"# Results: {algo}", ""]
+  lines = [
+    f'<!-- owl_cl-results run_id="{results["run_id"]}" '
+    f"schema_version={results['schema_version']} -->",
+    f"# Results: {algo}",
+    "",
+  ]
   lines.append(f"- run id: `{results['run_id']}`")
   if results.get("status"):
     lines.append(f"- status: {results['status']}")
   if results.get("seed") is not None:
     lines.append(f"- seed: {results['seed']}")
   if results.get("sequence"):
-    lines.append(f"- sequence ({len(results['sequence'])}): "
-                 + " -> ".join(results["sequence"]))
-  lines.append(f"- stages completed: {summary['stages_completed'] - 1} datasets after "
-               "pre-training" + _partial_note(summary))
-  total = ((results.get("wall_times") or {}).get("total")
-           or (results.get("timings") or {}).get("wall_seconds"))
+    lines.append(f"- sequence ({len(results['sequence'])}): " + " -> ".join(results["sequence"]))
+  lines.append(
+    f"- stages completed: {summary['stages_completed'] - 1} datasets after "
+    "pre-training" + _partial_note(summary)
+  )
+  total = (results.get("wall_times") or {}).get("total") or (results.get("timings") or {}).get(
+    "wall_seconds"
+  )
   if total is not None:
     lines.append(f"- wall time: {total / 3600:.2f} h")
   if results.get("updated_at"):
@@ -408,8 +456,10 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
   header = ["Algorithm"] + _column_titles(roles)
   for suffix, title in (("AP", "mAP@[.5:.95]"), ("AP50", "AP50")):
     lines += [f"## Table 3 layout: {title} (%) after stage `{summary['final']['stage']}`", ""]
-    rows = [["No fine-tuning"] + _row_cells(summary["no_finetuning"], suffix, roles),
-            [algo + _partial_note(summary)] + _row_cells(summary["final"], suffix, roles)]
+    rows = [
+      ["No fine-tuning"] + _row_cells(summary["no_finetuning"], suffix, roles),
+      [algo + _partial_note(summary)] + _row_cells(summary["final"], suffix, roles),
+    ]
     lines += _table(header, rows) + [""]
 
   eval_sets = _eval_set_order(results)
@@ -425,32 +475,59 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
     lines.append("")
 
   lines += _replay_section(results)
-  lines += ["## Forgetting and transfer (points, %)", "",
-            "Forgetting f_j = max over stages since j was learned (before the last) of the "
-            "metric minus its final value (Chaudhry et al. 2018); BWT = mean over downstream "
-            "sets learned before the last stage of final minus just-after-learning (Lopez-Paz "
-            "& Ranzato 2017); FWT = mean of the metric just before learning minus after "
-            "pre-training (zero-shot reference); retained = final / after pre-training.", ""]
+  lines += [
+    "## Forgetting and transfer (points, %)",
+    "",
+    "Forgetting f_j = max over stages since j was learned (before the last) of the "
+    "metric minus its final value (Chaudhry et al. 2018); BWT = mean over downstream "
+    "sets learned before the last stage of final minus just-after-learning (Lopez-Paz "
+    "& Ranzato 2017); FWT = mean of the metric just before learning minus after "
+    "pre-training (zero-shot reference); retained = final / after pre-training.",
+    "",
+  ]
   for metric in ("AP", "AP50"):
     f = results["forgetting"][metric]
     rows = []
     for name in eval_sets:
       s = f["per_set"][name]
-      rows.append([f"`{name}`", s["trained_at"] or "-", _pct(s["initial"]),
-                   _pct(s["best_before_final"]), _pct(s["final"]), _pct(s["forgetting"]),
-                   _pct(s["retained_fraction"])])
+      rows.append(
+        [
+          f"`{name}`",
+          s["trained_at"] or "-",
+          _pct(s["initial"]),
+          _pct(s["best_before_final"]),
+          _pct(s["final"]),
+          _pct(s["forgetting"]),
+          _pct(s["retained_fraction"]),
+        ]
+      )
     lines += [f"### {metric}", ""]
-    lines += _table(["Eval set", "trained at", "after pre-training", "best before final",
-                     "final", "forgetting", "retained (%)"], rows)
-    lines += ["", f"- average forgetting: {_pct(f['average_forgetting'])}",
-              f"- BWT: {_pct(f['bwt'], signed=True)}",
-              f"- FWT: {_pct(f['fwt'], signed=True)}", ""]
+    lines += _table(
+      [
+        "Eval set",
+        "trained at",
+        "after pre-training",
+        "best before final",
+        "final",
+        "forgetting",
+        "retained (%)",
+      ],
+      rows,
+    )
+    lines += [
+      "",
+      f"- average forgetting: {_pct(f['average_forgetting'])}",
+      f"- BWT: {_pct(f['bwt'], signed=True)}",
+      f"- FWT: {_pct(f['fwt'], signed=True)}",
+      "",
+    ]
   return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------
 # Writing.
 # ------------------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _locked(workdir: str) -> Iterator[None]:
@@ -472,8 +549,7 @@ def _locked(workdir: str) -> Iterator[None]:
 def _atomic_write_text(path: str, text: str) -> None:
   """Writes `text` to a temporary file next to `path`, fsyncs it, then `os.replace`s it."""
   directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
-                             suffix=".tmp")
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
@@ -492,7 +568,8 @@ def _owner_of_json(path: str) -> tuple[str | None, dict[str, Any] | None]:
       data = json.load(f)
   except (OSError, ValueError) as e:
     raise ResultsConflictError(
-        f"{path} exists but cannot be read ({e}); refusing to overwrite it.") from e
+      f"{path} exists but cannot be read ({e}); refusing to overwrite it."
+    ) from e
   run_id = data.get("run_id") if isinstance(data, dict) else None
   if not isinstance(run_id, str):
     raise ResultsConflictError(f"{path} exists but has no run_id; refusing to overwrite it.")
@@ -507,8 +584,9 @@ def _owner_of_md(path: str) -> str:
     raise ResultsConflictError(f"{path} exists but cannot be read ({e}).") from e
   match = _MD_MARKER.search(first)
   if not match:
-    raise ResultsConflictError(f"{path} exists but has no owl_cl run marker; refusing to "
-                               "overwrite it.")
+    raise ResultsConflictError(
+      f"{path} exists but has no owl_cl run marker; refusing to overwrite it."
+    )
   return match.group(1)
 
 
@@ -540,15 +618,17 @@ def write_results(workdir: str, results: Mapping[str, Any]) -> dict[str, Any]:
       owner, old = _owner_of_json(json_path)
       if owner != final["run_id"]:
         raise ResultsConflictError(
-            f"{json_path} belongs to run {owner!r}, not {final['run_id']!r}; refusing to "
-            "overwrite another run's results.")
+          f"{json_path} belongs to run {owner!r}, not {final['run_id']!r}; refusing to "
+          "overwrite another run's results."
+        )
       created_at = (old or {}).get("created_at")
     if os.path.exists(md_path):
       owner = _owner_of_md(md_path)
       if owner != final["run_id"]:
         raise ResultsConflictError(
-            f"{md_path} belongs to run {owner!r}, not {final['run_id']!r}; refusing to "
-            "overwrite another run's results.")
+          f"{md_path} belongs to run {owner!r}, not {final['run_id']!r}; refusing to "
+          "overwrite another run's results."
+        )
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     final["created_at"] = created_at or final.get("created_at") or now
     final["updated_at"] = now
@@ -577,14 +657,16 @@ def load_results(path: str) -> dict[str, Any]:
   if not isinstance(data, dict) or data.get("schema") != SCHEMA:
     raise ValueError(f"{path} is not an {SCHEMA} file.")
   if int(data.get("schema_version", 0)) > SCHEMA_VERSION:
-    raise ValueError(f"{path} has schema_version {data.get('schema_version')}, newer than "
-                     f"{SCHEMA_VERSION}.")
+    raise ValueError(
+      f"{path} has schema_version {data.get('schema_version')}, newer than {SCHEMA_VERSION}."
+    )
   return finalize_results(data)
 
 
 # ------------------------------------------------------------------------------------------
 # Several runs -> one Table 3.
 # ------------------------------------------------------------------------------------------
+
 
 def _mean_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
   out = {}
@@ -620,14 +702,15 @@ def merge_results_tables(paths: Sequence[str], *, group_by_algorithm: bool = Tru
   reference = runs[0]["roles"]
 
   def signature(roles):
-    return ([(roles[k]["eval_set"], roles[k]["AP"]) for k in _COLUMNS],
-            sorted(roles["downstream"]))
+    return ([(roles[k]["eval_set"], roles[k]["AP"]) for k in _COLUMNS], sorted(roles["downstream"]))
 
   for run in runs[1:]:
     if signature(run["roles"]) != signature(reference):
-      raise ValueError(f"Run {run['run_id']!r} uses different evaluation sets "
-                       f"({signature(run['roles'])}) than {runs[0]['run_id']!r} "
-                       f"({signature(reference)}); refusing to merge.")
+      raise ValueError(
+        f"Run {run['run_id']!r} uses different evaluation sets "
+        f"({signature(run['roles'])}) than {runs[0]['run_id']!r} "
+        f"({signature(reference)}); refusing to merge."
+      )
   groups: dict[str, list[dict[str, Any]]] = {}
   for run in runs:
     key = run["algorithm"] if group_by_algorithm else f"{run['algorithm']} ({run['run_id']})"
@@ -636,7 +719,7 @@ def merge_results_tables(paths: Sequence[str], *, group_by_algorithm: bool = Tru
   baseline_rows = [r["summary"]["no_finetuning"] for r in runs]
   baseline = _mean_rows(baseline_rows)
   spread = 0.0
-  for key, value in baseline.items():
+  for key, _value in baseline.items():
     values = [_num(r.get(key)) for r in baseline_rows]
     values = [v for v in values if not math.isnan(v)]
     if values:
@@ -650,12 +733,16 @@ def merge_results_tables(paths: Sequence[str], *, group_by_algorithm: bool = Tru
     for label, members in groups.items():
       partial = any(_partial_note(m["summary"]) for m in members)
       mean = _mean_rows([m["summary"]["final"] for m in members])
-      rows.append([label + (" (partial)" if partial else ""), str(len(members))]
-                  + _row_cells(mean, suffix, reference))
+      rows.append(
+        [label + (" (partial)" if partial else ""), str(len(members))]
+        + _row_cells(mean, suffix, reference)
+      )
     lines += _table(header, rows) + [""]
   if spread > 0.0005:
-    lines.append(f"Note: the runs' after-pre-training (No fine-tuning) values differ by up to "
-                 f"{100 * spread:.1f} points; the row shows their mean.")
+    lines.append(
+      f"Note: the runs' after-pre-training (No fine-tuning) values differ by up to "
+      f"{100 * spread:.1f} points; the row shows their mean."
+    )
     lines.append("")
   return "\n".join(lines)
 
@@ -668,11 +755,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     SystemExit: bad arguments (argparse); ValueError: see `merge_results_tables`.
   """
   import argparse  # pylint: disable=g-import-not-at-top
-  parser = argparse.ArgumentParser(prog="python -m owl_cl.eval.results",
-                                   description=main.__doc__.splitlines()[0])
+
+  parser = argparse.ArgumentParser(
+    prog="python -m owl_cl.eval.results", description=main.__doc__.splitlines()[0]
+  )
   parser.add_argument("runs", nargs="+", help="workdirs or results.json files")
-  parser.add_argument("--per-run", action="store_true",
-                      help="one row per run instead of averaging runs of the same algorithm")
+  parser.add_argument(
+    "--per-run",
+    action="store_true",
+    help="one row per run instead of averaging runs of the same algorithm",
+  )
   args = parser.parse_args(argv)
   print(merge_results_tables(args.runs, group_by_algorithm=not args.per_run))
   return 0

@@ -11,33 +11,29 @@ Public API (CONVENTIONS.md, Model / Tokenizer; SPEC §1, §2):
 """
 
 from owl_cl.model.clip import quick_gelu
-from owl_cl.model.owl_vit import (
-    VARIANTS,
-    ModelConfig,
-    OwlViT,
-    compute_box_bias,
-    create_model,
-    get_variant_config,
-)
-from owl_cl.model.tokenizer import (
-    WordHashTokenizer,
-    canonicalize_label,
-    get_tokenizer,
-    known_tokenizers,
-    register_tokenizer,
-)
+from owl_cl.model.owl_vit import VARIANTS
+from owl_cl.model.owl_vit import ModelConfig
+from owl_cl.model.owl_vit import OwlViT
+from owl_cl.model.owl_vit import compute_box_bias
+from owl_cl.model.owl_vit import create_model
+from owl_cl.model.owl_vit import get_variant_config
+from owl_cl.model.tokenizer import WordHashTokenizer
+from owl_cl.model.tokenizer import canonicalize_label
+from owl_cl.model.tokenizer import get_tokenizer
+from owl_cl.model.tokenizer import known_tokenizers
+from owl_cl.model.tokenizer import register_tokenizer
 
 __all__ = [
-    "ModelConfig",
-    "OwlViT",
-    "VARIANTS",
-    "WordHashTokenizer",
-    "canonicalize_label",
-    "compute_box_bias",
-    "create_model",
-    "get_tokenizer",
-    "get_variant_config",
-    "known_tokenizers",
-    "quick_gelu",
-    "register_tokenizer",
+  "ModelConfig",
+  "OwlViT",
+  "VARIANTS",
+  "WordHashTokenizer",
+  "canonicalize_label",
+  "compute_box_bias",
+  "create_model",
+  "get_tokenizer",
+  "get_variant_config",
+  "known_tokenizers",
+  "quick_gelu",
+  "register_tokenizer",
 ]

@@ -22,24 +22,25 @@ Both give the same 49,408 ids for the released vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
 import gzip
 import json
 import os
-from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from owl_cl.model.tokenizer import DEFAULT_CONTEXT_LENGTH, canonicalize_label
+from owl_cl.model.tokenizer import DEFAULT_CONTEXT_LENGTH
+from owl_cl.model.tokenizer import canonicalize_label
 
 __all__ = [
-    "ClipTokenizer",
-    "END_OF_TEXT",
-    "OPENAI_NUM_MERGES",
-    "START_OF_TEXT",
-    "bytes_to_unicode",
-    "load_vocabulary",
-    "openai_bpe_vocabulary",
+  "ClipTokenizer",
+  "END_OF_TEXT",
+  "OPENAI_NUM_MERGES",
+  "START_OF_TEXT",
+  "bytes_to_unicode",
+  "load_vocabulary",
+  "openai_bpe_vocabulary",
 ]
 
 START_OF_TEXT = "<|startoftext|>"
@@ -47,12 +48,14 @@ END_OF_TEXT = "<|endoftext|>"
 #: OpenAI's SimpleTokenizer keeps merge lines [1, 49152 - 256 - 2 + 1) of the bpe file.
 OPENAI_NUM_MERGES = 49152 - 256 - 2
 #: CLIP's pre-tokenisation pattern (OpenAI `simple_tokenizer.py`, HF `CLIPTokenizer`).
-_SPLIT_PATTERN = (r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|"""
-                  r"""[\p{N}]|[^\s\p{L}\p{N}]+""")
+_SPLIT_PATTERN = (
+  r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|"""
+  r"""[\p{N}]|[^\s\p{L}\p{N}]+"""
+)
 
 
 @functools.lru_cache(maxsize=1)
-def bytes_to_unicode() -> Dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
   """The reversible byte -> unicode-character table of byte-level BPE (GPT-2 / CLIP).
 
   Printable Latin-1 bytes ('!'..'~', '¡'..'¬', '®'..'ÿ') map to themselves; the other 68 bytes
@@ -65,8 +68,11 @@ def bytes_to_unicode() -> Dict[int, str]:
   Source: OpenAI CLIP `clip/simple_tokenizer.py` (``bytes_to_unicode``). The same table is
   built inside `tokenizers`' ByteLevel pre-tokenizer, which does not expose its order.
   """
-  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-               + list(range(ord("®"), ord("ÿ") + 1)))
+  printable = (
+    list(range(ord("!"), ord("~") + 1))
+    + list(range(ord("¡"), ord("¬") + 1))
+    + list(range(ord("®"), ord("ÿ") + 1))
+  )
   table = {b: chr(b) for b in printable}
   extra = 0
   for b in range(256):
@@ -82,8 +88,9 @@ def _read_text(path: str) -> str:
     return f.read().decode("utf-8")
 
 
-def openai_bpe_vocabulary(path: str, num_merges: int = OPENAI_NUM_MERGES
-                          ) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
+def openai_bpe_vocabulary(
+  path: str, num_merges: int = OPENAI_NUM_MERGES
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
   """Vocabulary and merges from OpenAI's ``bpe_simple_vocab_16e6.txt.gz``.
 
   Built as OpenAI's ``SimpleTokenizer``: line 0 of the file is a header and skipped; merge
@@ -109,8 +116,8 @@ def openai_bpe_vocabulary(path: str, num_merges: int = OPENAI_NUM_MERGES
   if not os.path.isfile(path):
     raise FileNotFoundError(f"CLIP BPE vocabulary file not found: {path}")
   lines = _read_text(path).split("\n")
-  merges: List[Tuple[str, str]] = []
-  for number, line in enumerate(lines[1:num_merges + 1], start=2):
+  merges: list[tuple[str, str]] = []
+  for number, line in enumerate(lines[1 : num_merges + 1], start=2):
     if not line.strip():
       continue
     parts = line.split()
@@ -126,20 +133,22 @@ def openai_bpe_vocabulary(path: str, num_merges: int = OPENAI_NUM_MERGES
   return vocab, merges
 
 
-def _hf_vocabulary(vocab_file: str, merges_file: str
-                   ) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
+def _hf_vocabulary(
+  vocab_file: str, merges_file: str
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
   """(vocab, merges) from an HF ``vocab.json`` + ``merges.txt`` pair."""
   if not os.path.isfile(merges_file):
-    raise FileNotFoundError(f"CLIP BPE merges file not found: {merges_file} (needed next to "
-                            f"{vocab_file})")
+    raise FileNotFoundError(
+      f"CLIP BPE merges file not found: {merges_file} (needed next to {vocab_file})"
+    )
   try:
-    with open(vocab_file, "r", encoding="utf-8") as f:
+    with open(vocab_file, encoding="utf-8") as f:
       vocab = json.load(f)
   except json.JSONDecodeError as e:
     raise ValueError(f"{vocab_file}: not valid json ({e})") from e
   if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
     raise ValueError(f"{vocab_file}: must map token strings to integer ids")
-  merges: List[Tuple[str, str]] = []
+  merges: list[tuple[str, str]] = []
   for number, line in enumerate(_read_text(merges_file).split("\n"), start=1):
     if not line.strip() or (number == 1 and line.startswith("#version")):
       continue
@@ -150,7 +159,7 @@ def _hf_vocabulary(vocab_file: str, merges_file: str
   return vocab, merges
 
 
-def load_vocabulary(vocab_path: str) -> Tuple[Dict[str, int], List[Tuple[str, str]], str]:
+def load_vocabulary(vocab_path: str) -> tuple[dict[str, int], list[tuple[str, str]], str]:
   """Reads a CLIP BPE vocabulary from any of the supported locations.
 
   Args:
@@ -178,13 +187,15 @@ def load_vocabulary(vocab_path: str) -> Tuple[Dict[str, int], List[Tuple[str, st
         bpe_file = os.path.join(path, name)
         return (*openai_bpe_vocabulary(bpe_file), bpe_file)
     raise FileNotFoundError(
-        f"CLIP tokenizer vocabulary not found in folder {path}: expected vocab.json + "
-        "merges.txt (HF checkpoint folder) or bpe_simple_vocab_16e6.txt.gz (OpenAI)")
+      f"CLIP tokenizer vocabulary not found in folder {path}: expected vocab.json + "
+      "merges.txt (HF checkpoint folder) or bpe_simple_vocab_16e6.txt.gz (OpenAI)"
+    )
   if not os.path.isfile(path):
     raise FileNotFoundError(
-        f"CLIP tokenizer vocabulary not found: {path} (give an HF checkpoint folder with "
-        "vocab.json + merges.txt, a vocab.json, or OpenAI's bpe_simple_vocab_16e6.txt.gz; "
-        "config field model.tokenizer_vocab_path)")
+      f"CLIP tokenizer vocabulary not found: {path} (give an HF checkpoint folder with "
+      "vocab.json + merges.txt, a vocab.json, or OpenAI's bpe_simple_vocab_16e6.txt.gz; "
+      "config field model.tokenizer_vocab_path)"
+    )
   if path.endswith(".json"):
     vocab, merges = _hf_vocabulary(path, os.path.join(os.path.dirname(path), "merges.txt"))
     return vocab, merges, f"{path} + merges.txt"
@@ -216,16 +227,25 @@ class ClipTokenizer:
   `clip/simple_tokenizer.py`; transformers ``CLIPTokenizer`` (the `tokenizers` configuration).
   """
 
-  def __init__(self, vocab_path: Optional[str] = None,
-               context_length: int = DEFAULT_CONTEXT_LENGTH, canonicalize: bool = True):
+  def __init__(
+    self,
+    vocab_path: str | None = None,
+    context_length: int = DEFAULT_CONTEXT_LENGTH,
+    canonicalize: bool = True,
+  ):
     if vocab_path is None:
       raise ValueError(
-          "the 'clip' tokenizer needs a local vocabulary: get_tokenizer('clip', vocab_path=...) "
-          "(config field model.tokenizer_vocab_path): an HF checkpoint folder with vocab.json "
-          "+ merges.txt, or OpenAI's bpe_simple_vocab_16e6.txt.gz")
+        "the 'clip' tokenizer needs a local vocabulary: get_tokenizer('clip', vocab_path=...) "
+        "(config field model.tokenizer_vocab_path): an HF checkpoint folder with vocab.json "
+        "+ merges.txt, or OpenAI's bpe_simple_vocab_16e6.txt.gz"
+      )
     if int(context_length) < 2:
       raise ValueError(f"context_length must be >= 2, got {context_length}")
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers  # pylint: disable=g-import-not-at-top
+    from tokenizers import Regex  # pylint: disable=g-import-not-at-top
+    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+    from tokenizers import models  # pylint: disable=g-import-not-at-top
+    from tokenizers import normalizers  # pylint: disable=g-import-not-at-top
+    from tokenizers import pre_tokenizers  # pylint: disable=g-import-not-at-top
 
     vocab, merges, description = load_vocabulary(vocab_path)
     for special in (START_OF_TEXT, END_OF_TEXT):
@@ -238,15 +258,25 @@ class ClipTokenizer:
     self._sot = int(vocab[START_OF_TEXT])
     self._eot = int(vocab[END_OF_TEXT])
     self._vocab_size = max(int(v) for v in vocab.values()) + 1
-    tokenizer = Tokenizer(models.BPE(
-        vocab=dict(vocab), merges=list(merges), continuing_subword_prefix="",
-        end_of_word_suffix="</w>", fuse_unk=False, unk_token=END_OF_TEXT))
+    tokenizer = Tokenizer(
+      models.BPE(
+        vocab=dict(vocab),
+        merges=list(merges),
+        continuing_subword_prefix="",
+        end_of_word_suffix="</w>",
+        fuse_unk=False,
+        unk_token=END_OF_TEXT,
+      )
+    )
     tokenizer.normalizer = normalizers.Sequence(
-        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+      [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+      [
         pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="removed", invert=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+      ]
+    )
     self._tokenizer = tokenizer
 
   @property
@@ -269,7 +299,7 @@ class ClipTokenizer:
     """Id of ``<|endoftext|>`` (49407 for the released vocabulary; the largest id)."""
     return self._eot
 
-  def bpe_ids(self, texts: Sequence[str]) -> List[List[int]]:
+  def bpe_ids(self, texts: Sequence[str]) -> list[list[int]]:
     """BPE ids of each text without SOT/EOT, truncation or padding (``list[list[int]]``).
 
     Canonicalises first when the tokenizer was built with ``canonicalize=True``.
@@ -280,11 +310,11 @@ class ClipTokenizer:
     encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
     return [list(e.ids) for e in encodings]
 
-  def tokenize(self, text: str) -> List[int]:
+  def tokenize(self, text: str) -> list[int]:
     """Token ids of one text, ``[SOT] + bpe + [EOT]`` cut to ``context_length`` (unpadded)."""
     return ([self._sot] + self.bpe_ids([text])[0] + [self._eot])[: self._context_length]
 
-  def encode(self, texts: Union[str, Sequence[str]]) -> np.ndarray:
+  def encode(self, texts: str | Sequence[str]) -> np.ndarray:
     """Encodes texts to OWL-ViT query tokens.
 
     Args:
@@ -307,16 +337,18 @@ class ClipTokenizer:
       out[i, : len(row)] = row
     return out
 
-  def __call__(self, texts: Union[str, Sequence[str]]) -> np.ndarray:
+  def __call__(self, texts: str | Sequence[str]) -> np.ndarray:
     """Alias of :meth:`encode`."""
     return self.encode(texts)
 
   def __repr__(self) -> str:
-    return (f"ClipTokenizer({self._description}, vocab_size={self._vocab_size}, "
-            f"context_length={self._context_length})")
+    return (
+      f"ClipTokenizer({self._description}, vocab_size={self._vocab_size}, "
+      f"context_length={self._context_length})"
+    )
 
 
-def _as_text_list(texts: Union[str, Sequence[str]]) -> list:
+def _as_text_list(texts: str | Sequence[str]) -> list:
   if isinstance(texts, str):
     return [texts]
   texts = list(texts)

@@ -19,8 +19,9 @@ are float32; the merged-class-token LayerNorm, both heads and every output are f
 from __future__ import annotations
 
 import collections.abc
+from collections.abc import Iterator
 import dataclasses
-from typing import Any, Dict, Iterator, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -28,23 +29,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from owl_cl.model import clip as clip_lib
-from owl_cl.model.tokenizer import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE
+from owl_cl.model.tokenizer import DEFAULT_CONTEXT_LENGTH
+from owl_cl.model.tokenizer import DEFAULT_VOCAB_SIZE
 
 __all__ = [
-    "BOX_BIAS_EPS",
-    "ClassPredictor",
-    "ClipImageTextEmbedder",
-    "LOGIT_SHIFT_BIAS_INIT",
-    "MASKED_LOGIT",
-    "MERGED_CLASS_TOKEN_EPS",
-    "ModelConfig",
-    "OwlViT",
-    "PredictorMLP",
-    "VARIANTS",
-    "compute_box_bias",
-    "create_model",
-    "get_variant_config",
-    "logit",
+  "BOX_BIAS_EPS",
+  "ClassPredictor",
+  "ClipImageTextEmbedder",
+  "LOGIT_SHIFT_BIAS_INIT",
+  "MASKED_LOGIT",
+  "MERGED_CLASS_TOKEN_EPS",
+  "ModelConfig",
+  "OwlViT",
+  "PredictorMLP",
+  "VARIANTS",
+  "compute_box_bias",
+  "create_model",
+  "get_variant_config",
+  "logit",
 ]
 
 Dtype = Any
@@ -66,120 +68,165 @@ _NORM_EPS = 1e-6
 # --------------------------------------------------------------------------------------------
 
 _COMMON = dict(
-    context_length=DEFAULT_CONTEXT_LENGTH,
-    text_stochastic_depth=0.1,
-    vision_stochastic_depth=0.2,
-    hf_compat=False,
+  context_length=DEFAULT_CONTEXT_LENGTH,
+  text_stochastic_depth=0.1,
+  vision_stochastic_depth=0.2,
+  hf_compat=False,
 )
 
-VARIANTS: Dict[str, Dict[str, Any]] = {
-    "tiny": dict(
-        _COMMON, tokenizer="word_hash", vocab_size=DEFAULT_VOCAB_SIZE, embed_dim=128,
-        image_size=64, patch_size=8,
-        vision_width=128, vision_layers=4, vision_heads=2, vision_mlp_dim=512,
-        text_width=128, text_layers=2, text_heads=2, text_mlp_dim=512,
-        dtype=jnp.float32),
-    "vit_b32": dict(
-        _COMMON, tokenizer="clip", vocab_size=49408, embed_dim=512,
-        image_size=768, patch_size=32,
-        vision_width=768, vision_layers=12, vision_heads=12, vision_mlp_dim=3072,
-        text_width=512, text_layers=12, text_heads=8, text_mlp_dim=2048,
-        dtype=jnp.bfloat16),
-    "vit_b16": dict(
-        _COMMON, tokenizer="clip", vocab_size=49408, embed_dim=512,
-        image_size=768, patch_size=16,
-        vision_width=768, vision_layers=12, vision_heads=12, vision_mlp_dim=3072,
-        text_width=512, text_layers=12, text_heads=8, text_mlp_dim=2048,
-        dtype=jnp.bfloat16),
-    "vit_l14": dict(
-        _COMMON, tokenizer="clip", vocab_size=49408, embed_dim=768,
-        image_size=840, patch_size=14,
-        vision_width=1024, vision_layers=24, vision_heads=16, vision_mlp_dim=4096,
-        text_width=768, text_layers=12, text_heads=12, text_mlp_dim=3072,
-        dtype=jnp.bfloat16),
+VARIANTS: dict[str, dict[str, Any]] = {
+  "tiny": dict(
+    _COMMON,
+    tokenizer="word_hash",
+    vocab_size=DEFAULT_VOCAB_SIZE,
+    embed_dim=128,
+    image_size=64,
+    patch_size=8,
+    vision_width=128,
+    vision_layers=4,
+    vision_heads=2,
+    vision_mlp_dim=512,
+    text_width=128,
+    text_layers=2,
+    text_heads=2,
+    text_mlp_dim=512,
+    dtype=jnp.float32,
+  ),
+  "vit_b32": dict(
+    _COMMON,
+    tokenizer="clip",
+    vocab_size=49408,
+    embed_dim=512,
+    image_size=768,
+    patch_size=32,
+    vision_width=768,
+    vision_layers=12,
+    vision_heads=12,
+    vision_mlp_dim=3072,
+    text_width=512,
+    text_layers=12,
+    text_heads=8,
+    text_mlp_dim=2048,
+    dtype=jnp.bfloat16,
+  ),
+  "vit_b16": dict(
+    _COMMON,
+    tokenizer="clip",
+    vocab_size=49408,
+    embed_dim=512,
+    image_size=768,
+    patch_size=16,
+    vision_width=768,
+    vision_layers=12,
+    vision_heads=12,
+    vision_mlp_dim=3072,
+    text_width=512,
+    text_layers=12,
+    text_heads=8,
+    text_mlp_dim=2048,
+    dtype=jnp.bfloat16,
+  ),
+  "vit_l14": dict(
+    _COMMON,
+    tokenizer="clip",
+    vocab_size=49408,
+    embed_dim=768,
+    image_size=840,
+    patch_size=14,
+    vision_width=1024,
+    vision_layers=24,
+    vision_heads=16,
+    vision_mlp_dim=4096,
+    text_width=768,
+    text_layers=12,
+    text_heads=12,
+    text_mlp_dim=3072,
+    dtype=jnp.bfloat16,
+  ),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(collections.abc.Mapping):
-    """Frozen model configuration; attribute (``cfg.image_size``) and mapping
-    (``cfg['image_size']``, ``dict(cfg)``, ``**cfg``) access. Fields = :class:`OwlViT` fields,
-    documented in :func:`get_variant_config`. ``replace(**changes)`` returns a modified copy
-    (unknown names raise TypeError). Derived: ``grid_size`` (S / patch), ``num_tokens`` (T).
+  """Frozen model configuration; attribute (``cfg.image_size``) and mapping
+  (``cfg['image_size']``, ``dict(cfg)``, ``**cfg``) access. Fields = :class:`OwlViT` fields,
+  documented in :func:`get_variant_config`. ``replace(**changes)`` returns a modified copy
+  (unknown names raise TypeError). Derived: ``grid_size`` (S / patch), ``num_tokens`` (T).
 
-    Source: SPEC §1 table.
-    """
-    tokenizer: str
-    vocab_size: int
-    context_length: int
-    embed_dim: int
-    image_size: int
-    patch_size: int
-    vision_width: int
-    vision_layers: int
-    vision_heads: int
-    vision_mlp_dim: int
-    text_width: int
-    text_layers: int
-    text_heads: int
-    text_mlp_dim: int
-    text_stochastic_depth: float
-    vision_stochastic_depth: float
-    hf_compat: bool
-    dtype: Any
+  Source: SPEC §1 table.
+  """
 
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
+  tokenizer: str
+  vocab_size: int
+  context_length: int
+  embed_dim: int
+  image_size: int
+  patch_size: int
+  vision_width: int
+  vision_layers: int
+  vision_heads: int
+  vision_mlp_dim: int
+  text_width: int
+  text_layers: int
+  text_heads: int
+  text_mlp_dim: int
+  text_stochastic_depth: float
+  vision_stochastic_depth: float
+  hf_compat: bool
+  dtype: Any
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.__dataclass_fields__)
+  def __getitem__(self, key: str) -> Any:
+    if key not in self.__dataclass_fields__:
+      raise KeyError(key)
+    return getattr(self, key)
 
-    def __len__(self) -> int:
-        return len(self.__dataclass_fields__)
+  def __iter__(self) -> Iterator[str]:
+    return iter(self.__dataclass_fields__)
 
-    def as_dict(self) -> Dict[str, Any]:
-        """A plain, mutable ``dict`` copy."""
-        return {k: getattr(self, k) for k in self}
+  def __len__(self) -> int:
+    return len(self.__dataclass_fields__)
 
-    def replace(self, **changes) -> "ModelConfig":
-        """Copy with some fields replaced."""
-        return dataclasses.replace(self, **changes)
+  def as_dict(self) -> dict[str, Any]:
+    """A plain, mutable ``dict`` copy."""
+    return {k: getattr(self, k) for k in self}
 
-    @property
-    def grid_size(self) -> int:
-        """Tokens per image side, ``image_size // patch_size``."""
-        return self.image_size // self.patch_size
+  def replace(self, **changes) -> ModelConfig:
+    """Copy with some fields replaced."""
+    return dataclasses.replace(self, **changes)
 
-    @property
-    def num_tokens(self) -> int:
-        """Image tokens T = grid_size ** 2."""
-        return self.grid_size ** 2
+  @property
+  def grid_size(self) -> int:
+    """Tokens per image side, ``image_size // patch_size``."""
+    return self.image_size // self.patch_size
+
+  @property
+  def num_tokens(self) -> int:
+    """Image tokens T = grid_size ** 2."""
+    return self.grid_size**2
 
 
 def get_variant_config(variant: str) -> ModelConfig:
-    """Configuration of a model variant (a frozen :class:`ModelConfig`, usable as a mapping).
+  """Configuration of a model variant (a frozen :class:`ModelConfig`, usable as a mapping).
 
-    Keys (= :class:`OwlViT` fields): ``tokenizer`` (str, tokenizer name for
-    ``owl_cl.model.tokenizer.get_tokenizer``), ``vocab_size``, ``context_length`` (L = 16),
-    ``embed_dim`` (E), ``image_size`` (S, pixels), ``patch_size`` (pixels), ``vision_width``
-    (D), ``vision_layers``, ``vision_heads``, ``vision_mlp_dim``, ``text_width``,
-    ``text_layers``, ``text_heads``, ``text_mlp_dim``, ``text_stochastic_depth`` (0.1),
-    ``vision_stochastic_depth`` (0.2), ``hf_compat`` (False), ``dtype`` (compute dtype:
-    float32 for ``tiny``, bfloat16 for the ViT variants, SPEC §0).
+  Keys (= :class:`OwlViT` fields): ``tokenizer`` (str, tokenizer name for
+  ``owl_cl.model.tokenizer.get_tokenizer``), ``vocab_size``, ``context_length`` (L = 16),
+  ``embed_dim`` (E), ``image_size`` (S, pixels), ``patch_size`` (pixels), ``vision_width``
+  (D), ``vision_layers``, ``vision_heads``, ``vision_mlp_dim``, ``text_width``,
+  ``text_layers``, ``text_heads``, ``text_mlp_dim``, ``text_stochastic_depth`` (0.1),
+  ``vision_stochastic_depth`` (0.2), ``hf_compat`` (False), ``dtype`` (compute dtype:
+  float32 for ``tiny``, bfloat16 for the ViT variants, SPEC §0).
 
-    Args:
-      variant: one of ``'tiny'``, ``'vit_b32'``, ``'vit_b16'``, ``'vit_l14'``.
+  Args:
+    variant: one of ``'tiny'``, ``'vit_b32'``, ``'vit_b16'``, ``'vit_l14'``.
 
-    Raises:
-      ValueError: unknown variant (the message lists the known ones).
+  Raises:
+    ValueError: unknown variant (the message lists the known ones).
 
-    Source: SPEC §1 table; scenic `scenic/projects/owl_vit/clip/model.py` (``CONFIGS``).
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown model variant {variant!r}; known: {sorted(VARIANTS)}")
-    return ModelConfig(**VARIANTS[variant])
+  Source: SPEC §1 table; scenic `scenic/projects/owl_vit/clip/model.py` (``CONFIGS``).
+  """
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown model variant {variant!r}; known: {sorted(VARIANTS)}")
+  return ModelConfig(**VARIANTS[variant])
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,52 +235,52 @@ def get_variant_config(variant: str) -> ModelConfig:
 
 
 def logit(x, eps: float = BOX_BIAS_EPS):
-    """Inverse sigmoid with an epsilon: ``log(x + eps) - log1p(-x + eps)``.
+  """Inverse sigmoid with an epsilon: ``log(x + eps) - log1p(-x + eps)``.
 
-    Args:
-      x: float array (numpy or jax), values in [0, 1]. eps: float.
+  Args:
+    x: float array (numpy or jax), values in [0, 1]. eps: float.
 
-    Returns:
-      Array of the same shape/dtype/library.
+  Returns:
+    Array of the same shape/dtype/library.
 
-    Source: SPEC §1 (box bias); scenic `scenic/projects/owl_vit/utils.py` (``logit``).
-    """
-    xp = jnp if isinstance(x, jax.Array) else np
-    return xp.log(x + eps) - xp.log1p(-x + eps)
+  Source: SPEC §1 (box bias); scenic `scenic/projects/owl_vit/utils.py` (``logit``).
+  """
+  xp = jnp if isinstance(x, jax.Array) else np
+  return xp.log(x + eps) - xp.log1p(-x + eps)
 
 
 def compute_box_bias(h: int, w: int) -> np.ndarray:
-    """Box bias of an ``h x w`` token grid, added to the box head's output before sigmoid.
+  """Box bias of an ``h x w`` token grid, added to the box head's output before sigmoid.
 
-    For grid cell (i, j) (row-major token order ``i * w + j``): centre bias
-    ``logit(((j + 1) / w, (i + 1) / h))`` (bottom-right **corners**, clipped to [0, 1]) and size
-    bias ``logit(1 / w)`` for both width and height, with ``logit(x) = log(x + 1e-4) -
-    log1p(-x + 1e-4)``. Computed in float32 as scenic does. Values: 60 x 60 grid: size bias
-    -4.071657, last row/column 9.210275 (9.21044 in float64); 3 x 3 grid: -0.692997, 0.692997,
-    9.210275.
+  For grid cell (i, j) (row-major token order ``i * w + j``): centre bias
+  ``logit(((j + 1) / w, (i + 1) / h))`` (bottom-right **corners**, clipped to [0, 1]) and size
+  bias ``logit(1 / w)`` for both width and height, with ``logit(x) = log(x + 1e-4) -
+  log1p(-x + 1e-4)``. Computed in float32 as scenic does. Values: 60 x 60 grid: size bias
+  -4.071657, last row/column 9.210275 (9.21044 in float64); 3 x 3 grid: -0.692997, 0.692997,
+  9.210275.
 
-    Args:
-      h: grid rows (int >= 1). w: grid columns (int >= 1).
+  Args:
+    h: grid rows (int >= 1). w: grid columns (int >= 1).
 
-    Returns:
-      ``np.ndarray`` float32 ``[h * w, 4]`` ordered (cx, cy, w, h) in logit space.
+  Returns:
+    ``np.ndarray`` float32 ``[h * w, 4]`` ordered (cx, cy, w, h) in logit space.
 
-    Raises:
-      ValueError: if ``h`` or ``w`` < 1.
+  Raises:
+    ValueError: if ``h`` or ``w`` < 1.
 
-    Source: SPEC §1 (box head, box bias); scenic `scenic/projects/owl_vit/utils.py`
-    (``compute_box_bias``, ``normalized_grid_corner_coordinates``, kind='both').
-    """
-    h, w = int(h), int(w)
-    if h < 1 or w < 1:
-        raise ValueError(f"grid must be at least 1x1, got {h}x{w}")
-    xs, ys = np.meshgrid(np.arange(1, w + 1), np.arange(1, h + 1))
-    xy = np.stack([xs, ys], axis=-1).astype(np.float32) / np.array([w, h], np.float32)
-    xy = np.clip(xy.reshape(h * w, 2), 0.0, 1.0)
-    eps = np.float32(BOX_BIAS_EPS)
-    xy_bias = logit(xy, eps)
-    wh_bias = logit(np.full_like(xy, np.float32(1.0) / np.float32(w)), eps)
-    return np.concatenate([xy_bias, wh_bias], axis=-1).astype(np.float32)
+  Source: SPEC §1 (box head, box bias); scenic `scenic/projects/owl_vit/utils.py`
+  (``compute_box_bias``, ``normalized_grid_corner_coordinates``, kind='both').
+  """
+  h, w = int(h), int(w)
+  if h < 1 or w < 1:
+    raise ValueError(f"grid must be at least 1x1, got {h}x{w}")
+  xs, ys = np.meshgrid(np.arange(1, w + 1), np.arange(1, h + 1))
+  xy = np.stack([xs, ys], axis=-1).astype(np.float32) / np.array([w, h], np.float32)
+  xy = np.clip(xy.reshape(h * w, 2), 0.0, 1.0)
+  eps = np.float32(BOX_BIAS_EPS)
+  xy_bias = logit(xy, eps)
+  wh_bias = logit(np.full_like(xy, np.float32(1.0) / np.float32(w)), eps)
+  return np.concatenate([xy_bias, wh_bias], axis=-1).astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,426 +289,481 @@ def compute_box_bias(h: int, w: int) -> np.ndarray:
 
 
 class ClipImageTextEmbedder(nn.Module):
-    """The ``backbone``: CLIP towers (``clip``) + the 'mul-ln' class-token merge.
+  """The ``backbone``: CLIP towers (``clip``) + the 'mul-ln' class-token merge.
 
-    ``embed_images(images [B,S,S,3] in [0,1], train) -> [B, P, D]`` float32: CLIP normalisation,
-    vision tower (all tokens after ``ln_post``), then patches * class token (broadcast) ->
-    LayerNorm ``merged_class_token`` (eps 1e-6; 1e-5 with ``hf_compat``).
-    ``embed_texts(tokens [..., L] int, train) -> [..., E]`` float32 (not normalised).
+  ``embed_images(images [B,S,S,3] in [0,1], train) -> [B, P, D]`` float32: CLIP normalisation,
+  vision tower (all tokens after ``ln_post``), then patches * class token (broadcast) ->
+  LayerNorm ``merged_class_token`` (eps 1e-6; 1e-5 with ``hf_compat``).
+  ``embed_texts(tokens [..., L] int, train) -> [..., E]`` float32 (not normalised).
 
-    Attributes: see :class:`OwlViT` (same names).
+  Attributes: see :class:`OwlViT` (same names).
 
-    Source: SPEC §1 (vision tower, class-token merge); scenic
-    `scenic/projects/owl_vit/layers.py` (``ClipImageTextEmbedder``, merge_class_token='mul-ln').
-    """
-    vocab_size: int
-    context_length: int
-    embed_dim: int
-    patch_size: int
-    vision_width: int
-    vision_layers: int
-    vision_heads: int
-    vision_mlp_dim: int
-    text_width: int
-    text_layers: int
-    text_heads: int
-    text_mlp_dim: int
-    text_stochastic_depth: float = 0.1
-    vision_stochastic_depth: float = 0.2
-    hf_compat: bool = False
-    dtype: Dtype = jnp.float32
+  Source: SPEC §1 (vision tower, class-token merge); scenic
+  `scenic/projects/owl_vit/layers.py` (``ClipImageTextEmbedder``, merge_class_token='mul-ln').
+  """
 
-    def setup(self):
-        self.clip = clip_lib.CLIP(
-            vocab_size=self.vocab_size, embed_dim=self.embed_dim,
-            context_length=self.context_length,
-            text_width=self.text_width, text_layers=self.text_layers,
-            text_heads=self.text_heads, text_mlp_dim=self.text_mlp_dim,
-            vision_width=self.vision_width, vision_layers=self.vision_layers,
-            vision_heads=self.vision_heads, vision_mlp_dim=self.vision_mlp_dim,
-            patch_size=self.patch_size,
-            text_stochastic_droplayer_rate=self.text_stochastic_depth,
-            vision_stochastic_droplayer_rate=self.vision_stochastic_depth,
-            dtype=self.dtype)
-        eps = MERGED_CLASS_TOKEN_EPS_HF if self.hf_compat else MERGED_CLASS_TOKEN_EPS
-        self.merged_class_token = nn.LayerNorm(epsilon=eps, dtype=jnp.float32,
-                                               param_dtype=jnp.float32)
+  vocab_size: int
+  context_length: int
+  embed_dim: int
+  patch_size: int
+  vision_width: int
+  vision_layers: int
+  vision_heads: int
+  vision_mlp_dim: int
+  text_width: int
+  text_layers: int
+  text_heads: int
+  text_mlp_dim: int
+  text_stochastic_depth: float = 0.1
+  vision_stochastic_depth: float = 0.2
+  hf_compat: bool = False
+  dtype: Dtype = jnp.float32
 
-    def embed_images(self, images: jax.Array, train: bool = False) -> jax.Array:
-        """``[B, S, S, 3]`` in [0, 1] -> merged patch tokens ``[B, P, D]`` float32."""
-        x = clip_lib.normalize_image(images)
-        tokens = self.clip.encode_image(x, deterministic=not train).astype(jnp.float32)
-        merged = tokens[:, 1:, :] * tokens[:, :1, :]
-        return self.merged_class_token(merged)
+  def setup(self):
+    self.clip = clip_lib.CLIP(
+      vocab_size=self.vocab_size,
+      embed_dim=self.embed_dim,
+      context_length=self.context_length,
+      text_width=self.text_width,
+      text_layers=self.text_layers,
+      text_heads=self.text_heads,
+      text_mlp_dim=self.text_mlp_dim,
+      vision_width=self.vision_width,
+      vision_layers=self.vision_layers,
+      vision_heads=self.vision_heads,
+      vision_mlp_dim=self.vision_mlp_dim,
+      patch_size=self.patch_size,
+      text_stochastic_droplayer_rate=self.text_stochastic_depth,
+      vision_stochastic_droplayer_rate=self.vision_stochastic_depth,
+      dtype=self.dtype,
+    )
+    eps = MERGED_CLASS_TOKEN_EPS_HF if self.hf_compat else MERGED_CLASS_TOKEN_EPS
+    self.merged_class_token = nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32)
 
-    def embed_texts(self, texts: jax.Array, train: bool = False) -> jax.Array:
-        """``[..., L]`` int tokens -> ``[..., E]`` float32 (rows flattened through the tower)."""
-        lead = texts.shape[:-1]
-        flat = texts.reshape(-1, texts.shape[-1])
-        emb = self.clip.encode_text(flat, deterministic=not train).astype(jnp.float32)
-        return emb.reshape(lead + (emb.shape[-1],))
+  def embed_images(self, images: jax.Array, train: bool = False) -> jax.Array:
+    """``[B, S, S, 3]`` in [0, 1] -> merged patch tokens ``[B, P, D]`` float32."""
+    x = clip_lib.normalize_image(images)
+    tokens = self.clip.encode_image(x, deterministic=not train).astype(jnp.float32)
+    merged = tokens[:, 1:, :] * tokens[:, :1, :]
+    return self.merged_class_token(merged)
 
-    def __call__(self, images=None, texts=None, *, train: bool = False):
-        """Returns ``(image_tokens [B,P,D] or None, text_embeddings [..., E] or None)``."""
-        img = None if images is None else self.embed_images(images, train)
-        txt = None if texts is None else self.embed_texts(texts, train)
-        return img, txt
+  def embed_texts(self, texts: jax.Array, train: bool = False) -> jax.Array:
+    """``[..., L]`` int tokens -> ``[..., E]`` float32 (rows flattened through the tower)."""
+    lead = texts.shape[:-1]
+    flat = texts.reshape(-1, texts.shape[-1])
+    emb = self.clip.encode_text(flat, deterministic=not train).astype(jnp.float32)
+    return emb.reshape(lead + (emb.shape[-1],))
+
+  def __call__(self, images=None, texts=None, *, train: bool = False):
+    """Returns ``(image_tokens [B,P,D] or None, text_embeddings [..., E] or None)``."""
+    img = None if images is None else self.embed_images(images, train)
+    txt = None if texts is None else self.embed_texts(texts, train)
+    return img, txt
 
 
 class ClassPredictor(nn.Module):
-    """Open-vocabulary class head (``class_head``), computed in float32.
+  """Open-vocabulary class head (``class_head``), computed in float32.
 
-    ``e = Dense_0(x)`` (D -> E, kernel init normal(1e-6)) are the class embeddings;
-    ``sim = <e / (||e|| + 1e-6), q / (||q|| + 1e-6)>``; ``shift = logit_shift(x)`` (Dense(1),
-    bias init -4.59512), ``scale = elu(logit_scale(x)) + 1``; ``logits = (sim + shift) * scale``;
-    logits of masked queries (``query_mask == 0``) = -1e6 (float32 min with ``hf_compat``).
+  ``e = Dense_0(x)`` (D -> E, kernel init normal(1e-6)) are the class embeddings;
+  ``sim = <e / (||e|| + 1e-6), q / (||q|| + 1e-6)>``; ``shift = logit_shift(x)`` (Dense(1),
+  bias init -4.59512), ``scale = elu(logit_scale(x)) + 1``; ``logits = (sim + shift) * scale``;
+  logits of masked queries (``query_mask == 0``) = -1e6 (float32 min with ``hf_compat``).
 
-    Attributes:
-      out_dim: E. hf_compat: HF's masked-logit value.
+  Attributes:
+    out_dim: E. hf_compat: HF's masked-logit value.
 
-    Call: ``x [B, T, D]``, ``query_embeddings [B, Q, E]`` or None, ``query_mask [B, Q]``
-    (bool/0-1) or None. Returns ``{'class_embeddings': [B, T, E]}`` plus
-    ``'pred_logits': [B, T, Q]`` when query embeddings are given; float32.
+  Call: ``x [B, T, D]``, ``query_embeddings [B, Q, E]`` or None, ``query_mask [B, Q]``
+  (bool/0-1) or None. Returns ``{'class_embeddings': [B, T, E]}`` plus
+  ``'pred_logits': [B, T, Q]`` when query embeddings are given; float32.
 
-    Source: SPEC §1 (class head); scenic `scenic/projects/owl_vit/layers.py`
-    (``ClassPredictor``, normalize=True).
-    """
-    out_dim: int
-    hf_compat: bool = False
+  Source: SPEC §1 (class head); scenic `scenic/projects/owl_vit/layers.py`
+  (``ClassPredictor``, normalize=True).
+  """
 
-    @nn.compact
-    def __call__(self, x: jax.Array, query_embeddings: Optional[jax.Array] = None,
-                 query_mask: Optional[jax.Array] = None) -> Dict[str, jax.Array]:
-        x = x.astype(jnp.float32)
-        class_emb = nn.Dense(self.out_dim, kernel_init=nn.initializers.normal(1e-6),
-                             dtype=jnp.float32, name="Dense_0")(x)
-        if query_embeddings is None:
-            return {"class_embeddings": class_emb}
-        if query_embeddings.ndim != 3 or query_embeddings.shape[-1] != self.out_dim:
-            raise ValueError(f"query_embeddings must be [B, Q, {self.out_dim}], got "
-                             f"{query_embeddings.shape}")
-        q = query_embeddings.astype(jnp.float32)
-        e = class_emb / (jnp.linalg.norm(class_emb, axis=-1, keepdims=True) + _NORM_EPS)
-        q = q / (jnp.linalg.norm(q, axis=-1, keepdims=True) + _NORM_EPS)
-        logits = jnp.einsum("...pd,...qd->...pq", e, q)
-        shift = nn.Dense(1, bias_init=nn.initializers.constant(LOGIT_SHIFT_BIAS_INIT),
-                         dtype=jnp.float32, name="logit_shift")(x)
-        scale = nn.elu(nn.Dense(1, dtype=jnp.float32, name="logit_scale")(x)) + 1.0
-        logits = (logits + shift) * scale
-        if query_mask is not None:
-            fill = MASKED_LOGIT_HF if self.hf_compat else MASKED_LOGIT
-            valid = jnp.asarray(query_mask) != 0
-            logits = jnp.where(valid[..., None, :], logits, jnp.float32(fill))
-        return {"pred_logits": logits, "class_embeddings": class_emb}
+  out_dim: int
+  hf_compat: bool = False
+
+  @nn.compact
+  def __call__(
+    self,
+    x: jax.Array,
+    query_embeddings: jax.Array | None = None,
+    query_mask: jax.Array | None = None,
+  ) -> dict[str, jax.Array]:
+    x = x.astype(jnp.float32)
+    class_emb = nn.Dense(
+      self.out_dim, kernel_init=nn.initializers.normal(1e-6), dtype=jnp.float32, name="Dense_0"
+    )(x)
+    if query_embeddings is None:
+      return {"class_embeddings": class_emb}
+    if query_embeddings.ndim != 3 or query_embeddings.shape[-1] != self.out_dim:
+      raise ValueError(
+        f"query_embeddings must be [B, Q, {self.out_dim}], got {query_embeddings.shape}"
+      )
+    q = query_embeddings.astype(jnp.float32)
+    e = class_emb / (jnp.linalg.norm(class_emb, axis=-1, keepdims=True) + _NORM_EPS)
+    q = q / (jnp.linalg.norm(q, axis=-1, keepdims=True) + _NORM_EPS)
+    logits = jnp.einsum("...pd,...qd->...pq", e, q)
+    shift = nn.Dense(
+      1,
+      bias_init=nn.initializers.constant(LOGIT_SHIFT_BIAS_INIT),
+      dtype=jnp.float32,
+      name="logit_shift",
+    )(x)
+    scale = nn.elu(nn.Dense(1, dtype=jnp.float32, name="logit_scale")(x)) + 1.0
+    logits = (logits + shift) * scale
+    if query_mask is not None:
+      fill = MASKED_LOGIT_HF if self.hf_compat else MASKED_LOGIT
+      valid = jnp.asarray(query_mask) != 0
+      logits = jnp.where(valid[..., None, :], logits, jnp.float32(fill))
+    return {"pred_logits": logits, "class_embeddings": class_emb}
 
 
 class PredictorMLP(nn.Module):
-    """Box head MLP (``obj_box_head``): Dense(D)-gelu-Dense(D)-gelu-Dense(4, zero init), float32.
+  """Box head MLP (``obj_box_head``): Dense(D)-gelu-Dense(D)-gelu-Dense(4, zero init), float32.
 
-    GELU is flax's default tanh approximation (scenic); exact erf GELU with ``hf_compat``.
+  GELU is flax's default tanh approximation (scenic); exact erf GELU with ``hf_compat``.
 
-    Attributes:
-      out_dim: 4. num_layers: 3. hf_compat: exact GELU.
+  Attributes:
+    out_dim: 4. num_layers: 3. hf_compat: exact GELU.
 
-    Call: ``x [B, T, D]`` -> ``[B, T, out_dim]`` float32 (before box bias and sigmoid).
+  Call: ``x [B, T, D]`` -> ``[B, T, out_dim]`` float32 (before box bias and sigmoid).
 
-    Source: SPEC §1 (box head); scenic `scenic/projects/owl_vit/layers.py` (``PredictorMLP``).
-    """
-    out_dim: int = 4
-    num_layers: int = 3
-    hf_compat: bool = False
+  Source: SPEC §1 (box head); scenic `scenic/projects/owl_vit/layers.py` (``PredictorMLP``).
+  """
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
-        width = x.shape[-1]
-        for i in range(self.num_layers - 1):
-            x = nn.Dense(width, dtype=jnp.float32, name=f"Dense_{i}")(x)
-            x = nn.gelu(x, approximate=not self.hf_compat)
-        return nn.Dense(self.out_dim, kernel_init=nn.initializers.zeros, dtype=jnp.float32,
-                        name=f"Dense_{self.num_layers - 1}")(x)
+  out_dim: int = 4
+  num_layers: int = 3
+  hf_compat: bool = False
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    width = x.shape[-1]
+    for i in range(self.num_layers - 1):
+      x = nn.Dense(width, dtype=jnp.float32, name=f"Dense_{i}")(x)
+      x = nn.gelu(x, approximate=not self.hf_compat)
+    return nn.Dense(
+      self.out_dim,
+      kernel_init=nn.initializers.zeros,
+      dtype=jnp.float32,
+      name=f"Dense_{self.num_layers - 1}",
+    )(x)
 
 
 class OwlViT(nn.Module):
-    """OWL-ViT v1 text-conditioned detector (scenic ``TextZeroShotDetectionModule``).
+  """OWL-ViT v1 text-conditioned detector (scenic ``TextZeroShotDetectionModule``).
 
-    Build with :func:`create_model`. Fields (defaults = the ``tiny`` variant):
-    ``tokenizer`` (name, informational), ``vocab_size``, ``context_length`` (L), ``embed_dim``
-    (E), ``image_size`` (S px), ``patch_size`` (px), ``vision_width`` (D), ``vision_layers``,
-    ``vision_heads``, ``vision_mlp_dim``, ``text_width``, ``text_layers``, ``text_heads``,
-    ``text_mlp_dim``, ``text_stochastic_depth`` (0.1), ``vision_stochastic_depth`` (0.2),
-    ``hf_compat`` (False: scenic; True: HF's merged-LN eps 1e-5, exact-erf GELU in the box
-    head, float32-min masked logits), ``dtype`` (compute dtype of the towers; params float32).
+  Build with :func:`create_model`. Fields (defaults = the ``tiny`` variant):
+  ``tokenizer`` (name, informational), ``vocab_size``, ``context_length`` (L), ``embed_dim``
+  (E), ``image_size`` (S px), ``patch_size`` (px), ``vision_width`` (D), ``vision_layers``,
+  ``vision_heads``, ``vision_mlp_dim``, ``text_width``, ``text_layers``, ``text_heads``,
+  ``text_mlp_dim``, ``text_stochastic_depth`` (0.1), ``vision_stochastic_depth`` (0.2),
+  ``hf_compat`` (False: scenic; True: HF's merged-LN eps 1e-5, exact-erf GELU in the box
+  head, float32-min masked logits), ``dtype`` (compute dtype of the towers; params float32).
 
-    ``model.init(rng, images, queries)`` / ``model.apply(variables, images, queries,
-    train=False)`` -> dict (all float32):
-      ``pred_logits [B, T, Q]`` (padded queries = -1e6), ``pred_boxes [B, T, 4]`` cxcywh in
-      [0, 1] of the padded square, ``class_embeddings [B, T, E]`` (not normalised),
-      ``query_embeddings [B, Q, E]`` (not normalised), ``feature_map [B, h, w, D]``,
-      with ``h = w = S / patch`` and ``T = h * w``.
-    ``train=True`` enables stochastic depth and needs ``rngs={'dropout': key}``.
+  ``model.init(rng, images, queries)`` / ``model.apply(variables, images, queries,
+  train=False)`` -> dict (all float32):
+    ``pred_logits [B, T, Q]`` (padded queries = -1e6), ``pred_boxes [B, T, 4]`` cxcywh in
+    [0, 1] of the padded square, ``class_embeddings [B, T, E]`` (not normalised),
+    ``query_embeddings [B, Q, E]`` (not normalised), ``feature_map [B, h, w, D]``,
+    with ``h = w = S / patch`` and ``T = h * w``.
+  ``train=True`` enables stochastic depth and needs ``rngs={'dropout': key}``.
 
-    Source: SPEC §1, §1.1; scenic `scenic/projects/owl_vit/models.py`.
+  Source: SPEC §1, §1.1; scenic `scenic/projects/owl_vit/models.py`.
+  """
+
+  tokenizer: str = "word_hash"
+  vocab_size: int = DEFAULT_VOCAB_SIZE
+  context_length: int = DEFAULT_CONTEXT_LENGTH
+  embed_dim: int = 128
+  image_size: int = 64
+  patch_size: int = 8
+  vision_width: int = 128
+  vision_layers: int = 4
+  vision_heads: int = 2
+  vision_mlp_dim: int = 512
+  text_width: int = 128
+  text_layers: int = 2
+  text_heads: int = 2
+  text_mlp_dim: int = 512
+  text_stochastic_depth: float = 0.1
+  vision_stochastic_depth: float = 0.2
+  hf_compat: bool = False
+  dtype: Dtype = jnp.float32
+
+  # ---- static helpers ------------------------------------------------------------------
+
+  @property
+  def grid_size(self) -> int:
+    """Tokens per image side, ``image_size // patch_size``."""
+    return self.image_size // self.patch_size
+
+  @property
+  def num_tokens(self) -> int:
+    """Image tokens T = grid_size ** 2."""
+    return self.grid_size**2
+
+  @property
+  def config(self) -> ModelConfig:
+    """This module's configuration (``model.config.image_size``, ``dict(model.config)``)."""
+    return ModelConfig(**{f: getattr(self, f) for f in _CONFIG_FIELDS})
+
+  # ---- modules -------------------------------------------------------------------------
+
+  def setup(self):
+    _validate_config(self.config)
+    self._embedder = ClipImageTextEmbedder(
+      vocab_size=self.vocab_size,
+      context_length=self.context_length,
+      embed_dim=self.embed_dim,
+      patch_size=self.patch_size,
+      vision_width=self.vision_width,
+      vision_layers=self.vision_layers,
+      vision_heads=self.vision_heads,
+      vision_mlp_dim=self.vision_mlp_dim,
+      text_width=self.text_width,
+      text_layers=self.text_layers,
+      text_heads=self.text_heads,
+      text_mlp_dim=self.text_mlp_dim,
+      text_stochastic_depth=self.text_stochastic_depth,
+      vision_stochastic_depth=self.vision_stochastic_depth,
+      hf_compat=self.hf_compat,
+      dtype=self.dtype,
+      name="backbone",
+    )
+    self._class_head = ClassPredictor(
+      out_dim=self.embed_dim, hf_compat=self.hf_compat, name="class_head"
+    )
+    self._box_head = PredictorMLP(
+      out_dim=4, num_layers=3, hf_compat=self.hf_compat, name="obj_box_head"
+    )
+
+  # ---- scenic-style methods ------------------------------------------------------------
+
+  def image_embedder(self, images: jax.Array, train: bool = False) -> jax.Array:
+    """Embeds images into a feature map.
+
+    Args:
+      images: float ``[B, S, S, 3]`` RGB in [0, 1] with ``S = image_size`` (padding
+        bottom/right). train: stochastic depth on (needs the 'dropout' rng).
+
+    Returns:
+      ``feature_map`` float32 ``[B, h, w, D]`` (merged-class-token LayerNorm output).
+
+    Raises:
+      ValueError: if images are not ``[B, image_size, image_size, 3]``.
+
+    Source: scenic `scenic/projects/owl_vit/models.py` (``image_embedder``).
     """
-    tokenizer: str = "word_hash"
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    context_length: int = DEFAULT_CONTEXT_LENGTH
-    embed_dim: int = 128
-    image_size: int = 64
-    patch_size: int = 8
-    vision_width: int = 128
-    vision_layers: int = 4
-    vision_heads: int = 2
-    vision_mlp_dim: int = 512
-    text_width: int = 128
-    text_layers: int = 2
-    text_heads: int = 2
-    text_mlp_dim: int = 512
-    text_stochastic_depth: float = 0.1
-    vision_stochastic_depth: float = 0.2
-    hf_compat: bool = False
-    dtype: Dtype = jnp.float32
+    if images.ndim != 4 or tuple(images.shape[1:]) != (self.image_size,) * 2 + (3,):
+      raise ValueError(
+        f"images must be [B, {self.image_size}, {self.image_size}, 3], got {images.shape}"
+      )
+    tokens, _ = self._embedder(images=images, train=train)
+    g = self.grid_size
+    return tokens.reshape(tokens.shape[0], g, g, tokens.shape[-1])
 
-    # ---- static helpers ------------------------------------------------------------------
+  def text_embedder(self, queries: jax.Array, train: bool = False) -> jax.Array:
+    """Embeds tokenised queries.
 
-    @property
-    def grid_size(self) -> int:
-        """Tokens per image side, ``image_size // patch_size``."""
-        return self.image_size // self.patch_size
+    Args:
+      queries: int ``[..., L]`` token ids (e.g. ``[B, Q, L]``), L = ``context_length``.
+      train: stochastic depth on (needs the 'dropout' rng).
 
-    @property
-    def num_tokens(self) -> int:
-        """Image tokens T = grid_size ** 2."""
-        return self.grid_size ** 2
+    Returns:
+      float32 ``[..., E]`` text-projection outputs (not normalised).
 
-    @property
-    def config(self) -> ModelConfig:
-        """This module's configuration (``model.config.image_size``, ``dict(model.config)``)."""
-        return ModelConfig(**{f: getattr(self, f) for f in _CONFIG_FIELDS})
+    Raises:
+      ValueError: if the last dimension is not ``context_length`` or the dtype is not
+        integer.
 
-    # ---- modules -------------------------------------------------------------------------
+    Source: scenic `scenic/projects/owl_vit/models.py` (``text_embedder``).
+    """
+    if queries.ndim < 2 or queries.shape[-1] != self.context_length:
+      raise ValueError(f"queries must be [..., {self.context_length}], got {queries.shape}")
+    if not jnp.issubdtype(queries.dtype, jnp.integer):
+      raise ValueError(f"queries must be integer token ids, got {queries.dtype}")
+    _, emb = self._embedder(texts=queries, train=train)
+    return emb
 
-    def setup(self):
-        _validate_config(self.config)
-        self._embedder = ClipImageTextEmbedder(
-            vocab_size=self.vocab_size, context_length=self.context_length,
-            embed_dim=self.embed_dim, patch_size=self.patch_size,
-            vision_width=self.vision_width, vision_layers=self.vision_layers,
-            vision_heads=self.vision_heads, vision_mlp_dim=self.vision_mlp_dim,
-            text_width=self.text_width, text_layers=self.text_layers,
-            text_heads=self.text_heads, text_mlp_dim=self.text_mlp_dim,
-            text_stochastic_depth=self.text_stochastic_depth,
-            vision_stochastic_depth=self.vision_stochastic_depth,
-            hf_compat=self.hf_compat, dtype=self.dtype, name="backbone")
-        self._class_head = ClassPredictor(out_dim=self.embed_dim, hf_compat=self.hf_compat,
-                                          name="class_head")
-        self._box_head = PredictorMLP(out_dim=4, num_layers=3, hf_compat=self.hf_compat,
-                                      name="obj_box_head")
+  def class_predictor(
+    self,
+    image_features: jax.Array,
+    query_embeddings: jax.Array | None = None,
+    query_mask: jax.Array | None = None,
+  ) -> dict[str, jax.Array]:
+    """Applies the class head (:class:`ClassPredictor`).
 
-    # ---- scenic-style methods ------------------------------------------------------------
+    Args:
+      image_features: ``[B, T, D]`` (feature map flattened row-major).
+      query_embeddings: ``[B, Q, E]`` or None (then only class embeddings are returned).
+      query_mask: ``[B, Q]`` (True/1 = real query) or None (all real).
 
-    def image_embedder(self, images: jax.Array, train: bool = False) -> jax.Array:
-        """Embeds images into a feature map.
+    Returns:
+      dict with ``class_embeddings [B, T, E]`` and, with queries, ``pred_logits
+      [B, T, Q]``; float32.
 
-        Args:
-          images: float ``[B, S, S, 3]`` RGB in [0, 1] with ``S = image_size`` (padding
-            bottom/right). train: stochastic depth on (needs the 'dropout' rng).
+    Raises:
+      ValueError: if query embeddings are not ``[B, Q, E]``.
 
-        Returns:
-          ``feature_map`` float32 ``[B, h, w, D]`` (merged-class-token LayerNorm output).
+    Source: scenic `scenic/projects/owl_vit/models.py` (``class_predictor``).
+    """
+    return self._class_head(image_features, query_embeddings, query_mask)
 
-        Raises:
-          ValueError: if images are not ``[B, image_size, image_size, 3]``.
+  def box_predictor(
+    self, image_features: jax.Array, feature_map: jax.Array
+  ) -> dict[str, jax.Array]:
+    """Predicts one box per image token.
 
-        Source: scenic `scenic/projects/owl_vit/models.py` (``image_embedder``).
-        """
-        if images.ndim != 4 or tuple(images.shape[1:]) != (self.image_size,) * 2 + (3,):
-            raise ValueError(f"images must be [B, {self.image_size}, {self.image_size}, 3], "
-                             f"got {images.shape}")
-        tokens, _ = self._embedder(images=images, train=train)
-        g = self.grid_size
-        return tokens.reshape(tokens.shape[0], g, g, tokens.shape[-1])
+    ``sigmoid(obj_box_head(image_features) + compute_box_bias(h, w))``.
 
-    def text_embedder(self, queries: jax.Array, train: bool = False) -> jax.Array:
-        """Embeds tokenised queries.
+    Args:
+      image_features: ``[B, T, D]``. feature_map: ``[B, h, w, D]`` (only its grid shape is
+        used), ``T = h * w``.
 
-        Args:
-          queries: int ``[..., L]`` token ids (e.g. ``[B, Q, L]``), L = ``context_length``.
-          train: stochastic depth on (needs the 'dropout' rng).
+    Returns:
+      ``{'pred_boxes': [B, T, 4]}`` float32, cxcywh in [0, 1] of the padded square.
 
-        Returns:
-          float32 ``[..., E]`` text-projection outputs (not normalised).
+    Raises:
+      ValueError: if ``T != h * w``.
 
-        Raises:
-          ValueError: if the last dimension is not ``context_length`` or the dtype is not
-            integer.
+    Source: scenic `scenic/projects/owl_vit/models.py` (``box_predictor``); SPEC §1.
+    """
+    h, w = feature_map.shape[1:3]
+    if image_features.shape[1] != h * w:
+      raise ValueError(
+        f"image_features has {image_features.shape[1]} tokens, feature_map grid is {h}x{w}"
+      )
+    boxes = self._box_head(image_features) + jnp.asarray(compute_box_bias(h, w))
+    return {"pred_boxes": jax.nn.sigmoid(boxes)}
 
-        Source: scenic `scenic/projects/owl_vit/models.py` (``text_embedder``).
-        """
-        if queries.ndim < 2 or queries.shape[-1] != self.context_length:
-            raise ValueError(f"queries must be [..., {self.context_length}], got "
-                             f"{queries.shape}")
-        if not jnp.issubdtype(queries.dtype, jnp.integer):
-            raise ValueError(f"queries must be integer token ids, got {queries.dtype}")
-        _, emb = self._embedder(texts=queries, train=train)
-        return emb
+  def __call__(
+    self,
+    images: jax.Array,
+    queries: jax.Array | None = None,
+    *,
+    query_embeddings: jax.Array | None = None,
+    query_mask: jax.Array | None = None,
+    train: bool = False,
+  ) -> dict[str, jax.Array]:
+    """Detects the queries in the images.
 
-    def class_predictor(self, image_features: jax.Array,
-                        query_embeddings: Optional[jax.Array] = None,
-                        query_mask: Optional[jax.Array] = None) -> Dict[str, jax.Array]:
-        """Applies the class head (:class:`ClassPredictor`).
+    Args:
+      images: float ``[B, S, S, 3]`` in [0, 1], ``S = image_size``.
+      queries: int32 ``[B, Q, L]`` tokens; a row whose first token is 0 is a padding
+        query (masked to -1e6). Either ``queries`` or ``query_embeddings``.
+      query_embeddings: float ``[B, Q, E]`` precomputed text embeddings (skips the text
+        tower, e.g. embedded once per dataset).
+      query_mask: ``[B, Q]`` bool/0-1 for ``query_embeddings`` (default: all real). With
+        ``queries`` it is derived as ``queries[..., 0] > 0`` and must not be given.
+      train: stochastic depth on (needs ``rngs={'dropout': key}``).
 
-        Args:
-          image_features: ``[B, T, D]`` (feature map flattened row-major).
-          query_embeddings: ``[B, Q, E]`` or None (then only class embeddings are returned).
-          query_mask: ``[B, Q]`` (True/1 = real query) or None (all real).
+    Returns:
+      dict of float32 arrays: ``pred_logits [B, T, Q]``, ``pred_boxes [B, T, 4]``,
+      ``class_embeddings [B, T, E]``, ``query_embeddings [B, Q, E]``,
+      ``feature_map [B, h, w, D]``.
 
-        Returns:
-          dict with ``class_embeddings [B, T, E]`` and, with queries, ``pred_logits
-          [B, T, Q]``; float32.
+    Raises:
+      ValueError: neither or both of queries / query_embeddings; query_mask with queries;
+        shape mismatches.
 
-        Raises:
-          ValueError: if query embeddings are not ``[B, Q, E]``.
+    Source: scenic `scenic/projects/owl_vit/models.py` (``__call__``); SPEC §1.
+    """
+    # Validate everything before computing anything.
+    if (queries is None) == (query_embeddings is None):
+      raise ValueError("pass exactly one of `queries` and `query_embeddings`")
+    b = images.shape[0]
+    if queries is not None:
+      if query_mask is not None:
+        raise ValueError("query_mask is derived from `queries`; do not pass both")
+      if queries.ndim != 3 or queries.shape[0] != b or (queries.shape[-1] != self.context_length):
+        raise ValueError(f"queries must be [B={b}, Q, {self.context_length}], got {queries.shape}")
+    else:
+      if (
+        query_embeddings.ndim != 3
+        or query_embeddings.shape[0] != b
+        or (query_embeddings.shape[-1] != self.embed_dim)
+      ):
+        raise ValueError(
+          f"query_embeddings must be [B={b}, Q, {self.embed_dim}], got {query_embeddings.shape}"
+        )
+      if query_mask is not None and (tuple(query_mask.shape) != tuple(query_embeddings.shape[:2])):
+        raise ValueError(f"query_mask must be {query_embeddings.shape[:2]}, got {query_mask.shape}")
 
-        Source: scenic `scenic/projects/owl_vit/models.py` (``class_predictor``).
-        """
-        return self._class_head(image_features, query_embeddings, query_mask)
-
-    def box_predictor(self, image_features: jax.Array,
-                      feature_map: jax.Array) -> Dict[str, jax.Array]:
-        """Predicts one box per image token.
-
-        ``sigmoid(obj_box_head(image_features) + compute_box_bias(h, w))``.
-
-        Args:
-          image_features: ``[B, T, D]``. feature_map: ``[B, h, w, D]`` (only its grid shape is
-            used), ``T = h * w``.
-
-        Returns:
-          ``{'pred_boxes': [B, T, 4]}`` float32, cxcywh in [0, 1] of the padded square.
-
-        Raises:
-          ValueError: if ``T != h * w``.
-
-        Source: scenic `scenic/projects/owl_vit/models.py` (``box_predictor``); SPEC §1.
-        """
-        h, w = feature_map.shape[1:3]
-        if image_features.shape[1] != h * w:
-            raise ValueError(f"image_features has {image_features.shape[1]} tokens, "
-                             f"feature_map grid is {h}x{w}")
-        boxes = self._box_head(image_features) + jnp.asarray(compute_box_bias(h, w))
-        return {"pred_boxes": jax.nn.sigmoid(boxes)}
-
-    def __call__(self, images: jax.Array, queries: Optional[jax.Array] = None, *,
-                 query_embeddings: Optional[jax.Array] = None,
-                 query_mask: Optional[jax.Array] = None,
-                 train: bool = False) -> Dict[str, jax.Array]:
-        """Detects the queries in the images.
-
-        Args:
-          images: float ``[B, S, S, 3]`` in [0, 1], ``S = image_size``.
-          queries: int32 ``[B, Q, L]`` tokens; a row whose first token is 0 is a padding
-            query (masked to -1e6). Either ``queries`` or ``query_embeddings``.
-          query_embeddings: float ``[B, Q, E]`` precomputed text embeddings (skips the text
-            tower, e.g. embedded once per dataset).
-          query_mask: ``[B, Q]`` bool/0-1 for ``query_embeddings`` (default: all real). With
-            ``queries`` it is derived as ``queries[..., 0] > 0`` and must not be given.
-          train: stochastic depth on (needs ``rngs={'dropout': key}``).
-
-        Returns:
-          dict of float32 arrays: ``pred_logits [B, T, Q]``, ``pred_boxes [B, T, 4]``,
-          ``class_embeddings [B, T, E]``, ``query_embeddings [B, Q, E]``,
-          ``feature_map [B, h, w, D]``.
-
-        Raises:
-          ValueError: neither or both of queries / query_embeddings; query_mask with queries;
-            shape mismatches.
-
-        Source: scenic `scenic/projects/owl_vit/models.py` (``__call__``); SPEC §1.
-        """
-        # Validate everything before computing anything.
-        if (queries is None) == (query_embeddings is None):
-            raise ValueError("pass exactly one of `queries` and `query_embeddings`")
-        b = images.shape[0]
-        if queries is not None:
-            if query_mask is not None:
-                raise ValueError("query_mask is derived from `queries`; do not pass both")
-            if queries.ndim != 3 or queries.shape[0] != b or (
-                    queries.shape[-1] != self.context_length):
-                raise ValueError(f"queries must be [B={b}, Q, {self.context_length}], got "
-                                 f"{queries.shape}")
-        else:
-            if query_embeddings.ndim != 3 or query_embeddings.shape[0] != b or (
-                    query_embeddings.shape[-1] != self.embed_dim):
-                raise ValueError(f"query_embeddings must be [B={b}, Q, {self.embed_dim}], "
-                                 f"got {query_embeddings.shape}")
-            if query_mask is not None and (
-                    tuple(query_mask.shape) != tuple(query_embeddings.shape[:2])):
-                raise ValueError(f"query_mask must be {query_embeddings.shape[:2]}, got "
-                                 f"{query_mask.shape}")
-
-        feature_map = self.image_embedder(images, train)
-        _, h, w, d = feature_map.shape
-        image_features = feature_map.reshape(b, h * w, d)
-        if queries is not None:
-            query_embeddings = self.text_embedder(queries, train)
-            query_mask = queries[..., 0] > 0
-        else:
-            query_embeddings = jnp.asarray(query_embeddings, jnp.float32)
-            if query_mask is None:
-                query_mask = jnp.ones(query_embeddings.shape[:2], bool)
-        out = {"feature_map": feature_map, "query_embeddings": query_embeddings}
-        out.update(self.class_predictor(image_features, query_embeddings, query_mask))
-        out.update(self.box_predictor(image_features, feature_map))
-        return out
+    feature_map = self.image_embedder(images, train)
+    _, h, w, d = feature_map.shape
+    image_features = feature_map.reshape(b, h * w, d)
+    if queries is not None:
+      query_embeddings = self.text_embedder(queries, train)
+      query_mask = queries[..., 0] > 0
+    else:
+      query_embeddings = jnp.asarray(query_embeddings, jnp.float32)
+      if query_mask is None:
+        query_mask = jnp.ones(query_embeddings.shape[:2], bool)
+    out = {"feature_map": feature_map, "query_embeddings": query_embeddings}
+    out.update(self.class_predictor(image_features, query_embeddings, query_mask))
+    out.update(self.box_predictor(image_features, feature_map))
+    return out
 
 
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 assert set(_CONFIG_FIELDS) == {
-    f.name for f in dataclasses.fields(OwlViT) if f.name not in ("parent", "name")}
+  f.name for f in dataclasses.fields(OwlViT) if f.name not in ("parent", "name")
+}
 assert all(set(v) == set(_CONFIG_FIELDS) for v in VARIANTS.values())
 
 
-def _validate_config(cfg: Dict[str, Any]) -> None:
-    for tower in ("vision", "text"):
-        width, heads = cfg[f"{tower}_width"], cfg[f"{tower}_heads"]
-        if heads < 1 or width % heads:
-            raise ValueError(f"{tower}_width={width} is not divisible by {tower}_heads={heads}")
-    if cfg["patch_size"] < 1 or cfg["image_size"] % cfg["patch_size"]:
-        raise ValueError(f"image_size={cfg['image_size']} is not a multiple of "
-                         f"patch_size={cfg['patch_size']}")
-    for name in ("vocab_size", "context_length", "embed_dim", "vision_layers", "text_layers",
-                 "vision_mlp_dim", "text_mlp_dim"):
-        if cfg[name] < 1:
-            raise ValueError(f"{name} must be >= 1, got {cfg[name]}")
-    for name in ("text_stochastic_depth", "vision_stochastic_depth"):
-        if not 0.0 <= cfg[name] <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {cfg[name]}")
+def _validate_config(cfg: dict[str, Any]) -> None:
+  for tower in ("vision", "text"):
+    width, heads = cfg[f"{tower}_width"], cfg[f"{tower}_heads"]
+    if heads < 1 or width % heads:
+      raise ValueError(f"{tower}_width={width} is not divisible by {tower}_heads={heads}")
+  if cfg["patch_size"] < 1 or cfg["image_size"] % cfg["patch_size"]:
+    raise ValueError(
+      f"image_size={cfg['image_size']} is not a multiple of patch_size={cfg['patch_size']}"
+    )
+  for name in (
+    "vocab_size",
+    "context_length",
+    "embed_dim",
+    "vision_layers",
+    "text_layers",
+    "vision_mlp_dim",
+    "text_mlp_dim",
+  ):
+    if cfg[name] < 1:
+      raise ValueError(f"{name} must be >= 1, got {cfg[name]}")
+  for name in ("text_stochastic_depth", "vision_stochastic_depth"):
+    if not 0.0 <= cfg[name] <= 1.0:
+      raise ValueError(f"{name} must be in [0, 1], got {cfg[name]}")
 
 
 def create_model(variant: str, **overrides) -> OwlViT:
-    """Builds an :class:`OwlViT` of a named variant, with optional field overrides.
+  """Builds an :class:`OwlViT` of a named variant, with optional field overrides.
 
-    Args:
-      variant: ``'tiny'``, ``'vit_b32'``, ``'vit_b16'`` or ``'vit_l14'`` (SPEC §1 table).
-      **overrides: replacement values for any config field (see :func:`get_variant_config`),
-        e.g. ``vision_layers=2``, ``image_size=96``, ``dtype=jnp.bfloat16``,
-        ``hf_compat=True``.
+  Args:
+    variant: ``'tiny'``, ``'vit_b32'``, ``'vit_b16'`` or ``'vit_l14'`` (SPEC §1 table).
+    **overrides: replacement values for any config field (see :func:`get_variant_config`),
+      e.g. ``vision_layers=2``, ``image_size=96``, ``dtype=jnp.bfloat16``,
+      ``hf_compat=True``.
 
-    Returns:
-      An unbound ``OwlViT`` module.
+  Returns:
+    An unbound ``OwlViT`` module.
 
-    Raises:
-      ValueError: unknown variant; unknown override names (all are named); inconsistent
-        values (width not divisible by heads, image size not a multiple of the patch, ...).
+  Raises:
+    ValueError: unknown variant; unknown override names (all are named); inconsistent
+      values (width not divisible by heads, image size not a multiple of the patch, ...).
 
-    Source: SPEC §1; CONVENTIONS.md (Model).
-    """
-    cfg = get_variant_config(variant).as_dict()
-    unknown = sorted(set(overrides) - set(_CONFIG_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown config override(s) {unknown} for variant {variant!r}; "
-                         f"known fields: {list(_CONFIG_FIELDS)}")
-    cfg.update(overrides)
-    _validate_config(cfg)
-    return OwlViT(**cfg)
+  Source: SPEC §1; CONVENTIONS.md (Model).
+  """
+  cfg = get_variant_config(variant).as_dict()
+  unknown = sorted(set(overrides) - set(_CONFIG_FIELDS))
+  if unknown:
+    raise ValueError(
+      f"unknown config override(s) {unknown} for variant {variant!r}; "
+      f"known fields: {list(_CONFIG_FIELDS)}"
+    )
+  cfg.update(overrides)
+  _validate_config(cfg)
+  return OwlViT(**cfg)

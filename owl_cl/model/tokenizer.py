@@ -22,20 +22,20 @@ Every tokenizer exposes ``encode(texts) -> np.ndarray int32 [N, context_length]`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import re
 import zlib
-from typing import Callable, Dict, Sequence, Union
 
 import numpy as np
 
 __all__ = [
-    "DEFAULT_CONTEXT_LENGTH",
-    "DEFAULT_VOCAB_SIZE",
-    "WordHashTokenizer",
-    "canonicalize_label",
-    "get_tokenizer",
-    "known_tokenizers",
-    "register_tokenizer",
+  "DEFAULT_CONTEXT_LENGTH",
+  "DEFAULT_VOCAB_SIZE",
+  "WordHashTokenizer",
+  "canonicalize_label",
+  "get_tokenizer",
+  "known_tokenizers",
+  "register_tokenizer",
 ]
 
 #: Text context length L of OWL-ViT queries (SPEC §1: "text context 16").
@@ -48,196 +48,200 @@ _WHITESPACE = re.compile(r"\s+")
 
 
 def canonicalize_label(text: str) -> str:
-    """Canonicalises a label / query string before tokenisation.
+  """Canonicalises a label / query string before tokenisation.
 
-    Lowercases, replaces every character outside ``[a-z0-9-# ]`` by a space, collapses runs of
-    whitespace to one space and strips both ends. Example: ``"Traffic_Light (Red)!"`` ->
-    ``"traffic light red"``.
+  Lowercases, replaces every character outside ``[a-z0-9-# ]`` by a space, collapses runs of
+  whitespace to one space and strips both ends. Example: ``"Traffic_Light (Red)!"`` ->
+  ``"traffic light red"``.
 
-    Args:
-      text: Python ``str`` (any length, any characters).
+  Args:
+    text: Python ``str`` (any length, any characters).
 
-    Returns:
-      The canonical ``str`` (possibly ``''``).
+  Returns:
+    The canonical ``str`` (possibly ``''``).
 
-    Raises:
-      TypeError: if ``text`` is not a ``str``.
+  Raises:
+    TypeError: if ``text`` is not a ``str``.
 
-    Source: SPEC §2 ("Canonicalise label strings"); scenic
-    `scenic/projects/owl_vit/preprocessing/label_ops.py` (``_canonicalize_string_tf``). Scenic
-    additionally collapses runs of '-' and drops '#' (its not-promptable marker) except at the
-    start of the string; SPEC §2 does not ask for either, so neither is done here.
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"canonicalize_label expects a str, got {type(text).__name__}")
-    text = _NOT_ALLOWED.sub(" ", text.lower())
-    return _WHITESPACE.sub(" ", text).strip()
+  Source: SPEC §2 ("Canonicalise label strings"); scenic
+  `scenic/projects/owl_vit/preprocessing/label_ops.py` (``_canonicalize_string_tf``). Scenic
+  additionally collapses runs of '-' and drops '#' (its not-promptable marker) except at the
+  start of the string; SPEC §2 does not ask for either, so neither is done here.
+  """
+  if not isinstance(text, str):
+    raise TypeError(f"canonicalize_label expects a str, got {type(text).__name__}")
+  text = _NOT_ALLOWED.sub(" ", text.lower())
+  return _WHITESPACE.sub(" ", text).strip()
 
 
-def _as_text_list(texts: Union[str, Sequence[str]]) -> list:
-    if isinstance(texts, str):
-        return [texts]
-    texts = list(texts)
-    for t in texts:
-        if not isinstance(t, str):
-            raise TypeError(f"encode expects str items, got {type(t).__name__}: {t!r}")
-    return texts
+def _as_text_list(texts: str | Sequence[str]) -> list:
+  if isinstance(texts, str):
+    return [texts]
+  texts = list(texts)
+  for t in texts:
+    if not isinstance(t, str):
+      raise TypeError(f"encode expects str items, got {type(t).__name__}: {t!r}")
+  return texts
 
 
 class WordHashTokenizer:
-    """Word-level hashing tokenizer for the ``tiny`` model (self-contained, deterministic).
+  """Word-level hashing tokenizer for the ``tiny`` model (self-contained, deterministic).
 
-    Encoding of one text: canonicalise (:func:`canonicalize_label`), split on spaces, map each
-    word ``w`` to ``1 + zlib.crc32(w.encode('utf-8')) % (vocab_size - 3)`` (ids in
-    ``[1, vocab_size - 3]``), build ``[SOT] + ids + [EOT]`` with ``SOT = vocab_size - 2`` and
-    ``EOT = vocab_size - 1``, cut to ``context_length`` (the EOT is lost when the text has more
-    than ``context_length - 2`` words, as with CLIP) and right-pad with 0. ``''`` encodes to
-    ``[SOT, EOT, 0, ...]`` (a real, unmasked query; only all-zero rows are padding queries).
+  Encoding of one text: canonicalise (:func:`canonicalize_label`), split on spaces, map each
+  word ``w`` to ``1 + zlib.crc32(w.encode('utf-8')) % (vocab_size - 3)`` (ids in
+  ``[1, vocab_size - 3]``), build ``[SOT] + ids + [EOT]`` with ``SOT = vocab_size - 2`` and
+  ``EOT = vocab_size - 1``, cut to ``context_length`` (the EOT is lost when the text has more
+  than ``context_length - 2`` words, as with CLIP) and right-pad with 0. ``''`` encodes to
+  ``[SOT, EOT, 0, ...]`` (a real, unmasked query; only all-zero rows are padding queries).
 
-    Id 0 is padding and never produced for a word; EOT is the largest id so that the text tower's
-    ``argmax(token id)`` pooling finds it (SPEC §1, text tower).
+  Id 0 is padding and never produced for a word; EOT is the largest id so that the text tower's
+  ``argmax(token id)`` pooling finds it (SPEC §1, text tower).
+
+  Args:
+    vocab_size: int >= 4, the total number of ids (including 0, SOT, EOT).
+    context_length: int >= 2, the number of tokens per text (L = 16 for OWL-ViT).
+
+  Raises:
+    ValueError: if ``vocab_size < 4`` or ``context_length < 2``.
+
+  Source: ours (SPEC §1 "A tiny variant for CPU work is ours to define"); layout as the CLIP
+  tokenizer of SPEC §2 / scenic `scenic/projects/owl_vit/clip/tokenizer.py`.
+  """
+
+  def __init__(
+    self, vocab_size: int = DEFAULT_VOCAB_SIZE, context_length: int = DEFAULT_CONTEXT_LENGTH
+  ):
+    if int(vocab_size) < 4:
+      raise ValueError(f"vocab_size must be >= 4, got {vocab_size}")
+    if int(context_length) < 2:
+      raise ValueError(f"context_length must be >= 2, got {context_length}")
+    self._vocab_size = int(vocab_size)
+    self._context_length = int(context_length)
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of ids, ``int``; valid ids are ``[0, vocab_size)``."""
+    return self._vocab_size
+
+  @property
+  def context_length(self) -> int:
+    """Tokens per encoded text, ``int`` (16 by default)."""
+    return self._context_length
+
+  @property
+  def sot_token(self) -> int:
+    """Start-of-text id, ``vocab_size - 2``."""
+    return self._vocab_size - 2
+
+  @property
+  def eot_token(self) -> int:
+    """End-of-text id, ``vocab_size - 1`` (the largest id)."""
+    return self._vocab_size - 1
+
+  def word_id(self, word: str) -> int:
+    """Id of one (already canonical) word: ``1 + crc32(utf-8 bytes) % (vocab_size - 3)``.
 
     Args:
-      vocab_size: int >= 4, the total number of ids (including 0, SOT, EOT).
-      context_length: int >= 2, the number of tokens per text (L = 16 for OWL-ViT).
+      word: a non-empty ``str`` without spaces.
+
+    Returns:
+      ``int`` in ``[1, vocab_size - 3]``.
+    """
+    return 1 + zlib.crc32(word.encode("utf-8")) % (self._vocab_size - 3)
+
+  def tokenize(self, text: str) -> list:
+    """Token ids of one text, unpadded but cut to ``context_length`` (``list[int]``)."""
+    words = canonicalize_label(text).split()
+    ids = [self.sot_token] + [self.word_id(w) for w in words] + [self.eot_token]
+    return ids[: self._context_length]
+
+  def encode(self, texts: str | Sequence[str]) -> np.ndarray:
+    """Encodes texts to a fixed-shape token array.
+
+    Args:
+      texts: a sequence of N ``str`` (a single ``str`` is treated as N = 1).
+
+    Returns:
+      ``np.ndarray`` int32 ``[N, context_length]``: ``[SOT] + word ids + [EOT]`` cut to
+      ``context_length`` and right-padded with 0. ``N = 0`` gives shape ``[0, L]``.
 
     Raises:
-      ValueError: if ``vocab_size < 4`` or ``context_length < 2``.
-
-    Source: ours (SPEC §1 "A tiny variant for CPU work is ours to define"); layout as the CLIP
-    tokenizer of SPEC §2 / scenic `scenic/projects/owl_vit/clip/tokenizer.py`.
+      TypeError: if an item is not a ``str``.
     """
+    texts = _as_text_list(texts)
+    out = np.zeros((len(texts), self._context_length), np.int32)
+    for i, text in enumerate(texts):
+      ids = self.tokenize(text)
+      out[i, : len(ids)] = ids
+    return out
 
-    def __init__(self, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                 context_length: int = DEFAULT_CONTEXT_LENGTH):
-        if int(vocab_size) < 4:
-            raise ValueError(f"vocab_size must be >= 4, got {vocab_size}")
-        if int(context_length) < 2:
-            raise ValueError(f"context_length must be >= 2, got {context_length}")
-        self._vocab_size = int(vocab_size)
-        self._context_length = int(context_length)
+  def __call__(self, texts: str | Sequence[str]) -> np.ndarray:
+    """Alias of :meth:`encode`."""
+    return self.encode(texts)
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids, ``int``; valid ids are ``[0, vocab_size)``."""
-        return self._vocab_size
-
-    @property
-    def context_length(self) -> int:
-        """Tokens per encoded text, ``int`` (16 by default)."""
-        return self._context_length
-
-    @property
-    def sot_token(self) -> int:
-        """Start-of-text id, ``vocab_size - 2``."""
-        return self._vocab_size - 2
-
-    @property
-    def eot_token(self) -> int:
-        """End-of-text id, ``vocab_size - 1`` (the largest id)."""
-        return self._vocab_size - 1
-
-    def word_id(self, word: str) -> int:
-        """Id of one (already canonical) word: ``1 + crc32(utf-8 bytes) % (vocab_size - 3)``.
-
-        Args:
-          word: a non-empty ``str`` without spaces.
-
-        Returns:
-          ``int`` in ``[1, vocab_size - 3]``.
-        """
-        return 1 + zlib.crc32(word.encode("utf-8")) % (self._vocab_size - 3)
-
-    def tokenize(self, text: str) -> list:
-        """Token ids of one text, unpadded but cut to ``context_length`` (``list[int]``)."""
-        words = canonicalize_label(text).split()
-        ids = [self.sot_token] + [self.word_id(w) for w in words] + [self.eot_token]
-        return ids[: self._context_length]
-
-    def encode(self, texts: Union[str, Sequence[str]]) -> np.ndarray:
-        """Encodes texts to a fixed-shape token array.
-
-        Args:
-          texts: a sequence of N ``str`` (a single ``str`` is treated as N = 1).
-
-        Returns:
-          ``np.ndarray`` int32 ``[N, context_length]``: ``[SOT] + word ids + [EOT]`` cut to
-          ``context_length`` and right-padded with 0. ``N = 0`` gives shape ``[0, L]``.
-
-        Raises:
-          TypeError: if an item is not a ``str``.
-        """
-        texts = _as_text_list(texts)
-        out = np.zeros((len(texts), self._context_length), np.int32)
-        for i, text in enumerate(texts):
-            ids = self.tokenize(text)
-            out[i, : len(ids)] = ids
-        return out
-
-    def __call__(self, texts: Union[str, Sequence[str]]) -> np.ndarray:
-        """Alias of :meth:`encode`."""
-        return self.encode(texts)
-
-    def __repr__(self) -> str:
-        return (f"WordHashTokenizer(vocab_size={self._vocab_size}, "
-                f"context_length={self._context_length})")
+  def __repr__(self) -> str:
+    return (
+      f"WordHashTokenizer(vocab_size={self._vocab_size}, context_length={self._context_length})"
+    )
 
 
 def _clip_tokenizer(**kwargs):
-    """Factory of ``'clip'``: :class:`owl_cl.model.clip_tokenizer.ClipTokenizer` (kwargs
-    ``vocab_path``, ``context_length``, ``canonicalize``). Imported lazily (needs `tokenizers`)."""
-    from owl_cl.model.clip_tokenizer import ClipTokenizer  # pylint: disable=g-import-not-at-top
-    return ClipTokenizer(**kwargs)
+  """Factory of ``'clip'``: :class:`owl_cl.model.clip_tokenizer.ClipTokenizer` (kwargs
+  ``vocab_path``, ``context_length``, ``canonicalize``). Imported lazily (needs `tokenizers`)."""
+  from owl_cl.model.clip_tokenizer import ClipTokenizer  # pylint: disable=g-import-not-at-top
+
+  return ClipTokenizer(**kwargs)
 
 
-_REGISTRY: Dict[str, Callable[..., object]] = {
-    "word_hash": WordHashTokenizer,
-    "clip": _clip_tokenizer,
+_REGISTRY: dict[str, Callable[..., object]] = {
+  "word_hash": WordHashTokenizer,
+  "clip": _clip_tokenizer,
 }
 
 
 def known_tokenizers() -> list:
-    """Sorted ``list[str]`` of the registered tokenizer names."""
-    return sorted(_REGISTRY)
+  """Sorted ``list[str]`` of the registered tokenizer names."""
+  return sorted(_REGISTRY)
 
 
-def register_tokenizer(name: str, factory: Callable[..., object], *,
-                       overwrite: bool = False) -> None:
-    """Registers a tokenizer factory under ``name`` (used e.g. to add the CLIP BPE tokenizer).
+def register_tokenizer(
+  name: str, factory: Callable[..., object], *, overwrite: bool = False
+) -> None:
+  """Registers a tokenizer factory under ``name`` (used e.g. to add the CLIP BPE tokenizer).
 
-    Args:
-      name: registry key, ``str``.
-      factory: callable ``(**kwargs) -> tokenizer`` (an object with ``encode``, ``vocab_size``,
-        ``context_length``).
-      overwrite: allow replacing an existing entry.
+  Args:
+    name: registry key, ``str``.
+    factory: callable ``(**kwargs) -> tokenizer`` (an object with ``encode``, ``vocab_size``,
+      ``context_length``).
+    overwrite: allow replacing an existing entry.
 
-    Raises:
-      ValueError: if ``name`` is already registered and ``overwrite`` is False.
-    """
-    if name in _REGISTRY and not overwrite:
-        raise ValueError(f"tokenizer {name!r} is already registered")
-    _REGISTRY[name] = factory
+  Raises:
+    ValueError: if ``name`` is already registered and ``overwrite`` is False.
+  """
+  if name in _REGISTRY and not overwrite:
+    raise ValueError(f"tokenizer {name!r} is already registered")
+  _REGISTRY[name] = factory
 
 
 def get_tokenizer(name: str, **kwargs):
-    """Builds a tokenizer by name.
+  """Builds a tokenizer by name.
 
-    Args:
-      name: one of :func:`known_tokenizers` (``'word_hash'``, ``'clip'``).
-      **kwargs: passed to the factory (for ``'word_hash'``: ``vocab_size``, ``context_length``;
-        for ``'clip'``: ``vocab_path`` (required), ``context_length``, ``canonicalize``).
+  Args:
+    name: one of :func:`known_tokenizers` (``'word_hash'``, ``'clip'``).
+    **kwargs: passed to the factory (for ``'word_hash'``: ``vocab_size``, ``context_length``;
+      for ``'clip'``: ``vocab_path`` (required), ``context_length``, ``canonicalize``).
 
-    Returns:
-      The tokenizer object (``encode(texts) -> np.ndarray int32 [N, L]``, ``vocab_size``,
-      ``context_length``, ``sot_token``, ``eot_token``).
+  Returns:
+    The tokenizer object (``encode(texts) -> np.ndarray int32 [N, L]``, ``vocab_size``,
+    ``context_length``, ``sot_token``, ``eot_token``).
 
-    Raises:
-      ValueError: for an unknown name (the message lists the known names), or invalid kwargs
-        values as raised by the factory ('clip' without ``vocab_path``).
-      FileNotFoundError: 'clip' with a missing vocabulary (the message names the path).
+  Raises:
+    ValueError: for an unknown name (the message lists the known names), or invalid kwargs
+      values as raised by the factory ('clip' without ``vocab_path``).
+    FileNotFoundError: 'clip' with a missing vocabulary (the message names the path).
 
-    Source: CONVENTIONS.md (Tokenizer); SPEC §2.
-    """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown tokenizer {name!r}; known tokenizers: {known_tokenizers()}")
-    return _REGISTRY[name](**kwargs)
+  Source: CONVENTIONS.md (Tokenizer); SPEC §2.
+  """
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown tokenizer {name!r}; known tokenizers: {known_tokenizers()}")
+  return _REGISTRY[name](**kwargs)

@@ -43,11 +43,13 @@ Registry entries may also be any other builder object with `hyperparameter_names
 `build(name, dedup, hyperparameters) -> algorithm`: A-SW-GRASP's per-image switch
 (`AdaptiveComposition`) and the ASV algorithms (`AsvComposition`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import dataclasses
 import inspect
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,33 +58,34 @@ from owl_cl.replay import class_selection
 from owl_cl.replay import dedup as dedup_lib
 from owl_cl.replay import knn_shapley
 from owl_cl.replay import sample_selection
-from owl_cl.replay.state import ReplayBuffer, ReplayState
+from owl_cl.replay.state import ReplayBuffer
+from owl_cl.replay.state import ReplayState
 
 Array = jax.Array
 
-BALANCED_ORDERS = ('sequential', 'reshuffled')
+BALANCED_ORDERS = ("sequential", "reshuffled")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
 # applies to it. B = new images, N_c = candidates, num = num_replay.
 RECORD_KEYS = {
-    'sampled_classes': 'int32 [num]: class step class of each replay slot (-1: none/inactive)',
-    'swil_entropy': 'float32 [B]: normalised entropy of p_SWIL of each new image (Fig. 4)',
-    'grasp_entropy': 'float32 [num]: normalised entropy of the GRASP distribution of the '
-                     "slot's class over its eligible members (NaN: not GRASP) (Fig. 3)",
-    'used_grasp': 'bool [num]: A-SW-GRASP slot used GRASP (entropy > tau)',
-    'knn_sv': 'float32 [B, N_c]: right-term KNN-SVs of the candidates (Fig. 5 left)',
-    'knn_sv_valid': 'bool [N_c]: valid candidates of knn_sv',
-    'min_sv_rank': 'int32 [B]: distance rank (1 = nearest) of the lowest-KNN-SV candidate of '
-                   'each new image (Fig. 5 right)',
-    'selected_rank': 'int32 [num]: distance rank of each replayed candidate to its nearest '
-                     'new image (-1: invalid slot)',
+  "sampled_classes": "int32 [num]: class step class of each replay slot (-1: none/inactive)",
+  "swil_entropy": "float32 [B]: normalised entropy of p_SWIL of each new image (Fig. 4)",
+  "grasp_entropy": "float32 [num]: normalised entropy of the GRASP distribution of the "
+  "slot's class over its eligible members (NaN: not GRASP) (Fig. 3)",
+  "used_grasp": "bool [num]: A-SW-GRASP slot used GRASP (entropy > tau)",
+  "knn_sv": "float32 [B, N_c]: right-term KNN-SVs of the candidates (Fig. 5 left)",
+  "knn_sv_valid": "bool [N_c]: valid candidates of knn_sv",
+  "min_sv_rank": "int32 [B]: distance rank (1 = nearest) of the lowest-KNN-SV candidate of "
+  "each new image (Fig. 5 right)",
+  "selected_rank": "int32 [num]: distance rank of each replayed candidate to its nearest "
+  "new image (-1: invalid slot)",
 }
 
 
-
 # ----------------------------------------------------------------------------- class steps
-def balanced_step(key, rstate, buffer, features, class_eligible, active, *,
-                  balanced_order: str = 'sequential'):
+def balanced_step(
+  key, rstate, buffer, features, class_eligible, active, *, balanced_order: str = "sequential"
+):
   """Balanced class step: the paper's sequential cycle (`class_selection.balanced_classes`)
   or the released code's order reshuffled every pass ('reshuffled',
   `class_selection.balanced_classes_reshuffled`). Advances the class pointer by the active
@@ -90,21 +93,25 @@ def balanced_step(key, rstate, buffer, features, class_eligible, active, *,
   """
   del buffer, features
   num = active.shape[0]
-  if balanced_order == 'sequential':
-    classes, pointer = class_selection.balanced_classes(rstate.class_pointer, class_eligible,
-                                                        num, active=active)
+  if balanced_order == "sequential":
+    classes, pointer = class_selection.balanced_classes(
+      rstate.class_pointer, class_eligible, num, active=active
+    )
     rstate = rstate.replace(class_pointer=pointer)
-  elif balanced_order == 'reshuffled':
+  elif balanced_order == "reshuffled":
     if rstate.class_order.shape != class_eligible.shape:
-      raise ValueError('balanced_order="reshuffled" needs ReplayState.class_order of shape '
-                       f'{class_eligible.shape}, got {rstate.class_order.shape}: make the state '
-                       'with init_replay_state(N, key, num_classes=C)')
+      raise ValueError(
+        'balanced_order="reshuffled" needs ReplayState.class_order of shape '
+        f"{class_eligible.shape}, got {rstate.class_order.shape}: make the state "
+        "with init_replay_state(N, key, num_classes=C)"
+      )
     classes, pointer, order = class_selection.balanced_classes_reshuffled(
-        key, rstate.class_pointer, rstate.class_order, class_eligible, active)
+      key, rstate.class_pointer, rstate.class_order, class_eligible, active
+    )
     rstate = rstate.replace(class_pointer=pointer, class_order=order)
   else:
-    raise ValueError(f'balanced_order must be one of {BALANCED_ORDERS}, got {balanced_order!r}')
-  return classes, rstate, {'sampled_classes': classes}
+    raise ValueError(f"balanced_order must be one of {BALANCED_ORDERS}, got {balanced_order!r}")
+  return classes, rstate, {"sampled_classes": classes}
 
 
 def _new_image_rows(num: int, batch: int) -> Array:
@@ -115,19 +122,21 @@ def _new_image_rows(num: int, batch: int) -> Array:
 def _require(features: Mapping[str, Array], names, who: str):
   missing = [n for n in names if n not in features]
   if missing:
-    raise ValueError(f"{who} needs features {missing} (from train.step.make_embed_step); "
-                     f"got {sorted(features)}")
+    raise ValueError(
+      f"{who} needs features {missing} (from train.step.make_embed_step); got {sorted(features)}"
+    )
 
 
 def _swil_probs(buffer, features, class_eligible, swil_weight):
-  _require(features, ('class_embeddings',), 'similarity-weighted class selection')
-  return class_selection.similarity_weighted_probs(features['class_embeddings'],
-                                                   buffer.prototypes, swil_weight,
-                                                   class_eligible)
+  _require(features, ("class_embeddings",), "similarity-weighted class selection")
+  return class_selection.similarity_weighted_probs(
+    features["class_embeddings"], buffer.prototypes, swil_weight, class_eligible
+  )
 
 
-def similarity_weighted_step(key, rstate, buffer, features, class_eligible, active, *,
-                             swil_weight: float = 1.0):
+def similarity_weighted_step(
+  key, rstate, buffer, features, class_eligible, active, *, swil_weight: float = 1.0
+):
   """Similarity-weighted (SWIL) class step: one class per new image.
 
   Uses `features['class_embeddings']` [B, k, E] and `buffer.prototypes`; slot j serves new
@@ -137,8 +146,11 @@ def similarity_weighted_step(key, rstate, buffer, features, class_eligible, acti
   probs = _swil_probs(buffer, features, class_eligible, swil_weight)
   slot_probs = probs[_new_image_rows(active.shape[0], probs.shape[0])]
   classes = jnp.where(active, class_selection.sample_classes(key, slot_probs), -1)
-  return classes, rstate, {'sampled_classes': classes,
-                           'swil_entropy': sample_selection.normalized_entropy(probs)}
+  return (
+    classes,
+    rstate,
+    {"sampled_classes": classes, "swil_entropy": sample_selection.normalized_entropy(probs)},
+  )
 
 
 # ---------------------------------------------------------------------------- sample steps
@@ -149,13 +161,14 @@ def uniform_step(key, rstate, buffer, features, classes, eligible, active, witho
   return indices, valid, {}
 
 
-def uniform_in_class_step(key, rstate, buffer, features, classes, eligible, active,
-                          without_replacement):
+def uniform_in_class_step(
+  key, rstate, buffer, features, classes, eligible, active, without_replacement
+):
   """Uniform among the eligible members of each slot's class (`uniform_in_class_active`)."""
   del rstate, features
   indices, valid = sample_selection.uniform_in_class_active(
-      key, buffer.class_membership, eligible, classes, active,
-      without_replacement=without_replacement)
+    key, buffer.class_membership, eligible, classes, active, without_replacement=without_replacement
+  )
   return indices, valid, {}
 
 
@@ -172,8 +185,18 @@ def _grasp_entropy(buffer, eligible, classes, weights):
   return jnp.where(classes >= 0, entropy, jnp.nan)
 
 
-def prototype_weighted_step(key, rstate, buffer, features, classes, eligible, active,
-                            without_replacement, *, grasp_weight: float = 1.0):
+def prototype_weighted_step(
+  key,
+  rstate,
+  buffer,
+  features,
+  classes,
+  eligible,
+  active,
+  without_replacement,
+  *,
+  grasp_weight: float = 1.0,
+):
   """Prototype-weighted (GRASP) sample selection within each slot's class (eqs. 1-2).
 
   Hyperparameter `grasp_weight` is w of eq. 1 (paper 1.0; released code default 0.7).
@@ -182,24 +205,36 @@ def prototype_weighted_step(key, rstate, buffer, features, classes, eligible, ac
   num = active.shape[0]
   weights = jnp.full((num,), grasp_weight, jnp.float32)
   indices, valid = sample_selection.prototype_weighted_in_class(
-      key, buffer.prototype_distances, eligible, classes, weights, active,
-      without_replacement=without_replacement)
-  return indices, valid, {'grasp_entropy': _grasp_entropy(buffer, eligible, classes, weights)}
+    key,
+    buffer.prototype_distances,
+    eligible,
+    classes,
+    weights,
+    active,
+    without_replacement=without_replacement,
+  )
+  return indices, valid, {"grasp_entropy": _grasp_entropy(buffer, eligible, classes, weights)}
 
 
 # ----------------------------------------------------------------------------- composition
-def _keyword_hyperparameters(fn: Optional[Callable]) -> Tuple[str, ...]:
+def _keyword_hyperparameters(fn: Callable | None) -> tuple[str, ...]:
   if fn is None:
     return ()
-  return tuple(p.name for p in inspect.signature(fn).parameters.values()
-               if p.kind is inspect.Parameter.KEYWORD_ONLY)
+  return tuple(
+    p.name
+    for p in inspect.signature(fn).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+  )
 
 
-def _keyword_defaults(fn: Optional[Callable]) -> Dict[str, Any]:
+def _keyword_defaults(fn: Callable | None) -> dict[str, Any]:
   if fn is None:
     return {}
-  return {p.name: p.default for p in inspect.signature(fn).parameters.values()
-          if p.kind is inspect.Parameter.KEYWORD_ONLY}
+  return {
+    p.name: p.default
+    for p in inspect.signature(fn).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+  }
 
 
 def _check_active(active, num_replay: int) -> Array:
@@ -207,7 +242,7 @@ def _check_active(active, num_replay: int) -> Array:
     return jnp.ones((num_replay,), bool)
   active = jnp.asarray(active, bool)
   if active.shape != (num_replay,):
-    raise ValueError(f'active must be bool [num_replay={num_replay}], got shape {active.shape}')
+    raise ValueError(f"active must be bool [num_replay={num_replay}], got shape {active.shape}")
   return active
 
 
@@ -216,12 +251,18 @@ class _AlgorithmBase:
 
   dedup: dedup_lib.DedupSchedule
 
-  def __call__(self, rstate: ReplayState, buffer: ReplayBuffer, features: Mapping[str, Array],
-               num_replay: int, active: Optional[Array] = None
-               ) -> Tuple[Array, Array, ReplayState]:
+  def __call__(
+    self,
+    rstate: ReplayState,
+    buffer: ReplayBuffer,
+    features: Mapping[str, Array],
+    num_replay: int,
+    active: Array | None = None,
+  ) -> tuple[Array, Array, ReplayState]:
     """Retrieves `num_replay` buffer images; see the module docstring for shapes."""
-    indices, valid, rstate, _ = self.retrieve_with_records(rstate, buffer, features, num_replay,
-                                                           active)
+    indices, valid, rstate, _ = self.retrieve_with_records(
+      rstate, buffer, features, num_replay, active
+    )
     return indices, valid, rstate
 
   def retrieve_with_records(self, rstate, buffer, features, num_replay, active=None):
@@ -229,15 +270,16 @@ class _AlgorithmBase:
     num_replay = int(num_replay)
     active = _check_active(active, num_replay)
     features = {} if features is None else features
-    rstate = dedup_lib.auto_reset_if_exhausted(rstate, self.dedup,
-                                               jnp.sum(active, dtype=jnp.int32))
+    rstate = dedup_lib.auto_reset_if_exhausted(rstate, self.dedup, jnp.sum(active, dtype=jnp.int32))
     eligible = dedup_lib.eligible_images(rstate, self.dedup)
-    class_eligible = (sample_selection.class_eligibility(buffer.class_membership, eligible)
-                      & buffer.class_valid)
+    class_eligible = (
+      sample_selection.class_eligibility(buffer.class_membership, eligible) & buffer.class_valid
+    )
     key, class_key, sample_key = jax.random.split(rstate.key, 3)
     rstate = rstate.replace(key=key)
-    indices, valid, rstate, records = self._select(class_key, sample_key, rstate, buffer,
-                                                   features, eligible, class_eligible, active)
+    indices, valid, rstate, records = self._select(
+      class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
+    )
     valid = jnp.asarray(valid, bool) & active
     indices = jnp.where(valid, jnp.asarray(indices, jnp.int32), 0)
     rstate = dedup_lib.mark_replayed(rstate, indices, valid, self.dedup)
@@ -259,12 +301,13 @@ class RetrievalAlgorithm(_AlgorithmBase):
     dedup: the DedupSchedule.
     class_hyperparameters / sample_hyperparameters: tuples of (name, value) bound to the steps.
   """
+
   name: str
-  class_step: Optional[Callable]
+  class_step: Callable | None
   sample_step: Callable
   dedup: dedup_lib.DedupSchedule
-  class_hyperparameters: Tuple[Tuple[str, Any], ...] = ()
-  sample_hyperparameters: Tuple[Tuple[str, Any], ...] = ()
+  class_hyperparameters: tuple[tuple[str, Any], ...] = ()
+  sample_hyperparameters: tuple[tuple[str, Any], ...] = ()
 
   @property
   def needs_features(self) -> bool:
@@ -272,40 +315,63 @@ class RetrievalAlgorithm(_AlgorithmBase):
     callers skip the extra embedding forward pass otherwise."""
     return self.class_step in FEATURE_STEPS or self.sample_step in FEATURE_STEPS
 
-  def _select(self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible,
-              active):
+  def _select(
+    self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
+  ):
     classes = None
     records = {}
     if self.class_step is not None:
-      classes, rstate, records = self.class_step(class_key, rstate, buffer, features,
-                                                 class_eligible, active,
-                                                 **dict(self.class_hyperparameters))
+      classes, rstate, records = self.class_step(
+        class_key,
+        rstate,
+        buffer,
+        features,
+        class_eligible,
+        active,
+        **dict(self.class_hyperparameters),
+      )
     indices, valid, sample_records = self.sample_step(
-        sample_key, rstate, buffer, features, classes, eligible, active,
-        self.dedup.marks_replays, **dict(self.sample_hyperparameters))
+      sample_key,
+      rstate,
+      buffer,
+      features,
+      classes,
+      eligible,
+      active,
+      self.dedup.marks_replays,
+      **dict(self.sample_hyperparameters),
+    )
     return indices, valid, rstate, {**records, **sample_records}
 
 
 @dataclasses.dataclass(frozen=True)
 class Composition:
   """Registry entry: a class step (or None) followed by a sample step."""
-  class_step: Optional[Callable]
+
+  class_step: Callable | None
   sample_step: Callable
 
   @property
-  def hyperparameter_names(self) -> Tuple[str, ...]:
+  def hyperparameter_names(self) -> tuple[str, ...]:
     return _keyword_hyperparameters(self.class_step) + _keyword_hyperparameters(self.sample_step)
 
-  def build(self, name: str, dedup: dedup_lib.DedupSchedule,
-            hyperparameters: Mapping[str, Any]) -> RetrievalAlgorithm:
+  def build(
+    self, name: str, dedup: dedup_lib.DedupSchedule, hyperparameters: Mapping[str, Any]
+  ) -> RetrievalAlgorithm:
     class_names = _keyword_hyperparameters(self.class_step)
     sample_names = _keyword_hyperparameters(self.sample_step)
     return RetrievalAlgorithm(
-        name=name, class_step=self.class_step, sample_step=self.sample_step, dedup=dedup,
-        class_hyperparameters=tuple((k, v) for k, v in sorted(hyperparameters.items())
-                                    if k in class_names),
-        sample_hyperparameters=tuple((k, v) for k, v in sorted(hyperparameters.items())
-                                     if k in sample_names))
+      name=name,
+      class_step=self.class_step,
+      sample_step=self.sample_step,
+      dedup=dedup,
+      class_hyperparameters=tuple(
+        (k, v) for k, v in sorted(hyperparameters.items()) if k in class_names
+      ),
+      sample_hyperparameters=tuple(
+        (k, v) for k, v in sorted(hyperparameters.items()) if k in sample_names
+      ),
+    )
 
 
 # ------------------------------------------------------------------------------ A-SW-GRASP
@@ -319,37 +385,60 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   Source: paper §4 "Composing and Modifying Primitives" item 2; released code
   `get_SWIL_retrieval_indices(adaptivity='img')` (entropy H / log C of p_SWIL).
   """
+
   name: str
   dedup: dedup_lib.DedupSchedule
   swil_weight: float = 1.0
   grasp_weight: float = 1.0
   adaptive_entropy_threshold: float = 0.99
-  balanced_order: str = 'sequential'
+  balanced_order: str = "sequential"
 
   needs_features = True
 
-  def _select(self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible,
-              active):
+  def _select(
+    self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
+  ):
     num = active.shape[0]
-    probs = _swil_probs(buffer, features, class_eligible, self.swil_weight)     # [B, C]
-    entropy = sample_selection.normalized_entropy(probs)                        # [B]
+    probs = _swil_probs(buffer, features, class_eligible, self.swil_weight)  # [B, C]
+    entropy = sample_selection.normalized_entropy(probs)  # [B]
     rows = _new_image_rows(num, probs.shape[0])
     use_grasp = entropy[rows] > self.adaptive_entropy_threshold
     balanced_key, swil_key = jax.random.split(class_key)
-    grasp_classes, rstate, _ = balanced_step(balanced_key, rstate, buffer, features,
-                                             class_eligible, active & use_grasp,
-                                             balanced_order=self.balanced_order)
+    grasp_classes, rstate, _ = balanced_step(
+      balanced_key,
+      rstate,
+      buffer,
+      features,
+      class_eligible,
+      active & use_grasp,
+      balanced_order=self.balanced_order,
+    )
     swil_classes = class_selection.sample_classes(swil_key, probs[rows])
     classes = jnp.where(active, jnp.where(use_grasp, grasp_classes, swil_classes), -1)
     weights = jnp.where(use_grasp, jnp.float32(self.grasp_weight), 0.0)
     indices, valid = sample_selection.prototype_weighted_in_class(
-        sample_key, buffer.prototype_distances, eligible, classes, weights, active,
-        without_replacement=self.dedup.marks_replays)
-    grasp_entropy = jnp.where(use_grasp, _grasp_entropy(buffer, eligible, classes, weights),
-                              jnp.nan)
-    return indices, valid, rstate, {'sampled_classes': classes, 'swil_entropy': entropy,
-                                    'grasp_entropy': grasp_entropy,
-                                    'used_grasp': use_grasp & active}
+      sample_key,
+      buffer.prototype_distances,
+      eligible,
+      classes,
+      weights,
+      active,
+      without_replacement=self.dedup.marks_replays,
+    )
+    grasp_entropy = jnp.where(
+      use_grasp, _grasp_entropy(buffer, eligible, classes, weights), jnp.nan
+    )
+    return (
+      indices,
+      valid,
+      rstate,
+      {
+        "sampled_classes": classes,
+        "swil_entropy": entropy,
+        "grasp_entropy": grasp_entropy,
+        "used_grasp": use_grasp & active,
+      },
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,8 +446,8 @@ class AdaptiveComposition:
   """Registry entry of A-SW-GRASP (`AdaptiveSwGraspAlgorithm`)."""
 
   @property
-  def hyperparameter_names(self) -> Tuple[str, ...]:
-    return ('swil_weight', 'grasp_weight', 'adaptive_entropy_threshold', 'balanced_order')
+  def hyperparameter_names(self) -> tuple[str, ...]:
+    return ("swil_weight", "grasp_weight", "adaptive_entropy_threshold", "balanced_order")
 
   def build(self, name, dedup, hyperparameters):
     return AdaptiveSwGraspAlgorithm(name=name, dedup=dedup, **hyperparameters)
@@ -393,6 +482,7 @@ class AsvAlgorithm(_AlgorithmBase):
     class_hyperparameters: (name, value) of the candidate class step.
   Source: paper §4, eqs. (3)-(4), suppl. §C; SPEC §7.
   """
+
   name: str
   dedup: dedup_lib.DedupSchedule
   candidate_class_step: Callable
@@ -400,11 +490,11 @@ class AsvAlgorithm(_AlgorithmBase):
   num_candidates: int = 168
   knn_k: int = 20
   asv_c: float = 0.15
-  asv_token_matching: str = 'all_to_all'
-  asv_distance: str = 'l2'
-  asv_weight_reduction: str = 'min'
+  asv_token_matching: str = "all_to_all"
+  asv_distance: str = "l2"
+  asv_weight_reduction: str = "min"
   asv_chunk_size: int = 64
-  class_hyperparameters: Tuple[Tuple[str, Any], ...] = ()
+  class_hyperparameters: tuple[tuple[str, Any], ...] = ()
 
   needs_features = True
 
@@ -417,34 +507,55 @@ class AsvAlgorithm(_AlgorithmBase):
     if not self.precomputed or bool(jax.device_get(rstate.asv_left_ready)):
       return rstate
     left, left_min = knn_shapley.precompute_left_term(
-        buffer.class_embeddings, buffer.query_embeddings, self.knn_k,
-        chunk_size=self.asv_chunk_size, token_matching=self.asv_token_matching,
-        distance=self.asv_distance)
-    return rstate.replace(asv_left=left, asv_left_min=left_min,
-                          asv_left_ready=jnp.ones((), bool))
+      buffer.class_embeddings,
+      buffer.query_embeddings,
+      self.knn_k,
+      chunk_size=self.asv_chunk_size,
+      token_matching=self.asv_token_matching,
+      distance=self.asv_distance,
+    )
+    return rstate.replace(asv_left=left, asv_left_min=left_min, asv_left_ready=jnp.ones((), bool))
 
-  def _select(self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible,
-              active):
-    _require(features, ('class_embeddings', 'query_embeddings'), f'retrieval {self.name!r}')
+  def _select(
+    self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
+  ):
+    _require(features, ("class_embeddings", "query_embeddings"), f"retrieval {self.name!r}")
     num, n_c = active.shape[0], int(self.num_candidates)
     if n_c < num:
-      raise ValueError(f'{self.name}: num_candidates={n_c} < num_replay={num}')
+      raise ValueError(f"{self.name}: num_candidates={n_c} < num_replay={num}")
     any_active = jnp.any(active)
     candidate_active = jnp.broadcast_to(any_active, (n_c,))
     classes, rstate, class_records = self.candidate_class_step(
-        class_key, rstate, buffer, features, class_eligible, candidate_active,
-        **dict(self.class_hyperparameters))
+      class_key,
+      rstate,
+      buffer,
+      features,
+      class_eligible,
+      candidate_active,
+      **dict(self.class_hyperparameters),
+    )
     candidates, candidate_valid = sample_selection.uniform_in_class_active(
-        sample_key, buffer.class_membership, eligible, classes, candidate_active,
-        without_replacement=True)
+      sample_key,
+      buffer.class_membership,
+      eligible,
+      classes,
+      candidate_active,
+      without_replacement=True,
+    )
     options = dict(token_matching=self.asv_token_matching, distance=self.asv_distance)
     right, distances = knn_shapley.image_knn_shapley(
-        features['class_embeddings'], features['query_embeddings'],
-        buffer.class_embeddings[candidates], buffer.query_embeddings[candidates], self.knn_k,
-        candidate_valid, reduction='min', **options)                           # [B, N_c]
+      features["class_embeddings"],
+      features["query_embeddings"],
+      buffer.class_embeddings[candidates],
+      buffer.query_embeddings[candidates],
+      self.knn_k,
+      candidate_valid,
+      reduction="min",
+      **options,
+    )  # [B, N_c]
     if self.precomputed:
       left_term = rstate.asv_left[candidates]
-      if self.asv_weight_reduction == 'min':
+      if self.asv_weight_reduction == "min":
         extreme = jnp.min(jnp.where(candidate_valid, rstate.asv_left_min[candidates], jnp.inf))
       else:
         extreme = jnp.max(jnp.where(candidate_valid, left_term, -jnp.inf))
@@ -452,79 +563,104 @@ class AsvAlgorithm(_AlgorithmBase):
     else:
       cand_class = buffer.class_embeddings[candidates]
       cand_query = buffer.query_embeddings[candidates]
-      left, _ = knn_shapley.image_knn_shapley(cand_class, cand_query, cand_class, cand_query,
-                                              self.knn_k, candidate_valid, reduction='max',
-                                              **options)                      # [N_c, N_c]
+      left, _ = knn_shapley.image_knn_shapley(
+        cand_class,
+        cand_query,
+        cand_class,
+        cand_query,
+        self.knn_k,
+        candidate_valid,
+        reduction="max",
+        **options,
+      )  # [N_c, N_c]
       left_term, extreme = sample_selection.left_term_and_extreme(
-          left, candidate_valid, self.asv_weight_reduction)
-    asv, _ = sample_selection.asv_from_terms(left_term, extreme, right, candidate_valid,
-                                             self.asv_c, self.asv_weight_reduction)
-    order = jnp.argsort(-asv, stable=True)                                  # best first
+        left, candidate_valid, self.asv_weight_reduction
+      )
+    asv, _ = sample_selection.asv_from_terms(
+      left_term, extreme, right, candidate_valid, self.asv_c, self.asv_weight_reduction
+    )
+    order = jnp.argsort(-asv, stable=True)  # best first
     rank = jnp.clip(jnp.cumsum(active, dtype=jnp.int32) - 1, 0, n_c - 1)
     chosen = order[rank]
     valid = active & (rank < jnp.sum(candidate_valid, dtype=jnp.int32))
     indices = candidates[chosen]
     # Records (paper Fig. 5): distance ranks of candidates per new image.
-    ranks = _distance_ranks(distances)                                       # [B, N_c]
+    ranks = _distance_ranks(distances)  # [B, N_c]
     lowest = jnp.argmin(jnp.where(candidate_valid[None, :], right, jnp.inf), axis=-1)
     min_sv_rank = jnp.take_along_axis(ranks, lowest[:, None], axis=-1)[:, 0]
     selected_rank = jnp.where(valid, jnp.min(ranks[:, chosen], axis=0), -1)
-    records = {'sampled_classes': jnp.where(valid, classes[chosen], -1), 'knn_sv': right,
-               'knn_sv_valid': candidate_valid, 'min_sv_rank': min_sv_rank,
-               'selected_rank': selected_rank}
-    if 'swil_entropy' in class_records:
-      records['swil_entropy'] = class_records['swil_entropy']
+    records = {
+      "sampled_classes": jnp.where(valid, classes[chosen], -1),
+      "knn_sv": right,
+      "knn_sv_valid": candidate_valid,
+      "min_sv_rank": min_sv_rank,
+      "selected_rank": selected_rank,
+    }
+    if "swil_entropy" in class_records:
+      records["swil_entropy"] = class_records["swil_entropy"]
     return indices, valid, rstate, records
 
 
-_ASV_NAMES = ('num_candidates', 'knn_k', 'asv_c', 'asv_token_matching', 'asv_distance',
-              'asv_weight_reduction')
+_ASV_NAMES = (
+  "num_candidates",
+  "knn_k",
+  "asv_c",
+  "asv_token_matching",
+  "asv_distance",
+  "asv_weight_reduction",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class AsvComposition:
   """Registry entry of an ASV algorithm: candidate class step, precomputed left term or not,
   and the default candidate set size N_c."""
+
   candidate_class_step: Callable
   precomputed: bool
   num_candidates: int
 
   @property
-  def hyperparameter_names(self) -> Tuple[str, ...]:
-    extra = ('asv_chunk_size',) if self.precomputed else ()
+  def hyperparameter_names(self) -> tuple[str, ...]:
+    extra = ("asv_chunk_size",) if self.precomputed else ()
     return _keyword_hyperparameters(self.candidate_class_step) + _ASV_NAMES + extra
 
   def build(self, name, dedup, hyperparameters):
     class_names = _keyword_hyperparameters(self.candidate_class_step)
     own = {k: v for k, v in hyperparameters.items() if k not in class_names}
-    own.setdefault('num_candidates', self.num_candidates)
+    own.setdefault("num_candidates", self.num_candidates)
     return AsvAlgorithm(
-        name=name, dedup=dedup, candidate_class_step=self.candidate_class_step,
-        precomputed=self.precomputed,
-        class_hyperparameters=tuple((k, v) for k, v in sorted(hyperparameters.items())
-                                    if k in class_names), **own)
+      name=name,
+      dedup=dedup,
+      candidate_class_step=self.candidate_class_step,
+      precomputed=self.precomputed,
+      class_hyperparameters=tuple(
+        (k, v) for k, v in sorted(hyperparameters.items()) if k in class_names
+      ),
+      **own,
+    )
 
 
 # Steps that read the new batch's features (`features['class_embeddings']`, ...).
 FEATURE_STEPS = (similarity_weighted_step,)
 
 # The Table 2 compositions (hyperparameter defaults: paper suppl. Table 7 / SPEC §7).
-ALGORITHMS: Dict[str, Any] = {
-    'uniform': Composition(None, uniform_step),
-    'uniform_balanced': Composition(balanced_step, uniform_in_class_step),
-    'grasp': Composition(balanced_step, prototype_weighted_step),
-    'swil': Composition(similarity_weighted_step, uniform_in_class_step),
-    'sw_grasp': Composition(similarity_weighted_step, prototype_weighted_step),
-    'a_sw_grasp': AdaptiveComposition(),
-    'aser': AsvComposition(balanced_step, precomputed=False, num_candidates=168),
-    'aser_pc': AsvComposition(balanced_step, precomputed=True, num_candidates=352),
-    'sw_aser_pc': AsvComposition(similarity_weighted_step, precomputed=True,
-                                 num_candidates=352),
+ALGORITHMS: dict[str, Any] = {
+  "uniform": Composition(None, uniform_step),
+  "uniform_balanced": Composition(balanced_step, uniform_in_class_step),
+  "grasp": Composition(balanced_step, prototype_weighted_step),
+  "swil": Composition(similarity_weighted_step, uniform_in_class_step),
+  "sw_grasp": Composition(similarity_weighted_step, prototype_weighted_step),
+  "a_sw_grasp": AdaptiveComposition(),
+  "aser": AsvComposition(balanced_step, precomputed=False, num_candidates=168),
+  "aser_pc": AsvComposition(balanced_step, precomputed=True, num_candidates=352),
+  "sw_aser_pc": AsvComposition(similarity_weighted_step, precomputed=True, num_candidates=352),
 }
 
 
-def get_algorithm(name: str, *, dedup: Union[str, dedup_lib.DedupSchedule] = 'dataset',
-                  **hyperparameters):
+def get_algorithm(
+  name: str, *, dedup: str | dedup_lib.DedupSchedule = "dataset", **hyperparameters
+):
   """Looks up a retrieval algorithm by its Table 2 name and binds its hyperparameters.
 
   Args:
@@ -545,25 +681,29 @@ def get_algorithm(name: str, *, dedup: Union[str, dedup_lib.DedupSchedule] = 'da
   Source: paper Table 2, SPEC §7-§8.
   """
   if name not in ALGORITHMS:
-    raise ValueError(f'unknown retrieval algorithm {name!r}; known: {sorted(ALGORITHMS)}')
+    raise ValueError(f"unknown retrieval algorithm {name!r}; known: {sorted(ALGORITHMS)}")
   entry = ALGORITHMS[name]
   accepted = tuple(entry.hyperparameter_names)
   unknown = sorted(set(hyperparameters) - set(accepted))
   if unknown:
-    raise ValueError(f'retrieval algorithm {name!r} got unknown hyperparameters {unknown}; '
-                     f'accepted: {sorted(accepted)} (and dedup)')
+    raise ValueError(
+      f"retrieval algorithm {name!r} got unknown hyperparameters {unknown}; "
+      f"accepted: {sorted(accepted)} (and dedup)"
+    )
   _check_option_values(hyperparameters)
   return entry.build(name, dedup_lib.as_schedule(dedup), dict(hyperparameters))
 
 
 def _check_option_values(hp: Mapping[str, Any]):
-  choices = {'balanced_order': BALANCED_ORDERS,
-             'asv_token_matching': knn_shapley.TOKEN_MATCHING,
-             'asv_distance': knn_shapley.DISTANCES,
-             'asv_weight_reduction': sample_selection.WEIGHT_REDUCTIONS}
+  choices = {
+    "balanced_order": BALANCED_ORDERS,
+    "asv_token_matching": knn_shapley.TOKEN_MATCHING,
+    "asv_distance": knn_shapley.DISTANCES,
+    "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,
+  }
   for field, allowed in choices.items():
     if field in hp and hp[field] not in allowed:
-      raise ValueError(f'retrieval hyperparameter {field}={hp[field]!r} is not one of {allowed}')
-  for field in ('num_candidates', 'knn_k', 'asv_chunk_size'):
+      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} is not one of {allowed}")
+  for field in ("num_candidates", "knn_k", "asv_chunk_size"):
     if field in hp and int(hp[field]) < 1:
-      raise ValueError(f'retrieval hyperparameter {field}={hp[field]!r} must be >= 1')
+      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be >= 1")

@@ -11,18 +11,16 @@ under a key of everything it depends on.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import time
-from typing import Any
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
-from absl import logging
 
 from owl_cl.data import pipeline
 from owl_cl.replay import selection
@@ -33,9 +31,18 @@ from owl_cl.train import losses
 EXAMPLE_KEYS = ("images", "queries", "labels", "boxes", "query_class")
 
 
-def preprocess_source(source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
-                      image_size: int, num_queries: int, max_instances: int,
-                      num_negatives: int, seed: int, **options) -> dict[str, np.ndarray]:
+def preprocess_source(
+  source,
+  *,
+  class_tokens: np.ndarray,
+  empty_tokens: np.ndarray,
+  image_size: int,
+  num_queries: int,
+  max_instances: int,
+  num_negatives: int,
+  seed: int,
+  **options,
+) -> dict[str, np.ndarray]:
   """Fixed training examples of every image of `source` (queries drawn once, seeded).
 
   `options` go to `pipeline.preprocess_train_example` (squash, merge_iou, negative_weights:
@@ -47,10 +54,19 @@ def preprocess_source(source, *, class_tokens: np.ndarray, empty_tokens: np.ndar
   """
   examples = []
   for i in tqdm.trange(len(source), desc="buffer: preprocessing", mininterval=2.0):
-    examples.append(pipeline.preprocess_train_example(
-        source.load(i), class_tokens=class_tokens, empty_tokens=empty_tokens,
-        image_size=image_size, num_queries=num_queries, max_instances=max_instances,
-        num_negatives=num_negatives, rng=pipeline.example_rng(seed, 0, i), **options))
+    examples.append(
+      pipeline.preprocess_train_example(
+        source.load(i),
+        class_tokens=class_tokens,
+        empty_tokens=empty_tokens,
+        image_size=image_size,
+        num_queries=num_queries,
+        max_instances=max_instances,
+        num_negatives=num_negatives,
+        rng=pipeline.example_rng(seed, 0, i),
+        **options,
+      )
+    )
   stacked = pipeline.stack_examples(examples)
   return {k: stacked[k] for k in EXAMPLE_KEYS + ("image_id",)}
 
@@ -62,9 +78,17 @@ def _batches(n: int, batch_size: int):
     yield idx, np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])
 
 
-def analyse_images(model, params, examples: dict[str, np.ndarray], *, num_classes: int,
-                   top_k: int, max_per_class: int, loss_config: dict,
-                   batch_size: int) -> dict[str, np.ndarray]:
+def analyse_images(
+  model,
+  params,
+  examples: dict[str, np.ndarray],
+  *,
+  num_classes: int,
+  top_k: int,
+  max_per_class: int,
+  loss_config: dict,
+  batch_size: int,
+) -> dict[str, np.ndarray]:
   """Per-image quantities of the pre-trained model (one jitted forward per batch).
 
   Returns dict (N images, T tokens, Q queries, E width, C classes):
@@ -78,39 +102,67 @@ def analyse_images(model, params, examples: dict[str, np.ndarray], *, num_classe
   @jax.jit
   def forward(params, batch):
     out = model.apply({"params": params}, batch["images"], batch["queries"], train=False)
-    det = losses.detection_loss(out["pred_logits"], out["pred_boxes"], batch["labels"],
-                                batch["boxes"], **loss_config)
+    det = losses.detection_loss(
+      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
+    )
     query_mask = batch["queries"][..., 0] > 0
     top_class, top_query = selection.top_k_embeddings(
-        out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask,
-        top_k)
-    counts = selection.instance_counts_from_labels(batch["labels"], batch["query_class"],
-                                                   num_classes)
+      out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
+    )
+    counts = selection.instance_counts_from_labels(
+      batch["labels"], batch["query_class"], num_classes
+    )
     sums, token_counts = selection.per_image_class_token_embeddings(
-        out["pred_logits"], out["class_embeddings"], batch["query_class"], counts,
-        max_per_class=max_per_class)
-    return {"per_image_loss": det["per_example"], "logits": out["pred_logits"],
-            "top_class_embeddings": top_class, "top_query_embeddings": top_query,
-            "prototype_sums": sums, "prototype_counts": token_counts,
-            "instance_counts": counts, "class_embeddings": out["class_embeddings"]}
+      out["pred_logits"],
+      out["class_embeddings"],
+      batch["query_class"],
+      counts,
+      max_per_class=max_per_class,
+    )
+    return {
+      "per_image_loss": det["per_example"],
+      "logits": out["pred_logits"],
+      "top_class_embeddings": top_class,
+      "top_query_embeddings": top_query,
+      "prototype_sums": sums,
+      "prototype_counts": token_counts,
+      "instance_counts": counts,
+      "class_embeddings": out["class_embeddings"],
+    }
 
   n = examples["images"].shape[0]
   parts: dict[str, list] = {}
-  for idx, padded in tqdm.tqdm(list(_batches(n, batch_size)), desc="buffer: pre-trained "
-                               "model forward", mininterval=2.0):
+  for idx, padded in tqdm.tqdm(
+    list(_batches(n, batch_size)), desc="buffer: pre-trained model forward", mininterval=2.0
+  ):
     batch = {k: jnp.asarray(examples[k][padded]) for k in EXAMPLE_KEYS}
     out = jax.device_get(forward(params, batch))
     for k, v in out.items():
-      parts.setdefault(k, []).append(np.asarray(v)[:len(idx)])
+      parts.setdefault(k, []).append(np.asarray(v)[: len(idx)])
   return {k: np.concatenate(v) for k, v in parts.items()}
 
 
-def build_store(model, params, source, *, class_tokens: np.ndarray, empty_tokens: np.ndarray,
-                image_size: int, num_queries: int, max_instances: int, num_negatives: int,
-                seed: int, loss_threshold: float, min_per_class: int,
-                fill_all_for_rare_classes: bool, top_k: int, max_per_class: int,
-                loss_config: dict, batch_size: int, example_options: dict | None = None
-                ) -> tuple[store_lib.ReplayStore, dict]:
+def build_store(
+  model,
+  params,
+  source,
+  *,
+  class_tokens: np.ndarray,
+  empty_tokens: np.ndarray,
+  image_size: int,
+  num_queries: int,
+  max_instances: int,
+  num_negatives: int,
+  seed: int,
+  loss_threshold: float,
+  min_per_class: int,
+  fill_all_for_rare_classes: bool,
+  top_k: int,
+  max_per_class: int,
+  loss_config: dict,
+  batch_size: int,
+  example_options: dict | None = None,
+) -> tuple[store_lib.ReplayStore, dict]:
   """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
 
   Selection is eq. 7 of the paper (SPEC §6): loss < `loss_threshold`, then each class with
@@ -125,54 +177,90 @@ def build_store(model, params, source, *, class_tokens: np.ndarray, empty_tokens
     ValueError: if no image is selected (threshold and minimum both select nothing).
   """
   num_classes = len(source.class_names)
-  examples = preprocess_source(source, class_tokens=class_tokens, empty_tokens=empty_tokens,
-                               image_size=image_size, num_queries=num_queries,
-                               max_instances=max_instances, num_negatives=num_negatives,
-                               seed=seed, **(example_options or {}))
-  analysis = analyse_images(model, params, examples, num_classes=num_classes, top_k=top_k,
-                            max_per_class=max_per_class, loss_config=loss_config,
-                            batch_size=batch_size)
+  examples = preprocess_source(
+    source,
+    class_tokens=class_tokens,
+    empty_tokens=empty_tokens,
+    image_size=image_size,
+    num_queries=num_queries,
+    max_instances=max_instances,
+    num_negatives=num_negatives,
+    seed=seed,
+    **(example_options or {}),
+  )
+  analysis = analyse_images(
+    model,
+    params,
+    examples,
+    num_classes=num_classes,
+    top_k=top_k,
+    max_per_class=max_per_class,
+    loss_config=loss_config,
+    batch_size=batch_size,
+  )
   membership = analysis["instance_counts"] > 0
-  keep = selection.select_buffer(analysis["per_image_loss"], membership, loss_threshold,
-                                 min_per_class=min_per_class,
-                                 fill_all_for_rare_classes=fill_all_for_rare_classes)
+  keep = selection.select_buffer(
+    analysis["per_image_loss"],
+    membership,
+    loss_threshold,
+    min_per_class=min_per_class,
+    fill_all_for_rare_classes=fill_all_for_rare_classes,
+  )
   if not keep.any():
-    raise ValueError(f"replay.buffer selected no image (loss_threshold={loss_threshold}, "
-                     f"min_per_class={min_per_class})")
-  prototypes, _ = selection.compute_prototypes(jnp.asarray(analysis["prototype_sums"][keep]),
-                                               jnp.asarray(analysis["prototype_counts"][keep]))
+    raise ValueError(
+      f"replay.buffer selected no image (loss_threshold={loss_threshold}, "
+      f"min_per_class={min_per_class})"
+    )
+  prototypes, _ = selection.compute_prototypes(
+    jnp.asarray(analysis["prototype_sums"][keep]), jnp.asarray(analysis["prototype_counts"][keep])
+  )
   distances = jax.jit(selection.prototype_distances, static_argnames=("max_instances",))(
-      jnp.asarray(analysis["logits"][keep]), jnp.asarray(analysis["class_embeddings"][keep]),
-      jnp.asarray(examples["query_class"][keep]),
-      jnp.asarray(analysis["instance_counts"][keep]), prototypes,
-      max_instances=max_instances)
+    jnp.asarray(analysis["logits"][keep]),
+    jnp.asarray(analysis["class_embeddings"][keep]),
+    jnp.asarray(examples["query_class"][keep]),
+    jnp.asarray(analysis["instance_counts"][keep]),
+    prototypes,
+    max_instances=max_instances,
+  )
   buffer = state_lib.make_replay_buffer(
-      jnp.asarray(membership[keep]), prototypes, distances,
-      jnp.asarray(analysis["top_class_embeddings"][keep]),
-      jnp.asarray(analysis["top_query_embeddings"][keep]))
-  store = store_lib.ReplayStore({k: examples[k][keep] for k in EXAMPLE_KEYS},
-                                analysis["logits"][keep], buffer, source.class_names)
+    jnp.asarray(membership[keep]),
+    prototypes,
+    distances,
+    jnp.asarray(analysis["top_class_embeddings"][keep]),
+    jnp.asarray(analysis["top_query_embeddings"][keep]),
+  )
+  store = store_lib.ReplayStore(
+    {k: examples[k][keep] for k in EXAMPLE_KEYS},
+    analysis["logits"][keep],
+    buffer,
+    source.class_names,
+  )
   loss = analysis["per_image_loss"]
   stats = {
-      "images_considered": int(len(keep)), "images_kept": int(keep.sum()),
-      "kept_below_threshold": int((loss < loss_threshold).sum()),
-      "images_per_class": {name: int(membership[keep][:, c].sum())
-                           for c, name in enumerate(source.class_names)},
-      "loss_quantiles": {q: float(np.quantile(loss, float(q)))
-                         for q in ("0.1", "0.25", "0.5", "0.75", "0.9")},
+    "images_considered": int(len(keep)),
+    "images_kept": int(keep.sum()),
+    "kept_below_threshold": int((loss < loss_threshold).sum()),
+    "images_per_class": {
+      name: int(membership[keep][:, c].sum()) for c, name in enumerate(source.class_names)
+    },
+    "loss_quantiles": {
+      q: float(np.quantile(loss, float(q))) for q in ("0.1", "0.25", "0.5", "0.75", "0.9")
+    },
   }
   return store, stats
 
 
-def cached_store(cache_root: str, key_material: dict, build_fn) -> tuple[store_lib.ReplayStore,
-                                                                         dict]:
+def cached_store(
+  cache_root: str, key_material: dict, build_fn
+) -> tuple[store_lib.ReplayStore, dict]:
   """Loads the store cached under a digest of `key_material`, or builds and caches it.
 
   The store is written to a temporary folder and renamed (ReplayStore.save), so an
   interrupted build never leaves a cache that is later trusted.
   """
-  key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()
-                       ).hexdigest()[:16]
+  key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[
+    :16
+  ]
   path = os.path.join(cache_root, key)
   stats_path = path + ".stats.json"
   if os.path.isdir(path) and os.path.exists(stats_path):
@@ -189,6 +277,11 @@ def cached_store(cache_root: str, key_material: dict, build_fn) -> tuple[store_l
   with open(tmp, "w") as f:
     json.dump(stats, f, indent=2)
   os.replace(tmp, stats_path)
-  logging.info("replay buffer: %d of %d images (%.1f s), cached in %s", stats["images_kept"],
-               stats["images_considered"], stats["seconds"], path)
+  logging.info(
+    "replay buffer: %d of %d images (%.1f s), cached in %s",
+    stats["images_kept"],
+    stats["images_considered"],
+    stats["seconds"],
+    path,
+  )
   return store, stats

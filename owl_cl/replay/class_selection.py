@@ -3,9 +3,8 @@
 A class-selection primitive picks one buffer class per replay slot (one slot per new image).
 All functions are jittable; `num` arguments are static.
 """
-from __future__ import annotations
 
-from typing import Optional, Tuple
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +41,15 @@ def cosine_distance(a: Array, b: Array, eps: float = NORM_EPS) -> Array:
     Zero vectors have cos 0, i.e. distance 1.
   Source: paper suppl. §B eq. (cosine distance), SPEC §6-§7. Matmul at HIGHEST precision.
   """
-  cos = jnp.einsum('...e,ce->...c', normalize(a, eps), normalize(b, eps),
-                   precision=jax.lax.Precision.HIGHEST)
+  cos = jnp.einsum(
+    "...e,ce->...c", normalize(a, eps), normalize(b, eps), precision=jax.lax.Precision.HIGHEST
+  )
   return jnp.clip(1.0 - cos, 0.0, 2.0)
 
 
-def similarity_weighted_probs(class_embeddings: Array, prototypes: Array, w: float,
-                              class_eligible: Array) -> Array:
+def similarity_weighted_probs(
+  class_embeddings: Array, prototypes: Array, w: float, class_eligible: Array
+) -> Array:
   """SWIL class distribution per new image (similarity-weighted class selection).
 
   d[b, c] = min_j (1 - cos(class_embeddings[b, j], prototypes[c])) (cosine distance of each
@@ -70,7 +71,7 @@ def similarity_weighted_probs(class_embeddings: Array, prototypes: Array, w: flo
     row is all zeros (`sample_classes` then returns -1).
   Source: paper §4 and suppl. §B (with the inverse power of the prose, SPEC §7), SPEC §7.
   """
-  d = cosine_distance(class_embeddings, prototypes).min(axis=-2)            # [B, C]
+  d = cosine_distance(class_embeddings, prototypes).min(axis=-2)  # [B, C]
   logits = -jnp.asarray(w, jnp.float32) * jnp.log(d + DISTANCE_EPS)
   eligible = jnp.asarray(class_eligible, bool)[None, :]
   logits = jnp.where(eligible, logits, -jnp.inf)
@@ -81,9 +82,13 @@ def similarity_weighted_probs(class_embeddings: Array, prototypes: Array, w: flo
   return jnp.where(total > 0, unnorm / jnp.where(total > 0, total, 1.0), 0.0)
 
 
-def balanced_classes(class_pointer: Array, class_eligible: Array, num: int,
-                     order: Optional[Array] = None,
-                     active: Optional[Array] = None) -> Tuple[Array, Array]:
+def balanced_classes(
+  class_pointer: Array,
+  class_eligible: Array,
+  num: int,
+  order: Array | None = None,
+  active: Array | None = None,
+) -> tuple[Array, Array]:
   """Balanced class selection: the next `num` eligible classes in a fixed cyclic order.
 
   The paper's deterministic order: if the last class drawn was 10, the next draws are
@@ -113,14 +118,14 @@ def balanced_classes(class_pointer: Array, class_eligible: Array, num: int,
   order = jnp.asarray(order, jnp.int32)
   pointer = jnp.asarray(class_pointer, jnp.int32)
   positions = jnp.arange(c, dtype=jnp.int32)
-  offset = jnp.mod(positions - pointer - 1, c)                 # 0 = the position after pointer
+  offset = jnp.mod(positions - pointer - 1, c)  # 0 = the position after pointer
   eligible_at = class_eligible[order]
-  ranked = jnp.argsort(jnp.where(eligible_at, offset, offset + c))   # eligible first, cyclic
+  ranked = jnp.argsort(jnp.where(eligible_at, offset, offset + c))  # eligible first, cyclic
   num_eligible = jnp.sum(eligible_at, dtype=jnp.int32)
   if active is None:
     active = jnp.ones((num,), bool)
   active = jnp.asarray(active, bool)
-  rank = jnp.cumsum(active, dtype=jnp.int32) - 1                  # i-th active slot -> i
+  rank = jnp.cumsum(active, dtype=jnp.int32) - 1  # i-th active slot -> i
   slot = jnp.mod(jnp.maximum(rank, 0), jnp.maximum(num_eligible, 1))
   chosen = ranked[slot].astype(jnp.int32)
   any_eligible = num_eligible > 0
@@ -133,9 +138,9 @@ def balanced_classes(class_pointer: Array, class_eligible: Array, num: int,
   return classes, new_pointer
 
 
-def balanced_classes_reshuffled(key: Array, class_pointer: Array, class_order: Array,
-                                class_eligible: Array, active: Array
-                                ) -> Tuple[Array, Array, Array]:
+def balanced_classes_reshuffled(
+  key: Array, class_pointer: Array, class_order: Array, class_eligible: Array, active: Array
+) -> tuple[Array, Array, Array]:
   """Balanced class selection in a random order reshuffled after every pass (released code).
 
   Walks `class_order` from the position after `class_pointer`, skipping ineligible classes;
@@ -177,8 +182,10 @@ def balanced_classes_reshuffled(key: Array, class_pointer: Array, class_order: A
     return (pointer, order), cls
 
   (pointer, order), classes = jax.lax.scan(
-      step, (jnp.asarray(class_pointer, jnp.int32), jnp.asarray(class_order, jnp.int32)),
-      (keys, active))
+    step,
+    (jnp.asarray(class_pointer, jnp.int32), jnp.asarray(class_order, jnp.int32)),
+    (keys, active),
+  )
   return classes, pointer, order
 
 

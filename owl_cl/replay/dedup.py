@@ -23,12 +23,12 @@ Resets happen in three ways:
   * the host calls `check_auto_reset(state)` after a call (whenever convenient: it reads one
     scalar) to log a warning when an automatic reset happened.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
-from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +37,15 @@ from owl_cl.replay.state import ReplayState
 
 Array = jax.Array
 
-EVENTS = ('epoch', 'dataset')
+EVENTS = ("epoch", "dataset")
 # name -> events on which the schedule resets, whether replays are marked.
 _SCHEDULES = {
-    'none': dict(events=(), marks=False),
-    'epoch': dict(events=('epoch', 'dataset'), marks=True),
-    'dataset': dict(events=('dataset',), marks=True),
-    'fraction': dict(events=(), marks=True),
+  "none": dict(events=(), marks=False),
+  "epoch": dict(events=("epoch", "dataset"), marks=True),
+  "dataset": dict(events=("dataset",), marks=True),
+  "fraction": dict(events=(), marks=True),
 }
-DEFAULT_FRACTION = 1.0 / 3.0      # paper §4: "within 1/3 of the replay buffer that is replayed"
-
+DEFAULT_FRACTION = 1.0 / 3.0  # paper §4: "within 1/3 of the replay buffer that is replayed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +61,21 @@ class DedupSchedule:
       that does not take one.
   Source: paper §4, SPEC §8.
   """
-  name: str = 'dataset'
-  fraction: Optional[float] = None
+
+  name: str = "dataset"
+  fraction: float | None = None
 
   def __post_init__(self):
     if self.name not in _SCHEDULES:
-      raise ValueError(f'unknown dedup schedule {self.name!r}; known: {sorted(_SCHEDULES)}')
-    if self.name == 'fraction':
+      raise ValueError(f"unknown dedup schedule {self.name!r}; known: {sorted(_SCHEDULES)}")
+    if self.name == "fraction":
       if self.fraction is None:
-        object.__setattr__(self, 'fraction', DEFAULT_FRACTION)
+        object.__setattr__(self, "fraction", DEFAULT_FRACTION)
       if not 0.0 < float(self.fraction) <= 1.0:
-        raise ValueError(f'dedup fraction must be in (0, 1], got {self.fraction!r}')
-      object.__setattr__(self, 'fraction', float(self.fraction))
+        raise ValueError(f"dedup fraction must be in (0, 1], got {self.fraction!r}")
+      object.__setattr__(self, "fraction", float(self.fraction))
     elif self.fraction is not None:
-      raise ValueError(f'dedup schedule {self.name!r} takes no fraction')
+      raise ValueError(f"dedup schedule {self.name!r} takes no fraction")
 
   def period(self, num_images: int) -> int:
     """Replays per dedup period of the 'fraction' schedule: ceil(fraction * N) (>= 1)."""
@@ -84,13 +84,13 @@ class DedupSchedule:
   @property
   def marks_replays(self) -> bool:
     """Whether replayed images become ineligible (False only for 'none')."""
-    return _SCHEDULES[self.name]['marks']
+    return _SCHEDULES[self.name]["marks"]
 
   def resets_on(self, event: str) -> bool:
     """Whether the schedule resets at `event` ('epoch' | 'dataset'); ValueError otherwise."""
     if event not in EVENTS:
-      raise ValueError(f'unknown dedup event {event!r}; known: {EVENTS}')
-    return event in _SCHEDULES[self.name]['events']
+      raise ValueError(f"unknown dedup event {event!r}; known: {EVENTS}")
+    return event in _SCHEDULES[self.name]["events"]
 
   def in_call_reset(self, state: ReplayState, num_needed) -> Array:
     """bool []: whether a retrieval call needing `num_needed` images resets first (jittable).
@@ -111,7 +111,7 @@ class DedupSchedule:
   def period_over(self, state: ReplayState, num_needed) -> Array:
     """bool []: 'fraction' only: num_replayed + num_needed > ceil(fraction * N), i.e. this
     call's replays would not all fit in the current period (so it starts a new one)."""
-    if self.name != 'fraction':
+    if self.name != "fraction":
       return jnp.zeros((), bool)
     period = self.period(state.dedup_mask.shape[0])
     return (state.num_replayed > 0) & (state.num_replayed + num_needed > period)
@@ -120,16 +120,16 @@ class DedupSchedule:
 SCHEDULE_NAMES = tuple(_SCHEDULES)
 
 
-def as_schedule(schedule: Union[str, DedupSchedule]) -> DedupSchedule:
+def as_schedule(schedule: str | DedupSchedule) -> DedupSchedule:
   """Returns `schedule` as a DedupSchedule (a name is looked up); ValueError if unknown."""
   if isinstance(schedule, DedupSchedule):
     return schedule
   if isinstance(schedule, str):
     return DedupSchedule(schedule)
-  raise ValueError(f'expected a dedup schedule name or DedupSchedule, got {schedule!r}')
+  raise ValueError(f"expected a dedup schedule name or DedupSchedule, got {schedule!r}")
 
 
-def eligible_images(state: ReplayState, schedule: Union[str, DedupSchedule]) -> Array:
+def eligible_images(state: ReplayState, schedule: str | DedupSchedule) -> Array:
   """bool [N]: buffer images that may be replayed now (all True with schedule 'none').
 
   Source: SPEC §8. Jittable (schedule static).
@@ -140,8 +140,9 @@ def eligible_images(state: ReplayState, schedule: Union[str, DedupSchedule]) -> 
   return ~state.dedup_mask
 
 
-def mark_replayed(state: ReplayState, indices: Array, valid: Array,
-                  schedule: Union[str, DedupSchedule, None] = None) -> ReplayState:
+def mark_replayed(
+  state: ReplayState, indices: Array, valid: Array, schedule: str | DedupSchedule | None = None
+) -> ReplayState:
   """Records replays: marks `indices[valid]` in the dedup mask and updates the counters.
 
   Args:
@@ -160,20 +161,24 @@ def mark_replayed(state: ReplayState, indices: Array, valid: Array,
   mask = state.dedup_mask
   if schedule is None or as_schedule(schedule).marks_replays:
     # invalid entries point past the end and are dropped.
-    mask = mask.at[jnp.where(valid, indices, mask.shape[0])].set(True, mode='drop')
-  return state.replace(dedup_mask=mask, num_replayed=state.num_replayed + count,
-                       total_replayed=state.total_replayed + count)
+    mask = mask.at[jnp.where(valid, indices, mask.shape[0])].set(True, mode="drop")
+  return state.replace(
+    dedup_mask=mask,
+    num_replayed=state.num_replayed + count,
+    total_replayed=state.total_replayed + count,
+  )
 
 
 def reset(state: ReplayState) -> ReplayState:
   """Unconditional reset: all images eligible again, num_replayed 0, num_resets + 1. Jittable."""
-  return state.replace(dedup_mask=jnp.zeros_like(state.dedup_mask),
-                       num_replayed=jnp.zeros_like(state.num_replayed),
-                       num_resets=state.num_resets + 1)
+  return state.replace(
+    dedup_mask=jnp.zeros_like(state.dedup_mask),
+    num_replayed=jnp.zeros_like(state.num_replayed),
+    num_resets=state.num_resets + 1,
+  )
 
 
-def reset_if(state: ReplayState, event: str,
-             schedule: Union[str, DedupSchedule]) -> ReplayState:
+def reset_if(state: ReplayState, event: str, schedule: str | DedupSchedule) -> ReplayState:
   """Scheduled reset: resets iff `schedule` resets on `event`.
 
   Args:
@@ -191,8 +196,9 @@ def reset_if(state: ReplayState, event: str,
   return state
 
 
-def auto_reset_if_exhausted(state: ReplayState, schedule: Union[str, DedupSchedule],
-                            num_needed: int) -> ReplayState:
+def auto_reset_if_exhausted(
+  state: ReplayState, schedule: str | DedupSchedule, num_needed: int
+) -> ReplayState:
   """In-call automatic reset (jittable): resets before selection when the buffer is exhausted.
 
   Resets (like `reset`) iff `schedule.in_call_reset(state, num_needed)`, i.e. replays are
@@ -215,7 +221,7 @@ def auto_reset_if_exhausted(state: ReplayState, schedule: Union[str, DedupSchedu
   return new.replace(auto_reset=exhausted & ~schedule.period_over(state, num_needed))
 
 
-def check_auto_reset(state: ReplayState, logger: Optional[logging.Logger] = None) -> bool:
+def check_auto_reset(state: ReplayState, logger: logging.Logger | None = None) -> bool:
   """Host-side: logs a warning and returns True iff the last call reset automatically.
 
   Reads the scalar `state.auto_reset` (a device->host transfer of one bool).
@@ -223,7 +229,9 @@ def check_auto_reset(state: ReplayState, logger: Optional[logging.Logger] = None
   if not bool(jax.device_get(state.auto_reset)):
     return False
   (logger or logging.getLogger(__name__)).warning(
-      'Replay buffer exhausted: every image was replayed since the last dedup reset; '
-      'the dedup mask was reset automatically (reset #%d, %d replays in total).',
-      int(jax.device_get(state.num_resets)), int(jax.device_get(state.total_replayed)))
+    "Replay buffer exhausted: every image was replayed since the last dedup reset; "
+    "the dedup mask was reset automatically (reset #%d, %d replays in total).",
+    int(jax.device_get(state.num_resets)),
+    int(jax.device_get(state.total_replayed)),
+  )
   return True

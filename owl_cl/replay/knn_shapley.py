@@ -16,9 +16,8 @@ Instance-level KNN-SVs (paper suppl. §C): each image carries its top-k class em
 image-level [N_e, N_c] matrix, either all-to-all over tokens ([N_c, k, N_e, k], reduced over
 both k dims, the paper) or by the released code's nearest-token matching (option).
 """
-from __future__ import annotations
 
-from typing import Optional, Tuple
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -27,19 +26,18 @@ from owl_cl.replay import class_selection
 
 Array = jax.Array
 
-TOKEN_MATCHING = ('all_to_all', 'nearest_token')
-DISTANCES = ('l2', 'cosine')
+TOKEN_MATCHING = ("all_to_all", "nearest_token")
+DISTANCES = ("l2", "cosine")
 # Unroll of the KNN-SV recursion's scan (steps per loop iteration). 8 and 32 measured slower than 1
 # on CPU at the paper's sizes ([1344, 1344]: 284 ms at 1, 359 at 8, 318 at 32; the scan step is one
 # vector add, the sorts dominate).
 SCAN_UNROLL = 1
 # Largest N_c for the packed int32 sort of `_sort_order` (N_c^2 < 2^31).
 PACKED_SORT_MAX_CANDIDATES = 46_340
-REDUCTIONS = ('max', 'min')
+REDUCTIONS = ("max", "min")
 
 
-def knn_shapley(distances: Array, utilities: Array, k: int,
-                valid: Optional[Array] = None) -> Array:
+def knn_shapley(distances: Array, utilities: Array, k: int, valid: Array | None = None) -> Array:
   """Exact KNN Shapley value of every candidate for every evaluation point.
 
   Args:
@@ -59,42 +57,48 @@ def knn_shapley(distances: Array, utilities: Array, k: int,
   """
   k = int(k)
   if k < 1:
-    raise ValueError(f'knn_shapley: K must be >= 1, got {k}')
+    raise ValueError(f"knn_shapley: K must be >= 1, got {k}")
   distances = jnp.asarray(distances, jnp.float32)
   utilities = jnp.asarray(utilities, jnp.float32)
   if distances.ndim != 2 or distances.shape != utilities.shape:
-    raise ValueError('knn_shapley: distances and utilities must both be [N_e, N_c]; got '
-                     f'{distances.shape} and {utilities.shape}')
+    raise ValueError(
+      "knn_shapley: distances and utilities must both be [N_e, N_c]; got "
+      f"{distances.shape} and {utilities.shape}"
+    )
   n_e, n_c = distances.shape
   if valid is None:
     valid = jnp.ones((n_c,), bool)
   valid = jnp.asarray(valid, bool)
   if valid.shape != (n_c,):
-    raise ValueError(f'knn_shapley: valid must be [N_c={n_c}], got {valid.shape}')
+    raise ValueError(f"knn_shapley: valid must be [N_c={n_c}], got {valid.shape}")
   n_valid = jnp.sum(valid, dtype=jnp.int32)
-  order = _sort_order(distances, valid)                                # [N_e, N_c]
-  u_sorted = jnp.take_along_axis(utilities, order, axis=-1)           # [N_e, N_c]
+  order = _sort_order(distances, valid)  # [N_e, N_c]
+  u_sorted = jnp.take_along_axis(utilities, order, axis=-1)  # [N_e, N_c]
   # The recursion s_m = s_{m+1} + delta_m with delta_m = (u_m - u_{m+1}) / K * min(K, m) / m
   # for m < N, delta_N = u_N / max(N, K) (base case; s_{N+1} = 0) and delta_m = 0 beyond N
   # (invalid candidates, sorted last, get 0). The deltas are computed vectorised; the scan
   # only accumulates them (one vector add over the N_e evaluation points per candidate).
-  m = jnp.arange(1, n_c + 1, dtype=jnp.int32)                          # 1-based position
-  coefficient = (jnp.minimum(k, m).astype(jnp.float32)
-                 / (jnp.float32(k) * m.astype(jnp.float32)))            # [N_c]
+  m = jnp.arange(1, n_c + 1, dtype=jnp.int32)  # 1-based position
+  coefficient = jnp.minimum(k, m).astype(jnp.float32) / (
+    jnp.float32(k) * m.astype(jnp.float32)
+  )  # [N_c]
   u_next = jnp.pad(u_sorted[:, 1:], ((0, 0), (0, 1)))
   base_denominator = jnp.maximum(n_valid, k).astype(jnp.float32)
-  delta = jnp.where(m < n_valid, (u_sorted - u_next) * coefficient,
-                    jnp.where(m == n_valid, u_sorted / base_denominator, 0.0))
+  delta = jnp.where(
+    m < n_valid,
+    (u_sorted - u_next) * coefficient,
+    jnp.where(m == n_valid, u_sorted / base_denominator, 0.0),
+  )
 
   def step(s_next, delta_m):
     s = s_next + delta_m
     return s, s
 
-  _, s_sorted = jax.lax.scan(step, jnp.zeros((n_e,), jnp.float32), delta.T, reverse=True,
-                             unroll=SCAN_UNROLL)
+  _, s_sorted = jax.lax.scan(
+    step, jnp.zeros((n_e,), jnp.float32), delta.T, reverse=True, unroll=SCAN_UNROLL
+  )
   rows = jax.lax.broadcasted_iota(jnp.int32, (n_e, n_c), 0)
-  return jnp.zeros((n_e, n_c), jnp.float32).at[rows, order].set(s_sorted.T,
-                                                                 unique_indices=True)
+  return jnp.zeros((n_e, n_c), jnp.float32).at[rows, order].set(s_sorted.T, unique_indices=True)
 
 
 def _sort_order(distances: Array, valid: Array) -> Array:
@@ -115,51 +119,65 @@ def _sort_order(distances: Array, valid: Array) -> Array:
     # r * N_c + index would overflow int32: one generic stable sort (slower on CPU).
     index = jax.lax.broadcasted_iota(jnp.int32, (n_e, n_c), 1)
     invalid = jnp.broadcast_to((~valid).astype(jnp.int32)[None, :], (n_e, n_c))
-    return jax.lax.sort((invalid, distances, index), dimension=1, is_stable=True,
-                        num_keys=2)[2]
+    return jax.lax.sort((invalid, distances, index), dimension=1, is_stable=True, num_keys=2)[2]
   # Valid distances are clipped to the largest finite float32 so that +inf (invalid) sorts
   # strictly after every valid candidate.
   finite_max = jnp.finfo(jnp.float32).max
   key = jnp.where(valid[None, :], jnp.minimum(distances, finite_max), jnp.inf)
   bits = jax.lax.bitcast_convert_type(key, jnp.int32)
-  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)       # float order as int32
+  key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # float order as int32
   sorted_key = jax.lax.sort(key, dimension=1)
-  rank = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side='left', method='scan'))(
-      sorted_key, key).astype(jnp.int32)
+  rank = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left", method="scan"))(
+    sorted_key, key
+  ).astype(jnp.int32)
   index = jax.lax.broadcasted_iota(jnp.int32, (n_e, n_c), 1)
   return jax.lax.sort(rank * n_c + index, dimension=1) % n_c
 
 
 def _pairwise_distance(a: Array, b: Array, metric: str) -> Array:
   """[..., E] x [M, E] -> [..., M] float32: Euclidean or cosine distance."""
-  if metric == 'cosine':
+  if metric == "cosine":
     return class_selection.cosine_distance(a, b)
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
-  sq = (jnp.sum(a * a, -1)[..., None] + jnp.sum(b * b, -1)
-        - 2.0 * jnp.einsum('...e,me->...m', a, b, precision=jax.lax.Precision.HIGHEST))
+  sq = (
+    jnp.sum(a * a, -1)[..., None]
+    + jnp.sum(b * b, -1)
+    - 2.0 * jnp.einsum("...e,me->...m", a, b, precision=jax.lax.Precision.HIGHEST)
+  )
   return jnp.sqrt(jnp.maximum(sq, 0.0))
 
 
 def _cosine_similarity(a: Array, b: Array) -> Array:
-  return jnp.einsum('...e,...e->...', class_selection.normalize(a), class_selection.normalize(b),
-                    precision=jax.lax.Precision.HIGHEST)
+  return jnp.einsum(
+    "...e,...e->...",
+    class_selection.normalize(a),
+    class_selection.normalize(b),
+    precision=jax.lax.Precision.HIGHEST,
+  )
 
 
 def _check_options(token_matching: str, distance: str, reduction: str):
   if token_matching not in TOKEN_MATCHING:
-    raise ValueError(f'token_matching must be one of {TOKEN_MATCHING}, got {token_matching!r}')
+    raise ValueError(f"token_matching must be one of {TOKEN_MATCHING}, got {token_matching!r}")
   if distance not in DISTANCES:
-    raise ValueError(f'distance must be one of {DISTANCES}, got {distance!r}')
+    raise ValueError(f"distance must be one of {DISTANCES}, got {distance!r}")
   if reduction not in REDUCTIONS:
-    raise ValueError(f'reduction must be one of {REDUCTIONS}, got {reduction!r}')
+    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def image_knn_shapley(eval_class_embeddings: Array, eval_query_embeddings: Array,
-                      candidate_class_embeddings: Array, candidate_query_embeddings: Array,
-                      k: int, candidate_valid: Optional[Array] = None, *,
-                      reduction: str = 'min', token_matching: str = 'all_to_all',
-                      distance: str = 'l2') -> Tuple[Array, Array]:
+def image_knn_shapley(
+  eval_class_embeddings: Array,
+  eval_query_embeddings: Array,
+  candidate_class_embeddings: Array,
+  candidate_query_embeddings: Array,
+  k: int,
+  candidate_valid: Array | None = None,
+  *,
+  reduction: str = "min",
+  token_matching: str = "all_to_all",
+  distance: str = "l2",
+) -> tuple[Array, Array]:
   """Image-level KNN-SVs of candidate images for evaluation images, from their top-k tokens.
 
   all_to_all (paper): every candidate token is a KNN candidate (N_c * t of them), every
@@ -200,32 +218,47 @@ def image_knn_shapley(eval_class_embeddings: Array, eval_query_embeddings: Array
   if candidate_valid is None:
     candidate_valid = jnp.ones((n_c,), bool)
   candidate_valid = jnp.asarray(candidate_valid, bool)
-  reduce = jnp.max if reduction == 'max' else jnp.min
-  d = _pairwise_distance(eval_class.reshape(n_e * t_e, e), cand_class.reshape(n_c * t_c, e),
-                         distance).reshape(n_e, t_e, n_c, t_c)
+  reduce = jnp.max if reduction == "max" else jnp.min
+  d = _pairwise_distance(
+    eval_class.reshape(n_e * t_e, e), cand_class.reshape(n_c * t_c, e), distance
+  ).reshape(n_e, t_e, n_c, t_c)
   image_distances = jnp.where(candidate_valid[None, :], d.min(axis=(1, 3)), jnp.inf)
-  if token_matching == 'all_to_all':
-    u = jnp.einsum('ae,be->ab', class_selection.normalize(eval_query.reshape(n_e * t_e, e)),
-                   class_selection.normalize(cand_query.reshape(n_c * t_c, e)),
-                   precision=jax.lax.Precision.HIGHEST)
-    sv = knn_shapley(d.reshape(n_e * t_e, n_c * t_c), u, k,
-                     jnp.repeat(candidate_valid, t_c)).reshape(n_e, t_e, n_c, t_c)
+  if token_matching == "all_to_all":
+    u = jnp.einsum(
+      "ae,be->ab",
+      class_selection.normalize(eval_query.reshape(n_e * t_e, e)),
+      class_selection.normalize(cand_query.reshape(n_c * t_c, e)),
+      precision=jax.lax.Precision.HIGHEST,
+    )
+    sv = knn_shapley(
+      d.reshape(n_e * t_e, n_c * t_c), u, k, jnp.repeat(candidate_valid, t_c)
+    ).reshape(n_e, t_e, n_c, t_c)
     values = reduce(reduce(sv, axis=3), axis=1)
   else:
-    nearest = jnp.argmin(d, axis=-1)                                        # [N_e, t, N_c]
+    nearest = jnp.argmin(d, axis=-1)  # [N_e, t, N_c]
     d_img = jnp.min(d, axis=-1)
-    matched = jnp.take_along_axis(cand_query[None, None],                   # [N_e,t,N_c,E]
-                                  nearest[..., None, None], axis=3)[..., 0, :]
-    u = _cosine_similarity(eval_query[:, :, None, :], matched)              # [N_e, t, N_c]
-    sv = knn_shapley(d_img.reshape(n_e * t_e, n_c), u.reshape(n_e * t_e, n_c), k,
-                     candidate_valid).reshape(n_e, t_e, n_c)
+    matched = jnp.take_along_axis(
+      cand_query[None, None],  # [N_e,t,N_c,E]
+      nearest[..., None, None],
+      axis=3,
+    )[..., 0, :]
+    u = _cosine_similarity(eval_query[:, :, None, :], matched)  # [N_e, t, N_c]
+    sv = knn_shapley(
+      d_img.reshape(n_e * t_e, n_c), u.reshape(n_e * t_e, n_c), k, candidate_valid
+    ).reshape(n_e, t_e, n_c)
     values = reduce(sv, axis=1)
   return jnp.where(candidate_valid[None, :], values, 0.0), image_distances
 
 
-def precompute_left_term(class_embeddings: Array, query_embeddings: Array, k: int, *,
-                         chunk_size: int = 64, token_matching: str = 'all_to_all',
-                         distance: str = 'l2') -> Tuple[Array, Array]:
+def precompute_left_term(
+  class_embeddings: Array,
+  query_embeddings: Array,
+  k: int,
+  *,
+  chunk_size: int = 64,
+  token_matching: str = "all_to_all",
+  distance: str = "l2",
+) -> tuple[Array, Array]:
   """ASER-PC's precomputed ASV left term over the whole buffer (candidates = evaluation = buffer).
 
   For evaluation images j in chunks of `chunk_size` (memory: chunk * t * N * t floats), the
@@ -245,7 +278,7 @@ def precompute_left_term(class_embeddings: Array, query_embeddings: Array, k: in
   Source: paper §4 "ASER-PC", suppl. §C; SPEC §7.
   """
   if int(chunk_size) < 1:
-    raise ValueError(f'chunk_size must be >= 1, got {chunk_size}')
+    raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
   class_embeddings = jnp.asarray(class_embeddings, jnp.float32)
   query_embeddings = jnp.asarray(query_embeddings, jnp.float32)
   n = class_embeddings.shape[0]
@@ -259,15 +292,24 @@ def precompute_left_term(class_embeddings: Array, query_embeddings: Array, k: in
   def one_chunk(carry, rows):
     total, minimum = carry
     r_class, r_query, r_valid = rows
-    values, _ = image_knn_shapley(r_class, r_query, class_embeddings, query_embeddings, k,
-                                  reduction='max', token_matching=token_matching,
-                                  distance=distance)
+    values, _ = image_knn_shapley(
+      r_class,
+      r_query,
+      class_embeddings,
+      query_embeddings,
+      k,
+      reduction="max",
+      token_matching=token_matching,
+      distance=distance,
+    )
     total = total + jnp.sum(jnp.where(r_valid[:, None], values, 0.0), axis=0)
     minimum = jnp.minimum(minimum, jnp.min(jnp.where(r_valid[:, None], values, jnp.inf), 0))
     return (total, minimum), None
 
   shape = lambda x: x.reshape((num_chunks, chunk) + x.shape[1:])
   (total, minimum), _ = jax.lax.scan(
-      one_chunk, (jnp.zeros((n,), jnp.float32), jnp.full((n,), jnp.inf, jnp.float32)),
-      (shape(rows_class), shape(rows_query), shape(row_valid)))
+    one_chunk,
+    (jnp.zeros((n,), jnp.float32), jnp.full((n,), jnp.inf, jnp.float32)),
+    (shape(rows_class), shape(rows_query), shape(row_valid)),
+  )
   return total / n, minimum

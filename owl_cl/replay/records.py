@@ -21,10 +21,11 @@ stay 0 where the algorithm does not produce the record):
                                       their nearest new image
 (R = the candidate set size N_c; ranks beyond R are clipped to R.)
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 import os
-from typing import Mapping
 
 import numpy as np
 
@@ -62,39 +63,46 @@ class RetrievalRecords:
     """Adds one call's records (host numpy arrays) for the replay slots `valid` bool [num]."""
     valid = np.asarray(valid, bool)
     self.calls += 1
-    if 'sampled_classes' in records:
-      classes = np.asarray(records['sampled_classes'])[valid]
+    if "sampled_classes" in records:
+      classes = np.asarray(records["sampled_classes"])[valid]
       classes = classes[(classes >= 0) & (classes < self.sampled_class_counts.shape[0])]
       np.add.at(self.sampled_class_counts, classes, 1)
-    if 'swil_entropy' in records:
-      self.swil_entropy_counts += _histogram(records['swil_entropy'], ENTROPY_BINS)
-    if 'grasp_entropy' in records:
-      self.grasp_entropy_counts += _histogram(np.asarray(records['grasp_entropy'])[valid],
-                                              ENTROPY_BINS)
-    if 'used_grasp' in records:
-      used = np.asarray(records['used_grasp'], bool)[valid]
+    if "swil_entropy" in records:
+      self.swil_entropy_counts += _histogram(records["swil_entropy"], ENTROPY_BINS)
+    if "grasp_entropy" in records:
+      self.grasp_entropy_counts += _histogram(
+        np.asarray(records["grasp_entropy"])[valid], ENTROPY_BINS
+      )
+    if "used_grasp" in records:
+      used = np.asarray(records["used_grasp"], bool)[valid]
       self.used_grasp += np.array([np.sum(~used), np.sum(used)], np.int64)
-    if 'knn_sv' in records:
-      sv = np.asarray(records['knn_sv'])[:, np.asarray(records['knn_sv_valid'], bool)]
+    if "knn_sv" in records:
+      sv = np.asarray(records["knn_sv"])[:, np.asarray(records["knn_sv_valid"], bool)]
       self.knn_sv_counts += _histogram(sv, KNN_SV_BINS)
-    if 'min_sv_rank' in records:
-      ranks = np.clip(np.asarray(records['min_sv_rank']), 0, self.num_ranks)
+    if "min_sv_rank" in records:
+      ranks = np.clip(np.asarray(records["min_sv_rank"]), 0, self.num_ranks)
       np.add.at(self.min_sv_rank_counts, ranks, 1)
-    if 'selected_rank' in records:
-      ranks = np.asarray(records['selected_rank'])[valid]
+    if "selected_rank" in records:
+      ranks = np.asarray(records["selected_rank"])[valid]
       np.add.at(self.selected_rank_counts, np.clip(ranks[ranks >= 1], 0, self.num_ranks), 1)
 
   def as_dict(self) -> dict:
-    return dict(calls=np.int64(self.calls), sampled_class_counts=self.sampled_class_counts,
-                entropy_bin_edges=ENTROPY_BINS, swil_entropy_counts=self.swil_entropy_counts,
-                grasp_entropy_counts=self.grasp_entropy_counts, used_grasp=self.used_grasp,
-                knn_sv_bin_edges=KNN_SV_BINS, knn_sv_counts=self.knn_sv_counts,
-                min_sv_rank_counts=self.min_sv_rank_counts,
-                selected_rank_counts=self.selected_rank_counts)
+    return dict(
+      calls=np.int64(self.calls),
+      sampled_class_counts=self.sampled_class_counts,
+      entropy_bin_edges=ENTROPY_BINS,
+      swil_entropy_counts=self.swil_entropy_counts,
+      grasp_entropy_counts=self.grasp_entropy_counts,
+      used_grasp=self.used_grasp,
+      knn_sv_bin_edges=KNN_SV_BINS,
+      knn_sv_counts=self.knn_sv_counts,
+      min_sv_rank_counts=self.min_sv_rank_counts,
+      selected_rank_counts=self.selected_rank_counts,
+    )
 
   def save(self, path: str) -> None:
     """Writes the histograms to `path` (.npz) atomically (temporary file, then rename)."""
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    tmp = path + '.tmp.npz'
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp.npz"
     np.savez(tmp, **self.as_dict())
     os.replace(tmp, path)

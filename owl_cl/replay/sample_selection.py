@@ -4,9 +4,8 @@ A sample-selection primitive picks buffer images, usually one per chosen class. 
 jittable; `num` and `without_replacement` are static. Invalid slots (nothing eligible) return
 index 0 with valid False, so that gathering them is always safe.
 """
-from __future__ import annotations
 
-from typing import Optional, Tuple
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ def class_eligibility(class_membership: Array, eligible_images: Array) -> Array:
   return jnp.any(membership & jnp.asarray(eligible_images, bool)[:, None], axis=0)
 
 
-def _pick_uniform(key: Array, candidates: Array) -> Tuple[Array, Array]:
+def _pick_uniform(key: Array, candidates: Array) -> tuple[Array, Array]:
   """Exactly uniform choice of one True entry of bool [N]: (index int32 [], found bool [])."""
   count = jnp.sum(candidates, dtype=jnp.int32)
   r = jax.random.randint(key, (), 0, jnp.maximum(count, 1))
@@ -37,8 +36,13 @@ def _pick_uniform(key: Array, candidates: Array) -> Tuple[Array, Array]:
   return jnp.where(found, index, 0), found
 
 
-def uniform_in_class(key: Array, class_membership: Array, eligible: Array, classes: Array,
-                     without_replacement: bool = True) -> Tuple[Array, Array]:
+def uniform_in_class(
+  key: Array,
+  class_membership: Array,
+  eligible: Array,
+  classes: Array,
+  without_replacement: bool = True,
+) -> tuple[Array, Array]:
   """Uniform sample selection: one image uniformly among the eligible members of each class.
 
   Slots are filled sequentially (lax.scan over the B classes). With `without_replacement`
@@ -90,7 +94,7 @@ def _gumbel_top_k(key: Array, eligible: Array, num: int) -> Array:
   return jax.lax.top_k(scores, num)[1].astype(jnp.int32)
 
 
-def uniform(key: Array, eligible: Array, num: int) -> Tuple[Array, Array]:
+def uniform(key: Array, eligible: Array, num: int) -> tuple[Array, Array]:
   """Uniform selection without a class step: `num` distinct images among the eligible ones.
 
   Gumbel-top-k (`_gumbel_top_k`): the `num` eligible images with the largest i.i.d. Gumbel
@@ -111,15 +115,20 @@ def uniform(key: Array, eligible: Array, num: int) -> Tuple[Array, Array]:
   eligible = jnp.asarray(eligible, bool)
   n = eligible.shape[0]
   if num > n:
-    raise ValueError(f'cannot draw {num} distinct images from a buffer of {n}')
+    raise ValueError(f"cannot draw {num} distinct images from a buffer of {n}")
   first = _gumbel_top_k(key, eligible, num)
   valid = jnp.arange(num) < jnp.sum(eligible, dtype=jnp.int32)
   return jnp.where(valid, first, 0), valid
 
 
-def uniform_in_class_active(key: Array, class_membership: Array, eligible: Array, classes: Array,
-                            active: Array, without_replacement: bool = True
-                            ) -> Tuple[Array, Array]:
+def uniform_in_class_active(
+  key: Array,
+  class_membership: Array,
+  eligible: Array,
+  classes: Array,
+  active: Array,
+  without_replacement: bool = True,
+) -> tuple[Array, Array]:
   """`uniform_in_class` with a slot mask: inactive slots pick nothing (valid False).
 
   Args:
@@ -149,7 +158,7 @@ def uniform_in_class_active(key: Array, class_membership: Array, eligible: Array
   return indices, valid
 
 
-def uniform_active(key: Array, eligible: Array, active: Array) -> Tuple[Array, Array]:
+def uniform_active(key: Array, eligible: Array, active: Array) -> tuple[Array, Array]:
   """`uniform` with a slot mask: the i-th active slot gets the i-th image of a uniform ordered
   sample without replacement of the eligible images (Gumbel-top-k, `_gumbel_top_k`);
   inactive slots get index 0, valid False.
@@ -168,7 +177,7 @@ def uniform_active(key: Array, eligible: Array, active: Array) -> Tuple[Array, A
   active = jnp.asarray(active, bool)
   n, num = eligible.shape[0], active.shape[0]
   if num > n:
-    raise ValueError(f'cannot draw {num} distinct images from a buffer of {n}')
+    raise ValueError(f"cannot draw {num} distinct images from a buffer of {n}")
   first = _gumbel_top_k(key, eligible, num)
   rank = jnp.cumsum(active, dtype=jnp.int32) - 1
   valid = active & (rank < jnp.sum(eligible, dtype=jnp.int32))
@@ -203,9 +212,15 @@ def prototype_weighted_probs(distances: Array, eligible: Array, w) -> Array:
   return jnp.where(total > 0, unnorm / jnp.where(total > 0, total, 1.0), 0.0)
 
 
-def prototype_weighted_in_class(key: Array, prototype_distances: Array, eligible: Array,
-                                classes: Array, weights: Array, active: Array,
-                                without_replacement: bool = True) -> Tuple[Array, Array]:
+def prototype_weighted_in_class(
+  key: Array,
+  prototype_distances: Array,
+  eligible: Array,
+  classes: Array,
+  weights: Array,
+  active: Array,
+  without_replacement: bool = True,
+) -> tuple[Array, Array]:
   """Prototype-weighted (GRASP) sample selection: one image per slot within its class.
 
   Slot j draws among the eligible members of `classes[j]` with `prototype_weighted_probs`
@@ -251,8 +266,9 @@ def prototype_weighted_in_class(key: Array, prototype_distances: Array, eligible
       available = available.at[index].set(available[index] & ~found)
     return available, (index, found)
 
-  _, (indices, valid) = jax.lax.scan(step, jnp.asarray(eligible, bool),
-                                     (keys, classes, weights, active))
+  _, (indices, valid) = jax.lax.scan(
+    step, jnp.asarray(eligible, bool), (keys, classes, weights, active)
+  )
   return indices, valid
 
 
@@ -276,12 +292,17 @@ def normalized_entropy(p: Array, axis: int = -1) -> Array:
   return h / jnp.log(jnp.float32(n))
 
 
-WEIGHT_REDUCTIONS = ('min', 'max')
+WEIGHT_REDUCTIONS = ("min", "max")
 
 
-def asv_from_terms(left_term: Array, left_extreme: Array, right_values: Array,
-                   candidate_valid: Array, c, weight_reduction: str = 'min'
-                   ) -> Tuple[Array, Array]:
+def asv_from_terms(
+  left_term: Array,
+  left_extreme: Array,
+  right_values: Array,
+  candidate_valid: Array,
+  c,
+  weight_reduction: str = "min",
+) -> tuple[Array, Array]:
   """ASV (eq. 3) from a left term per candidate and the right term's KNN-SV matrix.
 
   Args:
@@ -298,8 +319,9 @@ def asv_from_terms(left_term: Array, left_extreme: Array, right_values: Array,
   Source: paper eqs. (3)-(4), SPEC §7.
   """
   if weight_reduction not in WEIGHT_REDUCTIONS:
-    raise ValueError(f'weight_reduction must be one of {WEIGHT_REDUCTIONS}, '
-                     f'got {weight_reduction!r}')
+    raise ValueError(
+      f"weight_reduction must be one of {WEIGHT_REDUCTIONS}, got {weight_reduction!r}"
+    )
   valid = jnp.asarray(candidate_valid, bool)
   right_values = jnp.asarray(right_values, jnp.float32)
   right_term = jnp.min(right_values, axis=0)
@@ -307,15 +329,16 @@ def asv_from_terms(left_term: Array, left_extreme: Array, right_values: Array,
   right_min = jnp.where(jnp.isfinite(right_min), right_min, 0.0)
   denominator = jnp.abs(jnp.asarray(left_extreme, jnp.float32))
   c = jnp.asarray(c, jnp.float32)
-  w = jnp.where(denominator > 0, c * jnp.abs(right_min) / jnp.where(denominator > 0,
-                                                                    denominator, 1.0), c)
+  w = jnp.where(
+    denominator > 0, c * jnp.abs(right_min) / jnp.where(denominator > 0, denominator, 1.0), c
+  )
   asv = w * jnp.asarray(left_term, jnp.float32) - right_term
   return jnp.where(valid, asv, -jnp.inf), w
 
 
-def adversarial_shapley_value(sv_left: Array, sv_right: Array, c, *,
-                              valid: Optional[Array] = None,
-                              weight_reduction: str = 'min') -> Array:
+def adversarial_shapley_value(
+  sv_left: Array, sv_right: Array, c, *, valid: Array | None = None, weight_reduction: str = "min"
+) -> Array:
   """Adversarial Shapley value of each candidate (paper eqs. 3-4).
 
   ASV(i) = w * mean_{j in D_c} sv_left[j, i] - min_{j in D_e} sv_right[j, i], with
@@ -341,15 +364,18 @@ def adversarial_shapley_value(sv_left: Array, sv_right: Array, c, *,
   sv_right = jnp.asarray(sv_right, jnp.float32)
   n_c = sv_left.shape[-1]
   if sv_left.shape != (n_c, n_c) or sv_right.ndim != 2 or sv_right.shape[1] != n_c:
-    raise ValueError(f'sv_left must be [N_c, N_c] and sv_right [N_e, N_c]; got '
-                     f'{sv_left.shape} and {sv_right.shape}')
+    raise ValueError(
+      f"sv_left must be [N_c, N_c] and sv_right [N_e, N_c]; got "
+      f"{sv_left.shape} and {sv_right.shape}"
+    )
   valid = jnp.ones((n_c,), bool) if valid is None else jnp.asarray(valid, bool)
   left_term, left_extreme = left_term_and_extreme(sv_left, valid, weight_reduction)
   return asv_from_terms(left_term, left_extreme, sv_right, valid, c, weight_reduction)[0]
 
 
-def left_term_and_extreme(sv_left: Array, valid: Array, weight_reduction: str = 'min'
-                          ) -> Tuple[Array, Array]:
+def left_term_and_extreme(
+  sv_left: Array, valid: Array, weight_reduction: str = "min"
+) -> tuple[Array, Array]:
   """Left term (mean over valid rows) of [N_c, N_c] left KNN-SVs, and eq. 4's denominator.
 
   Returns (left_term float32 [N_c], extreme float32 []): extreme = min over valid entries
@@ -359,7 +385,7 @@ def left_term_and_extreme(sv_left: Array, valid: Array, weight_reduction: str = 
   pair = valid[:, None] & valid[None, :]
   count = jnp.maximum(jnp.sum(valid, dtype=jnp.float32), 1.0)
   left_term = jnp.sum(jnp.where(pair, sv_left, 0.0), axis=0) / count
-  if weight_reduction == 'min':
+  if weight_reduction == "min":
     extreme = jnp.min(jnp.where(pair, sv_left, jnp.inf))
   else:
     extreme = jnp.max(jnp.where(valid, left_term, -jnp.inf))

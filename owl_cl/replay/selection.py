@@ -13,22 +13,27 @@ Token ranking note: sigmoid is monotonic, so ranking tokens by sigmoid(logit) is
 by logit; we rank by the float32 logit, which avoids the ties that float32 saturation of the
 sigmoid (logit > ~17) would create. Ties go to the lower token index (`lax.top_k`).
 """
-from __future__ import annotations
 
-from typing import Tuple
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from owl_cl.replay.class_selection import NORM_EPS, normalize
+from owl_cl.replay.class_selection import NORM_EPS
+from owl_cl.replay.class_selection import normalize
 
 Array = jax.Array
 
 
 # -------------------------------------------------------------------------------- eq. (7)
-def select_buffer(per_image_loss, class_membership, threshold: float, min_per_class: int = 50,
-                  fill_all_for_rare_classes: bool = False) -> np.ndarray:
+def select_buffer(
+  per_image_loss,
+  class_membership,
+  threshold: float,
+  min_per_class: int = 50,
+  fill_all_for_rare_classes: bool = False,
+) -> np.ndarray:
   """Replay buffer selection over D_pt (paper eq. 7 and §4 "Replay Buffer Selection").
 
   1. keep = loss < threshold (NaN losses count as +inf: never kept by the threshold).
@@ -54,13 +59,12 @@ def select_buffer(per_image_loss, class_membership, threshold: float, min_per_cl
   loss = np.asarray(per_image_loss, np.float64).reshape(-1)
   membership = np.asarray(class_membership, bool)
   if membership.ndim != 2 or membership.shape[0] != loss.shape[0]:
-    raise ValueError(f'class_membership must be [N_pt={loss.shape[0]}, C], '
-                     f'got {membership.shape}')
+    raise ValueError(f"class_membership must be [N_pt={loss.shape[0]}, C], got {membership.shape}")
   if min_per_class < 0:
-    raise ValueError(f'min_per_class must be >= 0, got {min_per_class}')
+    raise ValueError(f"min_per_class must be >= 0, got {min_per_class}")
   loss = np.where(np.isnan(loss), np.inf, loss)
   keep = loss < threshold
-  order = np.argsort(loss, kind='stable')                     # ascending loss, ties by index
+  order = np.argsort(loss, kind="stable")  # ascending loss, ties by index
   sorted_membership = membership[order]
   for c in range(membership.shape[1]):
     members = membership[:, c]
@@ -93,13 +97,18 @@ def top_k_tokens(pred_logits: Array, query_mask: Array, k: int = 8) -> Array:
     int32 [B, k], most confident first. An image without valid queries gets tokens 0..k-1.
   Source: SPEC §6-§7 (computed with the query mask; SPEC §12: no unmasked logits).
   """
-  score = _masked_query_logits(pred_logits, query_mask).max(axis=-1)       # [B, T]
+  score = _masked_query_logits(pred_logits, query_mask).max(axis=-1)  # [B, T]
   _, idx = jax.lax.top_k(score, k)
   return idx.astype(jnp.int32)
 
 
-def top_k_embeddings(pred_logits: Array, class_embeddings: Array, query_embeddings: Array,
-                     query_mask: Array, k: int = 8) -> Tuple[Array, Array]:
+def top_k_embeddings(
+  pred_logits: Array,
+  class_embeddings: Array,
+  query_embeddings: Array,
+  query_mask: Array,
+  k: int = 8,
+) -> tuple[Array, Array]:
   """Top-k class embeddings and their matching query (text) embeddings (SPEC §6).
 
   Args:
@@ -114,9 +123,9 @@ def top_k_embeddings(pred_logits: Array, class_embeddings: Array, query_embeddin
   Source: SPEC §6, paper Fig. "replay buffer contents".
   """
   logits = _masked_query_logits(pred_logits, query_mask)
-  _, idx = jax.lax.top_k(logits.max(axis=-1), k)                          # [B, k]
+  _, idx = jax.lax.top_k(logits.max(axis=-1), k)  # [B, k]
   class_emb = jnp.take_along_axis(class_embeddings, idx[:, :, None], axis=1)
-  best_query = jnp.take_along_axis(logits, idx[:, :, None], axis=1).argmax(axis=-1)   # [B, k]
+  best_query = jnp.take_along_axis(logits, idx[:, :, None], axis=1).argmax(axis=-1)  # [B, k]
   query_emb = jnp.take_along_axis(query_embeddings, best_query[:, :, None], axis=1)
   return class_emb, query_emb
 
@@ -140,13 +149,14 @@ def instance_counts_from_labels(labels: Array, query_class: Array, num_classes: 
   per_query = jnp.round(jnp.asarray(labels, jnp.float32).sum(axis=1)).astype(jnp.int32)
   query_class = jnp.asarray(query_class, jnp.int32)
   b = query_class.shape[0]
-  target = jnp.where(query_class >= 0, query_class, num_classes)          # -1 -> dropped
+  target = jnp.where(query_class >= 0, query_class, num_classes)  # -1 -> dropped
   rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
-  return jnp.zeros((b, num_classes), jnp.int32).at[rows, target].add(per_query, mode='drop')
+  return jnp.zeros((b, num_classes), jnp.int32).at[rows, target].add(per_query, mode="drop")
 
 
-def _class_token_ranking(pred_logits: Array, query_class: Array, instance_counts: Array,
-                         max_tokens: int):
+def _class_token_ranking(
+  pred_logits: Array, query_class: Array, instance_counts: Array, max_tokens: int
+):
   """Top `max_tokens` tokens per (image, class) by the logit of the class's query.
 
   Returns idx int32 [B, C, K], mask bool [B, C, K] (slot j used iff j < min(K, count) and the
@@ -159,19 +169,27 @@ def _class_token_ranking(pred_logits: Array, query_class: Array, instance_counts
   q = query_class.shape[1]
   rows = jnp.broadcast_to(jnp.arange(b)[:, None], query_class.shape)
   target = jnp.where(query_class >= 0, query_class, c)
-  query_of_class = jnp.full((b, c), -1, jnp.int32).at[rows, target].max(
-      jnp.broadcast_to(jnp.arange(q, dtype=jnp.int32), query_class.shape), mode='drop')
-  class_logits = jnp.take_along_axis(logits, jnp.maximum(query_of_class, 0)[:, None, :],
-                                     axis=2)                              # [B, T, C]
-  _, idx = jax.lax.top_k(jnp.swapaxes(class_logits, 1, 2), max_tokens)      # [B, C, K]
+  query_of_class = (
+    jnp.full((b, c), -1, jnp.int32)
+    .at[rows, target]
+    .max(jnp.broadcast_to(jnp.arange(q, dtype=jnp.int32), query_class.shape), mode="drop")
+  )
+  class_logits = jnp.take_along_axis(
+    logits, jnp.maximum(query_of_class, 0)[:, None, :], axis=2
+  )  # [B, T, C]
+  _, idx = jax.lax.top_k(jnp.swapaxes(class_logits, 1, 2), max_tokens)  # [B, C, K]
   n = jnp.where(query_of_class >= 0, jnp.minimum(counts, max_tokens), 0)
   mask = jnp.arange(max_tokens)[None, None, :] < n[:, :, None]
   return idx.astype(jnp.int32), mask
 
 
-def per_image_class_token_embeddings(pred_logits: Array, class_embeddings: Array,
-                                     query_class: Array, instance_counts: Array,
-                                     max_per_class: int = 6) -> Tuple[Array, Array]:
+def per_image_class_token_embeddings(
+  pred_logits: Array,
+  class_embeddings: Array,
+  query_class: Array,
+  instance_counts: Array,
+  max_per_class: int = 6,
+) -> tuple[Array, Array]:
   """Per image and class: sum and number of the class embeddings entering the prototype.
 
   For image b and class c with a query q_c in the image (query_class[b, q_c] == c; if
@@ -200,7 +218,7 @@ def per_image_class_token_embeddings(pred_logits: Array, class_embeddings: Array
   return sums, mask.sum(axis=-1, dtype=jnp.int32)
 
 
-def compute_prototypes(sums: Array, counts: Array) -> Tuple[Array, Array]:
+def compute_prototypes(sums: Array, counts: Array) -> tuple[Array, Array]:
   """Class prototypes: the mean of all selected class embeddings of each class.
 
   p_c = (sum over images b of sums[b, c]) / (sum over b of counts[b, c]): every selected
@@ -219,7 +237,7 @@ def compute_prototypes(sums: Array, counts: Array) -> Tuple[Array, Array]:
   sums = jnp.asarray(sums, jnp.float32)
   counts = jnp.asarray(counts)
   if sums.shape[:-1] != counts.shape:
-    raise ValueError(f'sums {sums.shape} and counts {counts.shape} disagree')
+    raise ValueError(f"sums {sums.shape} and counts {counts.shape} disagree")
   lead = tuple(range(sums.ndim - 2))
   total = sums.sum(axis=lead)
   n = counts.astype(jnp.float32).sum(axis=lead)
@@ -227,9 +245,14 @@ def compute_prototypes(sums: Array, counts: Array) -> Tuple[Array, Array]:
   return jnp.where(valid[:, None], total / jnp.where(valid, n, 1.0)[:, None], 0.0), valid
 
 
-def prototype_distances(pred_logits: Array, class_embeddings: Array, query_class: Array,
-                        instance_counts: Array, prototypes: Array,
-                        max_instances: int) -> Array:
+def prototype_distances(
+  pred_logits: Array,
+  class_embeddings: Array,
+  query_class: Array,
+  instance_counts: Array,
+  prototypes: Array,
+  max_instances: int,
+) -> Array:
   """Prototype distance of each image to each class it contains (SPEC §6, paper eq. 1).
 
   d[b, c] = min over image b's class-c embeddings of 1 - cos(p_c, e), where the class-c
@@ -250,7 +273,11 @@ def prototype_distances(pred_logits: Array, class_embeddings: Array, query_class
   Source: SPEC §6, paper eq. (1) (GRASP prototype distance).
   """
   idx, mask = _class_token_ranking(pred_logits, query_class, instance_counts, max_instances)
-  cos = jnp.einsum('bte,ce->bct', normalize(class_embeddings, NORM_EPS),
-                   normalize(prototypes, NORM_EPS), precision=jax.lax.Precision.HIGHEST)
-  dist = jnp.clip(1.0 - jnp.take_along_axis(cos, idx, axis=2), 0.0, 2.0)     # [B, C, K]
+  cos = jnp.einsum(
+    "bte,ce->bct",
+    normalize(class_embeddings, NORM_EPS),
+    normalize(prototypes, NORM_EPS),
+    precision=jax.lax.Precision.HIGHEST,
+  )
+  dist = jnp.clip(1.0 - jnp.take_along_axis(cos, idx, axis=2), 0.0, 2.0)  # [B, C, K]
   return jnp.min(jnp.where(mask, dist, jnp.inf), axis=-1)

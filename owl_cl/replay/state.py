@@ -12,10 +12,12 @@ Checkpoint compatibility (DESIGN.md "Principles"): later issues add fields to `R
      lacks (logged). `flax.serialization.from_state_dict` alone would raise on a missing field.
 Never rename or change the meaning/dtype of an existing field; add a new one instead.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 import logging
-from typing import Any, Mapping
+from typing import Any
 
 import flax
 import flax.serialization
@@ -58,6 +60,7 @@ class ReplayState:
     asv_left_ready: bool []; whether asv_left/asv_left_min hold the precomputed values
       (`RetrievalAlgorithm.prepare` fills them once).
   """
+
   dedup_mask: Array
   class_pointer: Array
   num_replayed: Array
@@ -81,7 +84,7 @@ def _raw_key(key: Any) -> Array:
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   if key.dtype != jnp.uint32 or key.shape != (2,):
-    raise ValueError(f'expected a PRNG key (typed, or raw uint32[2]); got {key.dtype}{key.shape}')
+    raise ValueError(f"expected a PRNG key (typed, or raw uint32[2]); got {key.dtype}{key.shape}")
   return key
 
 
@@ -103,21 +106,22 @@ def init_replay_state(num_buffer: int, key: Any, num_classes: int = 0) -> Replay
   Source: SPEC §7-§8, DESIGN.md "Principles".
   """
   if int(num_buffer) < 1:
-    raise ValueError(f'num_buffer must be >= 1, got {num_buffer}')
+    raise ValueError(f"num_buffer must be >= 1, got {num_buffer}")
   zero = jnp.zeros((), jnp.int32)
   return ReplayState(
-      dedup_mask=jnp.zeros((int(num_buffer),), bool),
-      class_pointer=jnp.full((), -1, jnp.int32),
-      num_replayed=zero,
-      total_replayed=zero,
-      num_resets=zero,
-      key=_raw_key(key),
-      auto_reset=jnp.zeros((), bool),
-      class_order=jax.random.permutation(jax.random.fold_in(_raw_key(key), 1),
-                                         int(num_classes)).astype(jnp.int32),
-      asv_left=jnp.zeros((int(num_buffer),), jnp.float32),
-      asv_left_min=jnp.zeros((int(num_buffer),), jnp.float32),
-      asv_left_ready=jnp.zeros((), bool),
+    dedup_mask=jnp.zeros((int(num_buffer),), bool),
+    class_pointer=jnp.full((), -1, jnp.int32),
+    num_replayed=zero,
+    total_replayed=zero,
+    num_resets=zero,
+    key=_raw_key(key),
+    auto_reset=jnp.zeros((), bool),
+    class_order=jax.random.permutation(
+      jax.random.fold_in(_raw_key(key), 1), int(num_classes)
+    ).astype(jnp.int32),
+    asv_left=jnp.zeros((int(num_buffer),), jnp.float32),
+    asv_left_min=jnp.zeros((int(num_buffer),), jnp.float32),
+    asv_left_ready=jnp.zeros((), bool),
   )
 
 
@@ -140,17 +144,19 @@ def restore_replay_state(template: ReplayState, state_dict: Mapping[str, Any]) -
   restored = {}
   for name, value in current.items():
     if name not in state_dict or state_dict[name] is None and value is not None:
-      logging.warning('ReplayState checkpoint lacks field %r; using its initial value.', name)
+      logging.warning("ReplayState checkpoint lacks field %r; using its initial value.", name)
       restored[name] = value
       continue
     saved = state_dict[name]
     if value is not None and saved is not None and np.shape(saved) != np.shape(value):
-      raise ValueError(f'ReplayState field {name!r}: checkpoint shape {np.shape(saved)} != '
-                       f'expected {np.shape(value)}')
+      raise ValueError(
+        f"ReplayState field {name!r}: checkpoint shape {np.shape(saved)} != "
+        f"expected {np.shape(value)}"
+      )
     restored[name] = saved if saved is None else jnp.asarray(saved)
   for name in state_dict:
     if name not in current:
-      logging.warning('ignoring unknown ReplayState checkpoint field %r', name)
+      logging.warning("ignoring unknown ReplayState checkpoint field %r", name)
   return flax.serialization.from_state_dict(template, restored)
 
 
@@ -168,6 +174,7 @@ class ReplayBuffer:
     query_embeddings: float [N, k, E]; text embedding of each top token's argmax query.
     class_valid: bool [C]; class has >= 1 member image.
   """
+
   class_membership: Array
   prototypes: Array
   prototype_distances: Array
@@ -186,8 +193,9 @@ class ReplayBuffer:
     return self.class_membership.shape[1]
 
 
-def make_replay_buffer(class_membership, prototypes, prototype_distances, class_embeddings,
-                       query_embeddings) -> ReplayBuffer:
+def make_replay_buffer(
+  class_membership, prototypes, prototype_distances, class_embeddings, query_embeddings
+) -> ReplayBuffer:
   """Builds a `ReplayBuffer` (jnp arrays) and checks the shapes agree.
 
   Args:
@@ -208,20 +216,26 @@ def make_replay_buffer(class_membership, prototypes, prototype_distances, class_
   class_embeddings = jnp.asarray(class_embeddings)
   query_embeddings = jnp.asarray(query_embeddings)
   if membership.ndim != 2:
-    raise ValueError(f'class_membership must be [N, C], got {membership.shape}')
+    raise ValueError(f"class_membership must be [N, C], got {membership.shape}")
   n, c = membership.shape
   if prototypes.ndim != 2 or prototypes.shape[0] != c:
-    raise ValueError(f'prototypes must be [C={c}, E], got {prototypes.shape}')
+    raise ValueError(f"prototypes must be [C={c}, E], got {prototypes.shape}")
   e = prototypes.shape[1]
   if distances.shape != (n, c):
-    raise ValueError(f'prototype_distances must be [{n}, {c}], got {distances.shape}')
-  for name, x in (('class_embeddings', class_embeddings), ('query_embeddings', query_embeddings)):
+    raise ValueError(f"prototype_distances must be [{n}, {c}], got {distances.shape}")
+  for name, x in (("class_embeddings", class_embeddings), ("query_embeddings", query_embeddings)):
     if x.ndim != 3 or x.shape[0] != n or x.shape[2] != e:
-      raise ValueError(f'{name} must be [N={n}, k, E={e}], got {x.shape}')
+      raise ValueError(f"{name} must be [N={n}, k, E={e}], got {x.shape}")
   if class_embeddings.shape != query_embeddings.shape:
-    raise ValueError('class_embeddings and query_embeddings shapes differ: '
-                     f'{class_embeddings.shape} vs {query_embeddings.shape}')
+    raise ValueError(
+      "class_embeddings and query_embeddings shapes differ: "
+      f"{class_embeddings.shape} vs {query_embeddings.shape}"
+    )
   return ReplayBuffer(
-      class_membership=membership, prototypes=prototypes, prototype_distances=distances,
-      class_embeddings=class_embeddings, query_embeddings=query_embeddings,
-      class_valid=membership.any(axis=0))
+    class_membership=membership,
+    prototypes=prototypes,
+    prototype_distances=distances,
+    class_embeddings=class_embeddings,
+    query_embeddings=query_embeddings,
+    class_valid=membership.any(axis=0),
+  )

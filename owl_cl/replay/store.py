@@ -24,25 +24,36 @@ bit pattern) and `meta.json`; written to a temporary sibling directory and renam
 (atomic on POSIX filesystems). `load(mmap=True)` memory-maps the arrays, so a store larger
 than RAM is read lazily by `gather`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import json
 import os
 import shutil
 import tempfile
+from typing import Any
 import uuid
-from typing import Any, Dict, Mapping, Optional, Sequence
 
 import ml_dtypes
 import numpy as np
 
-from owl_cl.replay.state import ReplayBuffer, make_replay_buffer
+from owl_cl.replay.state import ReplayBuffer
+from owl_cl.replay.state import make_replay_buffer
 
-REQUIRED_EXAMPLE_KEYS = ('images', 'queries', 'labels', 'boxes', 'query_class')
-BUFFER_KEYS = ('class_membership', 'prototypes', 'prototype_distances', 'class_embeddings',
-               'query_embeddings')
-LOGITS_DTYPES = {'float32': np.dtype(np.float32), 'float16': np.dtype(np.float16),
-                 'bfloat16': np.dtype(ml_dtypes.bfloat16)}
+REQUIRED_EXAMPLE_KEYS = ("images", "queries", "labels", "boxes", "query_class")
+BUFFER_KEYS = (
+  "class_membership",
+  "prototypes",
+  "prototype_distances",
+  "class_embeddings",
+  "query_embeddings",
+)
+LOGITS_DTYPES = {
+  "float32": np.dtype(np.float32),
+  "float16": np.dtype(np.float16),
+  "bfloat16": np.dtype(ml_dtypes.bfloat16),
+}
 FORMAT_VERSION = 1
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -52,7 +63,7 @@ def query_padding(queries: np.ndarray) -> np.ndarray:
   return np.asarray(queries)[..., 0] == 0
 
 
-def encode_logits(logits: np.ndarray, queries: np.ndarray, dtype: str = 'float16') -> np.ndarray:
+def encode_logits(logits: np.ndarray, queries: np.ndarray, dtype: str = "float16") -> np.ndarray:
   """Converts float [n, T, Q] logits to the storage dtype (padded slots -> 0, see module doc).
 
   Args:
@@ -65,11 +76,11 @@ def encode_logits(logits: np.ndarray, queries: np.ndarray, dtype: str = 'float16
     ValueError: unknown dtype or shape mismatch.
   """
   if dtype not in LOGITS_DTYPES:
-    raise ValueError(f'unknown logits dtype {dtype!r}; known: {sorted(LOGITS_DTYPES)}')
+    raise ValueError(f"unknown logits dtype {dtype!r}; known: {sorted(LOGITS_DTYPES)}")
   logits = np.asarray(logits, np.float32)
   pad = query_padding(queries)
   if logits.ndim != 3 or pad.shape != (logits.shape[0], logits.shape[2]):
-    raise ValueError(f'logits {logits.shape} do not match queries {np.shape(queries)}')
+    raise ValueError(f"logits {logits.shape} do not match queries {np.shape(queries)}")
   logits = np.where(pad[:, None, :], 0.0, np.clip(logits, -_FLOAT16_MAX, _FLOAT16_MAX))
   return logits.astype(LOGITS_DTYPES[dtype])
 
@@ -77,16 +88,17 @@ def encode_logits(logits: np.ndarray, queries: np.ndarray, dtype: str = 'float16
 def decode_logits(stored: np.ndarray, queries: np.ndarray, pad_logit: float = -1e6) -> np.ndarray:
   """Inverse of `encode_logits`: float32 [n, T, Q] with padded slots = pad_logit exactly."""
   pad = query_padding(queries)
-  return np.where(pad[:, None, :], np.float32(pad_logit),
-                  np.asarray(stored).astype(np.float32)).astype(np.float32)
+  return np.where(
+    pad[:, None, :], np.float32(pad_logit), np.asarray(stored).astype(np.float32)
+  ).astype(np.float32)
 
 
-def _buffer_dict(buffer: Any) -> Dict[str, np.ndarray]:
+def _buffer_dict(buffer: Any) -> dict[str, np.ndarray]:
   if isinstance(buffer, ReplayBuffer):
     buffer = {k: getattr(buffer, k) for k in BUFFER_KEYS}
   missing = [k for k in BUFFER_KEYS if k not in buffer]
   if missing:
-    raise ValueError(f'buffer arrays missing {missing}')
+    raise ValueError(f"buffer arrays missing {missing}")
   return {k: np.asarray(buffer[k]) for k in BUFFER_KEYS}
 
 
@@ -110,48 +122,58 @@ class ReplayStore:
   Source: SPEC §3 (DER++), §6 (buffer contents), §11 (size).
   """
 
-  def __init__(self, examples: Mapping[str, np.ndarray], stored_logits: np.ndarray,
-               buffer: Any, class_names: Sequence[str], *, logits_dtype: str = 'float16',
-               pad_logit: float = -1e6, logits_encoded: bool = False):
+  def __init__(
+    self,
+    examples: Mapping[str, np.ndarray],
+    stored_logits: np.ndarray,
+    buffer: Any,
+    class_names: Sequence[str],
+    *,
+    logits_dtype: str = "float16",
+    pad_logit: float = -1e6,
+    logits_encoded: bool = False,
+  ):
     missing = [k for k in REQUIRED_EXAMPLE_KEYS if k not in examples]
     if missing:
-      raise ValueError(f'examples missing keys {missing}')
+      raise ValueError(f"examples missing keys {missing}")
     if logits_dtype not in LOGITS_DTYPES:
-      raise ValueError(f'unknown logits dtype {logits_dtype!r}; known: {sorted(LOGITS_DTYPES)}')
-    self.examples = {k: v if isinstance(v, np.ndarray) else np.asarray(v)
-                     for k, v in examples.items()}
-    n = self.examples['images'].shape[0]
+      raise ValueError(f"unknown logits dtype {logits_dtype!r}; known: {sorted(LOGITS_DTYPES)}")
+    self.examples = {
+      k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in examples.items()
+    }
+    n = self.examples["images"].shape[0]
     for k, v in self.examples.items():
       if v.shape[:1] != (n,):
-        raise ValueError(f'examples[{k!r}] has leading dim {v.shape[:1]}, expected ({n},)')
+        raise ValueError(f"examples[{k!r}] has leading dim {v.shape[:1]}, expected ({n},)")
     self.logits_dtype = logits_dtype
     self.pad_logit = float(pad_logit)
     if logits_encoded:
       if np.dtype(stored_logits.dtype) != LOGITS_DTYPES[logits_dtype]:
-        raise ValueError(f'encoded logits have dtype {stored_logits.dtype}, '
-                         f'expected {logits_dtype}')
+        raise ValueError(
+          f"encoded logits have dtype {stored_logits.dtype}, expected {logits_dtype}"
+        )
       self.stored_logits = stored_logits
     else:
-      self.stored_logits = encode_logits(stored_logits, self.examples['queries'], logits_dtype)
+      self.stored_logits = encode_logits(stored_logits, self.examples["queries"], logits_dtype)
     if self.stored_logits.shape[0] != n:
-      raise ValueError(f'stored_logits leading dim {self.stored_logits.shape[0]} != N={n}')
+      raise ValueError(f"stored_logits leading dim {self.stored_logits.shape[0]} != N={n}")
     self.buffer_arrays = _buffer_dict(buffer)
-    membership = self.buffer_arrays['class_membership']
+    membership = self.buffer_arrays["class_membership"]
     if membership.shape[0] != n:
-      raise ValueError(f'class_membership leading dim {membership.shape[0]} != N={n}')
+      raise ValueError(f"class_membership leading dim {membership.shape[0]} != N={n}")
     self._class_names = tuple(str(c) for c in class_names)
     if len(self._class_names) != membership.shape[1]:
-      raise ValueError(f'{len(self._class_names)} class names for C={membership.shape[1]}')
+      raise ValueError(f"{len(self._class_names)} class names for C={membership.shape[1]}")
 
   @property
   def num_images(self) -> int:
     """N, the number of buffer images."""
-    return int(self.examples['images'].shape[0])
+    return int(self.examples["images"].shape[0])
 
   @property
   def num_classes(self) -> int:
     """C, the number of buffer classes."""
-    return int(self.buffer_arrays['class_membership'].shape[1])
+    return int(self.buffer_arrays["class_membership"].shape[1])
 
   @property
   def class_names(self) -> tuple:
@@ -162,7 +184,7 @@ class ReplayStore:
     """The retrieval arrays as a `ReplayBuffer` of jnp arrays (on the default device)."""
     return make_replay_buffer(**{k: np.asarray(v) for k, v in self.buffer_arrays.items()})
 
-  def gather(self, indices, valid: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
+  def gather(self, indices, valid: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Batch dict of the buffer images `indices` (host-side NumPy fancy indexing).
 
     Args:
@@ -178,32 +200,33 @@ class ReplayStore:
     """
     indices = np.asarray(indices).astype(np.int64).reshape(-1)
     if indices.size and (indices.min() < 0 or indices.max() >= self.num_images):
-      raise IndexError(f'buffer indices must lie in [0, {self.num_images})')
+      raise IndexError(f"buffer indices must lie in [0, {self.num_images})")
     batch = {}
     for k, v in self.examples.items():
       x = np.asarray(v[indices])
-      if k == 'images' and x.dtype == np.uint8:
+      if k == "images" and x.dtype == np.uint8:
         x = x.astype(np.float32) / np.float32(255.0)
       batch[k] = x
-    batch['stored_logits'] = decode_logits(self.stored_logits[indices], batch['queries'],
-                                           self.pad_logit)
+    batch["stored_logits"] = decode_logits(
+      self.stored_logits[indices], batch["queries"], self.pad_logit
+    )
     mask = np.ones(indices.shape, bool)
-    if 'example_mask' in batch:
-      mask &= batch['example_mask'].astype(bool)
+    if "example_mask" in batch:
+      mask &= batch["example_mask"].astype(bool)
     if valid is not None:
       valid = np.asarray(valid, bool)
       if valid.shape != indices.shape:
-        raise ValueError(f'valid {valid.shape} does not match indices {indices.shape}')
+        raise ValueError(f"valid {valid.shape} does not match indices {indices.shape}")
       mask &= valid
-    batch['example_mask'] = mask
-    batch['buffer_index'] = indices.astype(np.int32)
+    batch["example_mask"] = mask
+    batch["buffer_index"] = indices.astype(np.int32)
     return batch
 
   # ------------------------------------------------------------------------- persistence
-  def _arrays(self) -> Dict[str, np.ndarray]:
-    arrays = {f'examples.{k}': v for k, v in self.examples.items()}
-    arrays['stored_logits'] = self.stored_logits
-    arrays.update({f'buffer.{k}': v for k, v in self.buffer_arrays.items()})
+  def _arrays(self) -> dict[str, np.ndarray]:
+    arrays = {f"examples.{k}": v for k, v in self.examples.items()}
+    arrays["stored_logits"] = self.stored_logits
+    arrays.update({f"buffer.{k}": v for k, v in self.buffer_arrays.items()})
     return arrays
 
   def save(self, path: str) -> None:
@@ -215,27 +238,32 @@ class ReplayStore:
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + '.tmp-', dir=parent)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
     try:
-      meta = dict(format_version=FORMAT_VERSION, class_names=list(self._class_names),
-                  logits_dtype=self.logits_dtype, pad_logit=self.pad_logit, arrays={})
+      meta = dict(
+        format_version=FORMAT_VERSION,
+        class_names=list(self._class_names),
+        logits_dtype=self.logits_dtype,
+        pad_logit=self.pad_logit,
+        arrays={},
+      )
       for name, array in self._arrays().items():
         array = np.asarray(array)
         dtype = str(array.dtype)
-        if array.dtype == LOGITS_DTYPES['bfloat16']:
-          array, dtype = array.view(np.uint16), 'bfloat16'
-        with open(os.path.join(tmp, name + '.npy'), 'wb') as f:
+        if array.dtype == LOGITS_DTYPES["bfloat16"]:
+          array, dtype = array.view(np.uint16), "bfloat16"
+        with open(os.path.join(tmp, name + ".npy"), "wb") as f:
           np.save(f, array, allow_pickle=False)
           f.flush()
           os.fsync(f.fileno())
-        meta['arrays'][name] = dtype
-      with open(os.path.join(tmp, 'meta.json'), 'w') as f:
+        meta["arrays"][name] = dtype
+      with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
       old = None
       if os.path.exists(path):
-        old = f'{path}.old-{uuid.uuid4().hex}'
+        old = f"{path}.old-{uuid.uuid4().hex}"
         os.rename(path, old)
       os.rename(tmp, path)
       if old is not None:
@@ -245,7 +273,7 @@ class ReplayStore:
       raise
 
   @classmethod
-  def load(cls, path: str, mmap: bool = True) -> 'ReplayStore':
+  def load(cls, path: str, mmap: bool = True) -> ReplayStore:
     """Reads a store written by `save`.
 
     Args:
@@ -254,19 +282,26 @@ class ReplayStore:
     Raises:
       FileNotFoundError: no store at path. ValueError: unsupported format version.
     """
-    with open(os.path.join(path, 'meta.json')) as f:
+    with open(os.path.join(path, "meta.json")) as f:
       meta = json.load(f)
-    if meta.get('format_version') != FORMAT_VERSION:
-      raise ValueError(f'unsupported replay store format {meta.get("format_version")}')
+    if meta.get("format_version") != FORMAT_VERSION:
+      raise ValueError(f"unsupported replay store format {meta.get('format_version')}")
     arrays = {}
-    for name, dtype in meta['arrays'].items():
-      array = np.load(os.path.join(path, name + '.npy'), mmap_mode='r' if mmap else None,
-                      allow_pickle=False)
-      if dtype == 'bfloat16':
-        array = array.view(LOGITS_DTYPES['bfloat16'])
+    for name, dtype in meta["arrays"].items():
+      array = np.load(
+        os.path.join(path, name + ".npy"), mmap_mode="r" if mmap else None, allow_pickle=False
+      )
+      if dtype == "bfloat16":
+        array = array.view(LOGITS_DTYPES["bfloat16"])
       arrays[name] = array
-    examples = {k[len('examples.'):]: v for k, v in arrays.items() if k.startswith('examples.')}
-    buffer = {k[len('buffer.'):]: v for k, v in arrays.items() if k.startswith('buffer.')}
-    return cls(examples, arrays['stored_logits'], buffer, meta['class_names'],
-               logits_dtype=meta['logits_dtype'], pad_logit=meta['pad_logit'],
-               logits_encoded=True)
+    examples = {k[len("examples.") :]: v for k, v in arrays.items() if k.startswith("examples.")}
+    buffer = {k[len("buffer.") :]: v for k, v in arrays.items() if k.startswith("buffer.")}
+    return cls(
+      examples,
+      arrays["stored_logits"],
+      buffer,
+      meta["class_names"],
+      logits_dtype=meta["logits_dtype"],
+      pad_logit=meta["pad_logit"],
+      logits_encoded=True,
+    )

@@ -28,52 +28,69 @@ can compare against it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 import json
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from owl_cl.data import odinw
 
-__all__ = ["write_fake_odinw", "write_fake_objects365", "write_fake_lvis",
-           "write_fake_visual_genome", "FAKE_O365_CATEGORIES", "FAKE_LVIS_CATEGORIES"]
+__all__ = [
+  "write_fake_odinw",
+  "write_fake_objects365",
+  "write_fake_lvis",
+  "write_fake_visual_genome",
+  "FAKE_O365_CATEGORIES",
+  "FAKE_LVIS_CATEGORIES",
+]
 
 # A few real Objects365 v2 category names (ids as in zhiyuan_objv2): 'Dumbbell' and
 # 'Hot-air balloon' match LVIS-rare names ('dumbbell', 'hot-air_balloon') and are forbidden.
 FAKE_O365_CATEGORIES = (
-    (1, "Person"), (3, "Car"), (9, "Bottle"), (85, "Cow"), (295, "Dumbbell"),
-    (325, "Hot-air balloon"))
+  (1, "Person"),
+  (3, "Car"),
+  (9, "Bottle"),
+  (85, "Cow"),
+  (295, "Dumbbell"),
+  (325, "Hot-air balloon"),
+)
 
 # (id, name, frequency, synonyms) of a few real LVIS v1 categories.
 FAKE_LVIS_CATEGORIES = (
-    (3, "aerosol_can", "c", ["aerosol_can", "spray_can"]),
-    (12, "apple", "f", ["apple"]),
-    (13, "applesauce", "r", ["applesauce"]),
-    (35, "baboon", "r", ["baboon"]),
-    (95, "bicycle", "f", ["bicycle"]),
-    (1202, "zucchini", "c", ["zucchini", "courgette"]),
+  (3, "aerosol_can", "c", ["aerosol_can", "spray_can"]),
+  (12, "apple", "f", ["apple"]),
+  (13, "applesauce", "r", ["applesauce"]),
+  (35, "baboon", "r", ["baboon"]),
+  (95, "bicycle", "f", ["bicycle"]),
+  (1202, "zucchini", "c", ["zucchini", "courgette"]),
 )
 
 
-def _palette(k: int) -> Tuple[int, int, int]:
+def _palette(k: int) -> tuple[int, int, int]:
   rng = np.random.default_rng(1000 + k)
   return tuple(int(v) for v in rng.integers(30, 226, size=3))
 
 
-def _draw_image(path: str, height: int, width: int, boxes: Sequence[Sequence[float]],
-                colours: Sequence[Tuple[int, int, int]], rng: np.random.Generator) -> None:
+def _draw_image(
+  path: str,
+  height: int,
+  width: int,
+  boxes: Sequence[Sequence[float]],
+  colours: Sequence[tuple[int, int, int]],
+  rng: np.random.Generator,
+) -> None:
   """Grey noise background with solid rectangles at integer xywh `boxes`; saved as JPEG."""
   img = rng.integers(100, 156, size=(height, width, 3)).astype(np.uint8)
   for (x, y, w, h), c in zip(boxes, colours):
-    img[int(y):int(y + h), int(x):int(x + w)] = c
+    img[int(y) : int(y + h), int(x) : int(x + w)] = c
   os.makedirs(os.path.dirname(path), exist_ok=True)
   Image.fromarray(img).save(path, quality=95, subsampling=0)
 
 
-def _random_boxes(rng: np.random.Generator, height: int, width: int,
-                  n: int) -> List[List[int]]:
+def _random_boxes(rng: np.random.Generator, height: int, width: int, n: int) -> list[list[int]]:
   """n integer [x, y, w, h] boxes inside the image, each side >= 4 px."""
   out = []
   for _ in range(n):
@@ -85,8 +102,9 @@ def _random_boxes(rng: np.random.Generator, height: int, width: int,
   return out
 
 
-def _split_counts(num_images: Any, splits: Sequence[str], default: Dict[str, int]
-                  ) -> Dict[str, int]:
+def _split_counts(
+  num_images: Any, splits: Sequence[str], default: dict[str, int]
+) -> dict[str, int]:
   if num_images is None:
     return {s: default[s] for s in splits}
   if isinstance(num_images, int):
@@ -103,9 +121,13 @@ def _write_json(path: str, data: dict) -> None:
 # ------------------------------------------------------------------------------------------
 # ODinW
 # ------------------------------------------------------------------------------------------
-def write_fake_odinw(root: str, names: Optional[Iterable[str]] = None, num_images: Any = None,
-                     seed: int = 0, image_size: Tuple[int, int] = (24, 48)
-                     ) -> Dict[str, Dict[str, Dict[str, Any]]]:
+def write_fake_odinw(
+  root: str,
+  names: Iterable[str] | None = None,
+  num_images: Any = None,
+  seed: int = 0,
+  image_size: tuple[int, int] = (24, 48),
+) -> dict[str, dict[str, dict[str, Any]]]:
   """Write fake ODinW datasets under `root/odinw/` in GLIP's ODinW-35 layout.
 
   Args:
@@ -124,11 +146,13 @@ def write_fake_odinw(root: str, names: Optional[Iterable[str]] = None, num_image
   """
   names = list(odinw.ODINW_NAMES if names is None else names)
   counts = _split_counts(num_images, odinw.SPLITS, dict(train=8, val=3, test=4))
-  out: Dict[str, Dict[str, Dict[str, Any]]] = {}
+  out: dict[str, dict[str, dict[str, Any]]] = {}
   for d, name in enumerate(names):
     spec = odinw.odinw_spec(name)
-    cats = [dict(id=i, name=n, supercategory=spec.supercategory)
-            for i, n in enumerate(spec.category_names, start=1)]
+    cats = [
+      dict(id=i, name=n, supercategory=spec.supercategory)
+      for i, n in enumerate(spec.category_names, start=1)
+    ]
     usable = [c["id"] for c in cats if c["id"] not in spec.exclude_category_ids]
     out[name] = {}
     for s, split in enumerate(odinw.SPLITS):
@@ -140,24 +164,50 @@ def write_fake_odinw(root: str, names: Optional[Iterable[str]] = None, num_image
       for k in range(counts[split]):
         h, w = (int(v) for v in rng.integers(image_size[0], image_size[1] + 1, size=2))
         file_name = f"{split}_{k:04d}_jpg.rf.{rng.integers(16**8):08x}.jpg"
-        images.append(dict(id=k, license=1, file_name=file_name, height=h, width=w,
-                           date_captured="2021-01-01T00:00:00+00:00"))
+        images.append(
+          dict(
+            id=k,
+            license=1,
+            file_name=file_name,
+            height=h,
+            width=w,
+            date_captured="2021-01-01T00:00:00+00:00",
+          )
+        )
         boxes = _random_boxes(rng, h, w, int(rng.integers(1, 4)))
         colours = []
         for b in boxes:
           cid = usable[next_cat % len(usable)]
           next_cat += 1
           colours.append(_palette(cid))
-          annotations.append(dict(id=len(annotations), image_id=k, category_id=cid, bbox=b,
-                                  area=b[2] * b[3], segmentation=[], iscrowd=0))
+          annotations.append(
+            dict(
+              id=len(annotations),
+              image_id=k,
+              category_id=cid,
+              bbox=b,
+              area=b[2] * b[3],
+              segmentation=[],
+              iscrowd=0,
+            )
+          )
         _draw_image(os.path.join(img_dir, file_name), h, w, boxes, colours, rng)
       data = dict(
-          info=dict(year="2021", version="1", description="Exported from roboflow.ai",
-                    contributor="", url=f"https://public.roboflow.ai/object-detection/{name}",
-                    date_created="2021-01-01T00:00:00+00:00"),
-          licenses=[dict(id=1, url="https://creativecommons.org/publicdomain/zero/1.0/",
-                         name="Public Domain")],
-          categories=cats, images=images, annotations=annotations)
+        info=dict(
+          year="2021",
+          version="1",
+          description="Exported from roboflow.ai",
+          contributor="",
+          url=f"https://public.roboflow.ai/object-detection/{name}",
+          date_created="2021-01-01T00:00:00+00:00",
+        ),
+        licenses=[
+          dict(id=1, url="https://creativecommons.org/publicdomain/zero/1.0/", name="Public Domain")
+        ],
+        categories=cats,
+        images=images,
+        annotations=annotations,
+      )
       _write_json(ann_path, data)
       out[name][split] = dict(annotation_file=ann_path, image_dir=img_dir, json=data)
   return out
@@ -166,8 +216,9 @@ def write_fake_odinw(root: str, names: Optional[Iterable[str]] = None, num_image
 # ------------------------------------------------------------------------------------------
 # Objects365
 # ------------------------------------------------------------------------------------------
-def write_fake_objects365(root: str, num_images: Any = None, seed: int = 0,
-                          image_size: Tuple[int, int] = (24, 48)) -> Dict[str, Dict[str, Any]]:
+def write_fake_objects365(
+  root: str, num_images: Any = None, seed: int = 0, image_size: tuple[int, int] = (24, 48)
+) -> dict[str, dict[str, Any]]:
   """Write a fake Objects365 v2 under `root/objects365/` (layout: `owl_cl.data.pretraining`).
 
   Args:
@@ -179,6 +230,7 @@ def write_fake_objects365(root: str, num_images: Any = None, seed: int = 0,
     (`FAKE_O365_CATEGORIES`) are assigned round-robin so each appears, forbidden ones included.
   """
   from owl_cl.data import pretraining
+
   counts = _split_counts(num_images, ("train", "val"), dict(train=8, val=4))
   cats = [dict(id=i, name=n) for i, n in FAKE_O365_CATEGORIES]
   out = {}
@@ -195,22 +247,33 @@ def write_fake_objects365(root: str, num_images: Any = None, seed: int = 0,
       version = "v1" if split == "train" else "v2"
       patch = k % 2 + (0 if split == "train" else 16)
       file_name = f"images/{version}/patch{patch}/objects365_{version}_{image_id:08d}.jpg"
-      images.append(dict(height=h, id=image_id, license=5, width=w, file_name=file_name,
-                         url=""))
+      images.append(dict(height=h, id=image_id, license=5, width=w, file_name=file_name, url=""))
       boxes = _random_boxes(rng, h, w, int(rng.integers(1, 5)))
       colours = []
       for b in boxes:
         cid = cats[next_cat % len(cats)]["id"]
         next_cat += 1
         colours.append(_palette(cid))
-        annotations.append(dict(id=len(annotations) + 51, iscrowd=0, isfake=0,
-                                area=float(b[2] * b[3]), isreflected=0,
-                                bbox=[float(v) for v in b], image_id=image_id,
-                                category_id=cid))
+        annotations.append(
+          dict(
+            id=len(annotations) + 51,
+            iscrowd=0,
+            isfake=0,
+            area=float(b[2] * b[3]),
+            isreflected=0,
+            bbox=[float(v) for v in b],
+            image_id=image_id,
+            category_id=cid,
+          )
+        )
       path = os.path.join(img_dir, pretraining.objects365_relative_path(images[-1]))
       _draw_image(path, h, w, boxes, colours, rng)
-    data = dict(images=images, annotations=annotations, categories=cats,
-                licenses=[dict(name="", id=5, url="")])
+    data = dict(
+      images=images,
+      annotations=annotations,
+      categories=cats,
+      licenses=[dict(name="", id=5, url="")],
+    )
     _write_json(ann_path, data)
     out[split] = dict(annotation_file=ann_path, image_dir=img_dir, json=data)
   return out
@@ -219,8 +282,9 @@ def write_fake_objects365(root: str, num_images: Any = None, seed: int = 0,
 # ------------------------------------------------------------------------------------------
 # LVIS
 # ------------------------------------------------------------------------------------------
-def write_fake_lvis(root: str, num_images: Any = None, seed: int = 0,
-                    image_size: Tuple[int, int] = (24, 48)) -> Dict[str, Dict[str, Any]]:
+def write_fake_lvis(
+  root: str, num_images: Any = None, seed: int = 0, image_size: tuple[int, int] = (24, 48)
+) -> dict[str, dict[str, Any]]:
   """Write a fake LVIS v1 under `root/lvis/` with COCO 2017 images under `root/coco/`.
 
   Args:
@@ -234,6 +298,7 @@ def write_fake_lvis(root: str, num_images: Any = None, seed: int = 0,
     image; `not_exhaustive_category_ids` = the first annotated category on every third image.
   """
   from owl_cl.data import pretraining
+
   counts = _split_counts(num_images, ("train", "val"), dict(train=8, val=4))
   out = {}
   used = 1
@@ -258,26 +323,54 @@ def write_fake_lvis(root: str, num_images: Any = None, seed: int = 0,
         cids.append(cid)
         colours.append(_palette(cid))
         x, y, bw, bh = (float(v) for v in b)
-        annotations.append(dict(id=len(annotations) + 1, image_id=image_id, category_id=cid,
-                                bbox=[x, y, bw, bh], area=bw * bh,
-                                segmentation=[[x, y, x + bw, y, x + bw, y + bh, x, y + bh]]))
+        annotations.append(
+          dict(
+            id=len(annotations) + 1,
+            image_id=image_id,
+            category_id=cid,
+            bbox=[x, y, bw, bh],
+            area=bw * bh,
+            segmentation=[[x, y, x + bw, y, x + bw, y + bh, x, y + bh]],
+          )
+        )
         image_count[cid].add(image_id)
         instance_count[cid] += 1
       absent = [c[0] for c in FAKE_LVIS_CATEGORIES if c[0] not in cids]
       neg = [absent[int(rng.integers(len(absent)))]] if absent else []
-      images.append(dict(id=image_id, width=w, height=h, license=1, date_captured="",
-                         flickr_url=f"http://farm1.staticflickr.com/{image_id}.jpg",
-                         coco_url=url, neg_category_ids=neg,
-                         not_exhaustive_category_ids=[cids[0]] if k % 3 == 0 else []))
-      _draw_image(os.path.join(img_dir, folder, f"{image_id:012d}.jpg"), h, w, boxes, colours,
-                  rng)
-    cats = [dict(id=i, name=n, frequency=f, synonyms=syn, synset=f"{n}.n.01",
-                 **{"def": f"definition of {n}"}, image_count=len(image_count[i]),
-                 instance_count=instance_count[i])
-            for i, n, f, syn in FAKE_LVIS_CATEGORIES]
-    data = dict(info=dict(description="LVIS v1 (fake)", version="1.0", year=2020),
-                licenses=[dict(id=1, name="", url="")], images=images,
-                annotations=annotations, categories=cats)
+      images.append(
+        dict(
+          id=image_id,
+          width=w,
+          height=h,
+          license=1,
+          date_captured="",
+          flickr_url=f"http://farm1.staticflickr.com/{image_id}.jpg",
+          coco_url=url,
+          neg_category_ids=neg,
+          not_exhaustive_category_ids=[cids[0]] if k % 3 == 0 else [],
+        )
+      )
+      _draw_image(os.path.join(img_dir, folder, f"{image_id:012d}.jpg"), h, w, boxes, colours, rng)
+    cats = [
+      dict(
+        id=i,
+        name=n,
+        frequency=f,
+        synonyms=syn,
+        synset=f"{n}.n.01",
+        **{"def": f"definition of {n}"},
+        image_count=len(image_count[i]),
+        instance_count=instance_count[i],
+      )
+      for i, n, f, syn in FAKE_LVIS_CATEGORIES
+    ]
+    data = dict(
+      info=dict(description="LVIS v1 (fake)", version="1.0", year=2020),
+      licenses=[dict(id=1, name="", url="")],
+      images=images,
+      annotations=annotations,
+      categories=cats,
+    )
     _write_json(ann_path, data)
     out[split] = dict(annotation_file=ann_path, image_dir=img_dir, json=data)
   return out
@@ -289,8 +382,9 @@ def write_fake_lvis(root: str, num_images: Any = None, seed: int = 0,
 FAKE_VG_NAMES = ("tree", "man", "shirt", "window", "wind chimes", "Sky")
 
 
-def write_fake_visual_genome(root: str, num_images: int = 6, seed: int = 0,
-                             image_size: Tuple[int, int] = (24, 48)) -> Dict[str, Any]:
+def write_fake_visual_genome(
+  root: str, num_images: int = 6, seed: int = 0, image_size: tuple[int, int] = (24, 48)
+) -> dict[str, Any]:
   """Write a fake Visual Genome v1.4 under `root/visual_genome/`.
 
   `image_data.json`: list of {image_id, width, height, url, coco_id, flickr_id};
@@ -302,6 +396,7 @@ def write_fake_visual_genome(root: str, num_images: int = 6, seed: int = 0,
   Returns dict(objects_file, image_data_file, image_dir, objects, image_data).
   """
   from owl_cl.data import pretraining
+
   rng = np.random.default_rng([seed, 108077])
   paths = pretraining.visual_genome_paths(root)
   image_data, objects = [], []
@@ -311,21 +406,32 @@ def write_fake_visual_genome(root: str, num_images: int = 6, seed: int = 0,
     h, w = (int(v) for v in rng.integers(image_size[0], image_size[1] + 1, size=2))
     folder = "VG_100K" if image_id % 2 else "VG_100K_2"
     url = f"https://cs.stanford.edu/people/rak248/{folder}/{image_id}.jpg"
-    image_data.append(dict(width=w, url=url, height=h, image_id=image_id, coco_id=None,
-                           flickr_id=None))
+    image_data.append(
+      dict(width=w, url=url, height=h, image_id=image_id, coco_id=None, flickr_id=None)
+    )
     boxes = _random_boxes(rng, h, w, int(rng.integers(1, 4)))
     objs, colours = [], []
     for j, (x, y, bw, bh) in enumerate(boxes):
       name = FAKE_VG_NAMES[next_name % len(FAKE_VG_NAMES)]
       next_name += 1
       names = [name, "plant"] if (image_id == 1 and j == 0) else [name]
-      objs.append(dict(synsets=[f"{name.lower().replace(' ', '_')}.n.01"], h=bh,
-                       object_id=next_object, names=names, w=bw, y=y, x=x))
+      objs.append(
+        dict(
+          synsets=[f"{name.lower().replace(' ', '_')}.n.01"],
+          h=bh,
+          object_id=next_object,
+          names=names,
+          w=bw,
+          y=y,
+          x=x,
+        )
+      )
       next_object += 1
       colours.append(_palette(FAKE_VG_NAMES.index(name)))
     objects.append(dict(image_id=image_id, objects=objs, image_url=url))
-    _draw_image(os.path.join(paths["image_dir"], folder, f"{image_id}.jpg"), h, w, boxes,
-                colours, rng)
+    _draw_image(
+      os.path.join(paths["image_dir"], folder, f"{image_id}.jpg"), h, w, boxes, colours, rng
+    )
   _write_json(paths["image_data_file"], image_data)
   _write_json(paths["objects_file"], objects)
   return dict(paths, objects=objects, image_data=image_data)

@@ -32,15 +32,14 @@ class StageCheckpointer:
   def __init__(self, directory: str, max_to_keep: int | None = None):
     self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    )
 
   def latest_stage(self) -> int | None:
     """Index of the newest complete stage checkpoint, or None."""
     return self._manager.latest_step()
 
-  def save(self, stage: int, params: PyTree, replay_state: PyTree | None,
-           meta: dict) -> None:
+  def save(self, stage: int, params: PyTree, replay_state: PyTree | None, meta: dict) -> None:
     """Writes stage `stage` (blocking until it is on disk).
 
     Raises:
@@ -54,8 +53,9 @@ class StageCheckpointer:
     self._manager.save(stage, args=ocp.args.Composite(**items))
     self._manager.wait_until_finished()
 
-  def restore(self, stage: int, params_like: PyTree,
-              replay_state_like: PyTree | None) -> tuple[PyTree, PyTree | None, dict]:
+  def restore(
+    self, stage: int, params_like: PyTree, replay_state_like: PyTree | None
+  ) -> tuple[PyTree, PyTree | None, dict]:
     """Reads stage `stage` into trees shaped like the given ones (arrays or abstract)."""
     items = {"params": ocp.args.StandardRestore(params_like), "meta": ocp.args.JsonRestore()}
     if replay_state_like is not None:
@@ -113,4 +113,3 @@ def load_params(path: str, params_like: PyTree | None = None) -> tuple[PyTree, d
     with open(meta_path) as f:
       meta = json.load(f)
   return params, meta
-

@@ -29,7 +29,8 @@ boxes, 1); the batch value is then the (optionally weighted) mean over images.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,24 +45,24 @@ PADDED_LOGIT_THRESHOLD = -1e5
 BOX_EPS = 1e-6  # scenic box_utils eps (IoU and GIoU denominators).
 
 __all__ = [
-    "PADDED_LOGIT_THRESHOLD",
-    "box_cxcywh_to_xyxy",
-    "box_xyxy_to_cxcywh",
-    "box_iou",
-    "generalized_box_iou",
-    "sigmoid_focal_loss",
-    "focal_matching_cost",
-    "append_padding_instance",
-    "real_target_mask",
-    "matching_cost",
-    "hungarian_matching",
-    "detection_loss_per_example",
-    "detection_loss",
-    "distillation_mse",
-    "der_plus_plus_loss",
-    "LOSS_ADAPTIVITY_MODES",
-    "loss_adaptive_combination",
-    "loss_adaptive_total",
+  "PADDED_LOGIT_THRESHOLD",
+  "box_cxcywh_to_xyxy",
+  "box_xyxy_to_cxcywh",
+  "box_iou",
+  "generalized_box_iou",
+  "sigmoid_focal_loss",
+  "focal_matching_cost",
+  "append_padding_instance",
+  "real_target_mask",
+  "matching_cost",
+  "hungarian_matching",
+  "detection_loss_per_example",
+  "detection_loss",
+  "distillation_mse",
+  "der_plus_plus_loss",
+  "LOSS_ADAPTIVITY_MODES",
+  "loss_adaptive_combination",
+  "loss_adaptive_total",
 ]
 
 
@@ -118,12 +119,12 @@ def _check_boxes(a: Array, b: Array, all_pairs: bool) -> None:
   if a.shape[-1] != 4 or b.shape[-1] != 4:
     raise ValueError(f"boxes must end in 4 coordinates, got {a.shape} and {b.shape}")
   if not all_pairs and a.shape[-2] != b.shape[-2]:
-    raise ValueError(f"all_pairs=False needs as many boxes in both sets, got {a.shape} "
-                     f"and {b.shape}")
+    raise ValueError(
+      f"all_pairs=False needs as many boxes in both sets, got {a.shape} and {b.shape}"
+    )
 
 
-def box_iou(boxes1: Array, boxes2: Array, *, all_pairs: bool = True,
-            eps: float = BOX_EPS) -> Array:
+def box_iou(boxes1: Array, boxes2: Array, *, all_pairs: bool = True, eps: float = BOX_EPS) -> Array:
   """Intersection over union of xyxy boxes.
 
   Args:
@@ -145,8 +146,9 @@ def box_iou(boxes1: Array, boxes2: Array, *, all_pairs: bool = True,
   return _iou_and_union(boxes1, boxes2, all_pairs, eps)[0]
 
 
-def generalized_box_iou(boxes1: Array, boxes2: Array, *, all_pairs: bool = True,
-                        eps: float = BOX_EPS) -> Array:
+def generalized_box_iou(
+  boxes1: Array, boxes2: Array, *, all_pairs: bool = True, eps: float = BOX_EPS
+) -> Array:
   """Generalised IoU (Rezatofighi et al. 2019) of xyxy boxes, in [-1, 1].
 
   GIoU = IoU - (C - U) / (C + eps) with U the union and C the area of the smallest box
@@ -184,8 +186,9 @@ def generalized_box_iou(boxes1: Array, boxes2: Array, *, all_pairs: bool = True,
 # ------------------------------------------------------------------------------------------
 
 
-def sigmoid_focal_loss(logits: Array, targets: Array, *, alpha: float = 0.3,
-                       gamma: float = 2.0) -> Array:
+def sigmoid_focal_loss(
+  logits: Array, targets: Array, *, alpha: float = 0.3, gamma: float = 2.0
+) -> Array:
   """Element-wise sigmoid focal loss (Lin et al. 2017), unreduced.
 
   loss = -alpha_t (1 - p_t)^gamma log p_t with p_t = sigmoid(x) if y = 1 else 1 - sigmoid(x),
@@ -226,8 +229,8 @@ def focal_matching_cost(logits: Array, *, alpha: float = 0.3, gamma: float = 2.0
   Source: SPEC §3; scenic `owl_vit/losses.sigmoid_cost(focal_loss=True)`.
   """
   x = jnp.asarray(logits, jnp.float32)
-  pos = alpha * jax.nn.sigmoid(-x)**gamma * -jax.nn.log_sigmoid(x)
-  neg = (1.0 - alpha) * jax.nn.sigmoid(x)**gamma * -jax.nn.log_sigmoid(-x)
+  pos = alpha * jax.nn.sigmoid(-x) ** gamma * -jax.nn.log_sigmoid(x)
+  neg = (1.0 - alpha) * jax.nn.sigmoid(x) ** gamma * -jax.nn.log_sigmoid(-x)
   return pos - neg
 
 
@@ -254,15 +257,19 @@ def append_padding_instance(labels: Array, boxes: Array) -> tuple[Array, Array]:
   Source: scenic `matching_base_models.BaseModelWithMatching.loss_function`.
   """
   labels, boxes = jnp.asarray(labels), jnp.asarray(boxes)
-  if labels.ndim != 3 or boxes.ndim != 3 or boxes.shape[-1] != 4 or \
-      labels.shape[:2] != boxes.shape[:2]:
-    raise ValueError(f"expected labels [B,M,Q] and boxes [B,M,4], got {labels.shape} and "
-                     f"{boxes.shape}")
+  if (
+    labels.ndim != 3
+    or boxes.ndim != 3
+    or boxes.shape[-1] != 4
+    or labels.shape[:2] != boxes.shape[:2]
+  ):
+    raise ValueError(
+      f"expected labels [B,M,Q] and boxes [B,M,4], got {labels.shape} and {boxes.shape}"
+    )
   b, _, q = labels.shape
   pad_label = jnp.zeros((b, 1, q), labels.dtype).at[:, :, 0].set(1)
   pad_box = jnp.zeros((b, 1, 4), boxes.dtype)
-  return (jnp.concatenate([labels, pad_label], axis=1),
-          jnp.concatenate([boxes, pad_box], axis=1))
+  return (jnp.concatenate([labels, pad_label], axis=1), jnp.concatenate([boxes, pad_box], axis=1))
 
 
 def real_target_mask(labels: Array) -> Array:
@@ -277,25 +284,45 @@ def real_target_mask(labels: Array) -> Array:
 
 
 def _check_predictions(pred_logits, pred_boxes, labels, boxes) -> None:
-  if pred_logits.ndim != 3 or pred_boxes.ndim != 3 or pred_boxes.shape[-1] != 4 or \
-      pred_logits.shape[:2] != pred_boxes.shape[:2]:
-    raise ValueError(f"expected pred_logits [B,T,Q] and pred_boxes [B,T,4], got "
-                     f"{pred_logits.shape} and {pred_boxes.shape}")
-  if labels.ndim != 3 or boxes.ndim != 3 or boxes.shape[-1] != 4 or \
-      labels.shape[:2] != boxes.shape[:2]:
-    raise ValueError(f"expected labels [B,M,Q] and boxes [B,M,4], got {labels.shape} and "
-                     f"{boxes.shape}")
+  if (
+    pred_logits.ndim != 3
+    or pred_boxes.ndim != 3
+    or pred_boxes.shape[-1] != 4
+    or pred_logits.shape[:2] != pred_boxes.shape[:2]
+  ):
+    raise ValueError(
+      f"expected pred_logits [B,T,Q] and pred_boxes [B,T,4], got "
+      f"{pred_logits.shape} and {pred_boxes.shape}"
+    )
+  if (
+    labels.ndim != 3
+    or boxes.ndim != 3
+    or boxes.shape[-1] != 4
+    or labels.shape[:2] != boxes.shape[:2]
+  ):
+    raise ValueError(
+      f"expected labels [B,M,Q] and boxes [B,M,4], got {labels.shape} and {boxes.shape}"
+    )
   if labels.shape[0] != pred_logits.shape[0] or labels.shape[2] != pred_logits.shape[2]:
-    raise ValueError(f"batch or query axis of labels {labels.shape} does not match "
-                     f"pred_logits {pred_logits.shape}")
+    raise ValueError(
+      f"batch or query axis of labels {labels.shape} does not match pred_logits {pred_logits.shape}"
+    )
   if labels.shape[2] < 2:
     raise ValueError(f"need Q >= 2 query slots (slot 0 is padding), got {labels.shape[2]}")
 
 
-def matching_cost(pred_logits: Array, pred_boxes: Array, labels: Array, boxes: Array, *,
-                  focal_alpha: float = 0.3, focal_gamma: float = 2.0,
-                  class_weight: float = 1.0, bbox_weight: float = 1.0,
-                  giou_weight: float = 1.0) -> tuple[Array, Array]:
+def matching_cost(
+  pred_logits: Array,
+  pred_boxes: Array,
+  labels: Array,
+  boxes: Array,
+  *,
+  focal_alpha: float = 0.3,
+  focal_gamma: float = 2.0,
+  class_weight: float = 1.0,
+  bbox_weight: float = 1.0,
+  giou_weight: float = 1.0,
+) -> tuple[Array, Array]:
   """Matching cost between every token and every target (SPEC §3).
 
   cost[b, t, k] = class_weight * sum_{q>=1} labels[b,k,q] * (pos - neg)(logit[b,t,q])
@@ -330,11 +357,13 @@ def matching_cost(pred_logits: Array, pred_boxes: Array, labels: Array, boxes: A
   mask = real_target_mask(tgt_labels)  # [B, K]
 
   per_query = focal_matching_cost(pred_logits[..., 1:], alpha=focal_alpha, gamma=focal_gamma)
-  cost_class = jnp.einsum("btq,bkq->btk", per_query, tgt_labels[..., 1:],
-                          precision=jax.lax.Precision.HIGHEST)
+  cost_class = jnp.einsum(
+    "btq,bkq->btk", per_query, tgt_labels[..., 1:], precision=jax.lax.Precision.HIGHEST
+  )
   cost_bbox = jnp.sum(jnp.abs(out_boxes[:, :, None, :] - tgt_boxes[:, None, :, :]), axis=-1)
-  cost_giou = -generalized_box_iou(box_cxcywh_to_xyxy(out_boxes),
-                                   box_cxcywh_to_xyxy(tgt_boxes), all_pairs=True)
+  cost_giou = -generalized_box_iou(
+    box_cxcywh_to_xyxy(out_boxes), box_cxcywh_to_xyxy(tgt_boxes), all_pairs=True
+  )
   cost = class_weight * cost_class + bbox_weight * cost_bbox + giou_weight * cost_giou
 
   valid = mask[:, None, :] & jnp.isfinite(cost)
@@ -398,13 +427,14 @@ def hungarian_matching(cost: Array, target_mask: Array) -> Array:
   cost = jnp.asarray(cost)
   target_mask = jnp.asarray(target_mask)
   if cost.ndim < 2 or target_mask.shape != cost.shape[:-2] + cost.shape[-1:]:
-    raise ValueError(f"expected cost [..., T, K] and target_mask [..., K], got {cost.shape} "
-                     f"and {target_mask.shape}")
+    raise ValueError(
+      f"expected cost [..., T, K] and target_mask [..., K], got {cost.shape} "
+      f"and {target_mask.shape}"
+    )
   cost = jax.lax.stop_gradient(cost.astype(jnp.float32))
   target_mask = jax.lax.stop_gradient(target_mask.astype(jnp.bool_))
   out_shape = jax.ShapeDtypeStruct(cost.shape[:-1], jnp.int32)
-  return jax.pure_callback(_match_numpy, out_shape, cost, target_mask,
-                           vmap_method="broadcast_all")
+  return jax.pure_callback(_match_numpy, out_shape, cost, target_mask, vmap_method="broadcast_all")
 
 
 # ------------------------------------------------------------------------------------------
@@ -418,10 +448,16 @@ def _gather_targets(x: Array, index: Array) -> Array:
   return jnp.take_along_axis(x, idx, axis=1)
 
 
-def detection_loss_per_example(pred_logits: Array, pred_boxes: Array, labels: Array,
-                               boxes: Array, target_index: Array, *,
-                               focal_alpha: float = 0.3,
-                               focal_gamma: float = 2.0) -> dict[str, Array]:
+def detection_loss_per_example(
+  pred_logits: Array,
+  pred_boxes: Array,
+  labels: Array,
+  boxes: Array,
+  target_index: Array,
+  *,
+  focal_alpha: float = 0.3,
+  focal_gamma: float = 2.0,
+) -> dict[str, Array]:
   """Per-image normalised loss terms for a given matching.
 
   Args:
@@ -452,12 +488,12 @@ def detection_loss_per_example(pred_logits: Array, pred_boxes: Array, labels: Ar
   labels, boxes = jnp.asarray(labels), jnp.asarray(boxes)
   _check_predictions(pred_logits, pred_boxes, labels, boxes)
   if target_index.shape != pred_logits.shape[:2]:
-    raise ValueError(f"target_index must be [B,T] = {pred_logits.shape[:2]}, got "
-                     f"{target_index.shape}")
+    raise ValueError(
+      f"target_index must be [B,T] = {pred_logits.shape[:2]}, got {target_index.shape}"
+    )
   target_index = jax.lax.stop_gradient(target_index)
   tgt_labels = _gather_targets(labels.astype(jnp.float32), target_index)[..., 1:]  # [B,T,Q-1]
-  focal = sigmoid_focal_loss(pred_logits[..., 1:], tgt_labels, alpha=focal_alpha,
-                             gamma=focal_gamma)
+  focal = sigmoid_focal_loss(pred_logits[..., 1:], tgt_labels, alpha=focal_alpha, gamma=focal_gamma)
   num_pos = jnp.sum(tgt_labels, axis=(1, 2))
   loss_class = jnp.sum(focal, axis=(1, 2)) / jnp.maximum(num_pos, 1.0)
 
@@ -468,12 +504,16 @@ def detection_loss_per_example(pred_logits: Array, pred_boxes: Array, labels: Ar
   giou = jnp.where(matched, 1.0 - generalized_box_iou(src, tgt, all_pairs=False), 0.0)
   num_boxes = jnp.sum(matched.astype(jnp.float32), axis=1)
   denom = jnp.maximum(num_boxes, 1.0)
-  return dict(loss_class=loss_class, loss_bbox=jnp.sum(l1, axis=1) / denom,
-              loss_giou=jnp.sum(giou, axis=1) / denom, num_positives=num_pos,
-              num_boxes=num_boxes)
+  return dict(
+    loss_class=loss_class,
+    loss_bbox=jnp.sum(l1, axis=1) / denom,
+    loss_giou=jnp.sum(giou, axis=1) / denom,
+    num_positives=num_pos,
+    num_boxes=num_boxes,
+  )
 
 
-def _weighted_mean(values: Array, weights: Optional[Array]) -> Array:
+def _weighted_mean(values: Array, weights: Array | None) -> Array:
   """Mean over the batch; with weights [B]: sum(w * v) / sum(w), 0 when sum(w) == 0."""
   if weights is None:
     return jnp.mean(values) if values.shape[0] else jnp.zeros((), values.dtype)
@@ -485,11 +525,19 @@ def _weighted_mean(values: Array, weights: Optional[Array]) -> Array:
   return total / jnp.maximum(jnp.sum(w, axis=0), 1e-12)
 
 
-def detection_loss(pred_logits: Array, pred_boxes: Array, labels: Array, boxes: Array, *,
-                   focal_alpha: float = 0.3, focal_gamma: float = 2.0,
-                   class_weight: float = 1.0, bbox_weight: float = 1.0,
-                   giou_weight: float = 1.0,
-                   example_mask: Optional[Array] = None) -> dict[str, Array]:
+def detection_loss(
+  pred_logits: Array,
+  pred_boxes: Array,
+  labels: Array,
+  boxes: Array,
+  *,
+  focal_alpha: float = 0.3,
+  focal_gamma: float = 2.0,
+  class_weight: float = 1.0,
+  bbox_weight: float = 1.0,
+  giou_weight: float = 1.0,
+  example_mask: Array | None = None,
+) -> dict[str, Array]:
   """OWL-ViT detection loss: Hungarian matching, focal class loss, L1 + GIoU box losses.
 
   Appends one padding instance per image, builds `matching_cost`, matches with
@@ -529,19 +577,38 @@ def detection_loss(pred_logits: Array, pred_boxes: Array, labels: Array, boxes: 
   _check_predictions(pred_logits, pred_boxes, labels, boxes)
   labels_k, boxes_k = append_padding_instance(labels, boxes)
   cost, mask = matching_cost(
-      jax.lax.stop_gradient(pred_logits), jax.lax.stop_gradient(pred_boxes), labels_k,
-      boxes_k, focal_alpha=focal_alpha, focal_gamma=focal_gamma, class_weight=class_weight,
-      bbox_weight=bbox_weight, giou_weight=giou_weight)
+    jax.lax.stop_gradient(pred_logits),
+    jax.lax.stop_gradient(pred_boxes),
+    labels_k,
+    boxes_k,
+    focal_alpha=focal_alpha,
+    focal_gamma=focal_gamma,
+    class_weight=class_weight,
+    bbox_weight=bbox_weight,
+    giou_weight=giou_weight,
+  )
   target_index = hungarian_matching(cost, mask)
-  terms = detection_loss_per_example(pred_logits, pred_boxes, labels_k, boxes_k,
-                                     target_index, focal_alpha=focal_alpha,
-                                     focal_gamma=focal_gamma)
-  per_example = (class_weight * terms["loss_class"] + bbox_weight * terms["loss_bbox"] +
-                 giou_weight * terms["loss_giou"])
-  return dict(loss=_weighted_mean(per_example, example_mask), per_example=per_example,
-              loss_class=_weighted_mean(terms["loss_class"], example_mask),
-              loss_bbox=_weighted_mean(terms["loss_bbox"], example_mask),
-              loss_giou=_weighted_mean(terms["loss_giou"], example_mask))
+  terms = detection_loss_per_example(
+    pred_logits,
+    pred_boxes,
+    labels_k,
+    boxes_k,
+    target_index,
+    focal_alpha=focal_alpha,
+    focal_gamma=focal_gamma,
+  )
+  per_example = (
+    class_weight * terms["loss_class"]
+    + bbox_weight * terms["loss_bbox"]
+    + giou_weight * terms["loss_giou"]
+  )
+  return dict(
+    loss=_weighted_mean(per_example, example_mask),
+    per_example=per_example,
+    loss_class=_weighted_mean(terms["loss_class"], example_mask),
+    loss_bbox=_weighted_mean(terms["loss_bbox"], example_mask),
+    loss_giou=_weighted_mean(terms["loss_giou"], example_mask),
+  )
 
 
 # ------------------------------------------------------------------------------------------
@@ -549,9 +616,13 @@ def detection_loss(pred_logits: Array, pred_boxes: Array, labels: Array, boxes: 
 # ------------------------------------------------------------------------------------------
 
 
-def distillation_mse(logits: Array, stored_logits: Array, *,
-                     query_mask: Optional[Array] = None,
-                     example_mask: Optional[Array] = None) -> Array:
+def distillation_mse(
+  logits: Array,
+  stored_logits: Array,
+  *,
+  query_mask: Array | None = None,
+  example_mask: Array | None = None,
+) -> Array:
   """DER++ logit distillation: mean squared error over images, tokens and query slots.
 
   Each image's squared error is averaged over all T * Q slots (padded slots count in the
@@ -577,30 +648,38 @@ def distillation_mse(logits: Array, stored_logits: Array, *,
   """
   logits, stored_logits = jnp.asarray(logits), jnp.asarray(stored_logits)
   if logits.ndim != 3 or logits.shape != stored_logits.shape:
-    raise ValueError(f"expected logits and stored_logits [B,T,Q] of one shape, got "
-                     f"{logits.shape} and {stored_logits.shape}")
+    raise ValueError(
+      f"expected logits and stored_logits [B,T,Q] of one shape, got "
+      f"{logits.shape} and {stored_logits.shape}"
+    )
   stored = jax.lax.stop_gradient(stored_logits.astype(jnp.float32))
   if query_mask is None:
     slot_mask = stored > PADDED_LOGIT_THRESHOLD
   else:
     query_mask = jnp.asarray(query_mask)
     if query_mask.shape != (logits.shape[0], logits.shape[2]):
-      raise ValueError(f"query_mask must be [B,Q] = {(logits.shape[0], logits.shape[2])}, "
-                       f"got {query_mask.shape}")
+      raise ValueError(
+        f"query_mask must be [B,Q] = {(logits.shape[0], logits.shape[2])}, got {query_mask.shape}"
+      )
     slot_mask = jnp.broadcast_to(query_mask.astype(bool)[:, None, :], logits.shape)
   sq = jnp.where(slot_mask, jnp.square(logits.astype(jnp.float32) - stored), 0.0)
   return _weighted_mean(jnp.mean(sq, axis=(1, 2)), example_mask)
 
 
-def der_plus_plus_loss(new_outputs: Mapping[str, Array], new_targets: Mapping[str, Array],
-                       replay_outputs: Optional[Mapping[str, Array]] = None,
-                       replay_targets: Optional[Mapping[str, Array]] = None,
-                       stored_logits: Optional[Array] = None, *,
-                       replay_mask: Optional[Array] = None,
-                       replay_query_mask: Optional[Array] = None,
-                       new_mask: Optional[Array] = None,
-                       alpha: float = 2.0, beta: float = 1.0,
-                       **loss_kwargs: Any) -> dict[str, Array]:
+def der_plus_plus_loss(
+  new_outputs: Mapping[str, Array],
+  new_targets: Mapping[str, Array],
+  replay_outputs: Mapping[str, Array] | None = None,
+  replay_targets: Mapping[str, Array] | None = None,
+  stored_logits: Array | None = None,
+  *,
+  replay_mask: Array | None = None,
+  replay_query_mask: Array | None = None,
+  new_mask: Array | None = None,
+  alpha: float = 2.0,
+  beta: float = 1.0,
+  **loss_kwargs: Any,
+) -> dict[str, Array]:
   """DER++ objective: L_det(new) + alpha * MSE(z_replay, z_stored) + beta * L_det(replay).
 
   The two halves are separate `detection_loss` calls, so their normalisers (per image, then
@@ -636,29 +715,58 @@ def der_plus_plus_loss(new_outputs: Mapping[str, Array], new_targets: Mapping[st
 
   Source: SPEC §3 (DER++, paper §3; Buzzega et al. 2020).
   """
-  new = detection_loss(new_outputs["pred_logits"], new_outputs["pred_boxes"],
-                       new_targets["labels"], new_targets["boxes"], example_mask=new_mask,
-                       **loss_kwargs)
-  out = dict(new_loss=new["loss"], loss_class=new["loss_class"],
-             loss_bbox=new["loss_bbox"], loss_giou=new["loss_giou"],
-             per_example_new=new["per_example"])
+  new = detection_loss(
+    new_outputs["pred_logits"],
+    new_outputs["pred_boxes"],
+    new_targets["labels"],
+    new_targets["boxes"],
+    example_mask=new_mask,
+    **loss_kwargs,
+  )
+  out = dict(
+    new_loss=new["loss"],
+    loss_class=new["loss_class"],
+    loss_bbox=new["loss_bbox"],
+    loss_giou=new["loss_giou"],
+    per_example_new=new["per_example"],
+  )
   if replay_outputs is None:
     zero = jnp.zeros((), jnp.float32)
-    out.update(loss=new["loss"], replay_loss=zero, distill_loss=zero,
-               replay_loss_class=zero, replay_loss_bbox=zero, replay_loss_giou=zero,
-               per_example_replay=jnp.zeros((0,), jnp.float32))
+    out.update(
+      loss=new["loss"],
+      replay_loss=zero,
+      distill_loss=zero,
+      replay_loss_class=zero,
+      replay_loss_bbox=zero,
+      replay_loss_giou=zero,
+      per_example_replay=jnp.zeros((0,), jnp.float32),
+    )
     return out
   if replay_targets is None or stored_logits is None:
     raise ValueError("replay_outputs needs replay_targets and stored_logits")
-  replay = detection_loss(replay_outputs["pred_logits"], replay_outputs["pred_boxes"],
-                          replay_targets["labels"], replay_targets["boxes"],
-                          example_mask=replay_mask, **loss_kwargs)
-  distill = distillation_mse(replay_outputs["pred_logits"], stored_logits,
-                             query_mask=replay_query_mask, example_mask=replay_mask)
-  out.update(loss=new["loss"] + alpha * distill + beta * replay["loss"],
-             replay_loss=replay["loss"], distill_loss=distill,
-             replay_loss_class=replay["loss_class"], replay_loss_bbox=replay["loss_bbox"],
-             replay_loss_giou=replay["loss_giou"], per_example_replay=replay["per_example"])
+  replay = detection_loss(
+    replay_outputs["pred_logits"],
+    replay_outputs["pred_boxes"],
+    replay_targets["labels"],
+    replay_targets["boxes"],
+    example_mask=replay_mask,
+    **loss_kwargs,
+  )
+  distill = distillation_mse(
+    replay_outputs["pred_logits"],
+    stored_logits,
+    query_mask=replay_query_mask,
+    example_mask=replay_mask,
+  )
+  out.update(
+    loss=new["loss"] + alpha * distill + beta * replay["loss"],
+    replay_loss=replay["loss"],
+    distill_loss=distill,
+    replay_loss_class=replay["loss_class"],
+    replay_loss_bbox=replay["loss_bbox"],
+    replay_loss_giou=replay["loss_giou"],
+    per_example_replay=replay["per_example"],
+  )
   return out
 
 
@@ -669,8 +777,9 @@ def der_plus_plus_loss(new_outputs: Mapping[str, Array], new_targets: Mapping[st
 LOSS_ADAPTIVITY_MODES = ("none", "paper", "released_gate")
 
 
-def loss_adaptive_combination(new_loss: Array, replay_loss: Array, num_replayed: Array,
-                              batch_size: int) -> Array:
+def loss_adaptive_combination(
+  new_loss: Array, replay_loss: Array, num_replayed: Array, batch_size: int
+) -> Array:
   """Eq. 6 given r: L_T = L_B + (r / |B|) * L_R.
 
   Args:
@@ -688,12 +797,12 @@ def loss_adaptive_combination(new_loss: Array, replay_loss: Array, num_replayed:
   if int(batch_size) < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
   weight = jnp.asarray(num_replayed, jnp.float32) / float(batch_size)
-  return (jnp.asarray(new_loss, jnp.float32) +
-          weight * jnp.asarray(replay_loss, jnp.float32))
+  return jnp.asarray(new_loss, jnp.float32) + weight * jnp.asarray(replay_loss, jnp.float32)
 
 
-def loss_adaptive_total(new_losses: Array, replay_loss: Array,
-                        threshold: float) -> tuple[Array, Array]:
+def loss_adaptive_total(
+  new_losses: Array, replay_loss: Array, threshold: float
+) -> tuple[Array, Array]:
   """Loss adaptivity: r = |{s in B : loss(s) > l}|, L_T = L_B + (r / |B|) * L_R.
 
   r counts the new samples whose loss is strictly above the threshold l (a loss equal to l

@@ -15,13 +15,14 @@ walk restarts at the text tower's LR when it reaches the last text-tower tensor.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import re
-from typing import Any, Mapping
+from typing import Any
 
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import optax
-from flax import traverse_util
 
 PyTree = Any
 
@@ -33,14 +34,22 @@ GRANULARITIES = ("layer", "tensor")
 # self_attn.{k,v,q,out}_proj.{weight,bias}, layer_norm1, mlp.fc1, mlp.fc2, layer_norm2), as
 # paths below `resblocks_i` of the scenic tree (SPEC §1.2 mapping).
 _HF_BLOCK_ORDER = (
-    ("attn", "key", "kernel"), ("attn", "key", "bias"),
-    ("attn", "value", "kernel"), ("attn", "value", "bias"),
-    ("attn", "query", "kernel"), ("attn", "query", "bias"),
-    ("attn", "out", "kernel"), ("attn", "out", "bias"),
-    ("ln_0", "scale"), ("ln_0", "bias"),
-    ("mlp", "c_fc", "kernel"), ("mlp", "c_fc", "bias"),
-    ("mlp", "c_proj", "kernel"), ("mlp", "c_proj", "bias"),
-    ("ln_1", "scale"), ("ln_1", "bias"),
+  ("attn", "key", "kernel"),
+  ("attn", "key", "bias"),
+  ("attn", "value", "kernel"),
+  ("attn", "value", "bias"),
+  ("attn", "query", "kernel"),
+  ("attn", "query", "bias"),
+  ("attn", "out", "kernel"),
+  ("attn", "out", "bias"),
+  ("ln_0", "scale"),
+  ("ln_0", "bias"),
+  ("mlp", "c_fc", "kernel"),
+  ("mlp", "c_fc", "bias"),
+  ("mlp", "c_proj", "kernel"),
+  ("mlp", "c_proj", "bias"),
+  ("ln_1", "scale"),
+  ("ln_1", "bias"),
 )
 
 
@@ -55,8 +64,9 @@ def _num_blocks(flat_paths, tower: str) -> int:
   return len(blocks)
 
 
-def parameter_depth(path: tuple[str, ...], num_vision_blocks: int,
-                    num_text_blocks: int) -> tuple[str, int]:
+def parameter_depth(
+  path: tuple[str, ...], num_vision_blocks: int, num_text_blocks: int
+) -> tuple[str, int]:
   """Returns (group, depth) of a parameter for layer-wise LR decay.
 
   Args:
@@ -88,8 +98,9 @@ def parameter_depth(path: tuple[str, ...], num_vision_blocks: int,
   return "vision", 0
 
 
-def hf_tensor_order(num_text_blocks: int, num_vision_blocks: int
-                    ) -> tuple[list[tuple[str, ...] | None], int]:
+def hf_tensor_order(
+  num_text_blocks: int, num_vision_blocks: int
+) -> tuple[list[tuple[str, ...] | None], int]:
   """The parameter tensors of OWL-ViT v1 in HF `named_parameters()` order, as scenic paths.
 
   Order of transformers' `OwlViTForObjectDetection` (a module's own parameters come before
@@ -121,24 +132,30 @@ def hf_tensor_order(num_text_blocks: int, num_vision_blocks: int
     paths += [text + ("transformer", f"resblocks_{i}") + p for p in _HF_BLOCK_ORDER]
   paths += [text + ("ln_final", "scale"), text + ("ln_final", "bias")]
   first_vision = len(paths)
-  paths += [visual + ("class_embedding",), visual + ("conv1", "kernel"),
-            visual + ("positional_embedding",), visual + ("ln_pre", "scale"),
-            visual + ("ln_pre", "bias")]
+  paths += [
+    visual + ("class_embedding",),
+    visual + ("conv1", "kernel"),
+    visual + ("positional_embedding",),
+    visual + ("ln_pre", "scale"),
+    visual + ("ln_pre", "bias"),
+  ]
   for i in range(num_vision_blocks):
     paths += [visual + ("transformer", f"resblocks_{i}") + p for p in _HF_BLOCK_ORDER]
   paths += [visual + ("ln_post", "scale"), visual + ("ln_post", "bias")]
   paths += [None, text + ("text_projection", "kernel")]
-  for head, names in (("class_head", ("Dense_0", "logit_shift", "logit_scale")),
-                      ("obj_box_head", ("Dense_0", "Dense_1", "Dense_2"))):
+  for head, names in (
+    ("class_head", ("Dense_0", "logit_shift", "logit_scale")),
+    ("obj_box_head", ("Dense_0", "Dense_1", "Dense_2")),
+  ):
     for name in names:
       paths += [(head, name, "kernel"), (head, name, "bias")]
-  paths += [("backbone", "merged_class_token", "scale"),
-            ("backbone", "merged_class_token", "bias")]
+  paths += [("backbone", "merged_class_token", "scale"), ("backbone", "merged_class_token", "bias")]
   return paths, first_vision
 
 
-def tensor_decay_exponents(flat_paths, num_text_blocks: int, num_vision_blocks: int
-                           ) -> dict[tuple[str, ...], tuple[str, int]]:
+def tensor_decay_exponents(
+  flat_paths, num_text_blocks: int, num_vision_blocks: int
+) -> dict[tuple[str, ...], tuple[str, int]]:
   """(group, exponent) of every parameter for the released code's per-tensor decay.
 
   Walking the HF order (`hf_tensor_order`) backwards, the last tensor has exponent 0 and each
@@ -167,9 +184,11 @@ def tensor_decay_exponents(flat_paths, num_text_blocks: int, num_vision_blocks: 
   position = {path: i for i, path in enumerate(order) if path is not None}
   unknown = sorted("/".join(p) for p in flat_paths if tuple(p) not in position)
   if unknown:
-    raise ValueError("per-tensor layer-wise decay (train.layerwise_granularity='tensor') "
-                     f"found parameters outside the HF OWL-ViT tensor order: {unknown[:10]}"
-                     f"{' ...' if len(unknown) > 10 else ''}")
+    raise ValueError(
+      "per-tensor layer-wise decay (train.layerwise_granularity='tensor') "
+      f"found parameters outside the HF OWL-ViT tensor order: {unknown[:10]}"
+      f"{' ...' if len(unknown) > 10 else ''}"
+    )
   out = {}
   for path in flat_paths:
     i = position[tuple(path)]
@@ -180,8 +199,13 @@ def tensor_decay_exponents(flat_paths, num_text_blocks: int, num_vision_blocks: 
   return out
 
 
-def lr_multipliers(params: PyTree, *, text_lr_multiplier: float,
-                   layerwise_decay: float, layerwise_granularity: str = "layer") -> PyTree:
+def lr_multipliers(
+  params: PyTree,
+  *,
+  text_lr_multiplier: float,
+  layerwise_decay: float,
+  layerwise_granularity: str = "layer",
+) -> PyTree:
   """Per-parameter LR multipliers: group multiplier * decay**depth.
 
   Args:
@@ -203,8 +227,9 @@ def lr_multipliers(params: PyTree, *, text_lr_multiplier: float,
   if text_lr_multiplier < 0:
     raise ValueError(f"train.text_lr_multiplier must be >= 0, got {text_lr_multiplier}")
   if layerwise_granularity not in GRANULARITIES:
-    raise ValueError(f"train.layerwise_granularity must be one of {GRANULARITIES}, got "
-                     f"{layerwise_granularity!r}")
+    raise ValueError(
+      f"train.layerwise_granularity must be one of {GRANULARITIES}, got {layerwise_granularity!r}"
+    )
   flat = traverse_util.flatten_dict(params)
   num_vision = _num_blocks(flat, "visual")
   num_text = _num_blocks(flat, "text")
@@ -216,12 +241,13 @@ def lr_multipliers(params: PyTree, *, text_lr_multiplier: float,
   for path in flat:
     group, depth = depths[path]
     base = text_lr_multiplier if group == "text" else 1.0
-    out[path] = base * layerwise_decay ** depth
+    out[path] = base * layerwise_decay**depth
   return traverse_util.unflatten_dict(out)
 
 
-def warmup_cosine_schedule(learning_rate: float, total_steps: int,
-                           warmup_steps: int) -> optax.Schedule:
+def warmup_cosine_schedule(
+  learning_rate: float, total_steps: int, warmup_steps: int
+) -> optax.Schedule:
   """Linear warmup from 0 to `learning_rate`, then cosine decay to 0 at `total_steps`.
 
   Raises:
@@ -233,17 +259,29 @@ def warmup_cosine_schedule(learning_rate: float, total_steps: int,
     raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
   warmup_steps = min(warmup_steps, total_steps - 1)
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
-      decay_steps=total_steps, end_value=0.0)
+    init_value=0.0,
+    peak_value=learning_rate,
+    warmup_steps=warmup_steps,
+    decay_steps=total_steps,
+    end_value=0.0,
+  )
 
 
-def create_optimizer(params: PyTree, *, learning_rate: float, total_steps: int,
-                     warmup_steps: int, text_lr_multiplier: float = 0.1,
-                     layerwise_decay: float = 1.0, layerwise_granularity: str = "layer",
-                     b1: float = 0.9, b2: float = 0.999,
-                     eps: float = 1e-8, weight_decay: float = 0.0,
-                     grad_clip_norm: float | None = 1.0
-                     ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def create_optimizer(
+  params: PyTree,
+  *,
+  learning_rate: float,
+  total_steps: int,
+  warmup_steps: int,
+  text_lr_multiplier: float = 0.1,
+  layerwise_decay: float = 1.0,
+  layerwise_granularity: str = "layer",
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 0.0,
+  grad_clip_norm: float | None = 1.0,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with global grad-norm clipping, LR groups and layer-wise decay (SPEC §3).
 
   The effective LR of a parameter at step s is schedule(s) * multiplier(parameter), with the
@@ -261,9 +299,12 @@ def create_optimizer(params: PyTree, *, learning_rate: float, total_steps: int,
     (optax transformation, the base LR schedule for logging).
   """
   schedule = warmup_cosine_schedule(learning_rate, total_steps, warmup_steps)
-  multipliers = lr_multipliers(params, text_lr_multiplier=text_lr_multiplier,
-                               layerwise_decay=layerwise_decay,
-                               layerwise_granularity=layerwise_granularity)
+  multipliers = lr_multipliers(
+    params,
+    text_lr_multiplier=text_lr_multiplier,
+    layerwise_decay=layerwise_decay,
+    layerwise_granularity=layerwise_granularity,
+  )
 
   def scale_by_multipliers(updates, state, params=None):
     del params
@@ -273,10 +314,10 @@ def create_optimizer(params: PyTree, *, learning_rate: float, total_steps: int,
   if grad_clip_norm is not None:
     parts.append(optax.clip_by_global_norm(grad_clip_norm))
   parts += [
-      optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
-      optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
-      optax.GradientTransformation(lambda p: optax.EmptyState(), scale_by_multipliers),
-      optax.scale_by_learning_rate(schedule),
+    optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+    optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+    optax.GradientTransformation(lambda p: optax.EmptyState(), scale_by_multipliers),
+    optax.scale_by_learning_rate(schedule),
   ]
   return optax.chain(*parts), schedule
 

@@ -8,11 +8,14 @@ device (and every host) computes the same retrieval. The same code runs on 1 dev
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
 
@@ -38,8 +41,9 @@ def check_batch_divisible(batch_size: int, mesh: Mesh, field: str) -> None:
   n = mesh.shape[DATA_AXIS]
   if batch_size % n:
     raise ValueError(
-        f"{field}={batch_size} is not divisible by the {n} devices of the mesh; "
-        f"choose a multiple of {n}")
+      f"{field}={batch_size} is not divisible by the {n} devices of the mesh; "
+      f"choose a multiple of {n}"
+    )
 
 
 def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:

@@ -8,14 +8,15 @@ batches split along 'data', parameters and optimizer state replicated
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
-from typing import Any, Callable
+from typing import Any
 
+from flax import struct
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 
 from owl_cl.train import losses
 from owl_cl.train import sharding as sharding_lib
@@ -33,6 +34,7 @@ class TrainState:
     params: the model parameters (scenic tree, float32).
     opt_state: optax state of `tx`.
   """
+
   step: jax.Array
   params: PyTree
   opt_state: PyTree
@@ -43,8 +45,16 @@ def create_train_state(params: PyTree, tx: optax.GradientTransformation) -> Trai
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def _forward(model: nn.Module, params: PyTree, images, queries, *, train: bool, key=None,
-             max_unique_queries: int | None = None):
+def _forward(
+  model: nn.Module,
+  params: PyTree,
+  images,
+  queries,
+  *,
+  train: bool,
+  key=None,
+  max_unique_queries: int | None = None,
+):
   """Model outputs for images [B,S,S,3] and queries [B,Q,L].
 
   With `max_unique_queries` = U, the text tower embeds only the distinct query rows of the
@@ -61,30 +71,48 @@ def _forward(model: nn.Module, params: PyTree, images, queries, *, train: bool, 
   text_key, image_key = jax.random.split(key) if train else (None, None)
   batch, num_queries, length = queries.shape
   flat = queries.reshape(batch * num_queries, length)
-  unique, inverse = jnp.unique(flat, axis=0, size=flat.shape[0], fill_value=0,
-                               return_inverse=True)
+  unique, inverse = jnp.unique(flat, axis=0, size=flat.shape[0], fill_value=0, return_inverse=True)
   inverse = inverse.reshape(batch, num_queries)
   size = min(max_unique_queries, flat.shape[0])
   text_rngs = {"dropout": text_key} if train else None
 
   def embed_distinct():
-    emb = model.apply(variables, unique[:size], train=train, rngs=text_rngs,
-                      method=type(model).text_embedder)
+    emb = model.apply(
+      variables, unique[:size], train=train, rngs=text_rngs, method=type(model).text_embedder
+    )
     return emb[jnp.minimum(inverse, size - 1)]
 
   def embed_all():
-    return model.apply(variables, queries, train=train, rngs=text_rngs,
-                       method=type(model).text_embedder)
+    return model.apply(
+      variables, queries, train=train, rngs=text_rngs, method=type(model).text_embedder
+    )
 
   query_embeddings = jax.lax.cond(jnp.max(inverse) < size, embed_distinct, embed_all)
-  return model.apply(variables, images, None, query_embeddings=query_embeddings,
-                     query_mask=queries[..., 0] > 0, train=train,
-                     rngs={"dropout": image_key} if train else None)
+  return model.apply(
+    variables,
+    images,
+    None,
+    query_embeddings=query_embeddings,
+    query_mask=queries[..., 0] > 0,
+    train=train,
+    rngs={"dropout": image_key} if train else None,
+  )
 
 
-def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_config,
-             alpha: float, beta: float, max_unique_queries: int | None,
-             loss_adaptivity: str = "none", loss_threshold: float = 0.0):
+def _loss_fn(
+  params,
+  batch: Batch,
+  replay: Batch | None,
+  key,
+  *,
+  model,
+  loss_config,
+  alpha: float,
+  beta: float,
+  max_unique_queries: int | None,
+  loss_adaptivity: str = "none",
+  loss_threshold: float = 0.0,
+):
   """Detection loss of the new half plus DER++ on the replay half (SPEC §3).
 
   L_T = L_B + weight * L_R with L_R = alpha * distillation + beta * replay detection loss
@@ -94,33 +122,49 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
   """
   num_new = batch["images"].shape[0]
   if replay is None:
-    outputs = _forward(model, params, batch["images"], batch["queries"], train=True, key=key,
-                       max_unique_queries=max_unique_queries)
-    new = losses.detection_loss(outputs["pred_logits"], outputs["pred_boxes"],
-                                batch["labels"], batch["boxes"], **loss_config)
-    metrics = {"loss": new["loss"], "new_loss": new["loss"],
-               "loss_class": new["loss_class"], "loss_bbox": new["loss_bbox"],
-               "loss_giou": new["loss_giou"]}
+    outputs = _forward(
+      model,
+      params,
+      batch["images"],
+      batch["queries"],
+      train=True,
+      key=key,
+      max_unique_queries=max_unique_queries,
+    )
+    new = losses.detection_loss(
+      outputs["pred_logits"], outputs["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
+    )
+    metrics = {
+      "loss": new["loss"],
+      "new_loss": new["loss"],
+      "loss_class": new["loss_class"],
+      "loss_bbox": new["loss_bbox"],
+      "loss_giou": new["loss_giou"],
+    }
     return new["loss"], metrics
   replay_mask = jnp.asarray(replay["replay_mask"], bool)
-  if loss_adaptivity == "paper":   # L_R over the active replays only
+  if loss_adaptivity == "paper":  # L_R over the active replays only
     replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
   # One forward over [new ; replay] (SPEC §3).
   images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
   queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
-  outputs = _forward(model, params, images, queries, train=True, key=key,
-                     max_unique_queries=max_unique_queries)
+  outputs = _forward(
+    model, params, images, queries, train=True, key=key, max_unique_queries=max_unique_queries
+  )
   split = lambda x: (x[:num_new], x[num_new:])
   logits_new, logits_replay = split(outputs["pred_logits"])
   boxes_new, boxes_replay = split(outputs["pred_boxes"])
   result = losses.der_plus_plus_loss(
-      new_outputs={"pred_logits": logits_new, "pred_boxes": boxes_new},
-      new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
-      replay_outputs={"pred_logits": logits_replay, "pred_boxes": boxes_replay},
-      replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
-      stored_logits=replay["stored_logits"].astype(jnp.float32),
-      replay_mask=replay_mask,
-      alpha=alpha, beta=beta, **loss_config)
+    new_outputs={"pred_logits": logits_new, "pred_boxes": boxes_new},
+    new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
+    replay_outputs={"pred_logits": logits_replay, "pred_boxes": boxes_replay},
+    replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
+    stored_logits=replay["stored_logits"].astype(jnp.float32),
+    replay_mask=replay_mask,
+    alpha=alpha,
+    beta=beta,
+    **loss_config,
+  )
   metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
   replay_total = alpha * result["distill_loss"] + beta * result["replay_loss"]
   num_slots = replay["images"].shape[0]
@@ -142,17 +186,26 @@ def _loss_fn(params, batch: Batch, replay: Batch | None, key, *, model, loss_con
     loss = result["new_loss"] + weight * replay_total
     used = used & gate
   else:
-    raise ValueError(f"unknown loss_adaptivity {loss_adaptivity!r}; known: "
-                     f"{losses.LOSS_ADAPTIVITY_MODES}")
-  metrics.update(loss=loss, replay_weight=weight,
-                 replays_in_loss=jnp.sum(used, dtype=jnp.int32))
+    raise ValueError(
+      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
+    )
+  metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
   return loss, metrics
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
-                    loss_config: dict, alpha: float = 2.0, beta: float = 1.0,
-                    with_replay: bool, max_unique_queries: int | None = None,
-                    loss_adaptivity: str = "none", loss_threshold: float = 0.0) -> Callable:
+def make_train_step(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  mesh,
+  *,
+  loss_config: dict,
+  alpha: float = 2.0,
+  beta: float = 1.0,
+  with_replay: bool,
+  max_unique_queries: int | None = None,
+  loss_adaptivity: str = "none",
+  loss_threshold: float = 0.0,
+) -> Callable:
   """Builds the jitted, sharded train step.
 
   Returns:
@@ -174,12 +227,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
   (paper eqs. 5-6; the released code's gate).
   """
   if loss_adaptivity not in losses.LOSS_ADAPTIVITY_MODES:
-    raise ValueError(f"unknown loss_adaptivity {loss_adaptivity!r}; known: "
-                     f"{losses.LOSS_ADAPTIVITY_MODES}")
-  loss_fn = functools.partial(_loss_fn, model=model, loss_config=loss_config,
-                              alpha=alpha, beta=beta, max_unique_queries=max_unique_queries,
-                              loss_adaptivity=loss_adaptivity,
-                              loss_threshold=float(loss_threshold))
+    raise ValueError(
+      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
+    )
+  loss_fn = functools.partial(
+    _loss_fn,
+    model=model,
+    loss_config=loss_config,
+    alpha=alpha,
+    beta=beta,
+    max_unique_queries=max_unique_queries,
+    loss_adaptivity=loss_adaptivity,
+    loss_threshold=float(loss_threshold),
+  )
 
   def step(state: TrainState, batch: Batch, replay: Batch | None, key):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -195,8 +255,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh, *,
     fn = lambda state, batch, replay, key: step(state, batch, None, key)
   else:
     fn = step
-  return jax.jit(fn, in_shardings=(rep, data, data if with_replay else None, rep),
-                 out_shardings=(rep, rep), donate_argnums=(0,))
+  return jax.jit(
+    fn,
+    in_shardings=(rep, data, data if with_replay else None, rep),
+    out_shardings=(rep, rep),
+    donate_argnums=(0,),
+  )
 
 
 def make_forward_step(model: nn.Module, mesh) -> Callable:
@@ -222,15 +286,15 @@ def make_text_embed_step(model: nn.Module) -> Callable:
   """
 
   def embed(params, tokens):
-    out = model.apply({"params": params}, tokens[None], train=False,
-                      method=type(model).text_embedder)
+    out = model.apply(
+      {"params": params}, tokens[None], train=False, method=type(model).text_embedder
+    )
     return out[0]
 
   return jax.jit(embed)
 
 
-def make_predict_step(model: nn.Module, mesh, *, top_k: int,
-                      multi_label: bool = False) -> Callable:
+def make_predict_step(model: nn.Module, mesh, *, top_k: int, multi_label: bool = False) -> Callable:
   """Jitted prediction for evaluation.
 
   Returns:
@@ -248,11 +312,13 @@ def make_predict_step(model: nn.Module, mesh, *, top_k: int,
     batch = images.shape[0]
     q = jnp.broadcast_to(query_embeddings[None], (batch,) + query_embeddings.shape)
     mask = jnp.ones(q.shape[:2], bool)
-    outputs = model.apply({"params": params}, images, None, query_embeddings=q,
-                          query_mask=mask, train=False)
+    outputs = model.apply(
+      {"params": params}, images, None, query_embeddings=q, query_mask=mask, train=False
+    )
     scores = jax.nn.sigmoid(outputs["pred_logits"].astype(jnp.float32))
-    return detection.top_predictions(scores, outputs["pred_boxes"].astype(jnp.float32),
-                                     top_k=top_k, multi_label=multi_label)
+    return detection.top_predictions(
+      scores, outputs["pred_boxes"].astype(jnp.float32), top_k=top_k, multi_label=multi_label
+    )
 
   return jax.jit(predict, in_shardings=(rep, data, rep), out_shardings=data)
 
@@ -262,9 +328,14 @@ def make_predict_step(model: nn.Module, mesh, *, top_k: int,
 ENSEMBLE_MODES = ("logits", "probabilities")
 
 
-def template_ensemble_scores(model: nn.Module, params: PyTree, images: jax.Array,
-                             query_embeddings: jax.Array, *, ensemble: str = "logits"
-                             ) -> tuple[jax.Array, jax.Array]:
+def template_ensemble_scores(
+  model: nn.Module,
+  params: PyTree,
+  images: jax.Array,
+  query_embeddings: jax.Array,
+  *,
+  ensemble: str = "logits",
+) -> tuple[jax.Array, jax.Array]:
   """Class scores ensembled over prompt templates, and boxes (SPEC §2, §4).
 
   The image is embedded once; the class head runs once per template (`lax.scan`, so memory
@@ -293,8 +364,9 @@ def template_ensemble_scores(model: nn.Module, params: PyTree, images: jax.Array
   if ensemble not in ENSEMBLE_MODES:
     raise ValueError(f"ensemble must be one of {ENSEMBLE_MODES}, got {ensemble!r}")
   if query_embeddings.ndim != 3 or query_embeddings.shape[0] < 1:
-    raise ValueError(f"query_embeddings must be [P, C, E] with P >= 1, got "
-                     f"{query_embeddings.shape}")
+    raise ValueError(
+      f"query_embeddings must be [P, C, E] with P >= 1, got {query_embeddings.shape}"
+    )
   variables = {"params": params}
   cls = type(model)
   feature_map = model.apply(variables, images, train=False, method=cls.image_embedder)
@@ -305,22 +377,27 @@ def template_ensemble_scores(model: nn.Module, params: PyTree, images: jax.Array
 
   def add_template(total, queries):
     queries = jnp.broadcast_to(queries[None], (batch,) + queries.shape)
-    logits = model.apply(variables, features, queries, mask,
-                         method=cls.class_predictor)["pred_logits"].astype(jnp.float32)
+    logits = model.apply(variables, features, queries, mask, method=cls.class_predictor)[
+      "pred_logits"
+    ].astype(jnp.float32)
     return total + (logits if ensemble == "logits" else jax.nn.sigmoid(logits)), None
 
-  total, _ = jax.lax.scan(add_template, jnp.zeros((batch, h * w, num_classes), jnp.float32),
-                          jnp.asarray(query_embeddings, jnp.float32))
+  total, _ = jax.lax.scan(
+    add_template,
+    jnp.zeros((batch, h * w, num_classes), jnp.float32),
+    jnp.asarray(query_embeddings, jnp.float32),
+  )
   mean = total / num_templates
   scores = jax.nn.sigmoid(mean) if ensemble == "logits" else mean
-  boxes = model.apply(variables, features, feature_map,
-                      method=cls.box_predictor)["pred_boxes"].astype(jnp.float32)
+  boxes = model.apply(variables, features, feature_map, method=cls.box_predictor)[
+    "pred_boxes"
+  ].astype(jnp.float32)
   return scores, boxes
 
 
-def make_template_predict_step(model: nn.Module, mesh, *, top_k: int,
-                               multi_label: bool = False,
-                               ensemble: str = "logits") -> Callable:
+def make_template_predict_step(
+  model: nn.Module, mesh, *, top_k: int, multi_label: bool = False, ensemble: str = "logits"
+) -> Callable:
   """Jitted prediction with prompt-template ensembling (SPEC §2, §4).
 
   Returns:
@@ -340,8 +417,9 @@ def make_template_predict_step(model: nn.Module, mesh, *, top_k: int,
   rep = sharding_lib.replicated(mesh)
 
   def predict(params, images, query_embeddings):
-    scores, boxes = template_ensemble_scores(model, params, images, query_embeddings,
-                                             ensemble=ensemble)
+    scores, boxes = template_ensemble_scores(
+      model, params, images, query_embeddings, ensemble=ensemble
+    )
     return detection.top_predictions(scores, boxes, top_k=top_k, multi_label=multi_label)
 
   return jax.jit(predict, in_shardings=(rep, data, rep), out_shardings=data)
@@ -364,15 +442,20 @@ def make_embed_step(model: nn.Module, mesh, *, k: int) -> Callable:
     outputs = _forward(model, params, images, queries, train=False)
     query_mask = queries[..., 0] > 0
     class_emb, query_emb = selection.top_k_embeddings(
-        outputs["pred_logits"], outputs["class_embeddings"], outputs["query_embeddings"],
-        query_mask, k)
+      outputs["pred_logits"],
+      outputs["class_embeddings"],
+      outputs["query_embeddings"],
+      query_mask,
+      k,
+    )
     return {"class_embeddings": class_emb, "query_embeddings": query_emb}
 
   return jax.jit(embed, in_shardings=(rep, data, data), out_shardings=rep)
 
 
-def make_new_loss_step(model: nn.Module, mesh, *, loss_config: dict,
-                       k: int | None = None) -> Callable:
+def make_new_loss_step(
+  model: nn.Module, mesh, *, loss_config: dict, k: int | None = None
+) -> Callable:
   """Jitted eval-mode pre-forward of the new batch: per-example losses (+ retrieval features).
 
   Loss adaptivity (SPEC §9) needs each new sample's loss before retrieval (r decides how
@@ -393,13 +476,19 @@ def make_new_loss_step(model: nn.Module, mesh, *, loss_config: dict,
 
   def new_losses(params, images, queries, labels, boxes):
     outputs = _forward(model, params, images, queries, train=False)
-    result = {"per_example": losses.detection_loss(
-        outputs["pred_logits"], outputs["pred_boxes"], labels, boxes,
-        **loss_config)["per_example"]}
+    result = {
+      "per_example": losses.detection_loss(
+        outputs["pred_logits"], outputs["pred_boxes"], labels, boxes, **loss_config
+      )["per_example"]
+    }
     if k:
       class_emb, query_emb = selection.top_k_embeddings(
-          outputs["pred_logits"], outputs["class_embeddings"], outputs["query_embeddings"],
-          queries[..., 0] > 0, k)
+        outputs["pred_logits"],
+        outputs["class_embeddings"],
+        outputs["query_embeddings"],
+        queries[..., 0] > 0,
+        k,
+      )
       result.update(class_embeddings=class_emb, query_embeddings=query_emb)
     return result
 

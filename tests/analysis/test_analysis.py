@@ -3,9 +3,9 @@
 import math
 import os
 
+from matplotlib.figure import Figure
 import numpy as np
 import pytest
-from matplotlib.figure import Figure
 
 from owl_cl import analysis
 from owl_cl.eval import results as rl
@@ -19,35 +19,78 @@ def metrics(ap, ap50):
 def make_results(run_id="run-a", algorithm="swil", o365_final=0.225):
   """Same shape as tests/eval/test_eval_results.py make_results; D2 not evaluated at stage 1."""
   stages = [
-      {"name": "pretrained", "metrics": {
-          "o365": metrics(0.242, 0.35), "lvis": {**metrics(0.290, 0.40), "APr": 0.238},
-          "D1": metrics(0.10, 0.20), "D2": metrics(0.14, 0.30)}},
-      {"name": "D1", "metrics": {
-          "o365": metrics(0.230, 0.33), "lvis": {**metrics(0.270, 0.38), "APr": 0.220},
-          "D1": metrics(0.60, 0.80)}},
-      {"name": "D2", "metrics": {
-          "o365": metrics(o365_final, 0.32), "lvis": {**metrics(0.249, 0.36), "APr": 0.216},
-          "D1": metrics(0.40, 0.70), "D2": metrics(0.71, 0.90)}},
+    {
+      "name": "pretrained",
+      "metrics": {
+        "o365": metrics(0.242, 0.35),
+        "lvis": {**metrics(0.290, 0.40), "APr": 0.238},
+        "D1": metrics(0.10, 0.20),
+        "D2": metrics(0.14, 0.30),
+      },
+    },
+    {
+      "name": "D1",
+      "metrics": {
+        "o365": metrics(0.230, 0.33),
+        "lvis": {**metrics(0.270, 0.38), "APr": 0.220},
+        "D1": metrics(0.60, 0.80),
+      },
+    },
+    {
+      "name": "D2",
+      "metrics": {
+        "o365": metrics(o365_final, 0.32),
+        "lvis": {**metrics(0.249, 0.36), "APr": 0.216},
+        "D1": metrics(0.40, 0.70),
+        "D2": metrics(0.71, 0.90),
+      },
+    },
   ]
-  return {"run_id": run_id, "algorithm": algorithm, "seed": 0, "sequence": ["D1", "D2"],
-          "roles": {"pretrain": "o365", "open_vocab": "lvis",
-                    "held_out": {"eval_set": "lvis", "AP": "APr", "AP50": None},
-                    "downstream": ["D1", "D2"]},
-          "stages": stages}
+  return {
+    "run_id": run_id,
+    "algorithm": algorithm,
+    "seed": 0,
+    "sequence": ["D1", "D2"],
+    "roles": {
+      "pretrain": "o365",
+      "open_vocab": "lvis",
+      "held_out": {"eval_set": "lvis", "AP": "APr", "AP50": None},
+      "downstream": ["D1", "D2"],
+    },
+    "stages": stages,
+  }
 
 
 def write_records(path, num_classes=5, num_candidates=4):
   """Two retrieval calls of 3 replay slots (the last slot invalid) through RetrievalRecords."""
   rec = records_lib.RetrievalRecords(num_classes, num_candidates)
   valid = np.array([True, True, False])
-  rec.add({"sampled_classes": np.array([1, 1, 3]), "swil_entropy": np.array([0.105, 0.995]),
-           "grasp_entropy": np.array([0.5, 0.51, 0.9]), "used_grasp": np.array([1, 0, 1]),
-           "knn_sv": np.array([[0.00025, 0.05], [-0.2, 0.01]]), "knn_sv_valid": np.array([1, 0]),
-           "min_sv_rank": np.array([1, 4]), "selected_rank": np.array([2, 9, 1])}, valid)
-  rec.add({"sampled_classes": np.array([4, 0, 0]), "swil_entropy": np.array([0.31]),
-           "grasp_entropy": np.array([0.5, 0.5, 0.5]), "used_grasp": np.array([0, 0, 0]),
-           "knn_sv": np.array([[0.00025]]), "knn_sv_valid": np.array([1]),
-           "min_sv_rank": np.array([2]), "selected_rank": np.array([1, 1, 1])}, valid)
+  rec.add(
+    {
+      "sampled_classes": np.array([1, 1, 3]),
+      "swil_entropy": np.array([0.105, 0.995]),
+      "grasp_entropy": np.array([0.5, 0.51, 0.9]),
+      "used_grasp": np.array([1, 0, 1]),
+      "knn_sv": np.array([[0.00025, 0.05], [-0.2, 0.01]]),
+      "knn_sv_valid": np.array([1, 0]),
+      "min_sv_rank": np.array([1, 4]),
+      "selected_rank": np.array([2, 9, 1]),
+    },
+    valid,
+  )
+  rec.add(
+    {
+      "sampled_classes": np.array([4, 0, 0]),
+      "swil_entropy": np.array([0.31]),
+      "grasp_entropy": np.array([0.5, 0.5, 0.5]),
+      "used_grasp": np.array([0, 0, 0]),
+      "knn_sv": np.array([[0.00025]]),
+      "knn_sv_valid": np.array([1]),
+      "min_sv_rank": np.array([2]),
+      "selected_rank": np.array([1, 1, 1]),
+    },
+    valid,
+  )
   rec.save(path)
   return rec
 
@@ -67,7 +110,13 @@ def test_load_run(workdir):
   assert list(run.records) == ["D1", "D2"]  # training order, not file order
   r = run.records["D2"]
   assert set(r) == set(analysis.runs.RECORD_KEYS)
-  assert r["sampled_class_counts"].tolist() == [1, 2, 0, 0, 1]  # classes 1, 1 then 4, 0 (valid slots)
+  assert r["sampled_class_counts"].tolist() == [
+    1,
+    2,
+    0,
+    0,
+    1,
+  ]  # classes 1, 1 then 4, 0 (valid slots)
   assert r["calls"] == 2
   assert r["used_grasp"].tolist() == [3, 1]
   assert r["selected_rank_counts"].tolist() == [0, 2, 1, 0, 1]  # ranks 2, 9 -> 4 (clipped), 1, 1
@@ -85,9 +134,9 @@ def test_stage_matrix_by_hand(workdir):
   rows, columns, values = analysis.stage_matrix(results)  # AP50
   assert rows == ["0: pretrained", "1: D1", "2: D2"]
   assert columns == ["o365", "lvis", "D1", "D2"]
-  expected = np.array([[0.35, 0.40, 0.20, 0.30],
-                       [0.33, 0.38, 0.80, np.nan],
-                       [0.32, 0.36, 0.70, 0.90]])
+  expected = np.array(
+    [[0.35, 0.40, 0.20, 0.30], [0.33, 0.38, 0.80, np.nan], [0.32, 0.36, 0.70, 0.90]]
+  )
   np.testing.assert_allclose(values, expected)  # NaNs in the same place
   _, _, ap = analysis.stage_matrix(results, metric="AP")
   assert ap[2, 0] == pytest.approx(0.225) and ap[1, 2] == pytest.approx(0.60)
@@ -138,7 +187,9 @@ def test_figures(workdir, tmp_path):
   assert len(fig.axes) == 1 and len(fig.axes[0].lines) == 2
   np.testing.assert_allclose(fig.axes[0].lines[1].get_ydata(), [24.2, 23.0, 10.0])
   assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
-      "swil (swil_seed0)", "no_replay (no_replay_seed0)"]
+    "swil (swil_seed0)",
+    "no_replay (no_replay_seed0)",
+  ]
   with pytest.raises(ValueError):
     analysis.plot_forgetting_curves([run], labels=["a", "b"])
   figures["forgetting"] = fig
@@ -175,8 +226,12 @@ def test_figures(workdir, tmp_path):
     fig.savefig(path, dpi=40)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-  assert set(analysis.records_figures(records)) == {"sampled_classes", "entropy", "knn_sv",
-                                                    "distance_ranks"}
+  assert set(analysis.records_figures(records)) == {
+    "sampled_classes",
+    "entropy",
+    "knn_sv",
+    "distance_ranks",
+  }
   empty = records_lib.RetrievalRecords(3).as_dict()
   empty["sampled_class_counts"][1] = 2  # e.g. uniform_balanced: classes only
   assert set(analysis.records_figures(empty)) == {"sampled_classes"}

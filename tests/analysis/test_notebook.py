@@ -32,24 +32,35 @@ def test_notebook_valid_and_compiles():
       elif isinstance(node, ast.ImportFrom):
         roots = {(node.module or "").split(".")[0]}
       else:
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-            and node.value.id == "analysis":
+        if (
+          isinstance(node, ast.Attribute)
+          and isinstance(node.value, ast.Name)
+          and node.value.id == "analysis"
+        ):
           names_used.add(node.attr)
         continue
       assert roots <= ALLOWED, f"cell {n} imports {roots - ALLOWED}"
   # Every owl_cl.analysis function the notebook calls exists.
   from owl_cl import analysis
-  assert names_used >= {"load_run", "plot_stage_heatmap", "plot_forgetting_curves",
-                        "forgetting_curve", "records_figures"}
+
+  assert names_used >= {
+    "load_run",
+    "plot_stage_heatmap",
+    "plot_forgetting_curves",
+    "forgetting_curve",
+    "records_figures",
+  }
   assert all(hasattr(analysis, name) for name in names_used)
 
 
 def test_notebook_runs_on_fake_sweep(tmp_path, monkeypatch):
   """Executes the code cells (display stubbed) on two fake runs below workdirs/sweep."""
   from matplotlib.figure import Figure
+  from test_analysis import make_results  # same folder (rootdir-less tests)
+  from test_analysis import write_records  # same folder (rootdir-less tests)
 
   from owl_cl.eval import results as rl
-  from test_analysis import make_results, write_records  # same folder (rootdir-less tests)
+
   for run_id, algorithm in (("a", "no_replay"), ("b", "swil")):
     workdir = tmp_path / "workdirs" / "sweep" / f"{algorithm}_seed0"
     rl.write_results(str(workdir), make_results(run_id=run_id, algorithm=algorithm))

@@ -1,8 +1,8 @@
 """Fixtures for tests/data."""
 
+from owl_data_helpers import basic_dataset
+from owl_data_helpers import write_coco
 import pytest
-
-from owl_data_helpers import basic_dataset, write_coco
 
 
 @pytest.fixture

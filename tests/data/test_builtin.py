@@ -5,23 +5,27 @@ import json
 import os
 
 import numpy as np
-import pytest
 from PIL import Image
 from pycocotools import mask as mask_utils
+import pytest
 
 from owl_cl.data import builtin as B
 from owl_cl.data.coco import CocoSource
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools")
 
-TINY = dict(num_pretrain_train=10, num_pretrain_val=3, num_held_out_val=4,
-            num_downstream_train=4, num_downstream_test=2)
+TINY = dict(
+  num_pretrain_train=10,
+  num_pretrain_val=3,
+  num_held_out_val=4,
+  num_downstream_train=4,
+  num_downstream_test=2,
+)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-  return B.ensure_benchmark(str(tmp_path_factory.mktemp("cache_a")), seed=7, progress=False,
-                            **TINY)
+  return B.ensure_benchmark(str(tmp_path_factory.mktemp("cache_a")), seed=7, progress=False, **TINY)
 
 
 def _all_files(root):
@@ -44,12 +48,21 @@ def test_deterministic(tiny, tmp_path):
       with open(fa[rel], "rb") as f1, open(fb[rel], "rb") as f2:
         assert f1.read() == f2.read(), rel
     else:
-      np.testing.assert_array_equal(np.asarray(Image.open(fa[rel])),
-                                    np.asarray(Image.open(fb[rel])), err_msg=rel)
+      np.testing.assert_array_equal(
+        np.asarray(Image.open(fa[rel])), np.asarray(Image.open(fb[rel])), err_msg=rel
+      )
   # Another seed gives other pixels.
-  third = B.ensure_benchmark(str(tmp_path), seed=8, progress=False, num_pretrain_train=2,
-                             num_pretrain_val=1, num_held_out_val=1, num_downstream_train=1,
-                             num_downstream_test=1, downstream=("tiny",))
+  third = B.ensure_benchmark(
+    str(tmp_path),
+    seed=8,
+    progress=False,
+    num_pretrain_train=2,
+    num_pretrain_val=1,
+    num_held_out_val=1,
+    num_downstream_train=1,
+    num_downstream_test=1,
+    downstream=("tiny",),
+  )
   assert third.root != other.root
   a = np.asarray(Image.open(os.path.join(third.root, "pretrain", "images", "train_000000.png")))
   b = np.asarray(Image.open(os.path.join(tiny.root, "pretrain", "images", "train_000000.png")))
@@ -57,9 +70,16 @@ def test_deterministic(tiny, tmp_path):
 
 
 def test_cache_reused_and_incomplete_regenerated(tmp_path):
-  kw = dict(seed=1, progress=False, num_pretrain_train=2, num_pretrain_val=1,
-            num_held_out_val=1, num_downstream_train=1, num_downstream_test=1,
-            downstream=("digits",))
+  kw = dict(
+    seed=1,
+    progress=False,
+    num_pretrain_train=2,
+    num_pretrain_val=1,
+    num_held_out_val=1,
+    num_downstream_train=1,
+    num_downstream_test=1,
+    downstream=("digits",),
+  )
   bm = B.ensure_benchmark(str(tmp_path), **kw)
   marker = os.path.join(bm.root, "benchmark.json")
   mtime = os.stat(marker).st_mtime_ns
@@ -86,9 +106,16 @@ def test_failed_generation_leaves_no_cache(tmp_path, monkeypatch):
 
   real = B._write_split
   monkeypatch.setattr(B, "_write_split", boom)
-  kw = dict(seed=2, progress=False, num_pretrain_train=1, num_pretrain_val=1,
-            num_held_out_val=1, num_downstream_train=1, num_downstream_test=1,
-            downstream=("tiny",))
+  kw = dict(
+    seed=2,
+    progress=False,
+    num_pretrain_train=1,
+    num_pretrain_val=1,
+    num_held_out_val=1,
+    num_downstream_train=1,
+    num_downstream_test=1,
+    downstream=("tiny",),
+  )
   with pytest.raises(RuntimeError, match="interrupted"):
     B.ensure_benchmark(str(tmp_path), **kw)
   assert os.listdir(tmp_path) == []
@@ -107,12 +134,12 @@ def test_boxes_exact_and_inside(tiny):
       im = ims[a["image_id"]]
       x, y, w, h = a["bbox"]
       assert 0 <= x and 0 <= y and x + w <= im["width"] and y + h <= im["height"]
-      m = mask_utils.decode(dict(size=a["segmentation"]["size"],
-                                 counts=a["segmentation"]["counts"].encode()))
+      m = mask_utils.decode(
+        dict(size=a["segmentation"]["size"], counts=a["segmentation"]["counts"].encode())
+      )
       assert m.shape == (im["height"], im["width"]) and a["area"] == int(m.sum()) > 0
       ys, xs = np.nonzero(m)
-      assert [xs.min(), ys.min(), xs.max() + 1 - xs.min(), ys.max() + 1 - ys.min()] == [x, y, w,
-                                                                                        h]
+      assert [xs.min(), ys.min(), xs.max() + 1 - xs.min(), ys.max() + 1 - ys.min()] == [x, y, w, h]
       per_image.setdefault(a["image_id"], []).append((a, m))
     for im_id, objs in per_image.items():
       assert 1 <= len(objs) <= 4, (ds, sp, im_id)
@@ -127,22 +154,23 @@ def test_object_pixels_carry_the_class_appearance(tiny):
   is the class colour; 'plain' objects have (almost) no pattern ink, patterned ones do."""
   src = tiny.source("pretrain", "train")
   names = list(B.PRETRAIN_COLORS)
-  palette = np.array([B.COLORS[c] for c in names] + [(247, 247, 242), (25, 25, 30)],
-                     np.float32)
+  palette = np.array([B.COLORS[c] for c in names] + [(247, 247, 242), (25, 25, 30)], np.float32)
   n = 0
   for i in range(len(src)):
     ex = src.load(i)
     anns = src.coco.loadAnns(src.coco.getAnnIds(imgIds=[ex["image_id"]]))
     for a in anns:
-      m = mask_utils.decode(dict(size=a["segmentation"]["size"],
-                                 counts=a["segmentation"]["counts"].encode())).astype(bool)
+      m = mask_utils.decode(
+        dict(size=a["segmentation"]["size"], counts=a["segmentation"]["counts"].encode())
+      ).astype(bool)
       pix = ex["image"][m].astype(np.float32)
       nearest = np.argmin(((pix[:, None] - palette[None]) ** 2).sum(-1), axis=1)
       counts = np.bincount(nearest, minlength=len(palette))
       colour, pattern = src.coco.cats[a["category_id"]]["name"].split()
-      assert names[int(np.argmax(counts[:len(names)]))] == colour, (i, colour, counts)
-      ink = (counts[-2] if B._lum(np.array(B.COLORS[colour], np.float32) / 255) < 0.6
-             else counts[-1]) / len(pix)
+      assert names[int(np.argmax(counts[: len(names)]))] == colour, (i, colour, counts)
+      ink = (
+        counts[-2] if B._lum(np.array(B.COLORS[colour], np.float32) / 255) < 0.6 else counts[-1]
+      ) / len(pix)
       if pattern == "plain":
         assert ink < 0.05, (i, colour, pattern, ink)
       else:
@@ -152,7 +180,7 @@ def test_object_pixels_carry_the_class_appearance(tiny):
 
 
 def test_read_through_coco_source(tiny):
-  for (ds, sp) in tiny.splits:
+  for ds, sp in tiny.splits:
     src = tiny.source(ds, sp)
     assert isinstance(src, CocoSource) and len(src) == tiny.counts[f"{ds}/{sp}"]["images"]
     assert src.class_names == list(tiny.classes[ds])
@@ -200,8 +228,9 @@ def test_requirements_at_default_sizes():
   assert splits[("held_out", "val")][1] >= 100
   downstream = [d for d in cfg.downstream]
   assert len(downstream) >= 5
-  all_names = [n for n, _ in pre_dom.classes] + [n for n, _ in splits[("held_out", "val")][0]
-                                                 .classes]
+  all_names = [n for n, _ in pre_dom.classes] + [
+    n for n, _ in splits[("held_out", "val")][0].classes
+  ]
   for d in downstream:
     dom, n_train = splits[(d, "train")]
     assert 1 <= len(dom.classes) <= 6 and 100 <= n_train <= 400
@@ -216,7 +245,7 @@ def test_requirements_at_default_sizes():
 
 
 def test_object_sizes_after_resize(tiny):
-  for (ds, sp), files in tiny.splits.items():
+  for (ds, _sp), files in tiny.splits.items():
     with open(files.annotation_file) as f:
       data = json.load(f)
     ims = {im["id"]: im for im in data["images"]}

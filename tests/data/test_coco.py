@@ -5,10 +5,12 @@ import os
 
 import grain
 import numpy as np
+from owl_data_helpers import basic_dataset
+from owl_data_helpers import write_coco
 import pytest
 
-from owl_cl.data.coco import CocoSource, DataError
-from owl_data_helpers import basic_dataset, write_coco
+from owl_cl.data.coco import CocoSource
+from owl_cl.data.coco import DataError
 
 
 def test_parse_and_load(coco_files):
@@ -86,12 +88,15 @@ def test_unknown_image_id(tmp_path):
     CocoSource(ann, img_dir)
 
 
-@pytest.mark.parametrize("bbox,why", [
+@pytest.mark.parametrize(
+  "bbox,why",
+  [
     ([10, 5, 0, 10], "degenerate"),
     ([10, 5, 20, -1], "degenerate"),
-    ([50, 5, 20, 10], "outside"),   # x1 = 70 > 60 + 2
+    ([50, 5, 20, 10], "outside"),  # x1 = 70 > 60 + 2
     ([-5, 5, 20, 10], "outside"),
-])
+  ],
+)
 def test_degenerate_or_outside_box(tmp_path, bbox, why):
   images, anns, cats = basic_dataset()
   anns[0]["bbox"] = bbox
@@ -115,8 +120,10 @@ def test_box_within_tolerance_is_clipped(tmp_path):
   np.testing.assert_allclose(src.load(1)["boxes"][0], [50, 5, 60, 15])
 
 
-@pytest.mark.parametrize("where,field", [("images", "height"), ("annotations", "bbox"),
-                                         ("categories", "name"), (None, "categories")])
+@pytest.mark.parametrize(
+  "where,field",
+  [("images", "height"), ("annotations", "bbox"), ("categories", "name"), (None, "categories")],
+)
 def test_missing_fields(tmp_path, where, field):
   images, anns, cats = basic_dataset()
   data = dict(images=images, annotations=anns, categories=cats)
@@ -125,6 +132,7 @@ def test_missing_fields(tmp_path, where, field):
   else:
     del data[where][0][field]
   import json
+
   ann = str(tmp_path / "ann.json")
   (tmp_path / "images").mkdir()
   with open(ann, "w") as f:
@@ -139,8 +147,9 @@ def test_image_size_mismatch(tmp_path):
   ann, img_dir = write_coco(str(tmp_path), images, anns, cats)
   images2 = copy.deepcopy(images)
   images2[1]["height"] = 31
-  ann2, _ = write_coco(str(tmp_path), images2, anns, cats, write_images=False,
-                       json_name="ann2.json")
+  ann2, _ = write_coco(
+    str(tmp_path), images2, anns, cats, write_images=False, json_name="ann2.json"
+  )
   src = CocoSource(ann2, img_dir)
   with pytest.raises(DataError, match="height=31"):
     src.load(0)

@@ -1,27 +1,34 @@
 """ODinW registry: GLIP ODinW-35 layout, fake exports parsed, balanced subsets, missing files."""
 
 import json
-import os
 
 import numpy as np
+from owl_data_helpers import write_coco
 import pytest
 
 from owl_cl.data import odinw
-from owl_cl.data.coco import CocoSource, DataError
+from owl_cl.data.coco import CocoSource
+from owl_cl.data.coco import DataError
 from owl_cl.testing import fake_data
-
-from owl_data_helpers import write_coco
 
 # Paper supplementary, Datasets table: (# concepts, # train, # test). ChessPieces lists 13
 # concepts: its json has 13 categories, one of them box-less and excluded here (12 classes).
 PAPER_TABLE = {
-    "Pothole": (1, 465, 67), "WildfireSmoke": (1, 516, 74), "ThermalCheetah": (2, 90, 14),
-    "ThermalDogsAndPeople": (2, 142, 20), "BCCD": (3, 255, 36),
-    "ShellfishOpenImages": (4, 407, 58), "EgoHands": (4, 1000, 480),
-    "AerialMaritimeDrone": (5, 371, 32), "BrackishUnderwater": (6, 800, 1468),
-    "Dice": (6, 576, 71), "Aquarium": (7, 448, 63), "ChessPieces": (13, 202, 29),
-    "AmericanSignLanguageLetters": (26, 780, 72), "Plantdoc": (30, 2128, 239),
-    "OxfordPets": (37, 2437, 345),
+  "Pothole": (1, 465, 67),
+  "WildfireSmoke": (1, 516, 74),
+  "ThermalCheetah": (2, 90, 14),
+  "ThermalDogsAndPeople": (2, 142, 20),
+  "BCCD": (3, 255, 36),
+  "ShellfishOpenImages": (4, 407, 58),
+  "EgoHands": (4, 1000, 480),
+  "AerialMaritimeDrone": (5, 371, 32),
+  "BrackishUnderwater": (6, 800, 1468),
+  "Dice": (6, 576, 71),
+  "Aquarium": (7, 448, 63),
+  "ChessPieces": (13, 202, 29),
+  "AmericanSignLanguageLetters": (26, 780, 72),
+  "Plantdoc": (30, 2128, 239),
+  "OxfordPets": (37, 2437, 345),
 }
 
 
@@ -35,10 +42,15 @@ def test_registry_matches_paper_table():
     assert (spec.num_train, spec.num_test) == (train, test), name
   assert odinw.ODINW_DATASETS["ChessPieces"].num_classes == 12
   subsets = {n: s.subset_size for n, s in odinw.ODINW_DATASETS.items() if s.subset_size}
-  assert subsets == {"EgoHands": 1000, "BrackishUnderwater": 800,
-                     "AmericanSignLanguageLetters": 780}
+  assert subsets == {
+    "EgoHands": 1000,
+    "BrackishUnderwater": 800,
+    "AmericanSignLanguageLetters": 780,
+  }
   assert {n for n, s in odinw.ODINW_DATASETS.items() if s.max_detections == 100} == {
-      "EgoHands", "BrackishUnderwater"}
+    "EgoHands",
+    "BrackishUnderwater",
+  }
   with pytest.raises(KeyError, match="known"):
     odinw.odinw_spec("PascalVOC")
 
@@ -46,17 +58,21 @@ def test_registry_matches_paper_table():
 def test_paths_are_glips():
   spec = odinw.ODINW_DATASETS
   assert spec["AerialMaritimeDrone"].paths("train") == (
-      "odinw/AerialMaritimeDrone/tiled/train/annotations_without_background.json",
-      "odinw/AerialMaritimeDrone/tiled/train")
+    "odinw/AerialMaritimeDrone/tiled/train/annotations_without_background.json",
+    "odinw/AerialMaritimeDrone/tiled/train",
+  )
   assert spec["EgoHands"].paths("val") == (
-      "odinw/EgoHands/specific/valid/annotations_without_background.json",
-      "odinw/EgoHands/specific/valid")
+    "odinw/EgoHands/specific/valid/annotations_without_background.json",
+    "odinw/EgoHands/specific/valid",
+  )
   assert spec["Dice"].paths("val") == (
-      "odinw/dice/mediumColor/export/val_annotations_without_background.json",
-      "odinw/dice/mediumColor/export")
+    "odinw/dice/mediumColor/export/val_annotations_without_background.json",
+    "odinw/dice/mediumColor/export",
+  )
   assert spec["AmericanSignLanguageLetters"].paths("test")[0] == (
-      "odinw/AmericanSignLanguageLetters/American Sign Language Letters.v1-v1.coco/test/"
-      "annotations_without_background.json")
+    "odinw/AmericanSignLanguageLetters/American Sign Language Letters.v1-v1.coco/test/"
+    "annotations_without_background.json"
+  )
   assert spec["BrackishUnderwater"].paths("test")[1] == "odinw/brackishUnderwater/1920x1080/test"
   ann, img = odinw.odinw_paths("/r", "BrackishUnderwater", "train", variant="960x540")
   assert ann == "/r/odinw/brackishUnderwater/960x540/train/annotations_without_background.json"
@@ -67,8 +83,9 @@ def test_paths_are_glips():
 @pytest.fixture(scope="module")
 def fake_root(tmp_path_factory):
   root = str(tmp_path_factory.mktemp("data"))
-  written = fake_data.write_fake_odinw(root, ["Pothole", "Dice", "ChessPieces"],
-                                       num_images={"train": 9, "val": 3, "test": 4}, seed=1)
+  written = fake_data.write_fake_odinw(
+    root, ["Pothole", "Dice", "ChessPieces"], num_images={"train": 9, "val": 3, "test": 4}, seed=1
+  )
   return root, written
 
 
@@ -87,8 +104,13 @@ def test_fake_exports_parse(fake_root):
       for i in (0, len(src) - 1):
         ex = src.load(i)
         anns = [a for a in data["annotations"] if a["image_id"] == ex["image_id"]]
-        want = np.array([[a["bbox"][0], a["bbox"][1], a["bbox"][0] + a["bbox"][2],
-                          a["bbox"][1] + a["bbox"][3]] for a in anns], np.float32)
+        want = np.array(
+          [
+            [a["bbox"][0], a["bbox"][1], a["bbox"][0] + a["bbox"][2], a["bbox"][1] + a["bbox"][3]]
+            for a in anns
+          ],
+          np.float32,
+        )
         np.testing.assert_array_equal(ex["boxes"], want)
         assert [src.category_ids[l] for l in ex["labels"]] == [a["category_id"] for a in anns]
         # The rectangle of the last (topmost) box has its class colour (JPEG: tolerance).
@@ -109,8 +131,11 @@ def test_category_mismatch_is_named(tmp_path):
   data = json.load(open(path))
   data["categories"][0]["name"] = "crater"
   json.dump(data, open(path, "w"))
-  with pytest.raises(DataError, match=r"annotations_without_background\.json.*'categories'.*"
-                                      r"crater"):
+  with pytest.raises(
+    DataError,
+    match=r"annotations_without_background\.json.*'categories'.*"
+    r"crater",
+  ):
     odinw.odinw_source(root, "Pothole", "test")
   with pytest.raises(DataError, match="annotation file not found.*EgoHands"):
     odinw.odinw_source(root, "EgoHands", "train")
@@ -150,8 +175,9 @@ def _single_class_source(tmp_path, per_class):
 
 def _class_counts(src, ids):
   sub = src.subset(ids)
-  return np.bincount(np.concatenate([sub.targets(i)["labels"] for i in range(len(sub))]),
-                     minlength=src.num_classes)
+  return np.bincount(
+    np.concatenate([sub.targets(i)["labels"] for i in range(len(sub))]), minlength=src.num_classes
+  )
 
 
 def test_balanced_subset_hand_worked(tmp_path):
@@ -173,15 +199,18 @@ def test_balanced_subset_hand_worked(tmp_path):
 
 def test_odinw_source_subset(tmp_path):
   root = str(tmp_path)
-  fake_data.write_fake_odinw(root, ["AmericanSignLanguageLetters"],
-                             num_images={"train": 30, "val": 2, "test": 2}, seed=0)
+  fake_data.write_fake_odinw(
+    root, ["AmericanSignLanguageLetters"], num_images={"train": 30, "val": 2, "test": 2}, seed=0
+  )
   full = odinw.odinw_source(root, "AmericanSignLanguageLetters", "train", subset_seed=None)
   assert len(full) == 30  # spec subset (780) larger than the split: used whole
   assert len(odinw.odinw_source(root, "AmericanSignLanguageLetters", "train")) == 30
-  sub = odinw.odinw_source(root, "AmericanSignLanguageLetters", "train", subset_size=13,
-                           subset_seed=5)
-  again = odinw.odinw_source(root, "AmericanSignLanguageLetters", "train", subset_size=13,
-                             subset_seed=5)
+  sub = odinw.odinw_source(
+    root, "AmericanSignLanguageLetters", "train", subset_size=13, subset_seed=5
+  )
+  again = odinw.odinw_source(
+    root, "AmericanSignLanguageLetters", "train", subset_size=13, subset_seed=5
+  )
   assert len(sub) == 13 and sub.image_ids == again.image_ids
   assert set(sub.image_ids) <= set(full.image_ids)
   assert sub.class_names == full.class_names and sub.name == "AmericanSignLanguageLetters"
@@ -194,5 +223,4 @@ def test_odinw_source_subset(tmp_path):
   covered = set(np.concatenate([sub.targets(i)["labels"] for i in range(len(sub))]).tolist())
   assert len(covered) >= 13
   # Subsets only apply to the training split.
-  assert len(odinw.odinw_source(root, "AmericanSignLanguageLetters", "val",
-                                subset_size=1)) == 2
+  assert len(odinw.odinw_source(root, "AmericanSignLanguageLetters", "val", subset_size=1)) == 2

@@ -1,11 +1,11 @@
 """pipeline: resize-with-pad geometry, query/label construction, batched datasets."""
 
 import numpy as np
+from owl_data_helpers import write_coco
 import pytest
 
 from owl_cl.data import pipeline as P
 from owl_cl.data.coco import CocoSource
-from owl_data_helpers import write_coco
 
 L = 16
 C = 10
@@ -25,11 +25,16 @@ def fake_tokens(num_classes=C, prompts=None):
   return t, e
 
 
-def make_example(h=50, w=100, boxes=((10, 5, 60, 45), (70, 10, 90, 30)), labels=(3, 7),
-                 image_id=11, value=200):
+def make_example(
+  h=50, w=100, boxes=((10, 5, 60, 45), (70, 10, 90, 30)), labels=(3, 7), image_id=11, value=200
+):
   img = np.full((h, w, 3), value, np.uint8)
-  return dict(image=img, boxes=np.asarray(boxes, np.float32).reshape(-1, 4),
-              labels=np.asarray(labels, np.int32), image_id=image_id)
+  return dict(
+    image=img,
+    boxes=np.asarray(boxes, np.float32).reshape(-1, 4),
+    labels=np.asarray(labels, np.int32),
+    image_id=image_id,
+  )
 
 
 KW = dict(image_size=64, num_queries=8, max_instances=4, num_negatives=3)
@@ -51,9 +56,9 @@ def test_resize_with_pad_values():
   img[..., 1] = 51
   out = P.resize_with_pad(img, 64, 0.5)
   assert out.shape == (64, 64, 3) and out.dtype == np.float32
-  np.testing.assert_allclose(out[:32, :, 0], 1.0, atol=1e-6)     # content, long side = 64
+  np.testing.assert_allclose(out[:32, :, 0], 1.0, atol=1e-6)  # content, long side = 64
   np.testing.assert_allclose(out[:32, :, 1], 0.2, atol=1e-6)
-  np.testing.assert_allclose(out[32:], 0.5)                       # bottom padding
+  np.testing.assert_allclose(out[32:], 0.5)  # bottom padding
   out0 = P.resize_with_pad(img, 64, 0.0)
   np.testing.assert_allclose(out0[32:], 0.0)
   # Portrait: pad on the right.
@@ -84,19 +89,21 @@ def test_scale_boxes_hand_computed():
   np.testing.assert_allclose(b, [[6.4, 3.2, 38.4, 28.8]], rtol=1e-6)
   b = P.scale_boxes(np.array([[10, 5, 60, 45]]), 50, 100, 64, squash=True)
   np.testing.assert_allclose(b, [[6.4, 6.4, 38.4, 57.6]], rtol=1e-6)
-  np.testing.assert_allclose(P.xyxy_to_cxcywh(np.array([[6.4, 3.2, 38.4, 28.8]])),
-                             [[22.4, 16.0, 32.0, 25.6]], rtol=1e-6)
+  np.testing.assert_allclose(
+    P.xyxy_to_cxcywh(np.array([[6.4, 3.2, 38.4, 28.8]])), [[22.4, 16.0, 32.0, 25.6]], rtol=1e-6
+  )
 
 
 # ---------------------------------------------------------------------- queries and labels
 def test_train_example_queries_labels_boxes():
   tok, empty = fake_tokens()
   ex = make_example()
-  out = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                   rng=np.random.default_rng(0), **KW)
+  out = P.preprocess_train_example(
+    ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
+  )
   qc = out["query_class"]
   assert qc.dtype == np.int32 and qc.shape == (8,)
-  assert qc[0] == -1 and list(qc[1:3]) == [3, 7]                 # '' then positives
+  assert qc[0] == -1 and list(qc[1:3]) == [3, 7]  # '' then positives
   neg = qc[3:6]
   assert len(set(neg.tolist())) == 3 and not set(neg.tolist()) & {3, 7}
   assert np.all((neg >= 0) & (neg < C)) and list(qc[6:]) == [-1, -1]
@@ -112,10 +119,8 @@ def test_train_example_queries_labels_boxes():
   expected[2:, 0] = 1
   np.testing.assert_array_equal(lab, expected)
   # Boxes: cxcywh / 64 of the scaled boxes (scale 0.64).
-  np.testing.assert_allclose(out["boxes"][0], np.array([22.4, 16.0, 32.0, 25.6]) / 64,
-                             rtol=1e-5)
-  np.testing.assert_allclose(out["boxes"][1], np.array([51.2, 12.8, 12.8, 12.8]) / 64,
-                             rtol=1e-5)
+  np.testing.assert_allclose(out["boxes"][0], np.array([22.4, 16.0, 32.0, 25.6]) / 64, rtol=1e-5)
+  np.testing.assert_allclose(out["boxes"][1], np.array([51.2, 12.8, 12.8, 12.8]) / 64, rtol=1e-5)
   np.testing.assert_array_equal(out["boxes"][2:], 0)
   assert out["image_id"] == 11 and out["image_id"].dtype == np.int64
   np.testing.assert_array_equal(out["orig_size"], [50, 100])
@@ -128,52 +133,70 @@ def test_negatives_never_positive_and_vary():
   ex = make_example()
   seen = set()
   for index in range(30):
-    out = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                     rng=P.example_rng(0, 0, index), **KW)
+    out = P.preprocess_train_example(
+      ex, class_tokens=tok, empty_tokens=empty, rng=P.example_rng(0, 0, index), **KW
+    )
     neg = tuple(out["query_class"][3:6].tolist())
     assert not set(neg) & {3, 7}
     seen.add(neg)
   assert len(seen) > 10  # not the same negatives for all images (SPEC §12)
-  a = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                 rng=P.example_rng(0, 0, 5), **KW)
-  b = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                 rng=P.example_rng(0, 0, 5), **KW)
+  a = P.preprocess_train_example(
+    ex, class_tokens=tok, empty_tokens=empty, rng=P.example_rng(0, 0, 5), **KW
+  )
+  b = P.preprocess_train_example(
+    ex, class_tokens=tok, empty_tokens=empty, rng=P.example_rng(0, 0, 5), **KW
+  )
   np.testing.assert_array_equal(a["query_class"], b["query_class"])
 
 
 def test_negatives_limited_by_free_slots_and_classes():
   tok, empty = fake_tokens(num_classes=4)
   ex = make_example(labels=(0, 1))
-  out = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                   rng=np.random.default_rng(1), image_size=64,
-                                   num_queries=8, max_instances=4, num_negatives=50)
-  assert sorted(out["query_class"][3:5].tolist()) == [2, 3]   # only 2 candidates
+  out = P.preprocess_train_example(
+    ex,
+    class_tokens=tok,
+    empty_tokens=empty,
+    rng=np.random.default_rng(1),
+    image_size=64,
+    num_queries=8,
+    max_instances=4,
+    num_negatives=50,
+  )
+  assert sorted(out["query_class"][3:5].tolist()) == [2, 3]  # only 2 candidates
   assert list(out["query_class"][5:]) == [-1, -1, -1]
 
 
 def test_truncation_and_duplicate_merge():
   tok, empty = fake_tokens()
-  boxes = [(0, 0, 10, 10), (20, 0, 30, 10), (40, 0, 50, 10), (60, 0, 70, 10),
-           (80, 0, 90, 10)]
+  boxes = [(0, 0, 10, 10), (20, 0, 30, 10), (40, 0, 50, 10), (60, 0, 70, 10), (80, 0, 90, 10)]
   ex = make_example(boxes=boxes, labels=(1, 2, 2, 4, 5))
-  out = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                   rng=np.random.default_rng(0), image_size=64, num_queries=8,
-                                   max_instances=3, num_negatives=3)
+  out = P.preprocess_train_example(
+    ex,
+    class_tokens=tok,
+    empty_tokens=empty,
+    rng=np.random.default_rng(0),
+    image_size=64,
+    num_queries=8,
+    max_instances=3,
+    num_negatives=3,
+  )
   qc = out["query_class"].tolist()
   assert qc[:3] == [-1, 1, 2]
   # Class 4 (its instance truncated) and class 5 (too) are neither positives nor negatives.
   assert 4 not in qc and 5 not in qc
   np.testing.assert_array_equal(out["labels"][:, :3], [[0, 1, 0], [0, 0, 1], [0, 0, 1]])
   # Duplicate merge: IoU >= 0.9 boxes with different labels -> one multi-label instance.
-  ex = make_example(boxes=[(10, 10, 40, 40), (10, 10, 40, 41), (50, 5, 90, 45)],
-                    labels=(1, 2, 3))
-  out = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                   rng=np.random.default_rng(0), **KW)
+  ex = make_example(boxes=[(10, 10, 40, 40), (10, 10, 40, 41), (50, 5, 90, 45)], labels=(1, 2, 3))
+  out = P.preprocess_train_example(
+    ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
+  )
   assert out["query_class"][1:4].tolist() == [1, 2, 3]
-  np.testing.assert_array_equal(out["labels"][:, :4],
-                                [[0, 1, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]])
-  out = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                   rng=np.random.default_rng(0), merge_iou=None, **KW)
+  np.testing.assert_array_equal(
+    out["labels"][:, :4], [[0, 1, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
+  )
+  out = P.preprocess_train_example(
+    ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), merge_iou=None, **KW
+  )
   np.testing.assert_array_equal(out["labels"][:3, 1:4], np.eye(3))
 
 
@@ -181,9 +204,16 @@ def test_too_many_positives_cut_to_q_minus_1():
   tok, empty = fake_tokens()
   boxes = [(10 * i, 0, 10 * i + 8, 8) for i in range(5)]
   ex = make_example(boxes=boxes, labels=(0, 1, 2, 3, 4))
-  out = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                   rng=np.random.default_rng(0), image_size=64, num_queries=4,
-                                   max_instances=6, num_negatives=5)
+  out = P.preprocess_train_example(
+    ex,
+    class_tokens=tok,
+    empty_tokens=empty,
+    rng=np.random.default_rng(0),
+    image_size=64,
+    num_queries=4,
+    max_instances=6,
+    num_negatives=5,
+  )
   assert out["query_class"].tolist() == [-1, 0, 1, 2]
   lab = out["labels"]
   np.testing.assert_array_equal(lab[:3, 1:], np.eye(3))
@@ -193,8 +223,9 @@ def test_too_many_positives_cut_to_q_minus_1():
 def test_no_annotations_and_prompts_and_flip():
   tok, empty = fake_tokens(prompts=3)
   ex = make_example(boxes=np.zeros((0, 4)), labels=())
-  out = P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                   rng=np.random.default_rng(0), **KW)
+  out = P.preprocess_train_example(
+    ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
+  )
   np.testing.assert_array_equal(out["labels"][:, 0], 1)
   qc = out["query_class"]
   assert (qc[1:4] >= 0).all() and (qc[4:] == -1).all()
@@ -203,9 +234,12 @@ def test_no_annotations_and_prompts_and_flip():
   # Horizontal flip mirrors the boxes (x -> W - x).
   tok, empty = fake_tokens()
   ex = make_example()
-  flips = [P.preprocess_train_example(ex, class_tokens=tok, empty_tokens=empty,
-                                      rng=np.random.default_rng(s), hflip=True, **KW)
-           for s in range(8)]
+  flips = [
+    P.preprocess_train_example(
+      ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(s), hflip=True, **KW
+    )
+    for s in range(8)
+  ]
   cx = {round(float(o["boxes"][0, 0] * 64), 3) for o in flips}
   assert cx == {22.4, round((100 - 35) * 0.64, 3)}
 
@@ -216,8 +250,9 @@ def _sequence_source(n=10):
   out = []
   for i in range(n):
     h, w = int(rng.integers(40, 90)), int(rng.integers(40, 90))
-    out.append(make_example(h=h, w=w, boxes=[(1, 1, 20, 30)], labels=(i % C,),
-                            image_id=100 + i, value=i))
+    out.append(
+      make_example(h=h, w=w, boxes=[(1, 1, 20, 30)], labels=(i % C,), image_id=100 + i, value=i)
+    )
   return out
 
 
@@ -229,10 +264,16 @@ def test_train_dataset_shapes_and_determinism():
   b = list(P.train_dataset(src, epoch=0, **kw))
   c = list(P.train_dataset(src, epoch=1, **kw))
   assert len(a) == 2  # floor(10 / 4), remainder dropped
-  shapes = dict(images=((4, 64, 64, 3), np.float32), queries=((4, 8, L), np.int32),
-                labels=((4, 4, 8), np.float32), boxes=((4, 4, 4), np.float32),
-                query_class=((4, 8), np.int32), image_id=((4,), np.int64),
-                orig_size=((4, 2), np.int32), example_mask=((4,), np.bool_))
+  shapes = dict(
+    images=((4, 64, 64, 3), np.float32),
+    queries=((4, 8, L), np.int32),
+    labels=((4, 4, 8), np.float32),
+    boxes=((4, 4, 4), np.float32),
+    query_class=((4, 8), np.int32),
+    image_id=((4,), np.int64),
+    orig_size=((4, 2), np.int32),
+    example_mask=((4,), np.bool_),
+  )
   for batch in a:
     assert set(batch) == set(shapes)
     for k, (shape, dtype) in shapes.items():
@@ -246,8 +287,9 @@ def test_train_dataset_shapes_and_determinism():
   assert len(set(ids_a.tolist())) == 8 and not np.array_equal(ids_a, ids_c)
   # Each example equals the public per-example function with the derived rng.
   idx = int(a[0]["image_id"][0]) - 100
-  ref = P.preprocess_train_example(src[idx], class_tokens=tok, empty_tokens=empty,
-                                   rng=P.example_rng(3, 0, idx), **KW)
+  ref = P.preprocess_train_example(
+    src[idx], class_tokens=tok, empty_tokens=empty, rng=P.example_rng(3, 0, idx), **KW
+  )
   for k in ref:
     np.testing.assert_array_equal(a[0][k][0], ref[k])
 
@@ -267,16 +309,19 @@ def test_train_dataset_multiprocessing_matches():
 def test_eval_dataset_padding(tmp_path):
   images = [dict(id=10 + i, file_name=f"{i}.png", height=20 + i, width=30) for i in range(5)]
   cats = [dict(id=1, name="a")]
-  ann, img_dir = write_coco(str(tmp_path), images, [], cats,
-                            colors={10 + i: (255, 255, 255) for i in range(5)})
+  ann, img_dir = write_coco(
+    str(tmp_path), images, [], cats, colors={10 + i: (255, 255, 255) for i in range(5)}
+  )
   src = CocoSource(ann, img_dir)
   batches = list(P.eval_dataset(src, image_size=32, batch_size=2))
   assert len(batches) == 3
   assert set(batches[0]) == {"images", "image_id", "orig_size", "example_mask"}
-  np.testing.assert_array_equal(np.concatenate([b["image_id"] for b in batches]),
-                                [10, 11, 12, 13, 14, -1])
-  np.testing.assert_array_equal(np.concatenate([b["example_mask"] for b in batches]),
-                                [True] * 5 + [False])
+  np.testing.assert_array_equal(
+    np.concatenate([b["image_id"] for b in batches]), [10, 11, 12, 13, 14, -1]
+  )
+  np.testing.assert_array_equal(
+    np.concatenate([b["example_mask"] for b in batches]), [True] * 5 + [False]
+  )
   np.testing.assert_array_equal(batches[2]["orig_size"], [[24, 30], [0, 0]])
   last = batches[2]["images"]
   assert last.shape == (2, 32, 32, 3) and last.dtype == np.float32
@@ -286,11 +331,17 @@ def test_eval_dataset_padding(tmp_path):
   np.testing.assert_allclose(last[1], 0.0)
   # max_images: the first 3 only, padded to 4.
   batches = list(P.eval_dataset(src, image_size=32, batch_size=2, max_images=3))
-  np.testing.assert_array_equal(np.concatenate([b["image_id"] for b in batches]),
-                                [10, 11, 12, -1])
+  np.testing.assert_array_equal(np.concatenate([b["image_id"] for b in batches]), [10, 11, 12, -1])
 
 
 def test_bad_tokens_raise():
   with pytest.raises(ValueError, match="class_tokens"):
-    P.train_dataset(_sequence_source(2), class_tokens=np.zeros((3, 8), np.int32),
-                    empty_tokens=np.zeros(16, np.int32), batch_size=1, seed=0, epoch=0, **KW)
+    P.train_dataset(
+      _sequence_source(2),
+      class_tokens=np.zeros((3, 8), np.int32),
+      empty_tokens=np.zeros(16, np.int32),
+      batch_size=1,
+      seed=0,
+      epoch=0,
+      **KW,
+    )

@@ -6,16 +6,19 @@ import numpy as np
 import pytest
 
 from owl_cl.data import pretraining as PT
-from owl_cl.data.coco import CocoSource, DataError
+from owl_cl.data.coco import CocoSource
+from owl_cl.data.coco import DataError
 from owl_cl.testing import fake_data
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
   r = str(tmp_path_factory.mktemp("data"))
-  written = dict(o365=fake_data.write_fake_objects365(r, seed=2),
-                 lvis=fake_data.write_fake_lvis(r, seed=2),
-                 vg=fake_data.write_fake_visual_genome(r, seed=2))
+  written = dict(
+    o365=fake_data.write_fake_objects365(r, seed=2),
+    lvis=fake_data.write_fake_lvis(r, seed=2),
+    vg=fake_data.write_fake_visual_genome(r, seed=2),
+  )
   return r, written
 
 
@@ -24,8 +27,9 @@ def test_forbidden_labels_scenic_matching():
   assert len(rare) == 337 and len(near) == 275
   assert "hot-air_balloon" in rare and "wind chimes" in near
   # Canonicalisation: case, '_' and '-' do not matter; whole-label matches only.
-  assert PT.forbidden_key("Hot-air balloon") == PT.forbidden_key("hot-air_balloon") == (
-      "hotair balloon")
+  assert (
+    PT.forbidden_key("Hot-air balloon") == PT.forbidden_key("hot-air_balloon") == ("hotair balloon")
+  )
   assert PT.is_forbidden("Dumbbell") and PT.is_forbidden("Wind Chimes")
   assert PT.is_forbidden("Apple Sauce") and PT.is_forbidden("applesauce")
   assert not PT.is_forbidden("Person") and not PT.is_forbidden("apple")
@@ -67,24 +71,28 @@ def test_lvis_federated_fields(root):
     for i in range(len(src)):
       im = by_id[src.image_ids[i]]
       fed = src.federated_labels(i)
-      assert [src.category_ids[k] for k in fed["negative_labels"]] == sorted(
-          im["neg_category_ids"])
+      assert [src.category_ids[k] for k in fed["negative_labels"]] == sorted(im["neg_category_ids"])
       assert [src.category_ids[k] for k in fed["not_exhaustive_labels"]] == sorted(
-          im["not_exhaustive_category_ids"])
+        im["not_exhaustive_category_ids"]
+      )
     ex = src.load(len(src) - 1)  # decodes (file from coco_url)
-    np.testing.assert_array_equal(ex["negative_labels"],
-                                  src.federated_labels(len(src) - 1)["negative_labels"])
+    np.testing.assert_array_equal(
+      ex["negative_labels"], src.federated_labels(len(src) - 1)["negative_labels"]
+    )
   val = PT.lvis_source(r, "val")
   folders = {im["coco_url"].split("/")[-2] for im in written["lvis"]["val"]["json"]["images"]}
   assert folders == {"train2017", "val2017"}  # both COCO folders, as LVIS v1 val
   groups = PT.lvis_frequency_groups(val)
   names = {f: [val.class_names[i] for i in g] for f, g in groups.items()}
-  assert names == {"r": ["applesauce", "baboon"], "c": ["aerosol_can", "zucchini"],
-                   "f": ["apple", "bicycle"]}
+  assert names == {
+    "r": ["applesauce", "baboon"],
+    "c": ["aerosol_can", "zucchini"],
+    "f": ["apple", "bicycle"],
+  }
   assert val.category_entries[0]["synonyms"] == ["aerosol_can", "spray_can"]
   assert PT.coco_url_relative_path(
-      {"coco_url": "http://images.cocodataset.org/val2017/000000397133.jpg"}) == (
-          "val2017/000000397133.jpg")
+    {"coco_url": "http://images.cocodataset.org/val2017/000000397133.jpg"}
+  ) == ("val2017/000000397133.jpg")
 
 
 def _edit(path, fn):
@@ -104,8 +112,9 @@ def test_lvis_errors_name_file_field_value(tmp_path):
   _edit(path, lambda d: d["images"][0].update(neg_category_ids=[77777]))
   with pytest.raises(DataError, match=r"lvis_v1_val\.json.*'neg_category_ids'.*77777"):
     PT.lvis_source(r, "val")
-  _edit(path, lambda d: (d["images"][0].update(neg_category_ids=[]),
-                         d["images"][1].pop("coco_url")))
+  _edit(
+    path, lambda d: (d["images"][0].update(neg_category_ids=[]), d["images"][1].pop("coco_url"))
+  )
   with pytest.raises(DataError, match=r"lvis_v1_val\.json.*images\[1\].*coco_url"):
     PT.lvis_source(r, "val")
 
@@ -126,7 +135,8 @@ def test_visual_genome(root):
       box = [o["x"], o["y"], o["x"] + o["w"], o["y"] + o["h"]]
       rows = np.nonzero((t["boxes"] == np.float32(box)).all(axis=1))[0]
       assert sorted(src.class_names[t["labels"][k]] for k in rows) == sorted(
-          n.lower() for n in o["names"])
+        n.lower() for n in o["names"]
+      )
   ex = src.load(src.image_ids.index(2))  # even id -> VG_100K_2/2.jpg
   im = written["vg"]["image_data"][1]
   assert ex["image"].shape == (im["height"], im["width"], 3)
@@ -134,8 +144,7 @@ def test_visual_genome(root):
   assert "wind chimes" in everything.class_names
   assert len(PT.visual_genome_source(r, image_ids=[1, 3])) == 2
   with pytest.raises(DataError, match=r"objects\.json.*'image_id'.*12345"):
-    PT.visual_genome_to_coco([dict(image_id=12345, objects=[])],
-                             written["vg"]["image_data"])
+    PT.visual_genome_to_coco([dict(image_id=12345, objects=[])], written["vg"]["image_data"])
 
 
 def test_coco_source_extension_errors(root):

@@ -22,8 +22,14 @@ def test_template_lists():
   train = prompts.TRAINING_TEMPLATES
   assert len(train) == 81 and train[0] == "{}" and train[1:] == t80
   assert prompts.OWL_VIT_EVAL_TEMPLATES == (
-      "itap of a {}.", "a bad photo of the {}.", "a origami {}.", "a photo of the large {}.",
-      "a {} in a video game.", "art of the {}.", "a photo of the small {}.")
+    "itap of a {}.",
+    "a bad photo of the {}.",
+    "a origami {}.",
+    "a photo of the large {}.",
+    "a {} in a video game.",
+    "art of the {}.",
+    "a photo of the small {}.",
+  )
   assert set(prompts.OWL_VIT_EVAL_TEMPLATES) <= set(t80)  # CLIP's best 7 are among the 80
   assert prompts.train_templates("none") == ("{}",) == prompts.eval_templates("none")
   assert prompts.train_templates("clip_80") == train
@@ -35,12 +41,17 @@ def test_template_lists():
 
 
 def test_prompt_texts_canonicalise_label_and_prompt():
-  texts = prompts.prompt_texts(["Traffic_Light", "arctic_(type_of_shoe)"],
-                               ["{}", "itap of a {}.", "a {} in a video game."])
+  texts = prompts.prompt_texts(
+    ["Traffic_Light", "arctic_(type_of_shoe)"], ["{}", "itap of a {}.", "a {} in a video game."]
+  )
   assert texts == [
-      ["traffic light", "itap of a traffic light", "a traffic light in a video game"],
-      ["arctic type of shoe", "itap of a arctic type of shoe",
-       "a arctic type of shoe in a video game"]]
+    ["traffic light", "itap of a traffic light", "a traffic light in a video game"],
+    [
+      "arctic type of shoe",
+      "itap of a arctic type of shoe",
+      "a arctic type of shoe in a video game",
+    ],
+  ]
   with pytest.raises(ValueError, match="exactly one"):
     prompts.prompt_texts(["a"], ["no placeholder"])
   with pytest.raises(ValueError, match="at least one"):
@@ -63,17 +74,26 @@ def test_training_prompts_one_template_per_label_drawn_by_the_rng():
   tok = WordHashTokenizer(vocab_size=4096, context_length=16)
   names = ["red plain", "blue striped", "green dotted"]
   tokens = prompts.prompt_tokens(tok, names, prompts.TRAINING_TEMPLATES)  # [3, 81, 16]
-  example = {"image": np.zeros((20, 20, 3), np.uint8),
-             "boxes": np.array([[1, 1, 8, 8], [10, 10, 18, 18]], np.float32),
-             "labels": np.array([0, 2]), "image_id": 1}
-  kwargs = dict(class_tokens=tokens, empty_tokens=tok.encode([""])[0], image_size=16,
-                num_queries=4, max_instances=3, num_negatives=1)
+  example = {
+    "image": np.zeros((20, 20, 3), np.uint8),
+    "boxes": np.array([[1, 1, 8, 8], [10, 10, 18, 18]], np.float32),
+    "labels": np.array([0, 2]),
+    "image_id": 1,
+  }
+  kwargs = dict(
+    class_tokens=tokens,
+    empty_tokens=tok.encode([""])[0],
+    image_size=16,
+    num_queries=4,
+    max_instances=3,
+    num_negatives=1,
+  )
   drawn = set()
   for seed in range(40):
-    out = pipeline.preprocess_train_example(example, rng=pipeline.example_rng(seed, 0, 0),
-                                            **kwargs)
-    again = pipeline.preprocess_train_example(example, rng=pipeline.example_rng(seed, 0, 0),
-                                              **kwargs)
+    out = pipeline.preprocess_train_example(example, rng=pipeline.example_rng(seed, 0, 0), **kwargs)
+    again = pipeline.preprocess_train_example(
+      example, rng=pipeline.example_rng(seed, 0, 0), **kwargs
+    )
     np.testing.assert_array_equal(out["queries"], again["queries"])
     for q, cls in zip(out["queries"], out["query_class"]):
       if cls < 0:
@@ -82,10 +102,11 @@ def test_training_prompts_one_template_per_label_drawn_by_the_rng():
       match = np.flatnonzero((tokens[cls] == q).all(-1))
       assert match.size >= 1, (seed, cls)
       drawn.add((int(cls), int(match[0])))
-  assert len({p for c, p in drawn if c == 0}) > 20   # many different templates are drawn
+  assert len({p for c, p in drawn if c == 0}) > 20  # many different templates are drawn
   # The default [C, L] class tokens keep the bare names (built-in benchmark behaviour).
   plain = pipeline.preprocess_train_example(
-      example, rng=pipeline.example_rng(0, 0, 0), **dict(kwargs, class_tokens=tokens[:, 0]))
+    example, rng=pipeline.example_rng(0, 0, 0), **dict(kwargs, class_tokens=tokens[:, 0])
+  )
   for q, cls in zip(plain["queries"], plain["query_class"]):
     if cls >= 0:
       np.testing.assert_array_equal(q, tok.encode([names[cls]])[0])

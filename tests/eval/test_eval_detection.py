@@ -7,9 +7,9 @@ import types
 
 import jax
 import numpy as np
-import pytest
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
+import pytest
 
 from owl_cl.eval import detection
 
@@ -18,27 +18,33 @@ IMAGES = [(101, 480, 640), (205, 500, 300), (309, 400, 400)]
 CATEGORY_IDS = [3, 7, 11]  # Contiguous index 0, 1, 2 -> non-contiguous COCO ids.
 # Ground truth, xywh pixels, (image id, contiguous label, box).
 GT = [
-    (101, 0, [10.0, 20.0, 200.0, 150.0]),
-    (101, 2, [300.0, 100.0, 250.0, 300.0]),
-    (101, 1, [500.0, 400.0, 100.0, 60.0]),
-    (205, 0, [5.0, 10.0, 100.0, 300.0]),
-    (205, 1, [150.0, 200.0, 140.0, 250.0]),
-    (309, 2, [50.0, 50.0, 300.0, 300.0]),
-    (309, 0, [0.0, 0.0, 40.0, 60.0]),
+  (101, 0, [10.0, 20.0, 200.0, 150.0]),
+  (101, 2, [300.0, 100.0, 250.0, 300.0]),
+  (101, 1, [500.0, 400.0, 100.0, 60.0]),
+  (205, 0, [5.0, 10.0, 100.0, 300.0]),
+  (205, 1, [150.0, 200.0, 140.0, 250.0]),
+  (309, 2, [50.0, 50.0, 300.0, 300.0]),
+  (309, 0, [0.0, 0.0, 40.0, 60.0]),
 ]
 
 
 def make_coco(images=IMAGES, gt=GT, category_ids=CATEGORY_IDS):
   dataset = {
-      "images": [{"id": i, "height": h, "width": w, "file_name": f"{i}.jpg"}
-                 for i, h, w in images],
-      "categories": [{"id": c, "name": f"class{c}"} for c in category_ids],
-      "annotations": [],
+    "images": [{"id": i, "height": h, "width": w, "file_name": f"{i}.jpg"} for i, h, w in images],
+    "categories": [{"id": c, "name": f"class{c}"} for c in category_ids],
+    "annotations": [],
   }
   for n, (img, label, (x, y, w, h)) in enumerate(gt):
-    dataset["annotations"].append({
-        "id": n + 1, "image_id": img, "category_id": category_ids[label],
-        "bbox": [x, y, w, h], "area": w * h, "iscrowd": 0})
+    dataset["annotations"].append(
+      {
+        "id": n + 1,
+        "image_id": img,
+        "category_id": category_ids[label],
+        "bbox": [x, y, w, h],
+        "area": w * h,
+        "iscrowd": 0,
+      }
+    )
   with contextlib.redirect_stdout(io.StringIO()):
     coco = COCO()
     coco.dataset = dataset
@@ -66,8 +72,10 @@ def gt_to_predictions(gt, images, top_k, rng=None):
 
 
 def image_arrays(images):
-  return (np.array([i for i, _, _ in images], np.int64),
-          np.array([[h, w] for _, h, w in images], np.int32))
+  return (
+    np.array([i for i, _, _ in images], np.int64),
+    np.array([[h, w] for _, h, w in images], np.int32),
+  )
 
 
 def run_cocoeval_directly(coco_gt, detections, max_dets=100):
@@ -78,6 +86,7 @@ def run_cocoeval_directly(coco_gt, detections, max_dets=100):
   and AP@[.5:.95] at max_dets is also read from the raw precision array.
   """
   import copy
+
   with contextlib.redirect_stdout(io.StringIO()):
     coco_dt = coco_gt.loadRes(copy.deepcopy(detections))
     ev = COCOeval(coco_gt, coco_dt, "bbox")
@@ -97,28 +106,32 @@ def run_cocoeval_directly(coco_gt, detections, max_dets=100):
 
 # ---------------------------------------------------------------- scores / ensembling
 
+
 def test_class_scores_is_sigmoid_float32():
   logits = np.array([[[0.0, 2.0, -1e6]]], np.float32)
   s = detection.class_scores(jax.numpy.asarray(logits, jax.numpy.bfloat16))
   assert s.dtype == np.float32
-  np.testing.assert_allclose(np.asarray(s), [[[0.5, 1 / (1 + math.exp(-2.0)), 0.0]]],
-                             rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(s), [[[0.5, 1 / (1 + math.exp(-2.0)), 0.0]]], rtol=1e-2)
 
 
 def test_ensemble_templates_logits_vs_probs():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(2, 5, 3, 7)).astype(np.float32)
   sig = lambda x: 1 / (1 + np.exp(-x))
-  np.testing.assert_allclose(detection.ensemble_templates(logits),
-                             sig(logits.mean(-1)), rtol=1e-5)
-  np.testing.assert_allclose(detection.ensemble_templates(logits, average="probs"),
-                             sig(logits).mean(-1), rtol=1e-5)
+  np.testing.assert_allclose(detection.ensemble_templates(logits), sig(logits.mean(-1)), rtol=1e-5)
+  np.testing.assert_allclose(
+    detection.ensemble_templates(logits, average="probs"), sig(logits).mean(-1), rtol=1e-5
+  )
   moved = np.moveaxis(logits, -1, 1)  # [B, P, T, C]
-  np.testing.assert_allclose(detection.ensemble_templates(moved, template_axis=1),
-                             sig(logits.mean(-1)), rtol=1e-5)
+  np.testing.assert_allclose(
+    detection.ensemble_templates(moved, template_axis=1), sig(logits.mean(-1)), rtol=1e-5
+  )
   mask = np.array([1, 1, 0, 0, 0, 0, 1], bool)
-  np.testing.assert_allclose(detection.ensemble_templates(logits, template_mask=mask),
-                             sig(logits[..., mask].mean(-1)), rtol=1e-5)
+  np.testing.assert_allclose(
+    detection.ensemble_templates(logits, template_mask=mask),
+    sig(logits[..., mask].mean(-1)),
+    rtol=1e-5,
+  )
   with pytest.raises(ValueError):
     detection.ensemble_templates(logits, average="max")
   with pytest.raises(ValueError):
@@ -127,19 +140,20 @@ def test_ensemble_templates_logits_vs_probs():
 
 # ---------------------------------------------------------------- top predictions
 
+
 def numpy_top_predictions(scores, boxes, top_k, multi_label):
   batch, tokens, classes = scores.shape
   out_s, out_l, out_b = [], [], []
   for b in range(batch):
     if multi_label:
       flat = scores[b].reshape(-1)
-      order = np.argsort(-flat, kind="stable")[:min(top_k, flat.size)]
+      order = np.argsort(-flat, kind="stable")[: min(top_k, flat.size)]
       tok, lab = order // classes, order % classes
       out_s.append(flat[order])
     else:
       lab_all = scores[b].argmax(-1)
       best = scores[b].max(-1)
-      tok = np.argsort(-best, kind="stable")[:min(top_k, tokens)]
+      tok = np.argsort(-best, kind="stable")[: min(top_k, tokens)]
       lab = lab_all[tok]
       out_s.append(best[tok])
     out_l.append(lab)
@@ -177,19 +191,23 @@ def test_top_predictions_multi_label_yields_several_classes_per_token():
 def test_top_predictions_class_mask():
   scores = np.array([[[0.9, 0.3], [0.8, 0.1]]], np.float32)
   boxes = np.zeros((1, 2, 4), np.float32)
-  s, l, _ = detection.top_predictions(scores, boxes, top_k=2, multi_label=False,
-                                      class_mask=np.array([False, True]))
+  s, l, _ = detection.top_predictions(
+    scores, boxes, top_k=2, multi_label=False, class_mask=np.array([False, True])
+  )
   np.testing.assert_allclose(s, [[0.3, 0.1]])
   np.testing.assert_array_equal(l, [[1, 1]])
-  s, l, _ = detection.top_predictions(scores, boxes, top_k=4, multi_label=True,
-                                      class_mask=np.array([False, True]))
+  s, l, _ = detection.top_predictions(
+    scores, boxes, top_k=4, multi_label=True, class_mask=np.array([False, True])
+  )
   assert np.isinf(np.asarray(s)[0, 2:]).all()
   dets = detection.to_coco_detections(
-      s, l, np.zeros((1, 4, 4)), image_ids=[1], orig_sizes=[[10, 10]], category_ids=[5, 6])
+    s, l, np.zeros((1, 4, 4)), image_ids=[1], orig_sizes=[[10, 10]], category_ids=[5, 6]
+  )
   assert len(dets) == 2 and {d["category_id"] for d in dets} == {6}
 
 
 # ---------------------------------------------------------------- geometry
+
 
 def test_unpad_geometry_hand_checked():
   # Landscape 480x640 (h, w): the square of side S <-> 640 px. Box centred at (0.5, 0.25)
@@ -203,18 +221,19 @@ def test_unpad_geometry_hand_checked():
   xyxy = detection.unpad_boxes(np.array([0.5, 0.9, 0.2, 0.2]), np.array([480, 640]))
   np.testing.assert_allclose(xyxy, [256, 480, 384, 480])
   # Exact per-axis variant: 480x640 at S=768 -> resized 576x768; y scale = 768*480/576 = 640.
-  xyxy = detection.unpad_boxes(np.array([0.5, 0.25, 0.25, 0.125]), np.array([480, 640]),
-                               image_size=768, rounded_content=True)
+  xyxy = detection.unpad_boxes(
+    np.array([0.5, 0.25, 0.25, 0.125]), np.array([480, 640]), image_size=768, rounded_content=True
+  )
   np.testing.assert_allclose(xyxy, [240, 120, 400, 200])
   # image_size alone does not change the (pipeline-exact) default.
-  xyxy = detection.unpad_boxes(np.array([0.5, 0.5, 0.2, 0.2]), np.array([333, 500]),
-                               image_size=100)
+  xyxy = detection.unpad_boxes(np.array([0.5, 0.5, 0.2, 0.2]), np.array([333, 500]), image_size=100)
   np.testing.assert_allclose(xyxy, [200, 200, 300, 300])
   with pytest.raises(ValueError):
     detection.unpad_boxes(np.zeros(4), np.array([1, 1]), rounded_content=True)
   # 333x500 at S=100: resized h = round(66.6) = 67 -> y scale 100*333/67 = 497.01..
-  xyxy = detection.unpad_boxes(np.array([0.5, 0.5, 0.2, 0.2]), np.array([333, 500]),
-                               image_size=100, rounded_content=True)
+  xyxy = detection.unpad_boxes(
+    np.array([0.5, 0.5, 0.2, 0.2]), np.array([333, 500]), image_size=100, rounded_content=True
+  )
   sy = 100 * 333 / 67
   np.testing.assert_allclose(xyxy, [200, 0.4 * sy, 300, min(0.6 * sy, 333)])
 
@@ -224,26 +243,39 @@ def test_to_coco_detections_mapping_and_padding():
   labels = np.array([[0, 2], [1, 0], [2, 2]], np.int32)
   boxes = np.tile(np.array([0.5, 0.5, 0.5, 0.5], np.float32), (3, 2, 1))
   dets = detection.to_coco_detections(
-      scores, labels, boxes, image_ids=np.array([1, 2, -1]),
-      orig_sizes=np.array([[100, 200], [100, 100], [10, 10]]), category_ids=[3, 7, 11],
-      example_mask=np.array([True, False, False]))
+    scores,
+    labels,
+    boxes,
+    image_ids=np.array([1, 2, -1]),
+    orig_sizes=np.array([[100, 200], [100, 100], [10, 10]]),
+    category_ids=[3, 7, 11],
+    example_mask=np.array([True, False, False]),
+  )
   assert [d["category_id"] for d in dets] == [3, 11]  # class 0 kept, mapped to id 3
   assert all(d["image_id"] == 1 for d in dets)
   np.testing.assert_allclose(dets[0]["bbox"], [50, 50, 100, 50])  # y clipped to h=100
   assert dets[0]["score"] == pytest.approx(0.9)
   with pytest.raises(ValueError):
-    detection.to_coco_detections(scores, labels + 1, boxes, image_ids=[1, 2, 3],
-                                 orig_sizes=np.ones((3, 2)) * 10, category_ids=[3, 7, 11])
+    detection.to_coco_detections(
+      scores,
+      labels + 1,
+      boxes,
+      image_ids=[1, 2, 3],
+      orig_sizes=np.ones((3, 2)) * 10,
+      category_ids=[3, 7, 11],
+    )
 
 
 # ---------------------------------------------------------------- COCO AP
+
 
 def test_perfect_predictions_full_path_ap_one():
   coco = make_coco()
   scores, labels, boxes = gt_to_predictions(GT, IMAGES, top_k=5)
   image_ids, sizes = image_arrays(IMAGES)
-  dets = detection.to_coco_detections(scores, labels, boxes, image_ids=image_ids,
-                                      orig_sizes=sizes, category_ids=CATEGORY_IDS)
+  dets = detection.to_coco_detections(
+    scores, labels, boxes, image_ids=image_ids, orig_sizes=sizes, category_ids=CATEGORY_IDS
+  )
   # Only real predictions have score > 0; zero-score fillers are harmless extra boxes.
   dets = [d for d in dets if d["score"] > 0]
   assert len(dets) == len(GT)
@@ -256,8 +288,9 @@ def test_perfect_predictions_full_path_ap_one():
   assert math.isnan(metrics["APs"])  # no small objects -> pycocotools -1 -> NaN
   assert metrics["num_detections"] == len(GT)
   # Unfiltered (zero-score filler boxes at the end of the ranking): still AP 1.
-  all_dets = detection.to_coco_detections(scores, labels, boxes, image_ids=image_ids,
-                                          orig_sizes=sizes, category_ids=CATEGORY_IDS)
+  all_dets = detection.to_coco_detections(
+    scores, labels, boxes, image_ids=image_ids, orig_sizes=sizes, category_ids=CATEGORY_IDS
+  )
   assert len(all_dets) == 3 * 5
   assert detection.coco_evaluate(coco, all_dets)["AP"] == pytest.approx(1.0)
 
@@ -266,8 +299,9 @@ def perturbed_detections():
   """Shifted boxes, a false positive, a missing detection (image 309 label 0)."""
   scores, labels, boxes = gt_to_predictions(GT, IMAGES, top_k=5)
   image_ids, sizes = image_arrays(IMAGES)
-  dets = detection.to_coco_detections(scores, labels, boxes, image_ids=image_ids,
-                                      orig_sizes=sizes, category_ids=CATEGORY_IDS)
+  dets = detection.to_coco_detections(
+    scores, labels, boxes, image_ids=image_ids, orig_sizes=sizes, category_ids=CATEGORY_IDS
+  )
   dets = [d for d in dets if d["score"] > 0]
   out = []
   for n, d in enumerate(dets):
@@ -276,10 +310,12 @@ def perturbed_detections():
     x, y, w, h = d["bbox"]
     shift = [0.0, 0.05, 0.15, 0.3, 0.5][n % 5] * w
     out.append(dict(d, bbox=[x + shift, y, w, h]))
-  out.append({"image_id": 205, "category_id": 7, "bbox": [0.0, 0.0, 50.0, 50.0],
-              "score": 0.95})  # confident false positive
-  out.append({"image_id": 101, "category_id": 11, "bbox": [20.0, 30.0, 180.0, 130.0],
-              "score": 0.3})  # wrong class on an object of class 3
+  out.append(
+    {"image_id": 205, "category_id": 7, "bbox": [0.0, 0.0, 50.0, 50.0], "score": 0.95}
+  )  # confident false positive
+  out.append(
+    {"image_id": 101, "category_id": 11, "bbox": [20.0, 30.0, 180.0, 130.0], "score": 0.3}
+  )  # wrong class on an object of class 3
   return out
 
 
@@ -326,8 +362,7 @@ def test_empty_detections_give_zero_ap():
 def test_subset_of_images_and_categories_and_per_category():
   coco = make_coco()
   dets = perturbed_detections()
-  metrics = detection.coco_evaluate(coco, dets, image_ids=[101], cat_ids=[3, 11],
-                                    per_category=True)
+  metrics = detection.coco_evaluate(coco, dets, image_ids=[101], cat_ids=[3, 11], per_category=True)
   with contextlib.redirect_stdout(io.StringIO()):
     ev = COCOeval(coco, coco.loadRes([dict(d) for d in dets]), "bbox")
     ev.params.imgIds = [101]
@@ -343,8 +378,9 @@ def test_subset_of_images_and_categories_and_per_category():
 
 def test_unknown_image_id_raises():
   with pytest.raises(ValueError):
-    detection.coco_evaluate(make_coco(), [{"image_id": 999, "category_id": 3,
-                                           "bbox": [0, 0, 1, 1], "score": 1.0}])
+    detection.coco_evaluate(
+      make_coco(), [{"image_id": 999, "category_id": 3, "bbox": [0, 0, 1, 1], "score": 1.0}]
+    )
 
 
 def test_coco_evaluate_prints_nothing(capsys):
@@ -354,19 +390,24 @@ def test_coco_evaluate_prints_nothing(capsys):
 
 # ---------------------------------------------------------------- driver
 
+
 def make_batches(images, gt, batch_size, top_k):
   """Fake batches (padding example in the last one) + fake predictions keyed by image id."""
   scores, labels, boxes = gt_to_predictions(gt, images, top_k)
   preds = {img: (scores[b], labels[b], boxes[b]) for b, (img, _, _) in enumerate(images)}
   batches = []
   for start in range(0, len(images), batch_size):
-    chunk = images[start:start + batch_size]
+    chunk = images[start : start + batch_size]
     pad = batch_size - len(chunk)
     ids = [i for i, _, _ in chunk] + [-1] * pad
     sizes = [[h, w] for _, h, w in chunk] + [[1, 1]] * pad
-    batches.append({"image_id": np.array(ids, np.int64),
-                    "orig_size": np.array(sizes, np.int32),
-                    "example_mask": np.array([True] * len(chunk) + [False] * pad)})
+    batches.append(
+      {
+        "image_id": np.array(ids, np.int64),
+        "orig_size": np.array(sizes, np.int32),
+        "example_mask": np.array([True] * len(chunk) + [False] * pad),
+      }
+    )
   return batches, preds
 
 
@@ -377,17 +418,23 @@ def test_evaluate_source_with_fake_predict_fn():
 
   def predict_fn(batch):
     calls.append(batch["image_id"].tolist())
-    out = [preds.get(int(i), (np.zeros(4), np.zeros(4, np.int32), np.zeros((4, 4))))
-           for i in batch["image_id"]]
+    out = [
+      preds.get(int(i), (np.zeros(4), np.zeros(4, np.int32), np.zeros((4, 4))))
+      for i in batch["image_id"]
+    ]
     # The padding example predicts garbage with high scores: must be ignored.
     s = np.stack([o[0] for o in out]).astype(np.float32)
     s[batch["image_id"] < 0] = 1.0
-    return (jax.numpy.asarray(s), jax.numpy.asarray(np.stack([o[1] for o in out])),
-            jax.numpy.asarray(np.stack([o[2] for o in out]).astype(np.float32)))
+    return (
+      jax.numpy.asarray(s),
+      jax.numpy.asarray(np.stack([o[1] for o in out])),
+      jax.numpy.asarray(np.stack([o[2] for o in out]).astype(np.float32)),
+    )
 
   source = types.SimpleNamespace(coco=coco, category_ids=CATEGORY_IDS, name="fake")
-  result = detection.evaluate_source(predict_fn, source, batches, progress=False,
-                                     return_detections=True, desc="eval fake @ stage 0")
+  result = detection.evaluate_source(
+    predict_fn, source, batches, progress=False, return_detections=True, desc="eval fake @ stage 0"
+  )
   assert len(calls) == 2
   assert result["AP"] == pytest.approx(1.0)
   assert result["num_images"] == 3
@@ -397,8 +444,9 @@ def test_evaluate_source_with_fake_predict_fn():
   partial = detection.evaluate_source(predict_fn, source, batches[:1], progress=False)
   assert partial["num_images"] == 2 and partial["AP"] == pytest.approx(1.0)
   # Same, scored on every image of the set: the unseen image's objects are misses.
-  full = detection.evaluate_source(predict_fn, source, batches[:1], progress=False,
-                                   restrict_to_seen_images=False)
+  full = detection.evaluate_source(
+    predict_fn, source, batches[:1], progress=False, restrict_to_seen_images=False
+  )
   assert full["AP"] < 1.0
   empty = detection.evaluate_source(predict_fn, source, [], progress=False)
   assert empty["num_images"] == 0 and math.isnan(empty["AP"])
@@ -427,8 +475,9 @@ def test_make_predict_fn_end_to_end():
     return {"pred_logits": logits, "pred_boxes": boxes_pred}
 
   for multi_label in (True, False):
-    predict_fn = detection.make_predict_fn(outputs_fn, top_k=top_k, multi_label=multi_label,
-                                           batch_keys=("logits", "boxes_pred"))
+    predict_fn = detection.make_predict_fn(
+      outputs_fn, top_k=top_k, multi_label=multi_label, batch_keys=("logits", "boxes_pred")
+    )
     source = types.SimpleNamespace(coco=coco, category_ids=CATEGORY_IDS, name="fake")
     result = detection.evaluate_source(predict_fn, source, batches, progress=False)
     assert result["AP"] == pytest.approx(1.0), multi_label

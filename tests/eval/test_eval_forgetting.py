@@ -8,11 +8,13 @@ import pytest
 from owl_cl.eval import forgetting as fl
 
 # Stages: 0 = pre-trained, 1 = after D1, 2 = after D2. Columns: P (pre-training set), D1, D2.
-A = np.array([
+A = np.array(
+  [
     [0.50, 0.10, 0.20],
     [0.30, 0.60, 0.25],
     [0.20, 0.40, 0.70],
-])
+  ]
+)
 TRAINED_AT = [0, 1, 2]
 
 
@@ -63,10 +65,9 @@ def test_nan_safety():
 
 def test_accuracy_matrix_forms_and_trained_at():
   stages = [
-      {"name": "pretrained", "metrics": {"P": {"AP": 0.5}, "D1": {"AP": 0.1},
-                                         "D2": {"AP": 0.2}}},
-      {"name": "D1", "metrics": {"P": {"AP": 0.3}, "D1": {"AP": 0.6}, "D2": {"AP": 0.25}}},
-      {"name": "D2", "metrics": {"P": {"AP": 0.2}, "D1": {"AP": 0.4}, "D2": {"AP": 0.7}}},
+    {"name": "pretrained", "metrics": {"P": {"AP": 0.5}, "D1": {"AP": 0.1}, "D2": {"AP": 0.2}}},
+    {"name": "D1", "metrics": {"P": {"AP": 0.3}, "D1": {"AP": 0.6}, "D2": {"AP": 0.25}}},
+    {"name": "D2", "metrics": {"P": {"AP": 0.2}, "D1": {"AP": 0.4}, "D2": {"AP": 0.7}}},
   ]
   M, names, sets = fl.accuracy_matrix(stages)
   np.testing.assert_allclose(M, A)
@@ -79,10 +80,12 @@ def test_accuracy_matrix_forms_and_trained_at():
   assert math.isnan(M3[1, 0])
   np.testing.assert_array_equal(fl.trained_at_from_names(names, sets), [0, 1, 2])
   np.testing.assert_array_equal(
-      fl.trained_at_from_names(names, ["P", "d1_test"], downstream={"d1_test": "D1"}), [0, 1])
+    fl.trained_at_from_names(names, ["P", "d1_test"], downstream={"d1_test": "D1"}), [0, 1]
+  )
   # A downstream set whose stage has not run yet counts as not trained.
   np.testing.assert_array_equal(
-      fl.trained_at_from_names(names[:2], sets, downstream=["D1", "D2"]), [0, 1, 0])
+    fl.trained_at_from_names(names[:2], sets, downstream=["D1", "D2"]), [0, 1, 0]
+  )
 
 
 def test_summary_and_errors():

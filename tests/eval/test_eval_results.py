@@ -16,23 +16,50 @@ def metrics(ap, ap50, **extra):
 
 def make_results(run_id="run-a", algorithm="swil", final_shift=0.0, n_stages=3):
   stages = [
-      {"name": "pretrained", "metrics": {
-          "o365": metrics(0.242, 0.35), "lvis": metrics(0.290, 0.40, APr=0.238),
-          "D1": metrics(0.10, 0.20), "D2": metrics(0.14, 0.30)}},
-      {"name": "D1", "wall_time_s": 60.0, "metrics": {
-          "o365": metrics(0.230, 0.33), "lvis": metrics(0.270, 0.38, APr=0.220),
-          "D1": metrics(0.60, 0.80), "D2": metrics(0.20, 0.32)}},
-      {"name": "D2", "wall_time_s": 70.0, "metrics": {
-          "o365": metrics(0.225 + final_shift, 0.32), "lvis": metrics(0.249, 0.36, APr=0.216),
-          "D1": metrics(0.40, 0.70), "D2": metrics(0.71, 0.90)}},
+    {
+      "name": "pretrained",
+      "metrics": {
+        "o365": metrics(0.242, 0.35),
+        "lvis": metrics(0.290, 0.40, APr=0.238),
+        "D1": metrics(0.10, 0.20),
+        "D2": metrics(0.14, 0.30),
+      },
+    },
+    {
+      "name": "D1",
+      "wall_time_s": 60.0,
+      "metrics": {
+        "o365": metrics(0.230, 0.33),
+        "lvis": metrics(0.270, 0.38, APr=0.220),
+        "D1": metrics(0.60, 0.80),
+        "D2": metrics(0.20, 0.32),
+      },
+    },
+    {
+      "name": "D2",
+      "wall_time_s": 70.0,
+      "metrics": {
+        "o365": metrics(0.225 + final_shift, 0.32),
+        "lvis": metrics(0.249, 0.36, APr=0.216),
+        "D1": metrics(0.40, 0.70),
+        "D2": metrics(0.71, 0.90),
+      },
+    },
   ][:n_stages]
   return {
-      "run_id": run_id, "algorithm": algorithm, "config": {"lr": 1e-5, "arr": np.arange(2)},
-      "seed": 3, "sequence": ["D1", "D2"], "wall_times": {"total": 7200.0},
-      "roles": {"pretrain": "o365", "open_vocab": "lvis",
-                "held_out": {"eval_set": "lvis", "AP": "APr", "AP50": None},
-                "downstream": ["D1", "D2"]},
-      "stages": stages,
+    "run_id": run_id,
+    "algorithm": algorithm,
+    "config": {"lr": 1e-5, "arr": np.arange(2)},
+    "seed": 3,
+    "sequence": ["D1", "D2"],
+    "wall_times": {"total": 7200.0},
+    "roles": {
+      "pretrain": "o365",
+      "open_vocab": "lvis",
+      "held_out": {"eval_set": "lvis", "AP": "APr", "AP50": None},
+      "downstream": ["D1", "D2"],
+    },
+    "stages": stages,
   }
 
 
@@ -138,8 +165,9 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
 def test_merge_results_tables(tmp_path):
   paths = []
-  for n, (run_id, algo, shift) in enumerate([("a1", "no_replay", -0.2), ("b1", "swil", 0.0),
-                                             ("b2", "swil", 0.01)]):
+  for n, (run_id, algo, shift) in enumerate(
+    [("a1", "no_replay", -0.2), ("b1", "swil", 0.0), ("b2", "swil", 0.01)]
+  ):
     workdir = str(tmp_path / run_id)
     rl.write_results(workdir, make_results(run_id=run_id, algorithm=algo, final_shift=shift))
     paths.append(workdir if n % 2 else os.path.join(workdir, "results.json"))
@@ -178,8 +206,9 @@ def test_missing_values_render_as_dash(tmp_path):
   assert final["summary"]["final"]["pretrain_AP"] is None
   md = open(os.path.join(tmp_path, "results.md")).read()
   assert "| swil | - | 24.9 | 21.6 | - |" in md
-  assert math.isnan(rl.table3_row(r["stages"][2], rl.finalize_results(r)["roles"])
-                    ["downstream_mean_AP"])
+  assert math.isnan(
+    rl.table3_row(r["stages"][2], rl.finalize_results(r)["roles"])["downstream_mean_AP"]
+  )
 
 
 def test_eval_sets_alias_extra_keys_and_hidden_columns(tmp_path):
@@ -197,8 +226,10 @@ def test_eval_sets_alias_extra_keys_and_hidden_columns(tmp_path):
   assert final["roles"]["open_vocab"]["eval_set"] is None
   assert final["summary"]["final"]["held_out_AP"] == pytest.approx(0.249)
   md = open(os.path.join(tmp_path, "results.md")).read()
-  assert ("| Algorithm | O365 stand-in (`o365`) | LVIS stand-in / held-out (rare) (`lvis`) | "
-          "ODinW stand-in mean (2 sets) |") in md
+  assert (
+    "| Algorithm | O365 stand-in (`o365`) | LVIS stand-in / held-out (rare) (`lvis`) | "
+    "ODinW stand-in mean (2 sets) |"
+  ) in md
   assert "| swil | 22.5 | 24.9 | 55.5 |" in md
   assert "- wall time: 1.00 h" in md and "- status: complete" in md
   merged = rl.merge_results_tables([str(tmp_path)])

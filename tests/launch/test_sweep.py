@@ -15,8 +15,18 @@ sweep = importlib.util.module_from_spec(_spec)
 sys.modules["launch_sweep"] = sweep  # dataclasses look the module up
 _spec.loader.exec_module(sweep)
 
-ALGORITHMS = ["a_sw_grasp", "aser", "aser_pc", "grasp", "no_replay", "sw_aser_pc", "sw_grasp",
-              "swil", "uniform", "uniform_balanced"]
+ALGORITHMS = [
+  "a_sw_grasp",
+  "aser",
+  "aser_pc",
+  "grasp",
+  "no_replay",
+  "sw_aser_pc",
+  "sw_grasp",
+  "swil",
+  "uniform",
+  "uniform_balanced",
+]
 
 
 def test_known_algorithms_are_the_configs():
@@ -24,37 +34,61 @@ def test_known_algorithms_are_the_configs():
 
 
 def test_exact_commands_small_grid(capsys):
-  assert sweep.main(["--algorithms=swil,no_replay", "--seeds=0,2", "--root=/w",
-                     "--set", "replay.dedup=epoch,dataset"]) == 0
+  assert (
+    sweep.main(
+      [
+        "--algorithms=swil,no_replay",
+        "--seeds=0,2",
+        "--root=/w",
+        "--set",
+        "replay.dedup=epoch,dataset",
+      ]
+    )
+    == 0
+  )
   lines = capsys.readouterr().out.splitlines()
   expected = []
   for algorithm in ("swil", "no_replay"):
     for seed in (0, 2):
       for dedup in ("epoch", "dataset"):
         expected.append(
-            f"python -m owl_cl.main --config=configs/{algorithm}.py "
-            f"--workdir=/w/{algorithm}_seed{seed}_replay.dedup={dedup} "
-            f"--config.sequence_seed={seed} --config.replay.dedup={dedup}")
+          f"python -m owl_cl.main --config=configs/{algorithm}.py "
+          f"--workdir=/w/{algorithm}_seed{seed}_replay.dedup={dedup} "
+          f"--config.sequence_seed={seed} --config.replay.dedup={dedup}"
+        )
   assert lines == expected
   # Deterministic, and the argv round-trips through the shell quoting.
-  tasks = sweep.build_sweep(["swil", "no_replay"], [0, 2], root="/w",
-                            grid=[("replay.dedup", ["epoch", "dataset"])])
+  tasks = sweep.build_sweep(
+    ["swil", "no_replay"], [0, 2], root="/w", grid=[("replay.dedup", ["epoch", "dataset"])]
+  )
   assert [t.command for t in tasks] == expected
   assert all(shlex.split(t.command) == list(t.argv) for t in tasks)
 
 
 def test_paper_fixed_and_bracket_values():
   tasks = sweep.build_sweep(
-      ["aser"], [1], root="runs", paper=True,
-      grid=[sweep.parse_assignment("data.augment.mosaic_sizes=(1,),(1,2,3)", multiple=True),
-            sweep.parse_assignment("config.replay.aser.knn_k=10,20", multiple=True)],
-      fixed=[("data.root", "/my data")])
+    ["aser"],
+    [1],
+    root="runs",
+    paper=True,
+    grid=[
+      sweep.parse_assignment("data.augment.mosaic_sizes=(1,),(1,2,3)", multiple=True),
+      sweep.parse_assignment("config.replay.aser.knn_k=10,20", multiple=True),
+    ],
+    fixed=[("data.root", "/my data")],
+  )
   assert len(tasks) == 4
   assert tasks[1].argv == (
-      "python", "-m", "owl_cl.main", "--config=configs/aser.py:paper",
-      "--workdir=runs/aser_seed1_data.augment.mosaic_sizes=-1,-_replay.aser.knn_k=20",
-      "--config.sequence_seed=1", "--config.data.augment.mosaic_sizes=(1,)",
-      "--config.replay.aser.knn_k=20", "--config.data.root=/my data")
+    "python",
+    "-m",
+    "owl_cl.main",
+    "--config=configs/aser.py:paper",
+    "--workdir=runs/aser_seed1_data.augment.mosaic_sizes=-1,-_replay.aser.knn_k=20",
+    "--config.sequence_seed=1",
+    "--config.data.augment.mosaic_sizes=(1,)",
+    "--config.replay.aser.knn_k=20",
+    "--config.data.root=/my data",
+  )
   assert "'--config.data.root=/my data'" in tasks[1].command
   workdirs = [t.workdir for t in tasks]
   assert len(set(workdirs)) == len(workdirs)
@@ -65,8 +99,9 @@ def test_paper_fixed_and_bracket_values():
 
 
 def test_workdirs_unique_and_refusals():
-  tasks = sweep.build_sweep(ALGORITHMS, [0, 1, 2], grid=[("replay.ratio", ["0.5", "1.0"])],
-                            check_fields=False)
+  tasks = sweep.build_sweep(
+    ALGORITHMS, [0, 1, 2], grid=[("replay.ratio", ["0.5", "1.0"])], check_fields=False
+  )
   assert len(tasks) == 10 * 3 * 2 == len({t.workdir for t in tasks})
   with pytest.raises(ValueError) as e:
     sweep.build_sweep(["swil", "sweel"], [0])
@@ -103,15 +138,29 @@ def test_task_file_and_sbatch_reads_its_line(tmp_path, capsys):
   # The array script runs line TASK_ID + 1 of the task file (here harmless echo commands).
   tasks = tmp_path / "echo.tasks"
   tasks.write_text("echo first\necho 'second task' $XLA_PYTHON_CLIENT_MEM_FRACTION\n")
-  env = dict(os.environ, SLURM_ARRAY_TASK_ID="1", OWL_CL_REPO=str(tmp_path),
-             OWL_CL_VENV=str(tmp_path / "no_venv"), PATH="/usr/bin:/bin")
+  env = dict(
+    os.environ,
+    SLURM_ARRAY_TASK_ID="1",
+    OWL_CL_REPO=str(tmp_path),
+    OWL_CL_VENV=str(tmp_path / "no_venv"),
+    PATH="/usr/bin:/bin",
+  )
   env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
-  out = subprocess.run(["bash", os.path.join(LAUNCH, "slurm_gpu.sbatch"), str(tasks)], env=env,
-                       capture_output=True, text=True, check=True).stdout
+  out = subprocess.run(
+    ["bash", os.path.join(LAUNCH, "slurm_gpu.sbatch"), str(tasks)],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
   assert out.splitlines()[-1] == "second task 0.90"
   env["SLURM_ARRAY_TASK_ID"] = "5"
-  bad = subprocess.run(["bash", os.path.join(LAUNCH, "slurm_gpu.sbatch"), str(tasks)], env=env,
-                       capture_output=True, text=True)
+  bad = subprocess.run(
+    ["bash", os.path.join(LAUNCH, "slurm_gpu.sbatch"), str(tasks)],
+    env=env,
+    capture_output=True,
+    text=True,
+  )
   assert bad.returncode == 2 and "no line 6" in bad.stderr
 
 
@@ -122,19 +171,28 @@ def test_scripts_syntax(script):
 
 def test_tpu_vm_dry_run_adds_distributed():
   env = dict(os.environ, DRY_RUN="1", TPU_PROJECT="proj")
-  cmd = [os.path.join(LAUNCH, "tpu_vm.sh"), "my-tpu", "us-central2-b", "--", "python", "-m",
-         "owl_cl.main", "--config=configs/swil.py:paper", "--workdir=/mnt/w s"]
-  out = subprocess.run(["bash"] + cmd, env=env, capture_output=True, text=True,
-                       check=True).stdout
+  cmd = [
+    os.path.join(LAUNCH, "tpu_vm.sh"),
+    "my-tpu",
+    "us-central2-b",
+    "--",
+    "python",
+    "-m",
+    "owl_cl.main",
+    "--config=configs/swil.py:paper",
+    "--workdir=/mnt/w s",
+  ]
+  out = subprocess.run(["bash"] + cmd, env=env, capture_output=True, text=True, check=True).stdout
   argv = shlex.split(out)
   assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu"]
   assert "--zone=us-central2-b" in argv and "--worker=all" in argv
   assert "--project=proj" in argv
-  remote = [a for a in argv if a.startswith("--command=")][0][len("--command="):]
+  remote = [a for a in argv if a.startswith("--command=")][0][len("--command=") :]
   assert remote.startswith("cd ~/owl_cl && python -m owl_cl.main")
   assert shlex.split(remote.split("&& ", 1)[1])[-2:] == ["--workdir=/mnt/w s", "--distributed"]
-  with_flag = subprocess.run(["bash"] + cmd + ["--distributed"], env=env, capture_output=True,
-                             text=True, check=True).stdout
+  with_flag = subprocess.run(
+    ["bash"] + cmd + ["--distributed"], env=env, capture_output=True, text=True, check=True
+  ).stdout
   assert with_flag.count("--distributed") == 1
   usage = subprocess.run(["bash", cmd[0], "my-tpu"], env=env, capture_output=True, text=True)
   assert usage.returncode == 2 and "usage" in usage.stderr

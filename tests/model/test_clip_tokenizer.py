@@ -14,8 +14,12 @@ import numpy as np
 import pytest
 
 from owl_cl.model import clip_tokenizer
-from owl_cl.model.clip_tokenizer import ClipTokenizer, bytes_to_unicode, load_vocabulary
-from owl_cl.model.tokenizer import canonicalize_label, get_tokenizer, known_tokenizers
+from owl_cl.model.clip_tokenizer import ClipTokenizer
+from owl_cl.model.clip_tokenizer import bytes_to_unicode
+from owl_cl.model.clip_tokenizer import load_vocabulary
+from owl_cl.model.tokenizer import canonicalize_label
+from owl_cl.model.tokenizer import get_tokenizer
+from owl_cl.model.tokenizer import known_tokenizers
 
 MERGES = [("d", "o"), ("do", "g</w>"), ("c", "a"), ("ca", "t</w>"), ("h", "o"), ("ho", "t</w>")]
 DO, DOG, CA, CAT, HO, HOT = 512, 513, 514, 515, 516, 517
@@ -48,15 +52,18 @@ def _write_hf(folder, merges=MERGES):
   folder.mkdir(parents=True, exist_ok=True)
   (folder / "vocab.json").write_text(json.dumps(_vocab_dict(merges)), encoding="utf-8")
   (folder / "merges.txt").write_text(
-      "#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n", encoding="utf-8")
+    "#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n", encoding="utf-8"
+  )
   return str(folder)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
   root = tmp_path_factory.mktemp("clip_vocab")
-  return {"openai": _write_openai(root / "bpe_simple_vocab_16e6.txt.gz"),
-          "hf": _write_hf(root / "hf_checkpoint")}
+  return {
+    "openai": _write_openai(root / "bpe_simple_vocab_16e6.txt.gz"),
+    "hf": _write_hf(root / "hf_checkpoint"),
+  }
 
 
 def _reference_bpe_ids(text, vocab, merges):
@@ -67,8 +74,9 @@ def _reference_bpe_ids(text, vocab, merges):
   for piece in re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", text):
     word = list(piece[:-1]) + [piece[-1] + "</w>"]
     while len(word) > 1:
-      pairs = [(ranks.get((a, b), float("inf")), i) for i, (a, b) in
-               enumerate(zip(word[:-1], word[1:]))]
+      pairs = [
+        (ranks.get((a, b), float("inf")), i) for i, (a, b) in enumerate(zip(word[:-1], word[1:]))
+      ]
       rank, _ = min(pairs)
       if rank == float("inf"):
         break
@@ -107,17 +115,20 @@ def test_openai_vocabulary_layout(files):
   assert clip_tokenizer.OPENAI_NUM_MERGES == 48894
 
 
-@pytest.mark.parametrize("text,ids", [
+@pytest.mark.parametrize(
+  "text,ids",
+  [
     ("a dog", [SOT, char_end("a"), DOG, EOT]),
     ("hot-dog", [SOT, HOT, char_end("-"), DOG, EOT]),
-    ("cats", [SOT, CA, char("t"), char_end("s"), EOT]),     # (ca, t) is no merge
-    ("Dog 2", [SOT, DOG, char_end("2"), EOT]),              # canonicalised, digit alone
-    ("doho", [SOT, DO, char("h"), char_end("o"), EOT]),      # (h, o</w>) is no merge
+    ("cats", [SOT, CA, char("t"), char_end("s"), EOT]),  # (ca, t) is no merge
+    ("Dog 2", [SOT, DOG, char_end("2"), EOT]),  # canonicalised, digit alone
+    ("doho", [SOT, DO, char("h"), char_end("o"), EOT]),  # (h, o</w>) is no merge
     ("odd", [SOT, char("o"), char("d"), char_end("d"), EOT]),
-    ("Hot_Cat!", [SOT, HOT, CAT, EOT]),                       # '_', '!' -> space
-    ("12", [SOT, char_end("1"), char_end("2"), EOT]),        # digits split one by one
+    ("Hot_Cat!", [SOT, HOT, CAT, EOT]),  # '_', '!' -> space
+    ("12", [SOT, char_end("1"), char_end("2"), EOT]),  # digits split one by one
     ("", [SOT, EOT]),
-])
+  ],
+)
 def test_hand_worked_ids(files, text, ids):
   tok = ClipTokenizer(files["openai"])
   out = tok.encode([text])
@@ -140,11 +151,11 @@ def test_special_tokens_and_properties(files):
 
 def test_truncation_loses_eot_like_scenic(files):
   tok = ClipTokenizer(files["openai"])
-  fourteen = tok.encode([" ".join(["dog"] * 14)])[0]   # 1 + 14 + 1 = 16: EOT kept
+  fourteen = tok.encode([" ".join(["dog"] * 14)])[0]  # 1 + 14 + 1 = 16: EOT kept
   np.testing.assert_array_equal(fourteen, [SOT] + [DOG] * 14 + [EOT])
-  fifteen = tok.encode([" ".join(["dog"] * 15)])[0]    # scenic: tokens[:16], no EOT
+  fifteen = tok.encode([" ".join(["dog"] * 15)])[0]  # scenic: tokens[:16], no EOT
   np.testing.assert_array_equal(fifteen, [SOT] + [DOG] * 15)
-  many = tok.encode([" ".join(["cats"] * 9)])[0]       # 27 BPE tokens, cut mid-word
+  many = tok.encode([" ".join(["cats"] * 9)])[0]  # 27 BPE tokens, cut mid-word
   np.testing.assert_array_equal(many, [SOT] + [CA, char("t"), char_end("s")] * 5)
   short = ClipTokenizer(files["openai"], context_length=4).encode(["a dog", "hot dog cat"])
   np.testing.assert_array_equal(short, [[SOT, char_end("a"), DOG, EOT], [SOT, HOT, DOG, CAT]])
@@ -153,10 +164,14 @@ def test_truncation_loses_eot_like_scenic(files):
 def test_padding_is_zero(files):
   tok = ClipTokenizer(files["openai"], context_length=8)
   out = tok.encode(["a", "dog cat hot", ""])
-  np.testing.assert_array_equal(out, [
+  np.testing.assert_array_equal(
+    out,
+    [
       [SOT, char_end("a"), EOT, 0, 0, 0, 0, 0],
       [SOT, DOG, CAT, HOT, EOT, 0, 0, 0],
-      [SOT, EOT, 0, 0, 0, 0, 0, 0]])
+      [SOT, EOT, 0, 0, 0, 0, 0, 0],
+    ],
+  )
 
 
 def test_canonicalisation_before_tokenising(files):
@@ -174,8 +189,16 @@ def test_hf_and_openai_loaders_agree(files):
   v_hf, m_hf, _ = load_vocabulary(files["hf"])
   v_json, m_json, _ = load_vocabulary(files["hf"] + "/vocab.json")
   assert v_openai == v_hf == v_json and m_openai == m_hf == m_json
-  texts = ["a dog", "hot-dog cats", "odd doho 42", "a photo of the small cat",
-           "itap of a hot dog.", " ".join(["dog"] * 20), "", "#1 dad"]
+  texts = [
+    "a dog",
+    "hot-dog cats",
+    "odd doho 42",
+    "a photo of the small cat",
+    "itap of a hot dog.",
+    " ".join(["dog"] * 20),
+    "",
+    "#1 dad",
+  ]
   a = ClipTokenizer(files["openai"]).encode(texts)
   b = get_tokenizer("clip", vocab_path=files["hf"]).encode(texts)
   np.testing.assert_array_equal(a, b)

@@ -1,4 +1,5 @@
 """Shared fixtures of the replay tests: small random buffers."""
+
 import jax
 import numpy as np
 import pytest
@@ -14,11 +15,12 @@ def random_buffer(seed=0, n=24, c=6, k=3, e=8, min_members=2):
   for cls in range(c):
     membership[rng.choice(n, min_members, replace=False), cls] = True
   return state_lib.make_replay_buffer(
-      membership,
-      rng.normal(size=(c, e)).astype(np.float32),
-      np.where(membership, rng.random((n, c)), np.inf).astype(np.float32),
-      rng.normal(size=(n, k, e)).astype(np.float32),
-      rng.normal(size=(n, k, e)).astype(np.float32))
+    membership,
+    rng.normal(size=(c, e)).astype(np.float32),
+    np.where(membership, rng.random((n, c)), np.inf).astype(np.float32),
+    rng.normal(size=(n, k, e)).astype(np.float32),
+    rng.normal(size=(n, k, e)).astype(np.float32),
+  )
 
 
 @pytest.fixture

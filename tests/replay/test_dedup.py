@@ -1,4 +1,5 @@
 """Tests of owl_cl.replay.dedup (SPEC §8) through the retrieval algorithms."""
+
 import logging
 
 import jax
@@ -9,25 +10,25 @@ from owl_cl.replay import algorithms
 from owl_cl.replay import dedup
 from owl_cl.replay import state as state_lib
 
-ALGOS = ('uniform', 'uniform_balanced', 'swil')
+ALGOS = ("uniform", "uniform_balanced", "swil")
 
 
 def _features(seed, b=4, k=3, e=8):
-  return {'class_embeddings': np.random.default_rng(seed).normal(size=(b, k, e)).astype(np.float32)}
+  return {"class_embeddings": np.random.default_rng(seed).normal(size=(b, k, e)).astype(np.float32)}
 
 
 def test_schedule_validation_and_events():
-  with pytest.raises(ValueError, match='known'):
-    dedup.DedupSchedule('sometimes')
+  with pytest.raises(ValueError, match="known"):
+    dedup.DedupSchedule("sometimes")
   with pytest.raises(ValueError):
-    dedup.DedupSchedule('dataset', fraction=0.3)
-  assert dedup.as_schedule('epoch').resets_on('epoch')
-  assert dedup.as_schedule('epoch').resets_on('dataset')
-  assert not dedup.as_schedule('dataset').resets_on('epoch')
-  assert dedup.as_schedule('dataset').resets_on('dataset')
-  assert not dedup.as_schedule('none').resets_on('dataset')
+    dedup.DedupSchedule("dataset", fraction=0.3)
+  assert dedup.as_schedule("epoch").resets_on("epoch")
+  assert dedup.as_schedule("epoch").resets_on("dataset")
+  assert not dedup.as_schedule("dataset").resets_on("epoch")
+  assert dedup.as_schedule("dataset").resets_on("dataset")
+  assert not dedup.as_schedule("none").resets_on("dataset")
   with pytest.raises(ValueError):
-    dedup.reset_if(state_lib.init_replay_state(3, jax.random.PRNGKey(0)), 'step', 'epoch')
+    dedup.reset_if(state_lib.init_replay_state(3, jax.random.PRNGKey(0)), "step", "epoch")
 
 
 def test_mark_and_reset():
@@ -35,23 +36,23 @@ def test_mark_and_reset():
   s = jax.jit(dedup.mark_replayed)(s, np.array([1, 3, 1]), np.array([True, False, True]))
   np.testing.assert_array_equal(np.asarray(s.dedup_mask), [0, 1, 0, 0, 0])
   assert int(s.num_replayed) == 2 and int(s.total_replayed) == 2
-  s_none = dedup.mark_replayed(s, np.array([0]), np.array([True]), 'none')
+  s_none = dedup.mark_replayed(s, np.array([0]), np.array([True]), "none")
   np.testing.assert_array_equal(np.asarray(s_none.dedup_mask), [0, 1, 0, 0, 0])
   assert int(s_none.total_replayed) == 3
-  assert dedup.reset_if(s, 'epoch', 'dataset') is s
-  r = dedup.reset_if(s, 'epoch', 'epoch')
+  assert dedup.reset_if(s, "epoch", "dataset") is s
+  r = dedup.reset_if(s, "epoch", "epoch")
   assert not np.asarray(r.dedup_mask).any() and int(r.num_resets) == 1
   assert int(r.num_replayed) == 0 and int(r.total_replayed) == 2
-  r = dedup.reset_if(s, 'dataset', 'dataset')
+  r = dedup.reset_if(s, "dataset", "dataset")
   assert not np.asarray(r.dedup_mask).any()
-  assert dedup.reset_if(s, 'dataset', 'none') is s
+  assert dedup.reset_if(s, "dataset", "none") is s
 
 
-@pytest.mark.parametrize('name', ALGOS)
+@pytest.mark.parametrize("name", ALGOS)
 def test_dataset_schedule_never_repeats_until_exhausted(name, make_buffer, caplog):
   n, num = 24, 4
   buffer = make_buffer(seed=3, n=n)
-  algo = jax.jit(algorithms.get_algorithm(name, dedup='dataset'), static_argnums=3)
+  algo = jax.jit(algorithms.get_algorithm(name, dedup="dataset"), static_argnums=3)
   s = state_lib.init_replay_state(n, jax.random.PRNGKey(7))
   seen = []
   for step in range(n // num):
@@ -59,7 +60,7 @@ def test_dataset_schedule_never_repeats_until_exhausted(name, make_buffer, caplo
     assert np.asarray(valid).all() and not bool(s.auto_reset)
     assert not dedup.check_auto_reset(s)
     seen += np.asarray(idx).tolist()
-  assert sorted(seen) == list(range(n))                  # each image exactly once
+  assert sorted(seen) == list(range(n))  # each image exactly once
   assert np.asarray(s.dedup_mask).all() and int(s.num_replayed) == n
   # the buffer is exhausted: the next call resets automatically and warns on the host.
   idx, valid, s = algo(s, buffer, _features(99), num)
@@ -67,9 +68,9 @@ def test_dataset_schedule_never_repeats_until_exhausted(name, make_buffer, caplo
   assert int(s.num_resets) == 1 and int(s.num_replayed) == num
   with caplog.at_level(logging.WARNING):
     assert dedup.check_auto_reset(s)
-  assert 'exhausted' in caplog.text
+  assert "exhausted" in caplog.text
   # scheduled reset at the dataset boundary.
-  s = dedup.reset_if(s, 'dataset', 'dataset')
+  s = dedup.reset_if(s, "dataset", "dataset")
   assert not np.asarray(s.dedup_mask).any() and int(s.num_resets) == 2
 
 
@@ -77,7 +78,7 @@ def test_dataset_schedule_partial_cycle(make_buffer):
   """N not a multiple of the batch: unique until fewer than `num` remain, then reset."""
   n, num = 10, 4
   buffer = make_buffer(seed=4, n=n, c=4)
-  algo = jax.jit(algorithms.get_algorithm('uniform_balanced', dedup='dataset'), static_argnums=3)
+  algo = jax.jit(algorithms.get_algorithm("uniform_balanced", dedup="dataset"), static_argnums=3)
   s = state_lib.init_replay_state(n, jax.random.PRNGKey(1))
   first = []
   for _ in range(2):
@@ -88,18 +89,18 @@ def test_dataset_schedule_partial_cycle(make_buffer):
   assert bool(s.auto_reset) and np.asarray(valid).all() and len(set(np.asarray(idx).tolist())) == 4
 
 
-@pytest.mark.parametrize('name', ALGOS)
+@pytest.mark.parametrize("name", ALGOS)
 def test_none_schedule_allows_repeats(name, make_buffer):
   n, num = 6, 4
   buffer = make_buffer(seed=5, n=n, c=3, min_members=1)
-  algo = jax.jit(algorithms.get_algorithm(name, dedup='none'), static_argnums=3)
+  algo = jax.jit(algorithms.get_algorithm(name, dedup="none"), static_argnums=3)
   s = state_lib.init_replay_state(n, jax.random.PRNGKey(2))
   seen = []
   for step in range(6):
     idx, valid, s = algo(s, buffer, _features(step), num)
     assert np.asarray(valid).all()
     seen += np.asarray(idx).tolist()
-  assert len(seen) > len(set(seen))                      # repeats happen
+  assert len(seen) > len(set(seen))  # repeats happen
   assert not np.asarray(s.dedup_mask).any() and int(s.num_resets) == 0
   assert int(s.total_replayed) == 24 and not bool(s.auto_reset)
 
@@ -107,14 +108,14 @@ def test_none_schedule_allows_repeats(name, make_buffer):
 def test_epoch_schedule_resets_each_epoch(make_buffer):
   n, num = 12, 4
   buffer = make_buffer(seed=6, n=n, c=3)
-  algo = jax.jit(algorithms.get_algorithm('uniform', dedup='epoch'), static_argnums=3)
+  algo = jax.jit(algorithms.get_algorithm("uniform", dedup="epoch"), static_argnums=3)
   s = state_lib.init_replay_state(n, jax.random.PRNGKey(3))
-  for _ in range(2):                                      # two epochs of 2 steps each
+  for _ in range(2):  # two epochs of 2 steps each
     seen = []
     for _ in range(2):
       idx, _, s = algo(s, buffer, {}, num)
       seen += np.asarray(idx).tolist()
     assert len(set(seen)) == 8
-    s = dedup.reset_if(s, 'epoch', 'epoch')
+    s = dedup.reset_if(s, "epoch", "epoch")
     assert not np.asarray(s.dedup_mask).any()
   assert int(s.num_resets) == 2

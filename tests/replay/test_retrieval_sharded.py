@@ -3,6 +3,7 @@ batch, buffer and state replicated) as on 1 device (DESIGN.md "Sharding").
 
 One subprocess for all algorithms: the number of host devices is fixed when JAX starts.
 """
+
 import os
 import subprocess
 import sys
@@ -56,10 +57,10 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_every_algorithm_same_indices_on_8_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                        text=True, timeout=900, cwd=root)
+  proc = subprocess.run(
+    [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, cwd=root
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
   assert "OK" in proc.stdout

@@ -1,4 +1,5 @@
 """Tests of owl_cl.replay.sample_selection (SPEC §7)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,34 +8,39 @@ import pytest
 from owl_cl.replay import sample_selection as ss
 
 # 6 images, 3 classes.
-MEMBERSHIP = np.array([
+MEMBERSHIP = np.array(
+  [
     [1, 0, 0],
     [1, 1, 0],
     [0, 1, 0],
     [0, 0, 1],
     [1, 0, 0],
     [0, 1, 0],
-], bool)
+  ],
+  bool,
+)
 
 
 def test_class_eligibility():
   eligible = np.array([0, 0, 1, 1, 0, 0], bool)
-  np.testing.assert_array_equal(np.asarray(ss.class_eligibility(MEMBERSHIP, eligible)),
-                                [False, True, True])
+  np.testing.assert_array_equal(
+    np.asarray(ss.class_eligibility(MEMBERSHIP, eligible)), [False, True, True]
+  )
 
 
-_in_class = jax.jit(ss.uniform_in_class, static_argnames='without_replacement')
+_in_class = jax.jit(ss.uniform_in_class, static_argnames="without_replacement")
 
 
 def test_uniform_in_class_members_unique_and_fallback():
   eligible = np.ones(6, bool)
   for seed in range(10):
-    idx, valid = _in_class(jax.random.PRNGKey(seed), MEMBERSHIP, eligible,
-                           np.array([0, 0, 0, 2], np.int32))
+    idx, valid = _in_class(
+      jax.random.PRNGKey(seed), MEMBERSHIP, eligible, np.array([0, 0, 0, 2], np.int32)
+    )
     idx, valid = np.asarray(idx), np.asarray(valid)
     assert valid.all()
-    assert len(set(idx.tolist())) == 4                       # never twice within a call
-    assert MEMBERSHIP[idx[:3], 0].all()                      # class 0 has exactly 3 images
+    assert len(set(idx.tolist())) == 4  # never twice within a call
+    assert MEMBERSHIP[idx[:3], 0].all()  # class 0 has exactly 3 images
     assert idx[3] == 3
   # class 2 has a single image: the second slot falls back to another eligible image.
   idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, eligible, np.array([2, 2], np.int32))
@@ -49,16 +55,22 @@ def test_uniform_in_class_members_unique_and_fallback():
 
 
 def test_uniform_in_class_with_replacement_allows_repeats():
-  idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, np.ones(6, bool),
-                         np.array([2, 2, 2], np.int32), without_replacement=False)
+  idx, valid = _in_class(
+    jax.random.PRNGKey(0),
+    MEMBERSHIP,
+    np.ones(6, bool),
+    np.array([2, 2, 2], np.int32),
+    without_replacement=False,
+  )
   assert np.asarray(idx).tolist() == [3, 3, 3] and np.asarray(valid).all()
 
 
 def test_uniform_in_class_is_uniform_over_eligible_members():
-  eligible = np.array([1, 1, 0, 1, 0, 1], bool)                # class 1 members 1, 5 eligible
+  eligible = np.array([1, 1, 0, 1, 0, 1], bool)  # class 1 members 1, 5 eligible
   keys = jax.random.split(jax.random.PRNGKey(5), 3000)
-  idx, _ = jax.vmap(lambda k: ss.uniform_in_class(k, MEMBERSHIP, eligible,
-                                                   jnp.array([1], jnp.int32)))(keys)
+  idx, _ = jax.vmap(
+    lambda k: ss.uniform_in_class(k, MEMBERSHIP, eligible, jnp.array([1], jnp.int32))
+  )(keys)
   counts = np.bincount(np.asarray(idx)[:, 0], minlength=6)
   assert counts[[0, 2, 3, 4]].sum() == 0
   assert abs(counts[1] / 3000 - 0.5) < 0.04

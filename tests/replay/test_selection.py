@@ -1,4 +1,5 @@
 """Tests of owl_cl.replay.selection (SPEC §6, paper eq. 7)."""
+
 import jax
 import numpy as np
 import pytest
@@ -27,14 +28,15 @@ def test_select_buffer_threshold_and_minimum():
 
 def test_select_buffer_fill_all_option():
   # class 1 gets all of {1, 3, 4, 6}; class 2 then has {3, 5, 6} kept -> nothing added.
-  keep = selection.select_buffer(LOSS, _membership(), 0.25, min_per_class=2,
-                                 fill_all_for_rare_classes=True)
+  keep = selection.select_buffer(
+    LOSS, _membership(), 0.25, min_per_class=2, fill_all_for_rare_classes=True
+  )
   assert np.flatnonzero(keep).tolist() == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_select_buffer_zero_threshold_nan_and_errors():
   loss = LOSS.copy()
-  loss[4] = np.nan                                            # NaN sorts last
+  loss[4] = np.nan  # NaN sorts last
   keep = selection.select_buffer(loss, _membership(), 0.0, min_per_class=1)
   # t = 0 keeps nothing by threshold; class 0 -> 2 (0.05); class 1 -> 1 (0.5; 4 is NaN);
   # class 2 -> 5 (0.2); class 3 -> 6.
@@ -56,15 +58,16 @@ def _random_outputs(seed=0, b=3, t=10, q=5, e=6):
 def test_top_k_tokens_and_embeddings_match_numpy():
   logits, class_emb, query_emb = _random_outputs()
   mask = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
-  logits[:, :, 2] += 50 * (~mask[:, 2])[:, None]           # masked queries must not count
+  logits[:, :, 2] += 50 * (~mask[:, 2])[:, None]  # masked queries must not count
   k = 4
   idx = np.asarray(jax.jit(selection.top_k_tokens, static_argnums=2)(logits, mask, k))
-  ce, qe = jax.jit(selection.top_k_embeddings, static_argnums=4)(logits, class_emb, query_emb,
-                                                                mask, k)
+  ce, qe = jax.jit(selection.top_k_embeddings, static_argnums=4)(
+    logits, class_emb, query_emb, mask, k
+  )
   sig = 1 / (1 + np.exp(-logits.astype(np.float64)))
   for b in range(3):
     score = np.where(mask[b][None], sig[b], -np.inf).max(-1)
-    want = np.argsort(-score, kind='stable')[:k]
+    want = np.argsort(-score, kind="stable")[:k]
     assert idx[b].tolist() == want.tolist()
     np.testing.assert_array_equal(np.asarray(ce)[b], class_emb[b, want])
     best_q = np.where(mask[b][None], logits[b, want], -np.inf).argmax(-1)
@@ -72,20 +75,21 @@ def test_top_k_tokens_and_embeddings_match_numpy():
 
 
 def test_instance_counts_from_labels():
-  labels = np.zeros((2, 3, 4), np.float32)      # B=2, M=3, Q=4
+  labels = np.zeros((2, 3, 4), np.float32)  # B=2, M=3, Q=4
   query_class = np.array([[-1, 2, 0, -1], [-1, 1, 3, 0]])
-  labels[0, 0, 1] = labels[0, 1, 1] = labels[0, 1, 2] = 1   # two of class 2, one of class 0
-  labels[0, 2, 0] = 1                                        # padding instance
-  labels[1, 0, 2] = 1                                        # class 3; class 0/1 negatives
-  counts = np.asarray(jax.jit(selection.instance_counts_from_labels, static_argnums=2)(
-      labels, query_class, 4))
+  labels[0, 0, 1] = labels[0, 1, 1] = labels[0, 1, 2] = 1  # two of class 2, one of class 0
+  labels[0, 2, 0] = 1  # padding instance
+  labels[1, 0, 2] = 1  # class 3; class 0/1 negatives
+  counts = np.asarray(
+    jax.jit(selection.instance_counts_from_labels, static_argnums=2)(labels, query_class, 4)
+  )
   np.testing.assert_array_equal(counts, [[1, 0, 2, 0], [0, 0, 0, 1]])
 
 
 def _np_prototype_stats(logits, class_emb, query_class, counts, cap):
   b_, t_, _ = logits.shape
   c_ = counts.shape[1]
-  per_image = []                                   # (b, c) -> list of selected token indices
+  per_image = []  # (b, c) -> list of selected token indices
   for b in range(b_):
     row = {}
     for c in range(c_):
@@ -94,18 +98,20 @@ def _np_prototype_stats(logits, class_emb, query_class, counts, cap):
         row[c] = []
         continue
       n = min(cap, counts[b, c])
-      row[c] = np.argsort(-logits[b, :, qs.max()], kind='stable')[:n].tolist()
+      row[c] = np.argsort(-logits[b, :, qs.max()], kind="stable")[:n].tolist()
     per_image.append(row)
   return per_image
 
 
 def test_prototypes_and_distances_match_numpy():
   logits, class_emb, _ = _random_outputs(seed=3, b=4, t=12, q=5, e=6)
-  query_class = np.array([[-1, 0, 2, 1, -1], [-1, 1, -1, -1, -1],
-                          [-1, 2, 0, -1, -1], [-1, 0, 1, 2, -1]])
+  query_class = np.array(
+    [[-1, 0, 2, 1, -1], [-1, 1, -1, -1, -1], [-1, 2, 0, -1, -1], [-1, 0, 1, 2, -1]]
+  )
   counts = np.array([[2, 0, 9, 0], [0, 3, 0, 0], [1, 0, 4, 0], [7, 1, 0, 0]])  # class 3 absent
   sums, cnt = jax.jit(selection.per_image_class_token_embeddings, static_argnums=4)(
-      logits, class_emb, query_class, counts, 6)
+    logits, class_emb, query_class, counts, 6
+  )
   sel6 = _np_prototype_stats(logits, class_emb, query_class, counts, 6)
   want_sums = np.zeros((4, 4, 6))
   want_cnt = np.zeros((4, 4), int)
@@ -114,7 +120,7 @@ def test_prototypes_and_distances_match_numpy():
       want_sums[b, c] = class_emb[b, sel6[b][c]].sum(0)
       want_cnt[b, c] = len(sel6[b][c])
   np.testing.assert_array_equal(np.asarray(cnt), want_cnt)
-  assert want_cnt[0, 2] == 6 and want_cnt[0, 1] == 0          # cap at 6; a negative query
+  assert want_cnt[0, 2] == 6 and want_cnt[0, 1] == 0  # cap at 6; a negative query
   np.testing.assert_allclose(np.asarray(sums), want_sums, rtol=1e-5, atol=1e-5)
 
   protos, valid = selection.compute_prototypes(sums, cnt)
@@ -124,14 +130,17 @@ def test_prototypes_and_distances_match_numpy():
     want_protos[c] = want_sums[:, c].sum(0) / want_cnt[:, c].sum()
   np.testing.assert_allclose(np.asarray(protos), want_protos, rtol=1e-5, atol=1e-6)
   # accumulating over two batches gives the same prototypes
-  p2, _ = selection.compute_prototypes(np.stack([np.asarray(sums[:2]).sum(0),
-                                                 np.asarray(sums[2:]).sum(0)]),
-                                       np.stack([np.asarray(cnt[:2]).sum(0),
-                                                 np.asarray(cnt[2:]).sum(0)]))
+  p2, _ = selection.compute_prototypes(
+    np.stack([np.asarray(sums[:2]).sum(0), np.asarray(sums[2:]).sum(0)]),
+    np.stack([np.asarray(cnt[:2]).sum(0), np.asarray(cnt[2:]).sum(0)]),
+  )
   np.testing.assert_allclose(np.asarray(p2), np.asarray(protos), rtol=1e-6, atol=1e-7)
 
-  dist = np.asarray(jax.jit(selection.prototype_distances, static_argnums=5)(
-      logits, class_emb, query_class, counts, protos, 12))
+  dist = np.asarray(
+    jax.jit(selection.prototype_distances, static_argnums=5)(
+      logits, class_emb, query_class, counts, protos, 12
+    )
+  )
   sel_all = _np_prototype_stats(logits, class_emb, query_class, counts, 12)
   for b in range(4):
     for c in range(4):
@@ -142,4 +151,4 @@ def test_prototypes_and_distances_match_numpy():
       p = want_protos[c]
       d = 1 - (e @ p) / (np.linalg.norm(e, axis=1) * np.linalg.norm(p))
       np.testing.assert_allclose(dist[b, c], d.min(), rtol=1e-5, atol=1e-6)
-  assert len(sel_all[0][2]) == 9                                # not capped at 6
+  assert len(sel_all[0][2]) == 9  # not capped at 6

@@ -48,10 +48,11 @@ def test_loss_adaptive_total_ties_do_not_count():
 
 def test_loss_adaptive_total_gradients():
   new = jnp.array([0.1, 0.5, 0.9, 0.3])
-  g_new, g_replay = jax.grad(lambda a, b: losses.loss_adaptive_total(a, b, 0.4)[0],
-                             argnums=(0, 1))(new, jnp.float32(2.0))
+  g_new, g_replay = jax.grad(lambda a, b: losses.loss_adaptive_total(a, b, 0.4)[0], argnums=(0, 1))(
+    new, jnp.float32(2.0)
+  )
   np.testing.assert_allclose(np.asarray(g_new), np.full(4, 0.25), rtol=1e-6)  # d mean
-  np.testing.assert_allclose(float(g_replay), 0.5, rtol=1e-6)                 # r / |B|
+  np.testing.assert_allclose(float(g_replay), 0.5, rtol=1e-6)  # r / |B|
 
 
 def test_loss_adaptive_total_rejects_bad_shapes():
@@ -64,12 +65,22 @@ def test_loss_adaptive_total_rejects_bad_shapes():
 # ------------------------------------------------------------------------- the train step
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup_cached():
-  model = model_lib.create_model("tiny", vision_layers=1, text_layers=1, vocab_size=64,
-                                 image_size=32, vision_width=32, vision_heads=1,
-                                 vision_mlp_dim=64, text_width=32, text_heads=1,
-                                 text_mlp_dim=64, embed_dim=32)
+  model = model_lib.create_model(
+    "tiny",
+    vision_layers=1,
+    text_layers=1,
+    vocab_size=64,
+    image_size=32,
+    vision_width=32,
+    vision_heads=1,
+    vision_mlp_dim=64,
+    text_width=32,
+    text_heads=1,
+    text_mlp_dim=64,
+    embed_dim=32,
+  )
   rng = np.random.default_rng(0)
   B, Q, M, L = 4, 4, 3, 16
   T = (32 // 8) ** 2
@@ -86,17 +97,25 @@ def _setup_cached():
     labels[:, 2, 0] = 1
     cxcy = rng.uniform(0.3, 0.7, (B, M, 2))
     wh = rng.uniform(0.1, 0.3, (B, M, 2))
-    return {"images": rng.uniform(size=(B, 32, 32, 3)).astype(np.float32),
-            "queries": queries, "labels": labels,
-            "boxes": np.concatenate([cxcy, wh], -1).astype(np.float32)}
+    return {
+      "images": rng.uniform(size=(B, 32, 32, 3)).astype(np.float32),
+      "queries": queries,
+      "labels": labels,
+      "boxes": np.concatenate([cxcy, wh], -1).astype(np.float32),
+    }
 
   new, replay = batch(), batch()
   replay["stored_logits"] = rng.normal(size=(B, T, Q)).astype(np.float32)
   params = jax.jit(model.init)(jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
   # A non-trivial class head (initialised near 0), so per-image losses differ clearly.
   params = jax.tree_util.tree_map_with_path(
-      lambda p, x: np.asarray(x) + 0.05 * rng.normal(size=x.shape).astype(np.float32)
-      if "class_head" in str(p) else np.asarray(x), jax.device_get(params))
+    lambda p, x: (
+      np.asarray(x) + 0.05 * rng.normal(size=x.shape).astype(np.float32)
+      if "class_head" in str(p)
+      else np.asarray(x)
+    ),
+    jax.device_get(params),
+  )
   return model, params, new, replay
 
 
@@ -111,13 +130,20 @@ def _reference_losses(model, params, new, replay, replay_mask):
   queries = jnp.concatenate([new["queries"], replay["queries"]])
   out = model.apply({"params": params}, images, queries, train=False)
   b = new["images"].shape[0]
-  new_loss = losses.detection_loss(out["pred_logits"][:b], out["pred_boxes"][:b],
-                                   new["labels"], new["boxes"], **LOSS_CONFIG)
-  replay_det = losses.detection_loss(out["pred_logits"][b:], out["pred_boxes"][b:],
-                                     replay["labels"], replay["boxes"],
-                                     example_mask=replay_mask, **LOSS_CONFIG)
-  distill = losses.distillation_mse(out["pred_logits"][b:], replay["stored_logits"],
-                                    example_mask=replay_mask)
+  new_loss = losses.detection_loss(
+    out["pred_logits"][:b], out["pred_boxes"][:b], new["labels"], new["boxes"], **LOSS_CONFIG
+  )
+  replay_det = losses.detection_loss(
+    out["pred_logits"][b:],
+    out["pred_boxes"][b:],
+    replay["labels"],
+    replay["boxes"],
+    example_mask=replay_mask,
+    **LOSS_CONFIG,
+  )
+  distill = losses.distillation_mse(
+    out["pred_logits"][b:], replay["stored_logits"], example_mask=replay_mask
+  )
   return new_loss["per_example"], ALPHA * distill + BETA * replay_det["loss"]
 
 
@@ -128,6 +154,7 @@ def _gradient_recorder() -> optax.GradientTransformation:
   parameters of magnitude up to ~9, whose float32 spacing (~1e-6) is as large as the smallest
   gradients compared; keeping the gradient itself avoids that cancellation.
   """
+
   def init(params):
     return jax.tree.map(jnp.zeros_like, params)
 
@@ -142,26 +169,31 @@ def _run_step(model, params, new, replay, **kwargs):
   """One train step; returns (its gradient w.r.t. params, its metrics)."""
   mesh = sharding.create_mesh()
   tx = _gradient_recorder()
-  train_step = step_lib.make_train_step(model, tx, mesh, loss_config=LOSS_CONFIG,
-                                        alpha=ALPHA, beta=BETA, with_replay=True, **kwargs)
+  train_step = step_lib.make_train_step(
+    model, tx, mesh, loss_config=LOSS_CONFIG, alpha=ALPHA, beta=BETA, with_replay=True, **kwargs
+  )
   state = sharding.replicate(step_lib.create_train_state(params, tx), mesh)
-  state, metrics = train_step(state, sharding.shard_batch(new, mesh),
-                              sharding.shard_batch(replay, mesh), jax.random.PRNGKey(0))
+  state, metrics = train_step(
+    state,
+    sharding.shard_batch(new, mesh),
+    sharding.shard_batch(replay, mesh),
+    jax.random.PRNGKey(0),
+  )
   return jax.device_get(state.opt_state), jax.device_get(metrics)
 
 
 def test_paper_train_step_equals_reference_combination():
   model, params, new, replay = _setup()
   # The pre-forward decides the active slots: new images whose loss exceeds l (eq. 5).
-  pre_forward = step_lib.make_new_loss_step(model, sharding.create_mesh(),
-                                            loss_config=LOSS_CONFIG)
-  per_example = np.asarray(pre_forward(params, new["images"], new["queries"], new["labels"],
-                                       new["boxes"])["per_example"])
+  pre_forward = step_lib.make_new_loss_step(model, sharding.create_mesh(), loss_config=LOSS_CONFIG)
+  per_example = np.asarray(
+    pre_forward(params, new["images"], new["queries"], new["labels"], new["boxes"])["per_example"]
+  )
   order = np.sort(per_example)
-  assert order[1] < order[2], per_example       # distinct losses, so r = 2 below
+  assert order[1] < order[2], per_example  # distinct losses, so r = 2 below
   threshold = float((order[1] + order[2]) / 2)
   active = per_example > threshold
-  valid = np.array([True, True, True, False])    # one slot found nothing to replay
+  valid = np.array([True, True, True, False])  # one slot found nothing to replay
   # The step itself restricts L_R to the active slots (replay_mask & replay_active).
   replay = dict(replay, replay_mask=valid, replay_active=active)
 
@@ -171,10 +203,12 @@ def test_paper_train_step_equals_reference_combination():
     return total, (r, jnp.mean(pe) + replay_loss)
 
   (ref_total, (ref_r, unweighted)), ref_grads = jax.jit(
-      jax.value_and_grad(reference, has_aux=True))(params)
+    jax.value_and_grad(reference, has_aux=True)
+  )(params)
   assert int(ref_r) == 2 == active.sum()
-  step_grads, metrics = _run_step(model, params, new, replay, loss_adaptivity="paper",
-                                  loss_threshold=threshold)
+  step_grads, metrics = _run_step(
+    model, params, new, replay, loss_adaptivity="paper", loss_threshold=threshold
+  )
   np.testing.assert_allclose(metrics["loss"], float(ref_total), rtol=1e-5)
   np.testing.assert_allclose(metrics["replay_weight"], 0.5)
   assert int(metrics["num_above_threshold"]) == 2
@@ -184,8 +218,9 @@ def test_paper_train_step_equals_reference_combination():
   # error is a few float32 epsilons (1.2e-7) of the largest terms that flow into it, which are
   # bounded by the largest gradient anywhere in the tree (~70 here; analytically zero leaves
   # such as the key biases carry pure rounding noise). Measured: at most ~1.1e-7 of that
-  # maximum. A tolerance of 1e-5 of it leaves ~100x headroom and is still orders of magnitude below what a
-  # wrong weighting of L_R changes (checked just below with the unweighted objective).
+  # maximum. A tolerance of 1e-5 of it leaves ~100x headroom and is still orders of magnitude
+  # below what a wrong weighting of L_R changes (checked just below with the unweighted
+  # objective).
   grad_max = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(ref_grads))
   atol = 1e-5 * grad_max
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(ref_grads)]
@@ -193,8 +228,10 @@ def test_paper_train_step_equals_reference_combination():
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=atol, err_msg=name)
   # The same comparison rejects the gradient of the unweighted 1:1 objective L_B + L_R.
   unweighted_grads = jax.jit(jax.grad(lambda p: reference(p)[1][1]))(params)
-  worst = max(float(np.max(np.abs(g - u))) for g, u in
-              zip(jax.tree.leaves(step_grads), jax.tree.leaves(unweighted_grads)))
+  worst = max(
+    float(np.max(np.abs(g - u)))
+    for g, u in zip(jax.tree.leaves(step_grads), jax.tree.leaves(unweighted_grads))
+  )
   assert worst > 100 * atol, (worst, atol)
   # ...which differs from the unweighted 1:1 objective (the test can fail).
   assert float(ref_total) + 1e-3 < float(unweighted)
@@ -210,16 +247,27 @@ def test_released_gate_drops_replay_loss_below_threshold():
     return jnp.mean(per_example), replay_loss
 
   (new_loss, replay_loss), new_loss_grads = jax.jit(
-      lambda p: (reference(p), jax.grad(lambda q: reference(q)[0])(p)))(params)
+    lambda p: (reference(p), jax.grad(lambda q: reference(q)[0])(p))
+  )(params)
   new_loss, replay_loss = float(new_loss), float(replay_loss)
 
   # One compiled step for both thresholds (traced l).
   @jax.jit
   def gated(p, threshold):
     grad_fn = jax.value_and_grad(step_lib._loss_fn, has_aux=True)
-    return grad_fn(p, new, replay, jax.random.PRNGKey(0), model=model,
-                   loss_config=LOSS_CONFIG, alpha=ALPHA, beta=BETA, max_unique_queries=None,
-                   loss_adaptivity="released_gate", loss_threshold=threshold)
+    return grad_fn(
+      p,
+      new,
+      replay,
+      jax.random.PRNGKey(0),
+      model=model,
+      loss_config=LOSS_CONFIG,
+      alpha=ALPHA,
+      beta=BETA,
+      max_unique_queries=None,
+      loss_adaptivity="released_gate",
+      loss_threshold=threshold,
+    )
 
   # Mean new loss above l: the gate is open, the step is the plain DER++ objective.
   (_, open_gate), _ = jax.device_get(gated(params, new_loss - 0.01))
@@ -240,17 +288,20 @@ def test_released_gate_drops_replay_loss_below_threshold():
 def test_unknown_mode_is_rejected():
   model = _setup()[0]
   with pytest.raises(ValueError, match="loss_adaptivity"):
-    step_lib.make_train_step(model, optax.sgd(1.0), sharding.create_mesh(),
-                             loss_config=LOSS_CONFIG, with_replay=True,
-                             loss_adaptivity="sometimes")
+    step_lib.make_train_step(
+      model,
+      optax.sgd(1.0),
+      sharding.create_mesh(),
+      loss_config=LOSS_CONFIG,
+      with_replay=True,
+      loss_adaptivity="sometimes",
+    )
 
 
 def test_new_loss_step_matches_detection_loss():
   model, params, new, replay = _setup()
-  step = step_lib.make_new_loss_step(model, sharding.create_mesh(), loss_config=LOSS_CONFIG,
-                                     k=2)
-  out = jax.device_get(step(params, new["images"], new["queries"], new["labels"],
-                            new["boxes"]))
+  step = step_lib.make_new_loss_step(model, sharding.create_mesh(), loss_config=LOSS_CONFIG, k=2)
+  out = jax.device_get(step(params, new["images"], new["queries"], new["labels"], new["boxes"]))
   reference = jax.jit(lambda p: _reference_losses(model, p, new, replay, None)[0])(params)
   np.testing.assert_allclose(out["per_example"], np.asarray(reference), rtol=1e-5)
   assert out["class_embeddings"].shape[:2] == (4, 2)
@@ -265,10 +316,12 @@ def test_inactive_slots_are_invalid_and_not_marked():
   membership = rng.random((n, c)) < 0.4
   membership[np.arange(n), rng.integers(0, c, n)] = True
   buffer = state_lib.make_replay_buffer(
-      membership, rng.normal(size=(c, 8)).astype(np.float32),
-      np.where(membership, rng.random((n, c)), np.inf).astype(np.float32),
-      rng.normal(size=(n, 3, 8)).astype(np.float32),
-      rng.normal(size=(n, 3, 8)).astype(np.float32))
+    membership,
+    rng.normal(size=(c, 8)).astype(np.float32),
+    np.where(membership, rng.random((n, c)), np.inf).astype(np.float32),
+    rng.normal(size=(n, 3, 8)).astype(np.float32),
+    rng.normal(size=(n, 3, 8)).astype(np.float32),
+  )
   features = {"class_embeddings": jnp.asarray(rng.normal(size=(4, 3, 8)), jnp.float32)}
   active = jnp.array([True, False, True, False])
   for name in ("uniform", "uniform_balanced", "swil"):

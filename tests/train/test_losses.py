@@ -45,21 +45,24 @@ def np_giou_pair(a, b):
 
 def np_focal(x, y):
   p = np_sigmoid(x)
-  return np.where(y > 0, -A * (1 - p)**G * np.log(p), -(1 - A) * p**G * np.log(1 - p))
+  return np.where(y > 0, -A * (1 - p) ** G * np.log(p), -(1 - A) * p**G * np.log(1 - p))
 
 
 def np_cost(logits, pboxes, labels, boxes):
   """Reference matching cost [T, K] for one image (labels/boxes include padding)."""
   t, k = logits.shape[0], labels.shape[0]
   p = np_sigmoid(logits)
-  elem = A * (1 - p)**G * -np.log(p) - (1 - A) * p**G * -np.log(1 - p)
+  elem = A * (1 - p) ** G * -np.log(p) - (1 - A) * p**G * -np.log(1 - p)
   real = labels[:, 1:].sum(-1) > 0
   cost = np.zeros((t, k))
   px, bx = np_xyxy(pboxes), np_xyxy(boxes)
   for i in range(t):
     for j in range(k):
-      cost[i, j] = (elem[i, 1:] * labels[j, 1:]).sum() + np.abs(pboxes[i] - boxes[j]).sum() \
-          - np_giou_pair(px[i], bx[j])
+      cost[i, j] = (
+        (elem[i, 1:] * labels[j, 1:]).sum()
+        + np.abs(pboxes[i] - boxes[j]).sum()
+        - np_giou_pair(px[i], bx[j])
+      )
   pad = (cost[:, real].max() if real.any() else 1.0) * 1.1 + 10
   cost[:, ~real] = pad
   return cost, real
@@ -103,15 +106,15 @@ def test_box_conversions_roundtrip():
 
 
 def test_iou_giou_hand_computed():
-  a = jnp.array([[0., 0., 2., 2.]])
+  a = jnp.array([[0.0, 0.0, 2.0, 2.0]])
   cases = {  # box b: (IoU, GIoU) computed by hand
-      "identical": ([0., 0., 2., 2.], 1.0, 1.0),
-      # union 4 + 2 = 6, enclosing [0,0,4,2] = 8 -> GIoU = 0 - 2/8.
-      "disjoint": ([3., 0., 4., 2.], 0.0, -0.25),
-      # inside: union = enclosing = 4 -> GIoU = IoU = 1/4.
-      "nested": ([0.5, 0.5, 1.5, 1.5], 0.25, 0.25),
-      # intersection 1, union 7, enclosing [0,0,3,3] = 9 -> GIoU = 1/7 - 2/9.
-      "partial": ([1., 1., 3., 3.], 1 / 7, 1 / 7 - 2 / 9),
+    "identical": ([0.0, 0.0, 2.0, 2.0], 1.0, 1.0),
+    # union 4 + 2 = 6, enclosing [0,0,4,2] = 8 -> GIoU = 0 - 2/8.
+    "disjoint": ([3.0, 0.0, 4.0, 2.0], 0.0, -0.25),
+    # inside: union = enclosing = 4 -> GIoU = IoU = 1/4.
+    "nested": ([0.5, 0.5, 1.5, 1.5], 0.25, 0.25),
+    # intersection 1, union 7, enclosing [0,0,3,3] = 9 -> GIoU = 1/7 - 2/9.
+    "partial": ([1.0, 1.0, 3.0, 3.0], 1 / 7, 1 / 7 - 2 / 9),
   }
   bs = jnp.array([c[0] for c in cases.values()])
   iou = losses.box_iou(a, bs)
@@ -137,18 +140,19 @@ def test_focal_loss_hand_worked():
   y = np.array([1.0, 0.0, 1.0, 0.0], np.float32)
   s2, s1 = 1 / (1 + math.exp(-2)), 1 / (1 + math.exp(1))  # sigmoid(2), sigmoid(-1)
   expected = [
-      0.3 * 0.5**2 * math.log(2),  # x=0, y=1
-      0.7 * 0.5**2 * math.log(2),  # x=0, y=0
-      0.3 * (1 - s2)**2 * -math.log(s2),  # x=2, y=1
-      0.7 * s1**2 * -math.log(1 - s1),  # x=-1, y=0
+    0.3 * 0.5**2 * math.log(2),  # x=0, y=1
+    0.7 * 0.5**2 * math.log(2),  # x=0, y=0
+    0.3 * (1 - s2) ** 2 * -math.log(s2),  # x=2, y=1
+    0.7 * s1**2 * -math.log(1 - s1),  # x=-1, y=0
   ]
   got = losses.sigmoid_focal_loss(x, y, alpha=0.3, gamma=2.0)
   np.testing.assert_allclose(got, expected, rtol=1e-5)
   # The matching cost is pos - neg.
-  pos = [0.3 * 0.25 * math.log(2), 0.3 * (1 - s2)**2 * -math.log(s2)]
+  pos = [0.3 * 0.25 * math.log(2), 0.3 * (1 - s2) ** 2 * -math.log(s2)]
   neg = [0.7 * 0.25 * math.log(2), 0.7 * s2**2 * -math.log(1 - s2)]
-  np.testing.assert_allclose(losses.focal_matching_cost(jnp.array([0.0, 2.0])),
-                             np.subtract(pos, neg), rtol=1e-5)
+  np.testing.assert_allclose(
+    losses.focal_matching_cost(jnp.array([0.0, 2.0])), np.subtract(pos, neg), rtol=1e-5
+  )
   # Padded query slots (-1e6) cost nothing as negatives.
   assert float(losses.sigmoid_focal_loss(jnp.float32(-1e6), 0.0)) == 0.0
 
@@ -162,8 +166,12 @@ def test_matching_cost_matches_numpy():
   labels_k, boxes_k = with_padding(labels, boxes)
   cost, mask = COST(logits, pboxes, labels_k, boxes_k)
   for i in range(3):
-    ref, real = np_cost(logits[i].astype(np.float64), pboxes[i].astype(np.float64),
-                        labels_k[i], boxes_k[i].astype(np.float64))
+    ref, real = np_cost(
+      logits[i].astype(np.float64),
+      pboxes[i].astype(np.float64),
+      labels_k[i],
+      boxes_k[i].astype(np.float64),
+    )
     np.testing.assert_array_equal(mask[i], real)
     np.testing.assert_allclose(cost[i], ref, rtol=1e-4, atol=1e-4)
 
@@ -193,8 +201,12 @@ def test_hungarian_equals_scipy(b, t, m):
   got = np.asarray(jax.jit(losses.hungarian_matching)(cost, mask))
   assert got.shape == (b, t) and got.dtype == np.int32
   for i in range(b):
-    ref_cost, real = np_cost(logits[i].astype(np.float64), pboxes[i].astype(np.float64),
-                             labels_k[i], boxes_k[i].astype(np.float64))
+    ref_cost, real = np_cost(
+      logits[i].astype(np.float64),
+      pboxes[i].astype(np.float64),
+      labels_k[i],
+      boxes_k[i].astype(np.float64),
+    )
     expected = np.full(t, m, np.int64)  # unmatched -> the appended padding instance (M)
     rows, cols = scipy.optimize.linear_sum_assignment(ref_cost)
     for r, c in zip(rows, cols):
@@ -227,9 +239,15 @@ def test_hungarian_under_vmap_and_validation():
 
 def test_detection_loss_hand_worked():
   """T=2 tokens, Q=3 (slot 0 = ''), one real box (label 1) plus one padding instance."""
-  logits = np.array([[[0.5, 2.0, -1.0],    # token 0: confident in label 1, near the box
-                      [0.0, -1.0, 1.0]]],  # token 1: far away
-                    np.float32)
+  logits = np.array(
+    [
+      [
+        [0.5, 2.0, -1.0],  # token 0: confident in label 1, near the box
+        [0.0, -1.0, 1.0],
+      ]
+    ],  # token 1: far away
+    np.float32,
+  )
   pboxes = np.array([[[0.5, 0.5, 0.2, 0.2], [0.2, 0.2, 0.1, 0.1]]], np.float32)
   labels = np.array([[[0, 1, 0], [1, 0, 0]]], np.float32)
   gt = np.array([0.55, 0.5, 0.2, 0.3])
@@ -238,9 +256,9 @@ def test_detection_loss_hand_worked():
   # Matching by hand: cost(t) = (pos-neg)(x[t,1]) + L1 cxcywh - GIoU.
   def cost(t):
     p = np_sigmoid(logits[0, t, 1].astype(np.float64))
-    cls = A * (1 - p)**G * -np.log(p) - (1 - A) * p**G * -np.log(1 - p)
-    return cls + np.abs(pboxes[0, t] - gt).sum() - np_giou_pair(np_xyxy(pboxes[0, t]),
-                                                               np_xyxy(gt))
+    cls = A * (1 - p) ** G * -np.log(p) - (1 - A) * p**G * -np.log(1 - p)
+    return cls + np.abs(pboxes[0, t] - gt).sum() - np_giou_pair(np_xyxy(pboxes[0, t]), np_xyxy(gt))
+
   assert cost(0) < cost(1)  # token 0 is matched
   # Class loss: token 0 target [1, 0], token 1 target [0, 0], over slots 1..2, / 1 positive.
   x = logits[0, :, 1:].astype(np.float64)
@@ -264,8 +282,7 @@ def test_detection_loss_hand_worked():
   assert set(out) == {"loss", "per_example", "loss_class", "loss_bbox", "loss_giou"}
 
   # Weights scale the terms (and the cost; token 0 still matched).
-  w = DET(logits, pboxes, labels, boxes, class_weight=2.0, bbox_weight=5.0,
-          giou_weight=0.5)
+  w = DET(logits, pboxes, labels, boxes, class_weight=2.0, bbox_weight=5.0, giou_weight=0.5)
   np.testing.assert_allclose(w["loss"], 2 * cls + 5 * l1 + 0.5 * gi, rtol=1e-5)
 
   # Swap the tokens: now token 1 must be matched and the loss is the same.
@@ -300,9 +317,11 @@ def test_perfect_predictions_zero_box_loss_and_padding_ignored():
   empty[..., 0] = 1
   out3 = DET(logits, pboxes, empty, junk)
   assert float(out3["loss_bbox"]) == 0.0 and float(out3["loss_giou"]) == 0.0
-  np.testing.assert_allclose(out3["loss_class"],
-                             np_focal(logits[..., 1:].astype(np.float64), 0).sum((1, 2)).mean(),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    out3["loss_class"],
+    np_focal(logits[..., 1:].astype(np.float64), 0).sum((1, 2)).mean(),
+    rtol=1e-5,
+  )
 
 
 def test_per_example_normalisation_and_mask():
@@ -313,10 +332,11 @@ def test_per_example_normalisation_and_mask():
   dup = lambda x: np.concatenate([x, x], 0)
   out2 = DET(dup(logits), dup(pboxes), dup(labels), dup(boxes))
   np.testing.assert_allclose(out2["loss"], out["loss"], rtol=1e-6)
-  np.testing.assert_allclose(out2["per_example"], dup(np.asarray(out["per_example"])),
-                             rtol=1e-6)
-  singles = [DET(logits[i:i + 1], pboxes[i:i + 1], labels[i:i + 1], boxes[i:i + 1])["loss"]
-             for i in range(3)]
+  np.testing.assert_allclose(out2["per_example"], dup(np.asarray(out["per_example"])), rtol=1e-6)
+  singles = [
+    DET(logits[i : i + 1], pboxes[i : i + 1], labels[i : i + 1], boxes[i : i + 1])["loss"]
+    for i in range(3)
+  ]
   np.testing.assert_allclose(out["per_example"], singles, rtol=1e-6)
   np.testing.assert_allclose(out["loss"], np.mean(singles), rtol=1e-6)
   # example_mask: masked images contribute nothing, the rest are averaged.
@@ -340,8 +360,7 @@ def test_jit_and_finite_gradients():
   assert np.abs(np.asarray(gl)).sum() > 0 and np.abs(np.asarray(gb)).sum() > 0
   np.testing.assert_array_equal(np.asarray(gl)[:, :, -1], 0.0)
   # bf16 predictions work and are close.
-  bf = DET(jnp.asarray(logits, jnp.bfloat16), pboxes.astype(jnp.bfloat16), labels,
-           boxes)["loss"]
+  bf = DET(jnp.asarray(logits, jnp.bfloat16), pboxes.astype(jnp.bfloat16), labels, boxes)["loss"]
   np.testing.assert_allclose(bf, eager, rtol=0.05)
   with pytest.raises(ValueError):
     DET(logits, pboxes, labels[:, :, :3], boxes)
@@ -365,13 +384,13 @@ def test_distillation_mse_padding_and_mask():
   np.testing.assert_allclose(losses.distillation_mse(zb, s), expected_b, rtol=1e-5)
   qm = np.ones((b, q), bool)
   qm[:, 3:] = False
-  np.testing.assert_allclose(losses.distillation_mse(zb, s, query_mask=qm), expected_b,
-                             rtol=1e-5)
+  np.testing.assert_allclose(losses.distillation_mse(zb, s, query_mask=qm), expected_b, rtol=1e-5)
   # Example mask: image 1 ignored, mean over the other two.
   m = np.array([1.0, 0.0, 1.0])
   per = np.square(z[:, :, :3] - s[:, :, :3]).sum((1, 2)) / (t * q)
-  np.testing.assert_allclose(losses.distillation_mse(z, s, example_mask=m),
-                             (per[0] + per[2]) / 2, rtol=1e-6)
+  np.testing.assert_allclose(
+    losses.distillation_mse(z, s, example_mask=m), (per[0] + per[2]) / 2, rtol=1e-6
+  )
   np.testing.assert_allclose(losses.distillation_mse(z, s, example_mask=np.zeros(b)), 0.0)
   # No gradient into the stored logits; finite gradient into the current ones.
   g, gs = jax.grad(lambda a, c: losses.distillation_mse(a, c), argnums=(0, 1))(zb, s)
@@ -403,24 +422,25 @@ def test_der_plus_plus_composition_and_replay_mask():
   pr2[1] = 0.9
   stored2[1] = -7.0
   a = DERPP(new_o, new_t, rep_o, rep_t, stored, replay_mask=mask)
-  b = DERPP(new_o, new_t, dict(pred_logits=lr2, pred_boxes=pr2), rep_t, stored2,
-            replay_mask=mask)
+  b = DERPP(new_o, new_t, dict(pred_logits=lr2, pred_boxes=pr2), rep_t, stored2, replay_mask=mask)
   for k in ("loss", "replay_loss", "distill_loss"):
     np.testing.assert_allclose(a[k], b[k], rtol=1e-6)
   per_rep = np.asarray(out["per_example_replay"])
   np.testing.assert_allclose(a["replay_loss"], (per_rep[0] + per_rep[2]) / 2, rtol=1e-6)
   mse_kept = np.square(lr[[0, 2]] - stored[[0, 2]]).mean()
   np.testing.assert_allclose(a["distill_loss"], mse_kept, rtol=1e-5)
-  np.testing.assert_allclose(a["loss"], det_new + 2.0 * mse_kept + a["replay_loss"],
-                             rtol=1e-5)
+  np.testing.assert_allclose(a["loss"], det_new + 2.0 * mse_kept + a["replay_loss"], rtol=1e-5)
   # Everything masked, or no replay at all: L = L_det(new).
   none = DERPP(new_o, new_t, rep_o, rep_t, stored, replay_mask=np.zeros(3, bool))
   np.testing.assert_allclose(none["loss"], det_new, rtol=1e-6)
   np.testing.assert_allclose(DERPP(new_o, new_t)["loss"], det_new, rtol=1e-6)
+
   # Gradients through the whole objective are finite and masked replay gets none.
   def f(lr_):
-    return DERPP(new_o, new_t, dict(pred_logits=lr_, pred_boxes=pr), rep_t, stored,
-                 replay_mask=mask)["loss"]
+    return DERPP(
+      new_o, new_t, dict(pred_logits=lr_, pred_boxes=pr), rep_t, stored, replay_mask=mask
+    )["loss"]
+
   g = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(lr)))
   assert np.isfinite(g).all() and not g[1].any() and g[0].any()
 
@@ -462,10 +482,15 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_batch_over_8_cpu_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  res = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=root,
-                       capture_output=True, text=True, timeout=240)
+  res = subprocess.run(
+    [sys.executable, "-c", _SHARDED_SCRIPT],
+    env=env,
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert res.returncode == 0 and "SHARDED_OK" in res.stdout, res.stdout + res.stderr

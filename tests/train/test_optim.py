@@ -13,23 +13,29 @@ def _params(num_vision=3, num_text=2):
   leaf = jnp.ones((2,))
   block = {"ln_0": {"scale": leaf}, "mlp": {"c_fc": {"kernel": leaf}}}
   return {
-      "backbone": {
-          "clip": {
-              "logit_scale": jnp.ones(()),
-              "text": {"token_embedding": {"embedding": leaf},
-                       "positional_embedding": leaf,
-                       "transformer": {f"resblocks_{i}": block for i in range(num_text)},
-                       "ln_final": {"scale": leaf},
-                       "text_projection": {"kernel": leaf}},
-              "visual": {"conv1": {"kernel": leaf}, "class_embedding": leaf,
-                         "positional_embedding": leaf, "ln_pre": {"scale": leaf},
-                         "transformer": {f"resblocks_{i}": block for i in range(num_vision)},
-                         "ln_post": {"scale": leaf}},
-          },
-          "merged_class_token": {"scale": leaf},
+    "backbone": {
+      "clip": {
+        "logit_scale": jnp.ones(()),
+        "text": {
+          "token_embedding": {"embedding": leaf},
+          "positional_embedding": leaf,
+          "transformer": {f"resblocks_{i}": block for i in range(num_text)},
+          "ln_final": {"scale": leaf},
+          "text_projection": {"kernel": leaf},
+        },
+        "visual": {
+          "conv1": {"kernel": leaf},
+          "class_embedding": leaf,
+          "positional_embedding": leaf,
+          "ln_pre": {"scale": leaf},
+          "transformer": {f"resblocks_{i}": block for i in range(num_vision)},
+          "ln_post": {"scale": leaf},
+        },
       },
-      "class_head": {"Dense_0": {"kernel": leaf}},
-      "obj_box_head": {"Dense_2": {"kernel": leaf}},
+      "merged_class_token": {"scale": leaf},
+    },
+    "class_head": {"Dense_0": {"kernel": leaf}},
+    "obj_box_head": {"Dense_2": {"kernel": leaf}},
   }
 
 
@@ -43,16 +49,15 @@ def test_multipliers_follow_groups_and_depth():
   assert flat["backbone/clip/visual/ln_post/scale"] == 1.0
   # Vision blocks: last block depth 1, first block depth 3, embeddings depth 4.
   assert flat["backbone/clip/visual/transformer/resblocks_2/mlp/c_fc/kernel"] == m
-  assert flat["backbone/clip/visual/transformer/resblocks_0/ln_0/scale"] == m ** 3
-  assert flat["backbone/clip/visual/conv1/kernel"] == m ** 4
-  assert flat["backbone/clip/visual/ln_pre/scale"] == m ** 4
+  assert flat["backbone/clip/visual/transformer/resblocks_0/ln_0/scale"] == m**3
+  assert flat["backbone/clip/visual/conv1/kernel"] == m**4
+  assert flat["backbone/clip/visual/ln_pre/scale"] == m**4
   # Text tower counted independently, times 0.1.
   assert flat["backbone/clip/text/ln_final/scale"] == pytest.approx(0.1)
   assert flat["backbone/clip/text/text_projection/kernel"] == pytest.approx(0.1)
   assert flat["backbone/clip/text/transformer/resblocks_1/ln_0/scale"] == pytest.approx(0.1 * m)
-  assert flat["backbone/clip/text/transformer/resblocks_0/ln_0/scale"] == pytest.approx(
-      0.1 * m ** 2)
-  assert flat["backbone/clip/text/token_embedding/embedding"] == pytest.approx(0.1 * m ** 3)
+  assert flat["backbone/clip/text/transformer/resblocks_0/ln_0/scale"] == pytest.approx(0.1 * m**2)
+  assert flat["backbone/clip/text/token_embedding/embedding"] == pytest.approx(0.1 * m**3)
 
 
 def test_invalid_decay_raises():
@@ -74,9 +79,15 @@ def test_update_equals_adam_times_multiplier():
   """One step equals plain Adam scaled by LR * group multiplier (checked per leaf)."""
   params = _params()
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
-  tx, _ = optim.create_optimizer(params, learning_rate=1.0, total_steps=10, warmup_steps=0,
-                                 text_lr_multiplier=0.1, layerwise_decay=0.5,
-                                 grad_clip_norm=None)
+  tx, _ = optim.create_optimizer(
+    params,
+    learning_rate=1.0,
+    total_steps=10,
+    warmup_steps=0,
+    text_lr_multiplier=0.1,
+    layerwise_decay=0.5,
+    grad_clip_norm=None,
+  )
   updates, _ = tx.update(grads, tx.init(params), params)
   ref_tx = optax.adam(1.0, b1=0.9, b2=0.999, eps=1e-8)
   ref, _ = ref_tx.update(grads, ref_tx.init(params), params)
@@ -87,11 +98,10 @@ def test_update_equals_adam_times_multiplier():
 
 def test_global_norm_clip():
   params = {"class_head": {"w": jnp.zeros((4,))}}
-  grads = {"class_head": {"w": jnp.array([30.0, 40.0, 0.0, 0.0])}}   # norm 50
+  grads = {"class_head": {"w": jnp.array([30.0, 40.0, 0.0, 0.0])}}  # norm 50
   clip = optax.clip_by_global_norm(1.0)
   clipped, _ = clip.update(grads, clip.init(params))
-  np.testing.assert_allclose(np.asarray(clipped["class_head"]["w"]), [0.6, 0.8, 0, 0],
-                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(clipped["class_head"]["w"]), [0.6, 0.8, 0, 0], rtol=1e-6)
   # The optimizer chain uses the same clipping first: with SGD-like comparison via state.
   tx, _ = optim.create_optimizer(params, learning_rate=1.0, total_steps=10, warmup_steps=0)
   updates, _ = tx.update(grads, tx.init(params), params)
@@ -113,8 +123,13 @@ def _hf_name_to_path(name: str):
     return ("backbone", "clip", "text", "text_projection", "kernel")
   if parts[0] in ("class_head", "box_head"):
     head = "class_head" if parts[0] == "class_head" else "obj_box_head"
-    sub = {"dense0": "Dense_0", "dense1": "Dense_1", "dense2": "Dense_2",
-           "logit_shift": "logit_shift", "logit_scale": "logit_scale"}[parts[1]]
+    sub = {
+      "dense0": "Dense_0",
+      "dense1": "Dense_1",
+      "dense2": "Dense_2",
+      "logit_shift": "logit_shift",
+      "logit_scale": "logit_scale",
+    }[parts[1]]
     return (head, sub, leaf[parts[2]])
   ln = {"weight": "scale", "bias": "bias"}
   if parts[0] == "layer_norm":
@@ -122,13 +137,19 @@ def _hf_name_to_path(name: str):
   tower = "text" if parts[1] == "text_model" else "visual"
   base = ("backbone", "clip", tower)
   if parts[2] == "embeddings":
-    return base + {"token_embedding": ("token_embedding", "embedding"),
-                   "position_embedding": ("positional_embedding",),
-                   "patch_embedding": ("conv1", "kernel"),
-                   "class_embedding": ("class_embedding",)}[parts[3]]
+    return (
+      base
+      + {
+        "token_embedding": ("token_embedding", "embedding"),
+        "position_embedding": ("positional_embedding",),
+        "patch_embedding": ("conv1", "kernel"),
+        "class_embedding": ("class_embedding",),
+      }[parts[3]]
+    )
   if parts[2] in ("final_layer_norm", "pre_layernorm", "post_layernorm"):
-    top = {"final_layer_norm": "ln_final", "pre_layernorm": "ln_pre",
-           "post_layernorm": "ln_post"}[parts[2]]
+    top = {"final_layer_norm": "ln_final", "pre_layernorm": "ln_pre", "post_layernorm": "ln_post"}[
+      parts[2]
+    ]
     return base + (top, ln[parts[3]])
   assert parts[2] == "encoder" and parts[3] == "layers"
   block = base + ("transformer", f"resblocks_{parts[4]}")
@@ -145,19 +166,29 @@ def test_per_tensor_decay_matches_released_code_walk_over_hf_parameters():
   """Reference: the released code's apply_lw_lr_decay walk over a real HF model's tensors."""
   transformers = pytest.importorskip("transformers")
   from flax import traverse_util
+
   from owl_cl import model as model_lib
 
   layers_text, layers_vision = 2, 3
-  hf = transformers.OwlViTForObjectDetection(transformers.OwlViTConfig(
-      text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers_text,
-                       num_attention_heads=2),
-      vision_config=dict(hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=layers_vision, num_attention_heads=2,
-                         image_size=32, patch_size=16),
-      projection_dim=16))
+  hf = transformers.OwlViTForObjectDetection(
+    transformers.OwlViTConfig(
+      text_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers_text, num_attention_heads=2
+      ),
+      vision_config=dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers_vision,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+      ),
+      projection_dim=16,
+    )
+  )
   names = [n for n, _ in hf.named_parameters()]
   tower_index = names.index("owlvit.vision_model.embeddings.class_embedding")
-  lrs, mult = [1.0, 0.1], 0.9    # [vision (walked first), text], as lrs in the released code
+  lrs, mult = [1.0, 0.1], 0.9  # [vision (walked first), text], as lrs in the released code
   expected = {}
   current_tower, current_lr = 0, lrs[0]
   for idx in reversed(range(len(names))):
@@ -168,11 +199,18 @@ def test_per_tensor_decay_matches_released_code_walk_over_hf_parameters():
 
   model = model_lib.create_model("tiny", vision_layers=layers_vision, text_layers=layers_text)
   cfg = model.config
-  params = jax.eval_shape(lambda: model.init(
-      jax.random.PRNGKey(0), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)),
-      jnp.zeros((1, 2, cfg.context_length), jnp.int32)))["params"]
-  got = traverse_util.flatten_dict(optim.lr_multipliers(
-      params, text_lr_multiplier=0.1, layerwise_decay=mult, layerwise_granularity="tensor"))
+  params = jax.eval_shape(
+    lambda: model.init(
+      jax.random.PRNGKey(0),
+      jnp.zeros((1, cfg.image_size, cfg.image_size, 3)),
+      jnp.zeros((1, 2, cfg.context_length), jnp.int32),
+    )
+  )["params"]
+  got = traverse_util.flatten_dict(
+    optim.lr_multipliers(
+      params, text_lr_multiplier=0.1, layerwise_decay=mult, layerwise_granularity="tensor"
+    )
+  )
   mapped = {_hf_name_to_path(n): v for n, v in expected.items() if _hf_name_to_path(n)}
   assert set(mapped) == set(got)
   for path, value in mapped.items():
@@ -188,8 +226,13 @@ def test_per_tensor_decay_matches_released_code_walk_over_hf_parameters():
 
 def test_per_tensor_decay_rejects_foreign_tree_and_unknown_granularity():
   with pytest.raises(ValueError, match="outside the HF OWL-ViT tensor order"):
-    optim.lr_multipliers({"foo": {"kernel": jnp.ones(2)}}, text_lr_multiplier=0.1,
-                         layerwise_decay=0.9, layerwise_granularity="tensor")
+    optim.lr_multipliers(
+      {"foo": {"kernel": jnp.ones(2)}},
+      text_lr_multiplier=0.1,
+      layerwise_decay=0.9,
+      layerwise_granularity="tensor",
+    )
   with pytest.raises(ValueError, match="layerwise_granularity"):
-    optim.lr_multipliers(_params(), text_lr_multiplier=0.1, layerwise_decay=0.9,
-                         layerwise_granularity="block")
+    optim.lr_multipliers(
+      _params(), text_lr_multiplier=0.1, layerwise_decay=0.9, layerwise_granularity="block"
+    )
