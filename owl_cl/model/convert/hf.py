@@ -162,8 +162,8 @@ def hf_config_to_model_config(
   Raises:
     ValueError: what our module cannot represent, naming the file, field and value:
       ``model_type`` not 'owlvit', ``hidden_act`` not 'quick_gelu', ``layer_norm_eps``
-      not 1e-5, ``num_channels`` not 3, ``projection_dim`` != text ``hidden_size`` (HF's
-      class head maps to the text width), image size not a multiple of the patch.
+      not 1e-5, ``num_channels`` not 3, ``projection_dim`` != text ``hidden_size``, image
+      size not a multiple of the patch.
     ImportError: transformers missing.
 
   Source: docs/reference.md §1.2; transformers ``OwlViTConfig``.
@@ -181,6 +181,8 @@ def hf_config_to_model_config(
       )
   if getattr(vision, "num_channels", 3) != 3:
     problems.append(f"vision_config.num_channels={vision.num_channels} (ours: 3)")
+  # HF's class head projects the image tokens to the text width, not to projection_dim; our
+  # class head projects to embed_dim, so the two must agree for the weights to mean the same.
   if hf.projection_dim != text.hidden_size:
     problems.append(
       f"projection_dim={hf.projection_dim} differs from text_config."
@@ -222,12 +224,13 @@ def model_config_to_hf_config(config: owl_lib.ModelConfig) -> Any:
   The HF model always computes as ``hf_compat=True`` (docs/reference.md §0).
 
   Raises:
-    ValueError: ``embed_dim != text_width`` (HF's class head maps to the text width).
+    ValueError: ``embed_dim != text_width``.
     ImportError: transformers missing.
 
   Source: docs/reference.md §1.2; transformers ``OwlViTConfig``.
   """
   transformers = _import_hf()
+  # HF's class head maps to the text width (see hf_config_to_model_config).
   if config.embed_dim != config.text_width:
     raise ValueError(
       f"HF OWL-ViT needs embed_dim == text_width, got embed_dim="

@@ -236,7 +236,7 @@ def fresh_head_params(config: owl_lib.ModelConfig, key: jax.Array) -> dict[str, 
 
   Initialises only ``backbone/merged_class_token``, ``class_head`` and ``obj_box_head``
   (scenic's initialisers: zero box-head output kernel, logit-shift prior bias -4.59512,
-  unit LayerNorm), without the cost of initialising the towers.
+  unit LayerNorm).
 
   Args:
     config: the module's ``ModelConfig``. key: PRNG key.
@@ -247,6 +247,9 @@ def fresh_head_params(config: owl_lib.ModelConfig, key: jax.Array) -> dict[str, 
 
   Source: docs/reference.md §2 (CLIP init: heads and merged LN stay fresh).
   """
+  # The heads are initialised on their own (from dummy token features and a dummy query
+  # embedding) so that an L/14 conversion does not pay for initialising both towers, whose
+  # values the CLIP file replaces anyway.
   model = owl_lib.OwlViT(**dict(config))
   feats = jnp.zeros((1, config.num_tokens, config.vision_width), jnp.float32)
   query = jnp.zeros((1, 1, config.embed_dim), jnp.float32)

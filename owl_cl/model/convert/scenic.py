@@ -35,8 +35,7 @@ def fix_scenic_names(params: tree.PyTree, where: str = "checkpoint") -> dict[str
   In every mapping, each key ``resblocks.N`` / ``resblocks_N`` (a transformer block) whose
   block holds ``ln_2`` is renamed per block ``ln_1 -> ln_0``, ``ln_2 -> ln_1``; then ``.``
   becomes ``_`` in block names (``resblocks.N -> resblocks_N``). ``class_head/padding*``
-  leaves are dropped. Idempotent (scenic's own ``_fix_old_layernorm`` is not on a
-  half-fixed tree).
+  leaves are dropped. Idempotent.
 
   Args:
     params: nested mapping (leaves untouched, not copied). where: name for errors.
@@ -52,6 +51,8 @@ def fix_scenic_names(params: tree.PyTree, where: str = "checkpoint") -> dict[str
   (``_fix_old_checkpoints``, ``TextZeroShotDetectionModule.load``).
   """
 
+  # Renaming per block, and only where `ln_2` exists, makes this idempotent: scenic's own
+  # `_fix_old_layernorm` renames every tree and breaks an already (or half) converted one.
   def walk(node, path):
     if not isinstance(node, Mapping):
       return node
