@@ -63,7 +63,7 @@ def canonicalize_label(text: str) -> str:
   Raises:
     TypeError: if ``text`` is not a ``str``.
 
-  Source: SPEC §2 ("Canonicalise label strings"); scenic
+  Source: SPEC §2 (tokenizer: label canonicalisation); scenic
   `scenic/projects/owl_vit/preprocessing/label_ops.py` (``_canonicalize_string_tf``).
   """
   if not isinstance(text, str):
@@ -107,7 +107,7 @@ class WordHashTokenizer:
   Raises:
     ValueError: if ``vocab_size < 4`` or ``context_length < 2``.
 
-  Source: ours (SPEC §1 "A tiny variant for CPU work is ours to define"); layout as the CLIP
+  Source: ours (SPEC §1: the `tiny` variant); layout as the CLIP
   tokenizer of SPEC §2 / scenic `scenic/projects/owl_vit/clip/tokenizer.py`.
   """
 
