@@ -75,10 +75,12 @@ class CheckpointMismatchError(ValueError):
 
 
 def flatten(tree: PyTree) -> dict[str, Any]:
+  """``{'a/b/c': leaf}`` of a nested (possibly frozen) mapping; leaves are not copied."""
   return flatten_dict(flax.core.unfreeze(tree), sep="/")
 
 
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+  """Inverse of :func:`flatten`: a nested ``dict`` from ``{'a/b/c': leaf}``."""
   return unflatten_dict(dict(flat), sep="/")
 
 
@@ -253,9 +255,15 @@ def infer_model_config(
 
 
 def replace_dir(tmp: str, path: str, overwrite: bool) -> None:
-  """Moves the finished folder ``tmp`` to ``path``. An existing ``path`` is replaced only
-  with ``overwrite``: it is moved aside, the new folder moved in, then the old one deleted
-  (moved back if the move in fails)."""
+  """Moves the finished folder ``tmp`` to ``path`` (same filesystem).
+
+  An existing ``path`` is replaced only with ``overwrite``: it is moved aside, the new folder
+  moved in, then the old one deleted (moved back if the move in fails).
+
+  Raises:
+    FileExistsError: ``path`` exists and not ``overwrite``.
+  """
+  # A reader never sees a half-written output: only complete folders are renamed into place.
   if not os.path.exists(path):
     os.replace(tmp, path)
     return
