@@ -384,7 +384,7 @@ def load_init_checkpoint(path: str, like) -> tuple[Any, dict]:
   """
   if os.path.isdir(os.path.join(path, "params")):
     return checkpointing.load_params(path, like)
-  from owl_cl.model import checkpoints  # pylint: disable=g-import-not-at-top
+  from owl_cl.model import convert as checkpoints  # pylint: disable=g-import-not-at-top
 
   if os.path.isfile(os.path.join(path, "config.json")):
     params, hf_config = checkpoints.load_hf_checkpoint(path)

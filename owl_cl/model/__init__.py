@@ -8,6 +8,9 @@ Public API (CONVENTIONS.md, Model / Tokenizer; SPEC §1, §2):
 * :class:`OwlViT` with methods ``image_embedder``, ``text_embedder``, ``class_predictor``,
   ``box_predictor``; :func:`compute_box_bias`.
 * :func:`get_tokenizer`, :class:`WordHashTokenizer`, :func:`canonicalize_label`.
+
+Checkpoints from scenic, HF transformers and OpenAI CLIP convert through
+:mod:`owl_cl.model.convert` (imported on demand, not here).
 """
 
 from owl_cl.model.clip import quick_gelu

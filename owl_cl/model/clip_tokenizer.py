@@ -5,9 +5,7 @@ Source: SPEC §2 (tokenizer: SOT 49406, EOT 49407, ``[SOT] + bpe + [EOT]`` cut t
 ``tokens[:max_token_len]``, so a query of more than ``L - 2`` BPE tokens loses its EOT) and
 `scenic/projects/owl_vit/evaluator.py` (``tokenize_queries``: the *prompted* string is
 canonicalised, then tokenised); OpenAI CLIP `clip/simple_tokenizer.py` (vocabulary layout and
-BPE). The BPE itself runs in HF's `tokenizers` library, configured as transformers'
-``CLIPTokenizer`` (NFC + whitespace collapse + lowercase normaliser; CLIP's split regex +
-byte-level pre-tokenizer; BPE with end-of-word suffix ``</w>``).
+BPE); HF `tokenizers`, configured as transformers' ``CLIPTokenizer``.
 
 Vocabulary files (nothing is downloaded; pass a local path):
 
@@ -31,6 +29,7 @@ import os
 import numpy as np
 
 from owl_cl.model.tokenizer import DEFAULT_CONTEXT_LENGTH
+from owl_cl.model.tokenizer import as_text_list
 from owl_cl.model.tokenizer import canonicalize_label
 
 __all__ = [
@@ -65,9 +64,10 @@ def bytes_to_unicode() -> dict[int, str]:
   Returns:
     ``dict[int, str]`` with 256 entries (byte value -> one character).
 
-  Source: OpenAI CLIP `clip/simple_tokenizer.py` (``bytes_to_unicode``). The same table is
-  built inside `tokenizers`' ByteLevel pre-tokenizer, which does not expose its order.
+  Source: OpenAI CLIP `clip/simple_tokenizer.py` (``bytes_to_unicode``).
   """
+  # `tokenizers`' ByteLevel pre-tokenizer builds the same table internally but does not expose
+  # its order, which OpenAI's vocabulary file needs (its first 256 entries follow it).
   printable = (
     list(range(ord("!"), ord("~") + 1))
     + list(range(ord("¡"), ord("¬") + 1))
@@ -206,11 +206,11 @@ class ClipTokenizer:
   """CLIP byte-level BPE tokenizer with OWL-ViT's query layout (SPEC §2).
 
   Encoding of one text: canonicalise it (:func:`canonicalize_label`: lowercase, characters
-  outside ``[a-z0-9-# ]`` -> space, collapse whitespace; scenic canonicalises the prompted
-  string, so a template's final '.' is dropped); byte-level BPE (CLIP's split pattern, end-of-
-  word suffix ``</w>``); ``[SOT] + ids + [EOT]``; cut to ``context_length`` (as scenic's
-  ``tokens[:max_token_len]``: more than ``context_length - 2`` BPE tokens lose the EOT);
-  right-pad with 0. ``''`` encodes to ``[SOT, EOT, 0, ...]`` (a real, unmasked query).
+  outside ``[a-z0-9-# ]`` -> space, collapse whitespace; so a template's final '.' is
+  dropped); byte-level BPE (CLIP's split pattern, end-of-word suffix ``</w>``);
+  ``[SOT] + ids + [EOT]``; cut to ``context_length`` (more than ``context_length - 2`` BPE
+  tokens lose the EOT); right-pad with 0. ``''`` encodes to ``[SOT, EOT, 0, ...]`` (a real,
+  unmasked query).
 
   Args:
     vocab_path: see :func:`load_vocabulary`.
@@ -258,6 +258,10 @@ class ClipTokenizer:
     self._sot = int(vocab[START_OF_TEXT])
     self._eot = int(vocab[END_OF_TEXT])
     self._vocab_size = max(int(v) for v in vocab.values()) + 1
+    # The BPE runs in HF `tokenizers` (fast, well kept), configured as transformers'
+    # CLIPTokenizer so that it gives OpenAI's ids: NFC + whitespace collapse + lowercase
+    # normaliser; CLIP's split regex, then the byte-level mapping; BPE with the end-of-word
+    # suffix </w> and no continuing-subword prefix.
     tokenizer = Tokenizer(
       models.BPE(
         vocab=dict(vocab),
@@ -304,7 +308,9 @@ class ClipTokenizer:
 
     Canonicalises first when the tokenizer was built with ``canonicalize=True``.
     """
-    texts = _as_text_list(texts)
+    texts = as_text_list(texts)
+    # Scenic canonicalises the prompted string (evaluator.tokenize_queries), which is why a
+    # template's final '.' disappears.
     if self._canonicalize:
       texts = [canonicalize_label(t) for t in texts]
     encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -328,11 +334,12 @@ class ClipTokenizer:
     Raises:
       TypeError: an item is not a ``str``.
     """
-    texts = _as_text_list(texts)
+    texts = as_text_list(texts)
     out = np.zeros((len(texts), self._context_length), np.int32)
     if not texts:
       return out
     for i, ids in enumerate(self.bpe_ids(texts)):
+      # Cut after adding EOT, as scenic's `tokens[:max_token_len]`: long queries lose EOT.
       row = ([self._sot] + ids + [self._eot])[: self._context_length]
       out[i, : len(row)] = row
     return out
@@ -346,13 +353,3 @@ class ClipTokenizer:
       f"ClipTokenizer({self._description}, vocab_size={self._vocab_size}, "
       f"context_length={self._context_length})"
     )
-
-
-def _as_text_list(texts: str | Sequence[str]) -> list:
-  if isinstance(texts, str):
-    return [texts]
-  texts = list(texts)
-  for t in texts:
-    if not isinstance(t, str):
-      raise TypeError(f"encode expects str items, got {type(t).__name__}: {t!r}")
-  return texts

@@ -63,18 +63,23 @@ def canonicalize_label(text: str) -> str:
   Raises:
     TypeError: if ``text`` is not a ``str``.
 
-  Source: SPEC §2 ("Canonicalise label strings"); scenic
-  `scenic/projects/owl_vit/preprocessing/label_ops.py` (``_canonicalize_string_tf``). Scenic
-  additionally collapses runs of '-' and drops '#' (its not-promptable marker) except at the
-  start of the string; SPEC §2 does not ask for either, so neither is done here.
+  Source: SPEC §2 (tokenizer: label canonicalisation); scenic
+  `scenic/projects/owl_vit/preprocessing/label_ops.py` (``_canonicalize_string_tf``).
   """
   if not isinstance(text, str):
     raise TypeError(f"canonicalize_label expects a str, got {type(text).__name__}")
+  # Scenic also collapses runs of '-' and drops '#' (its not-promptable marker) except at the
+  # start; the reference (SPEC §2) asks for neither, so neither is done.
   text = _NOT_ALLOWED.sub(" ", text.lower())
   return _WHITESPACE.sub(" ", text).strip()
 
 
-def _as_text_list(texts: str | Sequence[str]) -> list:
+def as_text_list(texts: str | Sequence[str]) -> list[str]:
+  """The texts a tokenizer's ``encode`` was given, as a ``list[str]`` (a ``str`` -> ``[str]``).
+
+  Raises:
+    TypeError: an item is not a ``str`` (the message shows it).
+  """
   if isinstance(texts, str):
     return [texts]
   texts = list(texts)
@@ -93,9 +98,7 @@ class WordHashTokenizer:
   ``EOT = vocab_size - 1``, cut to ``context_length`` (the EOT is lost when the text has more
   than ``context_length - 2`` words, as with CLIP) and right-pad with 0. ``''`` encodes to
   ``[SOT, EOT, 0, ...]`` (a real, unmasked query; only all-zero rows are padding queries).
-
-  Id 0 is padding and never produced for a word; EOT is the largest id so that the text tower's
-  ``argmax(token id)`` pooling finds it (SPEC §1, text tower).
+  Id 0 is padding and never produced for a word; EOT is the largest id.
 
   Args:
     vocab_size: int >= 4, the total number of ids (including 0, SOT, EOT).
@@ -104,7 +107,7 @@ class WordHashTokenizer:
   Raises:
     ValueError: if ``vocab_size < 4`` or ``context_length < 2``.
 
-  Source: ours (SPEC §1 "A tiny variant for CPU work is ours to define"); layout as the CLIP
+  Source: ours (SPEC §1: the `tiny` variant); layout as the CLIP
   tokenizer of SPEC §2 / scenic `scenic/projects/owl_vit/clip/tokenizer.py`.
   """
 
@@ -136,6 +139,7 @@ class WordHashTokenizer:
   @property
   def eot_token(self) -> int:
     """End-of-text id, ``vocab_size - 1`` (the largest id)."""
+    # The largest id, as CLIP's: the text tower pools the row at argmax(token id) (SPEC §1).
     return self._vocab_size - 1
 
   def word_id(self, word: str) -> int:
@@ -147,6 +151,8 @@ class WordHashTokenizer:
     Returns:
       ``int`` in ``[1, vocab_size - 3]``.
     """
+    # crc32, not hash(): Python's str hash is salted per process, and the ids must be the same
+    # in every process and run. The offset 1 and the modulus keep 0, SOT and EOT free.
     return 1 + zlib.crc32(word.encode("utf-8")) % (self._vocab_size - 3)
 
   def tokenize(self, text: str) -> list:
@@ -168,7 +174,7 @@ class WordHashTokenizer:
     Raises:
       TypeError: if an item is not a ``str``.
     """
-    texts = _as_text_list(texts)
+    texts = as_text_list(texts)
     out = np.zeros((len(texts), self._context_length), np.int32)
     for i, text in enumerate(texts):
       ids = self.tokenize(text)

@@ -1,4 +1,4 @@
-"""Tests of owl_cl.model.checkpoints: scenic msgpack files, OpenAI CLIP init, the CLI.
+"""Tests of owl_cl.model.convert: scenic msgpack files, OpenAI CLIP init, the CLI.
 
 HF conversion and parity: tests/model/test_hf_parity.py.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import scipy.ndimage
 
-from owl_cl.model import checkpoints as ck
+from owl_cl.model import convert as ck
 from owl_cl.model import create_model
 from owl_cl.train import checkpointing
 

@@ -1,4 +1,4 @@
-"""HF transformers OwlViTForObjectDetection <-> owl_cl (SPEC §1.2, owl_cl.model.checkpoints).
+"""HF transformers OwlViTForObjectDetection <-> owl_cl (SPEC §1.2, owl_cl.model.convert).
 
 A tiny random HF OWL-ViT is the independent reference: converted to our parameters, our model
 with ``hf_compat=True`` must give HF's outputs; our parameters exported to HF and back must be
@@ -18,8 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from owl_cl.model import checkpoints as ck  # noqa: E402
+from owl_cl.model import convert as ck  # noqa: E402
 from owl_cl.model import owl_vit as owl_lib  # noqa: E402
+from owl_cl.model.convert import hf as convert_hf  # noqa: E402
 
 VOCAB, CONTEXT, SIZE, PATCH = 100, 16, 32, 8
 SOT, EOT = VOCAB - 2, VOCAB - 1
@@ -395,7 +396,7 @@ def test_l14_mapping_covers_the_real_hf_model():
     hf = transformers.OwlViTForObjectDetection(ck.model_config_to_hf_config(config))
   hf_shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
   like = _flat(ck.abstract_params(config))
-  rows = ck._hf_rows(config)
+  rows = convert_hf._hf_rows(config)
   assert len(rows) == len(like) == 603
   assert {r[0] for r in rows} == set(like)
   assert set(hf_shapes) - {r[1] for r in rows} == {"owlvit.visual_projection.weight"}
