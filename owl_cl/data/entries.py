@@ -315,6 +315,7 @@ def load_split(entry: DatasetEntry, split: str, **coco_options) -> CocoSource:
       spec.split,
       name=label,
       category_ids=spec.category_ids,
+      where=f"dataset {entry.name!r} field {split!r}",
       exclude_category_ids=entry.exclude_category_ids,
       **coco_options,
     )

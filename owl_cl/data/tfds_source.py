@@ -312,6 +312,7 @@ def tfds_source(
   *,
   name: str | None = None,
   category_ids: Sequence[int] | None = None,
+  where: str | None = None,
   **coco_options,
 ) -> CocoSource:
   """Split `split` of TFDS dataset `ref` as a `CocoSource` (conversion: module docstring).
@@ -323,6 +324,7 @@ def tfds_source(
     name: display name (default '<name>/<split>').
     category_ids: the dataset's category id of each 0-based label (length C, distinct);
       default: see the module docstring.
+    where: prefix of error messages (default `ref`), e.g. "dataset 'x' field 'train'".
     **coco_options: passed to `CocoSource` (on_invalid, box_tolerance, exclude_category_ids,
       image_ids, cache_images).
 
@@ -337,7 +339,7 @@ def tfds_source(
       wrong length or with duplicates; a label outside the class list; an undecodable image
       header (names the dataset, split, record and field).
   """
-  problems = tfds_problems(ref, data_dir, split, ref)
+  problems = tfds_problems(ref, data_dir, split, where or ref)
   if problems:
     raise DataError("\n".join(problems))
   path = tfds_dataset_dir(ref, data_dir)
