@@ -23,6 +23,7 @@ import pytest
 from owl_cl.data import builtin
 from owl_cl.data import entries
 from owl_cl.data import odinw
+from owl_cl.data import pipeline
 from owl_cl.data import suites
 from owl_cl.data import tfds_source
 from owl_cl.data.coco import DataError
@@ -252,6 +253,16 @@ def test_tfds_source_pickles_and_decodes_lazily(pair):
   i = src.image_ids.index(11)
   np.testing.assert_array_equal(clone.load(i)["image"], src.load(i)["image"])
   assert clone.load(i)["image"].shape == (77, 33, 3)
+
+
+def test_tfds_source_feeds_the_eval_pipeline(pair):
+  coco, tf = pair
+  a, b = entries.load_split(coco, "test"), entries.load_split(tf, "test")
+  kw = dict(image_size=32, batch_size=3, num_workers=0)
+  for ba, bb in zip(pipeline.eval_dataset(a, **kw), pipeline.eval_dataset(b, **kw), strict=True):
+    assert ba.keys() == bb.keys()
+    for k in ba:
+      np.testing.assert_array_equal(ba[k], bb[k])  # same pixels: identical resize output
 
 
 def test_reading_imports_no_tensorflow(pair):
