@@ -23,7 +23,7 @@ INSTALL_REQUIRES = [
   "lvis>=0.5.3",  # LVIS AP / APr / APc / APf (federated evaluation)
   # TFDS detection datasets read with `tfds.data_source` from ArrayRecord files (no TensorFlow;
   # owl_cl.data.tfds_source).
-  "tensorflow-datasets>=4.9.4",
+  "tensorflow-datasets>=4.9.10",  # tested version (as_data_source(deserialize_method=...))
   "array_record>=0.5",
 ]
 

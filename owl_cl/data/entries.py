@@ -73,6 +73,8 @@ class SplitSpec:
     split: kind 'tfds': the TFDS split name (e.g. 'train', 'validation').
     category_ids: kind 'tfds': the category id of each 0-based label (default:
       `owl_cl.data.tfds_source` rules: COCO's 80 ids for coco/*, else label + 1).
+    categories_file: kind 'tfds': a json whose `categories` (e.g. LVIS v1's, with `frequency`)
+      are merged into the TFDS categories by id.
   """
 
   annotation_file: str = ""
@@ -81,6 +83,7 @@ class SplitSpec:
   data_dir: str = ""
   split: str = ""
   category_ids: tuple[int, ...] | None = None
+  categories_file: str = ""
 
   def describe(self) -> str:
     """'tfds:coco/2017 split validation (data_dir /d)' or 'json <file>, images <dir>'."""
@@ -150,6 +153,7 @@ _ENTRY_KEYS = {
   "tfds",
   "data_dir",
   "category_ids",
+  "categories_file",
   *SPLITS,
 }
 _SPLIT_KEYS = {f.name for f in dataclasses.fields(SplitSpec)}
@@ -238,7 +242,7 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
         problems.append(f"{fwhere}: unknown field(s) {unknown} (known: {sorted(_SPLIT_KEYS)})")
         continue
       if kind == "tfds":
-        for k in ("tfds", "data_dir", "category_ids"):
+        for k in ("tfds", "data_dir", "category_ids", "categories_file"):
           if not value.get(k) and cfg.get(k):
             value[k] = cfg[k]
         value.setdefault("split", _DEFAULT_TFDS_SPLIT[s])
@@ -316,6 +320,7 @@ def load_split(entry: DatasetEntry, split: str, **coco_options) -> CocoSource:
       name=label,
       category_ids=spec.category_ids,
       where=f"dataset {entry.name!r} field {split!r}",
+      categories_file=spec.categories_file or None,
       exclude_category_ids=entry.exclude_category_ids,
       **coco_options,
     )
@@ -401,9 +406,26 @@ def check_entry(entry: DatasetEntry, required: Sequence[str] = ()) -> list[str]:
   for split, spec in entry.splits:
     where = f"{where0} field '{split}'"
     if entry.kind == "tfds":
-      problems.extend(
-        tfds_source.tfds_problems(spec.tfds, spec.data_dir or None, spec.split, where)
+      found = tfds_source.tfds_problems(
+        spec.tfds, spec.data_dir or None, spec.split, where, spec.category_ids
       )
+      problems.extend(found)
+      tfds_ok = not found
+      if spec.categories_file and not os.path.isfile(spec.categories_file):
+        problems.append(f"{where} 'categories_file': file not found: {spec.categories_file!r}")
+      elif not spec.categories_file and (
+        entry.evaluation == "lvis"
+        or (
+          entry.evaluation is None
+          and tfds_ok
+          and tfds_source.tfds_has_lvis_fields(spec.tfds, spec.data_dir or None)
+        )
+      ):
+        problems.append(
+          f"{where}: the evaluation protocol is 'lvis' but TFDS has no category 'frequency' "
+          f"(LVIS APr groups): set 'categories_file' to a json with the LVIS categories, or "
+          f"'evaluation' to 'coco'"
+        )
       continue
     if entry.kind == "odinw" and not os.path.isfile(spec.annotation_file):
       continue  # reported above with the layout
@@ -418,6 +440,17 @@ def check_entry(entry: DatasetEntry, required: Sequence[str] = ()) -> list[str]:
     names_by_split[split] = names
     if not names:
       problems.append(f"{where} 'annotation_file': {spec.annotation_file} has no categories")
+    if entry.evaluation == "lvis" or (entry.evaluation is None and _has_lvis_fields(data)):
+      lacking = [
+        c.get("id")
+        for c in data["categories"]
+        if isinstance(c, dict) and c.get("frequency") not in ("r", "c", "f")
+      ]
+      if lacking:
+        problems.append(
+          f"{where} 'annotation_file': the evaluation protocol is 'lvis' but categories "
+          f"{lacking[:10]} of {spec.annotation_file} have no LVIS 'frequency' (r, c or f)"
+        )
     for p in tfds_source._name_problems(names, f"{where} 'annotation_file' categories"):  # pylint: disable=protected-access
       problems.append(f"{p} (in {spec.annotation_file})")
   ref = next(iter(names_by_split.items()), None)
@@ -465,7 +498,11 @@ def evaluation_protocol(entry: DatasetEntry, split: str = "test") -> str:
   data = _read_json(spec.annotation_file, f"dataset {entry.name!r} field '{split}'", problems)
   if data is None:
     raise DataError(problems[0])
-  lvis = any(
+  return "lvis" if _has_lvis_fields(data) else "coco"
+
+
+def _has_lvis_fields(data: dict) -> bool:
+  """LVIS per-image fields on an image, or `frequency` on a category, of a COCO json."""
+  return any(
     isinstance(im, dict) and any(f in im for f in _LVIS_IMAGE_FIELDS) for im in data["images"]
   ) or any(isinstance(c, dict) and "frequency" in c for c in data["categories"])
-  return "lvis" if lvis else "coco"

@@ -2,13 +2,14 @@
 
 A prepared TFDS dataset is a folder `<data_dir>/<name>/<version>/` holding `dataset_info.json`,
 `features.json` and the record shards. `tfds_source` opens it with
-`tfds.builder_from_directory(...).as_data_source(split)` (the random-access reader behind
-`tfds.data_source`; it needs no registered builder class, so any prepared folder works), reads
-every record's annotations once, and returns the same in-memory `CocoSource` a COCO json gives.
-Pixels are not decoded then: the image feature is read undecoded (`tfds.decode.SkipDecoding`),
-only its header is parsed for the size, and `TfdsImageReader` (the `image_reader` hook of
-`CocoSource`) decodes the encoded bytes with PIL when the pipeline loads an example. Reading
-ArrayRecord through `tfds.data_source` uses numpy decoders: no `tensorflow` module is imported.
+`tfds.builder_from_directory(...).as_data_source(split)` (the random-access ArrayRecord reader
+behind `tfds.data_source`; it needs no registered builder class, so any prepared folder works),
+reads every record's annotations once, and returns the same in-memory `CocoSource` a COCO json
+gives. Only the fields used are decoded (`_Records`), with TFDS' numpy decoders: no `tensorflow`
+module is imported. Pixels are not decoded then: the image stays encoded
+(`tfds.decode.SkipDecoding`), only its header is parsed for the size, and `TfdsImageReader`
+(the `image_reader` hook of `CocoSource`, chosen over materialising image files: no copy of
+the dataset on disk) decodes the bytes with PIL when the pipeline loads an example.
 
 Features read (TFDS `coco/2017` and `lvis` 1.2-1.4 name them so; any detection dataset with
 `objects/bbox` + `objects/label` works):
@@ -26,7 +27,9 @@ coordinate differs from the original COCO json value by at most ~6e-8 * W px (4e
 640 px image). Category id of label `k`: `category_ids[k]` when given; the 80 COCO ids for
 `coco/*` datasets with 80 classes (TFDS orders labels as the json's `categories`, i.e. by id);
 otherwise `k + 1` (LVIS ids are 1..1203, TFDS `lvis` stores `category_id - 1`).
-The LVIS `frequency` of a category is not a TFDS feature and is therefore not carried.
+The LVIS `frequency` of a category is not a TFDS feature: pass `categories_file` (e.g. the LVIS
+v1 json, or any json with a `categories` list) to merge each category's json fields (frequency,
+synonyms, ...) by id; the names must agree.
 
 Source: TFDS `tfds.data_source` / ArrayRecord guide; `tfds.features.BBoxFeature`
 (normalised ymin, xmin, ymax, xmax); TFDS builders `object_detection/coco.py`
@@ -176,13 +179,20 @@ def _sub(features, key: str):
   return f
 
 
-def tfds_problems(ref: str, data_dir: str | None, split: str, where: str) -> list[str]:
+def tfds_problems(
+  ref: str,
+  data_dir: str | None,
+  split: str,
+  where: str,
+  category_ids: Sequence[int] | None = None,
+) -> list[str]:
   """Every problem that would stop `tfds_source(ref, data_dir, split)`, read from the folder's
   metadata only (no record is read).
 
   Args:
     ref: 'tfds:<name>[:<version>]'. data_dir: TFDS data folder (None: `default_data_dir`).
     split: the TFDS split name. where: prefix of each message (entry and field).
+    category_ids: the declared category id per label (checked: one per class, distinct).
 
   Returns:
     list of messages (empty when readable): missing / unreadable folder, tfrecord-only
@@ -228,6 +238,13 @@ def tfds_problems(ref: str, data_dir: str | None, split: str, where: str) -> lis
   if "objects/label" in keys:
     names = list(_sub(builder.info.features, "objects/label").names)
     problems.extend(_name_problems(names, f"{where}: {ref} objects/label names"))
+    if category_ids is not None and (
+      len(category_ids) != len(names) or len(set(category_ids)) != len(category_ids)
+    ):
+      problems.append(
+        f"{where}: field 'category_ids' has value {list(category_ids)}: expected {len(names)} "
+        f"distinct ids, one per objects/label class"
+      )
   return problems
 
 
@@ -256,14 +273,44 @@ def tfds_has_lvis_fields(ref: str, data_dir: str | None = None) -> bool:
   return any(f in keys for f in _LVIS_FIELDS)
 
 
-def _data_source(path: str, split: str, keys: set[str]):
-  """ArrayRecord random-access source with the image (and any mask) left encoded."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+_TOP_FIELDS = ("image", "image/id", "image/filename", *_LVIS_FIELDS)
+_OBJECT_FIELDS = ("bbox", "label", "is_crowd", "area", "id")
 
-  decoders: dict[str, Any] = {"image": tfds.decode.SkipDecoding()}
-  if "objects/segmentation" in keys:  # LVIS masks: never needed, skip decoding them
-    decoders["objects"] = {"segmentation": tfds.decode.SkipDecoding()}
-  return _builder(path).as_data_source(split=split, decoders=decoders)
+
+class _Records:
+  """Random access to the records of one split, decoding only the fields read here.
+
+  The ArrayRecord reader of `tfds.data_source` returns raw bytes
+  (`DeserializeMethod.RAW_BYTES`); they are decoded with a FeaturesDict restricted to
+  `_TOP_FIELDS` and `objects/_OBJECT_FIELDS` (numpy backend), the image left encoded
+  (`SkipDecoding`). Restricting matters: TFDS `lvis` stores a PNG mask per object
+  (`objects/segmentation`), which `tfds.decode.SkipDecoding` cannot skip inside a Sequence
+  in the numpy backend and which would otherwise be decoded for every object.
+  """
+
+  def __init__(self, path: str, split: str, fields: Sequence[str] = _TOP_FIELDS):
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+    builder = _builder(path)
+    features = builder.info.features
+    names = set(features.keys())
+    kept = {k: features[k] for k in fields if k in names and k != "objects"}
+    if "objects" in fields and "objects" in names:
+      obj = features["objects"].feature
+      kept["objects"] = tfds.features.Sequence(
+        {k: obj[k] for k in _OBJECT_FIELDS if k in set(obj.keys())}
+      )
+    self._features = tfds.features.FeaturesDict(kept)
+    self._decoders = {"image": tfds.decode.SkipDecoding()}
+    self._raw = builder.as_data_source(
+      split=split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
+    )
+
+  def __len__(self) -> int:
+    return len(self._raw)
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    return self._features.deserialize_example_np(self._raw[index], decoders=self._decoders)
 
 
 class TfdsImageReader:
@@ -288,8 +335,7 @@ class TfdsImageReader:
 
   def _open(self):
     if self._source is None:
-      keys = _feature_keys(_builder(self.path).info.features)
-      self._source = _data_source(self.path, self.split, keys)
+      self._source = _Records(self.path, self.split, ("image",))
     return self._source
 
   def __call__(self, info: dict) -> np.ndarray:
@@ -305,6 +351,28 @@ def _ids(values: Any) -> list[int]:
   return [int(v) for v in np.asarray(values).reshape(-1)]
 
 
+def _merge_categories(categories: list[dict], path: str, where: str) -> list[dict]:
+  """Categories with the fields of `path`'s `categories` (matched by id; names must agree)."""
+  try:
+    with open(path) as f:
+      extra = json.load(f)["categories"]
+    by_id = {int(c["id"]): c for c in extra}
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise DataError(f"{where}: categories_file {path} has no readable 'categories' ({e!r})") from e
+  out = []
+  for c in categories:
+    more = by_id.get(c["id"])
+    if more is None:
+      raise DataError(f"{where}: categories_file {path} has no category id {c['id']}")
+    if str(more.get("name", c["name"])) != c["name"]:
+      raise DataError(
+        f"{where}: categories_file {path} category id {c['id']} has name {more.get('name')!r}, "
+        f"the TFDS label has {c['name']!r}"
+      )
+    out.append(dict(more, **c))
+  return out
+
+
 def tfds_source(
   ref: str,
   data_dir: str | None,
@@ -313,6 +381,7 @@ def tfds_source(
   name: str | None = None,
   category_ids: Sequence[int] | None = None,
   where: str | None = None,
+  categories_file: str | None = None,
   **coco_options,
 ) -> CocoSource:
   """Split `split` of TFDS dataset `ref` as a `CocoSource` (conversion: module docstring).
@@ -324,6 +393,8 @@ def tfds_source(
     name: display name (default '<name>/<split>').
     category_ids: the dataset's category id of each 0-based label (length C, distinct);
       default: see the module docstring.
+    categories_file: optional json with a `categories` list (e.g. lvis_v1_val.json) whose
+      entries' fields (LVIS `frequency`, `synonyms`, ...) are merged into the categories by id.
     where: prefix of error messages (default `ref`), e.g. "dataset 'x' field 'train'".
     **coco_options: passed to `CocoSource` (on_invalid, box_tolerance, exclude_category_ids,
       image_ids, cache_images).
@@ -339,7 +410,7 @@ def tfds_source(
       wrong length or with duplicates; a label outside the class list; an undecodable image
       header (names the dataset, split, record and field).
   """
-  problems = tfds_problems(ref, data_dir, split, where or ref)
+  problems = tfds_problems(ref, data_dir, split, where or ref, category_ids)
   if problems:
     raise DataError("\n".join(problems))
   path = tfds_dataset_dir(ref, data_dir)
@@ -359,7 +430,7 @@ def tfds_source(
       f"{ref}: category_ids {category_ids} must give {len(names)} distinct ids, one per "
       f"objects/label class {names}"
     )
-  source = _data_source(path, split, keys)
+  source = _Records(path, split, (*_TOP_FIELDS, "objects"))
   images, annotations = [], []
   next_ann_id = 1
   where = f"{ref} ({path}) split {split!r}"
@@ -409,6 +480,8 @@ def tfds_source(
         )
       )
   categories = [dict(id=c, name=n) for c, n in zip(category_ids, names)]
+  if categories_file:
+    categories = _merge_categories(categories, categories_file, where)
   dataset = dict(images=images, annotations=annotations, categories=categories)
   return CocoSource(
     f"{ref}:{split} ({path})",

@@ -7,6 +7,7 @@ category in the json's `categories`), with the PNG bytes as the encoded image. W
 no TensorFlow (the image feature takes encoded bytes).
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -79,8 +80,9 @@ def write_coco_folder(root: str, images=IMAGES, annotations=ANNOTATIONS, categor
 
 
 class OwnDataToy(tfds.core.GeneratorBasedBuilder):
-  """A COCO json as a TFDS detection dataset with `coco/2017`'s features (and, with
-  `lvis=True`, the TFDS `lvis` per-image fields)."""
+  """A COCO json as a TFDS detection dataset with `coco/2017`'s features, or with
+  `lvis=True` the TFDS `lvis` 1.2-1.4 features (no is_crowd / filename; per-image
+  neg_category_ids / not_exhaustive_category_ids; per-object segmentation masks)."""
 
   VERSION = tfds.core.Version("1.0.0")
 
@@ -91,23 +93,16 @@ class OwnDataToy(tfds.core.GeneratorBasedBuilder):
 
   def _info(self):
     label = tfds.features.ClassLabel(names=[c["name"] for c in self._coco["categories"]])
-    features = {
-      "image": tfds.features.Image(encoding_format="png"),
-      "image/id": np.int64,
-      "image/filename": tfds.features.Text(),
-      "objects": tfds.features.Sequence(
-        {
-          "id": np.int64,
-          "area": np.int64,
-          "bbox": tfds.features.BBoxFeature(),
-          "label": label,
-          "is_crowd": np.bool_,
-        }
-      ),
-    }
-    if self._lvis:
+    objects = {"id": np.int64, "area": np.int64, "bbox": tfds.features.BBoxFeature()}
+    features = {"image": tfds.features.Image(encoding_format="png"), "image/id": np.int64}
+    if self._lvis:  # TFDS datasets/lvis/lvis_dataset_builder.py
       features["neg_category_ids"] = tfds.features.Sequence(label)
       features["not_exhaustive_category_ids"] = tfds.features.Sequence(label)
+      objects.update(label=label, segmentation=tfds.features.Image(shape=(None, None, 1)))
+    else:  # TFDS object_detection/coco.py
+      features["image/filename"] = tfds.features.Text()
+      objects.update(label=label, is_crowd=np.bool_)
+    features["objects"] = tfds.features.Sequence(objects)
     return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
 
   def _split_generators(self, dl_manager):
@@ -125,22 +120,18 @@ class OwnDataToy(tfds.core.GeneratorBasedBuilder):
         x, y, bw, bh = a["bbox"]
         # TFDS coco builder: BBox(y / H, x / W, (y + h) / H, (x + w) / W).
         box = tfds.features.BBox(ymin=y / h, xmin=x / w, ymax=(y + bh) / h, xmax=(x + bw) / w)
-        objects.append(
-          dict(
-            id=a["id"],
-            area=int(a["area"]),
-            bbox=box,
-            label=label_of[a["category_id"]],
-            is_crowd=bool(a["iscrowd"]),
-          )
-        )
-      ex = {
-        "image": _png(im["id"], h, w),
-        "image/id": im["id"],
-        "image/filename": im["file_name"],
-        "objects": objects,
-      }
-      if self._lvis:
+        obj = dict(id=a["id"], area=int(a["area"]), bbox=box, label=label_of[a["category_id"]])
+        if self._lvis:
+          mask = io.BytesIO()  # PNG bytes: encoding an array would need TensorFlow
+          Image.new("L", (w, h)).save(mask, format="PNG")
+          obj["segmentation"] = mask.getvalue()  # never decoded by the reader
+        else:
+          obj["is_crowd"] = bool(a["iscrowd"])
+        objects.append(obj)
+      ex = {"image": _png(im["id"], h, w), "image/id": im["id"], "objects": objects}
+      if not self._lvis:
+        ex["image/filename"] = im["file_name"]
+      else:
         ex["neg_category_ids"] = [label_of[c] for c in im.get("neg_category_ids", [])]
         ex["not_exhaustive_category_ids"] = [
           label_of[c] for c in im.get("not_exhaustive_category_ids", [])
@@ -331,10 +322,21 @@ def test_lvis_fields_and_protocol(tmp_path):
     )
   )
   assert entries.evaluation_protocol(tf) == "lvis"
+  # TFDS has no category `frequency`: the check asks for a categories_file.
+  (problem,) = entries.check_entry(tf)
+  assert "dataset 't' field 'test'" in problem and "set 'categories_file'" in problem
+  tf = dataclasses.replace(
+    tf, splits=(("test", dataclasses.replace(tf.split("test"), categories_file=ann)),)
+  )
+  assert entries.check_entry(tf) == []
   tsrc = entries.load_split(tf, "test")
+  assert tsrc.category_entries == src.category_entries  # ids, names, frequency
+  assert tsrc.image_ids == src.image_ids
   for i in range(len(src)):
     for k, v in src.federated_labels(i).items():
       assert tsrc.federated_labels(i)[k].tolist() == v.tolist()
+    # No is_crowd feature in TFDS lvis: the crowd box of image 7 is an ordinary box there.
+    assert len(tsrc.targets(i)["labels"]) == len(src.targets(i)["labels"]) + (src.image_ids[i] == 7)
   with_version = tf.split("test").tfds
   assert tfds_source.parse_tfds_name(with_version) == ("own_data_toy", "1.0.0")
 
