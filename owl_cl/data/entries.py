@@ -438,6 +438,18 @@ def check_entry(entry: DatasetEntry, required: Sequence[str] = ()) -> list[str]:
       problems.append(f"{where} 'annotation_file': {spec.annotation_file} has no images")
     names = _coco_names(data, entry.exclude_category_ids)
     names_by_split[split] = names
+    if entry.kind == "odinw":
+      spec_o = odinw.ODINW_DATASETS[entry.member]
+      expected = [
+        n
+        for i, n in enumerate(spec_o.category_names, start=1)
+        if i not in spec_o.exclude_category_ids
+      ]
+      if names != expected:
+        problems.append(
+          f"{where} 'annotation_file': {spec.annotation_file} has categories {names}, "
+          f"expected {expected} for ODinW {entry.member}"
+        )
     if not names:
       problems.append(f"{where} 'annotation_file': {spec.annotation_file} has no categories")
     if entry.evaluation == "lvis" or (entry.evaluation is None and _has_lvis_fields(data)):

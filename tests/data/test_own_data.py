@@ -187,6 +187,21 @@ def test_tfds_box_conversion_hand_worked(pair):
   assert (info["height"], info["width"], info["file_name"]) == (77, 33, "c.png")
 
 
+def test_tfds_default_category_ids(pair):
+  _, tf = pair
+  spec = tf.split("test")
+  src = tfds_source.tfds_source(spec.tfds, spec.data_dir, "train")
+  # No category_ids: label k -> id k + 1 (TFDS `lvis` stores category_id - 1); names are the
+  # ClassLabel names in label order (the json's categories order: cat, dog).
+  assert src.category_ids == [1, 2] and src.class_names == ["cat", "dog"]
+  assert src.name == "own_data_toy/train"
+  # coco/* with 80 classes: COCO 2017's ids (1..90 without the 10 unused ones).
+  ids = tfds_source.COCO_2017_CATEGORY_IDS
+  assert len(ids) == 80 and ids[:12] == (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13) and ids[-1] == 90
+  with pytest.raises(DataError, match="field 'category_ids' has value \\[1\\]"):
+    tfds_source.tfds_source(spec.tfds, spec.data_dir, "train", category_ids=[1])
+
+
 def test_coco_and_tfds_give_the_same_examples(pair):
   coco, tf = pair
   a, b = entries.load_split(coco, "test"), entries.load_split(tf, "test")
@@ -474,6 +489,17 @@ def test_paper_suite_is_todays_odinw(tmp_path):
         np.testing.assert_array_equal(tg["boxes"], tw["boxes"])
         np.testing.assert_array_equal(tg["labels"], tw["labels"])
   assert len(entries.load_split(small, "train")) == 5
+  # A registry member whose json has other categories is reported (as odinw_source raises).
+  ann = odinw.odinw_paths(root, "Pothole", "test")[0]
+  with open(ann) as f:
+    data = json.load(f)
+  data["categories"][0]["name"] = "crater"
+  with open(ann, "w") as f:
+    json.dump(data, f)
+  problem, differ = entries.check_entry(picked[0])
+  assert "dataset 'Pothole' field 'test'" in problem and "['crater']" in problem
+  assert "expected ['pothole'] for ODinW Pothole" in problem
+  assert "field 'test' categories ['crater'] differ from field 'train'" in differ
 
 
 def test_glip_suites():
