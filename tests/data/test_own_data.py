@@ -409,6 +409,14 @@ def test_check_entry_lists_every_problem(tmp_path, pair):
   assert "dataset 't' field 'test': split 'validation' not in tfds:own_data_toy" in problems[1]
   with pytest.raises(DataError, match="field 'train'.*tfrecord"):
     entries.load_split(bad_tf, "train")
+  # An unreadable TFDS folder (corrupt dataset_info.json).
+  info_path.write_text("{not json")
+  (unreadable,) = entries.check_entry(
+    dataclasses.replace(bad_tf, splits=(("train", bad_tf.split("train")),))
+  )
+  assert (
+    "dataset 't' field 'train'" in unreadable and "dataset_info.json is unreadable" in unreadable
+  )
   # A missing TFDS folder.
   missing = entries.entry_from_config(
     dict(name="m", kind="tfds", tfds="tfds:nothing_here", data_dir=str(rec), test="test")
