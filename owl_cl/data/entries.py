@@ -157,6 +157,14 @@ _ENTRY_KEYS = {
   *SPLITS,
 }
 _SPLIT_KEYS = {f.name for f in dataclasses.fields(SplitSpec)}
+_KIND_FIELDS = {
+  "member": ("odinw",),
+  "root": ("odinw",),
+  "tfds": ("tfds",),
+  "data_dir": ("tfds",),
+  "category_ids": ("tfds",),
+  "categories_file": ("tfds",),
+}
 _DEFAULT_TFDS_SPLIT = {"train": "train", "val": "validation", "test": "test"}
 
 
@@ -208,6 +216,10 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
     )
   member = str(cfg.get("member", "") or "")
   root = os.path.expanduser(str(cfg.get("root", "") or ""))
+  # Fields of one kind given to another would be silently ignored: refuse them.
+  for k, kinds in _KIND_FIELDS.items():
+    if cfg.get(k) not in (None, "") and kind in KINDS and kind not in kinds:
+      problems.append(f"{where}: field {k!r} ({cfg[k]!r}) applies to kind {kinds}, not {kind!r}")
   splits = []
   if kind == "odinw":
     if member not in odinw.ODINW_DATASETS:
@@ -253,7 +265,11 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
           )
         value["data_dir"] = os.path.expanduser(str(value.get("data_dir", "") or ""))
         if value.get("category_ids") is not None:
-          value["category_ids"] = _ints(value["category_ids"], f"{fwhere} 'category_ids'")
+          try:
+            value["category_ids"] = _ints(value["category_ids"], f"{fwhere} 'category_ids'")
+          except DataError as e:
+            problems.append(str(e))
+            continue
       elif kind == "coco":
         for k in ("annotation_file", "image_dir"):
           if not value.get(k):

@@ -448,6 +448,10 @@ def test_entry_from_config_lists_every_problem():
   assert "field 'evaluation' has value 'voc'" in msg
   assert "dataset 'x' field 'train': field 'annotation_file' is missing or empty" in msg
   assert "field 'test': a string ('validation') is a TFDS split name; kind is 'coco'" in msg
+  with pytest.raises(DataError, match="field 'data_dir' \\('/d'\\) applies to kind \\('tfds',\\)"):
+    entries.entry_from_config(
+      dict(name="x", kind="coco", data_dir="/d", test=dict(annotation_file="a", image_dir="i"))
+    )
   with pytest.raises(DataError, match="field 'kind' has value 'csv'"):
     entries.entry_from_config(dict(name="x", kind="csv"))
   with pytest.raises(DataError, match="field 'tfds' has value 'coco/2017'"):
