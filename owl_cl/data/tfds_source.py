@@ -433,7 +433,7 @@ def tfds_source(
   source = _Records(path, split, (*_TOP_FIELDS, "objects"))
   images, annotations = [], []
   next_ann_id = 1
-  where = f"{ref} ({path}) split {split!r}"
+  where = f"{where + ': ' if where else ''}{ref} ({path}) split {split!r}"
   for r in range(len(source)):
     ex = source[r]
     image_id = int(ex["image/id"]) if "image/id" in keys else r
@@ -448,6 +448,12 @@ def tfds_source(
       entry["file_name"] = fn.decode() if isinstance(fn, bytes) else str(fn)
     for field in _LVIS_FIELDS:
       if field in keys:
+        bad = [k for k in _ids(ex[field]) if not 0 <= k < len(names)]
+        if bad:
+          raise DataError(
+            f"{where}: record {r} (image id {image_id}) field {field!r} has values {bad} "
+            f"outside the {len(names)} classes"
+          )
         entry[field] = [category_ids[k] for k in _ids(ex[field])]
     images.append(entry)
     objects = ex["objects"]
