@@ -21,6 +21,10 @@ INSTALL_REQUIRES = [
   "tensorboardX>=2.6",
   "tokenizers>=0.15",  # the CLIP BPE tokenizer of the ViT variants (no transformers needed)
   "lvis>=0.5.3",  # LVIS AP / APr / APc / APf (federated evaluation)
+  # TFDS detection datasets read with `tfds.data_source` from ArrayRecord files (no TensorFlow;
+  # owl_cl.data.tfds_source).
+  "tensorflow-datasets>=4.9.10",  # tested version (as_data_source(deserialize_method=...))
+  "array_record>=0.5",
 ]
 
 EXTRAS = {

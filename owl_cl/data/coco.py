@@ -78,6 +78,10 @@ class CocoSource:
       in 'images' raise `DataError`. Default: all images.
     file_name_fn: maps an image's json entry to its path relative to `image_dir` (LVIS images
       have no 'file_name', only 'coco_url'); when given, 'file_name' is not required.
+    image_reader: maps an image's json entry to its decoded pixels (uint8 [H, W, 3] RGB) when
+      the images are not files (e.g. a TFDS ArrayRecord dataset,
+      `owl_cl.data.tfds_source.TfdsImageReader`); 'file_name' is then not required, no file is
+      checked and `image_dir` only names the origin. It must pickle (grain worker processes).
 
   Per-image federated fields (LVIS): when an image entry has `neg_category_ids` /
   `not_exhaustive_category_ids` (lists of category ids), `federated` is True and `load()` adds
@@ -121,6 +125,7 @@ class CocoSource:
     exclude_category_ids: Sequence[int] = (),
     image_ids: Sequence[int] | None = None,
     file_name_fn: Callable[[dict], str] | None = None,
+    image_reader: Callable[[dict], np.ndarray] | None = None,
   ):
     if on_invalid not in ("raise", "skip"):
       raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
@@ -134,7 +139,11 @@ class CocoSource:
       on_invalid=on_invalid,
       cache_images=cache_images,
       file_name_fn=file_name_fn,
+      image_reader=image_reader,
     )
+    self._image_reader = image_reader
+    if image_reader is not None:
+      check_files = False  # no files: the reader serves the pixels
     path = self.annotation_file
     if dataset is None and not os.path.isfile(path):
       raise DataError(f"annotation file not found: {path}")
@@ -179,7 +188,11 @@ class CocoSource:
     self.num_excluded = 0
 
     # Images.
-    required_image = _REQUIRED_IMAGE if file_name_fn is None else ("id", "height", "width")
+    required_image = (
+      _REQUIRED_IMAGE
+      if file_name_fn is None and image_reader is None
+      else ("id", "height", "width")
+    )
     keep_ids = None
     if image_ids is not None:
       keep_ids = set(image_ids)
@@ -202,7 +215,9 @@ class CocoSource:
       images[im["id"]] = im
     self.image_ids: list[int] = sorted(images)
     self._images = [images[i] for i in self.image_ids]
-    if file_name_fn is None:
+    if image_reader is not None:
+      names = [str(im.get("file_name", im["id"])) for im in self._images]
+    elif file_name_fn is None:
       names = [im["file_name"] for im in self._images]
     else:
       names = []
@@ -427,8 +442,11 @@ class CocoSource:
       )
     p = self._paths[index]
     try:
-      with Image.open(p) as im:
-        image = np.asarray(im.convert("RGB"))
+      if self._image_reader is not None:
+        image = np.asarray(self._image_reader(info), np.uint8)
+      else:
+        with Image.open(p) as im:
+          image = np.asarray(im.convert("RGB"))
     except FileNotFoundError as e:
       raise DataError(
         f"{self.annotation_file}: image file not found: {p} (image id {info['id']})"
