@@ -103,6 +103,34 @@ def local_rows(x: Any, mesh: Mesh) -> Any:
   return jax.tree.map(lambda leaf: np.asarray(leaf)[rows], x)
 
 
+def host_local_rows(x: jax.Array) -> np.ndarray:
+  """This process's rows of a global array split along its leading axis (e.g. eval outputs).
+
+  The inverse of `shard_batch` for one process: the rows held by its devices, in order, as
+  NumPy (no cross-process transfer). Pass the result of every eval batch to
+  `owl_cl.distributed.gather_rows` to get the whole eval set on every process. With one
+  process this is `np.asarray(x)`.
+
+  Args:
+    x: `jax.Array` [B, ...] sharded along its leading axis (replicated arrays work too).
+  Returns:
+    NumPy array [B_local, ...], the rows of `process_rows(B, mesh)`.
+  Raises:
+    ValueError: this process's rows are not contiguous (see `process_rows`).
+  Source: `jax.Array.addressable_shards`.
+  """
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  blocks = {}
+  for shard in x.addressable_shards:
+    start, stop, _ = shard.index[0].indices(x.shape[0]) if shard.index else (0, 1, 1)
+    blocks[(start, stop)] = shard.data  # replicas of one block (several devices) kept once
+  bounds = sorted(blocks)
+  if any(b[0] != a[1] for a, b in zip(bounds, bounds[1:])):
+    raise ValueError(f"process {jax.process_index()} holds non-contiguous rows {bounds}")
+  return np.concatenate([np.asarray(blocks[b]) for b in bounds])
+
+
 def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
   """Assembles global batch arrays, split along 'data', from this process's rows.
 

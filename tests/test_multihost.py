@@ -1,0 +1,205 @@
+"""Multi-process runs: 2 JAX processes x 4 CPU devices against 1 process x 8 devices.
+
+The processes join one runtime through `jax.distributed.initialize` on a localhost coordinator
+(free port) with Gloo CPU collectives; each runs tests/multihost_worker.py. Subprocesses are
+killed on every exit path.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from owl_cl import distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "multihost_worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _spawn(mode: str, nproc: int, out: str, timeout: float) -> list[tuple[int, str]]:
+  """Runs NPROC workers (8 // NPROC devices each) and returns [(exit status, output)]."""
+  port = str(_free_port())
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
+    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    PYTHONUNBUFFERED="1",
+  )
+  procs, logs = [], []
+  try:
+    for pid in range(nproc):
+      log = open(os.path.join(out, f"{mode}{nproc}_{pid}.log"), "w+")
+      logs.append(log)
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, WORKER, mode, port, str(nproc), str(pid), out],
+          env=env,
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,  # its own process group: killed as a whole below
+        )
+      )
+    deadline = time.monotonic() + timeout
+    for p in procs:
+      p.wait(timeout=max(1.0, deadline - time.monotonic()))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  results = []
+  for p, log in zip(procs, logs):
+    log.seek(0)
+    results.append((p.returncode, log.read()))
+    log.close()
+  return results
+
+
+def _check(results):
+  for pid, (rc, output) in enumerate(results):
+    if rc and "COLLECTIVES_UNAVAILABLE" in output:
+      line = [x for x in output.splitlines() if "COLLECTIVES_UNAVAILABLE" in x][0]
+      pytest.skip(f"this JAX cannot run CPU multi-process collectives: {line}")
+    assert rc == 0, f"process {pid} exited with {rc}:\n{output[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Outputs of the 1 x 8 reference and of both processes of the 2 x 4 run."""
+  single = str(tmp_path_factory.mktemp("single"))
+  multi = str(tmp_path_factory.mktemp("multi"))
+  _check(_spawn("run", 1, single, timeout=300))
+  _check(_spawn("run", 2, multi, timeout=300))
+  load = lambda d, pid: dict(np.load(os.path.join(d, f"process{pid}.npz")))
+  return load(single, 0), [load(multi, 0), load(multi, 1)]
+
+
+def test_collectives_across_processes(runs):
+  single, multi = runs
+  for r in [single] + multi:
+    assert float(r["psum"]) == 28.0  # sum of 0..7, exact in float32
+
+
+def test_train_step_matches_single_process(runs):
+  single, multi = runs
+  metric_keys = [k for k in single if k.startswith("metric/")]
+  param_keys = [k for k in single if k.startswith("param/")]
+  assert "metric/loss" in metric_keys and len(param_keys) > 10
+  for r in multi:
+    # The losses are O(1) sums whose cross-device reduction runs through Gloo instead of
+    # in-process: they agree to float32 reduction-order noise.
+    for k in metric_keys:
+      np.testing.assert_allclose(r[k], single[k], rtol=2e-4, atol=1e-5, err_msg=k)
+    # Adam makes every update ~LR (1e-3) whatever the gradient's size, so leaves with tiny
+    # gradients amplify reduction-order noise: parameters agree to 5% of one LR-sized update.
+    for k in param_keys:
+      np.testing.assert_allclose(r[k], single[k], rtol=2e-4, atol=5e-5, err_msg=k)
+  # Both processes hold the same replicated parameters, bit for bit.
+  for k in param_keys:
+    np.testing.assert_array_equal(multi[0][k], multi[1][k], err_msg=k)
+
+
+def test_dataset_shards_cover_once(runs):
+  single, multi = runs
+  ids = list(range(1000, 1037))
+  assert single["shard"].tolist() == ids
+  shards = [r["shard"].tolist() for r in multi]
+  assert shards[0] + shards[1] == ids  # disjoint, complete, in order
+  assert [len(s) for s in shards] == [19, 18]
+
+
+def test_gathered_predictions_equal_single_process(runs):
+  single, multi = runs
+  assert single["pred_ids"].tolist() == list(range(1000, 1037))
+  for r in multi:
+    np.testing.assert_array_equal(r["pred_ids"], single["pred_ids"])
+    # Per-image values computed on different devices by the same XLA kernels: identical up to
+    # the last bit of float32 values of magnitude <= 1.
+    np.testing.assert_allclose(r["pred_scores"], single["pred_scores"], rtol=0, atol=1e-6)
+
+
+def test_replay_slots_are_local(runs):
+  single, multi = runs
+  np.testing.assert_array_equal(single["replay_rows"], np.arange(8))
+  for pid, r in enumerate(multi):
+    np.testing.assert_array_equal(r["replay_rows"], np.arange(4 * pid, 4 * pid + 4))
+    # This process gathered exactly the retrieval slots of its rows, and the assembled global
+    # batch equals the whole replicated gather (exact: copies of stored values).
+    full = single["replay_local_indices"]
+    np.testing.assert_array_equal(r["replay_local_indices"], full[4 * pid : 4 * pid + 4])
+    np.testing.assert_array_equal(r["replay_global"], r["replay_expected"])
+  np.testing.assert_array_equal(single["replay_global"], single["replay_expected"])
+
+
+def test_writer_and_log_prefix(runs):
+  single, multi = runs
+  assert bool(single["is_writer"]) and str(single["log_prefix"]) == ""
+  assert [bool(r["is_writer"]) for r in multi] == [True, False]
+  assert [str(r["log_prefix"]) for r in multi] == ["[process 0/2] ", "[process 1/2] "]
+
+
+def test_one_failure_ends_the_run_naming_it(tmp_path):
+  start = time.monotonic()
+  (rc0, out0), (rc1, out1) = _spawn("fail", 2, str(tmp_path), timeout=120)
+  assert rc1 == 1 and "process 1 of 2 failed: RuntimeError: injected failure" in out1, out1
+  assert rc0 != 0, out0[-3000:]
+  assert "passed the barrier" not in out0
+  # Process 0 ends either through `barrier` (our message, with the failed process's own) or
+  # through JAX's coordination service once process 1's heartbeats stop (naming task 1).
+  ours = "failed processes: process 1: RuntimeError: injected failure" in out0
+  jax_s = "stopped sending heartbeats" in out0 and "\n1\n" in out0
+  assert ours or jax_s, out0[-3000:]
+  assert time.monotonic() - start < 100  # the heartbeat timeout is 5 s, not the default 100 s
+
+
+def test_cluster_spec_from_arguments_and_environment():
+  assert distributed.cluster_spec(environ={}) is None
+  spec = distributed.cluster_spec("h:1234", 2, 1, environ={})
+  assert spec == distributed.ClusterSpec("h:1234", 2, 1)
+  slurm = {"JAX_COORDINATOR_ADDRESS": "node1:5000", "SLURM_NTASKS": "4", "SLURM_PROCID": "3"}
+  assert distributed.cluster_spec(environ=slurm) == distributed.ClusterSpec("node1:5000", 4, 3)
+  jax_env = dict(slurm, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
+  assert distributed.cluster_spec(environ=jax_env) == distributed.ClusterSpec("node1:5000", 2, 0)
+  with pytest.raises(ValueError, match="num_processes is unset"):
+    distributed.cluster_spec("h:1", environ={})
+  with pytest.raises(ValueError, match="process_id must lie in \\[0, 2\\), got 2"):
+    distributed.cluster_spec("h:1", 2, 2, environ={})
+  with pytest.raises(ValueError, match="num_processes must be an integer, got 'x'"):
+    distributed.cluster_spec("h:1", environ={"JAX_NUM_PROCESSES": "x", "JAX_PROCESS_ID": "0"})
+  with pytest.raises(ValueError, match="'host:port', got 'nohost'"):
+    distributed.cluster_spec("nohost", 1, 0, environ={})
+
+
+def test_process_shard_blocks():
+  ids = list(range(10))
+  for count in (1, 3, 4, 10, 12):
+    shards = [distributed.process_shard(ids, i, count) for i in range(count)]
+    assert sum(shards, []) == ids
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+  with pytest.raises(ValueError, match="process_index must lie in \\[0, 3\\), got 3"):
+    distributed.process_shard(ids, 3, 3)
+
+
+def test_single_process_helpers():
+  tree = {"a": np.arange(6).reshape(3, 2), "b": np.ones(3)}
+  out = distributed.gather_rows(tree)
+  np.testing.assert_array_equal(out["a"], tree["a"])
+  with pytest.raises(ValueError, match="common leading size"):
+    distributed.gather_rows({"a": np.ones(3), "b": np.ones(2)})
+  distributed.barrier("noop", timeout_s=1)  # a no-op with one process
+  assert distributed.failed_processes() == {}
+  with pytest.raises(ZeroDivisionError):  # single process: the exception propagates
+    with distributed.fail_fast():
+      raise ZeroDivisionError
