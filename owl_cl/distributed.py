@@ -344,7 +344,7 @@ def barrier(name: str, timeout_s: float = 600.0) -> None:
 def fail_fast(exit_code: int = 1) -> Iterator[None]:
   """Turns an exception in a multi-process run into the end of the whole run, naming this process.
 
-  On an exception the process logs '[process i/n] failed: ...' with the traceback, leaves the
+  On an exception the process logs "process i of n failed: ..." with the traceback, leaves the
   message in the coordination service (read by `barrier` / `failed_processes`) and exits at
   once with `os._exit(exit_code)`, skipping the orderly `jax.distributed.shutdown`: its
   heartbeats stop, and after the heartbeat timeout JAX aborts every other process with "tasks
@@ -364,7 +364,7 @@ def fail_fast(exit_code: int = 1) -> Iterator[None]:
     if client is None or count == 1:
       raise
     message = f"{type(e).__name__}: {e}"
-    logging.exception("[process %d/%d] failed: %s", index, count, message)
+    logging.exception("process %d of %d failed: %s", index, count, message)
     with contextlib.suppress(Exception):  # best effort: the coordinator may be gone
       client.key_value_set(f"{_FAILURE_KEY}{index}", message[:2000])
     print(f"owl_cl: process {index} of {count} failed: {message}", file=sys.stderr, flush=True)
