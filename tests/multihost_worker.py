@@ -109,10 +109,10 @@ def run(jax, distributed, pid: int, out: str) -> None:
       jax.random.PRNGKey(i),
     )
   # Parameters and metrics are replicated: every process holds a full copy.
-  for k, v in metrics.items():
-    result[f"metric/{k}"] = np.asarray(v.addressable_data(0))
-  for j, leaf in enumerate(jax.tree.leaves(state.params)):
-    result[f"param/{j}"] = np.asarray(leaf.addressable_data(0))
+  for k, v in sharding.fetch_replicated(metrics).items():
+    result[f"metric/{k}"] = v
+  for j, leaf in enumerate(jax.tree.leaves(sharding.fetch_replicated(state.params))):
+    result[f"param/{j}"] = leaf
 
   # 3. Dataset shards: this process's block of an eval set's image ids (37: uneven).
   ids = list(range(1000, 1037))

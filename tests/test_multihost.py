@@ -203,3 +203,45 @@ def test_single_process_helpers():
   with pytest.raises(ZeroDivisionError):  # single process: the exception propagates
     with distributed.fail_fast():
       raise ZeroDivisionError
+
+
+def test_single_process_sharding_is_device_put():
+  # In this (1-process) pytest process the new assembly equals the plain device_put of before.
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from owl_cl.train import sharding  # pylint: disable=g-import-not-at-top
+
+  mesh = sharding.create_mesh()
+  n = mesh.shape[sharding.DATA_AXIS]
+  assert sharding.process_rows(4 * n, mesh) == slice(0, 4 * n)
+  batch = {"x": np.arange(4 * n * 3, dtype=np.float32).reshape(4 * n, 3)}
+  assert sharding.local_rows(batch, mesh)["x"] is not batch["x"]
+  np.testing.assert_array_equal(sharding.local_rows(batch, mesh)["x"], batch["x"])
+  global_batch = sharding.shard_batch(batch, mesh)
+  reference = jax.device_put(batch["x"], sharding.batch_sharding(mesh))
+  assert global_batch["x"].sharding == reference.sharding
+  np.testing.assert_array_equal(np.asarray(global_batch["x"]), batch["x"])
+  # jax.Array values are taken as global arrays.
+  again = sharding.shard_batch({"x": global_batch["x"]}, mesh)["x"]
+  np.testing.assert_array_equal(sharding.host_local_rows(again), batch["x"])
+  fetched = sharding.fetch_replicated({"p": sharding.replicate(np.ones(3), mesh), "s": 2})
+  np.testing.assert_array_equal(fetched["p"], np.ones(3))
+  assert fetched["s"] == 2
+  with pytest.raises(ValueError, match="batch\\['y'\\] has local leading size"):
+    sharding.shard_batch({"y": np.float32(1.0)}, mesh)
+  with pytest.raises(ValueError, match="different leading sizes"):
+    sharding.local_rows({"a": np.ones(n), "b": np.ones(2 * n)}, mesh)
+
+
+def test_main_rejects_cluster_flags_without_distributed():
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, "-m", "owl_cl.main", "--config=configs/swil.py", "--num_processes=2"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=REPO,
+  )
+  assert proc.returncode != 0
+  assert "--coordinator_address/--num_processes/--process_id need --distributed" in proc.stderr

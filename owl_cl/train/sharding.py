@@ -174,3 +174,35 @@ def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
 def replicate(tree: Any, mesh: Mesh) -> Any:
   """Places a pytree on every device of the mesh."""
   return jax.device_put(tree, replicated(mesh))
+
+
+def fetch_replicated(tree: Any) -> Any:
+  """Host copy of a pytree of replicated arrays (parameters, metrics), on every process.
+
+  `jax.device_get` needs fully addressable arrays, and in a multi-process run a replicated
+  array spans other processes' devices too; every process already holds a full copy, so its
+  first local copy is read. Single process: `jax.device_get`.
+
+  Args:
+    tree: pytree of `jax.Array`s with a fully replicated sharding (non-arrays pass through).
+  Returns:
+    The same pytree of NumPy arrays (same shapes and dtypes).
+  Raises:
+    ValueError: a leaf that is split across processes (use `host_local_rows` and
+      `owl_cl.distributed.gather_rows` for those).
+  Source: `jax.Array.addressable_data`, `jax.Array.is_fully_replicated`.
+  """
+
+  def fetch(x):
+    if not isinstance(x, jax.Array):
+      return x
+    if x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    if not x.is_fully_replicated:
+      raise ValueError(
+        f"fetch_replicated: an array of shape {x.shape} with sharding {x.sharding} is split "
+        "across processes"
+      )
+    return np.asarray(x.addressable_data(0))
+
+  return jax.tree.map(fetch, tree)
