@@ -20,7 +20,10 @@ def main(mode: str, port: str, nproc: int, pid: int, out: str) -> None:
 
   if nproc > 1:
     spec = distributed.cluster_spec(f"127.0.0.1:{port}", nproc, pid)
-    distributed.initialize(spec, initialization_timeout_s=60, heartbeat_timeout_s=5)
+    # A short heartbeat timeout makes the failure test quick; the run itself keeps a margin
+    # for a machine busy with other tests (heartbeats are sent by a background thread).
+    heartbeat = 5 if mode == "fail" else 60
+    distributed.initialize(spec, initialization_timeout_s=120, heartbeat_timeout_s=heartbeat)
   distributed.install_log_prefix()
   if mode == "fail":
     return fail(pid)
