@@ -155,6 +155,20 @@ def run(jax, distributed, pid: int, out: str) -> None:
   result["replay_rows"] = np.arange(8)[sharding.process_rows(8, mesh)]
   result["replay_global"] = np.asarray(everything.addressable_data(0))
   result["replay_expected"] = store[indices]
+  # 6. Orbax stage checkpoint in a folder both processes see (a shared workdir): every process
+  # saves and restores the replicated parameters (orbax coordinates the processes).
+  from owl_cl.train import checkpointing  # pylint: disable=g-import-not-at-top
+
+  ckpt = checkpointing.StageCheckpointer(os.path.join(out, "checkpoints"))
+  ckpt.save(0, state.params, None, {"stage": 0})
+  restored, _, meta = ckpt.restore(0, state.params, None)
+  ckpt.close()
+  same = jax.tree.map(
+    lambda a, b: bool(np.array_equal(a, b)),
+    sharding.fetch_replicated(restored),
+    sharding.fetch_replicated(state.params),
+  )
+  result["checkpoint_roundtrip"] = np.asarray(all(jax.tree.leaves(same)) and meta == {"stage": 0})
   result["is_writer"] = np.asarray(distributed.is_writer())
   result["log_prefix"] = np.asarray(distributed.log_prefix())
   distributed.barrier("worker-done", timeout_s=120)

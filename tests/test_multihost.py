@@ -27,42 +27,50 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _spawn(mode: str, nproc: int, out: str, timeout: float) -> list[tuple[int, str]]:
-  """Runs NPROC workers (8 // NPROC devices each) and returns [(exit status, output)]."""
-  port = str(_free_port())
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
-    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    PYTHONUNBUFFERED="1",
-  )
-  procs, logs = [], []
+def _spawn(jobs: list[tuple[str, int, str]], timeout: float) -> list[list[tuple[int, str]]]:
+  """Runs jobs (MODE, NPROC, OUT) side by side, NPROC workers of 8 // NPROC devices each.
+
+  Returns, per job, [(exit status, output)] per process; a process still running at the
+  timeout is killed (status None). Every process is killed on any exit path.
+  """
+  handles = []  # (job index, Popen, log file)
   try:
-    for pid in range(nproc):
-      log = open(os.path.join(out, f"{mode}{nproc}_{pid}.log"), "w+")
-      logs.append(log)
-      procs.append(
-        subprocess.Popen(
+    for j, (mode, nproc, out) in enumerate(jobs):
+      port = str(_free_port())
+      env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        PYTHONUNBUFFERED="1",
+      )
+      for pid in range(nproc):
+        log = open(os.path.join(out, f"{mode}{nproc}_{pid}.log"), "w+")
+        handles.append((j, None, log))
+        proc = subprocess.Popen(
           [sys.executable, WORKER, mode, port, str(nproc), str(pid), out],
           env=env,
           stdout=log,
           stderr=subprocess.STDOUT,
           start_new_session=True,  # its own process group: killed as a whole below
         )
-      )
+        handles[-1] = (j, proc, log)
     deadline = time.monotonic() + timeout
-    for p in procs:
-      p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    for _, proc, _ in handles:
+      try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        break
   finally:
-    for p in procs:
-      if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-  results = []
-  for p, log in zip(procs, logs):
+    for _, proc, _ in handles:
+      if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.returncode = None  # reported as a timeout
+  results = [[] for _ in jobs]
+  for j, proc, log in handles:
     log.seek(0)
-    results.append((p.returncode, log.read()))
+    results[j].append((proc.returncode, log.read()))
     log.close()
   return results
 
@@ -72,16 +80,19 @@ def _check(results):
     if rc and "COLLECTIVES_UNAVAILABLE" in output:
       line = [x for x in output.splitlines() if "COLLECTIVES_UNAVAILABLE" in x][0]
       pytest.skip(f"this JAX cannot run CPU multi-process collectives: {line}")
-    assert rc == 0, f"process {pid} exited with {rc}:\n{output[-4000:]}"
+    status = "timed out" if rc is None else f"exited with {rc}"
+    assert rc == 0, f"process {pid} {status}:\n{output[-4000:]}"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """Outputs of the 1 x 8 reference and of both processes of the 2 x 4 run."""
+  """Outputs of the 1 x 8 reference and of both processes of the 2 x 4 run (run side by side:
+  the processes' serial phases, start-up and waits, overlap)."""
   single = str(tmp_path_factory.mktemp("single"))
   multi = str(tmp_path_factory.mktemp("multi"))
-  _check(_spawn("run", 1, single, timeout=300))
-  _check(_spawn("run", 2, multi, timeout=300))
+  single_run, multi_run = _spawn([("run", 1, single), ("run", 2, multi)], timeout=400)
+  _check(multi_run)
+  _check(single_run)
   load = lambda d, pid: dict(np.load(os.path.join(d, f"process{pid}.npz")))
   return load(single, 0), [load(multi, 0), load(multi, 1)]
 
@@ -143,6 +154,12 @@ def test_replay_slots_are_local(runs):
   np.testing.assert_array_equal(single["replay_global"], single["replay_expected"])
 
 
+def test_orbax_stage_checkpoint_roundtrip(runs):
+  # Both processes save stage 0 into one shared folder and restore it bit for bit.
+  single, multi = runs
+  assert [bool(r["checkpoint_roundtrip"]) for r in [single] + multi] == [True, True, True]
+
+
 def test_writer_and_log_prefix(runs):
   single, multi = runs
   assert bool(single["is_writer"]) and str(single["log_prefix"]) == ""
@@ -152,7 +169,7 @@ def test_writer_and_log_prefix(runs):
 
 def test_one_failure_ends_the_run_naming_it(tmp_path):
   start = time.monotonic()
-  (rc0, out0), (rc1, out1) = _spawn("fail", 2, str(tmp_path), timeout=120)
+  [(rc0, out0), (rc1, out1)] = _spawn([("fail", 2, str(tmp_path))], timeout=120)[0]
   assert rc1 == 1 and "process 1 of 2 failed: RuntimeError: injected failure" in out1, out1
   assert rc0 != 0, out0[-3000:]
   assert "passed the barrier" not in out0
