@@ -3,10 +3,10 @@
 Every host runs the same command (`python -m owl_cl.main --distributed ...`); `initialize`
 joins them into one JAX runtime. Then:
 
-- data: each process reads its own part of every dataset (`process_shard` of the image ids)
-  and passes only its rows to `owl_cl.train.sharding.shard_batch`, which assembles the global
-  batch; evaluation predictions are gathered back (`gather_rows`) so AP is computed once over
-  the whole eval set;
+- data: each process reads only its rows of every global batch (`sharding.process_rows`, the
+  pipeline's `batch_rows`; or its block of a list of image ids, `process_shard`) and passes
+  them to `owl_cl.train.sharding.shard_batch`, which assembles the global batch; evaluation
+  predictions are gathered back (`gather_rows`) so AP is computed once over the whole eval set;
 - replay: retrieval is replicated (every process computes the same indices) and each process
   gathers only its slots (`owl_cl.train.sharding.local_rows`);
 - output: process 0 alone writes results, records and TensorBoard (`is_writer`); every
@@ -20,9 +20,11 @@ heartbeats; after `heartbeat_timeout_seconds` the coordination service aborts ev
 process (SIGABRT, exit status 134) with "The following tasks are unhealthy (stopped sending
 heartbeats): <index>". If process 0 (the coordinator) dies, the others abort at once ("the
 leader task was preempted/died"). A process that ends through a Python exception runs the
-normal interpreter exit instead, and the others only fail when their next collective times out
-(Gloo: "GetKeyValue() timed out" after 30 s) or hang in a collective that was already set up:
-hence `fail_fast`.
+normal interpreter exit instead, which waits at JAX's shutdown barrier: if the others' next
+collective has never run, it fails after 30 s (Gloo: "GetKeyValue() timed out"); if it has
+(the usual case in a training loop), they hang in it until the shutdown barrier times out
+(`shutdown_timeout_seconds`, 300 s) and every process aborts with a message that names the
+healthy process as the late one. Hence `fail_fast`.
 """
 
 from __future__ import annotations
@@ -361,8 +363,8 @@ def fail_fast(exit_code: int = 1) -> Iterator[None]:
     yield
   except BaseException as e:
     client, index, count = _runtime()
-    if client is None or count == 1:
-      raise
+    if client is None or count == 1 or (isinstance(e, SystemExit) and not e.code):
+      raise  # one process, or a normal exit (sys.exit(0)): nothing to end
     message = f"{type(e).__name__}: {e}"
     logging.exception("process %d of %d failed: %s", index, count, message)
     with contextlib.suppress(Exception):  # best effort: the coordinator may be gone
