@@ -4,7 +4,8 @@ Runs the whole pipeline (`owl_cl.experiment.run`): pre-trained model (loaded, or
 here on the built-in benchmark and cached), replay buffer, continual fine-tuning over the
 downstream sequence, evaluation after every stage, `results.json` / `results.md` in the
 workdir. The same command on the same workdir resumes after the last finished dataset.
-Multi-host (TPU pod slices, several GPU nodes): add `--distributed` on every host.
+Multi-host (TPU pod slices, several GPU nodes): add `--distributed` on every host (the
+coordinator from `--coordinator_address` / `JAX_COORDINATOR_ADDRESS`, else JAX's detection).
 Any config field can be overridden: `--config.replay.dedup=epoch`.
 """
 
@@ -36,7 +37,21 @@ _DISTRIBUTED = flags.DEFINE_bool(
   False,
   "Multi-host (Cloud TPU VM pods, multi-node GPU): call jax.distributed.initialize() before "
   "anything else, so every host joins one JAX runtime (coordinator from the environment: "
-  "TPU metadata, SLURM or JAX_COORDINATOR_ADDRESS). Run the same command on every host.",
+  "TPU metadata, or --coordinator_address / JAX_COORDINATOR_ADDRESS with the process count and "
+  "index from the flags below, JAX_NUM_PROCESSES / JAX_PROCESS_ID or SLURM_NTASKS / "
+  "SLURM_PROCID). Run the same command on every host.",
+)
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address",
+  None,
+  "With --distributed: 'host:port' of process 0 (default: JAX_COORDINATOR_ADDRESS; unset: "
+  "jax.distributed.initialize() detects the cluster, e.g. Cloud TPU).",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", None, "With --distributed: number of processes (default from the environment)."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "With --distributed: this process's index (default from the environment)."
 )
 
 
@@ -56,10 +71,18 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraryInfo())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not _DISTRIBUTED.value and (
+    _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None
+  ):
+    raise app.UsageError("--coordinator_address/--num_processes/--process_id need --distributed")
+  from owl_cl import distributed  # pylint: disable=g-import-not-at-top
+
   if _DISTRIBUTED.value:
     import jax  # pylint: disable=g-import-not-at-top
 
-    jax.distributed.initialize()  # Before any other JAX call (device lists, compilation).
+    spec = distributed.cluster_spec(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    distributed.initialize(spec)  # Before any other JAX call (device lists, compilation).
+    distributed.install_log_prefix()
     logging.info(
       "jax.distributed: process %d of %d, %d local / %d global devices",
       jax.process_index(),
@@ -74,7 +97,10 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/swil.py")
   workdir = _WORKDIR.value or default_workdir(config.experiment_name)
   logging.info("workdir: %s", os.path.abspath(workdir))
-  experiment.run(config, workdir)
+  # One process's exception ends the whole multi-process run (the others are stopped by JAX's
+  # coordination service, naming it); with one process it propagates as usual.
+  with distributed.fail_fast():
+    experiment.run(config, workdir)
 
 
 if __name__ == "__main__":

@@ -475,6 +475,31 @@ def _apply_shard(ds: grain.MapDataset, shard: Any) -> grain.MapDataset:
   return ds[opts.shard_index : end : opts.shard_count]
 
 
+def batch_row_positions(num_examples: int, batch_size: int, rows: tuple[int, int]) -> np.ndarray:
+  """Positions of rows [start, stop) of every full global batch of `batch_size` examples.
+
+  The per-process view of a data-parallel batch: batch b of the global iterator holds
+  positions b*B .. b*B + B - 1; a process whose devices hold rows [start, stop) of each batch
+  (`owl_cl.train.sharding.process_rows`) reads only positions b*B + start .. b*B + stop - 1,
+  so the processes together read every global batch exactly as one process would.
+
+  Args:
+    num_examples: N positions (the remainder N mod B is dropped).
+    batch_size: B, the global batch size.
+    rows: (start, stop) with 0 <= start < stop <= B.
+  Returns:
+    int64 [floor(N / B) * (stop - start)], increasing.
+  Raises:
+    ValueError: rows outside [0, B] or empty (named with its value).
+  Source: the batch layout of `_to_batches`.
+  """
+  start, stop = (int(r) for r in rows)
+  if not 0 <= start < stop <= batch_size:
+    raise ValueError(f"batch_rows must satisfy 0 <= start < stop <= {batch_size}, got {rows!r}")
+  first = np.arange(num_examples // batch_size, dtype=np.int64)[:, None] * batch_size
+  return (first + np.arange(start, stop, dtype=np.int64)[None, :]).reshape(-1)
+
+
 # ------------------------------------------------------------------------------------------
 # Targets and queries.
 # ------------------------------------------------------------------------------------------
@@ -863,6 +888,16 @@ class _EvalTransform:
     )
 
 
+class _Select:
+  """Position -> element of a parent map dataset (a picklable transform)."""
+
+  def __init__(self, parent: grain.MapDataset):
+    self.parent = parent
+
+  def __call__(self, position: int) -> dict[str, np.ndarray]:
+    return self.parent[int(position)]
+
+
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
   """int64 [N] the order of source indices in `epoch` (a pure function of seed and epoch)."""
   return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), 0x5EED])).permutation(
@@ -882,6 +917,7 @@ def train_map_dataset(
   seed: int,
   epoch: int,
   shard: Any = None,
+  positions: np.ndarray | None = None,
   **options,
 ) -> grain.MapDataset:
   """Unbatched training `grain.MapDataset` of one epoch (length N, shuffled).
@@ -900,6 +936,8 @@ def train_map_dataset(
   `shard` (see `shard_options`; e.g. 'jax' or (index, count)) keeps positions
   index, index + count, ... of the epoch (remainder dropped so every host has
   floor(N / count) examples): hosts get disjoint parts of the same global permutation.
+  `positions` (int [K], e.g. `batch_row_positions`) keeps only those positions of the epoch,
+  in that order (instead of `shard`).
 
   Source: SPEC §3, §5; scenic owl_vit input pipeline (mosaics, host sharding).
   """
@@ -914,8 +952,13 @@ def train_map_dataset(
     **options,
   )
   perm = epoch_permutation(len(source), seed, epoch)
-  ds = grain.MapDataset.range(len(source))
-  return _apply_shard(ds, shard).map(_TrainTransform(source, perm, seed, epoch, kwargs))
+  if positions is not None:
+    if shard is not None:
+      raise ValueError(f"give shard or positions, not both (shard={shard!r})")
+    ds = grain.MapDataset.source(np.asarray(positions, np.int64))
+  else:
+    ds = _apply_shard(grain.MapDataset.range(len(source)), shard)
+  return ds.map(_TrainTransform(source, perm, seed, epoch, kwargs))
 
 
 def _to_batches(
@@ -960,6 +1003,7 @@ def train_dataset(
   num_threads: int = 2,
   prefetch: int = 64,
   shard: Any = None,
+  batch_rows: tuple[int, int] | None = None,
   **options,
 ) -> Iterator[dict[str, np.ndarray]]:
   """Iterator over the training batches of one epoch.
@@ -977,6 +1021,10 @@ def train_dataset(
     num_threads, prefetch: grain `ReadOptions` for the in-process readers.
     shard: host sharding (`shard_options`: None, 'jax', ShardOptions or (index, count)); each
       host then iterates floor(N / count) / B batches of its disjoint part.
+    batch_rows: (start, stop): multi-process data parallelism; keep only rows [start, stop)
+      of each global batch of B (`owl_cl.train.sharding.process_rows`), so every process
+      iterates the same floor(N / B) batches of stop - start rows and together they form the
+      batches of one process. Not with `shard`.
     **options: pad_value, squash, merge_iou, hflip, negative_weights, random_crop, crop_*,
       annotated_negatives (see `preprocess_train_example`), mosaic_sizes, mosaic_probs (see
       `train_map_dataset`).
@@ -1002,9 +1050,13 @@ def train_dataset(
     seed=seed,
     epoch=epoch,
     shard=shard,
+    positions=None
+    if batch_rows is None
+    else batch_row_positions(len(source), batch_size, batch_rows),
     **options,
   )
-  return _to_batches(ds, batch_size, True, num_workers, num_threads, prefetch)
+  local_batch = batch_size if batch_rows is None else batch_rows[1] - batch_rows[0]
+  return _to_batches(ds, local_batch, True, num_workers, num_threads, prefetch)
 
 
 def eval_map_dataset(
@@ -1036,6 +1088,7 @@ def eval_dataset(
   pad_value: float = EVAL_PAD_VALUE,
   squash: bool = False,
   max_images: int | None = None,
+  batch_rows: tuple[int, int] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
   """Iterator over evaluation batches, in source order, every image exactly once.
 
@@ -1043,6 +1096,9 @@ def eval_dataset(
     source: random-access source (`CocoSource`). image_size: S. batch_size: B.
     num_workers, num_threads, prefetch: as `train_dataset`. pad_value: 0.0 (SPEC §5).
     squash: see `resize_with_pad`. max_images: evaluate only the first N images (None: all).
+    batch_rows: (start, stop): multi-process evaluation; keep rows [start, stop) of each
+      global batch of B (as `train_dataset`); every process iterates the same ceil(N / B)
+      batches of stop - start rows, and the processes together see every image once.
 
   Returns:
     iterator of dict(images float32 [B, S, S, 3] (pad 0.0), image_id int64 [B],
@@ -1059,4 +1115,8 @@ def eval_dataset(
     squash=squash,
     max_images=max_images,
   )
+  if batch_rows is not None:
+    positions = batch_row_positions(len(ds), batch_size, batch_rows)
+    ds = grain.MapDataset.source(positions).map(_Select(ds))
+    batch_size = batch_rows[1] - batch_rows[0]
   return _to_batches(ds, batch_size, False, num_workers, num_threads, prefetch)

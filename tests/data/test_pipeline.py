@@ -334,6 +334,51 @@ def test_eval_dataset_padding(tmp_path):
   np.testing.assert_array_equal(np.concatenate([b["image_id"] for b in batches]), [10, 11, 12, -1])
 
 
+def test_batch_rows_split_each_global_batch():
+  # Two processes holding rows [0, 2) and [2, 4) of each global batch of 4 read, together,
+  # exactly the batches of one process (same examples, same per-example randomness).
+  tok, empty = fake_tokens()
+  src = _sequence_source(10)
+  kw = dict(class_tokens=tok, empty_tokens=empty, batch_size=4, seed=3, epoch=1, **KW)
+  whole = list(P.train_dataset(src, **kw))
+  parts = [list(P.train_dataset(src, batch_rows=rows, **kw)) for rows in ((0, 2), (2, 4))]
+  assert len(whole) == len(parts[0]) == len(parts[1]) == 2
+  for b, batch in enumerate(whole):
+    assert parts[0][b]["images"].shape[0] == 2
+    for k in batch:
+      np.testing.assert_array_equal(
+        np.concatenate([parts[0][b][k], parts[1][b][k]]), batch[k], err_msg=k
+      )
+  np.testing.assert_array_equal(P.batch_row_positions(10, 4, (1, 3)), [1, 2, 5, 6])
+  with pytest.raises(ValueError, match=r"batch_rows must satisfy 0 <= start < stop <= 4"):
+    P.batch_row_positions(10, 4, (2, 5))
+  with pytest.raises(ValueError, match="shard or positions"):
+    P.train_map_dataset(
+      src,
+      shard=(0, 2),
+      positions=np.arange(2),
+      **{k: v for k, v in kw.items() if k != "batch_size"},
+    )
+
+
+def test_eval_batch_rows_cover_every_image_once():
+  src = [dict(make_example(h=20, w=30, boxes=[], labels=(), image_id=10 + i)) for i in range(5)]
+  whole = list(P.eval_dataset(src, image_size=32, batch_size=4))
+  parts = [
+    list(P.eval_dataset(src, image_size=32, batch_size=4, batch_rows=r)) for r in ((0, 2), (2, 4))
+  ]
+  assert len(whole) == len(parts[0]) == len(parts[1]) == 2  # ceil(5 / 4), same on every process
+  for b, batch in enumerate(whole):
+    for k in batch:
+      np.testing.assert_array_equal(np.concatenate([parts[0][b][k], parts[1][b][k]]), batch[k])
+  ids = np.concatenate([p[k]["image_id"] for p in parts for k in range(2)])
+  assert sorted(i for i in ids.tolist() if i >= 0) == [10, 11, 12, 13, 14]
+  # The row selection pickles to grain worker processes.
+  kw = dict(image_size=32, batch_size=4, batch_rows=(2, 4))
+  for a, b in zip(P.eval_dataset(src, num_workers=1, **kw), parts[1]):
+    np.testing.assert_array_equal(a["images"], b["images"])
+
+
 def test_bad_tokens_raise():
   with pytest.raises(ValueError, match="class_tokens"):
     P.train_dataset(

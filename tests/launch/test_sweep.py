@@ -196,3 +196,107 @@ def test_tpu_vm_dry_run_adds_distributed():
   assert with_flag.count("--distributed") == 1
   usage = subprocess.run(["bash", cmd[0], "my-tpu"], env=env, capture_output=True, text=True)
   assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def _fake_slurm_bin(tmp_path):
+  """`scontrol show hostnames` of a 2-node job, and an `srun` that runs its command once per
+  task with that task's SLURM_PROCID (as SLURM does, one task per node)."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-a17\\ngpu-a18\\n'\n")
+  (bin_dir / "srun").write_text(
+    "#!/bin/bash\n"
+    'echo "srun $*" >&2\n'
+    'while [[ "$1" == --* ]]; do shift; done\n'
+    'for i in 0 1; do SLURM_PROCID=$i SLURM_NTASKS=2 "$@" || exit $?; done\n'
+  )
+  for name in ("scontrol", "srun"):
+    os.chmod(bin_dir / name, 0o755)
+  return str(bin_dir)
+
+
+def _multinode_env(tmp_path, **extra):
+  env = dict(
+    os.environ,
+    SLURM_ARRAY_TASK_ID="0",
+    SLURM_JOB_ID="1234",
+    SLURM_JOB_NUM_NODES="2",
+    SLURM_JOB_NODELIST="gpu-a[17-18]",
+    OWL_CL_REPO=str(tmp_path),
+    OWL_CL_VENV=str(tmp_path / "no_venv"),
+    PATH=_fake_slurm_bin(tmp_path) + ":/usr/bin:/bin",
+    **extra,
+  )
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_PROCID"):
+    env.pop(k, None)
+  return env
+
+
+def test_slurm_multinode_dry_run(tmp_path):
+  tasks = tmp_path / "main.tasks"
+  tasks.write_text("python -m owl_cl.main --config=configs/swil.py '--workdir=/shared/w s'\n")
+  env = _multinode_env(tmp_path, DRY_RUN="1")
+  script = os.path.join(LAUNCH, "slurm_gpu.sbatch")
+  out = subprocess.run(
+    ["bash", script, str(tasks)], env=env, capture_output=True, text=True, check=True
+  ).stdout.splitlines()
+  port = 61440 + 1234 % 4096
+  assert f"on 2 nodes, coordinator gpu-a17:{port}" in out[0]
+  assert out[1] == f"JAX_COORDINATOR_ADDRESS=gpu-a17:{port} JAX_NUM_PROCESSES=2"
+  argv = shlex.split(out[2])
+  assert argv[:6] == [
+    "srun",
+    "--nodes=2",
+    "--ntasks=2",
+    "--ntasks-per-node=1",
+    "--kill-on-bad-exit=1",
+    "bash",
+  ]
+  assert shlex.split(argv[7]) == [
+    "python",
+    "-m",
+    "owl_cl.main",
+    "--config=configs/swil.py",
+    "--workdir=/shared/w s",
+    "--distributed",
+  ]
+  # An explicit port, and --distributed is never doubled.
+  tasks.write_text("python -m owl_cl.main --config=configs/swil.py --distributed\n")
+  env["OWL_CL_COORDINATOR_PORT"] = "7000"
+  out = subprocess.run(
+    ["bash", script, str(tasks)], env=env, capture_output=True, text=True, check=True
+  ).stdout
+  assert "JAX_COORDINATOR_ADDRESS=gpu-a17:7000" in out
+  assert out.splitlines()[-1].count("--distributed") == 1
+  # One node: no srun, no coordinator (the single-process path of before).
+  env["SLURM_JOB_NUM_NODES"] = "1"
+  out = subprocess.run(
+    ["bash", script, str(tasks)], env=env, capture_output=True, text=True, check=True
+  ).stdout.splitlines()
+  assert out[1] == "JAX_COORDINATOR_ADDRESS= JAX_NUM_PROCESSES="
+  assert shlex.split(out[2])[:2] == ["bash", "-c"]
+
+
+def test_slurm_multinode_tasks_get_the_cluster_spec(tmp_path):
+  # Each srun task (a fake srun runs them one after the other) resolves the same coordinator
+  # and count and its own index, exactly as owl_cl.main --distributed does.
+  tasks = tmp_path / "spec.tasks"
+  tasks.write_text(
+    f"{sys.executable} -c 'from owl_cl import distributed as d; print(d.cluster_spec())'\n"
+  )
+  env = _multinode_env(tmp_path, PYTHONPATH=REPO)
+  proc = subprocess.run(
+    ["bash", os.path.join(LAUNCH, "slurm_gpu.sbatch"), str(tasks)],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  port = 61440 + 1234 % 4096
+  assert proc.stdout.splitlines()[-2:] == [
+    f"ClusterSpec(coordinator_address='gpu-a17:{port}', num_processes=2, process_id={i})"
+    for i in (0, 1)
+  ]
+  assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c" in (
+    proc.stderr
+  )

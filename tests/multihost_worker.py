@@ -1,0 +1,180 @@
+"""One process of tests/test_multihost.py: `python multihost_worker.py MODE PORT NPROC PID OUT`.
+
+MODE 'run': the sharded train step, dataset shards, gathered predictions and replay slots; the
+outputs go to OUT/process<PID>.npz. NPROC=1 (no jax.distributed) is the single-process
+reference. MODE 'fail': process 1 raises inside `fail_fast`, process 0 waits at a barrier.
+Not a test module (no test_ prefix): it runs only as a subprocess.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def main(mode: str, port: str, nproc: int, pid: int, out: str) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from owl_cl import distributed  # pylint: disable=g-import-not-at-top
+
+  if nproc > 1:
+    spec = distributed.cluster_spec(f"127.0.0.1:{port}", nproc, pid)
+    # A short heartbeat timeout makes the failure test quick; the run itself keeps a margin
+    # for a machine busy with other tests (heartbeats are sent by a background thread).
+    heartbeat = 5 if mode == "fail" else 60
+    distributed.initialize(spec, initialization_timeout_s=120, heartbeat_timeout_s=heartbeat)
+  distributed.install_log_prefix()
+  if mode == "fail":
+    return fail(pid)
+  with distributed.fail_fast():
+    run(jax, distributed, pid, out)
+
+
+def fail(pid: int) -> None:
+  from owl_cl import distributed  # pylint: disable=g-import-not-at-top
+
+  with distributed.fail_fast():
+    if pid == 1:
+      raise RuntimeError("injected failure")
+    distributed.barrier("after-injected-failure", timeout_s=60)
+  print("process 0 passed the barrier (unexpected)", flush=True)
+
+
+def run(jax, distributed, pid: int, out: str) -> None:
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
+  from owl_cl.train import optim  # pylint: disable=g-import-not-at-top
+  from owl_cl.train import sharding
+  from owl_cl.train import step as step_lib
+
+  assert jax.device_count() == 8, jax.devices()
+  mesh = sharding.create_mesh()
+  result = {}
+
+  # 1. Collectives across processes: a global array and a jitted sum / all-gather.
+  try:
+    x = sharding.shard_batch(
+      {"x": np.arange(8, dtype=np.float32)[sharding.process_rows(8, mesh)]}, mesh
+    )["x"]
+    total = jax.jit(jnp.sum, out_shardings=sharding.replicated(mesh))(x)
+    result["psum"] = np.asarray(total.addressable_data(0))
+  except Exception as e:  # reported to the test, which skips with it
+    print(f"COLLECTIVES_UNAVAILABLE: {type(e).__name__}: {e}", flush=True)
+    raise
+
+  # 2. The sharded train step (as tests/train/test_sharded_step.py): every process builds the
+  # same global batch from the same seed and passes only its rows.
+  model = model_lib.create_model(
+    "tiny", vision_layers=1, text_layers=1, vocab_size=64, image_size=32
+  )
+  rng = np.random.default_rng(0)
+  B, Q, M, L = 8, 4, 3, 16
+  T = (32 // 8) ** 2
+
+  def batch():
+    queries = np.zeros((B, Q, L), np.int32)
+    queries[:, :, 0] = 62
+    queries[:, :, 1] = 63
+    queries[:, 1:, 1] = rng.integers(1, 60, (B, Q - 1))
+    queries[:, 1:, 2] = 63
+    labels = np.zeros((B, M, Q), np.float32)
+    labels[:, 0, 1] = 1
+    labels[:, 1, 2] = 1
+    labels[:, 2, 0] = 1
+    cxcy = rng.uniform(0.3, 0.7, (B, M, 2))
+    wh = rng.uniform(0.1, 0.3, (B, M, 2))
+    return {
+      "images": rng.uniform(size=(B, 32, 32, 3)).astype(np.float32),
+      "queries": queries,
+      "labels": labels,
+      "boxes": np.concatenate([cxcy, wh], -1).astype(np.float32),
+    }
+
+  new, replay = batch(), batch()
+  replay["stored_logits"] = rng.normal(size=(B, T, Q)).astype(np.float32)
+  replay["replay_mask"] = np.array([True] * 7 + [False])
+  params = model.init(
+    jax.random.PRNGKey(0), jnp.asarray(new["images"][:1]), jnp.asarray(new["queries"][:1])
+  )["params"]
+  params = jax.device_get(params)
+  tx, _ = optim.create_optimizer(params, learning_rate=1e-3, total_steps=10, warmup_steps=0)
+  train_step = step_lib.make_train_step(
+    model, tx, mesh, loss_config=dict(focal_alpha=0.3, focal_gamma=2.0), with_replay=True
+  )
+  state = sharding.replicate(step_lib.create_train_state(params, tx), mesh)
+  for i in range(2):
+    state, metrics = train_step(
+      state,
+      sharding.shard_batch(sharding.local_rows(new, mesh), mesh),
+      sharding.shard_batch(sharding.local_rows(replay, mesh), mesh),
+      jax.random.PRNGKey(i),
+    )
+  # Parameters and metrics are replicated: every process holds a full copy.
+  for k, v in sharding.fetch_replicated(metrics).items():
+    result[f"metric/{k}"] = v
+  for j, leaf in enumerate(jax.tree.leaves(sharding.fetch_replicated(state.params))):
+    result[f"param/{j}"] = leaf
+
+  # 3. Dataset shards: this process's block of an eval set's image ids (37: uneven).
+  ids = list(range(1000, 1037))
+  shard = distributed.process_shard(ids)
+  result["shard"] = np.asarray(shard)
+
+  # 4. Eval predictions: a jitted per-image function over global batches of 8 built from each
+  # process's shard (padded to a common number of batches), this process's output rows kept,
+  # then gathered from every process.
+  local_bs = 8 * jax.local_device_count() // jax.device_count()
+  longest = -(-len(ids) // jax.process_count())
+  w = np.linspace(-1, 1, 3 * 5, dtype=np.float32).reshape(3, 5)
+  predict = jax.jit(lambda im: jnp.tanh(im.mean(axis=(1, 2)) @ w))
+  preds, kept = [], []
+  for start in range(0, longest, local_bs):
+    chunk = shard[start : start + local_bs]
+    images = np.zeros((local_bs, 4, 4, 3), np.float32)
+    for r, image_id in enumerate(chunk):
+      images[r] = np.random.default_rng(image_id).uniform(size=(4, 4, 3))
+    outputs = predict(sharding.shard_batch({"images": images}, mesh)["images"])
+    preds.append(sharding.host_local_rows(outputs)[: len(chunk)])
+    kept.append(np.asarray(chunk, np.int64))
+  gathered = distributed.gather_rows(
+    {"image_id": np.concatenate(kept), "scores": np.concatenate(preds)}
+  )
+  result["pred_ids"] = gathered["image_id"]
+  result["pred_scores"] = gathered["scores"]
+
+  # 5. Replay: replicated retrieval indices into a host-side store; this process gathers only
+  # the slots that land on its devices, and the assembled global batch is the full gather.
+  store = np.arange(50 * 3, dtype=np.float32).reshape(50, 3)
+  indices = np.random.default_rng(7).integers(0, 50, 8)
+  local_indices = sharding.local_rows(indices, mesh)
+  slots = sharding.shard_batch({"x": store[local_indices]}, mesh)["x"]
+  everything = jax.jit(lambda a: a, out_shardings=sharding.replicated(mesh))(slots)
+  result["replay_local_indices"] = local_indices
+  result["replay_rows"] = np.arange(8)[sharding.process_rows(8, mesh)]
+  result["replay_global"] = np.asarray(everything.addressable_data(0))
+  result["replay_expected"] = store[indices]
+  # 6. Orbax stage checkpoint in a folder both processes see (a shared workdir): every process
+  # saves and restores the replicated parameters (orbax coordinates the processes).
+  from owl_cl.train import checkpointing  # pylint: disable=g-import-not-at-top
+
+  ckpt = checkpointing.StageCheckpointer(os.path.join(out, "checkpoints"))
+  ckpt.save(0, state.params, None, {"stage": 0})
+  restored, _, meta = ckpt.restore(0, state.params, None)
+  ckpt.close()
+  same = jax.tree.map(
+    lambda a, b: bool(np.array_equal(a, b)),
+    sharding.fetch_replicated(restored),
+    sharding.fetch_replicated(state.params),
+  )
+  result["checkpoint_roundtrip"] = np.asarray(all(jax.tree.leaves(same)) and meta == {"stage": 0})
+  result["is_writer"] = np.asarray(distributed.is_writer())
+  result["log_prefix"] = np.asarray(distributed.log_prefix())
+  distributed.barrier("worker-done", timeout_s=120)
+  np.savez(os.path.join(out, f"process{pid}.npz"), **result)
+  print(json.dumps({"process": pid, "done": True}), flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
