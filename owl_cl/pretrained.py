@@ -103,22 +103,27 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
   return params, meta
 
 
-# The input-pipeline options' defaults (configs/base.py). Cache keys list only the options
-# that differ from them, so caches made before an option existed stay valid.
-DEFAULT_DATA_OPTIONS = {
-  "squash_resize": False,
-  "merge_iou": 0.9,
-  "negatives_by_frequency": False,
-  "augment": {
-    "hflip": False,
-    "random_crop": False,
-    "crop_area_range": (0.3, 1.0),
-    "crop_aspect_ratio_range": (0.75, 1.33),
-    "crop_min_area_fraction": 0.6,
-    "mosaic_sizes": None,
-    "mosaic_probs": (0.4, 0.3, 0.3),
-  },
-}
+def _as_tuples(options: dict) -> dict:
+  """`options` with list values as tuples (a config read from JSON or flags holds lists)."""
+  return {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in options.items()}
+
+
+def _default_data_options() -> dict[str, Any]:
+  """The input-pipeline options of configs/base.py, where their defaults are defined."""
+  from configs import base  # pylint: disable=g-import-not-at-top
+
+  data = base.get_config("").data
+  return {
+    "squash_resize": data.squash_resize,
+    "merge_iou": data.merge_iou,
+    "negatives_by_frequency": data.negatives_by_frequency,
+    "augment": _as_tuples(data.augment.to_dict()),
+  }
+
+
+# The input-pipeline options' defaults. Cache keys list only the options that differ from
+# them, so caches made before an option existed stay valid.
+DEFAULT_DATA_OPTIONS = _default_data_options()
 
 
 def non_default_data_options(
@@ -133,11 +138,8 @@ def non_default_data_options(
     if name == "augment":
       if buffer:
         continue
-      value = {
-        k: (tuple(v) if isinstance(v, (list, tuple)) else v)
-        for k, v in data.augment.to_dict().items()
-      }
-      default = {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in default.items()}
+      value = _as_tuples(data.augment.to_dict())
+      default = _as_tuples(default)
     else:
       value = data.get(name, default)
     if value != default:

@@ -11,7 +11,6 @@ under a key of everything it depends on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -27,8 +26,11 @@ from owl_cl.replay import selection
 from owl_cl.replay import state as state_lib
 from owl_cl.replay import store as store_lib
 from owl_cl.train import losses
+from owl_cl.utils import atomic_write_json
+from owl_cl.utils import digest
 
-EXAMPLE_KEYS = ("images", "queries", "labels", "boxes", "query_class")
+# The arrays of a stored example (defined once, by the store that holds them).
+EXAMPLE_KEYS = store_lib.REQUIRED_EXAMPLE_KEYS
 
 
 def preprocess_source(
@@ -258,9 +260,7 @@ def cached_store(
   The store is written to a temporary folder and renamed (ReplayStore.save), so an
   interrupted build never leaves a cache that is later trusted.
   """
-  key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[
-    :16
-  ]
+  key = digest(key_material)
   path = os.path.join(cache_root, key)
   stats_path = path + ".stats.json"
   if os.path.isdir(path) and os.path.exists(stats_path):
@@ -273,10 +273,7 @@ def cached_store(
   os.makedirs(cache_root, exist_ok=True)
   if not os.path.isdir(path):
     store.save(path)
-  tmp = stats_path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(stats, f, indent=2)
-  os.replace(tmp, stats_path)
+  atomic_write_json(stats_path, stats, indent=2)
   logging.info(
     "replay buffer: %d of %d images (%.1f s), cached in %s",
     stats["images_kept"],
