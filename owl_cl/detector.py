@@ -22,7 +22,6 @@ from owl_cl.data import coco
 from owl_cl.data import pipeline
 from owl_cl.data import prompts
 from owl_cl.eval import detection
-from owl_cl.eval import lvis_eval
 from owl_cl.model import tokenizer as tokenizer_lib
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
@@ -249,21 +248,12 @@ class Detector:
       squash=bool(self.config.data.squash_resize),
       max_images=self.config.max_eval_images,
     )
-    if lvis:
-      return lvis_eval.evaluate_lvis_source(
-        predict_fn,
-        source,
-        batches,
-        category_ids=source.category_ids,
-        image_size=self.image_size,
-        max_dets=max_dets,
-        desc=desc,
-      )
     return detection.evaluate_source(
       predict_fn,
       source,
       batches,
       category_ids=source.category_ids,
+      protocol=protocol,
       image_size=self.image_size,
       max_dets=max_dets,
       desc=desc,
