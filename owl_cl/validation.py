@@ -99,9 +99,9 @@ def clip_vocabulary_problem(config: ml_collections.ConfigDict) -> str | None:
   """The message for a CLIP tokenizer without `model.tokenizer_vocab_path`; None when fine."""
   if config.model.tokenizer == "clip" and not config.model.get("tokenizer_vocab_path"):
     return (
-      "config.model.tokenizer='clip' needs config.model.tokenizer_vocab_path (the CLIP BPE "
-      "vocabulary): an HF checkpoint folder with vocab.json + merges.txt, or OpenAI's "
-      "bpe_simple_vocab_16e6.txt.gz"
+      "config.model.tokenizer_vocab_path is not set (config.model.tokenizer='clip' needs the "
+      "CLIP BPE vocabulary: an HF checkpoint folder with vocab.json + merges.txt, or OpenAI's "
+      "bpe_simple_vocab_16e6.txt.gz)"
     )
   return None
 
