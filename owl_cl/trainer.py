@@ -110,8 +110,8 @@ def train_loop(
   num_epochs: int | None,
   desc: str,
   on_log: Callable[[LoopState, dict], dict],
-  after_step: Callable[[LoopState], None] | None = None,
-  after_epoch: Callable[[LoopState], LoopState] | None = None,
+  after_step: Callable[[LoopState], None] = lambda loop: None,
+  after_epoch: Callable[[LoopState], LoopState] = lambda loop: loop,
 ) -> tuple[LoopState, dict | None]:
   """Runs train steps until `total_steps` (or `num_epochs` epochs; None = as many as needed).
 
@@ -143,10 +143,8 @@ def train_loop(
       loop = replay.count(loop, metrics)
       if loop.step % log_every == 0 or loop.step == total_steps:
         bar.set_postfix(**on_log(loop, jax.device_get(metrics)))
-      if after_step is not None:
-        after_step(loop)
-    if after_epoch is not None:
-      loop = after_epoch(loop)
+      after_step(loop)
+    loop = after_epoch(loop)
   bar.close()
   return loop, metrics
 
