@@ -238,11 +238,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.loss_adaptivity = ml_collections.ConfigDict()
   c.replay.loss_adaptivity.mode = "none"  # none | paper | released_gate
   c.replay.loss_adaptivity.threshold = 0.3  # l, in units of the detection loss
-  c.replay.buffer = ml_collections.ConfigDict()
-  c.replay.buffer.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
-  c.replay.buffer.min_per_class = 20  # then top up each class to this many images
-  c.replay.buffer.fill_all_for_rare_classes = False  # released code: add all of them
-  c.replay.buffer.max_instances_per_prototype = 6
+  c.replay.selection = ml_collections.ConfigDict()
+  c.replay.selection.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
+  c.replay.selection.min_per_class = 20  # then top up each class to this many images
+  c.replay.selection.fill_all_for_rare_classes = False  # released code: add all of them
+  c.replay.selection.max_instances_per_prototype = 6
 
   # --- evaluation (SPEC §4) --------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()
@@ -324,12 +324,12 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.train.per_dataset = paper_per_dataset()
   c.train.warmup_epochs = 1  # every dataset sets its own in per_dataset
   # --- replay: Objects365 buffer, loss threshold 0.15, 50 images per class -----------------
-  c.replay.buffer.loss_threshold = 0.15  # Objects365
-  c.replay.buffer.min_per_class = 50
+  c.replay.selection.loss_threshold = 0.15  # Objects365
+  c.replay.selection.min_per_class = 50
   # Visual Genome: threshold 0.0 keeps no image (losses are >= 0) and, as in the released
   # code, VG classes are not topped up: VG contributes nothing to the paper's buffer.
-  c.replay.buffer.visual_genome_loss_threshold = 0.0
-  c.replay.buffer.visual_genome_min_per_class = 0
+  c.replay.selection.visual_genome_loss_threshold = 0.0
+  c.replay.selection.visual_genome_min_per_class = 0
   # --- evaluation ----------------------------------------------------------------------------
   c.eval.top_k = 300
   c.eval.prompt_templates = "owl_vit_7"  # SPEC §2: the 7 OWL-ViT templates, logits averaged

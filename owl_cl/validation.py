@@ -214,12 +214,12 @@ def check_visual_genome(config: ml_collections.ConfigDict) -> None:
     ConfigError: a setting that would take Visual Genome images: a buffer over two
       pre-training sets (two class vocabularies) is not implemented.
   """
-  selection = config.replay.buffer
+  selection = config.replay.selection
   threshold = selection.get("visual_genome_loss_threshold", 0.0)
   minimum = selection.get("visual_genome_min_per_class", 0)
   if threshold > 0.0 or minimum > 0:
     raise ConfigError(
-      f"config.replay.buffer.visual_genome_loss_threshold={threshold} / "
+      f"config.replay.selection.visual_genome_loss_threshold={threshold} / "
       f"visual_genome_min_per_class={minimum} would add Visual Genome images to the "
       "Objects365 buffer; a buffer over two pre-training sets is not implemented (the "
       "paper's protocol uses 0.0 / 0, which selects no Visual Genome image)"

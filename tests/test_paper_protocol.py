@@ -51,8 +51,8 @@ def test_every_algorithm_config_has_the_paper_protocol(name):
   assert tuple(c.data.odinw_datasets) == odinw.ODINW_NAMES  # the 15, table order
   assert c.train.batch_size == 16 and c.replay.ratio == 1.0  # 16 new + 16 replayed
   assert (c.replay.der_alpha, c.replay.der_beta, c.replay.top_k) == (2.0, 1.0, 8)
-  assert c.replay.buffer.loss_threshold == 0.15 and c.replay.buffer.min_per_class == 50
-  assert c.replay.buffer.visual_genome_loss_threshold == 0.0
+  assert c.replay.selection.loss_threshold == 0.15 and c.replay.selection.min_per_class == 50
+  assert c.replay.selection.visual_genome_loss_threshold == 0.0
   assert c.train.text_lr_multiplier == 0.1
   assert c.sequence_seed is not None
   assert (c.eval.prompt_templates, c.data.train_prompt_templates) == ("owl_vit_7", "clip_80")
@@ -196,7 +196,7 @@ def test_missing_inputs_are_listed_in_one_error_before_anything_is_written(tmp_p
 
 def test_visual_genome_buffer_is_refused():
   c = paper_config()
-  c.replay.buffer.visual_genome_loss_threshold = 0.3
+  c.replay.selection.visual_genome_loss_threshold = 0.3
   with pytest.raises(ConfigError, match="two pre-training sets"):
     validation.check_inputs(c)
 

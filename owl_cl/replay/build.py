@@ -22,7 +22,7 @@ import numpy as np
 import tqdm
 
 from owl_cl.data import pipeline
-from owl_cl.replay import selection
+from owl_cl.replay import buffer_selection
 from owl_cl.replay import state as state_lib
 from owl_cl.replay import store as store_lib
 from owl_cl.train import losses
@@ -108,13 +108,13 @@ def analyse_images(
       out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
     )
     query_mask = batch["queries"][..., 0] > 0
-    top_class, top_query = selection.top_k_embeddings(
+    top_class, top_query = buffer_selection.top_k_embeddings(
       out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
     )
-    counts = selection.instance_counts_from_labels(
+    counts = buffer_selection.instance_counts_from_labels(
       batch["labels"], batch["query_class"], num_classes
     )
-    sums, token_counts = selection.per_image_class_token_embeddings(
+    sums, token_counts = buffer_selection.per_image_class_token_embeddings(
       out["pred_logits"],
       out["class_embeddings"],
       batch["query_class"],
@@ -201,7 +201,7 @@ def build_store(
     batch_size=batch_size,
   )
   membership = analysis["instance_counts"] > 0
-  keep = selection.select_buffer(
+  keep = buffer_selection.select_buffer(
     analysis["per_image_loss"],
     membership,
     loss_threshold,
@@ -210,13 +210,13 @@ def build_store(
   )
   if not keep.any():
     raise ValueError(
-      f"replay.buffer selected no image (loss_threshold={loss_threshold}, "
+      f"replay.selection selected no image (loss_threshold={loss_threshold}, "
       f"min_per_class={min_per_class})"
     )
-  prototypes, _ = selection.compute_prototypes(
+  prototypes, _ = buffer_selection.compute_prototypes(
     jnp.asarray(analysis["prototype_sums"][keep]), jnp.asarray(analysis["prototype_counts"][keep])
   )
-  distances = jax.jit(selection.prototype_distances, static_argnames=("max_instances",))(
+  distances = jax.jit(buffer_selection.prototype_distances, static_argnames=("max_instances",))(
     jnp.asarray(analysis["logits"][keep]),
     jnp.asarray(analysis["class_embeddings"][keep]),
     jnp.asarray(examples["query_class"][keep]),

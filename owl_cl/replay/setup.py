@@ -117,7 +117,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   annotations, the selection settings, the input options, the loss and the seed).
   """
   config = detector.config
-  selection = config.replay.buffer
+  selection = config.replay.selection
   source = benchmark.pretrain.train
   data = config.data
   # Imported here: the pre-trained model's module imports this one's siblings only.

@@ -53,7 +53,7 @@ def tiny_config(name: str, cache_dir: str) -> ml_collections.ConfigDict:
   b.num_downstream_train = 16
   b.num_downstream_test = 16
   b.downstream = ("thermal", "digits")
-  c.replay.buffer.min_per_class = 2
+  c.replay.selection.min_per_class = 2
   return c
 
 
