@@ -207,8 +207,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.dedup_fraction = 1.0 / 3.0  # 'fraction': reset after this fraction of the buffer
   c.replay.der_alpha = 2.0  # DER++ logit distillation weight
   c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
-  c.replay.swil_w = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
-  c.replay.grasp_w = 1.0  # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
+  c.replay.swil_weight = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
+  c.replay.grasp_weight = 1.0  # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
   # Balanced class order: 'sequential' (paper) | 'reshuffled' (released code: a random
   # permutation reshuffled after every pass).
   c.replay.balanced_order = "sequential"
@@ -220,11 +220,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).
   c.replay.aser.num_candidates = ml_collections.config_dict.placeholder(int)
   c.replay.aser.knn_k = 20  # K of the KNN-SV recursion
-  c.replay.aser.c = 0.15  # c of eq. 4 (dynamic w)
-  c.replay.aser.token_matching = "all_to_all"  # paper | 'nearest_token' (released code)
-  c.replay.aser.distance = "l2"  # 'l2' (released code) | 'cosine'
-  c.replay.aser.weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
-  c.replay.aser.chunk_size = 64  # images per chunk of the ASER-PC precomputation
+  c.replay.aser.asv_c = 0.15  # c of eq. 4 (dynamic w)
+  c.replay.aser.asv_token_matching = "all_to_all"  # paper | 'nearest_token' (released code)
+  c.replay.aser.asv_distance = "l2"  # 'l2' (released code) | 'cosine'
+  c.replay.aser.asv_weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
+  c.replay.aser.asv_chunk_size = 64  # images per chunk of the ASER-PC precomputation
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image

@@ -43,7 +43,8 @@ def make_algorithm(config: ml_collections.ConfigDict):
   """The retrieval algorithm named by config.replay.algorithm with its hyperparameters.
 
   Every hyperparameter the algorithm accepts (`algorithms.ALGORITHMS[name]
-  .hyperparameter_names`) is taken from `config.replay` (table below); the dedup schedule
+  .hyperparameter_names`) is the `config.replay` (or `config.replay.aser`) field of the same
+  name, None = the algorithm's default; the dedup schedule
   from `replay.dedup` (+ `replay.dedup_fraction` for 'fraction').
 
   Raises:
@@ -56,25 +57,13 @@ def make_algorithm(config: ml_collections.ConfigDict):
       f"config.replay.algorithm={name!r} is unknown; known: "
       f"{sorted(algorithms.ALGORITHMS) + ['none']}"
     )
-  aser = replay_config.aser
-  # Algorithm argument -> config value (the config keeps the paper's short names).
-  fields = {
-    "swil_weight": replay_config.swil_w,
-    "grasp_weight": replay_config.grasp_w,
-    "balanced_order": replay_config.balanced_order,
-    "adaptive_entropy_threshold": replay_config.adaptive_entropy_threshold,
-    "num_candidates": aser.num_candidates,
-    "knn_k": aser.knn_k,
-    "asv_c": aser.c,
-    "asv_token_matching": aser.token_matching,
-    "asv_distance": aser.distance,
-    "asv_weight_reduction": aser.weight_reduction,
-    "asv_chunk_size": aser.chunk_size,
+  # Config fields are named like the algorithm's arguments: passed straight through.
+  values = {**replay_config.to_dict(), **replay_config.aser.to_dict()}
+  hyperparameters = {
+    argument: values[argument]
+    for argument in algorithms.ALGORITHMS[name].hyperparameter_names
+    if values.get(argument) is not None
   }
-  hyperparameters = {}
-  for argument in algorithms.ALGORITHMS[name].hyperparameter_names:
-    if fields[argument] is not None:
-      hyperparameters[argument] = fields[argument]
   try:
     schedule = (
       dedup.DedupSchedule("fraction", replay_config.dedup_fraction)
