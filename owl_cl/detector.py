@@ -47,7 +47,7 @@ class Detector:
     self.model = model_lib.create_model(config.model.variant, **dict(config.model.overrides))
     model_config = self.model.config
     # The self-contained tokenizer is sized by the model (vocabulary and context length); the
-    # CLIP BPE reads its vocabulary from config.model.tokenizer_vocab_path (SPEC §2).
+    # CLIP BPE reads its vocabulary from config.model.tokenizer_vocab_path (docs/reference.md §2).
     tokenizer_kwargs = {}
     if config.model.tokenizer == "word_hash":
       tokenizer_kwargs = {
@@ -104,14 +104,14 @@ class Detector:
 
   def train_class_tokens(self, source: coco.CocoSource) -> np.ndarray:
     """Training query tokens: [C, L] class names (data.train_prompt_templates='none'), or
-    [C, P, L] prompts, one drawn per label and image by the pipeline (SPEC §2)."""
+    [C, P, L] prompts, one drawn per label and image by the pipeline (docs/reference.md §2)."""
     if self.config.data.train_prompt_templates == "none":
       return self.class_tokens(source)
     return prompts.prompt_tokens(self.tokenizer, source.class_names, self.train_templates)
 
   def eval_query_embeddings(self, params, source: coco.CocoSource) -> jax.Array:
     """Query embeddings of the source's classes: [C, E] (eval.prompt_templates='none') or
-    [P, C, E], one slice per evaluation template (SPEC §2)."""
+    [P, C, E], one slice per evaluation template (docs/reference.md §2)."""
     if self.config.eval.prompt_templates == "none":
       return self._text_embed(params, jnp.asarray(self.class_tokens(source)))
     tokens = prompts.prompt_tokens(self.tokenizer, source.class_names, self.eval_templates)
@@ -140,7 +140,7 @@ class Detector:
     """Preprocessing options of a training example of `source` from `config.data`:
     `squash` (data.squash_resize), `merge_iou`, and `negative_weights` (float64 [C] images
     per class, when data.negatives_by_frequency; computed once per source). The same options
-    preprocess the replay buffer's images. Source: SPEC §3, §5; pipeline.preprocess_train_example.
+    preprocess the replay buffer's images. Source: docs/reference.md §3, §5; pipeline.preprocess_train_example.
     """
     data = self.config.data
     options = {
@@ -155,7 +155,7 @@ class Detector:
     return options
 
   def augment_options(self) -> dict[str, Any]:
-    """scenic's training augmentations from `config.data.augment` (SPEC §5): hflip,
+    """scenic's training augmentations from `config.data.augment` (docs/reference.md §5): hflip,
     random_crop (+ area / aspect ranges, minimum kept box area), mosaics (sizes and their
     probabilities; off when `mosaic_sizes` is None).
 
@@ -218,7 +218,7 @@ class Detector:
     eval.lvis_top_k (token, class) pairs, eval.lvis_max_dets per image, ground truth read
     from `source.annotation_file` (LVIS v1 json). With eval.prompt_templates != 'none' the
     class scores are ensembled over the templates (eval.ensemble). `max_detections`, when
-    given, replaces both the detections kept per image and maxDets of that protocol (SPEC §4:
+    given, replaces both the detections kept per image and maxDets of that protocol (docs/reference.md §4:
     100 for EgoHands and BrackishUnderwater).
     """
     if protocol not in ("coco", "lvis"):
