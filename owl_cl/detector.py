@@ -140,7 +140,9 @@ class Detector:
     """Preprocessing options of a training example of `source` from `config.data`:
     `squash` (data.squash_resize), `merge_iou`, and `negative_weights` (float64 [C] images
     per class, when data.negatives_by_frequency; computed once per source). The same options
-    preprocess the replay buffer's images. Source: docs/reference.md §3, §5; pipeline.preprocess_train_example.
+    preprocess the replay buffer's images.
+
+    Source: docs/reference.md §3, §5; pipeline.preprocess_train_example.
     """
     data = self.config.data
     options = {
@@ -218,8 +220,8 @@ class Detector:
     eval.lvis_top_k (token, class) pairs, eval.lvis_max_dets per image, ground truth read
     from `source.annotation_file` (LVIS v1 json). With eval.prompt_templates != 'none' the
     class scores are ensembled over the templates (eval.ensemble). `max_detections`, when
-    given, replaces both the detections kept per image and maxDets of that protocol (docs/reference.md §4:
-    100 for EgoHands and BrackishUnderwater).
+    given, replaces both the detections kept per image and maxDets of that protocol
+    (docs/reference.md §4: 100 for EgoHands and BrackishUnderwater).
     """
     if protocol not in ("coco", "lvis"):
       raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
