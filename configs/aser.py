@@ -1,12 +1,18 @@
 """Continual fine-tuning with `aser` retrieval (paper Table 2); every field: configs/base.py.
 
 `get_config('')` runs on the built-in benchmark.
+
+Run: `python -m owl_cl.main --config=configs/aser.py` (paper's protocol:
+`--config=configs/aser.py:paper --config.data.root=... --config.init_checkpoint=...`).
+Yields on the built-in benchmark (defaults, one seed; README "Measured"): mAP@[.5:.95] after
+the 5th dataset 25.5 % on the pre-training validation set (O365 stand-in), 14.9 % on the
+held-out classes (LVIS-rare stand-in), 16.1 % mean over the downstream sets (ODinW stand-in);
+98% of the pre-trained model's pre-training validation AP50 kept.
 """
 
 from configs import base
 
 
 def get_config(arg: str = ""):
-  c = base.algorithm_config("aser", "aser", arg)
-  c.replay.aser.num_candidates = 168  # N_c, paper suppl. Table 7
-  return c
+  # N_c = 168 candidates per call (paper suppl. Table 7) is the algorithm's own default.
+  return base.algorithm_config("aser", "aser", arg)

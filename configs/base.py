@@ -104,8 +104,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # benchmark's; a non-default value also keys the cached pre-trained model and buffer.
   c.data.squash_resize = False  # True: resize to S x S ignoring aspect (released code, HF)
   # Boxes with IoU >= this become one multi-label instance (scenic); None: off.
-  c.data.merge_iou = ml_collections.config_dict.placeholder(float)
-  c.data.merge_iou = 0.9
+  c.data.merge_iou = ml_collections.FieldReference(0.9, field_type=float)
   # Random negatives drawn by label frequency (images per class in the training set; released
   # code's add_negatives) instead of uniformly.
   c.data.negatives_by_frequency = False
@@ -176,7 +175,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.warmup_epochs = ml_collections.config_dict.placeholder(int)
   # Per-dataset overrides {dataset name: {field: value}} of num_epochs, warmup_epochs,
   # warmup_steps, learning_rate, text_lr_multiplier, layerwise_decay
-  # (owl_cl.experiment.PER_DATASET_FIELDS; the paper's per-dataset table in 'paper').
+  # (owl_cl.validation.PER_DATASET_FIELDS; the paper's per-dataset table in 'paper').
   c.train.per_dataset = ml_collections.ConfigDict()
   # Parameters carried to the next dataset: 'last' (end of training) or 'best_validation'
   # (as in the released code: AP on the dataset's valid split after every epoch, the best
@@ -208,8 +207,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.dedup_fraction = 1.0 / 3.0  # 'fraction': reset after this fraction of the buffer
   c.replay.der_alpha = 2.0  # DER++ logit distillation weight
   c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
-  c.replay.swil_w = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
-  c.replay.grasp_w = 1.0  # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
+  c.replay.swil_weight = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
+  c.replay.grasp_weight = 1.0  # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
   # Balanced class order: 'sequential' (paper) | 'reshuffled' (released code: a random
   # permutation reshuffled after every pass).
   c.replay.balanced_order = "sequential"
@@ -221,11 +220,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).
   c.replay.aser.num_candidates = ml_collections.config_dict.placeholder(int)
   c.replay.aser.knn_k = 20  # K of the KNN-SV recursion
-  c.replay.aser.c = 0.15  # c of eq. 4 (dynamic w)
-  c.replay.aser.token_matching = "all_to_all"  # paper | 'nearest_token' (released code)
-  c.replay.aser.distance = "l2"  # 'l2' (released code) | 'cosine'
-  c.replay.aser.weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
-  c.replay.aser.chunk_size = 64  # images per chunk of the ASER-PC precomputation
+  c.replay.aser.asv_c = 0.15  # c of eq. 4 (dynamic w)
+  c.replay.aser.asv_token_matching = "all_to_all"  # paper | 'nearest_token' (released code)
+  c.replay.aser.asv_distance = "l2"  # 'l2' (released code) | 'cosine'
+  c.replay.aser.asv_weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
+  c.replay.aser.asv_chunk_size = 64  # images per chunk of the ASER-PC precomputation
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image
@@ -239,11 +238,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.loss_adaptivity = ml_collections.ConfigDict()
   c.replay.loss_adaptivity.mode = "none"  # none | paper | released_gate
   c.replay.loss_adaptivity.threshold = 0.3  # l, in units of the detection loss
-  c.replay.buffer = ml_collections.ConfigDict()
-  c.replay.buffer.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
-  c.replay.buffer.min_per_class = 20  # then top up each class to this many images
-  c.replay.buffer.fill_all_for_rare_classes = False  # released code: add all of them
-  c.replay.buffer.max_instances_per_prototype = 6
+  c.replay.selection = ml_collections.ConfigDict()
+  c.replay.selection.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
+  c.replay.selection.min_per_class = 20  # then top up each class to this many images
+  c.replay.selection.fill_all_for_rare_classes = False  # released code: add all of them
+  c.replay.selection.max_instances_per_prototype = 6
 
   # --- evaluation (SPEC §4) --------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()
@@ -299,6 +298,10 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   configs/main.yaml for the values the paper leaves implicit (train_batch 16, coreset_N 50,
   reset_dedup_on 'dataset').
   """
+  # Sets only what differs from get_config(""). Already the paper's there: train.batch_size 16
+  # (+ 16 replayed: replay.ratio 1), train.carry 'last', replay.dedup 'dataset', DER++
+  # alpha 2 / beta 1, SWIL w 1, top_k 8, eval.max_dets 100, eval.ensemble 'logits',
+  # eval.lvis_top_k / lvis_max_dets 300.
   c.sequence_seed = 0  # the paper averages several seeded orderings
   # --- model: OWL-ViT L/14 at 840 px, CLIP BPE tokenizer -----------------------------------
   c.model.variant = "vit_l14"
@@ -317,31 +320,19 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.data.max_instances = 100
   c.data.eval_batch_size = 16
   # --- continual fine-tuning: the paper's per-dataset table ----------------------------------
-  c.train.batch_size = 16  # + 16 replayed (replay.ratio 1)
   c.train.text_lr_multiplier = 0.1
   c.train.per_dataset = paper_per_dataset()
   c.train.warmup_epochs = 1  # every dataset sets its own in per_dataset
-  c.train.carry = "last"
   # --- replay: Objects365 buffer, loss threshold 0.15, 50 images per class -----------------
-  c.replay.ratio = 1.0
-  c.replay.dedup = "dataset"
-  c.replay.der_alpha = 2.0
-  c.replay.der_beta = 1.0
-  c.replay.swil_w = 1.0
-  c.replay.top_k = 8
-  c.replay.buffer.loss_threshold = 0.15  # Objects365
-  c.replay.buffer.min_per_class = 50
+  c.replay.selection.loss_threshold = 0.15  # Objects365
+  c.replay.selection.min_per_class = 50
   # Visual Genome: threshold 0.0 keeps no image (losses are >= 0) and, as in the released
   # code, VG classes are not topped up: VG contributes nothing to the paper's buffer.
-  c.replay.buffer.visual_genome_loss_threshold = 0.0
-  c.replay.buffer.visual_genome_min_per_class = 0
+  c.replay.selection.visual_genome_loss_threshold = 0.0
+  c.replay.selection.visual_genome_min_per_class = 0
   # --- evaluation ----------------------------------------------------------------------------
   c.eval.top_k = 300
-  c.eval.max_dets = 100
   c.eval.prompt_templates = "owl_vit_7"  # SPEC §2: the 7 OWL-ViT templates, logits averaged
-  c.eval.ensemble = "logits"
-  c.eval.lvis_top_k = 300
-  c.eval.lvis_max_dets = 300
   c.data.train_prompt_templates = "clip_80"  # ['{}'] + the 80 CLIP ImageNet templates
   # O365 val, LVIS val and all 15 ODinW test sets are expensive at L/14: after each dataset
   # only the ODinW sets seen so far; the final stage evaluates everything.

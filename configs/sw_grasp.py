@@ -1,6 +1,13 @@
 """Continual fine-tuning with `sw_grasp` retrieval (paper Table 2); every field: configs/base.py.
 
 `get_config('')` runs on the built-in benchmark.
+
+Run: `python -m owl_cl.main --config=configs/sw_grasp.py` (paper's protocol:
+`--config=configs/sw_grasp.py:paper --config.data.root=... --config.init_checkpoint=...`).
+Yields on the built-in benchmark (defaults, one seed; README "Measured"): mAP@[.5:.95] after
+the 5th dataset 24.9 % on the pre-training validation set (O365 stand-in), 13.7 % on the
+held-out classes (LVIS-rare stand-in), 17.1 % mean over the downstream sets (ODinW stand-in);
+95% of the pre-trained model's pre-training validation AP50 kept.
 """
 
 from configs import base

@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 from configs import base
-from owl_cl import experiment
+from owl_cl import pretrained
 from owl_cl.data import coco
 from owl_cl.data import pipeline
+from owl_cl.detector import Detector
+from owl_cl.testing.configs import tiny_config
+from owl_cl.validation import ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
 from owl_data_helpers import basic_dataset  # noqa: E402  pylint: disable=g-import-not-at-top
 from owl_data_helpers import write_coco  # noqa: E402  pylint: disable=g-import-not-at-top
-from test_experiment import tiny_config  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 @pytest.fixture
@@ -35,13 +37,13 @@ def _batches_equal(a, b):
       np.testing.assert_array_equal(x[key], y[key], err_msg=key)
 
 
-def _explicit(runner, source, **options):
-  c = runner.config
+def _explicit(detector, source, **options):
+  c = detector.config
   return pipeline.train_dataset(
     source,
-    class_tokens=runner.train_class_tokens(source),
-    empty_tokens=runner.empty_tokens,
-    image_size=runner.image_size,
+    class_tokens=detector.train_class_tokens(source),
+    empty_tokens=detector.empty_tokens,
+    image_size=detector.image_size,
     num_queries=c.data.num_queries,
     max_instances=c.data.max_instances,
     num_negatives=c.data.num_negatives,
@@ -53,11 +55,11 @@ def _explicit(runner, source, **options):
 
 
 def test_defaults_give_the_plain_pipeline(tmp_path, source):
-  runner = experiment.Runner(tiny_config("swil", str(tmp_path / "cache")))
+  detector = Detector(tiny_config("swil", str(tmp_path / "cache")))
   _batches_equal(
-    runner.train_batches(source, batch_size=1, seed=3, epoch=1), _explicit(runner, source)
+    detector.train_batches(source, batch_size=1, seed=3, epoch=1), _explicit(detector, source)
   )
-  assert experiment.non_default_data_options(runner.config) == {}
+  assert pretrained.non_default_data_options(detector.config) == {}
 
 
 def test_every_option_reaches_the_pipeline(tmp_path, source):
@@ -70,11 +72,11 @@ def test_every_option_reaches_the_pipeline(tmp_path, source):
   c.data.augment.crop_area_range = (0.5, 1.0)
   c.data.augment.mosaic_sizes = (1, 2)
   c.data.augment.mosaic_probs = (0.5, 0.5)
-  runner = experiment.Runner(c)
+  detector = Detector(c)
   frequencies = pipeline.class_frequencies(source)
   np.testing.assert_array_equal(frequencies, [1, 1, 1])  # dog, cat: image 5; bird: image 2
   expected = _explicit(
-    runner,
+    detector,
     source,
     squash=True,
     merge_iou=None,
@@ -87,36 +89,36 @@ def test_every_option_reaches_the_pipeline(tmp_path, source):
     mosaic_sizes=(1, 2),
     mosaic_probs=(0.5, 0.5),
   )
-  _batches_equal(runner.train_batches(source, batch_size=1, seed=3, epoch=1), expected)
+  _batches_equal(detector.train_batches(source, batch_size=1, seed=3, epoch=1), expected)
   # ... and they change the batches (the options are not silently ignored).
   with pytest.raises(AssertionError):
     _batches_equal(
-      runner.train_batches(source, batch_size=1, seed=3, epoch=1), _explicit(runner, source)
+      detector.train_batches(source, batch_size=1, seed=3, epoch=1), _explicit(detector, source)
     )
   # The buffer gets the preprocessing options but no augmentation.
-  assert set(runner.example_options(source)) == {"squash", "merge_iou", "negative_weights"}
-  key = experiment.non_default_data_options(c)["data_options"]
+  assert set(detector.example_options(source)) == {"squash", "merge_iou", "negative_weights"}
+  key = pretrained.non_default_data_options(c)["data_options"]
   assert key["squash_resize"] is True and key["merge_iou"] is None
   assert key["negatives_by_frequency"] is True and key["augment"]["hflip"] is True
-  assert "augment" not in experiment.non_default_data_options(c, buffer=True)["data_options"]
+  assert "augment" not in pretrained.non_default_data_options(c, buffer=True)["data_options"]
 
 
 def test_mosaic_lengths_must_match(tmp_path):
   c = tiny_config("swil", str(tmp_path / "cache"))
   c.data.augment.mosaic_sizes = (1, 2, 3)
   c.data.augment.mosaic_probs = (0.5, 0.5)
-  with pytest.raises(experiment.ConfigError, match="mosaic_sizes"):
-    experiment.Runner(c).augment_options()
+  with pytest.raises(ConfigError, match="mosaic_sizes"):
+    Detector(c).augment_options()
 
 
 def test_defaults_match_the_config_and_the_paper_weights_negatives_by_frequency():
   d = base.get_config().data
   assert {k: d[k] for k in ("squash_resize", "merge_iou", "negatives_by_frequency")} == {
-    k: experiment.DEFAULT_DATA_OPTIONS[k]
+    k: pretrained.DEFAULT_DATA_OPTIONS[k]
     for k in ("squash_resize", "merge_iou", "negatives_by_frequency")
   }
   augment = {
     k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in d.augment.to_dict().items()
   }
-  assert augment == experiment.DEFAULT_DATA_OPTIONS["augment"]
+  assert augment == pretrained.DEFAULT_DATA_OPTIONS["augment"]
   assert base.get_config("paper").data.negatives_by_frequency

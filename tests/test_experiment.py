@@ -1,52 +1,21 @@
 """End to end: the main job with a tiny budget, resume after an interruption, workdir safety."""
 
-import importlib
 import json
 import os
 
 import pytest
 
 from owl_cl import experiment
+from owl_cl import trainer
+from owl_cl.replay import setup as replay_setup
+from owl_cl.testing.configs import tiny_config
+from owl_cl.validation import ConfigError
 
 
-def load_config(name: str):
-  return importlib.import_module(f"configs.{name}").get_config("")
-
-
-def tiny_config(name: str, cache_dir: str):
-  """A config that runs the whole pipeline in well under a minute on 2 CPU cores."""
-  c = load_config(name)
-  c.cache_dir = cache_dir
-  c.compilation_cache_dir = ""
-  c.model.overrides.vision_layers = 1
-  c.model.overrides.text_layers = 1
-  c.model.overrides.vision_width = 64
-  c.model.overrides.vision_heads = 1
-  c.model.overrides.vision_mlp_dim = 128
-  c.model.overrides.text_width = 64
-  c.model.overrides.text_heads = 1
-  c.model.overrides.text_mlp_dim = 128
-  c.model.overrides.embed_dim = 64
-  c.model.overrides.vocab_size = 1024
-  c.pretrain.num_steps = 4
-  c.pretrain.batch_size = 8
-  c.train.batch_size = 8
-  c.train.num_epochs = 1
-  c.max_train_steps_per_dataset = 2
-  c.data.eval_batch_size = 16
-  c.data.builtin.num_pretrain_train = 48
-  c.data.builtin.num_pretrain_val = 16
-  c.data.builtin.num_held_out_val = 16
-  c.data.builtin.num_downstream_train = 16
-  c.data.builtin.num_downstream_test = 16
-  c.data.builtin.downstream = ("thermal", "digits")
-  c.replay.buffer.min_per_class = 2
-  return c
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("cache"))
+@pytest.fixture
+def cache_dir(pretrained_cache_dir):
+  """The session's cache (built-in benchmark + the tiny pre-trained model, tests/conftest.py)."""
+  return pretrained_cache_dir
 
 
 def _stage_names(results):
@@ -58,16 +27,16 @@ def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
   workdir = str(tmp_path / "run")
 
   # Interrupt the first run while it trains on the second downstream dataset.
-  original = experiment.train_on_dataset
+  original = trainer.train_on_dataset
   calls = []
 
-  def interrupted(runner, dataset, *args, **kwargs):
+  def interrupted(detector, dataset, *args, **kwargs):
     calls.append(dataset.name)
     if len(calls) == 2:
       raise KeyboardInterrupt("simulated preemption")
-    return original(runner, dataset, *args, **kwargs)
+    return original(detector, dataset, *args, **kwargs)
 
-  monkeypatch.setattr(experiment, "train_on_dataset", interrupted)
+  monkeypatch.setattr(trainer, "train_on_dataset", interrupted)
   with pytest.raises(KeyboardInterrupt):
     experiment.run(config, workdir)
   partial = json.load(open(os.path.join(workdir, "results.json")))
@@ -77,7 +46,7 @@ def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
   # The same command on the same workdir resumes after the last finished dataset.
   calls.clear()
   monkeypatch.setattr(
-    experiment, "train_on_dataset", lambda *a, **k: (calls.append(a[1].name), original(*a, **k))[1]
+    trainer, "train_on_dataset", lambda *a, **k: (calls.append(a[1].name), original(*a, **k))[1]
   )
   results = experiment.run(config, workdir)
   assert calls == ["digits"]  # 'thermal' was not trained again
@@ -105,9 +74,9 @@ def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
 
 def test_no_replay_reuses_cached_pretrained_model(cache_dir, tmp_path, monkeypatch):
   config = tiny_config("no_replay", cache_dir)
-  # The swil test above (same cache, same pre-training config) already pre-trained.
+  # The session's cache holds the pre-trained model of the tiny configs (tests/conftest.py).
   pretrained = os.listdir(os.path.join(cache_dir, "pretrained"))
-  monkeypatch.setattr(experiment, "pretrain", lambda *a, **k: pytest.fail("re-trained"))
+  monkeypatch.setattr(trainer, "pretrain", lambda *a, **k: pytest.fail("re-trained"))
   results = experiment.run(config, str(tmp_path / "run"))
   assert os.listdir(os.path.join(cache_dir, "pretrained")) == pretrained
   assert results["retrieval"] == "none" and results["buffer"] is None
@@ -117,10 +86,10 @@ def test_no_replay_reuses_cached_pretrained_model(cache_dir, tmp_path, monkeypat
 def test_workdir_of_another_config_is_refused(cache_dir, tmp_path):
   workdir = str(tmp_path / "run")
   config = tiny_config("swil", cache_dir)
-  experiment._check_workdir(workdir, config)
+  experiment.check_workdir(workdir, config)
   other = tiny_config("uniform", cache_dir)
-  with pytest.raises(experiment.ConfigError, match="different config"):
-    experiment._check_workdir(workdir, other)
+  with pytest.raises(ConfigError, match="different config"):
+    experiment.check_workdir(workdir, other)
   # Nothing was overwritten.
   run = json.load(open(os.path.join(workdir, "run.json")))
   assert run["config"]["replay"]["algorithm"] == "swil"
@@ -129,8 +98,8 @@ def test_workdir_of_another_config_is_refused(cache_dir, tmp_path):
 def test_unknown_algorithm_is_a_config_error(cache_dir):
   config = tiny_config("swil", cache_dir)
   config.replay.algorithm = "nonexistent"
-  with pytest.raises(experiment.ConfigError, match="replay.algorithm"):
-    experiment.make_algorithm(config)
+  with pytest.raises(ConfigError, match="replay.algorithm"):
+    replay_setup.make_algorithm(config)
 
 
 def test_loss_adaptivity_reports_replay_fractions(cache_dir, tmp_path, monkeypatch):
@@ -182,5 +151,5 @@ def test_loss_adaptivity_reports_replay_fractions(cache_dir, tmp_path, monkeypat
 def test_unknown_loss_adaptivity_mode_is_a_config_error(cache_dir, tmp_path):
   config = tiny_config("swil", cache_dir)
   config.replay.loss_adaptivity.mode = "sometimes"
-  with pytest.raises(experiment.ConfigError, match="loss_adaptivity.mode"):
+  with pytest.raises(ConfigError, match="loss_adaptivity.mode"):
     experiment.run(config, str(tmp_path / "run"))

@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 
 from configs import base
+from owl_cl import benchmark
 from owl_cl import experiment
+from owl_cl import trainer
+from owl_cl import validation
 from owl_cl.data import odinw
+from owl_cl.detector import Detector
+from owl_cl.eval import detection
 from owl_cl.testing import fake_data
 from owl_cl.train import checkpointing
+from owl_cl.validation import ConfigError
 
 ALGORITHM_FILES = sorted(
   f[:-3]
@@ -45,8 +51,8 @@ def test_every_algorithm_config_has_the_paper_protocol(name):
   assert tuple(c.data.odinw_datasets) == odinw.ODINW_NAMES  # the 15, table order
   assert c.train.batch_size == 16 and c.replay.ratio == 1.0  # 16 new + 16 replayed
   assert (c.replay.der_alpha, c.replay.der_beta, c.replay.top_k) == (2.0, 1.0, 8)
-  assert c.replay.buffer.loss_threshold == 0.15 and c.replay.buffer.min_per_class == 50
-  assert c.replay.buffer.visual_genome_loss_threshold == 0.0
+  assert c.replay.selection.loss_threshold == 0.15 and c.replay.selection.min_per_class == 50
+  assert c.replay.selection.visual_genome_loss_threshold == 0.0
   assert c.train.text_lr_multiplier == 0.1
   assert c.sequence_seed is not None
   assert (c.eval.prompt_templates, c.data.train_prompt_templates) == ("owl_vit_7", "clip_80")
@@ -78,7 +84,7 @@ def test_paper_table_transcription():
 
 def test_dataset_train_settings_apply_per_dataset_overrides():
   c = paper_config()
-  got = experiment.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
+  got = trainer.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
   assert got == {
     "num_epochs": 7,
     "learning_rate": 1.4e-4,
@@ -88,11 +94,11 @@ def test_dataset_train_settings_apply_per_dataset_overrides():
   }
   # A dataset without overrides falls back on train.*; warmup_epochs (global) still in epochs.
   c.train.per_dataset = {}
-  got = experiment.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
+  got = trainer.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
   assert got["warmup_steps"] == 1 * 23 and got["num_epochs"] == c.train.num_epochs
   # The built-in config: exactly train.* (warmup in steps).
   builtin = importlib.import_module("configs.swil").get_config("")
-  got = experiment.dataset_train_settings(builtin, "thermal", steps_per_epoch=12)
+  got = trainer.dataset_train_settings(builtin, "thermal", steps_per_epoch=12)
   assert got == {
     "num_epochs": builtin.train.num_epochs,
     "learning_rate": builtin.train.learning_rate,
@@ -101,15 +107,13 @@ def test_dataset_train_settings_apply_per_dataset_overrides():
     "warmup_steps": builtin.train.warmup_steps,
   }
   c.train.per_dataset = {"Dice": {"epochs": 3}}
-  with pytest.raises(
-    experiment.ConfigError, match=r"per_dataset.Dice: unknown fields \['epochs'\]"
-  ):
-    experiment.dataset_train_settings(c, "Dice", steps_per_epoch=5)
+  with pytest.raises(ConfigError, match=r"per_dataset.Dice: unknown fields \['epochs'\]"):
+    trainer.dataset_train_settings(c, "Dice", steps_per_epoch=5)
 
 
 def _bench(names):
-  ds = lambda n: experiment.Dataset(n, None, None)
-  return experiment.Benchmark(
+  ds = lambda n: benchmark.Dataset(n, None, None)
+  return benchmark.Benchmark(
     ds("o365"),
     ds("lvis"),
     tuple(ds(n) for n in names),
@@ -122,16 +126,16 @@ def _bench(names):
 def test_stage_eval_names():
   c = paper_config()
   bench = _bench(["A", "B", "C"])
-  assert experiment.stage_eval_names(c, bench, 1) == ["A"]
-  assert experiment.stage_eval_names(c, bench, 2) == ["A", "B"]
-  assert experiment.stage_eval_names(c, bench, 3) == ["o365", "lvis", "A", "B", "C"]
+  assert benchmark.stage_eval_names(c, bench, 1) == ["A"]
+  assert benchmark.stage_eval_names(c, bench, 2) == ["A", "B"]
+  assert benchmark.stage_eval_names(c, bench, 3) == ["o365", "lvis", "A", "B", "C"]
   c.eval.pretraining_sets_after_each_dataset = True
-  assert experiment.stage_eval_names(c, bench, 1) == ["o365", "lvis", "A"]
+  assert benchmark.stage_eval_names(c, bench, 1) == ["o365", "lvis", "A"]
   c.eval.downstream_after_each_dataset = "all"
-  assert experiment.stage_eval_names(c, bench, 1) == ["o365", "lvis", "A", "B", "C"]
+  assert benchmark.stage_eval_names(c, bench, 1) == ["o365", "lvis", "A", "B", "C"]
 
 
-class _StubRunner:
+class _StubDetector:
   def __init__(self, aps):
     self.aps = list(aps)
 
@@ -141,13 +145,13 @@ class _StubRunner:
 
 
 def test_best_validation_epoch_is_carried():
-  dataset = experiment.Dataset("A", None, None, valid="valid split")
-  runner = _StubRunner([0.2, 0.5, 0.4, float("nan")])
+  dataset = benchmark.Dataset("A", None, None, valid="valid split")
+  detector = _StubDetector([0.2, 0.5, 0.4, float("nan")])
   best = {"AP": -np.inf, "epoch": None, "params": None}
   log = []
   for epoch in range(4):
-    best = experiment._track_best_epoch(
-      runner, dataset, {"w": np.float32(epoch)}, epoch, best, log, None, 1
+    best = trainer.track_best_epoch(
+      detector, dataset, {"w": np.float32(epoch)}, epoch, best, log, None, 1
     )
   assert best["epoch"] == 2 and best["AP"] == 0.5 and float(best["params"]["w"]) == 1.0
   assert [v["epoch"] for v in log] == [1, 2, 3, 4]
@@ -162,14 +166,14 @@ def test_missing_inputs_are_listed_in_one_error_before_anything_is_written(tmp_p
   os.makedirs(c.data.root)
   c.data.odinw_datasets = ("Pothole", "Dice")
   workdir = tmp_path / "run"
-  with pytest.raises(experiment.MissingInputsError) as info:
+  with pytest.raises(validation.MissingInputsError) as info:
     experiment.run(c, str(workdir))
   message = str(info.value)
   assert not workdir.exists()  # nothing written, nothing trained
   assert "config.init_checkpoint is not set" in message
   assert "config.model.tokenizer_vocab_path is not set" in message
   root = os.path.abspath(c.data.root)
-  expected = odinw.expected_files(root, ["Pothole", "Dice"]) + experiment.pretraining_input_paths(
+  expected = odinw.expected_files(root, ["Pothole", "Dice"]) + validation.pretraining_input_paths(
     root
   )
   for path in expected:
@@ -180,21 +184,21 @@ def test_missing_inputs_are_listed_in_one_error_before_anything_is_written(tmp_p
   # A root that does not exist is one line; unset fields are still all listed.
   c.data.root = str(tmp_path / "nowhere")
   c.init_checkpoint = str(tmp_path / "weights.msgpack")
-  with pytest.raises(experiment.MissingInputsError) as info:
-    experiment.check_inputs(c)
+  with pytest.raises(validation.MissingInputsError) as info:
+    validation.check_inputs(c)
   message = str(info.value)
   assert f"{tmp_path / 'nowhere'} (config.data.root)" in message
   assert f"{tmp_path / 'weights.msgpack'} (config.init_checkpoint)" in message
   c.data.root = None
-  with pytest.raises(experiment.MissingInputsError, match="config.data.root is not set"):
-    experiment.check_inputs(c)
+  with pytest.raises(validation.MissingInputsError, match="config.data.root is not set"):
+    validation.check_inputs(c)
 
 
 def test_visual_genome_buffer_is_refused():
   c = paper_config()
-  c.replay.buffer.visual_genome_loss_threshold = 0.3
-  with pytest.raises(experiment.ConfigError, match="two pre-training sets"):
-    experiment.check_inputs(c)
+  c.replay.selection.visual_genome_loss_threshold = 0.3
+  with pytest.raises(ConfigError, match="two pre-training sets"):
+    validation.check_inputs(c)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -252,9 +256,9 @@ def data_root(tmp_path_factory):
 def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
   cache_dir = str(tmp_path / "cache")
   c = tiny_paper_config(data_root, cache_dir)
-  runner = experiment.Runner(c)
+  detector = Detector(c)
   weights = str(tmp_path / "init")
-  checkpointing.save_params(weights, runner.init_params(0), {"note": "random tiny OWL-ViT"})
+  checkpointing.save_params(weights, detector.init_params(0), {"note": "random tiny OWL-ViT"})
   c.init_checkpoint = weights
   results = experiment.run(c, str(tmp_path / "run"))
 
@@ -310,24 +314,24 @@ def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypat
   c = tiny_paper_config(root, str(tmp_path / "cache"), init_checkpoint=root)  # not loaded
   c.data.odinw_datasets = names
   c.eval.top_k = c.eval.max_dets = 300
-  bench = experiment.load_real_benchmark(c)
+  bench = benchmark.load_real_benchmark(c)
   by_name = {d.name: d for d in bench.sequence}
   assert by_name["EgoHands"].max_detections == 100
   assert by_name["Pothole"].max_detections == 300
-  runner = experiment.Runner(c)
+  detector = Detector(c)
   seen = {}
 
   def fake_evaluate_source(predict_fn, source, batches, **kwargs):
     seen[source.annotation_file] = kwargs["max_dets"]
     return {"AP": 0.0}
 
-  monkeypatch.setattr(experiment.detection, "evaluate_source", fake_evaluate_source)
-  monkeypatch.setattr(runner, "eval_query_embeddings", lambda params, source: None)
+  monkeypatch.setattr(detection, "evaluate_source", fake_evaluate_source)
+  monkeypatch.setattr(detector, "eval_query_embeddings", lambda params, source: None)
   for dataset in bench.sequence:
-    experiment.evaluate_dataset(runner, None, dataset.name, dataset, "test")
+    detector.evaluate_dataset(None, dataset, "test")
   assert seen == {
     by_name["EgoHands"].test.annotation_file: 100,
     by_name["Pothole"].test.annotation_file: 300,
   }
   # One prediction step per detection count: top_k 100 (EgoHands) and eval.top_k 300.
-  assert {key[1] for key in runner._predict_steps} == {100, 300}
+  assert {key[1] for key in detector._predict_steps} == {100, 300}

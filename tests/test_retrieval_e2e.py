@@ -5,10 +5,10 @@ import json
 import os
 
 import numpy as np
-from test_experiment import tiny_config
 
 from owl_cl import experiment
 from owl_cl.replay import algorithms
+from owl_cl.testing.configs import tiny_config
 
 CONFIGS = (
   "uniform",
@@ -23,9 +23,9 @@ CONFIGS = (
 )
 
 
-def test_every_algorithm_config_runs(tmp_path):
+def test_every_algorithm_config_runs(pretrained_cache_dir, tmp_path):
   assert set(CONFIGS) == set(algorithms.ALGORITHMS)
-  cache, xla = str(tmp_path / "cache"), str(tmp_path / "xla")
+  cache, xla = pretrained_cache_dir, str(tmp_path / "xla")
   for name in CONFIGS:
     config = tiny_config(name, cache)
     assert config.replay.algorithm == name

@@ -1,7 +1,6 @@
-"""Runner wiring of the CLIP tokenizer, prompt templates and the LVIS protocol (SPEC §2, §4)."""
+"""Detector wiring of the CLIP tokenizer, prompt templates and the LVIS protocol (SPEC §2, §4)."""
 
 import gzip
-import importlib
 import json
 import os
 
@@ -10,26 +9,11 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from owl_cl import experiment
 from owl_cl.data import coco
 from owl_cl.data import prompts
-
-
-def tiny_config(**changes):
-  c = importlib.import_module("configs.base").get_config("")
-  c.compilation_cache_dir = ""
-  o = c.model.overrides
-  o.vision_layers = o.text_layers = 1
-  o.vision_width = o.text_width = o.embed_dim = 32
-  o.vision_heads = o.text_heads = 1
-  o.vision_mlp_dim = o.text_mlp_dim = 64
-  o.vocab_size = 1024
-  o.image_size = 32
-  c.data.eval_batch_size = 2
-  for key, value in changes.items():
-    section, field = key.split(".")
-    c[section][field] = value
-  return c
+from owl_cl.detector import Detector
+from owl_cl.testing.configs import tiny_detector_config as tiny_config
+from owl_cl.validation import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -72,41 +56,41 @@ def lvis_source(tmp_path_factory):
 
 
 def test_template_query_embeddings_and_lvis_protocol(lvis_source):
-  runner = experiment.Runner(tiny_config(**{"eval.prompt_templates": "owl_vit_7"}))
-  params = runner.init_params(0)
-  q = runner.eval_query_embeddings(params, lvis_source)
+  detector = Detector(tiny_config(**{"eval.prompt_templates": "owl_vit_7"}))
+  params = detector.init_params(0)
+  q = detector.eval_query_embeddings(params, lvis_source)
   assert q.shape == (7, 3, 32)
   # Slice [p, c] is the text embedding of class c's prompt under template p.
   text = prompts.prompt_texts(lvis_source.class_names, prompts.OWL_VIT_EVAL_TEMPLATES)
   assert text[2][0] == "itap of a hot spot"  # text is [C][P]
-  direct = runner._text_embed(
-    params, jnp.asarray(runner.tokenizer.encode([text[2][0], text[1][4]]))
+  direct = detector._text_embed(
+    params, jnp.asarray(detector.tokenizer.encode([text[2][0], text[1][4]]))
   )
   np.testing.assert_allclose(np.asarray(q[4, 1]), np.asarray(direct[1]), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(q[0, 2]), np.asarray(direct[0]), rtol=1e-5, atol=1e-6)
-  result = runner.evaluate(params, lvis_source, "lvis", protocol="lvis")
+  result = detector.evaluate(params, lvis_source, "lvis", protocol="lvis")
   assert result["num_images"] == 3
   for key in ("AP", "APr", "APc", "APf"):
     assert 0.0 <= result[key] <= 1.0, key
   with pytest.raises(ValueError, match="protocol"):
-    runner.evaluate(params, lvis_source, "x", protocol="voc")
+    detector.evaluate(params, lvis_source, "x", protocol="voc")
 
 
 def test_default_runner_keeps_bare_names(lvis_source):
-  runner = experiment.Runner(tiny_config())
-  tokens = runner.train_class_tokens(lvis_source)
+  detector = Detector(tiny_config())
+  tokens = detector.train_class_tokens(lvis_source)
   np.testing.assert_array_equal(
-    tokens, runner.tokenizer.encode(["red plain", "blue striped", "hot spot"])
+    tokens, detector.tokenizer.encode(["red plain", "blue striped", "hot spot"])
   )
-  prompted = experiment.Runner(tiny_config(**{"data.train_prompt_templates": "clip_80"}))
+  prompted = Detector(tiny_config(**{"data.train_prompt_templates": "clip_80"}))
   assert prompted.train_class_tokens(lvis_source).shape == (3, 81, 8)
 
 
 def test_clip_tokenizer_and_config_errors(tmp_path):
-  with pytest.raises(experiment.ConfigError, match="tokenizer_vocab_path"):
-    experiment.Runner(tiny_config(**{"model.tokenizer": "clip"}))
+  with pytest.raises(ConfigError, match="tokenizer_vocab_path"):
+    Detector(tiny_config(**{"model.tokenizer": "clip"}))
   with pytest.raises(FileNotFoundError, match="nowhere.txt.gz"):
-    experiment.Runner(
+    Detector(
       tiny_config(
         **{
           "model.tokenizer": "clip",
@@ -117,13 +101,13 @@ def test_clip_tokenizer_and_config_errors(tmp_path):
   vocab = tmp_path / "bpe_simple_vocab_16e6.txt.gz"
   with gzip.open(vocab, "wb") as f:
     f.write(b"#version: 0.2\nr e\nre d</w>\n")
-  runner = experiment.Runner(
+  detector = Detector(
     tiny_config(**{"model.tokenizer": "clip", "model.tokenizer_vocab_path": str(vocab)})
   )
   # 256 + 256 + 2 merges + SOT/EOT = 516 ids; 'red' -> one merged token.
-  assert runner.tokenizer.sot_token == 514 and runner.tokenizer.context_length == 8
-  assert list(runner.tokenizer.encode(["Red"])[0]) == [514, 513, 515, 0, 0, 0, 0, 0]
-  with pytest.raises(experiment.ConfigError, match="prompt_templates"):
-    experiment.Runner(tiny_config(**{"eval.prompt_templates": "clip_80"}))
-  with pytest.raises(experiment.ConfigError, match="ensemble"):
-    experiment.Runner(tiny_config(**{"eval.ensemble": "mean"}))
+  assert detector.tokenizer.sot_token == 514 and detector.tokenizer.context_length == 8
+  assert list(detector.tokenizer.encode(["Red"])[0]) == [514, 513, 515, 0, 0, 0, 0, 0]
+  with pytest.raises(ConfigError, match="prompt_templates"):
+    Detector(tiny_config(**{"eval.prompt_templates": "clip_80"}))
+  with pytest.raises(ConfigError, match="ensemble"):
+    Detector(tiny_config(**{"eval.ensemble": "mean"}))

@@ -78,6 +78,11 @@ __all__ = [
 TRAIN_PAD_VALUE = 0.5  # SPEC §5 (scenic): padding value of training images.
 EVAL_PAD_VALUE = 0.0  # SPEC §5 (scenic): padding value of evaluation images.
 
+# scenic's random-crop ranges (the defaults of config.data.augment): area fraction and aspect
+# ratio of the crop.
+CROP_AREA_RANGE = (0.3, 1.0)
+CROP_ASPECT_RATIO_RANGE = (0.75, 1.33)
+
 
 # ------------------------------------------------------------------------------------------
 # Geometry.
@@ -253,8 +258,8 @@ def sample_crop_region(
   width: int,
   rng: np.random.Generator,
   *,
-  area_range: tuple[float, float] = (0.3, 1.0),
-  aspect_ratio_range: tuple[float, float] = (0.75, 1.33),
+  area_range: tuple[float, float] = CROP_AREA_RANGE,
+  aspect_ratio_range: tuple[float, float] = CROP_ASPECT_RATIO_RANGE,
   max_attempts: int = 100,
 ) -> tuple[int, int, int, int]:
   """A random crop window as tf.image.sample_distorted_bounding_box draws it.
@@ -326,8 +331,8 @@ def random_crop_example(
   example: dict[str, Any],
   rng: np.random.Generator,
   *,
-  area_range: tuple[float, float] = (0.3, 1.0),
-  aspect_ratio_range: tuple[float, float] = (0.75, 1.33),
+  area_range: tuple[float, float] = CROP_AREA_RANGE,
+  aspect_ratio_range: tuple[float, float] = CROP_ASPECT_RATIO_RANGE,
   min_area_fraction: float = 0.6,
 ) -> dict[str, Any]:
   """`crop_example` at a window drawn by `sample_crop_region` (scenic `RandomCrop`)."""
@@ -664,8 +669,8 @@ def preprocess_train_example(
   hflip: bool = False,
   negative_weights: np.ndarray | None = None,
   random_crop: bool = False,
-  crop_area_range: tuple[float, float] = (0.3, 1.0),
-  crop_aspect_ratio_range: tuple[float, float] = (0.75, 1.33),
+  crop_area_range: tuple[float, float] = CROP_AREA_RANGE,
+  crop_aspect_ratio_range: tuple[float, float] = CROP_ASPECT_RATIO_RANGE,
   crop_min_area_fraction: float = 0.6,
   annotated_negatives: bool = True,
 ) -> dict[str, np.ndarray]:
@@ -860,8 +865,8 @@ class _TrainTransform:
       hflip=kw.get("hflip", False),
       random_crop=kw.get("random_crop", False),
       crop_kwargs=dict(
-        area_range=kw.get("crop_area_range", (0.3, 1.0)),
-        aspect_ratio_range=kw.get("crop_aspect_ratio_range", (0.75, 1.33)),
+        area_range=kw.get("crop_area_range", CROP_AREA_RANGE),
+        aspect_ratio_range=kw.get("crop_aspect_ratio_range", CROP_ASPECT_RATIO_RANGE),
         min_area_fraction=kw.get("crop_min_area_fraction", 0.6),
       ),
     )

@@ -636,9 +636,11 @@ def evaluate_source(
   batches: Iterable[Mapping[str, Any]],
   category_ids: Sequence[int] | None = None,
   *,
+  protocol: str = "coco",
+  ground_truth: Any = None,
   coco_gt: Any = None,
   image_size: int | None = None,
-  max_dets: int = 100,
+  max_dets: int | None = None,
   cat_ids: Sequence[int] | None = None,
   restrict_to_seen_images: bool = True,
   per_category: bool = False,
@@ -648,45 +650,71 @@ def evaluate_source(
   name: str | None = None,
   desc: str | None = None,
 ) -> dict[str, Any]:
-  """Runs `predict_fn` over batches of one evaluation set and computes its COCO AP (SPEC §4).
+  """Runs `predict_fn` over batches of one evaluation set and scores them: the one evaluator
+  of the COCO and the LVIS protocol.
 
   The batches are run and converted by `collect_detections` (device work overlaps the
-  host-side conversion).
+  host-side conversion); the detections are then scored by `coco_evaluate` (protocol
+  'coco': pycocotools AP, exclusive classes) or `lvis_eval.lvis_evaluate` ('lvis': the
+  federated LVIS AP with APr / APc / APf).
 
   Args:
     predict_fn: `predict_fn(batch) -> (scores [B, K], labels [B, K], boxes [B, K, 4])`
-      (`top_predictions` semantics; e.g. from `make_predict_fn`). Supplied by the caller.
-    source: the evaluation set, e.g. `owl_cl.data.coco.CocoSource`; uses `source.coco` (if
-      `coco_gt` is None), `source.category_ids` (if `category_ids` is None) and
-      `source.name` (progress-bar label, if present).
+      (`top_predictions` semantics; e.g. from `make_predict_fn`; for LVIS the multi-label
+      top-300 (token, class) pairs). Supplied by the caller.
+    source: the evaluation set, e.g. `owl_cl.data.coco.CocoSource`; uses `source.coco`
+      ('coco') or `source.annotation_file` ('lvis') when no ground truth is given,
+      `source.category_ids` (if `category_ids` is None) and `source.name` (messages).
     batches: iterable of batch dicts (CONVENTIONS.md) with at least `image_id` int [B],
       `orig_size` int [B, 2] (h, w) and optionally `example_mask` bool [B].
     category_ids: int [C] dataset category id of each label index (see `to_coco_detections`).
-    coco_gt: pycocotools COCO ground truth overriding `source.coco`.
+    protocol: 'coco' or 'lvis'.
+    ground_truth: overrides the source's ground truth: a pycocotools COCO ('coco'), or an
+      LVIS json path, dict or `lvis.LVIS` ('lvis'). `coco_gt` is the same for 'coco'.
     image_size: padded square side S, see `unpad_boxes` (not needed by the default un-pad).
-    max_dets, cat_ids, per_category: see `coco_evaluate`.
+    max_dets: detections per image scored (default 100 for 'coco', 300 for 'lvis').
+    cat_ids, per_category: see `coco_evaluate` / `lvis_evaluate`.
     restrict_to_seen_images: evaluate only the images present in the batches (True, so a
-      partial pass over a set is scored on what was predicted) or on all images of coco_gt.
+      partial pass over a set is scored on what was predicted) or on all images of the
+      ground truth.
     return_detections: also return the detection list under 'detections'.
     progress: show a tqdm progress bar; total: its number of batches.
     name: the set's name in messages (default `source.name`).
     desc: progress-bar text (default f"eval {name}").
 
   Returns:
-    `coco_evaluate`'s dict plus 'num_images' (int, evaluated images). With
+    The protocol's metric dict plus 'num_images' (int, evaluated images). With
     `restrict_to_seen_images` and no valid example in `batches`, every metric is NaN.
 
   Raises:
-    ValueError: from `to_coco_detections` / `coco_evaluate` (bad labels, unknown image ids).
+    ValueError: an unknown protocol; 'lvis' without ground truth (no `annotation_file`);
+      from `to_coco_detections` / the scoring (bad labels, unknown image ids).
 
-  Source: SPEC §4.
+  Source: docs/reference.md §4 (evaluation protocols); scenic's owl_vit evaluator.
   """
-  if coco_gt is None:
-    coco_gt = source.coco
+  if protocol == "coco":
+    gt = ground_truth if ground_truth is not None else coco_gt
+    gt = source.coco if gt is None else gt
+    score, metric_names = coco_evaluate, COCO_METRIC_NAMES
+    count_images = lambda: len(gt.getImgIds())
+    max_dets = 100 if max_dets is None else max_dets
+  elif protocol == "lvis":
+    from owl_cl.eval import lvis_eval  # pylint: disable=g-import-not-at-top (imports this one)
+
+    if ground_truth is None:
+      ground_truth = getattr(source, "annotation_file", None)
+      if ground_truth is None:
+        raise ValueError("LVIS evaluation needs lvis_gt (the source has no annotation_file)")
+    gt = lvis_eval.load_lvis_ground_truth(ground_truth)
+    score, metric_names = lvis_eval.lvis_evaluate, lvis_eval.LVIS_METRIC_NAMES
+    count_images = lambda: len(gt.imgs)
+    max_dets = 300 if max_dets is None else max_dets
+  else:
+    raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
   if category_ids is None:
     category_ids = source.category_ids
   if name is None:
-    name = getattr(source, "name", None) or "eval"
+    name = getattr(source, "name", None) or ("eval" if protocol == "coco" else "lvis")
   detections, seen = collect_detections(
     predict_fn,
     batches,
@@ -699,20 +727,20 @@ def evaluate_source(
 
   if restrict_to_seen_images and not seen:
     logger.warning("evaluate_source(%s): no images were evaluated; metrics are NaN.", name)
-    result: dict[str, Any] = {key: float("nan") for key in COCO_METRIC_NAMES}
+    result: dict[str, Any] = {key: float("nan") for key in metric_names}
     result.update(num_detections=0, num_images=0)
     if per_category:
       result["per_category"] = {}
   else:
-    result = coco_evaluate(
-      coco_gt,
+    result = score(
+      gt,
       detections,
       image_ids=sorted(seen) if restrict_to_seen_images else None,
       cat_ids=cat_ids,
       max_dets=max_dets,
       per_category=per_category,
     )
-    result["num_images"] = len(seen) if restrict_to_seen_images else len(coco_gt.getImgIds())
+    result["num_images"] = len(seen) if restrict_to_seen_images else count_images()
   if return_detections:
     result["detections"] = detections
   return result

@@ -264,82 +264,25 @@ def evaluate_lvis_source(
   category_ids: Sequence[int] | None = None,
   *,
   lvis_gt: Any = None,
-  image_size: int | None = None,
   max_dets: int = 300,
-  cat_ids: Sequence[int] | None = None,
-  restrict_to_seen_images: bool = True,
-  per_category: bool = False,
-  return_detections: bool = False,
-  progress: bool = True,
-  total: int | None = None,
-  name: str | None = None,
-  desc: str | None = None,
+  **kwargs,
 ) -> dict[str, Any]:
-  """Runs `predict_fn` over an LVIS evaluation set and computes its LVIS AP (SPEC §4).
-
-  Args:
-    predict_fn: `predict_fn(batch) -> (scores [B, K], labels [B, K], boxes [B, K, 4])`, for
-      LVIS the multi-label top-300 (token, class) pairs (`detection.top_predictions` with
-      `multi_label=True, top_k=300`).
-    source: the evaluation set (e.g. a `CocoSource` over the LVIS json); uses
-      `source.category_ids` (if `category_ids` is None), `source.annotation_file` (if `lvis_gt`
-      is None) and `source.name` (messages).
-    batches: iterable of batch dicts (CONVENTIONS.md) with `image_id`, `orig_size` and
-      optionally `example_mask`.
-    category_ids: int [C] the LVIS category id of each contiguous label index; mapped back
-      explicitly (`detection.to_coco_detections`).
-    lvis_gt: ground truth (path, dict or `lvis.LVIS`; default `source.annotation_file`).
-    image_size: see `detection.unpad_boxes`.
-    max_dets, cat_ids, per_category: see `lvis_evaluate`.
-    restrict_to_seen_images: evaluate only the images present in the batches (default), or
-      all images of the ground truth.
-    return_detections: also return the detection list under 'detections'.
-    progress, total, name, desc: progress bar and messages.
+  """`detection.evaluate_source` with protocol 'lvis' (the one evaluator); `lvis_gt` is its
+  `ground_truth` (path, dict or `lvis.LVIS`; default `source.annotation_file`).
 
   Returns:
-    `lvis_evaluate`'s dict plus 'num_images'. With `restrict_to_seen_images` and no valid
-    example, every metric is NaN.
+    `lvis_evaluate`'s dict plus 'num_images'.
 
   Raises:
-    ValueError: from `to_coco_detections` / `lvis_evaluate`, or no ground truth given and the
-      source has no `annotation_file`.
-
-  Source: SPEC §4.
+    ValueError: see `detection.evaluate_source`.
   """
-  if category_ids is None:
-    category_ids = source.category_ids
-  if lvis_gt is None:
-    lvis_gt = getattr(source, "annotation_file", None)
-    if lvis_gt is None:
-      raise ValueError("evaluate_lvis_source needs lvis_gt (the source has no annotation_file)")
-  if name is None:
-    name = getattr(source, "name", None) or "lvis"
-  gt = load_lvis_ground_truth(lvis_gt)
-  detections, seen = detection.collect_detections(
+  return detection.evaluate_source(
     predict_fn,
+    source,
     batches,
     category_ids,
-    image_size=image_size,
-    progress=progress,
-    total=total,
-    desc=desc or f"eval {name}",
+    protocol="lvis",
+    ground_truth=lvis_gt,
+    max_dets=max_dets,
+    **kwargs,
   )
-  if restrict_to_seen_images and not seen:
-    logger.warning("evaluate_lvis_source(%s): no images were evaluated; metrics are NaN.", name)
-    result: dict[str, Any] = {key: float("nan") for key in LVIS_METRIC_NAMES}
-    result.update(num_detections=0, num_images=0)
-    if per_category:
-      result["per_category"] = {}
-  else:
-    result = lvis_evaluate(
-      gt,
-      detections,
-      image_ids=sorted(seen) if restrict_to_seen_images else None,
-      cat_ids=cat_ids,
-      max_dets=max_dets,
-      per_category=per_category,
-    )
-    result["num_images"] = len(seen) if restrict_to_seen_images else len(gt.imgs)
-  if return_detections:
-    result["detections"] = detections
-  return result

@@ -64,12 +64,12 @@ import json
 import math
 import os
 import re
-import tempfile
 from typing import Any
 
 import numpy as np
 
 from owl_cl.eval import forgetting as forgetting_lib
+from owl_cl.utils import atomic_write_text
 
 SCHEMA = "owl_cl.results"
 SCHEMA_VERSION = 1
@@ -546,22 +546,6 @@ def _locked(workdir: str) -> Iterator[None]:
     os.close(fd)
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-  """Writes `text` to a temporary file next to `path`, fsyncs it, then `os.replace`s it."""
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(tmp)
-    raise
-
-
 def _owner_of_json(path: str) -> tuple[str | None, dict[str, Any] | None]:
   try:
     with open(path, encoding="utf-8") as f:
@@ -632,8 +616,8 @@ def write_results(workdir: str, results: Mapping[str, Any]) -> dict[str, Any]:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     final["created_at"] = created_at or final.get("created_at") or now
     final["updated_at"] = now
-    _atomic_write_text(json_path, json.dumps(final, indent=2, allow_nan=False) + "\n")
-    _atomic_write_text(md_path, render_results_markdown(final) + "\n")
+    atomic_write_text(json_path, json.dumps(final, indent=2, allow_nan=False) + "\n")
+    atomic_write_text(md_path, render_results_markdown(final) + "\n")
   return final
 
 

@@ -11,7 +11,6 @@ under a key of everything it depends on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -23,12 +22,15 @@ import numpy as np
 import tqdm
 
 from owl_cl.data import pipeline
-from owl_cl.replay import selection
+from owl_cl.replay import buffer_selection
 from owl_cl.replay import state as state_lib
 from owl_cl.replay import store as store_lib
 from owl_cl.train import losses
+from owl_cl.utils import atomic_write_json
+from owl_cl.utils import digest
 
-EXAMPLE_KEYS = ("images", "queries", "labels", "boxes", "query_class")
+# The arrays of a stored example (defined once, by the store that holds them).
+EXAMPLE_KEYS = store_lib.REQUIRED_EXAMPLE_KEYS
 
 
 def preprocess_source(
@@ -106,13 +108,13 @@ def analyse_images(
       out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
     )
     query_mask = batch["queries"][..., 0] > 0
-    top_class, top_query = selection.top_k_embeddings(
+    top_class, top_query = buffer_selection.top_k_embeddings(
       out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
     )
-    counts = selection.instance_counts_from_labels(
+    counts = buffer_selection.instance_counts_from_labels(
       batch["labels"], batch["query_class"], num_classes
     )
-    sums, token_counts = selection.per_image_class_token_embeddings(
+    sums, token_counts = buffer_selection.per_image_class_token_embeddings(
       out["pred_logits"],
       out["class_embeddings"],
       batch["query_class"],
@@ -199,7 +201,7 @@ def build_store(
     batch_size=batch_size,
   )
   membership = analysis["instance_counts"] > 0
-  keep = selection.select_buffer(
+  keep = buffer_selection.select_buffer(
     analysis["per_image_loss"],
     membership,
     loss_threshold,
@@ -208,13 +210,13 @@ def build_store(
   )
   if not keep.any():
     raise ValueError(
-      f"replay.buffer selected no image (loss_threshold={loss_threshold}, "
+      f"replay.selection selected no image (loss_threshold={loss_threshold}, "
       f"min_per_class={min_per_class})"
     )
-  prototypes, _ = selection.compute_prototypes(
+  prototypes, _ = buffer_selection.compute_prototypes(
     jnp.asarray(analysis["prototype_sums"][keep]), jnp.asarray(analysis["prototype_counts"][keep])
   )
-  distances = jax.jit(selection.prototype_distances, static_argnames=("max_instances",))(
+  distances = jax.jit(buffer_selection.prototype_distances, static_argnames=("max_instances",))(
     jnp.asarray(analysis["logits"][keep]),
     jnp.asarray(analysis["class_embeddings"][keep]),
     jnp.asarray(examples["query_class"][keep]),
@@ -258,9 +260,7 @@ def cached_store(
   The store is written to a temporary folder and renamed (ReplayStore.save), so an
   interrupted build never leaves a cache that is later trusted.
   """
-  key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[
-    :16
-  ]
+  key = digest(key_material)
   path = os.path.join(cache_root, key)
   stats_path = path + ".stats.json"
   if os.path.isdir(path) and os.path.exists(stats_path):
@@ -273,10 +273,7 @@ def cached_store(
   os.makedirs(cache_root, exist_ok=True)
   if not os.path.isdir(path):
     store.save(path)
-  tmp = stats_path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(stats, f, indent=2)
-  os.replace(tmp, stats_path)
+  atomic_write_json(stats_path, stats, indent=2)
   logging.info(
     "replay buffer: %d of %d images (%.1f s), cached in %s",
     stats["images_kept"],

@@ -25,9 +25,10 @@ stay 0 where the algorithm does not produce the record):
 from __future__ import annotations
 
 from collections.abc import Mapping
-import os
 
 import numpy as np
+
+from owl_cl.utils import atomic_write
 
 ENTROPY_BINS = np.linspace(0.0, 1.0, 51)
 KNN_SV_BINS = np.linspace(-0.1, 0.1, 401)
@@ -102,7 +103,4 @@ class RetrievalRecords:
 
   def save(self, path: str) -> None:
     """Writes the histograms to `path` (.npz) atomically (temporary file, then rename)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **self.as_dict())
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: np.savez(tmp, **self.as_dict()), suffix=".npz")

@@ -433,7 +433,7 @@ def make_embed_step(model: nn.Module, mesh, *, k: int) -> Callable:
     query_embeddings [B,k,E])`, tokens ranked by max over valid queries of the sigmoid logit
     (SPEC §6-§7), computed with the current parameters in eval mode.
   """
-  from owl_cl.replay import selection
+  from owl_cl.replay import buffer_selection
 
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
@@ -441,7 +441,7 @@ def make_embed_step(model: nn.Module, mesh, *, k: int) -> Callable:
   def embed(params, images, queries):
     outputs = _forward(model, params, images, queries, train=False)
     query_mask = queries[..., 0] > 0
-    class_emb, query_emb = selection.top_k_embeddings(
+    class_emb, query_emb = buffer_selection.top_k_embeddings(
       outputs["pred_logits"],
       outputs["class_embeddings"],
       outputs["query_embeddings"],
@@ -469,7 +469,7 @@ def make_new_loss_step(
     replicated state).
   Source: SPEC §9 (paper §4 "Loss Adaptivity": "we begin by computing each sample's loss").
   """
-  from owl_cl.replay import selection
+  from owl_cl.replay import buffer_selection
 
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
@@ -482,7 +482,7 @@ def make_new_loss_step(
       )["per_example"]
     }
     if k:
-      class_emb, query_emb = selection.top_k_embeddings(
+      class_emb, query_emb = buffer_selection.top_k_embeddings(
         outputs["pred_logits"],
         outputs["class_embeddings"],
         outputs["query_embeddings"],

@@ -1,10 +1,10 @@
-"""Tests of owl_cl.replay.selection (SPEC §6, paper eq. 7)."""
+"""Tests of owl_cl.replay.buffer_selection (SPEC §6, paper eq. 7)."""
 
 import jax
 import numpy as np
 import pytest
 
-from owl_cl.replay import selection
+from owl_cl.replay import buffer_selection
 
 # Hand-worked buffer selection example (t = 0.25, min_per_class = 2).
 LOSS = np.array([0.1, 0.5, 0.05, 0.9, 0.3, 0.2, 0.7, 0.4])
@@ -22,13 +22,13 @@ def test_select_buffer_threshold_and_minimum():
   # threshold keeps {0, 2, 5}. class 0: {0, 2} kept, enough. class 1: none kept -> add its
   # two lowest-loss images 4 (0.3), 1 (0.5). class 2: {5} kept -> add 7 (0.4). class 3 has
   # a single image -> add 6.
-  keep = selection.select_buffer(LOSS, _membership(), 0.25, min_per_class=2)
+  keep = buffer_selection.select_buffer(LOSS, _membership(), 0.25, min_per_class=2)
   assert np.flatnonzero(keep).tolist() == [0, 1, 2, 4, 5, 6, 7]
 
 
 def test_select_buffer_fill_all_option():
   # class 1 gets all of {1, 3, 4, 6}; class 2 then has {3, 5, 6} kept -> nothing added.
-  keep = selection.select_buffer(
+  keep = buffer_selection.select_buffer(
     LOSS, _membership(), 0.25, min_per_class=2, fill_all_for_rare_classes=True
   )
   assert np.flatnonzero(keep).tolist() == [0, 1, 2, 3, 4, 5, 6]
@@ -37,14 +37,14 @@ def test_select_buffer_fill_all_option():
 def test_select_buffer_zero_threshold_nan_and_errors():
   loss = LOSS.copy()
   loss[4] = np.nan  # NaN sorts last
-  keep = selection.select_buffer(loss, _membership(), 0.0, min_per_class=1)
+  keep = buffer_selection.select_buffer(loss, _membership(), 0.0, min_per_class=1)
   # t = 0 keeps nothing by threshold; class 0 -> 2 (0.05); class 1 -> 1 (0.5; 4 is NaN);
   # class 2 -> 5 (0.2); class 3 -> 6.
   assert np.flatnonzero(keep).tolist() == [1, 2, 5, 6]
-  keep = selection.select_buffer(LOSS, _membership(), 1.0, min_per_class=0)
+  keep = buffer_selection.select_buffer(LOSS, _membership(), 1.0, min_per_class=0)
   assert keep.all()
   with pytest.raises(ValueError):
-    selection.select_buffer(LOSS, _membership()[:5], 0.2)
+    buffer_selection.select_buffer(LOSS, _membership()[:5], 0.2)
 
 
 def _random_outputs(seed=0, b=3, t=10, q=5, e=6):
@@ -60,8 +60,8 @@ def test_top_k_tokens_and_embeddings_match_numpy():
   mask = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
   logits[:, :, 2] += 50 * (~mask[:, 2])[:, None]  # masked queries must not count
   k = 4
-  idx = np.asarray(jax.jit(selection.top_k_tokens, static_argnums=2)(logits, mask, k))
-  ce, qe = jax.jit(selection.top_k_embeddings, static_argnums=4)(
+  idx = np.asarray(jax.jit(buffer_selection.top_k_tokens, static_argnums=2)(logits, mask, k))
+  ce, qe = jax.jit(buffer_selection.top_k_embeddings, static_argnums=4)(
     logits, class_emb, query_emb, mask, k
   )
   sig = 1 / (1 + np.exp(-logits.astype(np.float64)))
@@ -81,7 +81,7 @@ def test_instance_counts_from_labels():
   labels[0, 2, 0] = 1  # padding instance
   labels[1, 0, 2] = 1  # class 3; class 0/1 negatives
   counts = np.asarray(
-    jax.jit(selection.instance_counts_from_labels, static_argnums=2)(labels, query_class, 4)
+    jax.jit(buffer_selection.instance_counts_from_labels, static_argnums=2)(labels, query_class, 4)
   )
   np.testing.assert_array_equal(counts, [[1, 0, 2, 0], [0, 0, 0, 1]])
 
@@ -109,7 +109,7 @@ def test_prototypes_and_distances_match_numpy():
     [[-1, 0, 2, 1, -1], [-1, 1, -1, -1, -1], [-1, 2, 0, -1, -1], [-1, 0, 1, 2, -1]]
   )
   counts = np.array([[2, 0, 9, 0], [0, 3, 0, 0], [1, 0, 4, 0], [7, 1, 0, 0]])  # class 3 absent
-  sums, cnt = jax.jit(selection.per_image_class_token_embeddings, static_argnums=4)(
+  sums, cnt = jax.jit(buffer_selection.per_image_class_token_embeddings, static_argnums=4)(
     logits, class_emb, query_class, counts, 6
   )
   sel6 = _np_prototype_stats(logits, class_emb, query_class, counts, 6)
@@ -123,21 +123,21 @@ def test_prototypes_and_distances_match_numpy():
   assert want_cnt[0, 2] == 6 and want_cnt[0, 1] == 0  # cap at 6; a negative query
   np.testing.assert_allclose(np.asarray(sums), want_sums, rtol=1e-5, atol=1e-5)
 
-  protos, valid = selection.compute_prototypes(sums, cnt)
+  protos, valid = buffer_selection.compute_prototypes(sums, cnt)
   np.testing.assert_array_equal(np.asarray(valid), [True, True, True, False])
   want_protos = np.zeros((4, 6))
   for c in range(3):
     want_protos[c] = want_sums[:, c].sum(0) / want_cnt[:, c].sum()
   np.testing.assert_allclose(np.asarray(protos), want_protos, rtol=1e-5, atol=1e-6)
   # accumulating over two batches gives the same prototypes
-  p2, _ = selection.compute_prototypes(
+  p2, _ = buffer_selection.compute_prototypes(
     np.stack([np.asarray(sums[:2]).sum(0), np.asarray(sums[2:]).sum(0)]),
     np.stack([np.asarray(cnt[:2]).sum(0), np.asarray(cnt[2:]).sum(0)]),
   )
   np.testing.assert_allclose(np.asarray(p2), np.asarray(protos), rtol=1e-6, atol=1e-7)
 
   dist = np.asarray(
-    jax.jit(selection.prototype_distances, static_argnums=5)(
+    jax.jit(buffer_selection.prototype_distances, static_argnums=5)(
       logits, class_emb, query_class, counts, protos, 12
     )
   )

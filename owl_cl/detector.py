@@ -1,0 +1,281 @@
+"""The detector of a run: OWL-ViT, its tokenizer and prompts, the mesh and the jitted steps.
+
+`Detector` turns a COCO-format source into model inputs (training batches with the config's
+preprocessing and augmentations, query tokens, prompt-ensembled query embeddings) and
+evaluates parameters on a source under the COCO or the LVIS protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from owl_cl import model as model_lib
+from owl_cl import validation
+from owl_cl.benchmark import EVALUATION_PROTOCOLS
+from owl_cl.benchmark import Dataset
+from owl_cl.data import coco
+from owl_cl.data import pipeline
+from owl_cl.data import prompts
+from owl_cl.eval import detection
+from owl_cl.model import tokenizer as tokenizer_lib
+from owl_cl.train import sharding as sharding_lib
+from owl_cl.train import step as step_lib
+from owl_cl.utils import expand_path
+from owl_cl.validation import ConfigError
+
+
+class Detector:
+  """The detector of a run and everything that turns data into its inputs and outputs.
+
+  Holds the OWL-ViT model, its tokenizer, the prompt templates, the device mesh, the loss
+  settings and the jitted prediction steps (cached per protocol); builds training batches
+  (`train_batches`) and evaluates parameters (`evaluate`, `evaluate_dataset`). Holds no
+  parameters: they are passed to every call.
+
+  Raises (construction):
+    ConfigError: a CLIP tokenizer without its vocabulary, a tokenizer larger than the model's
+      vocabulary, unknown prompt templates or ensemble mode.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.config = config
+    self.model = model_lib.create_model(config.model.variant, **dict(config.model.overrides))
+    model_config = self.model.config
+    # The self-contained tokenizer is sized by the model (vocabulary and context length); the
+    # CLIP BPE reads its vocabulary from config.model.tokenizer_vocab_path (docs/reference.md §2).
+    tokenizer_kwargs = {}
+    if config.model.tokenizer == "word_hash":
+      tokenizer_kwargs = {
+        "vocab_size": model_config.vocab_size,
+        "context_length": model_config.context_length,
+      }
+    elif config.model.tokenizer == "clip":
+      problem = validation.clip_vocabulary_problem(config)
+      if problem:
+        raise ConfigError(problem)
+      tokenizer_kwargs = {
+        "vocab_path": expand_path(config.model.tokenizer_vocab_path),
+        "context_length": model_config.context_length,
+      }
+    self.tokenizer = tokenizer_lib.get_tokenizer(config.model.tokenizer, **tokenizer_kwargs)
+    if self.tokenizer.vocab_size > model_config.vocab_size:
+      raise ConfigError(
+        f"config.model.tokenizer={config.model.tokenizer!r} has {self.tokenizer.vocab_size} "
+        f"ids but the model's vocab_size is {model_config.vocab_size}"
+      )
+    try:
+      self.train_templates = prompts.train_templates(config.data.train_prompt_templates)
+      self.eval_templates = prompts.eval_templates(config.eval.prompt_templates)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+    if config.eval.ensemble not in step_lib.ENSEMBLE_MODES:
+      raise ConfigError(
+        f"config.eval.ensemble={config.eval.ensemble!r} is unknown; known: "
+        f"{list(step_lib.ENSEMBLE_MODES)}"
+      )
+    self.image_size = self.model.config.image_size
+    self.mesh = sharding_lib.create_mesh()
+    self.loss_config = dict(
+      focal_alpha=config.loss.focal_alpha,
+      focal_gamma=config.loss.focal_gamma,
+      class_weight=config.loss.class_weight,
+      bbox_weight=config.loss.bbox_weight,
+      giou_weight=config.loss.giou_weight,
+    )
+    self.empty_tokens = self.tokenizer.encode([""])[0]
+    self._text_embed = step_lib.make_text_embed_step(self.model)
+    self._predict_steps = {}  # (templates?, top_k, multi_label) -> jitted prediction
+    self._class_frequencies = {}  # source -> float64 [C] images per class (negatives)
+
+  def init_params(self, seed: int):
+    size = self.image_size
+    images = jnp.zeros((1, size, size, 3), jnp.float32)
+    queries = jnp.zeros((1, self.config.data.num_queries, self.tokenizer.context_length), jnp.int32)
+    return jax.jit(self.model.init)(jax.random.PRNGKey(seed), images, queries)["params"]
+
+  def class_tokens(self, source: coco.CocoSource) -> np.ndarray:
+    names = [tokenizer_lib.canonicalize_label(n) for n in source.class_names]
+    return self.tokenizer.encode(names)
+
+  def train_class_tokens(self, source: coco.CocoSource) -> np.ndarray:
+    """Training query tokens: [C, L] class names (data.train_prompt_templates='none'), or
+    [C, P, L] prompts, one drawn per label and image by the pipeline (docs/reference.md §2)."""
+    if self.config.data.train_prompt_templates == "none":
+      return self.class_tokens(source)
+    return prompts.prompt_tokens(self.tokenizer, source.class_names, self.train_templates)
+
+  def eval_query_embeddings(self, params, source: coco.CocoSource) -> jax.Array:
+    """Query embeddings of the source's classes: [C, E] (eval.prompt_templates='none') or
+    [P, C, E], one slice per evaluation template (docs/reference.md §2)."""
+    if self.config.eval.prompt_templates == "none":
+      return self._text_embed(params, jnp.asarray(self.class_tokens(source)))
+    tokens = prompts.prompt_tokens(self.tokenizer, source.class_names, self.eval_templates)
+    num_classes, num_templates, length = tokens.shape
+    embeddings = self._text_embed(params, jnp.asarray(tokens.reshape(-1, length)))
+    return jnp.transpose(embeddings.reshape(num_classes, num_templates, -1), (1, 0, 2))
+
+  def _predict_step(self, *, templates: bool, top_k: int, multi_label: bool):
+    key = (templates, top_k, multi_label)
+    if key not in self._predict_steps:
+      if templates:
+        self._predict_steps[key] = step_lib.make_template_predict_step(
+          self.model,
+          self.mesh,
+          top_k=top_k,
+          multi_label=multi_label,
+          ensemble=self.config.eval.ensemble,
+        )
+      else:
+        self._predict_steps[key] = step_lib.make_predict_step(
+          self.model, self.mesh, top_k=top_k, multi_label=multi_label
+        )
+    return self._predict_steps[key]
+
+  def example_options(self, source) -> dict[str, Any]:
+    """Preprocessing options of a training example of `source` from `config.data`:
+    `squash` (data.squash_resize), `merge_iou`, and `negative_weights` (float64 [C] images
+    per class, when data.negatives_by_frequency; computed once per source). The same options
+    preprocess the replay buffer's images.
+
+    Source: docs/reference.md §3, §5; pipeline.preprocess_train_example.
+    """
+    data = self.config.data
+    options = {
+      "squash": bool(data.squash_resize),
+      "merge_iou": None if data.merge_iou is None else float(data.merge_iou),
+    }
+    if data.negatives_by_frequency:
+      key = getattr(source, "annotation_file", None) or id(source)
+      if key not in self._class_frequencies:
+        self._class_frequencies[key] = pipeline.class_frequencies(source)
+      options["negative_weights"] = self._class_frequencies[key]
+    return options
+
+  def augment_options(self) -> dict[str, Any]:
+    """scenic's training augmentations from `config.data.augment` (docs/reference.md §5): hflip,
+    random_crop (+ area / aspect ranges, minimum kept box area), mosaics (sizes and their
+    probabilities; off when `mosaic_sizes` is None).
+
+    Raises:
+      ConfigError: mosaic_sizes and mosaic_probs of different lengths.
+    """
+    augment = self.config.data.augment
+    options = {
+      "hflip": bool(augment.hflip),
+      "random_crop": bool(augment.random_crop),
+      "crop_area_range": tuple(augment.crop_area_range),
+      "crop_aspect_ratio_range": tuple(augment.crop_aspect_ratio_range),
+      "crop_min_area_fraction": float(augment.crop_min_area_fraction),
+    }
+    if augment.mosaic_sizes:
+      if len(augment.mosaic_sizes) != len(augment.mosaic_probs):
+        raise ConfigError(
+          f"config.data.augment.mosaic_sizes={tuple(augment.mosaic_sizes)} and "
+          f"mosaic_probs={tuple(augment.mosaic_probs)} differ in length"
+        )
+      options.update(
+        mosaic_sizes=tuple(int(k) for k in augment.mosaic_sizes),
+        mosaic_probs=tuple(float(p) for p in augment.mosaic_probs),
+      )
+    return options
+
+  def train_batches(self, source, *, batch_size: int, seed: int, epoch: int):
+    """Training batches of one epoch of `source` (pipeline.train_dataset) with the config's
+    preprocessing options, augmentations and host sharding (data.host_sharding)."""
+    return pipeline.train_dataset(
+      source,
+      class_tokens=self.train_class_tokens(source),
+      empty_tokens=self.empty_tokens,
+      image_size=self.image_size,
+      num_queries=self.config.data.num_queries,
+      max_instances=self.config.data.max_instances,
+      num_negatives=self.config.data.num_negatives,
+      batch_size=batch_size,
+      seed=seed,
+      epoch=epoch,
+      num_workers=self.config.data.num_workers,
+      shard="jax" if self.config.data.host_sharding else None,
+      **self.example_options(source),
+      **self.augment_options(),
+    )
+
+  def evaluate(
+    self,
+    params,
+    source: coco.CocoSource,
+    desc: str,
+    *,
+    protocol: str = "coco",
+    max_detections: int | None = None,
+  ) -> dict[str, float]:
+    """AP of `params` on `source`, queries = the source's class names.
+
+    protocol 'coco': pycocotools AP, eval.top_k detections (argmax class per token unless
+    eval.multi_label). 'lvis': the lvis API's federated AP/APr/APc/APf of the top
+    eval.lvis_top_k (token, class) pairs, eval.lvis_max_dets per image, ground truth read
+    from `source.annotation_file` (LVIS v1 json). With eval.prompt_templates != 'none' the
+    class scores are ensembled over the templates (eval.ensemble). `max_detections`, when
+    given, replaces both the detections kept per image and maxDets of that protocol
+    (docs/reference.md §4: 100 for EgoHands and BrackishUnderwater).
+    """
+    if protocol not in ("coco", "lvis"):
+      raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
+    eval_config = self.config.eval
+    lvis = protocol == "lvis"
+    templates = eval_config.prompt_templates != "none"
+    top_k = eval_config.lvis_top_k if lvis else eval_config.top_k
+    max_dets = eval_config.lvis_max_dets if lvis else eval_config.max_dets
+    if max_detections is not None:
+      top_k = max_dets = int(max_detections)
+    predict_step = self._predict_step(
+      templates=templates, top_k=top_k, multi_label=True if lvis else eval_config.multi_label
+    )
+    query_embeddings = self.eval_query_embeddings(params, source)
+    batch_size = self.config.data.eval_batch_size
+    sharding_lib.check_batch_divisible(batch_size, self.mesh, "config.data.eval_batch_size")
+
+    def predict_fn(batch):
+      images = sharding_lib.shard_batch({"images": batch["images"]}, self.mesh)["images"]
+      return jax.device_get(predict_step(params, images, query_embeddings))
+
+    batches = pipeline.eval_dataset(
+      source,
+      image_size=self.image_size,
+      batch_size=batch_size,
+      squash=bool(self.config.data.squash_resize),
+      max_images=self.config.max_eval_images,
+    )
+    return detection.evaluate_source(
+      predict_fn,
+      source,
+      batches,
+      category_ids=source.category_ids,
+      protocol=protocol,
+      image_size=self.image_size,
+      max_dets=max_dets,
+      desc=desc,
+    )
+
+  def evaluate_dataset(self, params, dataset: Dataset, desc: str) -> dict[str, float]:
+    """Metrics of `params` on `dataset.test`: COCO AP (`dataset.evaluation` 'coco') or LVIS AP /
+    APr ('lvis'), with `dataset.max_detections` detections per image when set.
+
+    Raises:
+      ConfigError: an unknown evaluation protocol.
+    """
+    if dataset.evaluation not in EVALUATION_PROTOCOLS:
+      raise ConfigError(
+        f"eval set {dataset.name!r}: unknown evaluation {dataset.evaluation!r} (coco | lvis)"
+      )
+    return self.evaluate(
+      params,
+      dataset.test,
+      desc,
+      protocol=dataset.evaluation,
+      max_detections=dataset.max_detections,
+    )

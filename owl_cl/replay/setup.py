@@ -1,0 +1,358 @@
+"""Replay as the training loop sees it, built from the config.
+
+- `make_algorithm(config)`: the retrieval algorithm of `config.replay.algorithm`.
+- `build_store(detector, benchmark, params, pretrain_meta)`: the host `ReplayStore` over
+  the pre-training set (selected once, cached under `cache_dir/buffers`).
+- `make_replay(...)`: the object the step loop calls. `Replay` prepares the device buffer
+  before a dataset and, per step, computes the new images' features, retrieves, gathers the
+  replayed examples, writes the retrieval records and counts the replays that entered the
+  loss; `NoReplay` (retrieval 'none') does nothing, so the loop has no replay branches.
+
+Names: the *store* is the host copy of the selected images (`ReplayStore`), the *buffer* its
+device arrays (`ReplayBuffer`), the *replay state* the retrieval's counters and PRNG key
+(`ReplayState`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from owl_cl.replay import algorithms
+from owl_cl.replay import build as buffer_build
+from owl_cl.replay import dedup
+from owl_cl.replay import records as records_lib
+from owl_cl.replay import state as replay_state_lib
+from owl_cl.train import sharding as sharding_lib
+from owl_cl.train import step as step_lib
+from owl_cl.utils import expand_path
+from owl_cl.utils import file_digest
+from owl_cl.validation import ConfigError
+from owl_cl.validation import loss_adaptivity_mode
+
+# The arrays of a replayed example the train step consumes (`replay_active` is added when the
+# loss adaptivity decides per slot).
+REPLAY_INPUTS = ("images", "queries", "labels", "boxes", "stored_logits", "replay_mask")
+
+
+def make_algorithm(config: ml_collections.ConfigDict):
+  """The retrieval algorithm named by config.replay.algorithm with its hyperparameters.
+
+  Every hyperparameter the algorithm accepts (`algorithms.ALGORITHMS[name]
+  .hyperparameter_names`) is the `config.replay` (or `config.replay.aser`) field of the same
+  name, None = the algorithm's default; the dedup schedule
+  from `replay.dedup` (+ `replay.dedup_fraction` for 'fraction').
+
+  Raises:
+    ConfigError: unknown algorithm, dedup schedule or option value (naming the field).
+  """
+  replay_config = config.replay
+  name = replay_config.algorithm
+  if name not in algorithms.ALGORITHMS:
+    raise ConfigError(
+      f"config.replay.algorithm={name!r} is unknown; known: "
+      f"{sorted(algorithms.ALGORITHMS) + ['none']}"
+    )
+  # Config fields are named like the algorithm's arguments: passed straight through.
+  values = {**replay_config.to_dict(), **replay_config.aser.to_dict()}
+  hyperparameters = {
+    argument: values[argument]
+    for argument in algorithms.ALGORITHMS[name].hyperparameter_names
+    if values.get(argument) is not None
+  }
+  try:
+    schedule = (
+      dedup.DedupSchedule("fraction", replay_config.dedup_fraction)
+      if replay_config.dedup == "fraction"
+      else dedup.as_schedule(replay_config.dedup)
+    )
+    return algorithms.get_algorithm(name, dedup=schedule, **hyperparameters)
+  except ValueError as e:
+    raise ConfigError(f"config.replay ({name}): {e}") from e
+
+
+def num_replay_per_step(config: ml_collections.ConfigDict) -> int:
+  """Replay slots per step: round(replay.ratio * train.batch_size), at least 1."""
+  return max(1, int(round(config.replay.ratio * config.train.batch_size)))
+
+
+def check_replay_config(config: ml_collections.ConfigDict) -> None:
+  """The replay settings, checked before any work (no-op for retrieval 'none').
+
+  Raises:
+    ConfigError: an unknown algorithm / dedup schedule / hyperparameter, an unknown
+      loss-adaptivity mode, or mode 'paper' (one replay per new image, paper eq. 5) with
+      `replay.ratio` != 1.
+  """
+  if config.replay.algorithm == "none":
+    return
+  make_algorithm(config)
+  num_replay = num_replay_per_step(config)
+  if loss_adaptivity_mode(config) == "paper" and num_replay != config.train.batch_size:
+    raise ConfigError(
+      f"config.replay.loss_adaptivity.mode='paper' replays one image per new image above "
+      f"the threshold and needs config.replay.ratio=1.0, got {config.replay.ratio}"
+    )
+
+
+def build_store(detector, benchmark, params, pretrain_meta: dict):
+  """The replay store over the pre-training set (cached). Returns (store, stats).
+
+  The cache key covers everything the selection depends on (the model, the pre-training
+  annotations, the selection settings, the input options, the loss and the seed).
+  """
+  config = detector.config
+  selection = config.replay.selection
+  source = benchmark.pretrain.train
+  data = config.data
+  # Imported here: the pre-trained model's module imports this one's siblings only.
+  from owl_cl.pretrained import non_default_data_options  # pylint: disable=g-import-not-at-top
+
+  key_material = {
+    "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
+    "pretrain_data": file_digest(source.annotation_file),
+    "buffer": selection.to_dict(),
+    "top_k": config.replay.top_k,
+    "data": [data.num_queries, data.num_negatives, data.max_instances],
+    "loss": config.loss.to_dict(),
+    "seed": config.seed,
+    "format": 1,
+    **non_default_data_options(config, buffer=True),
+  }
+  build = lambda: buffer_build.build_store(
+    detector.model,
+    params,
+    source,
+    class_tokens=detector.class_tokens(source),
+    empty_tokens=detector.empty_tokens,
+    image_size=detector.image_size,
+    num_queries=data.num_queries,
+    max_instances=data.max_instances,
+    num_negatives=data.num_negatives,
+    seed=config.seed,
+    loss_threshold=selection.loss_threshold,
+    min_per_class=selection.min_per_class,
+    fill_all_for_rare_classes=selection.fill_all_for_rare_classes,
+    top_k=config.replay.top_k,
+    max_per_class=selection.max_instances_per_prototype,
+    loss_config=detector.loss_config,
+    batch_size=data.eval_batch_size,
+    example_options=detector.example_options(source),
+  )
+  return buffer_build.cached_store(
+    os.path.join(expand_path(config.cache_dir), "buffers"), key_material, build
+  )
+
+
+def initial_replay_state(store, seed: int) -> replay_state_lib.ReplayState:
+  """The replay state before the first dataset (key from `seed + 2`).
+
+  Without a store it is sized for one image and one class: orbax saves no empty arrays, and
+  the run's checkpoints hold a replay state either way.
+  """
+  return replay_state_lib.init_replay_state(
+    store.num_images if store else 1,
+    jax.random.PRNGKey(seed + 2),
+    num_classes=store.num_classes if store else 1,
+  )
+
+
+def replay_fractions(
+  replays_in_loss: int, replay_steps: int, steps: int, num_replay: int
+) -> dict[str, float]:
+  """The paper's Table 4 figures: fraction of steps with replay, of replay slots used.
+
+  replay_steps_fraction = steps whose loss included at least one replay / steps;
+  replay_samples_fraction = replays in the loss / (steps * replays per step) (at 1:1 the
+  fraction of new samples that were given a replay, the paper's "Replay %").
+  """
+  return {
+    "replay_steps_fraction": replay_steps / steps if steps else 0.0,
+    "replay_samples_fraction": (replays_in_loss / (steps * num_replay) if steps else 0.0),
+  }
+
+
+class Retrieved(NamedTuple):
+  """One step's retrieval: buffer indices int32 [R], valid bool [R], the updated replay
+  state, and the analysis records (None unless `config.replay.records`)."""
+
+  indices: Any
+  valid: Any
+  replay_state: Any
+  records: Any = None
+
+
+class NoReplay:
+  """Retrieval 'none': fine-tuning on the new data alone. Every call is a no-op."""
+
+  train_step_options = {"with_replay": False}
+
+  def prepare(self, loop):
+    return loop
+
+  def step_inputs(self, loop, inputs):
+    del inputs
+    return loop, None
+
+  def count(self, loop, metrics):
+    del metrics
+    return loop
+
+  def log(self, loop) -> tuple[dict, dict]:
+    del loop
+    return {}, {}
+
+  def end_epoch(self, loop):
+    return loop
+
+  def end_dataset(self, loop):
+    return loop
+
+  def summary(self, loop) -> dict:
+    del loop
+    return {}
+
+
+class Replay:
+  """Retrieval from the buffer plus DER++ (paper eq. 1-5) for one downstream dataset.
+
+  The loop calls `prepare` once before the dataset's first step, then per step
+  `step_inputs` (the replayed examples: features -> retrieval -> gather) and `count`
+  (replays that entered the loss), `end_epoch` / `end_dataset` (dedup resets), `log` and
+  `summary`. The counters live in the loop state (device scalars: no host sync per step).
+  """
+
+  def __init__(self, detector, store, records_path: str | None):
+    config = detector.config
+    self.detector = detector
+    self.store = store
+    self.num_replay = num_replay_per_step(config)
+    sharding_lib.check_batch_divisible(
+      self.num_replay, detector.mesh, "replay batch (ratio * batch)"
+    )
+    self.adaptivity = loss_adaptivity_mode(config)
+    self.threshold = float(config.replay.loss_adaptivity.threshold)
+    self.train_step_options = {
+      "alpha": config.replay.der_alpha,
+      "beta": config.replay.der_beta,
+      "with_replay": True,
+      "loss_adaptivity": self.adaptivity,
+      "loss_threshold": self.threshold,
+    }
+    self.algorithm = make_algorithm(config)
+    self.records_path = records_path
+    self.recorder = None
+    if config.replay.records and records_path:
+      self.recorder = records_lib.RetrievalRecords(
+        store.num_classes, getattr(self.algorithm, "num_candidates", 0)
+      )
+      self._retrieve = jax.jit(self.algorithm.retrieve_with_records, static_argnums=3)
+    else:
+      self._retrieve = jax.jit(self.algorithm, static_argnums=3)
+    self.buffer = None
+    top_k = config.replay.top_k if self.algorithm.needs_features else None
+    # 'paper': one eval-mode forward gives the new images' losses (and the features).
+    self._new_losses = (
+      step_lib.make_new_loss_step(
+        detector.model, detector.mesh, loss_config=detector.loss_config, k=top_k
+      )
+      if self.adaptivity == "paper"
+      else None
+    )
+    self._embed = (
+      step_lib.make_embed_step(detector.model, detector.mesh, k=top_k)
+      if top_k and self._new_losses is None
+      else None
+    )
+
+  def prepare(self, loop):
+    """Puts the buffer on the devices and lets the algorithm prepare its state (prototypes)."""
+    self.buffer = sharding_lib.replicate(self.store.replay_buffer(), self.detector.mesh)
+    loop.replay_state = self.algorithm.prepare(loop.replay_state, self.buffer)
+    return loop
+
+  def _features(self, params, inputs) -> tuple[dict, Any]:
+    """(features of the new images for the retrieval, active bool [B] or None)."""
+    if self._new_losses is not None:
+      features = self._new_losses(
+        params, inputs["images"], inputs["queries"], inputs["labels"], inputs["boxes"]
+      )
+      # Slot j serves new image j: active iff its loss exceeds the threshold (eq. 5).
+      return features, features.pop("per_example") > self.threshold
+    if self._embed is not None:
+      return self._embed(params, inputs["images"], inputs["queries"]), None
+    return {}, None
+
+  def step_inputs(self, loop, inputs):
+    """The replayed examples of one step, sharded, and the loop with its replay state moved on.
+
+    Returns:
+      (loop, replay inputs): images, queries, labels, boxes, stored_logits, replay_mask bool
+      [R] (+ replay_active bool [R] with the paper's loss adaptivity).
+    """
+    features, active = self._features(loop.train_state.params, inputs)
+    retrieved = Retrieved(
+      *self._retrieve(loop.replay_state, self.buffer, features, self.num_replay, active)
+    )
+    loop.replay_state = retrieved.replay_state
+    indices, valid = jax.device_get((retrieved.indices, retrieved.valid))
+    if self.recorder is not None:
+      self.recorder.add(jax.device_get(retrieved.records), valid)
+    dedup.check_auto_reset(loop.replay_state)
+    replay_batch = self.store.gather(indices, valid)
+    replay_batch["replay_mask"] = valid
+    loop.replayed += int(valid.sum())
+    names = list(REPLAY_INPUTS)
+    if active is not None:
+      replay_batch["replay_active"] = active
+      names.append("replay_active")
+    return loop, sharding_lib.shard_batch({k: replay_batch[k] for k in names}, self.detector.mesh)
+
+  def count(self, loop, metrics):
+    """Adds the step's replays in the loss, and whether there was any, to the counters."""
+    used = metrics["replays_in_loss"]
+    loop.replays_in_loss = loop.replays_in_loss + used
+    loop.replay_steps = loop.replay_steps + (used > 0).astype(jnp.int32)
+    return loop
+
+  def _fractions(self, loop) -> dict[str, float]:
+    return replay_fractions(
+      int(loop.replays_in_loss), int(loop.replay_steps), loop.step, self.num_replay
+    )
+
+  def log(self, loop) -> tuple[dict, dict]:
+    """(progress-bar fields, scalars) of the replay so far."""
+    fractions = self._fractions(loop)
+    return {"replay": f"{fractions['replay_samples_fraction']:.0%}"}, fractions
+
+  def end_epoch(self, loop):
+    loop.replay_state = dedup.reset_if(loop.replay_state, "epoch", self.algorithm.dedup)
+    return loop
+
+  def end_dataset(self, loop):
+    loop.replay_state = dedup.reset_if(loop.replay_state, "dataset", self.algorithm.dedup)
+    if self.recorder is not None:
+      self.recorder.save(self.records_path)
+    return loop
+
+  def summary(self, loop) -> dict:
+    """The dataset's replay figures for results.json (Table 4's fractions among them)."""
+    return dict(
+      loss_adaptivity=self.adaptivity,
+      loss_threshold=self.threshold if self.adaptivity != "none" else None,
+      replay_slots=loop.step * self.num_replay,
+      replays_in_loss=int(loop.replays_in_loss),
+      replay_steps=int(loop.replay_steps),
+      **self._fractions(loop),
+    )
+
+
+def make_replay(detector, store, records_path: str | None = None) -> Replay | NoReplay:
+  """`Replay` over `store`, or `NoReplay` when there is none (retrieval 'none')."""
+  if store is None:
+    return NoReplay()
+  return Replay(detector, store, records_path)

@@ -1,0 +1,285 @@
+"""Every check of a run's config, written once and run once, before any work.
+
+`validate(config)` runs the checks that need only the config (called first thing by
+`experiment.run`); `check_inputs(config)` the file checks of the paper's protocol (one error
+listing every missing input); `check_sequence_config(config, benchmark)` the checks that
+need the run's downstream sequence. Each raises `ConfigError` naming the field and its value.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import ml_collections
+
+from owl_cl.train import losses
+from owl_cl.utils import expand_path
+
+if TYPE_CHECKING:
+  from owl_cl.benchmark import Benchmark
+
+# Fields a `train.per_dataset.<dataset name>` entry may set; each replaces the `train.*` field
+# of the same name while training on that dataset (`trainer.dataset_train_settings`).
+PER_DATASET_FIELDS = (
+  "num_epochs",
+  "warmup_epochs",
+  "warmup_steps",
+  "learning_rate",
+  "text_lr_multiplier",
+  "layerwise_decay",
+)
+DOWNSTREAM_EVAL_MODES = ("all", "seen")
+CARRY_MODES = ("last", "best_validation")
+
+
+class ConfigError(ValueError):
+  """A config value the run cannot use; the message names the field and the value."""
+
+
+class MissingInputsError(ConfigError):
+  """Files or folders the run needs are missing; the message lists all of them and the layout."""
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """The checks that need only the config; `experiment.run` calls it before any work.
+
+  Raises:
+    MissingInputsError: the paper's protocol with missing inputs (`check_inputs`).
+    ConfigError: an unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or
+      `train.carry`; a CLIP tokenizer without its vocabulary; an invalid ODinW list or
+      Visual Genome setting.
+  """
+  check_inputs(config)
+  loss_adaptivity_mode(config)
+  check_downstream_eval_mode(config)
+  check_carry_mode(config)
+  problem = clip_vocabulary_problem(config)
+  if problem:
+    raise ConfigError(problem)
+
+
+def uses_real_data(config: ml_collections.ConfigDict) -> bool:
+  """True for the paper's protocol (a `:paper` config, or any config with data.root set)."""
+  return config.data.root is not None or "odinw_datasets" in config.data
+
+
+def loss_adaptivity_mode(config: ml_collections.ConfigDict) -> str:
+  """config.replay.loss_adaptivity.mode, checked (paper eq. 5).
+
+  Raises:
+    ConfigError: a mode outside `train.losses.LOSS_ADAPTIVITY_MODES`.
+  """
+  mode = config.replay.loss_adaptivity.mode
+  if mode not in losses.LOSS_ADAPTIVITY_MODES:
+    raise ConfigError(
+      f"config.replay.loss_adaptivity.mode={mode!r} is unknown; known: "
+      f"{list(losses.LOSS_ADAPTIVITY_MODES)}"
+    )
+  return mode
+
+
+def check_downstream_eval_mode(config: ml_collections.ConfigDict) -> str:
+  """config.eval.downstream_after_each_dataset, checked. Raises ConfigError if unknown."""
+  mode = config.eval.downstream_after_each_dataset
+  if mode not in DOWNSTREAM_EVAL_MODES:
+    raise ConfigError(f"config.eval.downstream_after_each_dataset={mode!r}; use 'all' or 'seen'")
+  return mode
+
+
+def check_carry_mode(config: ml_collections.ConfigDict) -> str:
+  """config.train.carry ('last' when unset), checked. Raises ConfigError if unknown."""
+  carry = config.train.get("carry", "last")
+  if carry not in CARRY_MODES:
+    raise ConfigError(f"config.train.carry={carry!r}; use 'last' or 'best_validation'")
+  return carry
+
+
+def clip_vocabulary_problem(config: ml_collections.ConfigDict) -> str | None:
+  """The message for a CLIP tokenizer without `model.tokenizer_vocab_path`; None when fine."""
+  if config.model.tokenizer == "clip" and not config.model.get("tokenizer_vocab_path"):
+    return (
+      "config.model.tokenizer_vocab_path is not set (config.model.tokenizer='clip' needs the "
+      "CLIP BPE vocabulary: an HF checkpoint folder with vocab.json + merges.txt, or OpenAI's "
+      "bpe_simple_vocab_16e6.txt.gz)"
+    )
+  return None
+
+
+def check_per_dataset_fields(config: ml_collections.ConfigDict, name: str) -> dict:
+  """The `train.per_dataset.<name>` overrides ({} when none), fields checked.
+
+  Raises:
+    ConfigError: a field outside `PER_DATASET_FIELDS`.
+  """
+  overrides = dict(config.train.per_dataset.get(name, {}) or {})
+  unknown = sorted(set(overrides) - set(PER_DATASET_FIELDS))
+  if unknown:
+    raise ConfigError(
+      f"config.train.per_dataset.{name}: unknown fields {unknown}; "
+      f"allowed: {list(PER_DATASET_FIELDS)}"
+    )
+  return overrides
+
+
+def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmark) -> None:
+  """Validates the sequence-dependent settings before anything is trained.
+
+  Raises:
+    ConfigError: `train.per_dataset` naming a dataset outside the run's registry or setting
+      an unknown field; `train.carry` unknown, or 'best_validation' with a dataset that has
+      no valid split; an unknown `eval.downstream_after_each_dataset`.
+  """
+  known = {d.name for d in benchmark.sequence}
+  if uses_real_data(config):
+    known |= set(_odinw().ODINW_DATASETS)
+  for name in config.train.per_dataset:
+    if name not in known:
+      raise ConfigError(
+        f"config.train.per_dataset.{name}: no dataset named {name!r}; known: {sorted(known)}"
+      )
+    check_per_dataset_fields(config, name)
+  if check_carry_mode(config) == "best_validation":
+    without = [d.name for d in benchmark.sequence if d.valid is None]
+    if without:
+      raise ConfigError(
+        f"config.train.carry='best_validation' needs a valid split, which "
+        f"{without} lack (the built-in benchmark has none)"
+      )
+  check_downstream_eval_mode(config)
+
+
+# ----------------------------------------------------------------------------- real data
+
+
+def _odinw():
+  """owl_cl.data.odinw (the ODinW registry and sources), imported when real data is used."""
+  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
+
+  return odinw
+
+
+def pretraining_input_paths(root: str) -> list[str]:
+  """Files / folders of Objects365 (train: buffer candidates, val: evaluation) and LVIS val
+  (json + the COCO 2017 image folders its images live in) below `root`.
+
+  Source: owl_cl.data.pretraining (layout); docs/reference.md (the paper's data).
+  """
+  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+
+  paths = [p for split in ("train", "val") for p in pretraining.objects365_paths(root, split)]
+  lvis_json, coco_dir = pretraining.lvis_paths(root, "val")
+  paths += [lvis_json] + [os.path.join(coco_dir, f) for f in ("train2017", "val2017")]
+  return paths
+
+
+def real_data_layout(names: tuple[str, ...]) -> str:
+  """The folder tree the paper's protocol expects below `data.root` (for error messages)."""
+  root = "<root>"
+  pretraining = "\n".join(f"  {p}" for p in pretraining_input_paths(root))
+  return (
+    _odinw().layout_description(names) + "\n<root>/  Objects365 v2 and LVIS v1 val "
+    "(owl_cl.data.pretraining):\n" + pretraining
+  )
+
+
+def odinw_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The ODinW datasets of the run (`data.odinw_datasets`), validated, in the table's order.
+
+  Raises:
+    ConfigError: an empty list, a duplicate, or a name outside the ODinW registry.
+  """
+  names = tuple(config.data.odinw_datasets)
+  if not names:
+    raise ConfigError("config.data.odinw_datasets is empty; name at least one ODinW dataset")
+  if len(set(names)) != len(names):
+    raise ConfigError(f"config.data.odinw_datasets={names} lists a dataset twice")
+  known = tuple(_odinw().ODINW_DATASETS)
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ConfigError(
+      f"config.data.odinw_datasets names unknown datasets {unknown}; known: {list(known)}"
+    )
+  return names
+
+
+def check_visual_genome(config: ml_collections.ConfigDict) -> None:
+  """Refuses settings that would take buffer images from Visual Genome.
+
+  A loss threshold <= 0 keeps no image (losses are >= 0), and with no per-class minimum
+  nothing tops it up: the paper's setting (t = 0.0) takes nothing from Visual Genome, so
+  Visual Genome is neither loaded nor required.
+
+  Raises:
+    ConfigError: a setting that would take Visual Genome images: a buffer over two
+      pre-training sets (two class vocabularies) is not implemented.
+  """
+  selection = config.replay.selection
+  threshold = selection.get("visual_genome_loss_threshold", 0.0)
+  minimum = selection.get("visual_genome_min_per_class", 0)
+  if threshold > 0.0 or minimum > 0:
+    raise ConfigError(
+      f"config.replay.selection.visual_genome_loss_threshold={threshold} / "
+      f"visual_genome_min_per_class={minimum} would add Visual Genome images to the "
+      "Objects365 buffer; a buffer over two pre-training sets is not implemented (the "
+      "paper's protocol uses 0.0 / 0, which selects no Visual Genome image)"
+    )
+
+
+def input_problems(config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
+  """Everything the paper's protocol lacks before it can start (nothing is read but stats).
+
+  Returns:
+    (missing, problems): paths of missing files / folders, and config fields that must be
+    set (e.g. `config.data.root is not set`). Both empty = ready.
+  """
+  missing, problems = [], []
+  if config.init_checkpoint is None:
+    problems.append(
+      "config.init_checkpoint is not set (a scenic msgpack, an HF folder or an "
+      "owl_cl parameter checkpoint of the pre-trained OWL-ViT)"
+    )
+  elif not os.path.exists(expand_path(config.init_checkpoint)):
+    missing.append(f"{expand_path(config.init_checkpoint)} (config.init_checkpoint)")
+  vocabulary = config.model.get("tokenizer_vocab_path")
+  problem = clip_vocabulary_problem(config)
+  if problem:
+    problems.append(problem)
+  elif vocabulary and not os.path.exists(expand_path(vocabulary)):
+    missing.append(f"{expand_path(vocabulary)} (config.model.tokenizer_vocab_path)")
+  if config.data.root is None:
+    problems.append("config.data.root is not set (the folder holding odinw/, objects365/, lvis/)")
+    return missing, problems
+  root = expand_path(config.data.root)
+  if not os.path.isdir(root):
+    missing.append(f"{root} (config.data.root)")
+    return missing, problems
+  names = odinw_names(config)
+  missing += [str(m) for m in _odinw().missing_files(root, names)]
+  missing += [p for p in pretraining_input_paths(root) if not os.path.exists(p)]
+  return missing, problems
+
+
+def check_inputs(config: ml_collections.ConfigDict) -> None:
+  """Raises one MissingInputsError listing every missing input of the paper's protocol.
+
+  No-op for the built-in benchmark.
+
+  Raises:
+    MissingInputsError: with every missing file / folder, every unset field and the
+      expected data layout.
+    ConfigError: an invalid `data.odinw_datasets` or buffer setting.
+  """
+  if not uses_real_data(config):
+    return
+  check_visual_genome(config)
+  missing, problems = input_problems(config)
+  if not missing and not problems:
+    return
+  lines = ["the paper's protocol cannot start:"]
+  lines += [f"  - {p}" for p in problems]
+  if missing:
+    lines.append(f"  missing ({len(missing)}):")
+    lines += [f"    {m}" for m in missing]
+  lines += ["expected layout below config.data.root:", real_data_layout(odinw_names(config))]
+  raise MissingInputsError("\n".join(lines))
