@@ -888,9 +888,11 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
     "data": [data.num_queries, data.num_negatives, data.max_instances],
     "loss": config.loss.to_dict(),
     "seed": config.seed,
-    "format": 1,
+    # 2: class embeddings normalised as scenic's class head returns them (1: raw).
+    "format": 2,
     **non_default_data_options(config, buffer=True),
   }
+  superseded = ((dict(key_material, format=1), "built with unnormalised class embeddings"),)
   build = lambda: buffer_build.build_store(
     runner.model,
     params,
@@ -912,7 +914,7 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
     example_options=runner.example_options(source),
   )
   return buffer_build.cached_store(
-    os.path.join(_expand(config.cache_dir), "buffers"), key_material, build
+    os.path.join(_expand(config.cache_dir), "buffers"), key_material, build, superseded
   )
 
 

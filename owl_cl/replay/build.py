@@ -250,23 +250,49 @@ def build_store(
   return store, stats
 
 
+def _cache_key(key_material: dict) -> str:
+  return hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[
+    :16
+  ]
+
+
 def cached_store(
-  cache_root: str, key_material: dict, build_fn
+  cache_root: str,
+  key_material: dict,
+  build_fn,
+  superseded: tuple[tuple[dict, str], ...] = (),
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Loads the store cached under a digest of `key_material`, or builds and caches it.
 
   The store is written to a temporary folder and renamed (ReplayStore.save), so an
   interrupted build never leaves a cache that is later trusted.
+
+  Args:
+    cache_root: folder of the cached stores (one sub-folder per key digest).
+    key_material: JSON-able dict of everything the store depends on.
+    build_fn: `() -> (ReplayStore, stats dict)`.
+    superseded: (key material, reason) of stores that earlier code versions cached for the
+      same run; when one of them is on disk and the current one is not, the rebuild is
+      logged with its reason (e.g. class embeddings that were stored unnormalised).
+  Returns:
+    (store, stats dict with "seconds").
   """
-  key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[
-    :16
-  ]
+  key = _cache_key(key_material)
   path = os.path.join(cache_root, key)
   stats_path = path + ".stats.json"
   if os.path.isdir(path) and os.path.exists(stats_path):
     logging.info("re-using the cached replay buffer %s", path)
     with open(stats_path) as f:
       return store_lib.ReplayStore.load(path), json.load(f)
+  for old_material, reason in superseded:
+    old_path = os.path.join(cache_root, _cache_key(old_material))
+    if os.path.isdir(old_path):
+      logging.warning(
+        "the replay buffer cached in %s is out of date (%s); rebuilding it in %s",
+        old_path,
+        reason,
+        path,
+      )
   start = time.time()
   store, stats = build_fn()
   stats["seconds"] = round(time.time() - start, 1)

@@ -113,7 +113,8 @@ def top_k_embeddings(
 
   Args:
     pred_logits: float [B, T, Q].
-    class_embeddings: float [B, T, E] (class head output, not normalised).
+    class_embeddings: float [B, T, E] (the model's class embeddings: normalised, as scenic's
+      class head returns them with queries).
     query_embeddings: float [B, Q, E] (text projection output, not normalised).
     query_mask: bool [B, Q] valid queries (see `top_k_tokens`).
     k: static (8).
@@ -195,7 +196,8 @@ def per_image_class_token_embeddings(
   For image b and class c with a query q_c in the image (query_class[b, q_c] == c; if
   several, the highest query index): the n = min(max_per_class, instance_counts[b, c])
   tokens with the largest logit pred_logits[b, :, q_c] (= largest sigmoid; ties to the lower
-  token index). sums[b, c] = sum of their class embeddings (raw, not normalised, float32);
+  token index). sums[b, c] = sum of their class embeddings as given (the model's normalised
+  ones, so every token weighs the same in the prototype; float32);
   counts[b, c] = n (0 if c has no instance or no query in the image).
 
   Args:
@@ -222,7 +224,9 @@ def compute_prototypes(sums: Array, counts: Array) -> tuple[Array, Array]:
   """Class prototypes: the mean of all selected class embeddings of each class.
 
   p_c = (sum over images b of sums[b, c]) / (sum over b of counts[b, c]): every selected
-  token weighs the same (pooled mean over the images containing c).
+  token weighs the same (pooled mean over the images containing c). With the model's
+  normalised class embeddings this is the plain mean of unit vectors, not re-normalised
+  (as in the released code's `prototype_utils.compute_prototypes`).
 
   Args:
     sums: float [..., C, E] (any leading dims are summed; e.g. [B, C, E] or already [C, E]).
