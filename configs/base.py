@@ -197,6 +197,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.loss.class_weight = 1.0
   c.loss.bbox_weight = 1.0
   c.loss.giou_weight = 1.0
+  # Continual fine-tuning's loss normalisation: 'per_image' (scenic, paper: each image's sums
+  # over its own #positives/#boxes, then the mean) | 'per_batch' (released code: the batch's
+  # sums over its total #positives/#boxes). Pre-training and buffer losses stay per image.
+  c.loss.normalization = "per_image"
 
   # --- replay (SPEC §6-§8) ---------------------------------------------------------------
   c.replay = ml_collections.ConfigDict()

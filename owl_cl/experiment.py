@@ -434,6 +434,11 @@ class Runner:
       self.eval_templates = prompts.eval_templates(config.eval.prompt_templates)
     except ValueError as e:
       raise ConfigError(str(e)) from e
+    if config.loss.get("normalization", "per_image") not in losses.NORMALIZATIONS:
+      raise ConfigError(
+        f"config.loss.normalization={config.loss.normalization!r} is unknown; known: "
+        f"{list(losses.NORMALIZATIONS)}"
+      )
     if config.eval.ensemble not in step_lib.ENSEMBLE_MODES:
       raise ConfigError(
         f"config.eval.ensemble={config.eval.ensemble!r} is unknown; known: "
@@ -757,7 +762,7 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
         if k in ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
       },
       **non_default_data_options(config),
-      "loss": config.loss.to_dict(),
+      "loss": _loss_key(config),
       "seed": config.seed,
       "pretrain_data": _file_digest(bench.pretrain.train.annotation_file),
       "train_opt": [
@@ -874,6 +879,12 @@ def non_default_data_options(
   return {"data_options": differing} if differing else {}
 
 
+def _loss_key(config: ml_collections.ConfigDict) -> dict:
+  """`config.loss` for the cache keys of pre-training and the buffer: `normalization` only
+  applies to continual fine-tuning (both caches use the per-image loss), so it is left out."""
+  return {k: v for k, v in config.loss.to_dict().items() if k != "normalization"}
+
+
 def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict):
   """The replay store over the pre-training set (cached; SPEC §6). Returns (store, stats)."""
   config = runner.config
@@ -886,7 +897,7 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
     "buffer": bc.to_dict(),
     "top_k": config.replay.top_k,
     "data": [data.num_queries, data.num_negatives, data.max_instances],
-    "loss": config.loss.to_dict(),
+    "loss": _loss_key(config),
     "seed": config.seed,
     # 2: class embeddings normalised as scenic's class head returns them (1: raw).
     "format": 2,
@@ -1186,7 +1197,10 @@ def train_on_dataset(
     runner.model,
     tx,
     runner.mesh,
-    loss_config=runner.loss_config,
+    # Fine-tuning only (pre-training and the buffer's per-image losses are per image).
+    loss_config=dict(
+      runner.loss_config, normalization=config.loss.get("normalization", "per_image")
+    ),
     alpha=config.replay.der_alpha,
     beta=config.replay.der_beta,
     with_replay=with_replay,
