@@ -210,6 +210,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.ratio = 1.0  # replayed images per new image (paper 1:1)
   c.replay.dedup = "dataset"  # none | epoch | dataset | fraction (SPEC §8)
   c.replay.dedup_fraction = 1.0 / 3.0  # 'fraction': reset after this fraction of the buffer
+  # dedup 'none': True samples each retrieval call without replacement (released code).
+  c.replay.dedup_without_replacement = False
+  # dedup 'fraction': 'before' resets inside the call that would pass ceil(fraction * N);
+  # 'after' (released code) after the call that took the count past fraction * N.
+  c.replay.dedup_fraction_reset = "before"
   c.replay.der_alpha = 2.0  # DER++ logit distillation weight
   c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
   c.replay.swil_w = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)

@@ -828,10 +828,11 @@ def make_algorithm(config: ml_collections.ConfigDict):
     if value is not None:
       hyperparameters[hp] = value
   try:
-    schedule = (
-      dedup.DedupSchedule("fraction", rc.dedup_fraction)
-      if rc.dedup == "fraction"
-      else dedup.as_schedule(rc.dedup)
+    schedule = dedup.DedupSchedule(
+      rc.dedup,
+      rc.dedup_fraction if rc.dedup == "fraction" else None,
+      without_replacement=rc.get("dedup_without_replacement", False),
+      fraction_reset=rc.get("dedup_fraction_reset", "before"),
     )
     return algorithms.get_algorithm(name, dedup=schedule, **hyperparameters)
   except ValueError as e:

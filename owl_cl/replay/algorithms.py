@@ -283,6 +283,7 @@ class _AlgorithmBase:
     valid = jnp.asarray(valid, bool) & active
     indices = jnp.where(valid, jnp.asarray(indices, jnp.int32), 0)
     rstate = dedup_lib.mark_replayed(rstate, indices, valid, self.dedup)
+    rstate = dedup_lib.reset_after_call(rstate, self.dedup)
     return indices, valid, rstate, records
 
   def prepare(self, rstate: ReplayState, buffer: ReplayBuffer) -> ReplayState:
@@ -338,7 +339,7 @@ class RetrievalAlgorithm(_AlgorithmBase):
       classes,
       eligible,
       active,
-      self.dedup.marks_replays,
+      self.dedup.samples_without_replacement,
       **dict(self.sample_hyperparameters),
     )
     return indices, valid, rstate, {**records, **sample_records}
@@ -423,7 +424,7 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
       classes,
       weights,
       active,
-      without_replacement=self.dedup.marks_replays,
+      without_replacement=self.dedup.samples_without_replacement,
     )
     grasp_entropy = jnp.where(
       use_grasp, _grasp_entropy(buffer, eligible, classes, weights), jnp.nan
