@@ -225,6 +225,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # A-SW-GRASP: GRASP for a new image iff the normalised entropy of its SWIL distribution
   # exceeds tau (the paper gives no value; it describes tau as "too close to 1.0").
   c.replay.adaptive_entropy_threshold = 0.99
+  # A-SW-GRASP switch entropy over: 'eligible' classes (still holding an unreplayed image) |
+  # 'all' classes with a buffer member (released code).
+  c.replay.adaptive_entropy_classes = "eligible"
   # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, SPEC §7).
   c.replay.aser = ml_collections.ConfigDict()
   # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).

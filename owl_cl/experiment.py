@@ -814,6 +814,10 @@ def make_algorithm(config: ml_collections.ConfigDict):
       "replay.adaptive_entropy_threshold",
       rc.adaptive_entropy_threshold,
     ),
+    "adaptive_entropy_classes": (
+      "replay.adaptive_entropy_classes",
+      rc.get("adaptive_entropy_classes", "eligible"),
+    ),
     "num_candidates": ("replay.aser.num_candidates", rc.aser.num_candidates),
     "knn_k": ("replay.aser.knn_k", rc.aser.knn_k),
     "asv_c": ("replay.aser.c", rc.aser.c),

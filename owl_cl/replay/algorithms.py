@@ -64,6 +64,9 @@ from owl_cl.replay.state import ReplayState
 Array = jax.Array
 
 BALANCED_ORDERS = ("sequential", "reshuffled")
+# A-SW-GRASP's switch entropy: over the classes with an eligible image (default) | over every
+# class with a prototype (released code).
+ADAPTIVE_ENTROPY_CLASSES = ("eligible", "all")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
 # applies to it. B = new images, N_c = candidates, num = num_replay.
@@ -381,7 +384,9 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   """A-SW-GRASP: per new image, GRASP (balanced class + prototype-weighted sample) if the
   normalised entropy of its SWIL class distribution exceeds `adaptive_entropy_threshold`
   (tau), else SWIL (similarity-weighted class + uniform sample). Only GRASP slots consume
-  the balanced class pointer.
+  the balanced class pointer. `adaptive_entropy_classes`: the switch's entropy is that of
+  p_SWIL over the classes that still have an eligible image ('eligible', default) or over
+  every class with a buffer member ('all', as in the released code).
 
   Source: paper §4 "Composing and Modifying Primitives" item 2; released code
   `get_SWIL_retrieval_indices(adaptivity='img')` (entropy H / log C of p_SWIL).
@@ -393,6 +398,7 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   grasp_weight: float = 1.0
   adaptive_entropy_threshold: float = 0.99
   balanced_order: str = "sequential"
+  adaptive_entropy_classes: str = "eligible"
 
   needs_features = True
 
@@ -401,7 +407,13 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   ):
     num = active.shape[0]
     probs = _swil_probs(buffer, features, class_eligible, self.swil_weight)  # [B, C]
-    entropy = sample_selection.normalized_entropy(probs)  # [B]
+    if self.adaptive_entropy_classes == "all":
+      # Released code: the switch reads p_SWIL over every class with a prototype, before
+      # classes without an unreplayed image are removed (it redraws those afterwards).
+      entropy_probs = _swil_probs(buffer, features, buffer.class_valid, self.swil_weight)
+    else:
+      entropy_probs = probs
+    entropy = sample_selection.normalized_entropy(entropy_probs)  # [B]
     rows = _new_image_rows(num, probs.shape[0])
     use_grasp = entropy[rows] > self.adaptive_entropy_threshold
     balanced_key, swil_key = jax.random.split(class_key)
@@ -448,7 +460,13 @@ class AdaptiveComposition:
 
   @property
   def hyperparameter_names(self) -> tuple[str, ...]:
-    return ("swil_weight", "grasp_weight", "adaptive_entropy_threshold", "balanced_order")
+    return (
+      "swil_weight",
+      "grasp_weight",
+      "adaptive_entropy_threshold",
+      "balanced_order",
+      "adaptive_entropy_classes",
+    )
 
   def build(self, name, dedup, hyperparameters):
     return AdaptiveSwGraspAlgorithm(name=name, dedup=dedup, **hyperparameters)
@@ -698,6 +716,7 @@ def get_algorithm(
 def _check_option_values(hp: Mapping[str, Any]):
   choices = {
     "balanced_order": BALANCED_ORDERS,
+    "adaptive_entropy_classes": ADAPTIVE_ENTROPY_CLASSES,
     "asv_token_matching": knn_shapley.TOKEN_MATCHING,
     "asv_distance": knn_shapley.DISTANCES,
     "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,

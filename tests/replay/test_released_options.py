@@ -1,0 +1,57 @@
+"""Hand-worked tests of the released code's retrieval options (README "paper vs released code")."""
+
+import jax
+import numpy as np
+import pytest
+
+from owl_cl.replay import algorithms
+from owl_cl.replay import state as state_lib
+
+
+def _entropy(p):
+  p = np.asarray(p, np.float64)
+  nz = p[p > 0]
+  return -(nz * np.log(nz)).sum() / np.log(len(p))
+
+
+@pytest.mark.parametrize("form, want_grasp", [("eligible", False), ("all", True)])
+def test_adaptive_entropy_classes(form, want_grasp):
+  """A-SW-GRASP's switch entropy with an exhausted class.
+
+  Prototypes are the 3 unit axes; the new image's one class embedding is (1, 1, 0)/sqrt(2):
+  cosine distances (1 - 1/sqrt(2), 1 - 1/sqrt(2), 1) = (0.29289, 0.29289, 1); with w = 1,
+  p_SWIL = (3.41421, 3.41421, 1) / 7.82843 = (0.43613, 0.43613, 0.12774), normalised entropy
+  0.89811. Class 1's only image is already replayed: over the eligible classes p = (0.77346,
+  0, 0.22654), entropy 0.48704. With tau = 0.7 the released form ('all') switches to GRASP,
+  the default form ('eligible') stays with SWIL.
+  """
+  membership = np.zeros((6, 3), bool)
+  membership[[0, 1], 0] = True
+  membership[2, 1] = True
+  membership[[3, 4, 5], 2] = True
+  buffer = state_lib.make_replay_buffer(
+    membership,
+    np.eye(3, dtype=np.float32),
+    np.where(membership, 0.5, np.inf).astype(np.float32),
+    np.zeros((6, 1, 3), np.float32),
+    np.zeros((6, 1, 3), np.float32),
+  )
+  rstate = state_lib.init_replay_state(6, jax.random.PRNGKey(0))
+  rstate = rstate.replace(dedup_mask=rstate.dedup_mask.at[2].set(True))
+  features = {"class_embeddings": np.array([[[1.0, 1.0, 0.0]]], np.float32) / np.sqrt(2.0)}
+  algorithm = algorithms.get_algorithm(
+    "a_sw_grasp",
+    dedup="dataset",
+    swil_weight=1.0,
+    adaptive_entropy_threshold=0.7,
+    adaptive_entropy_classes=form,
+  )
+  _, valid, _, records = algorithm.retrieve_with_records(rstate, buffer, features, 1)
+  a = 1 / (1 - 1 / np.sqrt(2))
+  want = _entropy([a, a, 1] / (2 * a + 1)) if form == "all" else _entropy([a, 0, 1] / (a + 1))
+  np.testing.assert_allclose(want, 0.89811 if form == "all" else 0.48704, atol=1e-5)
+  # float32 cosines/logs of O(1) values: ~1e-6; the forms differ by 0.4.
+  np.testing.assert_allclose(records["swil_entropy"], [want], atol=1e-5)
+  assert bool(records["used_grasp"][0]) == want_grasp and bool(valid[0])
+  with pytest.raises(ValueError, match="adaptive_entropy_classes='some'"):
+    algorithms.get_algorithm("a_sw_grasp", adaptive_entropy_classes="some")
