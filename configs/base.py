@@ -256,6 +256,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.buffer.min_per_class = 20  # then top up each class to this many images
   c.replay.buffer.fill_all_for_rare_classes = False  # released code: add all of them
   c.replay.buffer.max_instances_per_prototype = 6
+  # Prototype distance: min over at most this many of an image's class-c tokens (None: all
+  # its instances, the paper; 6: the released code's top-n_c prototype tokens).
+  c.replay.buffer.distance_max_instances = ml_collections.config_dict.placeholder(int)
+  c.replay.buffer.drop_images_without_class = False  # True: released code
+  # Order in which classes are topped up: 'class_index' | 'first_appearance' (released code).
+  c.replay.buffer.top_up_order = "class_index"
 
   # --- evaluation (SPEC §4) --------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()

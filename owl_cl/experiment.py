@@ -439,6 +439,12 @@ class Runner:
         f"config.loss.normalization={config.loss.normalization!r} is unknown; known: "
         f"{list(losses.NORMALIZATIONS)}"
       )
+    top_up_order = config.replay.buffer.get("top_up_order", "class_index")
+    if top_up_order not in buffer_build.selection.TOP_UP_ORDERS:
+      raise ConfigError(
+        f"config.replay.buffer.top_up_order={top_up_order!r} is unknown; known: "
+        f"{list(buffer_build.selection.TOP_UP_ORDERS)}"
+      )
     if config.eval.ensemble not in step_lib.ENSEMBLE_MODES:
       raise ConfigError(
         f"config.eval.ensemble={config.eval.ensemble!r} is unknown; known: "
@@ -928,6 +934,9 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
     loss_config=runner.loss_config,
     batch_size=data.eval_batch_size,
     example_options=runner.example_options(source),
+    distance_max_instances=bc.get("distance_max_instances"),
+    drop_images_without_class=bc.get("drop_images_without_class", False),
+    top_up_order=bc.get("top_up_order", "class_index"),
   )
   return buffer_build.cached_store(
     os.path.join(_expand(config.cache_dir), "buffers"), key_material, build, superseded

@@ -162,13 +162,19 @@ def build_store(
   loss_config: dict,
   batch_size: int,
   example_options: dict | None = None,
+  distance_max_instances: int | None = None,
+  drop_images_without_class: bool = False,
+  top_up_order: str = "class_index",
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
 
   Selection is eq. 7 of the paper (SPEC §6): loss < `loss_threshold`, then each class with
   fewer than `min_per_class` kept images gets its images in ascending loss order.
   `example_options`: preprocessing options of `preprocess_source` (the run's squash,
-  merge_iou, negative_weights).
+  merge_iou, negative_weights). `distance_max_instances`: cap on the class-c embeddings an
+  image's prototype distance takes the min over (None: all its instances, the paper; 6: the
+  released code, which reuses the prototype's top-n_c tokens). `drop_images_without_class`,
+  `top_up_order`: `selection.select_buffer`'s options.
 
   Returns:
     (store, statistics dict: images considered / kept, per-class counts, loss quantiles).
@@ -205,6 +211,8 @@ def build_store(
     loss_threshold,
     min_per_class=min_per_class,
     fill_all_for_rare_classes=fill_all_for_rare_classes,
+    drop_images_without_class=drop_images_without_class,
+    top_up_order=top_up_order,
   )
   if not keep.any():
     raise ValueError(
@@ -220,7 +228,7 @@ def build_store(
     jnp.asarray(examples["query_class"][keep]),
     jnp.asarray(analysis["instance_counts"][keep]),
     prototypes,
-    max_instances=max_instances,
+    max_instances=max_instances if distance_max_instances is None else distance_max_instances,
   )
   buffer = state_lib.make_replay_buffer(
     jnp.asarray(membership[keep]),
