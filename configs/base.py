@@ -251,6 +251,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.loss_adaptivity = ml_collections.ConfigDict()
   c.replay.loss_adaptivity.mode = "none"  # none | paper | released_gate
   c.replay.loss_adaptivity.threshold = 0.3  # l, in units of the detection loss
+  # 'released_gate' as in the released code: True gates each device's replay loss on its own
+  # new loss (make_train_step's loss_gate_groups = the device count) ...
+  c.replay.loss_adaptivity.gate_per_device = False
+  # ... and True applies the gate only to the feature-based algorithms (swil, sw_grasp,
+  # a_sw_grasp, aser, aser_pc, sw_aser_pc); the others then train with mode 'none'.
+  c.replay.loss_adaptivity.gate_feature_based_only = False
   c.replay.buffer = ml_collections.ConfigDict()
   c.replay.buffer.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
   c.replay.buffer.min_per_class = 20  # then top up each class to this many images

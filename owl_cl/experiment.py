@@ -1206,6 +1206,15 @@ def train_on_dataset(
   )
   with_replay = store is not None
   adaptivity = loss_adaptivity_mode(config) if with_replay else "none"
+  la = config.replay.loss_adaptivity
+  if (
+    adaptivity == "released_gate"
+    and la.get("gate_feature_based_only", False)
+    and not make_algorithm(config).needs_features
+  ):
+    # Released code: only its feature-based forward pass (SWIL, A-SW-GRASP, ASER variants)
+    # has the gate; uniform, balanced and GRASP retrieval always add the replay loss.
+    adaptivity = "none"
   threshold = float(config.replay.loss_adaptivity.threshold)
   train_step = step_lib.make_train_step(
     runner.model,
@@ -1221,6 +1230,10 @@ def train_on_dataset(
     max_unique_queries=tc.max_unique_queries,
     loss_adaptivity=adaptivity,
     loss_threshold=threshold,
+    # Released code: the gate reads each device's own new loss (DDP).
+    loss_gate_groups=(
+      runner.mesh.shape[sharding_lib.DATA_AXIS] if la.get("gate_per_device", False) else 1
+    ),
   )
   state = sharding_lib.replicate(step_lib.create_train_state(params, tx), runner.mesh)
   if with_replay:
