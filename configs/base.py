@@ -15,7 +15,10 @@ Any field can be overridden on the command line, e.g. `--config.replay.dedup=epo
 
 import ml_collections
 
-KNOWN_ARGS = ("", "paper")
+# `--config=configs/<algorithm>.py:<arg>` with arg a comma-separated list of these (e.g.
+# 'paper,released'): 'paper' the paper's protocol on real data, 'released' every switch set to
+# the released code's behaviour (`apply_released_code`).
+KNOWN_ARGS = ("", "paper", "released")
 
 # The paper's ODinW sequence (SPEC §10; the paper's Datasets table, tab:ds), in the table's
 # order. `sequence_seed` shuffles it.
@@ -65,8 +68,10 @@ PAPER_HYPERPARAMETERS = {
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
   """Returns the base config. Raises ValueError for an unknown `arg`."""
-  if arg not in KNOWN_ARGS:
-    raise ValueError(f"unknown config argument {arg!r}; known: {KNOWN_ARGS}")
+  parts = [p.strip() for p in arg.split(",")] if arg else []
+  unknown = [p for p in parts if p not in KNOWN_ARGS or not p]
+  if unknown:
+    raise ValueError(f"unknown config argument {arg!r}; known: {KNOWN_ARGS} (comma-separated)")
   c = ml_collections.ConfigDict()
   c.experiment_name = "base"
   c.seed = 0
@@ -295,8 +300,46 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- debugging / tiny budgets ----------------------------------------------------------
   c.max_train_steps_per_dataset = ml_collections.config_dict.placeholder(int)
   c.max_eval_images = ml_collections.config_dict.placeholder(int)
-  if arg == "paper":
+  if "paper" in parts:
     apply_paper_protocol(c)
+  if "released" in parts:
+    apply_released_code(c, real_data="paper" in parts)
+  return c
+
+
+def apply_released_code(
+  c: ml_collections.ConfigDict, real_data: bool = False
+) -> ml_collections.ConfigDict:
+  """Sets every paper/released-code switch of `c` to the released code's behaviour.
+
+  The released code is the authors' PyTorch repository (github 5hadytru/optimal_retrieval);
+  README "Paper vs released code" lists each difference, its field and its source. Left as
+  they are: `replay.loss_adaptivity.mode` (the released default has no loss adaptivity; its
+  gate options are set for when 'released_gate' is chosen) and `train.carry`
+  ('best_validation' needs datasets with a validation split: set only with `real_data`, the
+  paper's protocol).
+  """
+  c.loss.normalization = "per_batch"
+  c.replay.grasp_w = 0.7  # the released `ub_coeff` default
+  c.replay.balanced_order = "reshuffled"
+  c.replay.adaptive_entropy_classes = "all"
+  c.replay.dedup_without_replacement = True
+  c.replay.dedup_fraction_reset = "after"
+  c.replay.aser.token_matching = "nearest_token"
+  c.replay.aser.distance = "l2"
+  c.replay.aser.weight_reduction = "max"
+  c.replay.loss_adaptivity.gate_per_device = True
+  c.replay.loss_adaptivity.gate_feature_based_only = True
+  c.replay.buffer.fill_all_for_rare_classes = True
+  c.replay.buffer.distance_max_instances = 6
+  c.replay.buffer.drop_images_without_class = True
+  c.replay.buffer.top_up_order = "first_appearance"
+  c.train.layerwise_granularity = "tensor"
+  c.data.squash_resize = True
+  c.data.negatives_by_frequency = True
+  c.eval.ensemble = "probabilities"
+  if real_data:  # the built-in benchmark has no validation splits
+    c.train.carry = "best_validation"
   return c
 
 
@@ -379,7 +422,8 @@ def algorithm_config(
 ) -> ml_collections.ConfigDict:
   """The base config with `replay.algorithm` set (used by the per-algorithm config files).
 
-  `arg` as `get_config`: '' the built-in benchmark, 'paper' the paper's protocol.
+  `arg` as `get_config`: '' the built-in benchmark, 'paper' the paper's protocol, 'released'
+  the released code's behaviour (combinable: 'paper,released').
   """
   c = get_config(arg)
   c.experiment_name = experiment_name
