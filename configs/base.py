@@ -223,6 +223,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.der_alpha = 2.0  # DER++ logit distillation weight
   c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
   c.replay.swil_w = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
+  # SWIL distance over an image's k top embeddings: 'min' (paper, released default) | 'mean'
+  # (the released option swil_reduce_type='avg').
+  c.replay.swil_reduction = "min"
   c.replay.grasp_w = 1.0  # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
   # Balanced class order: 'sequential' (paper) | 'reshuffled' (released code: a random
   # permutation reshuffled after every pass).

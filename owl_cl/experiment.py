@@ -820,6 +820,7 @@ def make_algorithm(config: ml_collections.ConfigDict):
       "replay.adaptive_entropy_threshold",
       rc.adaptive_entropy_threshold,
     ),
+    "swil_reduction": ("replay.swil_reduction", rc.get("swil_reduction", "min")),
     "adaptive_entropy_classes": (
       "replay.adaptive_entropy_classes",
       rc.get("adaptive_entropy_classes", "eligible"),

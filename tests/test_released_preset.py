@@ -18,6 +18,7 @@ ALGORITHM_FILES = sorted(
 SWITCHES = {
   "loss.normalization": ("per_image", "per_batch"),
   "replay.grasp_w": (1.0, 0.7),
+  "replay.swil_reduction": ("min", "min"),
   "replay.balanced_order": ("sequential", "reshuffled"),
   "replay.adaptive_entropy_classes": ("eligible", "all"),
   "replay.dedup_without_replacement": (False, True),

@@ -130,23 +130,32 @@ def _require(features: Mapping[str, Array], names, who: str):
     )
 
 
-def _swil_probs(buffer, features, class_eligible, swil_weight):
+def _swil_probs(buffer, features, class_eligible, swil_weight, swil_reduction="min"):
   _require(features, ("class_embeddings",), "similarity-weighted class selection")
   return class_selection.similarity_weighted_probs(
-    features["class_embeddings"], buffer.prototypes, swil_weight, class_eligible
+    features["class_embeddings"], buffer.prototypes, swil_weight, class_eligible, swil_reduction
   )
 
 
 def similarity_weighted_step(
-  key, rstate, buffer, features, class_eligible, active, *, swil_weight: float = 1.0
+  key,
+  rstate,
+  buffer,
+  features,
+  class_eligible,
+  active,
+  *,
+  swil_weight: float = 1.0,
+  swil_reduction: str = "min",
 ):
   """Similarity-weighted (SWIL) class step: one class per new image.
 
   Uses `features['class_embeddings']` [B, k, E] and `buffer.prototypes`; slot j serves new
   image j mod B (slots = new images when num_replay = B). Hyperparameter `swil_weight` is w
-  of SPEC §7 (default 1.0). Inactive slots get -1.
+  of SPEC §7 (default 1.0); `swil_reduction` reduces the distances over the k embeddings
+  ('min', paper; 'mean', the released `swil_reduce_type='avg'`). Inactive slots get -1.
   """
-  probs = _swil_probs(buffer, features, class_eligible, swil_weight)
+  probs = _swil_probs(buffer, features, class_eligible, swil_weight, swil_reduction)
   slot_probs = probs[_new_image_rows(active.shape[0], probs.shape[0])]
   classes = jnp.where(active, class_selection.sample_classes(key, slot_probs), -1)
   return (
@@ -399,6 +408,7 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   adaptive_entropy_threshold: float = 0.99
   balanced_order: str = "sequential"
   adaptive_entropy_classes: str = "eligible"
+  swil_reduction: str = "min"
 
   needs_features = True
 
@@ -406,11 +416,15 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
     self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
   ):
     num = active.shape[0]
-    probs = _swil_probs(buffer, features, class_eligible, self.swil_weight)  # [B, C]
+    probs = _swil_probs(
+      buffer, features, class_eligible, self.swil_weight, self.swil_reduction
+    )  # [B, C]
     if self.adaptive_entropy_classes == "all":
       # Released code: the switch reads p_SWIL over every class with a prototype, before
       # classes without an unreplayed image are removed (it redraws those afterwards).
-      entropy_probs = _swil_probs(buffer, features, buffer.class_valid, self.swil_weight)
+      entropy_probs = _swil_probs(
+        buffer, features, buffer.class_valid, self.swil_weight, self.swil_reduction
+      )
     else:
       entropy_probs = probs
     entropy = sample_selection.normalized_entropy(entropy_probs)  # [B]
@@ -466,6 +480,7 @@ class AdaptiveComposition:
       "adaptive_entropy_threshold",
       "balanced_order",
       "adaptive_entropy_classes",
+      "swil_reduction",
     )
 
   def build(self, name, dedup, hyperparameters):
@@ -717,6 +732,7 @@ def _check_option_values(hp: Mapping[str, Any]):
   choices = {
     "balanced_order": BALANCED_ORDERS,
     "adaptive_entropy_classes": ADAPTIVE_ENTROPY_CLASSES,
+    "swil_reduction": class_selection.SWIL_REDUCTIONS,
     "asv_token_matching": knn_shapley.TOKEN_MATCHING,
     "asv_distance": knn_shapley.DISTANCES,
     "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,

@@ -55,3 +55,26 @@ def test_adaptive_entropy_classes(form, want_grasp):
   assert bool(records["used_grasp"][0]) == want_grasp and bool(valid[0])
   with pytest.raises(ValueError, match="adaptive_entropy_classes='some'"):
     algorithms.get_algorithm("a_sw_grasp", adaptive_entropy_classes="some")
+
+
+def test_swil_reduction_mean_hand_worked():
+  """SWIL's distance over an image's k embeddings: min (paper) or mean (released 'avg').
+
+  Prototypes = the 3 unit axes; the image's two embeddings are e1 and e2. Cosine distances:
+  e1 -> (0, 1, 1), e2 -> (1, 0, 1). Mean: d = (0.5, 0.5, 1), p = (2, 2, 1) / 5 with w = 1;
+  min: d = (0, 0, 1), p = (1e8, 1e8, 1) / (2e8 + 1) (the 1e-8 of d + 1e-8).
+  """
+  from owl_cl.replay import class_selection
+
+  emb = np.array([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]], np.float32)
+  protos = np.eye(3, dtype=np.float32)
+  eligible = np.ones(3, bool)
+  mean = class_selection.similarity_weighted_probs(emb, protos, 1.0, eligible, "mean")
+  # float32 cosines of unit vectors are exact here; softmax rounding ~1e-7.
+  np.testing.assert_allclose(np.asarray(mean), [[0.4, 0.4, 0.2]], atol=1e-6)
+  low = class_selection.similarity_weighted_probs(emb, protos, 1.0, eligible)
+  np.testing.assert_allclose(np.asarray(low), [[0.5, 0.5, 5e-9]], atol=1e-6)
+  alg = algorithms.get_algorithm("swil", swil_reduction="mean")
+  assert dict(alg.class_hyperparameters)["swil_reduction"] == "mean"
+  with pytest.raises(ValueError, match="swil_reduction='avg'"):
+    algorithms.get_algorithm("sw_grasp", swil_reduction="avg")
