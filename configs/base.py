@@ -236,6 +236,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # A-SW-GRASP switch entropy over: 'eligible' classes (still holding an unreplayed image) |
   # 'all' classes with a buffer member (released code).
   c.replay.adaptive_entropy_classes = "eligible"
+  # A class that runs out of unreplayed images within one retrieval call (compositions with a
+  # class step): 'fallback' (its slot draws among the remaining images) | 'redraw' (released
+  # code: balanced skips the class, similarity-weighted redraws the class).
+  c.replay.exhausted_class = "fallback"
   # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, SPEC §7).
   c.replay.aser = ml_collections.ConfigDict()
   # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).
@@ -326,6 +330,7 @@ def apply_released_code(
   c.replay.grasp_w = 0.7  # the released `ub_coeff` default
   c.replay.balanced_order = "reshuffled"
   c.replay.adaptive_entropy_classes = "all"
+  c.replay.exhausted_class = "redraw"
   c.replay.dedup_without_replacement = True
   c.replay.dedup_fraction_reset = "after"
   c.replay.aser.token_matching = "nearest_token"

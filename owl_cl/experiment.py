@@ -821,6 +821,7 @@ def make_algorithm(config: ml_collections.ConfigDict):
       rc.adaptive_entropy_threshold,
     ),
     "swil_reduction": ("replay.swil_reduction", rc.get("swil_reduction", "min")),
+    "exhausted_class": ("replay.exhausted_class", rc.get("exhausted_class", "fallback")),
     "adaptive_entropy_classes": (
       "replay.adaptive_entropy_classes",
       rc.get("adaptive_entropy_classes", "eligible"),

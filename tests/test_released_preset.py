@@ -21,6 +21,7 @@ SWITCHES = {
   "replay.swil_reduction": ("min", "min"),
   "replay.balanced_order": ("sequential", "reshuffled"),
   "replay.adaptive_entropy_classes": ("eligible", "all"),
+  "replay.exhausted_class": ("fallback", "redraw"),
   "replay.dedup_without_replacement": (False, True),
   "replay.dedup_fraction_reset": ("before", "after"),
   "replay.aser.token_matching": ("all_to_all", "nearest_token"),

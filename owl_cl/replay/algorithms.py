@@ -67,6 +67,11 @@ BALANCED_ORDERS = ("sequential", "reshuffled")
 # A-SW-GRASP's switch entropy: over the classes with an eligible image (default) | over every
 # class with a prototype (released code).
 ADAPTIVE_ENTROPY_CLASSES = ("eligible", "all")
+# A class that runs out of eligible images within one call: 'fallback' (eligible classes fixed
+# at the start of the call; its slot draws uniformly among the remaining images) | 'redraw'
+# (released code: per slot, the class step sees the classes still available -> balanced
+# skips the class, similarity-weighted redraws). Class + sample compositions only.
+EXHAUSTED_CLASS = ("fallback", "redraw")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
 # applies to it. B = new images, N_c = candidates, num = num_replay.
@@ -313,6 +318,8 @@ class RetrievalAlgorithm(_AlgorithmBase):
     class_step / sample_step: the primitives (see module docstring).
     dedup: the DedupSchedule.
     class_hyperparameters / sample_hyperparameters: tuples of (name, value) bound to the steps.
+    exhausted_class: 'fallback' | 'redraw' (`EXHAUSTED_CLASS`; hyperparameter of the
+      compositions with a class step).
   """
 
   name: str
@@ -321,6 +328,7 @@ class RetrievalAlgorithm(_AlgorithmBase):
   dedup: dedup_lib.DedupSchedule
   class_hyperparameters: tuple[tuple[str, Any], ...] = ()
   sample_hyperparameters: tuple[tuple[str, Any], ...] = ()
+  exhausted_class: str = "fallback"
 
   @property
   def needs_features(self) -> bool:
@@ -331,6 +339,10 @@ class RetrievalAlgorithm(_AlgorithmBase):
   def _select(
     self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
   ):
+    if self.exhausted_class == "redraw" and self.class_step is not None:
+      return self._select_per_slot(
+        class_key, sample_key, rstate, buffer, features, eligible, active
+      )
     classes = None
     records = {}
     if self.class_step is not None:
@@ -356,6 +368,42 @@ class RetrievalAlgorithm(_AlgorithmBase):
     )
     return indices, valid, rstate, {**records, **sample_records}
 
+  def _select_per_slot(self, class_key, sample_key, rstate, buffer, features, eligible, active):
+    """exhausted_class='redraw' (released code): slot by slot, the class step sees only the
+    classes that still have an image not taken by this call's earlier slots, so a class that
+    runs out within the call is skipped (balanced) or redrawn (similarity-weighted); the
+    sample step then draws from that class. Records: `sampled_classes` only."""
+    num = active.shape[0]
+    class_keys = jax.random.split(class_key, num)
+    sample_keys = jax.random.split(sample_key, num)
+    marks = self.dedup.samples_without_replacement
+    class_hp = dict(self.class_hyperparameters)
+    sample_hp = dict(self.sample_hyperparameters)
+
+    def slot(carry, inputs):
+      rstate, available = carry
+      j, ck, sk, on = inputs
+      # The slot's new image (slot j serves new image j mod B), as a batch of one.
+      row = {k: jax.lax.dynamic_index_in_dim(v, j % v.shape[0]) for k, v in features.items()}
+      class_now = (
+        sample_selection.class_eligibility(buffer.class_membership, available) & buffer.class_valid
+      )
+      classes, rstate, _ = self.class_step(ck, rstate, buffer, row, class_now, on[None], **class_hp)
+      index, valid, _ = self.sample_step(
+        sk, rstate, buffer, row, classes, available, on[None], marks, **sample_hp
+      )
+      found = valid[0] & on
+      if marks:
+        available = available.at[index[0]].set(available[index[0]] & ~found)
+      return (rstate, available), (index[0], found, classes[0])
+
+    (rstate, _), (indices, valid, classes) = jax.lax.scan(
+      slot,
+      (rstate, jnp.asarray(eligible, bool)),
+      (jnp.arange(num, dtype=jnp.int32), class_keys, sample_keys, active),
+    )
+    return indices, valid, rstate, {"sampled_classes": jnp.where(valid, classes, -1)}
+
 
 @dataclasses.dataclass(frozen=True)
 class Composition:
@@ -366,7 +414,10 @@ class Composition:
 
   @property
   def hyperparameter_names(self) -> tuple[str, ...]:
-    return _keyword_hyperparameters(self.class_step) + _keyword_hyperparameters(self.sample_step)
+    extra = ("exhausted_class",) if self.class_step is not None else ()
+    return (
+      _keyword_hyperparameters(self.class_step) + _keyword_hyperparameters(self.sample_step) + extra
+    )
 
   def build(
     self, name: str, dedup: dedup_lib.DedupSchedule, hyperparameters: Mapping[str, Any]
@@ -374,6 +425,7 @@ class Composition:
     class_names = _keyword_hyperparameters(self.class_step)
     sample_names = _keyword_hyperparameters(self.sample_step)
     return RetrievalAlgorithm(
+      exhausted_class=hyperparameters.get("exhausted_class", "fallback"),
       name=name,
       class_step=self.class_step,
       sample_step=self.sample_step,
@@ -733,6 +785,7 @@ def _check_option_values(hp: Mapping[str, Any]):
     "balanced_order": BALANCED_ORDERS,
     "adaptive_entropy_classes": ADAPTIVE_ENTROPY_CLASSES,
     "swil_reduction": class_selection.SWIL_REDUCTIONS,
+    "exhausted_class": EXHAUSTED_CLASS,
     "asv_token_matching": knn_shapley.TOKEN_MATCHING,
     "asv_distance": knn_shapley.DISTANCES,
     "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,

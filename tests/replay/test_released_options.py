@@ -78,3 +78,58 @@ def test_swil_reduction_mean_hand_worked():
   assert dict(alg.class_hyperparameters)["swil_reduction"] == "mean"
   with pytest.raises(ValueError, match="swil_reduction='avg'"):
     algorithms.get_algorithm("sw_grasp", swil_reduction="avg")
+
+
+def _three_class_buffer():
+  """Class 0: image 0 only; class 1: images 1-3; class 2: images 4-6 (prototypes: axes)."""
+  membership = np.zeros((7, 3), bool)
+  membership[0, 0] = True
+  membership[1:4, 1] = True
+  membership[4:7, 2] = True
+  return state_lib.make_replay_buffer(
+    membership,
+    np.eye(3, dtype=np.float32),
+    np.where(membership, 0.5, np.inf).astype(np.float32),
+    np.zeros((7, 1, 3), np.float32),
+    np.zeros((7, 1, 3), np.float32),
+  )
+
+
+@pytest.mark.parametrize("key", [0, 1, 2])
+def test_exhausted_class_balanced_hand_worked(key):
+  """Balanced (sequential order), 4 slots: classes 0, 1, 2, then class 0 again, which ran
+  out at slot 0. 'fallback' keeps class 0 for slot 3 (any remaining image); 'redraw'
+  (released) skips it: slot 3 gets class 1, and the pointer ends at class 1."""
+  buffer = _three_class_buffer()
+  rstate = state_lib.init_replay_state(7, jax.random.PRNGKey(key))
+  fallback = algorithms.get_algorithm("uniform_balanced", dedup="dataset")
+  released = algorithms.get_algorithm("uniform_balanced", dedup="dataset", exhausted_class="redraw")
+  _, valid, r_fb, rec_fb = fallback.retrieve_with_records(rstate, buffer, {}, 4)
+  assert np.asarray(rec_fb["sampled_classes"]).tolist() == [0, 1, 2, 0] and bool(valid.all())
+  assert int(r_fb.class_pointer) == 0
+  idx, valid, r_rd, rec_rd = released.retrieve_with_records(rstate, buffer, {}, 4)
+  assert np.asarray(rec_rd["sampled_classes"]).tolist() == [0, 1, 2, 1] and bool(valid.all())
+  idx = np.asarray(idx)
+  assert idx[0] == 0 and 1 <= idx[1] <= 3 and 4 <= idx[2] <= 6 and 1 <= idx[3] <= 3
+  assert len(set(idx.tolist())) == 4 and int(r_rd.class_pointer) == 1
+
+
+@pytest.mark.parametrize("key", [0, 1, 2])
+def test_exhausted_class_swil_hand_worked(key):
+  """SWIL, one new image whose embedding is class 0's prototype (p(class 0) ~ 1 - 2e-8), two
+  slots. Class 0's single image goes to slot 0. 'fallback' keeps class 0 for slot 1;
+  'redraw' (released) redraws among classes 1 and 2 (equal distance 1: probability 1/2
+  each) and replays one of that class's images."""
+  buffer = _three_class_buffer()
+  rstate = state_lib.init_replay_state(7, jax.random.PRNGKey(key))
+  features = {"class_embeddings": np.array([[[1.0, 0.0, 0.0]]], np.float32)}
+  fallback = algorithms.get_algorithm("swil", dedup="dataset")
+  released = algorithms.get_algorithm("swil", dedup="dataset", exhausted_class="redraw")
+  _, _, _, rec = fallback.retrieve_with_records(rstate, buffer, features, 2)
+  assert np.asarray(rec["sampled_classes"]).tolist() == [0, 0]
+  idx, valid, _, rec = released.retrieve_with_records(rstate, buffer, features, 2)
+  classes = np.asarray(rec["sampled_classes"])
+  assert bool(valid.all()) and classes[0] == 0 and int(idx[0]) == 0 and classes[1] in (1, 2)
+  assert bool(buffer.class_membership[int(idx[1]), classes[1]])
+  with pytest.raises(ValueError, match="exhausted_class='skip'"):
+    algorithms.get_algorithm("swil", exhausted_class="skip")
