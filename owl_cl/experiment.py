@@ -1049,6 +1049,11 @@ def check_sequence_config(config: ml_collections.ConfigDict, bench: Benchmark) -
     )
 
 
+# Written into every stage checkpoint's meta: the form of the class embeddings its replay state
+# (ASER-PC's precomputed left term) was computed from ('normalised' as scenic; absent: raw).
+CHECKPOINT_FORMAT = {"class_embeddings": "normalised"}
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) the experiment of `config` in `workdir`. Returns the results dict.
 
@@ -1095,12 +1100,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   latest = checkpointer.latest_stage()
   if latest is None:
     stages = [{"name": "pretrained", "metrics": evaluate_all(params, "pretrained")}]
-    checkpointer.save(0, params, rstate, {"stages": stages})
+    checkpointer.save(0, params, rstate, {"stages": stages, **CHECKPOINT_FORMAT})
     latest = 0
   else:
     logging.info("resuming %s after stage %d", workdir, latest)
     params, rstate, meta = checkpointer.restore(latest, params, rstate)
     stages = meta["stages"]
+    if meta.get("class_embeddings") != CHECKPOINT_FORMAT["class_embeddings"] and bool(
+      jax.device_get(rstate.asv_left_ready)
+    ):
+      # Checkpoints written before the class embeddings were normalised hold an ASER-PC left
+      # term computed from raw embeddings: recompute it over the current buffer.
+      logging.warning(
+        "the checkpoint in %s holds an ASER-PC left term of unnormalised class embeddings; "
+        "recomputing it",
+        workdir,
+      )
+      rstate = rstate.replace(asv_left_ready=jnp.zeros((), bool))
   timings = {"pretrain_seconds": pretrain_meta.get("seconds")}
 
   def write(status: str):
@@ -1152,7 +1168,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "seconds": round(time.time() - start, 1),
       }
     )
-    checkpointer.save(index, params, rstate, {"stages": stages})
+    checkpointer.save(index, params, rstate, {"stages": stages, **CHECKPOINT_FORMAT})
     write("running")
   results = write("complete")
   writer.close()
