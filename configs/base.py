@@ -15,7 +15,10 @@ Any field can be overridden on the command line, e.g. `--config.replay.dedup=epo
 
 import ml_collections
 
-KNOWN_ARGS = ("", "paper")
+# `--config=configs/<algorithm>.py:<arg>` with arg a comma-separated list of these (e.g.
+# 'paper,released'): 'paper' the paper's protocol on real data, 'released' every switch set to
+# the released code's behaviour (`apply_released_code`).
+KNOWN_ARGS = ("", "paper", "released")
 
 # The paper's ODinW sequence (SPEC §10; the paper's Datasets table, tab:ds), in the table's
 # order. `sequence_seed` shuffles it.
@@ -65,8 +68,10 @@ PAPER_HYPERPARAMETERS = {
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
   """Returns the base config. Raises ValueError for an unknown `arg`."""
-  if arg not in KNOWN_ARGS:
-    raise ValueError(f"unknown config argument {arg!r}; known: {KNOWN_ARGS}")
+  parts = [p.strip() for p in arg.split(",")] if arg else []
+  unknown = [p for p in parts if p not in KNOWN_ARGS or not p]
+  if unknown:
+    raise ValueError(f"unknown config argument {arg!r}; known: {KNOWN_ARGS} (comma-separated)")
   c = ml_collections.ConfigDict()
   c.experiment_name = "base"
   c.seed = 0
@@ -196,6 +201,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.loss.class_weight = 1.0
   c.loss.bbox_weight = 1.0
   c.loss.giou_weight = 1.0
+  # Continual fine-tuning's loss normalisation: 'per_image' (scenic, paper: each image's sums
+  # over its own #positives/#boxes, then the mean) | 'per_batch' (released code: the batch's
+  # sums over its total #positives/#boxes). Pre-training and buffer losses stay per image.
+  c.loss.normalization = "per_image"
 
   # --- replay (SPEC §6-§8) ---------------------------------------------------------------
   c.replay = ml_collections.ConfigDict()
@@ -205,9 +214,17 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.ratio = 1.0  # replayed images per new image (paper 1:1)
   c.replay.dedup = "dataset"  # none | epoch | dataset | fraction (SPEC §8)
   c.replay.dedup_fraction = 1.0 / 3.0  # 'fraction': reset after this fraction of the buffer
+  # dedup 'none': True samples each retrieval call without replacement (released code).
+  c.replay.dedup_without_replacement = False
+  # dedup 'fraction': 'before' resets inside the call that would pass ceil(fraction * N);
+  # 'after' (released code) after the call that took the count past fraction * N.
+  c.replay.dedup_fraction_reset = "before"
   c.replay.der_alpha = 2.0  # DER++ logit distillation weight
   c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
   c.replay.swil_weight = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
+  # SWIL distance over an image's k top embeddings: 'min' (paper, released default) | 'mean'
+  # (the released option swil_reduce_type='avg').
+  c.replay.swil_reduction = "min"
   c.replay.grasp_weight = 1.0  # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
   # Balanced class order: 'sequential' (paper) | 'reshuffled' (released code: a random
   # permutation reshuffled after every pass).
@@ -215,6 +232,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # A-SW-GRASP: GRASP for a new image iff the normalised entropy of its SWIL distribution
   # exceeds tau (the paper gives no value; it describes tau as "too close to 1.0").
   c.replay.adaptive_entropy_threshold = 0.99
+  # A-SW-GRASP switch entropy over: 'eligible' classes (still holding an unreplayed image) |
+  # 'all' classes with a buffer member (released code).
+  c.replay.adaptive_entropy_classes = "eligible"
+  # A class that runs out of unreplayed images within one retrieval call (compositions with a
+  # class step): 'fallback' (its slot draws among the remaining images) | 'redraw' (released
+  # code: balanced skips the class, similarity-weighted redraws the class).
+  c.replay.exhausted_class = "fallback"
   # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, SPEC §7).
   c.replay.aser = ml_collections.ConfigDict()
   # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).
@@ -238,11 +262,23 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.loss_adaptivity = ml_collections.ConfigDict()
   c.replay.loss_adaptivity.mode = "none"  # none | paper | released_gate
   c.replay.loss_adaptivity.threshold = 0.3  # l, in units of the detection loss
+  # 'released_gate' as in the released code: True gates each device's replay loss on its own
+  # new loss (make_train_step's loss_gate_groups = the device count) ...
+  c.replay.loss_adaptivity.gate_per_device = False
+  # ... and True applies the gate only to the feature-based algorithms (swil, sw_grasp,
+  # a_sw_grasp, aser, aser_pc, sw_aser_pc); the others then train with mode 'none'.
+  c.replay.loss_adaptivity.gate_feature_based_only = False
   c.replay.selection = ml_collections.ConfigDict()
   c.replay.selection.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
   c.replay.selection.min_per_class = 20  # then top up each class to this many images
   c.replay.selection.fill_all_for_rare_classes = False  # released code: add all of them
   c.replay.selection.max_instances_per_prototype = 6
+  # Prototype distance: min over at most this many of an image's class-c tokens (None: all
+  # its instances, the paper; 6: the released code's top-n_c prototype tokens).
+  c.replay.selection.distance_max_instances = ml_collections.config_dict.placeholder(int)
+  c.replay.selection.drop_images_without_class = False  # True: released code
+  # Order in which classes are topped up: 'class_index' | 'first_appearance' (released code).
+  c.replay.selection.top_up_order = "class_index"
 
   # --- evaluation (SPEC §4) --------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()
@@ -270,8 +306,47 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- debugging / tiny budgets ----------------------------------------------------------
   c.max_train_steps_per_dataset = ml_collections.config_dict.placeholder(int)
   c.max_eval_images = ml_collections.config_dict.placeholder(int)
-  if arg == "paper":
+  if "paper" in parts:
     apply_paper_protocol(c)
+  if "released" in parts:
+    apply_released_code(c, real_data="paper" in parts)
+  return c
+
+
+def apply_released_code(
+  c: ml_collections.ConfigDict, real_data: bool = False
+) -> ml_collections.ConfigDict:
+  """Sets every paper/released-code switch of `c` to the released code's behaviour.
+
+  The released code is the authors' PyTorch repository (github 5hadytru/optimal_retrieval);
+  README "Paper vs released code" lists each difference, its field and its source. Left as
+  they are: `replay.loss_adaptivity.mode` (the released default has no loss adaptivity; its
+  gate options are set for when 'released_gate' is chosen) and `train.carry`
+  ('best_validation' needs datasets with a validation split: set only with `real_data`, the
+  paper's protocol).
+  """
+  c.loss.normalization = "per_batch"
+  c.replay.grasp_weight = 0.7  # the released `ub_coeff` default
+  c.replay.balanced_order = "reshuffled"
+  c.replay.adaptive_entropy_classes = "all"
+  c.replay.exhausted_class = "redraw"
+  c.replay.dedup_without_replacement = True
+  c.replay.dedup_fraction_reset = "after"
+  c.replay.aser.asv_token_matching = "nearest_token"
+  c.replay.aser.asv_distance = "l2"
+  c.replay.aser.asv_weight_reduction = "max"
+  c.replay.loss_adaptivity.gate_per_device = True
+  c.replay.loss_adaptivity.gate_feature_based_only = True
+  c.replay.selection.fill_all_for_rare_classes = True
+  c.replay.selection.distance_max_instances = 6
+  c.replay.selection.drop_images_without_class = True
+  c.replay.selection.top_up_order = "first_appearance"
+  c.train.layerwise_granularity = "tensor"
+  c.data.squash_resize = True
+  c.data.negatives_by_frequency = True
+  c.eval.ensemble = "probabilities"
+  if real_data:  # the built-in benchmark has no validation splits
+    c.train.carry = "best_validation"
   return c
 
 
@@ -346,7 +421,8 @@ def algorithm_config(
 ) -> ml_collections.ConfigDict:
   """The base config with `replay.algorithm` set (used by the per-algorithm config files).
 
-  `arg` as `get_config`: '' the built-in benchmark, 'paper' the paper's protocol.
+  `arg` as `get_config`: '' the built-in benchmark, 'paper' the paper's protocol, 'released'
+  the released code's behaviour (combinable: 'paper,released').
   """
   c = get_config(arg)
   c.experiment_name = experiment_name

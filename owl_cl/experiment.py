@@ -118,11 +118,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   latest = checkpointer.latest_stage()
   if latest is None:
     stages = [{"name": "pretrained", "metrics": evaluate(params, "pretrained")}]
-    checkpointer.save(0, params, replay_state, {"stages": stages})
+    checkpointer.save(0, params, replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT})
     latest = 0
   else:
     logging.info("resuming %s after stage %d", workdir, latest)
     params, replay_state, meta = checkpointer.restore(latest, params, replay_state)
+    replay_state = replay_setup.upgrade_restored_state(replay_state, meta, workdir)
     stages = meta["stages"]
 
   def write(status: str):
@@ -177,7 +178,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "seconds": round(time.time() - start, 1),
       }
     )
-    checkpointer.save(index, params, replay_state, {"stages": stages})
+    checkpointer.save(
+      index, params, replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT}
+    )
     write("running")
   results = write("complete")
   writer.close()

@@ -78,7 +78,7 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
         if k in ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
       },
       **non_default_data_options(config),
-      "loss": config.loss.to_dict(),
+      "loss": loss_cache_key(config),
       "seed": config.seed,
       "pretrain_data": file_digest(bench.pretrain.train.annotation_file),
       "train_opt": [
@@ -124,6 +124,15 @@ def _default_data_options() -> dict[str, Any]:
 # The input-pipeline options' defaults. Cache keys list only the options that differ from
 # them, so caches made before an option existed stay valid.
 DEFAULT_DATA_OPTIONS = _default_data_options()
+
+
+def loss_cache_key(config: ml_collections.ConfigDict) -> dict:
+  """`config.loss` as it enters the cache keys of pre-training and of the replay buffer.
+
+  `normalization` is left out: it applies to continual fine-tuning only (pre-training and the
+  buffer's per-image losses are per image), so changing it must not invalidate those caches.
+  """
+  return {k: v for k, v in config.loss.to_dict().items() if k != "normalization"}
 
 
 def non_default_data_options(

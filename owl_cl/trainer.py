@@ -344,7 +344,9 @@ def train_on_dataset(
     detector.model,
     tx,
     detector.mesh,
-    loss_config=detector.loss_config,
+    # The normalisation applies to fine-tuning only (pre-training and the buffer's per-image
+    # losses stay per image).
+    loss_config=dict(detector.loss_config, normalization=config.loss.normalization),
     max_unique_queries=config.train.max_unique_queries,
     **replay.train_step_options,
   )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import ml_collections
 
+from owl_cl.replay import buffer_selection
 from owl_cl.train import losses
 from owl_cl.utils import expand_path
 
@@ -54,9 +55,21 @@ def validate(config: ml_collections.ConfigDict) -> None:
   loss_adaptivity_mode(config)
   check_downstream_eval_mode(config)
   check_carry_mode(config)
+  check_option(config.loss.normalization, losses.NORMALIZATIONS, "config.loss.normalization")
+  check_option(
+    config.replay.selection.top_up_order,
+    buffer_selection.TOP_UP_ORDERS,
+    "config.replay.selection.top_up_order",
+  )
   problem = clip_vocabulary_problem(config)
   if problem:
     raise ConfigError(problem)
+
+
+def check_option(value, known, field: str) -> None:
+  """Raises ConfigError naming `field` and `value` unless `value` is one of `known`."""
+  if value not in known:
+    raise ConfigError(f"{field}={value!r} is unknown; known: {list(known)}")
 
 
 def uses_real_data(config: ml_collections.ConfigDict) -> bool:

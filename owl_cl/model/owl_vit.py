@@ -374,7 +374,9 @@ class ClassPredictor(nn.Module):
 
   Call: ``x [B, T, D]``, ``query_embeddings [B, Q, E]`` or None, ``query_mask [B, Q]``
   (bool/0-1) or None. Returns ``{'class_embeddings': [B, T, E]}`` plus
-  ``'pred_logits': [B, T, Q]`` when query embeddings are given; float32.
+  ``'pred_logits': [B, T, Q]`` when query embeddings are given; float32. As scenic's, the
+  returned class embeddings are ``e`` (raw) without queries and ``e / (||e|| + 1e-6)`` (the
+  normalised ones the logits use) with queries.
 
   Source: SPEC §1 (class head); scenic `scenic/projects/owl_vit/layers.py`
   (``ClassPredictor``, normalize=True).
@@ -416,7 +418,9 @@ class ClassPredictor(nn.Module):
       fill = MASKED_LOGIT_HF if self.hf_compat else MASKED_LOGIT
       valid = jnp.asarray(query_mask) != 0
       logits = jnp.where(valid[..., None, :], logits, jnp.float32(fill))
-    return {"pred_logits": logits, "class_embeddings": class_emb}
+    # As scenic (and HF): with queries, the returned class embeddings are the normalised ones
+    # the logits are scored with; retrieval (buffer, prototypes, SWIL, GRASP, ASER) uses them.
+    return {"pred_logits": logits, "class_embeddings": e}
 
 
 class PredictorMLP(nn.Module):
@@ -465,7 +469,8 @@ class OwlViT(nn.Module):
   ``model.init(rng, images, queries)`` / ``model.apply(variables, images, queries,
   train=False)`` -> dict (all float32):
     ``pred_logits [B, T, Q]`` (padded queries = -1e6), ``pred_boxes [B, T, 4]`` cxcywh in
-    [0, 1] of the padded square, ``class_embeddings [B, T, E]`` (not normalised),
+    [0, 1] of the padded square, ``class_embeddings [B, T, E]`` (normalised, e / (||e|| +
+    1e-6), as scenic's class head returns them with queries),
     ``query_embeddings [B, Q, E]`` (not normalised), ``feature_map [B, h, w, D]``,
     with ``h = w = S / patch`` and ``T = h * w``.
   ``train=True`` enables stochastic depth and needs ``rngs={'dropout': key}``.
@@ -601,8 +606,8 @@ class OwlViT(nn.Module):
       query_mask: ``[B, Q]`` (True/1 = real query) or None (all real).
 
     Returns:
-      dict with ``class_embeddings [B, T, E]`` and, with queries, ``pred_logits
-      [B, T, Q]``; float32.
+      dict with ``class_embeddings [B, T, E]`` (raw without queries, normalised with them, as
+      scenic) and, with queries, ``pred_logits [B, T, Q]``; float32.
 
     Raises:
       ValueError: if query embeddings are not ``[B, Q, E]``.
@@ -661,7 +666,7 @@ class OwlViT(nn.Module):
 
     Returns:
       dict of float32 arrays: ``pred_logits [B, T, Q]``, ``pred_boxes [B, T, 4]``,
-      ``class_embeddings [B, T, E]``, ``query_embeddings [B, Q, E]``,
+      ``class_embeddings [B, T, E]`` (normalised, as scenic), ``query_embeddings [B, Q, E]``,
       ``feature_map [B, h, w, D]``.
 
     Raises:

@@ -64,6 +64,14 @@ from owl_cl.replay.state import ReplayState
 Array = jax.Array
 
 BALANCED_ORDERS = ("sequential", "reshuffled")
+# A-SW-GRASP's switch entropy: over the classes with an eligible image (default) | over every
+# class with a prototype (released code).
+ADAPTIVE_ENTROPY_CLASSES = ("eligible", "all")
+# A class that runs out of eligible images within one call: 'fallback' (eligible classes fixed
+# at the start of the call; its slot draws uniformly among the remaining images) | 'redraw'
+# (released code: per slot, the class step sees the classes still available -> balanced
+# skips the class, similarity-weighted redraws). Class + sample compositions only.
+EXHAUSTED_CLASS = ("fallback", "redraw")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
 # applies to it. B = new images, N_c = candidates, num = num_replay.
@@ -127,23 +135,32 @@ def _require(features: Mapping[str, Array], names, who: str):
     )
 
 
-def _swil_probs(buffer, features, class_eligible, swil_weight):
+def _swil_probs(buffer, features, class_eligible, swil_weight, swil_reduction="min"):
   _require(features, ("class_embeddings",), "similarity-weighted class selection")
   return class_selection.similarity_weighted_probs(
-    features["class_embeddings"], buffer.prototypes, swil_weight, class_eligible
+    features["class_embeddings"], buffer.prototypes, swil_weight, class_eligible, swil_reduction
   )
 
 
 def similarity_weighted_step(
-  key, rstate, buffer, features, class_eligible, active, *, swil_weight: float = 1.0
+  key,
+  rstate,
+  buffer,
+  features,
+  class_eligible,
+  active,
+  *,
+  swil_weight: float = 1.0,
+  swil_reduction: str = "min",
 ):
   """Similarity-weighted (SWIL) class step: one class per new image.
 
   Uses `features['class_embeddings']` [B, k, E] and `buffer.prototypes`; slot j serves new
   image j mod B (slots = new images when num_replay = B). Hyperparameter `swil_weight` is w
-  of SPEC §7 (default 1.0). Inactive slots get -1.
+  of SPEC §7 (default 1.0); `swil_reduction` reduces the distances over the k embeddings
+  ('min', paper; 'mean', the released `swil_reduce_type='avg'`). Inactive slots get -1.
   """
-  probs = _swil_probs(buffer, features, class_eligible, swil_weight)
+  probs = _swil_probs(buffer, features, class_eligible, swil_weight, swil_reduction)
   slot_probs = probs[_new_image_rows(active.shape[0], probs.shape[0])]
   classes = jnp.where(active, class_selection.sample_classes(key, slot_probs), -1)
   return (
@@ -283,6 +300,7 @@ class _AlgorithmBase:
     valid = jnp.asarray(valid, bool) & active
     indices = jnp.where(valid, jnp.asarray(indices, jnp.int32), 0)
     rstate = dedup_lib.mark_replayed(rstate, indices, valid, self.dedup)
+    rstate = dedup_lib.reset_after_call(rstate, self.dedup)
     return indices, valid, rstate, records
 
   def prepare(self, rstate: ReplayState, buffer: ReplayBuffer) -> ReplayState:
@@ -300,6 +318,8 @@ class RetrievalAlgorithm(_AlgorithmBase):
     class_step / sample_step: the primitives (see module docstring).
     dedup: the DedupSchedule.
     class_hyperparameters / sample_hyperparameters: tuples of (name, value) bound to the steps.
+    exhausted_class: 'fallback' | 'redraw' (`EXHAUSTED_CLASS`; hyperparameter of the
+      compositions with a class step).
   """
 
   name: str
@@ -308,6 +328,7 @@ class RetrievalAlgorithm(_AlgorithmBase):
   dedup: dedup_lib.DedupSchedule
   class_hyperparameters: tuple[tuple[str, Any], ...] = ()
   sample_hyperparameters: tuple[tuple[str, Any], ...] = ()
+  exhausted_class: str = "fallback"
 
   @property
   def needs_features(self) -> bool:
@@ -318,6 +339,10 @@ class RetrievalAlgorithm(_AlgorithmBase):
   def _select(
     self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
   ):
+    if self.exhausted_class == "redraw" and self.class_step is not None:
+      return self._select_per_slot(
+        class_key, sample_key, rstate, buffer, features, eligible, active
+      )
     classes = None
     records = {}
     if self.class_step is not None:
@@ -338,10 +363,46 @@ class RetrievalAlgorithm(_AlgorithmBase):
       classes,
       eligible,
       active,
-      self.dedup.marks_replays,
+      self.dedup.samples_without_replacement,
       **dict(self.sample_hyperparameters),
     )
     return indices, valid, rstate, {**records, **sample_records}
+
+  def _select_per_slot(self, class_key, sample_key, rstate, buffer, features, eligible, active):
+    """exhausted_class='redraw' (released code): slot by slot, the class step sees only the
+    classes that still have an image not taken by this call's earlier slots, so a class that
+    runs out within the call is skipped (balanced) or redrawn (similarity-weighted); the
+    sample step then draws from that class. Records: `sampled_classes` only."""
+    num = active.shape[0]
+    class_keys = jax.random.split(class_key, num)
+    sample_keys = jax.random.split(sample_key, num)
+    marks = self.dedup.samples_without_replacement
+    class_hp = dict(self.class_hyperparameters)
+    sample_hp = dict(self.sample_hyperparameters)
+
+    def slot(carry, inputs):
+      rstate, available = carry
+      j, ck, sk, on = inputs
+      # The slot's new image (slot j serves new image j mod B), as a batch of one.
+      row = {k: jax.lax.dynamic_index_in_dim(v, j % v.shape[0]) for k, v in features.items()}
+      class_now = (
+        sample_selection.class_eligibility(buffer.class_membership, available) & buffer.class_valid
+      )
+      classes, rstate, _ = self.class_step(ck, rstate, buffer, row, class_now, on[None], **class_hp)
+      index, valid, _ = self.sample_step(
+        sk, rstate, buffer, row, classes, available, on[None], marks, **sample_hp
+      )
+      found = valid[0] & on
+      if marks:
+        available = available.at[index[0]].set(available[index[0]] & ~found)
+      return (rstate, available), (index[0], found, classes[0])
+
+    (rstate, _), (indices, valid, classes) = jax.lax.scan(
+      slot,
+      (rstate, jnp.asarray(eligible, bool)),
+      (jnp.arange(num, dtype=jnp.int32), class_keys, sample_keys, active),
+    )
+    return indices, valid, rstate, {"sampled_classes": jnp.where(valid, classes, -1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +414,10 @@ class Composition:
 
   @property
   def hyperparameter_names(self) -> tuple[str, ...]:
-    return _keyword_hyperparameters(self.class_step) + _keyword_hyperparameters(self.sample_step)
+    extra = ("exhausted_class",) if self.class_step is not None else ()
+    return (
+      _keyword_hyperparameters(self.class_step) + _keyword_hyperparameters(self.sample_step) + extra
+    )
 
   def build(
     self, name: str, dedup: dedup_lib.DedupSchedule, hyperparameters: Mapping[str, Any]
@@ -361,6 +425,7 @@ class Composition:
     class_names = _keyword_hyperparameters(self.class_step)
     sample_names = _keyword_hyperparameters(self.sample_step)
     return RetrievalAlgorithm(
+      exhausted_class=hyperparameters.get("exhausted_class", "fallback"),
       name=name,
       class_step=self.class_step,
       sample_step=self.sample_step,
@@ -380,7 +445,9 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   """A-SW-GRASP: per new image, GRASP (balanced class + prototype-weighted sample) if the
   normalised entropy of its SWIL class distribution exceeds `adaptive_entropy_threshold`
   (tau), else SWIL (similarity-weighted class + uniform sample). Only GRASP slots consume
-  the balanced class pointer.
+  the balanced class pointer. `adaptive_entropy_classes`: the switch's entropy is that of
+  p_SWIL over the classes that still have an eligible image ('eligible', default) or over
+  every class with a buffer member ('all', as in the released code).
 
   Source: paper §4 "Composing and Modifying Primitives" item 2; released code
   `get_SWIL_retrieval_indices(adaptivity='img')` (entropy H / log C of p_SWIL).
@@ -392,6 +459,8 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   grasp_weight: float = 1.0
   adaptive_entropy_threshold: float = 0.99
   balanced_order: str = "sequential"
+  adaptive_entropy_classes: str = "eligible"
+  swil_reduction: str = "min"
 
   needs_features = True
 
@@ -399,8 +468,18 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
     self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
   ):
     num = active.shape[0]
-    probs = _swil_probs(buffer, features, class_eligible, self.swil_weight)  # [B, C]
-    entropy = sample_selection.normalized_entropy(probs)  # [B]
+    probs = _swil_probs(
+      buffer, features, class_eligible, self.swil_weight, self.swil_reduction
+    )  # [B, C]
+    if self.adaptive_entropy_classes == "all":
+      # Released code: the switch reads p_SWIL over every class with a prototype, before
+      # classes without an unreplayed image are removed (it redraws those afterwards).
+      entropy_probs = _swil_probs(
+        buffer, features, buffer.class_valid, self.swil_weight, self.swil_reduction
+      )
+    else:
+      entropy_probs = probs
+    entropy = sample_selection.normalized_entropy(entropy_probs)  # [B]
     rows = _new_image_rows(num, probs.shape[0])
     use_grasp = entropy[rows] > self.adaptive_entropy_threshold
     balanced_key, swil_key = jax.random.split(class_key)
@@ -423,7 +502,7 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
       classes,
       weights,
       active,
-      without_replacement=self.dedup.marks_replays,
+      without_replacement=self.dedup.samples_without_replacement,
     )
     grasp_entropy = jnp.where(
       use_grasp, _grasp_entropy(buffer, eligible, classes, weights), jnp.nan
@@ -447,7 +526,14 @@ class AdaptiveComposition:
 
   @property
   def hyperparameter_names(self) -> tuple[str, ...]:
-    return ("swil_weight", "grasp_weight", "adaptive_entropy_threshold", "balanced_order")
+    return (
+      "swil_weight",
+      "grasp_weight",
+      "adaptive_entropy_threshold",
+      "balanced_order",
+      "adaptive_entropy_classes",
+      "swil_reduction",
+    )
 
   def build(self, name, dedup, hyperparameters):
     return AdaptiveSwGraspAlgorithm(name=name, dedup=dedup, **hyperparameters)
@@ -697,6 +783,9 @@ def get_algorithm(
 def _check_option_values(hp: Mapping[str, Any]):
   choices = {
     "balanced_order": BALANCED_ORDERS,
+    "adaptive_entropy_classes": ADAPTIVE_ENTROPY_CLASSES,
+    "swil_reduction": class_selection.SWIL_REDUCTIONS,
+    "exhausted_class": EXHAUSTED_CLASS,
     "asv_token_matching": knn_shapley.TOKEN_MATCHING,
     "asv_distance": knn_shapley.DISTANCES,
     "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,

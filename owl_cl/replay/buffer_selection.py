@@ -27,12 +27,17 @@ Array = jax.Array
 
 
 # -------------------------------------------------------------------------------- eq. (7)
+TOP_UP_ORDERS = ("class_index", "first_appearance")
+
+
 def select_buffer(
   per_image_loss,
   class_membership,
   threshold: float,
   min_per_class: int = 50,
   fill_all_for_rare_classes: bool = False,
+  drop_images_without_class: bool = False,
+  top_up_order: str = "class_index",
 ) -> np.ndarray:
   """Replay buffer selection over D_pt (paper eq. 7 and §4 "Replay Buffer Selection").
 
@@ -43,6 +48,14 @@ def select_buffer(
      earlier classes, so after the loop every class has >= min(min_per_class, #images of c).
      With `fill_all_for_rare_classes` (as in the released code) such a class gets *all* its
      images instead.
+  3. With `drop_images_without_class` (as in the released code), images containing no class
+     are removed at the end (by default they stay if their loss is under the threshold).
+
+  `top_up_order` is the order in which step 2 visits the classes (it matters: images added
+  for one class count for the others): 'class_index' (0, 1, ..., C-1) or 'first_appearance'
+  (the released code's dict order: classes in order of their first kept image (by image
+  index; within an image by class index), then the classes with no kept image in order of
+  their first image overall, then those with no image).
 
   Args:
     per_image_loss: float [N_pt], the pre-trained model's detection loss per image.
@@ -50,10 +63,12 @@ def select_buffer(
     threshold: t (O365 0.15; VG 0.0 keeps none by threshold).
     min_per_class: the per-class minimum (50).
     fill_all_for_rare_classes: released-code behaviour (see 2.).
+    drop_images_without_class: released-code behaviour (see 3.).
+    top_up_order: 'class_index' | 'first_appearance' (released code).
   Returns:
     np.ndarray bool [N_pt], True = in the buffer.
   Raises:
-    ValueError: shape mismatch or negative min_per_class.
+    ValueError: shape mismatch, negative min_per_class, or unknown top_up_order.
   Source: paper eq. (7) and §4, SPEC §6.
   """
   loss = np.asarray(per_image_loss, np.float64).reshape(-1)
@@ -62,17 +77,34 @@ def select_buffer(
     raise ValueError(f"class_membership must be [N_pt={loss.shape[0]}, C], got {membership.shape}")
   if min_per_class < 0:
     raise ValueError(f"min_per_class must be >= 0, got {min_per_class}")
+  if top_up_order not in TOP_UP_ORDERS:
+    raise ValueError(
+      f"replay.selection.top_up_order={top_up_order!r} is unknown; known: {list(TOP_UP_ORDERS)}"
+    )
   loss = np.where(np.isnan(loss), np.inf, loss)
   keep = loss < threshold
   order = np.argsort(loss, kind="stable")  # ascending loss, ties by index
   sorted_membership = membership[order]
-  for c in range(membership.shape[1]):
+  num_images, num_classes = membership.shape
+  classes = np.arange(num_classes)
+  if top_up_order == "first_appearance":
+
+    def first_image(rows):
+      return np.where(rows.any(axis=0), np.argmax(rows, axis=0), num_images)
+
+    first_kept = first_image(membership & keep[:, None])
+    first_any = first_image(membership)
+    # Kept classes first (by first kept image), then the others (by first image overall).
+    classes = np.lexsort((classes, first_any, first_kept))
+  for c in classes:
     members = membership[:, c]
     deficit = min_per_class - int(np.count_nonzero(keep & members))
     if deficit <= 0:
       continue
     candidates = order[sorted_membership[:, c] & ~keep[order]]
     keep[candidates if fill_all_for_rare_classes else candidates[:deficit]] = True
+  if drop_images_without_class:
+    keep &= membership.any(axis=1)
   return keep
 
 
@@ -113,7 +145,8 @@ def top_k_embeddings(
 
   Args:
     pred_logits: float [B, T, Q].
-    class_embeddings: float [B, T, E] (class head output, not normalised).
+    class_embeddings: float [B, T, E] (the model's class embeddings: normalised, as scenic's
+      class head returns them with queries).
     query_embeddings: float [B, Q, E] (text projection output, not normalised).
     query_mask: bool [B, Q] valid queries (see `top_k_tokens`).
     k: static (8).
@@ -195,7 +228,8 @@ def per_image_class_token_embeddings(
   For image b and class c with a query q_c in the image (query_class[b, q_c] == c; if
   several, the highest query index): the n = min(max_per_class, instance_counts[b, c])
   tokens with the largest logit pred_logits[b, :, q_c] (= largest sigmoid; ties to the lower
-  token index). sums[b, c] = sum of their class embeddings (raw, not normalised, float32);
+  token index). sums[b, c] = sum of their class embeddings as given (the model's normalised
+  ones, so every token weighs the same in the prototype; float32);
   counts[b, c] = n (0 if c has no instance or no query in the image).
 
   Args:
@@ -222,7 +256,9 @@ def compute_prototypes(sums: Array, counts: Array) -> tuple[Array, Array]:
   """Class prototypes: the mean of all selected class embeddings of each class.
 
   p_c = (sum over images b of sums[b, c]) / (sum over b of counts[b, c]): every selected
-  token weighs the same (pooled mean over the images containing c).
+  token weighs the same (pooled mean over the images containing c). With the model's
+  normalised class embeddings this is the plain mean of unit vectors, not re-normalised
+  (as in the released code's `prototype_utils.compute_prototypes`).
 
   Args:
     sums: float [..., C, E] (any leading dims are summed; e.g. [B, C, E] or already [C, E]).

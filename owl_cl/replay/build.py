@@ -164,13 +164,19 @@ def build_store(
   loss_config: dict,
   batch_size: int,
   example_options: dict | None = None,
+  distance_max_instances: int | None = None,
+  drop_images_without_class: bool = False,
+  top_up_order: str = "class_index",
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
 
   Selection is eq. 7 of the paper (SPEC §6): loss < `loss_threshold`, then each class with
   fewer than `min_per_class` kept images gets its images in ascending loss order.
   `example_options`: preprocessing options of `preprocess_source` (the run's squash,
-  merge_iou, negative_weights).
+  merge_iou, negative_weights). `distance_max_instances`: cap on the class-c embeddings an
+  image's prototype distance takes the min over (None: all its instances, the paper; 6: the
+  released code, which reuses the prototype's top-n_c tokens). `drop_images_without_class`,
+  `top_up_order`: `selection.select_buffer`'s options.
 
   Returns:
     (store, statistics dict: images considered / kept, per-class counts, loss quantiles).
@@ -207,6 +213,8 @@ def build_store(
     loss_threshold,
     min_per_class=min_per_class,
     fill_all_for_rare_classes=fill_all_for_rare_classes,
+    drop_images_without_class=drop_images_without_class,
+    top_up_order=top_up_order,
   )
   if not keep.any():
     raise ValueError(
@@ -222,7 +230,7 @@ def build_store(
     jnp.asarray(examples["query_class"][keep]),
     jnp.asarray(analysis["instance_counts"][keep]),
     prototypes,
-    max_instances=max_instances,
+    max_instances=max_instances if distance_max_instances is None else distance_max_instances,
   )
   buffer = state_lib.make_replay_buffer(
     jnp.asarray(membership[keep]),
@@ -253,12 +261,25 @@ def build_store(
 
 
 def cached_store(
-  cache_root: str, key_material: dict, build_fn
+  cache_root: str,
+  key_material: dict,
+  build_fn,
+  superseded: tuple[tuple[dict, str], ...] = (),
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Loads the store cached under a digest of `key_material`, or builds and caches it.
 
   The store is written to a temporary folder and renamed (ReplayStore.save), so an
   interrupted build never leaves a cache that is later trusted.
+
+  Args:
+    cache_root: folder of the cached stores (one sub-folder per key digest).
+    key_material: JSON-able dict of everything the store depends on.
+    build_fn: `() -> (ReplayStore, stats dict)`.
+    superseded: (key material, reason) of stores that earlier code versions cached for the
+      same run; when one of them is on disk and the current one is not, the rebuild is
+      logged with its reason (e.g. class embeddings that were stored unnormalised).
+  Returns:
+    (store, stats dict with "seconds").
   """
   key = digest(key_material)
   path = os.path.join(cache_root, key)
@@ -267,6 +288,15 @@ def cached_store(
     logging.info("re-using the cached replay buffer %s", path)
     with open(stats_path) as f:
       return store_lib.ReplayStore.load(path), json.load(f)
+  for old_material, reason in superseded:
+    old_path = os.path.join(cache_root, digest(old_material))
+    if os.path.isdir(old_path):
+      logging.warning(
+        "the replay buffer cached in %s is out of date (%s); rebuilding it in %s",
+        old_path,
+        reason,
+        path,
+      )
   start = time.time()
   store, stats = build_fn()
   stats["seconds"] = round(time.time() - start, 1)

@@ -47,8 +47,16 @@ def cosine_distance(a: Array, b: Array, eps: float = NORM_EPS) -> Array:
   return jnp.clip(1.0 - cos, 0.0, 2.0)
 
 
+# Reduction of SWIL's distances over an image's k top embeddings.
+SWIL_REDUCTIONS = ("min", "mean")
+
+
 def similarity_weighted_probs(
-  class_embeddings: Array, prototypes: Array, w: float, class_eligible: Array
+  class_embeddings: Array,
+  prototypes: Array,
+  w: float,
+  class_eligible: Array,
+  reduction: str = "min",
 ) -> Array:
   """SWIL class distribution per new image (similarity-weighted class selection).
 
@@ -66,12 +74,20 @@ def similarity_weighted_probs(
     w: float >= 0; inverse-distance exponent (SPEC §7: 1.0). w = 0 gives uniform over the
       eligible classes. May be a traced scalar.
     class_eligible: bool [C]; classes with at least one eligible buffer image.
+    reduction: how d reduces the k embeddings: 'min' (paper, released default) or 'mean'
+      (the released code's `swil_reduce_type='avg'`).
   Returns:
     float32 [B, C]; each row sums to 1 over eligible classes. If no class is eligible every
     row is all zeros (`sample_classes` then returns -1).
-  Source: paper §4 and suppl. §B (with the inverse power of the prose, SPEC §7), SPEC §7.
+  Raises:
+    ValueError: unknown `reduction`.
+  Source: paper §4 and suppl. §B (with the inverse power of the prose, SPEC §7), SPEC §7;
+    'mean' as the released code's `get_SWIL_retrieval_indices`.
   """
-  d = cosine_distance(class_embeddings, prototypes).min(axis=-2)  # [B, C]
+  if reduction not in SWIL_REDUCTIONS:
+    raise ValueError(f"swil_reduction={reduction!r} is unknown; known: {SWIL_REDUCTIONS}")
+  distances = cosine_distance(class_embeddings, prototypes)  # [B, k, C]
+  d = distances.min(axis=-2) if reduction == "min" else distances.mean(axis=-2)  # [B, C]
   logits = -jnp.asarray(w, jnp.float32) * jnp.log(d + DISTANCE_EPS)
   eligible = jnp.asarray(class_eligible, bool)[None, :]
   logits = jnp.where(eligible, logits, -jnp.inf)

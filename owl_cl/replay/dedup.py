@@ -4,12 +4,15 @@ A dedup mask over the buffer (`ReplayState.dedup_mask`) marks images already rep
 are ineligible until the next reset. Only replays are marked (never candidate sets).
 
 Schedules (by name):
-  'none'     nothing is ever marked ineligible; repeats are allowed, even within one call.
+  'none'     nothing is ever marked ineligible; repeats are allowed, even within one call
+             (with `without_replacement=True`, as in the released code, not within a call).
   'epoch'    reset at the end of every epoch (a dataset's end also ends its last epoch).
   'dataset'  reset at the end of every dataset (the paper's best).
   'fraction' reset once ceil(fraction * N) images were replayed since the last reset
              (paper: 1/3 of the buffer); the reset happens inside the retrieval call that
-             would exceed the period (`auto_reset_if_exhausted`), not at an event.
+             would exceed the period (`auto_reset_if_exhausted`), not at an event; with
+             `fraction_reset='after'` (the released code) after the call whose replays take
+             the count past fraction * N (`reset_after_call`).
 
 Resets happen in three ways:
   * scheduled: the training loop calls `reset_if(state, 'epoch'|'dataset', schedule)` at the
@@ -45,6 +48,7 @@ _SCHEDULES = {
   "dataset": dict(events=("dataset",), marks=True),
   "fraction": dict(events=(), marks=True),
 }
+FRACTION_RESETS = ("before", "after")
 DEFAULT_FRACTION = 1.0 / 3.0  # paper §4: "within 1/3 of the replay buffer that is replayed"
 
 
@@ -56,14 +60,22 @@ class DedupSchedule:
     name: one of `SCHEDULE_NAMES` ('none', 'epoch', 'dataset', 'fraction').
     fraction: the 'fraction' schedule's period as a fraction of the buffer, in (0, 1]
       (None -> 1/3, the paper's); must be None for the other schedules.
+    without_replacement: 'none' only: False (default) lets one call replay an image twice;
+      True samples each call without replacement (the released code's 'batch' schedule).
+      The marking schedules always sample without replacement.
+    fraction_reset: 'fraction' only: 'before' (default) resets inside the call that would
+      take the period past ceil(fraction * N); 'after' (the released code's 'proportion')
+      resets after the call once more than fraction * N images were replayed.
   Raises:
-    ValueError: unknown name, a fraction outside (0, 1], or a fraction given to a schedule
-      that does not take one.
-  Source: paper §4, SPEC §8.
+    ValueError: unknown name, a fraction outside (0, 1], a fraction given to a schedule
+      that does not take one, or an unknown fraction_reset.
+  Source: paper §4, SPEC §8; the released code's `ReplayBuffer.append_indices`.
   """
 
   name: str = "dataset"
   fraction: float | None = None
+  without_replacement: bool = False
+  fraction_reset: str = "before"
 
   def __post_init__(self):
     if self.name not in _SCHEDULES:
@@ -76,6 +88,11 @@ class DedupSchedule:
       object.__setattr__(self, "fraction", float(self.fraction))
     elif self.fraction is not None:
       raise ValueError(f"dedup schedule {self.name!r} takes no fraction")
+    if self.fraction_reset not in FRACTION_RESETS:
+      raise ValueError(
+        f"dedup fraction_reset={self.fraction_reset!r} is unknown; known: {FRACTION_RESETS}"
+      )
+    object.__setattr__(self, "without_replacement", bool(self.without_replacement))
 
   def period(self, num_images: int) -> int:
     """Replays per dedup period of the 'fraction' schedule: ceil(fraction * N) (>= 1)."""
@@ -85,6 +102,11 @@ class DedupSchedule:
   def marks_replays(self) -> bool:
     """Whether replayed images become ineligible (False only for 'none')."""
     return _SCHEDULES[self.name]["marks"]
+
+  @property
+  def samples_without_replacement(self) -> bool:
+    """Whether one retrieval call replays each image at most once (all but plain 'none')."""
+    return self.marks_replays or self.without_replacement
 
   def resets_on(self, event: str) -> bool:
     """Whether the schedule resets at `event` ('epoch' | 'dataset'); ValueError otherwise."""
@@ -111,13 +133,32 @@ class DedupSchedule:
   def period_over(self, state: ReplayState, num_needed) -> Array:
     """bool []: 'fraction' only: num_replayed + num_needed > ceil(fraction * N), i.e. this
     call's replays would not all fit in the current period (so it starts a new one)."""
-    if self.name != "fraction":
+    if self.name != "fraction" or self.fraction_reset == "after":
       return jnp.zeros((), bool)
     period = self.period(state.dedup_mask.shape[0])
     return (state.num_replayed > 0) & (state.num_replayed + num_needed > period)
 
 
 SCHEDULE_NAMES = tuple(_SCHEDULES)
+
+
+def reset_after_call(state: ReplayState, schedule: str | DedupSchedule) -> ReplayState:
+  """The released code's 'fraction' reset (jittable): after a call's replays are marked,
+  resets (like `reset`) iff `fraction_reset == 'after'` and num_replayed > fraction * N.
+
+  Args:
+    state: ReplayState after `mark_replayed`.
+    schedule: schedule name or DedupSchedule (static).
+  Returns:
+    the (possibly) reset state; unchanged for every other schedule.
+  Source: the released code's `ReplayBuffer.append_indices` ('proportion':
+    `dedup_prop * len(buffer) < len(current_indices)` -> reset).
+  """
+  schedule = as_schedule(schedule)
+  if schedule.name != "fraction" or schedule.fraction_reset != "after":
+    return state
+  over = state.num_replayed.astype(jnp.float32) > schedule.fraction * state.dedup_mask.shape[0]
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(over, a, b), reset(state), state)
 
 
 def as_schedule(schedule: str | DedupSchedule) -> DedupSchedule:

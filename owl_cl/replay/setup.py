@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -65,10 +66,11 @@ def make_algorithm(config: ml_collections.ConfigDict):
     if values.get(argument) is not None
   }
   try:
-    schedule = (
-      dedup.DedupSchedule("fraction", replay_config.dedup_fraction)
-      if replay_config.dedup == "fraction"
-      else dedup.as_schedule(replay_config.dedup)
+    schedule = dedup.DedupSchedule(
+      replay_config.dedup,
+      replay_config.dedup_fraction if replay_config.dedup == "fraction" else None,
+      without_replacement=replay_config.dedup_without_replacement,
+      fraction_reset=replay_config.dedup_fraction_reset,
     )
     return algorithms.get_algorithm(name, dedup=schedule, **hyperparameters)
   except ValueError as e:
@@ -110,6 +112,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   source = benchmark.pretrain.train
   data = config.data
   # Imported here: the pre-trained model's module imports this one's siblings only.
+  from owl_cl.pretrained import loss_cache_key  # pylint: disable=g-import-not-at-top
   from owl_cl.pretrained import non_default_data_options  # pylint: disable=g-import-not-at-top
 
   key_material = {
@@ -118,11 +121,13 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     "buffer": selection.to_dict(),
     "top_k": config.replay.top_k,
     "data": [data.num_queries, data.num_negatives, data.max_instances],
-    "loss": config.loss.to_dict(),
+    "loss": loss_cache_key(config),
     "seed": config.seed,
-    "format": 1,
+    # 2: class embeddings normalised as scenic's class head returns them (1: raw).
+    "format": 2,
     **non_default_data_options(config, buffer=True),
   }
+  superseded = ((dict(key_material, format=1), "built with unnormalised class embeddings"),)
   build = lambda: buffer_build.build_store(
     detector.model,
     params,
@@ -142,10 +147,38 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     loss_config=detector.loss_config,
     batch_size=data.eval_batch_size,
     example_options=detector.example_options(source),
+    distance_max_instances=selection.distance_max_instances,
+    drop_images_without_class=selection.drop_images_without_class,
+    top_up_order=selection.top_up_order,
   )
   return buffer_build.cached_store(
-    os.path.join(expand_path(config.cache_dir), "buffers"), key_material, build
+    os.path.join(expand_path(config.cache_dir), "buffers"), key_material, build, superseded
   )
+
+
+# Written into every stage checkpoint's meta: the form of the class embeddings its replay state
+# (ASER-PC's precomputed left term) was computed from ('normalised' as scenic; absent: raw).
+CHECKPOINT_FORMAT = {"class_embeddings": "normalised"}
+
+
+def upgrade_restored_state(
+  replay_state: replay_state_lib.ReplayState, meta: dict, workdir: str
+) -> replay_state_lib.ReplayState:
+  """`replay_state` restored from a stage checkpoint with `meta`, made current.
+
+  Checkpoints written before the class embeddings were normalised hold an ASER-PC left term
+  computed from raw embeddings: it is marked not ready, so the next retrieval recomputes it
+  over the current buffer (logged).
+  """
+  stale = meta.get("class_embeddings") != CHECKPOINT_FORMAT["class_embeddings"]
+  if stale and bool(jax.device_get(replay_state.asv_left_ready)):
+    logging.warning(
+      "the checkpoint in %s holds an ASER-PC left term of unnormalised class embeddings; "
+      "recomputing it",
+      workdir,
+    )
+    return replay_state.replace(asv_left_ready=jnp.zeros((), bool))
+  return replay_state
 
 
 def initial_replay_state(store, seed: int) -> replay_state_lib.ReplayState:
@@ -234,16 +267,29 @@ class Replay:
     sharding_lib.check_batch_divisible(
       self.num_replay, detector.mesh, "replay batch (ratio * batch)"
     )
+    self.algorithm = make_algorithm(config)
+    gate = config.replay.loss_adaptivity
     self.adaptivity = loss_adaptivity_mode(config)
-    self.threshold = float(config.replay.loss_adaptivity.threshold)
+    if (
+      self.adaptivity == "released_gate"
+      and gate.gate_feature_based_only
+      and not self.algorithm.needs_features
+    ):
+      # Released code: only its feature-based forward pass (SWIL, A-SW-GRASP, ASER variants)
+      # has the gate; uniform, balanced and GRASP retrieval always add the replay loss.
+      self.adaptivity = "none"
+    self.threshold = float(gate.threshold)
     self.train_step_options = {
       "alpha": config.replay.der_alpha,
       "beta": config.replay.der_beta,
       "with_replay": True,
       "loss_adaptivity": self.adaptivity,
       "loss_threshold": self.threshold,
+      # Released code: the gate reads each device's own new loss (DDP).
+      "loss_gate_groups": (
+        detector.mesh.shape[sharding_lib.DATA_AXIS] if gate.gate_per_device else 1
+      ),
     }
-    self.algorithm = make_algorithm(config)
     self.records_path = records_path
     self.recorder = None
     if config.replay.records and records_path:

@@ -96,8 +96,9 @@ def init_replay_state(num_buffer: int, key: Any, num_classes: int = 0) -> Replay
     key: PRNG key, typed (`jax.random.key`) or raw uint32 [2] (`jax.random.PRNGKey`); stored
       raw (uint32 [2]).
     num_classes: C, the buffer's classes (needed only by balanced selection with the
-      reshuffled order; 0 = unknown). class_order starts as a random permutation drawn from
-      `fold_in(key, 1)`.
+      reshuffled order; 0 = unknown). `key` is split in two: the first becomes the state's
+      key (split by every retrieval call), the second draws the initial class_order, so the
+      order's key is never one a retrieval call draws.
   Returns:
     ReplayState with an all-False dedup mask, class_pointer -1, zero counters, ASV left term
     not ready.
@@ -108,17 +109,18 @@ def init_replay_state(num_buffer: int, key: Any, num_classes: int = 0) -> Replay
   if int(num_buffer) < 1:
     raise ValueError(f"num_buffer must be >= 1, got {num_buffer}")
   zero = jnp.zeros((), jnp.int32)
+  # Never reuse a key: fold_in(key, 1) would equal split(key, 3)[1], the first retrieval call's
+  # class key (the initial order and that call's classes would be correlated).
+  state_key, order_key = jax.random.split(_raw_key(key))
   return ReplayState(
     dedup_mask=jnp.zeros((int(num_buffer),), bool),
     class_pointer=jnp.full((), -1, jnp.int32),
     num_replayed=zero,
     total_replayed=zero,
     num_resets=zero,
-    key=_raw_key(key),
+    key=state_key,
     auto_reset=jnp.zeros((), bool),
-    class_order=jax.random.permutation(
-      jax.random.fold_in(_raw_key(key), 1), int(num_classes)
-    ).astype(jnp.int32),
+    class_order=jax.random.permutation(order_key, int(num_classes)).astype(jnp.int32),
     asv_left=jnp.zeros((int(num_buffer),), jnp.float32),
     asv_left_min=jnp.zeros((int(num_buffer),), jnp.float32),
     asv_left_ready=jnp.zeros((), bool),

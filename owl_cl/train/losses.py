@@ -58,6 +58,7 @@ __all__ = [
   "hungarian_matching",
   "detection_loss_per_example",
   "detection_loss",
+  "NORMALIZATIONS",
   "distillation_mse",
   "der_plus_plus_loss",
   "LOSS_ADAPTIVITY_MODES",
@@ -477,6 +478,7 @@ def detection_loss_per_example(
         / max(#boxes, 1).
       loss_giou: sum of 1 - GIoU over the same tokens / max(#boxes, 1).
       num_positives, num_boxes: the unclamped normalisers.
+      sum_class, sum_bbox, sum_giou: the three sums before normalisation.
 
   Raises:
     ValueError: inconsistent shapes.
@@ -510,6 +512,10 @@ def detection_loss_per_example(
     loss_giou=jnp.sum(giou, axis=1) / denom,
     num_positives=num_pos,
     num_boxes=num_boxes,
+    # The unnormalised sums, for normalization='per_batch' (`detection_loss`).
+    sum_class=jnp.sum(focal, axis=(1, 2)),
+    sum_bbox=jnp.sum(l1, axis=1),
+    sum_giou=jnp.sum(giou, axis=1),
   )
 
 
@@ -525,6 +531,10 @@ def _weighted_mean(values: Array, weights: Array | None) -> Array:
   return total / jnp.maximum(jnp.sum(w, axis=0), 1e-12)
 
 
+# `detection_loss(normalization=...)`: per image (scenic, paper) | per batch (released code).
+NORMALIZATIONS = ("per_image", "per_batch")
+
+
 def detection_loss(
   pred_logits: Array,
   pred_boxes: Array,
@@ -537,6 +547,7 @@ def detection_loss(
   bbox_weight: float = 1.0,
   giou_weight: float = 1.0,
   example_mask: Array | None = None,
+  normalization: str = "per_image",
 ) -> dict[str, Array]:
   """OWL-ViT detection loss: Hungarian matching, focal class loss, L1 + GIoU box losses.
 
@@ -557,21 +568,32 @@ def detection_loss(
     example_mask: optional bool/float [B]. Images with weight 0 contribute nothing; the batch
       values become sum(w * v) / sum(w) (0 if all are masked). scenic's `batch_mask` instead
       divides by B; the two agree when no image is masked.
+    normalization: 'per_image' (scenic normalization='per_example', SPEC §3: each image's
+      sums divided by its own #positives / #boxes, then the weighted mean over images) or
+      'per_batch' (as in the released code: the batch's focal, L1 and GIoU sums over its
+      (unmasked, weighted) images divided by the batch's total #positives / #boxes, each
+      clamped to >= 1; computed over the whole global batch, where the released code
+      normalises per device). `per_example` is per image in both.
 
   Returns:
     dict of float32:
-      loss []: weighted mean over images of per_example.
+      loss []: weighted mean over images of per_example ('per_image'), or the weighted
+        per-batch-normalised terms ('per_batch').
       per_example [B]: class_weight * cls + bbox_weight * l1 + giou_weight * giou of each
         image, each term normalised within the image (independent of the rest of the batch
         and of example_mask; the replay buffer ranks images by it).
       loss_class, loss_bbox, loss_giou []: the unweighted terms, averaged like `loss`.
 
   Raises:
-    ValueError: inconsistent shapes.
+    ValueError: inconsistent shapes, or an unknown `normalization`.
 
   Source: SPEC §3; scenic `owl_vit/losses.py`, `owl_vit/matching_base_models.py`
-  (normalization='per_example').
+  (normalization='per_example'); 'per_batch' as in the released code.
   """
+  if normalization not in NORMALIZATIONS:
+    raise ValueError(
+      f"loss.normalization={normalization!r} is unknown; known: {list(NORMALIZATIONS)}"
+    )
   pred_logits, pred_boxes = jnp.asarray(pred_logits), jnp.asarray(pred_boxes)
   labels, boxes = jnp.asarray(labels), jnp.asarray(boxes)
   _check_predictions(pred_logits, pred_boxes, labels, boxes)
@@ -602,6 +624,27 @@ def detection_loss(
     + bbox_weight * terms["loss_bbox"]
     + giou_weight * terms["loss_giou"]
   )
+  if normalization == "per_batch":
+    w = jnp.ones(per_example.shape, jnp.float32) if example_mask is None else example_mask
+    w = jnp.asarray(w, jnp.float32)
+    if w.shape != per_example.shape:
+      raise ValueError(f"example weights must be [B] = {per_example.shape}, got {w.shape}")
+    w = jnp.where(w > 0, w, 0.0)
+
+    def total(x):
+      return jnp.sum(w * x)
+
+    loss_class = total(terms["sum_class"]) / jnp.maximum(total(terms["num_positives"]), 1.0)
+    num_boxes = jnp.maximum(total(terms["num_boxes"]), 1.0)
+    loss_bbox = total(terms["sum_bbox"]) / num_boxes
+    loss_giou = total(terms["sum_giou"]) / num_boxes
+    return dict(
+      loss=class_weight * loss_class + bbox_weight * loss_bbox + giou_weight * loss_giou,
+      per_example=per_example,
+      loss_class=loss_class,
+      loss_bbox=loss_bbox,
+      loss_giou=loss_giou,
+    )
   return dict(
     loss=_weighted_mean(per_example, example_mask),
     per_example=per_example,

@@ -112,6 +112,7 @@ def _loss_fn(
   max_unique_queries: int | None,
   loss_adaptivity: str = "none",
   loss_threshold: float = 0.0,
+  loss_gate_groups: int = 1,
 ):
   """Detection loss of the new half plus DER++ on the replay half (SPEC §3).
 
@@ -119,6 +120,11 @@ def _loss_fn(
   (averaged over the replays with `replay_mask`); weight by `loss_adaptivity` (SPEC §9):
   'none' 1; 'paper' r / |B| with r = sum(replay['replay_active']) (eq. 6); 'released_gate'
   1 if L_B >= loss_threshold else 0 (L_B of this forward, as the released code).
+  With `loss_gate_groups` G > 1 ('released_gate' only) the gate is per device as in the
+  released code (DDP): the new and replay halves are split into G contiguous groups (the data
+  sharding), group g's gate reads the mean of its images' per-image new losses, and the replay
+  term is (1/G) sum_g gate_g * L_R,g with L_R,g = alpha * MSE_g + beta * the mean of group g's
+  per-image replay losses (its valid replays).
   """
   num_new = batch["images"].shape[0]
   if replay is None:
@@ -180,6 +186,23 @@ def _loss_fn(
     loss = losses.loss_adaptive_combination(result["new_loss"], replay_total, r, num_slots)
     weight = r.astype(jnp.float32) / num_slots
     metrics["num_above_threshold"] = r
+  elif loss_adaptivity == "released_gate" and loss_gate_groups > 1:
+    g = int(loss_gate_groups)
+    new_per_group = jax.lax.stop_gradient(result["per_example_new"]).reshape(g, -1).mean(axis=1)
+    gates = new_per_group >= loss_threshold  # [G]
+    group = jnp.arange(num_slots) // (num_slots // g)  # replay slot -> its device
+    mask = jnp.asarray(replay_mask, jnp.float32)
+    terms = []
+    for d in range(g):  # G is the device count (static, small)
+      in_d = mask * (group == d)
+      det_d = jnp.sum(in_d * result["per_example_replay"]) / jnp.maximum(jnp.sum(in_d), 1.0)
+      mse_d = losses.distillation_mse(
+        logits_replay, replay["stored_logits"].astype(jnp.float32), example_mask=in_d
+      )
+      terms.append(gates[d] * (alpha * mse_d + beta * det_d))
+    weight = jnp.mean(gates.astype(jnp.float32))
+    loss = result["new_loss"] + jnp.sum(jnp.stack(terms)) / g
+    used = used & gates[group]
   elif loss_adaptivity == "released_gate":
     gate = jax.lax.stop_gradient(result["new_loss"]) >= loss_threshold
     weight = gate.astype(jnp.float32)
@@ -205,6 +228,7 @@ def make_train_step(
   max_unique_queries: int | None = None,
   loss_adaptivity: str = "none",
   loss_threshold: float = 0.0,
+  loss_gate_groups: int = 1,
 ) -> Callable:
   """Builds the jitted, sharded train step.
 
@@ -218,7 +242,8 @@ def make_train_step(
     `loss_adaptivity` (SPEC §9; static): 'none' L = L_B + L_R; 'paper' L = L_B + (r/|B|) L_R
     (eq. 6) with r = sum of `replay['replay_active']` bool [B_r] (slots of the new images whose
     pre-forward loss exceeds l; B_r = B) and L_R over the replays with `replay_mask` and
-    `replay_active`; 'released_gate' drops L_R when L_B < `loss_threshold`.
+    `replay_active`; 'released_gate' drops L_R when L_B < `loss_threshold` (per device as
+    in the released code with `loss_gate_groups` = the device count: `_loss_fn`).
     With replay, metrics also hold `replay_weight` (the factor of L_R) and `replays_in_loss`
     (int32, replayed images that contribute to the loss).
   Raises:
@@ -230,6 +255,8 @@ def make_train_step(
     raise ValueError(
       f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
     )
+  if int(loss_gate_groups) < 1:
+    raise ValueError(f"loss_gate_groups must be >= 1, got {loss_gate_groups!r}")
   loss_fn = functools.partial(
     _loss_fn,
     model=model,
@@ -239,6 +266,7 @@ def make_train_step(
     max_unique_queries=max_unique_queries,
     loss_adaptivity=loss_adaptivity,
     loss_threshold=float(loss_threshold),
+    loss_gate_groups=int(loss_gate_groups),
   )
 
   def step(state: TrainState, batch: Batch, replay: Batch | None, key):

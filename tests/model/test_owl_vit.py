@@ -441,8 +441,11 @@ def test_class_head_matches_numpy(tiny):
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params["class_head"])
   x = np.asarray(feats, np.float64)
   e = x @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
-  np.testing.assert_allclose(out["class_embeddings"], e, rtol=1e-4, atol=1e-4)
   en = e / (np.linalg.norm(e, axis=-1, keepdims=True) + 1e-6)
+  # As scenic's ClassPredictor: normalised class embeddings with queries, raw ones without.
+  np.testing.assert_allclose(out["class_embeddings"], en, rtol=1e-4, atol=1e-4)
+  raw = _japply(model, {"params": params}, feats, method=OwlViT.class_predictor)
+  np.testing.assert_allclose(raw["class_embeddings"], e, rtol=1e-4, atol=1e-4)
   q = np.asarray(q_emb, np.float64)
   qn = q / (np.linalg.norm(q, axis=-1, keepdims=True) + 1e-6)
   sim = np.einsum("bpd,bqd->bpq", en, qn)

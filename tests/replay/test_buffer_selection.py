@@ -152,3 +152,84 @@ def test_prototypes_and_distances_match_numpy():
       d = 1 - (e @ p) / (np.linalg.norm(e, axis=1) * np.linalg.norm(p))
       np.testing.assert_allclose(dist[b, c], d.min(), rtol=1e-5, atol=1e-6)
   assert len(sel_all[0][2]) == 9  # not capped at 6
+
+
+def test_prototype_from_model_class_embeddings_hand_worked():
+  """Class head -> prototype -> prototype distance, worked by hand (scenic/released semantics).
+
+  Class head with identity Dense_0 (zero bias), tokens x = (3, 4) and (0, 10), one query (1, 0).
+  scenic returns the normalised embeddings (0.6, 0.8) and (0, 1) (up to the 1e-6 in the norm);
+  the prototype of the class (2 instances, both tokens) is their plain mean (0.3, 0.9), not
+  re-normalised (released code). Distance of the image: min over its tokens of 1 - cos:
+  token 1: 1 - (0.18 + 0.72) / sqrt(0.90) = 0.0513167; token 2: 1 - 0.9 / sqrt(0.90) = the
+  same; the raw mean (1.5, 7) would give 1 - (0.9 + 5.6) / sqrt(51.25) = 0.0920477 instead.
+  """
+  from owl_cl.model import owl_vit
+
+  head = owl_vit.ClassPredictor(out_dim=2)
+  params = {
+    "Dense_0": {"kernel": np.eye(2, dtype=np.float32), "bias": np.zeros(2, np.float32)},
+    "logit_shift": {"kernel": np.zeros((2, 1), np.float32), "bias": np.zeros(1, np.float32)},
+    "logit_scale": {"kernel": np.zeros((2, 1), np.float32), "bias": np.zeros(1, np.float32)},
+  }
+  x = np.array([[[3.0, 4.0], [0.0, 10.0]]], np.float32)  # [B=1, T=2, D=2]
+  out = head.apply({"params": params}, x, np.array([[[1.0, 0.0]]], np.float32))
+  emb = np.asarray(out["class_embeddings"])
+  # 1e-6 in the denominator moves unit-scale values by < 1e-6 (norms 5 and 10).
+  np.testing.assert_allclose(emb[0], [[0.6, 0.8], [0.0, 1.0]], atol=1e-6)
+  query_class = np.array([[0]])
+  counts = np.array([[2]])
+  sums, cnt = buffer_selection.per_image_class_token_embeddings(
+    out["pred_logits"], out["class_embeddings"], query_class, counts, 2
+  )
+  protos, _ = buffer_selection.compute_prototypes(sums, cnt)
+  np.testing.assert_allclose(np.asarray(protos), [[0.3, 0.9]], atol=1e-6)
+  dist = buffer_selection.prototype_distances(
+    out["pred_logits"], out["class_embeddings"], query_class, counts, protos, max_instances=2
+  )
+  # float32 cosines of unit-scale vectors: ~1e-7 rounding; 1e-6 leaves margin, far below the
+  # 0.04 gap to the raw-prototype value.
+  np.testing.assert_allclose(np.asarray(dist), [[0.0513167]], atol=1e-6)
+
+
+def test_select_buffer_released_options_hand_worked():
+  """Top-up order and images without a class (released code), worked by hand.
+
+  Images (loss; classes): 0 (0.1; c1), 1 (0.9; c0, c1), 2 (0.8; c0), 3 (0.7; c1),
+  4 (0.05; none). t = 0.5 keeps {0, 4}; min_per_class = 2.
+  class_index order: c0 needs 2 -> adds 2 (0.8), 1 (0.9); c1 then has {0, 1}: done.
+  first_appearance order: c1 (in kept image 0) before c0 (first seen in image 1): c1 needs 1
+  -> adds 3 (0.7); c0 needs 2 -> adds 2, 1. Dropping images without a class removes 4.
+  """
+  loss = np.array([0.1, 0.9, 0.8, 0.7, 0.05])
+  membership = np.array([[0, 1], [1, 1], [1, 0], [0, 1], [0, 0]], bool)
+  by_index = buffer_selection.select_buffer(loss, membership, 0.5, min_per_class=2)
+  np.testing.assert_array_equal(np.flatnonzero(by_index), [0, 1, 2, 4])
+  released = buffer_selection.select_buffer(
+    loss,
+    membership,
+    0.5,
+    min_per_class=2,
+    top_up_order="first_appearance",
+    drop_images_without_class=True,
+  )
+  np.testing.assert_array_equal(np.flatnonzero(released), [0, 1, 2, 3])
+  with pytest.raises(ValueError, match="top_up_order='loss'"):
+    buffer_selection.select_buffer(loss, membership, 0.5, top_up_order="loss")
+
+
+def test_prototype_distance_capped_instances_hand_worked():
+  """Prototype distance over at most `max_instances` tokens (released code: 6).
+
+  One image, one class with 8 instances, T = 8 tokens ranked by the class logit 8, 7, ..., 1.
+  Tokens 0..5 point along (0, 1), tokens 6 and 7 along the prototype (1, 0): over all 8
+  instances the min distance is 0 (token 6); over the top 6 it is 1 - cos 90 deg = 1.
+  """
+  logits = np.arange(8, 0, -1, dtype=np.float32).reshape(1, 8, 1)
+  emb = np.zeros((1, 8, 2), np.float32)
+  emb[0, :6, 1] = 1.0
+  emb[0, 6:, 0] = 1.0
+  protos = np.array([[1.0, 0.0]], np.float32)
+  args = (logits, emb, np.array([[0]]), np.array([[8]]), protos)
+  np.testing.assert_allclose(buffer_selection.prototype_distances(*args, max_instances=8), [[0.0]])
+  np.testing.assert_allclose(buffer_selection.prototype_distances(*args, max_instances=6), [[1.0]])

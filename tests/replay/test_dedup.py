@@ -2,6 +2,7 @@
 
 import logging
 
+from conftest import random_buffer
 import jax
 import numpy as np
 import pytest
@@ -119,3 +120,60 @@ def test_epoch_schedule_resets_each_epoch(make_buffer):
     s = dedup.reset_if(s, "epoch", "epoch")
     assert not np.asarray(s.dedup_mask).any()
   assert int(s.num_resets) == 2
+
+
+def test_none_without_replacement_within_call_released():
+  """Released 'batch' schedule: nothing is marked across calls, but one call never repeats an
+  image. One class of exactly 4 members, 4 replays per call: every call must return those 4
+  images (each once); the plain 'none' schedule draws with replacement and repeats some."""
+  membership = np.zeros((8, 1), bool)
+  membership[:4, 0] = True  # images 4..7 belong to no class and are never drawn
+  rng = np.random.default_rng(0)
+  buffer = state_lib.make_replay_buffer(
+    membership,
+    rng.normal(size=(1, 4)).astype(np.float32),
+    np.where(membership, 0.5, np.inf).astype(np.float32),
+    rng.normal(size=(8, 2, 4)).astype(np.float32),
+    rng.normal(size=(8, 2, 4)).astype(np.float32),
+  )
+  released = algorithms.get_algorithm(
+    "uniform_balanced", dedup=dedup.DedupSchedule("none", without_replacement=True)
+  )
+  plain = algorithms.get_algorithm("uniform_balanced", dedup="none")
+  rs = state_lib.init_replay_state(8, jax.random.PRNGKey(1))
+  rp = rs
+  repeats = 0
+  for _ in range(10):
+    idx, valid, rs = released(rs, buffer, {}, 4)
+    assert bool(valid.all()) and sorted(np.asarray(idx).tolist()) == [0, 1, 2, 3]
+    assert not bool(rs.dedup_mask.any())  # nothing is marked across calls
+    idx, _, rp = plain(rp, buffer, {}, 4)
+    repeats += len(set(np.asarray(idx).tolist())) < 4
+  assert repeats > 0  # P(4 distinct of 4 with replacement) = 24/256 per call
+
+
+@pytest.mark.parametrize(
+  "fraction_reset, expected",
+  [
+    # fraction 1/3 of N = 12 -> limit 4; 3 replays per call.
+    # 'after' (released): reset once more than 4 were replayed, after the call: 3, 6 -> reset.
+    ("after", [(3, 0), (0, 1), (3, 1), (0, 2)]),
+    # 'before': the call that would pass ceil(4) resets first: 3, reset + 3, reset + 3, ...
+    ("before", [(3, 0), (3, 1), (3, 2), (3, 3)]),
+  ],
+)
+def test_fraction_reset_timing(fraction_reset, expected):
+  buffer = random_buffer(n=12, c=3)
+  schedule = dedup.DedupSchedule("fraction", 1.0 / 3.0, fraction_reset=fraction_reset)
+  algorithm = algorithms.get_algorithm("uniform", dedup=schedule)
+  rstate = state_lib.init_replay_state(12, jax.random.PRNGKey(2))
+  seen = []
+  for want in expected:
+    idx, valid, rstate = algorithm(rstate, buffer, {}, 3)
+    assert bool(valid.all())
+    seen.append(set(np.asarray(idx).tolist()))
+    assert (int(rstate.num_replayed), int(rstate.num_resets)) == want
+  if fraction_reset == "after":
+    assert not seen[0] & seen[1]  # the first two calls share one period: 6 distinct images
+  with pytest.raises(ValueError, match="fraction_reset='later'"):
+    dedup.DedupSchedule("fraction", 0.5, fraction_reset="later")

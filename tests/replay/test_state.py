@@ -2,12 +2,14 @@
 
 import logging
 
+from conftest import random_buffer
 import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from owl_cl.replay import algorithms
 from owl_cl.replay import state as state_lib
 
 
@@ -59,3 +61,49 @@ def test_make_replay_buffer_validation():
     state_lib.make_replay_buffer(
       m, np.zeros((3, 4)), np.zeros((2, 3)), np.zeros((2, 2, 5)), np.zeros((2, 2, 4))
     )
+
+
+@pytest.mark.parametrize(
+  "name, hyperparameters",
+  [
+    ("a_sw_grasp", {"balanced_order": "reshuffled"}),
+    ("grasp", {"balanced_order": "reshuffled"}),
+    ("aser", {"balanced_order": "reshuffled", "num_candidates": 8}),
+  ],
+)
+def test_no_key_is_drawn_twice(monkeypatch, name, hyperparameters):
+  """Every key derived (split / fold_in) by the initialisation and by 4 retrieval calls is
+  distinct (keys are never reused). The old initial order key fold_in(key, 1) equalled
+  split(key, 3)[1], the first call's class key: it would appear twice here."""
+  k = jax.random.PRNGKey(0)
+  # The collision this test would catch (legacy threefry keys).
+  np.testing.assert_array_equal(jax.random.fold_in(k, 1), jax.random.split(k, 3)[1])
+  drawn = []
+  split, fold_in = jax.random.split, jax.random.fold_in
+
+  def record(fn):
+    def wrapped(*args, **kwargs):
+      out = fn(*args, **kwargs)
+      if not isinstance(out, jax.core.Tracer):  # keys made inside scan bodies are per slot
+        data = np.asarray(
+          jax.random.key_data(out) if jax.dtypes.issubdtype(out.dtype, jax.dtypes.prng_key) else out
+        )
+        drawn.extend(map(tuple, data.reshape(-1, 2)))
+      return out
+
+    return wrapped
+
+  monkeypatch.setattr(jax.random, "split", record(split))
+  monkeypatch.setattr(jax.random, "fold_in", record(fold_in))
+  buffer = random_buffer(n=24, c=6)
+  rstate = state_lib.init_replay_state(buffer.num_images, k, num_classes=6)
+  algorithm = algorithms.get_algorithm(name, dedup="none", **hyperparameters)
+  rng = np.random.default_rng(0)
+  features = {
+    "class_embeddings": rng.normal(size=(4, 3, 8)).astype(np.float32),
+    "query_embeddings": rng.normal(size=(4, 3, 8)).astype(np.float32),
+  }
+  for _ in range(4):
+    _, _, rstate = algorithm(rstate, buffer, features, 4)
+  assert len(drawn) >= 2 + 4 * 3
+  assert len(set(drawn)) == len(drawn)

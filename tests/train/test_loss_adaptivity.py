@@ -333,3 +333,46 @@ def test_inactive_slots_are_invalid_and_not_marked():
     marked = np.flatnonzero(np.asarray(new_state.dedup_mask))
     np.testing.assert_array_equal(marked, np.sort(indices[valid]), err_msg=name)
     assert int(new_state.total_replayed) == 2
+
+
+def test_released_gate_per_device():
+  """The released gate per device (DDP): 2 groups of 2 images (the data sharding).
+
+  Group g's gate reads the mean per-image new loss of its images; the loss is
+  L_B + (1/2) sum_g gate_g * L_R,g with L_R,g over group g's valid replays, computed here
+  from separately computed losses (`_reference_losses` restricted to each group).
+  """
+  model, params, new, replay = _setup()
+  valid = np.array([True, False, True, True])
+  replay = dict(replay, replay_mask=valid)
+  groups = np.array([0, 0, 1, 1])
+  per_example, _ = _reference_losses(model, params, new, replay, valid)
+  per_example = np.asarray(per_example)
+  means = [per_example[groups == g].mean() for g in range(2)]
+  assert abs(means[0] - means[1]) > 1e-3, means
+  threshold = float(np.mean(means))  # exactly one gate is open
+  open_group = int(np.argmax(means))
+  _, replay_open = _reference_losses(model, params, new, replay, valid & (groups == open_group))
+  want = per_example.mean() + 0.5 * float(replay_open)
+
+  grad_fn = jax.jit(
+    lambda p: step_lib._loss_fn(
+      p,
+      new,
+      replay,
+      jax.random.PRNGKey(0),
+      model=model,
+      loss_config=LOSS_CONFIG,
+      alpha=ALPHA,
+      beta=BETA,
+      max_unique_queries=None,
+      loss_adaptivity="released_gate",
+      loss_threshold=threshold,
+      loss_gate_groups=2,
+    )
+  )
+  loss, metrics = jax.device_get(grad_fn(params))
+  # Same float32 sums in another order; values O(1): 1e-5 relative.
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  assert float(metrics["replay_weight"]) == 0.5
+  assert int(metrics["replays_in_loss"]) == int((valid & (groups == open_group)).sum())

@@ -17,6 +17,7 @@ from owl_cl.train import losses
 A, G = 0.3, 2.0
 # Jitted once per shape: eager dispatch of the many small ops is much slower on CPU.
 DET = jax.jit(losses.detection_loss)
+DETN = jax.jit(losses.detection_loss, static_argnames="normalization")
 DERPP = jax.jit(losses.der_plus_plus_loss)
 COST = jax.jit(losses.matching_cost)
 
@@ -494,3 +495,42 @@ def test_sharded_batch_over_8_cpu_devices():
     timeout=240,
   )
   assert res.returncode == 0 and "SHARDED_OK" in res.stdout, res.stdout + res.stderr
+
+
+def test_per_batch_normalization_hand_worked():
+  """normalization='per_batch' (released code): the batch's sums over its total counts.
+
+  Image 0 is the hand-worked image of `test_detection_loss_hand_worked` (1 box, 1 positive:
+  L1 0.2, 1 - GIoU = 1 - (3/7 - 0.005/0.075)); image 1 has the same predictions and no real
+  instance (0 positives, 0 boxes): its class sum is the focal loss of all its logits against
+  0, its box sums are 0. Per batch: class = (cls_0 + neg_1) / 1, L1 = 0.2 / 1,
+  GIoU = gi / 1. Per image: the mean over the 2 images of each image's normalised terms.
+  """
+  logits = np.array([[[0.5, 2.0, -1.0], [0.0, -1.0, 1.0]]], np.float32)
+  pboxes = np.array([[[0.5, 0.5, 0.2, 0.2], [0.2, 0.2, 0.1, 0.1]]], np.float32)
+  gt = np.array([0.55, 0.5, 0.2, 0.3])
+  labels0 = np.array([[[0, 1, 0], [1, 0, 0]]], np.float32)
+  labels1 = np.array([[[1, 0, 0], [1, 0, 0]]], np.float32)  # padding only
+  boxes = np.array([[gt, [0.0, 0.0, 0.0, 0.0]]], np.float32)
+  cat = lambda a, b: np.concatenate([a, b], 0)
+  x = logits[0, :, 1:].astype(np.float64)
+  cls0 = np_focal(x, np.array([[1.0, 0.0], [0.0, 0.0]])).sum()
+  neg1 = np_focal(x, 0).sum()
+  l1 = 0.2
+  gi = 1 - (3 / 7 - 0.005 / 0.075)
+  args = (cat(logits, logits), cat(pboxes, pboxes), cat(labels0, labels1), cat(boxes, boxes))
+  batch = DETN(*args, normalization="per_batch")
+  # float32 losses of O(1) values: ~1e-7 relative rounding; 1e-5 leaves margin.
+  np.testing.assert_allclose(batch["loss_class"], cls0 + neg1, rtol=1e-5)
+  np.testing.assert_allclose(batch["loss_bbox"], l1, rtol=1e-5)
+  np.testing.assert_allclose(batch["loss_giou"], gi, rtol=1e-5)
+  np.testing.assert_allclose(batch["loss"], cls0 + neg1 + l1 + gi, rtol=1e-5)
+  image = DETN(*args)  # default 'per_image'
+  np.testing.assert_allclose(image["loss"], (cls0 + l1 + gi + neg1) / 2, rtol=1e-5)
+  # per_example is per image in both forms.
+  np.testing.assert_allclose(batch["per_example"], [cls0 + l1 + gi, neg1], rtol=1e-5)
+  # A masked image adds nothing to the sums nor to the counts.
+  masked = DETN(*args, normalization="per_batch", example_mask=np.array([True, False]))
+  np.testing.assert_allclose(masked["loss"], cls0 + l1 + gi, rtol=1e-5)
+  with pytest.raises(ValueError, match="loss.normalization='per_device'"):
+    DETN(*args, normalization="per_device")

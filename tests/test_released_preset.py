@@ -1,0 +1,93 @@
+"""The `released` preset (`--config=configs/<algorithm>.py:released`): every paper/released-code
+switch at once, and each switch reaching the function it feeds."""
+
+import importlib
+import os
+
+import pytest
+
+from owl_cl import experiment
+
+ALGORITHM_FILES = sorted(
+  f[:-3]
+  for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))
+  if f.endswith(".py") and f not in ("__init__.py", "base.py")
+)
+
+# field path -> (default, released value); README "Paper vs released code".
+SWITCHES = {
+  "loss.normalization": ("per_image", "per_batch"),
+  "replay.grasp_weight": (1.0, 0.7),
+  "replay.swil_reduction": ("min", "min"),
+  "replay.balanced_order": ("sequential", "reshuffled"),
+  "replay.adaptive_entropy_classes": ("eligible", "all"),
+  "replay.exhausted_class": ("fallback", "redraw"),
+  "replay.dedup_without_replacement": (False, True),
+  "replay.dedup_fraction_reset": ("before", "after"),
+  "replay.aser.asv_token_matching": ("all_to_all", "nearest_token"),
+  "replay.aser.asv_distance": ("l2", "l2"),
+  "replay.aser.asv_weight_reduction": ("min", "max"),
+  "replay.loss_adaptivity.gate_per_device": (False, True),
+  "replay.loss_adaptivity.gate_feature_based_only": (False, True),
+  "replay.selection.fill_all_for_rare_classes": (False, True),
+  "replay.selection.distance_max_instances": (None, 6),
+  "replay.selection.drop_images_without_class": (False, True),
+  "replay.selection.top_up_order": ("class_index", "first_appearance"),
+  "train.layerwise_granularity": ("layer", "tensor"),
+  "data.squash_resize": (False, True),
+  "data.negatives_by_frequency": (False, True),
+  "eval.ensemble": ("logits", "probabilities"),
+}
+
+
+def _get(c, path):
+  for part in path.split("."):
+    c = c[part]
+  return c
+
+
+def _config(name, arg):
+  return importlib.import_module(f"configs.{name}").get_config(arg)
+
+
+@pytest.mark.parametrize("name", ALGORITHM_FILES)
+def test_released_preset_sets_every_switch(name):
+  default, released = _config(name, ""), _config(name, "released")
+  for path, (want_default, want_released) in SWITCHES.items():
+    assert _get(default, path) == want_default, path
+    assert _get(released, path) == want_released, path
+  # Nothing else changes (same algorithm, same protocol).
+  flat_default = default.to_dict()
+  flat_released = released.to_dict()
+  assert flat_released["replay"]["algorithm"] == flat_default["replay"]["algorithm"]
+  assert released.train.carry == "last"  # the built-in benchmark has no validation splits
+  assert released.replay.loss_adaptivity.mode == default.replay.loss_adaptivity.mode
+  both = _config(name, "paper,released")
+  assert both.model.variant == "vit_l14" and both.train.carry == "best_validation"
+  for path, (_, want_released) in SWITCHES.items():
+    assert _get(both, path) == want_released, path
+  with pytest.raises(ValueError, match="unknown config argument"):
+    _config(name, "paper,releasd")
+
+
+def test_released_switches_reach_the_retrieval_functions():
+  c = _config("a_sw_grasp", "released")
+  algorithm = experiment.make_algorithm(c)
+  assert algorithm.adaptive_entropy_classes == "all"
+  assert algorithm.balanced_order == "reshuffled" and algorithm.grasp_weight == 0.7
+  c.replay.dedup = "fraction"
+  schedule = experiment.make_algorithm(c).dedup
+  assert (schedule.name, schedule.fraction_reset) == ("fraction", "after")
+  c.replay.dedup = "none"
+  schedule = experiment.make_algorithm(c).dedup
+  assert schedule.samples_without_replacement
+  aser = experiment.make_algorithm(_config("aser", "released"))
+  assert (aser.asv_token_matching, aser.asv_weight_reduction) == ("nearest_token", "max")
+  c = _config("a_sw_grasp", "")
+  c.replay.adaptive_entropy_classes = "most"
+  with pytest.raises(experiment.ConfigError, match="adaptive_entropy_classes='most'"):
+    experiment.make_algorithm(c)
+  c = _config("uniform", "")
+  c.replay.dedup_fraction_reset = "later"
+  with pytest.raises(experiment.ConfigError, match="fraction_reset='later'"):
+    experiment.make_algorithm(c)
