@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from owl_cl import experiment
+from owl_cl.replay import setup as replay_setup
+from owl_cl.validation import ConfigError
 
 ALGORITHM_FILES = sorted(
   f[:-3]
@@ -72,22 +73,22 @@ def test_released_preset_sets_every_switch(name):
 
 def test_released_switches_reach_the_retrieval_functions():
   c = _config("a_sw_grasp", "released")
-  algorithm = experiment.make_algorithm(c)
+  algorithm = replay_setup.make_algorithm(c)
   assert algorithm.adaptive_entropy_classes == "all"
   assert algorithm.balanced_order == "reshuffled" and algorithm.grasp_weight == 0.7
   c.replay.dedup = "fraction"
-  schedule = experiment.make_algorithm(c).dedup
+  schedule = replay_setup.make_algorithm(c).dedup
   assert (schedule.name, schedule.fraction_reset) == ("fraction", "after")
   c.replay.dedup = "none"
-  schedule = experiment.make_algorithm(c).dedup
+  schedule = replay_setup.make_algorithm(c).dedup
   assert schedule.samples_without_replacement
-  aser = experiment.make_algorithm(_config("aser", "released"))
+  aser = replay_setup.make_algorithm(_config("aser", "released"))
   assert (aser.asv_token_matching, aser.asv_weight_reduction) == ("nearest_token", "max")
   c = _config("a_sw_grasp", "")
   c.replay.adaptive_entropy_classes = "most"
-  with pytest.raises(experiment.ConfigError, match="adaptive_entropy_classes='most'"):
-    experiment.make_algorithm(c)
+  with pytest.raises(ConfigError, match="adaptive_entropy_classes='most'"):
+    replay_setup.make_algorithm(c)
   c = _config("uniform", "")
   c.replay.dedup_fraction_reset = "later"
-  with pytest.raises(experiment.ConfigError, match="fraction_reset='later'"):
-    experiment.make_algorithm(c)
+  with pytest.raises(ConfigError, match="fraction_reset='later'"):
+    replay_setup.make_algorithm(c)
