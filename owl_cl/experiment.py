@@ -80,9 +80,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """
   py_logging.getLogger("absl").setLevel(py_logging.INFO)
   workdir = expand_path(workdir)
-  if config.compilation_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", expand_path(config.compilation_cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   # Init / resume order, the same on every start:
   #   1. validate the config (and the real data's files) before anything is written;
   #   2. claim the workdir (run.json; a workdir of another config is refused);
@@ -91,8 +88,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   #      rebuilt (or read from the caches) identically on a resume;
   #   4. the last finished stage's checkpoint, if any, replaces the starting parameters and
   #      replay state (stage 0 = evaluated after pre-training); training goes on after it.
-  validation.validate(config)
+  validation.validate(config, workdir)
   replay_setup.check_replay_config(config)
+  # After the checks: nothing (not even the compilation cache's folder) is written for a bad
+  # config.
+  if config.compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", expand_path(config.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   run_id = check_workdir(workdir, config)
   wall_start = time.time()
   bench = benchmark_lib.load_benchmark(config)
