@@ -348,7 +348,8 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
   Raises:
     ConfigError: `train.per_dataset` naming a dataset outside the run's registry or setting
       an unknown field; `train.carry` unknown, or 'best_validation' with a dataset that has
-      no valid split; an unknown `eval.downstream_after_each_dataset`.
+      no valid split; an unknown `eval.downstream_after_each_dataset`; a training set
+      smaller than one batch (an empty one included).
   """
   known = {d.name for d in benchmark.sequence}
   if uses_real_data(config):
@@ -367,6 +368,13 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
         f"{without} lack (the built-in benchmark has none)"
       )
   check_downstream_eval_mode(config)
+  batch_size = config.train.batch_size
+  small = [f"{d.name} ({len(d.train)})" for d in benchmark.sequence if len(d.train) < batch_size]
+  if small:
+    raise ConfigError(
+      f"config.train.batch_size={batch_size} is larger than the training set of {small} "
+      "(images in brackets): not one step could be taken; lower the batch size or fix the data"
+    )
 
 
 # ----------------------------------------------------------------------------- real data
