@@ -320,3 +320,42 @@ def test_compilation_cache_follows_cache_dir(tmp_path):
   assert experiment.compilation_cache_dir(config) == str(tmp_path / "xla")
   config.compilation_cache_dir = ""
   assert experiment.compilation_cache_dir(config) == ""
+
+
+def test_step_loop_stops_at_the_first_logged_non_finite_loss(monkeypatch):
+  """The loop's own host fetch (every `log_every_steps` steps) carries the guard."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from owl_cl.replay import setup as replay_setup  # pylint: disable=g-import-not-at-top
+
+  batch = {name: np.zeros((1,)) for name in trainer.MODEL_INPUTS}
+  detector = types.SimpleNamespace(
+    config=types.SimpleNamespace(train=types.SimpleNamespace(log_every_steps=2)),
+    train_batches=lambda source, **kwargs: iter([batch] * 8),
+    mesh=None,
+  )
+  monkeypatch.setattr(trainer.sharding_lib, "shard_batch", lambda batch, mesh: batch)
+  steps, logged = [], []
+
+  def train_step(state, inputs, replay_inputs, key):
+    steps.append(len(steps) + 1)
+    return state, {"loss": np.float32(math.nan if len(steps) >= 3 else 1.0)}
+
+  loop = trainer.LoopState(train_state=None, replay_state=None, key=jax.random.PRNGKey(0))
+  with pytest.raises(trainer.TrainingDivergedError, match="in pre-training at step 4: loss = nan"):
+    trainer.train_loop(
+      detector,
+      loop,
+      train_step=train_step,
+      replay=replay_setup.NoReplay(),
+      source=None,
+      batch_size=1,
+      data_seed=0,
+      total_steps=8,
+      num_epochs=1,
+      desc="pre-training",
+      on_log=lambda loop, metrics: logged.append(loop.step) or {},
+      learning_rate=1e6,
+    )
+  assert steps == [1, 2, 3, 4] and logged == [2]  # stopped at step 4, nothing logged after
