@@ -72,7 +72,7 @@ def check_finite(metrics: dict, desc: str, step: int, learning_rate: float | Non
         f"training diverged in {desc} at step {step}: {name} = {value}; the run stops "
         f"here (results.json stays 'running', the last finished dataset's checkpoint is "
         f"kept). Try a lower learning rate{lr}, a longer warmup, or gradient clipping "
-        "(config.train.grad_clip_norm), then run the same workdir again"
+        "(config.train.grad_clip_norm), in a new --workdir (this one holds this config's run)"
       )
 
 
