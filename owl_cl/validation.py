@@ -57,7 +57,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   Raises:
     ConfigError: one message listing every out-of-range field with its value, an unwritable
       workdir, an unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or
-      `train.carry`, a CLIP tokenizer without its vocabulary.
+      `train.carry`, a CLIP tokenizer without its vocabulary, an `init_checkpoint` folder
+      that holds no checkpoint.
     MissingInputsError: the paper's protocol with missing inputs (`check_inputs`), checked
       once the fields are valid.
   """
@@ -69,7 +70,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       check(config)
     except ConfigError as e:
       problems.append(str(e))
-  problems += [p for p in [clip_vocabulary_problem(config)] if p]
+  problems += [p for p in [clip_vocabulary_problem(config), init_checkpoint_problem(config)] if p]
   if problems:
     raise ConfigError(
       f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n"
@@ -277,6 +278,38 @@ def workdir_problem(workdir: str) -> str:
     what = "workdir" if existing == path else f"workdir {path} cannot be created: its parent"
     return f"{what} {existing} is not writable by this user"
   return ""
+
+
+def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
+  """What makes `config.init_checkpoint` unreadable before it is read ('' when it looks fine).
+
+  A folder must be one of the formats `pretrained.load_init_checkpoint` reads: an owl_cl
+  parameter checkpoint (`params/` written by orbax, with its `_METADATA`), an HF folder
+  (`config.json`) or a folder of scenic `checkpoint_<step>` files. A missing path is
+  reported by `check_inputs` (real data) or when loading; a wrong model size by the loader
+  (`CheckpointMismatchError`).
+  """
+  if not config.get("init_checkpoint"):
+    return ""
+  path = expand_path(config.init_checkpoint)
+  if not os.path.isdir(path):
+    return ""
+  params = os.path.join(path, "params")
+  if os.path.isdir(params):
+    if os.path.exists(os.path.join(params, "_METADATA")):
+      return ""
+    return (
+      f"config.init_checkpoint={path} is not an owl_cl parameter checkpoint: {params} has no "
+      "orbax _METADATA (an interrupted or foreign copy?)"
+    )
+  names = os.listdir(path)
+  if "config.json" in names or any(n.startswith("checkpoint_") for n in names):
+    return ""
+  return (
+    f"config.init_checkpoint={path} is a folder holding no checkpoint: neither params/ (an "
+    "owl_cl parameter checkpoint), config.json (an HF OwlViTForObjectDetection folder) nor "
+    f"checkpoint_<step> files (scenic) for model.variant={config.model.variant!r}"
+  )
 
 
 def uses_real_data(config: ml_collections.ConfigDict) -> bool:

@@ -164,6 +164,19 @@ def test_unwritable_workdir_parent_is_refused(tmp_path, capsys):
   assert f"{parent} is not writable" in err
 
 
+@pytest.mark.parametrize("junk", ["notes.txt", "params/garbage.bin"])
+def test_init_checkpoint_folder_of_junk_is_refused(junk, tmp_path, workdir, capsys):
+  folder = tmp_path / "ckpt"
+  (folder / junk).parent.mkdir(parents=True, exist_ok=True)
+  (folder / junk).write_text("junk")
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.init_checkpoint = str(folder)
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"config.init_checkpoint={folder} is " in err
+  assert "no checkpoint" in err or "no orbax _METADATA" in err
+
+
 def test_unknown_algorithm_is_refused(tmp_path, workdir, capsys):
   config = tiny_config("swil", str(tmp_path / "cache"))
   config.replay.algorithm = "swill"
