@@ -70,7 +70,9 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       check(config)
     except ConfigError as e:
       problems.append(str(e))
-  problems += [p for p in [clip_vocabulary_problem(config), init_checkpoint_problem(config)] if p]
+  problems += [p for p in [init_checkpoint_problem(config)] if p]
+  if not uses_real_data(config):  # With real data, `check_inputs` lists it with the files.
+    problems += [p for p in [clip_vocabulary_problem(config)] if p]
   if problems:
     raise ConfigError(
       f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n"
