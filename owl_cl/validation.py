@@ -288,12 +288,15 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   A folder must be one of the formats `pretrained.load_init_checkpoint` reads: an owl_cl
   parameter checkpoint (`params/` written by orbax, with its `_METADATA`), an HF folder
   (`config.json`) or a folder of scenic `checkpoint_<step>` files. A missing path is
-  reported by `check_inputs` (real data) or when loading; a wrong model size by the loader
-  (`CheckpointMismatchError`).
+  reported here (built-in benchmark) or by `check_inputs` (real data); a wrong model size
+  by the loader (`CheckpointMismatchError`).
   """
   if not config.get("init_checkpoint"):
     return ""
   path = expand_path(config.init_checkpoint)
+  if not os.path.exists(path):
+    # With real data `check_inputs` lists it among every missing input.
+    return "" if uses_real_data(config) else f"config.init_checkpoint={path} does not exist"
   if not os.path.isdir(path):
     return ""
   params = os.path.join(path, "params")

@@ -177,6 +177,14 @@ def test_init_checkpoint_folder_of_junk_is_refused(junk, tmp_path, workdir, caps
   assert "no checkpoint" in err or "no orbax _METADATA" in err
 
 
+def test_missing_init_checkpoint_is_refused(tmp_path, workdir, capsys):
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.init_checkpoint = str(tmp_path / "nowhere")
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"config.init_checkpoint={tmp_path / 'nowhere'} does not exist" in err
+
+
 def test_unknown_algorithm_is_refused(tmp_path, workdir, capsys):
   config = tiny_config("swil", str(tmp_path / "cache"))
   config.replay.algorithm = "swill"
