@@ -380,3 +380,50 @@ def test_step_loop_stops_at_the_first_logged_non_finite_loss(monkeypatch):
       learning_rate=1e6,
     )
   assert steps == [1, 2, 3, 4] and logged == [2]  # stopped at step 4, nothing logged after
+
+
+@pytest.fixture(scope="module")
+def fake_root(tmp_path_factory):
+  """A tiny copy of the paper's data layout (2 ODinW datasets, Objects365, LVIS)."""
+  from owl_cl.testing import fake_data  # pylint: disable=g-import-not-at-top
+
+  root = str(tmp_path_factory.mktemp("data"))
+  fake_data.write_fake_odinw(root, ("Pothole", "Dice"), num_images=dict(train=4, val=2, test=4))
+  fake_data.write_fake_objects365(root, num_images=dict(train=8, val=4))
+  fake_data.write_fake_lvis(root, num_images=dict(train=2, val=4))
+  return root
+
+
+def test_invalid_annotation_json_is_refused_before_the_run_is_claimed(
+  fake_root, tmp_path, workdir, capsys
+):
+  from owl_cl.testing.configs import load_config  # pylint: disable=g-import-not-at-top
+
+  config = load_config("swil", "paper")
+  config.data.root = fake_root
+  config.data.odinw_datasets = ("Pothole", "Dice")
+  config.init_checkpoint = str(tmp_path / "weights.msgpack")
+  open(config.init_checkpoint, "w").close()  # exists; never read: the data check comes first
+  config.cache_dir = str(tmp_path / "cache")
+  config.model.variant, config.model.tokenizer = "tiny", "word_hash"
+  annotations = os.path.join(fake_root, "odinw/pothole/train/annotations_without_background.json")
+  with open(annotations) as f:
+    good = f.read()
+  before = snapshot(workdir)
+  try:
+    with open(annotations, "w") as f:
+      f.write(good[:50])
+    with pytest.raises(main.known_errors()) as raised:
+      experiment.run(config, workdir)
+  finally:
+    with open(annotations, "w") as f:
+      f.write(good)
+  with pytest.raises(SystemExit) as exited:
+    main.fail(raised.value)
+  assert exited.value.code == 2
+  assert f"{annotations}: not valid json" in capsys.readouterr().err
+  # The files already there are unchanged; the run's lock file (empty once released) is the
+  # only addition: no run.json, so the corrected command is not refused as another config.
+  after = snapshot(workdir)
+  assert after.pop(utils.LOCK_FILE) == b""
+  assert after == before
