@@ -15,6 +15,11 @@
 Resuming: every finished stage is checkpointed (orbax) together with the metrics so far; the
 same command on the same workdir restores the last finished stage and goes on from there. A
 workdir that holds a run of a different config is refused (nothing is overwritten).
+
+One run per workdir: the run holds `<workdir>/.owl_cl.lock` (`utils.workdir_lock`); a second
+one is refused at once with the holder's pid and host, and the lock of a killed run is taken
+over. A bad config is refused before anything is written; data problems before `run.json`
+claims the workdir (so the corrected command is not "a different config").
 """
 
 from __future__ import annotations
