@@ -79,8 +79,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.sequence_seed = ml_collections.config_dict.placeholder(int)
   # Where cached artefacts (built-in benchmark, pre-trained models, buffers) live.
   c.cache_dir = "~/.cache/owl_cl"
-  # Persistent XLA compilation cache ('' disables): later runs skip recompiling.
-  c.compilation_cache_dir = "~/.cache/owl_cl/xla"
+  # Persistent XLA compilation cache: later runs skip recompiling. None: <cache_dir>/xla
+  # (follows --config.cache_dir); '' disables it.
+  c.compilation_cache_dir = ml_collections.config_dict.placeholder(str)
 
   # --- model ---------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()

@@ -15,10 +15,16 @@
 Resuming: every finished stage is checkpointed (orbax) together with the metrics so far; the
 same command on the same workdir restores the last finished stage and goes on from there. A
 workdir that holds a run of a different config is refused (nothing is overwritten).
+
+One run per workdir: the run holds `<workdir>/.owl_cl.lock` (`utils.workdir_lock`); a second
+one is refused at once with the holder's pid and host, and the lock of a killed run is taken
+over. A bad config is refused before anything is written; data problems before `run.json`
+claims the workdir (so the corrected command is not "a different config").
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging as py_logging
 import os
@@ -33,6 +39,7 @@ from tensorboardX import SummaryWriter
 from owl_cl import benchmark as benchmark_lib
 from owl_cl import pretrained
 from owl_cl import trainer
+from owl_cl import utils
 from owl_cl import validation
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
@@ -49,26 +56,63 @@ def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
   Raises:
     ConfigError: the workdir holds a run of another config (it would be overwritten).
   """
-  os.makedirs(workdir, exist_ok=True)
-  run_file = os.path.join(workdir, "run.json")
-  config_json = json.loads(config.to_json_best_effort())
-  if os.path.exists(run_file):
-    with open(run_file) as f:
-      existing = json.load(f)
-    if existing.get("config") != config_json:
-      changed = sorted(
-        k
-        for k in set(existing.get("config", {})) | set(config_json)
-        if existing.get("config", {}).get(k) != config_json.get(k)
-      )
-      raise ConfigError(
-        f"workdir {workdir} holds a run of a different config (differing fields: "
-        f"{changed}); use another --workdir or the same config to resume it"
-      )
+  existing = existing_run(workdir, config)
+  if existing is not None:
     return existing["run_id"]
+  os.makedirs(workdir, exist_ok=True)
   run_id = uuid.uuid4().hex
-  atomic_write_json(run_file, {"run_id": run_id, "config": config_json}, indent=2, sort_keys=True)
+  config_json = json.loads(config.to_json_best_effort())
+  atomic_write_json(
+    os.path.join(workdir, "run.json"),
+    {"run_id": run_id, "config": config_json},
+    indent=2,
+    sort_keys=True,
+  )
   return run_id
+
+
+def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None:
+  """The `workdir/run.json` record of a run of `config` (None: no run yet). Writes nothing.
+
+  Raises:
+    ConfigError: the workdir holds a run of another config (it would be overwritten).
+  """
+  run_file = os.path.join(workdir, "run.json")
+  if not os.path.exists(run_file):
+    return None
+  config_json = json.loads(config.to_json_best_effort())
+  with open(run_file) as f:
+    existing = json.load(f)
+  if existing.get("config") != config_json:
+    changed = sorted(
+      k
+      for k in set(existing.get("config", {})) | set(config_json)
+      if existing.get("config", {}).get(k) != config_json.get(k)
+    )
+    raise ConfigError(
+      f"workdir {workdir} holds a run of a different config (differing fields: "
+      f"{changed}); use another --workdir or the same config to resume it"
+    )
+  return existing
+
+
+def remove_stale_temporaries(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Clears the leftovers of killed writes: the workdir's (it is locked: all of them are
+  stale) and the caches' (only old ones: a cache is shared with concurrent runs)."""
+  for folder in (workdir, os.path.join(workdir, "records")):
+    utils.remove_stale_temporaries(folder, min_age_seconds=0.0)
+  cache = expand_path(config.cache_dir)
+  for folder in (cache, *(os.path.join(cache, f) for f in ("builtin", "pretrained", "buffers"))):
+    utils.remove_stale_temporaries(folder)
+
+
+def compilation_cache_dir(config: ml_collections.ConfigDict) -> str:
+  """The XLA compilation cache folder: `compilation_cache_dir`, None = `<cache_dir>/xla`,
+  '' = none (returned as '')."""
+  folder = config.compilation_cache_dir
+  if folder is None:
+    return os.path.join(expand_path(config.cache_dir), "xla")
+  return expand_path(folder) if folder else ""
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -77,26 +121,45 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   Raises:
     ConfigError: a config value that cannot be used, or a workdir holding another run.
     MissingInputsError: the paper's protocol with missing inputs (all of them listed).
+    WorkdirLockedError: another process runs in `workdir` (its pid and host named).
+    TrainingDivergedError: a non-finite loss or gradient norm (the last stage checkpoint
+      stays; results.json is not marked complete).
   """
   py_logging.getLogger("absl").setLevel(py_logging.INFO)
   workdir = expand_path(workdir)
-  if config.compilation_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", expand_path(config.compilation_cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   # Init / resume order, the same on every start:
   #   1. validate the config (and the real data's files) before anything is written;
-  #   2. claim the workdir (run.json; a workdir of another config is refused);
+  #   2. lock the workdir (a second run is refused), load the benchmark and check the
+  #      sequence, then claim the workdir (run.json; a workdir of another config is refused);
   #   3. benchmark, detector, starting parameters (init_checkpoint > cached pre-trained
   #      model > pre-train now) and the replay store: all deterministic in the config, so
   #      rebuilt (or read from the caches) identically on a resume;
   #   4. the last finished stage's checkpoint, if any, replaces the starting parameters and
   #      replay state (stage 0 = evaluated after pre-training); training goes on after it.
-  validation.validate(config)
+  validation.validate(config, workdir)
   replay_setup.check_replay_config(config)
-  run_id = check_workdir(workdir, config)
+  existing_run(workdir, config)
+  # After the checks: nothing (not even the compilation cache's folder) is written for a bad
+  # config. One run per workdir: a second one is refused before it writes anything; on
+  # several hosts (one workdir on a shared file system), process 0 holds the lock.
+  lock = utils.workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+  with lock:
+    remove_stale_temporaries(config, workdir)
+    compilation_cache = compilation_cache_dir(config)
+    if compilation_cache:
+      jax.config.update("jax_compilation_cache_dir", compilation_cache)
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return _run(config, workdir)
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """`run` after the checks, with the workdir locked."""
   wall_start = time.time()
   bench = benchmark_lib.load_benchmark(config)
   validation.check_sequence_config(config, bench)
+  # Claimed only once the data is checked too: a run refused for its data leaves no run.json
+  # that would refuse the corrected command as "a different config".
+  run_id = check_workdir(workdir, config)
   detector = Detector(config)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
   checkpointer = checkpointing.StageCheckpointer(

@@ -7,13 +7,20 @@ workdir. The same command on the same workdir resumes after the last finished da
 Multi-host (TPU pod slices, several GPU nodes): add `--distributed` on every host (the
 coordinator from `--coordinator_address` / `JAX_COORDINATOR_ADDRESS`, else JAX's detection).
 Any config field can be overridden: `--config.replay.dedup=epoch`.
+
+Errors of the user's input (a bad config value, missing or malformed data, a checkpoint of
+another model, a workdir of another run or in use by another process) print one message
+naming the culprit, without a traceback (`--verbose` or `--verbosity=1` adds it), and exit
+with status 2; a diverged training (non-finite loss) exits with status 1.
 """
 
 from __future__ import annotations
 
 import logging as py_logging
 import os
+import sys
 import time
+import traceback
 
 from absl import app
 from absl import flags
@@ -53,6 +60,16 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
   "process_id", None, "With --distributed: this process's index (default from the environment)."
 )
+
+_VERBOSE = flags.DEFINE_bool(
+  "verbose",
+  False,
+  "Print the Python traceback of known errors (bad config, data, checkpoints, workdir) too.",
+)
+
+# Exit statuses of the known errors (`main`): bad input, and a run that stopped on its own.
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 1
 
 
 def default_workdir(experiment_name: str) -> str:
@@ -98,10 +115,64 @@ def main(argv):
   workdir = _WORKDIR.value or default_workdir(config.experiment_name)
   logging.info("workdir: %s", os.path.abspath(workdir))
   # One process's exception ends the whole multi-process run (the others are stopped by JAX's
-  # coordination service, naming it); with one process it propagates as usual.
+  # coordination service, naming it); with one process it propagates as usual. A known error
+  # (the user's input) is one message and exit status 2 on the process that found it.
   with distributed.fail_fast():
-    experiment.run(config, workdir)
+    try:
+      experiment.run(config, workdir)
+    except known_errors() as e:
+      fail(e, verbose=_VERBOSE.value or logging.level_debug())
+
+
+def known_errors() -> tuple[type[BaseException], ...]:
+  """The exceptions that are the user's input, not a bug: reported without a traceback."""
+  # pylint: disable=g-import-not-at-top
+  from owl_cl.data.coco import DataError
+  from owl_cl.eval.results import ResultsConflictError
+  from owl_cl.model.convert import CheckpointMismatchError
+  from owl_cl.trainer import TrainingDivergedError
+  from owl_cl.utils import WorkdirLockedError
+  from owl_cl.validation import ConfigError
+
+  return (
+    ConfigError,
+    DataError,
+    CheckpointMismatchError,
+    ResultsConflictError,
+    WorkdirLockedError,
+    TrainingDivergedError,
+  )
+
+
+def fail(error: BaseException, verbose: bool = False) -> None:
+  """Prints `error` as one message (with its traceback when verbose) and exits non-zero.
+
+  Raises:
+    SystemExit: EXIT_DIVERGED for a diverged training, else EXIT_BAD_INPUT.
+  """
+  from owl_cl.trainer import TrainingDivergedError  # pylint: disable=g-import-not-at-top
+
+  if verbose:
+    traceback.print_exception(error)
+  print(f"error: {error}", file=sys.stderr, flush=True)
+  sys.exit(EXIT_DIVERGED if isinstance(error, TrainingDivergedError) else EXIT_BAD_INPUT)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a config typo reported as one line (exit status 2).
+
+  ml_collections raises AttributeError / KeyError (with a "did you mean" hint) for an
+  override of a field the config lacks; absl would print its traceback.
+  """
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    # The message arrives as the repr of a KeyError's: undo its quoting and line breaks.
+    hint = str(e.args[0] if e.args else e).strip("'\"")
+    hint = hint.replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
+    print(f"error: unknown config field in the command line: {hint}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -40,6 +40,42 @@ from owl_cl.validation import check_per_dataset_fields
 MODEL_INPUTS = ("images", "queries", "labels", "boxes")
 
 
+class TrainingDivergedError(RuntimeError):
+  """A non-finite loss or gradient norm; the message names the phase, step and value."""
+
+
+# Host metrics checked for finiteness at every logged step (`check_finite`).
+GUARDED_METRICS = ("loss", "grad_norm")
+
+
+def check_finite(metrics: dict, desc: str, step: int, learning_rate: float | None) -> None:
+  """Raises TrainingDivergedError if a GUARDED_METRICS entry of `metrics` is NaN or inf.
+
+  Checked on the metrics the loop already fetches to the host (every
+  `train.log_every_steps` steps and the last one), so the guard adds no device sync: a
+  divergence is caught at most `log_every_steps - 1` steps late (a NaN stays NaN: the
+  parameters it reached are NaN too).
+
+  Args:
+    metrics: host metrics of one step.
+    desc: the phase, e.g. 'dataset 2: negative' or 'pre-training'.
+    step: the step within the phase (1-based).
+    learning_rate: the phase's peak learning rate (for the hint), None when unknown.
+  """
+  for name in GUARDED_METRICS:
+    if name not in metrics:
+      continue
+    value = float(np.asarray(metrics[name]))
+    if not np.isfinite(value):
+      lr = f" (now {learning_rate:g})" if learning_rate is not None else ""
+      raise TrainingDivergedError(
+        f"training diverged in {desc} at step {step}: {name} = {value}; the run stops "
+        f"here (results.json stays 'running', the last finished dataset's checkpoint is "
+        f"kept). Try a lower learning rate{lr}, a longer warmup, or gradient clipping "
+        "(config.train.grad_clip_norm), in a new --workdir (this one holds this config's run)"
+      )
+
+
 @dataclasses.dataclass
 class LoopState:
   """Everything the step loop carries from one step to the next.
@@ -112,6 +148,7 @@ def train_loop(
   on_log: Callable[[LoopState, dict], dict],
   after_step: Callable[[LoopState], None] = lambda loop: None,
   after_epoch: Callable[[LoopState], LoopState] = lambda loop: loop,
+  learning_rate: float | None = None,
 ) -> tuple[LoopState, dict | None]:
   """Runs train steps until `total_steps` (or `num_epochs` epochs; None = as many as needed).
 
@@ -119,9 +156,14 @@ def train_loop(
   train step, the replay counters; every `train.log_every_steps` steps and at the last one
   `on_log(loop, host metrics)` returns the progress bar's fields. `after_step(loop)` runs
   after every step, `after_epoch(loop)` after every epoch that ran at least one step.
+  `learning_rate` (the phase's peak) only enters the divergence message.
 
   Returns:
     (the loop state after the last step, the last step's metrics; None when no step ran).
+
+  Raises:
+    TrainingDivergedError: a non-finite loss or gradient norm at a logged step
+      (`check_finite`).
   """
   log_every = detector.config.train.log_every_steps
   bar = progress(total_steps, desc)
@@ -142,7 +184,9 @@ def train_loop(
       bar.update(1)
       loop = replay.count(loop, metrics)
       if loop.step % log_every == 0 or loop.step == total_steps:
-        bar.set_postfix(**on_log(loop, jax.device_get(metrics)))
+        host_metrics = jax.device_get(metrics)
+        check_finite(host_metrics, desc, loop.step, learning_rate)
+        bar.set_postfix(**on_log(loop, host_metrics))
       after_step(loop)
     loop = after_epoch(loop)
   bar.close()
@@ -224,6 +268,7 @@ def pretrain(detector: Detector, bench: Benchmark, writer: SummaryWriter | None)
     desc="pre-training",
     on_log=on_log,
     after_step=after_step,
+    learning_rate=settings.learning_rate,
   )
   return jax.device_get(loop.train_state.params), curve
 
@@ -388,6 +433,7 @@ def train_on_dataset(
     desc=f"dataset {index}: {dataset.name}",
     on_log=on_log,
     after_epoch=after_epoch,
+    learning_rate=settings["learning_rate"],
   )
   loop = replay.end_dataset(loop)
   summary = {

@@ -6,18 +6,26 @@
   replay buffer, real-data fingerprint).
 - `shuffled`: the seeded permutation that orders the downstream sequence (`sequence_seed`).
 - `expand_path`: `~` and relative paths of the config made absolute.
+- `workdir_lock`: one run per workdir (refuses a second one with the holder's pid and host).
+- `remove_stale_temporaries`: clears the `.tmp*` leftovers of killed cache writes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import shutil
+import socket
 import tempfile
+import time
 from typing import Any, TypeVar
 
+from absl import logging
 import numpy as np
 
 T = TypeVar("T")
@@ -83,6 +91,9 @@ def atomic_write(path: str, write: Callable[[str], None], *, suffix: str = "") -
   fd, tmp = tempfile.mkstemp(
     dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp" + suffix
   )
+  # mkstemp creates 0600; the output gets a normal file's mode (0666 less the umask), so a
+  # colleague of the group can read results.json.
+  os.fchmod(fd, 0o666 & ~current_umask())
   os.close(fd)
   try:
     write(tmp)
@@ -108,3 +119,151 @@ def atomic_write_text(path: str, text: str) -> None:
 def atomic_write_json(path: str, obj: Any, **dump_kwargs) -> None:
   """Writes `obj` as JSON (`json.dumps(obj, **dump_kwargs)`) to `path` atomically."""
   atomic_write_text(path, json.dumps(obj, **dump_kwargs))
+
+
+def current_umask() -> int:
+  """The process's umask (read from /proc where possible: setting it is not thread-safe)."""
+  with contextlib.suppress(OSError, ValueError):
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+# ----------------------------------------------------------------------------- workdir lock
+
+LOCK_FILE = ".owl_cl.lock"
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another live process runs in the workdir; the message names its pid and host."""
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str) -> Iterator[None]:
+  """Holds the exclusive lock of `workdir` (`<workdir>/.owl_cl.lock`) while the body runs.
+
+  Design: the lock is an `fcntl.flock` on the file, and the file holds a record of the
+  holder (pid, host, start time) for the messages. The kernel drops a flock when its
+  process dies however it dies (SIGKILL, OOM, a node reboot drops it on the server), so a
+  killed run never leaves the workdir stuck, and taking the lock is atomic (no window where
+  two runs both see "free"). A pid file alone could not tell a live process on another host
+  from a dead one, and pids are reused. The file itself is never deleted (deleting a lock
+  file races with a process that has just opened it). A record left in a free lock is a run
+  that did not end cleanly: it is taken over with a log line. On NFS, Linux emulates flock
+  with the server's byte-range locks (NFSv4), which hold across hosts.
+
+  Args:
+    workdir: the run's folder (created if missing).
+
+  Raises:
+    WorkdirLockedError: another process holds the lock (its pid and host in the message).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, LOCK_FILE)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EAGAIN, errno.EACCES):
+        raise
+      holder = _read_lock_record(fd)
+      raise WorkdirLockedError(
+        f"workdir {workdir} is in use by another run (pid {holder.get('pid', '?')} on host "
+        f"{holder.get('host', '?')}, started {holder.get('started', '?')}); wait for it to "
+        "end or use another --workdir"
+      ) from None
+    previous = _read_lock_record(fd)
+    if previous:
+      logging.warning(
+        "workdir %s: taking over the lock of pid %s on host %s (started %s), which ended "
+        "without releasing it (killed?)",
+        workdir,
+        previous.get("pid", "?"),
+        previous.get("host", "?"),
+        previous.get("started", "?"),
+      )
+    record = {
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    os.fsync(fd)
+    try:
+      yield
+    finally:
+      # A clean end empties the record; the kernel releases the flock at close (or death).
+      os.ftruncate(fd, 0)
+  finally:
+    os.close(fd)
+
+
+def _read_lock_record(fd: int) -> dict:
+  """The holder record in an open lock file ({} when empty or unreadable)."""
+  with contextlib.suppress(OSError, ValueError):
+    data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    if isinstance(data, dict):
+      return data
+  return {}
+
+
+# ----------------------------------------------------------------------------- temporaries
+
+# A temporary entry whose newest file is at least this old belongs to a killed write: live
+# writers (benchmark generation, orbax saves) touch their files far more often.
+STALE_TEMPORARY_SECONDS = 3600.0
+
+
+def _is_temporary(name: str) -> bool:
+  """Names of the temporaries of the atomic writers (utils, checkpointing, store, builtin)."""
+  return name.startswith((".tmp", ".trash_", ".new-")) or ".tmp" in name
+
+
+def _newest_mtime(path: str) -> float:
+  newest = os.lstat(path).st_mtime
+  if os.path.isdir(path) and not os.path.islink(path):
+    for root, dirs, files in os.walk(path):
+      for name in dirs + files:
+        with contextlib.suppress(OSError):
+          newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+  return newest
+
+
+def remove_stale_temporaries(
+  folder: str, min_age_seconds: float = STALE_TEMPORARY_SECONDS, now: float | None = None
+) -> list[str]:
+  """Removes the leftover temporaries of killed writes directly in `folder`.
+
+  A cache is shared by concurrent runs (one workdir each), so only entries untouched for
+  `min_age_seconds` (newest file inside, for a folder) are removed: another run's write in
+  progress is never taken away.
+
+  Returns:
+    The removed paths (each logged); [] when `folder` does not exist.
+  """
+  now = time.time() if now is None else now
+  removed = []
+  with contextlib.suppress(FileNotFoundError):
+    for name in sorted(os.listdir(folder)):
+      path = os.path.join(folder, name)
+      if not _is_temporary(name):
+        continue
+      try:
+        if now - _newest_mtime(path) < min_age_seconds:
+          continue
+        if os.path.isdir(path) and not os.path.islink(path):
+          shutil.rmtree(path)
+        else:
+          os.remove(path)
+      except OSError as e:
+        logging.warning("could not remove the stale temporary %s: %s", path, e)
+        continue
+      logging.info("removed %s, left by an interrupted write", path)
+      removed.append(path)
+  return removed

@@ -8,8 +8,11 @@ need the run's downstream sequence. Each raises `ConfigError` naming the field a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+import math
+import numbers
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
@@ -42,34 +45,295 @@ class MissingInputsError(ConfigError):
   """Files or folders the run needs are missing; the message lists all of them and the layout."""
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
   """The checks that need only the config; `experiment.run` calls it before any work.
 
+  The range checks (`range_problems`), the workdir check (`workdir_problem`) and the mode
+  checks are collected into one error, so a user fixes every field in one go.
+
+  Args:
+    config: the run's config.
+    workdir: the run's output folder (absolute), checked writable; None skips that check.
+
   Raises:
-    MissingInputsError: the paper's protocol with missing inputs (`check_inputs`).
-    ConfigError: an unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or
-      `train.carry`; a CLIP tokenizer without its vocabulary; an invalid ODinW list or
-      Visual Genome setting.
+    ConfigError: one message listing every out-of-range field with its value, an unwritable
+      workdir, an unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or
+      `train.carry`, a CLIP tokenizer without its vocabulary, an `init_checkpoint` folder
+      that holds no checkpoint.
+    MissingInputsError: the paper's protocol with missing inputs (`check_inputs`), checked
+      once the fields are valid.
   """
+  problems = range_problems(config)
+  if workdir is not None:
+    problems += [p for p in [workdir_problem(workdir)] if p]
+  for check in (loss_adaptivity_mode, check_downstream_eval_mode, check_carry_mode):
+    try:
+      check(config)
+    except ConfigError as e:
+      problems.append(str(e))
+  problems += [p for p in [init_checkpoint_problem(config)] if p]
+  problems += option_problems(config)
+  if not uses_real_data(config):  # With real data, `check_inputs` lists it with the files.
+    problems += [p for p in [clip_vocabulary_problem(config)] if p]
+  if problems:
+    raise ConfigError(
+      f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n"
+      + "\n".join(f"  - {p}" for p in problems)
+    )
   check_inputs(config)
-  loss_adaptivity_mode(config)
-  check_downstream_eval_mode(config)
-  check_carry_mode(config)
-  check_option(config.loss.normalization, losses.NORMALIZATIONS, "config.loss.normalization")
-  check_option(
-    config.replay.selection.top_up_order,
-    buffer_selection.TOP_UP_ORDERS,
-    "config.replay.selection.top_up_order",
+
+
+# ----------------------------------------------------------------------------- ranges
+
+# A rule takes a field's value and returns what is wrong with it ('' when fine).
+Rule = Callable[[Any], str]
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def integer(minimum: int, *, optional: bool = False) -> Rule:
+  """An int >= `minimum` (None allowed when `optional`)."""
+
+  def rule(value):
+    if value is None and optional:
+      return ""
+    if not _is_number(value) or int(value) != value:
+      return "must be an integer" + (" or None" if optional else "")
+    return "" if value >= minimum else f"must be >= {minimum}" + (" or None" * optional)
+
+  return rule
+
+
+def real(
+  low: float = -math.inf,
+  high: float = math.inf,
+  *,
+  low_open: bool = False,
+  high_open: bool = False,
+  optional: bool = False,
+) -> Rule:
+  """A finite number in [low, high] (an end excluded when `*_open`; None when `optional`)."""
+
+  def rule(value):
+    if value is None and optional:
+      return ""
+    if not _is_number(value) or not math.isfinite(value):
+      return "must be a finite number" + (" or None" if optional else "")
+    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+      if high == math.inf:
+        return f"must be {'>' if low_open else '>='} {low:g}"
+      left, right = "(" if low_open else "[", ")" if high_open else "]"
+      return f"must be in {left}{low:g}, {high:g}{right}"
+    return ""
+
+  return rule
+
+
+POSITIVE = real(0.0, low_open=True)  # learning rates, eps, replay ratio
+NON_NEGATIVE = real(0.0)  # loss weights, weight decay, multipliers
+FINITE = real()  # thresholds (a NaN compares False with everything: it must not pass)
+FRACTION = real(0.0, 1.0, low_open=True)  # layer-wise decay, dedup fraction
+BETA = real(0.0, 1.0, high_open=True)  # Adam's b1 / b2
+
+# The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
+TRAIN_FIELD_RULES: dict[str, Rule] = {
+  "num_epochs": integer(1),
+  "warmup_epochs": integer(0, optional=True),
+  "warmup_steps": integer(0),
+  "learning_rate": POSITIVE,
+  "text_lr_multiplier": NON_NEGATIVE,
+  "layerwise_decay": FRACTION,
+}
+
+# Every numeric field of configs/base.py and its range. Fields a config lacks are skipped
+# (the Visual Genome settings exist in the 'paper' config only).
+FIELD_RULES: dict[str, Rule] = {
+  "sequence_seed": integer(0, optional=True),
+  "data.num_queries": integer(1),
+  "data.num_negatives": integer(0),
+  "data.max_instances": integer(1),
+  "data.num_workers": integer(0),
+  "data.eval_batch_size": integer(1),
+  "data.merge_iou": real(0.0, 1.0, low_open=True, optional=True),
+  "data.augment.crop_min_area_fraction": real(0.0, 1.0),
+  "data.builtin.num_pretrain_train": integer(1),
+  "data.builtin.num_pretrain_val": integer(1),
+  "data.builtin.num_held_out_val": integer(1),
+  "data.builtin.num_downstream_train": integer(1),
+  "data.builtin.num_downstream_test": integer(1),
+  "pretrain.batch_size": integer(1),
+  "pretrain.num_steps": integer(1),
+  "pretrain.learning_rate": POSITIVE,
+  "pretrain.warmup_steps": integer(0),
+  "pretrain.text_lr_multiplier": NON_NEGATIVE,
+  "pretrain.layerwise_decay": FRACTION,
+  "pretrain.weight_decay": NON_NEGATIVE,
+  "pretrain.max_unique_queries": integer(0),
+  "pretrain.eval_every_steps": integer(0, optional=True),
+  "train.batch_size": integer(1),
+  **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
+  "train.b1": BETA,
+  "train.b2": BETA,
+  "train.eps": POSITIVE,
+  "train.weight_decay": NON_NEGATIVE,
+  "train.grad_clip_norm": real(0.0, low_open=True, optional=True),
+  "train.log_every_steps": integer(1),
+  "train.max_unique_queries": integer(0),
+  "loss.focal_alpha": real(0.0, 1.0),
+  "loss.focal_gamma": NON_NEGATIVE,
+  "loss.class_weight": NON_NEGATIVE,
+  "loss.bbox_weight": NON_NEGATIVE,
+  "loss.giou_weight": NON_NEGATIVE,
+  "replay.ratio": POSITIVE,
+  "replay.dedup_fraction": FRACTION,
+  "replay.der_alpha": NON_NEGATIVE,
+  "replay.der_beta": NON_NEGATIVE,
+  "replay.swil_weight": FINITE,
+  "replay.grasp_weight": FINITE,
+  "replay.adaptive_entropy_threshold": FINITE,
+  "replay.aser.num_candidates": integer(1, optional=True),
+  "replay.aser.knn_k": integer(1),
+  "replay.aser.asv_c": FINITE,
+  "replay.aser.asv_chunk_size": integer(1),
+  "replay.top_k": integer(1),
+  "replay.loss_adaptivity.threshold": FINITE,
+  "replay.selection.loss_threshold": FINITE,
+  "replay.selection.min_per_class": integer(0),
+  "replay.selection.max_instances_per_prototype": integer(1),
+  "replay.selection.visual_genome_loss_threshold": FINITE,
+  "replay.selection.visual_genome_min_per_class": integer(0),
+  "eval.top_k": integer(1),
+  "eval.max_dets": integer(1),
+  "eval.lvis_top_k": integer(1),
+  "eval.lvis_max_dets": integer(1),
+  "checkpoint.max_to_keep": integer(1, optional=True),
+  "max_train_steps_per_dataset": integer(1, optional=True),
+  "max_eval_images": integer(1, optional=True),
+}
+
+# Batch sizes split over the devices of the mesh ('data' axis: every device).
+DEVICE_SPLIT_FIELDS = ("pretrain.batch_size", "train.batch_size")
+
+_MISSING = object()
+
+
+def _field(config: ml_collections.ConfigDict, path: str) -> Any:
+  """The value at dotted `path`, or `_MISSING` when the config lacks it."""
+  node = config
+  for part in path.split("."):
+    if not hasattr(node, "keys") or part not in node:
+      return _MISSING
+    node = node[part]
+  return node
+
+
+def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = None) -> list[str]:
+  """Every numeric field outside its range, as 'config.<field>=<value> <what it must be>'.
+
+  Args:
+    config: the run's config.
+    num_devices: devices the batches are split over; None = `jax.device_count()`.
+
+  Returns:
+    One line per bad field (FIELD_RULES, `train.per_dataset.*`, the batch sizes'
+    divisibility by the devices); empty when every field is valid.
+  """
+  problems = []
+  for path, rule in FIELD_RULES.items():
+    value = _field(config, path)
+    if value is not _MISSING and (problem := rule(value)):
+      problems.append(f"config.{path}={value!r} {problem}")
+  for name, overrides in config.train.get("per_dataset", {}).items():
+    for field, value in (overrides or {}).items():
+      rule = TRAIN_FIELD_RULES.get(field)
+      if rule is not None and (problem := rule(value)):
+        problems.append(f"config.train.per_dataset.{name}.{field}={value!r} {problem}")
+  if num_devices is None:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    num_devices = jax.device_count()
+  for path in DEVICE_SPLIT_FIELDS:
+    value = _field(config, path)
+    if value is not _MISSING and not integer(1)(value) and value % num_devices:
+      problems.append(
+        f"config.{path}={value} is not divisible by the {num_devices} devices; "
+        f"use a multiple of {num_devices}"
+      )
+  return problems
+
+
+def workdir_problem(workdir: str) -> str:
+  """What keeps the run from writing `workdir` ('' when it can).
+
+  The nearest existing folder on the path must be a writable folder (the run creates the
+  rest); an existing `workdir` that is a file is refused.
+  """
+  path = os.path.abspath(workdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    return f"workdir {path} exists and is not a folder"
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    return f"workdir {path} cannot be created: {existing} is a file, not a folder"
+  if not os.access(existing, os.W_OK | os.X_OK):
+    what = "workdir" if existing == path else f"workdir {path} cannot be created: its parent"
+    return f"{what} {existing} is not writable by this user"
+  return ""
+
+
+def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
+  """What makes `config.init_checkpoint` unreadable before it is read ('' when it looks fine).
+
+  A folder must be one of the formats `pretrained.load_init_checkpoint` reads: an owl_cl
+  parameter checkpoint (`params/` written by orbax, with its `_METADATA`), an HF folder
+  (`config.json`) or a folder of scenic `checkpoint_<step>` files. A missing path is
+  reported here (built-in benchmark) or by `check_inputs` (real data); a wrong model size
+  by the loader (`CheckpointMismatchError`).
+  """
+  if not config.get("init_checkpoint"):
+    return ""
+  path = expand_path(config.init_checkpoint)
+  if not os.path.exists(path):
+    # With real data `check_inputs` lists it among every missing input.
+    return "" if uses_real_data(config) else f"config.init_checkpoint={path} does not exist"
+  if not os.path.isdir(path):
+    return ""
+  params = os.path.join(path, "params")
+  if os.path.isdir(params):
+    if os.path.exists(os.path.join(params, "_METADATA")):
+      return ""
+    return (
+      f"config.init_checkpoint={path} is not an owl_cl parameter checkpoint: {params} has no "
+      "orbax _METADATA (an interrupted or foreign copy?)"
+    )
+  names = os.listdir(path)
+  if "config.json" in names or any(n.startswith("checkpoint_") for n in names):
+    return ""
+  return (
+    f"config.init_checkpoint={path} is a folder holding no checkpoint: neither params/ (an "
+    "owl_cl parameter checkpoint), config.json (an HF OwlViTForObjectDetection folder) nor "
+    f"checkpoint_<step> files (scenic) for model.variant={config.model.variant!r}"
   )
-  problem = clip_vocabulary_problem(config)
-  if problem:
-    raise ConfigError(problem)
 
 
-def check_option(value, known, field: str) -> None:
-  """Raises ConfigError naming `field` and `value` unless `value` is one of `known`."""
-  if value not in known:
-    raise ConfigError(f"{field}={value!r} is unknown; known: {list(known)}")
+def option_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """Fields that must name one of a fixed set of options, each named with its value."""
+  options = (
+    ("config.loss.normalization", config.loss.normalization, losses.NORMALIZATIONS),
+    (
+      "config.replay.selection.top_up_order",
+      config.replay.selection.top_up_order,
+      buffer_selection.TOP_UP_ORDERS,
+    ),
+  )
+  return [
+    f"{field}={value!r} is unknown; known: {list(known)}"
+    for field, value, known in options
+    if value not in known
+  ]
 
 
 def uses_real_data(config: ml_collections.ConfigDict) -> bool:
@@ -141,7 +405,8 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
   Raises:
     ConfigError: `train.per_dataset` naming a dataset outside the run's registry or setting
       an unknown field; `train.carry` unknown, or 'best_validation' with a dataset that has
-      no valid split; an unknown `eval.downstream_after_each_dataset`.
+      no valid split; an unknown `eval.downstream_after_each_dataset`; a training set
+      smaller than one batch (an empty one included).
   """
   known = {d.name for d in benchmark.sequence}
   if uses_real_data(config):
@@ -160,6 +425,13 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
         f"{without} lack (the built-in benchmark has none)"
       )
   check_downstream_eval_mode(config)
+  batch_size = config.train.batch_size
+  small = [f"{d.name} ({len(d.train)})" for d in benchmark.sequence if len(d.train) < batch_size]
+  if small:
+    raise ConfigError(
+      f"config.train.batch_size={batch_size} is larger than the training set of {small} "
+      "(images in brackets): not one step could be taken; lower the batch size or fix the data"
+    )
 
 
 # ----------------------------------------------------------------------------- real data
