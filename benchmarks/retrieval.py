@@ -14,7 +14,7 @@ B 16 new images, N_c 168 (ASER) / 352 (ASER-PC, SW-ASER-PC) candidates, K 20):
     is timed and scaled by the number of chunks (reported as an estimate).
 
 each side by side with a straightforward, vectorised NumPy implementation of the same maths
-(written here from SPEC §7, not from the JAX code), run in the same process on the same
+(written here from docs/reference.md §7, not from the JAX code), run in the same process on the same
 synthetic buffer. The ratio is NumPy time / JAX time (> 1: JAX is faster). The kernels'
 outputs are also compared (max absolute difference): the NumPy references double as an
 independent check of the JAX kernels. The retrieval calls draw random numbers, so their
@@ -171,7 +171,7 @@ def np_normalized_entropy(p, axis=-1):
 
 
 def np_knn_shapley(distances, utilities, k, valid=None):
-  """Exact KNN-SV (SPEC §7): candidates sorted by distance (ties: lower index nearer),
+  """Exact KNN-SV (docs/reference.md §7): candidates sorted by distance (ties: lower index nearer),
   s_N = u_N / max(N, K), s_m = s_{m+1} + (u_m - u_{m+1}) / K * min(K, m) / m, unrolled as a
   reverse cumulative sum; invalid candidates get 0 and do not count in N."""
   distances = np.asarray(distances, np.float32)
@@ -232,7 +232,7 @@ def np_precompute_rows(rows_class, rows_query, class_embeddings, query_embedding
 
 
 class NumpyRetrieval:
-  """The Table 2 compositions in NumPy (SPEC §7), dedup 'dataset' (replays marked)."""
+  """The Table 2 compositions in NumPy (docs/reference.md §7), dedup 'dataset' (replays marked)."""
 
   def __init__(self, buffer: dict[str, np.ndarray], sizes: Sizes, seed: int = 0):
     self.b = buffer

@@ -1,4 +1,5 @@
-"""The input-pipeline options of the config (SPEC §3, §5) reach the pipeline, the buffer and
+"""The input-pipeline options of the config (docs/reference.md §3, §5) reach the pipeline, the
+buffer and
 the cache keys: `data.squash_resize`, `merge_iou`, `negatives_by_frequency`, `host_sharding`
 and `data.augment.*`."""
 

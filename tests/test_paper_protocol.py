@@ -305,7 +305,10 @@ def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
 
 
 def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypatch):
-  """SPEC §4: EgoHands and BrackishUnderwater are scored with 100 detections, others 300."""
+  """EgoHands and BrackishUnderwater are scored with 100 detections, others 300.
+
+  Source: docs/reference.md §4.
+  """
   root = str(tmp_path / "data")
   names = ("EgoHands", "Pothole")
   fake_data.write_fake_odinw(root, names, num_images=dict(train=4, val=2, test=2))

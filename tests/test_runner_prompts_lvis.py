@@ -1,4 +1,5 @@
-"""Detector wiring of the CLIP tokenizer, prompt templates and the LVIS protocol (SPEC §2, §4)."""
+"""Detector wiring of the CLIP tokenizer, prompt templates and the LVIS protocol (docs/reference.md
+§2, §4)."""
 
 import gzip
 import json

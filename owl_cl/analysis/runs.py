@@ -144,7 +144,7 @@ def stage_matrix(
   Raises:
     ValueError: a stage without a name (`owl_cl.eval.forgetting.accuracy_matrix`).
 
-  Source: the per-dataset matrix of `results.md` (owl_cl.eval.results, SPEC §4).
+  Source: the per-dataset matrix of `results.md` (owl_cl.eval.results, docs/reference.md §4).
   """
   if eval_sets is None:
     eval_sets = eval_set_order(results)

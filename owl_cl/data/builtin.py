@@ -880,7 +880,7 @@ class BuiltinBenchmark:
     splits: (dataset, split) -> SplitFiles; datasets 'pretrain' (train, val), 'held_out' (val)
       and each downstream name (train, test).
     downstream_names: downstream datasets in canonical order (the CL order is a seeded shuffle
-      chosen by the experiment, SPEC §10).
+      chosen by the experiment, docs/reference.md §10).
     classes: dataset -> class names in contiguous index order.
     counts: 'dataset/split' -> dict(images, instances).
     generation_seconds: wall time of the generation that produced the cache.

@@ -107,7 +107,7 @@ class CocoSource:
       box with w <= 0 or h <= 0 or outside the image by more than `box_tolerance`; missing
       image file (names the path and image id).
 
-  Source: docs/CONVENTIONS.md "Data"; SPEC §4 (contiguous index <-> category id mapped
+  Source: docs/CONVENTIONS.md "Data"; docs/reference.md §4 (contiguous index <-> category id mapped
   explicitly, never assumed).
   """
 
@@ -368,7 +368,7 @@ class CocoSource:
   def federated_labels(self, index: int) -> dict[str, np.ndarray]:
     """LVIS federated labels of image `index`: dict(negative_labels int32 [K1],
     not_exhaustive_labels int32 [K2]) of contiguous class indices (sorted, unique); an empty
-    dict when the json has no federated fields. Source: LVIS v1 format; SPEC §3-§4."""
+    dict when the json has no federated fields. Source: LVIS v1 format; docs/reference.md §3-§4."""
     return {k: v[index].copy() for k, v in self._federated.items()}
 
   def subset(self, image_ids: Sequence[int], name: str | None = None) -> CocoSource:

@@ -2,7 +2,8 @@
 
 Public API (used by the paper protocol; keep these names):
 
-* `ODINW_DATASETS`: dict name -> `OdinwSpec` in the paper's table order (SPEC §10): Pothole,
+* `ODINW_DATASETS`: dict name -> `OdinwSpec` in the paper's table order (docs/reference.md §10):
+Pothole,
   WildfireSmoke, ThermalCheetah, ThermalDogsAndPeople, BCCD, ShellfishOpenImages, EgoHands
   (specific), AerialMaritimeDrone (tiled), BrackishUnderwater, Dice (mediumColor), Aquarium,
   ChessPieces, AmericanSignLanguageLetters, Plantdoc (416x416), OxfordPets (by-breed).
@@ -20,7 +21,7 @@ images next to it in `<root>/odinw/AerialMaritimeDrone/tiled/train/`. Splits are
 `val` (folder `valid/`) and `test`. Two datasets differ: Dice (`dice/mediumColor/export/`
 holds all images and `{train,val,test}_annotations_without_background.json`), and
 BrackishUnderwater, whose variant is `1920x1080` as in the released code
-(`data/add_wh_and_non_excl.py`; SPEC §10) although GLIP's ODinW-35 config registers
+(`data/add_wh_and_non_excl.py`; docs/reference.md §10) although GLIP's ODinW-35 config registers
 `960x540` (both are in the downloaded `brackishUnderwater.zip`; pass `variant` to
 `odinw_source` for the other one).
 
@@ -43,7 +44,7 @@ still has images (780 = 26 letters x 30 for AmericanSignLanguageLetters, 1000 = 
 EgoHands, 800 = 6 x 133.3 for BrackishUnderwater). Only the training split is subsetted; a
 dataset whose training split is not larger than the subset size is used whole.
 
-Source: SPEC §10; paper supplementary (Datasets table); GLIP `configs/odinw_35/*.yaml`
+Source: docs/reference.md §10; paper supplementary (Datasets table); GLIP `configs/odinw_35/*.yaml`
 (folders, json names, categories); released code `data/add_wh_and_non_excl.py` (the variants
 it trained on), `main.py` (top-100 detections for EgoHands and BrackishUnderwater).
 """
@@ -95,7 +96,8 @@ class OdinwSpec:
     subset_size: size of the balanced training subset (None: the whole training split).
     num_train, num_test: image counts of the paper's Datasets table (num_train after
       subsetting).
-    max_detections: detections kept per image at evaluation (SPEC §4: 100 for EgoHands and
+    max_detections: detections kept per image at evaluation (docs/reference.md §4: 100 for EgoHands
+    and
       BrackishUnderwater, 300 otherwise).
   """
 

@@ -12,17 +12,19 @@ Produces the batch dict of docs/CONVENTIONS.md ("Batch dict"):
                                      image after crop / mosaic, i.e. what was resized)
 - `example_mask` bool    [B]         False for padding examples (last evaluation batch)
 
-Sources: SPEC §3 (targets/queries), §5 (preprocessing); scenic owl_vit `ResizeWithPad`
+Sources: docs/reference.md §3 (targets/queries), §5 (preprocessing); scenic owl_vit `ResizeWithPad`
 (aspect-preserving resize, bottom/right pad) and the released code's HF squash-resize (option
 `squash=True`).
 
 Training options (all off by default, so the defaults reproduce the built-in benchmark runs):
 
 - negatives: `negative_weights` [C] (e.g. `class_frequencies(source)`: frequency-weighted
-  random negatives, SPEC §3 / released code), `annotated_negatives` (LVIS `neg_category_ids`
+  random negatives, docs/reference.md §3 / released code), `annotated_negatives` (LVIS
+  `neg_category_ids`
   first; on by default but only federated sources carry them);
 - `merge_iou` (0.9 by default): boxes with IoU >= 0.9 become one multi-label instance;
-- scenic augmentations (SPEC §5): `hflip`, `random_crop` (area 0.3-1.0, aspect 0.75-1.33,
+- scenic augmentations (docs/reference.md §5): `hflip`, `random_crop` (area 0.3-1.0, aspect
+0.75-1.33,
   boxes keeping < 60% of their area dropped), `mosaic_sizes` / `mosaic_probs` ((1, 2, 3) with
   (.4, .3, .3) as `MOSAIC_SIZES` / `MOSAIC_PROBS`);
 - `squash=True`: the released code's HF resize to S x S without padding;
@@ -32,7 +34,8 @@ Training options (all off by default, so the defaults reproduce the built-in ben
 Randomness: every random choice is drawn from an explicit `numpy.random.Generator`; the
 datasets derive one per example from `(seed, epoch, source index)` (`example_rng`), so results
 do not depend on worker count, thread scheduling or iteration order, and different images /
-epochs get different negatives (SPEC §12: the released code reseeded the per-image negative RNG
+epochs get different negatives (docs/reference.md §12: the released code reseeded the per-image
+negative RNG
 so all images shared the same negatives; not reproduced).
 """
 
@@ -75,8 +78,8 @@ __all__ = [
   "MOSAIC_PROBS",
 ]
 
-TRAIN_PAD_VALUE = 0.5  # SPEC §5 (scenic): padding value of training images.
-EVAL_PAD_VALUE = 0.0  # SPEC §5 (scenic): padding value of evaluation images.
+TRAIN_PAD_VALUE = 0.5  # docs/reference.md §5 (scenic): padding value of training images.
+EVAL_PAD_VALUE = 0.0  # docs/reference.md §5 (scenic): padding value of evaluation images.
 
 # scenic's random-crop ranges (the defaults of config.data.augment): area fraction and aspect
 # ratio of the crop.
@@ -102,13 +105,14 @@ def resize_geometry(
   Returns:
     (new_h, new_w, scale_y, scale_x): content size in pixels and the factors mapping original
     pixel coordinates to padded-frame pixel coordinates. With squash=False both factors equal
-    S / max(H, W) exactly (the same continuous factor the evaluator inverts, SPEC §4), so boxes
+    S / max(H, W) exactly (the same continuous factor the evaluator inverts, docs/reference.md §4),
+    so boxes
     may deviate from the rounded content edge by < 0.5 px.
 
   Raises:
     ValueError: non-positive sizes.
 
-  Source: SPEC §5.
+  Source: docs/reference.md §5.
   """
   if height <= 0 or width <= 0 or size <= 0:
     raise ValueError(f"sizes must be positive, got height={height} width={width} size={size}")
@@ -149,7 +153,7 @@ def resize_with_pad(
   Args:
     image: [H, W, 3] uint8 (0..255, divided by 255) or float in [0, 1].
     size: S in pixels.
-    pad_value: value of the padding pixels (0.5 training, 0.0 evaluation; SPEC §5).
+    pad_value: value of the padding pixels (0.5 training, 0.0 evaluation; docs/reference.md §5).
     squash: resize to S x S ignoring the aspect ratio (released code / HF), no padding.
 
   Returns:
@@ -162,7 +166,7 @@ def resize_with_pad(
   Raises:
     ValueError: image not [H, W, 3].
 
-  Source: SPEC §5; scenic owl_vit preprocessing `ResizeWithPad`.
+  Source: docs/reference.md §5; scenic owl_vit preprocessing `ResizeWithPad`.
   """
   if image.ndim != 3 or image.shape[2] != 3:
     raise ValueError(f"image must be [H, W, 3], got shape {image.shape}")
@@ -188,7 +192,7 @@ def scale_boxes(
   Returns:
     float32 [M, 4] xyxy pixels of the S x S input, clipped to [0, S].
 
-  Source: SPEC §5 ("boxes scale with the image").
+  Source: docs/reference.md §5 ("boxes scale with the image").
   """
   _, _, sy, sx = resize_geometry(height, width, size, squash=squash)
   b = np.asarray(boxes, np.float32).reshape(-1, 4) * np.array([sx, sy, sx, sy], np.float32)
@@ -210,20 +214,22 @@ def xyxy_to_cxcywh(boxes: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------
-# Augmentations (scenic owl_vit image_ops / mosaic.py; SPEC §5). Pure functions of their inputs
+# Augmentations (scenic owl_vit image_ops / mosaic.py; docs/reference.md §5). Pure functions of
+# their inputs
 # and the explicit numpy Generator. Examples are `CocoSource.load`-style dicts: image [H, W, 3]
 # (uint8, or float32 in [0, 1] for mosaics), boxes float [M, 4] xyxy pixels, labels int [M];
 # optional `negative_labels` (LVIS) and `excluded_labels` (classes whose boxes an augmentation
 # removed: never used as negatives, since parts of them may still be visible).
 # ------------------------------------------------------------------------------------------
-MOSAIC_SIZES = (1, 2, 3)  # SPEC §5 / scenic configs: mosaic_sizes
-MOSAIC_PROBS = (0.4, 0.3, 0.3)  # SPEC §5 / scenic configs: mosaic_probs
+MOSAIC_SIZES = (1, 2, 3)  # docs/reference.md §5 / scenic configs: mosaic_sizes
+MOSAIC_PROBS = (0.4, 0.3, 0.3)  # docs/reference.md §5 / scenic configs: mosaic_probs
 
 
 def class_frequencies(source) -> np.ndarray:
   """float64 [C] number of images of `source` that contain each class (non-crowd boxes).
 
-  Use as `negative_weights` for frequency-weighted random negatives (SPEC §3; the released
+  Use as `negative_weights` for frequency-weighted random negatives (docs/reference.md §3; the
+  released
   code's `data/add_negatives.py` weights each label by the number of training images listing
   it). Reads `source.targets(i)` (no image decoding) when available, else `source[i]`.
   """
@@ -271,7 +277,7 @@ def sample_crop_region(
   Returns:
     (top, left, crop_height, crop_width) in pixels (ints, 1 <= crop <= image).
 
-  Source: scenic `RandomCrop` (area 0.3-1.0, aspect 0.75-1.33; SPEC §5).
+  Source: scenic `RandomCrop` (area 0.3-1.0, aspect 0.75-1.33; docs/reference.md §5).
   """
   for _ in range(max_attempts):
     area = rng.uniform(*area_range) * height * width
@@ -305,7 +311,7 @@ def crop_example(
     the example with image [height, width, 3], boxes float32 [M', 4], labels int32 [M'].
 
   Source: scenic `RandomCropBase._drop_degenerate_features` (min_area_fraction 0.6 in the
-  OWL-ViT configs; SPEC §5).
+  OWL-ViT configs; docs/reference.md §5).
   """
   image = example["image"][top : top + height, left : left + width]
   boxes = np.asarray(example["boxes"], np.float32).reshape(-1, 4)
@@ -348,7 +354,10 @@ def sample_mosaic_size(
   sizes: Sequence[int] = MOSAIC_SIZES,
   probs: Sequence[float] = MOSAIC_PROBS,
 ) -> int:
-  """k, the number of tiles per mosaic side, drawn with probabilities `probs` (SPEC §5)."""
+  """k, the number of tiles per mosaic side, drawn with probabilities `probs`.
+
+  Source: docs/reference.md §5.
+  """
   if len(sizes) != len(probs) or not np.isclose(sum(probs), 1.0):
     raise ValueError(
       f"mosaic sizes {tuple(sizes)} and probs {tuple(probs)} must have equal "
@@ -406,7 +415,7 @@ def build_mosaic(
     ValueError: wrong number of examples, S not divisible by k.
 
   Source: scenic owl_vit `preprocessing/mosaic.py` and `input_pipeline.py` (resize ops divided
-  by the mosaic size); SPEC §5.
+  by the mosaic size); docs/reference.md §5.
   """
   k = int(mosaic_size)
   if k < 1 or len(examples) != k * k:
@@ -525,7 +534,7 @@ def _pairwise_iou(b: np.ndarray) -> np.ndarray:
 def merge_duplicate_instances(
   boxes: np.ndarray, labels: np.ndarray, iou_threshold: float | None = 0.9
 ) -> tuple[np.ndarray, list[list[int]]]:
-  """Merge boxes with IoU >= threshold into one multi-label instance (scenic, SPEC §3).
+  """Merge boxes with IoU >= threshold into one multi-label instance (scenic, docs/reference.md §3).
 
   Args:
     boxes: float [M, 4] xyxy; labels: int [M] class indices.
@@ -577,15 +586,16 @@ def sample_queries(
       candidate classes run out.
     rng: numpy Generator (explicit randomness).
     negative_weights: optional float [C] sampling weights (e.g. `class_frequencies`,
-      SPEC §3); default uniform over the candidates. Negatives are drawn without replacement.
+      docs/reference.md §3); default uniform over the candidates. Negatives are drawn without
+      replacement.
     annotated_negatives: classes verified absent (LVIS `neg_category_ids`); they come first
       (in a random order, at most `num_negatives`), the rest is topped up by random sampling
-      (SPEC §3). Excluded / positive classes among them are ignored.
+      (docs/reference.md §3). Excluded / positive classes among them are ignored.
 
   Returns:
     int32 [Q] query_class; -1 marks '' (index 0 and padding).
 
-  Source: SPEC §3 (query list = unique(['', positives, negatives]) padded with '').
+  Source: docs/reference.md §3 (query list = unique(['', positives, negatives]) padded with '').
   """
   if num_queries < 1:
     raise ValueError(f"num_queries must be >= 1, got {num_queries}")
@@ -680,20 +690,21 @@ def preprocess_train_example(
     example: dict(image uint8 [H, W, 3], boxes float [M0, 4] xyxy pixels, labels int [M0]
       contiguous class indices, image_id int), e.g. `CocoSource.load(i)`.
     class_tokens: int32 [C, L] tokenised class names, or [C, P, L] with P prompt variants
-      (one drawn uniformly per query, SPEC §2 training prompts).
+      (one drawn uniformly per query, docs/reference.md §2 training prompts).
     empty_tokens: int32 [L] tokens of '' (query 0 and padding queries).
     image_size: S. num_queries: Q. max_instances: M. num_negatives: negatives per image
       (released code: 50). rng: numpy Generator (explicit randomness: negatives, prompts, flip).
-    pad_value: padding value (training 0.5, SPEC §5).
+    pad_value: padding value (training 0.5, docs/reference.md §5).
     squash: resize ignoring the aspect ratio (released code), see `resize_with_pad`.
     merge_iou: boxes with IoU >= merge_iou become one multi-label instance (scenic); None: off.
     hflip: random horizontal flip with p = 0.5 (scenic augmentation; off by default).
     negative_weights: optional float [C] negative sampling weights (default uniform;
-      `class_frequencies(source)` for frequency-weighted negatives, SPEC §3).
+      `class_frequencies(source)` for frequency-weighted negatives, docs/reference.md §3).
     random_crop: scenic random crop after the flip (`random_crop_example` with
       crop_area_range, crop_aspect_ratio_range, crop_min_area_fraction; off by default).
     annotated_negatives: use the example's `negative_labels` (LVIS `neg_category_ids`) as the
-      first negatives, topped up by random ones (SPEC §3). Classes in `excluded_labels` (boxes
+      first negatives, topped up by random ones (docs/reference.md §3). Classes in `excluded_labels`
+      (boxes
       removed by augmentation) are never negatives.
 
   Returns:
@@ -715,7 +726,7 @@ def preprocess_train_example(
   Raises:
     ValueError: inconsistent token shapes, labels outside [0, C).
 
-  Source: SPEC §3 (targets per image), §5 (preprocessing); scenic owl_vit.
+  Source: docs/reference.md §3 (targets per image), §5 (preprocessing); scenic owl_vit.
   """
   class_tokens, empty_tokens = _check_tokens(class_tokens, empty_tokens)
   num_classes = class_tokens.shape[0]
@@ -800,13 +811,13 @@ def preprocess_eval_example(
 
   Args:
     example: dict(image uint8 [H, W, 3], image_id int, ...).
-    image_size: S. pad_value: 0.0 (SPEC §5). squash: see `resize_with_pad`.
+    image_size: S. pad_value: 0.0 (docs/reference.md §5). squash: see `resize_with_pad`.
 
   Returns:
     dict(images float32 [S, S, 3], image_id int64 [], orig_size int32 [2] (H, W),
     example_mask bool [] = True).
 
-  Source: SPEC §4-§5.
+  Source: docs/reference.md §4-§5.
   """
   image = example["image"]
   return dict(
@@ -944,7 +955,7 @@ def train_map_dataset(
   `positions` (int [K], e.g. `batch_row_positions`) keeps only those positions of the epoch,
   in that order (instead of `shard`).
 
-  Source: SPEC §3, §5; scenic owl_vit input pipeline (mosaics, host sharding).
+  Source: docs/reference.md §3, §5; scenic owl_vit input pipeline (mosaics, host sharding).
   """
   class_tokens, empty_tokens = _check_tokens(class_tokens, empty_tokens)
   kwargs = dict(
@@ -1042,7 +1053,7 @@ def train_dataset(
   Raises:
     ValueError: bad token shapes (at once); errors of the source (DataError) when iterated.
 
-  Source: SPEC §3, §5.
+  Source: docs/reference.md §3, §5.
   """
   ds = train_map_dataset(
     source,
@@ -1099,7 +1110,7 @@ def eval_dataset(
 
   Args:
     source: random-access source (`CocoSource`). image_size: S. batch_size: B.
-    num_workers, num_threads, prefetch: as `train_dataset`. pad_value: 0.0 (SPEC §5).
+    num_workers, num_threads, prefetch: as `train_dataset`. pad_value: 0.0 (docs/reference.md §5).
     squash: see `resize_with_pad`. max_images: evaluate only the first N images (None: all).
     batch_rows: (start, stop): multi-process evaluation; keep rows [start, stop) of each
       global batch of B (as `train_dataset`); every process iterates the same ceil(N / B)
@@ -1110,7 +1121,7 @@ def eval_dataset(
     orig_size int32 [B, 2] (H, W), example_mask bool [B]); ceil(N / B) batches, the last one
     filled with padding examples (image_id -1, orig_size (0, 0), example_mask False).
 
-  Source: SPEC §4-§5.
+  Source: docs/reference.md §4-§5.
   """
   ds = eval_map_dataset(
     source,

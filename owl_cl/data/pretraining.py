@@ -36,7 +36,8 @@ built-in benchmark). Paths are relative to one data root (the `data.root` of the
   under `<root>/coco/`; LVIS val uses images of both COCO folders). Per image
   `neg_category_ids` / `not_exhaustive_category_ids` are exposed by `CocoSource.load` as
   `negative_labels` / `not_exhaustive_labels` (contiguous indices; the training pipeline uses
-  `negative_labels` as the first negatives, SPEC §3); categories keep `frequency` ('r', 'c',
+  `negative_labels` as the first negatives, docs/reference.md §3); categories keep `frequency` ('r',
+  'c',
   'f'), see `lvis_frequency_groups`. For LVIS evaluation use the `lvis` package on
   `source.annotation_file`.
 * **Visual Genome** (replay-buffer candidate, paper §5): the original v1.4 files
@@ -50,7 +51,7 @@ built-in benchmark). Paths are relative to one data root (the `data.root` of the
   object is dropped when any of its names is forbidden. The image file is the last two
   components of `url` (`VG_100K_2/1.jpg`).
 
-Source: SPEC §3, §4, §6; scenic owl_vit `preprocessing/label_ops.py`; released code
+Source: docs/reference.md §3, §4, §6; scenic owl_vit `preprocessing/label_ops.py`; released code
 `data/o365_*.py`, `data/vg_*.py`, `data/lvis_*.py`; LVIS v1 and Objects365 v2 formats.
 """
 
@@ -102,8 +103,11 @@ def forbidden_label_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def forbidden_key(name: str) -> str:
-  """scenic's comparison form of a label: canonicalised (SPEC §2), dash runs collapsed, the
-  not-promptable marker '#' and then all dashes removed. 'Hot-air balloon' -> 'hotair balloon'."""
+  """scenic's comparison form of a label: canonicalised (docs/reference.md §2), dash runs
+  collapsed, the not-promptable marker '#' and then all dashes removed.
+
+  'Hot-air balloon' -> 'hotair balloon'.
+  """
   text = re.sub(r"-+", "-", canonicalize_label(name)).replace("#", "")
   return text.replace("-", "")
 

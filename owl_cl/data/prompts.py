@@ -1,11 +1,12 @@
-"""Prompt templates for OWL-ViT queries: training prompts and evaluation ensembles (SPEC §2).
+"""Prompt templates for OWL-ViT queries: training prompts and evaluation ensembles
+(docs/reference.md §2).
 
 * :data:`CLIP_IMAGENET_TEMPLATES`: the 80 ImageNet prompt templates of OpenAI CLIP (notebook
   ``notebooks/Prompt_Engineering_for_ImageNet.ipynb``, ``imagenet_templates``; the same list
   is scenic's ``CLIP_PAPER_PROMPT_TEMPLATES``), in the notebook's order.
 * :data:`TRAINING_TEMPLATES` = ``('{}',) + CLIP_IMAGENET_TEMPLATES`` (81): scenic's
   ``TRAINING_PROMPT_TEMPLATES``; one is drawn uniformly per label and image during training.
-* :data:`OWL_VIT_EVAL_TEMPLATES`: the 7 evaluation templates of SPEC §2 (CLIP's best 7,
+* :data:`OWL_VIT_EVAL_TEMPLATES`: the 7 evaluation templates of docs/reference.md §2 (CLIP's best 7,
   scenic's ``CLIP_BEST_PROMPT_TEMPLATES``), ensembled at evaluation (scenic: mean of the
   logits over templates; released code: mean of the sigmoid probabilities).
 
@@ -16,7 +17,8 @@ Config names (`configs/base.py`): ``data.train_prompt_templates`` in :data:`TRAI
 (``'none'`` | ``'clip_80'``) and ``eval.prompt_templates`` in :data:`EVAL_TEMPLATE_SETS`
 (``'none'`` | ``'owl_vit_7'``); ``'none'`` is the bare label (template ``'{}'``).
 
-Source: SPEC §2; scenic `scenic/projects/owl_vit/preprocessing/label_ops.py` (template lists,
+Source: docs/reference.md §2; scenic `scenic/projects/owl_vit/preprocessing/label_ops.py` (template
+lists,
 ``_add_prompt``) and `scenic/projects/owl_vit/evaluator.py` (``tokenize_queries``); OpenAI CLIP
 notebook ``Prompt_Engineering_for_ImageNet.ipynb``.
 """
@@ -126,10 +128,11 @@ CLIP_IMAGENET_TEMPLATES: tuple[str, ...] = (
   "a tattoo of the {}.",
 )
 
-#: Training prompts (SPEC §2; scenic ``TRAINING_PROMPT_TEMPLATES``): the bare label + the 80.
+#: Training prompts (docs/reference.md §2; scenic ``TRAINING_PROMPT_TEMPLATES``): the bare label +
+# the 80.
 TRAINING_TEMPLATES: tuple[str, ...] = ("{}",) + CLIP_IMAGENET_TEMPLATES
 
-#: The 7 evaluation templates of SPEC §2 (scenic ``CLIP_BEST_PROMPT_TEMPLATES``).
+#: The 7 evaluation templates of docs/reference.md §2 (scenic ``CLIP_BEST_PROMPT_TEMPLATES``).
 OWL_VIT_EVAL_TEMPLATES: tuple[str, ...] = (
   "itap of a {}.",
   "a bad photo of the {}.",
@@ -179,7 +182,7 @@ def prompt_texts(class_names: Sequence[str], templates: Sequence[str]) -> list:
   Raises:
     ValueError: a template without exactly one ``'{}'``, or no template.
 
-  Source: SPEC §2; scenic `label_ops._add_prompt`.
+  Source: docs/reference.md §2; scenic `label_ops._add_prompt`.
   """
   templates = list(templates)
   if not templates:
@@ -209,7 +212,7 @@ def prompt_tokens(tokenizer, class_names: Sequence[str], templates: Sequence[str
   Raises:
     ValueError: see :func:`prompt_texts`.
 
-  Source: SPEC §2.
+  Source: docs/reference.md §2.
   """
   texts = prompt_texts(class_names, templates)
   num_classes, num_templates = len(texts), len(templates)

@@ -1,6 +1,6 @@
-"""Detection evaluation: scores, top-k decoding, COCO conversion, COCO AP (SPEC §4).
+"""Detection evaluation: scores, top-k decoding, COCO conversion, COCO AP (docs/reference.md §4).
 
-Pipeline for one evaluation set (SPEC §4):
+Pipeline for one evaluation set (docs/reference.md §4):
 
 1. `class_scores` / `ensemble_templates`: model logits -> per-(token, class) scores in [0, 1].
    Scenic averages the *logits* over the 7 prompt templates and then applies the sigmoid; the
@@ -65,7 +65,7 @@ COCO_METRIC_NAMES = (
 
 
 def class_scores(pred_logits: jax.Array) -> jax.Array:
-  """Per-(token, class) detection scores: sigmoid of the logits (SPEC §4).
+  """Per-(token, class) detection scores: sigmoid of the logits (docs/reference.md §4).
 
   Args:
     pred_logits: [B, T, C] logits (any float dtype, e.g. bf16). Padded queries carry -1e6
@@ -74,7 +74,7 @@ def class_scores(pred_logits: jax.Array) -> jax.Array:
   Returns:
     float32 [B, T, C] scores in [0, 1].
 
-  Source: SPEC §4; scenic `owl_vit` evaluator (sigmoid of `pred_logits`).
+  Source: docs/reference.md §4; scenic `owl_vit` evaluator (sigmoid of `pred_logits`).
   """
   return jax.nn.sigmoid(jnp.asarray(pred_logits).astype(jnp.float32))
 
@@ -86,11 +86,11 @@ def ensemble_templates(
   template_axis: int = -1,
   template_mask: jax.Array | None = None,
 ) -> jax.Array:
-  """Prompt-template ensembling of class scores (SPEC §2, §4).
+  """Prompt-template ensembling of class scores (docs/reference.md §2, §4).
 
   Args:
     pred_logits: [B, T, C, P] logits, one slice per prompt template (P = 7 evaluation
-      templates of SPEC §2) along `template_axis`.
+      templates of docs/reference.md §2) along `template_axis`.
     average: 'logits' (default, scenic): sigmoid(mean_p logits); 'probs' or 'probabilities'
       (as in the released code): mean_p sigmoid(logits).
     template_axis: the axis holding the templates (default last).
@@ -102,7 +102,8 @@ def ensemble_templates(
   Raises:
     ValueError: unknown `average`, or a `template_mask` selecting no template.
 
-  Source: SPEC §2 ("Scenic averages the logits over templates; the released code averaged
+  Source: docs/reference.md §2 ("Scenic averages the logits over templates; the released code
+  averaged
   sigmoid probabilities (option)").
   """
   logits = jnp.asarray(pred_logits).astype(jnp.float32)
@@ -135,7 +136,7 @@ def top_predictions(
   multi_label: bool,
   class_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Top-K detections per image, without threshold or NMS (SPEC §4). Jitted.
+  """Top-K detections per image, without threshold or NMS (docs/reference.md §4). Jitted.
 
   Args:
     scores: float [B, T, C] class scores in [0, 1] (`class_scores` / `ensemble_templates`).
@@ -157,7 +158,7 @@ def top_predictions(
   Raises:
     ValueError: rank/shape mismatch or top_k < 1 (at trace time).
 
-  Source: SPEC §4; scenic `owl_vit` evaluator (top-k over logits without NMS).
+  Source: docs/reference.md §4; scenic `owl_vit` evaluator (top-k over logits without NMS).
   """
   scores = jnp.asarray(scores).astype(jnp.float32)
   pred_boxes = jnp.asarray(pred_boxes).astype(jnp.float32)
@@ -205,9 +206,10 @@ def unpad_boxes(
   """Boxes relative to the padded square -> clipped xyxy pixels of the original image.
 
   The evaluation image is the original resized (aspect ratio kept) so that its long side is
-  the square's side S, placed at the top-left of the square and padded bottom/right (SPEC §5).
+  the square's side S, placed at the top-left of the square and padded bottom/right
+  (docs/reference.md §5).
   Hence the square of side S corresponds to max(h, w) original pixels on both axes:
-  `x_px = x_rel * max(h, w)`, `y_px = y_rel * max(h, w)` (SPEC §4: divide by
+  `x_px = x_rel * max(h, w)`, `y_px = y_rel * max(h, w)` (docs/reference.md §4: divide by
   (w, h) / max(h, w) to get image-relative coordinates, then multiply by (w, h)).
 
   Args:
@@ -228,7 +230,7 @@ def unpad_boxes(
   Raises:
     ValueError: rounded_content without image_size.
 
-  Source: SPEC §4, §5; scenic `owl_vit` evaluator (un-padding by (w, h) / max(h, w)).
+  Source: docs/reference.md §4, §5; scenic `owl_vit` evaluator (un-padding by (w, h) / max(h, w)).
   """
   boxes = np.asarray(boxes, np.float64)
   sizes = np.asarray(orig_sizes, np.float64)
@@ -261,7 +263,7 @@ def to_coco_detections(
   example_mask: np.ndarray | None = None,
   image_size: int | None = None,
 ) -> list[dict[str, Any]]:
-  """Top-K predictions of a batch -> COCO result dicts (SPEC §4).
+  """Top-K predictions of a batch -> COCO result dicts (docs/reference.md §4).
 
   Args:
     scores: float [B, K] detection scores (`top_predictions`).
@@ -286,7 +288,7 @@ def to_coco_detections(
   Raises:
     ValueError: inconsistent shapes or a label outside [0, C).
 
-  Source: SPEC §4; COCO results format (pycocotools `COCO.loadRes`).
+  Source: docs/reference.md §4; COCO results format (pycocotools `COCO.loadRes`).
   """
   scores = np.asarray(scores, np.float64)
   labels = np.asarray(labels, np.int64)
@@ -415,7 +417,9 @@ def coco_evaluate(
   truncate_per_image: bool = True,
   per_category: bool = False,
 ) -> dict[str, Any]:
-  """COCO box AP of detections against a ground truth, via pycocotools' COCOeval (SPEC §4).
+  """COCO box AP of detections against a ground truth, via pycocotools' COCOeval.
+
+  Source: docs/reference.md §4.
 
   Args:
     coco_gt: `pycocotools.coco.COCO` ground truth (e.g. `CocoSource.coco`).
@@ -443,7 +447,8 @@ def coco_evaluate(
     ValueError: a detection refers to an image id absent from `coco_gt`, a ground-truth
       annotation lacks 'area', or max_dets < 1.
 
-  Source: SPEC §4; pycocotools `COCOeval` (iouType 'bbox'): the statistics are computed as
+  Source: docs/reference.md §4; pycocotools `COCOeval` (iouType 'bbox'): the statistics are computed
+  as
   `COCOeval.summarize` does, without its printing (evaluate/accumulate output goes to the
   logger at DEBUG level).
   """
@@ -540,7 +545,7 @@ def make_predict_fn(
     predict_fn(batch) -> (scores float32 [B, K], labels int32 [B, K], boxes float32 [B, K, 4])
     as (asynchronously computed) jax arrays.
 
-  Source: SPEC §4.
+  Source: docs/reference.md §4.
   """
 
   def _predict(inputs):
@@ -572,7 +577,9 @@ def collect_detections(
   total: int | None = None,
   desc: str = "eval",
 ) -> tuple[list[dict[str, Any]], set[int]]:
-  """Runs `predict_fn` over batches and converts the outputs to COCO detections (SPEC §4).
+  """Runs `predict_fn` over batches and converts the outputs to COCO detections.
+
+  Source: docs/reference.md §4.
 
   Batch i + 1 is dispatched before the outputs of batch i are fetched to the host, so the
   (asynchronous) device computation overlaps the conversion.
@@ -591,7 +598,7 @@ def collect_detections(
   Raises:
     ValueError: from `to_coco_detections`.
 
-  Source: SPEC §4.
+  Source: docs/reference.md §4.
   """
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 

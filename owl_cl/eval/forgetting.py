@@ -28,7 +28,8 @@ Formulas (all NaN-safe: NaN entries are ignored in max/mean, an empty selection 
   FWT = mean over downstream j with trained_at[j] >= 2 of A[trained_at[j] - 1, j] - A[0, j].
 * Retained fraction of set j: A[T, j] / A[0, j] (NaN where A[0, j] <= 0 or missing); for the
   pre-training set this is how much of the pre-training metric survives the sequence.
-* Downstream mean at stage i (the ODinW score of SPEC §4 / the paper's Table 3 when i = T):
+* Downstream mean at stage i (the ODinW score of docs/reference.md §4 / the paper's Table 3 when i =
+T):
   the unweighted mean of A[i, j] over downstream sets j. With `skipna=False` (default) a
   missing set makes the mean NaN rather than silently averaging fewer sets.
 """
@@ -266,7 +267,7 @@ def retained_fraction(A: np.ndarray) -> np.ndarray:
 def downstream_mean(
   A: np.ndarray, trained_at: Sequence[int] | np.ndarray, *, stage: int = -1, skipna: bool = False
 ) -> float:
-  """Unweighted mean over downstream sets of A[stage, j] (the ODinW score, SPEC §4).
+  """Unweighted mean over downstream sets of A[stage, j] (the ODinW score, docs/reference.md §4).
 
   Args:
     A: [S, J] accuracy matrix; trained_at: int [J] (downstream sets: trained_at >= 1).

@@ -1,4 +1,4 @@
-"""LVIS evaluation: federated box AP, APr / APc / APf with the `lvis` API (SPEC §4).
+"""LVIS evaluation: federated box AP, APr / APc / APf with the `lvis` API (docs/reference.md §4).
 
 * `load_lvis_ground_truth`: an `lvis.LVIS` from a json path, a dict (LVIS v1 schema) or an
   existing object, with the fields LVISEval needs checked up front (clear errors naming the
@@ -16,7 +16,8 @@
 The `lvis` package (0.5.3) still calls `np.float`, which NumPy >= 1.24 removed; `_lvis_api`
 sets `numpy.float = float` only when it is missing, before the API runs.
 
-Source: SPEC §4; the `lvis` API (lvis-dataset/lvis-api: `LVIS`, `LVISResults`, `LVISEval`).
+Source: docs/reference.md §4; the `lvis` API (lvis-dataset/lvis-api: `LVIS`, `LVISResults`,
+`LVISEval`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def load_lvis_ground_truth(annotations: Any):
       `not_exhaustive_category_ids`; annotations: `id`, `image_id`, `category_id`, `bbox`,
       `area`; categories: `id`, `frequency` in r/c/f), with file, field and value named.
 
-  Source: SPEC §4; `lvis.LVIS`.
+  Source: docs/reference.md §4; `lvis.LVIS`.
   """
   api = _lvis_api()
   if isinstance(annotations, api.LVIS):
@@ -177,7 +178,7 @@ def lvis_evaluate(
   max_dets: int = 300,
   per_category: bool = False,
 ) -> dict[str, Any]:
-  """LVIS box AP of detections (SPEC §4), via `lvis.LVISEval`.
+  """LVIS box AP of detections (docs/reference.md §4), via `lvis.LVISEval`.
 
   Args:
     lvis_gt: ground truth (path, dict or `lvis.LVIS`, see `load_lvis_ground_truth`).
@@ -201,7 +202,8 @@ def lvis_evaluate(
     ValueError: a detection's image id or category id is absent from the ground truth,
       max_dets < 1, or a ground-truth schema error (see `load_lvis_ground_truth`).
 
-  Source: SPEC §4; `lvis.LVISEval` (federated: detections of categories neither annotated in
+  Source: docs/reference.md §4; `lvis.LVISEval` (federated: detections of categories neither
+  annotated in
   the image nor in its `neg_category_ids` are dropped; `not_exhaustive_category_ids`).
   """
   api = _lvis_api()

@@ -188,7 +188,8 @@ def table3_row(stage: Mapping[str, Any], roles: Mapping[str, Any]) -> dict[str, 
      'held_out_AP', 'held_out_AP50', 'downstream_mean_AP', 'downstream_mean_AP50'}: floats in
     [0, 1] or NaN (missing; the downstream mean is NaN if any downstream set is missing).
 
-  Source: the paper's Table 3 (tab:main): O365 | LVIS | LVIS rare | ODinW mean; SPEC §4.
+  Source: the paper's Table 3 (tab:main): O365 | LVIS | LVIS rare | ODinW mean; docs/reference.md
+  §4.
   """
   row: dict[str, Any] = {"stage": stage.get("name")}
   for key in _COLUMNS:

@@ -1,6 +1,6 @@
 """OWL-ViT v1 model (scenic parameter tree) and query tokenizers.
 
-Public API (CONVENTIONS.md, Model / Tokenizer; SPEC §1, §2):
+Public API (CONVENTIONS.md, Model / Tokenizer; docs/reference.md §1, §2):
 
 * :func:`create_model` ``(variant, **overrides) -> OwlViT``; :func:`get_variant_config`
   ``-> ModelConfig`` (also ``model.config``);

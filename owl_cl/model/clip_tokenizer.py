@@ -1,6 +1,7 @@
 """The OpenAI CLIP byte-level BPE tokenizer for OWL-ViT queries (registered as ``'clip'``).
 
-Source: SPEC §2 (tokenizer: SOT 49406, EOT 49407, ``[SOT] + bpe + [EOT]`` cut to 16, right-pad
+Source: docs/reference.md §2 (tokenizer: SOT 49406, EOT 49407, ``[SOT] + bpe + [EOT]`` cut to 16,
+right-pad
 0; label canonicalisation); scenic `scenic/projects/owl_vit/clip/tokenizer.py` (``tokenize``:
 ``tokens[:max_token_len]``, so a query of more than ``L - 2`` BPE tokens loses its EOT) and
 `scenic/projects/owl_vit/evaluator.py` (``tokenize_queries``: the *prompted* string is
@@ -174,7 +175,7 @@ def load_vocabulary(vocab_path: str) -> tuple[dict[str, int], list[tuple[str, st
       was looked for).
     ValueError: malformed files.
 
-  Source: SPEC §2; HF ``CLIPTokenizer`` files; OpenAI `clip/simple_tokenizer.py`.
+  Source: docs/reference.md §2; HF ``CLIPTokenizer`` files; OpenAI `clip/simple_tokenizer.py`.
   """
   path = os.path.abspath(os.path.expanduser(os.fspath(vocab_path)))
   if os.path.isdir(path):
@@ -203,7 +204,7 @@ def load_vocabulary(vocab_path: str) -> tuple[dict[str, int], list[tuple[str, st
 
 
 class ClipTokenizer:
-  """CLIP byte-level BPE tokenizer with OWL-ViT's query layout (SPEC §2).
+  """CLIP byte-level BPE tokenizer with OWL-ViT's query layout (docs/reference.md §2).
 
   Encoding of one text: canonicalise it (:func:`canonicalize_label`: lowercase, characters
   outside ``[a-z0-9-# ]`` -> space, collapse whitespace; so a template's final '.' is
@@ -223,7 +224,7 @@ class ClipTokenizer:
     ValueError: ``context_length < 2``; a vocabulary without ``<|startoftext|>`` /
       ``<|endoftext|>``; malformed files.
 
-  Source: SPEC §2; scenic `scenic/projects/owl_vit/clip/tokenizer.py`; OpenAI CLIP
+  Source: docs/reference.md §2; scenic `scenic/projects/owl_vit/clip/tokenizer.py`; OpenAI CLIP
   `clip/simple_tokenizer.py`; transformers ``CLIPTokenizer`` (the `tokenizers` configuration).
   """
 

@@ -1,6 +1,6 @@
 """Text tokenisation for OWL-ViT queries.
 
-Source: SPEC §2 (tokenizer, label canonicalisation); scenic
+Source: docs/reference.md §2 (tokenizer, label canonicalisation); scenic
 `scenic/projects/owl_vit/clip/tokenizer.py` for the CLIP layout
 ([SOT] + tokens + [EOT], cut to the context length, right-padded with 0).
 
@@ -38,7 +38,7 @@ __all__ = [
   "register_tokenizer",
 ]
 
-#: Text context length L of OWL-ViT queries (SPEC §1: "text context 16").
+#: Text context length L of OWL-ViT queries (docs/reference.md §1: "text context 16").
 DEFAULT_CONTEXT_LENGTH = 16
 #: Vocabulary size of the word-hash tokenizer; the ``tiny`` model variant uses it.
 DEFAULT_VOCAB_SIZE = 8192
@@ -63,13 +63,13 @@ def canonicalize_label(text: str) -> str:
   Raises:
     TypeError: if ``text`` is not a ``str``.
 
-  Source: SPEC §2 (tokenizer: label canonicalisation); scenic
+  Source: docs/reference.md §2 (tokenizer: label canonicalisation); scenic
   `scenic/projects/owl_vit/preprocessing/label_ops.py` (``_canonicalize_string_tf``).
   """
   if not isinstance(text, str):
     raise TypeError(f"canonicalize_label expects a str, got {type(text).__name__}")
   # Scenic also collapses runs of '-' and drops '#' (its not-promptable marker) except at the
-  # start; the reference (SPEC §2) asks for neither, so neither is done.
+  # start; the reference (docs/reference.md §2) asks for neither, so neither is done.
   text = _NOT_ALLOWED.sub(" ", text.lower())
   return _WHITESPACE.sub(" ", text).strip()
 
@@ -107,8 +107,8 @@ class WordHashTokenizer:
   Raises:
     ValueError: if ``vocab_size < 4`` or ``context_length < 2``.
 
-  Source: ours (SPEC §1: the `tiny` variant); layout as the CLIP
-  tokenizer of SPEC §2 / scenic `scenic/projects/owl_vit/clip/tokenizer.py`.
+  Source: ours (docs/reference.md §1: the `tiny` variant); layout as the CLIP
+  tokenizer of docs/reference.md §2 / scenic `scenic/projects/owl_vit/clip/tokenizer.py`.
   """
 
   def __init__(
@@ -139,7 +139,8 @@ class WordHashTokenizer:
   @property
   def eot_token(self) -> int:
     """End-of-text id, ``vocab_size - 1`` (the largest id)."""
-    # The largest id, as CLIP's: the text tower pools the row at argmax(token id) (SPEC §1).
+    # The largest id, as CLIP's: the text tower pools the row at argmax(token id) (docs/reference.md
+    # §1).
     return self._vocab_size - 1
 
   def word_id(self, word: str) -> int:
@@ -246,7 +247,7 @@ def get_tokenizer(name: str, **kwargs):
       values as raised by the factory ('clip' without ``vocab_path``).
     FileNotFoundError: 'clip' with a missing vocabulary (the message names the path).
 
-  Source: CONVENTIONS.md (Tokenizer); SPEC §2.
+  Source: CONVENTIONS.md (Tokenizer); docs/reference.md §2.
   """
   if name not in _REGISTRY:
     raise ValueError(f"unknown tokenizer {name!r}; known tokenizers: {known_tokenizers()}")

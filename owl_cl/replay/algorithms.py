@@ -1,4 +1,4 @@
-"""Retrieval algorithms by name: compositions of primitives (paper Table 2, SPEC §7).
+"""Retrieval algorithms by name: compositions of primitives (paper Table 2, docs/reference.md §7).
 
 Every algorithm has the signature
 
@@ -13,7 +13,8 @@ Every algorithm has the signature
               'grasp' (`algorithm.needs_features` tells);
   num_replay: static int, replays to retrieve (1:1 with the new batch: num_replay = B);
   active:     optional bool [num_replay] slot mask (traced; None = all active) for loss
-              adaptivity (SPEC §9). Inactive slots return valid False, are not marked by
+              adaptivity (docs/reference.md §9). Inactive slots return valid False, are not marked
+              by
               dedup, do not consume the balanced class pointer and do not count in the
               exhaustion check; the i-th active slot gets what slot i would get with all
               slots active (for balanced: the i-th class of the cycle);
@@ -157,7 +158,8 @@ def similarity_weighted_step(
 
   Uses `features['class_embeddings']` [B, k, E] and `buffer.prototypes`; slot j serves new
   image j mod B (slots = new images when num_replay = B). Hyperparameter `swil_weight` is w
-  of SPEC §7 (default 1.0); `swil_reduction` reduces the distances over the k embeddings
+  of docs/reference.md §7 (default 1.0); `swil_reduction` reduces the distances over the k
+  embeddings
   ('min', paper; 'mean', the released `swil_reduce_type='avg'`). Inactive slots get -1.
   """
   probs = _swil_probs(buffer, features, class_eligible, swil_weight, swil_reduction)
@@ -566,7 +568,7 @@ class AsvAlgorithm(_AlgorithmBase):
     asv_weight_reduction: 'min' (paper eq. 4) | 'max' (released code).
     asv_chunk_size: evaluation images per chunk of the precomputation.
     class_hyperparameters: (name, value) of the candidate class step.
-  Source: paper §4, eqs. (3)-(4), suppl. §C; SPEC §7.
+  Source: paper §4, eqs. (3)-(4), suppl. §C; docs/reference.md §7.
   """
 
   name: str
@@ -730,7 +732,7 @@ class AsvComposition:
 # Steps that read the new batch's features (`features['class_embeddings']`, ...).
 FEATURE_STEPS = (similarity_weighted_step,)
 
-# The Table 2 compositions (hyperparameter defaults: paper suppl. Table 7 / SPEC §7).
+# The Table 2 compositions (hyperparameter defaults: paper suppl. Table 7 / docs/reference.md §7).
 ALGORITHMS: dict[str, Any] = {
   "uniform": Composition(None, uniform_step),
   "uniform_balanced": Composition(balanced_step, uniform_in_class_step),
@@ -753,7 +755,8 @@ def get_algorithm(
     name: one of `ALGORITHMS` ('uniform', 'uniform_balanced', 'grasp', 'swil', 'sw_grasp',
       'a_sw_grasp', 'aser', 'aser_pc', 'sw_aser_pc').
     dedup: dedup schedule name ('none' | 'epoch' | 'dataset' | 'fraction' (1/3)) or a
-      DedupSchedule (e.g. `DedupSchedule('fraction', 0.25)`); default 'dataset' (SPEC §8).
+      DedupSchedule (e.g. `DedupSchedule('fraction', 0.25)`); default 'dataset' (docs/reference.md
+      §8).
     **hyperparameters: the algorithm's hyperparameters (`ALGORITHMS[name].hyperparameter_names`),
       e.g. `swil_weight` (w of SWIL, 1.0), `grasp_weight` (w of GRASP, 1.0),
       `balanced_order` ('sequential' | 'reshuffled'), `adaptive_entropy_threshold` (tau),
@@ -764,7 +767,7 @@ def get_algorithm(
   Raises:
     ValueError: unknown algorithm name (listing the known ones), unknown hyperparameter for
       that algorithm (listing the accepted ones), or unknown dedup schedule / option value.
-  Source: paper Table 2, SPEC §7-§8.
+  Source: paper Table 2, docs/reference.md §7-§8.
   """
   if name not in ALGORITHMS:
     raise ValueError(f"unknown retrieval algorithm {name!r}; known: {sorted(ALGORITHMS)}")

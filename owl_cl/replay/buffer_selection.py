@@ -1,4 +1,5 @@
-"""Replay buffer construction: selection (eq. 7), top-k embeddings, prototypes (SPEC §6).
+"""Replay buffer construction: selection (eq. 7), top-k embeddings, prototypes (docs/reference.md
+§6).
 
 Host-side selection (`select_buffer`, NumPy, once) and jittable per-batch feature functions
 meant to run inside the jitted forward over D_pt / the buffer images:
@@ -69,7 +70,7 @@ def select_buffer(
     np.ndarray bool [N_pt], True = in the buffer.
   Raises:
     ValueError: shape mismatch, negative min_per_class, or unknown top_up_order.
-  Source: paper eq. (7) and §4, SPEC §6.
+  Source: paper eq. (7) and §4, docs/reference.md §6.
   """
   loss = np.asarray(per_image_loss, np.float64).reshape(-1)
   membership = np.asarray(class_membership, bool)
@@ -115,7 +116,7 @@ def _masked_query_logits(pred_logits: Array, query_mask: Array) -> Array:
 
 
 def top_k_tokens(pred_logits: Array, query_mask: Array, k: int = 8) -> Array:
-  """Indices of each image's k most confident tokens (SPEC §6, suppl. §B step 1).
+  """Indices of each image's k most confident tokens (docs/reference.md §6, suppl. §B step 1).
 
   Tokens are ranked by max over valid queries of sigmoid(logit) (= by the max valid logit;
   see the module docstring).
@@ -127,7 +128,8 @@ def top_k_tokens(pred_logits: Array, query_mask: Array, k: int = 8) -> Array:
     k: static number of tokens (8), <= T.
   Returns:
     int32 [B, k], most confident first. An image without valid queries gets tokens 0..k-1.
-  Source: SPEC §6-§7 (computed with the query mask; SPEC §12: no unmasked logits).
+  Source: docs/reference.md §6-§7 (computed with the query mask; docs/reference.md §12: no unmasked
+  logits).
   """
   score = _masked_query_logits(pred_logits, query_mask).max(axis=-1)  # [B, T]
   _, idx = jax.lax.top_k(score, k)
@@ -141,7 +143,7 @@ def top_k_embeddings(
   query_mask: Array,
   k: int = 8,
 ) -> tuple[Array, Array]:
-  """Top-k class embeddings and their matching query (text) embeddings (SPEC §6).
+  """Top-k class embeddings and their matching query (text) embeddings (docs/reference.md §6).
 
   Args:
     pred_logits: float [B, T, Q].
@@ -153,7 +155,7 @@ def top_k_embeddings(
   Returns:
     class_emb: [B, k, E] class embeddings of the `top_k_tokens` (dtype of the input).
     query_emb: [B, k, E] query embedding of each token's argmax valid query.
-  Source: SPEC §6, paper Fig. "replay buffer contents".
+  Source: docs/reference.md §6, paper Fig. "replay buffer contents".
   """
   logits = _masked_query_logits(pred_logits, query_mask)
   _, idx = jax.lax.top_k(logits.max(axis=-1), k)  # [B, k]
@@ -177,7 +179,7 @@ def instance_counts_from_labels(labels: Array, query_class: Array, num_classes: 
     num_classes: C (static).
   Returns:
     int32 [B, C]. `counts > 0` is the class membership.
-  Source: SPEC §3 (targets), §6.
+  Source: docs/reference.md §3 (targets), §6.
   """
   per_query = jnp.round(jnp.asarray(labels, jnp.float32).sum(axis=1)).astype(jnp.int32)
   query_class = jnp.asarray(query_class, jnp.int32)
@@ -241,7 +243,7 @@ def per_image_class_token_embeddings(
   Returns:
     sums: float32 [B, C, E]; counts: int32 [B, C]. Accumulate both over all batches and call
     `compute_prototypes`.
-  Source: SPEC §6 ("Prototype"), paper §4.
+  Source: docs/reference.md §6 ("Prototype"), paper §4.
   """
   idx, mask = _class_token_ranking(pred_logits, query_class, instance_counts, max_per_class)
   b, c, k = idx.shape
@@ -268,7 +270,7 @@ def compute_prototypes(sums: Array, counts: Array) -> tuple[Array, Array]:
     class_valid: bool [C] (count > 0).
   Raises:
     ValueError: shapes disagree.
-  Source: SPEC §6, paper §4 ("prototype" = average class embedding).
+  Source: docs/reference.md §6, paper §4 ("prototype" = average class embedding).
   """
   sums = jnp.asarray(sums, jnp.float32)
   counts = jnp.asarray(counts)
@@ -289,7 +291,7 @@ def prototype_distances(
   prototypes: Array,
   max_instances: int,
 ) -> Array:
-  """Prototype distance of each image to each class it contains (SPEC §6, paper eq. 1).
+  """Prototype distance of each image to each class it contains (docs/reference.md §6, paper eq. 1).
 
   d[b, c] = min over image b's class-c embeddings of 1 - cos(p_c, e), where the class-c
   embeddings are those of the n = min(max_instances, instance_counts[b, c]) tokens with the
@@ -306,7 +308,7 @@ def prototype_distances(
     max_instances: static cap on n; pass M (max instances per image) so nothing is capped.
   Returns:
     float32 [B, C].
-  Source: SPEC §6, paper eq. (1) (GRASP prototype distance).
+  Source: docs/reference.md §6, paper eq. (1) (GRASP prototype distance).
   """
   idx, mask = _class_token_ranking(pred_logits, query_class, instance_counts, max_instances)
   cos = jnp.einsum(

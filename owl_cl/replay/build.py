@@ -1,4 +1,5 @@
-"""Building the replay buffer from the pre-training set with the pre-trained model (SPEC §6).
+"""Building the replay buffer from the pre-training set with the pre-trained model
+(docs/reference.md §6).
 
 One eval-mode forward pass of the pre-trained model over every pre-training image (with its
 fixed, seeded training queries) gives, per image: the detection loss (eq. 7 ranks images by
@@ -94,8 +95,8 @@ def analyse_images(
   """Per-image quantities of the pre-trained model (one jitted forward per batch).
 
   Returns dict (N images, T tokens, Q queries, E width, C classes):
-    per_image_loss float32 [N] (detection loss, SPEC §3), logits float32 [N,T,Q],
-    top_class_embeddings / top_query_embeddings float32 [N,k,E] (SPEC §6),
+    per_image_loss float32 [N] (detection loss, docs/reference.md §3), logits float32 [N,T,Q],
+    top_class_embeddings / top_query_embeddings float32 [N,k,E] (docs/reference.md §6),
     prototype_sums float32 [N,C,E], prototype_counts float32 [N,C] (top-n_c tokens per class,
     n_c = min(max_per_class, #instances)), instance_counts int32 [N,C],
     class_embeddings float32 [N,T,E] (for the prototype distances).
@@ -170,7 +171,8 @@ def build_store(
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
 
-  Selection is eq. 7 of the paper (SPEC §6): loss < `loss_threshold`, then each class with
+  Selection is eq. 7 of the paper (docs/reference.md §6): loss < `loss_threshold`, then each class
+  with
   fewer than `min_per_class` kept images gets its images in ascending loss order.
   `example_options`: preprocessing options of `preprocess_source` (the run's squash,
   merge_iou, negative_weights). `distance_max_instances`: cap on the class-c embeddings an

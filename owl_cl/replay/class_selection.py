@@ -1,4 +1,5 @@
-"""Class-selection primitives (paper §4 "Class Selection Primitives", suppl. §B; SPEC §7).
+"""Class-selection primitives (paper §4 "Class Selection Primitives", suppl. §B; docs/reference.md
+§7).
 
 A class-selection primitive picks one buffer class per replay slot (one slot per new image).
 All functions are jittable; `num` arguments are static.
@@ -12,9 +13,10 @@ import jax.numpy as jnp
 Array = jax.Array
 
 # Normalisation eps of `normalize`: v / max(||v||, 1e-6). (The OWL-ViT class head divides by
-# ||v|| + 1e-6, SPEC §1, which would leave identical vectors at distance ~2e-6 instead of 0.)
+# ||v|| + 1e-6, docs/reference.md §1, which would leave identical vectors at distance ~2e-6 instead
+# of 0.)
 NORM_EPS = 1e-6
-# Added to cosine distances before the inverse power (SPEC §7: (d + 1e-8)^(-w)).
+# Added to cosine distances before the inverse power (docs/reference.md §7: (d + 1e-8)^(-w)).
 DISTANCE_EPS = 1e-8
 
 
@@ -23,7 +25,7 @@ def normalize(x: Array, eps: float = NORM_EPS) -> Array:
 
   Unit vectors stay exactly unit (so identical directions have cosine distance 0 up to
   float32 rounding); vectors shorter than eps (e.g. zero rows) stay ~0.
-  Shapes: [..., E] -> [..., E] float32. Source: SPEC §6-§7 (cosine distance).
+  Shapes: [..., E] -> [..., E] float32. Source: docs/reference.md §6-§7 (cosine distance).
   """
   x = jnp.asarray(x, jnp.float32)
   return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
@@ -39,7 +41,8 @@ def cosine_distance(a: Array, b: Array, eps: float = NORM_EPS) -> Array:
   Returns:
     float32 [..., C], clipped to [0, 2] (rounding can push 1 - cos slightly below 0).
     Zero vectors have cos 0, i.e. distance 1.
-  Source: paper suppl. §B eq. (cosine distance), SPEC §6-§7. Matmul at HIGHEST precision.
+  Source: paper suppl. §B eq. (cosine distance), docs/reference.md §6-§7. Matmul at HIGHEST
+  precision.
   """
   cos = jnp.einsum(
     "...e,ce->...c", normalize(a, eps), normalize(b, eps), precision=jax.lax.Precision.HIGHEST
@@ -71,7 +74,8 @@ def similarity_weighted_probs(
     class_embeddings: float [B, k, E]; top-k class embeddings of each new image
       (`selection.top_k_embeddings`).
     prototypes: float [C, E]; class prototypes of the buffer.
-    w: float >= 0; inverse-distance exponent (SPEC §7: 1.0). w = 0 gives uniform over the
+    w: float >= 0; inverse-distance exponent (docs/reference.md §7: 1.0). w = 0 gives uniform over
+    the
       eligible classes. May be a traced scalar.
     class_eligible: bool [C]; classes with at least one eligible buffer image.
     reduction: how d reduces the k embeddings: 'min' (paper, released default) or 'mean'
@@ -81,7 +85,8 @@ def similarity_weighted_probs(
     row is all zeros (`sample_classes` then returns -1).
   Raises:
     ValueError: unknown `reduction`.
-  Source: paper §4 and suppl. §B (with the inverse power of the prose, SPEC §7), SPEC §7;
+  Source: paper §4 and suppl. §B (with the inverse power of the prose, docs/reference.md §7),
+  docs/reference.md §7;
     'mean' as the released code's `get_SWIL_retrieval_indices`.
   """
   if reduction not in SWIL_REDUCTIONS:
@@ -125,7 +130,7 @@ def balanced_classes(
   Returns:
     classes: int32 [num] class indices; -1 for inactive slots and if no class is eligible.
     new_pointer: int32 []; position of the last class drawn (unchanged if none eligible).
-  Source: paper §4 "Balanced", SPEC §7.
+  Source: paper §4 "Balanced", docs/reference.md §7.
   """
   class_eligible = jnp.asarray(class_eligible, bool)
   c = class_eligible.shape[0]
@@ -174,7 +179,7 @@ def balanced_classes_reshuffled(
     classes: int32 [num] (-1 for inactive slots or if no class is eligible);
     new_pointer: int32 []; new_order: int32 [C].
   Source: released code (5hadytru/optimal_retrieval `ReplayBuffer.get_UB_retrieval_indices`),
-    offered as an option (SPEC §7).
+    offered as an option (docs/reference.md §7).
   """
   class_eligible = jnp.asarray(class_eligible, bool)
   c = class_eligible.shape[0]
@@ -213,7 +218,7 @@ def sample_classes(key: Array, probs: Array) -> Array:
     probs: float [B, C] non-negative rows (need not be normalised).
   Returns:
     int32 [B] class indices ~ probs[b]; -1 for rows without mass (no eligible class).
-  Source: paper suppl. §B step 5, SPEC §7.
+  Source: paper suppl. §B step 5, docs/reference.md §7.
   """
   probs = jnp.asarray(probs, jnp.float32)
   has_mass = probs.sum(axis=-1) > 0

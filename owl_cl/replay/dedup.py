@@ -1,4 +1,4 @@
-"""Deduplication schedules (paper §4 "Deduplication Schedules", SPEC §8).
+"""Deduplication schedules (paper §4 "Deduplication Schedules", docs/reference.md §8).
 
 A dedup mask over the buffer (`ReplayState.dedup_mask`) marks images already replayed; they
 are ineligible until the next reset. Only replays are marked (never candidate sets).
@@ -69,7 +69,7 @@ class DedupSchedule:
   Raises:
     ValueError: unknown name, a fraction outside (0, 1], a fraction given to a schedule
       that does not take one, or an unknown fraction_reset.
-  Source: paper §4, SPEC §8; the released code's `ReplayBuffer.append_indices`.
+  Source: paper §4, docs/reference.md §8; the released code's `ReplayBuffer.append_indices`.
   """
 
   name: str = "dataset"
@@ -173,7 +173,7 @@ def as_schedule(schedule: str | DedupSchedule) -> DedupSchedule:
 def eligible_images(state: ReplayState, schedule: str | DedupSchedule) -> Array:
   """bool [N]: buffer images that may be replayed now (all True with schedule 'none').
 
-  Source: SPEC §8. Jittable (schedule static).
+  Source: docs/reference.md §8. Jittable (schedule static).
   """
   schedule = as_schedule(schedule)
   if not schedule.marks_replays:
@@ -194,7 +194,7 @@ def mark_replayed(
       None = always mark.
   Returns:
     the new ReplayState (num_replayed and total_replayed += number of valid entries).
-  Source: SPEC §8. Jittable.
+  Source: docs/reference.md §8. Jittable.
   """
   indices = jnp.asarray(indices, jnp.int32)
   valid = jnp.asarray(valid, bool)
@@ -230,7 +230,7 @@ def reset_if(state: ReplayState, event: str, schedule: str | DedupSchedule) -> R
     the (possibly) reset state; unchanged otherwise.
   Raises:
     ValueError: unknown event or schedule.
-  Source: paper §4, SPEC §8.
+  Source: paper §4, docs/reference.md §8.
   """
   if as_schedule(schedule).resets_on(event):
     return reset(state)
@@ -251,7 +251,7 @@ def auto_reset_if_exhausted(
     state: ReplayState.
     schedule: schedule name or DedupSchedule (static).
     num_needed: replays the call will make (int, may be traced: the number of active slots).
-  Source: SPEC §8; this module's docstring.
+  Source: docs/reference.md §8; this module's docstring.
   """
   schedule = as_schedule(schedule)
   exhausted = schedule.exhausted(state, num_needed)

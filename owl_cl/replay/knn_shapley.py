@@ -1,4 +1,5 @@
-"""KNN Shapley values (KNN-SV) of replay candidates (paper suppl. §C, SPEC §7; Jia et al. 2019).
+"""KNN Shapley values (KNN-SV) of replay candidates (paper suppl. §C, docs/reference.md §7; Jia et
+al. 2019).
 
 The KNN utility of a candidate subset S for an evaluation point j is
     U_j(S) = (1/K) * sum of u_j(i) over the min(K, |S|) members i of S nearest to j,
@@ -8,7 +9,8 @@ over candidates sorted by distance to j, alpha_1 nearest ... alpha_N farthest (N
     s_j(alpha_N) = u_j(alpha_N) / max(N, K)
     s_j(alpha_m) = s_j(alpha_{m+1}) + (u_j(alpha_m) - u_j(alpha_{m+1})) / K * min(K, m) / m.
 (The paper writes u/N for the base case, which is exact only for N >= K; u/max(N, K) is exact
-for every N, SPEC §7.) Ties in distance are broken by candidate index (lower index = nearer),
+for every N, docs/reference.md §7.) Ties in distance are broken by candidate index (lower index =
+nearer),
 which is also the tie-break of U_j.
 
 Instance-level KNN-SVs (paper suppl. §C): each image carries its top-k class embeddings
@@ -52,7 +54,7 @@ def knn_shapley(distances: Array, utilities: Array, k: int, valid: Array | None 
     utility U_j (module docstring). Rows sum to U_j(all valid candidates) (efficiency).
   Raises:
     ValueError: k < 1 or shapes that disagree.
-  Source: paper suppl. §C recursion (base case u / max(N_c, K), SPEC §7); computed with
+  Source: paper suppl. §C recursion (base case u / max(N_c, K), docs/reference.md §7); computed with
     `jax.lax.scan(..., reverse=True)` over candidates sorted by distance.
   """
   k = int(k)
@@ -205,7 +207,7 @@ def image_knn_shapley(
       invalid candidates), for distance-rank records.
   Raises:
     ValueError: unknown option.
-  Source: paper suppl. §C (instance level, max/min over k), SPEC §7; released code
+  Source: paper suppl. §C (instance level, max/min over k), docs/reference.md §7; released code
     `C_ASER.compute_shapley_values` for nearest_token and L2.
   """
   _check_options(token_matching, distance, reduction)
@@ -275,7 +277,7 @@ def precompute_left_term(
     left_min: float32 [N]; min_j s_j(i) (for w of eq. 4 over a candidate subset).
   Raises:
     ValueError: chunk_size < 1 or unknown options.
-  Source: paper §4 "ASER-PC", suppl. §C; SPEC §7.
+  Source: paper §4 "ASER-PC", suppl. §C; docs/reference.md §7.
   """
   if int(chunk_size) < 1:
     raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")

@@ -1,4 +1,4 @@
-"""Sample-selection primitives (paper §4 "Sample Selection Primitives"; SPEC §7).
+"""Sample-selection primitives (paper §4 "Sample Selection Primitives"; docs/reference.md §7).
 
 A sample-selection primitive picks buffer images, usually one per chosen class. Everything is
 jittable; `num` and `without_replacement` are static. Invalid slots (nothing eligible) return
@@ -21,7 +21,7 @@ def class_eligibility(class_membership: Array, eligible_images: Array) -> Array:
     eligible_images: bool [N] (e.g. `dedup.eligible_images`).
   Returns:
     bool [C]: class_eligible[c] = any_i(class_membership[i, c] and eligible_images[i]).
-  Source: SPEC §7 ("classes with no eligible image get probability 0" / are skipped).
+  Source: docs/reference.md §7 ("classes with no eligible image get probability 0" / are skipped).
   """
   membership = jnp.asarray(class_membership, bool)
   return jnp.any(membership & jnp.asarray(eligible_images, bool)[:, None], axis=0)
@@ -61,7 +61,7 @@ def uniform_in_class(
   Returns:
     indices: int32 [B] buffer indices (0 where invalid).
     valid: bool [B].
-  Source: paper §4 "Uniform", SPEC §7.
+  Source: paper §4 "Uniform", docs/reference.md §7.
   """
   membership = jnp.asarray(class_membership, bool)
   classes = jnp.asarray(classes, jnp.int32)
@@ -110,7 +110,7 @@ def uniform(key: Array, eligible: Array, num: int) -> tuple[Array, Array]:
     indices: int32 [num]; valid: bool [num].
   Raises:
     ValueError: num > N.
-  Source: paper Table 2 "Uniform", SPEC §7.
+  Source: paper Table 2 "Uniform", docs/reference.md §7.
   """
   eligible = jnp.asarray(eligible, bool)
   n = eligible.shape[0]
@@ -137,7 +137,7 @@ def uniform_in_class_active(
       eligible set.
   Returns:
     indices int32 [B], valid bool [B].
-  Source: paper §4 "Uniform", SPEC §7, §9 (slot mask for loss adaptivity).
+  Source: paper §4 "Uniform", docs/reference.md §7, §9 (slot mask for loss adaptivity).
   """
   membership = jnp.asarray(class_membership, bool)
   classes = jnp.asarray(classes, jnp.int32)
@@ -171,7 +171,7 @@ def uniform_active(key: Array, eligible: Array, active: Array) -> tuple[Array, A
     indices int32 [num]; valid bool [num].
   Raises:
     ValueError: num > N.
-  Source: paper Table 2 "Uniform", SPEC §7.
+  Source: paper Table 2 "Uniform", docs/reference.md §7.
   """
   eligible = jnp.asarray(eligible, bool)
   active = jnp.asarray(active, bool)
@@ -199,7 +199,7 @@ def prototype_weighted_probs(distances: Array, eligible: Array, w) -> Array:
     w: float >= 0 (may be traced); paper 1.0, released code 0.7. w = 0 gives uniform.
   Returns:
     float32 [..., M]; sums to 1 over the last axis, all zeros where nothing is eligible.
-  Source: paper §4 "Prototype-Weighted" eqs. (1)-(2), SPEC §7.
+  Source: paper §4 "Prototype-Weighted" eqs. (1)-(2), docs/reference.md §7.
   """
   distances = jnp.asarray(distances, jnp.float32)
   eligible = jnp.asarray(eligible, bool) & jnp.isfinite(distances)
@@ -240,7 +240,7 @@ def prototype_weighted_in_class(
     without_replacement: static.
   Returns:
     indices int32 [B], valid bool [B].
-  Source: paper §4 "Prototype-Weighted" (eqs. 1-2), SPEC §7.
+  Source: paper §4 "Prototype-Weighted" (eqs. 1-2), docs/reference.md §7.
   """
   distances = jnp.asarray(prototype_distances, jnp.float32)
   classes = jnp.asarray(classes, jnp.int32)
@@ -316,7 +316,7 @@ def asv_from_terms(
   Returns:
     asv: float32 [N_c], -inf for invalid candidates.
     w: float32 [], eq. 4's weight c |min S_r| / |left_extreme| (c if the denominator is 0).
-  Source: paper eqs. (3)-(4), SPEC §7.
+  Source: paper eqs. (3)-(4), docs/reference.md §7.
   """
   if weight_reduction not in WEIGHT_REDUCTIONS:
     raise ValueError(
@@ -358,7 +358,7 @@ def adversarial_shapley_value(
     float32 [N_c]; higher = replay first (take the top-n).
   Raises:
     ValueError: unknown weight_reduction or shapes that disagree.
-  Source: paper eqs. (3)-(4), suppl. §C, SPEC §7.
+  Source: paper eqs. (3)-(4), suppl. §C, docs/reference.md §7.
   """
   sv_left = jnp.asarray(sv_left, jnp.float32)
   sv_right = jnp.asarray(sv_right, jnp.float32)

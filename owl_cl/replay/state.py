@@ -3,8 +3,8 @@
 Both are `flax.struct.dataclass` pytrees of jnp arrays, so they are passed as *arguments* of
 jitted retrieval functions (never closed over) and can be checkpointed as plain dicts.
 
-Checkpoint compatibility (DESIGN.md "Principles"): later issues add fields to `ReplayState`
-(e.g. the precomputed ASV left term of ASER-PC, SPEC §7). Rules for adding one:
+Checkpoint compatibility (docs/architecture.md "Principles"): new fields of `ReplayState`
+(e.g. the precomputed ASV left term of ASER-PC, docs/reference.md §7) follow these rules:
   1. give the new field a default in the dataclass (usually `None`, an empty pytree node) and
      fill it in `init_replay_state` or in the algorithm that needs it;
   2. restore checkpoints with `restore_replay_state(template, state_dict)`, which takes every
@@ -31,7 +31,7 @@ Array = jax.Array
 
 @flax.struct.dataclass
 class ReplayState:
-  """Retrieval state carried across training steps (SPEC §7-§8).
+  """Retrieval state carried across training steps (docs/reference.md §7-§8).
 
   Attributes:
     dedup_mask: bool [N]; True = buffer image already replayed since the last dedup reset
@@ -104,7 +104,7 @@ def init_replay_state(num_buffer: int, key: Any, num_classes: int = 0) -> Replay
     not ready.
   Raises:
     ValueError: num_buffer < 1 or key is not a PRNG key.
-  Source: SPEC §7-§8, DESIGN.md "Principles".
+  Source: docs/reference.md §7-§8, docs/architecture.md "Principles".
   """
   if int(num_buffer) < 1:
     raise ValueError(f"num_buffer must be >= 1, got {num_buffer}")
@@ -164,7 +164,7 @@ def restore_replay_state(template: ReplayState, state_dict: Mapping[str, Any]) -
 
 @flax.struct.dataclass
 class ReplayBuffer:
-  """Read-only per-buffer arrays used by retrieval (SPEC §6-§7). All jnp arrays.
+  """Read-only per-buffer arrays used by retrieval (docs/reference.md §6-§7). All jnp arrays.
 
   Attributes:
     class_membership: bool [N, C]; image i contains at least one instance of class c.
@@ -172,7 +172,7 @@ class ReplayBuffer:
       for classes without members.
     prototype_distances: float32 [N, C]; d_{i,c} (`selection.prototype_distances`), +inf where
       image i is not a member of c.
-    class_embeddings: float [N, k, E]; top-k class embeddings of each image (SPEC §6).
+    class_embeddings: float [N, k, E]; top-k class embeddings of each image (docs/reference.md §6).
     query_embeddings: float [N, k, E]; text embedding of each top token's argmax query.
     class_valid: bool [C]; class has >= 1 member image.
   """
@@ -210,7 +210,7 @@ def make_replay_buffer(
     ReplayBuffer with `class_valid = class_membership.any(0)`.
   Raises:
     ValueError: inconsistent shapes.
-  Source: SPEC §6.
+  Source: docs/reference.md §6.
   """
   membership = jnp.asarray(class_membership, bool)
   prototypes = jnp.asarray(prototypes, jnp.float32)

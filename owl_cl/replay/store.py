@@ -1,17 +1,18 @@
 """Host-side replay store: the buffer images' training examples, DER++ logits, buffer arrays.
 
-`ReplayStore` holds, for N buffer images (SPEC §6):
+`ReplayStore` holds, for N buffer images (docs/reference.md §6):
   * the preprocessed training examples, with the batch-dict keys of CONVENTIONS.md
     (`images`, `queries`, `labels`, `boxes`, `query_class`; optionally `image_id`,
     `orig_size`, and any further per-image key), leading dim N;
-  * `stored_logits` [N, T, Q]: the pre-trained model's logits for DER++ (SPEC §3);
+  * `stored_logits` [N, T, Q]: the pre-trained model's logits for DER++ (docs/reference.md §3);
   * the `ReplayBuffer` arrays used by retrieval (`class_membership`, `prototypes`,
     `prototype_distances`, `class_embeddings`, `query_embeddings`).
 
 `gather(indices)` returns a batch dict (NumPy fancy indexing) for the train step.
 
 Storage of the logits (`logits_dtype`): 'float32', 'float16' (default) or 'bfloat16'.
-Padded query slots (all-zero token rows: the model's query mask, SPEC §1) are stored as 0
+Padded query slots (all-zero token rows: the model's query mask, docs/reference.md §1) are stored as
+0
 and restored to exactly `pad_logit` (-1e6, scenic) at gather time, so the DER++ MSE of padded
 slots stays exactly 0 (-1e6 is not representable in float16 and only approximately in
 bfloat16). Real logits are clipped to the float16 range (+-65504) before casting; the
@@ -59,7 +60,10 @@ _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
 def query_padding(queries: np.ndarray) -> np.ndarray:
-  """bool [..., Q]: padded query slots (all-zero token rows), as the model's mask (SPEC §1)."""
+  """bool [..., Q]: padded query slots (all-zero token rows), as the model's mask.
+
+  Source: docs/reference.md §1.
+  """
   return np.asarray(queries)[..., 0] == 0
 
 
@@ -119,7 +123,7 @@ class ReplayStore:
       `logits_dtype` (used by `load`).
   Raises:
     ValueError: missing keys, inconsistent leading dims / class counts, unknown dtype.
-  Source: SPEC §3 (DER++), §6 (buffer contents), §11 (size).
+  Source: docs/reference.md §3 (DER++), §6 (buffer contents), §11 (size).
   """
 
   def __init__(
@@ -196,7 +200,7 @@ class ReplayStore:
       int32 [n].
     Raises:
       IndexError: an index outside [0, N). ValueError: valid's shape differs from indices'.
-    Source: SPEC §3 (DER++ replay batch), CONVENTIONS.md batch dict.
+    Source: docs/reference.md §3 (DER++ replay batch), CONVENTIONS.md batch dict.
     """
     indices = np.asarray(indices).astype(np.int64).reshape(-1)
     if indices.size and (indices.min() < 0 or indices.max() >= self.num_images):

@@ -1,4 +1,4 @@
-"""Optimiser: AdamW with LR groups, layer-wise LR decay, warmup + cosine (SPEC §3).
+"""Optimiser: AdamW with LR groups, layer-wise LR decay, warmup + cosine (docs/reference.md §3).
 
 Two LR groups: the text tower (`backbone/clip/text/...`) trains at `text_lr_multiplier` (0.1)
 times the vision/head LR. Layer-wise LR decay with coefficient m multiplies each parameter's LR
@@ -32,7 +32,7 @@ GRANULARITIES = ("layer", "tensor")
 
 # One transformer block's tensors in HF `named_parameters()` order (OwlViTEncoderLayer:
 # self_attn.{k,v,q,out}_proj.{weight,bias}, layer_norm1, mlp.fc1, mlp.fc2, layer_norm2), as
-# paths below `resblocks_i` of the scenic tree (SPEC §1.2 mapping).
+# paths below `resblocks_i` of the scenic tree (docs/reference.md §1.2 mapping).
 _HF_BLOCK_ORDER = (
   ("attn", "key", "kernel"),
   ("attn", "key", "bias"),
@@ -78,7 +78,8 @@ def parameter_depth(
     ('text' | 'vision', depth >= 0). Depth 0 = heads, final LayerNorms, projections; depth i in
     1..L = transformer block L - i; depth L + 1 = patch/token/position/class embeddings and
     `ln_pre`. Parameters outside the towers (class and box heads, `merged_class_token`,
-    `backbone/clip/logit_scale`) are 'vision' group at depth 0. Source: SPEC §3; the paper's
+    `backbone/clip/logit_scale`) are 'vision' group at depth 0. Source: docs/reference.md §3; the
+    paper's
     per-dataset hyperparameter table ("starting from the classifier and applied to the vision
     and text towers independently").
   """
@@ -177,7 +178,7 @@ def tensor_decay_exponents(
     ValueError: naming the tree's paths that have no place in the HF order (e.g. a tree of
       another architecture).
 
-  Source: released code `util_funcs/model_utils.apply_lw_lr_decay`; SPEC §3
+  Source: released code `util_funcs/model_utils.apply_lw_lr_decay`; docs/reference.md §3
   (`llrd_granularity='tensor'`).
   """
   order, first_vision = hf_tensor_order(num_text_blocks, num_vision_blocks)
@@ -209,7 +210,7 @@ def lr_multipliers(
   """Per-parameter LR multipliers: group multiplier * decay**depth.
 
   Args:
-    params: the parameter tree (scenic layout, SPEC §1.1), arrays or ShapeDtypeStructs.
+    params: the parameter tree (scenic layout, docs/reference.md §1.1), arrays or ShapeDtypeStructs.
     text_lr_multiplier: LR of the text tower relative to vision/heads (paper: 0.1).
     layerwise_decay: m in (0, 1]; 1.0 disables layer-wise decay.
     layerwise_granularity: 'layer' (the paper: depth of `parameter_depth`) or 'tensor' (as in
@@ -282,7 +283,7 @@ def create_optimizer(
   weight_decay: float = 0.0,
   grad_clip_norm: float | None = 1.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with global grad-norm clipping, LR groups and layer-wise decay (SPEC §3).
+  """AdamW with global grad-norm clipping, LR groups and layer-wise decay (docs/reference.md §3).
 
   The effective LR of a parameter at step s is schedule(s) * multiplier(parameter), with the
   multipliers of `lr_multipliers`. Weight decay is decoupled (AdamW) and scaled by the same LR.

@@ -1,4 +1,4 @@
-"""Device mesh and shardings (DESIGN.md "Sharding").
+"""Device mesh and shardings (docs/architecture.md "Sharding").
 
 One `jax.sharding.Mesh` over all devices with the axis `data`. Batches are sharded along
 their leading axis; parameters, optimizer state and the replay state are replicated, so every

@@ -114,10 +114,11 @@ def _loss_fn(
   loss_threshold: float = 0.0,
   loss_gate_groups: int = 1,
 ):
-  """Detection loss of the new half plus DER++ on the replay half (SPEC §3).
+  """Detection loss of the new half plus DER++ on the replay half (docs/reference.md §3).
 
   L_T = L_B + weight * L_R with L_R = alpha * distillation + beta * replay detection loss
-  (averaged over the replays with `replay_mask`); weight by `loss_adaptivity` (SPEC §9):
+  (averaged over the replays with `replay_mask`); weight by `loss_adaptivity`
+  (docs/reference.md §9):
   'none' 1; 'paper' r / |B| with r = sum(replay['replay_active']) (eq. 6); 'released_gate'
   1 if L_B >= loss_threshold else 0 (L_B of this forward, as the released code).
   With `loss_gate_groups` G > 1 ('released_gate' only) the gate is per device as in the
@@ -151,7 +152,7 @@ def _loss_fn(
   replay_mask = jnp.asarray(replay["replay_mask"], bool)
   if loss_adaptivity == "paper":  # L_R over the active replays only
     replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
-  # One forward over [new ; replay] (SPEC §3).
+  # One forward over [new ; replay] (docs/reference.md §3).
   images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
   queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
   outputs = _forward(
@@ -239,7 +240,8 @@ def make_train_step(
     images plus `stored_logits` [B_r,T,Q] and `replay_mask` [B_r] bool. Metrics are scalars
     (loss, its terms, grad norm, LR multiplier-free step count).
     `max_unique_queries`: see `_forward` (the text tower embeds each distinct query once).
-    `loss_adaptivity` (SPEC §9; static): 'none' L = L_B + L_R; 'paper' L = L_B + (r/|B|) L_R
+    `loss_adaptivity` (docs/reference.md §9; static): 'none' L = L_B + L_R; 'paper' L = L_B +
+    (r/|B|) L_R
     (eq. 6) with r = sum of `replay['replay_active']` bool [B_r] (slots of the new images whose
     pre-forward loss exceeds l; B_r = B) and L_R over the replays with `replay_mask` and
     `replay_active`; 'released_gate' drops L_R when L_B < `loss_threshold` (per device as
@@ -248,7 +250,8 @@ def make_train_step(
     (int32, replayed images that contribute to the loss).
   Raises:
     ValueError: unknown `loss_adaptivity`.
-  Source: SPEC §3 (DER++ with alpha 2, beta 1; one forward over new and replay), SPEC §9
+  Source: docs/reference.md §3 (DER++ with alpha 2, beta 1; one forward over new and replay),
+  docs/reference.md §9
   (paper eqs. 5-6; the released code's gate).
   """
   if loss_adaptivity not in losses.LOSS_ADAPTIVITY_MODES:
@@ -310,7 +313,7 @@ def make_forward_step(model: nn.Module, mesh) -> Callable:
 def make_text_embed_step(model: nn.Module) -> Callable:
   """Jitted text embedding: `embed(params, tokens [N,L]) -> query_embeddings [N,E]`.
 
-  The text side of evaluation is embedded once per dataset (DESIGN.md).
+  The text side of evaluation is embedded once per dataset (docs/architecture.md "Sharding").
   """
 
   def embed(params, tokens):
@@ -329,7 +332,7 @@ def make_predict_step(model: nn.Module, mesh, *, top_k: int, multi_label: bool =
     `predict(params, images [B,S,S,3], query_embeddings [C,E]) -> (scores [B,K],
     labels [B,K] int32 contiguous class index, boxes [B,K,4] cxcywh relative to the padded
     square)` with K = min(top_k, T) (exclusive: argmax class per token then top-K tokens;
-    multi-label: top-K (token, class) pairs). Source: SPEC §4.
+    multi-label: top-K (token, class) pairs). Source: docs/reference.md §4.
   """
   from owl_cl.eval import detection  # Local import: eval depends on nothing in train.
 
@@ -352,7 +355,7 @@ def make_predict_step(model: nn.Module, mesh, *, top_k: int, multi_label: bool =
 
 
 #: Prompt-template ensembling modes: scenic's mean of the logits (default) and the released
-#: code's mean of the sigmoid probabilities (SPEC §2).
+#: code's mean of the sigmoid probabilities (docs/reference.md §2).
 ENSEMBLE_MODES = ("logits", "probabilities")
 
 
@@ -364,7 +367,7 @@ def template_ensemble_scores(
   *,
   ensemble: str = "logits",
 ) -> tuple[jax.Array, jax.Array]:
-  """Class scores ensembled over prompt templates, and boxes (SPEC §2, §4).
+  """Class scores ensembled over prompt templates, and boxes (docs/reference.md §2, §4).
 
   The image is embedded once; the class head runs once per template (`lax.scan`, so memory
   stays at one [B, T, C] logit array per step) and its outputs are averaged:
@@ -386,7 +389,8 @@ def template_ensemble_scores(
   Raises:
     ValueError: unknown `ensemble`, or query_embeddings not [P, C, E] with P >= 1.
 
-  Source: SPEC §2 (template ensembling), §4; scenic `owl_vit/evaluator.py` (`get_predict_fn`:
+  Source: docs/reference.md §2 (template ensembling), §4; scenic `owl_vit/evaluator.py`
+  (`get_predict_fn`:
   class predictor vmapped over templates, outputs averaged, then sigmoid).
   """
   if ensemble not in ENSEMBLE_MODES:
@@ -426,7 +430,7 @@ def template_ensemble_scores(
 def make_template_predict_step(
   model: nn.Module, mesh, *, top_k: int, multi_label: bool = False, ensemble: str = "logits"
 ) -> Callable:
-  """Jitted prediction with prompt-template ensembling (SPEC §2, §4).
+  """Jitted prediction with prompt-template ensembling (docs/reference.md §2, §4).
 
   Returns:
     `predict(params, images [B,S,S,3], query_embeddings [P,C,E]) -> (scores [B,K],
@@ -459,7 +463,7 @@ def make_embed_step(model: nn.Module, mesh, *, k: int) -> Callable:
   Returns:
     `embed(params, images [B,S,S,3], queries [B,Q,L]) -> dict(class_embeddings [B,k,E],
     query_embeddings [B,k,E])`, tokens ranked by max over valid queries of the sigmoid logit
-    (SPEC §6-§7), computed with the current parameters in eval mode.
+    (docs/reference.md §6-§7), computed with the current parameters in eval mode.
   """
   from owl_cl.replay import buffer_selection
 
@@ -486,7 +490,8 @@ def make_new_loss_step(
 ) -> Callable:
   """Jitted eval-mode pre-forward of the new batch: per-example losses (+ retrieval features).
 
-  Loss adaptivity (SPEC §9) needs each new sample's loss before retrieval (r decides how
+  Loss adaptivity (docs/reference.md §9) needs each new sample's loss before retrieval (r decides
+  how
   many, and which, replays to retrieve); with `k` the same forward also gives the top-k
   features of `make_embed_step`, so a feature-based algorithm costs no extra forward.
 
@@ -495,7 +500,8 @@ def make_new_loss_step(
     -> dict(per_example float32 [B] (`losses.detection_loss`), and with k:
     class_embeddings [B,k,E], query_embeddings [B,k,E])`, replicated (retrieval runs on
     replicated state).
-  Source: SPEC §9 (paper §4 "Loss Adaptivity": "we begin by computing each sample's loss").
+  Source: docs/reference.md §9 (paper §4 "Loss Adaptivity": "we begin by computing each sample's
+  loss").
   """
   from owl_cl.replay import buffer_selection
 

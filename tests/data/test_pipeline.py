@@ -139,7 +139,7 @@ def test_negatives_never_positive_and_vary():
     neg = tuple(out["query_class"][3:6].tolist())
     assert not set(neg) & {3, 7}
     seen.add(neg)
-  assert len(seen) > 10  # not the same negatives for all images (SPEC §12)
+  assert len(seen) > 10  # not the same negatives for all images (docs/reference.md §12)
   a = P.preprocess_train_example(
     ex, class_tokens=tok, empty_tokens=empty, rng=P.example_rng(0, 0, 5), **KW
   )

@@ -1,4 +1,5 @@
-"""Prompt templates (SPEC §2): lists, prompted strings, tokens, training-prompt draws."""
+"""Prompt templates (docs/reference.md §2): lists, prompted strings, tokens, training-prompt
+draws."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,5 @@
-"""LVIS evaluation (SPEC §4): federated AP, APr/APc/APf, id mapping, against LVISEval itself."""
+"""LVIS evaluation (docs/reference.md §4): federated AP, APr/APc/APf, id mapping, against LVISEval
+itself."""
 
 import copy
 import json

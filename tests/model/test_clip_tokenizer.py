@@ -1,4 +1,5 @@
-"""Tests of owl_cl.model.clip_tokenizer (SPEC §2) on small vocabularies written by the tests.
+"""Tests of owl_cl.model.clip_tokenizer (docs/reference.md §2) on small vocabularies written by the
+tests.
 
 Ids in the small vocabulary (OpenAI layout, `openai_bpe_vocabulary`): the 256 byte characters
 in `bytes_to_unicode` order (printable ASCII '!'..'~' first, so character c has id

@@ -1,4 +1,5 @@
-"""HF transformers OwlViTForObjectDetection <-> owl_cl (SPEC §1.2, owl_cl.model.convert).
+"""HF transformers OwlViTForObjectDetection <-> owl_cl (docs/reference.md §1.2,
+owl_cl.model.convert).
 
 A tiny random HF OWL-ViT is the independent reference: converted to our parameters, our model
 with ``hf_compat=True`` must give HF's outputs; our parameters exported to HF and back must be
@@ -196,7 +197,7 @@ def test_hf_to_ours_outputs_match(hf_model, converted):
 
 
 def test_hf_mapping_values(hf_model, converted):
-  """Hand-checked leaves of SPEC §1.2 (transposes, head reshapes, conv layout)."""
+  """Hand-checked leaves of docs/reference.md §1.2 (transposes, head reshapes, conv layout)."""
   model, _ = hf_model
   params, _ = converted
   flat = _flat(params)

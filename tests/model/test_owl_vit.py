@@ -1,4 +1,4 @@
-"""Tests of owl_cl.model (OWL-ViT v1, SPEC §1 / §1.1)."""
+"""Tests of owl_cl.model (OWL-ViT v1, docs/reference.md §1 / §1.1)."""
 
 import dataclasses
 import functools
@@ -186,7 +186,8 @@ def test_vit_b_parameter_shapes(variant, patch, grid):
 
 
 def test_box_bias_constants():
-  # SPEC §1 quotes 9.21044 (60x60, float64) and 9.210265 (3x3); scenic computes in float32
+  # docs/reference.md §1 quotes 9.21044 (60x60, float64) and 9.210265 (3x3); scenic computes in
+  # float32
   # (9.210275): allow 2e-4 in logit space (< 3e-8 after the sigmoid).
   b = compute_box_bias(60, 60)
   assert b.shape == (3600, 4) and b.dtype == np.float32

@@ -1,4 +1,4 @@
-"""Tests of owl_cl.model.tokenizer (SPEC §2)."""
+"""Tests of owl_cl.model.tokenizer (docs/reference.md §2)."""
 
 import zlib
 

@@ -1,4 +1,4 @@
-"""Tests of owl_cl.replay.algorithms (paper Table 2, SPEC §7)."""
+"""Tests of owl_cl.replay.algorithms (paper Table 2, docs/reference.md §7)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Tests of owl_cl.replay.buffer_selection (SPEC §6, paper eq. 7)."""
+"""Tests of owl_cl.replay.buffer_selection (docs/reference.md §6, paper eq. 7)."""
 
 import jax
 import numpy as np

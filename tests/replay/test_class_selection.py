@@ -1,4 +1,4 @@
-"""Tests of owl_cl.replay.class_selection (SPEC §7)."""
+"""Tests of owl_cl.replay.class_selection (docs/reference.md §7)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ from owl_cl.replay import class_selection as cs
 
 
 def _np_swil(emb, protos, w, eligible):
-  """NumPy float64 reference of SPEC §7 SWIL probabilities."""
+  """NumPy float64 reference of docs/reference.md §7 SWIL probabilities."""
 
   def norm(x):
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)

@@ -1,4 +1,4 @@
-"""Tests of owl_cl.replay.dedup (SPEC §8) through the retrieval algorithms."""
+"""Tests of owl_cl.replay.dedup (docs/reference.md §8) through the retrieval algorithms."""
 
 import logging
 

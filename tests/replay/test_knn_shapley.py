@@ -29,7 +29,7 @@ def _exact_shapley(d, u, k, valid):
 
 
 def _recursion_reference(d, u, k, valid):
-  """Straightforward loop over the SPEC §7 recursion (one evaluation point)."""
+  """Straightforward loop over the docs/reference.md §7 recursion (one evaluation point)."""
   idx = [i for i in sorted(range(len(d)), key=lambda i: (d[i], i)) if valid[i]]
   n = len(idx)
   s = np.zeros(len(d))

@@ -1,5 +1,5 @@
 """Every Table 2 algorithm: jit, determinism, dedup periods, the `active` slot mask, ineligible
-classes, A-SW-GRASP's switch and ASER's top-ASV choice (SPEC §7-§8)."""
+classes, A-SW-GRASP's switch and ASER's top-ASV choice (docs/reference.md §7-§8)."""
 
 import functools
 

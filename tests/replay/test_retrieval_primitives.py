@@ -1,5 +1,5 @@
 """Tests of the GRASP / ASV / entropy primitives, balanced selection with a slot mask and the
-reshuffled order, and the 'fraction' dedup schedule (SPEC §7-§8)."""
+reshuffled order, and the 'fraction' dedup schedule (docs/reference.md §7-§8)."""
 
 import jax
 import jax.numpy as jnp

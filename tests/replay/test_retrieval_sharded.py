@@ -1,5 +1,5 @@
 """Every retrieval algorithm picks the same replays on 8 devices (features sharded over the
-batch, buffer and state replicated) as on 1 device (DESIGN.md "Sharding").
+batch, buffer and state replicated) as on 1 device (docs/architecture.md "Sharding").
 
 One subprocess for all algorithms: the number of host devices is fixed when JAX starts.
 """

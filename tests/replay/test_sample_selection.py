@@ -1,4 +1,4 @@
-"""Tests of owl_cl.replay.sample_selection (SPEC §7)."""
+"""Tests of owl_cl.replay.sample_selection (docs/reference.md §7)."""
 
 import jax
 import jax.numpy as jnp

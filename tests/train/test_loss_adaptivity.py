@@ -1,4 +1,5 @@
-"""Loss adaptivity (paper eqs. 5-6, SPEC §9): the formula, the train step, the retrieval mask."""
+"""Loss adaptivity (paper eqs. 5-6, docs/reference.md §9): the formula, the train step, the
+retrieval mask."""
 
 import functools
 

@@ -1,4 +1,5 @@
-"""Tests of owl_cl.train.losses against hand-worked NumPy values and SciPy (SPEC §3)."""
+"""Tests of owl_cl.train.losses against hand-worked NumPy values and SciPy (docs/reference.md
+§3)."""
 
 import math
 import os

@@ -1,4 +1,4 @@
-"""LR groups, layer-wise decay and the schedule (SPEC §3)."""
+"""LR groups, layer-wise decay and the schedule (docs/reference.md §3)."""
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +112,10 @@ def test_global_norm_clip():
 
 
 def _hf_name_to_path(name: str):
-  """Scenic path of an HF OwlViTForObjectDetection parameter name (SPEC §1.2), or None."""
+  """Scenic path of an HF OwlViTForObjectDetection parameter name, or None.
+
+  Source: docs/reference.md §1.2.
+  """
   parts = name.split(".")
   leaf = {"weight": "kernel", "bias": "bias"}
   if name == "owlvit.logit_scale":

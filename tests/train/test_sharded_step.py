@@ -1,4 +1,4 @@
-"""The sharded train step on 8 devices equals the 1-device step (DESIGN.md "Sharding").
+"""The sharded train step on 8 devices equals the 1-device step (docs/architecture.md "Sharding").
 
 Runs in a subprocess because the number of host devices is fixed when JAX starts.
 """

@@ -1,4 +1,5 @@
-"""Prompt-template ensembling at evaluation (SPEC §2, §4) against a NumPy computation."""
+"""Prompt-template ensembling at evaluation (docs/reference.md §2, §4) against a NumPy
+computation."""
 
 import jax
 import jax.numpy as jnp
