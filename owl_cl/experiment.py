@@ -396,13 +396,50 @@ def load_init_checkpoint(path: str, like) -> tuple[Any, dict]:
 
 # ----------------------------------------------------------------------------- helpers
 
+# Fields of config.model / config.loss that choose how a step executes, not what it
+# computes (the same values up to rounding): left out of cache keys.
+_EXECUTION_ONLY = {"model": ("attention", "remat"), "loss": ("matcher",)}
+
+
+def model_fields(config: ml_collections.ConfigDict) -> dict:
+  """`create_model` keyword arguments: config.model.{dtype, attention, remat}, then
+  config.model.overrides (which win). dtype None keeps the variant's.
+
+  Raises:
+    ConfigError: config.model.dtype is not 'float32', 'bfloat16' or 'float16'.
+  """
+  fields = {}
+  dtype = config.model.get("dtype")
+  if dtype is not None:
+    if dtype not in ("float32", "bfloat16", "float16"):
+      raise ConfigError(
+        f"config.model.dtype={dtype!r} is unknown; known: float32, bfloat16, float16"
+      )
+    fields["dtype"] = getattr(jnp, dtype)
+  for name in ("attention", "remat"):
+    if config.model.get(name) is not None:
+      fields[name] = config.model[name]
+  fields.update(dict(config.model.overrides))
+  return fields
+
+
+def _cache_block(config: ml_collections.ConfigDict, name: str) -> dict:
+  """config.<name> as a dict for a cache key, without execution-only fields and unset
+  (None) new fields, so that keys written before they existed stay valid."""
+  out = config[name].to_dict()
+  for field in _EXECUTION_ONLY.get(name, ()):
+    out.pop(field, None)
+  if name == "model" and out.get("dtype") is None:
+    out.pop("dtype", None)
+  return out
+
 
 class Runner:
   """Holds the static pieces of a run (model, tokenizer, mesh, jitted steps)."""
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
-    self.model = model_lib.create_model(config.model.variant, **dict(config.model.overrides))
+    self.model = model_lib.create_model(config.model.variant, **model_fields(config))
     model_config = self.model.config
     # The self-contained tokenizer is sized by the model (vocabulary and context length); the
     # CLIP BPE reads its vocabulary from config.model.tokenizer_vocab_path (SPEC §2).
@@ -447,7 +484,13 @@ class Runner:
       class_weight=config.loss.class_weight,
       bbox_weight=config.loss.bbox_weight,
       giou_weight=config.loss.giou_weight,
+      matcher=config.loss.get("matcher", "auto"),
     )
+    if self.loss_config["matcher"] not in losses.MATCHERS:
+      raise ConfigError(
+        f"config.loss.matcher={self.loss_config['matcher']!r} is unknown; known: "
+        f"{list(losses.MATCHERS)}"
+      )
     self.empty_tokens = self.tokenizer.encode([""])[0]
     self._text_embed = step_lib.make_text_embed_step(self.model)
     self._predict_steps = {}  # (templates?, top_k, multi_label) -> jitted prediction
@@ -749,7 +792,7 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
     raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
   key = _digest(
     {
-      "model": config.model.to_dict(),
+      "model": _cache_block(config, "model"),
       "pretrain": config.pretrain.to_dict(),
       "data": {
         k: v
@@ -757,7 +800,7 @@ def pretrained_params(runner: Runner, bench: Benchmark, writer) -> tuple[Any, di
         if k in ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
       },
       **non_default_data_options(config),
-      "loss": config.loss.to_dict(),
+      "loss": _cache_block(config, "loss"),
       "seed": config.seed,
       "pretrain_data": _file_digest(bench.pretrain.train.annotation_file),
       "train_opt": [
@@ -886,7 +929,7 @@ def replay_buffer(runner: Runner, bench: Benchmark, params, pretrain_meta: dict)
     "buffer": bc.to_dict(),
     "top_k": config.replay.top_k,
     "data": [data.num_queries, data.num_negatives, data.max_instances],
-    "loss": config.loss.to_dict(),
+    "loss": _cache_block(config, "loss"),
     "seed": config.seed,
     "format": 1,
     **non_default_data_options(config, buffer=True),
