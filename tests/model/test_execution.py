@@ -160,3 +160,59 @@ def test_remat_policy_values():
   assert use and policy is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
   with pytest.raises(ValueError, match="remat='save_only_these_names'"):
     clip_lib.remat_policy("save_only_these_names")
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+  """bfloat16 compute with float32 parameters: outputs float32, within the rounding bound."""
+  images, queries = _tiny_inputs()
+  f32 = owl_vit.create_model("tiny", dtype=jnp.float32)
+  bf16 = owl_vit.create_model("tiny", dtype=jnp.bfloat16)
+  params = f32.init(jax.random.PRNGKey(0), images, queries)["params"]
+  # Non-trivial heads (their last kernels are initialised at or near 0).
+  params = jax.tree_util.tree_map_with_path(
+    lambda path, x: (
+      x + 0.05 * jax.random.normal(jax.random.PRNGKey(len(str(path))), x.shape)
+      if "head" in str(path)
+      else x
+    ),
+    params,
+  )
+  want = f32.apply({"params": params}, images, queries)
+  got = bf16.apply({"params": params}, images, queries)
+  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
+  # bfloat16 keeps 8 significant bits: one round-to-nearest costs at most 2^-9 relative.
+  # The longest path through the tiny model rounds about 40 times (patch embedding and
+  # ln_pre, then per each of the 4 vision blocks: LayerNorm, q/k/v, attention output, out
+  # projection, residual, MLP hidden, MLP output, residual; ln_post). Adding those errors
+  # linearly (worst case; random signs would give ~sqrt(40)) bounds the error of an output
+  # by 40 * 2^-9 = 0.078 of its largest magnitude. Measured: about 0.01.
+  bound = 40 * 2.0**-9
+  for key in ("pred_logits", "pred_boxes", "feature_map", "class_embeddings", "query_embeddings"):
+    w, g = np.asarray(want[key]), np.asarray(got[key])
+    assert g.dtype == np.float32, key
+    real = w > -1e5  # padded query slots hold -1e6 in both
+    scale = np.max(np.abs(w[real]))
+    err = np.max(np.abs(g[real] - w[real]))
+    assert err <= bound * scale, (key, err, scale)
+    assert err > 0, key  # the bfloat16 path really ran in bfloat16
+  np.testing.assert_array_equal(np.asarray(got["pred_logits"])[1, :, 2], -1e6)
+
+
+def test_config_fields_reach_the_model():
+  from configs import base
+  from owl_cl import experiment
+
+  builtin = base.get_config()
+  assert experiment.model_fields(builtin) == {
+    "attention": "auto",
+    "remat": "none",
+    "context_length": 8,
+  }  # dtype None: the tiny variant's float32
+  paper = base.get_config("paper")
+  fields = experiment.model_fields(paper)
+  assert fields == {"dtype": jnp.bfloat16, "attention": "auto", "remat": "block"}
+  model = owl_vit.create_model(paper.model.variant, **fields)
+  assert (model.dtype, model.remat, model.attention) == (jnp.bfloat16, "block", "auto")
+  builtin.model.dtype = "float64"
+  with pytest.raises(experiment.ConfigError, match="config.model.dtype='float64'"):
+    experiment.model_fields(builtin)
