@@ -57,6 +57,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# JAX and PyTorch share the accelerator in one process: no up-front reservation by JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -137,25 +139,33 @@ def _loss(model, matcher: str):
 # ------------------------------------------------------------------ modelled flash attention
 
 
-@jax.custom_vjp
-def _flash_like(q, k, v):
-  return jax.nn.dot_product_attention(q, k, v, implementation="xla")
-
-
-def _flash_like_fwd(q, k, v):
-  # What a flash-attention kernel keeps for its backward pass: inputs, output and the
-  # per-row log-sum-exp of the logits (float32) - not the [H, S, S] probabilities.
+def _attention_reference(q, k, v, key_bias):
+  """softmax(q k^T / sqrt(d) + key_bias) v; q/k/v [B, S, H, D], key_bias float32 [B, S]."""
   scale = q.shape[-1] ** -0.5
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+  logits = logits + key_bias[:, None, None, :]
   lse = jax.nn.logsumexp(logits, axis=-1)
-  out = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(logits - lse[..., None]).astype(v.dtype), v)
-  return out, (q, k, v, out, lse)
+  probs = jnp.exp(logits - lse[..., None]).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+@jax.custom_vjp
+def _flash_like(q, k, v, key_bias):
+  return _attention_reference(q, k, v, key_bias)[0]
+
+
+def _flash_like_fwd(q, k, v, key_bias):
+  # What a flash-attention kernel keeps for its backward pass: inputs, output and the
+  # per-row log-sum-exp of the logits (float32) - not the [H, S, S] probabilities, which
+  # the backward pass recomputes.
+  out, lse = _attention_reference(q, k, v, key_bias)
+  return out, (q, k, v, key_bias, out, lse)
 
 
 def _flash_like_bwd(res, g):
-  q, k, v, _, _ = res
-  _, vjp = jax.vjp(lambda a, b, c: jax.nn.dot_product_attention(a, b, c), q, k, v)
-  return vjp(g)
+  q, k, v, key_bias, _, _ = res
+  _, vjp = jax.vjp(lambda a, b, c: _attention_reference(a, b, c, key_bias)[0], q, k, v)
+  return (*vjp(g), jnp.zeros_like(key_bias))
 
 
 _flash_like.defvjp(_flash_like_fwd, _flash_like_bwd)
@@ -167,11 +177,17 @@ def _modelled_cudnn_attention(real):
   def attention(q, k, v, bias=None, mask=None, *, implementation=None, **kwargs):
     if implementation != "cudnn":
       return real(q, k, v, bias=bias, mask=mask, implementation=implementation, **kwargs)
-    if mask is not None or bias is not None or kwargs.get("key_value_seq_lengths") is not None:
+    if mask is not None or bias is not None:
       # The text tower (16 tokens, masked): its attention residuals are negligible; the
-      # XLA path keeps them (slight overestimate).
+      # XLA path keeps them (a slight overestimate).
       return real(q, k, v, bias=bias, mask=mask, implementation="xla")
-    return _flash_like(q, k, v)
+    lengths = kwargs.get("key_value_seq_lengths")
+    s = k.shape[1]
+    if lengths is None:
+      key_bias = jnp.zeros((k.shape[0], s), jnp.float32)
+    else:  # padded keys (the odd-length fallback) are excluded
+      key_bias = jnp.where(jnp.arange(s)[None, :] < lengths[:, None], 0.0, -1e30)
+    return _flash_like(q, k, v, key_bias.astype(jnp.float32))
 
   return attention
 
@@ -315,7 +331,8 @@ def measure_peak_flops() -> float:
   return 2 * n**3 / _median_time(lambda: f(a, a).block_until_ready(), 5)
 
 
-def time_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str) -> dict:
+def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str):
+  """Builds, compiles and warms our train step; returns (run, record) with run() one step."""
   model = model_lib.create_model(
     args.variant,
     image_size=args.image_size,
@@ -333,39 +350,67 @@ def time_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention:
     loss_config=dict(LOSS_CONFIG, matcher=matcher),
     with_replay=True,
   )
-  state = step_lib.create_train_state(params, tx)
+  holder = {"state": step_lib.create_train_state(params, tx)}
   key = jax.random.PRNGKey(1)
-  t0 = time.perf_counter()
-  state, metrics = train_step(state, new, replay, key)
-  jax.block_until_ready(metrics)
-  first = time.perf_counter() - t0
-  # The second call sees the committed, sharded state of the first one's outputs (one more
-  # trace); time from the third on.
-  state, metrics = train_step(state, new, replay, key)
-  jax.block_until_ready(metrics)
 
   def run():
-    nonlocal state
-    state, m = train_step(state, new, replay, key)
+    holder["state"], m = train_step(holder["state"], new, replay, key)
     jax.block_until_ready(m)
 
-  step_s = _median_time(run, args.repeats)
-  images = 2 * new["images"].shape[0]
-  return {
-    "batch": images,
+  t0 = time.perf_counter()
+  run()
+  first = time.perf_counter() - t0
+  # The second call sees the committed, sharded state of the first one's outputs (one more
+  # trace); timing starts after it.
+  t0 = time.perf_counter()
+  run()
+  second = time.perf_counter() - t0
+  record = {
+    "batch": 2 * new["images"].shape[0],
     "matcher": matcher,
     "dtype": dtype,
     "remat": remat,
     "attention": clip_lib.resolve_attention(attention, getattr(jnp, dtype), 64),
     "first_step_s": first,
-    "compile_s_approx": first - step_s,
-    "step_s": step_s,
-    "images_per_s": images / step_s,
-    "peak_bytes": _peak_memory(jax.devices()[0]),
+    "second_step_s": second,
   }
+  return run, record
 
 
-def time_hf(args, batch: int) -> dict:
+def time_all(args, batch: int) -> tuple[list, dict | None]:
+  """Times our step for each matcher and HF's step, interleaving their steps round by round
+  so that they share the machine's load (the CPU here is shared by other work); medians
+  over `args.repeats` rounds. Returns (our records, HF's record or None)."""
+  prepared = [
+    prepare_ours(args, batch, m, args.dtype, args.remat, args.attention) for m in args.matchers
+  ]
+  if not args.skip_hf:
+    prepared.append(prepare_hf(args, batch))
+  times = [[] for _ in prepared]
+  for _ in range(args.repeats):
+    for (run, _), ts in zip(prepared, times, strict=True):
+      t0 = time.perf_counter()
+      run()
+      ts.append(time.perf_counter() - t0)
+  out = []
+  for (_, record), ts in zip(prepared, times, strict=True):
+    step_s = statistics.median(ts)
+    record.update(step_s=step_s, step_s_all=ts, images_per_s=record["batch"] / step_s)
+    if "peak_fn" in record:  # HF
+      record["peak_bytes"] = record.pop("peak_fn")()
+    else:
+      record.update(
+        compile_s_approx=record["first_step_s"] - step_s,
+        peak_bytes=_peak_memory(jax.devices()[0]),
+      )
+    out.append(record)
+  if args.skip_hf:
+    return out, None
+  return out[:-1], out[-1]
+
+
+def prepare_hf(args, batch: int):
+  """HF's forward + backward, warmed up; returns (run, record)."""
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
 
@@ -398,17 +443,18 @@ def time_hf(args, batch: int) -> dict:
   if device == "cuda":
     torch.cuda.reset_peak_memory_stats()
   run()
-  step_s = _median_time(run, args.repeats)
-  peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
-  return {
+
+  def peak():
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
+
+  record = {
     "batch": batch,
     "device": device,
     "autocast_bf16": device == "cuda",
     "torch_threads": torch.get_num_threads(),
-    "step_s": step_s,
-    "images_per_s": batch / step_s,
-    "peak_bytes": peak,
+    "peak_fn": peak,
   }
+  return run, record
 
 
 def compile_in_fresh_process(args, batch: int) -> float | None:
@@ -438,28 +484,25 @@ def timing(args) -> dict:
   if backend != "cpu":
     result["peak_bf16_flops"] = measure_peak_flops()
   for batch in args.time_batches:
-    for matcher in args.matchers:
-      r = time_ours(args, batch, matcher, args.dtype, args.remat, args.attention)
+    ours, hf = time_all(args, batch)
+    for r in ours:
       if "peak_bf16_flops" in result and args.model_flops_per_image:
         r["mfu"] = r["images_per_s"] * args.model_flops_per_image / result["peak_bf16_flops"]
-      print(f"ours   batch {batch:3d} matcher={matcher}: {r}", flush=True)
+      print(f"ours   batch {batch:3d} matcher={r['matcher']}: {r}", flush=True)
       result["ours"].append(r)
     if backend != "cpu" and args.cache_dir:
       result.setdefault("compile_fresh_process_s", {})[batch] = compile_in_fresh_process(
         args, batch
       )
-    if not args.skip_hf:
-      h = time_hf(args, batch)
-      print(f"HF     batch {batch:3d}: {h}", flush=True)
-      result["hf"].append(h)
-      best = max(
-        (o for o in result["ours"] if o["batch"] == batch), key=lambda o: o["images_per_s"]
-      )
+    if hf is not None:
+      print(f"HF     batch {batch:3d}: {hf}", flush=True)
+      result["hf"].append(hf)
+      best = max(ours, key=lambda o: o["images_per_s"])
       result["ratios"].append(
         {
           "batch": batch,
           "ours_matcher": best["matcher"],
-          "ours_over_hf_images_per_s": best["images_per_s"] / h["images_per_s"],
+          "ours_over_hf_images_per_s": best["images_per_s"] / hf["images_per_s"],
         }
       )
   return result
@@ -598,8 +641,8 @@ def main(argv=None) -> dict:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   if args.compile_only:
-    r = time_ours(args, args.time_batches[0], "jax", args.dtype, args.remat, args.attention)
-    print(r["compile_s_approx"])
+    _, r = prepare_ours(args, args.time_batches[0], "jax", args.dtype, args.remat, args.attention)
+    print(r["first_step_s"])
     return r
   # Bad settings fail here, before any work.
   model_lib.create_model(
