@@ -216,3 +216,15 @@ def test_config_fields_reach_the_model():
   builtin.model.dtype = "float64"
   with pytest.raises(experiment.ConfigError, match="config.model.dtype='float64'"):
     experiment.model_fields(builtin)
+
+
+def test_execution_only_fields_leave_cache_keys_unchanged():
+  from configs import base
+  from owl_cl import experiment
+
+  c = base.get_config()
+  before = {k: v for k, v in c.model.to_dict().items() if k not in ("attention", "remat", "dtype")}
+  assert experiment._cache_block(c, "model") == before
+  assert "matcher" not in experiment._cache_block(c, "loss")
+  c.model.dtype = "bfloat16"  # changes what is computed: part of the key
+  assert experiment._cache_block(c, "model")["dtype"] == "bfloat16"
