@@ -93,6 +93,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Any field of the variant's ModelConfig, e.g. vision_layers=2. The tiny model's queries are
   # at most a few words: a text context of 8 halves the text tower's cost.
   c.model.overrides = ml_collections.ConfigDict({"context_length": 8})
+  # Compute dtype of the towers ('float32' | 'bfloat16'; parameters, softmax, heads, loss and
+  # optimizer stay float32). None: the variant's (float32 for tiny, bfloat16 for the ViTs).
+  c.model.dtype = ml_collections.config_dict.placeholder(str)
+  # Attention kernel (jax.nn.dot_product_attention): 'auto' (cuDNN's fused kernel on a GPU
+  # in bf16/fp16, XLA elsewhere) | 'xla' | 'cudnn'.
+  c.model.attention = "auto"
+  # Rematerialisation per residual block: 'none' | 'block' (recompute each block in the
+  # backward pass) | a jax.checkpoint_policies name, e.g. 'dots_with_no_batch_dims_saveable'.
+  c.model.remat = "none"
   # A parameter checkpoint (owl_cl.train.checkpointing.save_params layout). None: pre-train
   # the model on the pre-training set (built-in benchmark) and cache it.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
@@ -206,6 +215,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # over its own #positives/#boxes, then the mean) | 'per_batch' (released code: the batch's
   # sums over its total #positives/#boxes). Pre-training and buffer losses stay per image.
   c.loss.normalization = "per_image"
+  # Hungarian solver: 'scipy' (host callback) | 'jax' (on the device, no callback) | 'auto'
+  # (per platform, owl_cl.train.losses.AUTO_MATCHER: jax, measured faster on CPU too).
+  c.loss.matcher = "auto"
 
   # --- replay (SPEC §6-§8) ---------------------------------------------------------------
   c.replay = ml_collections.ConfigDict()
@@ -383,6 +395,11 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.model.variant = "vit_l14"
   c.model.tokenizer = "clip"
   c.model.overrides = ml_collections.ConfigDict()
+  # bfloat16 compute (float32 parameters, softmax, loss and optimizer) and every block
+  # rematerialised: the 16 + 16 step's saved activations then fit one 80 GB GPU (README,
+  # "Train-step benchmark").
+  c.model.dtype = "bfloat16"
+  c.model.remat = "block"
   # Required with 'clip': model.tokenizer_vocab_path (the CLIP BPE vocabulary).
   # Required: a scenic msgpack, an HF folder or an owl_cl parameter checkpoint.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)

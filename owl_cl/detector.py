@@ -29,6 +29,20 @@ from owl_cl.utils import expand_path
 from owl_cl.validation import ConfigError
 
 
+def model_fields(config: ml_collections.ConfigDict) -> dict:
+  """`create_model` keyword arguments: config.model.{dtype, attention, remat}, then
+  config.model.overrides (which win). dtype None keeps the variant's (checked in validation).
+  """
+  fields = {}
+  if config.model.dtype is not None:
+    fields["dtype"] = getattr(jnp, config.model.dtype)
+  for name in ("attention", "remat"):
+    if config.model[name] is not None:
+      fields[name] = config.model[name]
+  fields.update(dict(config.model.overrides))
+  return fields
+
+
 class Detector:
   """The detector of a run and everything that turns data into its inputs and outputs.
 
@@ -44,7 +58,7 @@ class Detector:
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
-    self.model = model_lib.create_model(config.model.variant, **dict(config.model.overrides))
+    self.model = model_lib.create_model(config.model.variant, **model_fields(config))
     model_config = self.model.config
     # The self-contained tokenizer is sized by the model (vocabulary and context length); the
     # CLIP BPE reads its vocabulary from config.model.tokenizer_vocab_path (docs/reference.md §2).
@@ -86,6 +100,7 @@ class Detector:
       class_weight=config.loss.class_weight,
       bbox_weight=config.loss.bbox_weight,
       giou_weight=config.loss.giou_weight,
+      matcher=config.loss.matcher,
     )
     self.empty_tokens = self.tokenizer.encode([""])[0]
     self._text_embed = step_lib.make_text_embed_step(self.model)

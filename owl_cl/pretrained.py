@@ -70,7 +70,7 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
     raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
   key = digest(
     {
-      "model": config.model.to_dict(),
+      "model": cache_key_fields(config, "model"),
       "pretrain": config.pretrain.to_dict(),
       "data": {
         k: v
@@ -78,7 +78,7 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
         if k in ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
       },
       **non_default_data_options(config),
-      "loss": loss_cache_key(config),
+      "loss": cache_key_fields(config, "loss"),
       "seed": config.seed,
       "pretrain_data": file_digest(bench.pretrain.train.annotation_file),
       "train_opt": [
@@ -126,13 +126,24 @@ def _default_data_options() -> dict[str, Any]:
 DEFAULT_DATA_OPTIONS = _default_data_options()
 
 
-def loss_cache_key(config: ml_collections.ConfigDict) -> dict:
-  """`config.loss` as it enters the cache keys of pre-training and of the replay buffer.
+# Fields left out of the cache keys of pre-training and of the buffer, so that caches written
+# before they existed stay valid: those that choose how a step executes, not what it computes
+# (attention, remat, matcher: the same values up to rounding), and the loss normalisation, which
+# applies to continual fine-tuning only (pre-training and the buffer's losses are per image).
+_NOT_IN_CACHE_KEYS = {"model": ("attention", "remat"), "loss": ("matcher", "normalization")}
 
-  `normalization` is left out: it applies to continual fine-tuning only (pre-training and the
-  buffer's per-image losses are per image), so changing it must not invalidate those caches.
+
+def cache_key_fields(config: ml_collections.ConfigDict, section: str) -> dict:
+  """`config.<section>` ('model' | 'loss') as it enters the cache keys.
+
+  Leaves out `_NOT_IN_CACHE_KEYS` and an unset (None) `model.dtype` (the variant's own).
   """
-  return {k: v for k, v in config.loss.to_dict().items() if k != "normalization"}
+  out = config[section].to_dict()
+  for field in _NOT_IN_CACHE_KEYS.get(section, ()):
+    out.pop(field, None)
+  if section == "model" and out.get("dtype") is None:
+    out.pop("dtype", None)
+  return out
 
 
 def non_default_data_options(

@@ -323,6 +323,8 @@ def option_problems(config: ml_collections.ConfigDict) -> list[str]:
   """Fields that must name one of a fixed set of options, each named with its value."""
   options = (
     ("config.loss.normalization", config.loss.normalization, losses.NORMALIZATIONS),
+    ("config.loss.matcher", config.loss.matcher, losses.MATCHERS),
+    ("config.model.dtype", config.model.dtype, (None, "float32", "bfloat16", "float16")),
     (
       "config.replay.selection.top_up_order",
       config.replay.selection.top_up_order,

@@ -11,7 +11,13 @@ scenic checkpoints load unchanged:
 * ``clip/logit_scale`` (scalar, unused by the detector).
 
 Precision: every module takes ``dtype`` (the compute dtype, e.g. ``jnp.float32`` or
-``jnp.bfloat16``); parameters are always float32 (``param_dtype``).
+``jnp.bfloat16``); parameters are always float32 (``param_dtype``); attention logits and
+softmax are float32 whatever ``dtype`` is.
+
+Attention runs through ``jax.nn.dot_product_attention`` (:class:`SelfAttention`): XLA's
+implementation, or cuDNN's fused (flash) kernel on NVIDIA GPUs, chosen by ``attention``
+(:func:`resolve_attention`). Rematerialisation per residual block is chosen by ``remat``
+(:func:`remat_policy`). Neither changes the parameter tree.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+  "ATTENTION_IMPLEMENTATIONS",
   "CLIP",
+  "REMAT_POLICIES",
+  "SelfAttention",
   "CLIP_IMAGE_MEAN",
   "CLIP_IMAGE_STD",
   "LAYER_NORM_EPS",
@@ -37,6 +46,8 @@ __all__ = [
   "droplayer_rates",
   "normalize_image",
   "quick_gelu",
+  "remat_policy",
+  "resolve_attention",
 ]
 
 Dtype = Any
@@ -97,6 +108,194 @@ def droplayer_rates(num_layers: int, rate: float) -> list:
 
 LayerNorm = functools.partial(nn.LayerNorm, epsilon=LAYER_NORM_EPS)
 
+#: Values of the ``attention`` field: 'auto' picks per platform and dtype
+#: (:func:`resolve_attention`); 'xla' and 'cudnn' are ``jax.nn.dot_product_attention``'s
+#: implementations.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+#: Values of the ``remat`` field besides the ``jax.checkpoint_policies`` names below:
+#: 'none' (keep every activation) and 'block' (keep only each block's input; recompute the
+#: block in the backward pass).
+_REMAT_MODES = ("none", "block")
+#: The ``jax.checkpoint_policies`` that are policies themselves (not factories needing
+#: arguments), usable as ``remat``.
+_POLICY_NAMES = (
+  "everything_saveable",
+  "nothing_saveable",
+  "dots_saveable",
+  "checkpoint_dots",
+  "dots_with_no_batch_dims_saveable",
+  "checkpoint_dots_with_no_batch_dims",
+)
+REMAT_POLICIES = _REMAT_MODES + tuple(
+  n for n in _POLICY_NAMES if hasattr(jax.checkpoint_policies, n)
+)
+
+# cuDNN's fused attention (jax.nn.dot_product_attention(implementation='cudnn')) takes
+# float16/bfloat16 only and head dimensions up to 128 that are multiples of 8.
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_CUDNN_MAX_HEAD_DIM = 128
+
+
+def resolve_attention(
+  attention: str, dtype: Any, head_dim: int, platform: str | None = None
+) -> str:
+  """The ``jax.nn.dot_product_attention`` implementation for an ``attention`` setting.
+
+  'auto' gives 'cudnn' on a GPU when ``dtype`` is bfloat16/float16 and ``head_dim`` is a
+  multiple of 8 no larger than 128 (cuDNN's fused kernel's limits), and 'xla' otherwise
+  (CPU, TPU, float32). 'xla' and 'cudnn' are returned as given (cuDNN then fails at compile
+  time where it is unsupported: a float32 dtype, no NVIDIA GPU).
+
+  Args:
+    attention: one of :data:`ATTENTION_IMPLEMENTATIONS`.
+    dtype: compute dtype of the attention inputs (e.g. ``jnp.bfloat16``).
+    head_dim: per-head width (64 in every CLIP tower).
+    platform: ``jax.default_backend()`` when None ('cpu', 'gpu', 'tpu').
+
+  Returns:
+    'xla' or 'cudnn'.
+
+  Raises:
+    ValueError: unknown ``attention`` (the message lists the known values).
+
+  Source: ``jax.nn.dot_product_attention`` (implementation argument and cuDNN limits).
+  """
+  if attention not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(
+      f"attention={attention!r} is unknown; known: {list(ATTENTION_IMPLEMENTATIONS)}"
+    )
+  if attention != "auto":
+    return attention
+  platform = platform or jax.default_backend()
+  cudnn_ok = (
+    platform == "gpu"
+    and any(jnp.dtype(dtype) == jnp.dtype(d) for d in _CUDNN_DTYPES)
+    and head_dim % 8 == 0
+    and head_dim <= _CUDNN_MAX_HEAD_DIM
+  )
+  return "cudnn" if cudnn_ok else "xla"
+
+
+def remat_policy(remat: str):
+  """``(use_remat, policy)`` of a ``remat`` setting, for ``nn.remat(..., policy=policy)``.
+
+  Args:
+    remat: 'none' (no rematerialisation), 'block' (save only each residual block's input,
+      recompute the rest in the backward pass: ``policy=None``) or a name of
+      ``jax.checkpoint_policies`` (:data:`REMAT_POLICIES`), e.g.
+      'dots_with_no_batch_dims_saveable' (keep the outputs of the weight matmuls, recompute
+      attention, softmax, LayerNorm and GELU).
+
+  Returns:
+    ``(False, None)`` for 'none'; ``(True, None)`` for 'block'; ``(True, policy)`` otherwise.
+
+  Raises:
+    ValueError: unknown ``remat`` (the message lists the known values).
+
+  Source: ``jax.checkpoint`` / ``flax.linen.remat`` documentation.
+  """
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat={remat!r} is unknown; known: {list(REMAT_POLICIES)}")
+  if remat == "none":
+    return False, None
+  if remat == "block":
+    return True, None
+  return True, getattr(jax.checkpoint_policies, remat)
+
+
+def _pad_seq(x: jax.Array, target: int, axis: int) -> jax.Array:
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, target - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention with biases, scenic's parameter tree, ``jax.nn`` kernel.
+
+  ``q, k, v = DenseGeneral(x) -> [N, S, H, D/H]`` (``query``, ``key``, ``value``: kernel
+  ``[D, H, D/H]``, bias ``[H, D/H]``); ``o = softmax(q k^T / sqrt(D/H) + mask) v`` through
+  ``jax.nn.dot_product_attention`` (logits and softmax in float32); ``out``: kernel
+  ``[H, D/H, D]``, bias ``[D]``. The tree and initialisers are those of flax's
+  ``nn.MultiHeadDotProductAttention`` (which scenic uses), so checkpoints load unchanged and
+  float32 outputs agree with it to rounding.
+
+  cuDNN: its kernel needs bfloat16/float16 inputs, turns a mask into an additive bias, and
+  its backward pass with a bias needs an even sequence length. An odd length S (the vision
+  tower's 1 + 60 * 60 = 3601 tokens) is therefore padded to S + 1 with zero rows, the padded
+  keys excluded through ``key_value_seq_lengths`` (and the mask, when given, padded with
+  False), and the padded rows dropped from the output.
+
+  Attributes:
+    num_heads: H (D must be divisible by H).
+    dtype: compute dtype of the projections and of q/k/v; params float32.
+    attention: 'auto' | 'xla' | 'cudnn' (:func:`resolve_attention`).
+
+  Call: ``x [N, S, D]``, optional ``mask [N, 1|H, S, S]`` bool (True = attend). Returns
+  ``[N, S, D]`` in ``dtype``. Rows whose mask is all False attend uniformly to every
+  position (as flax's module), which keeps them finite.
+
+  Raises:
+    ValueError: D not divisible by H; unknown ``attention``; mask of the wrong shape.
+
+  Source: SPEC §1 (attention with biases on q/k/v/out, §1.1 tree); flax
+  ``nn.MultiHeadDotProductAttention``; ``jax.nn.dot_product_attention``.
+  """
+
+  num_heads: int
+  dtype: Dtype = jnp.float32
+  attention: str = "auto"
+
+  @nn.compact
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    n, s, width = x.shape
+    if width % self.num_heads:
+      raise ValueError(f"width {width} is not divisible by num_heads={self.num_heads}")
+    head_dim = width // self.num_heads
+    impl = resolve_attention(self.attention, self.dtype, head_dim)
+    if mask is not None and (mask.ndim != 4 or mask.shape[-2:] != (s, s)):
+      raise ValueError(f"mask must be [N, 1|H, {s}, {s}], got {mask.shape}")
+    dense = functools.partial(
+      nn.DenseGeneral,
+      features=(self.num_heads, head_dim),
+      axis=-1,
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
+      use_bias=True,
+    )
+    q = dense(name="query")(x)
+    k = dense(name="key")(x)
+    v = dense(name="value")(x)
+    if mask is not None:
+      mask = jnp.asarray(mask, bool)
+    if impl == "cudnn" and s % 2:
+      # Padded fallback for cuDNN (see the class docstring): pad to an even length and mask
+      # the padded keys by length; the padded query rows are dropped below.
+      target = s + 1
+      q, k, v = (_pad_seq(t, target, 1) for t in (q, k, v))
+      if mask is not None:
+        mask = _pad_seq(_pad_seq(mask, target, 2), target, 3)
+      lengths = jnp.full((n,), s, jnp.int32)
+      y = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation="cudnn",
+      )[:, :s]
+    else:
+      y = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+    return nn.DenseGeneral(
+      features=width,
+      axis=(-2, -1),
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
+      use_bias=True,
+      name="out",
+    )(y)
+
 
 class MLP(nn.Module):
   """Transformer MLP: ``c_proj(quick_gelu(c_fc(x)))``.
@@ -135,9 +334,11 @@ class ResidualAttentionBlock(nn.Module):
     mlp_dim: MLP hidden width (``None``: 4 D).
     droplayer_p: drop probability of this block (float in [0, 1]).
     dtype: compute dtype; params float32.
+    attention: attention implementation (:class:`SelfAttention`).
 
   Call: ``x [N, S, D]``, optional ``attn_mask [N, 1|H, S, S]`` (bool/0-1, True = attend),
-  keyword ``deterministic``; returns ``[N, S, D]`` in ``dtype``.
+  ``deterministic`` (positional or keyword, so that ``nn.remat`` can mark it static);
+  returns ``[N, S, D]`` in ``dtype``.
 
   Source: SPEC §1 (transformer block); scenic `scenic/projects/owl_vit/clip/layers.py`
   (``ResidualAttentionBlock``).
@@ -147,6 +348,7 @@ class ResidualAttentionBlock(nn.Module):
   mlp_dim: int | None = None
   droplayer_p: float = 0.0
   dtype: Dtype = jnp.float32
+  attention: str = "auto"
 
   def _drop_pattern(self, x: jax.Array, deterministic: bool):
     if deterministic or not self.droplayer_p:
@@ -162,19 +364,13 @@ class ResidualAttentionBlock(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, attn_mask: jax.Array | None = None, *, deterministic: bool = True
+    self, x: jax.Array, attn_mask: jax.Array | None = None, deterministic: bool = True
   ) -> jax.Array:
     x = x.astype(self.dtype)
     xn = LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_0")(x)
-    y = nn.MultiHeadDotProductAttention(
-      num_heads=self.num_heads,
-      dtype=self.dtype,
-      param_dtype=jnp.float32,
-      use_bias=True,
-      force_fp32_for_softmax=True,
-      deterministic=True,
-      name="attn",
-    )(xn, xn, mask=attn_mask)
+    y = SelfAttention(
+      num_heads=self.num_heads, dtype=self.dtype, attention=self.attention, name="attn"
+    )(xn, attn_mask)
     x = self._residual(x, y, deterministic)
     xn = LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_1")(x)
     y = MLP(mlp_dim=self.mlp_dim, dtype=self.dtype, name="mlp")(xn)
@@ -189,7 +385,12 @@ class Transformer(nn.Module):
 
   Attributes:
     num_layers: L; num_heads: heads; mlp_dim: MLP width (``None``: 4 D);
-    stochastic_droplayer_rate: max drop probability; dtype: compute dtype.
+    stochastic_droplayer_rate: max drop probability; dtype: compute dtype;
+    attention: attention implementation (:class:`SelfAttention`);
+    remat: rematerialisation of each block (:func:`remat_policy`): with anything but
+      'none', each block is wrapped in ``nn.remat`` (same parameter names and values,
+      same outputs and gradients; the backward pass recomputes what the policy did not
+      save).
 
   Call: ``x [N, S, D]``, optional ``attn_mask [N, 1, S, S]``, keyword ``deterministic``;
   returns ``[N, S, D]``.
@@ -202,19 +403,27 @@ class Transformer(nn.Module):
   mlp_dim: int | None = None
   stochastic_droplayer_rate: float = 0.0
   dtype: Dtype = jnp.float32
+  attention: str = "auto"
+  remat: str = "none"
 
   @nn.compact
   def __call__(
     self, x: jax.Array, attn_mask: jax.Array | None = None, *, deterministic: bool = True
   ) -> jax.Array:
+    use_remat, policy = remat_policy(self.remat)
+    block_cls = ResidualAttentionBlock
+    if use_remat:
+      # Argument 3 (counting self) is `deterministic`, a Python bool: static.
+      block_cls = nn.remat(ResidualAttentionBlock, policy=policy, static_argnums=(3,))
     for i, p in enumerate(droplayer_rates(self.num_layers, self.stochastic_droplayer_rate)):
-      x = ResidualAttentionBlock(
+      x = block_cls(
         num_heads=self.num_heads,
         mlp_dim=self.mlp_dim,
         droplayer_p=p,
         dtype=self.dtype,
+        attention=self.attention,
         name=f"resblocks_{i}",
-      )(x, attn_mask, deterministic=deterministic)
+      )(x, attn_mask, deterministic)
     return x
 
 
@@ -227,7 +436,8 @@ class VisionTransformer(nn.Module):
 
   Attributes:
     patch_size: patch side p (pixels); features: width D; num_layers; num_heads;
-    mlp_dim (``None``: 4 D); stochastic_droplayer_rate; dtype (compute).
+    mlp_dim (``None``: 4 D); stochastic_droplayer_rate; dtype (compute); attention, remat
+    (:class:`Transformer`).
 
   Call: ``images [B, S, S, 3]`` float, already CLIP-normalised (:func:`normalize_image`),
   with ``S`` a multiple of ``patch_size``; keyword ``deterministic``. Returns
@@ -248,6 +458,8 @@ class VisionTransformer(nn.Module):
   mlp_dim: int | None = None
   stochastic_droplayer_rate: float = 0.0
   dtype: Dtype = jnp.float32
+  attention: str = "auto"
+  remat: str = "none"
 
   @nn.compact
   def __call__(self, images: jax.Array, *, deterministic: bool = True) -> jax.Array:
@@ -285,6 +497,8 @@ class VisionTransformer(nn.Module):
       mlp_dim=self.mlp_dim,
       stochastic_droplayer_rate=self.stochastic_droplayer_rate,
       dtype=self.dtype,
+      attention=self.attention,
+      remat=self.remat,
       name="transformer",
     )(x, deterministic=deterministic)
     return LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_post")(x)
@@ -300,7 +514,8 @@ class TextEncoder(nn.Module):
   Attributes:
     vocab_size: V; features: width Dt; num_layers; num_heads; out_features: E;
     context_length: L (16; the positional embedding has L rows);
-    mlp_dim (``None``: 4 Dt); stochastic_droplayer_rate; dtype (compute).
+    mlp_dim (``None``: 4 Dt); stochastic_droplayer_rate; dtype (compute); attention, remat
+    (:class:`Transformer`).
 
   Call: ``text [N, L]`` int token ids (0 = padding), keyword ``deterministic``. Returns
   ``[N, E]`` in ``dtype``. An all-zero row is computed without NaNs (its value is
@@ -322,6 +537,8 @@ class TextEncoder(nn.Module):
   mlp_dim: int | None = None
   stochastic_droplayer_rate: float = 0.0
   dtype: Dtype = jnp.float32
+  attention: str = "auto"
+  remat: str = "none"
 
   @nn.compact
   def __call__(self, text: jax.Array, *, deterministic: bool = True) -> jax.Array:
@@ -350,6 +567,8 @@ class TextEncoder(nn.Module):
       mlp_dim=self.mlp_dim,
       stochastic_droplayer_rate=self.stochastic_droplayer_rate,
       dtype=self.dtype,
+      attention=self.attention,
+      remat=self.remat,
       name="transformer",
     )(x, attn_mask=mask, deterministic=deterministic)
     x = LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_final")(x)
@@ -371,7 +590,8 @@ class CLIP(nn.Module):
     vocab_size, embed_dim (E), context_length (L);
     text_width, text_layers, text_heads, text_mlp_dim;
     vision_width, vision_layers, vision_heads, vision_mlp_dim, patch_size;
-    text_stochastic_droplayer_rate, vision_stochastic_droplayer_rate; dtype (compute).
+    text_stochastic_droplayer_rate, vision_stochastic_droplayer_rate; dtype (compute);
+    attention, remat (:class:`Transformer`, both towers).
 
   Methods:
     ``encode_image(images [B,S,S,3] CLIP-normalised, deterministic) -> [B, 1+P, D]``
@@ -400,6 +620,8 @@ class CLIP(nn.Module):
   text_stochastic_droplayer_rate: float = 0.0
   vision_stochastic_droplayer_rate: float = 0.0
   dtype: Dtype = jnp.float32
+  attention: str = "auto"
+  remat: str = "none"
 
   def setup(self):
     self.visual = VisionTransformer(
@@ -410,6 +632,8 @@ class CLIP(nn.Module):
       mlp_dim=self.vision_mlp_dim,
       stochastic_droplayer_rate=self.vision_stochastic_droplayer_rate,
       dtype=self.dtype,
+      attention=self.attention,
+      remat=self.remat,
     )
     self.text = TextEncoder(
       vocab_size=self.vocab_size,
@@ -421,6 +645,8 @@ class CLIP(nn.Module):
       mlp_dim=self.text_mlp_dim,
       stochastic_droplayer_rate=self.text_stochastic_droplayer_rate,
       dtype=self.dtype,
+      attention=self.attention,
+      remat=self.remat,
     )
     self.logit_scale = self.param(
       "logit_scale", nn.initializers.constant(float(np.log(1 / 0.07))), (), jnp.float32

@@ -72,6 +72,8 @@ _COMMON = dict(
   text_stochastic_depth=0.1,
   vision_stochastic_depth=0.2,
   hf_compat=False,
+  attention="auto",
+  remat="none",
 )
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -174,6 +176,10 @@ class ModelConfig(collections.abc.Mapping):
   vision_stochastic_depth: float
   hf_compat: bool
   dtype: Any
+  # Execution choices that leave the parameters and (up to rounding) the outputs unchanged;
+  # defaults so that configurations written before they existed still load.
+  attention: str = "auto"
+  remat: str = "none"
 
   def __getitem__(self, key: str) -> Any:
     if key not in self.__dataclass_fields__:
@@ -214,7 +220,11 @@ def get_variant_config(variant: str) -> ModelConfig:
   (D), ``vision_layers``, ``vision_heads``, ``vision_mlp_dim``, ``text_width``,
   ``text_layers``, ``text_heads``, ``text_mlp_dim``, ``text_stochastic_depth`` (0.1),
   ``vision_stochastic_depth`` (0.2), ``hf_compat`` (False), ``dtype`` (compute dtype:
-  float32 for ``tiny``, bfloat16 for the ViT variants, SPEC §0).
+  float32 for ``tiny``, bfloat16 for the ViT variants, SPEC §0), ``attention`` ('auto' |
+  'xla' | 'cudnn': the ``jax.nn.dot_product_attention`` implementation,
+  ``owl_cl.model.clip.resolve_attention``), ``remat`` ('none' | 'block' | a
+  ``jax.checkpoint_policies`` name: rematerialisation per residual block,
+  ``owl_cl.model.clip.remat_policy``).
 
   Args:
     variant: one of ``'tiny'``, ``'vit_b32'``, ``'vit_b16'``, ``'vit_l14'``.
@@ -318,6 +328,8 @@ class ClipImageTextEmbedder(nn.Module):
   vision_stochastic_depth: float = 0.2
   hf_compat: bool = False
   dtype: Dtype = jnp.float32
+  attention: str = "auto"
+  remat: str = "none"
 
   def setup(self):
     self.clip = clip_lib.CLIP(
@@ -336,6 +348,8 @@ class ClipImageTextEmbedder(nn.Module):
       text_stochastic_droplayer_rate=self.text_stochastic_depth,
       vision_stochastic_droplayer_rate=self.vision_stochastic_depth,
       dtype=self.dtype,
+      attention=self.attention,
+      remat=self.remat,
     )
     eps = MERGED_CLASS_TOKEN_EPS_HF if self.hf_compat else MERGED_CLASS_TOKEN_EPS
     self.merged_class_token = nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32)
@@ -496,6 +510,8 @@ class OwlViT(nn.Module):
   vision_stochastic_depth: float = 0.2
   hf_compat: bool = False
   dtype: Dtype = jnp.float32
+  attention: str = "auto"
+  remat: str = "none"
 
   # ---- static helpers ------------------------------------------------------------------
 
@@ -535,6 +551,8 @@ class OwlViT(nn.Module):
       vision_stochastic_depth=self.vision_stochastic_depth,
       hf_compat=self.hf_compat,
       dtype=self.dtype,
+      attention=self.attention,
+      remat=self.remat,
       name="backbone",
     )
     self._class_head = ClassPredictor(
@@ -742,6 +760,11 @@ def _validate_config(cfg: dict[str, Any]) -> None:
   for name in ("text_stochastic_depth", "vision_stochastic_depth"):
     if not 0.0 <= cfg[name] <= 1.0:
       raise ValueError(f"{name} must be in [0, 1], got {cfg[name]}")
+  known_attention = list(clip_lib.ATTENTION_IMPLEMENTATIONS)
+  if cfg.get("attention", "auto") not in known_attention:
+    raise ValueError(f"attention={cfg['attention']!r} is unknown; known: {known_attention}")
+  if cfg.get("remat", "none") not in clip_lib.REMAT_POLICIES:
+    raise ValueError(f"remat={cfg['remat']!r} is unknown; known: {list(clip_lib.REMAT_POLICIES)}")
 
 
 def create_model(variant: str, **overrides) -> OwlViT:

@@ -112,7 +112,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   source = benchmark.pretrain.train
   data = config.data
   # Imported here: the pre-trained model's module imports this one's siblings only.
-  from owl_cl.pretrained import loss_cache_key  # pylint: disable=g-import-not-at-top
+  from owl_cl.pretrained import cache_key_fields  # pylint: disable=g-import-not-at-top
   from owl_cl.pretrained import non_default_data_options  # pylint: disable=g-import-not-at-top
 
   key_material = {
@@ -121,7 +121,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     "buffer": selection.to_dict(),
     "top_k": config.replay.top_k,
     "data": [data.num_queries, data.num_negatives, data.max_instances],
-    "loss": loss_cache_key(config),
+    "loss": cache_key_fields(config, "loss"),
     "seed": config.seed,
     # 2: class embeddings normalised as scenic's class head returns them (1: raw).
     "format": 2,

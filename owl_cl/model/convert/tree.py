@@ -161,9 +161,13 @@ def model_config_from_dict(fields: Mapping[str, Any]) -> owl_lib.ModelConfig:
     ValueError: missing or unknown fields (named).
   """
   names = {f.name for f in dataclasses.fields(owl_lib.ModelConfig)}
-  if set(fields) != names:
+  # Fields with a default (attention, remat) may be absent from older files.
+  optional = {
+    f.name for f in dataclasses.fields(owl_lib.ModelConfig) if f.default is not dataclasses.MISSING
+  }
+  if not names - optional <= set(fields) <= names:
     raise ValueError(
-      f"model config fields differ: missing {sorted(names - set(fields))}, "
+      f"model config fields differ: missing {sorted(names - optional - set(fields))}, "
       f"unknown {sorted(set(fields) - names)}"
     )
   values = dict(fields)

@@ -1,0 +1,679 @@
+"""Train-step benchmark: FLOPs, saved activations, memory fit, speed, and HF side by side.
+
+Two parts, one JSON and one Markdown file:
+
+1. **Arithmetic** (any machine, no real-size memory needed): for the `:paper` train step
+   (DER++ over [new ; replay], Hungarian matching, detection loss) of a variant at an image
+   size, with abstract inputs (`jax.ShapeDtypeStruct`), per configuration dtype x remat x
+   attention:
+   * model FLOPs per image: XLA's cost analysis of the lowered, *no-remat* float32 step
+     (`jax.jit(grad).lower(...).cost_analysis()`, no compilation), and of the eval forward;
+     the same for the configuration itself (remat adds the recomputation);
+   * activation bytes saved for the backward pass per image: the residuals JAX keeps
+     (`jax._src.ad_checkpoint.saved_residuals`), summed, arguments (parameters, inputs)
+     excluded; the step is traced with 1 new + 1 replayed image and divided by 2;
+   * parameter + gradient + Adam state bytes (float32), and for every per-device batch
+     (1, 2, 4, 8, 16, 32 images) the total and whether it fits an 80 GB device; the largest
+     batch that fits.
+   cuDNN's fused attention cannot be traced without a GPU; off-GPU its residuals are
+   *modelled* by an attention with a custom VJP that saves exactly what a flash-attention
+   kernel saves (q, k, v, the output and the per-row log-sum-exp) and recomputes the
+   probabilities in the backward pass (marked `modelled` in the results).
+2. **Timing** on the device the script runs on: our jitted train step (steps/s, images/s,
+   compile time, peak memory from `device.memory_stats()` where the backend reports it, MFU
+   against the peak measured with a large bf16 matmul on accelerators) and HF transformers'
+   `OwlViTForObjectDetection` forward + backward (random weights of the same architecture,
+   bf16 autocast on GPU, float32 on CPU) at the same batch and image size, with the ratio
+   of images/s. Our step is the full step (forward, matching, loss, backward, AdamW update);
+   HF's is forward + backward of a plain loss (sum of squared logits + boxes), so the ratio
+   favours HF slightly. Both matchers ('scipy', 'jax') are timed in our step. On an
+   accelerator the persistent compilation cache is measured by compiling the same step again
+   in a fresh process (`--cache-dir`).
+
+Usage:
+  python benchmarks/step.py --quick        # CPU-sized: vit_b32 at 384 px, batch 4
+  python benchmarks/step.py                # L/14 at 840 px: arithmetic; timing on a GPU
+  options: --variant, --image-size, --num-queries, --batches 1,2,4, --time-batches,
+  --skip-arithmetic, --skip-timing, --skip-hf, --repeats, --out
+
+Writes `<out>/step[_quick].json` and `.md`. Nothing here is asserted: targets (activations
+<= 2 GB per image at 840 px with the paper's defaults; >= 1.5x HF on the CPU --quick run)
+are read off the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# JAX and PyTorch share the accelerator in one process: no up-front reservation by JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from owl_cl import model as model_lib  # noqa: E402
+from owl_cl.model import clip as clip_lib  # noqa: E402
+from owl_cl.train import losses  # noqa: E402
+from owl_cl.train import sharding as sharding_lib  # noqa: E402
+from owl_cl.train import step as step_lib  # noqa: E402
+
+GB = 1e9
+DEVICE_BYTES = 80 * GB  # the paper's A100/H100 80 GB
+BATCHES = (1, 2, 4, 8, 16, 32)
+LOSS_CONFIG = dict(
+  focal_alpha=0.3, focal_gamma=2.0, class_weight=1.0, bbox_weight=1.0, giou_weight=1.0
+)
+
+
+# ------------------------------------------------------------------------------- inputs
+
+
+def _inputs(model, batch: int, num_queries: int, max_instances: int, abstract: bool):
+  """(new, replay) batches of batch // 2 images each (at least 1), abstract or concrete."""
+  half = max(batch // 2, 1)
+  s, length, t = model.image_size, model.context_length, model.num_tokens
+  shapes = {
+    "images": ((half, s, s, 3), jnp.float32),
+    "queries": ((half, num_queries, length), jnp.int32),
+    "labels": ((half, max_instances, num_queries), jnp.float32),
+    "boxes": ((half, max_instances, 4), jnp.float32),
+  }
+  extra = {"stored_logits": ((half, t, num_queries), jnp.bfloat16), "replay_mask": ((half,), bool)}
+  if abstract:
+    new = {k: jax.ShapeDtypeStruct(*v) for k, v in shapes.items()}
+    replay = dict(new, **{k: jax.ShapeDtypeStruct(*v) for k, v in extra.items()})
+    return new, replay
+  rng = np.random.default_rng(0)
+
+  def one():
+    queries = np.zeros(shapes["queries"][0], np.int32)
+    queries[..., 0] = 1
+    queries[..., 1] = rng.integers(3, 400, queries.shape[:2])
+    queries[..., 2] = 2
+    labels = np.zeros(shapes["labels"][0], np.float32)
+    labels[..., 0] = 1
+    n_real = max(max_instances // 2, 1)
+    for i in range(n_real):
+      labels[:, i, 0] = 0
+      labels[:, i, 1 + i % (num_queries - 1)] = 1
+    cxcy = rng.uniform(0.2, 0.8, (half, max_instances, 2))
+    wh = rng.uniform(0.05, 0.3, (half, max_instances, 2))
+    return {
+      "images": jnp.asarray(rng.uniform(size=shapes["images"][0]).astype(np.float32)),
+      "queries": jnp.asarray(queries),
+      "labels": jnp.asarray(labels),
+      "boxes": jnp.asarray(np.concatenate([cxcy, wh], -1).astype(np.float32)),
+    }
+
+  new, replay = one(), one()
+  replay["stored_logits"] = jnp.asarray(rng.normal(size=extra["stored_logits"][0]), jnp.bfloat16)
+  replay["replay_mask"] = jnp.ones((half,), bool)
+  return new, replay
+
+
+def _loss(model, matcher: str):
+  """The `:paper` step's loss (DER++ over [new ; replay]) as a function of the parameters."""
+  return functools.partial(
+    step_lib._loss_fn,
+    model=model,
+    loss_config=dict(LOSS_CONFIG, matcher=matcher),
+    alpha=2.0,
+    beta=1.0,
+    max_unique_queries=None,
+  )
+
+
+# ------------------------------------------------------------------ modelled flash attention
+
+
+def _attention_reference(q, k, v, key_bias):
+  """softmax(q k^T / sqrt(d) + key_bias) v; q/k/v [B, S, H, D], key_bias float32 [B, S]."""
+  scale = q.shape[-1] ** -0.5
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+  logits = logits + key_bias[:, None, None, :]
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  probs = jnp.exp(logits - lse[..., None]).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+@jax.custom_vjp
+def _flash_like(q, k, v, key_bias):
+  return _attention_reference(q, k, v, key_bias)[0]
+
+
+def _flash_like_fwd(q, k, v, key_bias):
+  # What a flash-attention kernel keeps for its backward pass: inputs, output and the
+  # per-row log-sum-exp of the logits (float32) - not the [H, S, S] probabilities, which
+  # the backward pass recomputes.
+  out, lse = _attention_reference(q, k, v, key_bias)
+  return out, (q, k, v, key_bias, out, lse)
+
+
+def _flash_like_bwd(res, g):
+  q, k, v, key_bias, _, _ = res
+  _, vjp = jax.vjp(lambda a, b, c: _attention_reference(a, b, c, key_bias)[0], q, k, v)
+  return (*vjp(g), jnp.zeros_like(key_bias))
+
+
+_flash_like.defvjp(_flash_like_fwd, _flash_like_bwd)
+
+
+def _modelled_cudnn_attention(real):
+  """`jax.nn.dot_product_attention` stand-in: implementation='cudnn' -> `_flash_like`."""
+
+  def attention(q, k, v, bias=None, mask=None, *, implementation=None, **kwargs):
+    if implementation != "cudnn":
+      return real(q, k, v, bias=bias, mask=mask, implementation=implementation, **kwargs)
+    if mask is not None or bias is not None:
+      # The text tower (16 tokens, masked): its attention residuals are negligible; the
+      # XLA path keeps them (a slight overestimate).
+      return real(q, k, v, bias=bias, mask=mask, implementation="xla")
+    lengths = kwargs.get("key_value_seq_lengths")
+    s = k.shape[1]
+    if lengths is None:
+      key_bias = jnp.zeros((k.shape[0], s), jnp.float32)
+    else:  # padded keys (the odd-length fallback) are excluded
+      key_bias = jnp.where(jnp.arange(s)[None, :] < lengths[:, None], 0.0, -1e30)
+    return _flash_like(q, k, v, key_bias.astype(jnp.float32))
+
+  return attention
+
+
+# ---------------------------------------------------------------------------- arithmetic
+
+
+def _residual_bytes(fn, *args) -> int:
+  from jax._src import ad_checkpoint  # noqa: PLC0415 (private API, only here)
+
+  total = 0
+  for aval, source in ad_checkpoint.saved_residuals(fn, *args):
+    if source.startswith("from the argument") or not hasattr(aval, "shape"):
+      continue  # parameters and inputs are counted separately
+    total += int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+  return total
+
+
+def _flops(fn, *args) -> float:
+  analysis = jax.jit(fn).lower(*args).cost_analysis()
+  if isinstance(analysis, list | tuple):
+    analysis = analysis[0]
+  return float(analysis["flops"])
+
+
+def arithmetic(args, dtypes, remats, attentions) -> dict:
+  """FLOPs, saved residuals and the 80 GB fit, from abstract shapes (module docstring)."""
+  base = model_lib.create_model(args.variant, image_size=args.image_size, dtype=jnp.float32)
+  new, replay = _inputs(base, 2, args.num_queries, args.max_instances, abstract=True)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  params = jax.eval_shape(base.init, jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
+  num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  param_bytes = 4 * num_params
+  fixed = {
+    "parameters": param_bytes,
+    "gradients": param_bytes,
+    "adam_moments": 2 * param_bytes,
+  }
+  fixed_total = sum(fixed.values())
+  images_traced = 2 * new["images"].shape[0]
+
+  def grad_fn(model):
+    loss = _loss(model, "jax")
+    return lambda p, b, r, k: jax.grad(lambda q: loss(q, b, r, k)[0])(p)
+
+  t0 = time.time()
+  train_flops = _flops(grad_fn(base), params, new, replay, key) / images_traced
+  eval_model = base
+  eval_flops = (
+    _flops(
+      lambda p, i, q: eval_model.apply({"params": p}, i, q), params, new["images"], new["queries"]
+    )
+    / (new["images"].shape[0])
+  )
+  print(
+    f"model FLOPs/image: train {train_flops / 1e12:.2f} T, eval {eval_flops / 1e12:.2f} T "
+    f"({time.time() - t0:.0f} s)",
+    flush=True,
+  )
+  rows = []
+  real_attention = jax.nn.dot_product_attention
+  for dtype in dtypes:
+    for remat in remats:
+      for attention in attentions:
+        model = model_lib.create_model(
+          args.variant,
+          image_size=args.image_size,
+          dtype=getattr(jnp, dtype),
+          remat=remat,
+          attention=attention,
+        )
+        modelled = attention == "cudnn" and jax.default_backend() != "gpu"
+        t0 = time.time()
+        if modelled:
+          jax.nn.dot_product_attention = _modelled_cudnn_attention(real_attention)
+        try:
+          loss = _loss(model, "jax")
+          fn = lambda p, b, r, k, loss=loss: loss(p, b, r, k)[0]  # noqa: E731
+          act = _residual_bytes(fn, params, new, replay, key) / images_traced
+          step_flops = _flops(grad_fn(model), params, new, replay, key) / images_traced
+        finally:
+          jax.nn.dot_product_attention = real_attention
+        max_batch = int((DEVICE_BYTES - fixed_total) // act) if act else None
+        row = {
+          "dtype": dtype,
+          "remat": remat,
+          "attention": attention,
+          "attention_modelled": modelled,
+          "activation_bytes_per_image": act,
+          "step_flops_per_image": step_flops,
+          "max_batch_80gb": max_batch,
+          "total_bytes_by_batch": {b: fixed_total + b * act for b in args.batches},
+        }
+        rows.append(row)
+        print(
+          f"{dtype:9s} remat={remat:33s} attention={attention:5s}"
+          f"{' (modelled)' if modelled else ''}: {act / GB:7.2f} GB/image, "
+          f"{step_flops / 1e12:.2f} TFLOP/image, max batch {max_batch} "
+          f"({time.time() - t0:.0f} s)",
+          flush=True,
+        )
+  return {
+    "variant": args.variant,
+    "image_size": args.image_size,
+    "num_tokens": base.num_tokens,
+    "num_queries": args.num_queries,
+    "max_instances": args.max_instances,
+    "num_parameters": num_params,
+    "fixed_bytes": fixed,
+    "fixed_bytes_total": fixed_total,
+    "device_bytes": DEVICE_BYTES,
+    "model_flops_per_image_train": train_flops,
+    "model_flops_per_image_eval": eval_flops,
+    "configs": rows,
+  }
+
+
+# -------------------------------------------------------------------------------- timing
+
+
+def _median_time(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _peak_memory(device) -> int | None:
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def measure_peak_flops() -> float:
+  """Peak bf16 FLOP/s of the default device: a large matmul, median of 5."""
+  n = 8192
+  a = jnp.ones((n, n), jnp.bfloat16)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, a).block_until_ready()
+  return 2 * n**3 / _median_time(lambda: f(a, a).block_until_ready(), 5)
+
+
+def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str):
+  """Builds, compiles and warms our train step; returns (run, record) with run() one step."""
+  model = model_lib.create_model(
+    args.variant,
+    image_size=args.image_size,
+    dtype=getattr(jnp, dtype),
+    remat=remat,
+    attention=attention,
+  )
+  new, replay = _inputs(model, batch, args.num_queries, args.max_instances, abstract=False)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
+  tx = optax.adamw(1e-4)
+  train_step = step_lib.make_train_step(
+    model,
+    tx,
+    sharding_lib.create_mesh(),
+    loss_config=dict(LOSS_CONFIG, matcher=matcher),
+    with_replay=True,
+  )
+  holder = {"state": step_lib.create_train_state(params, tx)}
+  key = jax.random.PRNGKey(1)
+
+  def run():
+    holder["state"], m = train_step(holder["state"], new, replay, key)
+    jax.block_until_ready(m)
+
+  t0 = time.perf_counter()
+  run()
+  first = time.perf_counter() - t0
+  # The second call sees the committed, sharded state of the first one's outputs (one more
+  # trace); timing starts after it.
+  t0 = time.perf_counter()
+  run()
+  second = time.perf_counter() - t0
+  record = {
+    "batch": 2 * new["images"].shape[0],
+    "matcher": matcher,
+    "dtype": dtype,
+    "remat": remat,
+    "attention": clip_lib.resolve_attention(attention, getattr(jnp, dtype), 64),
+    "first_step_s": first,
+    "second_step_s": second,
+  }
+  return run, record
+
+
+def time_all(args, batch: int) -> tuple[list, dict | None]:
+  """Times our step for each matcher and HF's step, interleaving their steps round by round
+  so that they share the machine's load (the CPU here is shared by other work); medians
+  over `args.repeats` rounds. Returns (our records, HF's record or None)."""
+  prepared = [
+    prepare_ours(args, batch, m, args.dtype, args.remat, args.attention) for m in args.matchers
+  ]
+  if not args.skip_hf:
+    prepared.append(prepare_hf(args, batch))
+  times = [[] for _ in prepared]
+  for _ in range(args.repeats):
+    for (run, _), ts in zip(prepared, times, strict=True):
+      t0 = time.perf_counter()
+      run()
+      ts.append(time.perf_counter() - t0)
+  out = []
+  for (_, record), ts in zip(prepared, times, strict=True):
+    step_s = statistics.median(ts)
+    record.update(step_s=step_s, step_s_all=ts, images_per_s=record["batch"] / step_s)
+    if "peak_fn" in record:  # HF
+      record["peak_bytes"] = record.pop("peak_fn")()
+    else:
+      record.update(
+        compile_s_approx=record["first_step_s"] - step_s,
+        peak_bytes=_peak_memory(jax.devices()[0]),
+      )
+    out.append(record)
+  if args.skip_hf:
+    return out, None
+  return out[:-1], out[-1]
+
+
+def prepare_hf(args, batch: int):
+  """HF's forward + backward, warmed up; returns (run, record)."""
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  from owl_cl.model import checkpoints  # noqa: PLC0415
+
+  cfg = model_lib.get_variant_config(args.variant).replace(image_size=args.image_size)
+  hf_config = checkpoints.model_config_to_hf_config(cfg)
+  torch.manual_seed(0)
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  model = transformers.OwlViTForObjectDetection(hf_config).to(device).train()
+  images = torch.rand(batch, 3, args.image_size, args.image_size, device=device)
+  ids = torch.randint(3, 400, (batch * args.num_queries, cfg.context_length), device=device)
+  ids[:, -1] = cfg.vocab_size - 1  # EOT (the largest id) ends every query
+  mask = torch.ones_like(ids)
+  autocast = (
+    torch.autocast("cuda", dtype=torch.bfloat16)
+    if device == "cuda"
+    else torch.autocast("cpu", enabled=False)
+  )
+
+  def run():
+    model.zero_grad(set_to_none=True)
+    with autocast:
+      out = model(input_ids=ids, pixel_values=images, attention_mask=mask)
+      loss = out.logits.float().square().mean() + out.pred_boxes.float().sum()
+    loss.backward()
+    if device == "cuda":
+      torch.cuda.synchronize()
+
+  if device == "cuda":
+    torch.cuda.reset_peak_memory_stats()
+  run()
+
+  def peak():
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
+
+  record = {
+    "batch": batch,
+    "device": device,
+    "autocast_bf16": device == "cuda",
+    "torch_threads": torch.get_num_threads(),
+    "peak_fn": peak,
+  }
+  return run, record
+
+
+def compile_in_fresh_process(args, batch: int) -> float | None:
+  """Compile time of the same step in a new process sharing --cache-dir (cache reuse)."""
+  if not args.cache_dir:
+    return None
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--compile-only",
+    f"--variant={args.variant}",
+    f"--image-size={args.image_size}",
+    f"--num-queries={args.num_queries}",
+    f"--max-instances={args.max_instances}",
+    f"--time-batches={batch}",
+    f"--cache-dir={args.cache_dir}",
+    f"--dtype={args.dtype}",
+    f"--remat={args.remat}",
+  ]
+  out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+  return float(out.strip().splitlines()[-1])
+
+
+def timing(args) -> dict:
+  backend = jax.default_backend()
+  result = {"backend": backend, "ours": [], "hf": [], "ratios": []}
+  if backend != "cpu":
+    result["peak_bf16_flops"] = measure_peak_flops()
+  for batch in args.time_batches:
+    ours, hf = time_all(args, batch)
+    for r in ours:
+      if "peak_bf16_flops" in result and args.model_flops_per_image:
+        r["mfu"] = r["images_per_s"] * args.model_flops_per_image / result["peak_bf16_flops"]
+      print(f"ours   batch {batch:3d} matcher={r['matcher']}: {r}", flush=True)
+      result["ours"].append(r)
+    if backend != "cpu" and args.cache_dir:
+      result.setdefault("compile_fresh_process_s", {})[batch] = compile_in_fresh_process(
+        args, batch
+      )
+    if hf is not None:
+      print(f"HF     batch {batch:3d}: {hf}", flush=True)
+      result["hf"].append(hf)
+      best = max(ours, key=lambda o: o["images_per_s"])
+      result["ratios"].append(
+        {
+          "batch": batch,
+          "ours_matcher": best["matcher"],
+          "ours_over_hf_images_per_s": best["images_per_s"] / hf["images_per_s"],
+        }
+      )
+  return result
+
+
+# -------------------------------------------------------------------------------- output
+
+
+def _fmt_gb(x):
+  return "-" if x is None else f"{x / GB:.2f}"
+
+
+def write_markdown(path: str, results: dict) -> None:
+  lines = [f"# Train-step benchmark ({results['mode']})", ""]
+  env = results["environment"]
+  lines += [
+    f"Machine: {env['machine']}; devices: {env['devices']}; jax {env['jax']}, "
+    f"torch {env.get('torch')}, transformers {env.get('transformers')}; {env['date']}.",
+    "",
+  ]
+  a = results.get("arithmetic")
+  if a:
+    lines += [
+      f"## Arithmetic: {a['variant']} at {a['image_size']} px ({a['num_tokens']} tokens, "
+      f"{a['num_queries']} queries, {a['max_instances']} instances per image)",
+      "",
+      f"Parameters {a['num_parameters']:,}; parameters + gradients + Adam moments "
+      f"(float32) {_fmt_gb(a['fixed_bytes_total'])} GB. Model FLOPs per image (no remat): "
+      f"train step {a['model_flops_per_image_train'] / 1e12:.2f} TFLOP, eval forward "
+      f"{a['model_flops_per_image_eval'] / 1e12:.2f} TFLOP.",
+      "",
+      "| dtype | remat | attention | saved activations GB/image | step TFLOP/image | "
+      + " | ".join(f"GB at batch {b}" for b in results["batches"])
+      + " | largest batch in 80 GB |",
+      "|---|---|---|---|---|" + "---|" * len(results["batches"]) + "---|",
+    ]
+    for r in a["configs"]:
+      att = r["attention"] + (" (modelled)" if r["attention_modelled"] else "")
+      totals = " | ".join(_fmt_gb(r["total_bytes_by_batch"][b]) for b in results["batches"])
+      lines.append(
+        f"| {r['dtype']} | {r['remat']} | {att} | {_fmt_gb(r['activation_bytes_per_image'])} "
+        f"| {r['step_flops_per_image'] / 1e12:.2f} | {totals} | {r['max_batch_80gb']} |"
+      )
+    lines.append("")
+  t = results.get("timing")
+  if t:
+    lines += [
+      f"## Timing on {t['backend']}",
+      "",
+      "| who | batch | matcher | dtype | remat | attention | step s | images/s | compile s "
+      "| peak GB | MFU |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for o in t["ours"]:
+      mfu = f"{o['mfu']:.1%}" if "mfu" in o else "-"
+      lines.append(
+        f"| owl_cl | {o['batch']} | {o['matcher']} | {o['dtype']} | {o['remat']} | "
+        f"{o['attention']} | {o['step_s']:.3f} | {o['images_per_s']:.2f} | "
+        f"{o['compile_s_approx']:.1f} | {_fmt_gb(o['peak_bytes'])} | {mfu} |"
+      )
+    for h in t["hf"]:
+      prec = "bf16 autocast" if h["autocast_bf16"] else "float32"
+      lines.append(
+        f"| HF OwlViT | {h['batch']} | - | {prec} | - | - | {h['step_s']:.3f} | "
+        f"{h['images_per_s']:.2f} | - | {_fmt_gb(h['peak_bytes'])} | - |"
+      )
+    lines.append("")
+    for r in t["ratios"]:
+      lines.append(
+        f"Batch {r['batch']}: owl_cl ({r['ours_matcher']} matcher) / HF images per second = "
+        f"**{r['ours_over_hf_images_per_s']:.2f}x**."
+      )
+    lines.append("")
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
+
+
+def _environment() -> dict:
+  env = {
+    "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
+    + f", {os.cpu_count()} logical CPUs",
+    "devices": [str(d) for d in jax.devices()],
+    "jax": jax.__version__,
+    "python": platform.python_version(),
+    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+  }
+  try:
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    env["torch"], env["transformers"] = torch.__version__, transformers.__version__
+  except ImportError:
+    pass
+  return env
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true", help="vit_b32 at 384 px, batch 4, on CPU")
+  p.add_argument("--variant", default="vit_l14")
+  p.add_argument("--image-size", type=int, default=None)
+  p.add_argument("--num-queries", type=int, default=None)
+  p.add_argument("--max-instances", type=int, default=None)
+  p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+  p.add_argument("--time-batches", default=None, help="batches to time (default: see --quick)")
+  p.add_argument("--dtypes", default="float32,bfloat16")
+  p.add_argument("--remats", default="none,block,dots_with_no_batch_dims_saveable")
+  p.add_argument("--attentions", default="xla,cudnn")
+  p.add_argument("--dtype", default=None, help="timed dtype (default bfloat16; quick float32)")
+  p.add_argument("--remat", default=None, help="timed remat (default block; quick none)")
+  p.add_argument("--attention", default="auto")
+  p.add_argument("--matchers", default=None, help="timed matchers (default scipy,jax)")
+  p.add_argument("--repeats", type=int, default=None)
+  p.add_argument("--skip-arithmetic", action="store_true")
+  p.add_argument("--skip-timing", action="store_true")
+  p.add_argument("--skip-hf", action="store_true")
+  p.add_argument("--cache-dir", default=None, help="persistent compilation cache")
+  p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = p.parse_args(argv)
+  quick = args.quick
+  if quick and args.variant == "vit_l14":
+    args.variant = "vit_b32"
+  args.image_size = args.image_size or (384 if quick else 840)
+  args.num_queries = args.num_queries or (8 if quick else 126)
+  args.max_instances = args.max_instances or (8 if quick else 100)
+  args.batches = [int(b) for b in args.batches.split(",")]
+  args.time_batches = [
+    int(b) for b in (args.time_batches or ("4" if quick else "4,8,16,32")).split(",")
+  ]
+  args.dtype = args.dtype or ("float32" if quick else "bfloat16")
+  args.remat = args.remat or ("none" if quick else "block")
+  args.matchers = (args.matchers or "scipy,jax").split(",")
+  args.repeats = args.repeats or (3 if quick else 10)
+  if args.cache_dir:
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  if args.compile_only:
+    _, r = prepare_ours(args, args.time_batches[0], "jax", args.dtype, args.remat, args.attention)
+    print(r["first_step_s"])
+    return r
+  # Bad settings fail here, before any work.
+  model_lib.create_model(
+    args.variant, dtype=getattr(jnp, args.dtype), remat=args.remat, attention=args.attention
+  )
+  for m in args.matchers:
+    losses.resolve_matcher(m)
+
+  results: dict[str, Any] = {
+    "mode": "quick" if quick else "full",
+    "environment": _environment(),
+    "batches": args.batches,
+  }
+  if not args.skip_arithmetic:
+    results["arithmetic"] = arithmetic(
+      args, args.dtypes.split(","), args.remats.split(","), args.attentions.split(",")
+    )
+  args.model_flops_per_image = (results.get("arithmetic") or {}).get("model_flops_per_image_train")
+  on_accelerator = jax.default_backend() != "cpu"
+  if not args.skip_timing and (quick or on_accelerator):
+    results["timing"] = timing(args)
+  elif not args.skip_timing:
+    results["timing_skipped"] = "no accelerator: real-size timing needs a GPU (--quick times here)"
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, "step_quick" if quick else "step")
+  with open(stem + ".json", "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  write_markdown(stem + ".md", results)
+  print(f"wrote {stem}.json and {stem}.md", flush=True)
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,230 @@
+"""How the towers execute: attention kernel, rematerialisation, mixed precision.
+
+None of these may change the parameter tree; attention and remat must not change the
+values (beyond float32 rounding); bfloat16 compute stays within a bound derived from its
+8-bit mantissa.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from owl_cl.model import clip as clip_lib
+from owl_cl.model import owl_vit
+
+
+def _text_mask(tokens):
+  """The text tower's mask (causal AND token > 0), built as TextEncoder builds it."""
+  valid = tokens > 0
+  return nn.combine_masks(nn.make_attention_mask(valid, valid), nn.make_causal_mask(tokens))
+
+
+def _padded_tokens():
+  # Four queries of 8 tokens, right-padded with 0, one of them all padding (an empty query
+  # slot); lengths 8, 5, 2, 0.
+  tokens = np.zeros((4, 8), np.int32)
+  tokens[0] = np.arange(1, 9)
+  tokens[1, :5] = [7, 3, 9, 4, 11]
+  tokens[2, :2] = [5, 12]
+  return jnp.asarray(tokens)
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_self_attention_equals_flax_multihead_attention(with_mask):
+  tokens = _padded_tokens()
+  mask = _text_mask(tokens) if with_mask else None
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 32), jnp.float32)
+  ref = nn.MultiHeadDotProductAttention(
+    num_heads=4, use_bias=True, force_fp32_for_softmax=True, deterministic=True
+  )
+  ours = clip_lib.SelfAttention(num_heads=4, attention="xla")
+  params = ref.init(jax.random.PRNGKey(1), x, x, mask=mask)
+  params_ours = ours.init(jax.random.PRNGKey(1), x, mask)
+  # Same tree, same shapes, same initial values (same names and initialisers).
+  assert jax.tree.structure(params) == jax.tree.structure(params_ours)
+  jax.tree.map(np.testing.assert_array_equal, params, params_ours)
+  # Non-trivial biases so that every parameter matters.
+  params = jax.tree.map(
+    lambda p: p + 0.1 * jax.random.normal(jax.random.PRNGKey(2), p.shape), params
+  )
+  want = ref.apply(params, x, x, mask=mask)
+  got = ours.apply(params, x, mask)
+  # Outputs are O(1) (unit-normal inputs, lecun-normal kernels); the two compute the same
+  # float32 sums in a different order (scale before vs after the q.k product), a few ulps
+  # of 1.2e-7 each: 1e-5 absolute.
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_text_tower_with_padded_queries_equals_flax_attention(monkeypatch):
+  """The whole text tower (padded queries, their mask) with flax's module swapped in."""
+  tower = clip_lib.TextEncoder(
+    vocab_size=64, features=32, num_layers=2, num_heads=4, out_features=16, context_length=8
+  )
+  tokens = _padded_tokens()
+  params = tower.init(jax.random.PRNGKey(0), tokens)
+  got = tower.apply(params, tokens)
+
+  class FlaxAttention(nn.Module):
+    num_heads: int
+    dtype: object = jnp.float32
+    attention: str = "auto"
+
+    @nn.compact
+    def __call__(self, x, mask=None):
+      return nn.MultiHeadDotProductAttention(
+        num_heads=self.num_heads,
+        use_bias=True,
+        force_fp32_for_softmax=True,
+        deterministic=True,
+        name="inner",
+      )(x, x, mask=mask)
+
+  # Re-nest the parameters so the swapped-in module (one scope deeper) reads them.
+  def nest(tree):
+    if isinstance(tree, dict):
+      return {k: ({"inner": v} if k == "attn" else nest(v)) for k, v in tree.items()}
+    return tree
+
+  monkeypatch.setattr(clip_lib, "SelfAttention", FlaxAttention)
+  want = tower.apply(nest(jax.tree_util.tree_map(lambda a: a, dict(params))), tokens)
+  # Two blocks of O(1) activations, then a projection: rounding differences of ~1e-7
+  # relative per operation stay far below 1e-5.
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_resolve_attention():
+  assert clip_lib.resolve_attention("auto", jnp.bfloat16, 64, "gpu") == "cudnn"
+  assert clip_lib.resolve_attention("auto", jnp.float16, 64, "gpu") == "cudnn"
+  assert clip_lib.resolve_attention("auto", jnp.float32, 64, "gpu") == "xla"
+  assert clip_lib.resolve_attention("auto", jnp.bfloat16, 64, "cpu") == "xla"
+  assert clip_lib.resolve_attention("auto", jnp.bfloat16, 64, "tpu") == "xla"
+  assert clip_lib.resolve_attention("auto", jnp.bfloat16, 12, "gpu") == "xla"
+  assert clip_lib.resolve_attention("xla", jnp.bfloat16, 64, "gpu") == "xla"
+  with pytest.raises(ValueError, match="attention='flash'"):
+    clip_lib.resolve_attention("flash", jnp.float32, 64)
+
+
+def test_model_rejects_unknown_attention_and_remat():
+  with pytest.raises(ValueError, match="attention='flash'"):
+    owl_vit.create_model("tiny", attention="flash")
+  with pytest.raises(ValueError, match="remat='sometimes'"):
+    owl_vit.create_model("tiny", remat="sometimes")
+
+
+def _tiny_inputs():
+  images = jax.random.uniform(jax.random.PRNGKey(3), (2, 64, 64, 3), jnp.float32)
+  queries = np.zeros((2, 3, 16), np.int32)
+  queries[:, 0, :2] = [1, 2]  # '' -> SOT, EOT
+  queries[:, 1, :3] = [1, 5, 2]
+  queries[0, 2, :4] = [1, 7, 9, 2]  # image 1's third slot stays padding
+  return images, jnp.asarray(queries)
+
+
+def _grads(model, params, images, queries):
+  def loss(p):
+    out = model.apply(
+      {"params": p}, images, queries, train=True, rngs={"dropout": jax.random.PRNGKey(4)}
+    )
+    logits = jnp.where(out["pred_logits"] > -1e5, out["pred_logits"], 0.0)
+    return jnp.sum(logits**2) + jnp.sum(out["pred_boxes"]) + jnp.sum(out["query_embeddings"])
+
+  return jax.jit(jax.grad(loss))(params)
+
+
+@pytest.mark.parametrize("remat", ["block", "dots_with_no_batch_dims_saveable"])
+def test_remat_keeps_tree_and_gradients(remat):
+  images, queries = _tiny_inputs()
+  base = owl_vit.create_model("tiny", remat="none")
+  params = base.init(jax.random.PRNGKey(0), images, queries)["params"]
+  remat_model = owl_vit.create_model("tiny", remat=remat)
+  params_remat = remat_model.init(jax.random.PRNGKey(0), images, queries)["params"]
+  assert jax.tree.structure(params) == jax.tree.structure(params_remat)
+  jax.tree.map(np.testing.assert_array_equal, params, params_remat)
+  # Stochastic depth on (train=True): the recomputed blocks must redraw the same masks.
+  want = _grads(base, params, images, queries)
+  got = _grads(remat_model, params, images, queries)
+  # The same float32 operations recomputed; XLA may fuse them differently, so allow a few
+  # ulps (1.2e-7 relative) accumulated over the few layers, relative to the largest
+  # gradient entry of each tensor.
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    scale = float(np.max(np.abs(w))) + 1e-30
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5 * scale, rtol=0)
+
+
+def test_remat_policy_values():
+  assert clip_lib.remat_policy("none") == (False, None)
+  assert clip_lib.remat_policy("block") == (True, None)
+  use, policy = clip_lib.remat_policy("dots_with_no_batch_dims_saveable")
+  assert use and policy is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  with pytest.raises(ValueError, match="remat='save_only_these_names'"):
+    clip_lib.remat_policy("save_only_these_names")
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+  """bfloat16 compute with float32 parameters: outputs float32, within the rounding bound."""
+  images, queries = _tiny_inputs()
+  f32 = owl_vit.create_model("tiny", dtype=jnp.float32)
+  bf16 = owl_vit.create_model("tiny", dtype=jnp.bfloat16)
+  params = f32.init(jax.random.PRNGKey(0), images, queries)["params"]
+  # Non-trivial heads (their last kernels are initialised at or near 0).
+  params = jax.tree_util.tree_map_with_path(
+    lambda path, x: (
+      x + 0.05 * jax.random.normal(jax.random.PRNGKey(len(str(path))), x.shape)
+      if "head" in str(path)
+      else x
+    ),
+    params,
+  )
+  want = f32.apply({"params": params}, images, queries)
+  got = bf16.apply({"params": params}, images, queries)
+  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
+  # bfloat16 keeps 8 significant bits: one round-to-nearest costs at most 2^-9 relative.
+  # The longest path through the tiny model rounds about 40 times (patch embedding and
+  # ln_pre, then per each of the 4 vision blocks: LayerNorm, q/k/v, attention output, out
+  # projection, residual, MLP hidden, MLP output, residual; ln_post). Adding those errors
+  # linearly (worst case; random signs would give ~sqrt(40)) bounds the error of an output
+  # by 40 * 2^-9 = 0.078 of its largest magnitude. Measured: about 0.01.
+  bound = 40 * 2.0**-9
+  for key in ("pred_logits", "pred_boxes", "feature_map", "class_embeddings", "query_embeddings"):
+    w, g = np.asarray(want[key]), np.asarray(got[key])
+    assert g.dtype == np.float32, key
+    real = w > -1e5  # padded query slots hold -1e6 in both
+    scale = np.max(np.abs(w[real]))
+    err = np.max(np.abs(g[real] - w[real]))
+    assert err <= bound * scale, (key, err, scale)
+    assert err > 0, key  # the bfloat16 path really ran in bfloat16
+  np.testing.assert_array_equal(np.asarray(got["pred_logits"])[1, :, 2], -1e6)
+
+
+def test_config_fields_reach_the_model():
+  from configs import base
+  from owl_cl import experiment
+
+  builtin = base.get_config()
+  assert experiment.model_fields(builtin) == {
+    "attention": "auto",
+    "remat": "none",
+    "context_length": 8,
+  }  # dtype None: the tiny variant's float32
+  paper = base.get_config("paper")
+  fields = experiment.model_fields(paper)
+  assert fields == {"dtype": jnp.bfloat16, "attention": "auto", "remat": "block"}
+  model = owl_vit.create_model(paper.model.variant, **fields)
+  assert (model.dtype, model.remat, model.attention) == (jnp.bfloat16, "block", "auto")
+  builtin.model.dtype = "float64"
+  with pytest.raises(experiment.ConfigError, match="config.model.dtype='float64'"):
+    experiment.model_fields(builtin)
+
+
+def test_execution_only_fields_leave_cache_keys_unchanged():
+  from configs import base
+  from owl_cl import experiment
+
+  c = base.get_config()
+  before = {k: v for k, v in c.model.to_dict().items() if k not in ("attention", "remat", "dtype")}
+  assert experiment._cache_block(c, "model") == before
+  assert "matcher" not in experiment._cache_block(c, "loss")
+  c.model.dtype = "bfloat16"  # changes what is computed: part of the key
+  assert experiment._cache_block(c, "model")["dtype"] == "bfloat16"
