@@ -20,7 +20,8 @@ import ml_collections
 # the released code's behaviour (`apply_released_code`).
 KNOWN_ARGS = ("", "paper", "released")
 
-# The paper's ODinW sequence (SPEC §10; the paper's Datasets table, tab:ds), in the table's
+# The paper's ODinW sequence (docs/reference.md §10; the paper's Datasets table, tab:ds), in the
+# table's
 # order. `sequence_seed` shuffles it.
 PAPER_ODINW_DATASETS = (
   "Pothole",
@@ -86,7 +87,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- model ---------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
   c.model.variant = "tiny"
-  c.model.tokenizer = "word_hash"  # word_hash (tiny) | clip (ViT variants, SPEC §2)
+  c.model.tokenizer = "word_hash"  # word_hash (tiny) | clip (ViT variants, docs/reference.md §2)
   # The 'clip' tokenizer's local vocabulary: an HF checkpoint folder with vocab.json +
   # merges.txt, or OpenAI's bpe_simple_vocab_16e6.txt.gz (nothing is downloaded).
   c.model.tokenizer_vocab_path = ml_collections.config_dict.placeholder(str)
@@ -115,7 +116,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.num_negatives = 23  # random negative class names per training image (up to)
   c.data.max_instances = 8  # M boxes per image
   c.data.num_workers = 0  # grain worker processes (0 = in process)
-  # Input-pipeline options (SPEC §3, §5; owl_cl.data.pipeline). The defaults are the built-in
+  # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.pipeline). The defaults are the
+  # built-in
   # benchmark's; a non-default value also keys the cached pre-trained model and buffer.
   c.data.squash_resize = False  # True: resize to S x S ignoring aspect (released code, HF)
   # Boxes with IoU >= this become one multi-label instance (scenic); None: off.
@@ -137,7 +139,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.augment.mosaic_sizes = ml_collections.config_dict.placeholder(tuple)
   c.data.augment.mosaic_probs = (0.4, 0.3, 0.3)
   c.data.eval_batch_size = 64
-  # Training prompts (SPEC §2): 'none' = the bare class name (built-in benchmark); 'clip_80' =
+  # Training prompts (docs/reference.md §2): 'none' = the bare class name (built-in benchmark);
+  # 'clip_80' =
   # per label and image one template drawn from ['{}'] + the 80 CLIP ImageNet templates.
   c.data.train_prompt_templates = "none"
   c.data.builtin = ml_collections.ConfigDict()
@@ -204,7 +207,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.log_every_steps = 20
   c.train.max_unique_queries = 64  # see pretrain.max_unique_queries
 
-  # --- detection loss (SPEC §3) ----------------------------------------------------------
+  # --- detection loss (docs/reference.md §3)
+  # ----------------------------------------------------------
   c.loss = ml_collections.ConfigDict()
   c.loss.focal_alpha = 0.3
   c.loss.focal_gamma = 2.0
@@ -219,13 +223,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # (per platform, owl_cl.train.losses.AUTO_MATCHER: jax, measured faster on CPU too).
   c.loss.matcher = "auto"
 
-  # --- replay (SPEC §6-§8) ---------------------------------------------------------------
+  # --- replay (docs/reference.md §6-§8)
+  # ---------------------------------------------------------------
   c.replay = ml_collections.ConfigDict()
   # uniform | uniform_balanced | grasp | swil | sw_grasp | a_sw_grasp | aser | aser_pc |
   # sw_aser_pc | none (paper Table 2)
   c.replay.algorithm = "swil"
   c.replay.ratio = 1.0  # replayed images per new image (paper 1:1)
-  c.replay.dedup = "dataset"  # none | epoch | dataset | fraction (SPEC §8)
+  c.replay.dedup = "dataset"  # none | epoch | dataset | fraction (docs/reference.md §8)
   c.replay.dedup_fraction = 1.0 / 3.0  # 'fraction': reset after this fraction of the buffer
   # dedup 'none': True samples each retrieval call without replacement (released code).
   c.replay.dedup_without_replacement = False
@@ -252,7 +257,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # class step): 'fallback' (its slot draws among the remaining images) | 'redraw' (released
   # code: balanced skips the class, similarity-weighted redraws the class).
   c.replay.exhausted_class = "fallback"
-  # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, SPEC §7).
+  # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, docs/reference.md
+  # §7).
   c.replay.aser = ml_collections.ConfigDict()
   # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).
   c.replay.aser.num_candidates = ml_collections.config_dict.placeholder(int)
@@ -265,7 +271,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image
-  # Loss adaptivity (paper §4 eqs. 5-6, Table 4; SPEC §9). mode: 'none' (1:1 replay, the
+  # Loss adaptivity (paper §4 eqs. 5-6, Table 4; docs/reference.md §9). mode: 'none' (1:1 replay,
+  # the
   # paper's main results); 'paper' (replay only for the r new images whose pre-step loss
   # exceeds l, L_T = L_B + (r/|B|) L_R; needs ratio 1); 'released_gate' (the released code:
   # drop L_R on steps whose mean new loss is below l; replays still retrieved and marked).
@@ -293,7 +300,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Order in which classes are topped up: 'class_index' | 'first_appearance' (released code).
   c.replay.selection.top_up_order = "class_index"
 
-  # --- evaluation (SPEC §4) --------------------------------------------------------------
+  # --- evaluation (docs/reference.md §4)
+  # --------------------------------------------------------------
   c.eval = ml_collections.ConfigDict()
   c.eval.top_k = 100  # detections per image
   c.eval.max_dets = 100  # COCOeval maxDets
@@ -303,7 +311,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # held-out sets (O365, LVIS in the paper config) are evaluated too.
   c.eval.downstream_after_each_dataset = "all"
   c.eval.pretraining_sets_after_each_dataset = True
-  # Query prompts at evaluation (SPEC §2): 'none' = the bare class name (built-in benchmark);
+  # Query prompts at evaluation (docs/reference.md §2): 'none' = the bare class name (built-in
+  # benchmark);
   # 'owl_vit_7' = the 7 OWL-ViT templates, ensembled per `ensemble`.
   c.eval.prompt_templates = "none"
   c.eval.ensemble = "logits"  # logits (scenic) | probabilities (released code)
@@ -379,10 +388,10 @@ def paper_per_dataset() -> ml_collections.ConfigDict:
 
 
 def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Turns the built-in config `c` into the paper's protocol (SPEC §3, §4, §6, §10).
+  """Turns the built-in config `c` into the paper's protocol (docs/reference.md §3, §4, §6, §10).
 
   Sources: the paper's supplementary tables (tab:hps: per-dataset hyperparameters, DER++
-  alpha/beta, k, buffer loss thresholds, SWIL w) and SPEC §10; the released code's
+  alpha/beta, k, buffer loss thresholds, SWIL w) and docs/reference.md §10; the released code's
   configs/main.yaml for the values the paper leaves implicit (train_batch 16, coreset_N 50,
   reset_dedup_on 'dataset').
   """
@@ -407,7 +416,7 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.data.root = ml_collections.config_dict.placeholder(str)  # required (README layout)
   c.data.odinw_datasets = PAPER_ODINW_DATASETS
   c.data.subset_seed = 0  # the balanced ODinW subsets (EgoHands, Brackish, ASL)
-  c.data.num_queries = 126  # released code: 126 incl. 50 negatives (SPEC §3)
+  c.data.num_queries = 126  # released code: 126 incl. 50 negatives (docs/reference.md §3)
   c.data.num_negatives = 50
   c.data.negatives_by_frequency = True  # released code: weighted by label frequency
   c.data.max_instances = 100
@@ -425,7 +434,8 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.replay.selection.visual_genome_min_per_class = 0
   # --- evaluation ----------------------------------------------------------------------------
   c.eval.top_k = 300
-  c.eval.prompt_templates = "owl_vit_7"  # SPEC §2: the 7 OWL-ViT templates, logits averaged
+  # docs/reference.md §2: the 7 OWL-ViT templates, logits averaged.
+  c.eval.prompt_templates = "owl_vit_7"
   c.data.train_prompt_templates = "clip_80"  # ['{}'] + the 80 CLIP ImageNet templates
   # O365 val, LVIS val and all 15 ODinW test sets are expensive at L/14: after each dataset
   # only the ODinW sets seen so far; the final stage evaluates everything.

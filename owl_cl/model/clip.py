@@ -1,6 +1,7 @@
 """CLIP text and vision towers (Flax linen) as used by OWL-ViT v1.
 
-Source: SPEC §1 (transformer block, vision tower, text tower) and §1.1 (parameter tree);
+Source: docs/reference.md §1 (transformer block, vision tower, text tower) and §1.1 (parameter
+tree);
 scenic `scenic/projects/owl_vit/clip/layers.py` (the ViT+stochastic-depth fork of
 `scenic/projects/baselines/clip/layers.py`). Parameter names and shapes match scenic so that
 scenic checkpoints load unchanged:
@@ -52,9 +53,10 @@ __all__ = [
 
 Dtype = Any
 
-#: LayerNorm epsilon of the CLIP towers (PyTorch default; flax's default is 1e-6). SPEC §1.
+#: LayerNorm epsilon of the CLIP towers (PyTorch default; flax's default is 1e-6). docs/reference.md
+# §1.
 LAYER_NORM_EPS = 1e-5
-#: CLIP pixel normalisation constants (RGB). SPEC §1, vision tower.
+#: CLIP pixel normalisation constants (RGB). docs/reference.md §1, vision tower.
 CLIP_IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -68,7 +70,8 @@ def quick_gelu(x: jax.Array) -> jax.Array:
   Returns:
     Array of the same shape and dtype.
 
-  Source: SPEC §1 (MLP); scenic `scenic/projects/owl_vit/clip/layers.py` (``quick_gelu``).
+  Source: docs/reference.md §1 (MLP); scenic `scenic/projects/owl_vit/clip/layers.py`
+  (``quick_gelu``).
   """
   return x * jax.nn.sigmoid(1.702 * x)
 
@@ -82,7 +85,7 @@ def normalize_image(images: jax.Array) -> jax.Array:
   Returns:
     float32 array of the same shape.
 
-  Source: SPEC §1 (vision tower); scenic `scenic/projects/owl_vit/clip/model.py`
+  Source: docs/reference.md §1 (vision tower); scenic `scenic/projects/owl_vit/clip/model.py`
   (``normalize_image``).
   """
   mean = jnp.asarray(CLIP_IMAGE_MEAN, jnp.float32)
@@ -100,7 +103,7 @@ def droplayer_rates(num_layers: int, rate: float) -> list:
   Returns:
     ``list[float]`` of length L; the first block is never dropped.
 
-  Source: SPEC §1 (stochastic depth); scenic `scenic/projects/owl_vit/clip/layers.py`
+  Source: docs/reference.md §1 (stochastic depth); scenic `scenic/projects/owl_vit/clip/layers.py`
   (``Transformer``).
   """
   return [i / max(num_layers - 1, 1) * rate for i in range(num_layers)]
@@ -238,7 +241,7 @@ class SelfAttention(nn.Module):
   Raises:
     ValueError: D not divisible by H; unknown ``attention``; mask of the wrong shape.
 
-  Source: SPEC §1 (attention with biases on q/k/v/out, §1.1 tree); flax
+  Source: docs/reference.md §1 (attention with biases on q/k/v/out, §1.1 tree); flax
   ``nn.MultiHeadDotProductAttention``; ``jax.nn.dot_product_attention``.
   """
 
@@ -306,7 +309,7 @@ class MLP(nn.Module):
 
   Input ``[..., D]`` -> output ``[..., D]`` (dtype ``dtype``).
 
-  Source: SPEC §1; scenic `scenic/projects/owl_vit/clip/layers.py` (``MLP``).
+  Source: docs/reference.md §1; scenic `scenic/projects/owl_vit/clip/layers.py` (``MLP``).
   """
 
   mlp_dim: int | None = None
@@ -340,7 +343,7 @@ class ResidualAttentionBlock(nn.Module):
   ``deterministic`` (positional or keyword, so that ``nn.remat`` can mark it static);
   returns ``[N, S, D]`` in ``dtype``.
 
-  Source: SPEC §1 (transformer block); scenic `scenic/projects/owl_vit/clip/layers.py`
+  Source: docs/reference.md §1 (transformer block); scenic `scenic/projects/owl_vit/clip/layers.py`
   (``ResidualAttentionBlock``).
   """
 
@@ -395,7 +398,7 @@ class Transformer(nn.Module):
   Call: ``x [N, S, D]``, optional ``attn_mask [N, 1, S, S]``, keyword ``deterministic``;
   returns ``[N, S, D]``.
 
-  Source: SPEC §1; scenic `scenic/projects/owl_vit/clip/layers.py` (``Transformer``).
+  Source: docs/reference.md §1; scenic `scenic/projects/owl_vit/clip/layers.py` (``Transformer``).
   """
 
   num_layers: int
@@ -447,7 +450,7 @@ class VisionTransformer(nn.Module):
   Raises:
     ValueError: if ``S`` is not a multiple of ``patch_size`` or images are not square.
 
-  Source: SPEC §1 (vision tower); scenic `scenic/projects/owl_vit/clip/layers.py`
+  Source: docs/reference.md §1 (vision tower); scenic `scenic/projects/owl_vit/clip/layers.py`
   (``VisionTransformer``, ``out_features=None``).
   """
 
@@ -524,7 +527,7 @@ class TextEncoder(nn.Module):
   Raises:
     ValueError: if ``text`` is not ``[N, context_length]``.
 
-  Source: SPEC §1 (text tower); scenic `scenic/projects/owl_vit/clip/layers.py`
+  Source: docs/reference.md §1 (text tower); scenic `scenic/projects/owl_vit/clip/layers.py`
   (``TextEncoder``).
   """
 
@@ -601,7 +604,7 @@ class CLIP(nn.Module):
   The scalar ``logit_scale`` (init log(1/0.07)) is CLIP's contrastive temperature; the
   detector does not use it but keeps it so the parameter tree equals scenic's.
 
-  Source: SPEC §1, §1.1; scenic `scenic/projects/owl_vit/clip/layers.py` (``CLIP``,
+  Source: docs/reference.md §1, §1.1; scenic `scenic/projects/owl_vit/clip/layers.py` (``CLIP``,
   ``vision_return_map=True``).
   """
 

@@ -1,6 +1,6 @@
 """OWL-ViT v1 detector (Flax linen), parameter tree identical to scenic's.
 
-Source: SPEC §1 (architecture, heads, box bias), §1.1 (parameter tree), §0 (hf_compat,
+Source: docs/reference.md §1 (architecture, heads, box bias), §1.1 (parameter tree), §0 (hf_compat,
 precision); scenic `scenic/projects/owl_vit/models.py` (``TextZeroShotDetectionModule``),
 `scenic/projects/owl_vit/layers.py` (``ClipImageTextEmbedder``, ``ClassPredictor``,
 ``PredictorMLP``) and `scenic/projects/owl_vit/utils.py` (``compute_box_bias``).
@@ -64,7 +64,7 @@ BOX_BIAS_EPS = 1e-4
 _NORM_EPS = 1e-6
 
 # --------------------------------------------------------------------------------------------
-# Variants (SPEC §1 table; ``tiny`` is ours, sized for 2 CPU cores).
+# Variants (docs/reference.md §1 table; ``tiny`` is ours, sized for 2 CPU cores).
 # --------------------------------------------------------------------------------------------
 
 _COMMON = dict(
@@ -155,7 +155,7 @@ class ModelConfig(collections.abc.Mapping):
   documented in :func:`get_variant_config`. ``replace(**changes)`` returns a modified copy
   (unknown names raise TypeError). Derived: ``grid_size`` (S / patch), ``num_tokens`` (T).
 
-  Source: SPEC §1 table.
+  Source: docs/reference.md §1 table.
   """
 
   tokenizer: str
@@ -220,7 +220,8 @@ def get_variant_config(variant: str) -> ModelConfig:
   (D), ``vision_layers``, ``vision_heads``, ``vision_mlp_dim``, ``text_width``,
   ``text_layers``, ``text_heads``, ``text_mlp_dim``, ``text_stochastic_depth`` (0.1),
   ``vision_stochastic_depth`` (0.2), ``hf_compat`` (False), ``dtype`` (compute dtype:
-  float32 for ``tiny``, bfloat16 for the ViT variants, SPEC §0), ``attention`` ('auto' |
+  float32 for ``tiny``, bfloat16 for the ViT variants, docs/reference.md §0), ``attention`` ('auto'
+  |
   'xla' | 'cudnn': the ``jax.nn.dot_product_attention`` implementation,
   ``owl_cl.model.clip.resolve_attention``), ``remat`` ('none' | 'block' | a
   ``jax.checkpoint_policies`` name: rematerialisation per residual block,
@@ -232,7 +233,7 @@ def get_variant_config(variant: str) -> ModelConfig:
   Raises:
     ValueError: unknown variant (the message lists the known ones).
 
-  Source: SPEC §1 table; scenic `scenic/projects/owl_vit/clip/model.py` (``CONFIGS``).
+  Source: docs/reference.md §1 table; scenic `scenic/projects/owl_vit/clip/model.py` (``CONFIGS``).
   """
   if variant not in VARIANTS:
     raise ValueError(f"unknown model variant {variant!r}; known: {sorted(VARIANTS)}")
@@ -253,7 +254,7 @@ def logit(x, eps: float = BOX_BIAS_EPS):
   Returns:
     Array of the same shape/dtype/library.
 
-  Source: SPEC §1 (box bias); scenic `scenic/projects/owl_vit/utils.py` (``logit``).
+  Source: docs/reference.md §1 (box bias); scenic `scenic/projects/owl_vit/utils.py` (``logit``).
   """
   xp = jnp if isinstance(x, jax.Array) else np
   return xp.log(x + eps) - xp.log1p(-x + eps)
@@ -278,7 +279,7 @@ def compute_box_bias(h: int, w: int) -> np.ndarray:
   Raises:
     ValueError: if ``h`` or ``w`` < 1.
 
-  Source: SPEC §1 (box head, box bias); scenic `scenic/projects/owl_vit/utils.py`
+  Source: docs/reference.md §1 (box head, box bias); scenic `scenic/projects/owl_vit/utils.py`
   (``compute_box_bias``, ``normalized_grid_corner_coordinates``, kind='both').
   """
   h, w = int(h), int(w)
@@ -308,7 +309,7 @@ class ClipImageTextEmbedder(nn.Module):
 
   Attributes: see :class:`OwlViT` (same names).
 
-  Source: SPEC §1 (vision tower, class-token merge); scenic
+  Source: docs/reference.md §1 (vision tower, class-token merge); scenic
   `scenic/projects/owl_vit/layers.py` (``ClipImageTextEmbedder``, merge_class_token='mul-ln').
   """
 
@@ -392,7 +393,7 @@ class ClassPredictor(nn.Module):
   returned class embeddings are ``e`` (raw) without queries and ``e / (||e|| + 1e-6)`` (the
   normalised ones the logits use) with queries.
 
-  Source: SPEC §1 (class head); scenic `scenic/projects/owl_vit/layers.py`
+  Source: docs/reference.md §1 (class head); scenic `scenic/projects/owl_vit/layers.py`
   (``ClassPredictor``, normalize=True).
   """
 
@@ -447,7 +448,8 @@ class PredictorMLP(nn.Module):
 
   Call: ``x [B, T, D]`` -> ``[B, T, out_dim]`` float32 (before box bias and sigmoid).
 
-  Source: SPEC §1 (box head); scenic `scenic/projects/owl_vit/layers.py` (``PredictorMLP``).
+  Source: docs/reference.md §1 (box head); scenic `scenic/projects/owl_vit/layers.py`
+  (``PredictorMLP``).
   """
 
   out_dim: int = 4
@@ -489,7 +491,7 @@ class OwlViT(nn.Module):
     with ``h = w = S / patch`` and ``T = h * w``.
   ``train=True`` enables stochastic depth and needs ``rngs={'dropout': key}``.
 
-  Source: SPEC §1, §1.1; scenic `scenic/projects/owl_vit/models.py`.
+  Source: docs/reference.md §1, §1.1; scenic `scenic/projects/owl_vit/models.py`.
   """
 
   tokenizer: str = "word_hash"
@@ -651,7 +653,7 @@ class OwlViT(nn.Module):
     Raises:
       ValueError: if ``T != h * w``.
 
-    Source: scenic `scenic/projects/owl_vit/models.py` (``box_predictor``); SPEC §1.
+    Source: scenic `scenic/projects/owl_vit/models.py` (``box_predictor``); docs/reference.md §1.
     """
     h, w = feature_map.shape[1:3]
     if image_features.shape[1] != h * w:
@@ -691,7 +693,7 @@ class OwlViT(nn.Module):
       ValueError: neither or both of queries / query_embeddings; query_mask with queries;
         shape mismatches.
 
-    Source: scenic `scenic/projects/owl_vit/models.py` (``__call__``); SPEC §1.
+    Source: scenic `scenic/projects/owl_vit/models.py` (``__call__``); docs/reference.md §1.
     """
     # Validate everything before computing anything.
     if (queries is None) == (query_embeddings is None):
@@ -771,7 +773,7 @@ def create_model(variant: str, **overrides) -> OwlViT:
   """Builds an :class:`OwlViT` of a named variant, with optional field overrides.
 
   Args:
-    variant: ``'tiny'``, ``'vit_b32'``, ``'vit_b16'`` or ``'vit_l14'`` (SPEC §1 table).
+    variant: ``'tiny'``, ``'vit_b32'``, ``'vit_b16'`` or ``'vit_l14'`` (docs/reference.md §1 table).
     **overrides: replacement values for any config field (see :func:`get_variant_config`),
       e.g. ``vision_layers=2``, ``image_size=96``, ``dtype=jnp.bfloat16``,
       ``hf_compat=True``.
@@ -783,7 +785,7 @@ def create_model(variant: str, **overrides) -> OwlViT:
     ValueError: unknown variant; unknown override names (all are named); inconsistent
       values (width not divisible by heads, image size not a multiple of the patch, ...).
 
-  Source: SPEC §1; CONVENTIONS.md (Model).
+  Source: docs/reference.md §1; CONVENTIONS.md (Model).
   """
   cfg = get_variant_config(variant).as_dict()
   unknown = sorted(set(overrides) - set(_CONFIG_FIELDS))

@@ -1,6 +1,6 @@
 """OWL-ViT v1 detection loss with exact Hungarian matching, and the DER++ replay loss.
 
-Everything here follows SPEC §3, which transcribes scenic's
+Everything here follows docs/reference.md §3, which transcribes scenic's
 `scenic/projects/owl_vit/losses.py` (matching cost),
 `scenic/projects/owl_vit/matching_base_models.py` (`loss_function`,
 `labels_losses_and_metrics`, `boxes_losses_and_metrics` with `normalization='per_example'`),
@@ -53,7 +53,7 @@ MATCHERS = ("auto", "scipy", "jax")
 AUTO_MATCHER = {"cpu": "jax", "gpu": "jax", "tpu": "jax"}
 
 # Slots whose stored logit is at or below this are padded query slots (the model writes
-# -1e6 there, SPEC §1); used by `distillation_mse` when no query mask is given.
+# -1e6 there, docs/reference.md §1); used by `distillation_mse` when no query mask is given.
 PADDED_LOGIT_THRESHOLD = -1e5
 BOX_EPS = 1e-6  # scenic box_utils eps (IoU and GIoU denominators).
 
@@ -214,8 +214,8 @@ def sigmoid_focal_loss(
   Args:
     logits: float [...] (any float dtype; computed in float32).
     targets: float [...] in [0, 1], broadcastable to logits.
-    alpha: weight of positives (SPEC §3: 0.3).
-    gamma: focusing exponent (SPEC §3: 2.0).
+    alpha: weight of positives (docs/reference.md §3: 0.3).
+    gamma: focusing exponent (docs/reference.md §3: 2.0).
 
   Returns:
     float32 [...] the loss of every element.
@@ -237,12 +237,12 @@ def focal_matching_cost(logits: Array, *, alpha: float = 0.3, gamma: float = 2.0
 
   Args:
     logits: float [...] (computed in float32).
-    alpha, gamma: SPEC §3 (0.3, 2.0).
+    alpha, gamma: docs/reference.md §3 (0.3, 2.0).
 
   Returns:
     float32 [...] the cost of declaring each element positive.
 
-  Source: SPEC §3; scenic `owl_vit/losses.sigmoid_cost(focal_loss=True)`.
+  Source: docs/reference.md §3; scenic `owl_vit/losses.sigmoid_cost(focal_loss=True)`.
   """
   x = jnp.asarray(logits, jnp.float32)
   pos = alpha * jax.nn.sigmoid(-x) ** gamma * -jax.nn.log_sigmoid(x)
@@ -339,7 +339,7 @@ def matching_cost(
   bbox_weight: float = 1.0,
   giou_weight: float = 1.0,
 ) -> tuple[Array, Array]:
-  """Matching cost between every token and every target (SPEC §3).
+  """Matching cost between every token and every target (docs/reference.md §3).
 
   cost[b, t, k] = class_weight * sum_{q>=1} labels[b,k,q] * (pos - neg)(logit[b,t,q])
                 + bbox_weight * |pred_box[b,t] - box[b,k]|_1 (cxcywh)
@@ -459,7 +459,7 @@ def hungarian_matching(cost: Array, target_mask: Array, matcher: str = "auto") -
   Raises:
     ValueError: shapes of cost and target_mask disagree; unknown matcher.
 
-  Source: SPEC §3 ("exact Hungarian matching; unmatched tokens map to the padding
+  Source: docs/reference.md §3 ("exact Hungarian matching; unmatched tokens map to the padding
   instance"); scenic `matchers/hungarian.py`, `matchers/common.py` (`cpu_matcher`, `slicer`),
   `matching_base_models.loss_function` (`pad_matches`), `matchers/hungarian_tpu.py` (the
   role of the 'jax' matcher).
@@ -525,7 +525,7 @@ def detection_loss_per_example(
   Raises:
     ValueError: inconsistent shapes.
 
-  Source: SPEC §3; scenic `matching_base_models` (`_compute_per_example_class_loss`,
+  Source: docs/reference.md §3; scenic `matching_base_models` (`_compute_per_example_class_loss`,
   `boxes_losses_and_metrics`, normalization='per_example').
   """
   pred_logits, pred_boxes = jnp.asarray(pred_logits), jnp.asarray(pred_boxes)
@@ -605,13 +605,14 @@ def detection_loss(
     labels: float [B, M, Q] multi-hot; an instance with no positive among columns 1.. is
       padding (`labels[b, m, 0] = 1`).
     boxes: float [B, M, 4] cxcywh normalised to the padded square.
-    focal_alpha, focal_gamma: focal loss and cost (SPEC §3: 0.3, 2.0).
+    focal_alpha, focal_gamma: focal loss and cost (docs/reference.md §3: 0.3, 2.0).
     class_weight, bbox_weight, giou_weight: weights of the three terms, used both in the
-      matching cost and in the total (scenic; SPEC §3: all 1).
+      matching cost and in the total (scenic; docs/reference.md §3: all 1).
     example_mask: optional bool/float [B]. Images with weight 0 contribute nothing; the batch
       values become sum(w * v) / sum(w) (0 if all are masked). scenic's `batch_mask` instead
       divides by B; the two agree when no image is masked.
-    normalization: 'per_image' (scenic normalization='per_example', SPEC §3: each image's
+    normalization: 'per_image' (scenic normalization='per_example', docs/reference.md §3: each
+    image's
       sums divided by its own #positives / #boxes, then the weighted mean over images) or
       'per_batch' (as in the released code: the batch's focal, L1 and GIoU sums over its
       (unmasked, weighted) images divided by the batch's total #positives / #boxes, each
@@ -631,7 +632,7 @@ def detection_loss(
   Raises:
     ValueError: inconsistent shapes, or an unknown `normalization`.
 
-  Source: SPEC §3; scenic `owl_vit/losses.py`, `owl_vit/matching_base_models.py`
+  Source: docs/reference.md §3; scenic `owl_vit/losses.py`, `owl_vit/matching_base_models.py`
   (normalization='per_example'); 'per_batch' as in the released code.
   """
   if normalization not in NORMALIZATIONS:
@@ -731,7 +732,7 @@ def distillation_mse(
   Raises:
     ValueError: shapes disagree.
 
-  Source: SPEC §3 (DER++, paper §3, released code).
+  Source: docs/reference.md §3 (DER++, paper §3, released code).
   """
   logits, stored_logits = jnp.asarray(logits), jnp.asarray(stored_logits)
   if logits.ndim != 3 or logits.shape != stored_logits.shape:
@@ -785,8 +786,8 @@ def der_plus_plus_loss(
       averaged over the remaining images (0 when none remain).
     replay_query_mask: optional bool [B_r, Q_r] for `distillation_mse`.
     new_mask: optional bool/float [B] example mask of the new half.
-    alpha: distillation weight (SPEC §3: 2.0).
-    beta: replay detection-loss weight (SPEC §3: 1.0).
+    alpha: distillation weight (docs/reference.md §3: 2.0).
+    beta: replay detection-loss weight (docs/reference.md §3: 1.0).
     **loss_kwargs: focal_alpha, focal_gamma, class_weight, bbox_weight, giou_weight, matcher
       for `detection_loss`.
 
@@ -800,7 +801,7 @@ def der_plus_plus_loss(
     ValueError: inconsistent shapes, or replay_outputs given without replay_targets or
       stored_logits.
 
-  Source: SPEC §3 (DER++, paper §3; Buzzega et al. 2020).
+  Source: docs/reference.md §3 (DER++, paper §3; Buzzega et al. 2020).
   """
   new = detection_loss(
     new_outputs["pred_logits"],
@@ -879,7 +880,7 @@ def loss_adaptive_combination(
     float32 [] L_T.
   Raises:
     ValueError: batch_size < 1.
-  Source: paper §4 "Loss Adaptivity" eq. 6; SPEC §9.
+  Source: paper §4 "Loss Adaptivity" eq. 6; docs/reference.md §9.
   """
   if int(batch_size) < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -906,7 +907,7 @@ def loss_adaptive_total(
     r: int32 [] number of new samples with loss > threshold, in [0, B].
   Raises:
     ValueError: new_losses is not a non-empty vector.
-  Source: paper §4 "Loss Adaptivity" eqs. 5-6; SPEC §9.
+  Source: paper §4 "Loss Adaptivity" eqs. 5-6; docs/reference.md §9.
   """
   new_losses = jnp.asarray(new_losses, jnp.float32)
   if new_losses.ndim != 1 or new_losses.shape[0] < 1:

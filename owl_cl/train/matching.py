@@ -185,7 +185,8 @@ def match_targets(cost: Array, target_mask: Array) -> Array:
   Raises:
     ValueError: shapes of cost and target_mask disagree.
 
-  Source: SPEC §3 (exact Hungarian matching); scenic `matchers/hungarian_tpu.py` (role).
+  Source: docs/reference.md §3 (exact Hungarian matching); scenic `matchers/hungarian_tpu.py`
+  (role).
   """
   cost = jnp.asarray(cost)
   target_mask = jnp.asarray(target_mask, bool)
