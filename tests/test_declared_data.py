@@ -7,6 +7,7 @@ subsets, evaluation protocols and results-table roles.
 """
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -97,3 +98,88 @@ def test_a_data_root_without_declaration_is_the_paper_declaration(paper_config):
   # `data.odinw_datasets` is sugar for the suite's names; explicit names win.
   paper_config.data.sequence = [dict(suite="odinw_paper", names=["Pothole"])]
   assert benchmark.declaration(paper_config)["sequence"][0]["names"] == ["Pothole"]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_declared_datasets_are_checked_before_any_work(tmp_path):
+  """Every problem of every declared dataset in one error; the workdir is not created."""
+  from owl_cl import experiment
+  from owl_cl import validation
+  from owl_cl.testing.configs import tiny_config
+
+  good = tmp_path / "good"
+  (good / "images").mkdir(parents=True)
+  cats = [dict(id=1, name="cup"), dict(id=2, name="Cup")]  # the same prompt twice
+  ann = dict(images=[], annotations=[], categories=cats)  # and no images
+  (good / "train.json").write_text(json.dumps(ann))
+  (tmp_path / "tfds").mkdir()
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.data.sequence = [
+    dict(
+      name="kitchen",
+      kind="coco",
+      train=dict(annotation_file=str(good / "train.json"), image_dir=str(good / "images")),
+      test=dict(annotation_file=str(tmp_path / "missing.json"), image_dir=str(good / "images")),
+    ),
+    dict(name="a", kind="yaml"),
+    dict(
+      name="shelf",
+      kind="tfds",
+      tfds="tfds:nothing_here",
+      data_dir=str(tmp_path / "tfds"),
+      train="train",
+      test="test",
+    ),
+    dict(
+      name="kitchen",
+      kind="coco",
+      train=dict(annotation_file=str(good / "train.json"), image_dir=str(tmp_path / "nope")),
+    ),
+  ]
+  config.data.held_out = dict(
+    name="pretrain_val",
+    kind="coco",
+    val=dict(annotation_file=str(good / "train.json"), image_dir=str(good / "images")),
+  )
+  workdir = tmp_path / "run"
+  with pytest.raises(validation.MissingInputsError) as info:
+    experiment.run(config, str(workdir))
+  text = str(info.value)
+  expected = [
+    # kitchen: missing test json, empty train split, name clash between two categories.
+    f"config.data.sequence: dataset 'kitchen' field 'test' 'annotation_file': file not found: "
+    f"'{tmp_path / 'missing.json'}'",
+    f"dataset 'kitchen' field 'train' 'annotation_file': {good / 'train.json'} has no images",
+    "classes 0 and 1 share the name 'Cup'",
+    "config.data.sequence[1]: dataset 'a': field 'kind' has value 'yaml'",
+    # shelf: the TFDS folder holds no such dataset; the splits are missing.
+    "dataset 'shelf'",
+    "tfds:nothing_here",
+    # the second 'kitchen': its name, its image folder and its missing test split.
+    "config.data.sequence: dataset 'kitchen': field 'name' is also used by config.data.sequence",
+    f"'image_dir': folder not found: '{tmp_path / 'nope'}'",
+    "dataset 'kitchen': no 'test' split (declared: ['train'])",
+    # held_out takes the built-in pre-training eval set's name.
+    "config.data.held_out: dataset 'pretrain_val': field 'name' is also used by the built-in "
+    "pretrain set",
+  ]
+  for e in expected:
+    assert e in text, (e, text)
+  assert not workdir.exists()
+  assert not (tmp_path / "cache").exists()
+
+
+def test_structural_problems_name_the_field():
+  from owl_cl import validation
+  from owl_cl.testing.configs import tiny_config
+
+  config = tiny_config("swil", "/nonexistent")
+  config.data.sequence = [dict(name="a", kind="yaml"), dict(suite="odinw99")]
+  config.data.pretrain = [dict(name="b")]
+  problems = validation.dataset_problems(config)
+  text = "\n".join(problems)
+  assert "config.data.sequence[0]: dataset 'a': field 'kind' has value 'yaml'" in text
+  assert "config.data.sequence[1]: field 'suite' has value 'odinw99'" in text
+  assert "config.data.pretrain: must be one dataset entry" in text

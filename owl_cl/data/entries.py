@@ -392,7 +392,7 @@ def _read_json(path: str, where: str, problems: list[str]) -> dict | None:
     with open(path) as f:
       data = json.load(f)
   except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-    problems.append(f"{where} 'annotation_file': {path} is not readable json ({e})")
+    problems.append(f"{where} 'annotation_file': {path}: not valid json ({e})")
     return None
   if not isinstance(data, dict) or not all(
     isinstance(data.get(k), list) for k in ("images", "annotations", "categories")
