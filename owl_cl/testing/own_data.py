@@ -44,31 +44,29 @@ def write_coco_copy(out_dir: str, benchmark: Any, dataset: str) -> None:
       json.dump(data, f)
 
 
-def write_tfds_copy(data_dir: str, benchmark: Any, dataset: str) -> str:
-  """Prepares built-in `dataset` as the ArrayRecord TFDS dataset 'own_data_shelf:1.0.0'.
+_BUILDER = None
 
-  Features as TFDS `coco/2017`: `image` (the PNG bytes as they are), `image/id`,
-  `image/filename`, `objects` {id, area, bbox (normalised [ymin, xmin, ymax, xmax]), label
-  (0-based: category id - 1, the built-in ids being 1..K), is_crowd}. Returns its folder.
-  """
+
+def _builder_class():
+  """The TFDS builder class of 'own_data_shelf' (defined once: TFDS registers it by name)."""
+  global _BUILDER
+  if _BUILDER is not None:
+    return _BUILDER
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
-  splits = {}
-  for split in ("train", "test"):
-    files = benchmark.split(dataset, split)
-    with open(files.annotation_file) as f:
-      splits[split] = (json.load(f), files.image_dir)
-  categories = sorted(splits["train"][0]["categories"], key=lambda c: c["id"])
-  if [c["id"] for c in categories] != list(range(1, len(categories) + 1)):
-    raise ValueError(f"{dataset}: category ids must be 1..K for TFDS labels id - 1")
 
   class OwnDataShelf(tfds.core.GeneratorBasedBuilder):
     """A built-in dataset as a TFDS detection dataset (features of `coco/2017`)."""
 
     VERSION = tfds.core.Version("1.0.0")
+    # A one-component module: TFDS then looks for no package resources beside the code.
+    __module__ = TFDS_NAME
+
+    def __init__(self, *, splits: dict, categories: list, **kwargs):
+      self._splits, self._categories = splits, categories
+      super().__init__(**kwargs)
 
     def _info(self):
-      label = tfds.features.ClassLabel(names=[c["name"] for c in categories])
+      label = tfds.features.ClassLabel(names=[c["name"] for c in self._categories])
       objects = {
         "id": np.int64,
         "area": np.int64,
@@ -85,7 +83,7 @@ def write_tfds_copy(data_dir: str, benchmark: Any, dataset: str) -> str:
       return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
 
     def _split_generators(self, dl_manager):
-      return {s: self._generate_examples(*splits[s]) for s in splits}
+      return {s: self._generate_examples(*self._splits[s]) for s in self._splits}
 
     def _generate_examples(self, data, image_dir):
       by_image: dict[int, list] = {}
@@ -113,7 +111,29 @@ def write_tfds_copy(data_dir: str, benchmark: Any, dataset: str) -> str:
         ex = {"image": image, "image/id": im["id"], "image/filename": im["file_name"]}
         yield im["id"], dict(ex, objects=objects)
 
-  builder = OwnDataShelf(data_dir=data_dir, file_format="array_record")
+  _BUILDER = OwnDataShelf
+  return _BUILDER
+
+
+def write_tfds_copy(data_dir: str, benchmark: Any, dataset: str) -> str:
+  """Prepares built-in `dataset` as the ArrayRecord TFDS dataset 'own_data_shelf:1.0.0'.
+
+  Features as TFDS `coco/2017`: `image` (the PNG bytes as they are), `image/id`,
+  `image/filename`, `objects` {id, area, bbox (normalised [ymin, xmin, ymax, xmax]), label
+  (0-based: category id - 1, the built-in ids being 1..K), is_crowd}. Returns its folder.
+  """
+  splits = {}
+  for split in ("train", "test"):
+    files = benchmark.split(dataset, split)
+    with open(files.annotation_file) as f:
+      splits[split] = (json.load(f), files.image_dir)
+  categories = sorted(splits["train"][0]["categories"], key=lambda c: c["id"])
+  if [c["id"] for c in categories] != list(range(1, len(categories) + 1)):
+    raise ValueError(f"{dataset}: category ids must be 1..K for TFDS labels id - 1")
+
+  builder = _builder_class()(
+    splits=splits, categories=categories, data_dir=data_dir, file_format="array_record"
+  )
   builder.download_and_prepare(file_format="array_record")
   return os.path.join(data_dir, TFDS_NAME, "1.0.0")
 
@@ -132,3 +152,23 @@ def write_own_data(out_dir: str, benchmark: Any) -> dict[str, str]:
     "warehouse": os.path.join(out_dir, "warehouse"),
     "tfds": os.path.join(out_dir, "tfds"),
   }
+
+
+def main(argv: list[str]) -> None:
+  """`python -m owl_cl.testing.own_data OUT_DIR [CACHE_DIR]`: the worked example's data."""
+  from owl_cl.data import builtin  # pylint: disable=g-import-not-at-top
+
+  if len(argv) not in (2, 3):
+    raise SystemExit("usage: python -m owl_cl.testing.own_data OUT_DIR [CACHE_DIR]")
+  cache = os.path.expanduser(argv[2] if len(argv) == 3 else "~/.cache/owl_cl")
+  bench = builtin.ensure_benchmark(
+    os.path.join(cache, "builtin"), downstream=tuple(sorted(set(SOURCES.values())))
+  )
+  for name, path in write_own_data(os.path.expanduser(argv[1]), bench).items():
+    print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+
+  main(sys.argv)
