@@ -110,6 +110,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # --- data ----------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
   c.data.root = ml_collections.config_dict.placeholder(str)  # None: built-in benchmark
+  # The run's datasets, declared as dataset entries (owl_cl.data.entries; README "Your own
+  # data"; owl_cl.benchmark): `sequence` a list of entries or suite references such as
+  # dict(suite="odinw13", root=...); `pretrain` one entry, the pre-training / replay source
+  # (train split: buffer candidates; test, else val: the pre-training proxy eval); `held_out`
+  # one entry, the held-out / open-vocabulary eval set (test, else val). None: the built-in
+  # benchmark's (the built-in suite), or with data.root the paper's (benchmark.PAPER_DECLARATION).
+  c.data.sequence = None
+  c.data.pretrain = None
+  c.data.held_out = None
   # Q per training image: '' + positives + negatives, padded with ''. 24 > 20 pre-training
   # classes: every image contrasts its objects against every other class name.
   c.data.num_queries = 24
@@ -414,6 +423,12 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
   # --- data --------------------------------------------------------------------------------
   c.data.root = ml_collections.config_dict.placeholder(str)  # required (README layout)
+  # The paper's datasets as a declaration (owl_cl.benchmark.PAPER_DECLARATION): Objects365 v2
+  # (buffer source, 'o365' eval), LVIS v1 val ('lvis' eval), the ODinW paper suite; entries
+  # without a root take data.root; `odinw_datasets` picks and orders the suite's members.
+  c.data.sequence = [dict(suite="odinw_paper")]
+  c.data.pretrain = dict(name="o365", kind="objects365")
+  c.data.held_out = dict(name="lvis", kind="lvis", evaluation="lvis")
   c.data.odinw_datasets = PAPER_ODINW_DATASETS
   c.data.subset_seed = 0  # the balanced ODinW subsets (EgoHands, Brackish, ASL)
   c.data.num_queries = 126  # released code: 126 incl. 50 negatives (docs/reference.md §3)

@@ -1,8 +1,19 @@
 """The datasets of a run: the pre-training set, the held-out classes and the downstream sequence.
 
-Two sources: the built-in benchmark (generated under `cache_dir`, the default) and the
-paper's real data (Objects365, LVIS val and ODinW below `data.root`). `stage_eval_names`
-says which evaluation sets are evaluated after each stage of the sequence.
+The datasets are declared in the config as dataset entries (`owl_cl.data.entries`, suites
+`owl_cl.data.suites`):
+
+* `data.sequence`: a list of entries or suite references, the downstream sequence (each
+  entry needs train and test splits; a val split feeds `train.carry='best_validation'`);
+* `data.pretrain`: one entry, the pre-training / replay source (its train split is the
+  buffer's candidate pool, its test split, else its val split, the pre-training proxy eval);
+* `data.held_out`: one entry, the held-out / open-vocabulary eval set (test split, else val).
+
+A field left None takes its default: the built-in benchmark (generated under `cache_dir`)
+without `data.root`; with it, the paper's declaration `PAPER_DECLARATION` (Objects365, LVIS
+val, the ODinW paper suite restricted to `data.odinw_datasets`). Entries and suite items
+without a `root` take `data.root`. `stage_eval_names` says which evaluation sets are
+evaluated after each stage of the sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +26,8 @@ import ml_collections
 from owl_cl import validation
 from owl_cl.data import builtin
 from owl_cl.data import coco
+from owl_cl.data import entries as entries_lib
+from owl_cl.data import suites
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import shuffled
@@ -25,6 +38,19 @@ HELD_OUT_EVAL = "held_out"
 OBJECTS365_EVAL = "o365"
 LVIS_EVAL = "lvis"
 EVALUATION_PROTOCOLS = ("coco", "lvis")
+# The declaration fields of `config.data` and the splits each role needs.
+DECLARED_FIELDS = ("sequence", "pretrain", "held_out")
+# The paper's protocol as a declaration (the `:paper` config sets these fields; a config with
+# `data.root` and none of them gets them too): Objects365 v2 train / val, LVIS v1 val, the
+# 15 ODinW datasets of the paper (`data.odinw_datasets` picks and orders them).
+PAPER_DECLARATION = {
+  "sequence": [{"suite": "odinw_paper"}],
+  "pretrain": {"name": OBJECTS365_EVAL, "kind": "objects365"},
+  "held_out": {"name": LVIS_EVAL, "kind": "lvis", "evaluation": "lvis"},
+}
+_ROOTED = ("odinw", "objects365", "lvis")
+# Labels of the results table's columns for the paper's datasets (else the entry's name).
+_KIND_LABELS = {"objects365": "O365", "lvis": "LVIS"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +96,223 @@ class Benchmark:
     ]
 
 
-def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
-  """The run's data: the built-in benchmark (config.data.root is None) or real data.
+def _plain(value):
+  """A config value (ConfigDict, FieldReference-free) as plain dicts / lists."""
+  if hasattr(value, "to_dict"):
+    return value.to_dict()
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  return value
 
-  With `data.root` set the paper's protocol's real data is loaded (`load_real_benchmark`);
-  otherwise the built-in benchmark, sequence ordered by sequence_seed.
+
+def declaration(config: ml_collections.ConfigDict) -> dict:
+  """{field: declared value or None} of `DECLARED_FIELDS`, with the defaults filled in.
+
+  Without `data.root` an undeclared field stays None (the built-in benchmark's set). With real
+  data (`uses_real_data`) an undeclared field takes `PAPER_DECLARATION`'s. Entry and suite
+  items of the kinds below a data root ('odinw', 'objects365', 'lvis', ODinW suites) without
+  `root` get `data.root`; an 'odinw_paper' suite item without `names` gets
+  `data.odinw_datasets` (when set) and without `subset_seed` gets `data.subset_seed`.
+  """
+  data = config.data
+  real = uses_real_data(config)
+  root = data.get("root")
+  out = {}
+  for field in DECLARED_FIELDS:
+    value = _plain(data.get(field))
+    if value is None and real:
+      value = _plain(PAPER_DECLARATION[field])
+    out[field] = value
+  items = [out["pretrain"], out["held_out"]] + list(out["sequence"] or [])
+  for item in items:
+    if not isinstance(item, dict):
+      continue
+    if "suite" in item:
+      if item["suite"] != "builtin" and not item.get("root") and root:
+        item["root"] = root
+      if item["suite"] in ("odinw_paper", "odinw15"):
+        if item.get("names") is None and data.get("odinw_datasets") is not None:
+          item["names"] = list(data.odinw_datasets)
+        if "subset_seed" not in item and "subset_seed" in data:
+          item["subset_seed"] = data.subset_seed
+    elif item.get("kind") in _ROOTED and not item.get("root") and root:
+      item["root"] = root
+      if item.get("kind") == "odinw" and "subset_seed" not in item and "subset_seed" in data:
+        item["subset_seed"] = data.subset_seed
+  return out
+
+
+def declared_entries(
+  config: ml_collections.ConfigDict, builtin_benchmark=None
+) -> dict[str, entries_lib.DatasetEntry | list[entries_lib.DatasetEntry] | None]:
+  """The declared datasets as entries: {'pretrain': entry | None, 'held_out': entry | None,
+  'sequence': [entry, ...] | None} (None: the built-in benchmark's).
+
+  Args:
+    config: the run's config. builtin_benchmark: the generated built-in benchmark, for
+      'builtin' suite items (None: those items are left out, as validation does).
 
   Raises:
-    MissingInputsError: real data with missing files (one error listing all of them).
+    DataError: every structural problem of every declared item (`entry_from_config`,
+      `suites.entries_from_config`), each naming `data.<field>`.
+  """
+  decl = declaration(config)
+  out, problems = {}, []
+  for field in DECLARED_FIELDS:
+    value = decl[field]
+    if value is None:
+      out[field] = None
+      continue
+    try:
+      if field == "sequence":
+        items = [v for v in value if builtin_benchmark is not None or not is_builtin_suite(v)]
+        out[field] = suites.entries_from_config(items, benchmark=builtin_benchmark)
+      else:
+        if not isinstance(value, dict) or "suite" in value:
+          raise coco.DataError(
+            f"must be one dataset entry (a dict with name and kind), got {value!r}"
+          )
+        out[field] = entries_lib.entry_from_config(value)
+    except coco.DataError as e:
+      problems.append(f"config.data.{field}: {e}")
+  if problems:
+    raise coco.DataError("\n".join(problems))
+  return out
+
+
+def is_builtin_suite(item) -> bool:
+  """True for a `dict(suite='builtin', ...)` item (its datasets are generated by the run)."""
+  return isinstance(item, dict) and item.get("suite") == "builtin"
+
+
+def _eval_split(entry: entries_lib.DatasetEntry) -> str:
+  """The split evaluated for a pre-training / held-out entry: test, else val, else train."""
+  return next(s for s in ("test", "val", "train") if s in entry.split_names)
+
+
+def _protocol(entry: entries_lib.DatasetEntry, split: str) -> str:
+  if entry.evaluation is None and entry.kind in ("objects365", "lvis"):
+    return "coco" if entry.kind == "objects365" else "lvis"  # their jsons are large
+  return entries_lib.evaluation_protocol(entry, split)
+
+
+def _sequence_dataset(entry: entries_lib.DatasetEntry) -> Dataset:
+  split = lambda s: entries_lib.load_split(entry, s) if s in entry.split_names else None
+  # The registry's per-dataset detections (paper protocol); other kinds use the config's.
+  max_detections = odinw_max_detections(entry.member) if entry.kind == "odinw" else None
+  return Dataset(
+    entry.name,
+    split("train"),
+    split("test"),
+    valid=split("val"),
+    evaluation=_protocol(entry, "test"),
+    max_detections=max_detections,
+  )
+
+
+def odinw_max_detections(member: str) -> int | None:
+  """The ODinW registry's detections per image of `member` (None: the config's)."""
+  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
+
+  return odinw.ODINW_DATASETS[member].max_detections
+
+
+def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
+  """The run's data, assembled from the config's declaration (module docstring).
+
+  The sequence is shuffled by `sequence_seed`. Nothing declared and no `data.root`: the
+  built-in benchmark as before; with `data.root`: the paper's declaration, which gives the
+  datasets of `load_real_benchmark`.
+
+  Raises:
+    MissingInputsError: the paper's protocol with missing files (`validation.check_inputs`).
+    DataError: a declared dataset that cannot be read (names the entry, field and value).
   """
   if uses_real_data(config):
-    return load_real_benchmark(config)
+    validation.check_inputs(config)
+  decl = declaration(config)
+  needs_builtin = (
+    decl["pretrain"] is None
+    or decl["held_out"] is None
+    or decl["sequence"] is None
+    or any(is_builtin_suite(v) for v in decl["sequence"])
+  )
+  if not needs_builtin:
+    return _declared_benchmark(config, declared_entries(config), None)
+  built = _builtin_benchmark(config)
+  if all(decl[f] is None for f in DECLARED_FIELDS):
+    return built[1]
+  return _declared_benchmark(config, declared_entries(config, built[0]), built[1])
+
+
+def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Benchmark:
+  """The Benchmark of `declared` entries; undeclared roles from `default` (built-in)."""
+  pretrain_eval, held_out_eval = PRETRAIN_EVAL, HELD_OUT_EVAL
+  if declared["pretrain"] is None:
+    pretrain = default.pretrain
+  else:
+    e = declared["pretrain"]
+    split = _eval_split(e)
+    train = entries_lib.load_split(e, "train") if "train" in e.split_names else None
+    pretrain = Dataset(
+      e.name, train, entries_lib.load_split(e, split), evaluation=_protocol(e, split)
+    )
+    pretrain_eval = e.name
+  if declared["held_out"] is None:
+    held_out = default.held_out
+  else:
+    e = declared["held_out"]
+    split = _eval_split(e)
+    held_out = Dataset(
+      e.name, None, entries_lib.load_split(e, split), evaluation=_protocol(e, split)
+    )
+    held_out_eval = e.name
+  if declared["sequence"] is None:
+    sequence = list(default.sequence)
+  else:
+    sequence = shuffled([_sequence_dataset(e) for e in declared["sequence"]], config.sequence_seed)
+  roles = None
+  if held_out.evaluation == "lvis" and declared["held_out"] is not None:
+    # The paper's columns: pre-training proxy, open-vocabulary AP and its rare classes' APr.
+    label = lambda e: _KIND_LABELS.get(e.kind, e.name) if e is not None else "pre-training"
+    ho_label = label(declared["held_out"])
+    odinw_only = declared["sequence"] and all(e.kind == "odinw" for e in declared["sequence"])
+    roles = {
+      "pretrain": {"eval_set": pretrain_eval, "label": label(declared["pretrain"])},
+      "open_vocab": {"eval_set": held_out_eval, "label": ho_label},
+      "held_out": {
+        "eval_set": held_out_eval,
+        "AP": "APr",
+        "AP50": None,
+        "label": f"{ho_label} rare",
+      },
+      "downstream": [d.name for d in sequence],
+      "downstream_label": "ODinW mean" if odinw_only else "downstream mean",
+    }
+  fingerprint = digest(
+    {
+      "declared": {
+        f: [dataclasses.asdict(e) for e in v]
+        if isinstance(v, list)
+        else (dataclasses.asdict(v) if v is not None else None)
+        for f, v in declared.items()
+      },
+      "builtin": default.fingerprint if default is not None else None,
+    }
+  )
+  return Benchmark(
+    pretrain,
+    held_out,
+    tuple(sequence),
+    fingerprint=fingerprint,
+    pretrain_eval=pretrain_eval,
+    held_out_eval=held_out_eval,
+    roles=roles,
+  )
+
+
+def _builtin_benchmark(config: ml_collections.ConfigDict):
+  """(generated BuiltinBenchmark, its Benchmark: sequence ordered by sequence_seed)."""
   settings = config.data.builtin
   bench = builtin.ensure_benchmark(
     os.path.join(expand_path(config.cache_dir), "builtin"),
@@ -96,11 +328,14 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   held_out = Dataset(HELD_OUT_EVAL, None, bench.held_out_val.source())
   sequence = [Dataset(d.name, d.train.source(), d.test.source()) for d in bench.downstream]
   sequence = shuffled(sequence, config.sequence_seed)
-  return Benchmark(pretrain, held_out, tuple(sequence), fingerprint=bench.fingerprint)
+  return bench, Benchmark(pretrain, held_out, tuple(sequence), fingerprint=bench.fingerprint)
 
 
 def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
-  """The paper's data: Objects365, LVIS val and the ODinW sequence.
+  """The paper's data hard-wired: Objects365, LVIS val and the ODinW sequence.
+
+  The reference the paper's declaration (`PAPER_DECLARATION`, what `load_benchmark` uses) is
+  tested against: same datasets, images, boxes, labels and balanced subsets.
 
   pre-training set = Objects365 (train: the buffer's images; val: evaluated as 'o365'),
   held-out = LVIS val (evaluated as 'lvis': AP, and APr as the rare column), sequence = the

@@ -422,8 +422,9 @@ def test_invalid_annotation_json_is_refused_before_the_run_is_claimed(
     main.fail(raised.value)
   assert exited.value.code == 2
   assert f"{annotations}: not valid json" in capsys.readouterr().err
-  # The files already there are unchanged; the run's lock file (empty once released) is the
-  # only addition: no run.json, so the corrected command is not refused as another config.
+  # The files already there are unchanged: the declared datasets are checked before the
+  # workdir is locked (no lock file; an empty one if a later check refused it), and no
+  # run.json, so the corrected command is not refused as another config.
   after = snapshot(workdir)
-  assert after.pop(utils.LOCK_FILE) == b""
+  assert after.pop(utils.LOCK_FILE, b"") == b""
   assert after == before

@@ -7,7 +7,10 @@ library turns it into the `CocoSource` every other part of owl_cl consumes:
 * kind 'tfds': 'tfds:<name>[:<version>]' + a TFDS data folder, and the TFDS split name of each
   split (ArrayRecord files, read without TensorFlow: `owl_cl.data.tfds_source`);
 * kind 'odinw': a member of the paper's 15 ODinW datasets (`owl_cl.data.odinw` registry:
-  folders, category check, balanced training subsets), loaded exactly as `odinw_source` does.
+  folders, category check, balanced training subsets), loaded exactly as `odinw_source` does;
+* kind 'objects365' / 'lvis': Objects365 v2 (splits train, val) / LVIS v1 (split val; train
+  when declared) below `root`, read by their own readers (`owl_cl.data.pretraining`: forbidden
+  categories removed from Objects365 train, LVIS images found through `coco_url`).
 
 Named suites (ODinW-13, ODinW-35, the paper's 15, the built-in benchmark) expand to lists of
 entries: `owl_cl.data.suites`.
@@ -55,7 +58,9 @@ __all__ = [
   "evaluation_protocol",
 ]
 
-KINDS = ("coco", "tfds", "odinw")
+KINDS = ("coco", "tfds", "odinw", "objects365", "lvis")
+# Kinds whose files sit at fixed places below a data `root`, with their default splits.
+_ROOTED_SPLITS = {"objects365": ("train", "val"), "lvis": ("val",)}
 SPLITS = ("train", "val", "test")
 EVALUATIONS = ("coco", "lvis")
 _LVIS_IMAGE_FIELDS = ("neg_category_ids", "not_exhaustive_category_ids")
@@ -159,7 +164,7 @@ _ENTRY_KEYS = {
 _SPLIT_KEYS = {f.name for f in dataclasses.fields(SplitSpec)}
 _KIND_FIELDS = {
   "member": ("odinw",),
-  "root": ("odinw",),
+  "root": ("odinw", "objects365", "lvis"),
   "tfds": ("tfds",),
   "data_dir": ("tfds",),
   "category_ids": ("tfds",),
@@ -233,6 +238,23 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
         if s in cfg or not any(x in cfg for x in SPLITS):
           ann, img = odinw.odinw_paths(root, member, s)
           splits.append((s, SplitSpec(annotation_file=ann, image_dir=img)))
+  elif kind in ("objects365", "lvis"):
+    from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+
+    if not root:
+      problems.append(f"{where}: field 'root' (the data root holding {kind}/) is missing")
+    paths = pretraining.objects365_paths if kind == "objects365" else pretraining.lvis_paths
+    declared = [s for s in SPLITS if s in cfg]
+    for s in declared:
+      if s == "test" or cfg[s] not in (True, None, "", {}):
+        problems.append(
+          f"{where} field {s!r}: kind {kind!r} has fixed files; give only the split names "
+          f"('train', 'val') as fields set to True, got {cfg[s]!r}"
+        )
+    if not problems:
+      for s in [s for s in declared if cfg[s] is not None] or _ROOTED_SPLITS[kind]:
+        ann, img = paths(root, s)
+        splits.append((s, SplitSpec(annotation_file=ann, image_dir=img)))
   else:
     for s in SPLITS:
       if s not in cfg or cfg[s] is None:
@@ -319,6 +341,11 @@ def load_split(entry: DatasetEntry, split: str, **coco_options) -> CocoSource:
   """
   spec = entry.split(split)
   label = entry.name if split == "train" else f"{entry.name}/{split}"
+  if entry.kind in ("objects365", "lvis"):
+    from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+
+    read = pretraining.objects365_source if entry.kind == "objects365" else pretraining.lvis_source
+    return read(entry.root, split, **coco_options)
   if entry.kind == "odinw":
     return odinw.odinw_source(
       entry.root,
@@ -365,7 +392,7 @@ def _read_json(path: str, where: str, problems: list[str]) -> dict | None:
     with open(path) as f:
       data = json.load(f)
   except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-    problems.append(f"{where} 'annotation_file': {path} is not readable json ({e})")
+    problems.append(f"{where} 'annotation_file': {path}: not valid json ({e})")
     return None
   if not isinstance(data, dict) or not all(
     isinstance(data.get(k), list) for k in ("images", "annotations", "categories")
@@ -418,6 +445,15 @@ def check_entry(entry: DatasetEntry, required: Sequence[str] = ()) -> list[str]:
   if entry.kind == "odinw":
     missing = odinw.missing_files(entry.root, [entry.member], entry.split_names)
     problems.extend(f"{where0} (ODinW {entry.member}): missing {p}" for p in missing)
+  if entry.kind in ("objects365", "lvis"):
+    # Their jsons are large (Objects365 train: GBs): only the files are checked here.
+    for split, spec in entry.splits:
+      where = f"{where0} field '{split}'"
+      if not os.path.isfile(spec.annotation_file):
+        problems.append(f"{where} 'annotation_file': file not found: {spec.annotation_file!r}")
+      if not os.path.isdir(spec.image_dir):
+        problems.append(f"{where} 'image_dir': folder not found: {spec.image_dir!r}")
+    return problems
   names_by_split: dict[str, list[str]] = {}
   for split, spec in entry.splits:
     where = f"{where0} field '{split}'"
