@@ -200,31 +200,31 @@ def test_bfloat16_compute_stays_close_to_float32():
 
 def test_config_fields_reach_the_model():
   from configs import base
-  from owl_cl import experiment
+  from owl_cl import detector
+  from owl_cl import validation
 
   builtin = base.get_config()
-  assert experiment.model_fields(builtin) == {
+  assert detector.model_fields(builtin) == {
     "attention": "auto",
     "remat": "none",
     "context_length": 8,
   }  # dtype None: the tiny variant's float32
   paper = base.get_config("paper")
-  fields = experiment.model_fields(paper)
+  fields = detector.model_fields(paper)
   assert fields == {"dtype": jnp.bfloat16, "attention": "auto", "remat": "block"}
   model = owl_vit.create_model(paper.model.variant, **fields)
   assert (model.dtype, model.remat, model.attention) == (jnp.bfloat16, "block", "auto")
   builtin.model.dtype = "float64"
-  with pytest.raises(experiment.ConfigError, match="config.model.dtype='float64'"):
-    experiment.model_fields(builtin)
+  assert any("config.model.dtype='float64'" in p for p in validation.option_problems(builtin))
 
 
 def test_execution_only_fields_leave_cache_keys_unchanged():
   from configs import base
-  from owl_cl import experiment
+  from owl_cl import pretrained
 
   c = base.get_config()
   before = {k: v for k, v in c.model.to_dict().items() if k not in ("attention", "remat", "dtype")}
-  assert experiment._cache_block(c, "model") == before
-  assert "matcher" not in experiment._cache_block(c, "loss")
+  assert pretrained.cache_key_fields(c, "model") == before
+  assert "matcher" not in pretrained.cache_key_fields(c, "loss")
   c.model.dtype = "bfloat16"  # changes what is computed: part of the key
-  assert experiment._cache_block(c, "model")["dtype"] == "bfloat16"
+  assert pretrained.cache_key_fields(c, "model")["dtype"] == "bfloat16"
