@@ -46,6 +46,7 @@ from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import checkpointing
+from owl_cl.train import sharding as sharding_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
 from owl_cl.validation import ConfigError
@@ -182,6 +183,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
   replay_state = replay_setup.initial_replay_state(store, config.seed)
+  if jax.process_count() > 1:
+    # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
+    replay_state = sharding_lib.fetch_replicated(replay_state)
 
   def evaluate(params, stage_name, names=None):
     return {
