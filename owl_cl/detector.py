@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from owl_cl import distributed
 from owl_cl import model as model_lib
 from owl_cl import validation
 from owl_cl.benchmark import EVALUATION_PROTOCOLS
@@ -201,7 +202,16 @@ class Detector:
 
   def train_batches(self, source, *, batch_size: int, seed: int, epoch: int):
     """Training batches of one epoch of `source` (pipeline.train_dataset) with the config's
-    preprocessing options, augmentations and host sharding (data.host_sharding)."""
+    preprocessing options, augmentations and host sharding (data.host_sharding).
+
+    In a multi-process run each process reads only its rows of every global batch
+    (`sharding_lib.process_rows`), so the processes together see the batches of one process;
+    `sharding_lib.shard_batch` assembles them."""
+    shard: Any = "jax" if self.config.data.host_sharding else None
+    batch_rows = None
+    if jax.process_count() > 1:
+      rows = sharding_lib.process_rows(batch_size, self.mesh)
+      shard, batch_rows = None, (rows.start, rows.stop)
     return pipeline.train_dataset(
       source,
       class_tokens=self.train_class_tokens(source),
@@ -214,7 +224,8 @@ class Detector:
       seed=seed,
       epoch=epoch,
       num_workers=self.config.data.num_workers,
-      shard="jax" if self.config.data.host_sharding else None,
+      shard=shard,
+      batch_rows=batch_rows,
       **self.example_options(source),
       **self.augment_options(),
     )
@@ -258,13 +269,20 @@ class Detector:
       images = sharding_lib.shard_batch({"images": batch["images"]}, self.mesh)["images"]
       return jax.device_get(predict_step(params, images, query_embeddings))
 
+    multi_process = jax.process_count() > 1
+    rows = sharding_lib.process_rows(batch_size, self.mesh) if multi_process else None
     batches = pipeline.eval_dataset(
       source,
       image_size=self.image_size,
       batch_size=batch_size,
       squash=bool(self.config.data.squash_resize),
       max_images=self.config.max_eval_images,
+      batch_rows=None if rows is None else (rows.start, rows.stop),
     )
+    if multi_process:
+      batches, predict_fn = self._gathered_predictions(
+        batches, lambda images: predict_step(params, images, query_embeddings)
+      )
     return detection.evaluate_source(
       predict_fn,
       source,
@@ -275,6 +293,35 @@ class Detector:
       max_dets=max_dets,
       desc=desc,
     )
+
+  def _gathered_predictions(self, local_batches, predict):
+    """Multi-process evaluation: every process predicts its rows of each global batch, and
+    the rows are gathered so AP is computed over the whole eval set (on every process).
+
+    Args:
+      local_batches: this process's rows of the eval batches (`pipeline.eval_dataset` with
+        `batch_rows`): images, image_id, orig_size, example_mask.
+      predict: `predict(global images [B, S, S, 3]) -> (scores [B, K], labels [B, K],
+        boxes [B, K, 4])`, split along the batch.
+    Returns:
+      (global batches: image_id, orig_size, example_mask [B] in the order of one process;
+      predict_fn(batch) returning that batch's gathered predictions).
+    """
+    keys = ("image_id", "orig_size", "example_mask")
+    batches, outputs = [], []
+    for batch in local_batches:
+      images = sharding_lib.shard_batch({"images": batch["images"]}, self.mesh)["images"]
+      local = tuple(sharding_lib.host_local_rows(x) for x in predict(images))
+      # One gather per batch keeps the rows in the global batch's order (process order is
+      # row order: `process_rows`), so the detections reach the scorer as with one process.
+      gathered = distributed.gather_rows(({k: batch[k] for k in keys}, local))
+      # Padding rows (image_id -1, example_mask False) stay: the scorer drops them, as it
+      # does with one process.
+      meta, preds = gathered
+      batches.append(meta)
+      outputs.append(preds)
+    by_batch = {id(b): o for b, o in zip(batches, outputs)}
+    return batches, lambda batch: by_batch[id(batch)]
 
   def evaluate_dataset(self, params, dataset: Dataset, desc: str) -> dict[str, float]:
     """Metrics of `params` on `dataset.test`: COCO AP (`dataset.evaluation` 'coco') or LVIS AP /

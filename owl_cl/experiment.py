@@ -37,6 +37,7 @@ import ml_collections
 from tensorboardX import SummaryWriter
 
 from owl_cl import benchmark as benchmark_lib
+from owl_cl import distributed
 from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl import utils
@@ -45,9 +46,15 @@ from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import checkpointing
+from owl_cl.train import sharding as sharding_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
 from owl_cl.validation import ConfigError
+
+# Longest wait of a process for the others at the end of a dataset: a stage's training and
+# evaluation run in lockstep (collectives), so the processes arrive within seconds; a peer
+# that is gone or hung turns into an error naming it instead of a hang.
+BARRIER_TIMEOUT_S = 1800.0
 
 
 def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
@@ -142,9 +149,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # After the checks: nothing (not even the compilation cache's folder) is written for a bad
   # config. One run per workdir: a second one is refused before it writes anything; on
   # several hosts (one workdir on a shared file system), process 0 holds the lock.
-  lock = utils.workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+  writer_process = distributed.is_writer()
+  lock = utils.workdir_lock(workdir) if writer_process else contextlib.nullcontext()
   with lock:
-    remove_stale_temporaries(config, workdir)
+    if writer_process:
+      remove_stale_temporaries(config, workdir)
+    distributed.barrier("workdir-ready")
     compilation_cache = compilation_cache_dir(config)
     if compilation_cache:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
@@ -159,9 +169,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   validation.check_sequence_config(config, bench)
   # Claimed only once the data is checked too: a run refused for its data leaves no run.json
   # that would refuse the corrected command as "a different config".
-  run_id = check_workdir(workdir, config)
+  # One writer (process 0): run.json, results, records and TensorBoard; every process takes
+  # part in the computation and in the orbax stage checkpoints (multi-process saves).
+  is_writer = distributed.is_writer()
+  run_id = check_workdir(workdir, config) if is_writer else None
   detector = Detector(config)
-  writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+  writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if is_writer else None
   checkpointer = checkpointing.StageCheckpointer(
     os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
   )
@@ -170,6 +183,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
   replay_state = replay_setup.initial_replay_state(store, config.seed)
+  if jax.process_count() > 1:
+    # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
+    replay_state = sharding_lib.fetch_replicated(replay_state)
 
   def evaluate(params, stage_name, names=None):
     return {
@@ -213,7 +229,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     }
     if bench.roles is not None:
       results["roles"] = bench.roles
-    results_lib.write_results(workdir, results)
+    if is_writer:
+      results_lib.write_results(workdir, results)
     return results
 
   write("running")
@@ -244,9 +261,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     checkpointer.save(
       index, params, replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT}
     )
+    # Every process has finished the dataset before the writer reports it.
+    distributed.barrier(f"stage-{index}", timeout_s=BARRIER_TIMEOUT_S)
     write("running")
   results = write("complete")
-  writer.close()
+  if writer is not None:
+    writer.close()
   checkpointer.close()
   logging.info("results: %s", os.path.join(workdir, "results.md"))
   return results

@@ -15,6 +15,7 @@ from absl import logging
 import jax
 import ml_collections
 
+from owl_cl import distributed
 from owl_cl import trainer
 from owl_cl.benchmark import Benchmark
 from owl_cl.detector import Detector
@@ -99,7 +100,11 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
   params, curve = trainer.pretrain(detector, bench, writer)
   meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
   meta["validation"] = detector.evaluate(params, bench.pretrain.test, "pre-training val")
-  checkpointing.save_params(path, params, meta)
+  # One writer: the temporary folder and the rename are not safe to run on several hosts
+  # sharing the cache; the others wait until the model is on disk.
+  if distributed.is_writer():
+    checkpointing.save_params(path, params, meta)
+  distributed.barrier("pretrained-saved", timeout_s=600.0)
   return params, meta
 
 

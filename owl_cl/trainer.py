@@ -184,7 +184,7 @@ def train_loop(
       bar.update(1)
       loop = replay.count(loop, metrics)
       if loop.step % log_every == 0 or loop.step == total_steps:
-        host_metrics = jax.device_get(metrics)
+        host_metrics = sharding_lib.fetch_replicated(metrics)
         check_finite(host_metrics, desc, loop.step, learning_rate)
         bar.set_postfix(**on_log(loop, host_metrics))
       after_step(loop)
@@ -245,7 +245,7 @@ def pretrain(detector: Detector, bench: Benchmark, writer: SummaryWriter | None)
     every = settings.eval_every_steps
     if not every or loop.step % every or loop.step >= settings.num_steps:
       return
-    params_now = jax.device_get(loop.train_state.params)
+    params_now = sharding_lib.fetch_replicated(loop.train_state.params)
     val = detector.evaluate(params_now, bench.pretrain.test, f"pre-training val @ {loop.step}")
     if not curve or curve[-1]["step"] != loop.step:
       curve.append({"step": loop.step})
@@ -270,7 +270,7 @@ def pretrain(detector: Detector, bench: Benchmark, writer: SummaryWriter | None)
     after_step=after_step,
     learning_rate=settings.learning_rate,
   )
-  return jax.device_get(loop.train_state.params), curve
+  return sharding_lib.fetch_replicated(loop.train_state.params), curve
 
 
 # ----------------------------------------------------------------------------- one dataset
@@ -330,7 +330,7 @@ def track_best_epoch(
   The released code's best-validation-epoch carry: AP on the valid split after each epoch;
   ties keep the earlier epoch; a NaN AP (no annotations) never wins.
   """
-  params = jax.device_get(params)
+  params = sharding_lib.fetch_replicated(params)
   metrics = detector.evaluate(params, dataset.valid, f"valid {dataset.name} @ epoch {epoch + 1}")
   ap = float(metrics["AP"])
   validation.append({"epoch": epoch + 1, "AP": ap, "AP50": float(metrics["AP50"])})
@@ -439,7 +439,7 @@ def train_on_dataset(
   summary = {
     "steps": loop.step,
     "replayed_images": loop.replayed,
-    "final_loss": float(jax.device_get(metrics["loss"])) if loop.step else None,
+    "final_loss": float(sharding_lib.fetch_replicated(metrics["loss"])) if loop.step else None,
     "settings": settings,
     **replay.summary(loop),
   }
@@ -447,4 +447,4 @@ def train_on_dataset(
     summary.update(carried="best_validation", best_epoch=best["epoch"], validation=validation)
     return best["params"], loop.replay_state, summary
   summary["carried"] = "last"
-  return jax.device_get(loop.train_state.params), loop.replay_state, summary
+  return sharding_lib.fetch_replicated(loop.train_state.params), loop.replay_state, summary

@@ -5,6 +5,7 @@ The processes join one runtime through `jax.distributed.initialize` on a localho
 killed on every exit path.
 """
 
+import json
 import os
 import signal
 import socket
@@ -262,3 +263,144 @@ def test_main_rejects_cluster_flags_without_distributed():
   )
   assert proc.returncode != 0
   assert "--coordinator_address/--num_processes/--process_id need --distributed" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- the main job
+
+_MAIN_CONFIG = """
+from owl_cl.testing.configs import tiny_config
+
+
+def get_config():
+  c = tiny_config("swil", {cache_dir!r})
+  # One downstream dataset (stages: pre-trained, thermal): every stage still trains and
+  # evaluates, and a second dataset would only repeat the compilation for its class count.
+  c.data.builtin.downstream = ("thermal",)
+  return c
+"""
+
+
+def _main_job(config: str, workdir: str, nproc: int, timeout: float) -> list[tuple[int, str]]:
+  """Runs `python -m owl_cl.main` as NPROC processes of 8 // NPROC CPU devices each (NPROC > 1:
+  `--distributed` on a localhost coordinator). Returns [(exit status, output)] per process;
+  every process is killed on any exit path (status None: timed out)."""
+  port = str(_free_port())
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
+    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    PYTHONUNBUFFERED="1",
+  )
+  procs = []
+  try:
+    for pid in range(nproc):
+      cmd = [sys.executable, "-m", "owl_cl.main", f"--config={config}", f"--workdir={workdir}"]
+      if nproc > 1:
+        cmd += [
+          "--distributed",
+          f"--coordinator_address=127.0.0.1:{port}",
+          f"--num_processes={nproc}",
+          f"--process_id={pid}",
+        ]
+      log = open(f"{workdir}.{pid}.log", "w+")
+      procs.append(
+        (
+          subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+          ),
+          log,
+        )
+      )
+    deadline = time.monotonic() + timeout
+    for proc, _ in procs:
+      try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        break
+  finally:
+    for proc, _ in procs:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.returncode = None
+  out = []
+  for proc, log in procs:
+    log.seek(0)
+    out.append((proc.returncode, log.read()))
+    log.close()
+  return out
+
+
+def _stage_figures(results: dict) -> dict:
+  """The metrics of every stage and the training figures of every dataset, by stage name."""
+  out = {}
+  for stage in results["stages"]:
+    train = stage.get("train") or {}
+    out[stage["name"]] = {
+      "metrics": stage["metrics"],
+      "train": {
+        k: train.get(k) for k in ("steps", "replayed_images", "replays_in_loss", "final_loss")
+      },
+    }
+  return out
+
+
+def test_main_job_two_processes_matches_one(tmp_path, pretrained_cache_dir):
+  # The whole run (`owl_cl.main`, built-in benchmark, tiny budget: 2 steps on one downstream
+  # dataset, the 3 eval sets after both stages) as 2 processes x 4 devices and as
+  # 1 process x 8 devices. Both load the session's cached pre-trained model; the 1-process
+  # run builds the replay buffer and caches it for the 2-process run.
+  config = tmp_path / "tiny_swil.py"
+  config.write_text(_MAIN_CONFIG.format(cache_dir=pretrained_cache_dir))
+  single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+  _check(_main_job(str(config), single, 1, timeout=300))
+  multi_run = _main_job(str(config), multi, 2, timeout=300)
+  _check(multi_run)
+  for pid, (_, output) in enumerate(multi_run):
+    assert f"[process {pid}/2]" in output
+  # One writer: process 0 wrote results.json, results.md, the records and TensorBoard.
+  with open(os.path.join(single, "results.json")) as f:
+    want = _stage_figures(json.load(f))
+  with open(os.path.join(multi, "results.json")) as f:
+    results = json.load(f)
+  assert results["status"] == "complete"
+  got = _stage_figures(results)
+  assert list(got) == list(want) == ["pretrained", "thermal"]
+  for name in want:
+    w, g = want[name], got[name]
+    assert g["train"]["steps"] == w["train"]["steps"]
+    assert g["train"]["replayed_images"] == w["train"]["replayed_images"]
+    assert g["train"]["replays_in_loss"] == w["train"]["replays_in_loss"]
+    if w["train"]["final_loss"] is not None:
+      # A loss of O(1-10) whose cross-device sums run through Gloo instead of in-process:
+      # float32 reduction-order noise, ~1e-6 relative per step over a few steps.
+      np.testing.assert_allclose(g["train"]["final_loss"], w["train"]["final_loss"], rtol=1e-4)
+    for eval_set, metrics in w["metrics"].items():
+      assert set(g["metrics"][eval_set]) == set(metrics)
+      for key, value in metrics.items():
+        if value is None:  # NaN in results.json (e.g. APl: no large object)
+          assert g["metrics"][eval_set][key] is None, (name, eval_set, key)
+          continue
+        # AP-type figures are ratios of detection counts on 16 images: parameters that
+        # differ by float32 noise leave the ranking of the detections, hence the figures,
+        # unchanged up to rare ties; 1e-6 absolute is below the 1 / (101 * 16) grid.
+        np.testing.assert_allclose(
+          g["metrics"][eval_set][key], value, atol=1e-6, err_msg=f"{name}/{eval_set}/{key}"
+        )
+  # The retrieval records (replicated retrieval, written by process 0 only): the same histograms
+  # of the replayed classes and of SWIL's entropies, which needs the same features of the new
+  # images on both layouts.
+  for dataset in ("thermal",):
+    want_rec = np.load(os.path.join(single, "records", f"{dataset}.npz"))
+    got_rec = np.load(os.path.join(multi, "records", f"{dataset}.npz"))
+    assert sorted(got_rec.files) == sorted(want_rec.files)
+    for key in want_rec.files:
+      if want_rec[key].dtype.kind in "iub":
+        np.testing.assert_array_equal(got_rec[key], want_rec[key], err_msg=f"{dataset}/{key}")
+      else:  # fixed bin edges: computed from constants, equal up to float rounding
+        np.testing.assert_allclose(
+          got_rec[key], want_rec[key], rtol=1e-4, atol=1e-5, err_msg=f"{dataset}/{key}"
+        )
+  # Nothing but the writer's outputs: no second results file or temporary left behind.
+  assert not [f for f in os.listdir(multi) if f.startswith(".tmp")]

@@ -61,6 +61,7 @@ from owl_cl.replay import knn_shapley
 from owl_cl.replay import sample_selection
 from owl_cl.replay.state import ReplayBuffer
 from owl_cl.replay.state import ReplayState
+from owl_cl.train.sharding import fetch_replicated
 
 Array = jax.Array
 
@@ -592,7 +593,7 @@ class AsvAlgorithm(_AlgorithmBase):
     Host-side (not jitted as a whole; the chunks are). A no-op when already
     `asv_left_ready` (e.g. restored from a checkpoint) or for ASER.
     """
-    if not self.precomputed or bool(jax.device_get(rstate.asv_left_ready)):
+    if not self.precomputed or bool(fetch_replicated(rstate.asv_left_ready)):
       return rstate
     left, left_min = knn_shapley.precompute_left_term(
       buffer.class_embeddings,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from owl_cl import distributed
 from owl_cl.data import pipeline
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import state as state_lib
@@ -302,10 +303,13 @@ def cached_store(
   start = time.time()
   store, stats = build_fn()
   stats["seconds"] = round(time.time() - start, 1)
-  os.makedirs(cache_root, exist_ok=True)
-  if not os.path.isdir(path):
-    store.save(path)
-  atomic_write_json(stats_path, stats, indent=2)
+  # Every process built the same store (deterministic in the key); one writes the cache.
+  if distributed.is_writer():
+    os.makedirs(cache_root, exist_ok=True)
+    if not os.path.isdir(path):
+      store.save(path)
+    atomic_write_json(stats_path, stats, indent=2)
+  distributed.barrier("buffer-cached", timeout_s=600.0)
   logging.info(
     "replay buffer: %d of %d images (%.1f s), cached in %s",
     stats["images_kept"],

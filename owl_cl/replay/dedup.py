@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from owl_cl.replay.state import ReplayState
+from owl_cl.train.sharding import fetch_replicated
 
 Array = jax.Array
 
@@ -267,12 +268,12 @@ def check_auto_reset(state: ReplayState, logger: logging.Logger | None = None) -
 
   Reads the scalar `state.auto_reset` (a device->host transfer of one bool).
   """
-  if not bool(jax.device_get(state.auto_reset)):
+  if not bool(fetch_replicated(state.auto_reset)):
     return False
   (logger or logging.getLogger(__name__)).warning(
     "Replay buffer exhausted: every image was replayed since the last dedup reset; "
     "the dedup mask was reset automatically (reset #%d, %d replays in total).",
-    int(jax.device_get(state.num_resets)),
-    int(jax.device_get(state.total_replayed)),
+    int(fetch_replicated(state.num_resets)),
+    int(fetch_replicated(state.total_replayed)),
   )
   return True

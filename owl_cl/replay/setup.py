@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from owl_cl import distributed
 from owl_cl.replay import algorithms
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import dedup
@@ -171,7 +172,7 @@ def upgrade_restored_state(
   over the current buffer (logged).
   """
   stale = meta.get("class_embeddings") != CHECKPOINT_FORMAT["class_embeddings"]
-  if stale and bool(jax.device_get(replay_state.asv_left_ready)):
+  if stale and bool(sharding_lib.fetch_replicated(replay_state.asv_left_ready)):
     logging.warning(
       "the checkpoint in %s holds an ASER-PC left term of unnormalised class embeddings; "
       "recomputing it",
@@ -345,12 +346,15 @@ class Replay:
       *self._retrieve(loop.replay_state, self.buffer, features, self.num_replay, active)
     )
     loop.replay_state = retrieved.replay_state
-    indices, valid = jax.device_get((retrieved.indices, retrieved.valid))
+    # Retrieval is replicated: every process holds the same indices [R] and mask [R], and
+    # gathers from its store only the slots that land on its own devices.
+    indices, valid = sharding_lib.fetch_replicated((retrieved.indices, retrieved.valid))
     if self.recorder is not None:
-      self.recorder.add(jax.device_get(retrieved.records), valid)
+      self.recorder.add(sharding_lib.fetch_replicated(retrieved.records), valid)
     dedup.check_auto_reset(loop.replay_state)
-    replay_batch = self.store.gather(indices, valid)
-    replay_batch["replay_mask"] = valid
+    local_indices, local_valid = sharding_lib.local_rows((indices, valid), self.detector.mesh)
+    replay_batch = self.store.gather(local_indices, local_valid)
+    replay_batch["replay_mask"] = local_valid
     loop.replayed += int(valid.sum())
     names = list(REPLAY_INPUTS)
     if active is not None:
@@ -367,7 +371,9 @@ class Replay:
 
   def _fractions(self, loop) -> dict[str, float]:
     return replay_fractions(
-      int(loop.replays_in_loss), int(loop.replay_steps), loop.step, self.num_replay
+      *(int(c) for c in sharding_lib.fetch_replicated((loop.replays_in_loss, loop.replay_steps))),
+      loop.step,
+      self.num_replay,
     )
 
   def log(self, loop) -> tuple[dict, dict]:
@@ -381,7 +387,7 @@ class Replay:
 
   def end_dataset(self, loop):
     loop.replay_state = dedup.reset_if(loop.replay_state, "dataset", self.algorithm.dedup)
-    if self.recorder is not None:
+    if self.recorder is not None and distributed.is_writer():
       self.recorder.save(self.records_path)
     return loop
 
@@ -391,8 +397,8 @@ class Replay:
       loss_adaptivity=self.adaptivity,
       loss_threshold=self.threshold if self.adaptivity != "none" else None,
       replay_slots=loop.step * self.num_replay,
-      replays_in_loss=int(loop.replays_in_loss),
-      replay_steps=int(loop.replay_steps),
+      replays_in_loss=int(sharding_lib.fetch_replicated(loop.replays_in_loss)),
+      replay_steps=int(sharding_lib.fetch_replicated(loop.replay_steps)),
       **self._fractions(loop),
     )
 

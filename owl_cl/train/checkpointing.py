@@ -68,10 +68,20 @@ class StageCheckpointer:
     self._manager.close()
 
 
+def _this_process_only() -> ocp.options.MultiprocessingOptions:
+  """Orbax options for a save done by one process alone (no barrier with the others)."""
+  if jax.process_count() == 1:
+    return ocp.options.MultiprocessingOptions()
+  index = jax.process_index()
+  return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
+
+
 def save_params(path: str, params: PyTree, meta: dict | None = None) -> None:
   """Writes a parameter tree (and a `meta.json`) to `path` atomically.
 
   The tree goes to a temporary sibling folder first, which is renamed to `path` once complete.
+
+  In a multi-process run only one process (the writer) calls it, with host (NumPy) params.
 
   Raises:
     FileExistsError: if `path` already exists (nothing is overwritten).
@@ -83,7 +93,7 @@ def save_params(path: str, params: PyTree, meta: dict | None = None) -> None:
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
   try:
-    checkpointer = ocp.StandardCheckpointer()
+    checkpointer = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
     checkpointer.save(os.path.join(tmp, "params"), params)
     checkpointer.wait_until_finished()
     with open(os.path.join(tmp, "meta.json"), "w") as f:
