@@ -2,6 +2,8 @@
 
 - `atomic_write` / `atomic_write_text`: write to a temporary file next to the target, then
   `os.replace` it, so a reader (or a resumed run) never sees a half-written file.
+- `atomic_directory`: the same for a folder (checkpoints, the replay store, the built-in
+  benchmark, converted models): written in a temporary sibling, renamed into place complete.
 - `digest` / `file_digest`: the short content digests that key the caches (pre-trained model,
   replay buffer, real-data fingerprint).
 - `shuffled`: the seeded permutation that orders the downstream sequence (`sequence_seed`).
@@ -119,6 +121,79 @@ def atomic_write_text(path: str, text: str) -> None:
 def atomic_write_json(path: str, obj: Any, **dump_kwargs) -> None:
   """Writes `obj` as JSON (`json.dumps(obj, **dump_kwargs)`) to `path` atomically."""
   atomic_write_text(path, json.dumps(obj, **dump_kwargs))
+
+
+EXISTING_FOLDER_POLICIES = ("error", "replace", "keep")
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str, *, if_exists: str = "error") -> Iterator[str]:
+  """Yields a temporary folder next to `path`; when the block ends normally it becomes `path`.
+
+  A reader (or a resumed run) sees either no folder, the old one, or the complete new one:
+  the block writes into `.tmp-<name>-XXXX` in the same parent, which is then renamed (atomic
+  on POSIX within one file system). When the block raises, or the process is killed, the
+  temporary is removed (or left as a `.tmp*` that `remove_stale_temporaries` clears later);
+  `path` is never touched.
+
+  Args:
+    path: the folder to create; its parent is created when missing.
+    if_exists: what to do when `path` exists at the end of the block: 'error' (raise),
+      'replace' (move the old folder aside, move the new one in, then delete the old; the old
+      one is moved back if the move in fails), or 'keep' (another writer finished first, e.g.
+      a concurrent run filling the same cache: keep its folder and discard ours).
+
+  Yields:
+    The temporary folder's path (absolute), empty.
+
+  Raises:
+    FileExistsError: `path` exists with if_exists='error' (checked before and after the
+      block, so no work is wasted on an output that cannot be written).
+    ValueError: an unknown `if_exists`.
+    Whatever the block raises (the temporary is removed first).
+  """
+  if if_exists not in EXISTING_FOLDER_POLICIES:
+    raise ValueError(f"if_exists={if_exists!r} is not one of {EXISTING_FOLDER_POLICIES}")
+  path = os.path.abspath(path)
+  if if_exists == "error" and os.path.exists(path):
+    raise FileExistsError(f"refusing to overwrite existing {path}")
+  parent = os.path.dirname(path)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(path)}-", dir=parent)
+  # mkdtemp creates 0700; the output gets a normal folder's mode (0777 less the umask).
+  os.chmod(tmp, 0o777 & ~current_umask())
+  try:
+    yield tmp
+    if not os.path.exists(path):
+      os.replace(tmp, path)
+    elif if_exists == "error":
+      raise FileExistsError(f"refusing to overwrite existing {path}")
+    elif if_exists == "replace":
+      _swap_in(tmp, path)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)  # gone already unless the block failed, or 'keep'
+
+
+def _swap_in(new: str, path: str) -> None:
+  """Replaces the folder `path` by the folder `new` (same parent); the old one is deleted."""
+  old = tempfile.mkdtemp(prefix=f".tmp-old-{os.path.basename(path)}-", dir=os.path.dirname(path))
+  os.rmdir(old)  # a free name in the same folder, for the rename
+  os.replace(path, old)
+  try:
+    os.replace(new, path)
+  except BaseException:
+    os.replace(old, path)
+    raise
+  remove_tree(old)
+
+
+def remove_tree(path: str) -> None:
+  """Deletes the file or folder `path` (nothing when it does not exist)."""
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
 
 
 def current_umask() -> int:

@@ -52,8 +52,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from typing import Any
 import zlib
@@ -63,6 +61,7 @@ from PIL import Image
 from PIL import ImageDraw
 from PIL import ImageFont
 
+from owl_cl import utils
 from owl_cl.data.coco import CocoSource
 
 __all__ = [
@@ -1110,24 +1109,11 @@ def ensure_benchmark(
   meta = _complete(root)
   if meta is not None:
     return _benchmark_from_meta(root, meta)
-  if os.path.exists(root):  # incomplete leftover: move aside, then delete
-    trash = tempfile.mkdtemp(prefix=f".trash_{config.key()}_", dir=cache_dir)
-    try:
-      os.rename(root, os.path.join(trash, "old"))
-    except OSError:
-      pass
-    shutil.rmtree(trash, ignore_errors=True)
-  tmp = tempfile.mkdtemp(prefix=f".tmp_{config.key()}_", dir=cache_dir)
-  try:
+  # An incomplete leftover (a killed generation that predates atomic writes) is replaced; a
+  # folder that a concurrent run completes while we generate is kept (same contents).
+  if_exists = "replace" if os.path.exists(root) else "keep"
+  with utils.atomic_directory(root, if_exists=if_exists) as tmp:
     generate_benchmark(tmp, config, progress=progress)
-    try:
-      os.rename(tmp, root)
-    except OSError:
-      if _complete(root) is None:
-        raise
-  finally:
-    if os.path.exists(tmp):
-      shutil.rmtree(tmp, ignore_errors=True)
   meta = _complete(root)
   if meta is None:
     raise OSError(f"built-in benchmark at {root} is incomplete after generation")

@@ -31,14 +31,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
-import uuid
 
 import ml_dtypes
 import numpy as np
 
+from owl_cl import utils
 from owl_cl.replay.state import ReplayBuffer
 from owl_cl.replay.state import make_replay_buffer
 
@@ -234,16 +232,12 @@ class ReplayStore:
     return arrays
 
   def save(self, path: str) -> None:
-    """Writes the store to directory `path` atomically (temp sibling dir + rename).
+    """Writes the store to directory `path` atomically (`utils.atomic_directory`).
 
-    An existing store at `path` is replaced. Raises OSError on filesystem errors (the
-    temporary directory is removed).
+    An existing store at `path` is replaced once the new one is complete. Raises OSError on
+    filesystem errors (the temporary directory is removed).
     """
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-    try:
+    with utils.atomic_directory(path, if_exists="replace") as tmp:
       meta = dict(
         format_version=FORMAT_VERSION,
         class_names=list(self._class_names),
@@ -265,16 +259,6 @@ class ReplayStore:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-      old = None
-      if os.path.exists(path):
-        old = f"{path}.old-{uuid.uuid4().hex}"
-        os.rename(path, old)
-      os.rename(tmp, path)
-      if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
 
   @classmethod
   def load(cls, path: str, mmap: bool = True) -> ReplayStore:

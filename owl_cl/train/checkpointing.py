@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from owl_cl import utils
 
 PyTree = Any
 
@@ -76,32 +76,24 @@ def _this_process_only() -> ocp.options.MultiprocessingOptions:
   return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
 
 
-def save_params(path: str, params: PyTree, meta: dict | None = None) -> None:
-  """Writes a parameter tree (and a `meta.json`) to `path` atomically.
+def save_params(
+  path: str, params: PyTree, meta: dict | None = None, *, overwrite: bool = False
+) -> None:
+  """Writes a parameter tree (and a `meta.json`) to the folder `path` atomically.
 
-  The tree goes to a temporary sibling folder first, which is renamed to `path` once complete.
-
-  In a multi-process run only one process (the writer) calls it, with host (NumPy) params.
+  The tree goes to a temporary sibling folder first, renamed to `path` once complete
+  (`utils.atomic_directory`). In a multi-process run only one process (the writer) calls it,
+  with host (NumPy) params.
 
   Raises:
-    FileExistsError: if `path` already exists (nothing is overwritten).
+    FileExistsError: `path` already exists and not `overwrite` (checked before any work).
   """
-  path = os.path.abspath(path)
-  if os.path.exists(path):
-    raise FileExistsError(f"refusing to overwrite existing checkpoint {path}")
-  parent = os.path.dirname(path)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
-  try:
+  with utils.atomic_directory(path, if_exists="replace" if overwrite else "error") as tmp:
     checkpointer = ocp.StandardCheckpointer(multiprocessing_options=_this_process_only())
     checkpointer.save(os.path.join(tmp, "params"), params)
     checkpointer.wait_until_finished()
     with open(os.path.join(tmp, "meta.json"), "w") as f:
       json.dump(meta or {}, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
 
 
 def load_params(path: str, params_like: PyTree | None = None) -> tuple[PyTree, dict]:

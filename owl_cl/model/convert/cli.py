@@ -12,9 +12,7 @@ import argparse
 import ast
 from collections.abc import Sequence
 import os
-import shutil
 import sys
-import tempfile
 from typing import Any
 
 import jax
@@ -51,19 +49,9 @@ def _write_ours(path: str, params: tree.PyTree, meta: dict, overwrite: bool) -> 
   ``overwrite`` and only after the new one is complete."""
   from owl_cl.train import checkpointing
 
-  path = os.path.abspath(path)
-  if not os.path.exists(path):
-    checkpointing.save_params(path, params, meta)
-    return
-  if not overwrite:
+  if os.path.exists(path) and not overwrite:
     raise FileExistsError(f"refusing to overwrite existing {path} (pass --overwrite)")
-  parent = os.path.dirname(path)
-  staging = tempfile.mkdtemp(prefix=".new-" + os.path.basename(path) + "-", dir=parent)
-  try:
-    checkpointing.save_params(os.path.join(staging, "out"), params, meta)
-    tree.replace_dir(os.path.join(staging, "out"), path, overwrite=True)
-  finally:
-    shutil.rmtree(staging, ignore_errors=True)
+  checkpointing.save_params(path, params, meta, overwrite=overwrite)
 
 
 def _meta(source: str, fmt: str, config: owl_lib.ModelConfig) -> dict:

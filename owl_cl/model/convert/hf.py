@@ -14,13 +14,12 @@ from collections.abc import Mapping
 import json
 import math
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from owl_cl import utils
 from owl_cl.model import clip as clip_lib
 from owl_cl.model import owl_vit as owl_lib
 from owl_cl.model.convert import layouts
@@ -477,13 +476,6 @@ def save_hf_checkpoint(
   config = tree.infer_model_config(params) if config is None else config
   hf_config = model_config_to_hf_config(config)
   state = params_to_hf_state_dict(params, config, visual_projection=visual_projection)
-  parent = os.path.dirname(path)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
-  try:
+  with utils.atomic_directory(path, if_exists="replace" if overwrite else "error") as tmp:
     hf_config.save_pretrained(tmp)
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    tree.replace_dir(tmp, path, overwrite)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise

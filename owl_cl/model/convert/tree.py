@@ -4,8 +4,7 @@ Every loader in this package returns the ``params`` collection as a nested ``dic
 ``np.ndarray`` equal, in paths and shapes, to our module's tree (``jax.eval_shape`` of
 ``OwlViT.init``, docs/reference.md §1.1). :func:`check_params` is the one place that compares
 a tree with the module's; :class:`CheckpointMismatchError` lists every difference at once.
-:func:`infer_model_config` reads the architecture back off a tree, and
-:func:`replace_dir` moves a finished output folder into place.
+:func:`infer_model_config` reads the architecture back off a tree.
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 import dataclasses
 import math
-import os
 import re
-import shutil
-import tempfile
 from typing import Any
 
 import flax
@@ -251,39 +247,3 @@ def infer_model_config(
     hf_compat=hf_compat,
     dtype=dtype,
   )
-
-
-# --------------------------------------------------------------------------------------------
-# Output folders.
-# --------------------------------------------------------------------------------------------
-
-
-def replace_dir(tmp: str, path: str, overwrite: bool) -> None:
-  """Moves the finished folder ``tmp`` to ``path`` (same filesystem).
-
-  An existing ``path`` is replaced only with ``overwrite``: it is moved aside, the new folder
-  moved in, then the old one deleted (moved back if the move in fails).
-
-  Raises:
-    FileExistsError: ``path`` exists and not ``overwrite``.
-  """
-  # A reader never sees a half-written output: only complete folders are renamed into place.
-  if not os.path.exists(path):
-    os.replace(tmp, path)
-    return
-  if not overwrite:
-    raise FileExistsError(f"refusing to overwrite existing {path} (pass overwrite)")
-  backup = tempfile.mkdtemp(
-    prefix=".old-" + os.path.basename(path) + "-", dir=os.path.dirname(path)
-  )
-  os.rmdir(backup)
-  os.replace(path, backup)
-  try:
-    os.replace(tmp, path)
-  except BaseException:
-    os.replace(backup, path)
-    raise
-  if os.path.isdir(backup):
-    shutil.rmtree(backup)
-  else:
-    os.remove(backup)
