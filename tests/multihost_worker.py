@@ -45,6 +45,7 @@ def run(jax, distributed, pid: int, out: str) -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
+  from owl_cl.testing.batches import detection_batch
   from owl_cl.train import optim  # pylint: disable=g-import-not-at-top
   from owl_cl.train import sharding
   from owl_cl.train import step as step_lib
@@ -73,24 +74,7 @@ def run(jax, distributed, pid: int, out: str) -> None:
   B, Q, M, L = 8, 4, 3, 16
   T = (32 // 8) ** 2
 
-  def batch():
-    queries = np.zeros((B, Q, L), np.int32)
-    queries[:, :, 0] = 62
-    queries[:, :, 1] = 63
-    queries[:, 1:, 1] = rng.integers(1, 60, (B, Q - 1))
-    queries[:, 1:, 2] = 63
-    labels = np.zeros((B, M, Q), np.float32)
-    labels[:, 0, 1] = 1
-    labels[:, 1, 2] = 1
-    labels[:, 2, 0] = 1
-    cxcy = rng.uniform(0.3, 0.7, (B, M, 2))
-    wh = rng.uniform(0.1, 0.3, (B, M, 2))
-    return {
-      "images": rng.uniform(size=(B, 32, 32, 3)).astype(np.float32),
-      "queries": queries,
-      "labels": labels,
-      "boxes": np.concatenate([cxcy, wh], -1).astype(np.float32),
-    }
+  batch = lambda: detection_batch(rng, B, num_queries=Q, max_boxes=M, query_length=L)
 
   new, replay = batch(), batch()
   replay["stored_logits"] = rng.normal(size=(B, T, Q)).astype(np.float32)
