@@ -45,3 +45,23 @@ def test_smallest_arithmetic_path_writes_json(tmp_path):
   assert rows["block"]["activation_bytes_per_image"] < rows["none"]["activation_bytes_per_image"]
   assert rows["block"]["step_flops_per_image"] > rows["none"]["step_flops_per_image"]
   assert (tmp_path / "step_quick.md").read_text().startswith("# Train-step benchmark")
+
+
+def test_timed_step_reuses_the_first_compilation(tmp_path):
+  """The two warm-up calls of the timed step share one executable (no retrace on call 2)."""
+  record = bench.main(
+    [
+      "--compile-only",
+      "--variant=tiny",
+      "--image-size=32",
+      "--num-queries=4",
+      "--max-instances=2",
+      "--time-batches=2",
+      "--dtype=float32",
+      "--remat=none",
+      "--attention=xla",
+      f"--out={tmp_path}",
+    ]
+  )
+  assert record["compilations"] == 1
+  assert record["first_step_s"] > 0 and record["second_step_s"] > 0
