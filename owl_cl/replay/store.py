@@ -238,27 +238,17 @@ class ReplayStore:
     filesystem errors (the temporary directory is removed).
     """
     with utils.atomic_directory(path, if_exists="replace") as tmp:
-      meta = dict(
-        format_version=FORMAT_VERSION,
-        class_names=list(self._class_names),
-        logits_dtype=self.logits_dtype,
-        pad_logit=self.pad_logit,
-        arrays={},
-      )
+      dtypes = {}
       for name, array in self._arrays().items():
         array = np.asarray(array)
-        dtype = str(array.dtype)
+        dtypes[name] = str(array.dtype)
         if array.dtype == LOGITS_DTYPES["bfloat16"]:
-          array, dtype = array.view(np.uint16), "bfloat16"
+          array, dtypes[name] = array.view(np.uint16), "bfloat16"
         with open(os.path.join(tmp, name + ".npy"), "wb") as f:
           np.save(f, array, allow_pickle=False)
           f.flush()
           os.fsync(f.fileno())
-        meta["arrays"][name] = dtype
-      with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+      write_meta(tmp, self._class_names, self.logits_dtype, self.pad_logit, dtypes)
 
   @classmethod
   def load(cls, path: str, mmap: bool = True) -> ReplayStore:
@@ -293,3 +283,70 @@ class ReplayStore:
       pad_logit=meta["pad_logit"],
       logits_encoded=True,
     )
+
+
+# --------------------------------------------------------------------- writing in chunks
+def write_meta(
+  folder: str,
+  class_names: Sequence[str],
+  logits_dtype: str,
+  pad_logit: float,
+  arrays: Mapping[str, str],
+) -> None:
+  """Writes (fsynced) the `meta.json` that makes `folder` a store `ReplayStore.load` reads.
+
+  Args:
+    folder: the store folder holding `<name>.npy` for every name of `arrays`.
+    class_names: C class names.
+    logits_dtype: storage dtype of `stored_logits` ('float32' | 'float16' | 'bfloat16').
+    pad_logit: the model's padded-query logit.
+    arrays: array name (`examples.<key>`, `stored_logits`, `buffer.<key>`) -> dtype name
+      ('bfloat16' for arrays saved as their uint16 bit pattern).
+  """
+  meta = dict(
+    format_version=FORMAT_VERSION,
+    class_names=[str(c) for c in class_names],
+    logits_dtype=logits_dtype,
+    pad_logit=float(pad_logit),
+    arrays=dict(arrays),
+  )
+  with open(os.path.join(folder, "meta.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def open_array(folder: str, name: str, dtype, shape: tuple[int, ...] | None = None) -> np.ndarray:
+  """A store array file `<folder>/<name>.npy` memory-mapped for writing in row chunks.
+
+  With `shape` the file is created (zero-filled, replacing any old one); without, an existing
+  file is opened read-write (a resumed build). bfloat16 arrays are stored as their uint16 bit
+  pattern (as `ReplayStore.save`) and returned viewed as bfloat16.
+
+  Args:
+    folder: the (build) folder of the store's files.
+    name: array name, e.g. 'stored_logits' or 'examples.images'.
+    dtype: NumPy dtype of the array (bfloat16 allowed).
+    shape: the full shape [N, ...] to create, or None to open.
+  Returns:
+    np.memmap of `dtype` and the file's shape.
+  Raises:
+    FileNotFoundError: opening (shape None) a file that is not there.
+    ValueError: the opened file's dtype is not `dtype`.
+  """
+  dtype = np.dtype(dtype)
+  on_disk = np.dtype(np.uint16) if dtype == LOGITS_DTYPES["bfloat16"] else dtype
+  path = os.path.join(folder, name + ".npy")
+  if shape is None:
+    array = np.load(path, mmap_mode="r+", allow_pickle=False)
+    if array.dtype != on_disk:
+      raise ValueError(f"{path} holds {array.dtype}, expected {on_disk}")
+  else:
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=on_disk, shape=tuple(shape))
+  return array.view(dtype) if on_disk != dtype else array
+
+
+def dtype_name(dtype) -> str:
+  """The meta.json name of a store array's dtype ('bfloat16' for bfloat16, else NumPy's)."""
+  dtype = np.dtype(dtype)
+  return "bfloat16" if dtype == LOGITS_DTYPES["bfloat16"] else str(dtype)
