@@ -249,9 +249,9 @@ class _BuildFolder:
       return json.load(f)
 
   def commit(self, name: str, batches: int, arrays=()) -> None:
-    """Flushes `arrays` (memmaps), then records `batches` done for pass `name` (atomic)."""
+    """Makes `arrays` (`ArrayFile`s) durable, then records `batches` done for pass `name`."""
     for a in arrays:
-      a.flush()
+      a.sync()
     atomic_write_json(os.path.join(self.path, "progress.json"), {**self.progress(), name: batches})
 
   def features_state(self) -> tuple[int, np.ndarray | None, np.ndarray | None]:
@@ -263,18 +263,23 @@ class _BuildFolder:
       return int(z["batches"]), z["sums"], z["counts"]
 
   def commit_features(self, batches: int, sums, counts, arrays) -> None:
+    """Makes `arrays` durable, then records pass 2's `batches` with its sums and counts."""
     for a in arrays:
-      a.flush()
+      a.sync()
     utils.atomic_write(
       os.path.join(self.path, "features.npz"),
       lambda tmp: np.savez(tmp, batches=batches, sums=sums, counts=counts),
       suffix=".npz",
     )
 
-  def array(self, name: str, dtype, shape=None, in_store: bool = False) -> np.ndarray:
-    """A memory-mapped array file of the folder (`store/<name>` if `in_store`), created when
-    `shape` is given, else opened (`store_lib.open_array`)."""
-    return store_lib.open_array(self.store if in_store else self.path, name, dtype, shape)
+  def array(self, name: str, dtype, shape=None, in_store: bool = False) -> store_lib.ArrayFile:
+    """An array file of the folder (`store/<name>` if `in_store`), created when `shape` is
+    given, else opened (`store_lib.ArrayFile`)."""
+    return store_lib.ArrayFile(self.store if in_store else self.path, name, dtype, shape)
+
+  def read(self, name: str) -> np.ndarray:
+    """The folder's array `name`, memory-mapped read-only."""
+    return np.load(os.path.join(self.path, name + ".npy"), mmap_mode="r")
 
 
 def _chunk_ends(b: int, total: int, chunk: int) -> bool:
@@ -406,26 +411,17 @@ def build_store(
   # ---------------------------------------------------------------- pass 1: every image
   all_images = np.arange(num_images)
   num_batches = -(-num_images // batch_size)
-  loss = membership = None
   if writer:
     create = folder.progress()["losses"] == 0
     loss = folder.array("per_image_loss", np.float32, (num_images,) if create else None)
     membership = folder.array("membership", bool, (num_images, num_classes) if create else None)
   first = int(_broadcast(np.int32(folder.progress()["losses"] if writer else 0)))
-  bar = tqdm.tqdm(
-    total=num_images,
-    initial=min(first * batch_size, num_images),
-    desc="buffer 1/3: losses of the pre-training images",
-    unit="img",
-    mininterval=2.0,
-    disable=not writer,
-  )
+  bar = _progress_bar(1, num_images, first * batch_size, writer)
   for b, count, batch in _stream(transform, all_images, batch_size, first, mesh, num_workers):
     out = sharding_lib.fetch_replicated(steps["losses"](params, batch))
     if writer:
-      rows = slice(b * batch_size, b * batch_size + count)
-      loss[rows] = out["per_image_loss"][:count]
-      membership[rows] = out["membership"][:count]
+      loss.write(b * batch_size, out["per_image_loss"][:count])
+      membership.write(b * batch_size, out["membership"][:count])
       if _chunk_ends(b, num_batches, chunk):
         hook("losses", b + 1)
         folder.commit("losses", b + 1, (loss, membership))
@@ -434,6 +430,9 @@ def build_store(
 
   # ---------------------------------------------------------------- selection (eq. 7)
   if writer:
+    loss.close()
+    membership.close()
+    loss, membership = folder.read("per_image_loss"), folder.read("membership")
     keep = buffer_selection.select_buffer(
       loss,
       membership,
@@ -444,10 +443,8 @@ def build_store(
       top_up_order=top_up_order,
     )
     kept = np.flatnonzero(keep)
-    num_kept = np.int64(len(kept))
-  else:
-    num_kept = np.int64(0)
-  num_kept = int(_broadcast(num_kept))
+    del keep
+  num_kept = int(_broadcast(np.int32(len(kept) if writer else 0)))
   if not num_kept:
     raise ValueError(
       f"replay.selection selected no image (loss_threshold={loss_threshold}, "
@@ -466,37 +463,29 @@ def build_store(
     for name, (shape, dtype) in shapes.items():
       store[name] = folder.array(name, dtype, shape if create else None, in_store=True)
     if create:
-      store["buffer.class_membership"][:] = membership[kept]
-      store["buffer.class_membership"].flush()
+      store["buffer.class_membership"].write(0, membership[kept])
       width = shapes["buffer.class_embeddings"][0][-1]
       sums, counts = np.zeros((num_classes, width)), np.zeros(num_classes, np.int64)
   first = int(_broadcast(np.int32(first)))
-  bar = tqdm.tqdm(
-    total=num_kept,
-    initial=min(first * batch_size, num_kept),
-    desc="buffer 2/3: features and logits of the kept images",
-    unit="img",
-    mininterval=2.0,
-    disable=not writer,
-  )
-  written = [store[k] for k in store if k not in ("buffer.prototype_distances",)]
+  bar = _progress_bar(2, num_kept, first * batch_size, writer)
   for b, count, batch in _stream(transform, kept, batch_size, first, mesh, num_workers):
     out = sharding_lib.fetch_replicated(steps["features"](params, batch))
     if writer:
-      rows = slice(b * batch_size, b * batch_size + count)
+      start = b * batch_size
       for k in STORED_EXAMPLE_KEYS:
-        store[f"examples.{k}"][rows] = out[k][:count]
-      store["stored_logits"][rows] = store_lib.encode_logits(
-        out["logits"][:count], out["queries"][:count], logits_dtype
+        store[f"examples.{k}"].write(start, out[k][:count])
+      store["stored_logits"].write(
+        start,
+        store_lib.encode_logits(out["logits"][:count], out["queries"][:count], logits_dtype),
       )
-      store["buffer.class_embeddings"][rows] = out["top_class_embeddings"][:count]
-      store["buffer.query_embeddings"][rows] = out["top_query_embeddings"][:count]
+      store["buffer.class_embeddings"].write(start, out["top_class_embeddings"][:count])
+      store["buffer.query_embeddings"].write(start, out["top_query_embeddings"][:count])
       # float64 on the host: the sum does not lose precision over a million images.
       sums = sums + out["prototype_sums"].astype(np.float64)
       counts = counts + out["prototype_counts"].astype(np.int64)
       if _chunk_ends(b, kept_batches, chunk):
         hook("features", b + 1)
-        folder.commit_features(b + 1, sums, counts, written)
+        folder.commit_features(b + 1, sums, counts, store.values())
     bar.update(count)
   bar.close()
 
@@ -504,25 +493,17 @@ def build_store(
   prototypes = np.zeros((num_classes, 1), np.float32)
   if writer:
     valid = counts > 0
-    prototypes = np.where(valid[:, None], sums / np.where(valid, counts, 1)[:, None], 0.0).astype(
-      np.float32
-    )
+    prototypes = np.where(valid[:, None], sums / np.where(valid, counts, 1)[:, None], 0.0)
+    prototypes = prototypes.astype(np.float32)
   prototypes = _broadcast(prototypes)
   prototypes_on_mesh = sharding_lib.replicate(jnp.asarray(prototypes), mesh)
   first = int(_broadcast(np.int32(folder.progress()["distances"] if writer else 0)))
-  bar = tqdm.tqdm(
-    total=num_kept,
-    initial=min(first * batch_size, num_kept),
-    desc="buffer 3/3: prototype distances of the kept images",
-    unit="img",
-    mininterval=2.0,
-    disable=not writer,
-  )
+  bar = _progress_bar(3, num_kept, first * batch_size, writer)
   for b, count, batch in _stream(transform, kept, batch_size, first, mesh, num_workers):
     out = sharding_lib.fetch_replicated(steps["distances"](params, batch, prototypes_on_mesh))
     if writer:
       distances = store["buffer.prototype_distances"]
-      distances[b * batch_size : b * batch_size + count] = out[:count]
+      distances.write(b * batch_size, out[:count])
       if _chunk_ends(b, kept_batches, chunk):
         hook("distances", b + 1)
         folder.commit("distances", b + 1, (distances,))
@@ -532,6 +513,8 @@ def build_store(
   # ---------------------------------------------------------------- the store, atomically
   stats = None
   if writer:
+    for array in store.values():
+      array.close()
     np.save(os.path.join(folder.store, "buffer.prototypes.npy"), prototypes)
     store_lib.write_meta(
       folder.store,
@@ -542,7 +525,6 @@ def build_store(
       | {"buffer.prototypes": "float32"},
     )
     stats = _statistics(loss, membership, kept, loss_threshold, source.class_names)
-    store.clear()
     with utils.atomic_directory(path, if_exists="replace") as tmp:
       for name in os.listdir(folder.store):
         # Hard links: the build folder stays whole until the store is in place.
@@ -554,6 +536,25 @@ def build_store(
     shutil.rmtree(folder.path)
   distributed.barrier("buffer-build-done")
   return stats
+
+
+_PASS_NAMES = {
+  1: "losses of the pre-training images",
+  2: "features and logits of the kept images",
+  3: "prototype distances of the kept images",
+}
+
+
+def _progress_bar(number: int, total: int, done: int, writer: bool) -> tqdm.tqdm:
+  """The progress bar (images, rate, ETA) of pass `number`, starting at `done` images."""
+  return tqdm.tqdm(
+    total=total,
+    initial=min(done, total),
+    desc=f"buffer {number}/3: {_PASS_NAMES[number]}",
+    unit="img",
+    mininterval=2.0,
+    disable=not writer,
+  )
 
 
 def _store_shapes(transform, features_step, params, num_kept: int, logits_dtype: str) -> dict:

@@ -316,34 +316,63 @@ def write_meta(
     os.fsync(f.fileno())
 
 
-def open_array(folder: str, name: str, dtype, shape: tuple[int, ...] | None = None) -> np.ndarray:
-  """A store array file `<folder>/<name>.npy` memory-mapped for writing in row chunks.
+class ArrayFile:
+  """A store array's `<folder>/<name>.npy`, written in blocks of rows by plain file writes.
 
-  With `shape` the file is created (zero-filled, replacing any old one); without, an existing
-  file is opened read-write (a resumed build). bfloat16 arrays are stored as their uint16 bit
-  pattern (as `ReplayStore.save`) and returned viewed as bfloat16.
+  No memory mapping: rows written do not stay in the writer's resident memory (a mapped file's
+  touched pages count in its RSS until unmapped), so a store larger than RAM can be written.
+  bfloat16 arrays are stored as their uint16 bit pattern (as `ReplayStore.save`).
 
   Args:
     folder: the (build) folder of the store's files.
     name: array name, e.g. 'stored_logits' or 'examples.images'.
     dtype: NumPy dtype of the array (bfloat16 allowed).
-    shape: the full shape [N, ...] to create, or None to open.
-  Returns:
-    np.memmap of `dtype` and the file's shape.
+    shape: the full shape [N, ...] to create (a sparse, zero-filled file replacing any old
+      one), or None to open the existing file (a resumed build).
   Raises:
     FileNotFoundError: opening (shape None) a file that is not there.
     ValueError: the opened file's dtype is not `dtype`.
   """
-  dtype = np.dtype(dtype)
-  on_disk = np.dtype(np.uint16) if dtype == LOGITS_DTYPES["bfloat16"] else dtype
-  path = os.path.join(folder, name + ".npy")
-  if shape is None:
-    array = np.load(path, mmap_mode="r+", allow_pickle=False)
-    if array.dtype != on_disk:
-      raise ValueError(f"{path} holds {array.dtype}, expected {on_disk}")
-  else:
-    array = np.lib.format.open_memmap(path, mode="w+", dtype=on_disk, shape=tuple(shape))
-  return array.view(dtype) if on_disk != dtype else array
+
+  def __init__(self, folder: str, name: str, dtype, shape: tuple[int, ...] | None = None):
+    self.dtype = np.dtype(dtype)
+    self.on_disk = np.dtype(np.uint16) if self.dtype == LOGITS_DTYPES["bfloat16"] else self.dtype
+    self.path = os.path.join(folder, name + ".npy")
+    if shape is not None:
+      # open_memmap writes the header and extends the file without touching its pages.
+      created = np.lib.format.open_memmap(
+        self.path, mode="w+", dtype=self.on_disk, shape=tuple(shape)
+      )
+      del created
+    self._file = open(self.path, "r+b")  # noqa: SIM115 (closed by `close`)
+    version = np.lib.format.read_magic(self._file)
+    read_header = (
+      np.lib.format.read_array_header_1_0
+      if version == (1, 0)
+      else np.lib.format.read_array_header_2_0
+    )
+    self.shape, _, file_dtype = read_header(self._file)
+    if file_dtype != self.on_disk:
+      self._file.close()
+      raise ValueError(f"{self.path} holds {file_dtype}, expected {self.on_disk}")
+    self._offset = self._file.tell()
+    self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.on_disk.itemsize
+
+  def write(self, start: int, rows: np.ndarray) -> None:
+    """Writes `rows` [n, ...] (cast to the array's dtype) as rows start .. start + n - 1."""
+    rows = np.ascontiguousarray(np.asarray(rows).astype(self.dtype, copy=False))
+    if rows.shape[1:] != tuple(self.shape[1:]) or not 0 <= start <= self.shape[0] - len(rows):
+      raise ValueError(f"rows {rows.shape} at {start} do not fit {self.path} {self.shape}")
+    self._file.seek(self._offset + start * self._row_bytes)
+    self._file.write(rows.view(self.on_disk).tobytes())
+
+  def sync(self) -> None:
+    """Makes the rows written so far durable (flush + fsync)."""
+    self._file.flush()
+    os.fsync(self._file.fileno())
+
+  def close(self) -> None:
+    self._file.close()
 
 
 def dtype_name(dtype) -> str:
