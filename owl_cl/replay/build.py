@@ -30,6 +30,7 @@ and which images were selected; the others read the store from the shared cache 
 from __future__ import annotations
 
 from collections.abc import Callable
+import hashlib
 import json
 import os
 import shutil
@@ -282,6 +283,17 @@ class _BuildFolder:
     return np.load(os.path.join(self.path, name + ".npy"), mmap_mode="r")
 
 
+def _fingerprint(value) -> str:
+  """A digest of `value` (nested dicts / lists / arrays) that covers every array element."""
+  if isinstance(value, dict):
+    return digest({k: _fingerprint(v) for k, v in sorted(value.items())})
+  if isinstance(value, (list, tuple)):
+    return digest([_fingerprint(v) for v in value])
+  if isinstance(value, np.ndarray):
+    return digest([str(value.dtype), value.shape, hashlib.sha256(value.tobytes()).hexdigest()])
+  return digest(value)
+
+
 def _chunk_ends(b: int, total: int, chunk: int) -> bool:
   """True when a chunk ends with batch b (every `chunk` batches, and the last of `total`)."""
   return (b + 1) % chunk == 0 or b + 1 == total
@@ -358,6 +370,10 @@ def build_store(
   num_images = len(source)
   if not num_images:
     raise ValueError(f"the pre-training set {source!r} has no image")
+  if logits_dtype not in store_lib.LOGITS_DTYPES:
+    raise ValueError(
+      f"logits_dtype={logits_dtype!r} is unknown; known: {sorted(store_lib.LOGITS_DTYPES)}"
+    )
   num_classes = len(source.class_names)
   mesh = sharding_lib.create_mesh() if mesh is None else mesh
   sharding_lib.check_batch_divisible(batch_size, mesh, "buffer batch size")
@@ -403,6 +419,19 @@ def build_store(
       batch_size=batch_size,
       chunk_batches=chunk,
       logits_dtype=logits_dtype,
+      # Everything else the passes depend on: a folder left by another build is not resumed.
+      options=digest(
+        dict(
+          step_options,
+          selection=[loss_threshold, min_per_class, fill_all_for_rare_classes],
+          selection_options=[drop_images_without_class, top_up_order],
+          seed=seed,
+          example=[image_size, num_queries, max_instances, num_negatives],
+          example_options=_fingerprint(example_options or {}),
+          tokens=_fingerprint([class_tokens, empty_tokens]),
+          pad_logit=pad_logit,
+        )
+      ),
     )
     folder = _BuildFolder(build_dir or path + ".build", manifest)
   distributed.barrier("buffer-build-open")

@@ -282,3 +282,36 @@ def test_killed_subprocess_build_resumes_to_the_same_store(setup, whole, tmp_pat
   )
   assert resumed[0] == ("features", 3)
   _assert_same_store(whole, path)
+
+
+def test_build_folder_of_other_settings_is_restarted(setup, tmp_path):
+  detector, params, source, options = setup
+  path = str(tmp_path / "store")
+
+  def stop(name, batches):
+    if (name, batches) == ("features", 2):
+      raise _Stop
+
+  with pytest.raises(_Stop):
+    build_lib.build_store(
+      detector.model, params, source, path, chunk_hook=stop, **{**options, **RESUME_OPTIONS}
+    )
+  # Another selection (no threshold, 3 images per class): pass 1 is redone, not resumed.
+  calls = []
+  changed = {**options, **RESUME_OPTIONS, "loss_threshold": -np.inf, "min_per_class": 3}
+  stats = build_lib.build_store(
+    detector.model, params, source, path, chunk_hook=lambda *c: calls.append(c), **changed
+  )
+  assert calls[0] == ("losses", 1)
+  assert store_lib.ReplayStore.load(path).num_images == stats["images_kept"] < len(source)
+  build_lib.build_store(detector.model, params, source, str(tmp_path / "fresh"), **changed)
+  _assert_same_store(str(tmp_path / "fresh"), path)
+
+
+def test_unknown_logits_dtype_is_refused_before_any_work(setup, tmp_path):
+  detector, params, source, options = setup
+  with pytest.raises(ValueError, match="logits_dtype='int8'"):
+    build_lib.build_store(
+      detector.model, params, source, str(tmp_path / "s"), **{**options, "logits_dtype": "int8"}
+    )
+  assert not os.listdir(tmp_path)
