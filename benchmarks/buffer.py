@@ -15,8 +15,8 @@ and reports per size:
 The synthetic source draws each image from its index (no files): a noise background with 1-3
 rectangles of class colours, 20 classes. The model has random weights (the selection's losses
 are then arbitrary but the work is the same): the threshold keeps no image and the per-class
-minimum tops every class up to `--keep-fraction` of the images / C, about the paper's 54k of
-600k (9%).
+minimum tops every class up to `--keep-fraction` x N / C images; an image holds about two
+classes, so the default 0.18 keeps about 9% of the images (the paper's 54k of 600k).
 
 The paper projection (no measurement): bytes per buffer image of features + logits (bfloat16
 DER++ logits [T, Q], top-k class and query embeddings [k, E] float32, membership [C] and
@@ -28,7 +28,8 @@ passes 2 and 3 over the kept ones) from the step benchmark's eval-forward FLOPs 
 eval-forward throughput (`eval_forward_images_per_s`), which a CPU-only run does not.
 
 Usage:
-  python benchmarks/buffer.py [--sizes 20000,200000] [--batch-size 64] [--out benchmarks/results]
+  python benchmarks/buffer.py [--sizes 20000,200000] [--batch-size 64] [--keep-fraction 0.18]
+  [--out benchmarks/results] [--render-only]
 
 Writes `<out>/buffer.json` and `<out>/buffer.md`.
 """
@@ -258,7 +259,7 @@ def render_markdown(report: dict) -> str:
     f"Tiny model (random weights) at {IMAGE_SIZE} px, {NUM_CLASSES} classes, batch "
     f"{report['batch_size']}, DER++ logits in bfloat16; each size built in a fresh process.",
     "",
-    "| images | kept | peak RSS MB | pass-1 images/s | build images/s | build s | "
+    "| images | kept | peak RSS MiB | pass-1 images/s | build images/s | build s | "
     "store bytes / kept image |",
     "|---|---|---|---|---|---|---|",
   ]
@@ -305,6 +306,9 @@ def main(argv=None):
   parser.add_argument("--keep-fraction", type=float, default=0.18)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument("--name", default="buffer")
+  parser.add_argument(
+    "--render-only", action="store_true", help="rewrite <out>/<name>.md from <out>/<name>.json"
+  )
   parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--workdir", help=argparse.SUPPRESS)
   parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -313,6 +317,13 @@ def main(argv=None):
     with open(args.result, "w") as f:
       json.dump(child(args.child, args.batch_size, args.keep_fraction, args.workdir), f)
     return None
+  stem = os.path.join(args.out, args.name)
+  if args.render_only:
+    with open(stem + ".json") as f:
+      report = json.load(f)
+    with open(stem + ".md", "w") as f:
+      f.write(render_markdown(report))
+    return report
   runs = []
   for n in [int(s) for s in args.sizes.split(",") if s]:
     print(f"building over {n:,} images", flush=True)
@@ -334,7 +345,6 @@ def main(argv=None):
     )
   report["store_bytes_per_image_paper"] = report["paper"]["store_bytes_per_image_paper"]
   os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, args.name)
   with open(stem + ".json", "w") as f:
     json.dump(report, f, indent=1)
   text = render_markdown(report)
