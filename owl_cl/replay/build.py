@@ -59,7 +59,8 @@ EXAMPLE_KEYS = store_lib.REQUIRED_EXAMPLE_KEYS
 STORED_EXAMPLE_KEYS = EXAMPLE_KEYS + ("image_id",)
 # Version of the build folder's layout; a folder of another version is started afresh.
 BUILD_FORMAT = 1
-PASSES = ("losses", "features", "distances")
+# The passes whose progress is `progress.json` (pass 2's is in `features.npz`, with its sums).
+PROGRESS_PASSES = ("losses", "distances")
 _INT32_MAX = np.iinfo(np.int32).max
 # (id(model), mesh, digest of the step options) -> (model, `make_steps` of it).
 _STEPS: dict = {}
@@ -240,7 +241,7 @@ class _BuildFolder:
         shutil.rmtree(path)
     if not os.path.isdir(path):
       os.makedirs(self.store)
-      atomic_write_json(os.path.join(path, "progress.json"), {p: 0 for p in PASSES})
+      atomic_write_json(os.path.join(path, "progress.json"), {p: 0 for p in PROGRESS_PASSES})
       atomic_write_json(manifest_path, manifest)
     else:
       logging.info("replay buffer: resuming the build in %s", path)

@@ -23,7 +23,8 @@ float32 / 255 (note: the training pad value 0.5 is not exact in uint8).
 On disk (`save`/`load`): a directory with one `.npy` per array (bfloat16 saved as its uint16
 bit pattern) and `meta.json`; written to a temporary sibling directory and renamed into place
 (atomic on POSIX filesystems). `load(mmap=True)` memory-maps the arrays, so a store larger
-than RAM is read lazily by `gather`.
+than RAM is read lazily by `gather`. The streaming builder (`owl_cl/replay/build.py`) writes the
+same folder in row blocks (`ArrayFile`, `write_meta`) without holding the store in memory.
 """
 
 from __future__ import annotations
