@@ -440,6 +440,29 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
     )
 
 
+def check_data(config: ml_collections.ConfigDict, benchmark: Benchmark) -> dict[str, int]:
+  """The data scan (`owl_cl.data.scan`) of every split the run reads, before any training.
+
+  Every split must hold images (an empty training or evaluation set is refused); with
+  `data.validate_images` (default True) every image is decoded as the pipeline decodes it,
+  once per split and data version (recorded under `<cache_dir>/data_scan`).
+
+  Returns:
+    {'scanned': images decoded now, 'cached': images of splits that passed before}.
+
+  Raises:
+    DataError: one error listing every empty split and every image that does not decode,
+      each naming the dataset, the split, the file and the reason.
+  """
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  return scan.scan_benchmark(
+    benchmark,
+    expand_path(config.cache_dir),
+    decode=bool(config.data.get("validate_images", True)),
+  )
+
+
 # ----------------------------------------------------------------------------- real data
 
 
