@@ -294,8 +294,10 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   A folder must be one of the formats `pretrained.load_init_checkpoint` reads: an owl_cl
   parameter checkpoint (`params/` written by orbax, with its `_METADATA`), an HF folder
   (`config.json`) or a folder of scenic `checkpoint_<step>` files. A missing path is
-  reported here (built-in benchmark) or by `check_inputs` (real data); a wrong model size
-  by the loader (`CheckpointMismatchError`).
+  reported here (built-in benchmark) or by `check_inputs` (real data). An owl_cl checkpoint
+  of another model (size, widths, layers) is named with the model it holds and the model the
+  config needs (`init_checkpoint_model_problem`); HF / scenic checkpoints of another model by
+  the loader (`CheckpointMismatchError`).
   """
   if not config.get("init_checkpoint"):
     return ""
@@ -308,7 +310,7 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   params = os.path.join(path, "params")
   if os.path.isdir(params):
     if os.path.exists(os.path.join(params, "_METADATA")):
-      return ""
+      return init_checkpoint_model_problem(config, path)
     return (
       f"config.init_checkpoint={path} is not an owl_cl parameter checkpoint: {params} has no "
       "orbax _METADATA (an interrupted or foreign copy?)"
@@ -321,6 +323,26 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
     "owl_cl parameter checkpoint), config.json (an HF OwlViTForObjectDetection folder) nor "
     f"checkpoint_<step> files (scenic) for model.variant={config.model.variant!r}"
   )
+
+
+def init_checkpoint_model_problem(config: ml_collections.ConfigDict, path: str) -> str:
+  """What makes the owl_cl parameter checkpoint `path` another model than the config's ('' when
+  it is this model), from its stored shapes and meta.json (`pretrained.params_checkpoint_problem`;
+  the model's shapes by `jax.eval_shape`, nothing allocated). An invalid `config.model` is
+  left to the detector's own error."""
+  # pylint: disable=g-import-not-at-top
+  from owl_cl import model as model_lib
+  from owl_cl import pretrained
+  from owl_cl.detector import model_fields
+  from owl_cl.model import convert
+  # pylint: enable=g-import-not-at-top
+
+  try:
+    model = model_lib.create_model(config.model.variant, **model_fields(config))
+  except (ValueError, TypeError, AttributeError):
+    return ""
+  like = convert.abstract_params(model.config)
+  return pretrained.params_checkpoint_problem(path, like, pretrained.model_description(config))
 
 
 def option_problems(config: ml_collections.ConfigDict) -> list[str]:
