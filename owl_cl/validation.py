@@ -11,6 +11,7 @@ sequence. Each raises `ConfigError` naming the field and its value.
 from __future__ import annotations
 
 from collections.abc import Callable
+import json
 import math
 import numbers
 import os
@@ -59,9 +60,10 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
 
   Raises:
     ConfigError: one message listing every out-of-range field with its value, an unwritable
-      workdir, an unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or
-      `train.carry`, a CLIP tokenizer without its vocabulary, an `init_checkpoint` folder
-      that holds no checkpoint.
+      workdir, a workdir holding another run's results (`foreign_results_problem`), an
+      unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or `train.carry`, a
+      CLIP tokenizer without its vocabulary, an `init_checkpoint` folder that holds no
+      checkpoint or a checkpoint of another model (`init_checkpoint_model_problem`).
     MissingInputsError: the paper's protocol with missing inputs (`check_inputs`), checked
       once the fields are valid; then every problem of the declared datasets
       (`check_datasets`).
@@ -285,7 +287,36 @@ def workdir_problem(workdir: str) -> str:
   if not os.access(existing, os.W_OK | os.X_OK):
     what = "workdir" if existing == path else f"workdir {path} cannot be created: its parent"
     return f"{what} {existing} is not writable by this user"
-  return ""
+  return foreign_results_problem(path)
+
+
+def foreign_results_problem(workdir: str) -> str:
+  """'' unless `workdir` holds results.json of a run other than its run.json's (or results
+  without any run.json): the run would fail when it first writes its results, after hours of
+  work and with its run.json, checkpoints and TensorBoard files written beside them."""
+  results_path = os.path.join(workdir, "results.json")
+  if not os.path.isfile(results_path):
+    return ""
+  try:
+    with open(results_path) as f:
+      owner = json.load(f).get("run_id")
+  except (OSError, ValueError, AttributeError) as e:
+    return (
+      f"workdir {workdir} holds {results_path}, which cannot be read ({e}); use another workdir"
+    )
+  run_id = None
+  try:
+    with open(os.path.join(workdir, "run.json")) as f:
+      run_id = json.load(f).get("run_id")
+  except (OSError, ValueError, AttributeError):
+    pass
+  if owner is not None and owner == run_id:
+    return ""
+  holder = f"run {run_id!r} (run.json)" if run_id else "no run.json"
+  return (
+    f"workdir {workdir} holds {results_path} of run {owner!r} but {holder}: another run's "
+    "results, which this run would overwrite; use another --workdir"
+  )
 
 
 def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
