@@ -143,6 +143,7 @@ def scan_splits(
   """
   folder = os.path.join(cache_dir, SCAN_FOLDER) if cache_dir else None
   problems, counts, seen = [], {"scanned": 0, "cached": 0}, set()
+  found: dict[str, list[str]] = {}  # key -> bad images of a split scanned in this call
   for name, split, source in splits:
     if id(source) in seen:
       continue
@@ -155,12 +156,15 @@ def scan_splits(
       continue
     key = split_key(source)
     record = os.path.join(folder, f"{key}.json") if folder else None
-    if record and os.path.isfile(record):
+    if key not in found and record and os.path.isfile(record):
       counts["cached"] += len(source)
       continue
     start = time.time()
-    bad = _scan_split(source, f"checking {name}/{split}", num_threads)
-    counts["scanned"] += len(source)
+    if key in found:  # the same files in another role: decoded once, reported for each
+      bad = found[key]
+    else:
+      bad = found[key] = _scan_split(source, f"checking {name}/{split}", num_threads)
+      counts["scanned"] += len(source)
     if bad:
       problems += [f"{where}: {line}" for line in problem_list(bad).split("\n")]
       continue
