@@ -501,7 +501,7 @@ def check_data(config: ml_collections.ConfigDict, benchmark: Benchmark) -> dict[
   once per split and data version (recorded under `<cache_dir>/data_scan`).
 
   Returns:
-    {'scanned': images decoded now, 'cached': images of splits that passed before}.
+    {'scanned': images decoded now, 'cached': images not decoded (see `scan.scan_splits`)}.
 
   Raises:
     DataError: one error listing every empty split and every image that does not decode,

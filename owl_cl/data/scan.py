@@ -134,7 +134,8 @@ def scan_splits(
     num_threads: decoding threads.
 
   Returns:
-    {'scanned': images decoded now, 'cached': images of splits recorded as good before}.
+    {'scanned': images decoded now, 'cached': images not decoded: of splits recorded as good
+    before, or the same files as a split decoded in this call}.
 
   Raises:
     DataError: one error listing every empty split and every image that does not decode
@@ -162,6 +163,7 @@ def scan_splits(
     start = time.time()
     if key in found:  # the same files in another role: decoded once, reported for each
       bad = found[key]
+      counts["cached"] += len(source)
     else:
       bad = found[key] = _scan_split(source, f"checking {name}/{split}", num_threads)
       counts["scanned"] += len(source)
