@@ -775,3 +775,20 @@ def test_main_init_checkpoint_of_another_model_exits_2(tmp_path, workdir):
   assert f"config.init_checkpoint={tmp_path / 'ckpt'} holds another model" in result.stderr
   assert "Traceback" not in result.stderr
   assert snapshot(workdir) == before
+
+
+def test_scan_lists_bad_images_of_every_block_in_order(tmp_path, monkeypatch):
+  from owl_cl.data import coco  # pylint: disable=g-import-not-at-top
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(scan, "_BLOCK", 3)  # 8 images: blocks [0-2], [3-5], [6-7]
+  folder = str(tmp_path / "data")
+  path = write_split(folder, "train", 8)
+  for k in (7, 1, 4):
+    with open(os.path.join(folder, "images", f"train_{k}.png"), "wb") as f:
+      f.write(b"")
+  source = coco.CocoSource(path, os.path.join(folder, "images"))
+  with pytest.raises(coco.DataError) as raised:
+    scan.scan_splits([("d", "train", source)], str(tmp_path / "cache"), num_threads=2)
+  bad = [line for line in str(raised.value).split("\n") if "cannot decode image" in line]
+  assert [line.split("(image id ")[1][0] for line in bad] == ["2", "5", "8"]

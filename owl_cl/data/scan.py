@@ -44,6 +44,7 @@ SCAN_FOLDER = "data_scan"
 SCAN_VERSION = 1
 # Decoding threads (PIL releases the GIL while decoding).
 NUM_THREADS = min(8, os.cpu_count() or 1)
+_BLOCK = 1024  # images handed to the threads at a time
 
 # (dataset name, split name, source) of one split the run reads.
 Split = tuple[str, str, CocoSource]
@@ -109,11 +110,12 @@ def _scan_split(source: CocoSource, desc: str, num_threads: int) -> list[str]:
     concurrent.futures.ThreadPoolExecutor(max(1, num_threads)) as pool,
     tqdm.tqdm(total=len(source), desc=desc, unit="img", dynamic_ncols=True, mininterval=2.0) as bar,
   ):
-    # Ordered results (map), so the error lists the bad images in the annotation's order.
-    for problem in pool.map(lambda i: _decode(source, i), range(len(source)), chunksize=16):
-      bar.update(1)
-      if problem:
-        problems.append(problem)
+    # In blocks: a split of millions of images never has millions of futures pending. Ordered
+    # results (map), so the error lists the bad images in the annotation's order.
+    for start in range(0, len(source), _BLOCK):
+      block = range(start, min(start + _BLOCK, len(source)))
+      problems += [p for p in pool.map(lambda i: _decode(source, i), block) if p]
+      bar.update(len(block))
   return problems
 
 
