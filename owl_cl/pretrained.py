@@ -136,6 +136,36 @@ def params_checkpoint_problem(path: str, like, needs: str = "") -> str:
   return "\n    ".join(lines)
 
 
+def hf_checkpoint_problem(path: str, like, needs: str = "") -> str:
+  """What makes the HF `OwlViTForObjectDetection` folder `path` another model than `like`
+  ('' when its config.json gives the same architecture, or cannot be read: the loader then
+  names what is wrong), from config.json alone (no weights read).
+
+  Args and message: as `params_checkpoint_problem`.
+  """
+  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
+
+  try:
+    held = convert.hf_config_to_model_config(path)
+  except (ValueError, ImportError, OSError, KeyError, TypeError):
+    return ""
+  held_arch = {f: int(getattr(held, f)) for f in ARCHITECTURE_FIELDS}
+  needed_arch = architecture(like)
+  if needed_arch is None or held_arch == needed_arch:
+    return ""
+  diff = [f for f in ARCHITECTURE_FIELDS if held_arch[f] != needed_arch[f]]
+  return "\n    ".join(
+    [
+      f"config.init_checkpoint={path} holds another model: "
+      f"{describe_architecture(held_arch)} (its config.json); the config needs "
+      f"{describe_architecture(needed_arch)}" + (f" ({needs})" if needs else ""),
+      "differing: "
+      + ", ".join(f"{f} {held_arch[f]} (checkpoint) vs {needed_arch[f]} (config)" for f in diff),
+      "use a checkpoint of this model, or set config.model to the checkpoint's",
+    ]
+  )
+
+
 def model_description(config: ml_collections.ConfigDict) -> str:
   """ "config.model.variant='tiny' with overrides {...}" (for error messages)."""
   overrides = dict(config.model.overrides)

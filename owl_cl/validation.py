@@ -325,10 +325,10 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   A folder must be one of the formats `pretrained.load_init_checkpoint` reads: an owl_cl
   parameter checkpoint (`params/` written by orbax, with its `_METADATA`), an HF folder
   (`config.json`) or a folder of scenic `checkpoint_<step>` files. A missing path is
-  reported here (built-in benchmark) or by `check_inputs` (real data). An owl_cl checkpoint
-  of another model (size, widths, layers) is named with the model it holds and the model the
-  config needs (`init_checkpoint_model_problem`); HF / scenic checkpoints of another model by
-  the loader (`CheckpointMismatchError`).
+  reported here (built-in benchmark) or by `check_inputs` (real data). An owl_cl or HF
+  checkpoint of another model (size, widths, layers) is named with the model it holds and
+  the model the config needs (`init_checkpoint_model_problem`); a scenic one by the loader
+  (`CheckpointMismatchError`, with the config's model named).
   """
   if not config.get("init_checkpoint"):
     return ""
@@ -347,7 +347,9 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
       "orbax _METADATA (an interrupted or foreign copy?)"
     )
   names = os.listdir(path)
-  if "config.json" in names or any(n.startswith("checkpoint_") for n in names):
+  if "config.json" in names:
+    return init_checkpoint_model_problem(config, path, hf=True)
+  if any(n.startswith("checkpoint_") for n in names):
     return ""
   return (
     f"config.init_checkpoint={path} is a folder holding no checkpoint: neither params/ (an "
@@ -356,11 +358,14 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   )
 
 
-def init_checkpoint_model_problem(config: ml_collections.ConfigDict, path: str) -> str:
-  """What makes the owl_cl parameter checkpoint `path` another model than the config's ('' when
-  it is this model), from its stored shapes and meta.json (`pretrained.params_checkpoint_problem`;
-  the model's shapes by `jax.eval_shape`, nothing allocated). An invalid `config.model` is
-  left to the detector's own error."""
+def init_checkpoint_model_problem(
+  config: ml_collections.ConfigDict, path: str, hf: bool = False
+) -> str:
+  """What makes the checkpoint `path` another model than the config's ('' when it is this
+  model): an owl_cl parameter checkpoint from its stored shapes and meta.json
+  (`pretrained.params_checkpoint_problem`), an HF folder (`hf`) from its config.json
+  (`pretrained.hf_checkpoint_problem`); the model's shapes by `jax.eval_shape`, nothing
+  allocated. An invalid `config.model` is left to the detector's own error."""
   # pylint: disable=g-import-not-at-top
   from owl_cl import model as model_lib
   from owl_cl import pretrained
@@ -373,7 +378,8 @@ def init_checkpoint_model_problem(config: ml_collections.ConfigDict, path: str) 
   except (ValueError, TypeError, AttributeError):
     return ""
   like = convert.abstract_params(model.config)
-  return pretrained.params_checkpoint_problem(path, like, pretrained.model_description(config))
+  check = pretrained.hf_checkpoint_problem if hf else pretrained.params_checkpoint_problem
+  return check(path, like, pretrained.model_description(config))
 
 
 def option_problems(config: ml_collections.ConfigDict) -> list[str]:

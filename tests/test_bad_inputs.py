@@ -792,3 +792,26 @@ def test_scan_lists_bad_images_of_every_block_in_order(tmp_path, monkeypatch):
     scan.scan_splits([("d", "train", source)], str(tmp_path / "cache"), num_threads=2)
   bad = [line for line in str(raised.value).split("\n") if "cannot decode image" in line]
   assert [line.split("(image id ")[1][0] for line in bad] == ["2", "5", "8"]
+
+
+def test_hf_init_checkpoint_of_another_model_is_refused(tmp_path, workdir, capsys):
+  """Told from its config.json alone: the weights (absent here) are never read."""
+  from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
+  from owl_cl.detector import model_fields  # pylint: disable=g-import-not-at-top
+  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
+
+  other = tiny_config("swil", "/nonexistent")
+  other.model.overrides.vision_layers = 2
+  hf = convert.model_config_to_hf_config(
+    model_lib.create_model("tiny", **model_fields(other)).config
+  )
+  folder = tmp_path / "hf"
+  folder.mkdir()
+  (folder / "config.json").write_text(hf.to_json_string())
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.init_checkpoint = str(folder)
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"config.init_checkpoint={folder} holds another model: variant 'tiny' with" in err
+  assert "(its config.json)" in err
+  assert "differing: vision_layers 2 (checkpoint) vs 1 (config)" in err
