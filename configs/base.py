@@ -125,6 +125,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.num_negatives = 23  # random negative class names per training image (up to)
   c.data.max_instances = 8  # M boxes per image
   c.data.num_workers = 0  # grain worker processes (0 = in process)
+  # Decode every image of every split the run reads before training (owl_cl.data.scan: a
+  # truncated or missing file is one error up front, not a crash hours in), once per split
+  # and data version (recorded under <cache_dir>/data_scan). False skips the decoding (empty
+  # splits are still refused); e.g. for a first run on Objects365's 1.7M images.
+  c.data.validate_images = True
   # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.pipeline). The defaults are the
   # built-in
   # benchmark's; a non-default value also keys the cached pre-trained model and buffer.

@@ -565,3 +565,37 @@ def test_builtin_suite(tmp_path):
       for i in range(len(want)):
         np.testing.assert_array_equal(got.targets(i)["boxes"], want.targets(i)["boxes"])
   assert roles["held_out"].split_names == ("val",)
+
+
+def test_data_scan_decodes_coco_and_tfds_splits_once(pair, tmp_path):
+  """The data scan (`owl_cl.data.scan`) reads a TFDS split's pixels through its record
+  reader and a COCO folder's from files; a second scan of unchanged data decodes nothing."""
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  splits = [(e.kind, "test", entries.load_split(e, "test")) for e in pair]
+  n = len(IMAGES)
+  assert scan.scan_splits(splits, str(tmp_path)) == {"scanned": 2 * n, "cached": 0}
+  assert scan.scan_splits(splits, str(tmp_path)) == {"scanned": 0, "cached": 2 * n}
+
+
+def test_data_scan_names_a_truncated_tfds_image(tmp_path, monkeypatch):
+  """A record whose PNG is cut short: its header (size) reads, its pixels do not."""
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  good = _png
+  monkeypatch.setattr(
+    sys.modules[__name__], "_png", lambda i, h, w: good(i, h, w)[:-40] if i == 11 else good(i, h, w)
+  )
+  data_dir = str(tmp_path / "tfds")
+  write_tfds(data_dir, dict(images=IMAGES, annotations=ANNOTATIONS, categories=CATEGORIES))
+  tf = entries.entry_from_config(
+    dict(name="toy", kind="tfds", tfds="tfds:own_data_toy", data_dir=data_dir, test="train")
+  )
+  source = entries.load_split(tf, "test")
+  with pytest.raises(DataError) as raised:
+    scan.scan_splits([("toy", "test", source)], str(tmp_path / "cache"))
+  message = str(raised.value)
+  assert "the run's data failed the scan (1 problem)" in message
+  assert "dataset 'toy' split 'test': tfds:own_data_toy:train" in message
+  assert "(image id 11)" in message and "truncated" in message
+  assert not os.path.exists(tmp_path / "cache" / scan.SCAN_FOLDER)  # nothing recorded
