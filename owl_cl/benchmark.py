@@ -198,23 +198,16 @@ def _protocol(entry: entries_lib.DatasetEntry, split: str) -> str:
 
 def _sequence_dataset(entry: entries_lib.DatasetEntry) -> Dataset:
   split = lambda s: entries_lib.load_split(entry, s) if s in entry.split_names else None
-  # The registry's per-dataset detections (paper protocol); other kinds use the config's.
-  max_detections = odinw_max_detections(entry.member) if entry.kind == "odinw" else None
   return Dataset(
     entry.name,
     split("train"),
     split("test"),
     valid=split("val"),
     evaluation=_protocol(entry, "test"),
-    max_detections=max_detections,
+    # The entry's value for every kind (an ODinW member's defaults to the registry's, the
+    # paper protocol; None: the config's eval.top_k / max_dets).
+    max_detections=entry.max_detections,
   )
-
-
-def odinw_max_detections(member: str) -> int | None:
-  """The ODinW registry's detections per image of `member` (None: the config's)."""
-  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
-
-  return odinw.ODINW_DATASETS[member].max_detections
 
 
 def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
@@ -255,7 +248,11 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
     split = _eval_split(e)
     train = entries_lib.load_split(e, "train") if "train" in e.split_names else None
     pretrain = Dataset(
-      e.name, train, entries_lib.load_split(e, split), evaluation=_protocol(e, split)
+      e.name,
+      train,
+      entries_lib.load_split(e, split),
+      evaluation=_protocol(e, split),
+      max_detections=e.max_detections,
     )
     pretrain_eval = e.name
   if declared["held_out"] is None:
@@ -264,7 +261,11 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
     e = declared["held_out"]
     split = _eval_split(e)
     held_out = Dataset(
-      e.name, None, entries_lib.load_split(e, split), evaluation=_protocol(e, split)
+      e.name,
+      None,
+      entries_lib.load_split(e, split),
+      evaluation=_protocol(e, split),
+      max_detections=e.max_detections,
     )
     held_out_eval = e.name
   if declared["sequence"] is None:

@@ -183,3 +183,87 @@ def test_structural_problems_name_the_field():
   assert "config.data.sequence[0]: dataset 'a': field 'kind' has value 'yaml'" in text
   assert "config.data.sequence[1]: field 'suite' has value 'odinw99'" in text
   assert "config.data.pretrain: must be one dataset entry" in text
+
+
+# ----------------------------------------------------------------------------- max_detections
+
+
+def _one_box_folder(root) -> dict:
+  """A COCO folder: one 32 x 32 image with one 'cup' box [8, 8, 16, 16]; its split spec."""
+  from PIL import Image
+
+  (root / "images").mkdir(parents=True)
+  Image.new("RGB", (32, 32), (90, 90, 90)).save(root / "images" / "a.png")
+  data = dict(
+    images=[dict(id=1, file_name="a.png", height=32, width=32)],
+    annotations=[dict(id=1, image_id=1, category_id=1, bbox=[8, 8, 16, 16], area=256, iscrowd=0)],
+    categories=[dict(id=1, name="cup")],
+  )
+  (root / "ann.json").write_text(json.dumps(data))
+  return dict(annotation_file=str(root / "ann.json"), image_dir=str(root / "images"))
+
+
+def test_declared_max_detections_reach_the_dataset_and_the_evaluator(tmp_path, monkeypatch):
+  """An entry's `max_detections` limits the detections kept and scored, for every kind.
+
+  Hand-worked AP: one ground-truth box; the model's three candidates per image are two false
+  positives (scores 0.9, 0.8) and the exact box (0.7). All three scored: the true positive is
+  third, precision 1/3 at recall 1, so the interpolated precision is 1/3 at each of the 101
+  recall points and every IoU threshold: AP = 1/3. At most two per image: only the false
+  positives are left, AP = 0.
+  """
+  import jax.numpy as jnp
+
+  from owl_cl.detector import Detector
+  from owl_cl.testing.configs import tiny_detector_config
+
+  spec = _one_box_folder(tmp_path / "d")
+  config = tiny_detector_config()
+  config.cache_dir = str(tmp_path / "cache")  # nothing built-in is needed: all declared
+  config.data.sequence = [
+    dict(name="limited", kind="coco", max_detections=2, train=spec, test=spec),
+    dict(name="default", kind="coco", train=spec, test=spec),
+  ]
+  config.data.pretrain = dict(name="pre", kind="coco", max_detections=7, train=spec, test=spec)
+  config.data.held_out = dict(name="held", kind="coco", max_detections=5, val=spec)
+  assert config.eval.top_k == config.eval.max_dets == 100
+  bench = benchmark.load_benchmark(config)
+  by_name = {name: d for name, d in bench.eval_sets()}
+  assert {n: d.max_detections for n, d in by_name.items()} == {
+    "pre": 7,
+    "held": 5,
+    "limited": 2,
+    "default": None,  # the config's eval.top_k / max_dets
+  }
+  assert not os.path.exists(config.cache_dir)
+
+  # cxcywh relative to the (unpadded, square) image: two misses, then the box [8, 8, 16, 16].
+  candidates = (
+    jnp.array([0.9, 0.8, 0.7]),
+    jnp.array([0, 0, 0]),
+    jnp.array([[0.1, 0.1, 0.1, 0.1], [0.9, 0.9, 0.1, 0.1], [0.5, 0.5, 0.5, 0.5]]),
+  )
+  top_ks = []
+
+  def fake_predict_step(*, templates, top_k, multi_label):
+    del templates, multi_label
+    top_ks.append(top_k)
+
+    def predict(params, images, query_embeddings):
+      del params, query_embeddings
+      batch = images.shape[0]
+      # All three whatever top_k is: the scorer's maxDets alone must then drop the third.
+      return tuple(jnp.broadcast_to(c, (batch, *c.shape)) for c in candidates)
+
+    return predict
+
+  detector = Detector(config)
+  monkeypatch.setattr(detector, "_predict_step", fake_predict_step)
+  monkeypatch.setattr(detector, "eval_query_embeddings", lambda params, source: None)
+  limited = detector.evaluate_dataset(None, by_name["limited"], "limited")
+  default = detector.evaluate_dataset(None, by_name["default"], "default")
+  assert top_ks == [2, 100]
+  # AP is a mean of 101 * 10 equal precisions (1/3 in float64): exact to rounding.
+  assert default["AP"] == pytest.approx(1 / 3, abs=1e-12)
+  assert default["AP50"] == pytest.approx(1 / 3, abs=1e-12)
+  assert limited["AP"] == 0.0 and limited["AP50"] == 0.0

@@ -454,6 +454,16 @@ def test_entry_from_config_lists_every_problem():
     )
   with pytest.raises(DataError, match="field 'kind' has value 'csv'"):
     entries.entry_from_config(dict(name="x", kind="csv"))
+  split = dict(annotation_file="a", image_dir="i")
+  for bad in (0, 2.5, "100", True):
+    with pytest.raises(DataError, match=f"dataset 'x': field 'max_detections' has value {bad!r}"):
+      entries.entry_from_config(dict(name="x", kind="coco", max_detections=bad, test=split))
+  # max_detections: the entry's for every kind; unset, None (the config's) or ODinW's registry.
+  assert entries.entry_from_config(dict(name="x", kind="coco", test=split)).max_detections is None
+  coco = entries.entry_from_config(dict(name="x", kind="coco", max_detections=50, test=split))
+  ego = dict(name="e", kind="odinw", member="EgoHands", root="/d")
+  assert coco.max_detections == 50 and entries.entry_from_config(ego).max_detections == 100
+  assert entries.entry_from_config(dict(ego, max_detections=20)).max_detections == 20
   with pytest.raises(DataError, match="field 'tfds' has value 'coco/2017'"):
     entries.entry_from_config(dict(name="x", kind="tfds", tfds="coco/2017", train="train"))
   tf = entries.entry_from_config(
