@@ -112,6 +112,7 @@ def test_readme_quick_try_runs_as_written(pretrained_cache_dir, tmp_path):
     last = stage["name"] in ("pretrained", "shelf")
     assert set(stage["metrics"]) == (everything if last else {"kitchen", "warehouse", "shelf"})
     for values in stage["metrics"].values():
+      assert values["num_images"] == 8  # the quick try's max_eval_images
       assert 0.0 <= values["AP50"] <= 1.0
   with open(os.path.join(workdir, "results.md")) as f:
     text = f.read()
