@@ -223,8 +223,6 @@ class _SplitLoader:
 
 def _sequence_dataset(entry: entries_lib.DatasetEntry, load=entries_lib.load_split) -> Dataset:
   split = lambda s: load(entry, s) if s in entry.split_names else None
-  # The registry's per-dataset detections (paper protocol); other kinds use the config's.
-  max_detections = odinw_max_detections(entry.member) if entry.kind == "odinw" else None
   test = split("test")
   return Dataset(
     entry.name,
@@ -232,15 +230,10 @@ def _sequence_dataset(entry: entries_lib.DatasetEntry, load=entries_lib.load_spl
     test,
     valid=split("val"),
     evaluation=_protocol(entry, "test", test),
-    max_detections=max_detections,
+    # The entry's value for every kind (an ODinW member's defaults to the registry's, the
+    # paper protocol; None: the config's eval.top_k / max_dets).
+    max_detections=entry.max_detections,
   )
-
-
-def odinw_max_detections(member: str) -> int | None:
-  """The ODinW registry's detections per image of `member` (None: the config's)."""
-  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
-
-  return odinw.ODINW_DATASETS[member].max_detections
 
 
 def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
@@ -282,7 +275,9 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
     split = _eval_split(e)
     train = load(e, "train") if "train" in e.split_names else None
     test = load(e, split)
-    pretrain = Dataset(e.name, train, test, evaluation=_protocol(e, split, test))
+    pretrain = Dataset(
+      e.name, train, test, evaluation=_protocol(e, split, test), max_detections=e.max_detections
+    )
     pretrain_eval = e.name
   if declared["held_out"] is None:
     held_out = default.held_out
@@ -290,7 +285,9 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
     e = declared["held_out"]
     split = _eval_split(e)
     test = load(e, split)
-    held_out = Dataset(e.name, None, test, evaluation=_protocol(e, split, test))
+    held_out = Dataset(
+      e.name, None, test, evaluation=_protocol(e, split, test), max_detections=e.max_detections
+    )
     held_out_eval = e.name
   if declared["sequence"] is None:
     sequence = list(default.sequence)
