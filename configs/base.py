@@ -266,6 +266,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # class step): 'fallback' (its slot draws among the remaining images) | 'redraw' (released
   # code: balanced skips the class, similarity-weighted redraws the class).
   c.replay.exhausted_class = "fallback"
+  # Draw within a class where the paper draws uniformly (A-SW-GRASP's SWIL slots, the ASER
+  # variants' candidate sets): 'uniform' (paper, released default) | 'grasp' (prototype-weighted
+  # with grasp_weight: the released option bal_prob_type='GRASP').
+  c.replay.within_class_weighting = "uniform"
   # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, docs/reference.md
   # §7).
   c.replay.aser = ml_collections.ConfigDict()
@@ -277,6 +281,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.aser.asv_distance = "l2"  # 'l2' (released code) | 'cosine'
   c.replay.aser.asv_weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
   c.replay.aser.asv_chunk_size = 64  # images per chunk of the ASER-PC precomputation
+  # False: ASV = -(right term), no value-to-the-buffer term (released option no_buff=True).
+  c.replay.aser.asv_left_term = True
+  # Shapley value of both ASV terms: 'knn' (paper, released default) | 'tknn' (released option
+  # SV_type='TKNN': thresholded KNN-SV, docs/reference.md §7).
+  c.replay.aser.asv_shapley = "knn"
+  # 'tknn': candidates at distance >= this do not count (released l2_thresh; None: none).
+  c.replay.aser.asv_distance_threshold = ml_collections.config_dict.placeholder(float)
+  c.replay.aser.tknn_num_classes = 400.0  # 'tknn': C of the (u - 1/C) term (released 400)
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image

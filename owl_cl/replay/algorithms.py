@@ -74,6 +74,10 @@ ADAPTIVE_ENTROPY_CLASSES = ("eligible", "all")
 # (released code: per slot, the class step sees the classes still available -> balanced
 # skips the class, similarity-weighted redraws). Class + sample compositions only.
 EXHAUSTED_CLASS = ("fallback", "redraw")
+# Draw within a class where the paper draws uniformly: A-SW-GRASP's SWIL slots and the ASV
+# algorithms' candidate sets. 'uniform' (paper) | 'grasp' (prototype-weighted with exponent
+# `grasp_weight`: the released option `bal_prob_type='GRASP'`).
+WITHIN_CLASS_WEIGHTINGS = ("uniform", "grasp")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
 # applies to it. B = new images, N_c = candidates, num = num_replay.
@@ -451,6 +455,9 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   the balanced class pointer. `adaptive_entropy_classes`: the switch's entropy is that of
   p_SWIL over the classes that still have an eligible image ('eligible', default) or over
   every class with a buffer member ('all', as in the released code).
+  `within_class_weighting`: the SWIL slots draw within their class uniformly ('uniform', the
+  paper) or prototype-weighted with `grasp_weight` ('grasp', the released
+  `bal_prob_type='GRASP'`).
 
   Source: paper §4 "Composing and Modifying Primitives" item 2; released code
   `get_SWIL_retrieval_indices(adaptivity='img')` (entropy H / log C of p_SWIL).
@@ -464,6 +471,7 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   balanced_order: str = "sequential"
   adaptive_entropy_classes: str = "eligible"
   swil_reduction: str = "min"
+  within_class_weighting: str = "uniform"
 
   needs_features = True
 
@@ -497,7 +505,10 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
     )
     swil_classes = class_selection.sample_classes(swil_key, probs[rows])
     classes = jnp.where(active, jnp.where(use_grasp, grasp_classes, swil_classes), -1)
-    weights = jnp.where(use_grasp, jnp.float32(self.grasp_weight), 0.0)
+    # SWIL slots draw uniformly within their class (w = 0), or GRASP-weighted as the GRASP
+    # slots with the released bal_prob_type='GRASP'.
+    swil_slot_weight = self.grasp_weight if self.within_class_weighting == "grasp" else 0.0
+    weights = jnp.where(use_grasp, jnp.float32(self.grasp_weight), jnp.float32(swil_slot_weight))
     indices, valid = sample_selection.prototype_weighted_in_class(
       sample_key,
       buffer.prototype_distances,
@@ -536,6 +547,7 @@ class AdaptiveComposition:
       "balanced_order",
       "adaptive_entropy_classes",
       "swil_reduction",
+      "within_class_weighting",
     )
 
   def build(self, name, dedup, hyperparameters):
@@ -568,6 +580,15 @@ class AsvAlgorithm(_AlgorithmBase):
     asv_distance: 'l2' (released code; the paper does not say) | 'cosine'.
     asv_weight_reduction: 'min' (paper eq. 4) | 'max' (released code).
     asv_chunk_size: evaluation images per chunk of the precomputation.
+    within_class_weighting: candidates drawn within their class 'uniform' (paper) | 'grasp'
+      (prototype-weighted with `grasp_weight`; released `bal_prob_type='GRASP'`).
+    grasp_weight: w of the 'grasp' candidate draw (released `ub_coeff`).
+    asv_left_term: True (eq. 3) | False: ASV = -(right term), the candidates' value to the
+      buffer is ignored (released `no_buff=True`); the precomputation is then skipped.
+    asv_shapley: 'knn' (paper) | 'tknn' (released `SV_type='TKNN'`,
+      `knn_shapley.threshold_knn_shapley`) for both terms.
+    asv_distance_threshold: TKNN's distance threshold (released `l2_thresh`; None: none).
+    tknn_num_classes: C of TKNN's 1/C term (released 400).
     class_hyperparameters: (name, value) of the candidate class step.
   Source: paper §4, eqs. (3)-(4), suppl. §C; docs/reference.md §7.
   """
@@ -583,25 +604,45 @@ class AsvAlgorithm(_AlgorithmBase):
   asv_distance: str = "l2"
   asv_weight_reduction: str = "min"
   asv_chunk_size: int = 64
+  within_class_weighting: str = "uniform"
+  grasp_weight: float = 1.0
+  asv_left_term: bool = True
+  asv_shapley: str = "knn"
+  asv_distance_threshold: float | None = None
+  tknn_num_classes: float = knn_shapley.TKNN_NUM_CLASSES
   class_hyperparameters: tuple[tuple[str, Any], ...] = ()
 
   needs_features = True
+
+  def _shapley_options(self) -> dict[str, Any]:
+    """Keyword arguments of `knn_shapley.image_knn_shapley` shared by both terms."""
+    return dict(
+      token_matching=self.asv_token_matching,
+      distance=self.asv_distance,
+      shapley=self.asv_shapley,
+      threshold=self.asv_distance_threshold,
+      num_classes=self.tknn_num_classes,
+    )
 
   def prepare(self, rstate: ReplayState, buffer: ReplayBuffer) -> ReplayState:
     """Fills `asv_left`/`asv_left_min` over the whole buffer once (precomputed variants).
 
     Host-side (not jitted as a whole; the chunks are). A no-op when already
-    `asv_left_ready` (e.g. restored from a checkpoint) or for ASER.
+    `asv_left_ready` (e.g. restored from a checkpoint), for ASER, or without the left term
+    (`asv_left_term=False`).
     """
-    if not self.precomputed or bool(fetch_replicated(rstate.asv_left_ready)):
+    if (
+      not self.precomputed
+      or not self.asv_left_term
+      or bool(fetch_replicated(rstate.asv_left_ready))
+    ):
       return rstate
     left, left_min = knn_shapley.precompute_left_term(
       buffer.class_embeddings,
       buffer.query_embeddings,
       self.knn_k,
       chunk_size=self.asv_chunk_size,
-      token_matching=self.asv_token_matching,
-      distance=self.asv_distance,
+      **self._shapley_options(),
     )
     return rstate.replace(asv_left=left, asv_left_min=left_min, asv_left_ready=jnp.ones((), bool))
 
@@ -623,15 +664,27 @@ class AsvAlgorithm(_AlgorithmBase):
       candidate_active,
       **dict(self.class_hyperparameters),
     )
-    candidates, candidate_valid = sample_selection.uniform_in_class_active(
-      sample_key,
-      buffer.class_membership,
-      eligible,
-      classes,
-      candidate_active,
-      without_replacement=True,
-    )
-    options = dict(token_matching=self.asv_token_matching, distance=self.asv_distance)
+    if self.within_class_weighting == "grasp":
+      # Released bal_prob_type='GRASP': the candidates of a class are drawn prototype-weighted.
+      candidates, candidate_valid = sample_selection.prototype_weighted_in_class(
+        sample_key,
+        buffer.prototype_distances,
+        eligible,
+        classes,
+        self.grasp_weight,
+        candidate_active,
+        without_replacement=True,
+      )
+    else:
+      candidates, candidate_valid = sample_selection.uniform_in_class_active(
+        sample_key,
+        buffer.class_membership,
+        eligible,
+        classes,
+        candidate_active,
+        without_replacement=True,
+      )
+    options = self._shapley_options()
     right, distances = knn_shapley.image_knn_shapley(
       features["class_embeddings"],
       features["query_embeddings"],
@@ -642,7 +695,10 @@ class AsvAlgorithm(_AlgorithmBase):
       reduction="min",
       **options,
     )  # [B, N_c]
-    if self.precomputed:
+    if not self.asv_left_term:
+      # Released no_buff: ASV = -(right term), i.e. zero left term (w irrelevant).
+      left_term, extreme = jnp.zeros((n_c,), jnp.float32), jnp.float32(0.0)
+    elif self.precomputed:
       left_term = rstate.asv_left[candidates]
       if self.asv_weight_reduction == "min":
         extreme = jnp.min(jnp.where(candidate_valid, rstate.asv_left_min[candidates], jnp.inf))
@@ -697,6 +753,12 @@ _ASV_NAMES = (
   "asv_token_matching",
   "asv_distance",
   "asv_weight_reduction",
+  "within_class_weighting",
+  "grasp_weight",
+  "asv_left_term",
+  "asv_shapley",
+  "asv_distance_threshold",
+  "tknn_num_classes",
 )
 
 
@@ -793,6 +855,9 @@ def _check_option_values(hp: Mapping[str, Any]):
     "asv_token_matching": knn_shapley.TOKEN_MATCHING,
     "asv_distance": knn_shapley.DISTANCES,
     "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,
+    "within_class_weighting": WITHIN_CLASS_WEIGHTINGS,
+    "asv_shapley": knn_shapley.SHAPLEY,
+    "asv_left_term": (True, False),
   }
   for field, allowed in choices.items():
     if field in hp and hp[field] not in allowed:
@@ -800,3 +865,6 @@ def _check_option_values(hp: Mapping[str, Any]):
   for field in ("num_candidates", "knn_k", "asv_chunk_size"):
     if field in hp and int(hp[field]) < 1:
       raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be >= 1")
+  for field in ("asv_distance_threshold", "tknn_num_classes"):
+    if field in hp and hp[field] is not None and not float(hp[field]) > 0:
+      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be > 0")
