@@ -320,6 +320,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.selection.drop_images_without_class = False  # True: released code
   # Order in which classes are topped up: 'class_index' | 'first_appearance' (released code).
   c.replay.selection.top_up_order = "class_index"
+  # Images the class prototypes average over: 'buffer' (the selected images) | 'all' (every
+  # image of the pre-training set, released code).
+  c.replay.selection.prototype_images = "buffer"
 
   # --- evaluation (docs/reference.md §4)
   # --------------------------------------------------------------
@@ -384,6 +387,7 @@ def apply_released_code(
   c.replay.selection.distance_max_instances = 6
   c.replay.selection.drop_images_without_class = True
   c.replay.selection.top_up_order = "first_appearance"
+  c.replay.selection.prototype_images = "all"
   c.train.layerwise_granularity = "tensor"
   c.data.squash_resize = True
   c.data.negatives_by_frequency = True

@@ -339,6 +339,11 @@ def option_problems(config: ml_collections.ConfigDict) -> list[str]:
       buffer_selection.TOP_UP_ORDERS,
     ),
     (
+      "config.replay.selection.prototype_images",
+      config.replay.selection.prototype_images,
+      buffer_selection.PROTOTYPE_IMAGES,
+    ),
+    (
       "config.replay.within_class_weighting",
       config.replay.within_class_weighting,
       replay_algorithms.WITHIN_CLASS_WEIGHTINGS,

@@ -40,6 +40,7 @@ SWITCHES = {
   "replay.selection.distance_max_instances": (None, 6),
   "replay.selection.drop_images_without_class": (False, True),
   "replay.selection.top_up_order": ("class_index", "first_appearance"),
+  "replay.selection.prototype_images": ("buffer", "all"),
   "train.layerwise_granularity": ("layer", "tensor"),
   "data.squash_resize": (False, True),
   "data.negatives_by_frequency": (False, True),
@@ -141,3 +142,37 @@ def test_released_option_values_are_checked_before_any_work():
     "config.replay.aser.asv_distance_threshold=0.0 must be > 0",
     "config.replay.aser.tknn_num_classes=-1.0 must be > 0",
   ]
+
+
+@pytest.mark.parametrize("arg, want", [("", "buffer"), ("released", "all")])
+def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, want):
+  """replay.selection.prototype_images is passed to `build.build_store`, and enters the
+  buffer cache key only when it is not the default (caches built before it keep their key)."""
+  import types
+
+  from owl_cl.replay import build as buffer_build
+
+  c = _config("grasp", arg)
+  c.cache_dir = str(tmp_path)
+  annotations = tmp_path / "train.json"
+  annotations.write_text("{}")
+  source = types.SimpleNamespace(annotation_file=str(annotations), class_names=["a"])
+  detector = types.SimpleNamespace(
+    config=c,
+    model=None,
+    class_tokens=lambda s: None,
+    empty_tokens=None,
+    image_size=8,
+    loss_config={},
+    example_options=lambda s: {},
+  )
+  seen = {}
+  monkeypatch.setattr(buffer_build, "build_store", lambda *a, **kw: seen.update(kw))
+  monkeypatch.setattr(
+    buffer_build, "cached_store", lambda folder, key, build, superseded: (build(), key)
+  )
+  benchmark = types.SimpleNamespace(pretrain=types.SimpleNamespace(train=source))
+  _, key = replay_setup.build_store(detector, benchmark, None, {})
+  assert seen["prototype_images"] == want
+  assert key["buffer"].get("prototype_images", "buffer") == want
+  assert ("prototype_images" in key["buffer"]) == (want == "all")

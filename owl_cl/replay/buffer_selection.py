@@ -29,6 +29,9 @@ Array = jax.Array
 
 # -------------------------------------------------------------------------------- eq. (7)
 TOP_UP_ORDERS = ("class_index", "first_appearance")
+# Images the class prototypes average over: 'buffer' (the selected images) | 'all' (every
+# image of the pre-training set, as the released code's `prototype_utils.compute_prototypes`).
+PROTOTYPE_IMAGES = ("buffer", "all")
 
 
 def select_buffer(
@@ -281,6 +284,35 @@ def compute_prototypes(sums: Array, counts: Array) -> tuple[Array, Array]:
   n = counts.astype(jnp.float32).sum(axis=lead)
   valid = n > 0
   return jnp.where(valid[:, None], total / jnp.where(valid, n, 1.0)[:, None], 0.0), valid
+
+
+def buffer_prototypes(
+  sums: Array, counts: Array, keep: Array, prototype_images: str = "buffer"
+) -> tuple[Array, Array]:
+  """The buffer's class prototypes: `compute_prototypes` over the kept images ('buffer') or
+  over every analysed image of the pre-training set ('all', the released code).
+
+  Args:
+    sums: float [N, C, E]; per image, the sum of its top-n_c class-c embeddings.
+    counts: int [N, C]; the number of tokens in `sums`.
+    keep: bool [N]; the selected buffer images.
+    prototype_images: 'buffer' | 'all' (`PROTOTYPE_IMAGES`).
+  Returns:
+    (prototypes float32 [C, E], class_valid bool [C]) as `compute_prototypes`.
+  Raises:
+    ValueError: unknown `prototype_images`.
+  Source: docs/reference.md §6; released code `torch_replay_utils/prototype_utils.py`
+    `compute_prototypes` (over every image's embeddings, before `add_proto_dists` scores
+    the subset).
+  """
+  if prototype_images not in PROTOTYPE_IMAGES:
+    raise ValueError(
+      f"replay.selection.prototype_images={prototype_images!r} is unknown; "
+      f"known: {list(PROTOTYPE_IMAGES)}"
+    )
+  keep = np.asarray(keep, bool)
+  rows = keep if prototype_images == "buffer" else np.ones_like(keep)
+  return compute_prototypes(np.asarray(sums)[rows], np.asarray(counts)[rows])
 
 
 def prototype_distances(

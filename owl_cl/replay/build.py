@@ -169,6 +169,7 @@ def build_store(
   distance_max_instances: int | None = None,
   drop_images_without_class: bool = False,
   top_up_order: str = "class_index",
+  prototype_images: str = "buffer",
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
 
@@ -179,14 +180,22 @@ def build_store(
   merge_iou, negative_weights). `distance_max_instances`: cap on the class-c embeddings an
   image's prototype distance takes the min over (None: all its instances, the paper; 6: the
   released code, which reuses the prototype's top-n_c tokens). `drop_images_without_class`,
-  `top_up_order`: `selection.select_buffer`'s options.
+  `top_up_order`: `selection.select_buffer`'s options. `prototype_images`: the prototypes
+  average the kept images ('buffer') or every image of `source` ('all', released code;
+  `buffer_selection.buffer_prototypes`).
 
   Returns:
     (store, statistics dict: images considered / kept, per-class counts, loss quantiles).
 
   Raises:
-    ValueError: if no image is selected (threshold and minimum both select nothing).
+    ValueError: if no image is selected (threshold and minimum both select nothing), or an
+      unknown `prototype_images` (before any work).
   """
+  if prototype_images not in buffer_selection.PROTOTYPE_IMAGES:
+    raise ValueError(
+      f"replay.selection.prototype_images={prototype_images!r} is unknown; "
+      f"known: {list(buffer_selection.PROTOTYPE_IMAGES)}"
+    )
   num_classes = len(source.class_names)
   examples = preprocess_source(
     source,
@@ -224,8 +233,8 @@ def build_store(
       f"replay.selection selected no image (loss_threshold={loss_threshold}, "
       f"min_per_class={min_per_class})"
     )
-  prototypes, _ = buffer_selection.compute_prototypes(
-    jnp.asarray(analysis["prototype_sums"][keep]), jnp.asarray(analysis["prototype_counts"][keep])
+  prototypes, _ = buffer_selection.buffer_prototypes(
+    analysis["prototype_sums"], analysis["prototype_counts"], keep, prototype_images
   )
   distances = jax.jit(buffer_selection.prototype_distances, static_argnames=("max_instances",))(
     jnp.asarray(analysis["logits"][keep]),

@@ -119,7 +119,12 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   key_material = {
     "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
     "pretrain_data": file_digest(source.annotation_file),
-    "buffer": selection.to_dict(),
+    # prototype_images enters the key only when set (older caches keep their key).
+    "buffer": {
+      k: v
+      for k, v in selection.to_dict().items()
+      if not (k == "prototype_images" and v == "buffer")
+    },
     "top_k": config.replay.top_k,
     "data": [data.num_queries, data.num_negatives, data.max_instances],
     "loss": cache_key_fields(config, "loss"),
@@ -151,6 +156,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     distance_max_instances=selection.distance_max_instances,
     drop_images_without_class=selection.drop_images_without_class,
     top_up_order=selection.top_up_order,
+    prototype_images=selection.get("prototype_images", "buffer"),
   )
   return buffer_build.cached_store(
     os.path.join(expand_path(config.cache_dir), "buffers"), key_material, build, superseded

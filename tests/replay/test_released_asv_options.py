@@ -215,3 +215,30 @@ def test_asv_tknn_reaches_both_terms(name):
     algorithms.get_algorithm(name, asv_shapley="TKNN")
   with pytest.raises(ValueError, match="asv_distance_threshold=-1.0"):
     algorithms.get_algorithm(name, asv_distance_threshold=-1.0)
+
+
+def test_prototypes_over_the_whole_pretraining_set_hand_worked():
+  """Released code: prototypes average every pre-training image's class embeddings, not just
+  the buffer's. Three images, two classes, E = 2; per image the sum and count of its class
+  tokens: image 0 class 0: (2, 0) over 2 tokens; image 1 class 0: (0, 3) over 1 token and
+  class 1: (1, 1) over 1; image 2 class 1: (3, 1) over 1. The buffer keeps images 0 and 2.
+  'buffer': p_0 = (2, 0)/2 = (1, 0), p_1 = (3, 1)/1 = (3, 1).
+  'all': p_0 = (2, 3)/3 = (0.6667, 1), p_1 = (4, 2)/2 = (2, 1).
+  """
+  from owl_cl.replay import buffer_selection
+
+  sums = np.zeros((3, 2, 2), np.float32)
+  sums[0, 0] = (2, 0)
+  sums[1, 0] = (0, 3)
+  sums[1, 1] = (1, 1)
+  sums[2, 1] = (3, 1)
+  counts = np.array([[2, 0], [1, 1], [0, 1]], np.int32)
+  keep = np.array([True, False, True])
+  buffer, valid = buffer_selection.buffer_prototypes(sums, counts, keep)
+  # Exact small ratios in float32: ~1e-7.
+  np.testing.assert_allclose(buffer, [[1.0, 0.0], [3.0, 1.0]], atol=1e-6)
+  whole, valid_all = buffer_selection.buffer_prototypes(sums, counts, keep, "all")
+  np.testing.assert_allclose(whole, [[2.0 / 3.0, 1.0], [2.0, 1.0]], atol=1e-6)
+  assert bool(valid.all()) and bool(valid_all.all())
+  with pytest.raises(ValueError, match="prototype_images='every'"):
+    buffer_selection.buffer_prototypes(sums, counts, keep, "every")
