@@ -289,6 +289,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # 'tknn': candidates at distance >= this do not count (released l2_thresh; None: none).
   c.replay.aser.asv_distance_threshold = ml_collections.config_dict.placeholder(float)
   c.replay.aser.tknn_num_classes = 400.0  # 'tknn': C of the (u - 1/C) term (released 400)
+  # SW-ASER-PC candidate sets: 'shared' (paper: top candidates of one set) | 'per_image'
+  # (released option caser.balanced=True: each new image draws N_c / B candidates from its own
+  # SWIL class and replays the best of them).
+  c.replay.aser.candidate_subsets = "shared"
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image

@@ -34,6 +34,7 @@ SWITCHES = {
   "replay.aser.asv_shapley": ("knn", "knn"),
   "replay.aser.asv_distance_threshold": (None, None),
   "replay.aser.tknn_num_classes": (400.0, 400.0),
+  "replay.aser.candidate_subsets": ("shared", "shared"),
   "replay.loss_adaptivity.gate_per_device": (False, True),
   "replay.loss_adaptivity.gate_feature_based_only": (False, True),
   "replay.selection.fill_all_for_rare_classes": (False, True),
@@ -111,6 +112,11 @@ def test_released_switches_reach_the_retrieval_functions():
     2.5,
     20.0,
   )
+  c.replay.aser.candidate_subsets = "per_image"
+  assert replay_setup.make_algorithm(c).candidate_subsets == "per_image"
+  c.replay.algorithm = "aser_pc"
+  with pytest.raises(ConfigError, match="candidate_subsets='per_image' needs the similarity"):
+    replay_setup.make_algorithm(c)
   c.replay.aser.asv_shapley = "tnn"
   with pytest.raises(ConfigError, match="asv_shapley='tnn'"):
     replay_setup.make_algorithm(c)

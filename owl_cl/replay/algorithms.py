@@ -78,6 +78,10 @@ EXHAUSTED_CLASS = ("fallback", "redraw")
 # algorithms' candidate sets. 'uniform' (paper) | 'grasp' (prototype-weighted with exponent
 # `grasp_weight`: the released option `bal_prob_type='GRASP'`).
 WITHIN_CLASS_WEIGHTINGS = ("uniform", "grasp")
+# ASV candidate sets: 'shared' (one set for the batch, the top candidates replayed; paper) |
+# 'per_image' (SW-ASER only: each new image draws N_c / B candidates from its own SWIL class
+# and replays the best of its own subset; the released option `caser.balanced=True`).
+CANDIDATE_SUBSETS = ("shared", "per_image")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
 # applies to it. B = new images, N_c = candidates, num = num_replay.
@@ -589,6 +593,11 @@ class AsvAlgorithm(_AlgorithmBase):
       `knn_shapley.threshold_knn_shapley`) for both terms.
     asv_distance_threshold: TKNN's distance threshold (released `l2_thresh`; None: none).
     tknn_num_classes: C of TKNN's 1/C term (released 400).
+    candidate_subsets: 'shared' (paper) | 'per_image' (similarity-weighted candidate step
+      only; released `caser.balanced=True`): new image b draws one SWIL class and N_c / B
+      candidates of that class (fewer if it runs out; no fallback to other classes); the
+      ASV is computed as usual over all N_c candidates and slot j (new image b = j mod B)
+      replays the (j div B)-th best candidate of image b's subset.
     class_hyperparameters: (name, value) of the candidate class step.
   Source: paper §4, eqs. (3)-(4), suppl. §C; docs/reference.md §7.
   """
@@ -610,7 +619,17 @@ class AsvAlgorithm(_AlgorithmBase):
   asv_shapley: str = "knn"
   asv_distance_threshold: float | None = None
   tknn_num_classes: float = knn_shapley.TKNN_NUM_CLASSES
+  candidate_subsets: str = "shared"
   class_hyperparameters: tuple[tuple[str, Any], ...] = ()
+
+  def __post_init__(self):
+    if self.candidate_subsets == "per_image" and (
+      self.candidate_class_step is not similarity_weighted_step
+    ):
+      raise ValueError(
+        f"{self.name}: candidate_subsets='per_image' needs the similarity-weighted candidate "
+        "step (sw_aser_pc); the released code has per-image subsets for SW-ASER only"
+      )
 
   needs_features = True
 
@@ -653,17 +672,44 @@ class AsvAlgorithm(_AlgorithmBase):
     num, n_c = active.shape[0], int(self.num_candidates)
     if n_c < num:
       raise ValueError(f"{self.name}: num_candidates={n_c} < num_replay={num}")
-    any_active = jnp.any(active)
-    candidate_active = jnp.broadcast_to(any_active, (n_c,))
-    classes, rstate, class_records = self.candidate_class_step(
-      class_key,
-      rstate,
-      buffer,
-      features,
-      class_eligible,
-      candidate_active,
-      **dict(self.class_hyperparameters),
-    )
+    per_image = self.candidate_subsets == "per_image"
+    if per_image:
+      batch = features["class_embeddings"].shape[0]
+      if n_c % batch:
+        raise ValueError(
+          f"{self.name}: candidate_subsets='per_image' needs num_candidates={n_c} divisible "
+          f"by the new batch size {batch}"
+        )
+      subset = n_c // batch
+      # A new image draws its subset if any slot it serves (slot j -> image j mod B) is active.
+      image_active = (
+        jnp.zeros((batch,), jnp.int32).at[jnp.arange(num) % batch].max(active.astype(jnp.int32)) > 0
+      )
+      image_classes, rstate, class_records = self.candidate_class_step(
+        class_key,
+        rstate,
+        buffer,
+        features,
+        class_eligible,
+        image_active,
+        **dict(self.class_hyperparameters),
+      )
+      # Candidate b * subset + r belongs to new image b.
+      classes = jnp.repeat(image_classes, subset)
+      candidate_active = jnp.repeat(image_active, subset)
+    else:
+      candidate_active = jnp.broadcast_to(jnp.any(active), (n_c,))
+      classes, rstate, class_records = self.candidate_class_step(
+        class_key,
+        rstate,
+        buffer,
+        features,
+        class_eligible,
+        candidate_active,
+        **dict(self.class_hyperparameters),
+      )
+    # Per-image subsets stop at an exhausted class (released): no fallback to other classes.
+    fallback = not per_image
     if self.within_class_weighting == "grasp":
       # Released bal_prob_type='GRASP': the candidates of a class are drawn prototype-weighted.
       candidates, candidate_valid = sample_selection.prototype_weighted_in_class(
@@ -674,6 +720,7 @@ class AsvAlgorithm(_AlgorithmBase):
         self.grasp_weight,
         candidate_active,
         without_replacement=True,
+        fallback=fallback,
       )
     else:
       candidates, candidate_valid = sample_selection.uniform_in_class_active(
@@ -683,6 +730,7 @@ class AsvAlgorithm(_AlgorithmBase):
         classes,
         candidate_active,
         without_replacement=True,
+        fallback=fallback,
       )
     options = self._shapley_options()
     right, distances = knn_shapley.image_knn_shapley(
@@ -724,10 +772,20 @@ class AsvAlgorithm(_AlgorithmBase):
     asv, _ = sample_selection.asv_from_terms(
       left_term, extreme, right, candidate_valid, self.asv_c, self.asv_weight_reduction
     )
-    order = jnp.argsort(-asv, stable=True)  # best first
-    rank = jnp.clip(jnp.cumsum(active, dtype=jnp.int32) - 1, 0, n_c - 1)
-    chosen = order[rank]
-    valid = active & (rank < jnp.sum(candidate_valid, dtype=jnp.int32))
+    if per_image:
+      # Slot j: the (j div B)-th best candidate of new image (j mod B)'s subset.
+      image = jnp.arange(num) % batch
+      rank = jnp.arange(num, dtype=jnp.int32) // batch
+      own = jnp.argsort(-asv.reshape(batch, subset), axis=-1, stable=True)  # [B, subset]
+      rank_c = jnp.clip(rank, 0, subset - 1)
+      chosen = image * subset + own[image, rank_c]
+      count = jnp.sum(candidate_valid.reshape(batch, subset), axis=-1, dtype=jnp.int32)
+      valid = active & (rank < count[image])
+    else:
+      order = jnp.argsort(-asv, stable=True)  # best first
+      rank = jnp.clip(jnp.cumsum(active, dtype=jnp.int32) - 1, 0, n_c - 1)
+      chosen = order[rank]
+      valid = active & (rank < jnp.sum(candidate_valid, dtype=jnp.int32))
     indices = candidates[chosen]
     # Records (paper Fig. 5): distance ranks of candidates per new image.
     ranks = _distance_ranks(distances)  # [B, N_c]
@@ -759,6 +817,7 @@ _ASV_NAMES = (
   "asv_shapley",
   "asv_distance_threshold",
   "tknn_num_classes",
+  "candidate_subsets",
 )
 
 
@@ -858,6 +917,7 @@ def _check_option_values(hp: Mapping[str, Any]):
     "within_class_weighting": WITHIN_CLASS_WEIGHTINGS,
     "asv_shapley": knn_shapley.SHAPLEY,
     "asv_left_term": (True, False),
+    "candidate_subsets": CANDIDATE_SUBSETS,
   }
   for field, allowed in choices.items():
     if field in hp and hp[field] not in allowed:

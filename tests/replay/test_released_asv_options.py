@@ -242,3 +242,48 @@ def test_prototypes_over_the_whole_pretraining_set_hand_worked():
   assert bool(valid.all()) and bool(valid_all.all())
   with pytest.raises(ValueError, match="prototype_images='every'"):
     buffer_selection.buffer_prototypes(sums, counts, keep, "every")
+
+
+def test_per_image_candidate_subsets_hand_worked():
+  """SW-ASER-PC with per-image candidate subsets (released caser.balanced=True), no left term.
+
+  Classes 0 (images 0-2) and 1 (images 3-5), prototypes e1, e2; new image 0 has class
+  embedding e1 (SWIL: class 0 with probability 1 - 1e-8), new image 1 e2 (class 1). N_c = 6,
+  B = 2: each image's subset is its class's 3 images. With K = 6 >= N_c the KNN-SV is
+  s_b(i) = u_b(i) / K (the recursion telescopes), so ASV(i) = -min_b u_b(i) / 6; both new
+  queries are e1 and candidate i's query has cosine u_i = (-0.9, -0.8, 0.5, 0.9, 0.2, -0.1)
+  with it: ASV = (0.150, 0.133, -0.083, -0.150, -0.033, 0.017). Shared set (paper): the top
+  two are images 0 and 1, both of class 0. Per image: image 0's best of {0, 1, 2} is 0, image
+  1's best of {3, 4, 5} is 5.
+  """
+  membership = np.zeros((6, 2), bool)
+  membership[:3, 0] = membership[3:, 1] = True
+  u = np.array([-0.9, -0.8, 0.5, 0.9, 0.2, -0.1], np.float32)
+  queries = np.stack([u, np.sqrt(1.0 - u**2)], -1)[:, None, :]
+  buffer = state_lib.make_replay_buffer(
+    membership,
+    np.eye(2, dtype=np.float32),
+    np.where(membership, 0.5, np.inf).astype(np.float32),
+    np.repeat(np.eye(2, dtype=np.float32), 3, axis=0)[:, None, :],
+    queries,
+  )
+  features = {
+    "class_embeddings": np.eye(2, dtype=np.float32)[:, None, :],
+    "query_embeddings": np.array([[[1.0, 0.0]], [[1.0, 0.0]]], np.float32),
+  }
+  rstate = state_lib.init_replay_state(6, jax.random.PRNGKey(0), num_classes=2)
+  hp = dict(num_candidates=6, knn_k=6, asv_left_term=False)
+  for subsets, want in (("shared", [0, 1]), ("per_image", [0, 5])):
+    algorithm = algorithms.get_algorithm("sw_aser_pc", candidate_subsets=subsets, **hp)
+    indices, valid, _, records = jax.jit(algorithm.retrieve_with_records, static_argnums=3)(
+      rstate, buffer, features, 2
+    )
+    assert bool(valid.all()) and np.asarray(indices).tolist() == want, subsets
+    assert np.asarray(records["sampled_classes"]).tolist() == [0, 0 if subsets == "shared" else 1]
+  with pytest.raises(ValueError, match="candidate_subsets='per_image' needs the similarity"):
+    algorithms.get_algorithm("aser_pc", candidate_subsets="per_image")
+  algorithm = algorithms.get_algorithm(
+    "sw_aser_pc", candidate_subsets="per_image", num_candidates=5, knn_k=6
+  )
+  with pytest.raises(ValueError, match="num_candidates=5 divisible by the new batch size 2"):
+    algorithm(rstate, buffer, features, 2)
