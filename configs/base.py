@@ -293,6 +293,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # (released option caser.balanced=True: each new image draws N_c / B candidates from its own
   # SWIL class and replays the best of them).
   c.replay.aser.candidate_subsets = "shared"
+  # Tokens the ASV's KNN distances compare: 'class_embeddings' (paper, released default) |
+  # 'image_features' (released option cls_embeds=False: the ViT's output tokens; the buffer
+  # then also stores them, [N, k, D]).
+  c.replay.aser.asv_features = "class_embeddings"
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image

@@ -351,6 +351,11 @@ def option_problems(config: ml_collections.ConfigDict) -> list[str]:
     ("config.replay.aser.asv_shapley", config.replay.aser.asv_shapley, knn_shapley.SHAPLEY),
     ("config.replay.aser.asv_left_term", config.replay.aser.asv_left_term, (True, False)),
     (
+      "config.replay.aser.asv_features",
+      config.replay.aser.asv_features,
+      replay_algorithms.ASV_FEATURES,
+    ),
+    (
       "config.replay.aser.candidate_subsets",
       config.replay.aser.candidate_subsets,
       replay_algorithms.CANDIDATE_SUBSETS,

@@ -82,6 +82,10 @@ WITHIN_CLASS_WEIGHTINGS = ("uniform", "grasp")
 # 'per_image' (SW-ASER only: each new image draws N_c / B candidates from its own SWIL class
 # and replays the best of its own subset; the released option `caser.balanced=True`).
 CANDIDATE_SUBSETS = ("shared", "per_image")
+# Tokens the ASV's KNN distances are measured between: the class embeddings (paper, released
+# default) | the ViT's output image tokens of the same top-k tokens (released option
+# cls_embeds=False). The utility stays the cosine of the query embeddings.
+ASV_FEATURES = ("class_embeddings", "image_features")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
 # applies to it. B = new images, N_c = candidates, num = num_replay.
@@ -598,6 +602,8 @@ class AsvAlgorithm(_AlgorithmBase):
       candidates of that class (fewer if it runs out; no fallback to other classes); the
       ASV is computed as usual over all N_c candidates and slot j (new image b = j mod B)
       replays the (j div B)-th best candidate of image b's subset.
+    asv_features: 'class_embeddings' (paper) | 'image_features' (released `cls_embeds=False`):
+      the KNN distances are between `features[asv_features]` and `buffer.<asv_features>`.
     class_hyperparameters: (name, value) of the candidate class step.
   Source: paper §4, eqs. (3)-(4), suppl. §C; docs/reference.md §7.
   """
@@ -620,6 +626,7 @@ class AsvAlgorithm(_AlgorithmBase):
   asv_distance_threshold: float | None = None
   tknn_num_classes: float = knn_shapley.TKNN_NUM_CLASSES
   candidate_subsets: str = "shared"
+  asv_features: str = "class_embeddings"
   class_hyperparameters: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
@@ -632,6 +639,16 @@ class AsvAlgorithm(_AlgorithmBase):
       )
 
   needs_features = True
+
+  def _distance_tokens(self, buffer: ReplayBuffer) -> Array:
+    """The buffer's [N, k, D] tokens the KNN distances are measured between."""
+    tokens = getattr(buffer, self.asv_features)
+    if tokens is None:
+      raise ValueError(
+        f"{self.name}: asv_features={self.asv_features!r} needs a buffer with image_features "
+        "(built with replay.aser.asv_features='image_features')"
+      )
+    return tokens
 
   def _shapley_options(self) -> dict[str, Any]:
     """Keyword arguments of `knn_shapley.image_knn_shapley` shared by both terms."""
@@ -657,7 +674,7 @@ class AsvAlgorithm(_AlgorithmBase):
     ):
       return rstate
     left, left_min = knn_shapley.precompute_left_term(
-      buffer.class_embeddings,
+      self._distance_tokens(buffer),
       buffer.query_embeddings,
       self.knn_k,
       chunk_size=self.asv_chunk_size,
@@ -668,7 +685,12 @@ class AsvAlgorithm(_AlgorithmBase):
   def _select(
     self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
   ):
-    _require(features, ("class_embeddings", "query_embeddings"), f"retrieval {self.name!r}")
+    _require(
+      features,
+      ("class_embeddings", "query_embeddings", self.asv_features),
+      f"retrieval {self.name!r}",
+    )
+    tokens = self._distance_tokens(buffer)
     num, n_c = active.shape[0], int(self.num_candidates)
     if n_c < num:
       raise ValueError(f"{self.name}: num_candidates={n_c} < num_replay={num}")
@@ -734,9 +756,9 @@ class AsvAlgorithm(_AlgorithmBase):
       )
     options = self._shapley_options()
     right, distances = knn_shapley.image_knn_shapley(
-      features["class_embeddings"],
+      features[self.asv_features],
       features["query_embeddings"],
-      buffer.class_embeddings[candidates],
+      tokens[candidates],
       buffer.query_embeddings[candidates],
       self.knn_k,
       candidate_valid,
@@ -754,7 +776,7 @@ class AsvAlgorithm(_AlgorithmBase):
         extreme = jnp.max(jnp.where(candidate_valid, left_term, -jnp.inf))
       extreme = jnp.where(jnp.isfinite(extreme), extreme, 0.0)
     else:
-      cand_class = buffer.class_embeddings[candidates]
+      cand_class = tokens[candidates]
       cand_query = buffer.query_embeddings[candidates]
       left, _ = knn_shapley.image_knn_shapley(
         cand_class,
@@ -818,6 +840,7 @@ _ASV_NAMES = (
   "asv_distance_threshold",
   "tknn_num_classes",
   "candidate_subsets",
+  "asv_features",
 )
 
 
@@ -918,6 +941,7 @@ def _check_option_values(hp: Mapping[str, Any]):
     "asv_shapley": knn_shapley.SHAPLEY,
     "asv_left_term": (True, False),
     "candidate_subsets": CANDIDATE_SUBSETS,
+    "asv_features": ASV_FEATURES,
   }
   for field, allowed in choices.items():
     if field in hp and hp[field] not in allowed:

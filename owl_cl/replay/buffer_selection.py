@@ -168,6 +168,28 @@ def top_k_embeddings(
   return class_emb, query_emb
 
 
+def top_k_token_features(
+  pred_logits: Array, token_features: Array, query_mask: Array, k: int = 8
+) -> Array:
+  """Any per-token features [B, T, D] of the same top-k tokens as `top_k_embeddings`.
+
+  Used for the ViT's output image tokens (the model's `feature_map` flattened row-major),
+  which the released code's ASER can use for its distances instead of the class embeddings
+  (`cls_embeds=False`).
+
+  Args:
+    pred_logits: float [B, T, Q]. token_features: [B, T, D]. query_mask: bool [B, Q].
+    k: static.
+  Returns:
+    [B, k, D] (dtype of the input), tokens in the order of `top_k_embeddings`.
+  Source: docs/reference.md §6-§7; released code `opt_utils.Features` (image_features),
+    `C_ASER.retrieve` (top-k gather).
+  """
+  logits = _masked_query_logits(pred_logits, query_mask)
+  _, idx = jax.lax.top_k(logits.max(axis=-1), k)  # [B, k]
+  return jnp.take_along_axis(token_features, idx[:, :, None], axis=1)
+
+
 # ------------------------------------------------------------------------------ prototypes
 def instance_counts_from_labels(labels: Array, query_class: Array, num_classes: int) -> Array:
   """Instances of each class per image, from the batch targets (CONVENTIONS batch dict).

@@ -272,8 +272,10 @@ def image_knn_shapley(
     image candidates, reduced over the evaluation token dim.
 
   Args:
-    eval_class_embeddings / eval_query_embeddings: float [N_e, t, E].
-    candidate_class_embeddings / candidate_query_embeddings: float [N_c, t', E].
+    eval_class_embeddings / eval_query_embeddings: float [N_e, t, D] / [N_e, t, E].
+    candidate_class_embeddings / candidate_query_embeddings: float [N_c, t', D] /
+      [N_c, t', E]. The "class" tokens give the distances (the class embeddings, D = E, or
+      the ViT image features, released `cls_embeds=False`), the queries the utilities.
     k: K of the KNN utility (static).
     candidate_valid: optional bool [N_c]; invalid candidates (all their tokens) get 0 and do
       not count.
@@ -315,8 +317,8 @@ def image_knn_shapley(
   if token_matching == "all_to_all":
     u = jnp.einsum(
       "ae,be->ab",
-      class_selection.normalize(eval_query.reshape(n_e * t_e, e)),
-      class_selection.normalize(cand_query.reshape(n_c * t_c, e)),
+      class_selection.normalize(eval_query.reshape(n_e * t_e, -1)),
+      class_selection.normalize(cand_query.reshape(n_c * t_c, -1)),
       precision=jax.lax.Precision.HIGHEST,
     )
     sv = point_values(d.reshape(n_e * t_e, n_c * t_c), u, jnp.repeat(candidate_valid, t_c)).reshape(

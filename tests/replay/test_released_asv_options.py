@@ -287,3 +287,93 @@ def test_per_image_candidate_subsets_hand_worked():
   )
   with pytest.raises(ValueError, match="num_candidates=5 divisible by the new batch size 2"):
     algorithm(rstate, buffer, features, 2)
+
+
+@pytest.mark.parametrize("name", ["aser", "aser_pc"])
+def test_asv_on_image_features_hand_worked(name):
+  """Released cls_embeds=False: the KNN distances compare the ViT image tokens instead of the
+  class embeddings. The line buffer of `test_asv_without_left_term_hand_worked` (class
+  embeddings at x = 1, 2, 3, u = (0, 0.5, 1)) gets image features at x = 3, 2, 1 (D = 3) and
+  the new image's at the origin, so the distance order reverses: nearest first images 2, 1,
+  0 with u = 1, 0.5, 0. K = 1: s(image 0) = 0/3 = 0, s(image 1) = 0 + (0.5 - 0)/2 = 0.25,
+  s(image 2) = 0.25 + (1 - 0.5) = 0.75 (class embeddings: -5/12, 1/12, 1/3).
+  """
+  line = _line_buffer([[[0.0, 1.0]], [[0.5, np.sqrt(0.75)]], [[1.0, 0.0]]])
+  image_features = np.array([[[3.0, 0.0, 0.0]], [[2.0, 0.0, 0.0]], [[1.0, 0.0, 0.0]]], np.float32)
+  buffer = state_lib.make_replay_buffer(
+    line.class_membership,
+    line.prototypes,
+    line.prototype_distances,
+    line.class_embeddings,
+    line.query_embeddings,
+    image_features,
+  )
+  features = {**NEW_IMAGE, "image_features": np.zeros((1, 1, 3), np.float32)}
+  rstate = state_lib.init_replay_state(3, jax.random.PRNGKey(0), num_classes=1)
+  algorithm = algorithms.get_algorithm(
+    name, num_candidates=3, knn_k=1, asv_left_term=False, asv_features="image_features"
+  )
+  _, valid, _, records = jax.jit(algorithm.retrieve_with_records, static_argnums=3)(
+    algorithm.prepare(rstate, buffer), buffer, features, 3
+  )
+  assert bool(valid.all())
+  # float32 sums of O(1) values: ~1e-7.
+  np.testing.assert_allclose(np.sort(records["knn_sv"][0]), [0.0, 0.25, 0.75], atol=1e-6)
+  with pytest.raises(ValueError, match="needs features \\['image_features'\\]"):
+    algorithm(rstate, buffer, NEW_IMAGE, 3)
+  with pytest.raises(ValueError, match="needs a buffer with image_features"):
+    algorithm(rstate, line, features, 3)
+  with pytest.raises(ValueError, match="asv_features='image'"):
+    algorithms.get_algorithm(name, asv_features="image")
+
+
+def test_top_k_token_features_and_store_round_trip(tmp_path):
+  """The image features of the top-k tokens are those of `top_k_embeddings`' tokens: logits
+  [1, 3 tokens, 2 queries] = [[0, 5], [9, 1], [2, 3]] with query 1 padded: max over the
+  valid query 0 ranks the tokens 1 (9), 2 (2), 0 (0); top-2 = tokens 1, 2. A buffer with
+  image features keeps them through `ReplayStore.save` / `load`; one without has none."""
+  from owl_cl.replay import buffer_selection
+  from owl_cl.replay import store as store_lib
+
+  logits = np.array([[[0.0, 5.0], [9.0, 1.0], [2.0, 3.0]]], np.float32)
+  tokens = np.arange(3 * 4, dtype=np.float32).reshape(1, 3, 4)
+  mask = np.array([[True, False]])
+  got = buffer_selection.top_k_token_features(logits, tokens, mask, 2)
+  np.testing.assert_array_equal(got, tokens[:, [1, 2]])
+  class_emb, _ = buffer_selection.top_k_embeddings(logits, tokens, tokens, mask, 2)
+  np.testing.assert_array_equal(got, class_emb)
+
+  line = _line_buffer([[[0.0, 1.0]], [[0.5, np.sqrt(0.75)]], [[1.0, 0.0]]])
+  examples = {
+    "images": np.zeros((3, 2, 2, 3), np.float32),
+    "queries": np.ones((3, 1, 2), np.int32),
+    "labels": np.zeros((3, 1, 1), np.float32),
+    "boxes": np.zeros((3, 1, 4), np.float32),
+    "query_class": np.zeros((3, 1), np.int32),
+  }
+  for image_features in (None, np.full((3, 1, 5), 0.25, np.float32)):
+    buffer = state_lib.make_replay_buffer(
+      line.class_membership,
+      line.prototypes,
+      line.prototype_distances,
+      line.class_embeddings,
+      line.query_embeddings,
+      image_features,
+    )
+    store = store_lib.ReplayStore(examples, np.zeros((3, 4, 1), np.float32), buffer, ["a"])
+    path = str(tmp_path / f"store_{image_features is None}")
+    store.save(path)
+    loaded = store_lib.ReplayStore.load(path).replay_buffer()
+    if image_features is None:
+      assert loaded.image_features is None
+    else:
+      np.testing.assert_array_equal(loaded.image_features, image_features)
+  with pytest.raises(ValueError, match="image_features must be \\[N=3, k=1, D\\]"):
+    state_lib.make_replay_buffer(
+      line.class_membership,
+      line.prototypes,
+      line.prototype_distances,
+      line.class_embeddings,
+      line.query_embeddings,
+      np.zeros((3, 2, 5), np.float32),
+    )
