@@ -906,7 +906,10 @@ def get_algorithm(
       e.g. `swil_weight` (w of SWIL, 1.0), `grasp_weight` (w of GRASP, 1.0),
       `balanced_order` ('sequential' | 'reshuffled'), `adaptive_entropy_threshold` (tau),
       `num_candidates`, `knn_k` (20), `asv_c` (0.15), `asv_token_matching`, `asv_distance`,
-      `asv_weight_reduction`, `asv_chunk_size`.
+      `asv_weight_reduction`, `asv_chunk_size`, and the released code's options
+      `within_class_weighting` ('uniform' | 'grasp'), `asv_left_term`, `asv_shapley`
+      ('knn' | 'tknn'), `asv_distance_threshold`, `tknn_num_classes`, `candidate_subsets`
+      ('shared' | 'per_image'), `asv_features` ('class_embeddings' | 'image_features').
   Returns:
     a callable `(rstate, buffer, features, num_replay, active=None) -> (indices, valid, rstate)`.
   Raises:

@@ -17,6 +17,8 @@ Instance-level KNN-SVs (paper suppl. §C): each image carries its top-k class em
 (distance) and the matching query embeddings (utility); `image_knn_shapley` turns them into an
 image-level [N_e, N_c] matrix, either all-to-all over tokens ([N_c, k, N_e, k], reduced over
 both k dims, the paper) or by the released code's nearest-token matching (option).
+
+`threshold_knn_shapley` is the released code's thresholded variant (TKNN-SV, option).
 """
 
 from __future__ import annotations
