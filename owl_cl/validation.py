@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
+from owl_cl.replay import algorithms as replay_algorithms
 from owl_cl.replay import buffer_selection
+from owl_cl.replay import knn_shapley
 from owl_cl.train import losses
 from owl_cl.utils import expand_path
 
@@ -203,6 +205,8 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.aser.knn_k": integer(1),
   "replay.aser.asv_c": FINITE,
   "replay.aser.asv_chunk_size": integer(1),
+  "replay.aser.asv_distance_threshold": real(0.0, low_open=True, optional=True),
+  "replay.aser.tknn_num_classes": POSITIVE,
   "replay.top_k": integer(1),
   "replay.loss_adaptivity.threshold": FINITE,
   "replay.selection.loss_threshold": FINITE,
@@ -392,6 +396,28 @@ def option_problems(config: ml_collections.ConfigDict) -> list[str]:
       "config.replay.selection.top_up_order",
       config.replay.selection.top_up_order,
       buffer_selection.TOP_UP_ORDERS,
+    ),
+    (
+      "config.replay.selection.prototype_images",
+      config.replay.selection.prototype_images,
+      buffer_selection.PROTOTYPE_IMAGES,
+    ),
+    (
+      "config.replay.within_class_weighting",
+      config.replay.within_class_weighting,
+      replay_algorithms.WITHIN_CLASS_WEIGHTINGS,
+    ),
+    ("config.replay.aser.asv_shapley", config.replay.aser.asv_shapley, knn_shapley.SHAPLEY),
+    ("config.replay.aser.asv_left_term", config.replay.aser.asv_left_term, (True, False)),
+    (
+      "config.replay.aser.asv_features",
+      config.replay.aser.asv_features,
+      replay_algorithms.ASV_FEATURES,
+    ),
+    (
+      "config.replay.aser.candidate_subsets",
+      config.replay.aser.candidate_subsets,
+      replay_algorithms.CANDIDATE_SUBSETS,
     ),
   )
   return [

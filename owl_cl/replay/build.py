@@ -92,6 +92,7 @@ def analyse_images(
   max_per_class: int,
   loss_config: dict,
   batch_size: int,
+  image_features: bool = False,
 ) -> dict[str, np.ndarray]:
   """Per-image quantities of the pre-trained model (one jitted forward per batch).
 
@@ -100,7 +101,8 @@ def analyse_images(
     top_class_embeddings / top_query_embeddings float32 [N,k,E] (docs/reference.md §6),
     prototype_sums float32 [N,C,E], prototype_counts float32 [N,C] (top-n_c tokens per class,
     n_c = min(max_per_class, #instances)), instance_counts int32 [N,C],
-    class_embeddings float32 [N,T,E] (for the prototype distances).
+    class_embeddings float32 [N,T,E] (for the prototype distances); with `image_features`
+    also top_image_features [N,k,D] (the ViT output tokens of the same top-k tokens).
   """
 
   @jax.jit
@@ -123,7 +125,7 @@ def analyse_images(
       counts,
       max_per_class=max_per_class,
     )
-    return {
+    result = {
       "per_image_loss": det["per_example"],
       "logits": out["pred_logits"],
       "top_class_embeddings": top_class,
@@ -133,6 +135,15 @@ def analyse_images(
       "instance_counts": counts,
       "class_embeddings": out["class_embeddings"],
     }
+    if image_features:
+      feature_map = out["feature_map"]
+      result["top_image_features"] = buffer_selection.top_k_token_features(
+        out["pred_logits"],
+        feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
+        query_mask,
+        top_k,
+      )
+    return result
 
   n = examples["images"].shape[0]
   parts: dict[str, list] = {}
@@ -169,6 +180,8 @@ def build_store(
   distance_max_instances: int | None = None,
   drop_images_without_class: bool = False,
   top_up_order: str = "class_index",
+  prototype_images: str = "buffer",
+  image_features: bool = False,
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
 
@@ -179,14 +192,23 @@ def build_store(
   merge_iou, negative_weights). `distance_max_instances`: cap on the class-c embeddings an
   image's prototype distance takes the min over (None: all its instances, the paper; 6: the
   released code, which reuses the prototype's top-n_c tokens). `drop_images_without_class`,
-  `top_up_order`: `selection.select_buffer`'s options.
+  `top_up_order`: `selection.select_buffer`'s options. `prototype_images`: the prototypes
+  average the kept images ('buffer') or every image of `source` ('all', released code;
+  `buffer_selection.buffer_prototypes`). `image_features`: also store the top-k tokens' ViT
+  features (ASER on image features, `replay.aser.asv_features`).
 
   Returns:
     (store, statistics dict: images considered / kept, per-class counts, loss quantiles).
 
   Raises:
-    ValueError: if no image is selected (threshold and minimum both select nothing).
+    ValueError: if no image is selected (threshold and minimum both select nothing), or an
+      unknown `prototype_images` (before any work).
   """
+  if prototype_images not in buffer_selection.PROTOTYPE_IMAGES:
+    raise ValueError(
+      f"replay.selection.prototype_images={prototype_images!r} is unknown; "
+      f"known: {list(buffer_selection.PROTOTYPE_IMAGES)}"
+    )
   num_classes = len(source.class_names)
   examples = preprocess_source(
     source,
@@ -208,6 +230,7 @@ def build_store(
     max_per_class=max_per_class,
     loss_config=loss_config,
     batch_size=batch_size,
+    image_features=image_features,
   )
   membership = analysis["instance_counts"] > 0
   keep = buffer_selection.select_buffer(
@@ -224,8 +247,8 @@ def build_store(
       f"replay.selection selected no image (loss_threshold={loss_threshold}, "
       f"min_per_class={min_per_class})"
     )
-  prototypes, _ = buffer_selection.compute_prototypes(
-    jnp.asarray(analysis["prototype_sums"][keep]), jnp.asarray(analysis["prototype_counts"][keep])
+  prototypes, _ = buffer_selection.buffer_prototypes(
+    analysis["prototype_sums"], analysis["prototype_counts"], keep, prototype_images
   )
   distances = jax.jit(buffer_selection.prototype_distances, static_argnames=("max_instances",))(
     jnp.asarray(analysis["logits"][keep]),
@@ -241,6 +264,7 @@ def build_store(
     distances,
     jnp.asarray(analysis["top_class_embeddings"][keep]),
     jnp.asarray(analysis["top_query_embeddings"][keep]),
+    jnp.asarray(analysis["top_image_features"][keep]) if image_features else None,
   )
   store = store_lib.ReplayStore(
     {k: examples[k][keep] for k in EXAMPLE_KEYS},
