@@ -125,6 +125,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.num_negatives = 23  # random negative class names per training image (up to)
   c.data.max_instances = 8  # M boxes per image
   c.data.num_workers = 0  # grain worker processes (0 = in process)
+  # Decode every image of every split the run reads before training (owl_cl.data.scan: a
+  # truncated or missing file is one error up front, not a crash hours in), once per split
+  # and data version (recorded under <cache_dir>/data_scan). False skips the decoding (empty
+  # splits are still refused); e.g. for a first run on Objects365's 1.7M images.
+  c.data.validate_images = True
   # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.pipeline). The defaults are the
   # built-in
   # benchmark's; a non-default value also keys the cached pre-trained model and buffer.
@@ -266,6 +271,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # class step): 'fallback' (its slot draws among the remaining images) | 'redraw' (released
   # code: balanced skips the class, similarity-weighted redraws the class).
   c.replay.exhausted_class = "fallback"
+  # Draw within a class where the paper draws uniformly (A-SW-GRASP's SWIL slots, the ASER
+  # variants' candidate sets): 'uniform' (paper, released default) | 'grasp' (prototype-weighted
+  # with grasp_weight: the released option bal_prob_type='GRASP').
+  c.replay.within_class_weighting = "uniform"
   # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, docs/reference.md
   # §7).
   c.replay.aser = ml_collections.ConfigDict()
@@ -277,6 +286,22 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.aser.asv_distance = "l2"  # 'l2' (released code) | 'cosine'
   c.replay.aser.asv_weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
   c.replay.aser.asv_chunk_size = 64  # images per chunk of the ASER-PC precomputation
+  # False: ASV = -(right term), no value-to-the-buffer term (released option no_buff=True).
+  c.replay.aser.asv_left_term = True
+  # Shapley value of both ASV terms: 'knn' (paper, released default) | 'tknn' (released option
+  # SV_type='TKNN': thresholded KNN-SV, docs/reference.md §7).
+  c.replay.aser.asv_shapley = "knn"
+  # 'tknn': candidates at distance >= this do not count (released l2_thresh; None: none).
+  c.replay.aser.asv_distance_threshold = ml_collections.config_dict.placeholder(float)
+  c.replay.aser.tknn_num_classes = 400.0  # 'tknn': C of the (u - 1/C) term (released 400)
+  # SW-ASER-PC candidate sets: 'shared' (paper: top candidates of one set) | 'per_image'
+  # (released option caser.balanced=True: each new image draws N_c / B candidates from its own
+  # SWIL class and replays the best of them).
+  c.replay.aser.candidate_subsets = "shared"
+  # Tokens the ASV's KNN distances compare: 'class_embeddings' (paper, released default) |
+  # 'image_features' (released option cls_embeds=False: the ViT's output tokens; the buffer
+  # then also stores them, [N, k, D]).
+  c.replay.aser.asv_features = "class_embeddings"
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image
@@ -308,6 +333,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.selection.drop_images_without_class = False  # True: released code
   # Order in which classes are topped up: 'class_index' | 'first_appearance' (released code).
   c.replay.selection.top_up_order = "class_index"
+  # Images the class prototypes average over: 'buffer' (the selected images) | 'all' (every
+  # image of the pre-training set, released code).
+  c.replay.selection.prototype_images = "buffer"
 
   # --- evaluation (docs/reference.md §4)
   # --------------------------------------------------------------
@@ -372,6 +400,7 @@ def apply_released_code(
   c.replay.selection.distance_max_instances = 6
   c.replay.selection.drop_images_without_class = True
   c.replay.selection.top_up_order = "first_appearance"
+  c.replay.selection.prototype_images = "all"
   c.train.layerwise_granularity = "tensor"
   c.data.squash_resize = True
   c.data.negatives_by_frequency = True

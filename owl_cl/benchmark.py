@@ -190,31 +190,50 @@ def _eval_split(entry: entries_lib.DatasetEntry) -> str:
   return next(s for s in ("test", "val", "train") if s in entry.split_names)
 
 
-def _protocol(entry: entries_lib.DatasetEntry, split: str) -> str:
+def _protocol(entry: entries_lib.DatasetEntry, split: str, source=True) -> str:
+  if source is None:
+    return "coco"  # the split could not be read: reported by `_SplitLoader`, never evaluated
   if entry.evaluation is None and entry.kind in ("objects365", "lvis"):
     return "coco" if entry.kind == "objects365" else "lvis"  # their jsons are large
   return entries_lib.evaluation_protocol(entry, split)
 
 
-def _sequence_dataset(entry: entries_lib.DatasetEntry) -> Dataset:
-  split = lambda s: entries_lib.load_split(entry, s) if s in entry.split_names else None
-  # The registry's per-dataset detections (paper protocol); other kinds use the config's.
-  max_detections = odinw_max_detections(entry.member) if entry.kind == "odinw" else None
+class _SplitLoader:
+  """`entries.load_split` that records a split's DataError and goes on with the next split,
+  so one error (`raise_problems`) names every unreadable file of every dataset."""
+
+  def __init__(self):
+    self.problems: list[str] = []
+
+  def __call__(self, entry: entries_lib.DatasetEntry, split: str) -> coco.CocoSource | None:
+    try:
+      return entries_lib.load_split(entry, split)
+    except coco.DataError as e:
+      self.problems += [f"dataset {entry.name!r} split {split!r}: {p}" for p in str(e).split("\n")]
+      return None
+
+  def raise_problems(self) -> None:
+    """Raises one DataError listing every recorded problem (nothing when there is none)."""
+    if self.problems:
+      raise coco.DataError(
+        f"the run's data cannot be read ({len(self.problems)} problem"
+        f"{'s' * (len(self.problems) > 1)}):\n" + "\n".join(f"  - {p}" for p in self.problems)
+      )
+
+
+def _sequence_dataset(entry: entries_lib.DatasetEntry, load=entries_lib.load_split) -> Dataset:
+  split = lambda s: load(entry, s) if s in entry.split_names else None
+  test = split("test")
   return Dataset(
     entry.name,
     split("train"),
-    split("test"),
+    test,
     valid=split("val"),
-    evaluation=_protocol(entry, "test"),
-    max_detections=max_detections,
+    evaluation=_protocol(entry, "test", test),
+    # The entry's value for every kind (an ODinW member's defaults to the registry's, the
+    # paper protocol; None: the config's eval.top_k / max_dets).
+    max_detections=entry.max_detections,
   )
-
-
-def odinw_max_detections(member: str) -> int | None:
-  """The ODinW registry's detections per image of `member` (None: the config's)."""
-  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
-
-  return odinw.ODINW_DATASETS[member].max_detections
 
 
 def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
@@ -248,14 +267,16 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
 def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Benchmark:
   """The Benchmark of `declared` entries; undeclared roles from `default` (built-in)."""
   pretrain_eval, held_out_eval = PRETRAIN_EVAL, HELD_OUT_EVAL
+  load = _SplitLoader()
   if declared["pretrain"] is None:
     pretrain = default.pretrain
   else:
     e = declared["pretrain"]
     split = _eval_split(e)
-    train = entries_lib.load_split(e, "train") if "train" in e.split_names else None
+    train = load(e, "train") if "train" in e.split_names else None
+    test = load(e, split)
     pretrain = Dataset(
-      e.name, train, entries_lib.load_split(e, split), evaluation=_protocol(e, split)
+      e.name, train, test, evaluation=_protocol(e, split, test), max_detections=e.max_detections
     )
     pretrain_eval = e.name
   if declared["held_out"] is None:
@@ -263,14 +284,18 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
   else:
     e = declared["held_out"]
     split = _eval_split(e)
+    test = load(e, split)
     held_out = Dataset(
-      e.name, None, entries_lib.load_split(e, split), evaluation=_protocol(e, split)
+      e.name, None, test, evaluation=_protocol(e, split, test), max_detections=e.max_detections
     )
     held_out_eval = e.name
   if declared["sequence"] is None:
     sequence = list(default.sequence)
   else:
-    sequence = shuffled([_sequence_dataset(e) for e in declared["sequence"]], config.sequence_seed)
+    sequence = shuffled(
+      [_sequence_dataset(e, load) for e in declared["sequence"]], config.sequence_seed
+    )
+  load.raise_problems()
   roles = None
   if held_out.evaluation == "lvis" and declared["held_out"] is not None:
     # The paper's columns: pre-training proxy, open-vocabulary AP and its rare classes' APr.

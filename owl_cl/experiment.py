@@ -167,6 +167,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   wall_start = time.time()
   bench = benchmark_lib.load_benchmark(config)
   validation.check_sequence_config(config, bench)
+  validation.check_data(config, bench)  # every image decoded once, before the workdir is claimed
   # Claimed only once the data is checked too: a run refused for its data leaves no run.json
   # that would refuse the corrected command as "a different config".
   # One writer (process 0): run.json, results, records and TensorBoard; every process takes

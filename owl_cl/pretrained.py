@@ -7,6 +7,7 @@ scenic msgpack), or the cached pre-trained model of the built-in benchmark, or p
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -26,8 +27,154 @@ from owl_cl.utils import file_digest
 from owl_cl.validation import ConfigError
 from owl_cl.validation import uses_real_data
 
+# The ModelConfig fields a parameter tree determines (`convert.infer_model_config`).
+ARCHITECTURE_FIELDS = (
+  "image_size",
+  "patch_size",
+  "vision_width",
+  "vision_layers",
+  "vision_heads",
+  "vision_mlp_dim",
+  "text_width",
+  "text_layers",
+  "text_heads",
+  "text_mlp_dim",
+  "embed_dim",
+  "vocab_size",
+  "context_length",
+)
 
-def load_init_checkpoint(path: str, like) -> tuple[Any, dict]:
+
+def architecture(tree) -> dict[str, int] | None:
+  """`ARCHITECTURE_FIELDS` read off a parameter tree (leaves with `.shape`); None when the
+  tree is not an OWL-ViT's (a needed leaf is absent)."""
+  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
+
+  try:
+    config = convert.infer_model_config(tree)
+  except (ValueError, KeyError, IndexError):
+    return None
+  return {f: int(getattr(config, f)) for f in ARCHITECTURE_FIELDS}
+
+
+def describe_architecture(arch: dict[str, int] | None) -> str:
+  """'variant 'tiny' with vision_width=64, ...' (the nearest of `model.VARIANTS`)."""
+  if arch is None:
+    return "an unknown architecture (not an OWL-ViT parameter tree)"
+  from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
+
+  def differing(variant):
+    return {f: v for f, v in arch.items() if model_lib.VARIANTS[variant][f] != v}
+
+  nearest = min(model_lib.VARIANTS, key=lambda v: len(differing(v)))
+  extra = differing(nearest)
+  if not extra:
+    return f"variant {nearest!r}"
+  return f"variant {nearest!r} with " + ", ".join(f"{f}={v}" for f, v in extra.items())
+
+
+def params_checkpoint_problem(path: str, like, needs: str = "") -> str:
+  """What keeps the owl_cl parameter checkpoint at `path` from loading into `like` ('' when
+  nothing does), read from orbax's metadata (shapes) and `meta.json`, no array loaded.
+
+  Args:
+    path: a `checkpointing.save_params` folder (expanded). like: the model's parameter tree
+      (leaves with `.shape`, e.g. ShapeDtypeStruct). needs: how the config names its model
+      (e.g. "config.model.variant='tiny' with overrides {...}").
+
+  Returns:
+    A message naming `path`, the model it holds (meta.json's `model` when saved by owl_cl,
+    and the architecture read off the stored shapes), the model the config needs, and every
+    differing architecture field; '' when every parameter has the model's shape.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
+
+  try:
+    metadata = ocp.StandardCheckpointer().metadata(os.path.join(path, "params"))
+    stored = convert.tree.flatten(dict(getattr(metadata, "item_metadata", metadata)))
+  except Exception as e:  # pylint: disable=broad-except
+    # Orbax raises a variety of errors for damaged metadata; any of them means unreadable.
+    return f"config.init_checkpoint={path}: cannot read its parameter metadata ({e})"
+  expected = convert.tree.flatten(like)
+  wrong = sorted(
+    k for k in set(stored) & set(expected) if tuple(stored[k].shape) != tuple(expected[k].shape)
+  )
+  missing = sorted(set(expected) - set(stored))
+  unexpected = sorted(set(stored) - set(expected))
+  if not (wrong or missing or unexpected):
+    return ""
+  held_arch = architecture(convert.tree.unflatten(stored))
+  needed_arch = architecture(like)
+  held = describe_architecture(held_arch)
+  meta_path = os.path.join(path, "meta.json")
+  saved_model = None
+  if os.path.isfile(meta_path):
+    try:
+      with open(meta_path) as f:
+        saved_model = json.load(f).get("model")
+    except (OSError, ValueError):
+      saved_model = None
+  if saved_model:
+    held += f" (meta.json: saved from config.model {json.dumps(saved_model, sort_keys=True)})"
+  lines = [
+    f"config.init_checkpoint={path} holds another model: {held}; the config needs "
+    f"{describe_architecture(needed_arch)}" + (f" ({needs})" if needs else "")
+  ]
+  if held_arch and needed_arch:
+    diff = [f for f in ARCHITECTURE_FIELDS if held_arch[f] != needed_arch[f]]
+    if diff:
+      lines.append(
+        "differing: "
+        + ", ".join(f"{f} {held_arch[f]} (checkpoint) vs {needed_arch[f]} (config)" for f in diff)
+      )
+  lines.append(
+    f"{len(wrong)} parameters of another shape, {len(missing)} missing, {len(unexpected)} "
+    "unexpected; use a checkpoint of this model, or set config.model to the checkpoint's"
+  )
+  return "\n    ".join(lines)
+
+
+def hf_checkpoint_problem(path: str, like, needs: str = "") -> str:
+  """What makes the HF `OwlViTForObjectDetection` folder `path` another model than `like`
+  ('' when its config.json gives the same architecture, or cannot be read: the loader then
+  names what is wrong), from config.json alone (no weights read).
+
+  Args and message: as `params_checkpoint_problem`.
+  """
+  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
+
+  try:
+    held = convert.hf_config_to_model_config(path)
+  except (ValueError, ImportError, OSError, KeyError, TypeError):
+    return ""
+  held_arch = {f: int(getattr(held, f)) for f in ARCHITECTURE_FIELDS}
+  needed_arch = architecture(like)
+  if needed_arch is None or held_arch == needed_arch:
+    return ""
+  diff = [f for f in ARCHITECTURE_FIELDS if held_arch[f] != needed_arch[f]]
+  return "\n    ".join(
+    [
+      f"config.init_checkpoint={path} holds another model: "
+      f"{describe_architecture(held_arch)} (its config.json); the config needs "
+      f"{describe_architecture(needed_arch)}" + (f" ({needs})" if needs else ""),
+      "differing: "
+      + ", ".join(f"{f} {held_arch[f]} (checkpoint) vs {needed_arch[f]} (config)" for f in diff),
+      "use a checkpoint of this model, or set config.model to the checkpoint's",
+    ]
+  )
+
+
+def model_description(config: ml_collections.ConfigDict) -> str:
+  """ "config.model.variant='tiny' with overrides {...}" (for error messages)."""
+  overrides = dict(config.model.overrides)
+  return f"config.model.variant={config.model.variant!r}" + (
+    f" with overrides {overrides}" if overrides else ""
+  )
+
+
+def load_init_checkpoint(path: str, like, needs: str = "") -> tuple[Any, dict]:
   """Parameters of `config.init_checkpoint`. Returns (params, meta).
 
   Formats, recognised by what `path` holds: an owl_cl parameter checkpoint (a folder with
@@ -39,21 +186,36 @@ def load_init_checkpoint(path: str, like) -> tuple[Any, dict]:
     path: the checkpoint (expanded).
     like: ShapeDtypeStruct tree of the model's parameters.
 
+    needs: how the config names its model, quoted in the errors (`model_description`).
+
   Raises:
-    owl_cl.model.convert.CheckpointMismatchError: listing every missing, unexpected or
-      wrongly shaped parameter against the configured model (e.g. a B/32 checkpoint for the
-      L/14 config).
+    owl_cl.model.convert.CheckpointMismatchError: an owl_cl checkpoint of another model
+      (names `path`, the model it holds and the model the config needs, checked on the
+      stored shapes before any array is read: `params_checkpoint_problem`); an HF or scenic
+      checkpoint listing every missing, unexpected or wrongly shaped parameter against the
+      configured model (e.g. a B/32 checkpoint for the L/14 config).
     FileNotFoundError: nothing readable at `path`.
   """
-  if os.path.isdir(os.path.join(path, "params")):
-    return checkpointing.load_params(path, like)
   from owl_cl.model import convert as checkpoints  # pylint: disable=g-import-not-at-top
 
-  if os.path.isfile(os.path.join(path, "config.json")):
-    params, hf_config = checkpoints.load_hf_checkpoint(path)
-    params = checkpoints.check_params(params, like, path)
-    return params, {"source": path, "format": "hf", "hf_model_config": str(hf_config)}
-  params = checkpoints.load_scenic_checkpoint(path, like)
+  if os.path.isdir(os.path.join(path, "params")):
+    problem = params_checkpoint_problem(path, like, needs)
+    if problem:
+      raise checkpoints.CheckpointMismatchError(path, what=f" of the config: {problem}")
+    return checkpointing.load_params(path, like)
+  what = f" ({needs})" if needs else ""
+  try:
+    if os.path.isfile(os.path.join(path, "config.json")):
+      params, hf_config = checkpoints.load_hf_checkpoint(path)
+      params = checkpoints.check_params(params, like, path)
+      return params, {"source": path, "format": "hf", "hf_model_config": str(hf_config)}
+    params = checkpoints.load_scenic_checkpoint(path, like)
+  except checkpoints.CheckpointMismatchError as e:
+    if not what:
+      raise
+    raise checkpoints.CheckpointMismatchError(
+      e.source, e.missing, e.unexpected, e.wrong_shape, what=what
+    ) from e
   return params, {"source": path, "format": "scenic"}
 
 
@@ -66,7 +228,9 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
   config = detector.config
   like = jax.eval_shape(lambda: detector.init_params(config.seed))
   if config.init_checkpoint:
-    return load_init_checkpoint(expand_path(config.init_checkpoint), like)
+    return load_init_checkpoint(
+      expand_path(config.init_checkpoint), like, needs=model_description(config)
+    )
   if uses_real_data(config):
     raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
   key = digest(
@@ -99,6 +263,8 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
   # Looked up on the module at call time, so a test can replace it.
   params, curve = trainer.pretrain(detector, bench, writer)
   meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
+  # The model it holds, named when it is given as another config's init_checkpoint.
+  meta["model"] = cache_key_fields(config, "model")
   meta["validation"] = detector.evaluate(params, bench.pretrain.test, "pre-training val")
   # One writer: the temporary folder and the rename are not safe to run on several hosts
   # sharing the cache; the others wait until the model is on disk.

@@ -11,6 +11,7 @@ sequence. Each raises `ConfigError` naming the field and its value.
 from __future__ import annotations
 
 from collections.abc import Callable
+import json
 import math
 import numbers
 import os
@@ -18,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
+from owl_cl.replay import algorithms as replay_algorithms
 from owl_cl.replay import buffer_selection
+from owl_cl.replay import knn_shapley
 from owl_cl.train import losses
 from owl_cl.utils import expand_path
 
@@ -59,9 +62,10 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
 
   Raises:
     ConfigError: one message listing every out-of-range field with its value, an unwritable
-      workdir, an unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or
-      `train.carry`, a CLIP tokenizer without its vocabulary, an `init_checkpoint` folder
-      that holds no checkpoint.
+      workdir, a workdir holding another run's results (`foreign_results_problem`), an
+      unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or `train.carry`, a
+      CLIP tokenizer without its vocabulary, an `init_checkpoint` folder that holds no
+      checkpoint or a checkpoint of another model (`init_checkpoint_model_problem`).
     MissingInputsError: the paper's protocol with missing inputs (`check_inputs`), checked
       once the fields are valid; then every problem of the declared datasets
       (`check_datasets`).
@@ -201,6 +205,8 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.aser.knn_k": integer(1),
   "replay.aser.asv_c": FINITE,
   "replay.aser.asv_chunk_size": integer(1),
+  "replay.aser.asv_distance_threshold": real(0.0, low_open=True, optional=True),
+  "replay.aser.tknn_num_classes": POSITIVE,
   "replay.top_k": integer(1),
   "replay.loss_adaptivity.threshold": FINITE,
   "replay.selection.loss_threshold": FINITE,
@@ -285,7 +291,36 @@ def workdir_problem(workdir: str) -> str:
   if not os.access(existing, os.W_OK | os.X_OK):
     what = "workdir" if existing == path else f"workdir {path} cannot be created: its parent"
     return f"{what} {existing} is not writable by this user"
-  return ""
+  return foreign_results_problem(path)
+
+
+def foreign_results_problem(workdir: str) -> str:
+  """'' unless `workdir` holds results.json of a run other than its run.json's (or results
+  without any run.json): the run would fail when it first writes its results, after hours of
+  work and with its run.json, checkpoints and TensorBoard files written beside them."""
+  results_path = os.path.join(workdir, "results.json")
+  if not os.path.isfile(results_path):
+    return ""
+  try:
+    with open(results_path) as f:
+      owner = json.load(f).get("run_id")
+  except (OSError, ValueError, AttributeError) as e:
+    return (
+      f"workdir {workdir} holds {results_path}, which cannot be read ({e}); use another workdir"
+    )
+  run_id = None
+  try:
+    with open(os.path.join(workdir, "run.json")) as f:
+      run_id = json.load(f).get("run_id")
+  except (OSError, ValueError, AttributeError):
+    pass
+  if owner is not None and owner == run_id:
+    return ""
+  holder = f"run {run_id!r} (run.json)" if run_id else "no run.json"
+  return (
+    f"workdir {workdir} holds {results_path} of run {owner!r} but {holder}: another run's "
+    "results, which this run would overwrite; use another --workdir"
+  )
 
 
 def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
@@ -294,8 +329,10 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   A folder must be one of the formats `pretrained.load_init_checkpoint` reads: an owl_cl
   parameter checkpoint (`params/` written by orbax, with its `_METADATA`), an HF folder
   (`config.json`) or a folder of scenic `checkpoint_<step>` files. A missing path is
-  reported here (built-in benchmark) or by `check_inputs` (real data); a wrong model size
-  by the loader (`CheckpointMismatchError`).
+  reported here (built-in benchmark) or by `check_inputs` (real data). An owl_cl or HF
+  checkpoint of another model (size, widths, layers) is named with the model it holds and
+  the model the config needs (`init_checkpoint_model_problem`); a scenic one by the loader
+  (`CheckpointMismatchError`, with the config's model named).
   """
   if not config.get("init_checkpoint"):
     return ""
@@ -308,19 +345,45 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   params = os.path.join(path, "params")
   if os.path.isdir(params):
     if os.path.exists(os.path.join(params, "_METADATA")):
-      return ""
+      return init_checkpoint_model_problem(config, path)
     return (
       f"config.init_checkpoint={path} is not an owl_cl parameter checkpoint: {params} has no "
       "orbax _METADATA (an interrupted or foreign copy?)"
     )
   names = os.listdir(path)
-  if "config.json" in names or any(n.startswith("checkpoint_") for n in names):
+  if "config.json" in names:
+    return init_checkpoint_model_problem(config, path, hf=True)
+  if any(n.startswith("checkpoint_") for n in names):
     return ""
   return (
     f"config.init_checkpoint={path} is a folder holding no checkpoint: neither params/ (an "
     "owl_cl parameter checkpoint), config.json (an HF OwlViTForObjectDetection folder) nor "
     f"checkpoint_<step> files (scenic) for model.variant={config.model.variant!r}"
   )
+
+
+def init_checkpoint_model_problem(
+  config: ml_collections.ConfigDict, path: str, hf: bool = False
+) -> str:
+  """What makes the checkpoint `path` another model than the config's ('' when it is this
+  model): an owl_cl parameter checkpoint from its stored shapes and meta.json
+  (`pretrained.params_checkpoint_problem`), an HF folder (`hf`) from its config.json
+  (`pretrained.hf_checkpoint_problem`); the model's shapes by `jax.eval_shape`, nothing
+  allocated. An invalid `config.model` is left to the detector's own error."""
+  # pylint: disable=g-import-not-at-top
+  from owl_cl import model as model_lib
+  from owl_cl import pretrained
+  from owl_cl.detector import model_fields
+  from owl_cl.model import convert
+  # pylint: enable=g-import-not-at-top
+
+  try:
+    model = model_lib.create_model(config.model.variant, **model_fields(config))
+  except (ValueError, TypeError, AttributeError):
+    return ""
+  like = convert.abstract_params(model.config)
+  check = pretrained.hf_checkpoint_problem if hf else pretrained.params_checkpoint_problem
+  return check(path, like, pretrained.model_description(config))
 
 
 def option_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -333,6 +396,28 @@ def option_problems(config: ml_collections.ConfigDict) -> list[str]:
       "config.replay.selection.top_up_order",
       config.replay.selection.top_up_order,
       buffer_selection.TOP_UP_ORDERS,
+    ),
+    (
+      "config.replay.selection.prototype_images",
+      config.replay.selection.prototype_images,
+      buffer_selection.PROTOTYPE_IMAGES,
+    ),
+    (
+      "config.replay.within_class_weighting",
+      config.replay.within_class_weighting,
+      replay_algorithms.WITHIN_CLASS_WEIGHTINGS,
+    ),
+    ("config.replay.aser.asv_shapley", config.replay.aser.asv_shapley, knn_shapley.SHAPLEY),
+    ("config.replay.aser.asv_left_term", config.replay.aser.asv_left_term, (True, False)),
+    (
+      "config.replay.aser.asv_features",
+      config.replay.aser.asv_features,
+      replay_algorithms.ASV_FEATURES,
+    ),
+    (
+      "config.replay.aser.candidate_subsets",
+      config.replay.aser.candidate_subsets,
+      replay_algorithms.CANDIDATE_SUBSETS,
     ),
   )
   return [
@@ -438,6 +523,29 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
       f"config.train.batch_size={batch_size} is larger than the training set of {small} "
       "(images in brackets): not one step could be taken; lower the batch size or fix the data"
     )
+
+
+def check_data(config: ml_collections.ConfigDict, benchmark: Benchmark) -> dict[str, int]:
+  """The data scan (`owl_cl.data.scan`) of every split the run reads, before any training.
+
+  Every split must hold images (an empty training or evaluation set is refused); with
+  `data.validate_images` (default True) every image is decoded as the pipeline decodes it,
+  once per split and data version (recorded under `<cache_dir>/data_scan`).
+
+  Returns:
+    {'scanned': images decoded now, 'cached': images not decoded (see `scan.scan_splits`)}.
+
+  Raises:
+    DataError: one error listing every empty split and every image that does not decode,
+      each naming the dataset, the split, the file and the reason.
+  """
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  return scan.scan_benchmark(
+    benchmark,
+    expand_path(config.cache_dir),
+    decode=bool(config.data.get("validate_images", True)),
+  )
 
 
 # ----------------------------------------------------------------------------- real data

@@ -428,3 +428,390 @@ def test_invalid_annotation_json_is_refused_before_the_run_is_claimed(
   after = snapshot(workdir)
   assert after.pop(utils.LOCK_FILE, b"") == b""
   assert after == before
+
+
+# ----------------------------------------------------------------------------- bad data
+# A small own-data run (data.sequence / pretrain / held_out declared as COCO folders) whose
+# files the cases below break one at a time. Refused by the data checks after the workdir
+# lock is taken (an empty lock file may remain) and before run.json claims the workdir.
+
+CATEGORIES = [dict(id=1, name="cup"), dict(id=2, name="plate")]
+
+
+def write_split(folder, split: str, num_images: int, ext: str = "png") -> str:
+  """`folder/<split>.json` + `folder/images/<split>_<k>.<ext>`: noise images 32x24 (W x H),
+  one 8x8 box each, classes alternating. Returns the json's path."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+  rng = np.random.default_rng(len(split) + num_images)
+  images, annotations = [], []
+  for k in range(num_images):
+    name = f"{split}_{k}.{ext}"
+    pixels = rng.integers(0, 256, size=(24, 32, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(os.path.join(folder, "images", name))
+    images.append(dict(id=k + 1, file_name=name, height=24, width=32))
+    annotations.append(dict(id=k + 1, image_id=k + 1, category_id=k % 2 + 1, bbox=[4, 4, 8, 8]))
+  path = os.path.join(folder, f"{split}.json")
+  with open(path, "w") as f:
+    json.dump(dict(images=images, annotations=annotations, categories=CATEGORIES), f)
+  return path
+
+
+def own_data_config(tmp_path, ext: str = "png"):
+  """A tiny config whose three roles are COCO folders below tmp_path/data (8 train images,
+  4 test images), so no built-in benchmark or pre-trained model is built before the checks."""
+  folder = str(tmp_path / "data")
+  split = lambda s: dict(
+    annotation_file=os.path.join(folder, f"{s}.json"), image_dir=f"{folder}/images"
+  )
+  write_split(folder, "train", 8, ext)
+  write_split(folder, "test", 4, ext)
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.data.sequence = [
+    dict(name="kitchen", kind="coco", train=split("train"), test=split("test"))
+  ]
+  config.data.pretrain = dict(name="pre", kind="coco", train=split("train"), test=split("test"))
+  config.data.held_out = dict(name="held", kind="coco", test=split("test"))
+  return config, folder
+
+
+def edit_json(path, edit) -> None:
+  with open(path) as f:
+    data = json.load(f)
+  edit(data)
+  with open(path, "w") as f:
+    json.dump(data, f)
+
+
+def refuse_data(config, workdir, capsys) -> tuple[int, str]:
+  """`refuse` for a run refused by the data checks: the files already in the workdir are
+  unchanged and nothing else is there but the released (empty) workdir lock."""
+  before = snapshot(workdir)
+  before.pop(utils.LOCK_FILE, None)  # left by an earlier refused run in this workdir
+  with pytest.raises(main.known_errors()) as raised:
+    experiment.run(config, workdir)
+  with pytest.raises(SystemExit) as exited:
+    main.fail(raised.value)
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  after = snapshot(workdir)
+  assert after.pop(utils.LOCK_FILE, b"") == b""
+  assert after == before  # no run.json, checkpoints or results
+  return exited.value.code, err
+
+
+@pytest.mark.parametrize("ext", ["jpg", "png"])
+def test_truncated_image_is_refused_before_training(ext, tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path, ext)
+  bad = os.path.join(folder, "images", f"train_3.{ext}")
+  with open(bad, "rb") as f:
+    data = f.read()
+  with open(bad, "wb") as f:
+    f.write(data[: len(data) // 2])  # the header survives: only decoding the pixels fails
+  status, err = refuse_data(config, workdir, capsys)
+  assert status == 2
+  # Named with its dataset and split (the train split serves two roles: 'kitchen', 'pre').
+  assert f"split 'train': {folder}/train.json: cannot decode image {bad} (image id 4)" in err
+  assert "truncated" in err or "broken" in err
+
+
+def test_every_bad_image_is_listed_and_a_good_scan_is_cached(tmp_path, workdir, capsys):
+  from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  config, folder = own_data_config(tmp_path)
+  for k in (1, 5):
+    with open(os.path.join(folder, "images", f"train_{k}.png"), "wb") as f:
+      f.write(b"not a png")
+  os.remove(os.path.join(folder, "images", "test_2.png"))
+  edit_json(os.path.join(folder, "test.json"), lambda d: d["images"][0].update(width=40))
+  # The missing file is found when the json is read (one error for every file of the run).
+  status, err = refuse_data(config, workdir, capsys)
+  assert (
+    status == 2 and "image file not found: " + os.path.join(folder, "images", "test_2.png") in err
+  )
+  assert "dataset 'held' split 'test'" in err and "dataset 'kitchen' split 'test'" in err
+  write_split(folder, "test", 4)  # restored; now the scan finds the rest, all in one error
+  edit_json(os.path.join(folder, "test.json"), lambda d: d["images"][0].update(width=40))
+  status, err = refuse_data(config, workdir, capsys)
+  for k in (1, 5):
+    assert f"cannot decode image {folder}/images/train_{k}.png (image id {k + 1})" in err
+  assert "decodes to 32x24 (WxH) but the json says width=40 height=24" in err
+  # Fixed, the scan passes and records each split under the digest of its content: the
+  # train (test) split read in two roles is one content, decoded once.
+  write_split(folder, "train", 8)
+  write_split(folder, "test", 4)
+  bench = benchmark.load_benchmark(config)
+  assert validation.check_data(config, bench) == {"scanned": 8 + 4, "cached": 8 + 4 + 4}
+  assert len(os.listdir(tmp_path / "cache" / scan.SCAN_FOLDER)) == 2
+  assert validation.check_data(config, bench) == {"scanned": 0, "cached": 28}
+  # A changed image file changes its split's key: the test splits are scanned again.
+  with open(os.path.join(folder, "images", "test_0.png"), "ab") as f:
+    f.write(b"\0")  # after PNG's IEND chunk: still decodes
+  bench = benchmark.load_benchmark(config)
+  assert validation.check_data(config, bench) == {"scanned": 4, "cached": 24}
+
+
+def test_image_decoding_can_be_switched_off(tmp_path):
+  config, folder = own_data_config(tmp_path)
+  with open(os.path.join(folder, "images", "train_0.png"), "wb") as f:
+    f.write(b"not a png")
+  from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
+
+  bench = benchmark.load_benchmark(config)
+  config.data.validate_images = False
+  assert validation.check_data(config, bench) == {"scanned": 0, "cached": 0}
+  config.data.validate_images = True
+  with pytest.raises(main.known_errors(), match="train_0.png"):
+    validation.check_data(config, bench)
+
+
+# (what is broken, the annotation edit, text the message must hold)
+BAD_ANNOTATIONS = [
+  ("negative box", dict(bbox=[4, 4, -8, 8]), "value [4, 4, -8, 8] is degenerate"),
+  ("zero box", dict(bbox=[4, 4, 0, 8]), "value [4, 4, 0, 8] is degenerate"),
+  ("NaN box", dict(bbox=[4, math.nan, 8, 8]), "value [4, nan, 8, 8] is not finite"),
+  ("out-of-image box", dict(bbox=[30, 4, 8, 8]), "lies outside the 32x24 (WxH) image by more"),
+  ("unknown category", dict(category_id=9), "field 'category_id' has value 9, which is not in"),
+]
+
+
+@pytest.mark.parametrize("case,edit,expected", BAD_ANNOTATIONS, ids=[c[0] for c in BAD_ANNOTATIONS])
+def test_bad_annotation_is_refused(case, edit, expected, tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  train = os.path.join(folder, "train.json")
+  edit_json(train, lambda d: d["annotations"][2].update(edit))
+  status, err = refuse_data(config, workdir, capsys)
+  assert status == 2
+  assert f"{train}: annotations[2] (id 3" in err and expected in err
+
+
+def test_every_bad_annotation_of_every_file_is_in_one_error(tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  train, test = (os.path.join(folder, f"{s}.json") for s in ("train", "test"))
+
+  def break_all(data):
+    for k, (_, edit, _) in enumerate(BAD_ANNOTATIONS):
+      data["annotations"][k].update(edit)
+
+  edit_json(train, break_all)
+  edit_json(test, lambda d: d["annotations"][1].update(bbox=[4, 4, 8, -1]))
+  status, err = refuse_data(config, workdir, capsys)
+  assert status == 2
+  for k, (_, _, expected) in enumerate(BAD_ANNOTATIONS):
+    assert f"{train}: annotations[{k}] (id {k + 1}" in err and expected in err
+  assert f"dataset 'held' split 'test': {test}: annotations[1] (id 2, image_id 2)" in err
+
+
+def test_empty_category_name_is_refused(tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  for split in ("train", "test"):
+    edit_json(os.path.join(folder, f"{split}.json"), lambda d: d["categories"][1].update(name=" "))
+  status, err = refuse(config, workdir, capsys)  # found by the config checks: nothing written
+  assert status == 2
+  assert "class 1 has an empty name ' '" in err and f"{folder}/train.json" in err
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_empty_split_is_refused(split, tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  path = os.path.join(folder, f"{split}.json")
+  edit_json(path, lambda d: d.update(images=[], annotations=[]))
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"field '{split}' 'annotation_file': {path} has no images" in err
+
+
+def test_scan_refuses_an_empty_evaluation_set(tmp_path):
+  """Any source kind (here an Objects365-style reader's split) with no images."""
+  from owl_cl.data import coco  # pylint: disable=g-import-not-at-top
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  folder = str(tmp_path / "data")
+  path = write_split(folder, "val", 0)
+  source = coco.CocoSource(path, os.path.join(folder, "images"))
+  with pytest.raises(coco.DataError, match=f"dataset 'o365' split 'val': {path} has no images"):
+    scan.scan_splits([("o365", "val", source)], None)
+
+
+def paper_config(fake_root, tmp_path):
+  """The paper's protocol on `fake_root` with the tiny model (its checks, not its size)."""
+  from owl_cl.testing.configs import load_config  # pylint: disable=g-import-not-at-top
+
+  config = load_config("swil", "paper")
+  config.data.root = fake_root
+  config.data.odinw_datasets = ("Pothole", "Dice")
+  config.init_checkpoint = str(tmp_path / "weights.msgpack")
+  open(config.init_checkpoint, "w").close()  # exists; never read: the data checks come first
+  config.cache_dir = str(tmp_path / "cache")
+  config.model.variant, config.model.tokenizer = "tiny", "word_hash"
+  return config
+
+
+def test_empty_category_name_in_objects365_is_refused(fake_root, tmp_path, workdir, capsys):
+  config = paper_config(fake_root, tmp_path)
+  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
+
+  path, _ = pretraining.objects365_paths(fake_root, "val")
+  with open(path) as f:
+    good = f.read()
+  try:
+    edit_json(path, lambda d: d["categories"][0].update(name=""))
+    status, err = refuse_data(config, workdir, capsys)
+  finally:
+    with open(path, "w") as f:
+      f.write(good)
+  assert status == 2
+  assert f"split 'val': {path}: category id " in err and "has an empty name ''" in err
+
+
+def test_paper_protocol_without_data_root_is_refused(tmp_path, workdir, capsys):
+  from owl_cl.testing.configs import load_config  # pylint: disable=g-import-not-at-top
+
+  config = load_config("swil", "paper")
+  config.cache_dir = str(tmp_path / "cache")
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert "config.data.root is not set (the folder holding odinw/, objects365/, lvis/)" in err
+  config.data.root = str(tmp_path / "nowhere")
+  status, err = refuse(config, workdir, capsys)
+  assert f"{tmp_path / 'nowhere'} (config.data.root)" in err
+
+
+def test_paper_protocol_with_a_wrong_layout_is_refused(tmp_path, workdir, capsys):
+  root = tmp_path / "root"
+  (root / "ODinW" / "pothole").mkdir(parents=True)  # capitalised: not the expected layout
+  config = paper_config(str(root), tmp_path)
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"{root}/odinw/pothole" in err and f"{root}/objects365" in err
+  assert "expected layout below config.data.root:" in err
+
+
+def test_workdir_of_another_seed_is_refused_unchanged(tmp_path, workdir, capsys):
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  other = json.loads(config.to_json_best_effort())
+  other["seed"] = config.seed + 1
+  with open(os.path.join(workdir, "run.json"), "w") as f:
+    json.dump({"run_id": "abc", "config": other}, f)
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"workdir {workdir} holds a run of a different config (differing fields: ['seed'])" in err
+
+
+@pytest.mark.parametrize("run_json", [False, True])
+def test_workdir_with_another_runs_results_is_refused(run_json, tmp_path, workdir, capsys):
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump({"run_id": "theirs", "stages": []}, f)
+  if run_json:  # this config's run.json, but the results are another run's
+    with open(os.path.join(workdir, "run.json"), "w") as f:
+      json.dump({"run_id": "ours", "config": json.loads(config.to_json_best_effort())}, f)
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  holder = "run 'ours' (run.json)" if run_json else "no run.json"
+  assert f"holds {workdir}/results.json of run 'theirs' but {holder}: another run's" in err
+
+
+def test_unknown_dedup_schedule_is_refused(tmp_path, workdir, capsys):
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.replay.dedup = "sometimes"
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert "config.replay (swil): unknown dedup schedule 'sometimes'; known: [" in err
+
+
+def save_other_model(path) -> None:
+  """An owl_cl parameter checkpoint of the tiny model at another width (vision 32, not 64)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
+  from owl_cl.detector import model_fields  # pylint: disable=g-import-not-at-top
+  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
+  from owl_cl.train import checkpointing  # pylint: disable=g-import-not-at-top
+
+  config = tiny_config("swil", "/nonexistent")
+  config.model.overrides.vision_width = 32
+  like = convert.abstract_params(model_lib.create_model("tiny", **model_fields(config)).config)
+  params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), like)
+  checkpointing.save_params(str(path), params, {"model": {"variant": "tiny", "vision_width": 32}})
+
+
+def test_init_checkpoint_of_another_model_is_refused(tmp_path, workdir, capsys):
+  save_other_model(tmp_path / "ckpt")
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.init_checkpoint = str(tmp_path / "ckpt")
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"config.init_checkpoint={tmp_path / 'ckpt'} holds another model: variant 'tiny'" in err
+  assert '(meta.json: saved from config.model {"variant": "tiny", "vision_width": 32})' in err
+  assert "config.model.variant='tiny' with overrides" in err
+  assert "differing: vision_width 32 (checkpoint) vs 64 (config)" in err
+
+
+def test_loader_names_both_models_too(tmp_path):
+  """`pretrained.load_init_checkpoint` (called after the checks) says the same, not orbax's
+  tree-structure error."""
+  from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
+  from owl_cl import pretrained  # pylint: disable=g-import-not-at-top
+  from owl_cl.detector import model_fields  # pylint: disable=g-import-not-at-top
+  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
+
+  save_other_model(tmp_path / "ckpt")
+  config = tiny_config("swil", "/nonexistent")
+  like = convert.abstract_params(model_lib.create_model("tiny", **model_fields(config)).config)
+  with pytest.raises(convert.CheckpointMismatchError, match="vision_width 32 .checkpoint. vs 64"):
+    pretrained.load_init_checkpoint(str(tmp_path / "ckpt"), like, "the tiny config")
+
+
+def test_main_init_checkpoint_of_another_model_exits_2(tmp_path, workdir):
+  save_other_model(tmp_path / "ckpt")
+  before = snapshot(workdir)
+  result = run_main(tmp_path, workdir, f"--config.init_checkpoint={tmp_path / 'ckpt'}")
+  assert result.returncode == 2, result.stderr
+  assert f"config.init_checkpoint={tmp_path / 'ckpt'} holds another model" in result.stderr
+  assert "Traceback" not in result.stderr
+  assert snapshot(workdir) == before
+
+
+def test_scan_lists_bad_images_of_every_block_in_order(tmp_path, monkeypatch):
+  from owl_cl.data import coco  # pylint: disable=g-import-not-at-top
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(scan, "_BLOCK", 3)  # 8 images: blocks [0-2], [3-5], [6-7]
+  folder = str(tmp_path / "data")
+  path = write_split(folder, "train", 8)
+  for k in (7, 1, 4):
+    with open(os.path.join(folder, "images", f"train_{k}.png"), "wb") as f:
+      f.write(b"")
+  source = coco.CocoSource(path, os.path.join(folder, "images"))
+  with pytest.raises(coco.DataError) as raised:
+    scan.scan_splits([("d", "train", source)], str(tmp_path / "cache"), num_threads=2)
+  bad = [line for line in str(raised.value).split("\n") if "cannot decode image" in line]
+  assert [line.split("(image id ")[1][0] for line in bad] == ["2", "5", "8"]
+
+
+def test_hf_init_checkpoint_of_another_model_is_refused(tmp_path, workdir, capsys):
+  """Told from its config.json alone: the weights (absent here) are never read."""
+  from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
+  from owl_cl.detector import model_fields  # pylint: disable=g-import-not-at-top
+  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
+
+  other = tiny_config("swil", "/nonexistent")
+  other.model.overrides.vision_layers = 2
+  hf = convert.model_config_to_hf_config(
+    model_lib.create_model("tiny", **model_fields(other)).config
+  )
+  folder = tmp_path / "hf"
+  folder.mkdir()
+  (folder / "config.json").write_text(hf.to_json_string())
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.init_checkpoint = str(folder)
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"config.init_checkpoint={folder} holds another model: variant 'tiny' with" in err
+  assert "(its config.json)" in err
+  assert "differing: vision_layers 2 (checkpoint) vs 1 (config)" in err

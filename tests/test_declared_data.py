@@ -9,6 +9,7 @@ subsets, evaluation protocols and results-table roles.
 import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -183,3 +184,171 @@ def test_structural_problems_name_the_field():
   assert "config.data.sequence[0]: dataset 'a': field 'kind' has value 'yaml'" in text
   assert "config.data.sequence[1]: field 'suite' has value 'odinw99'" in text
   assert "config.data.pretrain: must be one dataset entry" in text
+
+
+# ----------------------------------------------------------------------------- max_detections
+
+
+def _one_box_folder(root) -> dict:
+  """A COCO folder: one 32 x 32 image with one 'cup' box [8, 8, 16, 16]; its split spec."""
+  from PIL import Image
+
+  (root / "images").mkdir(parents=True)
+  Image.new("RGB", (32, 32), (90, 90, 90)).save(root / "images" / "a.png")
+  data = dict(
+    images=[dict(id=1, file_name="a.png", height=32, width=32)],
+    annotations=[dict(id=1, image_id=1, category_id=1, bbox=[8, 8, 16, 16], area=256, iscrowd=0)],
+    categories=[dict(id=1, name="cup")],
+  )
+  (root / "ann.json").write_text(json.dumps(data))
+  return dict(annotation_file=str(root / "ann.json"), image_dir=str(root / "images"))
+
+
+def test_declared_max_detections_reach_the_dataset_and_the_evaluator(tmp_path, monkeypatch):
+  """An entry's `max_detections` limits the detections kept and scored, for every kind.
+
+  Hand-worked AP: one ground-truth box; the model's three candidates per image are two false
+  positives (scores 0.9, 0.8) and the exact box (0.7). All three scored: the true positive is
+  third, precision 1/3 at recall 1, so the interpolated precision is 1/3 at each of the 101
+  recall points and every IoU threshold: AP = 1/3. At most two per image: only the false
+  positives are left, AP = 0.
+  """
+  import jax.numpy as jnp
+
+  from owl_cl.detector import Detector
+  from owl_cl.testing.configs import tiny_detector_config
+
+  spec = _one_box_folder(tmp_path / "d")
+  config = tiny_detector_config()
+  config.cache_dir = str(tmp_path / "cache")  # nothing built-in is needed: all declared
+  config.data.sequence = [
+    dict(name="limited", kind="coco", max_detections=2, train=spec, test=spec),
+    dict(name="default", kind="coco", train=spec, test=spec),
+  ]
+  config.data.pretrain = dict(name="pre", kind="coco", max_detections=7, train=spec, test=spec)
+  config.data.held_out = dict(name="held", kind="coco", max_detections=5, val=spec)
+  assert config.eval.top_k == config.eval.max_dets == 100
+  bench = benchmark.load_benchmark(config)
+  by_name = {name: d for name, d in bench.eval_sets()}
+  assert {n: d.max_detections for n, d in by_name.items()} == {
+    "pre": 7,
+    "held": 5,
+    "limited": 2,
+    "default": None,  # the config's eval.top_k / max_dets
+  }
+  assert not os.path.exists(config.cache_dir)
+
+  # cxcywh relative to the (unpadded, square) image: two misses, then the box [8, 8, 16, 16].
+  candidates = (
+    jnp.array([0.9, 0.8, 0.7]),
+    jnp.array([0, 0, 0]),
+    jnp.array([[0.1, 0.1, 0.1, 0.1], [0.9, 0.9, 0.1, 0.1], [0.5, 0.5, 0.5, 0.5]]),
+  )
+  top_ks = []
+
+  def fake_predict_step(*, templates, top_k, multi_label):
+    del templates, multi_label
+    top_ks.append(top_k)
+
+    def predict(params, images, query_embeddings):
+      del params, query_embeddings
+      batch = images.shape[0]
+      # All three whatever top_k is: the scorer's maxDets alone must then drop the third.
+      return tuple(jnp.broadcast_to(c, (batch, *c.shape)) for c in candidates)
+
+    return predict
+
+  detector = Detector(config)
+  monkeypatch.setattr(detector, "_predict_step", fake_predict_step)
+  monkeypatch.setattr(detector, "eval_query_embeddings", lambda params, source: None)
+  limited = detector.evaluate_dataset(None, by_name["limited"], "limited")
+  default = detector.evaluate_dataset(None, by_name["default"], "default")
+  assert top_ks == [2, 100]
+  # AP is a mean of 101 * 10 equal precisions (1/3 in float64): exact to rounding.
+  assert default["AP"] == pytest.approx(1 / 3, abs=1e-12)
+  assert default["AP50"] == pytest.approx(1 / 3, abs=1e-12)
+  assert limited["AP"] == 0.0 and limited["AP50"] == 0.0
+
+
+# ----------------------------------------------------------------------------- GLIP suites
+
+# One member of each GLIP layout: a folder per split, an 'export' folder, PascalVOC (its
+# valid folder is also its test split).
+GLIP_NAMES = ["pothole", "pistols_export", "PascalVOC"]
+
+
+def test_odinw13_suite_end_to_end(pretrained_cache_dir, tmp_path):
+  """`data.sequence=[dict(suite='odinw13', ...)]` over a fake tree in GLIP's folder names:
+  checked (a missing member folder is named with its paths), loaded (names, categories,
+  image counts) and run through the loop with the tiny budget."""
+  from owl_cl import experiment
+  from owl_cl import validation
+  from owl_cl.testing.configs import tiny_config
+
+  root = str(tmp_path / "data")
+  written = fake_data.write_fake_glip(
+    root, "odinw13", GLIP_NAMES, num_images=dict(train=8, val=2, test=3), seed=2
+  )
+  # GLIP's folder names (microsoft/GLIP configs/odinw_13/*.yaml), written out by hand.
+  odinw_dir = os.path.join(root, "odinw")
+  for rel in (
+    "pothole/train/annotations_without_background.json",
+    "pothole/test/annotations_without_background.json",
+    "pistols/export/train_annotations_without_background.json",
+    "pistols/export/val_annotations_without_background.json",
+    "PascalVOC/valid/annotations_without_background.json",
+  ):
+    assert os.path.isfile(os.path.join(odinw_dir, rel)), rel
+  assert not os.path.exists(os.path.join(odinw_dir, "PascalVOC", "test"))
+
+  config = tiny_config("swil", pretrained_cache_dir)
+  config.data.sequence = [dict(suite="odinw13", root=root, names=GLIP_NAMES)]
+  assert validation.dataset_problems(config) == []
+  bench = benchmark.load_benchmark(config)
+  assert sorted(d.name for d in bench.sequence) == sorted(GLIP_NAMES)
+  for d in bench.sequence:
+    names = fake_data.glip_category_names(d.name)
+    assert d.train.class_names == d.test.class_names == d.valid.class_names == names, d.name
+    # PascalVOC's test split is its valid folder (2 images); the others have 3 test images.
+    num_test = 2 if d.name == "PascalVOC" else 3
+    assert (len(d.train), len(d.valid), len(d.test)) == (8, 2, num_test), d.name
+    assert d.test.annotation_file == written[d.name]["test"]["annotation_file"]
+    assert (d.evaluation, d.max_detections) == ("coco", None)
+  by_name = {d.name: d for d in bench.sequence}
+  assert by_name["PascalVOC"].test.image_ids == by_name["PascalVOC"].valid.image_ids
+
+  # A missing member folder: one error names the member, its split fields and paths.
+  shutil.move(os.path.join(odinw_dir, "pistols"), str(tmp_path / "moved"))
+  with pytest.raises(validation.MissingInputsError) as info:
+    validation.check_datasets(config)
+  text = str(info.value)
+  for split in ("train", "val", "test"):
+    ann = os.path.join(
+      odinw_dir, "pistols", "export", f"{split}_annotations_without_background.json"
+    )
+    assert (
+      f"config.data.sequence: dataset 'pistols_export' field '{split}' 'annotation_file': "
+      f"file not found: '{ann}'"
+    ) in text
+    assert (
+      f"dataset 'pistols_export' field '{split}' 'image_dir': folder not found: "
+      f"'{os.path.join(odinw_dir, 'pistols', 'export')}'"
+    ) in text
+  assert "pothole" not in text and "PascalVOC" not in text
+  assert text.count("\n  - ") == 6, text
+  shutil.move(str(tmp_path / "moved"), os.path.join(odinw_dir, "pistols"))
+
+  # Through the loop: two members, one step each, 4 images per eval set.
+  config.data.sequence = [dict(suite="odinw13", root=root, names=GLIP_NAMES[:2])]
+  config.compilation_cache_dir = str(tmp_path / "xla")  # member 2 reuses member 1's steps
+  config.max_train_steps_per_dataset = 1
+  config.max_eval_images = 4
+  config.eval.pretraining_sets_after_each_dataset = False
+  results = experiment.run(config, str(tmp_path / "run"))
+  assert results["status"] == "complete"
+  assert sorted(results["sequence"]) == sorted(GLIP_NAMES[:2])
+  assert [s["name"] for s in results["stages"]] == ["pretrained", *results["sequence"]]
+  final = results["stages"][-1]["metrics"]
+  assert set(final) == {"pretrain_val", "held_out", *GLIP_NAMES[:2]}
+  for values in final.values():
+    assert 0.0 <= values["AP50"] <= 1.0

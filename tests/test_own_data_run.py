@@ -1,28 +1,32 @@
 """A run over a user-declared sequence: two COCO folders and a TFDS dataset (README example).
 
-The data is written by the test from the built-in benchmark's images
-(`owl_cl.testing.own_data`); the config is the README's worked example
-(`configs/examples/own_data.py`, loaded as `--config=configs/examples/own_data.py:<dir>`
-loads it) with the tiny budget of `owl_cl.testing.configs.tiny_config` on top.
+The README's "Your own data" quick-try commands are read from README.md and run as written,
+as subprocesses from the repository root: `python -m owl_cl.testing.own_data ...` writes the
+data (two COCO folders and a TFDS ArrayRecord dataset, from the built-in benchmark's images)
+and `python -m owl_cl.main --config=configs/examples/own_data.py:<dir>,quick ...` runs the
+worked example with the tiny budget. Only the folders `/tmp/own_data`, `/tmp/own_run` and
+`/tmp/owl_cl_quick` (the cache, pointed at the session's `pretrained_cache_dir`, which holds
+the tiny benchmark and pre-trained model that run uses) are replaced, and `python` by this
+interpreter.
 """
 
-import importlib.util
 import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
-from owl_cl import experiment
-from owl_cl.data import builtin
-from owl_cl.testing.configs import tiny_config
-
 pytest.importorskip("tensorflow_datasets", reason="writing the TFDS fixture needs it")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-REPO = os.path.join(os.path.dirname(__file__), "..")
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 README = os.path.join(REPO, "README.md")
+WRITE = "python -m owl_cl.testing.own_data "
+RUN = "python -m owl_cl.main --config=configs/examples/own_data.py:"
+# The README's quick-try folders, replaced by the test's.
+DATA, WORKDIR, CACHE = "/tmp/own_data", "/tmp/own_run", "/tmp/owl_cl_quick"
 
 
 def _readme_section() -> str:
@@ -33,34 +37,29 @@ def _readme_section() -> str:
   return text[start:end]
 
 
-def _readme_command() -> list[str]:
-  """The worked example's command, as the README shows it (the line with own_data.py)."""
-  lines = [
-    line
-    for line in _readme_section().splitlines()
-    if "owl_cl.main" in line and "configs/examples/own_data.py" in line
-  ]
-  assert len(lines) == 1, lines
-  return shlex.split(lines[0])
+def _commands() -> dict[str, list[str]]:
+  """{'write' | 'run', 'full' | 'quick'}: the README's command lines, split as a shell does."""
+  lines = [line for line in _readme_section().splitlines() if line.startswith((WRITE, RUN))]
+  out = {}
+  for line in lines:
+    key = ("write" if line.startswith(WRITE) else "run", "quick" if "quick" in line else "full")
+    assert key not in out, f"two README lines for {key}: {line}"
+    out[key] = shlex.split(line)
+  assert sorted(out) == [("run", "full"), ("run", "quick"), ("write", "full"), ("write", "quick")]
+  return out
 
 
-def _load_config(flag: str, data_dir: str):
-  """`--config=<file>:<arg>` as ml_collections' config_flags loads it, `arg` -> `data_dir`."""
-  path, _ = flag.removeprefix("--config=").split(":", 1)
-  spec = importlib.util.spec_from_file_location("own_data_example", os.path.join(REPO, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(data_dir)
+def _without_quick(tokens: list[str], data: str) -> list[str]:
+  """A quick-try command as the full one: no --quick / cache flags, `data` for DATA."""
+  out = []
+  for t in tokens:
+    if t == "--quick" or t.startswith(("--cache_dir=", "--config.cache_dir=")):
+      continue
+    out.append(t.replace(f"{DATA},quick", data).replace(DATA, data))
+  return out
 
 
-def test_readme_example_runs_on_a_declared_three_dataset_sequence(pretrained_cache_dir, tmp_path):
-  from owl_cl.testing import own_data
-
-  command = _readme_command()
-  assert command[:3] == ["python", "-m", "owl_cl.main"]
-  config_flag = next(a for a in command if a.startswith("--config="))
-  assert config_flag.startswith("--config=configs/examples/own_data.py:")
-  # The README shows the config file as it is.
+def test_readme_config_file_is_the_shipped_one():
   with open(os.path.join(REPO, "configs", "examples", "own_data.py")) as f:
     shipped = f.read()
   for block in re.findall(r"```python\n(.*?)```", _readme_section(), re.S):
@@ -69,33 +68,42 @@ def test_readme_example_runs_on_a_declared_three_dataset_sequence(pretrained_cac
       break
   else:
     pytest.fail("README 'Your own data' shows no config file")
+  # The full commands are the quick try's without the quick options (same tools, flags, config).
+  commands = _commands()
+  data = commands["write", "full"][3]
+  assert commands["write", "full"] == _without_quick(commands["write", "quick"], data)
+  workdir = next(a for a in commands["run", "full"] if a.startswith("--workdir="))
+  quick_run = _without_quick(commands["run", "quick"], data)
+  assert commands["run", "full"] == [
+    workdir if a.startswith("--workdir=") else a for a in quick_run
+  ]
 
-  # The data, from the images of the built-in benchmark the tiny configs use.
-  tiny = tiny_config("swil", pretrained_cache_dir)
-  b = tiny.data.builtin
-  bench = builtin.ensure_benchmark(
-    os.path.join(pretrained_cache_dir, "builtin"),
-    seed=b.seed,
-    num_pretrain_train=b.num_pretrain_train,
-    num_pretrain_val=b.num_pretrain_val,
-    num_held_out_val=b.num_held_out_val,
-    num_downstream_train=b.num_downstream_train,
-    num_downstream_test=b.num_downstream_test,
-    downstream=tuple(b.downstream),
-  )
-  data_dir = str(tmp_path / "own")
-  own_data.write_own_data(data_dir, bench)
-  example = _load_config(config_flag, data_dir)
-  # The example's datasets with the tiny budget (model, steps, images) of the other e2e tests.
-  tiny.experiment_name = example.experiment_name
-  tiny.data.sequence = example.data.sequence
-  # Kept under a minute: the pre-training / held-out sets only at stage 0 and the end.
-  tiny.eval.pretraining_sets_after_each_dataset = False
-  tiny.max_eval_images = 8
-  assert example.data.pretrain is None and example.data.held_out is None
-  workdir = str(tmp_path / "run")
-  results = experiment.run(tiny, workdir)
 
+def test_readme_quick_try_runs_as_written(pretrained_cache_dir, tmp_path):
+  """The README's two quick-try lines, run as written; results.json / results.md checked."""
+  commands = _commands()
+  data_dir, workdir = str(tmp_path / "own"), str(tmp_path / "run")
+  folders = {DATA: data_dir, WORKDIR: workdir, CACHE: pretrained_cache_dir}
+  for key in (("write", "quick"), ("run", "quick")):
+    argv = commands[key]
+    assert argv[:2] == ["python", "-m"], argv
+    line = " ".join(argv)
+    for placeholder in (DATA, CACHE) + ((WORKDIR,) if key[0] == "run" else ()):
+      assert placeholder in line, (placeholder, line)
+    for placeholder, folder in folders.items():
+      argv = [a.replace(placeholder, folder) for a in argv]
+    done = subprocess.run(
+      [sys.executable, *argv[1:]],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      check=False,
+      timeout=600,
+    )
+    assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+  with open(os.path.join(workdir, "results.json")) as f:
+    results = json.load(f)
   assert results["status"] == "complete"
   assert results["sequence"] == ["kitchen", "warehouse", "shelf"]
   assert [s["name"] for s in results["stages"]] == ["pretrained", "kitchen", "warehouse", "shelf"]
@@ -104,13 +112,18 @@ def test_readme_example_runs_on_a_declared_three_dataset_sequence(pretrained_cac
     last = stage["name"] in ("pretrained", "shelf")
     assert set(stage["metrics"]) == (everything if last else {"kitchen", "warehouse", "shelf"})
     for values in stage["metrics"].values():
+      assert values["num_images"] == 8  # the quick try's max_eval_images
       assert 0.0 <= values["AP50"] <= 1.0
-  on_disk = json.load(open(os.path.join(workdir, "results.json")))
-  assert on_disk["sequence"] == results["sequence"]
   with open(os.path.join(workdir, "results.md")) as f:
     text = f.read()
-  for name in ("kitchen", "warehouse", "shelf", "No fine-tuning"):
-    assert name in text, name
+  assert "- status: complete" in text
+  assert "- sequence (3): kitchen -> warehouse -> shelf" in text
+  # The per-dataset table: a column per eval set, a row per stage.
+  header = "| Stage | `pretrain_val` | `held_out` | `kitchen` | `warehouse` | `shelf` |"
+  assert header in text
+  for row in ("| 0: pretrained |", "| 1: kitchen |", "| 2: warehouse |", "| 3: shelf |"):
+    assert row in text, row
+  assert "| No fine-tuning |" in text
   # The same dataset read from COCO json and from TFDS: warehouse and shelf are both the
   # built-in 'digits', so every stage scores them the same.
   for stage in results["stages"]:

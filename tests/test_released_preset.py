@@ -28,12 +28,20 @@ SWITCHES = {
   "replay.aser.asv_token_matching": ("all_to_all", "nearest_token"),
   "replay.aser.asv_distance": ("l2", "l2"),
   "replay.aser.asv_weight_reduction": ("min", "max"),
+  # Released options whose released default is the paper's (issue 18 item 9).
+  "replay.within_class_weighting": ("uniform", "uniform"),
+  "replay.aser.asv_left_term": (True, True),
+  "replay.aser.asv_shapley": ("knn", "knn"),
+  "replay.aser.asv_distance_threshold": (None, None),
+  "replay.aser.tknn_num_classes": (400.0, 400.0),
+  "replay.aser.candidate_subsets": ("shared", "shared"),
   "replay.loss_adaptivity.gate_per_device": (False, True),
   "replay.loss_adaptivity.gate_feature_based_only": (False, True),
   "replay.selection.fill_all_for_rare_classes": (False, True),
   "replay.selection.distance_max_instances": (None, 6),
   "replay.selection.drop_images_without_class": (False, True),
   "replay.selection.top_up_order": ("class_index", "first_appearance"),
+  "replay.selection.prototype_images": ("buffer", "all"),
   "train.layerwise_granularity": ("layer", "tensor"),
   "data.squash_resize": (False, True),
   "data.negatives_by_frequency": (False, True),
@@ -84,6 +92,34 @@ def test_released_switches_reach_the_retrieval_functions():
   assert schedule.samples_without_replacement
   aser = replay_setup.make_algorithm(_config("aser", "released"))
   assert (aser.asv_token_matching, aser.asv_weight_reduction) == ("nearest_token", "max")
+  c = _config("a_sw_grasp", "released")
+  c.replay.within_class_weighting = "grasp"
+  assert replay_setup.make_algorithm(c).within_class_weighting == "grasp"
+  c = _config("sw_aser_pc", "released")
+  c.replay.within_class_weighting = "grasp"
+  c.replay.aser.asv_left_term = False
+  c.replay.aser.asv_shapley = "tknn"
+  c.replay.aser.asv_distance_threshold = 2.5
+  c.replay.aser.tknn_num_classes = 20.0
+  aser = replay_setup.make_algorithm(c)
+  assert (aser.within_class_weighting, aser.grasp_weight, aser.asv_left_term) == (
+    "grasp",
+    0.7,
+    False,
+  )
+  assert (aser.asv_shapley, aser.asv_distance_threshold, aser.tknn_num_classes) == (
+    "tknn",
+    2.5,
+    20.0,
+  )
+  c.replay.aser.candidate_subsets = "per_image"
+  assert replay_setup.make_algorithm(c).candidate_subsets == "per_image"
+  c.replay.algorithm = "aser_pc"
+  with pytest.raises(ConfigError, match="candidate_subsets='per_image' needs the similarity"):
+    replay_setup.make_algorithm(c)
+  c.replay.aser.asv_shapley = "tnn"
+  with pytest.raises(ConfigError, match="asv_shapley='tnn'"):
+    replay_setup.make_algorithm(c)
   c = _config("a_sw_grasp", "")
   c.replay.adaptive_entropy_classes = "most"
   with pytest.raises(ConfigError, match="adaptive_entropy_classes='most'"):
@@ -92,3 +128,60 @@ def test_released_switches_reach_the_retrieval_functions():
   c.replay.dedup_fraction_reset = "later"
   with pytest.raises(ConfigError, match="fraction_reset='later'"):
     replay_setup.make_algorithm(c)
+
+
+def test_released_option_values_are_checked_before_any_work():
+  """The item-9 options are named with their value by the config checks (owl_cl.validation)."""
+  from owl_cl import validation
+
+  c = _config("aser", "")
+  c.replay.within_class_weighting = "GRASP"
+  c.replay.aser.asv_shapley = "TKNN"
+  assert validation.option_problems(c) == [
+    "config.replay.within_class_weighting='GRASP' is unknown; known: ['uniform', 'grasp']",
+    "config.replay.aser.asv_shapley='TKNN' is unknown; known: ['knn', 'tknn']",
+  ]
+  c = _config("aser", "")
+  c.replay.aser.asv_distance_threshold = 0.0
+  c.replay.aser.tknn_num_classes = -1.0
+  assert validation.range_problems(c) == [
+    "config.replay.aser.asv_distance_threshold=0.0 must be > 0",
+    "config.replay.aser.tknn_num_classes=-1.0 must be > 0",
+  ]
+
+
+@pytest.mark.parametrize("arg, want", [("", "buffer"), ("released", "all")])
+def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, want):
+  """replay.selection.prototype_images is passed to `build.build_store`, and enters the
+  buffer cache key only when it is not the default (caches built before it keep their key)."""
+  import types
+
+  from owl_cl.replay import build as buffer_build
+
+  c = _config("grasp", arg)
+  c.cache_dir = str(tmp_path)
+  annotations = tmp_path / "train.json"
+  annotations.write_text("{}")
+  source = types.SimpleNamespace(annotation_file=str(annotations), class_names=["a"])
+  detector = types.SimpleNamespace(
+    config=c,
+    model=None,
+    class_tokens=lambda s: None,
+    empty_tokens=None,
+    image_size=8,
+    loss_config={},
+    example_options=lambda s: {},
+    mesh=None,
+  )
+  seen = {}
+  monkeypatch.setattr(buffer_build, "build_store", lambda *a, **kw: seen.update(kw))
+  monkeypatch.setattr(
+    buffer_build,
+    "cached_store",
+    lambda folder, key, build, superseded: (build("store", "store.build", "key"), key),
+  )
+  benchmark = types.SimpleNamespace(pretrain=types.SimpleNamespace(train=source))
+  _, key = replay_setup.build_store(detector, benchmark, None, {})
+  assert seen["prototype_images"] == want
+  assert key["buffer"].get("prototype_images", "buffer") == want
+  assert ("prototype_images" in key["buffer"]) == (want == "all")

@@ -6,17 +6,23 @@ with /data/own holding kitchen/ and warehouse/ (COCO json + images) and tfds/ (t
 folder with own_data_shelf prepared as ArrayRecord). Pre-training, the replay buffer and the
 pre-training / held-out evaluation sets stay the built-in benchmark's (data.pretrain and
 data.held_out unset); `python -m owl_cl.testing.own_data /data/own` writes this data from the
-built-in benchmark's images.
+built-in benchmark's images. The argument `/data/own,quick` is the README's quick try: the
+tiny budget of the tests (`owl_cl.testing.configs.tiny_budget`).
 """
 
 import os
 
 from configs import base
+from owl_cl.testing.configs import tiny_budget
 
 
 def get_config(arg: str = "~/own_data"):
   """swil replay over the three datasets below the folder `arg` (default ~/own_data)."""
-  root = os.path.expanduser(arg or "~/own_data")
+  # 'DIR,quick': the same run with a tiny model and budget (about a minute on 2 CPU cores).
+  root, quick = arg or "~/own_data", False
+  if root.endswith(",quick"):
+    root, quick = root.removesuffix(",quick"), True
+  root = os.path.expanduser(root)
   c = base.algorithm_config("own_data_swil", "swil")
   c.data.sequence = [
     dict(
@@ -45,4 +51,11 @@ def get_config(arg: str = "~/own_data"):
       test="test",
     ),
   ]
+  if quick:
+    # The XLA compilation cache stays on (<cache_dir>/xla): datasets 2 and 3 then reuse the
+    # steps compiled for dataset 1, which is most of a tiny run's time.
+    tiny_budget(c)
+    # The pre-training / held-out sets at stage 0 and at the end only; 8 images per eval set.
+    c.eval.pretraining_sets_after_each_dataset = False
+    c.max_eval_images = 8
   return c

@@ -44,6 +44,18 @@ def _require(entry: Any, fields: Sequence[str], where: str, path: str, index: in
       )
 
 
+# Problems listed in one error; the rest are counted (a broken export can have millions).
+MAX_LISTED_PROBLEMS = 50
+
+
+def problem_list(problems: Sequence[str], limit: int = MAX_LISTED_PROBLEMS) -> str:
+  """`problems` one per line (the first `limit`, then '... and N more'); one problem as is."""
+  lines = list(problems[:limit])
+  if len(problems) > limit:
+    lines.append(f"... and {len(problems) - limit} more")
+  return "\n".join(lines)
+
+
 def _short(obj: Any, limit: int = 160) -> str:
   s = json.dumps(obj, default=str)
   return s if len(s) <= limit else s[:limit] + "..."
@@ -103,9 +115,10 @@ class CocoSource:
 
   Raises:
     DataError: missing annotation file; unreadable json; missing required field (names the
-      entry); duplicate image/category id; annotation with unknown `category_id` or `image_id`;
-      box with w <= 0 or h <= 0 or outside the image by more than `box_tolerance`; missing
-      image file (names the path and image id).
+      entry); duplicate image/category id. Then, all listed in one error (up to
+      `MAX_LISTED_PROBLEMS`): a category with an empty name; annotation with unknown
+      `category_id` or `image_id`; box not finite, with w <= 0 or h <= 0 or outside the image
+      by more than `box_tolerance`; missing image file (names the path and image id).
 
   Source: docs/CONVENTIONS.md "Data"; docs/reference.md §4 (contiguous index <-> category id mapped
   explicitly, never assumed).
@@ -184,6 +197,13 @@ class CocoSource:
     self.category_ids: list[int] = sorted(c for c in cat_by_id if c not in excluded)
     self.category_entries: list[dict] = [cat_by_id[c] for c in self.category_ids]
     self.class_names: list[str] = [str(cat_by_id[c]["name"]) for c in self.category_ids]
+    # Every problem of the file below (empty names, missing images, bad boxes) is collected
+    # and raised together: one run shows all of them, not the first.
+    problems: list[str] = []
+    for c, n in zip(self.category_ids, self.class_names):
+      if not n.strip():
+        # A class name is the text query of the class (prompts): an empty one is no query.
+        problems.append(f"{path}: category id {c!r} has an empty name {n!r}")
     self._cat_to_index = {c: i for i, c in enumerate(self.category_ids)}
     self.num_excluded = 0
 
@@ -234,7 +254,7 @@ class CocoSource:
     if check_files:
       for im, p in zip(self._images, self._paths):
         if not os.path.isfile(p):
-          raise DataError(
+          problems.append(
             f"{path}: image file not found: {p} (image id {im['id']}, "
             f"file_name {im.get('file_name', os.path.relpath(p, self.image_dir))!r})"
           )
@@ -257,27 +277,30 @@ class CocoSource:
           )
         continue
       if a["category_id"] not in self._cat_to_index:
-        raise DataError(
+        problems.append(
           f"{path}: annotations[{i}] (id {aid}) field 'category_id' has value "
           f"{a['category_id']!r}, which is not in 'categories' "
           f"(known ids: {_short(self.category_ids, 80)})"
         )
+        continue
       im = images.get(a["image_id"])
       if im is None:
-        raise DataError(
+        problems.append(
           f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
           f"{a['image_id']!r}, which is not in 'images'"
         )
+        continue
       bbox = a["bbox"]
       if (
         not isinstance(bbox, (list, tuple))
         or len(bbox) != 4
         or not all(isinstance(v, (int, float)) for v in bbox)
       ):
-        raise DataError(
+        problems.append(
           f"{path}: annotations[{i}] (id {aid}) field 'bbox' must be 4 numbers "
           f"[x, y, w, h], got {bbox!r}"
         )
+        continue
       x, y, w, h = (float(v) for v in bbox)
       W, H = float(im["width"]), float(im["height"])
       problem = None
@@ -299,7 +322,7 @@ class CocoSource:
           problem = "is empty after clipping to the image"
       if problem is not None:
         if on_invalid == "raise":
-          raise DataError(
+          problems.append(
             f"{path}: annotations[{i}] (id {aid}, image_id {a['image_id']}) "
             f"field 'bbox' value {list(bbox)!r} {problem}"
           )
@@ -308,6 +331,9 @@ class CocoSource:
       kept_anns.append(a)
       if not a.get("iscrowd", 0):
         per_image[a["image_id"]].append((x0, y0, x1, y1, self._cat_to_index[a["category_id"]]))
+
+    if problems:
+      raise DataError(problem_list(problems))
 
     self._boxes = []
     self._labels = []
@@ -416,6 +442,52 @@ class CocoSource:
     """
     return dict(boxes=self._boxes[index].copy(), labels=self._labels[index].copy())
 
+  @property
+  def reads_files(self) -> bool:
+    """True when the pixels come from image files (False: from an `image_reader`, e.g. TFDS)."""
+    return self._image_reader is None
+
+  def image_path(self, index: int) -> str:
+    """The file image `index` is read from (for a reader source: `image_dir` + its name)."""
+    return self._paths[index]
+
+  def decode_image(self, index: int) -> np.ndarray:
+    """Decodes the pixels of image `index` as `load` does, without its in-memory cache.
+
+    Returns:
+      uint8 [H, W, 3] RGB (PIL `convert('RGB')`: every pixel decoded, so a truncated file
+      fails here).
+
+    Raises:
+      DataError: the image file is missing or undecodable (names the json, the path and the
+        image id), or its decoded size differs from the json's height / width.
+    """
+    info = self._images[index]
+    p = self._paths[index]
+    try:
+      if self._image_reader is not None:
+        image = np.asarray(self._image_reader(info), np.uint8)
+      else:
+        with Image.open(p) as im:
+          image = np.asarray(im.convert("RGB"))
+    except FileNotFoundError as e:
+      raise DataError(
+        f"{self.annotation_file}: image file not found: {p} (image id {info['id']})"
+      ) from e
+    except (OSError, SyntaxError, ValueError) as e:
+      # PIL: OSError (truncated / unidentified files), SyntaxError (some broken headers),
+      # ValueError (impossible modes or sizes).
+      raise DataError(
+        f"{self.annotation_file}: cannot decode image {p} (image id {info['id']}): {e}"
+      ) from e
+    if image.shape[0] != int(info["height"]) or image.shape[1] != int(info["width"]):
+      raise DataError(
+        f"{self.annotation_file}: image {p} (image id {info['id']}) decodes to "
+        f"{image.shape[1]}x{image.shape[0]} (WxH) but the json says "
+        f"width={info['width']} height={info['height']}"
+      )
+    return image
+
   def load(self, index: int) -> dict[str, Any]:
     """Decode example `index` (0 <= index < len).
 
@@ -440,27 +512,7 @@ class CocoSource:
         image_id=int(info["id"]),
         **self.federated_labels(index),
       )
-    p = self._paths[index]
-    try:
-      if self._image_reader is not None:
-        image = np.asarray(self._image_reader(info), np.uint8)
-      else:
-        with Image.open(p) as im:
-          image = np.asarray(im.convert("RGB"))
-    except FileNotFoundError as e:
-      raise DataError(
-        f"{self.annotation_file}: image file not found: {p} (image id {info['id']})"
-      ) from e
-    except OSError as e:
-      raise DataError(
-        f"{self.annotation_file}: cannot decode image {p} (image id {info['id']}): {e}"
-      ) from e
-    if image.shape[0] != int(info["height"]) or image.shape[1] != int(info["width"]):
-      raise DataError(
-        f"{self.annotation_file}: image {p} (image id {info['id']}) decodes to "
-        f"{image.shape[1]}x{image.shape[0]} (WxH) but the json says "
-        f"width={info['width']} height={info['height']}"
-      )
+    image = self.decode_image(index)
     if self._cache is not None:
       image.setflags(write=False)
       self._cache[index] = image

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 import dataclasses
 import json
+import numbers
 import os
 from typing import Any
 
@@ -109,7 +110,10 @@ class DatasetEntry:
     exclude_category_ids: category ids that are not classes (dropped with their boxes).
     subset_size: balanced training subset size (`odinw.balanced_subset`); None: whole split.
     subset_seed: seed of that subset; None disables subsetting.
-    max_detections: detections kept per image at evaluation (docs/reference.md §4).
+    max_detections: detections kept per image at evaluation, replacing both the predictions
+      kept (`eval.top_k` / `eval.lvis_top_k`) and the scorer's maxDets (`eval.max_dets` /
+      `eval.lvis_max_dets`) for this dataset (docs/reference.md §4); None: the config's. Kind
+      'odinw' defaults to the registry's (100 for EgoHands and BrackishUnderwater, else 300).
     member: kind 'odinw': the registry name (e.g. 'EgoHands'); root: its data root.
     suite: the named suite it came from ('' for a user entry).
   """
@@ -121,7 +125,7 @@ class DatasetEntry:
   exclude_category_ids: tuple[int, ...] = ()
   subset_size: int | None = None
   subset_seed: int | None = 0
-  max_detections: int = 300
+  max_detections: int | None = None
   member: str = ""
   root: str = ""
   suite: str = ""
@@ -195,12 +199,14 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
   string, the TFDS split name), evaluation, exclude_category_ids, subset_size, subset_seed,
   max_detections, member, root; for kind 'tfds' the entry-level tfds / data_dir /
   category_ids are the default of every split. Kind 'odinw' needs only member and root (the
-  registry gives the paths; splits default to train, val, test).
+  registry gives the paths; splits default to train, val, test). `max_detections` (int >= 1)
+  applies to every kind; unset it is None (the config's) or, for kind 'odinw', the registry's.
 
   Raises:
     DataError: every structural problem at once (unknown key, missing name or kind, unknown
       kind / evaluation / member, a split of the wrong type or with unknown fields, a
-      'coco' split without annotation_file / image_dir, a 'tfds' split without tfds), each
+      'coco' split without annotation_file / image_dir, a 'tfds' split without tfds, a
+      max_detections that is not a positive integer), each
       naming the entry, the field and the value. Files are not looked at: `check_entry`.
   """
   cfg = _as_dict(cfg, "dataset entry")
@@ -301,9 +307,24 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
       splits.append((s, SplitSpec(**value)))
     if kind in ("coco", "tfds") and not splits and not problems:
       problems.append(f"{where}: declares none of the splits {SPLITS}")
+  spec = odinw.ODINW_DATASETS.get(member) if kind == "odinw" else None
+  # An entry's own value wins; an ODinW member's default is the registry's (paper protocol).
+  max_detections = cfg.get("max_detections")
+  if max_detections is None and spec is not None:
+    max_detections = spec.max_detections
+  if max_detections is not None and (
+    isinstance(max_detections, bool)
+    or not isinstance(max_detections, numbers.Integral)
+    or max_detections < 1
+  ):
+    problems.append(
+      f"{where}: field 'max_detections' has value {max_detections!r}, expected a positive "
+      f"integer (detections kept per image) or None (the config's eval.top_k / max_dets)"
+    )
   if problems:
     raise DataError("\n".join(problems))
-  spec = odinw.ODINW_DATASETS.get(member) if kind == "odinw" else None
+  if max_detections is not None:
+    max_detections = int(max_detections)
   return DatasetEntry(
     name=name,
     kind=kind,
@@ -315,7 +336,7 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
     ),
     subset_size=cfg.get("subset_size", spec.subset_size if spec else None),
     subset_seed=cfg.get("subset_seed", 0),
-    max_detections=int(cfg.get("max_detections", spec.max_detections if spec else 300)),
+    max_detections=max_detections,
     member=member,
     root=root,
   )

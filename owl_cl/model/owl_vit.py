@@ -76,6 +76,24 @@ _COMMON = dict(
   remat="none",
 )
 
+_VIT_B32 = dict(
+  _COMMON,
+  tokenizer="clip",
+  vocab_size=49408,
+  embed_dim=512,
+  image_size=768,
+  patch_size=32,
+  vision_width=768,
+  vision_layers=12,
+  vision_heads=12,
+  vision_mlp_dim=3072,
+  text_width=512,
+  text_layers=12,
+  text_heads=8,
+  text_mlp_dim=2048,
+  dtype=jnp.bfloat16,
+)
+
 VARIANTS: dict[str, dict[str, Any]] = {
   "tiny": dict(
     _COMMON,
@@ -94,40 +112,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     text_mlp_dim=512,
     dtype=jnp.float32,
   ),
-  "vit_b32": dict(
-    _COMMON,
-    tokenizer="clip",
-    vocab_size=49408,
-    embed_dim=512,
-    image_size=768,
-    patch_size=32,
-    vision_width=768,
-    vision_layers=12,
-    vision_heads=12,
-    vision_mlp_dim=3072,
-    text_width=512,
-    text_layers=12,
-    text_heads=8,
-    text_mlp_dim=2048,
-    dtype=jnp.bfloat16,
-  ),
-  "vit_b16": dict(
-    _COMMON,
-    tokenizer="clip",
-    vocab_size=49408,
-    embed_dim=512,
-    image_size=768,
-    patch_size=16,
-    vision_width=768,
-    vision_layers=12,
-    vision_heads=12,
-    vision_mlp_dim=3072,
-    text_width=512,
-    text_layers=12,
-    text_heads=8,
-    text_mlp_dim=2048,
-    dtype=jnp.bfloat16,
-  ),
+  "vit_b32": _VIT_B32,
+  # B/16 is B/32 with 16-pixel patches (4x the image tokens: 2304 at 768 px).
+  "vit_b16": dict(_VIT_B32, patch_size=16),
   "vit_l14": dict(
     _COMMON,
     tokenizer="clip",

@@ -74,6 +74,18 @@ ADAPTIVE_ENTROPY_CLASSES = ("eligible", "all")
 # (released code: per slot, the class step sees the classes still available -> balanced
 # skips the class, similarity-weighted redraws). Class + sample compositions only.
 EXHAUSTED_CLASS = ("fallback", "redraw")
+# Draw within a class where the paper draws uniformly: A-SW-GRASP's SWIL slots and the ASV
+# algorithms' candidate sets. 'uniform' (paper) | 'grasp' (prototype-weighted with exponent
+# `grasp_weight`: the released option `bal_prob_type='GRASP'`).
+WITHIN_CLASS_WEIGHTINGS = ("uniform", "grasp")
+# ASV candidate sets: 'shared' (one set for the batch, the top candidates replayed; paper) |
+# 'per_image' (SW-ASER only: each new image draws N_c / B candidates from its own SWIL class
+# and replays the best of its own subset; the released option `caser.balanced=True`).
+CANDIDATE_SUBSETS = ("shared", "per_image")
+# Tokens the ASV's KNN distances are measured between: the class embeddings (paper, released
+# default) | the ViT's output image tokens of the same top-k tokens (released option
+# cls_embeds=False). The utility stays the cosine of the query embeddings.
+ASV_FEATURES = ("class_embeddings", "image_features")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
 # applies to it. B = new images, N_c = candidates, num = num_replay.
@@ -451,6 +463,9 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   the balanced class pointer. `adaptive_entropy_classes`: the switch's entropy is that of
   p_SWIL over the classes that still have an eligible image ('eligible', default) or over
   every class with a buffer member ('all', as in the released code).
+  `within_class_weighting`: the SWIL slots draw within their class uniformly ('uniform', the
+  paper) or prototype-weighted with `grasp_weight` ('grasp', the released
+  `bal_prob_type='GRASP'`).
 
   Source: paper §4 "Composing and Modifying Primitives" item 2; released code
   `get_SWIL_retrieval_indices(adaptivity='img')` (entropy H / log C of p_SWIL).
@@ -464,6 +479,7 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
   balanced_order: str = "sequential"
   adaptive_entropy_classes: str = "eligible"
   swil_reduction: str = "min"
+  within_class_weighting: str = "uniform"
 
   needs_features = True
 
@@ -497,7 +513,10 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
     )
     swil_classes = class_selection.sample_classes(swil_key, probs[rows])
     classes = jnp.where(active, jnp.where(use_grasp, grasp_classes, swil_classes), -1)
-    weights = jnp.where(use_grasp, jnp.float32(self.grasp_weight), 0.0)
+    # SWIL slots draw uniformly within their class (w = 0), or GRASP-weighted as the GRASP
+    # slots with the released bal_prob_type='GRASP'.
+    swil_slot_weight = self.grasp_weight if self.within_class_weighting == "grasp" else 0.0
+    weights = jnp.where(use_grasp, jnp.float32(self.grasp_weight), jnp.float32(swil_slot_weight))
     indices, valid = sample_selection.prototype_weighted_in_class(
       sample_key,
       buffer.prototype_distances,
@@ -536,6 +555,7 @@ class AdaptiveComposition:
       "balanced_order",
       "adaptive_entropy_classes",
       "swil_reduction",
+      "within_class_weighting",
     )
 
   def build(self, name, dedup, hyperparameters):
@@ -568,6 +588,22 @@ class AsvAlgorithm(_AlgorithmBase):
     asv_distance: 'l2' (released code; the paper does not say) | 'cosine'.
     asv_weight_reduction: 'min' (paper eq. 4) | 'max' (released code).
     asv_chunk_size: evaluation images per chunk of the precomputation.
+    within_class_weighting: candidates drawn within their class 'uniform' (paper) | 'grasp'
+      (prototype-weighted with `grasp_weight`; released `bal_prob_type='GRASP'`).
+    grasp_weight: w of the 'grasp' candidate draw (released `ub_coeff`).
+    asv_left_term: True (eq. 3) | False: ASV = -(right term), the candidates' value to the
+      buffer is ignored (released `no_buff=True`); the precomputation is then skipped.
+    asv_shapley: 'knn' (paper) | 'tknn' (released `SV_type='TKNN'`,
+      `knn_shapley.threshold_knn_shapley`) for both terms.
+    asv_distance_threshold: TKNN's distance threshold (released `l2_thresh`; None: none).
+    tknn_num_classes: C of TKNN's 1/C term (released 400).
+    candidate_subsets: 'shared' (paper) | 'per_image' (similarity-weighted candidate step
+      only; released `caser.balanced=True`): new image b draws one SWIL class and N_c / B
+      candidates of that class (fewer if it runs out; no fallback to other classes); the
+      ASV is computed as usual over all N_c candidates and slot j (new image b = j mod B)
+      replays the (j div B)-th best candidate of image b's subset.
+    asv_features: 'class_embeddings' (paper) | 'image_features' (released `cls_embeds=False`):
+      the KNN distances are between `features[asv_features]` and `buffer.<asv_features>`.
     class_hyperparameters: (name, value) of the candidate class step.
   Source: paper §4, eqs. (3)-(4), suppl. §C; docs/reference.md §7.
   """
@@ -583,66 +619,156 @@ class AsvAlgorithm(_AlgorithmBase):
   asv_distance: str = "l2"
   asv_weight_reduction: str = "min"
   asv_chunk_size: int = 64
+  within_class_weighting: str = "uniform"
+  grasp_weight: float = 1.0
+  asv_left_term: bool = True
+  asv_shapley: str = "knn"
+  asv_distance_threshold: float | None = None
+  tknn_num_classes: float = knn_shapley.TKNN_NUM_CLASSES
+  candidate_subsets: str = "shared"
+  asv_features: str = "class_embeddings"
   class_hyperparameters: tuple[tuple[str, Any], ...] = ()
 
+  def __post_init__(self):
+    if self.candidate_subsets == "per_image" and (
+      self.candidate_class_step is not similarity_weighted_step
+    ):
+      raise ValueError(
+        f"{self.name}: candidate_subsets='per_image' needs the similarity-weighted candidate "
+        "step (sw_aser_pc); the released code has per-image subsets for SW-ASER only"
+      )
+
   needs_features = True
+
+  def _distance_tokens(self, buffer: ReplayBuffer) -> Array:
+    """The buffer's [N, k, D] tokens the KNN distances are measured between."""
+    tokens = getattr(buffer, self.asv_features)
+    if tokens is None:
+      raise ValueError(
+        f"{self.name}: asv_features={self.asv_features!r} needs a buffer with image_features "
+        "(built with replay.aser.asv_features='image_features')"
+      )
+    return tokens
+
+  def _shapley_options(self) -> dict[str, Any]:
+    """Keyword arguments of `knn_shapley.image_knn_shapley` shared by both terms."""
+    return dict(
+      token_matching=self.asv_token_matching,
+      distance=self.asv_distance,
+      shapley=self.asv_shapley,
+      threshold=self.asv_distance_threshold,
+      num_classes=self.tknn_num_classes,
+    )
 
   def prepare(self, rstate: ReplayState, buffer: ReplayBuffer) -> ReplayState:
     """Fills `asv_left`/`asv_left_min` over the whole buffer once (precomputed variants).
 
     Host-side (not jitted as a whole; the chunks are). A no-op when already
-    `asv_left_ready` (e.g. restored from a checkpoint) or for ASER.
+    `asv_left_ready` (e.g. restored from a checkpoint), for ASER, or without the left term
+    (`asv_left_term=False`).
     """
-    if not self.precomputed or bool(fetch_replicated(rstate.asv_left_ready)):
+    if (
+      not self.precomputed
+      or not self.asv_left_term
+      or bool(fetch_replicated(rstate.asv_left_ready))
+    ):
       return rstate
     left, left_min = knn_shapley.precompute_left_term(
-      buffer.class_embeddings,
+      self._distance_tokens(buffer),
       buffer.query_embeddings,
       self.knn_k,
       chunk_size=self.asv_chunk_size,
-      token_matching=self.asv_token_matching,
-      distance=self.asv_distance,
+      **self._shapley_options(),
     )
     return rstate.replace(asv_left=left, asv_left_min=left_min, asv_left_ready=jnp.ones((), bool))
 
   def _select(
     self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active
   ):
-    _require(features, ("class_embeddings", "query_embeddings"), f"retrieval {self.name!r}")
+    _require(
+      features,
+      ("class_embeddings", "query_embeddings", self.asv_features),
+      f"retrieval {self.name!r}",
+    )
+    tokens = self._distance_tokens(buffer)
     num, n_c = active.shape[0], int(self.num_candidates)
     if n_c < num:
       raise ValueError(f"{self.name}: num_candidates={n_c} < num_replay={num}")
-    any_active = jnp.any(active)
-    candidate_active = jnp.broadcast_to(any_active, (n_c,))
-    classes, rstate, class_records = self.candidate_class_step(
-      class_key,
-      rstate,
-      buffer,
-      features,
-      class_eligible,
-      candidate_active,
-      **dict(self.class_hyperparameters),
-    )
-    candidates, candidate_valid = sample_selection.uniform_in_class_active(
-      sample_key,
-      buffer.class_membership,
-      eligible,
-      classes,
-      candidate_active,
-      without_replacement=True,
-    )
-    options = dict(token_matching=self.asv_token_matching, distance=self.asv_distance)
+    per_image = self.candidate_subsets == "per_image"
+    if per_image:
+      batch = features["class_embeddings"].shape[0]
+      if n_c % batch:
+        raise ValueError(
+          f"{self.name}: candidate_subsets='per_image' needs num_candidates={n_c} divisible "
+          f"by the new batch size {batch}"
+        )
+      subset = n_c // batch
+      # A new image draws its subset if any slot it serves (slot j -> image j mod B) is active.
+      image_active = (
+        jnp.zeros((batch,), jnp.int32).at[jnp.arange(num) % batch].max(active.astype(jnp.int32)) > 0
+      )
+      image_classes, rstate, class_records = self.candidate_class_step(
+        class_key,
+        rstate,
+        buffer,
+        features,
+        class_eligible,
+        image_active,
+        **dict(self.class_hyperparameters),
+      )
+      # Candidate b * subset + r belongs to new image b.
+      classes = jnp.repeat(image_classes, subset)
+      candidate_active = jnp.repeat(image_active, subset)
+    else:
+      candidate_active = jnp.broadcast_to(jnp.any(active), (n_c,))
+      classes, rstate, class_records = self.candidate_class_step(
+        class_key,
+        rstate,
+        buffer,
+        features,
+        class_eligible,
+        candidate_active,
+        **dict(self.class_hyperparameters),
+      )
+    # Per-image subsets stop at an exhausted class (released): no fallback to other classes.
+    fallback = not per_image
+    if self.within_class_weighting == "grasp":
+      # Released bal_prob_type='GRASP': the candidates of a class are drawn prototype-weighted.
+      candidates, candidate_valid = sample_selection.prototype_weighted_in_class(
+        sample_key,
+        buffer.prototype_distances,
+        eligible,
+        classes,
+        self.grasp_weight,
+        candidate_active,
+        without_replacement=True,
+        fallback=fallback,
+      )
+    else:
+      candidates, candidate_valid = sample_selection.uniform_in_class_active(
+        sample_key,
+        buffer.class_membership,
+        eligible,
+        classes,
+        candidate_active,
+        without_replacement=True,
+        fallback=fallback,
+      )
+    options = self._shapley_options()
     right, distances = knn_shapley.image_knn_shapley(
-      features["class_embeddings"],
+      features[self.asv_features],
       features["query_embeddings"],
-      buffer.class_embeddings[candidates],
+      tokens[candidates],
       buffer.query_embeddings[candidates],
       self.knn_k,
       candidate_valid,
       reduction="min",
       **options,
     )  # [B, N_c]
-    if self.precomputed:
+    if not self.asv_left_term:
+      # Released no_buff: ASV = -(right term), i.e. zero left term (w irrelevant).
+      left_term, extreme = jnp.zeros((n_c,), jnp.float32), jnp.float32(0.0)
+    elif self.precomputed:
       left_term = rstate.asv_left[candidates]
       if self.asv_weight_reduction == "min":
         extreme = jnp.min(jnp.where(candidate_valid, rstate.asv_left_min[candidates], jnp.inf))
@@ -650,7 +776,7 @@ class AsvAlgorithm(_AlgorithmBase):
         extreme = jnp.max(jnp.where(candidate_valid, left_term, -jnp.inf))
       extreme = jnp.where(jnp.isfinite(extreme), extreme, 0.0)
     else:
-      cand_class = buffer.class_embeddings[candidates]
+      cand_class = tokens[candidates]
       cand_query = buffer.query_embeddings[candidates]
       left, _ = knn_shapley.image_knn_shapley(
         cand_class,
@@ -668,10 +794,20 @@ class AsvAlgorithm(_AlgorithmBase):
     asv, _ = sample_selection.asv_from_terms(
       left_term, extreme, right, candidate_valid, self.asv_c, self.asv_weight_reduction
     )
-    order = jnp.argsort(-asv, stable=True)  # best first
-    rank = jnp.clip(jnp.cumsum(active, dtype=jnp.int32) - 1, 0, n_c - 1)
-    chosen = order[rank]
-    valid = active & (rank < jnp.sum(candidate_valid, dtype=jnp.int32))
+    if per_image:
+      # Slot j: the (j div B)-th best candidate of new image (j mod B)'s subset.
+      image = jnp.arange(num) % batch
+      rank = jnp.arange(num, dtype=jnp.int32) // batch
+      own = jnp.argsort(-asv.reshape(batch, subset), axis=-1, stable=True)  # [B, subset]
+      rank_c = jnp.clip(rank, 0, subset - 1)
+      chosen = image * subset + own[image, rank_c]
+      count = jnp.sum(candidate_valid.reshape(batch, subset), axis=-1, dtype=jnp.int32)
+      valid = active & (rank < count[image])
+    else:
+      order = jnp.argsort(-asv, stable=True)  # best first
+      rank = jnp.clip(jnp.cumsum(active, dtype=jnp.int32) - 1, 0, n_c - 1)
+      chosen = order[rank]
+      valid = active & (rank < jnp.sum(candidate_valid, dtype=jnp.int32))
     indices = candidates[chosen]
     # Records (paper Fig. 5): distance ranks of candidates per new image.
     ranks = _distance_ranks(distances)  # [B, N_c]
@@ -697,6 +833,14 @@ _ASV_NAMES = (
   "asv_token_matching",
   "asv_distance",
   "asv_weight_reduction",
+  "within_class_weighting",
+  "grasp_weight",
+  "asv_left_term",
+  "asv_shapley",
+  "asv_distance_threshold",
+  "tknn_num_classes",
+  "candidate_subsets",
+  "asv_features",
 )
 
 
@@ -762,7 +906,10 @@ def get_algorithm(
       e.g. `swil_weight` (w of SWIL, 1.0), `grasp_weight` (w of GRASP, 1.0),
       `balanced_order` ('sequential' | 'reshuffled'), `adaptive_entropy_threshold` (tau),
       `num_candidates`, `knn_k` (20), `asv_c` (0.15), `asv_token_matching`, `asv_distance`,
-      `asv_weight_reduction`, `asv_chunk_size`.
+      `asv_weight_reduction`, `asv_chunk_size`, and the released code's options
+      `within_class_weighting` ('uniform' | 'grasp'), `asv_left_term`, `asv_shapley`
+      ('knn' | 'tknn'), `asv_distance_threshold`, `tknn_num_classes`, `candidate_subsets`
+      ('shared' | 'per_image'), `asv_features` ('class_embeddings' | 'image_features').
   Returns:
     a callable `(rstate, buffer, features, num_replay, active=None) -> (indices, valid, rstate)`.
   Raises:
@@ -793,6 +940,11 @@ def _check_option_values(hp: Mapping[str, Any]):
     "asv_token_matching": knn_shapley.TOKEN_MATCHING,
     "asv_distance": knn_shapley.DISTANCES,
     "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,
+    "within_class_weighting": WITHIN_CLASS_WEIGHTINGS,
+    "asv_shapley": knn_shapley.SHAPLEY,
+    "asv_left_term": (True, False),
+    "candidate_subsets": CANDIDATE_SUBSETS,
+    "asv_features": ASV_FEATURES,
   }
   for field, allowed in choices.items():
     if field in hp and hp[field] not in allowed:
@@ -800,3 +952,6 @@ def _check_option_values(hp: Mapping[str, Any]):
   for field in ("num_candidates", "knn_k", "asv_chunk_size"):
     if field in hp and int(hp[field]) < 1:
       raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be >= 1")
+  for field in ("asv_distance_threshold", "tknn_num_classes"):
+    if field in hp and hp[field] is not None and not float(hp[field]) > 0:
+      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be > 0")

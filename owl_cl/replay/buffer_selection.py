@@ -29,6 +29,9 @@ Array = jax.Array
 
 # -------------------------------------------------------------------------------- eq. (7)
 TOP_UP_ORDERS = ("class_index", "first_appearance")
+# Images the class prototypes average over: 'buffer' (the selected images) | 'all' (every
+# image of the pre-training set, as the released code's `prototype_utils.compute_prototypes`).
+PROTOTYPE_IMAGES = ("buffer", "all")
 
 
 def select_buffer(
@@ -165,6 +168,28 @@ def top_k_embeddings(
   return class_emb, query_emb
 
 
+def top_k_token_features(
+  pred_logits: Array, token_features: Array, query_mask: Array, k: int = 8
+) -> Array:
+  """Any per-token features [B, T, D] of the same top-k tokens as `top_k_embeddings`.
+
+  Used for the ViT's output image tokens (the model's `feature_map` flattened row-major),
+  which the released code's ASER can use for its distances instead of the class embeddings
+  (`cls_embeds=False`).
+
+  Args:
+    pred_logits: float [B, T, Q]. token_features: [B, T, D]. query_mask: bool [B, Q].
+    k: static.
+  Returns:
+    [B, k, D] (dtype of the input), tokens in the order of `top_k_embeddings`.
+  Source: docs/reference.md §6-§7; released code `opt_utils.Features` (image_features),
+    `C_ASER.retrieve` (top-k gather).
+  """
+  logits = _masked_query_logits(pred_logits, query_mask)
+  _, idx = jax.lax.top_k(logits.max(axis=-1), k)  # [B, k]
+  return jnp.take_along_axis(token_features, idx[:, :, None], axis=1)
+
+
 # ------------------------------------------------------------------------------ prototypes
 def instance_counts_from_labels(labels: Array, query_class: Array, num_classes: int) -> Array:
   """Instances of each class per image, from the batch targets (CONVENTIONS batch dict).
@@ -281,6 +306,35 @@ def compute_prototypes(sums: Array, counts: Array) -> tuple[Array, Array]:
   n = counts.astype(jnp.float32).sum(axis=lead)
   valid = n > 0
   return jnp.where(valid[:, None], total / jnp.where(valid, n, 1.0)[:, None], 0.0), valid
+
+
+def buffer_prototypes(
+  sums: Array, counts: Array, keep: Array, prototype_images: str = "buffer"
+) -> tuple[Array, Array]:
+  """The buffer's class prototypes: `compute_prototypes` over the kept images ('buffer') or
+  over every analysed image of the pre-training set ('all', the released code).
+
+  Args:
+    sums: float [N, C, E]; per image, the sum of its top-n_c class-c embeddings.
+    counts: int [N, C]; the number of tokens in `sums`.
+    keep: bool [N]; the selected buffer images.
+    prototype_images: 'buffer' | 'all' (`PROTOTYPE_IMAGES`).
+  Returns:
+    (prototypes float32 [C, E], class_valid bool [C]) as `compute_prototypes`.
+  Raises:
+    ValueError: unknown `prototype_images`.
+  Source: docs/reference.md §6; released code `torch_replay_utils/prototype_utils.py`
+    `compute_prototypes` (over every image's embeddings, before `add_proto_dists` scores
+    the subset).
+  """
+  if prototype_images not in PROTOTYPE_IMAGES:
+    raise ValueError(
+      f"replay.selection.prototype_images={prototype_images!r} is unknown; "
+      f"known: {list(PROTOTYPE_IMAGES)}"
+    )
+  keep = np.asarray(keep, bool)
+  rows = keep if prototype_images == "buffer" else np.ones_like(keep)
+  return compute_prototypes(np.asarray(sums)[rows], np.asarray(counts)[rows])
 
 
 def prototype_distances(

@@ -59,8 +59,7 @@ EXAMPLE_KEYS = store_lib.REQUIRED_EXAMPLE_KEYS
 STORED_EXAMPLE_KEYS = EXAMPLE_KEYS + ("image_id",)
 # Version of the build folder's layout; a folder of another version is started afresh.
 BUILD_FORMAT = 1
-# The passes whose progress is `progress.json` (pass 2's is in `features.npz`, with its sums).
-PROGRESS_PASSES = ("losses", "distances")
+PASSES = ("losses", "features", "distances")
 _INT32_MAX = np.iinfo(np.int32).max
 # (id(model), mesh, digest of the step options) -> (model, `make_steps` of it).
 _STEPS: dict = {}
@@ -95,6 +94,8 @@ def make_steps(
   max_per_class: int,
   distance_max_instances: int,
   loss_config: dict,
+  prototype_sums_of_all: bool = False,
+  image_features: bool = False,
 ) -> dict[str, Callable]:
   """The jitted per-batch functions of the three passes (outputs replicated on the mesh).
 
@@ -102,12 +103,16 @@ def make_steps(
   `image_id` int32 [B] and `valid` bool [B] (False for padding rows), sharded along 'data'.
 
   Returns dict:
-    'losses': -> per_image_loss float32 [B] (docs/reference.md §3), membership bool [B, C].
+    'losses': -> per_image_loss float32 [B] (docs/reference.md §3), membership bool [B, C];
+      with `prototype_sums_of_all` also the batch's prototype_sums / prototype_counts (as
+      'features': the prototypes over every image, `prototype_images='all'`).
     'features': -> logits float32 [B, T, Q], top_class_embeddings / top_query_embeddings
       float32 [B, k, E] (`buffer_selection.top_k_embeddings`), prototype_sums float32 [C, E]
       and prototype_counts int32 [C] summed over the valid rows
       (`buffer_selection.per_image_class_token_embeddings`), and the batch's examples
-      (`STORED_EXAMPLE_KEYS`), so that the writer has every process's rows.
+      (`STORED_EXAMPLE_KEYS`), so that the writer has every process's rows; with
+      `image_features` also top_image_features [B, k, D] (the ViT output tokens of the top-k
+      tokens, `buffer_selection.top_k_token_features`).
     'distances': (params, batch, prototypes float32 [C, E]) -> prototype_distances float32
       [B, C] (`buffer_selection.prototype_distances` with `distance_max_instances`).
   Source: docs/reference.md §6.
@@ -121,19 +126,7 @@ def make_steps(
     )
     return out, counts
 
-  def losses_step(params, batch):
-    out, counts = forward(params, batch)
-    det = losses.detection_loss(
-      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
-    )
-    return {"per_image_loss": det["per_example"], "membership": counts > 0}
-
-  def features_step(params, batch):
-    out, counts = forward(params, batch)
-    query_mask = batch["queries"][..., 0] > 0
-    top_class, top_query = buffer_selection.top_k_embeddings(
-      out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
-    )
+  def prototype_sums(out, counts, batch):
     sums, token_counts = buffer_selection.per_image_class_token_embeddings(
       out["pred_logits"],
       out["class_embeddings"],
@@ -144,13 +137,42 @@ def make_steps(
     # Reduced on the device: the host receives [C, E], not [B, C, E].
     valid = batch["valid"]
     return {
+      "prototype_sums": jnp.sum(jnp.where(valid[:, None, None], sums, 0.0), axis=0),
+      "prototype_counts": jnp.sum(jnp.where(valid[:, None], token_counts, 0), axis=0),
+    }
+
+  def losses_step(params, batch):
+    out, counts = forward(params, batch)
+    det = losses.detection_loss(
+      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
+    )
+    result = {"per_image_loss": det["per_example"], "membership": counts > 0}
+    if prototype_sums_of_all:
+      result.update(prototype_sums(out, counts, batch))
+    return result
+
+  def features_step(params, batch):
+    out, counts = forward(params, batch)
+    query_mask = batch["queries"][..., 0] > 0
+    top_class, top_query = buffer_selection.top_k_embeddings(
+      out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
+    )
+    result = {
       "logits": out["pred_logits"],
       "top_class_embeddings": top_class,
       "top_query_embeddings": top_query,
-      "prototype_sums": jnp.sum(jnp.where(valid[:, None, None], sums, 0.0), axis=0),
-      "prototype_counts": jnp.sum(jnp.where(valid[:, None], token_counts, 0), axis=0),
+      **prototype_sums(out, counts, batch),
       **{k: batch[k] for k in STORED_EXAMPLE_KEYS},
     }
+    if image_features:
+      feature_map = out["feature_map"]
+      result["top_image_features"] = buffer_selection.top_k_token_features(
+        out["pred_logits"],
+        feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
+        query_mask,
+        top_k,
+      )
+    return result
 
   def distances_step(params, batch, prototypes):
     out, counts = forward(params, batch)
@@ -220,10 +242,10 @@ class _BuildFolder:
   """The build folder of one store: progress, the selection's per-image arrays, the store files.
 
   Layout: `manifest.json` (what the build is of; a folder of another build is started afresh),
-  `progress.json` (batches committed by passes 1 and 3), `features.npz` (batches committed
-  by pass 2 with the prototype sums/counts accumulated up to them: one atomic file, so the sums
-  never run ahead of the commit), `per_image_loss.npy` / `membership.npy` (pass 1), `store/`
-  (the store's array files, filled in place).
+  `<pass>.npz` per pass (batches committed, with the prototype sums / counts accumulated up
+  to them: one atomic file, so the sums never run ahead of the commit),
+  `per_image_loss.npy` / `membership.npy` (pass 1), `store/` (the store's array files, filled
+  in place).
   """
 
   def __init__(self, path: str, manifest: dict):
@@ -241,36 +263,32 @@ class _BuildFolder:
         shutil.rmtree(path)
     if not os.path.isdir(path):
       os.makedirs(self.store)
-      atomic_write_json(os.path.join(path, "progress.json"), {p: 0 for p in PROGRESS_PASSES})
       atomic_write_json(manifest_path, manifest)
     else:
       logging.info("replay buffer: resuming the build in %s", path)
 
-  def progress(self) -> dict[str, int]:
-    with open(os.path.join(self.path, "progress.json")) as f:
-      return json.load(f)
-
-  def commit(self, name: str, batches: int, arrays=()) -> None:
-    """Makes `arrays` (`ArrayFile`s) durable, then records `batches` done for pass `name`."""
-    for a in arrays:
-      a.sync()
-    atomic_write_json(os.path.join(self.path, "progress.json"), {**self.progress(), name: batches})
-
-  def features_state(self) -> tuple[int, np.ndarray | None, np.ndarray | None]:
-    """(batches committed by pass 2, prototype sums float64 [C, E], counts int64 [C])."""
-    path = os.path.join(self.path, "features.npz")
+  def state(self, name: str) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+    """(batches committed by pass `name`, its sums float64 [C, E], counts int64 [C]); (0, None,
+    None) before its first commit."""
+    path = os.path.join(self.path, name + ".npz")
     if not os.path.exists(path):
       return 0, None, None
     with np.load(path) as z:
       return int(z["batches"]), z["sums"], z["counts"]
 
-  def commit_features(self, batches: int, sums, counts, arrays) -> None:
-    """Makes `arrays` durable, then records pass 2's `batches` with its sums and counts."""
+  def commit(self, name: str, batches: int, arrays=(), sums=None, counts=None) -> None:
+    """Makes `arrays` (`ArrayFile`s) durable, then records `batches` done for pass `name` with
+    its prototype sums and counts (atomic)."""
     for a in arrays:
       a.sync()
     utils.atomic_write(
-      os.path.join(self.path, "features.npz"),
-      lambda tmp: np.savez(tmp, batches=batches, sums=sums, counts=counts),
+      os.path.join(self.path, name + ".npz"),
+      lambda tmp: np.savez(
+        tmp,
+        batches=batches,
+        sums=np.zeros(0) if sums is None else sums,
+        counts=np.zeros(0) if counts is None else counts,
+      ),
       suffix=".npz",
     )
 
@@ -293,6 +311,16 @@ def _fingerprint(value) -> str:
   if isinstance(value, np.ndarray):
     return digest([str(value.dtype), value.shape, hashlib.sha256(value.tobytes()).hexdigest()])
   return digest(value)
+
+
+def _accumulate(started: bool, sums, counts, out: dict) -> tuple[np.ndarray, np.ndarray]:
+  """Adds a batch's device-reduced prototype sums [C, E] and counts [C] to the running ones,
+  in float64 / int64 on the host (no precision lost over a million images)."""
+  batch_sums = out["prototype_sums"].astype(np.float64)
+  batch_counts = out["prototype_counts"].astype(np.int64)
+  if not started:
+    return batch_sums, batch_counts
+  return sums + batch_sums, counts + batch_counts
 
 
 def _chunk_ends(b: int, total: int, chunk: int) -> bool:
@@ -324,6 +352,8 @@ def build_store(
   distance_max_instances: int | None = None,
   drop_images_without_class: bool = False,
   top_up_order: str = "class_index",
+  prototype_images: str = "buffer",
+  image_features: bool = False,
   logits_dtype: str = "float16",
   pad_logit: float = -1e6,
   mesh=None,
@@ -371,6 +401,12 @@ def build_store(
   num_images = len(source)
   if not num_images:
     raise ValueError(f"the pre-training set {source!r} has no image")
+  if prototype_images not in buffer_selection.PROTOTYPE_IMAGES:
+    raise ValueError(
+      f"replay.selection.prototype_images={prototype_images!r} is unknown; "
+      f"known: {list(buffer_selection.PROTOTYPE_IMAGES)}"
+    )
+  all_images_prototypes = prototype_images == "all"
   if logits_dtype not in store_lib.LOGITS_DTYPES:
     raise ValueError(
       f"logits_dtype={logits_dtype!r} is unknown; known: {sorted(store_lib.LOGITS_DTYPES)}"
@@ -401,6 +437,8 @@ def build_store(
     max_per_class=max_per_class,
     distance_max_instances=distance_max_instances,
     loss_config=loss_config,
+    prototype_sums_of_all=all_images_prototypes,
+    image_features=image_features,
   )
   # The jitted steps (and their compilations) are kept for the next build of the same model
   # (a resumed build in the same process, the tests).
@@ -441,20 +479,24 @@ def build_store(
   # ---------------------------------------------------------------- pass 1: every image
   all_images = np.arange(num_images)
   num_batches = -(-num_images // batch_size)
+  first = all_sums = all_counts = 0
   if writer:
-    create = folder.progress()["losses"] == 0
+    first, all_sums, all_counts = folder.state("losses")
+    create = first == 0
     loss = folder.array("per_image_loss", np.float32, (num_images,) if create else None)
     membership = folder.array("membership", bool, (num_images, num_classes) if create else None)
-  first = int(_broadcast(np.int32(folder.progress()["losses"] if writer else 0)))
+  first = int(_broadcast(np.int32(first)))
   bar = _progress_bar(1, num_images, first * batch_size, writer)
   for b, count, batch in _stream(transform, all_images, batch_size, first, mesh, num_workers):
     out = sharding_lib.fetch_replicated(steps["losses"](params, batch))
     if writer:
       loss.write(b * batch_size, out["per_image_loss"][:count])
       membership.write(b * batch_size, out["membership"][:count])
+      if all_images_prototypes:
+        all_sums, all_counts = _accumulate(b > 0, all_sums, all_counts, out)
       if _chunk_ends(b, num_batches, chunk):
         hook("losses", b + 1)
-        folder.commit("losses", b + 1, (loss, membership))
+        folder.commit("losses", b + 1, (loss, membership), all_sums, all_counts)
     bar.update(count)
   bar.close()
 
@@ -487,15 +529,13 @@ def build_store(
   first, sums, counts = 0, None, None
   store = {}
   if writer:
-    first, sums, counts = folder.features_state()
+    first, sums, counts = folder.state("features")
     create = first == 0
     shapes = _store_shapes(transform, steps["features"], params, num_kept, logits_dtype)
     for name, (shape, dtype) in shapes.items():
       store[name] = folder.array(name, dtype, shape if create else None, in_store=True)
     if create:
       store["buffer.class_membership"].write(0, membership[kept])
-      width = shapes["buffer.class_embeddings"][0][-1]
-      sums, counts = np.zeros((num_classes, width)), np.zeros(num_classes, np.int64)
   first = int(_broadcast(np.int32(first)))
   bar = _progress_bar(2, num_kept, first * batch_size, writer)
   for b, count, batch in _stream(transform, kept, batch_size, first, mesh, num_workers):
@@ -510,24 +550,27 @@ def build_store(
       )
       store["buffer.class_embeddings"].write(start, out["top_class_embeddings"][:count])
       store["buffer.query_embeddings"].write(start, out["top_query_embeddings"][:count])
-      # float64 on the host: the sum does not lose precision over a million images.
-      sums = sums + out["prototype_sums"].astype(np.float64)
-      counts = counts + out["prototype_counts"].astype(np.int64)
+      if image_features:
+        store["buffer.image_features"].write(start, out["top_image_features"][:count])
+      sums, counts = _accumulate(b > 0, sums, counts, out)
       if _chunk_ends(b, kept_batches, chunk):
         hook("features", b + 1)
-        folder.commit_features(b + 1, sums, counts, store.values())
+        folder.commit("features", b + 1, store.values(), sums, counts)
     bar.update(count)
   bar.close()
 
   # ---------------------------------------------------------------- pass 3: distances
   prototypes = np.zeros((num_classes, 1), np.float32)
   if writer:
+    # 'all' (released code): the prototypes average every pre-training image, not the kept.
+    if all_images_prototypes:
+      sums, counts = all_sums, all_counts
     valid = counts > 0
     prototypes = np.where(valid[:, None], sums / np.where(valid, counts, 1)[:, None], 0.0)
     prototypes = prototypes.astype(np.float32)
   prototypes = _broadcast(prototypes)
   prototypes_on_mesh = sharding_lib.replicate(jnp.asarray(prototypes), mesh)
-  first = int(_broadcast(np.int32(folder.progress()["distances"] if writer else 0)))
+  first = int(_broadcast(np.int32(folder.state("distances")[0] if writer else 0)))
   bar = _progress_bar(3, num_kept, first * batch_size, writer)
   for b, count, batch in _stream(transform, kept, batch_size, first, mesh, num_workers):
     out = sharding_lib.fetch_replicated(steps["distances"](params, batch, prototypes_on_mesh))
@@ -602,8 +645,9 @@ def _store_shapes(transform, features_step, params, num_kept: int, logits_dtype:
     (num_kept,) + abstract["logits"].shape[1:],
     store_lib.LOGITS_DTYPES[logits_dtype],
   )
-  for name in ("class_embeddings", "query_embeddings"):
-    shapes[f"buffer.{name}"] = ((num_kept,) + abstract[f"top_{name}"].shape[1:], np.float32)
+  for name in ("class_embeddings", "query_embeddings", "image_features"):
+    if f"top_{name}" in abstract:
+      shapes[f"buffer.{name}"] = ((num_kept,) + abstract[f"top_{name}"].shape[1:], np.float32)
   num_classes = abstract["prototype_counts"].shape[0]
   shapes["buffer.class_membership"] = ((num_kept, num_classes), np.dtype(bool))
   shapes["buffer.prototype_distances"] = ((num_kept, num_classes), np.float32)

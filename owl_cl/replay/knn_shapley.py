@@ -17,6 +17,8 @@ Instance-level KNN-SVs (paper suppl. §C): each image carries its top-k class em
 (distance) and the matching query embeddings (utility); `image_knn_shapley` turns them into an
 image-level [N_e, N_c] matrix, either all-to-all over tokens ([N_c, k, N_e, k], reduced over
 both k dims, the paper) or by the released code's nearest-token matching (option).
+
+`threshold_knn_shapley` is the released code's thresholded variant (TKNN-SV, option).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ SCAN_UNROLL = 1
 # Largest N_c for the packed int32 sort of `_sort_order` (N_c^2 < 2^31).
 PACKED_SORT_MAX_CANDIDATES = 46_340
 REDUCTIONS = ("max", "min")
+# Shapley value of a candidate for an evaluation point: 'knn' (exact KNN-SV, the paper) |
+# 'tknn' (the released code's thresholded KNN-SV, `SV_type='TKNN'`, `threshold_knn_shapley`).
+SHAPLEY = ("knn", "tknn")
+# C of the TKNN-SV's (u - 1/C) term: the released `tknn_SV` default (its call never sets it).
+TKNN_NUM_CLASSES = 400.0
 
 
 def knn_shapley(distances: Array, utilities: Array, k: int, valid: Array | None = None) -> Array:
@@ -103,6 +110,75 @@ def knn_shapley(distances: Array, utilities: Array, k: int, valid: Array | None 
   return jnp.zeros((n_e, n_c), jnp.float32).at[rows, order].set(s_sorted.T, unique_indices=True)
 
 
+def threshold_knn_shapley(
+  distances: Array,
+  utilities: Array,
+  threshold: float | None = None,
+  num_classes: float = TKNN_NUM_CLASSES,
+  valid: Array | None = None,
+) -> Array:
+  """Thresholded KNN Shapley value (TKNN-SV) of every candidate for every evaluation point.
+
+  The released code's `SV_type='TKNN'` (with `l2_thresh`). For evaluation point j let
+  W_j = {valid i : d_ji < threshold} (every valid candidate when threshold is None),
+  c_j = |W_j| and S_j = sum of u_j(i) over W_j. For i in W_j
+      s_j(i) = 1[c_j > 2] * A1 * A2(c_j) + (u_j(i) - 1/C) / c_j,
+      A1 = u_j(i) / c_j - S_j / (c_j^2 - c_j),
+      A2(c) = sum_{k=0}^{N-1} 1/(k+1) * (1 - prod_{m=0}^{k} (N-m-c)/(N-m)) - 1 = H_c - 1
+  (H_c the c-th harmonic number; the released code tabulates the sum for N = the buffer size,
+  and the sum equals H_c - 1 for every N >= c, docs/reference.md §7), and s_j(i) = 0 for i
+  outside W_j. Deviations from the released code, which are bugs there: S_j is summed per
+  evaluation point (the released `torch.sum(query_sims[mask], dim=-1)` sums over every token
+  of every image of the batch), and c_j <= 2 gives the A term 0 (the released 0 * inf is NaN
+  for c_j = 1).
+
+  Args:
+    distances: float [N_e, N_c]; distance of candidate i to evaluation point j (L2 in the
+      released code; the threshold is in the same units).
+    utilities: float [N_e, N_c]; u_j(i) (cosine similarity of query embeddings).
+    threshold: float or None (static); candidates at distance >= threshold get 0 and do not
+      count in c_j. None = no threshold (released `l2_thresh=None`).
+    num_classes: C of the (u - 1/C) term (released 400).
+    valid: optional bool [N_c]; invalid candidates get 0 and do not count.
+  Returns:
+    float32 [N_e, N_c].
+  Raises:
+    ValueError: shapes that disagree, or num_classes <= 0.
+  Source: released code `torch_replay_utils/replay_trainers.py` `C_ASER.tknn_SV`,
+    `trainer_utils.precompute_A2` (Wang et al. 2023, "Threshold KNN-Shapley");
+    docs/reference.md §7.
+  """
+  distances = jnp.asarray(distances, jnp.float32)
+  utilities = jnp.asarray(utilities, jnp.float32)
+  if distances.ndim != 2 or distances.shape != utilities.shape:
+    raise ValueError(
+      "threshold_knn_shapley: distances and utilities must both be [N_e, N_c]; got "
+      f"{distances.shape} and {utilities.shape}"
+    )
+  if not float(num_classes) > 0:
+    raise ValueError(f"threshold_knn_shapley: num_classes must be > 0, got {num_classes}")
+  n_c = distances.shape[1]
+  valid = jnp.ones((n_c,), bool) if valid is None else jnp.asarray(valid, bool)
+  if valid.shape != (n_c,):
+    raise ValueError(f"threshold_knn_shapley: valid must be [N_c={n_c}], got {valid.shape}")
+  within = jnp.broadcast_to(valid[None, :], distances.shape)
+  if threshold is not None:
+    within = within & (distances < jnp.float32(threshold))
+  count = jnp.sum(within, axis=-1, dtype=jnp.int32)  # c_j [N_e]
+  total = jnp.sum(jnp.where(within, utilities, 0.0), axis=-1)  # S_j [N_e]
+  # A2(c) = H_c - 1 from a table of harmonic numbers H_0..H_{N_c} (exact sums in float32).
+  harmonic = jnp.concatenate(
+    [jnp.zeros((1,), jnp.float32), jnp.cumsum(1.0 / jnp.arange(1, n_c + 1, dtype=jnp.float32))]
+  )
+  a2 = harmonic[count] - 1.0  # [N_e]
+  c = jnp.maximum(count, 1).astype(jnp.float32)[:, None]  # safe divisor where count < 1
+  many = (count > 2)[:, None]
+  pairs = jnp.where(many, c * c - c, 1.0)
+  a1 = utilities / c - total[:, None] / pairs
+  sv = jnp.where(many, a1 * a2[:, None], 0.0) + (utilities - 1.0 / jnp.float32(num_classes)) / c
+  return jnp.where(within, sv, 0.0)
+
+
 def _sort_order(distances: Array, valid: Array) -> Array:
   """int32 [N_e, N_c]: per row, the candidates ordered nearest first (ties: lower index
   first), invalid candidates after every valid one (ties among them by index).
@@ -159,7 +235,9 @@ def _cosine_similarity(a: Array, b: Array) -> Array:
   )
 
 
-def _check_options(token_matching: str, distance: str, reduction: str):
+def _check_options(token_matching: str, distance: str, reduction: str, shapley: str = "knn"):
+  if shapley not in SHAPLEY:
+    raise ValueError(f"shapley must be one of {SHAPLEY}, got {shapley!r}")
   if token_matching not in TOKEN_MATCHING:
     raise ValueError(f"token_matching must be one of {TOKEN_MATCHING}, got {token_matching!r}")
   if distance not in DISTANCES:
@@ -179,6 +257,9 @@ def image_knn_shapley(
   reduction: str = "min",
   token_matching: str = "all_to_all",
   distance: str = "l2",
+  shapley: str = "knn",
+  threshold: float | None = None,
+  num_classes: float = TKNN_NUM_CLASSES,
 ) -> tuple[Array, Array]:
   """Image-level KNN-SVs of candidate images for evaluation images, from their top-k tokens.
 
@@ -193,14 +274,20 @@ def image_knn_shapley(
     image candidates, reduced over the evaluation token dim.
 
   Args:
-    eval_class_embeddings / eval_query_embeddings: float [N_e, t, E].
-    candidate_class_embeddings / candidate_query_embeddings: float [N_c, t', E].
+    eval_class_embeddings / eval_query_embeddings: float [N_e, t, D] / [N_e, t, E].
+    candidate_class_embeddings / candidate_query_embeddings: float [N_c, t', D] /
+      [N_c, t', E]. The "class" tokens give the distances (the class embeddings, D = E, or
+      the ViT image features, released `cls_embeds=False`), the queries the utilities.
     k: K of the KNN utility (static).
     candidate_valid: optional bool [N_c]; invalid candidates (all their tokens) get 0 and do
       not count.
     reduction: 'max' | 'min' over the token dims.
     token_matching: 'all_to_all' | 'nearest_token'.
     distance: 'l2' (the released code) | 'cosine' between class embeddings.
+    shapley: 'knn' (exact KNN-SV, `knn_shapley`; k used) | 'tknn' (the released code's
+      thresholded KNN-SV, `threshold_knn_shapley`; k unused).
+    threshold, num_classes: of 'tknn' (`threshold_knn_shapley`): distances >= threshold do
+      not count (None: no threshold); C of the 1/C term.
   Returns:
     values: float32 [N_e, N_c] image-level KNN-SVs (0 for invalid candidates).
     image_distances: float32 [N_e, N_c]; min over token pairs of the distance (+inf for
@@ -210,7 +297,11 @@ def image_knn_shapley(
   Source: paper suppl. §C (instance level, max/min over k), docs/reference.md §7; released code
     `C_ASER.compute_shapley_values` for nearest_token and L2.
   """
-  _check_options(token_matching, distance, reduction)
+  _check_options(token_matching, distance, reduction, shapley)
+  if shapley == "knn":
+    point_values = lambda d, u, v: knn_shapley(d, u, k, v)
+  else:
+    point_values = lambda d, u, v: threshold_knn_shapley(d, u, threshold, num_classes, v)
   eval_class = jnp.asarray(eval_class_embeddings, jnp.float32)
   eval_query = jnp.asarray(eval_query_embeddings, jnp.float32)
   cand_class = jnp.asarray(candidate_class_embeddings, jnp.float32)
@@ -228,13 +319,13 @@ def image_knn_shapley(
   if token_matching == "all_to_all":
     u = jnp.einsum(
       "ae,be->ab",
-      class_selection.normalize(eval_query.reshape(n_e * t_e, e)),
-      class_selection.normalize(cand_query.reshape(n_c * t_c, e)),
+      class_selection.normalize(eval_query.reshape(n_e * t_e, -1)),
+      class_selection.normalize(cand_query.reshape(n_c * t_c, -1)),
       precision=jax.lax.Precision.HIGHEST,
     )
-    sv = knn_shapley(
-      d.reshape(n_e * t_e, n_c * t_c), u, k, jnp.repeat(candidate_valid, t_c)
-    ).reshape(n_e, t_e, n_c, t_c)
+    sv = point_values(d.reshape(n_e * t_e, n_c * t_c), u, jnp.repeat(candidate_valid, t_c)).reshape(
+      n_e, t_e, n_c, t_c
+    )
     values = reduce(reduce(sv, axis=3), axis=1)
   else:
     nearest = jnp.argmin(d, axis=-1)  # [N_e, t, N_c]
@@ -245,8 +336,8 @@ def image_knn_shapley(
       axis=3,
     )[..., 0, :]
     u = _cosine_similarity(eval_query[:, :, None, :], matched)  # [N_e, t, N_c]
-    sv = knn_shapley(
-      d_img.reshape(n_e * t_e, n_c), u.reshape(n_e * t_e, n_c), k, candidate_valid
+    sv = point_values(
+      d_img.reshape(n_e * t_e, n_c), u.reshape(n_e * t_e, n_c), candidate_valid
     ).reshape(n_e, t_e, n_c)
     values = reduce(sv, axis=1)
   return jnp.where(candidate_valid[None, :], values, 0.0), image_distances
@@ -260,6 +351,9 @@ def precompute_left_term(
   chunk_size: int = 64,
   token_matching: str = "all_to_all",
   distance: str = "l2",
+  shapley: str = "knn",
+  threshold: float | None = None,
+  num_classes: float = TKNN_NUM_CLASSES,
 ) -> tuple[Array, Array]:
   """ASER-PC's precomputed ASV left term over the whole buffer (candidates = evaluation = buffer).
 
@@ -271,7 +365,7 @@ def precompute_left_term(
     class_embeddings / query_embeddings: float [N, t, E]; the buffer's top-k embeddings.
     k: K of the KNN utility.
     chunk_size: evaluation images per chunk (static, >= 1).
-    token_matching, distance: as in `image_knn_shapley`.
+    token_matching, distance, shapley, threshold, num_classes: as in `image_knn_shapley`.
   Returns:
     left_term: float32 [N]; (1/N) sum_j s_j(i) (the left term of eq. 3 without w).
     left_min: float32 [N]; min_j s_j(i) (for w of eq. 4 over a candidate subset).
@@ -303,6 +397,9 @@ def precompute_left_term(
       reduction="max",
       token_matching=token_matching,
       distance=distance,
+      shapley=shapley,
+      threshold=threshold,
+      num_classes=num_classes,
     )
     total = total + jnp.sum(jnp.where(r_valid[:, None], values, 0.0), axis=0)
     minimum = jnp.minimum(minimum, jnp.min(jnp.where(r_valid[:, None], values, jnp.inf), 0))

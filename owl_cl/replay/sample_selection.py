@@ -128,6 +128,7 @@ def uniform_in_class_active(
   classes: Array,
   active: Array,
   without_replacement: bool = True,
+  fallback: bool = True,
 ) -> tuple[Array, Array]:
   """`uniform_in_class` with a slot mask: inactive slots pick nothing (valid False).
 
@@ -135,6 +136,9 @@ def uniform_in_class_active(
     key, class_membership, eligible, classes, without_replacement: as `uniform_in_class`.
     active: bool [B]; inactive slots return index 0, valid False and remove nothing from the
       eligible set.
+    fallback: static; True: a slot whose class has no eligible member left draws among all
+      eligible images (as `uniform_in_class`); False: it is invalid (the released code's
+      per-image candidate subsets stop at an exhausted class).
   Returns:
     indices int32 [B], valid bool [B].
   Source: paper §4 "Uniform", docs/reference.md §7, §9 (slot mask for loss adaptivity).
@@ -148,7 +152,10 @@ def uniform_in_class_active(
     k, c, on = inputs
     column = jnp.take(membership, jnp.maximum(c, 0), axis=1)
     members = (column & available) & (c >= 0)
-    candidates = jnp.where(members.any(), members, available) & on
+    if fallback:
+      candidates = jnp.where(members.any(), members, available) & on
+    else:
+      candidates = members & on
     index, found = _pick_uniform(k, candidates)
     if without_replacement:
       available = available.at[index].set(available[index] & ~found)
@@ -220,6 +227,7 @@ def prototype_weighted_in_class(
   weights: Array,
   active: Array,
   without_replacement: bool = True,
+  fallback: bool = True,
 ) -> tuple[Array, Array]:
   """Prototype-weighted (GRASP) sample selection: one image per slot within its class.
 
@@ -238,6 +246,8 @@ def prototype_weighted_in_class(
     weights: float [B] (or scalar, broadcast); w of eq. 1 per slot.
     active: bool [B].
     without_replacement: static.
+    fallback: static; False: a slot whose class has no eligible member left is invalid
+      instead of drawing uniformly among all eligible images.
   Returns:
     indices int32 [B], valid bool [B].
   Source: paper §4 "Prototype-Weighted" (eqs. 1-2), docs/reference.md §7.
@@ -257,9 +267,11 @@ def prototype_weighted_in_class(
     probs = prototype_weighted_probs(column, members, w)
     logits = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
     weighted = jax.random.categorical(k_weighted, logits).astype(jnp.int32)
-    fallback, found_any = _pick_uniform(k_uniform, available & on)
+    fallback_index, found_any = _pick_uniform(k_uniform, available & on)
+    if not fallback:
+      found_any = jnp.zeros((), bool)
     has_member = members.any()
-    index = jnp.where(has_member, weighted, fallback)
+    index = jnp.where(has_member, weighted, fallback_index)
     found = has_member | found_any
     index = jnp.where(found, index, 0)
     if without_replacement:

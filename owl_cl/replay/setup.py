@@ -102,6 +102,14 @@ def check_replay_config(config: ml_collections.ConfigDict) -> None:
     )
 
 
+def stores_image_features(config: ml_collections.ConfigDict) -> bool:
+  """Whether the buffer and the retrieval features carry the ViT image features (ASER on
+  image features: `replay.aser.asv_features='image_features'` with an ASV algorithm)."""
+  names = algorithms.ALGORITHMS.get(config.replay.algorithm)
+  uses = names is not None and "asv_features" in names.hyperparameter_names
+  return uses and config.replay.aser.get("asv_features", "class_embeddings") == "image_features"
+
+
 def build_options(detector, source) -> dict:
   """`buffer_build.build_store`'s options for the pre-training set `source` from the run's
   config and detector (the images' preprocessing, the selection settings, the loss, the batch
@@ -128,6 +136,8 @@ def build_options(detector, source) -> dict:
     distance_max_instances=selection.distance_max_instances,
     drop_images_without_class=selection.drop_images_without_class,
     top_up_order=selection.top_up_order,
+    prototype_images=selection.get("prototype_images", "buffer"),
+    image_features=stores_image_features(config),
     mesh=detector.mesh,
     num_workers=data.num_workers,
   )
@@ -150,7 +160,14 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   key_material = {
     "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
     "pretrain_data": file_digest(source.annotation_file),
-    "buffer": selection.to_dict(),
+    # prototype_images enters the key only when set (older caches keep their key).
+    "buffer": {
+      k: v
+      for k, v in selection.to_dict().items()
+      if not (k == "prototype_images" and v == "buffer")
+    },
+    # Only when set, as above: the store then also holds the top-k tokens' ViT features.
+    **({"image_features": True} if stores_image_features(config) else {}),
     "top_k": config.replay.top_k,
     "data": [data.num_queries, data.num_negatives, data.max_instances],
     "loss": cache_key_fields(config, "loss"),
@@ -320,15 +337,22 @@ class Replay:
     self.buffer = None
     top_k = config.replay.top_k if self.algorithm.needs_features else None
     # 'paper': one eval-mode forward gives the new images' losses (and the features).
+    image_features = stores_image_features(config)
     self._new_losses = (
       step_lib.make_new_loss_step(
-        detector.model, detector.mesh, loss_config=detector.loss_config, k=top_k
+        detector.model,
+        detector.mesh,
+        loss_config=detector.loss_config,
+        k=top_k,
+        image_features=image_features,
       )
       if self.adaptivity == "paper"
       else None
     )
     self._embed = (
-      step_lib.make_embed_step(detector.model, detector.mesh, k=top_k)
+      step_lib.make_embed_step(
+        detector.model, detector.mesh, k=top_k, image_features=image_features
+      )
       if top_k and self._new_losses is None
       else None
     )

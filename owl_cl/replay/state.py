@@ -175,6 +175,8 @@ class ReplayBuffer:
     class_embeddings: float [N, k, E]; top-k class embeddings of each image (docs/reference.md §6).
     query_embeddings: float [N, k, E]; text embedding of each top token's argmax query.
     class_valid: bool [C]; class has >= 1 member image.
+    image_features: float [N, k, D] or None; the ViT output tokens of the same top-k tokens
+      (stored only for ASER on image features, `replay.aser.asv_features`).
   """
 
   class_membership: Array
@@ -183,6 +185,7 @@ class ReplayBuffer:
   class_embeddings: Array
   query_embeddings: Array
   class_valid: Array
+  image_features: Array | None = None
 
   @property
   def num_images(self) -> int:
@@ -196,7 +199,12 @@ class ReplayBuffer:
 
 
 def make_replay_buffer(
-  class_membership, prototypes, prototype_distances, class_embeddings, query_embeddings
+  class_membership,
+  prototypes,
+  prototype_distances,
+  class_embeddings,
+  query_embeddings,
+  image_features=None,
 ) -> ReplayBuffer:
   """Builds a `ReplayBuffer` (jnp arrays) and checks the shapes agree.
 
@@ -206,6 +214,7 @@ def make_replay_buffer(
     prototype_distances: float [N, C] (cast to float32; +inf for non-members).
     class_embeddings: float [N, k, E].
     query_embeddings: float [N, k, E].
+    image_features: optional float [N, k, D] (ASER on image features).
   Returns:
     ReplayBuffer with `class_valid = class_membership.any(0)`.
   Raises:
@@ -233,7 +242,15 @@ def make_replay_buffer(
       "class_embeddings and query_embeddings shapes differ: "
       f"{class_embeddings.shape} vs {query_embeddings.shape}"
     )
+  if image_features is not None:
+    image_features = jnp.asarray(image_features)
+    if image_features.ndim != 3 or image_features.shape[:2] != class_embeddings.shape[:2]:
+      raise ValueError(
+        f"image_features must be [N={n}, k={class_embeddings.shape[1]}, D], got "
+        f"{image_features.shape}"
+      )
   return ReplayBuffer(
+    image_features=image_features,
     class_membership=membership,
     prototypes=prototypes,
     prototype_distances=distances,

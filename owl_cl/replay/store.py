@@ -98,11 +98,15 @@ def decode_logits(stored: np.ndarray, queries: np.ndarray, pad_logit: float = -1
 
 def _buffer_dict(buffer: Any) -> dict[str, np.ndarray]:
   if isinstance(buffer, ReplayBuffer):
-    buffer = {k: getattr(buffer, k) for k in BUFFER_KEYS}
+    buffer = {k: getattr(buffer, k) for k in BUFFER_KEYS + ("image_features",)}
   missing = [k for k in BUFFER_KEYS if k not in buffer]
   if missing:
     raise ValueError(f"buffer arrays missing {missing}")
-  return {k: np.asarray(buffer[k]) for k in BUFFER_KEYS}
+  arrays = {k: np.asarray(buffer[k]) for k in BUFFER_KEYS}
+  # Optional: stored only for ASER on image features.
+  if buffer.get("image_features") is not None:
+    arrays["image_features"] = np.asarray(buffer["image_features"])
+  return arrays
 
 
 class ReplayStore:

@@ -11,6 +11,9 @@ noise background) and whose annotations are those rectangles' boxes. Determinist
   removed category 0's name as `supercategory`, image ids from 0, `.rf.<hash>.jpg` file names,
   annotations with `area`, `segmentation: []`, `iscrowd: 0`); Dice in one `export/` folder with
   split-prefixed jsons; ChessPieces with its box-less category 1.
+* `write_fake_glip(root, suite, names=None, num_images=None, seed=0)`: members of GLIP's
+  ODinW-13 / ODinW-35 (`owl_cl.data.suites`) in GLIP's folder names, same json format, with
+  made-up class names (`glip_category_names`).
 * `write_fake_objects365(root, num_images=None, seed=0)`: Objects365 v2
   (`objects365/annotations/zhiyuan_objv2_{train,val}.json`, file names
   `images/v1/patchN/objects365_v1_XXXXXXXX.jpg` stored as `objects365/{train,val}/patchN/...`),
@@ -40,6 +43,8 @@ from owl_cl.data import odinw
 
 __all__ = [
   "write_fake_odinw",
+  "write_fake_glip",
+  "glip_category_names",
   "write_fake_objects365",
   "write_fake_lvis",
   "write_fake_visual_genome",
@@ -158,58 +163,158 @@ def write_fake_odinw(
     for s, split in enumerate(odinw.SPLITS):
       rng = np.random.default_rng([seed, d, s])
       ann_rel, img_rel = spec.paths(split)
-      ann_path, img_dir = os.path.join(root, ann_rel), os.path.join(root, img_rel)
-      images, annotations = [], []
-      next_cat = 0
-      for k in range(counts[split]):
-        h, w = (int(v) for v in rng.integers(image_size[0], image_size[1] + 1, size=2))
-        file_name = f"{split}_{k:04d}_jpg.rf.{rng.integers(16**8):08x}.jpg"
-        images.append(
-          dict(
-            id=k,
-            license=1,
-            file_name=file_name,
-            height=h,
-            width=w,
-            date_captured="2021-01-01T00:00:00+00:00",
-          )
-        )
-        boxes = _random_boxes(rng, h, w, int(rng.integers(1, 4)))
-        colours = []
-        for b in boxes:
-          cid = usable[next_cat % len(usable)]
-          next_cat += 1
-          colours.append(_palette(cid))
-          annotations.append(
-            dict(
-              id=len(annotations),
-              image_id=k,
-              category_id=cid,
-              bbox=b,
-              area=b[2] * b[3],
-              segmentation=[],
-              iscrowd=0,
-            )
-          )
-        _draw_image(os.path.join(img_dir, file_name), h, w, boxes, colours, rng)
-      data = dict(
-        info=dict(
-          year="2021",
-          version="1",
-          description="Exported from roboflow.ai",
-          contributor="",
-          url=f"https://public.roboflow.ai/object-detection/{name}",
-          date_created="2021-01-01T00:00:00+00:00",
-        ),
-        licenses=[
-          dict(id=1, url="https://creativecommons.org/publicdomain/zero/1.0/", name="Public Domain")
-        ],
-        categories=cats,
-        images=images,
-        annotations=annotations,
+      out[name][split] = _write_roboflow_split(
+        os.path.join(root, ann_rel),
+        os.path.join(root, img_rel),
+        name,
+        split,
+        cats,
+        usable,
+        counts[split],
+        rng,
+        image_size,
       )
-      _write_json(ann_path, data)
-      out[name][split] = dict(annotation_file=ann_path, image_dir=img_dir, json=data)
+  return out
+
+
+def _write_roboflow_split(
+  ann_path: str,
+  img_dir: str,
+  name: str,
+  split: str,
+  cats: list[dict],
+  usable: Sequence[int],
+  count: int,
+  rng: np.random.Generator,
+  image_size: tuple[int, int],
+) -> dict[str, Any]:
+  """One split of a Roboflow export (`write_fake_odinw`'s format): `count` JPEGs in `img_dir`
+  and the json `ann_path`; classes `usable` assigned round-robin, 1-3 boxes per image.
+
+  Returns:
+    dict(annotation_file, image_dir, json=<the written dict>).
+  """
+  images, annotations = [], []
+  next_cat = 0
+  for k in range(count):
+    h, w = (int(v) for v in rng.integers(image_size[0], image_size[1] + 1, size=2))
+    file_name = f"{split}_{k:04d}_jpg.rf.{rng.integers(16**8):08x}.jpg"
+    images.append(
+      dict(
+        id=k,
+        license=1,
+        file_name=file_name,
+        height=h,
+        width=w,
+        date_captured="2021-01-01T00:00:00+00:00",
+      )
+    )
+    boxes = _random_boxes(rng, h, w, int(rng.integers(1, 4)))
+    colours = []
+    for b in boxes:
+      cid = usable[next_cat % len(usable)]
+      next_cat += 1
+      colours.append(_palette(cid))
+      annotations.append(
+        dict(
+          id=len(annotations),
+          image_id=k,
+          category_id=cid,
+          bbox=b,
+          area=b[2] * b[3],
+          segmentation=[],
+          iscrowd=0,
+        )
+      )
+    _draw_image(os.path.join(img_dir, file_name), h, w, boxes, colours, rng)
+  data = dict(
+    info=dict(
+      year="2021",
+      version="1",
+      description="Exported from roboflow.ai",
+      contributor="",
+      url=f"https://public.roboflow.ai/object-detection/{name}",
+      date_created="2021-01-01T00:00:00+00:00",
+    ),
+    licenses=[
+      dict(id=1, url="https://creativecommons.org/publicdomain/zero/1.0/", name="Public Domain")
+    ],
+    categories=cats,
+    images=images,
+    annotations=annotations,
+  )
+  _write_json(ann_path, data)
+  return dict(annotation_file=ann_path, image_dir=img_dir, json=data)
+
+
+def glip_category_names(name: str, num_classes: int = 2) -> list[str]:
+  """The fake class names of GLIP member `name`: '<first word of name, lower case> <k>'."""
+  stem = name.split("_")[0].lower()
+  return [f"{stem} {k}" for k in range(1, num_classes + 1)]
+
+
+def write_fake_glip(
+  root: str,
+  suite: str = "odinw13",
+  names: Iterable[str] | None = None,
+  num_images: Any = None,
+  seed: int = 0,
+  image_size: tuple[int, int] = (24, 48),
+  num_classes: int = 2,
+) -> dict[str, dict[str, dict[str, Any]]]:
+  """Write fake members of GLIP's ODinW-13 / ODinW-35 under `root/odinw/` in GLIP's folders.
+
+  The folders and json names are those of `owl_cl.data.suites` (GLIP's `DATASETS.REGISTER`:
+  a folder per split with `annotations_without_background.json`; 'export' members with every
+  image in one folder and `<split>_annotations_without_background.json`; PascalVOC's test split
+  is its valid folder, written once). Each member gets `num_classes` categories with ids from
+  1 named by `glip_category_names` (GLIP's real class lists are not reproduced), in the
+  Roboflow format of `write_fake_odinw`.
+
+  Args:
+    root: data root (the folder that will hold `odinw/`).
+    suite: 'odinw13' | 'odinw35'. names: members (GLIP config stems; default all).
+    num_images: images per split: int, dict split -> int, or None (train 4, val 2, test 2).
+    seed: int; everything written is a function of the arguments.
+    image_size: (min, max) side length in pixels. num_classes: categories per member.
+
+  Returns:
+    {name: {split: dict(annotation_file, image_dir, json=<the written dict>)}}.
+
+  Raises:
+    DataError: an unknown suite or member (`suites.suite_entries`).
+  """
+  from owl_cl.data import suites  # pylint: disable=g-import-not-at-top
+
+  if suite not in ("odinw13", "odinw35"):
+    raise ValueError(f"suite must be 'odinw13' or 'odinw35', got {suite!r}")
+  entries = suites.suite_entries(suite, root, names=None if names is None else list(names))
+  counts = _split_counts(num_images, odinw.SPLITS, dict(train=4, val=2, test=2))
+  out: dict[str, dict[str, dict[str, Any]]] = {}
+  for d, entry in enumerate(entries):
+    cats = [
+      dict(id=i, name=n, supercategory="none")
+      for i, n in enumerate(glip_category_names(entry.name, num_classes), start=1)
+    ]
+    usable = [c["id"] for c in cats if c["id"] not in entry.exclude_category_ids]
+    out[entry.name] = {}
+    for s, split in enumerate(odinw.SPLITS):
+      spec = entry.split(split)
+      same = [w for w in out[entry.name].values() if w["annotation_file"] == spec.annotation_file]
+      if same:  # PascalVOC: the test split is the valid folder
+        out[entry.name][split] = same[0]
+        continue
+      out[entry.name][split] = _write_roboflow_split(
+        spec.annotation_file,
+        spec.image_dir,
+        entry.name,
+        split,
+        cats,
+        usable,
+        counts[split],
+        np.random.default_rng([seed, d, s]),
+        image_size,
+      )
   return out
 
 

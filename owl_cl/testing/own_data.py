@@ -1,7 +1,7 @@
 """Own-data fixtures: COCO folders and a TFDS ArrayRecord dataset made from built-in images.
 
 `write_own_data(out_dir, benchmark)` writes the data of the README's worked example
-("Your own data", `configs/own_data_example.py`) from a generated built-in benchmark: two
+("Your own data", `configs/examples/own_data.py`) from a generated built-in benchmark: two
 COCO-format folders and one TFDS dataset prepared as ArrayRecord. Writing the TFDS dataset
 needs `tensorflow_datasets` (a test-time dependency); reading it does not
 (`owl_cl.data.tfds_source`).
@@ -155,16 +155,36 @@ def write_own_data(out_dir: str, benchmark: Any) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-  """`python -m owl_cl.testing.own_data OUT_DIR [CACHE_DIR]`: the worked example's data."""
-  from owl_cl.data import builtin  # pylint: disable=g-import-not-at-top
+  """`python -m owl_cl.testing.own_data OUT_DIR [--quick] [--cache_dir=DIR]`.
 
-  if len(argv) not in (2, 3):
-    raise SystemExit("usage: python -m owl_cl.testing.own_data OUT_DIR [CACHE_DIR]")
-  cache = os.path.expanduser(argv[2] if len(argv) == 3 else "~/.cache/owl_cl")
-  bench = builtin.ensure_benchmark(
-    os.path.join(cache, "builtin"), downstream=tuple(sorted(set(SOURCES.values())))
+  Writes the worked example's data (module docstring) under OUT_DIR from a built-in benchmark
+  generated in (or read from) `<cache_dir>/builtin` (default cache ~/.cache/owl_cl): its
+  default sizes (200 training / 60 test images per dataset), or with `--quick` the tiny
+  benchmark of `owl_cl.testing.configs.TINY_BUILTIN` (16 / 16), the one the quick try
+  (`configs/examples/own_data.py:OUT_DIR,quick`) generates, so that run reuses it.
+  """
+  import argparse  # pylint: disable=g-import-not-at-top
+
+  from owl_cl.data import builtin  # pylint: disable=g-import-not-at-top
+  from owl_cl.testing.configs import TINY_BUILTIN  # pylint: disable=g-import-not-at-top
+
+  parser = argparse.ArgumentParser(
+    prog="python -m owl_cl.testing.own_data",
+    description="Writes the README 'Your own data' example's datasets (two COCO folders and "
+    "a TFDS ArrayRecord dataset) from the built-in benchmark's images.",
   )
-  for name, path in write_own_data(os.path.expanduser(argv[1]), bench).items():
+  parser.add_argument("out_dir", help="the data folder (the config's argument)")
+  parser.add_argument(
+    "--quick", action="store_true", help="the tiny benchmark of the quick try (16 images/split)"
+  )
+  parser.add_argument("--cache_dir", default="~/.cache/owl_cl", help="the run's cache_dir")
+  args = parser.parse_args(argv[1:])
+  cache = os.path.expanduser(args.cache_dir)
+  sizes = dict(TINY_BUILTIN) if args.quick else {}
+  # The example's datasets among the benchmark's downstream ones (the tiny one has them all).
+  sizes.setdefault("downstream", tuple(sorted(set(SOURCES.values()))))
+  bench = builtin.ensure_benchmark(os.path.join(cache, "builtin"), **sizes)
+  for name, path in write_own_data(os.path.expanduser(args.out_dir), bench).items():
     print(f"{name}: {path}")
 
 

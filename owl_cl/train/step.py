@@ -457,13 +457,15 @@ def make_template_predict_step(
   return jax.jit(predict, in_shardings=(rep, data, rep), out_shardings=data)
 
 
-def make_embed_step(model: nn.Module, mesh, *, k: int) -> Callable:
+def make_embed_step(model: nn.Module, mesh, *, k: int, image_features: bool = False) -> Callable:
   """Jitted features for retrieval: the top-k class and query embeddings of new images.
 
   Returns:
     `embed(params, images [B,S,S,3], queries [B,Q,L]) -> dict(class_embeddings [B,k,E],
     query_embeddings [B,k,E])`, tokens ranked by max over valid queries of the sigmoid logit
-    (docs/reference.md §6-§7), computed with the current parameters in eval mode.
+    (docs/reference.md §6-§7), computed with the current parameters in eval mode; with
+    `image_features` also image_features [B,k,D] (the same tokens' ViT features, for ASER on
+    image features).
   """
   from owl_cl.replay import buffer_selection
 
@@ -480,13 +482,25 @@ def make_embed_step(model: nn.Module, mesh, *, k: int) -> Callable:
       query_mask,
       k,
     )
-    return {"class_embeddings": class_emb, "query_embeddings": query_emb}
+    result = {"class_embeddings": class_emb, "query_embeddings": query_emb}
+    if image_features:
+      result["image_features"] = _top_image_features(outputs, query_mask, k)
+    return result
 
   return jax.jit(embed, in_shardings=(rep, data, data), out_shardings=rep)
 
 
+def _top_image_features(outputs, query_mask, k: int):
+  """[B, k, D]: the ViT features (`feature_map` flattened) of the retrieval's top-k tokens."""
+  from owl_cl.replay import buffer_selection
+
+  feature_map = outputs["feature_map"]
+  tokens = feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1])
+  return buffer_selection.top_k_token_features(outputs["pred_logits"], tokens, query_mask, k)
+
+
 def make_new_loss_step(
-  model: nn.Module, mesh, *, loss_config: dict, k: int | None = None
+  model: nn.Module, mesh, *, loss_config: dict, k: int | None = None, image_features: bool = False
 ) -> Callable:
   """Jitted eval-mode pre-forward of the new batch: per-example losses (+ retrieval features).
 
@@ -498,8 +512,8 @@ def make_new_loss_step(
   Returns:
     `new_losses(params, images [B,S,S,3], queries [B,Q,L], labels [B,M,Q], boxes [B,M,4])
     -> dict(per_example float32 [B] (`losses.detection_loss`), and with k:
-    class_embeddings [B,k,E], query_embeddings [B,k,E])`, replicated (retrieval runs on
-    replicated state).
+    class_embeddings [B,k,E], query_embeddings [B,k,E], + image_features [B,k,D] with
+    `image_features`)`, replicated (retrieval runs on replicated state).
   Source: docs/reference.md §9 (paper §4 "Loss Adaptivity": "we begin by computing each sample's
   loss").
   """
@@ -524,6 +538,8 @@ def make_new_loss_step(
         k,
       )
       result.update(class_embeddings=class_emb, query_embeddings=query_emb)
+      if image_features:
+        result["image_features"] = _top_image_features(outputs, queries[..., 0] > 0, k)
     return result
 
   return jax.jit(new_losses, in_shardings=(rep, data, data, data, data), out_shardings=rep)

@@ -86,9 +86,11 @@ class OwnDataToy(tfds.core.GeneratorBasedBuilder):
 
   VERSION = tfds.core.Version("1.0.0")
 
-  def __init__(self, *, coco: dict, lvis: bool = False, **kwargs):
+  def __init__(self, *, coco: dict, lvis: bool = False, splits: dict | None = None, **kwargs):
     self._coco = coco
     self._lvis = lvis
+    # {TFDS split: image ids of `coco` in it}; default one 'train' split with every image.
+    self._splits = splits or {"train": [im["id"] for im in coco["images"]]}
     super().__init__(**kwargs)
 
   def _info(self):
@@ -106,12 +108,14 @@ class OwnDataToy(tfds.core.GeneratorBasedBuilder):
     return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
 
   def _split_generators(self, dl_manager):
-    return {"train": self._generate_examples()}
+    return {split: self._generate_examples(ids) for split, ids in self._splits.items()}
 
-  def _generate_examples(self):
+  def _generate_examples(self, ids):
     cats = self._coco["categories"]
     label_of = {c["id"]: k for k, c in enumerate(cats)}
     for im in self._coco["images"]:
+      if im["id"] not in ids:
+        continue
       h, w = im["height"], im["width"]
       objects = []
       for a in self._coco["annotations"]:
@@ -139,9 +143,11 @@ class OwnDataToy(tfds.core.GeneratorBasedBuilder):
       yield im["id"], ex
 
 
-def write_tfds(data_dir: str, coco: dict, *, lvis: bool = False) -> str:
+def write_tfds(data_dir: str, coco: dict, *, lvis: bool = False, splits=None) -> str:
   """Prepare `coco` as the ArrayRecord TFDS dataset 'own_data_toy:1.0.0'; returns its folder."""
-  builder = OwnDataToy(coco=coco, lvis=lvis, data_dir=data_dir, file_format="array_record")
+  builder = OwnDataToy(
+    coco=coco, lvis=lvis, splits=splits, data_dir=data_dir, file_format="array_record"
+  )
   builder.download_and_prepare(file_format="array_record")
   return os.path.join(data_dir, "own_data_toy", "1.0.0")
 
@@ -269,6 +275,70 @@ def test_tfds_source_feeds_the_eval_pipeline(pair):
     assert ba.keys() == bb.keys()
     for k in ba:
       np.testing.assert_array_equal(ba[k], bb[k])  # same pixels: identical resize output
+
+
+def test_building_a_split_reads_its_records_and_decodes_no_image(tmp_path, monkeypatch):
+  """A split's annotations come from that split's records only, without decoding a pixel.
+
+  TFDS `lvis` features (an image per example, a PNG mask per object): TFDS' image decoders
+  are poisoned and PIL's pixel loading counted while the split is built; the image header
+  alone gives the size. Pixels are decoded later, one image per example the pipeline loads.
+  """
+  from PIL import ImageFile
+
+  data_dir = str(tmp_path / "tfds")
+  coco = dict(images=IMAGES, annotations=ANNOTATIONS, categories=CATEGORIES)
+  write_tfds(data_dir, coco, lvis=True, splits={"train": [7, 2, 5], "validation": [11, 5]})
+  entry = entries.entry_from_config(
+    dict(
+      name="t",
+      kind="tfds",
+      tfds="tfds:own_data_toy",
+      data_dir=data_dir,
+      evaluation="coco",
+      test="validation",
+    )
+  )
+  reads, pixel_loads = [], []
+
+  class CountingRecords(tfds_source._Records):  # pylint: disable=protected-access
+    def __init__(self, path, split, fields=tfds_source._TOP_FIELDS):  # pylint: disable=protected-access
+      super().__init__(path, split, fields)
+      self.split = split
+
+    def __getitem__(self, index):
+      reads.append((self.split, index))
+      return super().__getitem__(index)
+
+  def poisoned(self, *args, **kwargs):
+    raise AssertionError(f"{type(self).__name__} decoded while building annotations")
+
+  load = ImageFile.ImageFile.load
+
+  def counted_load(self):
+    pixel_loads.append(self.size)
+    return load(self)
+
+  with monkeypatch.context() as m:
+    m.setattr(tfds_source, "_Records", CountingRecords)
+    m.setattr(tfds.features.Image, "decode_example_np", poisoned)
+    m.setattr(tfds.features.Image, "decode_example", poisoned)
+    m.setattr(ImageFile.ImageFile, "load", counted_load)
+    source = entries.load_split(entry, "test")
+    assert sorted(reads) == [("validation", 0), ("validation", 1)]  # 2 records, once each
+    assert pixel_loads == []
+    assert source.image_ids == [5, 11]
+    # (height, width) from the PNG headers: image 5 is 20 x 20, image 11 is 77 x 33.
+    sizes = {im["id"]: (im["height"], im["width"]) for im in source.coco.dataset["images"]}
+    assert sizes == {5: (20, 20), 11: (77, 33)}
+    assert sorted(a["id"] for a in source.coco.dataset["annotations"]) == [5, 6]
+  # Loading an example decodes its image, and only it: the counter above would have seen it
+  # (PIL's `load` runs again, as a no-op, when the decoded image is converted to RGB).
+  with monkeypatch.context() as m:
+    m.setattr(ImageFile.ImageFile, "load", counted_load)
+    image = source.load(source.image_ids.index(11))["image"]
+  assert image.shape == (77, 33, 3) and pixel_loads and set(pixel_loads) == {(33, 77)}
+  np.testing.assert_array_equal(image, np.asarray(Image.open(io.BytesIO(_png(11, 77, 33)))))
 
 
 def test_reading_imports_no_tensorflow(pair):
@@ -454,6 +524,16 @@ def test_entry_from_config_lists_every_problem():
     )
   with pytest.raises(DataError, match="field 'kind' has value 'csv'"):
     entries.entry_from_config(dict(name="x", kind="csv"))
+  split = dict(annotation_file="a", image_dir="i")
+  for bad in (0, 2.5, "100", True):
+    with pytest.raises(DataError, match=f"dataset 'x': field 'max_detections' has value {bad!r}"):
+      entries.entry_from_config(dict(name="x", kind="coco", max_detections=bad, test=split))
+  # max_detections: the entry's for every kind; unset, None (the config's) or ODinW's registry.
+  assert entries.entry_from_config(dict(name="x", kind="coco", test=split)).max_detections is None
+  coco = entries.entry_from_config(dict(name="x", kind="coco", max_detections=50, test=split))
+  ego = dict(name="e", kind="odinw", member="EgoHands", root="/d")
+  assert coco.max_detections == 50 and entries.entry_from_config(ego).max_detections == 100
+  assert entries.entry_from_config(dict(ego, max_detections=20)).max_detections == 20
   with pytest.raises(DataError, match="field 'tfds' has value 'coco/2017'"):
     entries.entry_from_config(dict(name="x", kind="tfds", tfds="coco/2017", train="train"))
   tf = entries.entry_from_config(
@@ -565,3 +645,37 @@ def test_builtin_suite(tmp_path):
       for i in range(len(want)):
         np.testing.assert_array_equal(got.targets(i)["boxes"], want.targets(i)["boxes"])
   assert roles["held_out"].split_names == ("val",)
+
+
+def test_data_scan_decodes_coco_and_tfds_splits_once(pair, tmp_path):
+  """The data scan (`owl_cl.data.scan`) reads a TFDS split's pixels through its record
+  reader and a COCO folder's from files; a second scan of unchanged data decodes nothing."""
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  splits = [(e.kind, "test", entries.load_split(e, "test")) for e in pair]
+  n = len(IMAGES)
+  assert scan.scan_splits(splits, str(tmp_path)) == {"scanned": 2 * n, "cached": 0}
+  assert scan.scan_splits(splits, str(tmp_path)) == {"scanned": 0, "cached": 2 * n}
+
+
+def test_data_scan_names_a_truncated_tfds_image(tmp_path, monkeypatch):
+  """A record whose PNG is cut short: its header (size) reads, its pixels do not."""
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  good = _png
+  monkeypatch.setattr(
+    sys.modules[__name__], "_png", lambda i, h, w: good(i, h, w)[:-40] if i == 11 else good(i, h, w)
+  )
+  data_dir = str(tmp_path / "tfds")
+  write_tfds(data_dir, dict(images=IMAGES, annotations=ANNOTATIONS, categories=CATEGORIES))
+  tf = entries.entry_from_config(
+    dict(name="toy", kind="tfds", tfds="tfds:own_data_toy", data_dir=data_dir, test="train")
+  )
+  source = entries.load_split(tf, "test")
+  with pytest.raises(DataError) as raised:
+    scan.scan_splits([("toy", "test", source)], str(tmp_path / "cache"))
+  message = str(raised.value)
+  assert "the run's data failed the scan (1 problem)" in message
+  assert "dataset 'toy' split 'test': tfds:own_data_toy:train" in message
+  assert "(image id 11)" in message and "truncated" in message
+  assert not os.path.exists(tmp_path / "cache" / scan.SCAN_FOLDER)  # nothing recorded

@@ -89,7 +89,14 @@ def _analyse(detector, params, source, options):
       counts,
       max_per_class=o["max_per_class"],
     )
+    feature_map = out["feature_map"]
     return dict(
+      image_features=buffer_selection.top_k_token_features(
+        out["pred_logits"],
+        feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
+        batch["queries"][..., 0] > 0,
+        o["top_k"],
+      ),
       loss=det["per_example"],
       logits=out["pred_logits"],
       top_class=top_class,
@@ -124,7 +131,9 @@ def _reference(examples, a, o):
     drop_images_without_class=o["drop_images_without_class"],
     top_up_order=o["top_up_order"],
   )
-  prototypes, _ = buffer_selection.compute_prototypes(a["sums"][keep], a["token_counts"][keep])
+  prototypes, _ = buffer_selection.buffer_prototypes(
+    a["sums"], a["token_counts"], keep, o["prototype_images"]
+  )
   max_instances = o["distance_max_instances"] or o["max_instances"]
   distances = buffer_selection.prototype_distances(
     jnp.asarray(a["logits"][keep]),
@@ -143,6 +152,7 @@ def _reference(examples, a, o):
     logits=a["logits"][keep],
     top_class=a["top_class"][keep],
     top_query=a["top_query"][keep],
+    image_features=a["image_features"][keep],
     examples={k: examples[k][keep] for k in build_lib.STORED_EXAMPLE_KEYS},
   )
 
@@ -151,12 +161,23 @@ def _options(options, **changes):
   return {**options, "chunk_images": BATCH, **changes}
 
 
-def test_streaming_build_equals_in_memory_reference(setup, tmp_path):
+@pytest.fixture(scope="module")
+def analysis(setup):
   detector, params, source, options = setup
-  examples, analysis = _analyse(detector, params, source, options)
+  return _analyse(detector, params, source, options)
+
+
+# Default: prototypes over the kept images; released: over every image, with the top-k tokens'
+# ViT features stored (ASER on image features).
+@pytest.mark.parametrize(
+  "changes", [{}, {"prototype_images": "all", "image_features": True}], ids=["paper", "released"]
+)
+def test_streaming_build_equals_in_memory_reference(setup, analysis, tmp_path, changes):
+  detector, params, source, options = setup
+  examples, analysis = analysis
   # Threshold at the 40% loss quantile: the threshold keeps some, the top-up adds others.
   threshold = float(np.quantile(analysis["loss"], 0.4))
-  options = _options(options, loss_threshold=threshold, min_per_class=3)
+  options = _options(options, loss_threshold=threshold, min_per_class=3, **changes)
   ref = _reference(examples, analysis, options)
   stats = build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **options)
   store = store_lib.ReplayStore.load(str(tmp_path / "s"))
@@ -174,6 +195,10 @@ def test_streaming_build_equals_in_memory_reference(setup, tmp_path):
   np.testing.assert_allclose(b["prototypes"], ref["prototypes"], atol=1e-5, rtol=0)
   np.testing.assert_allclose(b["class_embeddings"], ref["top_class"], atol=1e-5, rtol=0)
   np.testing.assert_allclose(b["query_embeddings"], ref["top_query"], atol=1e-5, rtol=1e-5)
+  if options["image_features"]:
+    np.testing.assert_allclose(b["image_features"], ref["image_features"], atol=1e-5, rtol=1e-5)
+  else:
+    assert "image_features" not in b
   finite = np.isfinite(ref["distances"])
   np.testing.assert_array_equal(np.isfinite(b["prototype_distances"]), finite)
   np.testing.assert_allclose(
