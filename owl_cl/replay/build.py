@@ -16,7 +16,7 @@ passes of the jitted eval-mode forward of the pre-trained model:
 
 Host memory holds one batch, the [C, E] prototype sums and the selection's per-image arrays
 (memory-mapped); it does not grow with the images' size or the buffer's. Every `chunk_images`
-images, each pass commits its progress (arrays flushed, then a small progress file written
+images, each pass commits its progress (arrays fsynced, then a small state file written
 atomically) in a build folder, so a build killed at any point resumes from its last complete
 chunk; the result is identical to an uninterrupted build (the passes are deterministic and the
 chunks the same). The finished store is moved into place with `utils.atomic_directory` and the
@@ -382,6 +382,10 @@ def build_store(
       negative_weights).
     loss_config: `losses.detection_loss` options. batch_size: images per forward (global, a
       multiple of the mesh's devices).
+    prototype_images: the prototypes average the kept images ('buffer', the paper) or every
+      image of `source` ('all', the released code; their sums are reduced in pass 1).
+    image_features: also store the top-k tokens' ViT features (`buffer.image_features`
+      [N, k, D], ASER on image features, `replay.aser.asv_features`).
     logits_dtype: storage dtype of the DER++ logits ('float16', 'bfloat16', 'float32').
     mesh: the device mesh (None: all devices).
     num_workers: grain worker processes preprocessing the images (0: in process).
@@ -395,8 +399,9 @@ def build_store(
     statistics dict: images considered / kept, kept below the threshold, per-class counts, loss
     quantiles.
   Raises:
-    ValueError: an empty source, or no image selected (threshold and minimum both select
-      nothing), or image ids beyond int32.
+    ValueError: an empty source, an unknown `prototype_images` or `logits_dtype` (before any
+      work), no image selected (threshold and minimum both select nothing), or image ids
+      beyond int32.
   """
   num_images = len(source)
   if not num_images:
