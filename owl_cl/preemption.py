@@ -12,9 +12,10 @@ dataset's stage checkpoint. During an evaluation or the buffer's selection the r
 the next safe point; if SIGKILL comes first, the resume starts from the last complete
 checkpoint instead (the result is the same, only the work since that checkpoint is redone).
 
-A test-only hook, `OWL_CL_TEST_KILL_AT='<event>:<n>'`, makes the process SIGKILL itself at the
-n-th (1-based) occurrence of `<event>` (`checkpoint_event`); the kill-and-resume test uses it
-to stop a run at chosen moments. Unset (always, outside the tests) it costs one dict lookup.
+A test-only hook, `OWL_CL_TEST_KILL_AT='<event>:<n>[:TERM]'`, makes the process SIGKILL (or
+SIGTERM) itself at the n-th (1-based) occurrence of `<event>` (`checkpoint_event`); the
+kill-and-resume test uses it to stop a run at chosen moments. Unset (always, outside the
+tests) it costs one environment lookup per event.
 """
 
 from __future__ import annotations
@@ -106,11 +107,12 @@ def checkpoint_event(name: str) -> None:
   target = os.environ.get(KILL_HOOK_ENV)
   if not target:
     return
-  event, _, count = target.partition(":")
+  event, count, *how = target.split(":")
   if event != name:
     return
   _event_counts[name] = _event_counts.get(name, 0) + 1
   if _event_counts[name] == int(count):
-    logging.warning("test hook %s=%s: SIGKILL", KILL_HOOK_ENV, target)
+    signum = signal.SIGTERM if how == ["TERM"] else signal.SIGKILL
+    logging.warning("test hook %s=%s: signal %d", KILL_HOOK_ENV, target, signum)
     logging.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signum)
