@@ -112,6 +112,11 @@ class LoopState:
   best_params: Any = None
 
 
+def _host_arrays(tree):
+  """NumPy arrays of a replicated tree (orbax saves no NumPy scalars: 0-d arrays instead)."""
+  return jax.tree.map(np.asarray, sharding_lib.fetch_replicated(tree))
+
+
 def loop_checkpoint(loop: LoopState, replay) -> tuple[dict, dict]:
   """What a step checkpoint holds of `loop`: (array items, JSON-able meta).
 
@@ -124,9 +129,9 @@ def loop_checkpoint(loop: LoopState, replay) -> tuple[dict, dict]:
   if loop.replay_state is not None:
     # Host copy: after `initial_replay_state` it lives on one device, which a multi-process
     # save cannot take; the values are what matter.
-    items["replay_state"] = sharding_lib.fetch_replicated(loop.replay_state)
+    items["replay_state"] = _host_arrays(loop.replay_state)
   if loop.best_params is not None:
-    items["best_params"] = loop.best_params
+    items["best_params"] = _host_arrays(loop.best_params)
   items.update(replay.checkpoint_items())
   replays_in_loss, replay_steps, loss = (
     sharding_lib.fetch_replicated(x) for x in (loop.replays_in_loss, loop.replay_steps, loop.loss)
@@ -156,7 +161,7 @@ def restore_loop(checkpoints, phase: int, loop: LoopState, replay, params_like=N
     return loop
   like = {"train_state": loop.train_state, "key": np.asarray(jax.device_get(loop.key))}
   if loop.replay_state is not None:
-    like["replay_state"] = sharding_lib.fetch_replicated(loop.replay_state)
+    like["replay_state"] = _host_arrays(loop.replay_state)
   if params_like is not None:
     like["best_params"] = params_like
   like.update(replay.checkpoint_items())

@@ -264,3 +264,46 @@ def test_detector_batches_from_a_start_batch_are_the_epoch_s_tail(pretrained_cac
       np.testing.assert_array_equal(a[k], b[k])
   with pytest.raises(ValueError, match="start_batch"):
     detector.train_batches(source, **args, start_batch=-1)
+
+
+def test_loop_checkpoint_round_trip_restores_every_field(tmp_path):
+  # A loop part-way into epoch 1 of a dataset with the best-validation carry: host records
+  # with -inf / NaN (JSON), best parameters, device counters, the last loss, the key.
+  key = jax.random.PRNGKey(11)
+  params = {"dense": {"kernel": jax.random.normal(key, (4, 3)), "bias": jnp.arange(3.0)}}
+  loop = trainer.LoopState(
+    train_state={"params": params, "count": jnp.int32(9)},
+    replay_state={"mask": np.array([True, False, True]), "pointer": np.int32(2)},
+    key=jax.random.fold_in(key, 1),
+    step=9,
+    epoch=1,
+    batch_in_epoch=4,
+    replays_in_loss=jnp.int32(17),
+    replay_steps=jnp.int32(6),
+    replayed=30,
+    loss=jnp.float32(2.7182817),
+    history={"best_AP": float("-inf"), "best_epoch": 1, "validation": [{"AP": float("nan")}]},
+    best_params=jax.tree.map(lambda x: np.asarray(x) + 1, params),
+  )
+  steps = checkpointing.StepCheckpointer(str(tmp_path / "steps"), every_steps=1)
+  items, meta = trainer.loop_checkpoint(loop, replay_setup.NoReplay())
+  steps.save(3, loop.step, items, meta)
+  steps.wait()
+  fresh = trainer.LoopState(
+    train_state=jax.tree.map(jnp.zeros_like, loop.train_state),
+    replay_state={"mask": np.zeros(3, bool), "pointer": np.int32(0)},
+    key=jax.random.PRNGKey(0),
+  )
+  like_params = jax.tree.map(np.zeros_like, loop.best_params)
+  got = trainer.restore_loop(steps, 3, fresh, replay_setup.NoReplay(), like_params)
+  steps.close()
+  for name in ("train_state", "replay_state", "key", "best_params"):
+    a, b = getattr(got, name), getattr(loop, name)
+    assert jax.tree.structure(a) == jax.tree.structure(b), name
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)  # bit-exact
+  assert (got.step, got.epoch, got.batch_in_epoch, got.replayed) == (9, 1, 4, 30)
+  assert (int(got.replays_in_loss), int(got.replay_steps)) == (17, 6)
+  assert np.float32(got.loss) == np.float32(loop.loss)  # float32 -> JSON -> float32 exact
+  assert got.history["best_AP"] == float("-inf") and got.history["best_epoch"] == 1
+  assert np.isnan(got.history["validation"][0]["AP"])
