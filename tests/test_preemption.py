@@ -307,3 +307,19 @@ def test_loop_checkpoint_round_trip_restores_every_field(tmp_path):
   assert np.float32(got.loss) == np.float32(loop.loss)  # float32 -> JSON -> float32 exact
   assert got.history["best_AP"] == float("-inf") and got.history["best_epoch"] == 1
   assert np.isnan(got.history["validation"][0]["AP"])
+
+
+def test_checkpoint_intervals_are_validated():
+  from owl_cl import validation  # pylint: disable=g-import-not-at-top
+  from owl_cl.testing.configs import load_config  # pylint: disable=g-import-not-at-top
+
+  config = load_config("swil")
+  assert config.checkpoint.every_steps is None and config.checkpoint.every_minutes is None
+  assert load_config("swil", "paper").checkpoint.every_minutes == 30.0
+  config.checkpoint.every_steps, config.checkpoint.every_minutes = 0, -1.0
+  assert validation.range_problems(config) == [
+    "config.checkpoint.every_steps=0 must be >= 1 or None",
+    "config.checkpoint.every_minutes=-1.0 must be > 0",
+  ]
+  config.checkpoint.every_steps, config.checkpoint.every_minutes = 500, 0.5
+  assert validation.range_problems(config) == []
