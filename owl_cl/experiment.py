@@ -275,6 +275,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "seconds": round(time.time() - start, 1),
       }
     )
+    if jax.process_count() > 1:
+      # A dataset resumed at its last step never ran a replicated retrieval: its replay state
+      # is on one local device, which a multi-process save refuses (host copies it takes).
+      replay_state = sharding_lib.fetch_replicated(replay_state)
     checkpointer.save(
       index, params, replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT}
     )
