@@ -200,9 +200,10 @@ class Detector:
       )
     return options
 
-  def train_batches(self, source, *, batch_size: int, seed: int, epoch: int):
+  def train_batches(self, source, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0):
     """Training batches of one epoch of `source` (pipeline.train_dataset) with the config's
-    preprocessing options, augmentations and host sharding (data.host_sharding).
+    preprocessing options, augmentations and host sharding (data.host_sharding), from batch
+    `start_batch` of the epoch on (a resumed loop).
 
     In a multi-process run each process reads only its rows of every global batch
     (`sharding_lib.process_rows`), so the processes together see the batches of one process;
@@ -226,6 +227,7 @@ class Detector:
       num_workers=self.config.data.num_workers,
       shard=shard,
       batch_rows=batch_rows,
+      start_batch=start_batch,
       **self.example_options(source),
       **self.augment_options(),
     )

@@ -42,6 +42,8 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from owl_cl.preemption import EXIT_PREEMPTED
+
 # Keys under which a failing process leaves its message in the coordination service's
 # key-value store, so `barrier` can name it.
 _FAILURE_KEY = "owl_cl/failed/"
@@ -363,7 +365,10 @@ def fail_fast(exit_code: int = 1) -> Iterator[None]:
     yield
   except BaseException as e:
     client, index, count = _runtime()
-    if client is None or count == 1 or (isinstance(e, SystemExit) and not e.code):
+    # A preempted run (SIGTERM) stops on every process at the same step (agreed by
+    # `preemption.any_process`), so it ends in order like a normal exit.
+    orderly = isinstance(e, SystemExit) and (not e.code or e.code == EXIT_PREEMPTED)
+    if client is None or count == 1 or orderly:
       raise  # one process, or a normal exit (sys.exit(0)): nothing to end
     message = f"{type(e).__name__}: {e}"
     logging.exception("process %d of %d failed: %s", index, count, message)

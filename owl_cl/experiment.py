@@ -12,9 +12,15 @@
                evaluation, stage checkpoint
   6 results    results.json / results.md in the workdir, TensorBoard scalars
 
-Resuming: every finished stage is checkpointed (orbax) together with the metrics so far; the
-same command on the same workdir restores the last finished stage and goes on from there. A
-workdir that holds a run of a different config is refused (nothing is overwritten).
+Resuming: every finished stage is checkpointed (orbax) together with the metrics so far, and
+within pre-training and each dataset the training loop writes step checkpoints
+(`checkpoint.every_steps` / `every_minutes`, and on SIGTERM); the same command on the same
+workdir restores the newest of them and goes on from there, ending with the results an
+uninterrupted run would have had. SIGTERM saves a step checkpoint at the next step boundary
+(or stops after the stage checkpoint in progress) and raises `preemption.Preempted`
+(`owl_cl.main` exits with status `preemption.EXIT_PREEMPTED`); results.json then says
+'preempted'. A workdir that holds a run of a different config is refused (nothing is
+overwritten).
 
 One run per workdir: the run holds `<workdir>/.owl_cl.lock` (`utils.workdir_lock`); a second
 one is refused at once with the holder's pid and host, and the lock of a killed run is taken
@@ -38,6 +44,7 @@ from tensorboardX import SummaryWriter
 
 from owl_cl import benchmark as benchmark_lib
 from owl_cl import distributed
+from owl_cl import preemption
 from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl import utils
@@ -131,6 +138,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     WorkdirLockedError: another process runs in `workdir` (its pid and host named).
     TrainingDivergedError: a non-finite loss or gradient norm (the last stage checkpoint
       stays; results.json is not marked complete).
+    owl_cl.preemption.Preempted: SIGTERM; a step (or stage) checkpoint was saved and
+      results.json says 'preempted'. The same call resumes.
   """
   py_logging.getLogger("absl").setLevel(py_logging.INFO)
   workdir = expand_path(workdir)
@@ -159,7 +168,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if compilation_cache:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    return _run(config, workdir)
+    with preemption.handle_sigterm():
+      return _run(config, workdir)
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -179,7 +189,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   checkpointer = checkpointing.StageCheckpointer(
     os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
   )
-  params, pretrain_meta = pretrained.pretrained_params(detector, bench, writer)
+  step_checkpoints = checkpointing.StepCheckpointer(
+    os.path.join(workdir, "step_checkpoints"),
+    every_steps=config.checkpoint.get("every_steps"),
+    every_minutes=config.checkpoint.get("every_minutes"),
+  )
+  params, pretrain_meta = pretrained.pretrained_params(detector, bench, writer, step_checkpoints)
   store, buffer_stats = None, None
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
@@ -234,8 +249,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       results_lib.write_results(workdir, results)
     return results
 
-  write("running")
-  for index in range(latest + 1, len(bench.sequence) + 1):
+  def run_stage(index, params, replay_state):
+    """Trains on dataset `index` (resuming its step checkpoint, if any), evaluates, and
+    saves the stage checkpoint (which supersedes the dataset's step checkpoints)."""
     dataset = bench.sequence[index - 1]
     start = time.time()
     params, replay_state, train_summary = trainer.train_on_dataset(
@@ -247,6 +263,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       writer,
       index,
       records_path=os.path.join(workdir, "records", f"{dataset.name}.npz"),
+      step_checkpoints=step_checkpoints,
     )
     metrics = evaluate(params, dataset.name, benchmark_lib.stage_eval_names(config, bench, index))
     for name, values in metrics.items():
@@ -259,15 +276,43 @@ def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "seconds": round(time.time() - start, 1),
       }
     )
+    if jax.process_count() > 1:
+      # A dataset resumed at its last step never ran a replicated retrieval: its replay state
+      # is on one local device, which a multi-process save refuses (host copies it takes).
+      replay_state = sharding_lib.fetch_replicated(replay_state)
     checkpointer.save(
       index, params, replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT}
     )
     # Every process has finished the dataset before the writer reports it.
     distributed.barrier(f"stage-{index}", timeout_s=BARRIER_TIMEOUT_S)
+    step_checkpoints.discard(index)
     write("running")
+    return params, replay_state
+
+  write("running")
+  try:
+    for index in range(latest + 1, len(bench.sequence) + 1):
+      # A SIGTERM during an evaluation or a stage checkpoint stops here, after it.
+      stop_if_preempted(f"after stage {index - 1}")
+      params, replay_state = run_stage(index, params, replay_state)
+  except preemption.Preempted:
+    write("preempted")
+    step_checkpoints.close()
+    checkpointer.close()
+    raise
   results = write("complete")
   if writer is not None:
     writer.close()
+  step_checkpoints.close()
   checkpointer.close()
   logging.info("results: %s", os.path.join(workdir, "results.md"))
   return results
+
+
+def stop_if_preempted(where: str) -> None:
+  """Raises `preemption.Preempted` if any process received SIGTERM (a stage boundary: the
+  newest checkpoint holds everything done so far)."""
+  if preemption.any_process(preemption.requested_here())[0]:
+    raise preemption.Preempted(
+      f"stopped by SIGTERM {where} (its checkpoint is saved); run the same command to resume"
+    )

@@ -11,7 +11,9 @@ Any config field can be overridden: `--config.replay.dedup=epoch`.
 Errors of the user's input (a bad config value, missing or malformed data, a checkpoint of
 another model, a workdir of another run or in use by another process) print one message
 naming the culprit, without a traceback (`--verbose` or `--verbosity=1` adds it), and exit
-with status 2; a diverged training (non-finite loss) exits with status 1.
+with status 2; a diverged training (non-finite loss) exits with status 1. SIGTERM (SLURM,
+TPU maintenance) saves a step checkpoint at the next step boundary and exits with status 75
+(`preemption.EXIT_PREEMPTED`); the same command resumes.
 """
 
 from __future__ import annotations
@@ -117,9 +119,17 @@ def main(argv):
   # One process's exception ends the whole multi-process run (the others are stopped by JAX's
   # coordination service, naming it); with one process it propagates as usual. A known error
   # (the user's input) is one message and exit status 2 on the process that found it.
+  from owl_cl import preemption  # pylint: disable=g-import-not-at-top
+
   with distributed.fail_fast():
     try:
       experiment.run(config, workdir)
+    except preemption.Preempted as e:
+      # Not a failure: every process saved and stops here, with the status a job script
+      # can requeue on.
+      logging.warning("%s (exit status %d)", e, preemption.EXIT_PREEMPTED)
+      print(f"preempted: {e}", file=sys.stderr, flush=True)
+      sys.exit(preemption.EXIT_PREEMPTED)
     except known_errors() as e:
       fail(e, verbose=_VERBOSE.value or logging.level_debug())
 

@@ -219,11 +219,19 @@ def load_init_checkpoint(path: str, like, needs: str = "") -> tuple[Any, dict]:
   return params, {"source": path, "format": "scenic"}
 
 
-def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any, dict]:
+def pretrained_params(
+  detector: Detector, bench: Benchmark, writer, step_checkpoints=None
+) -> tuple[Any, dict]:
   """Loads `init_checkpoint`, or the cached pre-trained model, or pre-trains and caches it.
 
   The cache key covers everything pre-training depends on (model, data, pre-training
-  config, seed), so a changed setting never reuses a stale model.
+  config, seed), so a changed setting never reuses a stale model. `step_checkpoints`
+  (`checkpointing.StepCheckpointer` of the run's workdir, phase 0; None: none): a killed
+  pre-training resumes from its newest step checkpoint there; they are deleted once the
+  finished model is in the cache (written atomically, as before).
+
+  Raises:
+    owl_cl.preemption.Preempted: SIGTERM during pre-training (after its step checkpoint).
   """
   config = detector.config
   like = jax.eval_shape(lambda: detector.init_params(config.seed))
@@ -261,7 +269,7 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
   logging.info("no cached pre-trained model: pre-training (cache %s)", path)
   start = time.time()
   # Looked up on the module at call time, so a test can replace it.
-  params, curve = trainer.pretrain(detector, bench, writer)
+  params, curve = trainer.pretrain(detector, bench, writer, step_checkpoints)
   meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
   # The model it holds, named when it is given as another config's init_checkpoint.
   meta["model"] = cache_key_fields(config, "model")
@@ -271,6 +279,8 @@ def pretrained_params(detector: Detector, bench: Benchmark, writer) -> tuple[Any
   if distributed.is_writer():
     checkpointing.save_params(path, params, meta)
   distributed.barrier("pretrained-saved", timeout_s=600.0)
+  if step_checkpoints is not None:
+    step_checkpoints.discard(0)
   return params, meta
 
 

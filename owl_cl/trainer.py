@@ -26,6 +26,7 @@ import numpy as np
 from tensorboardX import SummaryWriter
 import tqdm
 
+from owl_cl import preemption
 from owl_cl.benchmark import Benchmark
 from owl_cl.benchmark import Dataset
 from owl_cl.detector import Detector
@@ -78,16 +79,23 @@ def check_finite(metrics: dict, desc: str, step: int, learning_rate: float | Non
 
 @dataclasses.dataclass
 class LoopState:
-  """Everything the step loop carries from one step to the next.
+  """Everything the step loop carries from one step to the next (and a step checkpoint holds).
 
-  train_state: `step_lib.TrainState` (params, optimizer state), replicated on the mesh.
+  train_state: `step_lib.TrainState` (params, optimizer state and its step, which drives the
+    learning-rate schedule), replicated on the mesh.
   replay_state: `ReplayState` (retrieval counters and PRNG key; a 1-image placeholder
-    without replay).
+    without replay; None in pre-training).
   key: PRNG key of the train steps (split once per step: dropout / query sampling).
   step, epoch: steps taken in this phase, and the current epoch (0-based).
+  batch_in_epoch: batches of `epoch` consumed so far: the input pipeline's position (a
+    resumed loop reads the epoch from this batch on, `Detector.train_batches(start_batch=)`).
   replays_in_loss, replay_steps: int32 [] device counters (no host sync per step) of the
     replays that entered the loss and of the steps with at least one.
   replayed: valid replay slots retrieved (host int).
+  loss: float32 [] the last step's loss (device; None before the first step).
+  history: JSON-able host records of the phase (pre-training: 'curve'; a dataset with
+    train.carry='best_validation': 'validation', 'best_AP', 'best_epoch').
+  best_params: host parameter tree of the best validation epoch so far (None: none yet).
   """
 
   train_state: Any
@@ -95,9 +103,118 @@ class LoopState:
   key: jax.Array
   step: int = 0
   epoch: int = 0
+  batch_in_epoch: int = 0
   replays_in_loss: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
   replay_steps: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
   replayed: int = 0
+  loss: Any = None
+  history: dict = dataclasses.field(default_factory=dict)
+  best_params: Any = None
+
+
+def _host_arrays(tree):
+  """NumPy arrays of a replicated tree (orbax saves no NumPy scalars: 0-d arrays instead)."""
+  return jax.tree.map(np.asarray, sharding_lib.fetch_replicated(tree))
+
+
+def loop_checkpoint(loop: LoopState, replay) -> tuple[dict, dict]:
+  """What a step checkpoint holds of `loop`: (array items, JSON-able meta).
+
+  Items: 'train_state' (replicated arrays), 'key' uint32 [2], 'replay_state' and
+  'best_params' (host copies, when present), plus `replay.checkpoint_items()` (the retrieval
+  records). Meta: the host ints, the counters and the last loss (fetched: one host sync per
+  checkpoint), and `history`. Inverse: `restore_loop`.
+  """
+  items = {"train_state": loop.train_state, "key": np.asarray(jax.device_get(loop.key))}
+  if loop.replay_state is not None:
+    # Host copy: after `initial_replay_state` it lives on one device, which a multi-process
+    # save cannot take; the values are what matter.
+    items["replay_state"] = _host_arrays(loop.replay_state)
+  if loop.best_params is not None:
+    items["best_params"] = _host_arrays(loop.best_params)
+  items.update(replay.checkpoint_items())
+  replays_in_loss, replay_steps, loss = (
+    sharding_lib.fetch_replicated(x) for x in (loop.replays_in_loss, loop.replay_steps, loop.loss)
+  )
+  meta = {
+    "step": loop.step,
+    "epoch": loop.epoch,
+    "batch_in_epoch": loop.batch_in_epoch,
+    "replayed": loop.replayed,
+    "replays_in_loss": int(replays_in_loss),
+    "replay_steps": int(replay_steps),
+    # float(float32) -> JSON -> float32 is exact.
+    "loss": None if loss is None else float(loss),
+    "history": loop.history,
+  }
+  return items, meta
+
+
+def restore_loop(checkpoints, phase: int, loop: LoopState, replay, params_like=None) -> LoopState:
+  """`loop` (freshly set up for `phase`) with the state of the phase's newest step checkpoint.
+
+  Returns `loop` unchanged when there is none (or `checkpoints` is None). `params_like`: the
+  host parameter tree's shapes (for 'best_params').
+  """
+  step = None if checkpoints is None else checkpoints.latest(phase)
+  if step is None:
+    return loop
+  like = {"train_state": loop.train_state, "key": np.asarray(jax.device_get(loop.key))}
+  if loop.replay_state is not None:
+    like["replay_state"] = _host_arrays(loop.replay_state)
+  if params_like is not None:
+    like["best_params"] = params_like
+  like.update(replay.checkpoint_items())
+  items, meta = checkpoints.restore(phase, step, like)
+  logging.info(
+    "resuming phase %d at step %d (epoch %d, batch %d) from %s",
+    phase,
+    step,
+    meta["epoch"],
+    meta["batch_in_epoch"],
+    checkpoints.directory,
+  )
+  replay.restore_items(items)
+  loop.train_state = items["train_state"]
+  loop.key = jnp.asarray(items["key"])
+  if "replay_state" in items:
+    loop.replay_state = items["replay_state"]
+  loop.best_params = items.get("best_params")
+  loop.step, loop.epoch, loop.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+  loop.replayed = meta["replayed"]
+  loop.replays_in_loss = jnp.asarray(meta["replays_in_loss"], jnp.int32)
+  loop.replay_steps = jnp.asarray(meta["replay_steps"], jnp.int32)
+  loop.loss = None if meta["loss"] is None else np.float32(meta["loss"])
+  loop.history = meta["history"]
+  return loop
+
+
+def checkpoint_hook(checkpoints, phase: int, total_steps: int, replay, desc: str):
+  """The loop's per-step checkpoint call: `hook(loop)` saves a step checkpoint when one is due
+  (`StepCheckpointer.step_due` / `time_due`) or SIGTERM was received, and after SIGTERM
+  raises `preemption.Preempted` once the checkpoint is on disk. None: no step checkpoints
+  (and SIGTERM is not handled here).
+
+  The time and SIGTERM decisions are agreed by all processes (`preemption.any_process`), so
+  every process saves (a collective write) and stops at the same step.
+  """
+  if checkpoints is None:
+    return lambda loop: None
+  checkpoints.start_phase()
+
+  def hook(loop: LoopState) -> None:
+    time_due, stop = preemption.any_process(checkpoints.time_due(), preemption.requested_here())
+    if stop or time_due or checkpoints.step_due(loop.step, total_steps):
+      items, meta = loop_checkpoint(loop, replay)
+      checkpoints.save(phase, loop.step, items, meta)
+    if stop:
+      checkpoints.wait()
+      raise preemption.Preempted(
+        f"stopped by SIGTERM in {desc} after step {loop.step}; checkpoint saved in "
+        f"{checkpoints.directory}; run the same command to resume"
+      )
+
+  return hook
 
 
 def progress(total: int, desc: str):
@@ -148,32 +265,46 @@ def train_loop(
   on_log: Callable[[LoopState, dict], dict],
   after_step: Callable[[LoopState], None] = lambda loop: None,
   after_epoch: Callable[[LoopState], LoopState] = lambda loop: loop,
+  checkpoint: Callable[[LoopState], None] = lambda loop: None,
   learning_rate: float | None = None,
-) -> tuple[LoopState, dict | None]:
+) -> LoopState:
   """Runs train steps until `total_steps` (or `num_epochs` epochs; None = as many as needed).
 
   Per step: split the key, shard the batch, the replayed inputs (`replay.step_inputs`), the
   train step, the replay counters; every `train.log_every_steps` steps and at the last one
   `on_log(loop, host metrics)` returns the progress bar's fields. `after_step(loop)` runs
-  after every step, `after_epoch(loop)` after every epoch that ran at least one step.
-  `learning_rate` (the phase's peak) only enters the divergence message.
+  after every step, then `checkpoint(loop)` (`checkpoint_hook`: a step checkpoint when due;
+  raises `preemption.Preempted` after SIGTERM); `after_epoch(loop)` after every epoch begun
+  with steps left. `learning_rate` (the phase's peak) only enters the divergence message.
+
+  A `loop` restored from a step checkpoint (`restore_loop`) goes on exactly where it
+  stopped: from batch `loop.batch_in_epoch` of epoch `loop.epoch` (that epoch's
+  `after_epoch` still runs), with its keys, counters and optimizer state.
 
   Returns:
-    (the loop state after the last step, the last step's metrics; None when no step ran).
+    the loop state after the last step (`loop.loss`: the last step's loss).
 
   Raises:
     TrainingDivergedError: a non-finite loss or gradient norm at a logged step
       (`check_finite`).
+    owl_cl.preemption.Preempted: SIGTERM was received (from `checkpoint`).
   """
   log_every = detector.config.train.log_every_steps
   bar = progress(total_steps, desc)
-  metrics = None
-  epochs = itertools.count() if num_epochs is None else range(num_epochs)
+  bar.update(loop.step)
+  first = loop.epoch
+  epochs = itertools.count(first) if num_epochs is None else range(first, num_epochs)
   for epoch in epochs:
-    if loop.step >= total_steps:
+    # A restored loop part-way into its epoch finishes it (and its after_epoch) first.
+    continuing = epoch == first and loop.batch_in_epoch > 0
+    if loop.step >= total_steps and not continuing:
       break
-    loop.epoch = epoch
-    for batch in detector.train_batches(source, batch_size=batch_size, seed=data_seed, epoch=epoch):
+    if not continuing:
+      loop.epoch, loop.batch_in_epoch = epoch, 0
+    batches = detector.train_batches(
+      source, batch_size=batch_size, seed=data_seed, epoch=epoch, start_batch=loop.batch_in_epoch
+    )
+    for batch in batches:
       if loop.step >= total_steps:
         break
       loop.key, step_key = jax.random.split(loop.key)
@@ -181,6 +312,8 @@ def train_loop(
       loop, replay_inputs = replay.step_inputs(loop, inputs)
       loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
       loop.step += 1
+      loop.batch_in_epoch += 1
+      loop.loss = metrics["loss"]
       bar.update(1)
       loop = replay.count(loop, metrics)
       if loop.step % log_every == 0 or loop.step == total_steps:
@@ -188,19 +321,29 @@ def train_loop(
         check_finite(host_metrics, desc, loop.step, learning_rate)
         bar.set_postfix(**on_log(loop, host_metrics))
       after_step(loop)
+      checkpoint(loop)
+      preemption.checkpoint_event("train_step")
     loop = after_epoch(loop)
   bar.close()
-  return loop, metrics
+  return loop
 
 
 # ----------------------------------------------------------------------------- pre-training
 
 
-def pretrain(detector: Detector, bench: Benchmark, writer: SummaryWriter | None):
+def pretrain(
+  detector: Detector, bench: Benchmark, writer: SummaryWriter | None, step_checkpoints=None
+):
   """Pre-trains the model from scratch on the pre-training set. Returns (params, curve).
 
   curve: [{'step', 'seconds', 'loss'} every `train.log_every_steps` steps, with 'val_AP' /
-  'val_AP50' every `pretrain.eval_every_steps` steps].
+  'val_AP50' every `pretrain.eval_every_steps` steps]; 'seconds' counts from the start of
+  the (possibly resumed) process's pre-training. `step_checkpoints`
+  (`checkpointing.StepCheckpointer`, phase 0; None: none) saves the loop as configured and
+  on SIGTERM, and a killed pre-training resumes from its newest one.
+
+  Raises:
+    owl_cl.preemption.Preempted: SIGTERM (after the checkpoint is saved).
   """
   config = detector.config
   settings = config.pretrain
@@ -227,17 +370,20 @@ def pretrain(detector: Detector, bench: Benchmark, writer: SummaryWriter | None)
     with_replay=False,
     max_unique_queries=settings.max_unique_queries,
   )
+  no_replay = replay_setup.NoReplay()
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
     replay_state=None,
     key=jax.random.PRNGKey(config.seed + 1),
+    history={"curve": []},
   )
-  curve = []
+  loop = restore_loop(step_checkpoints, 0, loop, no_replay)
   start = time.time()
 
   def on_log(loop, metrics):
     log_scalars(writer, "pretrain", dict(metrics, lr=schedule(loop.step)), loop.step)
     seconds = round(time.time() - start, 1)
+    curve = loop.history["curve"]
     curve.append({"step": loop.step, "seconds": seconds, "loss": float(metrics["loss"])})
     return {"loss": f"{float(metrics['loss']):.3f}"}
 
@@ -245,6 +391,7 @@ def pretrain(detector: Detector, bench: Benchmark, writer: SummaryWriter | None)
     every = settings.eval_every_steps
     if not every or loop.step % every or loop.step >= settings.num_steps:
       return
+    curve = loop.history["curve"]
     params_now = sharding_lib.fetch_replicated(loop.train_state.params)
     val = detector.evaluate(params_now, bench.pretrain.test, f"pre-training val @ {loop.step}")
     if not curve or curve[-1]["step"] != loop.step:
@@ -255,11 +402,11 @@ def pretrain(detector: Detector, bench: Benchmark, writer: SummaryWriter | None)
       "pre-training step %d: validation AP50 %.3f AP %.3f", loop.step, val["AP50"], val["AP"]
     )
 
-  loop, _ = train_loop(
+  loop = train_loop(
     detector,
     loop,
     train_step=train_step,
-    replay=replay_setup.NoReplay(),
+    replay=no_replay,
     source=bench.pretrain.train,
     batch_size=settings.batch_size,
     data_seed=config.seed,
@@ -268,9 +415,10 @@ def pretrain(detector: Detector, bench: Benchmark, writer: SummaryWriter | None)
     desc="pre-training",
     on_log=on_log,
     after_step=after_step,
+    checkpoint=checkpoint_hook(step_checkpoints, 0, settings.num_steps, no_replay, "pre-training"),
     learning_rate=settings.learning_rate,
   )
-  return sharding_lib.fetch_replicated(loop.train_state.params), curve
+  return sharding_lib.fetch_replicated(loop.train_state.params), loop.history["curve"]
 
 
 # ----------------------------------------------------------------------------- one dataset
@@ -352,18 +500,22 @@ def train_on_dataset(
   writer,
   index: int,
   records_path: str | None = None,
+  step_checkpoints=None,
 ):
   """Fine-tunes on one downstream dataset with retrieval + DER++ (fresh optimizer).
 
   `store` is the replay store (None: retrieval 'none'). With `config.replay.records` and a
   `records_path`, the retrieval analysis records (`owl_cl.replay.records`) of the dataset
-  are written there.
+  are written there. `step_checkpoints` (`checkpointing.StepCheckpointer`; None: none) saves
+  the loop (phase `index`) as configured and on SIGTERM; when it holds a checkpoint of this
+  dataset, training resumes from it and ends as the uninterrupted run would.
 
   Returns:
     (params, replay state, training summary dict for results.json).
 
   Raises:
     ConfigError: a dataset with fewer training images than one batch.
+    owl_cl.preemption.Preempted: SIGTERM (after the checkpoint is saved).
   """
   config = detector.config
   batch_size = config.train.batch_size
@@ -402,8 +554,11 @@ def train_on_dataset(
   )
   loop = replay.prepare(loop)
   carry_best = config.train.get("carry", "last") == "best_validation"
-  best = {"AP": -np.inf, "epoch": None, "params": None}
-  validation = []
+  if carry_best:
+    loop.history = {"best_AP": -np.inf, "best_epoch": None, "validation": []}
+  # After `prepare`: the restored replay state already holds what it prepared.
+  # `params` gives best_params' tree structure, shapes and dtypes.
+  loop = restore_loop(step_checkpoints, index, loop, replay, params if carry_best else None)
 
   def on_log(loop, metrics):
     postfix, replay_scalars = replay.log(loop)
@@ -412,15 +567,25 @@ def train_on_dataset(
     return {"loss": f"{float(metrics['loss']):.3f}", **postfix}
 
   def after_epoch(loop):
-    nonlocal best
     loop = replay.end_epoch(loop)
     if carry_best:
+      history = loop.history
+      best = {"AP": history["best_AP"], "epoch": history["best_epoch"], "params": loop.best_params}
       best = track_best_epoch(
-        detector, dataset, loop.train_state.params, loop.epoch, best, validation, writer, index
+        detector,
+        dataset,
+        loop.train_state.params,
+        loop.epoch,
+        best,
+        history["validation"],
+        writer,
+        index,
       )
+      history.update(best_AP=best["AP"], best_epoch=best["epoch"])
+      loop.best_params = best["params"]
     return loop
 
-  loop, metrics = train_loop(
+  loop = train_loop(
     detector,
     loop,
     train_step=train_step,
@@ -433,18 +598,23 @@ def train_on_dataset(
     desc=f"dataset {index}: {dataset.name}",
     on_log=on_log,
     after_epoch=after_epoch,
+    checkpoint=checkpoint_hook(step_checkpoints, index, total, replay, f"dataset {index}"),
     learning_rate=settings["learning_rate"],
   )
   loop = replay.end_dataset(loop)
   summary = {
     "steps": loop.step,
     "replayed_images": loop.replayed,
-    "final_loss": float(sharding_lib.fetch_replicated(metrics["loss"])) if loop.step else None,
+    "final_loss": float(sharding_lib.fetch_replicated(loop.loss)) if loop.step else None,
     "settings": settings,
     **replay.summary(loop),
   }
-  if carry_best and best["params"] is not None:
-    summary.update(carried="best_validation", best_epoch=best["epoch"], validation=validation)
-    return best["params"], loop.replay_state, summary
+  if carry_best and loop.best_params is not None:
+    summary.update(
+      carried="best_validation",
+      best_epoch=loop.history["best_epoch"],
+      validation=loop.history["validation"],
+    )
+    return loop.best_params, loop.replay_state, summary
   summary["carried"] = "last"
   return sharding_lib.fetch_replicated(loop.train_state.params), loop.replay_state, summary

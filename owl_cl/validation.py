@@ -219,6 +219,8 @@ FIELD_RULES: dict[str, Rule] = {
   "eval.lvis_top_k": integer(1),
   "eval.lvis_max_dets": integer(1),
   "checkpoint.max_to_keep": integer(1, optional=True),
+  "checkpoint.every_steps": integer(1, optional=True),
+  "checkpoint.every_minutes": real(0.0, low_open=True, optional=True),
   "max_train_steps_per_dataset": integer(1, optional=True),
   "max_eval_images": integer(1, optional=True),
 }

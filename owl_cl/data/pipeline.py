@@ -1020,9 +1020,10 @@ def train_dataset(
   prefetch: int = 64,
   shard: Any = None,
   batch_rows: tuple[int, int] | None = None,
+  start_batch: int = 0,
   **options,
 ) -> Iterator[dict[str, np.ndarray]]:
-  """Iterator over the training batches of one epoch.
+  """Iterator over the training batches of one epoch, from batch `start_batch` on.
 
   Args:
     source: random-access source of examples (`CocoSource` or any sequence of
@@ -1041,6 +1042,9 @@ def train_dataset(
       of each global batch of B (`owl_cl.train.sharding.process_rows`), so every process
       iterates the same floor(N / B) batches of stop - start rows and together they form the
       batches of one process. Not with `shard`.
+    start_batch: batches of the epoch already consumed (a resumed loop, `owl_cl.trainer
+      .LoopState.batch_in_epoch`): the iterator starts at batch `start_batch` of the same
+      order, without reading the skipped examples (0 = the whole epoch).
     **options: pad_value, squash, merge_iou, hflip, negative_weights, random_crop, crop_*,
       annotated_negatives (see `preprocess_train_example`), mosaic_sizes, mosaic_probs (see
       `train_map_dataset`).
@@ -1051,10 +1055,13 @@ def train_dataset(
     orig_size [B, 2], example_mask [B] (all True). floor(N / B) batches (remainder dropped).
 
   Raises:
-    ValueError: bad token shapes (at once); errors of the source (DataError) when iterated.
+    ValueError: bad token shapes or a negative `start_batch` (at once); errors of the source
+      (DataError) when iterated.
 
   Source: docs/reference.md §3, §5.
   """
+  if start_batch < 0:
+    raise ValueError(f"start_batch must be >= 0, got {start_batch}")
   ds = train_map_dataset(
     source,
     class_tokens=class_tokens,
@@ -1072,6 +1079,10 @@ def train_dataset(
     **options,
   )
   local_batch = batch_size if batch_rows is None else batch_rows[1] - batch_rows[0]
+  if start_batch:
+    # Every example is a pure function of (seed, epoch, position), so the slice holds exactly
+    # the examples the uninterrupted epoch would have read from this batch on.
+    ds = ds[start_batch * local_batch :]
   return _to_batches(ds, local_batch, True, num_workers, num_threads, prefetch)
 
 

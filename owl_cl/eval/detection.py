@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from owl_cl import preemption
+
 logger = logging.getLogger(__name__)
 
 # Names of the 12 COCOeval bbox summary statistics, in pycocotools' `stats` order. 'AR1' and
@@ -628,6 +630,7 @@ def collect_detections(
 
   pending = None
   for batch in tqdm(batches, desc=desc, total=total, disable=not progress, leave=False):
+    preemption.checkpoint_event("eval_batch")  # test-only kill hook (a no-op otherwise)
     outputs = predict_fn(batch)  # Dispatched asynchronously.
     if pending is not None:
       collect(*pending)

@@ -101,6 +101,40 @@ class RetrievalRecords:
       selected_rank_counts=self.selected_rank_counts,
     )
 
+  # The accumulated fields (the rest of `as_dict` are constants): a step checkpoint's
+  # 'records' item, so a resumed dataset goes on counting from where it stopped.
+  STATE_FIELDS = (
+    "sampled_class_counts",
+    "swil_entropy_counts",
+    "grasp_entropy_counts",
+    "used_grasp",
+    "knn_sv_counts",
+    "min_sv_rank_counts",
+    "selected_rank_counts",
+  )
+
+  def state(self) -> dict[str, np.ndarray]:
+    """Copies of the counts so far: `calls` int64 [] and the STATE_FIELDS histograms."""
+    return {
+      "calls": np.asarray(self.calls, np.int64),  # 0-d: orbax saves no NumPy scalars
+      **{k: getattr(self, k).copy() for k in self.STATE_FIELDS},
+    }
+
+  def load_state(self, state: dict) -> None:
+    """Replaces the counts by `state` (from `state()`).
+
+    Raises:
+      ValueError: a field whose shape differs from this recorder's (another buffer).
+    """
+    for name in self.STATE_FIELDS:
+      value = np.asarray(state[name], np.int64)
+      if value.shape != getattr(self, name).shape:
+        raise ValueError(
+          f"records {name}: shape {value.shape}, expected {getattr(self, name).shape}"
+        )
+      setattr(self, name, value.copy())
+    self.calls = int(state["calls"])
+
   def save(self, path: str) -> None:
     """Writes the histograms to `path` (.npz) atomically (temporary file, then rename)."""
     atomic_write(path, lambda tmp: np.savez(tmp, **self.as_dict()), suffix=".npz")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from owl_cl import distributed
+from owl_cl import preemption
 from owl_cl.replay import algorithms
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import dedup
@@ -177,7 +178,12 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     **non_default_data_options(config, buffer=True),
   }
   superseded = ((dict(key_material, format=1), "built with unnormalised class embeddings"),)
-  build = lambda path, build_dir, build_key: buffer_build.build_store(
+
+  def build(path, build_dir, build_key):
+    preemption.checkpoint_event("buffer")  # test-only kill hook (a no-op otherwise)
+    return build_uncached(path, build_dir, build_key)
+
+  build_uncached = lambda path, build_dir, build_key: buffer_build.build_store(
     detector.model,
     params,
     source,
@@ -283,6 +289,12 @@ class NoReplay:
   def summary(self, loop) -> dict:
     del loop
     return {}
+
+  def checkpoint_items(self) -> dict:
+    return {}
+
+  def restore_items(self, items: dict) -> None:
+    del items
 
 
 class Replay:
@@ -431,6 +443,16 @@ class Replay:
     if self.recorder is not None and distributed.is_writer():
       self.recorder.save(self.records_path)
     return loop
+
+  def checkpoint_items(self) -> dict:
+    """The host state a step checkpoint needs besides the loop state: the retrieval records
+    so far ({'records': {...}}; {} without records)."""
+    return {} if self.recorder is None else {"records": self.recorder.state()}
+
+  def restore_items(self, items: dict) -> None:
+    """Restores what `checkpoint_items` saved (missing items are left as they are)."""
+    if self.recorder is not None and "records" in items:
+      self.recorder.load_state(items["records"])
 
   def summary(self, loop) -> dict:
     """The dataset's replay figures for results.json (Table 4's fractions among them)."""
