@@ -171,11 +171,14 @@ def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, w
     image_size=8,
     loss_config={},
     example_options=lambda s: {},
+    mesh=None,
   )
   seen = {}
   monkeypatch.setattr(buffer_build, "build_store", lambda *a, **kw: seen.update(kw))
   monkeypatch.setattr(
-    buffer_build, "cached_store", lambda folder, key, build, superseded: (build(), key)
+    buffer_build,
+    "cached_store",
+    lambda folder, key, build, superseded: (build("store", "store.build", "key"), key),
   )
   benchmark = types.SimpleNamespace(pretrain=types.SimpleNamespace(train=source))
   _, key = replay_setup.build_store(detector, benchmark, None, {})

@@ -1,123 +1,132 @@
 """Building the replay buffer from the pre-training set with the pre-trained model
-(docs/reference.md §6).
+(docs/reference.md §6), streaming and resumable.
 
-One eval-mode forward pass of the pre-trained model over every pre-training image (with its
-fixed, seeded training queries) gives, per image: the detection loss (eq. 7 ranks images by
-it), the logits to distil (DER++), the top-k class and query embeddings (retrieval features)
-and the per-class token embeddings that make the class prototypes. `select_buffer` keeps the
-images with loss < t and tops every class up to its minimum; prototypes and prototype
-distances are computed over the kept images. The result is a `ReplayStore`, cached on disk
-under a key of everything it depends on.
+The pre-training set flows through the input pipeline (grain, optional worker processes) in
+batches over the devices of the mesh (each process reads its rows of every batch), in three
+passes of the jitted eval-mode forward of the pre-trained model:
+
+  1. every image: the detection loss (eq. 7 ranks images by it) and the class membership;
+     only these ([N] float32 and [N, C] bool, memory-mapped files) are kept;
+  selection: `select_buffer` (loss < t, per-class top-up) on those arrays;
+  2. the selected images: the examples, the logits to distil (DER++), the top-k class and
+     query embeddings (retrieval features) are written to the store's files in chunks, and the
+     prototype sums / counts (top-n_c class embeddings per class) are reduced on the device
+     and accumulated (float64) on the host;
+  3. the selected images again: their prototype distances to the now complete prototypes.
+
+Host memory holds one batch, the [C, E] prototype sums and the selection's per-image arrays
+(memory-mapped); it does not grow with the images' size or the buffer's. Every `chunk_images`
+images, each pass commits its progress (arrays fsynced, then a small state file written
+atomically) in a build folder, so a build killed at any point resumes from its last complete
+chunk; the result is identical to an uninterrupted build (the passes are deterministic and the
+chunks the same). The finished store is moved into place with `utils.atomic_directory` and the
+build folder removed. The store is a `ReplayStore` folder (memory-mapped on load).
+
+Multi-process: every process runs the same batches (the forward is collective); process 0
+(the writer) keeps the build folder and writes the store, and tells the others where to resume
+and which images were selected; the others read the store from the shared cache folder.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+import hashlib
 import json
 import os
+import shutil
 import time
 
 from absl import logging
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
 
 from owl_cl import distributed
+from owl_cl import utils
 from owl_cl.data import pipeline
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import state as state_lib
 from owl_cl.replay import store as store_lib
 from owl_cl.train import losses
+from owl_cl.train import sharding as sharding_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import digest
 
-# The arrays of a stored example (defined once, by the store that holds them).
+# The arrays of a stored example (defined once, by the store that holds them), and the image
+# id, stored too so that a store names its images.
 EXAMPLE_KEYS = store_lib.REQUIRED_EXAMPLE_KEYS
+STORED_EXAMPLE_KEYS = EXAMPLE_KEYS + ("image_id",)
+# Version of the build folder's layout; a folder of another version is started afresh.
+BUILD_FORMAT = 1
+PASSES = ("losses", "features", "distances")
+_INT32_MAX = np.iinfo(np.int32).max
+# (id(model), mesh, digest of the step options) -> (model, `make_steps` of it).
+_STEPS: dict = {}
 
 
-def preprocess_source(
-  source,
-  *,
-  class_tokens: np.ndarray,
-  empty_tokens: np.ndarray,
-  image_size: int,
-  num_queries: int,
-  max_instances: int,
-  num_negatives: int,
-  seed: int,
-  **options,
-) -> dict[str, np.ndarray]:
-  """Fixed training examples of every image of `source` (queries drawn once, seeded).
+class BufferExample:
+  """Image index -> its fixed training example (a picklable grain transform).
 
-  `options` go to `pipeline.preprocess_train_example` (squash, merge_iou, negative_weights:
-  the run's preprocessing; no augmentation).
-
-  Returns:
-    dict of stacked arrays with the batch-dict keys `EXAMPLE_KEYS` ([N, ...]) plus
-    `image_id` [N]; the negatives of image i come from `pipeline.example_rng(seed, 0, i)`.
+  The example of image i is `pipeline.preprocess_train_example(source.load(i),
+  rng=pipeline.example_rng(seed, 0, i), **options)` restricted to `STORED_EXAMPLE_KEYS`: its
+  queries and negatives are drawn once, seeded by the image index, so every pass (and every
+  resumed build) sees the same example.
   """
-  examples = []
-  for i in tqdm.trange(len(source), desc="buffer: preprocessing", mininterval=2.0):
-    examples.append(
-      pipeline.preprocess_train_example(
-        source.load(i),
-        class_tokens=class_tokens,
-        empty_tokens=empty_tokens,
-        image_size=image_size,
-        num_queries=num_queries,
-        max_instances=max_instances,
-        num_negatives=num_negatives,
-        rng=pipeline.example_rng(seed, 0, i),
-        **options,
-      )
+
+  def __init__(self, source, seed: int, options: dict):
+    self.source, self.seed, self.options = source, int(seed), dict(options)
+
+  def __call__(self, index) -> dict[str, np.ndarray]:
+    index = int(index)
+    example = pipeline.preprocess_train_example(
+      self.source.load(index), rng=pipeline.example_rng(self.seed, 0, index), **self.options
     )
-  stacked = pipeline.stack_examples(examples)
-  return {k: stacked[k] for k in EXAMPLE_KEYS + ("image_id",)}
+    return {k: example[k] for k in STORED_EXAMPLE_KEYS}
 
 
-def _batches(n: int, batch_size: int):
-  for start in range(0, n, batch_size):
-    idx = np.arange(start, min(start + batch_size, n))
-    # Pad the last batch with copies of its first row (static shapes); sliced off after.
-    yield idx, np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])
-
-
-def analyse_images(
+def make_steps(
   model,
-  params,
-  examples: dict[str, np.ndarray],
+  mesh,
   *,
   num_classes: int,
   top_k: int,
   max_per_class: int,
+  distance_max_instances: int,
   loss_config: dict,
-  batch_size: int,
+  prototype_sums_of_all: bool = False,
   image_features: bool = False,
-) -> dict[str, np.ndarray]:
-  """Per-image quantities of the pre-trained model (one jitted forward per batch).
+) -> dict[str, Callable]:
+  """The jitted per-batch functions of the three passes (outputs replicated on the mesh).
 
-  Returns dict (N images, T tokens, Q queries, E width, C classes):
-    per_image_loss float32 [N] (detection loss, docs/reference.md §3), logits float32 [N,T,Q],
-    top_class_embeddings / top_query_embeddings float32 [N,k,E] (docs/reference.md §6),
-    prototype_sums float32 [N,C,E], prototype_counts float32 [N,C] (top-n_c tokens per class,
-    n_c = min(max_per_class, #instances)), instance_counts int32 [N,C],
-    class_embeddings float32 [N,T,E] (for the prototype distances); with `image_features`
-    also top_image_features [N,k,D] (the ViT output tokens of the same top-k tokens).
+  Every function takes (params, batch) with the batch dict's `EXAMPLE_KEYS` [B, ...], plus
+  `image_id` int32 [B] and `valid` bool [B] (False for padding rows), sharded along 'data'.
+
+  Returns dict:
+    'losses': -> per_image_loss float32 [B] (docs/reference.md §3), membership bool [B, C];
+      with `prototype_sums_of_all` also the batch's prototype_sums / prototype_counts (as
+      'features': the prototypes over every image, `prototype_images='all'`).
+    'features': -> logits float32 [B, T, Q], top_class_embeddings / top_query_embeddings
+      float32 [B, k, E] (`buffer_selection.top_k_embeddings`), prototype_sums float32 [C, E]
+      and prototype_counts int32 [C] summed over the valid rows
+      (`buffer_selection.per_image_class_token_embeddings`), and the batch's examples
+      (`STORED_EXAMPLE_KEYS`), so that the writer has every process's rows; with
+      `image_features` also top_image_features [B, k, D] (the ViT output tokens of the top-k
+      tokens, `buffer_selection.top_k_token_features`).
+    'distances': (params, batch, prototypes float32 [C, E]) -> prototype_distances float32
+      [B, C] (`buffer_selection.prototype_distances` with `distance_max_instances`).
+  Source: docs/reference.md §6.
   """
+  replicated = sharding_lib.replicated(mesh)
 
-  @jax.jit
   def forward(params, batch):
     out = model.apply({"params": params}, batch["images"], batch["queries"], train=False)
-    det = losses.detection_loss(
-      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
-    )
-    query_mask = batch["queries"][..., 0] > 0
-    top_class, top_query = buffer_selection.top_k_embeddings(
-      out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
-    )
     counts = buffer_selection.instance_counts_from_labels(
       batch["labels"], batch["query_class"], num_classes
     )
+    return out, counts
+
+  def prototype_sums(out, counts, batch):
     sums, token_counts = buffer_selection.per_image_class_token_embeddings(
       out["pred_logits"],
       out["class_embeddings"],
@@ -125,15 +134,35 @@ def analyse_images(
       counts,
       max_per_class=max_per_class,
     )
+    # Reduced on the device: the host receives [C, E], not [B, C, E].
+    valid = batch["valid"]
+    return {
+      "prototype_sums": jnp.sum(jnp.where(valid[:, None, None], sums, 0.0), axis=0),
+      "prototype_counts": jnp.sum(jnp.where(valid[:, None], token_counts, 0), axis=0),
+    }
+
+  def losses_step(params, batch):
+    out, counts = forward(params, batch)
+    det = losses.detection_loss(
+      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
+    )
+    result = {"per_image_loss": det["per_example"], "membership": counts > 0}
+    if prototype_sums_of_all:
+      result.update(prototype_sums(out, counts, batch))
+    return result
+
+  def features_step(params, batch):
+    out, counts = forward(params, batch)
+    query_mask = batch["queries"][..., 0] > 0
+    top_class, top_query = buffer_selection.top_k_embeddings(
+      out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
+    )
     result = {
-      "per_image_loss": det["per_example"],
       "logits": out["pred_logits"],
       "top_class_embeddings": top_class,
       "top_query_embeddings": top_query,
-      "prototype_sums": sums,
-      "prototype_counts": token_counts,
-      "instance_counts": counts,
-      "class_embeddings": out["class_embeddings"],
+      **prototype_sums(out, counts, batch),
+      **{k: batch[k] for k in STORED_EXAMPLE_KEYS},
     }
     if image_features:
       feature_map = out["feature_map"]
@@ -145,22 +174,165 @@ def analyse_images(
       )
     return result
 
-  n = examples["images"].shape[0]
-  parts: dict[str, list] = {}
-  for idx, padded in tqdm.tqdm(
-    list(_batches(n, batch_size)), desc="buffer: pre-trained model forward", mininterval=2.0
-  ):
-    batch = {k: jnp.asarray(examples[k][padded]) for k in EXAMPLE_KEYS}
-    out = jax.device_get(forward(params, batch))
-    for k, v in out.items():
-      parts.setdefault(k, []).append(np.asarray(v)[: len(idx)])
-  return {k: np.concatenate(v) for k, v in parts.items()}
+  def distances_step(params, batch, prototypes):
+    out, counts = forward(params, batch)
+    return buffer_selection.prototype_distances(
+      out["pred_logits"],
+      out["class_embeddings"],
+      batch["query_class"],
+      counts,
+      prototypes,
+      max_instances=distance_max_instances,
+    )
+
+  return {
+    "losses": jax.jit(losses_step, out_shardings=replicated),
+    "features": jax.jit(features_step, out_shardings=replicated),
+    "distances": jax.jit(distances_step, out_shardings=replicated),
+  }
+
+
+def _stream(
+  transform: BufferExample,
+  image_indices: np.ndarray,
+  batch_size: int,
+  first_batch: int,
+  mesh,
+  num_workers: int,
+):
+  """Yields (batch number b, valid rows count, global batch on the mesh) for b >= first_batch.
+
+  Batch b holds images image_indices[b*B : (b+1)*B]; the last one is padded with copies of its
+  first image (static shapes; `valid` False there). Each process reads only its rows.
+  """
+  n = len(image_indices)
+  num_batches = -(-n // batch_size)
+  rows = sharding_lib.process_rows(batch_size, mesh)
+  positions = []
+  for b in range(first_batch, num_batches):
+    idx = np.arange(b * batch_size, min((b + 1) * batch_size, n))
+    positions.append(np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])[rows])
+  if not positions:
+    return
+  ds = grain.MapDataset.source(image_indices[np.concatenate(positions)]).map(transform)
+  # Private helper of the pipeline, reused so that worker processes behave as in training.
+  batches = pipeline._to_batches(  # pylint: disable=protected-access
+    ds, rows.stop - rows.start, False, num_workers, num_threads=2, prefetch=2 * batch_size
+  )
+  for b, batch in zip(range(first_batch, num_batches), batches):
+    count = min(batch_size, n - b * batch_size)
+    batch["valid"] = (np.arange(batch_size) < count)[rows]
+    ids = np.asarray(batch["image_id"], np.int64)
+    if np.abs(ids).max() > _INT32_MAX:
+      raise ValueError(f"image ids beyond int32 (e.g. {ids.max()}) cannot pass the forward")
+    batch["image_id"] = ids.astype(np.int32)
+    yield b, count, sharding_lib.shard_batch(batch, mesh)
+
+
+def _broadcast(value: np.ndarray) -> np.ndarray:
+  """The writer's `value` on every process (itself with one process)."""
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  return np.asarray(multihost_utils.broadcast_one_to_all(value))
+
+
+class _BuildFolder:
+  """The build folder of one store: progress, the selection's per-image arrays, the store files.
+
+  Layout: `manifest.json` (what the build is of; a folder of another build is started afresh),
+  `<pass>.npz` per pass (batches committed, with the prototype sums / counts accumulated up
+  to them: one atomic file, so the sums never run ahead of the commit),
+  `per_image_loss.npy` / `membership.npy` (pass 1), `store/` (the store's array files, filled
+  in place).
+  """
+
+  def __init__(self, path: str, manifest: dict):
+    self.path = path
+    self.store = os.path.join(path, "store")
+    manifest_path = os.path.join(path, "manifest.json")
+    if os.path.isdir(path):
+      try:
+        with open(manifest_path) as f:
+          old = json.load(f)
+      except (OSError, ValueError):
+        old = None
+      if old != manifest:
+        logging.warning("replay buffer: the build folder %s is of another build; restarting", path)
+        shutil.rmtree(path)
+    if not os.path.isdir(path):
+      os.makedirs(self.store)
+      atomic_write_json(manifest_path, manifest)
+    else:
+      logging.info("replay buffer: resuming the build in %s", path)
+
+  def state(self, name: str) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+    """(batches committed by pass `name`, its sums float64 [C, E], counts int64 [C]); (0, None,
+    None) before its first commit."""
+    path = os.path.join(self.path, name + ".npz")
+    if not os.path.exists(path):
+      return 0, None, None
+    with np.load(path) as z:
+      return int(z["batches"]), z["sums"], z["counts"]
+
+  def commit(self, name: str, batches: int, arrays=(), sums=None, counts=None) -> None:
+    """Makes `arrays` (`ArrayFile`s) durable, then records `batches` done for pass `name` with
+    its prototype sums and counts (atomic)."""
+    for a in arrays:
+      a.sync()
+    utils.atomic_write(
+      os.path.join(self.path, name + ".npz"),
+      lambda tmp: np.savez(
+        tmp,
+        batches=batches,
+        sums=np.zeros(0) if sums is None else sums,
+        counts=np.zeros(0) if counts is None else counts,
+      ),
+      suffix=".npz",
+    )
+
+  def array(self, name: str, dtype, shape=None, in_store: bool = False) -> store_lib.ArrayFile:
+    """An array file of the folder (`store/<name>` if `in_store`), created when `shape` is
+    given, else opened (`store_lib.ArrayFile`)."""
+    return store_lib.ArrayFile(self.store if in_store else self.path, name, dtype, shape)
+
+  def read(self, name: str) -> np.ndarray:
+    """The folder's array `name`, memory-mapped read-only."""
+    return np.load(os.path.join(self.path, name + ".npy"), mmap_mode="r")
+
+
+def _fingerprint(value) -> str:
+  """A digest of `value` (nested dicts / lists / arrays) that covers every array element."""
+  if isinstance(value, dict):
+    return digest({k: _fingerprint(v) for k, v in sorted(value.items())})
+  if isinstance(value, (list, tuple)):
+    return digest([_fingerprint(v) for v in value])
+  if isinstance(value, np.ndarray):
+    return digest([str(value.dtype), value.shape, hashlib.sha256(value.tobytes()).hexdigest()])
+  return digest(value)
+
+
+def _accumulate(started: bool, sums, counts, out: dict) -> tuple[np.ndarray, np.ndarray]:
+  """Adds a batch's device-reduced prototype sums [C, E] and counts [C] to the running ones,
+  in float64 / int64 on the host (no precision lost over a million images)."""
+  batch_sums = out["prototype_sums"].astype(np.float64)
+  batch_counts = out["prototype_counts"].astype(np.int64)
+  if not started:
+    return batch_sums, batch_counts
+  return sums + batch_sums, counts + batch_counts
+
+
+def _chunk_ends(b: int, total: int, chunk: int) -> bool:
+  """True when a chunk ends with batch b (every `chunk` batches, and the last of `total`)."""
+  return (b + 1) % chunk == 0 or b + 1 == total
 
 
 def build_store(
   model,
   params,
   source,
+  path: str,
   *,
   class_tokens: np.ndarray,
   empty_tokens: np.ndarray,
@@ -182,109 +354,326 @@ def build_store(
   top_up_order: str = "class_index",
   prototype_images: str = "buffer",
   image_features: bool = False,
-) -> tuple[store_lib.ReplayStore, dict]:
-  """Selects the buffer from `source` (the pre-training set) and builds its `ReplayStore`.
+  logits_dtype: str = "float16",
+  pad_logit: float = -1e6,
+  mesh=None,
+  num_workers: int = 0,
+  chunk_images: int = 4096,
+  build_dir: str | None = None,
+  build_key: str = "",
+  chunk_hook: Callable[[str, int], None] | None = None,
+) -> dict:
+  """Selects the buffer from `source` (the pre-training set) and writes its `ReplayStore` to `path`.
 
-  Selection is eq. 7 of the paper (docs/reference.md §6): loss < `loss_threshold`, then each class
-  with
-  fewer than `min_per_class` kept images gets its images in ascending loss order.
-  `example_options`: preprocessing options of `preprocess_source` (the run's squash,
-  merge_iou, negative_weights). `distance_max_instances`: cap on the class-c embeddings an
-  image's prototype distance takes the min over (None: all its instances, the paper; 6: the
-  released code, which reuses the prototype's top-n_c tokens). `drop_images_without_class`,
-  `top_up_order`: `selection.select_buffer`'s options. `prototype_images`: the prototypes
-  average the kept images ('buffer') or every image of `source` ('all', released code;
-  `buffer_selection.buffer_prototypes`). `image_features`: also store the top-k tokens' ViT
-  features (ASER on image features, `replay.aser.asv_features`).
+  Selection is eq. 7 of the paper (docs/reference.md §6): loss < `loss_threshold`, then each
+  class with fewer than `min_per_class` kept images gets its images in ascending loss order
+  (`buffer_selection.select_buffer` with `fill_all_for_rare_classes`,
+  `drop_images_without_class`, `top_up_order`). Prototypes are the mean of the selected
+  images' top-n_c class embeddings (n_c = min(`max_per_class`, #instances)); an image's
+  prototype distance takes the min over its min(`distance_max_instances` (None: M),
+  #instances) best class-c embeddings. See the module docstring for the passes and resuming.
 
+  Args:
+    model, params: the pre-trained OWL-ViT (flax module) and its parameters.
+    source: the pre-training set (`len`, `load(i)`, `class_names`).
+    path: the store folder to write (replaced atomically if it exists).
+    class_tokens .. num_negatives, seed, example_options: the fixed training example of each
+      image (`BufferExample`; `example_options`: the run's squash, merge_iou,
+      negative_weights).
+    loss_config: `losses.detection_loss` options. batch_size: images per forward (global, a
+      multiple of the mesh's devices).
+    prototype_images: the prototypes average the kept images ('buffer', the paper) or every
+      image of `source` ('all', the released code; their sums are reduced in pass 1).
+    image_features: also store the top-k tokens' ViT features (`buffer.image_features`
+      [N, k, D], ASER on image features, `replay.aser.asv_features`).
+    logits_dtype: storage dtype of the DER++ logits ('float16', 'bfloat16', 'float32').
+    mesh: the device mesh (None: all devices).
+    num_workers: grain worker processes preprocessing the images (0: in process).
+    chunk_images: images per committed chunk (rounded down to whole batches, at least one).
+    build_dir: the build folder (default `path + '.build'`), kept until the store is complete.
+    build_key: what the build is of (e.g. the cache key); a build folder with another key is
+      discarded.
+    chunk_hook: test hook, called as (pass name, batches done) after each chunk's arrays are
+      written and before it is committed.
   Returns:
-    (store, statistics dict: images considered / kept, per-class counts, loss quantiles).
-
+    statistics dict: images considered / kept, kept below the threshold, per-class counts, loss
+    quantiles.
   Raises:
-    ValueError: if no image is selected (threshold and minimum both select nothing), or an
-      unknown `prototype_images` (before any work).
+    ValueError: an empty source, an unknown `prototype_images` or `logits_dtype` (before any
+      work), no image selected (threshold and minimum both select nothing), or image ids
+      beyond int32.
   """
+  num_images = len(source)
+  if not num_images:
+    raise ValueError(f"the pre-training set {source!r} has no image")
   if prototype_images not in buffer_selection.PROTOTYPE_IMAGES:
     raise ValueError(
       f"replay.selection.prototype_images={prototype_images!r} is unknown; "
       f"known: {list(buffer_selection.PROTOTYPE_IMAGES)}"
     )
+  all_images_prototypes = prototype_images == "all"
+  if logits_dtype not in store_lib.LOGITS_DTYPES:
+    raise ValueError(
+      f"logits_dtype={logits_dtype!r} is unknown; known: {sorted(store_lib.LOGITS_DTYPES)}"
+    )
   num_classes = len(source.class_names)
-  examples = preprocess_source(
-    source,
-    class_tokens=class_tokens,
-    empty_tokens=empty_tokens,
-    image_size=image_size,
-    num_queries=num_queries,
-    max_instances=max_instances,
-    num_negatives=num_negatives,
-    seed=seed,
-    **(example_options or {}),
+  mesh = sharding_lib.create_mesh() if mesh is None else mesh
+  sharding_lib.check_batch_divisible(batch_size, mesh, "buffer batch size")
+  chunk = max(1, chunk_images // batch_size)
+  distance_max_instances = (
+    max_instances if distance_max_instances is None else distance_max_instances
   )
-  analysis = analyse_images(
-    model,
-    params,
-    examples,
+  transform = BufferExample(
+    source,
+    seed,
+    dict(
+      class_tokens=class_tokens,
+      empty_tokens=empty_tokens,
+      image_size=image_size,
+      num_queries=num_queries,
+      max_instances=max_instances,
+      num_negatives=num_negatives,
+      **(example_options or {}),
+    ),
+  )
+  step_options = dict(
     num_classes=num_classes,
     top_k=top_k,
     max_per_class=max_per_class,
+    distance_max_instances=distance_max_instances,
     loss_config=loss_config,
-    batch_size=batch_size,
+    prototype_sums_of_all=all_images_prototypes,
     image_features=image_features,
   )
-  membership = analysis["instance_counts"] > 0
-  keep = buffer_selection.select_buffer(
-    analysis["per_image_loss"],
-    membership,
-    loss_threshold,
-    min_per_class=min_per_class,
-    fill_all_for_rare_classes=fill_all_for_rare_classes,
-    drop_images_without_class=drop_images_without_class,
-    top_up_order=top_up_order,
-  )
-  if not keep.any():
+  # The jitted steps (and their compilations) are kept for the next build of the same model
+  # (a resumed build in the same process, the tests).
+  cache_key = (id(model), mesh, digest(step_options))
+  if cache_key not in _STEPS or _STEPS[cache_key][0] is not model:
+    _STEPS[cache_key] = (model, make_steps(model, mesh, **step_options))
+  steps = _STEPS[cache_key][1]
+  params = sharding_lib.replicate(params, mesh)
+  writer = distributed.is_writer()
+  folder = None
+  if writer:
+    manifest = dict(
+      format=BUILD_FORMAT,
+      key=build_key,
+      images=num_images,
+      classes=num_classes,
+      batch_size=batch_size,
+      chunk_batches=chunk,
+      logits_dtype=logits_dtype,
+      # Everything else the passes depend on: a folder left by another build is not resumed.
+      options=digest(
+        dict(
+          step_options,
+          selection=[loss_threshold, min_per_class, fill_all_for_rare_classes],
+          selection_options=[drop_images_without_class, top_up_order],
+          seed=seed,
+          example=[image_size, num_queries, max_instances, num_negatives],
+          example_options=_fingerprint(example_options or {}),
+          tokens=_fingerprint([class_tokens, empty_tokens]),
+          pad_logit=pad_logit,
+        )
+      ),
+    )
+    folder = _BuildFolder(build_dir or path + ".build", manifest)
+  distributed.barrier("buffer-build-open")
+  hook = chunk_hook or (lambda name, batches: None)
+
+  # ---------------------------------------------------------------- pass 1: every image
+  all_images = np.arange(num_images)
+  num_batches = -(-num_images // batch_size)
+  first = all_sums = all_counts = 0
+  if writer:
+    first, all_sums, all_counts = folder.state("losses")
+    create = first == 0
+    loss = folder.array("per_image_loss", np.float32, (num_images,) if create else None)
+    membership = folder.array("membership", bool, (num_images, num_classes) if create else None)
+  first = int(_broadcast(np.int32(first)))
+  bar = _progress_bar(1, num_images, first * batch_size, writer)
+  for b, count, batch in _stream(transform, all_images, batch_size, first, mesh, num_workers):
+    out = sharding_lib.fetch_replicated(steps["losses"](params, batch))
+    if writer:
+      loss.write(b * batch_size, out["per_image_loss"][:count])
+      membership.write(b * batch_size, out["membership"][:count])
+      if all_images_prototypes:
+        all_sums, all_counts = _accumulate(b > 0, all_sums, all_counts, out)
+      if _chunk_ends(b, num_batches, chunk):
+        hook("losses", b + 1)
+        folder.commit("losses", b + 1, (loss, membership), all_sums, all_counts)
+    bar.update(count)
+  bar.close()
+
+  # ---------------------------------------------------------------- selection (eq. 7)
+  if writer:
+    loss.close()
+    membership.close()
+    loss, membership = folder.read("per_image_loss"), folder.read("membership")
+    keep = buffer_selection.select_buffer(
+      loss,
+      membership,
+      loss_threshold,
+      min_per_class=min_per_class,
+      fill_all_for_rare_classes=fill_all_for_rare_classes,
+      drop_images_without_class=drop_images_without_class,
+      top_up_order=top_up_order,
+    )
+    kept = np.flatnonzero(keep)
+    del keep
+  num_kept = int(_broadcast(np.int32(len(kept) if writer else 0)))
+  if not num_kept:
     raise ValueError(
       f"replay.selection selected no image (loss_threshold={loss_threshold}, "
       f"min_per_class={min_per_class})"
     )
-  prototypes, _ = buffer_selection.buffer_prototypes(
-    analysis["prototype_sums"], analysis["prototype_counts"], keep, prototype_images
+  kept = _broadcast(kept if writer else np.zeros(num_kept, np.int64))
+
+  # ---------------------------------------------------------------- pass 2: the kept images
+  kept_batches = -(-num_kept // batch_size)
+  first, sums, counts = 0, None, None
+  store = {}
+  if writer:
+    first, sums, counts = folder.state("features")
+    create = first == 0
+    shapes = _store_shapes(transform, steps["features"], params, num_kept, logits_dtype)
+    for name, (shape, dtype) in shapes.items():
+      store[name] = folder.array(name, dtype, shape if create else None, in_store=True)
+    if create:
+      store["buffer.class_membership"].write(0, membership[kept])
+  first = int(_broadcast(np.int32(first)))
+  bar = _progress_bar(2, num_kept, first * batch_size, writer)
+  for b, count, batch in _stream(transform, kept, batch_size, first, mesh, num_workers):
+    out = sharding_lib.fetch_replicated(steps["features"](params, batch))
+    if writer:
+      start = b * batch_size
+      for k in STORED_EXAMPLE_KEYS:
+        store[f"examples.{k}"].write(start, out[k][:count])
+      store["stored_logits"].write(
+        start,
+        store_lib.encode_logits(out["logits"][:count], out["queries"][:count], logits_dtype),
+      )
+      store["buffer.class_embeddings"].write(start, out["top_class_embeddings"][:count])
+      store["buffer.query_embeddings"].write(start, out["top_query_embeddings"][:count])
+      if image_features:
+        store["buffer.image_features"].write(start, out["top_image_features"][:count])
+      sums, counts = _accumulate(b > 0, sums, counts, out)
+      if _chunk_ends(b, kept_batches, chunk):
+        hook("features", b + 1)
+        folder.commit("features", b + 1, store.values(), sums, counts)
+    bar.update(count)
+  bar.close()
+
+  # ---------------------------------------------------------------- pass 3: distances
+  prototypes = np.zeros((num_classes, 1), np.float32)
+  if writer:
+    # 'all' (released code): the prototypes average every pre-training image, not the kept.
+    if all_images_prototypes:
+      sums, counts = all_sums, all_counts
+    valid = counts > 0
+    prototypes = np.where(valid[:, None], sums / np.where(valid, counts, 1)[:, None], 0.0)
+    prototypes = prototypes.astype(np.float32)
+  prototypes = _broadcast(prototypes)
+  prototypes_on_mesh = sharding_lib.replicate(jnp.asarray(prototypes), mesh)
+  first = int(_broadcast(np.int32(folder.state("distances")[0] if writer else 0)))
+  bar = _progress_bar(3, num_kept, first * batch_size, writer)
+  for b, count, batch in _stream(transform, kept, batch_size, first, mesh, num_workers):
+    out = sharding_lib.fetch_replicated(steps["distances"](params, batch, prototypes_on_mesh))
+    if writer:
+      distances = store["buffer.prototype_distances"]
+      distances.write(b * batch_size, out[:count])
+      if _chunk_ends(b, kept_batches, chunk):
+        hook("distances", b + 1)
+        folder.commit("distances", b + 1, (distances,))
+    bar.update(count)
+  bar.close()
+
+  # ---------------------------------------------------------------- the store, atomically
+  stats = None
+  if writer:
+    for array in store.values():
+      array.close()
+    np.save(os.path.join(folder.store, "buffer.prototypes.npy"), prototypes)
+    store_lib.write_meta(
+      folder.store,
+      source.class_names,
+      logits_dtype,
+      pad_logit,
+      {name: store_lib.dtype_name(a.dtype) for name, a in store.items()}
+      | {"buffer.prototypes": "float32"},
+    )
+    stats = _statistics(loss, membership, kept, loss_threshold, source.class_names)
+    with utils.atomic_directory(path, if_exists="replace") as tmp:
+      for name in os.listdir(folder.store):
+        # Hard links: the build folder stays whole until the store is in place.
+        try:
+          os.link(os.path.join(folder.store, name), os.path.join(tmp, name))
+        except OSError:
+          shutil.copy2(os.path.join(folder.store, name), os.path.join(tmp, name))
+    del loss, membership
+    shutil.rmtree(folder.path)
+  distributed.barrier("buffer-build-done")
+  return stats
+
+
+_PASS_NAMES = {
+  1: "losses of the pre-training images",
+  2: "features and logits of the kept images",
+  3: "prototype distances of the kept images",
+}
+
+
+def _progress_bar(number: int, total: int, done: int, writer: bool) -> tqdm.tqdm:
+  """The progress bar (images, rate, ETA) of pass `number`, starting at `done` images."""
+  return tqdm.tqdm(
+    total=total,
+    initial=min(done, total),
+    desc=f"buffer {number}/3: {_PASS_NAMES[number]}",
+    unit="img",
+    mininterval=2.0,
+    disable=not writer,
   )
-  distances = jax.jit(buffer_selection.prototype_distances, static_argnames=("max_instances",))(
-    jnp.asarray(analysis["logits"][keep]),
-    jnp.asarray(analysis["class_embeddings"][keep]),
-    jnp.asarray(examples["query_class"][keep]),
-    jnp.asarray(analysis["instance_counts"][keep]),
-    prototypes,
-    max_instances=max_instances if distance_max_instances is None else distance_max_instances,
+
+
+def _store_shapes(transform, features_step, params, num_kept: int, logits_dtype: str) -> dict:
+  """{store array name: (shape [N_kept, ...], dtype)}, from one example and the abstract forward."""
+  example = transform(0)
+  batch = {k: np.asarray(v)[None] for k, v in example.items()}
+  batch["image_id"] = batch["image_id"].astype(np.int32)
+  batch["valid"] = np.ones(1, bool)
+  abstract = jax.eval_shape(features_step, params, batch)
+  shapes = {
+    f"examples.{k}": ((num_kept,) + np.shape(v), np.asarray(v).dtype) for k, v in example.items()
+  }
+  shapes["examples.image_id"] = ((num_kept,), np.dtype(np.int64))
+  shapes["stored_logits"] = (
+    (num_kept,) + abstract["logits"].shape[1:],
+    store_lib.LOGITS_DTYPES[logits_dtype],
   )
-  buffer = state_lib.make_replay_buffer(
-    jnp.asarray(membership[keep]),
-    prototypes,
-    distances,
-    jnp.asarray(analysis["top_class_embeddings"][keep]),
-    jnp.asarray(analysis["top_query_embeddings"][keep]),
-    jnp.asarray(analysis["top_image_features"][keep]) if image_features else None,
-  )
-  store = store_lib.ReplayStore(
-    {k: examples[k][keep] for k in EXAMPLE_KEYS},
-    analysis["logits"][keep],
-    buffer,
-    source.class_names,
-  )
-  loss = analysis["per_image_loss"]
-  stats = {
-    "images_considered": int(len(keep)),
-    "images_kept": int(keep.sum()),
+  for name in ("class_embeddings", "query_embeddings", "image_features"):
+    if f"top_{name}" in abstract:
+      shapes[f"buffer.{name}"] = ((num_kept,) + abstract[f"top_{name}"].shape[1:], np.float32)
+  num_classes = abstract["prototype_counts"].shape[0]
+  shapes["buffer.class_membership"] = ((num_kept, num_classes), np.dtype(bool))
+  shapes["buffer.prototype_distances"] = ((num_kept, num_classes), np.float32)
+  return shapes
+
+
+def _statistics(loss, membership, kept, loss_threshold, class_names) -> dict:
+  """The build's statistics (images considered / kept, per-class counts, loss quantiles)."""
+  kept_membership = membership[kept]
+  loss = np.asarray(loss)
+  return {
+    "images_considered": int(len(loss)),
+    "images_kept": int(len(kept)),
     "kept_below_threshold": int((loss < loss_threshold).sum()),
     "images_per_class": {
-      name: int(membership[keep][:, c].sum()) for c, name in enumerate(source.class_names)
+      name: int(kept_membership[:, c].sum()) for c, name in enumerate(class_names)
     },
     "loss_quantiles": {
       q: float(np.quantile(loss, float(q))) for q in ("0.1", "0.25", "0.5", "0.75", "0.9")
     },
   }
-  return store, stats
 
 
 def cached_store(
@@ -295,18 +684,20 @@ def cached_store(
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Loads the store cached under a digest of `key_material`, or builds and caches it.
 
-  The store is written to a temporary folder and renamed (ReplayStore.save), so an
-  interrupted build never leaves a cache that is later trusted.
+  `build_fn(path, build_dir, build_key)` writes the store to `path` atomically (`build_store`),
+  keeping its progress in `build_dir` (next to the cache entry) so that an interrupted build
+  resumes there; a store is trusted only once its statistics file is written after it.
 
   Args:
     cache_root: folder of the cached stores (one sub-folder per key digest).
     key_material: JSON-able dict of everything the store depends on.
-    build_fn: `() -> (ReplayStore, stats dict)`.
+    build_fn: `(path, build_dir, build_key) -> stats dict`, run on every process (the forward
+      is collective; process 0 writes).
     superseded: (key material, reason) of stores that earlier code versions cached for the
       same run; when one of them is on disk and the current one is not, the rebuild is
       logged with its reason (e.g. class embeddings that were stored unnormalised).
   Returns:
-    (store, stats dict with "seconds").
+    (store memory-mapped from the cache, stats dict with "seconds").
   """
   key = digest(key_material)
   path = os.path.join(cache_root, key)
@@ -325,15 +716,13 @@ def cached_store(
         path,
       )
   start = time.time()
-  store, stats = build_fn()
-  stats["seconds"] = round(time.time() - start, 1)
-  # Every process built the same store (deterministic in the key); one writes the cache.
+  stats = build_fn(path, path + ".build", key)
   if distributed.is_writer():
-    os.makedirs(cache_root, exist_ok=True)
-    if not os.path.isdir(path):
-      store.save(path)
+    stats["seconds"] = round(time.time() - start, 1)
     atomic_write_json(stats_path, stats, indent=2)
   distributed.barrier("buffer-cached", timeout_s=600.0)
+  with open(stats_path) as f:
+    stats = json.load(f)
   logging.info(
     "replay buffer: %d of %d images (%.1f s), cached in %s",
     stats["images_kept"],
@@ -341,4 +730,4 @@ def cached_store(
     stats["seconds"],
     path,
   )
-  return store, stats
+  return store_lib.ReplayStore.load(path), stats

@@ -111,6 +111,39 @@ def stores_image_features(config: ml_collections.ConfigDict) -> bool:
   return uses and config.replay.aser.get("asv_features", "class_embeddings") == "image_features"
 
 
+def build_options(detector, source) -> dict:
+  """`buffer_build.build_store`'s options for the pre-training set `source` from the run's
+  config and detector (the images' preprocessing, the selection settings, the loss, the batch
+  size, the mesh and the grain workers)."""
+  config = detector.config
+  selection = config.replay.selection
+  data = config.data
+  return dict(
+    class_tokens=detector.class_tokens(source),
+    empty_tokens=detector.empty_tokens,
+    image_size=detector.image_size,
+    num_queries=data.num_queries,
+    max_instances=data.max_instances,
+    num_negatives=data.num_negatives,
+    seed=config.seed,
+    loss_threshold=selection.loss_threshold,
+    min_per_class=selection.min_per_class,
+    fill_all_for_rare_classes=selection.fill_all_for_rare_classes,
+    top_k=config.replay.top_k,
+    max_per_class=selection.max_instances_per_prototype,
+    loss_config=detector.loss_config,
+    batch_size=data.eval_batch_size,
+    example_options=detector.example_options(source),
+    distance_max_instances=selection.distance_max_instances,
+    drop_images_without_class=selection.drop_images_without_class,
+    top_up_order=selection.top_up_order,
+    prototype_images=selection.get("prototype_images", "buffer"),
+    image_features=stores_image_features(config),
+    mesh=detector.mesh,
+    num_workers=data.num_workers,
+  )
+
+
 def build_store(detector, benchmark, params, pretrain_meta: dict):
   """The replay store over the pre-training set (cached). Returns (store, stats).
 
@@ -146,34 +179,18 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   }
   superseded = ((dict(key_material, format=1), "built with unnormalised class embeddings"),)
 
-  def build():
+  def build(path, build_dir, build_key):
     preemption.checkpoint_event("buffer")  # test-only kill hook (a no-op otherwise)
-    return build_uncached()
+    return build_uncached(path, build_dir, build_key)
 
-  build_uncached = lambda: buffer_build.build_store(
+  build_uncached = lambda path, build_dir, build_key: buffer_build.build_store(
     detector.model,
     params,
     source,
-    class_tokens=detector.class_tokens(source),
-    empty_tokens=detector.empty_tokens,
-    image_size=detector.image_size,
-    num_queries=data.num_queries,
-    max_instances=data.max_instances,
-    num_negatives=data.num_negatives,
-    seed=config.seed,
-    loss_threshold=selection.loss_threshold,
-    min_per_class=selection.min_per_class,
-    fill_all_for_rare_classes=selection.fill_all_for_rare_classes,
-    top_k=config.replay.top_k,
-    max_per_class=selection.max_instances_per_prototype,
-    loss_config=detector.loss_config,
-    batch_size=data.eval_batch_size,
-    example_options=detector.example_options(source),
-    distance_max_instances=selection.distance_max_instances,
-    drop_images_without_class=selection.drop_images_without_class,
-    top_up_order=selection.top_up_order,
-    prototype_images=selection.get("prototype_images", "buffer"),
-    image_features=stores_image_features(config),
+    path,
+    **build_options(detector, source),
+    build_dir=build_dir,
+    build_key=build_key,
   )
   return buffer_build.cached_store(
     os.path.join(expand_path(config.cache_dir), "buffers"), key_material, build, superseded

@@ -23,7 +23,8 @@ float32 / 255 (note: the training pad value 0.5 is not exact in uint8).
 On disk (`save`/`load`): a directory with one `.npy` per array (bfloat16 saved as its uint16
 bit pattern) and `meta.json`; written to a temporary sibling directory and renamed into place
 (atomic on POSIX filesystems). `load(mmap=True)` memory-maps the arrays, so a store larger
-than RAM is read lazily by `gather`.
+than RAM is read lazily by `gather`. The streaming builder (`owl_cl/replay/build.py`) writes the
+same folder in row blocks (`ArrayFile`, `write_meta`) without holding the store in memory.
 """
 
 from __future__ import annotations
@@ -242,27 +243,17 @@ class ReplayStore:
     filesystem errors (the temporary directory is removed).
     """
     with utils.atomic_directory(path, if_exists="replace") as tmp:
-      meta = dict(
-        format_version=FORMAT_VERSION,
-        class_names=list(self._class_names),
-        logits_dtype=self.logits_dtype,
-        pad_logit=self.pad_logit,
-        arrays={},
-      )
+      dtypes = {}
       for name, array in self._arrays().items():
         array = np.asarray(array)
-        dtype = str(array.dtype)
+        dtypes[name] = str(array.dtype)
         if array.dtype == LOGITS_DTYPES["bfloat16"]:
-          array, dtype = array.view(np.uint16), "bfloat16"
+          array, dtypes[name] = array.view(np.uint16), "bfloat16"
         with open(os.path.join(tmp, name + ".npy"), "wb") as f:
           np.save(f, array, allow_pickle=False)
           f.flush()
           os.fsync(f.fileno())
-        meta["arrays"][name] = dtype
-      with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+      write_meta(tmp, self._class_names, self.logits_dtype, self.pad_logit, dtypes)
 
   @classmethod
   def load(cls, path: str, mmap: bool = True) -> ReplayStore:
@@ -297,3 +288,99 @@ class ReplayStore:
       pad_logit=meta["pad_logit"],
       logits_encoded=True,
     )
+
+
+# --------------------------------------------------------------------- writing in chunks
+def write_meta(
+  folder: str,
+  class_names: Sequence[str],
+  logits_dtype: str,
+  pad_logit: float,
+  arrays: Mapping[str, str],
+) -> None:
+  """Writes (fsynced) the `meta.json` that makes `folder` a store `ReplayStore.load` reads.
+
+  Args:
+    folder: the store folder holding `<name>.npy` for every name of `arrays`.
+    class_names: C class names.
+    logits_dtype: storage dtype of `stored_logits` ('float32' | 'float16' | 'bfloat16').
+    pad_logit: the model's padded-query logit.
+    arrays: array name (`examples.<key>`, `stored_logits`, `buffer.<key>`) -> dtype name
+      ('bfloat16' for arrays saved as their uint16 bit pattern).
+  """
+  meta = dict(
+    format_version=FORMAT_VERSION,
+    class_names=[str(c) for c in class_names],
+    logits_dtype=logits_dtype,
+    pad_logit=float(pad_logit),
+    arrays=dict(arrays),
+  )
+  with open(os.path.join(folder, "meta.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+class ArrayFile:
+  """A store array's `<folder>/<name>.npy`, written in blocks of rows by plain file writes.
+
+  No memory mapping: rows written do not stay in the writer's resident memory (a mapped file's
+  touched pages count in its RSS until unmapped), so a store larger than RAM can be written.
+  bfloat16 arrays are stored as their uint16 bit pattern (as `ReplayStore.save`).
+
+  Args:
+    folder: the (build) folder of the store's files.
+    name: array name, e.g. 'stored_logits' or 'examples.images'.
+    dtype: NumPy dtype of the array (bfloat16 allowed).
+    shape: the full shape [N, ...] to create (a sparse, zero-filled file replacing any old
+      one), or None to open the existing file (a resumed build).
+  Raises:
+    FileNotFoundError: opening (shape None) a file that is not there.
+    ValueError: the opened file's dtype is not `dtype`.
+  """
+
+  def __init__(self, folder: str, name: str, dtype, shape: tuple[int, ...] | None = None):
+    self.dtype = np.dtype(dtype)
+    self.on_disk = np.dtype(np.uint16) if self.dtype == LOGITS_DTYPES["bfloat16"] else self.dtype
+    self.path = os.path.join(folder, name + ".npy")
+    if shape is not None:
+      # open_memmap writes the header and extends the file without touching its pages.
+      created = np.lib.format.open_memmap(
+        self.path, mode="w+", dtype=self.on_disk, shape=tuple(shape)
+      )
+      del created
+    self._file = open(self.path, "r+b")  # noqa: SIM115 (closed by `close`)
+    version = np.lib.format.read_magic(self._file)
+    read_header = (
+      np.lib.format.read_array_header_1_0
+      if version == (1, 0)
+      else np.lib.format.read_array_header_2_0
+    )
+    self.shape, _, file_dtype = read_header(self._file)
+    if file_dtype != self.on_disk:
+      self._file.close()
+      raise ValueError(f"{self.path} holds {file_dtype}, expected {self.on_disk}")
+    self._offset = self._file.tell()
+    self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.on_disk.itemsize
+
+  def write(self, start: int, rows: np.ndarray) -> None:
+    """Writes `rows` [n, ...] (cast to the array's dtype) as rows start .. start + n - 1."""
+    rows = np.ascontiguousarray(np.asarray(rows).astype(self.dtype, copy=False))
+    if rows.shape[1:] != tuple(self.shape[1:]) or not 0 <= start <= self.shape[0] - len(rows):
+      raise ValueError(f"rows {rows.shape} at {start} do not fit {self.path} {self.shape}")
+    self._file.seek(self._offset + start * self._row_bytes)
+    self._file.write(rows.view(self.on_disk).tobytes())
+
+  def sync(self) -> None:
+    """Makes the rows written so far durable (flush + fsync)."""
+    self._file.flush()
+    os.fsync(self._file.fileno())
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def dtype_name(dtype) -> str:
+  """The meta.json name of a store array's dtype ('bfloat16' for bfloat16, else NumPy's)."""
+  dtype = np.dtype(dtype)
+  return "bfloat16" if dtype == LOGITS_DTYPES["bfloat16"] else str(dtype)

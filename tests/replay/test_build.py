@@ -1,0 +1,343 @@
+"""The streaming, resumable buffer builder (owl_cl/replay/build.py, docs/reference.md §6).
+
+Checked against an independent in-memory reference (the builder as it was before streaming:
+every image preprocessed and analysed at once, then selected), and a build killed mid-way
+(SIGKILL of a subprocess, or an exception at a chunk boundary) against an uninterrupted one.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from owl_cl import benchmark
+from owl_cl import pretrained
+from owl_cl.data import pipeline
+from owl_cl.detector import Detector
+from owl_cl.replay import buffer_selection
+from owl_cl.replay import build as build_lib
+from owl_cl.replay import setup as replay_setup
+from owl_cl.replay import store as store_lib
+from owl_cl.testing.configs import tiny_config
+from owl_cl.train import losses
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Small batches and one-batch chunks: the 48 pre-training images make 6 chunks in pass 1.
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def setup(pretrained_cache_dir):
+  config = tiny_config("swil", pretrained_cache_dir)
+  config.data.eval_batch_size = BATCH
+  detector = Detector(config)
+  bench = benchmark.load_benchmark(config)
+  params, _ = pretrained.pretrained_params(detector, bench, None)
+  source = bench.pretrain.train
+  return detector, params, source, replay_setup.build_options(detector, source)
+
+
+def _analyse(detector, params, source, options):
+  """The in-memory builder's first half: every image preprocessed, then analysed per batch.
+
+  Returns (examples [N, ...], analysis dict [N, ...])."""
+  o = options
+  examples = pipeline.stack_examples(
+    [
+      pipeline.preprocess_train_example(
+        source.load(i),
+        class_tokens=o["class_tokens"],
+        empty_tokens=o["empty_tokens"],
+        image_size=o["image_size"],
+        num_queries=o["num_queries"],
+        max_instances=o["max_instances"],
+        num_negatives=o["num_negatives"],
+        rng=pipeline.example_rng(o["seed"], 0, i),
+        **o["example_options"],
+      )
+      for i in range(len(source))
+    ]
+  )
+  num_classes = len(source.class_names)
+
+  @jax.jit
+  def forward(batch):
+    out = detector.model.apply({"params": params}, batch["images"], batch["queries"], train=False)
+    det = losses.detection_loss(
+      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **o["loss_config"]
+    )
+    top_class, top_query = buffer_selection.top_k_embeddings(
+      out["pred_logits"],
+      out["class_embeddings"],
+      out["query_embeddings"],
+      batch["queries"][..., 0] > 0,
+      o["top_k"],
+    )
+    counts = buffer_selection.instance_counts_from_labels(
+      batch["labels"], batch["query_class"], num_classes
+    )
+    sums, token_counts = buffer_selection.per_image_class_token_embeddings(
+      out["pred_logits"],
+      out["class_embeddings"],
+      batch["query_class"],
+      counts,
+      max_per_class=o["max_per_class"],
+    )
+    feature_map = out["feature_map"]
+    return dict(
+      image_features=buffer_selection.top_k_token_features(
+        out["pred_logits"],
+        feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
+        batch["queries"][..., 0] > 0,
+        o["top_k"],
+      ),
+      loss=det["per_example"],
+      logits=out["pred_logits"],
+      top_class=top_class,
+      top_query=top_query,
+      sums=sums,
+      token_counts=token_counts,
+      counts=counts,
+      class_embeddings=out["class_embeddings"],
+    )
+
+  n = len(source)
+  parts = {}
+  for start in range(0, n, BATCH):
+    idx = np.arange(start, min(start + BATCH, n))
+    padded = np.concatenate([idx, np.full(BATCH - len(idx), idx[0])])
+    out = jax.device_get(forward({k: examples[k][padded] for k in build_lib.EXAMPLE_KEYS}))
+    for k, v in out.items():
+      parts.setdefault(k, []).append(np.asarray(v)[: len(idx)])
+  return examples, {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def _reference(examples, a, o):
+  """The in-memory builder's selection: kept image indices, their prototypes, distances,
+  logits, top-k class / query embeddings and examples."""
+  membership = a["counts"] > 0
+  keep = buffer_selection.select_buffer(
+    a["loss"],
+    membership,
+    o["loss_threshold"],
+    min_per_class=o["min_per_class"],
+    fill_all_for_rare_classes=o["fill_all_for_rare_classes"],
+    drop_images_without_class=o["drop_images_without_class"],
+    top_up_order=o["top_up_order"],
+  )
+  prototypes, _ = buffer_selection.buffer_prototypes(
+    a["sums"], a["token_counts"], keep, o["prototype_images"]
+  )
+  max_instances = o["distance_max_instances"] or o["max_instances"]
+  distances = buffer_selection.prototype_distances(
+    jnp.asarray(a["logits"][keep]),
+    jnp.asarray(a["class_embeddings"][keep]),
+    jnp.asarray(examples["query_class"][keep]),
+    jnp.asarray(a["counts"][keep]),
+    prototypes,
+    max_instances=max_instances,
+  )
+  return dict(
+    keep=np.flatnonzero(keep),
+    loss=a["loss"],
+    membership=membership[keep],
+    prototypes=np.asarray(prototypes),
+    distances=np.asarray(distances),
+    logits=a["logits"][keep],
+    top_class=a["top_class"][keep],
+    top_query=a["top_query"][keep],
+    image_features=a["image_features"][keep],
+    examples={k: examples[k][keep] for k in build_lib.STORED_EXAMPLE_KEYS},
+  )
+
+
+def _options(options, **changes):
+  return {**options, "chunk_images": BATCH, **changes}
+
+
+@pytest.fixture(scope="module")
+def analysis(setup):
+  detector, params, source, options = setup
+  return _analyse(detector, params, source, options)
+
+
+# Default: prototypes over the kept images; released: over every image, with the top-k tokens'
+# ViT features stored (ASER on image features).
+@pytest.mark.parametrize(
+  "changes", [{}, {"prototype_images": "all", "image_features": True}], ids=["paper", "released"]
+)
+def test_streaming_build_equals_in_memory_reference(setup, analysis, tmp_path, changes):
+  detector, params, source, options = setup
+  examples, analysis = analysis
+  # Threshold at the 40% loss quantile: the threshold keeps some, the top-up adds others.
+  threshold = float(np.quantile(analysis["loss"], 0.4))
+  options = _options(options, loss_threshold=threshold, min_per_class=3, **changes)
+  ref = _reference(examples, analysis, options)
+  stats = build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **options)
+  store = store_lib.ReplayStore.load(str(tmp_path / "s"))
+  assert 0 < stats["kept_below_threshold"] < stats["images_kept"] < len(source)
+  assert not os.path.exists(str(tmp_path / "s.build"))
+  # Same images, in index order.
+  np.testing.assert_array_equal(
+    store.examples["image_id"], ref["examples"]["image_id"].astype(np.int64)
+  )
+  for k in build_lib.EXAMPLE_KEYS:
+    np.testing.assert_array_equal(store.examples[k], ref["examples"][k], err_msg=k)
+  b = store.buffer_arrays
+  np.testing.assert_array_equal(b["class_membership"], ref["membership"])
+  # Unit-norm class embeddings (|x| <= 1): float32 sums in another order differ by ~1e-7.
+  np.testing.assert_allclose(b["prototypes"], ref["prototypes"], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(b["class_embeddings"], ref["top_class"], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(b["query_embeddings"], ref["top_query"], atol=1e-5, rtol=1e-5)
+  if options["image_features"]:
+    np.testing.assert_allclose(b["image_features"], ref["image_features"], atol=1e-5, rtol=1e-5)
+  else:
+    assert "image_features" not in b
+  finite = np.isfinite(ref["distances"])
+  np.testing.assert_array_equal(np.isfinite(b["prototype_distances"]), finite)
+  np.testing.assert_allclose(
+    b["prototype_distances"][finite], ref["distances"][finite], atol=1e-5, rtol=0
+  )
+  # float16 storage: identical up to the rounding of nearly identical float32 logits.
+  expected = store_lib.decode_logits(
+    store_lib.encode_logits(ref["logits"], ref["examples"]["queries"]), ref["examples"]["queries"]
+  )
+  got = store.gather(np.arange(store.num_images))["stored_logits"]
+  np.testing.assert_allclose(got, expected, rtol=2**-10, atol=1e-3)
+
+
+def _arrays(path):
+  store = store_lib.ReplayStore.load(path)
+  return {k: np.asarray(v) for k, v in store._arrays().items()}  # pylint: disable=protected-access
+
+
+def _assert_same_store(a, b):
+  a, b = _arrays(a), _arrays(b)
+  assert a.keys() == b.keys()
+  for k in a:
+    assert a[k].dtype == b[k].dtype, k
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+class _Stop(Exception):
+  pass
+
+
+# Every image kept (6 chunks in every pass), DER++ logits in bfloat16.
+RESUME_OPTIONS = dict(chunk_images=BATCH, loss_threshold=1e9, logits_dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def whole(setup, tmp_path_factory):
+  """The store of an uninterrupted build with RESUME_OPTIONS."""
+  detector, params, source, options = setup
+  path = str(tmp_path_factory.mktemp("whole") / "store")
+  build_lib.build_store(detector.model, params, source, path, **{**options, **RESUME_OPTIONS})
+  return path
+
+
+@pytest.mark.parametrize("stop_at", [("losses", 3), ("distances", 2)])
+def test_interrupted_build_resumes_to_the_same_store(setup, whole, tmp_path, stop_at):
+  detector, params, source, options = setup
+  options = {**options, **RESUME_OPTIONS}
+  calls = []
+
+  def stop(name, batches):
+    calls.append((name, batches))
+    if (name, batches) == stop_at:
+      raise _Stop
+
+  path = str(tmp_path / "resumed")
+  with pytest.raises(_Stop):
+    build_lib.build_store(detector.model, params, source, path, chunk_hook=stop, **options)
+  assert not os.path.exists(path) and os.path.isdir(path + ".build")
+  resumed = []
+  build_lib.build_store(
+    detector.model, params, source, path, chunk_hook=lambda *c: resumed.append(c), **options
+  )
+  # The resumed build starts at the chunk that was not committed.
+  assert resumed[0] == stop_at
+  assert not os.path.exists(path + ".build")
+  _assert_same_store(whole, path)
+
+
+def test_killed_subprocess_build_resumes_to_the_same_store(setup, whole, tmp_path):
+  detector, params, source, options = setup
+  options = {**options, **RESUME_OPTIONS}
+  path = str(tmp_path / "killed")
+  script = textwrap.dedent(
+    f"""
+    import os, signal
+    from owl_cl import benchmark, pretrained
+    from owl_cl.detector import Detector
+    from owl_cl.replay import build, setup
+    from owl_cl.testing.configs import tiny_config
+
+    config = tiny_config("swil", {detector.config.cache_dir!r})
+    config.data.eval_batch_size = {BATCH}
+    detector = Detector(config)
+    bench = benchmark.load_benchmark(config)
+    params, _ = pretrained.pretrained_params(detector, bench, None)
+    source = bench.pretrain.train
+    options = dict(setup.build_options(detector, source), **{RESUME_OPTIONS!r})
+
+    def kill(name, batches):
+      # Mid-chunk: pass 2's arrays of this chunk are written, its progress is not.
+      if (name, batches) == ("features", 3):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    build.build_store(detector.model, params, source, {path!r}, chunk_hook=kill, **options)
+    """
+  )
+  # The same platform as this process (the resumed half is compared bit for bit).
+  env = dict(os.environ, PYTHONPATH=REPO)
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+  assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+  assert not os.path.exists(path)
+  with np.load(os.path.join(path + ".build", "features.npz")) as z:
+    assert int(z["batches"]) == 2
+  resumed = []
+  build_lib.build_store(
+    detector.model, params, source, path, chunk_hook=lambda *c: resumed.append(c), **options
+  )
+  assert resumed[0] == ("features", 3)
+  _assert_same_store(whole, path)
+
+
+def test_build_folder_of_other_settings_is_restarted(setup, tmp_path):
+  detector, params, source, options = setup
+  path = str(tmp_path / "store")
+
+  def stop(name, batches):
+    if (name, batches) == ("features", 2):
+      raise _Stop
+
+  with pytest.raises(_Stop):
+    build_lib.build_store(
+      detector.model, params, source, path, chunk_hook=stop, **{**options, **RESUME_OPTIONS}
+    )
+  # Another selection (no threshold, 3 images per class): pass 1 is redone, not resumed.
+  calls = []
+  changed = {**options, **RESUME_OPTIONS, "loss_threshold": -np.inf, "min_per_class": 3}
+  stats = build_lib.build_store(
+    detector.model, params, source, path, chunk_hook=lambda *c: calls.append(c), **changed
+  )
+  assert calls[0] == ("losses", 1)
+  assert store_lib.ReplayStore.load(path).num_images == stats["images_kept"] < len(source)
+  build_lib.build_store(detector.model, params, source, str(tmp_path / "fresh"), **changed)
+  _assert_same_store(str(tmp_path / "fresh"), path)
+
+
+def test_unknown_logits_dtype_is_refused_before_any_work(setup, tmp_path):
+  detector, params, source, options = setup
+  with pytest.raises(ValueError, match="logits_dtype='int8'"):
+    build_lib.build_store(
+      detector.model, params, source, str(tmp_path / "s"), **{**options, "logits_dtype": "int8"}
+    )
+  assert not os.listdir(tmp_path)
