@@ -116,7 +116,8 @@ def remove_stale_temporaries(config: ml_collections.ConfigDict, workdir: str) ->
   for folder in (workdir, os.path.join(workdir, "records")):
     utils.remove_stale_temporaries(folder, min_age_seconds=0.0)
   cache = expand_path(config.cache_dir)
-  for folder in (cache, *(os.path.join(cache, f) for f in ("builtin", "pretrained", "buffers"))):
+  caches = ("builtin", "pretrained", "buffers", "data_scan")
+  for folder in (cache, *(os.path.join(cache, f) for f in caches)):
     utils.remove_stale_temporaries(folder)
 
 
