@@ -116,7 +116,8 @@ def remove_stale_temporaries(config: ml_collections.ConfigDict, workdir: str) ->
   for folder in (workdir, os.path.join(workdir, "records")):
     utils.remove_stale_temporaries(folder, min_age_seconds=0.0)
   cache = expand_path(config.cache_dir)
-  for folder in (cache, *(os.path.join(cache, f) for f in ("builtin", "pretrained", "buffers"))):
+  caches = ("builtin", "pretrained", "buffers", "data_scan")
+  for folder in (cache, *(os.path.join(cache, f) for f in caches)):
     utils.remove_stale_temporaries(folder)
 
 
@@ -145,8 +146,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir = expand_path(workdir)
   # Init / resume order, the same on every start:
   #   1. validate the config (and the real data's files) before anything is written;
-  #   2. lock the workdir (a second run is refused), load the benchmark and check the
-  #      sequence, then claim the workdir (run.json; a workdir of another config is refused);
+  #   2. load the benchmark and check the sequence and every image and annotation (cached),
+  #      then lock the workdir (a second run is refused) and claim it (run.json; a workdir of
+  #      another config is refused): a run refused for its config or data writes nothing;
   #   3. benchmark, detector, starting parameters (init_checkpoint > cached pre-trained
   #      model > pre-train now) and the replay store: all deterministic in the config, so
   #      rebuilt (or read from the caches) identically on a resume;
@@ -155,9 +157,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   validation.validate(config, workdir)
   replay_setup.check_replay_config(config)
   existing_run(workdir, config)
-  # After the checks: nothing (not even the compilation cache's folder) is written for a bad
-  # config. One run per workdir: a second one is refused before it writes anything; on
-  # several hosts (one workdir on a shared file system), process 0 holds the lock.
+  if distributed.is_writer():
+    utils.check_workdir_free(workdir)  # at once, before the data checks (they can take long)
+  bench = benchmark_lib.load_benchmark(config)
+  validation.check_sequence_config(config, bench)
+  validation.check_data(config, bench)  # every image decoded once (cached by content)
+  # After the checks: nothing (not even the compilation cache's folder or the lock file) is
+  # written to the workdir for a bad config or bad data. One run per workdir: a second one is
+  # refused before it writes anything; on several hosts (one workdir on a shared file
+  # system), process 0 holds the lock.
   writer_process = distributed.is_writer()
   lock = utils.workdir_lock(workdir) if writer_process else contextlib.nullcontext()
   with lock:
@@ -169,17 +177,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     with preemption.handle_sigterm():
-      return _run(config, workdir)
+      return _run(config, workdir, bench)
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """`run` after the checks, with the workdir locked."""
+def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.Benchmark) -> dict:
+  """`run` after the checks of the config and the data, with the workdir locked."""
   wall_start = time.time()
-  bench = benchmark_lib.load_benchmark(config)
-  validation.check_sequence_config(config, bench)
-  validation.check_data(config, bench)  # every image decoded once, before the workdir is claimed
-  # Claimed only once the data is checked too: a run refused for its data leaves no run.json
-  # that would refuse the corrected command as "a different config".
   # One writer (process 0): run.json, results, records and TensorBoard; every process takes
   # part in the computation and in the orbax stage checkpoints (multi-process saves).
   is_writer = distributed.is_writer()

@@ -479,7 +479,12 @@ def track_best_epoch(
   ties keep the earlier epoch; a NaN AP (no annotations) never wins.
   """
   params = sharding_lib.fetch_replicated(params)
-  metrics = detector.evaluate(params, dataset.valid, f"valid {dataset.name} @ epoch {epoch + 1}")
+  metrics = detector.evaluate(
+    params,
+    dataset.valid,
+    f"valid {dataset.name} @ epoch {epoch + 1}",
+    max_detections=dataset.max_detections,  # as the dataset's test evaluation
+  )
   ap = float(metrics["AP"])
   validation.append({"epoch": epoch + 1, "AP": ap, "AP50": float(metrics["AP50"])})
   log_scalars(writer, f"valid/{dataset.name}", metrics, epoch + 1)

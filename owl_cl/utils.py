@@ -245,17 +245,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   path = os.path.join(workdir, LOCK_FILE)
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
   try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno not in (errno.EAGAIN, errno.EACCES):
-        raise
-      holder = _read_lock_record(fd)
-      raise WorkdirLockedError(
-        f"workdir {workdir} is in use by another run (pid {holder.get('pid', '?')} on host "
-        f"{holder.get('host', '?')}, started {holder.get('started', '?')}); wait for it to "
-        "end or use another --workdir"
-      ) from None
+    _take_lock(fd, workdir)
     previous = _read_lock_record(fd)
     if previous:
       logging.warning(
@@ -281,6 +271,38 @@ def workdir_lock(workdir: str) -> Iterator[None]:
       os.ftruncate(fd, 0)
   finally:
     os.close(fd)
+
+
+def check_workdir_free(workdir: str) -> None:
+  """Raises WorkdirLockedError when another process holds `workdir`'s lock; writes nothing.
+
+  The early check of a run (before its data is loaded and scanned, which can take long), so a
+  second run is refused at once; `workdir_lock` takes the lock later. Without a lock file no
+  run holds the workdir (a holder never deletes its file).
+  """
+  try:
+    fd = os.open(os.path.join(workdir, LOCK_FILE), os.O_RDONLY)
+  except FileNotFoundError:
+    return
+  try:
+    _take_lock(fd, workdir)  # released when the file is closed
+  finally:
+    os.close(fd)
+
+
+def _take_lock(fd: int, workdir: str) -> None:
+  """flock(LOCK_EX | LOCK_NB) on `fd`; WorkdirLockedError naming the holder when taken."""
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    if e.errno not in (errno.EAGAIN, errno.EACCES):
+      raise
+    holder = _read_lock_record(fd)
+    raise WorkdirLockedError(
+      f"workdir {workdir} is in use by another run (pid {holder.get('pid', '?')} on host "
+      f"{holder.get('host', '?')}, started {holder.get('started', '?')}); wait for it to "
+      "end or use another --workdir"
+    ) from None
 
 
 def _read_lock_record(fd: int) -> dict:

@@ -422,18 +422,16 @@ def test_invalid_annotation_json_is_refused_before_the_run_is_claimed(
     main.fail(raised.value)
   assert exited.value.code == 2
   assert f"{annotations}: not valid json" in capsys.readouterr().err
-  # The files already there are unchanged: the declared datasets are checked before the
-  # workdir is locked (no lock file; an empty one if a later check refused it), and no
-  # run.json, so the corrected command is not refused as another config.
-  after = snapshot(workdir)
-  assert after.pop(utils.LOCK_FILE, b"") == b""
-  assert after == before
+  # The files already there are unchanged, byte for byte: the declared datasets are checked
+  # before the workdir is locked (no lock file) and claimed (no run.json, so the corrected
+  # command is not refused as another config).
+  assert snapshot(workdir) == before
 
 
 # ----------------------------------------------------------------------------- bad data
 # A small own-data run (data.sequence / pretrain / held_out declared as COCO folders) whose
-# files the cases below break one at a time. Refused by the data checks after the workdir
-# lock is taken (an empty lock file may remain) and before run.json claims the workdir.
+# files the cases below break one at a time. Refused by the data checks before the workdir is
+# locked or claimed: the workdir stays byte-for-byte as it was.
 
 CATEGORIES = [dict(id=1, name="cup"), dict(id=2, name="plate")]
 
@@ -486,19 +484,16 @@ def edit_json(path, edit) -> None:
 
 
 def refuse_data(config, workdir, capsys) -> tuple[int, str]:
-  """`refuse` for a run refused by the data checks: the files already in the workdir are
-  unchanged and nothing else is there but the released (empty) workdir lock."""
+  """`refuse` for a run refused by the data checks: the workdir is byte-for-byte unchanged
+  (not even a lock file is added)."""
   before = snapshot(workdir)
-  before.pop(utils.LOCK_FILE, None)  # left by an earlier refused run in this workdir
   with pytest.raises(main.known_errors()) as raised:
     experiment.run(config, workdir)
   with pytest.raises(SystemExit) as exited:
     main.fail(raised.value)
   err = capsys.readouterr().err
   assert "Traceback" not in err
-  after = snapshot(workdir)
-  assert after.pop(utils.LOCK_FILE, b"") == b""
-  assert after == before  # no run.json, checkpoints or results
+  assert snapshot(workdir) == before  # no lock, run.json, checkpoints or results
   return exited.value.code, err
 
 
