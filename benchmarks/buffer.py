@@ -51,6 +51,8 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from owl_cl import utils  # noqa: E402
+
 NUM_CLASSES = 20
 IMAGE_SIZE = 32
 CHUNK_IMAGES = 1024
@@ -321,8 +323,7 @@ def main(argv=None):
   if args.render_only:
     with open(stem + ".json") as f:
       report = json.load(f)
-    with open(stem + ".md", "w") as f:
-      f.write(render_markdown(report))
+    utils.atomic_write_text(stem + ".md", render_markdown(report))
     return report
   runs = []
   for n in [int(s) for s in args.sizes.split(",") if s]:
@@ -344,12 +345,10 @@ def main(argv=None):
       by_size[200000]["peak_rss_bytes"] / by_size[20000]["peak_rss_bytes"]
     )
   report["store_bytes_per_image_paper"] = report["paper"]["store_bytes_per_image_paper"]
-  os.makedirs(args.out, exist_ok=True)
-  with open(stem + ".json", "w") as f:
-    json.dump(report, f, indent=1)
+  # Atomic: a killed benchmark never leaves a half-written results file.
+  utils.atomic_write_json(stem + ".json", report, indent=1)
   text = render_markdown(report)
-  with open(stem + ".md", "w") as f:
-    f.write(text)
+  utils.atomic_write_text(stem + ".md", text)
   print(text)
   return report
 

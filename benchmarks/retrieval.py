@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -54,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from owl_cl import utils  # noqa: E402
 from owl_cl.replay import algorithms  # noqa: E402
 from owl_cl.replay import class_selection  # noqa: E402
 from owl_cl.replay import knn_shapley  # noqa: E402
@@ -681,13 +681,11 @@ def main(argv=None):
     "rows": rows,
     "not_measured": missing,
   }
-  os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "retrieval" + ("_quick" if args.quick else ""))
-  with open(stem + ".json", "w") as f:
-    json.dump(report, f, indent=2)
+  # Atomic: a killed benchmark never leaves a half-written results file.
+  utils.atomic_write_json(stem + ".json", report, indent=2)
   text = render_markdown(report)
-  with open(stem + ".md", "w") as f:
-    f.write(text)
+  utils.atomic_write_text(stem + ".md", text)
   print(text)
   return report
 

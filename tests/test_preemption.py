@@ -22,20 +22,10 @@ import owl_cl
 from owl_cl import preemption
 from owl_cl import trainer
 from owl_cl.replay import setup as replay_setup
+from owl_cl.testing.results import comparable
 from owl_cl.train import checkpointing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(owl_cl.__file__)))
-
-# Fields that record wall-clock time or where the run lives: the only ones allowed to differ.
-VOLATILE = {"seconds", "wall_seconds", "pretrain_seconds", "created_at", "updated_at", "run_id"}
-
-
-def _without_volatile(value):
-  if isinstance(value, dict):
-    return {k: _without_volatile(v) for k, v in value.items() if k not in VOLATILE}
-  if isinstance(value, list):
-    return [_without_volatile(v) for v in value]
-  return value
 
 
 def _write_config(path, cache_dir, xla_dir):
@@ -122,7 +112,7 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, t
   expected["config"].pop("cache_dir")
   got["config"].pop("cache_dir")
   # Every metric, training summary, pre-training curve and buffer figure, exactly.
-  assert _without_volatile(got) == _without_volatile(expected)
+  assert comparable(got) == comparable(expected)
   # The retrieval records too (written at the end of each dataset from the counts so far).
   for name in ("thermal", "digits"):
     a = np.load(tmp_path / "ref" / "records" / f"{name}.npz")

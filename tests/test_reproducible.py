@@ -5,18 +5,7 @@ import os
 
 from owl_cl import experiment
 from owl_cl.testing.configs import tiny_config
-
-# Fields of results.json that measure time, not the computation: they differ between runs.
-TIMING_FIELDS = ("seconds", "wall_seconds", "pretrain_seconds", "steps_per_second")
-
-
-def _without_timings(value):
-  """`value` with every `TIMING_FIELDS` key removed, at any depth."""
-  if isinstance(value, dict):
-    return {k: _without_timings(v) for k, v in value.items() if k not in TIMING_FIELDS}
-  if isinstance(value, list):
-    return [_without_timings(v) for v in value]
-  return value
+from owl_cl.testing.results import comparable
 
 
 def test_same_seed_gives_identical_results(pretrained_cache_dir, tmp_path):
@@ -44,8 +33,8 @@ def test_same_seed_gives_identical_results(pretrained_cache_dir, tmp_path):
   assert [s["name"] for s in a["stages"]] == ["pretrained", "thermal", "digits"]
   for stage_a, stage_b in zip(a["stages"], b["stages"]):
     assert stage_a["metrics"] == stage_b["metrics"], stage_a["name"]
-    assert _without_timings(stage_a.get("train")) == _without_timings(stage_b.get("train"))
+    assert comparable(stage_a.get("train")) == comparable(stage_b.get("train"))
   # Every metric field is a number (a NaN would compare unequal to itself and fail above).
   ap = a["stages"][-1]["metrics"]["thermal"]["AP"]
   assert isinstance(ap, float) and 0.0 <= ap <= 1.0
-  assert _without_timings(a["buffer"]) == _without_timings(b["buffer"])
+  assert comparable(a["buffer"]) == comparable(b["buffer"])
