@@ -138,14 +138,16 @@ def test_stage_eval_names():
 class _StubDetector:
   def __init__(self, aps):
     self.aps = list(aps)
+    self.max_detections = []
 
-  def evaluate(self, params, source, desc):
+  def evaluate(self, params, source, desc, *, max_detections=None):
+    self.max_detections.append(max_detections)
     ap = self.aps.pop(0)
     return {"AP": ap, "AP50": ap}
 
 
 def test_best_validation_epoch_is_carried():
-  dataset = benchmark.Dataset("A", None, None, valid="valid split")
+  dataset = benchmark.Dataset("A", None, None, valid="valid split", max_detections=7)
   detector = _StubDetector([0.2, 0.5, 0.4, float("nan")])
   best = {"AP": -np.inf, "epoch": None, "params": None}
   log = []
@@ -155,6 +157,8 @@ def test_best_validation_epoch_is_carried():
     )
   assert best["epoch"] == 2 and best["AP"] == 0.5 and float(best["params"]["w"]) == 1.0
   assert [v["epoch"] for v in log] == [1, 2, 3, 4]
+  # Validated with the dataset's detections per image, as its test split is evaluated.
+  assert detector.max_detections == [7, 7, 7, 7]
 
 
 # ----------------------------------------------------------------------------- missing inputs
