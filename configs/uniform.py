@@ -6,9 +6,9 @@
 Run: `python -m owl_cl.main --config=configs/uniform.py` (paper's protocol:
 `--config=configs/uniform.py:paper --config.data.root=... --config.init_checkpoint=...`).
 Yields on the built-in benchmark (defaults, one seed; README "Measured"): mAP@[.5:.95] after
-the 5th dataset 25.3 % on the pre-training validation set (O365 stand-in), 14.2 % on the
-held-out classes (LVIS-rare stand-in), 16.4 % mean over the downstream sets (ODinW stand-in);
-97% of the pre-trained model's pre-training validation AP50 kept.
+the 5th dataset 25.7 % on the pre-training validation set (O365 stand-in), 15.4 % on the
+held-out classes (LVIS-rare stand-in), 14.7 % mean over the downstream sets (ODinW stand-in);
+96% of the pre-trained model's pre-training validation AP50 kept.
 """
 
 from configs import base

@@ -8,9 +8,9 @@ Every field: configs/base.py.
 Run: `python -m owl_cl.main --config=configs/uniform_balanced.py` (paper's protocol:
 `--config=configs/uniform_balanced.py:paper --config.data.root=... --config.init_checkpoint=...`).
 Yields on the built-in benchmark (defaults, one seed; README "Measured"): mAP@[.5:.95] after
-the 5th dataset 24.5 % on the pre-training validation set (O365 stand-in), 13.9 % on the
-held-out classes (LVIS-rare stand-in), 16.0 % mean over the downstream sets (ODinW stand-in);
-94% of the pre-trained model's pre-training validation AP50 kept.
+the 5th dataset 26.0 % on the pre-training validation set (O365 stand-in), 15.6 % on the
+held-out classes (LVIS-rare stand-in), 16.3 % mean over the downstream sets (ODinW stand-in);
+96% of the pre-trained model's pre-training validation AP50 kept.
 """
 
 from configs import base
