@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import sys
+import types
 
 _PATH = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "step.py"
@@ -47,21 +48,41 @@ def test_smallest_arithmetic_path_writes_json(tmp_path):
   assert (tmp_path / "step_quick.md").read_text().startswith("# Train-step benchmark")
 
 
-def test_timed_step_reuses_the_first_compilation(tmp_path):
+def test_timed_step_reuses_the_first_compilation():
   """The two warm-up calls of the timed step share one executable (no retrace on call 2)."""
-  record = bench.main(
+  args = types.SimpleNamespace(variant="tiny", image_size=32, num_queries=4, max_instances=2)
+  _, record = bench.prepare_ours(args, 2, "jax", "float32", "none", "xla")
+  assert record["compilations"] == 1
+  assert record["first_step_s"] > 0 and record["second_step_s"] > 0
+
+
+def test_compile_cache_writes_the_step_and_keeps_full_results(tmp_path):
+  """--compile-cache compiles in two fresh processes sharing a new cache folder, writes its
+  own files and leaves an existing step_quick.json alone."""
+  (tmp_path / "step_quick.json").write_text("{}")
+  results = bench.main(
     [
-      "--compile-only",
+      "--quick",
+      "--compile-cache",
+      "--skip-arithmetic",
+      "--skip-timing",
       "--variant=tiny",
       "--image-size=32",
       "--num-queries=4",
       "--max-instances=2",
       "--time-batches=2",
-      "--dtype=float32",
-      "--remat=none",
       "--attention=xla",
+      f"--cache-dir={tmp_path / 'xla'}",
       f"--out={tmp_path}",
     ]
   )
-  assert record["compilations"] == 1
-  assert record["first_step_s"] > 0 and record["second_step_s"] > 0
+  c = results["compile_cache"]
+  assert c["batch"] == 2 and c["dtype"] == "float32"
+  for run in ("cold", "warm"):
+    assert c[run]["lower_s"] > 0 and c[run]["compile_s"] > 0
+  # The cold process wrote the step's executable into the (new, first empty) cache folder.
+  (folder,) = os.listdir(tmp_path / "xla")
+  assert any(f.startswith("jit_step-") for f in os.listdir(tmp_path / "xla" / folder))
+  assert c["cache_files"] == len(os.listdir(tmp_path / "xla" / folder))
+  assert (tmp_path / "step_quick.json").read_text() == "{}"
+  assert "persistent cache" in (tmp_path / "step_quick_compile.md").read_text()
