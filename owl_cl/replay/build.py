@@ -565,7 +565,7 @@ def build_store(
   bar.close()
 
   # ---------------------------------------------------------------- pass 3: distances
-  prototypes = np.zeros((num_classes, 1), np.float32)
+  prototypes = None
   if writer:
     # 'all' (released code): the prototypes average every pre-training image, not the kept.
     if all_images_prototypes:
@@ -573,7 +573,10 @@ def build_store(
     valid = counts > 0
     prototypes = np.where(valid[:, None], sums / np.where(valid, counts, 1)[:, None], 0.0)
     prototypes = prototypes.astype(np.float32)
-  prototypes = _broadcast(prototypes)
+  # The writer's [C, E] prototypes to every process: a broadcast needs the same shape on all
+  # of them, and only the writer knows E here, so the shape goes first.
+  shape = _broadcast(np.asarray(prototypes.shape if writer else (0, 0), np.int32))
+  prototypes = _broadcast(prototypes if writer else np.zeros(tuple(shape), np.float32))
   prototypes_on_mesh = sharding_lib.replicate(jnp.asarray(prototypes), mesh)
   first = int(_broadcast(np.int32(folder.state("distances")[0] if writer else 0)))
   bar = _progress_bar(3, num_kept, first * batch_size, writer)
