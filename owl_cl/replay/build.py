@@ -22,9 +22,10 @@ chunk; the result is identical to an uninterrupted build (the passes are determi
 chunks the same). The finished store is moved into place with `utils.atomic_directory` and the
 build folder removed. The store is a `ReplayStore` folder (memory-mapped on load).
 
-Multi-process: every process runs the same batches (the forward is collective); process 0
-(the writer) keeps the build folder and writes the store, and tells the others where to resume
-and which images were selected; the others read the store from the shared cache folder.
+Multi-process: every process runs the same batches, reading only its rows of each (the forward
+is collective and its outputs replicated); process 0 (the writer) keeps the build folder and
+writes the store, and tells the others where to resume, which images were selected and the
+prototypes; the others read the store from the shared cache folder.
 """
 
 from __future__ import annotations
