@@ -7,6 +7,8 @@ evaluates parameters on a source under the COCO or the LVIS protocol.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import jax
@@ -26,8 +28,15 @@ from owl_cl.eval import detection
 from owl_cl.model import tokenizer as tokenizer_lib
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
+from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
 from owl_cl.validation import ConfigError
+
+# Test-only hook: when this environment variable names a folder, `Detector.evaluate` also
+# writes each evaluation's detections there (process 0, `<desc>.json`), so a test can compare
+# per-image outputs of two runs (e.g. 1 process vs 2) where the tiny model's AP is 0. Unset
+# (always, outside the tests) it costs one environment lookup per evaluation.
+DETECTIONS_HOOK_ENV = "OWL_CL_TEST_DETECTIONS_DIR"
 
 
 def model_fields(config: ml_collections.ConfigDict) -> dict:
@@ -249,7 +258,9 @@ class Detector:
     from `source.annotation_file` (LVIS v1 json). With eval.prompt_templates != 'none' the
     class scores are ensembled over the templates (eval.ensemble). `max_detections`, when
     given, replaces both the detections kept per image and maxDets of that protocol
-    (docs/reference.md §4: 100 for EgoHands and BrackishUnderwater).
+    (docs/reference.md §4: 100 for EgoHands and BrackishUnderwater). With the test-only
+    `DETECTIONS_HOOK_ENV` set to a folder, process 0 also writes the detections (COCO result
+    dicts, `detection.to_coco_detections`) to `<folder>/<desc>.json`.
     """
     if protocol not in ("coco", "lvis"):
       raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
@@ -285,7 +296,8 @@ class Detector:
       batches, predict_fn = self._gathered_predictions(
         batches, lambda images: predict_step(params, images, query_embeddings)
       )
-    return detection.evaluate_source(
+    dump_dir = os.environ.get(DETECTIONS_HOOK_ENV)
+    result = detection.evaluate_source(
       predict_fn,
       source,
       batches,
@@ -294,7 +306,14 @@ class Detector:
       image_size=self.image_size,
       max_dets=max_dets,
       desc=desc,
+      **({"return_detections": True} if dump_dir else {}),
     )
+    if dump_dir:
+      detections = result.pop("detections")
+      if distributed.is_writer():
+        name = re.sub(r"[^A-Za-z0-9@._-]+", "_", desc).strip("_")
+        atomic_write_json(os.path.join(dump_dir, f"{name}.json"), detections)
+    return result
 
   def _gathered_predictions(self, local_batches, predict):
     """Multi-process evaluation: every process predicts its rows of each global batch, and

@@ -22,9 +22,10 @@ chunk; the result is identical to an uninterrupted build (the passes are determi
 chunks the same). The finished store is moved into place with `utils.atomic_directory` and the
 build folder removed. The store is a `ReplayStore` folder (memory-mapped on load).
 
-Multi-process: every process runs the same batches (the forward is collective); process 0
-(the writer) keeps the build folder and writes the store, and tells the others where to resume
-and which images were selected; the others read the store from the shared cache folder.
+Multi-process: every process runs the same batches, reading only its rows of each (the forward
+is collective and its outputs replicated); process 0 (the writer) keeps the build folder and
+writes the store, and tells the others where to resume, which images were selected and the
+prototypes; the others read the store from the shared cache folder.
 """
 
 from __future__ import annotations
@@ -565,7 +566,7 @@ def build_store(
   bar.close()
 
   # ---------------------------------------------------------------- pass 3: distances
-  prototypes = np.zeros((num_classes, 1), np.float32)
+  prototypes = None
   if writer:
     # 'all' (released code): the prototypes average every pre-training image, not the kept.
     if all_images_prototypes:
@@ -573,7 +574,10 @@ def build_store(
     valid = counts > 0
     prototypes = np.where(valid[:, None], sums / np.where(valid, counts, 1)[:, None], 0.0)
     prototypes = prototypes.astype(np.float32)
-  prototypes = _broadcast(prototypes)
+  # The writer's [C, E] prototypes to every process: a broadcast needs the same shape on all
+  # of them, and only the writer knows E here, so the shape goes first.
+  shape = _broadcast(np.asarray(prototypes.shape if writer else (0, 0), np.int32))
+  prototypes = _broadcast(prototypes if writer else np.zeros(tuple(shape), np.float32))
   prototypes_on_mesh = sharding_lib.replicate(jnp.asarray(prototypes), mesh)
   first = int(_broadcast(np.int32(folder.state("distances")[0] if writer else 0)))
   bar = _progress_bar(3, num_kept, first * batch_size, writer)
