@@ -111,6 +111,8 @@ class ImageCache:
     if len(record) != _RECORD or record[0] != _MARKER:
       return None
     h, w = int(record[1]), int(record[2])
+    if not (0 < h * w * 3 <= self.slot):
+      return None
     data = os.pread(pixels, h * w * 3, self.slot * index)
     if len(data) != h * w * 3:  # a truncated file: treat as missing
       return None
@@ -233,7 +235,11 @@ class BufferImages:
     cache = None if self._cache_failed else self.cache
     content = {}
     if cache is not None:
-      content = {i: c for i, c in zip(unique, self._map(cache.read, unique)) if c is not None}
+      try:
+        cached = self._map(cache.read, unique)
+      except OSError as e:
+        cache, cached = self._cache_error(e), []
+      content = {i: c for i, c in zip(unique, cached) if c is not None}
     missing = [i for i in unique if i not in content]
     decoded = dict(zip(missing, self._map(self._decode, missing)))
     content.update(decoded)
@@ -241,9 +247,7 @@ class BufferImages:
       try:
         cache.write({i: c for i, c in decoded.items() if c.dtype == np.uint8})
       except OSError as e:
-        # A full or failing local disk slows the replay down, it does not stop the run.
-        self._cache_failed = True
-        logging.warning("replay image cache %s failed (%s); decoding from now on", cache.path, e)
+        self._cache_error(e)
     images = np.empty((len(indices), self.image_size, self.image_size, 3), np.float32)
     for row, i in enumerate(indices):
       c = content[int(i)]
@@ -253,6 +257,18 @@ class BufferImages:
         else pipeline.pad_to_square(pipeline.uint8_to_unit(c), self.image_size, self.pad_value)
       )
     return images
+
+  def _cache_error(self, error: OSError) -> None:
+    """Turns the cache off for good (logged once): a full, missing or failing local disk
+    slows the replay down, it does not stop the run."""
+    with self._lock:
+      if not self._cache_failed:
+        self._cache_failed = True
+        logging.warning(
+          "replay image cache %s failed (%s); decoding the images from now on",
+          self.cache.path,
+          error,
+        )
 
   def close(self) -> None:
     """Stops the decoding threads and closes the cache files."""

@@ -179,6 +179,8 @@ class ReplayStore:
       raise ValueError(f"examples missing keys {missing}")
     if by_reference and "images" in examples:
       raise ValueError("a store keeps its images either as pixels or by reference, not both")
+    if images is not None and not by_reference:
+      raise ValueError("a store of pixels takes no image decoder (images needs image_reference)")
     if by_reference and sorted(image_reference) != sorted(IMAGE_REFERENCE_FIELDS):
       raise ValueError(
         f"image_reference has fields {sorted(image_reference)}, expected "

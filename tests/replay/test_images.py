@@ -168,7 +168,7 @@ def test_a_fill_killed_before_its_records_leaves_entries_missing(tmp_path, monke
   assert source.loads == len(np.unique(INDICES))  # nothing was taken from the torn fill
 
 
-def test_a_failing_cache_disk_falls_back_to_decoding(tmp_path, monkeypatch):
+def test_a_failing_cache_falls_back_to_decoding(tmp_path, monkeypatch):
   source = CountingSource()
   path = _saved_store(tmp_path)
   expected = store_lib.ReplayStore.load(path, source=source).gather(INDICES, VALID)
@@ -179,6 +179,11 @@ def test_a_failing_cache_disk_falls_back_to_decoding(tmp_path, monkeypatch):
 
   monkeypatch.setattr(images_lib.os, "pwrite", full)
   _assert_same_batch(store.gather(INDICES, VALID), expected)
+  _assert_same_batch(store.gather(INDICES, VALID), expected)
+  monkeypatch.undo()
+  # A cache folder that cannot be created (its parent is a file).
+  (tmp_path / "file").write_text("")
+  store = store_lib.ReplayStore.load(path, source=source, image_cache=str(tmp_path / "file" / "c"))
   _assert_same_batch(store.gather(INDICES, VALID), expected)
 
 
