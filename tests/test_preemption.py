@@ -123,6 +123,8 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, t
     a = np.load(tmp_path / "ref" / "records" / f"{name}.npz")
     b = np.load(workdir / "records" / f"{name}.npz")
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+  # The killed run's replays went through its image cache (one folder: the buffer's key).
+  assert len([n for n in os.listdir(tmp_path / "image_cache") if not n.startswith(".")]) == 1
   # The stage checkpoints superseded every step checkpoint.
   assert os.listdir(workdir / "step_checkpoints") == []
 

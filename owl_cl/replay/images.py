@@ -138,6 +138,7 @@ class ImageCache:
       os.pwrite(entries, record, 4 * _RECORD * index)
 
   def close(self) -> None:
+    """Closes the cache's files (a later read or write opens them again)."""
     with self._lock:
       if self._fds is not None:
         for fd in self._fds:
