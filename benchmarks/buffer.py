@@ -18,10 +18,12 @@ are then arbitrary but the work is the same): the threshold keeps no image and t
 minimum tops every class up to `--keep-fraction` x N / C images; an image holds about two
 classes, so the default 0.18 keeps about 9% of the images (the paper's 54k of 600k).
 
-The paper projection (no measurement): bytes per buffer image of features + logits (bfloat16
-DER++ logits [T, Q], top-k class and query embeddings [k, E] float32, membership [C] and
-prototype distances [C]) and of the stored examples, for OWL-ViT L/14 at 840 px with the
-paper's settings (configs/base.py 'paper', Objects365: C = 365), times 54,226 images. The
+The paper projection (no measurement): bytes per buffer image of the store, features + logits
+(bfloat16 DER++ logits [T, Q], top-k class and query embeddings [k, E] float32, membership [C]
+and prototype distances [C]) and the examples without pixels (queries, targets, image id and
+source index: the images are kept by reference), and of the optional uint8 image cache on
+local disk (`replay.image_cache`, at most S x S x 3 per image), for OWL-ViT L/14 at 840 px with
+the paper's settings (configs/base.py 'paper', Objects365: C = 365), times 54,226 images. The
 forward passes of the Objects365 build are projected as FLOPs (pass 1 over every image,
 passes 2 and 3 over the kept ones) from the step benchmark's eval-forward FLOPs per image
 (benchmarks/results/step.json); a time is projected only when that file holds a measured
@@ -201,13 +203,13 @@ def paper_projection(step_results: str) -> dict:
     "class_membership (bool [C])": OBJECTS365_CLASSES,
     "prototype_distances (float32 [C])": 4 * OBJECTS365_CLASSES,
   }
+  # The images are kept by reference (source index, image id), not as pixels.
   examples = {
-    "images (float32 [S, S, 3])": 4 * s * s * 3,
     "queries (int32 [Q, L])": 4 * q * length,
     "labels (float32 [M, Q])": 4 * m * q,
-    "boxes, query_class, image_id": 4 * m * 4 + 4 * q + 8,
+    "boxes, query_class, image_id, source_index": 4 * m * 4 + 4 * q + 8 + 8,
   }
-  per_image = sum(features.values())
+  per_image = sum(features.values()) + sum(examples.values())
   result = dict(
     variant=c.model.variant,
     image_size=s,
@@ -219,10 +221,15 @@ def paper_projection(step_results: str) -> dict:
     buffer_images=PAPER_BUFFER_IMAGES,
     features_bytes_by_array=features,
     examples_bytes_by_array=examples,
-    store_bytes_per_image_paper=per_image,
+    features_bytes_per_image_paper=sum(features.values()),
     examples_bytes_per_image_paper=sum(examples.values()),
+    store_bytes_per_image_paper=per_image,
     store_bytes_paper_buffer=per_image * PAPER_BUFFER_IMAGES,
-    examples_bytes_paper_buffer=sum(examples.values()) * PAPER_BUFFER_IMAGES,
+    # Optional, on local disk: the resized uint8 pixels (at most S x S x 3).
+    image_cache_bytes_per_image_paper=s * s * 3,
+    image_cache_bytes_paper_buffer=s * s * 3 * PAPER_BUFFER_IMAGES,
+    # What the store held per image before images were kept by reference (float32 pixels).
+    pixels_bytes_per_image_before=4 * s * s * 3,
   )
   if os.path.exists(step_results):
     with open(step_results) as f:
@@ -286,10 +293,14 @@ def render_markdown(report: dict) -> str:
     lines.append(f"| {k} | {v:,} |")
   lines += [
     "",
-    f"Features + logits: {p['store_bytes_per_image_paper']:,} bytes per image, "
-    f"{p['store_bytes_paper_buffer'] / 1e9:.1f} GB for {p['buffer_images']:,} images; the "
-    f"stored examples add {p['examples_bytes_per_image_paper']:,} bytes per image "
-    f"({p['examples_bytes_paper_buffer'] / 1e9:.0f} GB).",
+    f"Store: {p['store_bytes_per_image_paper']:,} bytes per image (features + logits "
+    f"{p['features_bytes_per_image_paper']:,}, examples without pixels "
+    f"{p['examples_bytes_per_image_paper']:,}: images by reference), "
+    f"{p['store_bytes_paper_buffer'] / 1e9:.1f} GB for {p['buffer_images']:,} images. The "
+    f"optional uint8 image cache on local disk (`replay.image_cache`) takes up to "
+    f"{p['image_cache_bytes_per_image_paper']:,} bytes per image "
+    f"({p['image_cache_bytes_paper_buffer'] / 1e9:.0f} GB); the store held "
+    f"{p['pixels_bytes_per_image_before']:,} bytes of float32 pixels per image before.",
   ]
   if p.get("objects365_forward_flops"):
     hours = p.get("objects365_forward_hours")
@@ -309,7 +320,10 @@ def main(argv=None):
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument("--name", default="buffer")
   parser.add_argument(
-    "--render-only", action="store_true", help="rewrite <out>/<name>.md from <out>/<name>.json"
+    "--render-only",
+    action="store_true",
+    help="rewrite <out>/<name>.md from <out>/<name>.json, the paper projection (arithmetic, "
+    "no measurement) recomputed",
   )
   parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -323,6 +337,11 @@ def main(argv=None):
   if args.render_only:
     with open(stem + ".json") as f:
       report = json.load(f)
+    report["paper"] = paper_projection(
+      os.path.join(os.path.dirname(__file__), "results", "step.json")
+    )
+    report["store_bytes_per_image_paper"] = report["paper"]["store_bytes_per_image_paper"]
+    utils.atomic_write_json(stem + ".json", report, indent=1)
     utils.atomic_write_text(stem + ".md", render_markdown(report))
     return report
   runs = []

@@ -305,6 +305,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image
+  # The buffer store keeps its images by reference and decodes them from the pre-training set
+  # when replayed (docs/reference.md §6). image_cache: a folder on local disk (e.g. a local
+  # NVMe '/tmp/owl_cl_replay_images'; '~' and $VARS expanded) where each buffer image's resized
+  # uint8 pixels are kept once decoded (up to S*S*3 bytes per buffer image: 2.1 MB at 840 px,
+  # about 115 GB for the paper's 54k images, filled lazily), so later replays do not decode it
+  # again. None: decode at every replay.
+  c.replay.image_cache = ml_collections.config_dict.placeholder(str)
   # Loss adaptivity (paper §4 eqs. 5-6, Table 4; docs/reference.md §9). mode: 'none' (1:1 replay,
   # the
   # paper's main results); 'paper' (replay only for the r new images whose pre-step loss

@@ -28,7 +28,7 @@ from owl_cl.train import checkpointing
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(owl_cl.__file__)))
 
 
-def _write_config(path, cache_dir, xla_dir):
+def _write_config(path, cache_dir, xla_dir, image_cache=None):
   with open(path, "w") as f:
     f.write(
       "from owl_cl.testing.configs import tiny_config\n\n\n"
@@ -39,6 +39,7 @@ def _write_config(path, cache_dir, xla_dir):
       # Fewer evaluations between datasets (the last stage still evaluates every set).
       "  c.eval.pretraining_sets_after_each_dataset = False\n"
       "  c.eval.downstream_after_each_dataset = 'seen'\n"
+      f"  c.replay.image_cache = {image_cache!r}\n"
       "  return c\n"
     )
 
@@ -71,7 +72,10 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, t
     for folder in folders:
       shutil.copytree(os.path.join(pretrained_cache_dir, folder), cache / folder)
     configs[name] = str(tmp_path / f"{name}.py")
-    _write_config(configs[name], str(cache), xla)
+    # The killed run replays through the uint8 image cache (killed while filling it, too),
+    # the reference decodes every replayed image: the results must not differ.
+    image_cache = str(tmp_path / "image_cache") if name == "killed" else None
+    _write_config(configs[name], str(cache), xla, image_cache)
 
   reference = _run_main(configs["reference"], tmp_path / "ref")
   assert reference.returncode == 0, reference.stderr[-3000:]
@@ -109,8 +113,9 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, t
   with open(workdir / "results.json") as f:
     got = json.load(f)
   assert got["status"] == "complete"
-  expected["config"].pop("cache_dir")
-  got["config"].pop("cache_dir")
+  for results in (expected, got):
+    results["config"].pop("cache_dir")
+    results["config"]["replay"].pop("image_cache")
   # Every metric, training summary, pre-training curve and buffer figure, exactly.
   assert comparable(got) == comparable(expected)
   # The retrieval records too (written at the end of each dataset from the counts so far).
@@ -118,6 +123,8 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, t
     a = np.load(tmp_path / "ref" / "records" / f"{name}.npz")
     b = np.load(workdir / "records" / f"{name}.npz")
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+  # The killed run's replays went through its image cache (one folder: the buffer's key).
+  assert len([n for n in os.listdir(tmp_path / "image_cache") if not n.startswith(".")]) == 1
   # The stage checkpoints superseded every step checkpoint.
   assert os.listdir(workdir / "step_checkpoints") == []
 

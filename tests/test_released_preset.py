@@ -178,7 +178,7 @@ def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, w
   monkeypatch.setattr(
     buffer_build,
     "cached_store",
-    lambda folder, key, build, superseded: (build("store", "store.build", "key"), key),
+    lambda folder, key, build, superseded, **kw: (build("store", "store.build", "key"), key),
   )
   benchmark = types.SimpleNamespace(pretrain=types.SimpleNamespace(train=source))
   _, key = replay_setup.build_store(detector, benchmark, None, {})

@@ -51,6 +51,9 @@ from PIL import Image
 __all__ = [
   "resize_geometry",
   "resize_with_pad",
+  "resized_uint8",
+  "pad_to_square",
+  "uint8_to_unit",
   "scale_boxes",
   "xyxy_to_cxcywh",
   "example_rng",
@@ -124,13 +127,47 @@ def resize_geometry(
   return new_h, new_w, scale, scale
 
 
-def _resize_array(image: np.ndarray, new_h: int, new_w: int) -> np.ndarray:
-  """Bilinear resize of [H, W, 3] uint8 or float to float32 [new_h, new_w, 3] in [0, 1]."""
-  if image.dtype == np.uint8:
-    if image.shape[0] == new_h and image.shape[1] == new_w:
-      return image.astype(np.float32) * np.float32(1 / 255)
-    out = Image.fromarray(image).resize((new_w, new_h), Image.BILINEAR)
-    return np.asarray(out, dtype=np.float32) * np.float32(1 / 255)
+def uint8_to_unit(pixels: np.ndarray) -> np.ndarray:
+  """float32 pixels in [0, 1] of uint8 `pixels` [...]: x * float32(1/255), the one scaling every
+  resize path of this module applies (so a uint8 copy of resized content is exact)."""
+  return np.asarray(pixels).astype(np.float32) * np.float32(1 / 255)
+
+
+def resized_uint8(image: np.ndarray, size: int, *, squash: bool = False) -> np.ndarray:
+  """The resized content of a uint8 image, before scaling and padding.
+
+  Args:
+    image: uint8 [H, W, 3]. size: S in pixels. squash: as in `resize_geometry`.
+  Returns:
+    uint8 [new_h, new_w, 3] (`resize_geometry`'s content size): PIL bilinear resize, or
+    `image` itself when it already has that size. `resize_with_pad` of a uint8 image is
+    `pad_to_square(uint8_to_unit(resized_uint8(image, S)), S, pad_value)`, bit for bit.
+  Raises:
+    ValueError: image not uint8 [H, W, 3].
+  Source: docs/reference.md §5.
+  """
+  if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+    raise ValueError(f"image must be uint8 [H, W, 3], got {image.dtype} {image.shape}")
+  new_h, new_w, _, _ = resize_geometry(image.shape[0], image.shape[1], size, squash=squash)
+  if image.shape[0] == new_h and image.shape[1] == new_w:
+    return image
+  return np.asarray(Image.fromarray(image).resize((new_w, new_h), Image.BILINEAR))
+
+
+def pad_to_square(content: np.ndarray, size: int, pad_value: float) -> np.ndarray:
+  """float32 [S, S, 3]: `content` float32 [h, w, 3] (h, w <= S) at the top left, `pad_value`
+  in the bottom / right padding (`content` itself when it is S x S). Source: docs/reference.md
+  §5 (scenic `ResizeWithPad` pads bottom / right)."""
+  new_h, new_w = content.shape[:2]
+  if new_h == size and new_w == size:
+    return content
+  out = np.full((size, size, 3), pad_value, np.float32)
+  out[:new_h, :new_w] = content
+  return out
+
+
+def _resize_float(image: np.ndarray, new_h: int, new_w: int) -> np.ndarray:
+  """Bilinear resize of a float [H, W, 3] image in [0, 1] to float32 [new_h, new_w, 3]."""
   image = np.asarray(image, np.float32)
   if image.shape[0] == new_h and image.shape[1] == new_w:
     return image.copy()
@@ -170,13 +207,12 @@ def resize_with_pad(
   """
   if image.ndim != 3 or image.shape[2] != 3:
     raise ValueError(f"image must be [H, W, 3], got shape {image.shape}")
+  if image.dtype == np.uint8:
+    # Split at the uint8 content so that the replay store's image cache (replay/images.py)
+    # can keep exactly this stage.
+    return pad_to_square(uint8_to_unit(resized_uint8(image, size, squash=squash)), size, pad_value)
   new_h, new_w, _, _ = resize_geometry(image.shape[0], image.shape[1], size, squash=squash)
-  content = _resize_array(image, new_h, new_w)
-  if new_h == size and new_w == size:
-    return content
-  out = np.full((size, size, 3), pad_value, np.float32)
-  out[:new_h, :new_w] = content
-  return out
+  return pad_to_square(_resize_float(image, new_h, new_w), size, pad_value)
 
 
 def scale_boxes(

@@ -8,8 +8,10 @@ passes of the jitted eval-mode forward of the pre-trained model:
   1. every image: the detection loss (eq. 7 ranks images by it) and the class membership;
      only these ([N] float32 and [N, C] bool, memory-mapped files) are kept;
   selection: `select_buffer` (loss < t, per-class top-up) on those arrays;
-  2. the selected images: the examples, the logits to distil (DER++), the top-k class and
-     query embeddings (retrieval features) are written to the store's files in chunks, and the
+  2. the selected images: the examples without their pixels (the images are kept by
+     reference: source index and image id, `replay/images.py`), the logits to distil (DER++),
+     the top-k class and query embeddings (retrieval features) are written to the store's
+     files in chunks, and the
      prototype sums / counts (top-n_c class embeddings per class) are reduced on the device
      and accumulated (float64) on the host;
   3. the selected images again: their prototype distances to the now complete prototypes.
@@ -54,12 +56,17 @@ from owl_cl.train import sharding as sharding_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import digest
 
-# The arrays of a stored example (defined once, by the store that holds them), and the image
-# id, stored too so that a store names its images.
+# The arrays of an example the forward reads (defined once, by the store), and those the store
+# keeps: all but the pixels, plus the image id, which with the source index (written from the
+# selection) references the image.
 EXAMPLE_KEYS = store_lib.REQUIRED_EXAMPLE_KEYS
-STORED_EXAMPLE_KEYS = EXAMPLE_KEYS + ("image_id",)
+STORED_EXAMPLE_KEYS = store_lib.TARGET_KEYS + ("image_id",)
 # Version of the build folder's layout; a folder of another version is started afresh.
-BUILD_FORMAT = 1
+# 2: images by reference (1 wrote the pixels).
+BUILD_FORMAT = 2
+# Example options that would make a buffer example's image more than the resized source image
+# (augmentations): refused, since images by reference are re-made without them.
+_AUGMENTATIONS = ("hflip", "random_crop", "mosaic_sizes")
 PASSES = ("losses", "features", "distances")
 _INT32_MAX = np.iinfo(np.int32).max
 # (id(model), mesh, digest of the step options) -> (model, `make_steps` of it).
@@ -70,9 +77,10 @@ class BufferExample:
   """Image index -> its fixed training example (a picklable grain transform).
 
   The example of image i is `pipeline.preprocess_train_example(source.load(i),
-  rng=pipeline.example_rng(seed, 0, i), **options)` restricted to `STORED_EXAMPLE_KEYS`: its
-  queries and negatives are drawn once, seeded by the image index, so every pass (and every
-  resumed build) sees the same example.
+  rng=pipeline.example_rng(seed, 0, i), **options)` restricted to `EXAMPLE_KEYS` and
+  `image_id`: its queries and negatives are drawn once, seeded by the image index, so every
+  pass (and every resumed build) sees the same example. Not augmented: its image is
+  `pipeline.resize_with_pad` of the source image, which the store re-makes at gather time.
   """
 
   def __init__(self, source, seed: int, options: dict):
@@ -83,7 +91,16 @@ class BufferExample:
     example = pipeline.preprocess_train_example(
       self.source.load(index), rng=pipeline.example_rng(self.seed, 0, index), **self.options
     )
-    return {k: example[k] for k in STORED_EXAMPLE_KEYS}
+    return {k: example[k] for k in EXAMPLE_KEYS + ("image_id",)}
+
+  @property
+  def image_reference(self) -> dict:
+    """How the images are made (`store_lib.IMAGE_REFERENCE_FIELDS` but the key)."""
+    return dict(
+      image_size=int(self.options["image_size"]),
+      pad_value=float(self.options.get("pad_value", pipeline.TRAIN_PAD_VALUE)),
+      squash=bool(self.options.get("squash", False)),
+    )
 
 
 def make_steps(
@@ -111,7 +128,8 @@ def make_steps(
       float32 [B, k, E] (`buffer_selection.top_k_embeddings`), prototype_sums float32 [C, E]
       and prototype_counts int32 [C] summed over the valid rows
       (`buffer_selection.per_image_class_token_embeddings`), and the batch's examples
-      (`STORED_EXAMPLE_KEYS`), so that the writer has every process's rows; with
+      without their pixels (`STORED_EXAMPLE_KEYS`), so that the writer has every process's
+      rows; with
       `image_features` also top_image_features [B, k, D] (the ViT output tokens of the top-k
       tokens, `buffer_selection.top_k_token_features`).
     'distances': (params, batch, prototypes float32 [C, E]) -> prototype_distances float32
@@ -380,7 +398,7 @@ def build_store(
     path: the store folder to write (replaced atomically if it exists).
     class_tokens .. num_negatives, seed, example_options: the fixed training example of each
       image (`BufferExample`; `example_options`: the run's squash, merge_iou,
-      negative_weights).
+      negative_weights; no augmentation: the store re-makes the images from the source).
     loss_config: `losses.detection_loss` options. batch_size: images per forward (global, a
       multiple of the mesh's devices).
     prototype_images: the prototypes average the kept images ('buffer', the paper) or every
@@ -400,9 +418,9 @@ def build_store(
     statistics dict: images considered / kept, kept below the threshold, per-class counts, loss
     quantiles.
   Raises:
-    ValueError: an empty source, an unknown `prototype_images` or `logits_dtype` (before any
-      work), no image selected (threshold and minimum both select nothing), or image ids
-      beyond int32.
+    ValueError: an empty source, an unknown `prototype_images` or `logits_dtype`, an
+      augmentation in `example_options` (before any work), no image selected (threshold and
+      minimum both select nothing), or image ids beyond int32.
   """
   num_images = len(source)
   if not num_images:
@@ -413,6 +431,12 @@ def build_store(
       f"known: {list(buffer_selection.PROTOTYPE_IMAGES)}"
     )
   all_images_prototypes = prototype_images == "all"
+  augmented = [k for k in _AUGMENTATIONS if (example_options or {}).get(k)]
+  if augmented:
+    raise ValueError(
+      f"the replay buffer's examples are not augmented (their images are re-made from the "
+      f"source when replayed), but example_options set {augmented}"
+    )
   if logits_dtype not in store_lib.LOGITS_DTYPES:
     raise ValueError(
       f"logits_dtype={logits_dtype!r} is unknown; known: {sorted(store_lib.LOGITS_DTYPES)}"
@@ -550,6 +574,7 @@ def build_store(
       start = b * batch_size
       for k in STORED_EXAMPLE_KEYS:
         store[f"examples.{k}"].write(start, out[k][:count])
+      store["examples.source_index"].write(start, kept[start : start + count])
       store["stored_logits"].write(
         start,
         store_lib.encode_logits(out["logits"][:count], out["queries"][:count], logits_dtype),
@@ -605,6 +630,7 @@ def build_store(
       pad_logit,
       {name: store_lib.dtype_name(a.dtype) for name, a in store.items()}
       | {"buffer.prototypes": "float32"},
+      dict(transform.image_reference, key=build_key),
     )
     stats = _statistics(loss, membership, kept, loss_threshold, source.class_names)
     with utils.atomic_directory(path, if_exists="replace") as tmp:
@@ -647,9 +673,11 @@ def _store_shapes(transform, features_step, params, num_kept: int, logits_dtype:
   batch["valid"] = np.ones(1, bool)
   abstract = jax.eval_shape(features_step, params, batch)
   shapes = {
-    f"examples.{k}": ((num_kept,) + np.shape(v), np.asarray(v).dtype) for k, v in example.items()
+    f"examples.{k}": ((num_kept,) + np.shape(example[k]), np.asarray(example[k]).dtype)
+    for k in STORED_EXAMPLE_KEYS
   }
   shapes["examples.image_id"] = ((num_kept,), np.dtype(np.int64))
+  shapes["examples.source_index"] = ((num_kept,), np.dtype(np.int64))
   shapes["stored_logits"] = (
     (num_kept,) + abstract["logits"].shape[1:],
     store_lib.LOGITS_DTYPES[logits_dtype],
@@ -685,6 +713,9 @@ def cached_store(
   key_material: dict,
   build_fn,
   superseded: tuple[tuple[dict, str], ...] = (),
+  *,
+  source=None,
+  image_cache: str | None = None,
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Loads the store cached under a digest of `key_material`, or builds and caches it.
 
@@ -700,16 +731,23 @@ def cached_store(
     superseded: (key material, reason) of stores that earlier code versions cached for the
       same run; when one of them is on disk and the current one is not, the rebuild is
       logged with its reason (e.g. class embeddings that were stored unnormalised).
+    source: the pre-training source the store's images are decoded from at gather time
+      (`store_lib.ReplayStore.load`); None: gather refuses a store of images by reference.
+    image_cache: root of the optional uint8 image cache on local disk (`replay.image_cache`).
   Returns:
     (store memory-mapped from the cache, stats dict with "seconds").
   """
   key = digest(key_material)
   path = os.path.join(cache_root, key)
+
+  def load(path):
+    return store_lib.ReplayStore.load(path, source=source, image_cache=image_cache)
+
   stats_path = path + ".stats.json"
   if os.path.isdir(path) and os.path.exists(stats_path):
     logging.info("re-using the cached replay buffer %s", path)
     with open(stats_path) as f:
-      return store_lib.ReplayStore.load(path), json.load(f)
+      return load(path), json.load(f)
   for old_material, reason in superseded:
     old_path = os.path.join(cache_root, digest(old_material))
     if os.path.isdir(old_path):
@@ -734,4 +772,4 @@ def cached_store(
     stats["seconds"],
     path,
   )
-  return store_lib.ReplayStore.load(path), stats
+  return load(path), stats

@@ -148,7 +148,10 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   """The replay store over the pre-training set (cached). Returns (store, stats).
 
   The cache key covers everything the selection depends on (the model, the pre-training
-  annotations, the selection settings, the input options, the loss and the seed).
+  annotations, the selection settings, the input options, the loss and the seed). The store
+  keeps its images by reference and decodes them from `benchmark.pretrain.train` when
+  gathered, cached as uint8 under `config.replay.image_cache` when set (docs/reference.md §6);
+  a store cached by an earlier version with its pixels keeps working from them.
   """
   config = detector.config
   selection = config.replay.selection
@@ -192,8 +195,16 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     build_dir=build_dir,
     build_key=build_key,
   )
+  # The store keeps its images by reference: gather decodes them from the pre-training set
+  # (an optional uint8 cache on local disk keeps them once decoded). Not in the key: a store
+  # is the same whether or where its images are cached.
   return buffer_build.cached_store(
-    os.path.join(expand_path(config.cache_dir), "buffers"), key_material, build, superseded
+    os.path.join(expand_path(config.cache_dir), "buffers"),
+    key_material,
+    build,
+    superseded,
+    source=source,
+    image_cache=config.replay.get("image_cache"),
   )
 
 

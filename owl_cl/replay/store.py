@@ -1,14 +1,22 @@
 """Host-side replay store: the buffer images' training examples, DER++ logits, buffer arrays.
 
 `ReplayStore` holds, for N buffer images (docs/reference.md §6):
-  * the preprocessed training examples, with the batch-dict keys of CONVENTIONS.md
-    (`images`, `queries`, `labels`, `boxes`, `query_class`; optionally `image_id`,
-    `orig_size`, and any further per-image key), leading dim N;
+  * the training examples, with the batch-dict keys of CONVENTIONS.md (`queries`, `labels`,
+    `boxes`, `query_class`; optionally `image_id`, `orig_size`, and any further per-image key),
+    leading dim N, and their images either
+      - by reference (what the builder writes): `source_index` int64 [N] (the image's index
+        in the pre-training source) and `image_id`, decoded and preprocessed at gather time
+        by `replay.images.BufferImages` (the training pipeline's functions, an optional uint8
+        cache on local disk: `replay.image_cache`), or
+      - as pixels, `images` [N, S, S, 3] (float32, or uint8 returned as float32 / 255): stores
+        built in memory (tests) and the stores of earlier versions (format 1), which keep
+        working;
   * `stored_logits` [N, T, Q]: the pre-trained model's logits for DER++ (docs/reference.md §3);
   * the `ReplayBuffer` arrays used by retrieval (`class_membership`, `prototypes`,
     `prototype_distances`, `class_embeddings`, `query_embeddings`).
 
-`gather(indices)` returns a batch dict (NumPy fancy indexing) for the train step.
+`gather(indices)` returns a batch dict (NumPy fancy indexing, images decoded or read from
+the pixels) for the train step; it is thread-safe (a background thread may call it).
 
 Storage of the logits (`logits_dtype`): 'float32', 'float16' (default) or 'bfloat16'.
 Padded query slots (all-zero token rows: the model's query mask, docs/reference.md §1) are stored as
@@ -17,14 +25,16 @@ and restored to exactly `pad_logit` (-1e6, scenic) at gather time, so the DER++ 
 slots stays exactly 0 (-1e6 is not representable in float16 and only approximately in
 bfloat16). Real logits are clipped to the float16 range (+-65504) before casting; the
 rounding error is relative: 2^-11 (float16) or 2^-8 (bfloat16), e.g. +-0.005 / +-0.04 on a
-logit of 10. Gathered logits are always float32. Images stored as uint8 are returned as
-float32 / 255 (note: the training pad value 0.5 is not exact in uint8).
+logit of 10. Gathered logits are always float32. Pixel images stored as uint8 are returned as
+float32 / 255 (note: the training pad value 0.5 is not exact in uint8); images by reference are
+returned exactly as the training pipeline makes them (pad 0.5 included).
 
 On disk (`save`/`load`): a directory with one `.npy` per array (bfloat16 saved as its uint16
-bit pattern) and `meta.json`; written to a temporary sibling directory and renamed into place
-(atomic on POSIX filesystems). `load(mmap=True)` memory-maps the arrays, so a store larger
-than RAM is read lazily by `gather`. The streaming builder (`owl_cl/replay/build.py`) writes the
-same folder in row blocks (`ArrayFile`, `write_meta`) without holding the store in memory.
+bit pattern) and `meta.json` (with `images`: the preprocessing of images by reference); written
+to a temporary sibling directory and renamed into place (atomic on POSIX filesystems).
+`load(mmap=True)` memory-maps the arrays, so a store larger than RAM is read lazily by
+`gather`. The streaming builder (`owl_cl/replay/build.py`) writes the same folder in row blocks
+(`ArrayFile`, `write_meta`) without holding the store in memory.
 """
 
 from __future__ import annotations
@@ -34,14 +44,23 @@ import json
 import os
 from typing import Any
 
+from absl import logging
 import ml_dtypes
 import numpy as np
 
 from owl_cl import utils
+from owl_cl.replay import images as images_lib
 from owl_cl.replay.state import ReplayBuffer
 from owl_cl.replay.state import make_replay_buffer
 
+# The example keys of a gathered batch (the forward's inputs); the store holds all but
+# `images` as arrays, and the images as pixels or by reference (`REFERENCE_KEYS`).
 REQUIRED_EXAMPLE_KEYS = ("images", "queries", "labels", "boxes", "query_class")
+TARGET_KEYS = REQUIRED_EXAMPLE_KEYS[1:]
+REFERENCE_KEYS = ("source_index", "image_id")
+# `meta.json` 'images' of a store by reference: how its images are preprocessed
+# (`pipeline.resize_with_pad`) and what they are of (the build key).
+IMAGE_REFERENCE_FIELDS = ("image_size", "pad_value", "squash", "key")
 BUFFER_KEYS = (
   "class_membership",
   "prototypes",
@@ -54,7 +73,9 @@ LOGITS_DTYPES = {
   "float16": np.dtype(np.float16),
   "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
-FORMAT_VERSION = 1
+# 2: images by reference (`meta.json` 'images'); 1: pixels only (read as pixel stores).
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -113,7 +134,8 @@ class ReplayStore:
   """Host-side arrays of the N buffer images (see the module docstring).
 
   Args:
-    examples: mapping key -> array with leading dim N; must contain REQUIRED_EXAMPLE_KEYS.
+    examples: mapping key -> array with leading dim N; must contain TARGET_KEYS and either
+      `images` (pixels) or REFERENCE_KEYS (images by reference, with `image_reference`).
     stored_logits: float [N, T, Q] pre-trained logits (or already encoded, see
       `logits_encoded`).
     buffer: ReplayBuffer or mapping with BUFFER_KEYS (`class_membership` [N, C] bool,
@@ -124,8 +146,13 @@ class ReplayStore:
     pad_logit: the model's padded-query logit (-1e6 scenic; HF uses float min).
     logits_encoded: True if `stored_logits` is already `encode_logits` output of
       `logits_dtype` (used by `load`).
+    image_reference: images by reference: dict of IMAGE_REFERENCE_FIELDS (S, pad value,
+      squash, build key), saved in `meta.json`; None for a pixel store.
+    images: the `images_lib.BufferImages` that decodes the images by reference (None: the
+      store's arrays are readable but `gather` refuses; `load` with a `source` attaches it).
   Raises:
-    ValueError: missing keys, inconsistent leading dims / class counts, unknown dtype.
+    ValueError: missing keys, inconsistent leading dims / class counts, unknown dtype, both
+      or neither of pixels and references.
   Source: docs/reference.md §3 (DER++), §6 (buffer contents), §11 (size).
   """
 
@@ -139,16 +166,34 @@ class ReplayStore:
     logits_dtype: str = "float16",
     pad_logit: float = -1e6,
     logits_encoded: bool = False,
+    image_reference: Mapping[str, Any] | None = None,
+    images: images_lib.BufferImages | None = None,
   ):
-    missing = [k for k in REQUIRED_EXAMPLE_KEYS if k not in examples]
+    by_reference = image_reference is not None
+    missing = [
+      k
+      for k in TARGET_KEYS + (REFERENCE_KEYS if by_reference else ("images",))
+      if k not in examples
+    ]
     if missing:
       raise ValueError(f"examples missing keys {missing}")
+    if by_reference and "images" in examples:
+      raise ValueError("a store keeps its images either as pixels or by reference, not both")
+    if images is not None and not by_reference:
+      raise ValueError("a store of pixels takes no image decoder (images needs image_reference)")
+    if by_reference and sorted(image_reference) != sorted(IMAGE_REFERENCE_FIELDS):
+      raise ValueError(
+        f"image_reference has fields {sorted(image_reference)}, expected "
+        f"{sorted(IMAGE_REFERENCE_FIELDS)}"
+      )
+    self.image_reference = dict(image_reference) if by_reference else None
+    self.images = images
     if logits_dtype not in LOGITS_DTYPES:
       raise ValueError(f"unknown logits dtype {logits_dtype!r}; known: {sorted(LOGITS_DTYPES)}")
     self.examples = {
       k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in examples.items()
     }
-    n = self.examples["images"].shape[0]
+    n = self.examples["queries"].shape[0]
     for k, v in self.examples.items():
       if v.shape[:1] != (n,):
         raise ValueError(f"examples[{k!r}] has leading dim {v.shape[:1]}, expected ({n},)")
@@ -175,7 +220,7 @@ class ReplayStore:
   @property
   def num_images(self) -> int:
     """N, the number of buffer images."""
-    return int(self.examples["images"].shape[0])
+    return int(self.examples["queries"].shape[0])
 
   @property
   def num_classes(self) -> int:
@@ -191,25 +236,48 @@ class ReplayStore:
     """The retrieval arrays as a `ReplayBuffer` of jnp arrays (on the default device)."""
     return make_replay_buffer(**{k: np.asarray(v) for k, v in self.buffer_arrays.items()})
 
+  @property
+  def by_reference(self) -> bool:
+    """True when the store keeps its images by reference (decoded at gather time)."""
+    return self.image_reference is not None
+
   def gather(self, indices, valid: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Batch dict of the buffer images `indices` (host-side NumPy fancy indexing).
+
+    Thread-safe: reads the (memory-mapped) arrays and, for images by reference, decodes them
+    (`images_lib.BufferImages`, whose only shared state is lock-guarded).
 
     Args:
       indices: int [n] buffer indices in [0, N) (duplicates allowed).
       valid: optional bool [n] (the retrieval's validity mask); ANDed into `example_mask`.
     Returns:
-      dict with every example key ([n, ...]; uint8 images -> float32 / 255), `stored_logits`
-      float32 [n, T, Q] (padded slots = pad_logit), `example_mask` bool [n], `buffer_index`
-      int32 [n].
+      dict with `images` float32 [n, S, S, 3] (by reference: the training pipeline's image;
+      uint8 pixels -> float32 / 255), every other example key but `source_index` ([n, ...]),
+      `stored_logits` float32 [n, T, Q] (padded slots = pad_logit), `example_mask` bool [n],
+      `buffer_index` int32 [n].
     Raises:
-      IndexError: an index outside [0, N). ValueError: valid's shape differs from indices'.
-    Source: docs/reference.md §3 (DER++ replay batch), CONVENTIONS.md batch dict.
+      IndexError: an index outside [0, N). ValueError: valid's shape differs from indices';
+      images by reference without a source attached (`load(..., source=...)`), or a source
+      whose image ids differ from the store's.
+    Source: docs/reference.md §3 (DER++ replay batch), §6 (images by reference),
+    CONVENTIONS.md batch dict.
     """
     indices = np.asarray(indices).astype(np.int64).reshape(-1)
     if indices.size and (indices.min() < 0 or indices.max() >= self.num_images):
       raise IndexError(f"buffer indices must lie in [0, {self.num_images})")
+    if valid is not None and np.shape(valid) != indices.shape:
+      raise ValueError(f"valid {np.shape(valid)} does not match indices {indices.shape}")
     batch = {}
+    if self.by_reference:
+      if self.images is None:
+        raise ValueError(
+          "this replay store keeps its images by reference: load it with the pre-training "
+          "source it was built from (ReplayStore.load(path, source=...))"
+        )
+      batch["images"] = self.images(indices)
     for k, v in self.examples.items():
+      if k == "source_index":
+        continue
       x = np.asarray(v[indices])
       if k == "images" and x.dtype == np.uint8:
         x = x.astype(np.float32) / np.float32(255.0)
@@ -221,10 +289,7 @@ class ReplayStore:
     if "example_mask" in batch:
       mask &= batch["example_mask"].astype(bool)
     if valid is not None:
-      valid = np.asarray(valid, bool)
-      if valid.shape != indices.shape:
-        raise ValueError(f"valid {valid.shape} does not match indices {indices.shape}")
-      mask &= valid
+      mask &= np.asarray(valid, bool)
     batch["example_mask"] = mask
     batch["buffer_index"] = indices.astype(np.int32)
     return batch
@@ -253,22 +318,46 @@ class ReplayStore:
           np.save(f, array, allow_pickle=False)
           f.flush()
           os.fsync(f.fileno())
-      write_meta(tmp, self._class_names, self.logits_dtype, self.pad_logit, dtypes)
+      write_meta(
+        tmp, self._class_names, self.logits_dtype, self.pad_logit, dtypes, self.image_reference
+      )
 
   @classmethod
-  def load(cls, path: str, mmap: bool = True) -> ReplayStore:
-    """Reads a store written by `save`.
+  def load(
+    cls,
+    path: str,
+    mmap: bool = True,
+    *,
+    source: Any = None,
+    image_cache: str | None = None,
+    decode_threads: int = 4,
+  ) -> ReplayStore:
+    """Reads a store written by `save` (or the builder), of format 1 or 2.
+
+    A store of images by reference decodes them from `source` at gather time; a store of
+    pixels (format 1, written before images were kept by reference) keeps working from its
+    pixels, which one log line says (delete it to rebuild it by reference: the rebuild is a
+    pass over the pre-training set, so it is not forced).
 
     Args:
       path: the store directory.
       mmap: memory-map the arrays (read lazily by `gather`); False loads them into RAM.
+      source: the pre-training source the store was built from (`len`, `load(i)`); needed by
+        `gather` of a store by reference (None: its arrays are readable, gather refuses).
+      image_cache: root folder of the optional uint8 image cache on local disk
+        (`replay.image_cache`, `images_lib.ImageCache`); None: decode at every gather.
+      decode_threads: threads decoding the images of one gather.
     Raises:
-      FileNotFoundError: no store at path. ValueError: unsupported format version.
+      FileNotFoundError: no store at path. ValueError: unsupported format version; a source
+      with fewer images than the store's indices.
     """
     with open(os.path.join(path, "meta.json")) as f:
       meta = json.load(f)
-    if meta.get("format_version") != FORMAT_VERSION:
-      raise ValueError(f"unsupported replay store format {meta.get('format_version')}")
+    if meta.get("format_version") not in READABLE_FORMATS:
+      raise ValueError(
+        f"{path}: unsupported replay store format {meta.get('format_version')} "
+        f"(this version reads {list(READABLE_FORMATS)})"
+      )
     arrays = {}
     for name, dtype in meta["arrays"].items():
       array = np.load(
@@ -279,6 +368,27 @@ class ReplayStore:
       arrays[name] = array
     examples = {k[len("examples.") :]: v for k, v in arrays.items() if k.startswith("examples.")}
     buffer = {k[len("buffer.") :]: v for k, v in arrays.items() if k.startswith("buffer.")}
+    reference = meta.get("images")
+    images = None
+    if reference is None and meta["format_version"] == 1:
+      logging.info(
+        "replay store %s holds its images' pixels (%.2f GB, written before images were kept by "
+        "reference): replay reads them; delete the folder to rebuild it by reference",
+        path,
+        arrays["examples.images"].nbytes / 1e9,
+      )
+    if reference is not None and source is not None:
+      images = images_lib.BufferImages(
+        source,
+        examples["source_index"],
+        examples["image_id"],
+        image_size=reference["image_size"],
+        pad_value=reference["pad_value"],
+        squash=reference["squash"],
+        cache_dir=image_cache,
+        cache_key=images_lib.cache_key(reference, examples["source_index"], examples["image_id"]),
+        num_threads=decode_threads,
+      )
     return cls(
       examples,
       arrays["stored_logits"],
@@ -287,6 +397,8 @@ class ReplayStore:
       logits_dtype=meta["logits_dtype"],
       pad_logit=meta["pad_logit"],
       logits_encoded=True,
+      image_reference=reference,
+      images=images,
     )
 
 
@@ -297,6 +409,7 @@ def write_meta(
   logits_dtype: str,
   pad_logit: float,
   arrays: Mapping[str, str],
+  image_reference: Mapping[str, Any] | None = None,
 ) -> None:
   """Writes (fsynced) the `meta.json` that makes `folder` a store `ReplayStore.load` reads.
 
@@ -307,6 +420,8 @@ def write_meta(
     pad_logit: the model's padded-query logit.
     arrays: array name (`examples.<key>`, `stored_logits`, `buffer.<key>`) -> dtype name
       ('bfloat16' for arrays saved as their uint16 bit pattern).
+    image_reference: images by reference: IMAGE_REFERENCE_FIELDS (S, pad value, squash, build
+      key); None for a store of pixels.
   """
   meta = dict(
     format_version=FORMAT_VERSION,
@@ -315,6 +430,8 @@ def write_meta(
     pad_logit=float(pad_logit),
     arrays=dict(arrays),
   )
+  if image_reference is not None:
+    meta["images"] = dict(image_reference)
   with open(os.path.join(folder, "meta.json"), "w") as f:
     json.dump(meta, f, indent=1)
     f.flush()

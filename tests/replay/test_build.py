@@ -5,7 +5,10 @@ every image preprocessed and analysed at once, then selected), and a build kille
 (SIGKILL of a subprocess, or an exception at a chunk boundary) against an uninterrupted one.
 """
 
+import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,7 +156,7 @@ def _reference(examples, a, o):
     top_class=a["top_class"][keep],
     top_query=a["top_query"][keep],
     image_features=a["image_features"][keep],
-    examples={k: examples[k][keep] for k in build_lib.STORED_EXAMPLE_KEYS},
+    examples={k: examples[k][keep] for k in build_lib.EXAMPLE_KEYS + ("image_id",)},
   )
 
 
@@ -180,15 +183,22 @@ def test_streaming_build_equals_in_memory_reference(setup, analysis, tmp_path, c
   options = _options(options, loss_threshold=threshold, min_per_class=3, **changes)
   ref = _reference(examples, analysis, options)
   stats = build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **options)
-  store = store_lib.ReplayStore.load(str(tmp_path / "s"))
+  store = store_lib.ReplayStore.load(str(tmp_path / "s"), source=source)
   assert 0 < stats["kept_below_threshold"] < stats["images_kept"] < len(source)
   assert not os.path.exists(str(tmp_path / "s.build"))
-  # Same images, in index order.
+  # Same images, in index order, kept by reference (no pixels in the store).
+  assert store.by_reference and "images" not in store.examples
+  np.testing.assert_array_equal(store.examples["source_index"], ref["keep"])
   np.testing.assert_array_equal(
     store.examples["image_id"], ref["examples"]["image_id"].astype(np.int64)
   )
-  for k in build_lib.EXAMPLE_KEYS:
+  for k in store_lib.TARGET_KEYS:
     np.testing.assert_array_equal(store.examples[k], ref["examples"][k], err_msg=k)
+  # Gathered images are decoded again, bit for bit the images the forward saw.
+  gathered = store.gather(np.arange(store.num_images))
+  for k in build_lib.EXAMPLE_KEYS + ("image_id",):
+    assert gathered[k].dtype == ref["examples"][k].dtype, k
+    np.testing.assert_array_equal(gathered[k], ref["examples"][k], err_msg=k)
   b = store.buffer_arrays
   np.testing.assert_array_equal(b["class_membership"], ref["membership"])
   # Unit-norm class embeddings (|x| <= 1): float32 sums in another order differ by ~1e-7.
@@ -208,8 +218,7 @@ def test_streaming_build_equals_in_memory_reference(setup, analysis, tmp_path, c
   expected = store_lib.decode_logits(
     store_lib.encode_logits(ref["logits"], ref["examples"]["queries"]), ref["examples"]["queries"]
   )
-  got = store.gather(np.arange(store.num_images))["stored_logits"]
-  np.testing.assert_allclose(got, expected, rtol=2**-10, atol=1e-3)
+  np.testing.assert_allclose(gathered["stored_logits"], expected, rtol=2**-10, atol=1e-3)
 
 
 def _arrays(path):
@@ -332,6 +341,65 @@ def test_build_folder_of_other_settings_is_restarted(setup, tmp_path):
   assert store_lib.ReplayStore.load(path).num_images == stats["images_kept"] < len(source)
   build_lib.build_store(detector.model, params, source, str(tmp_path / "fresh"), **changed)
   _assert_same_store(str(tmp_path / "fresh"), path)
+
+
+def _as_previous_version(path, dest, images):
+  """A copy of the store at `path` as the previous version wrote it: format 1, the images'
+  pixels `images` float32 [N, S, S, 3] in `examples.images`, no source indices."""
+  shutil.copytree(path, dest)
+  os.remove(os.path.join(dest, "examples.source_index.npy"))
+  np.save(os.path.join(dest, "examples.images.npy"), images)
+  with open(os.path.join(dest, "meta.json")) as f:
+    meta = json.load(f)
+  del meta["images"], meta["arrays"]["examples.source_index"]
+  meta.update(format_version=1, arrays={"examples.images": "float32", **meta["arrays"]})
+  with open(os.path.join(dest, "meta.json"), "w") as f:
+    json.dump(meta, f)
+
+
+def test_store_by_reference_gathers_what_the_pixel_store_did(
+  setup, analysis, whole, tmp_path, caplog
+):
+  """The store by reference gathers the batches a store of the previous version (pixels)
+  gathers for the same buffer, and such a store still loads and gathers, with one log line."""
+  source = setup[2]
+  examples, _ = analysis
+  store = store_lib.ReplayStore.load(whole, source=source)
+  kept = np.asarray(store.examples["source_index"])
+  # The previous builder stored exactly the training examples' float32 images.
+  _as_previous_version(whole, str(tmp_path / "old"), examples["images"][kept])
+  with caplog.at_level(logging.INFO):
+    old = store_lib.ReplayStore.load(str(tmp_path / "old"), source=source)
+  lines = [r for r in caplog.records if "holds its images' pixels" in r.getMessage()]
+  assert len(lines) == 1 and not old.by_reference
+  indices = np.array([5, 0, 5, store.num_images - 1, 17])
+  valid = np.array([True, True, False, True, True])
+  a, b = store.gather(indices, valid), old.gather(indices, valid)
+  assert (
+    a.keys()
+    == b.keys()
+    == set(build_lib.EXAMPLE_KEYS)
+    | {
+      "image_id",
+      "stored_logits",
+      "example_mask",
+      "buffer_index",
+    }
+  )
+  for k in a:
+    assert a[k].dtype == b[k].dtype, k
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  # Without its source, a store by reference reads but refuses to gather, saying why.
+  with pytest.raises(ValueError, match="by reference"):
+    store_lib.ReplayStore.load(whole).gather([0])
+
+
+def test_augmented_buffer_examples_are_refused_before_any_work(setup, tmp_path):
+  detector, params, source, options = setup
+  augmented = {**options, "example_options": {**options["example_options"], "hflip": True}}
+  with pytest.raises(ValueError, match="hflip"):
+    build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **augmented)
+  assert not os.listdir(tmp_path)
 
 
 def test_unknown_logits_dtype_is_refused_before_any_work(setup, tmp_path):
