@@ -85,8 +85,31 @@ def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
   return run_id
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+  """{'a.b': v} of a nested dict (config JSON); an empty dict stays one leaf."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict) and v:
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _default_config_json() -> dict:
+  """configs/base.py's config as JSON: the defaults every config field starts from."""
+  from configs import base  # pylint: disable=g-import-not-at-top
+
+  return json.loads(base.get_config("").to_json_best_effort())
+
+
 def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None:
   """The `workdir/run.json` record of a run of `config` (None: no run yet). Writes nothing.
+
+  A field that did not exist when the run began (absent from its `run.json`) is accepted at
+  its default (configs/base.py): fields are added with defaults that keep earlier results
+  (docs/architecture.md "Principles"), so the run goes on as it began; any other difference
+  is refused.
 
   Raises:
     ConfigError: the workdir holds a run of another config (it would be overwritten).
@@ -98,15 +121,21 @@ def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None
   with open(run_file) as f:
     existing = json.load(f)
   if existing.get("config") != config_json:
+    old, new = _flat(existing.get("config") or {}), _flat(config_json)
+    defaults = _flat(_default_config_json())
+    missing = object()
     changed = sorted(
       k
-      for k in set(existing.get("config", {})) | set(config_json)
-      if existing.get("config", {}).get(k) != config_json.get(k)
+      for k in set(old) | set(new)
+      if old.get(k, missing) != new.get(k, missing)
+      and not (k not in old and k in defaults and new.get(k) == defaults[k])
     )
-    raise ConfigError(
-      f"workdir {workdir} holds a run of a different config (differing fields: "
-      f"{changed}); use another --workdir or the same config to resume it"
-    )
+    if changed:
+      raise ConfigError(
+        f"workdir {workdir} holds a run of a different config (differing fields: "
+        f"{changed}); use another --workdir or the same config to resume it"
+      )
+    logging.info("run.json predates config fields now at their defaults; resuming the run")
   return existing
 
 

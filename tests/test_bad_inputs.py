@@ -696,6 +696,20 @@ def test_workdir_of_another_seed_is_refused_unchanged(tmp_path, workdir, capsys)
   assert f"workdir {workdir} holds a run of a different config (differing fields: ['seed'])" in err
 
 
+def test_run_begun_before_a_config_field_existed_resumes_at_its_default(tmp_path, workdir):
+  # run.json of a run begun before `replay.image_cache` existed: resumed while the field is
+  # at its default (None), refused, naming it, once it is set.
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  older = json.loads(config.to_json_best_effort())
+  del older["replay"]["image_cache"]
+  with open(os.path.join(workdir, "run.json"), "w") as f:
+    json.dump({"run_id": "abc", "config": older}, f)
+  assert experiment.existing_run(workdir, config)["run_id"] == "abc"
+  config.replay.image_cache = str(tmp_path / "images")
+  with pytest.raises(ConfigError, match=r"differing fields: \['replay.image_cache'\]"):
+    experiment.existing_run(workdir, config)
+
+
 @pytest.mark.parametrize("run_json", [False, True])
 def test_workdir_with_another_runs_results_is_refused(run_json, tmp_path, workdir, capsys):
   config = tiny_config("swil", str(tmp_path / "cache"))
