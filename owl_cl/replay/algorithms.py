@@ -55,6 +55,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from owl_cl.replay import asv_left
 from owl_cl.replay import class_selection
 from owl_cl.replay import dedup as dedup_lib
 from owl_cl.replay import knn_shapley
@@ -318,9 +319,15 @@ class _AlgorithmBase:
     rstate = dedup_lib.reset_after_call(rstate, self.dedup)
     return indices, valid, rstate, records
 
-  def prepare(self, rstate: ReplayState, buffer: ReplayBuffer) -> ReplayState:
-    """Once-per-buffer state (ASER-PC's left term); identity for most algorithms."""
-    del buffer
+  def prepare(
+    self, rstate: ReplayState, buffer: ReplayBuffer, *, mesh=None, cache_prefix=None
+  ) -> ReplayState:
+    """Once-per-buffer state (ASER-PC's left term); identity for most algorithms.
+
+    `mesh` (the device mesh the work is split over) and `cache_prefix` (the cached replay
+    store's folder, next to which such state is cached) serve `AsvAlgorithm.prepare`.
+    """
+    del buffer, mesh, cache_prefix
     return rstate
 
 
@@ -660,10 +667,22 @@ class AsvAlgorithm(_AlgorithmBase):
       num_classes=self.tknn_num_classes,
     )
 
-  def prepare(self, rstate: ReplayState, buffer: ReplayBuffer) -> ReplayState:
+  def left_term_options(self) -> dict:
+    """What the precomputed left term depends on besides the buffer (its cache key's
+    material, `asv_left.left_term_options`)."""
+    return asv_left.left_term_options(
+      self.knn_k, features=self.asv_features, **self._shapley_options()
+    )
+
+  def prepare(
+    self, rstate: ReplayState, buffer: ReplayBuffer, *, mesh=None, cache_prefix=None
+  ) -> ReplayState:
     """Fills `asv_left`/`asv_left_min` over the whole buffer once (precomputed variants).
 
-    Host-side (not jitted as a whole; the chunks are). A no-op when already
+    Host-side loop over jitted chunks sharded over `mesh` (`asv_left.compute_left_term`;
+    None: the mesh the buffer is replicated on, else one device). With `cache_prefix` (the
+    cached replay store's folder) the result is cached next to the store and the computation
+    resumes after an interruption (`asv_left.cached_left_term`). A no-op when already
     `asv_left_ready` (e.g. restored from a checkpoint), for ASER, or without the left term
     (`asv_left_term=False`).
     """
@@ -673,14 +692,17 @@ class AsvAlgorithm(_AlgorithmBase):
       or bool(fetch_replicated(rstate.asv_left_ready))
     ):
       return rstate
-    left, left_min = knn_shapley.precompute_left_term(
-      self._distance_tokens(buffer),
-      buffer.query_embeddings,
-      self.knn_k,
-      chunk_size=self.asv_chunk_size,
-      **self._shapley_options(),
+    arguments = (self._distance_tokens(buffer), buffer.query_embeddings, self.left_term_options())
+    settings = dict(mesh=mesh, chunk_size=self.asv_chunk_size)
+    if cache_prefix is None:
+      left, left_min = asv_left.compute_left_term(*arguments, **settings)
+    else:
+      left, left_min = asv_left.cached_left_term(cache_prefix, *arguments, **settings)
+    return rstate.replace(
+      asv_left=jnp.asarray(left),
+      asv_left_min=jnp.asarray(left_min),
+      asv_left_ready=jnp.ones((), bool),
     )
-    return rstate.replace(asv_left=left, asv_left_min=left_min, asv_left_ready=jnp.ones((), bool))
 
   def _select(
     self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active

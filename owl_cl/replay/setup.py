@@ -381,9 +381,15 @@ class Replay:
     )
 
   def prepare(self, loop):
-    """Puts the buffer on the devices and lets the algorithm prepare its state (prototypes)."""
+    """Puts the buffer on the devices and lets the algorithm prepare its state (ASER-PC's left
+    term: sharded over the mesh, cached next to a cached store, `asv_left`)."""
     self.buffer = sharding_lib.replicate(self.store.replay_buffer(), self.detector.mesh)
-    loop.replay_state = self.algorithm.prepare(loop.replay_state, self.buffer)
+    loop.replay_state = self.algorithm.prepare(
+      loop.replay_state,
+      self.buffer,
+      mesh=self.detector.mesh,
+      cache_prefix=getattr(self.store, "path", None),
+    )
     return loop
 
   def _features(self, params, inputs) -> tuple[dict, Any]:

@@ -216,6 +216,9 @@ class ReplayStore:
     self._class_names = tuple(str(c) for c in class_names)
     if len(self._class_names) != membership.shape[1]:
       raise ValueError(f"{len(self._class_names)} class names for C={membership.shape[1]}")
+    # The folder the store was loaded from (`load`); None for a store built in memory. Once-
+    # per-buffer results (ASER-PC's left term) are cached next to it.
+    self.path: str | None = None
 
   @property
   def num_images(self) -> int:
@@ -389,7 +392,7 @@ class ReplayStore:
         cache_key=images_lib.cache_key(reference, examples["source_index"], examples["image_id"]),
         num_threads=decode_threads,
       )
-    return cls(
+    store = cls(
       examples,
       arrays["stored_logits"],
       buffer,
@@ -400,6 +403,8 @@ class ReplayStore:
       image_reference=reference,
       images=images,
     )
+    store.path = os.path.abspath(path)
+    return store
 
 
 # --------------------------------------------------------------------- writing in chunks

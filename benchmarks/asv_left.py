@@ -1,0 +1,242 @@
+"""ASER-PC's left term at scale: measured on this machine, projected to the paper's buffer.
+
+Times `owl_cl.replay.asv_left.compute_left_term` (what a run uses: jitted chunks of evaluation
+images sharded over the mesh, each committed to a progress folder) on synthetic top-k tokens
+(unit-norm random class and query embeddings, [N, k, E]; the time does not depend on their
+values):
+
+  * the whole left term of --num-images images (default 5,000: N*k = 40,000 tokens), chunks
+    of --chunk images: the first chunk (compilation included), the median of the others,
+    the total with the commits;
+  * one chunk of --full-chunk images against the paper's whole buffer (--full-images 54,226:
+    N*k = 433,808 candidate tokens), run twice (compilation, then timed). Above 46,340
+    candidate tokens the KNN-SV's sort changes from two packed int32 sorts to one generic
+    three-operand sort (`knn_shapley._sort_order`), so the small run alone under-predicts.
+
+Projection. All-to-all, each of the N*k evaluation tokens is scored against all N*k candidate
+tokens (a distance, a sort and a scan of N*k entries), so
+    T(N) = T(N0) * (N / N0)^2            (quadratic in N*k; the sort adds a log(N k) factor:
+                                           x log(N k) / log(N0 k) as an upper bound)
+on the same sort path; the direct estimate is T(N) = t_chunk(N, c) * ceil(N / c) from the
+full-size chunk. On D devices every chunk's rows split D ways and the devices exchange only
+the chunk's [N] sums and minima (psum / pmin, 8 bytes per image), so T_D = T_1 / D for D equal
+devices (not measurable here: host devices share the same CPU cores).
+
+Usage:
+  nice -n 10 python benchmarks/asv_left.py [--num-images 5000] [--chunk 64] [--full-chunk 8]
+    [--skip-full] [--out benchmarks/results]
+
+Writes `<out>/asv_left.json` and `<out>/asv_left.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from owl_cl import utils  # noqa: E402
+from owl_cl.replay import asv_left  # noqa: E402
+from owl_cl.replay import knn_shapley  # noqa: E402
+from owl_cl.train import sharding  # noqa: E402
+
+PAPER_IMAGES = 54_226  # the released buffer (docs/reference.md §6)
+PAPER_DEVICES = 8  # one node of 8 A100s (docs/reference.md §11)
+
+
+def synthetic_tokens(n: int, k: int, e: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Unit-norm random class and query embeddings float32 [n, k, e] each."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(2):
+    x = rng.standard_normal((n, k, e), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=-1, keepdims=True)
+    out.append(x)
+  return out[0], out[1]
+
+
+def run_whole(n: int, k: int, e: int, chunk: int, options: dict, mesh) -> dict:
+  """The whole left term of n images; per-chunk wall times from the chunk hook."""
+  class_tokens, query_embeddings = synthetic_tokens(n, k, e)
+  stamps = [time.perf_counter()]
+  with tempfile.TemporaryDirectory() as folder:
+    asv_left.compute_left_term(
+      class_tokens,
+      query_embeddings,
+      options,
+      mesh=mesh,
+      chunk_size=chunk,
+      folder=os.path.join(folder, "left.build"),
+      chunk_hook=lambda c: stamps.append(time.perf_counter()),
+    )
+    end = time.perf_counter()
+  chunks = np.diff(stamps)
+  steady = float(statistics.median(chunks[1:])) if len(chunks) > 1 else float(chunks[0])
+  return dict(
+    images=n,
+    tokens=n * k,
+    chunk=chunk,
+    chunks=len(chunks),
+    first_chunk_s=float(chunks[0]),
+    median_chunk_s=steady,
+    compile_s=float(chunks[0]) - steady,
+    total_s=end - stamps[0],
+    steady_total_s=steady * len(chunks),
+  )
+
+
+def run_full_chunk(n: int, k: int, e: int, chunk: int, options: dict, mesh) -> dict:
+  """One chunk of `chunk` evaluation images against all n images (compiled, then timed)."""
+  class_tokens, query_embeddings = synthetic_tokens(n, k, e, seed=1)
+  tokens = sharding.replicate(class_tokens, mesh)
+  queries = sharding.replicate(query_embeddings, mesh)
+  del class_tokens, query_embeddings
+  function = asv_left._chunk_function(mesh, n, chunk, options)  # pylint: disable=protected-access
+  start = time.perf_counter()
+  jax.block_until_ready(function(np.int32(0), tokens, queries))
+  first = time.perf_counter() - start
+  start = time.perf_counter()
+  jax.block_until_ready(function(np.int32(chunk), tokens, queries))
+  steady = time.perf_counter() - start
+  return dict(
+    images=n,
+    tokens=n * k,
+    chunk=chunk,
+    first_chunk_s=first,
+    chunk_s=steady,
+    compile_s=first - steady,
+    generic_sort=n * k > knn_shapley.PACKED_SORT_MAX_CANDIDATES,
+  )
+
+
+def projections(whole: dict, full: dict | None, k: int) -> dict:
+  """Projected single-device and 8-device times of the paper's buffer (module docstring)."""
+  ratio = PAPER_IMAGES / whole["images"]
+  quadratic = whole["steady_total_s"] * ratio**2
+  log_factor = math.log(PAPER_IMAGES * k) / math.log(whole["tokens"])
+  out = dict(
+    from_small_quadratic_s=quadratic,
+    from_small_quadratic_log_s=quadratic * log_factor,
+    log_factor=log_factor,
+  )
+  if full is not None:
+    # t_chunk grows linearly with the candidates: scaled when the chunk was not of the paper's N.
+    out["from_full_chunk_s"] = (
+      full["chunk_s"] * math.ceil(PAPER_IMAGES / full["chunk"]) * PAPER_IMAGES / full["images"]
+    )
+  for name in list(out):
+    if name.endswith("_s"):
+      out[f"{name[:-2]}_{PAPER_DEVICES}_devices_s"] = out[name] / PAPER_DEVICES
+  return out
+
+
+def _hours(seconds: float) -> str:
+  return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def render_markdown(report: dict) -> str:
+  """The results as the README's table."""
+  w, f, p = report["whole"], report.get("full_chunk"), report["projection"]
+  lines = [
+    f"Device: {report['device']} x {report['devices']} ({report['backend']}), JAX "
+    f"{report['jax_version']}, {report['cpu_count']} CPU cores (load average "
+    f"{report['load_average']:.1f} at the start); k={report['k']}, E={report['embed']}, "
+    f"K={report['knn_k']}, all-to-all, L2.",
+    "",
+    "| What | measured | total |",
+    "|---|---|---|",
+    f"| left term, N={w['images']:,} (N*k={w['tokens']:,}), {w['chunks']} chunks of "
+    f"{w['chunk']} | first chunk {w['first_chunk_s']:.1f} s (compile {w['compile_s']:.1f} s), "
+    f"median chunk {w['median_chunk_s']:.2f} s | {_hours(w['total_s'])} |",
+  ]
+  if f is not None:
+    lines.append(
+      f"| one chunk of {f['chunk']} images against N={f['images']:,} (N*k={f['tokens']:,}, "
+      f"{'generic' if f['generic_sort'] else 'packed int32'} sort) | {f['chunk_s']:.1f} s "
+      f"(compile {f['compile_s']:.1f} s) | - |"
+    )
+  lines += [
+    f"| projection to N={PAPER_IMAGES:,}, 1 device: (N/{w['images']})^2 x measured total "
+    f"| x{(PAPER_IMAGES / w['images']) ** 2:.1f} | {_hours(p['from_small_quadratic_s'])} |",
+    f"| same, with the sort's log(N k) factor (x{p['log_factor']:.2f}) | - "
+    f"| {_hours(p['from_small_quadratic_log_s'])} |",
+  ]
+  if "from_full_chunk_s" in p:
+    lines.append(
+      f"| projection to N={PAPER_IMAGES:,}, 1 device: full-size chunk x "
+      f"{math.ceil(PAPER_IMAGES / f['chunk'])} chunks | - | {_hours(p['from_full_chunk_s'])} |"
+    )
+  for name, label in (
+    ("from_small_quadratic", "quadratic"),
+    ("from_small_quadratic_log", "quadratic x log"),
+    ("from_full_chunk", "full-size chunk"),
+  ):
+    key = f"{name}_{PAPER_DEVICES}_devices_s"
+    if key in p:
+      lines.append(
+        f"| projection to N={PAPER_IMAGES:,}, {PAPER_DEVICES} such devices ({label}) / "
+        f"{PAPER_DEVICES} | - | {_hours(p[key])} |"
+      )
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--num-images", type=int, default=5000)
+  parser.add_argument("--chunk", type=int, default=64, help="images per chunk (config 64)")
+  parser.add_argument("--k", type=int, default=8, help="top-k tokens per image")
+  parser.add_argument("--embed", type=int, default=768, help="embedding width E (L/14 768)")
+  parser.add_argument("--knn-k", type=int, default=20, help="K of the KNN-SV (paper 20)")
+  parser.add_argument("--full-images", type=int, default=PAPER_IMAGES)
+  parser.add_argument("--full-chunk", type=int, default=8)
+  parser.add_argument("--skip-full", action="store_true")
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = parser.parse_args(argv)
+  mesh = sharding.create_mesh()
+  options = asv_left.left_term_options(args.knn_k)
+  load = os.getloadavg()[0]
+  print(f"devices: {jax.devices()}; load average {load:.1f}", flush=True)
+  whole = run_whole(args.num_images, args.k, args.embed, args.chunk, options, mesh)
+  print(whole, flush=True)
+  full = None
+  if not args.skip_full:
+    full = run_full_chunk(args.full_images, args.k, args.embed, args.full_chunk, options, mesh)
+    print(full, flush=True)
+  device = jax.devices()[0]
+  report = dict(
+    device=getattr(device, "device_kind", str(device)),
+    devices=jax.device_count(),
+    backend=jax.default_backend(),
+    jax_version=jax.__version__,
+    host=platform.node(),
+    cpu_count=os.cpu_count(),
+    load_average=load,
+    k=args.k,
+    embed=args.embed,
+    knn_k=args.knn_k,
+    options=options,
+    whole=whole,
+    full_chunk=full,
+    projection=projections(whole, full, args.k),
+  )
+  stem = os.path.join(args.out, "asv_left")
+  utils.atomic_write_json(stem + ".json", report, indent=2)
+  text = render_markdown(report)
+  utils.atomic_write_text(stem + ".md", text)
+  print(text)
+  return report
+
+
+if __name__ == "__main__":
+  main()
