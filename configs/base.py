@@ -285,7 +285,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.aser.asv_token_matching = "all_to_all"  # paper | 'nearest_token' (released code)
   c.replay.aser.asv_distance = "l2"  # 'l2' (released code) | 'cosine'
   c.replay.aser.asv_weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
-  c.replay.aser.asv_chunk_size = 64  # images per chunk of the ASER-PC precomputation
+  # Images per chunk of the ASER-PC precomputation (rounded up to a multiple of the devices; the
+  # chunk's rows are split over them; memory per device ~10 float32 [chunk/devices*k, N*k]).
+  c.replay.aser.asv_chunk_size = 64
   # False: ASV = -(right term), no value-to-the-buffer term (released option no_buff=True).
   c.replay.aser.asv_left_term = True
   # Shapley value of both ASV terms: 'knn' (paper, released default) | 'tknn' (released option

@@ -63,6 +63,7 @@ from owl_cl.replay import sample_selection
 from owl_cl.replay.state import ReplayBuffer
 from owl_cl.replay.state import ReplayState
 from owl_cl.train.sharding import fetch_replicated
+from owl_cl.train.sharding import replicate
 
 Array = jax.Array
 
@@ -692,17 +693,17 @@ class AsvAlgorithm(_AlgorithmBase):
       or bool(fetch_replicated(rstate.asv_left_ready))
     ):
       return rstate
-    arguments = (self._distance_tokens(buffer), buffer.query_embeddings, self.left_term_options())
+    tokens = self._distance_tokens(buffer)
+    mesh = asv_left.mesh_of(tokens, mesh)
+    arguments = (tokens, buffer.query_embeddings, self.left_term_options())
     settings = dict(mesh=mesh, chunk_size=self.asv_chunk_size)
     if cache_prefix is None:
       left, left_min = asv_left.compute_left_term(*arguments, **settings)
     else:
       left, left_min = asv_left.cached_left_term(cache_prefix, *arguments, **settings)
-    return rstate.replace(
-      asv_left=jnp.asarray(left),
-      asv_left_min=jnp.asarray(left_min),
-      asv_left_ready=jnp.ones((), bool),
-    )
+    # Replicated on the mesh as the buffer (global arrays in a multi-process run).
+    left, left_min = replicate((jnp.asarray(left), jnp.asarray(left_min)), mesh)
+    return rstate.replace(asv_left=left, asv_left_min=left_min, asv_left_ready=jnp.ones((), bool))
 
   def _select(
     self, class_key, sample_key, rstate, buffer, features, eligible, class_eligible, active

@@ -183,8 +183,17 @@ class _ProgressFolder:
     )
 
 
-def _mesh_of(array, mesh):
-  """`mesh`, or the mesh `array` is placed on (a 1-device mesh for a single-device array)."""
+def mesh_of(array, mesh=None):
+  """The mesh the left term is computed on.
+
+  Args:
+    array: the buffer's tokens (NumPy or `jax.Array`).
+    mesh: a `jax.sharding.Mesh` with axis 'data', returned as it is; None: the mesh of
+      `array`'s `NamedSharding`, else a 1-device mesh (its first device, or the default).
+  Returns:
+    `jax.sharding.Mesh` (axis 'data', `sharding.create_mesh`).
+  Source: `owl_cl/train/sharding.py`.
+  """
   if mesh is not None:
     return mesh
   sharding = getattr(array, "sharding", None)
@@ -249,7 +258,7 @@ def compute_left_term(
     raise ValueError("ASER-PC left term: the buffer has no image")
   if int(chunk_size) < 1:
     raise ValueError(f"ASER-PC left term: chunk_size must be >= 1, got {chunk_size}")
-  mesh = _mesh_of(class_tokens, mesh)
+  mesh = mesh_of(class_tokens, mesh)
   devices = mesh.shape[sharding_lib.DATA_AXIS]
   chunk = -(-min(int(chunk_size), num_images) // devices) * devices
   num_chunks = -(-num_images // chunk)

@@ -357,6 +357,10 @@ def precompute_left_term(
 ) -> tuple[Array, Array]:
   """ASER-PC's precomputed ASV left term over the whole buffer (candidates = evaluation = buffer).
 
+  One jitted scan on one device, without progress or cache: the reference of
+  `owl_cl.replay.asv_left.compute_left_term`, which runs use (sharded over the devices,
+  resumable, cached next to the replay store).
+
   For evaluation images j in chunks of `chunk_size` (memory: chunk * t * N * t floats), the
   max-reduced image-level KNN-SVs s_j(i) of every buffer image i are computed
   (`image_knn_shapley`, reduction 'max'); their mean and min over j are accumulated.
