@@ -66,10 +66,19 @@ def synthetic_tokens(n: int, k: int, e: int, seed: int = 0) -> tuple[np.ndarray,
   return out[0], out[1]
 
 
+def _clocks() -> tuple[float, float]:
+  """(wall, this process's CPU time over all its threads) in seconds."""
+  return time.perf_counter(), time.process_time()
+
+
 def run_whole(n: int, k: int, e: int, chunk: int, options: dict, mesh) -> dict:
-  """The whole left term of n images; per-chunk wall times from the chunk hook."""
+  """The whole left term of n images; per-chunk wall and CPU times from the chunk hook.
+
+  CPU time (all threads of this process) is reported besides wall time: on a machine shared
+  with other jobs the wall time measures the contention as much as the computation.
+  """
   class_tokens, query_embeddings = synthetic_tokens(n, k, e)
-  stamps = [time.perf_counter()]
+  stamps = [_clocks()]
   with tempfile.TemporaryDirectory() as folder:
     asv_left.compute_left_term(
       class_tokens,
@@ -78,21 +87,24 @@ def run_whole(n: int, k: int, e: int, chunk: int, options: dict, mesh) -> dict:
       mesh=mesh,
       chunk_size=chunk,
       folder=os.path.join(folder, "left.build"),
-      chunk_hook=lambda c: stamps.append(time.perf_counter()),
+      chunk_hook=lambda c: stamps.append(_clocks()),
     )
-    end = time.perf_counter()
-  chunks = np.diff(stamps)
-  steady = float(statistics.median(chunks[1:])) if len(chunks) > 1 else float(chunks[0])
+    end = _clocks()
+  wall, cpu = (np.diff([s[i] for s in stamps]) for i in (0, 1))
+  median = lambda x: float(statistics.median(x[1:])) if len(x) > 1 else float(x[0])
   return dict(
     images=n,
     tokens=n * k,
     chunk=chunk,
-    chunks=len(chunks),
-    first_chunk_s=float(chunks[0]),
-    median_chunk_s=steady,
-    compile_s=float(chunks[0]) - steady,
-    total_s=end - stamps[0],
-    steady_total_s=steady * len(chunks),
+    chunks=len(wall),
+    first_chunk_s=float(wall[0]),
+    median_chunk_s=median(wall),
+    compile_s=float(wall[0]) - median(wall),
+    total_s=end[0] - stamps[0][0],
+    steady_total_s=median(wall) * len(wall),
+    median_chunk_cpu_s=median(cpu),
+    total_cpu_s=end[1] - stamps[0][1],
+    steady_total_cpu_s=median(cpu) * len(cpu),
   )
 
 
@@ -103,27 +115,29 @@ def run_full_chunk(n: int, k: int, e: int, chunk: int, options: dict, mesh) -> d
   queries = sharding.replicate(query_embeddings, mesh)
   del class_tokens, query_embeddings
   function = asv_left._chunk_function(mesh, n, chunk, options)  # pylint: disable=protected-access
-  start = time.perf_counter()
+  start = _clocks()
   jax.block_until_ready(function(np.int32(0), tokens, queries))
-  first = time.perf_counter() - start
-  start = time.perf_counter()
+  middle = _clocks()
   jax.block_until_ready(function(np.int32(chunk), tokens, queries))
-  steady = time.perf_counter() - start
+  end = _clocks()
   return dict(
     images=n,
     tokens=n * k,
     chunk=chunk,
-    first_chunk_s=first,
-    chunk_s=steady,
-    compile_s=first - steady,
+    first_chunk_s=middle[0] - start[0],
+    chunk_s=end[0] - middle[0],
+    chunk_cpu_s=end[1] - middle[1],
+    compile_s=(middle[0] - start[0]) - (end[0] - middle[0]),
     generic_sort=n * k > knn_shapley.PACKED_SORT_MAX_CANDIDATES,
   )
 
 
-def projections(whole: dict, full: dict | None, k: int) -> dict:
-  """Projected single-device and 8-device times of the paper's buffer (module docstring)."""
+def projections(whole: dict, full: dict | None, k: int, clock: str = "") -> dict:
+  """Projected single-device and 8-device times of the paper's buffer (module docstring), from
+  the wall times (`clock` '') or the CPU times ('cpu')."""
+  suffix = f"_{clock}_s" if clock else "_s"
   ratio = PAPER_IMAGES / whole["images"]
-  quadratic = whole["steady_total_s"] * ratio**2
+  quadratic = whole["steady_total" + suffix] * ratio**2
   log_factor = math.log(PAPER_IMAGES * k) / math.log(whole["tokens"])
   out = dict(
     from_small_quadratic_s=quadratic,
@@ -133,7 +147,10 @@ def projections(whole: dict, full: dict | None, k: int) -> dict:
   if full is not None:
     # t_chunk grows linearly with the candidates: scaled when the chunk was not of the paper's N.
     out["from_full_chunk_s"] = (
-      full["chunk_s"] * math.ceil(PAPER_IMAGES / full["chunk"]) * PAPER_IMAGES / full["images"]
+      full["chunk" + suffix]
+      * math.ceil(PAPER_IMAGES / full["chunk"])
+      * PAPER_IMAGES
+      / full["images"]
     )
   for name in list(out):
     if name.endswith("_s"):
@@ -142,51 +159,49 @@ def projections(whole: dict, full: dict | None, k: int) -> dict:
 
 
 def _hours(seconds: float) -> str:
+  if seconds < 60:
+    return f"{seconds:.1f} s"
   return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def render_markdown(report: dict) -> str:
-  """The results as the README's table."""
-  w, f, p = report["whole"], report.get("full_chunk"), report["projection"]
+  """The results as the README's table (wall time and CPU time side by side)."""
+  w, f = report["whole"], report.get("full_chunk")
+  p, q = report["projection"], report["projection_cpu"]
   lines = [
     f"Device: {report['device']} x {report['devices']} ({report['backend']}), JAX "
-    f"{report['jax_version']}, {report['cpu_count']} CPU cores (load average "
-    f"{report['load_average']:.1f} at the start); k={report['k']}, E={report['embed']}, "
-    f"K={report['knn_k']}, all-to-all, L2.",
+    f"{report['jax_version']}, {report['cpu_count']} CPU cores shared with other jobs (load "
+    f"average {report['load_average']:.1f} at the start, {report['load_average_end']:.1f} at "
+    f"the end); k={report['k']}, E={report['embed']}, K={report['knn_k']}, all-to-all, L2. "
+    "CPU = this process's CPU time over all its threads.",
     "",
-    "| What | measured | total |",
+    "| What | wall | CPU |",
     "|---|---|---|",
-    f"| left term, N={w['images']:,} (N*k={w['tokens']:,}), {w['chunks']} chunks of "
-    f"{w['chunk']} | first chunk {w['first_chunk_s']:.1f} s (compile {w['compile_s']:.1f} s), "
-    f"median chunk {w['median_chunk_s']:.2f} s | {_hours(w['total_s'])} |",
+    f"| N={w['images']:,} (N*k={w['tokens']:,}): first of {w['chunks']} chunks of {w['chunk']} "
+    f"images (compile {w['compile_s']:.1f} s) | {w['first_chunk_s']:.1f} s | - |",
+    f"| N={w['images']:,}: median chunk | {w['median_chunk_s']:.2f} s "
+    f"| {w['median_chunk_cpu_s']:.2f} s |",
+    f"| N={w['images']:,}: whole left term, with compile and commits | {_hours(w['total_s'])} "
+    f"| {_hours(w['total_cpu_s'])} |",
   ]
   if f is not None:
+    sort = "generic" if f["generic_sort"] else "packed int32"
     lines.append(
-      f"| one chunk of {f['chunk']} images against N={f['images']:,} (N*k={f['tokens']:,}, "
-      f"{'generic' if f['generic_sort'] else 'packed int32'} sort) | {f['chunk_s']:.1f} s "
-      f"(compile {f['compile_s']:.1f} s) | - |"
+      f"| N={f['images']:,} (N*k={f['tokens']:,}, {sort} sort): one chunk of {f['chunk']} "
+      f"images (compile {f['compile_s']:.1f} s) | {f['chunk_s']:.1f} s | {f['chunk_cpu_s']:.1f} s |"
     )
-  lines += [
-    f"| projection to N={PAPER_IMAGES:,}, 1 device: (N/{w['images']})^2 x measured total "
-    f"| x{(PAPER_IMAGES / w['images']) ** 2:.1f} | {_hours(p['from_small_quadratic_s'])} |",
-    f"| same, with the sort's log(N k) factor (x{p['log_factor']:.2f}) | - "
-    f"| {_hours(p['from_small_quadratic_log_s'])} |",
+  rows = [
+    ("from_small_quadratic", f"(N/{w['images']:,})^2 x {w['chunks']} median chunks"),
+    ("from_small_quadratic_log", f"same x log(N k) ratio {p['log_factor']:.2f}"),
   ]
-  if "from_full_chunk_s" in p:
-    lines.append(
-      f"| projection to N={PAPER_IMAGES:,}, 1 device: full-size chunk x "
-      f"{math.ceil(PAPER_IMAGES / f['chunk'])} chunks | - | {_hours(p['from_full_chunk_s'])} |"
-    )
-  for name, label in (
-    ("from_small_quadratic", "quadratic"),
-    ("from_small_quadratic_log", "quadratic x log"),
-    ("from_full_chunk", "full-size chunk"),
-  ):
-    key = f"{name}_{PAPER_DEVICES}_devices_s"
-    if key in p:
+  if f is not None:
+    rows.append(("from_full_chunk", f"full-size chunk x {math.ceil(PAPER_IMAGES / f['chunk'])}"))
+  for devices in (1, PAPER_DEVICES):
+    for name, label in rows:
+      key = f"{name}_s" if devices == 1 else f"{name}_{PAPER_DEVICES}_devices_s"
       lines.append(
-        f"| projection to N={PAPER_IMAGES:,}, {PAPER_DEVICES} such devices ({label}) / "
-        f"{PAPER_DEVICES} | - | {_hours(p[key])} |"
+        f"| projection, N={PAPER_IMAGES:,}, {devices} device{'s' * (devices > 1)}: {label}"
+        f"{f' / {devices}' if devices > 1 else ''} | {_hours(p[key])} | {_hours(q[key])} |"
       )
   return "\n".join(lines) + "\n"
 
@@ -229,6 +244,8 @@ def main(argv=None):
     whole=whole,
     full_chunk=full,
     projection=projections(whole, full, args.k),
+    projection_cpu=projections(whole, full, args.k, "cpu"),
+    load_average_end=os.getloadavg()[0],
   )
   stem = os.path.join(args.out, "asv_left")
   utils.atomic_write_json(stem + ".json", report, indent=2)

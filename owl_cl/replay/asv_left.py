@@ -230,8 +230,9 @@ def compute_left_term(
       (chunk / devices) * t x N * t.
     folder: the progress folder (None: nothing written, nothing resumed). Every chunk
       commits to it; a later call with the same folder and the same inputs' shapes, options,
-      chunk and device count resumes after its last committed chunk (the result is bit for
-      bit that of an uninterrupted call). Only process 0 writes it.
+      chunk, device count and kind and JAX version resumes after its last committed chunk
+      (the result is bit for bit that of an uninterrupted call); otherwise the folder is
+      started afresh. Only process 0 writes it.
     key: what the computation is of (e.g. the cache key); a folder with another key is
       started afresh.
     progress: show a progress bar (images, rate, ETA) on process 0.
@@ -273,6 +274,9 @@ def compute_left_term(
       options=options,
       chunk=chunk,
       devices=devices,
+      # Bit-identical chunks need the same compiled code: another platform or JAX restarts.
+      platform=str(mesh.devices.flat[0].device_kind),
+      jax=jax.__version__,
     )
     committed = _ProgressFolder(folder, manifest)
   first, total, minimum = committed.state() if committed is not None else (0, None, None)
