@@ -374,6 +374,6 @@ def cached_left_term(
     logging.info(
       "ASER-PC left term of %d images: %.1f s, cached in %s", num_images, time.time() - start, path
     )
-  distributed.barrier("asv-left-cached")
+  distributed.barrier(f"asv-left-cached-{os.path.basename(path)}")
   loaded = load()
   return loaded
