@@ -86,6 +86,8 @@ def test_save_load_round_trip(tmp_path, dtype, mmap):
   assert sorted(p for p in os.listdir(tmp_path)) == ["buffer"]  # no temporaries left
   loaded = store_lib.ReplayStore.load(path, mmap=mmap)
   assert loaded.class_names == store.class_names and loaded.logits_dtype == dtype
+  # The folder it came from (ASER-PC's left term is cached next to it); None in memory.
+  assert loaded.path == os.path.abspath(path) and store.path is None
   idx = [4, 1, 1]
   a, b = store.gather(idx), loaded.gather(idx)
   assert a.keys() == b.keys()
