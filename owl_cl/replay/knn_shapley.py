@@ -189,26 +189,26 @@ def _sort_order(distances: Array, valid: Array) -> Array:
   sorted, and each candidate's rank r (number of strictly smaller keys in its row) is found
   by binary search; (2) r * N_c + index (distinct; < 2^31 for N_c <= 46,340) is sorted, which
   orders by rank and then by index, i.e. a stable sort by distance. Above
-  `PACKED_SORT_MAX_CANDIDATES` candidates (ASER-PC's whole-buffer precomputation) one
-  generic stable three-operand sort gives the same order.
+  `PACKED_SORT_MAX_CANDIDATES` candidates (ASER-PC's whole-buffer precomputation) the int32
+  keys are sorted once, stably, with the candidate index as a second operand (generic
+  comparator; 30% less time than a stable sort of (invalid, float distance, index): 5.4 vs
+  7.8 CPU-s for [64, 433,808] on the 2-core CPU), which gives the same order.
   """
   n_e, n_c = distances.shape
-  if n_c > PACKED_SORT_MAX_CANDIDATES:
-    # r * N_c + index would overflow int32: one generic stable sort (slower on CPU).
-    index = jax.lax.broadcasted_iota(jnp.int32, (n_e, n_c), 1)
-    invalid = jnp.broadcast_to((~valid).astype(jnp.int32)[None, :], (n_e, n_c))
-    return jax.lax.sort((invalid, distances, index), dimension=1, is_stable=True, num_keys=2)[2]
   # Valid distances are clipped to the largest finite float32 so that +inf (invalid) sorts
   # strictly after every valid candidate.
   finite_max = jnp.finfo(jnp.float32).max
   key = jnp.where(valid[None, :], jnp.minimum(distances, finite_max), jnp.inf)
   bits = jax.lax.bitcast_convert_type(key, jnp.int32)
   key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # float order as int32
+  index = jax.lax.broadcasted_iota(jnp.int32, (n_e, n_c), 1)
+  if n_c > PACKED_SORT_MAX_CANDIDATES:
+    # r * N_c + index would overflow int32: one stable two-operand sort (ties keep index order).
+    return jax.lax.sort((key, index), dimension=1, is_stable=True, num_keys=1)[1]
   sorted_key = jax.lax.sort(key, dimension=1)
   rank = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left", method="scan"))(
     sorted_key, key
   ).astype(jnp.int32)
-  index = jax.lax.broadcasted_iota(jnp.int32, (n_e, n_c), 1)
   return jax.lax.sort(rank * n_c + index, dimension=1) % n_c
 
 

@@ -95,8 +95,15 @@ def test_knn_shapley_generic_sort_path_matches_packed_sort(monkeypatch):
   u = rng.uniform(-1, 1, (6, 25)).astype(np.float32)
   valid = rng.random(25) < 0.7
   packed = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
+  packed_order = np.asarray(knn_shapley._sort_order(d, valid))
   monkeypatch.setattr(knn_shapley, "PACKED_SORT_MAX_CANDIDATES", 10)
   generic = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
+  # The same order, not only the same values: valid by distance then index, invalid last.
+  np.testing.assert_array_equal(np.asarray(knn_shapley._sort_order(d, valid)), packed_order)
+  key = np.where(valid, d, np.inf)
+  np.testing.assert_array_equal(
+    packed_order, np.stack([np.lexsort((np.arange(25), row)) for row in key])
+  )
   expected = np.stack([_recursion_reference(d[j], u[j], 4, valid) for j in range(6)])
   np.testing.assert_allclose(generic, expected, atol=1e-6)
   np.testing.assert_allclose(packed, expected, atol=1e-6)
