@@ -21,9 +21,9 @@ How it runs (`compute_left_term`):
   * with a progress folder, every chunk commits (one atomic, fsynced `state.npz`: chunks done,
     the running sum and min, so the sums never run ahead of the commit; as
     `replay/build.py`'s passes). A computation killed at any point resumes from its last
-    committed chunk, bit for bit the result of an uninterrupted one (same chunks, same device
-    count; a folder of another shape, option set, chunk size or device count is started
-    afresh).
+    committed chunk, bit for bit the result of an uninterrupted one (same chunks, devices and
+    compiled code: a folder of another shape, option set, chunk size, device count or kind,
+    or JAX version is started afresh).
 
 `cached_left_term` keeps the result in `<prefix>.asv_left-<digest of the options>.npz`, the
 prefix being the cached replay store's folder (its cache key), written atomically and loaded
