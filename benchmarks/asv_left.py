@@ -186,7 +186,7 @@ def render_markdown(report: dict) -> str:
     f"| {_hours(w['total_cpu_s'])} |",
   ]
   if f is not None:
-    sort = "generic" if f["generic_sort"] else "packed int32"
+    sort = "stable two-operand" if f["generic_sort"] else "packed int32"
     lines.append(
       f"| N={f['images']:,} (N*k={f['tokens']:,}, {sort} sort): one chunk of {f['chunk']} "
       f"images (compile {f['compile_s']:.1f} s) | {f['chunk_s']:.1f} s | {f['chunk_cpu_s']:.1f} s |"
