@@ -9,36 +9,33 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from owl_cl.replay import class_index as class_index_lib
 
 Array = jax.Array
 
 
-def class_eligibility(class_membership: Array, eligible_images: Array) -> Array:
+def class_eligibility(class_index, eligible_images: Array) -> Array:
   """Classes that still have at least one eligible image.
 
   Args:
-    class_membership: bool [N, C].
+    class_index: `class_index.ClassIndex` (`ReplayBuffer.class_index`), or a concrete bool
+      [N, C] membership (the index is then built on the host).
     eligible_images: bool [N] (e.g. `dedup.eligible_images`).
   Returns:
     bool [C]: class_eligible[c] = any_i(class_membership[i, c] and eligible_images[i]).
+  Cost: one O(P) pass (P ~ memberships + N, `class_index.pools`), not O(N * C).
   Source: docs/reference.md §7 ("classes with no eligible image get probability 0" / are skipped).
   """
-  membership = jnp.asarray(class_membership, bool)
-  return jnp.any(membership & jnp.asarray(eligible_images, bool)[:, None], axis=0)
-
-
-def _pick_uniform(key: Array, candidates: Array) -> tuple[Array, Array]:
-  """Exactly uniform choice of one True entry of bool [N]: (index int32 [], found bool [])."""
-  count = jnp.sum(candidates, dtype=jnp.int32)
-  r = jax.random.randint(key, (), 0, jnp.maximum(count, 1))
-  index = jnp.argmax(jnp.cumsum(candidates, dtype=jnp.int32) > r).astype(jnp.int32)
-  found = count > 0
-  return jnp.where(found, index, 0), found
+  return class_index_lib.class_eligibility(
+    class_index_lib.as_class_index(class_index), eligible_images
+  )
 
 
 def uniform_in_class(
   key: Array,
-  class_membership: Array,
+  class_index,
   eligible: Array,
   classes: Array,
   without_replacement: bool = True,
@@ -52,9 +49,14 @@ def uniform_in_class(
   among *all* eligible images of any class; if nothing is eligible at all the slot is invalid
   (index 0, valid False).
 
+  Slot j draws r = randint(key_j, 0, count) and takes the r-th available candidate in
+  ascending image order, found through the member index in O(sqrt N) per slot
+  (`class_index.rth_available`; one O(P) pass per call builds the availability).
+
   Args:
     key: PRNG key.
-    class_membership: bool [N, C].
+    class_index: `class_index.ClassIndex` (`ReplayBuffer.class_index`), or a concrete bool
+      [N, C] membership (indexed on the host; not under jit).
     eligible: bool [N]; eligible images at the start of the call.
     classes: int [B]; class of each slot (-1 = none: fall back to any eligible image).
     without_replacement: static; True = mark as you go (use when dedup is active).
@@ -63,22 +65,15 @@ def uniform_in_class(
     valid: bool [B].
   Source: paper §4 "Uniform", docs/reference.md §7.
   """
-  membership = jnp.asarray(class_membership, bool)
   classes = jnp.asarray(classes, jnp.int32)
-  keys = jax.random.split(key, classes.shape[0])
-
-  def step(available, inputs):
-    k, c = inputs
-    column = jnp.take(membership, jnp.maximum(c, 0), axis=1)
-    members = (column & available) & (c >= 0)
-    candidates = jnp.where(members.any(), members, available)
-    index, found = _pick_uniform(k, candidates)
-    if without_replacement:
-      available = available.at[index].set(available[index] & ~found)
-    return available, (index, found)
-
-  _, (indices, valid) = jax.lax.scan(step, jnp.asarray(eligible, bool), (keys, classes))
-  return indices, valid
+  return uniform_in_class_active(
+    key,
+    class_index,
+    eligible,
+    classes,
+    jnp.ones(classes.shape, bool),
+    without_replacement=without_replacement,
+  )
 
 
 def _gumbel_top_k(key: Array, eligible: Array, num: int) -> Array:
@@ -123,7 +118,7 @@ def uniform(key: Array, eligible: Array, num: int) -> tuple[Array, Array]:
 
 def uniform_in_class_active(
   key: Array,
-  class_membership: Array,
+  class_index,
   eligible: Array,
   classes: Array,
   active: Array,
@@ -133,7 +128,7 @@ def uniform_in_class_active(
   """`uniform_in_class` with a slot mask: inactive slots pick nothing (valid False).
 
   Args:
-    key, class_membership, eligible, classes, without_replacement: as `uniform_in_class`.
+    key, class_index, eligible, classes, without_replacement: as `uniform_in_class`.
     active: bool [B]; inactive slots return index 0, valid False and remove nothing from the
       eligible set.
     fallback: static; True: a slot whose class has no eligible member left draws among all
@@ -141,27 +136,35 @@ def uniform_in_class_active(
       per-image candidate subsets stop at an exhausted class).
   Returns:
     indices int32 [B], valid bool [B].
+  Cost: one O(P) pass per call, then O(class_blocks + b) per slot (b ~ sqrt N); the draws
+    (key_j = split(key, B)[j], r = randint(key_j, 0, count)) are those of a scan over the
+    membership column, image for image.
   Source: paper §4 "Uniform", docs/reference.md §7, §9 (slot mask for loss adaptivity).
   """
-  membership = jnp.asarray(class_membership, bool)
+  index = class_index_lib.as_class_index(class_index)
   classes = jnp.asarray(classes, jnp.int32)
   active = jnp.asarray(active, bool)
   keys = jax.random.split(key, classes.shape[0])
+  pool = class_index_lib.pools(index, eligible)
 
-  def step(available, inputs):
+  def step(pool, inputs):
     k, c, on = inputs
-    column = jnp.take(membership, jnp.maximum(c, 0), axis=1)
-    members = (column & available) & (c >= 0)
+    in_class = jnp.where(c >= 0, class_index_lib.segment_count(index, pool, jnp.maximum(c, 0)), 0)
+    use_class = in_class > 0
     if fallback:
-      candidates = jnp.where(members.any(), members, available) & on
+      count = jnp.where(use_class, in_class, class_index_lib.all_images_count(index, pool))
     else:
-      candidates = members & on
-    index, found = _pick_uniform(k, candidates)
+      count = in_class
+    count = jnp.where(on, count, 0)
+    r = jax.random.randint(k, (), 0, jnp.maximum(count, 1))
+    found = count > 0
+    image = class_index_lib.rth_available(index, pool, c, use_class, r)
+    image = jnp.where(found, image, 0)
     if without_replacement:
-      available = available.at[index].set(available[index] & ~found)
-    return available, (index, found)
+      pool = class_index_lib.remove_image(index, pool, image, found)
+    return pool, (image, found)
 
-  _, (indices, valid) = jax.lax.scan(step, jnp.asarray(eligible, bool), (keys, classes, active))
+  _, (indices, valid) = jax.lax.scan(step, pool, (keys, classes, active))
   return indices, valid
 
 
@@ -221,7 +224,7 @@ def prototype_weighted_probs(distances: Array, eligible: Array, w) -> Array:
 
 def prototype_weighted_in_class(
   key: Array,
-  prototype_distances: Array,
+  class_index,
   eligible: Array,
   classes: Array,
   weights: Array,
@@ -238,9 +241,15 @@ def prototype_weighted_in_class(
   among all eligible images (as `uniform_in_class`); if nothing is eligible, or the slot is
   inactive, it returns index 0, valid False.
 
+  The weighted draw reads the class's members only (`class_index.class_slice`, O(M) per
+  slot for the largest class size M, not O(N)); the fallback draw is `uniform_in_class`'s
+  (same key, same image).
+
   Args:
     key: PRNG key.
-    prototype_distances: float [N, C]; +inf for non-members (`ReplayBuffer`).
+    class_index: `class_index.ClassIndex` built with the prototype distances
+      (`ReplayBuffer.class_index`), or a concrete float [N, C] prototype_distances array
+      (+inf for non-members; indexed on the host, not under jit).
     eligible: bool [N].
     classes: int [B]; -1 = no class.
     weights: float [B] (or scalar, broadcast); w of eq. 1 per slot.
@@ -252,35 +261,45 @@ def prototype_weighted_in_class(
     indices int32 [B], valid bool [B].
   Source: paper §4 "Prototype-Weighted" (eqs. 1-2), docs/reference.md §7.
   """
-  distances = jnp.asarray(prototype_distances, jnp.float32)
+  if isinstance(class_index, class_index_lib.ClassIndex):
+    index = class_index
+  else:
+    distances = np.asarray(class_index, np.float32)
+    index = class_index_lib.build_class_index(np.isfinite(distances), distances)
   classes = jnp.asarray(classes, jnp.int32)
   num = classes.shape[0]
   weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), (num,))
   active = jnp.asarray(active, bool)
   keys = jax.random.split(key, num)
+  pool = class_index_lib.pools(index, eligible)
 
-  def step(available, inputs):
+  def step(pool, inputs):
     k, c, w, on = inputs
     k_weighted, k_uniform = jax.random.split(k)
-    column = jnp.take(distances, jnp.maximum(c, 0), axis=1)
-    members = available & jnp.isfinite(column) & (c >= 0) & on
-    probs = prototype_weighted_probs(column, members, w)
-    logits = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    weighted = jax.random.categorical(k_weighted, logits).astype(jnp.int32)
-    fallback_index, found_any = _pick_uniform(k_uniform, available & on)
-    if not fallback:
-      found_any = jnp.zeros((), bool)
-    has_member = members.any()
-    index = jnp.where(has_member, weighted, fallback_index)
-    found = has_member | found_any
-    index = jnp.where(found, index, 0)
-    if without_replacement:
-      available = available.at[index].set(available[index] & ~found)
-    return available, (index, found)
 
-  _, (indices, valid) = jax.lax.scan(
-    step, jnp.asarray(eligible, bool), (keys, classes, weights, active)
-  )
+    def weighted_draw(blocks):
+      members, distances, in_class = class_index_lib.class_slice(index, c, blocks)
+      available = class_index_lib.slice_flags(index, pool, c, blocks) & in_class & on
+      probs = prototype_weighted_probs(distances, available, w)
+      logits = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+      return members[jax.random.categorical(k_weighted, logits)], jnp.any(probs > 0)
+
+    # Reads the class's own blocks only (rounded up to a power of two).
+    weighted, has_member = class_index_lib.by_class_size(index, c, weighted_draw)
+    if fallback:
+      count = jnp.where(on, class_index_lib.all_images_count(index, pool), 0)
+    else:
+      count = jnp.zeros((), jnp.int32)
+    r = jax.random.randint(k_uniform, (), 0, jnp.maximum(count, 1))
+    fallback_index = class_index_lib.rth_available(index, pool, c, jnp.zeros((), bool), r)
+    found = has_member | (count > 0)
+    index_ = jnp.where(has_member, weighted, fallback_index)
+    index_ = jnp.where(found, index_, 0)
+    if without_replacement:
+      pool = class_index_lib.remove_image(index, pool, index_, found)
+    return pool, (index_, found)
+
+  _, (indices, valid) = jax.lax.scan(step, pool, (keys, classes, weights, active))
   return indices, valid
 
 
