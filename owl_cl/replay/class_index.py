@@ -329,3 +329,32 @@ def by_class_size(index: ClassIndex, segment: Array, fn):
   length = index.block_starts[segment + 1] - index.block_starts[segment]
   branch = jnp.sum(jnp.asarray(sizes, jnp.int32) < length, dtype=jnp.int32)
   return jax.lax.switch(branch, [lambda blocks=blocks: fn(blocks) for blocks in sizes])
+
+
+def block_pool(eligible: Array) -> Pools:
+  """Pools over the images alone (no classes): flags = eligible padded to a multiple of
+  b = `block_size(N)`, and its per-block counts. One O(N) pass."""
+  eligible = jnp.asarray(eligible, bool)
+  n = eligible.shape[0]
+  b = block_size(n)
+  flags = jnp.pad(eligible, (0, -n % b))
+  return Pools(flags=flags, block_counts=jnp.sum(flags.reshape(-1, b), axis=1, dtype=jnp.int32))
+
+
+def rth_in_block_pool(pool: Pools, r: Array) -> Array:
+  """The r-th (0-based) available image of a `block_pool` (r below its count)."""
+  b = pool.flags.shape[0] // pool.block_counts.shape[0]
+  cumulative = jnp.cumsum(pool.block_counts)
+  block = jnp.minimum(jnp.sum(cumulative <= r, dtype=jnp.int32), cumulative.shape[0] - 1)
+  r_in = r - (cumulative[block] - pool.block_counts[block])
+  flags = jax.lax.dynamic_slice(pool.flags, (block * b,), (b,))
+  inside = jnp.minimum(jnp.sum(jnp.cumsum(flags, dtype=jnp.int32) <= r_in, dtype=jnp.int32), b - 1)
+  return block * b + inside
+
+
+def remove_from_block_pool(pool: Pools, image: Array, remove: Array) -> Pools:
+  """A `block_pool` without `image` (available) iff `remove`."""
+  b = pool.flags.shape[0] // pool.block_counts.shape[0]
+  flags = pool.flags.at[image].set(pool.flags[image] & ~remove)
+  counts = pool.block_counts.at[image // b].add(-remove.astype(jnp.int32))
+  return Pools(flags=flags, block_counts=counts)

@@ -76,25 +76,36 @@ def uniform_in_class(
   )
 
 
-def _gumbel_top_k(key: Array, eligible: Array, num: int) -> Array:
+def _sequential_sample(key: Array, eligible: Array, num: int) -> Array:
   """int32 [num]: an ordered uniform sample without replacement of the True entries of bool
-  [N] (Gumbel-top-k: the `num` largest of i.i.d. Gumbel scores, -inf where not eligible).
+  [N]: draw i takes the r-th still available entry, r = randint(split(key, num)[i], 0,
+  count), found through per-block counts (`class_index.block_pool`): one O(N) sum per call,
+  O(sqrt N) per draw, no random number per image. Entries past the number of eligible
+  images are 0 (the caller masks them).
 
-  Every ordered num-tuple of distinct eligible images is equally likely (the Gumbel-max
-  trick applied sequentially, Vieira 2014 / Kool et al. 2019, "Stochastic Beams and Where to
-  Find Them" eq. 2 with uniform logits); entries past the number of eligible images are
-  ineligible ones (the caller masks them). Costs O(N) draws and a top-k, not a sort of N.
+  Every ordered num-tuple of distinct eligible images is equally likely (each draw is
+  uniform over the remaining ones).
   """
-  scores = jnp.where(eligible, jax.random.gumbel(key, eligible.shape, jnp.float32), -jnp.inf)
-  return jax.lax.top_k(scores, num)[1].astype(jnp.int32)
+  pool = class_index_lib.block_pool(eligible)
+  keys = jax.random.split(key, num)
+
+  def step(pool, k):
+    count = jnp.sum(pool.block_counts)
+    r = jax.random.randint(k, (), 0, jnp.maximum(count, 1))
+    image = class_index_lib.rth_in_block_pool(pool, r)
+    found = count > 0
+    pool = class_index_lib.remove_from_block_pool(pool, image, found)
+    return pool, jnp.where(found, image, 0)
+
+  return jax.lax.scan(step, pool, keys)[1]
 
 
 def uniform(key: Array, eligible: Array, num: int) -> tuple[Array, Array]:
   """Uniform selection without a class step: `num` distinct images among the eligible ones.
 
-  Gumbel-top-k (`_gumbel_top_k`): the `num` eligible images with the largest i.i.d. Gumbel
-  scores, an exactly uniform ordered sample without replacement, in O(N) (no permutation
-  of the buffer). If fewer than `num` images are eligible the
+  Sequential uniform draws without replacement (`_sequential_sample`): an exactly uniform
+  ordered sample, in one O(N) pass plus O(sqrt N) per image (no permutation of the buffer,
+  no random number per buffer image). If fewer than `num` images are eligible the
   remaining slots are invalid (index 0, valid False).
 
   Args:
@@ -111,7 +122,7 @@ def uniform(key: Array, eligible: Array, num: int) -> tuple[Array, Array]:
   n = eligible.shape[0]
   if num > n:
     raise ValueError(f"cannot draw {num} distinct images from a buffer of {n}")
-  first = _gumbel_top_k(key, eligible, num)
+  first = _sequential_sample(key, eligible, num)
   valid = jnp.arange(num) < jnp.sum(eligible, dtype=jnp.int32)
   return jnp.where(valid, first, 0), valid
 
@@ -170,7 +181,7 @@ def uniform_in_class_active(
 
 def uniform_active(key: Array, eligible: Array, active: Array) -> tuple[Array, Array]:
   """`uniform` with a slot mask: the i-th active slot gets the i-th image of a uniform ordered
-  sample without replacement of the eligible images (Gumbel-top-k, `_gumbel_top_k`);
+  sample without replacement of the eligible images (`_sequential_sample`, as `uniform`);
   inactive slots get index 0, valid False.
 
   Args:
@@ -188,7 +199,7 @@ def uniform_active(key: Array, eligible: Array, active: Array) -> tuple[Array, A
   n, num = eligible.shape[0], active.shape[0]
   if num > n:
     raise ValueError(f"cannot draw {num} distinct images from a buffer of {n}")
-  first = _gumbel_top_k(key, eligible, num)
+  first = _sequential_sample(key, eligible, num)
   rank = jnp.cumsum(active, dtype=jnp.int32) - 1
   valid = active & (rank < jnp.sum(eligible, dtype=jnp.int32))
   return jnp.where(valid, first[jnp.clip(rank, 0, num - 1)], 0), valid
