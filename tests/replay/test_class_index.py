@@ -49,6 +49,8 @@ def test_index_errors():
     class_index.build_class_index(np.ones(3, bool))
   with pytest.raises(ValueError, match="prototype_distances must be"):
     class_index.build_class_index(SMALL, np.ones((3, 3)))
+  with pytest.raises(ValueError, match=r"eligible must be \[N=3\]"):
+    class_index.pools(class_index.build_class_index(SMALL), jnp.ones(4, bool))
   with pytest.raises(ValueError, match="concrete"):
     jax.jit(class_index.build_class_index)(SMALL)
   buffer = state_lib.make_replay_buffer(
