@@ -233,6 +233,11 @@ def prototype_weighted_probs(distances: Array, eligible: Array, w) -> Array:
   return jnp.where(total > 0, unnorm / jnp.where(total > 0, total, 1.0), 0.0)
 
 
+def _log_or_minus_inf(p: Array) -> Array:
+  """log p, -inf where p <= 0 (categorical logits of non-negative weights)."""
+  return jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+
+
 def prototype_weighted_in_class(
   key: Array,
   class_index,
@@ -252,9 +257,10 @@ def prototype_weighted_in_class(
   among all eligible images (as `uniform_in_class`); if nothing is eligible, or the slot is
   inactive, it returns index 0, valid False.
 
-  The weighted draw reads the class's members only (`class_index.class_slice`, O(M) per
-  slot for the largest class size M, not O(N)); the fallback draw is `uniform_in_class`'s
-  (same key, same image).
+  The weighted draw reads the class's own blocks only (`class_index.by_class_size`, O(M_c)
+  per slot for the class's size M_c rounded up to a power of two of blocks, not O(N)); it
+  picks a block by its probability mass, then a member within it (exactly eq. 2's p_i); the
+  fallback draw is `uniform_in_class`'s (same key, same image).
 
   Args:
     key: PRNG key.
@@ -291,9 +297,13 @@ def prototype_weighted_in_class(
     def weighted_draw(blocks):
       members, distances, in_class = class_index_lib.class_slice(index, c, blocks)
       available = class_index_lib.slice_flags(index, pool, c, blocks) & in_class & on
-      probs = prototype_weighted_probs(distances, available, w)
-      logits = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-      return members[jax.random.categorical(k_weighted, logits)], jnp.any(probs > 0)
+      probs = prototype_weighted_probs(distances, available, w).reshape(blocks, index.block)
+      # Two-level draw, exactly p_i: a block with probability sum(p over the block), then a
+      # member of it with probability p_i / that sum (blocks + b random numbers, not M).
+      k_block, k_member = jax.random.split(k_weighted)
+      block = jax.random.categorical(k_block, _log_or_minus_inf(probs.sum(axis=1)))
+      member = jax.random.categorical(k_member, _log_or_minus_inf(probs[block]))
+      return members[block * index.block + member], jnp.any(probs > 0)
 
     # Reads the class's own blocks only (rounded up to a power of two).
     weighted, has_member = class_index_lib.by_class_size(index, c, weighted_draw)

@@ -111,18 +111,18 @@ def test_uniform_in_class_equals_the_column_scan(without_replacement, fallback):
 
 
 def test_prototype_weighted_matches_exact_probabilities():
-  # Chi-square of 4000 draws of a class spread over two blocks (N = 40 > b = 16) against
-  # eq. 2's probabilities p_i = (d_i + 1e-8)^-w / sum, with earlier slots' draws removed:
-  # slot 1 draws from the class minus slot 0's image, so its marginal is
-  # sum_j p_j * p_i / (1 - p_j) (j != i).
+  # Chi-square of 4000 draws of a class of 20 members, two blocks of its segment (b = 16:
+  # the block-then-member draw), against eq. 2's probabilities p_i = (d_i + 1e-8)^-w / sum,
+  # with earlier slots' draws removed: slot 1 draws from the class minus slot 0's image, so
+  # its marginal is sum_j p_j * p_i / (1 - p_j) (j != i).
   rng = np.random.default_rng(1)
-  n = 40
+  n = 60
   distances = np.full((n, 2), np.inf, np.float32)
-  members = np.array([1, 5, 17, 22, 30, 39])
-  distances[members, 0] = [0.1, 0.2, 0.3, 0.5, 0.8, 1.2]
+  members = np.sort(rng.choice(n, 20, replace=False))
+  distances[members, 0] = np.linspace(0.1, 1.2, 20)
   distances[rng.choice(n, 10, replace=False), 1] = 0.5
   eligible = np.ones(n, bool)
-  eligible[22] = False
+  eligible[members[7]] = False
   keys = jax.random.split(jax.random.PRNGKey(3), 4000)
   draw = jax.jit(
     jax.vmap(
@@ -133,6 +133,7 @@ def test_prototype_weighted_matches_exact_probabilities():
     )
   )
   index = class_index.build_class_index(np.isfinite(distances), distances)
+  assert index.block == 16 and index.class_blocks == 2
   got = np.asarray(draw(keys, index))
   assert (got[:, 0] != got[:, 1]).all()
   pool = members[eligible[members]]
@@ -149,8 +150,8 @@ def test_prototype_weighted_matches_exact_probabilities():
     counts = np.array([np.sum(got[:, slot] == i) for i in pool])
     assert counts.sum() == len(keys)  # only eligible members of class 0
     expected = p * len(keys)
-    # 4 degrees of freedom: p = 0.001 critical value 18.5.
-    assert ((counts - expected) ** 2 / expected).sum() < 18.5, (slot, counts, expected)
+    # 18 degrees of freedom: p = 0.001 critical value 42.3.
+    assert ((counts - expected) ** 2 / expected).sum() < 42.3, (slot, counts, expected)
 
 
 def test_different_buffers_of_the_same_shapes_do_not_recompile(make_buffer):
