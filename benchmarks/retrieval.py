@@ -25,8 +25,12 @@ frequencies are Zipf-like (a few frequent classes, a long tail) and every class 
 Embeddings are random normal (timing does not depend on their values).
 
 Usage:
-  python benchmarks/retrieval.py [--quick] [--repeats 5] [--out benchmarks/results]
-  [--train-step-seconds 0.25]
+  python benchmarks/retrieval.py [--quick] [--sizes 54226,1000000] [--repeats 5]
+  [--out benchmarks/results] [--train-step-seconds 0.25] [--skip-kernels] [--skip-precompute]
+
+`--sizes` runs every size in turn (default: the paper's N = 54,226 and N = 1M). At N = 1M the
+buffer's [N, k, E] embeddings use E = 32 (`MILLION`: 1M x 8 x 768 float32 would be 24.6 GB
+per array); they are read only by the ASV algorithms' N_c candidate rows.
 
 Writes `<out>/retrieval[_quick].json` and `<out>/retrieval[_quick].md`. The script runs
 unchanged on CPU, GPU or TPU (the device is recorded). `--train-step-seconds` is a measured
@@ -55,6 +59,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from owl_cl import utils  # noqa: E402
 from owl_cl.replay import algorithms  # noqa: E402
+from owl_cl.replay import class_index  # noqa: E402
 from owl_cl.replay import class_selection  # noqa: E402
 from owl_cl.replay import knn_shapley  # noqa: E402
 from owl_cl.replay import sample_selection  # noqa: E402
@@ -74,9 +79,15 @@ class Sizes:
   candidates_pc: int = 352  # N_c of ASER-PC, SW-ASER-PC
   knn_k: int = 20  # K
   precompute_chunk: int = 16  # evaluation images per timed precomputation chunk
+  embed_dtype: str = "float32"  # dtype of the buffer's [N, k, E] embeddings
 
 
 FULL = Sizes()
+# N = 1M: 1M x 8 x 768 float32 is 24.6 GB per embedding array (12.3 GB in bfloat16), more
+# than this machine's memory; the buffer's [N, k, E] embeddings use E = 32 (float32, 1 GB
+# each). They are read only by the ASV algorithms (N_c candidate rows per call), so only
+# those rows' cost is lower than at E = 768; everything that scales with N is unchanged.
+MILLION = dataclasses.replace(FULL, num_images=1_000_000, embed_dim=32)
 QUICK = Sizes(
   num_images=600,
   num_classes=40,
@@ -119,10 +130,11 @@ def synthetic_buffer(sizes: Sizes, seed: int = 0) -> dict[str, np.ndarray]:
     for _ in range(count):
       membership[rows, rng.choice(c, rows.size, p=freq)] = True
   membership[rng.choice(n, c, replace=False), np.arange(c)] = True  # every class has members
-  prototypes = rng.standard_normal((c, e), dtype=np.float32)
+  prototypes = rng.standard_normal((sizes.num_classes, sizes.embed_dim), dtype=np.float32)
   class_embeddings = rng.standard_normal((n, k, e), dtype=np.float32)
   query_embeddings = rng.standard_normal((n, k, e), dtype=np.float32)
-  distances = np.where(membership, rng.uniform(0.05, 1.5, (n, c)), np.inf).astype(np.float32)
+  distances = np.full((n, c), np.inf, np.float32)
+  distances[membership] = rng.uniform(0.05, 1.5, int(membership.sum())).astype(np.float32)
   return dict(
     class_membership=membership,
     prototypes=prototypes,
@@ -590,21 +602,27 @@ def _fmt_s(t: dict | None) -> str:
 
 
 def render_markdown(report: dict) -> str:
-  sizes = report["sizes"]
+  """Markdown of a report: one table per buffer size (`report['runs']`)."""
+  return "\n".join(_render_run(report, run) for run in report["runs"])
+
+
+def _render_run(report: dict, run: dict) -> str:
+  sizes = run["sizes"]
   step = report.get("train_step_seconds")
   lines = [
     f"Device: {report['device']} ({report['backend']}), JAX {report['jax_version']}, "
     f"NumPy {report['numpy_version']}; sizes: N={sizes['num_images']}, "
-    f"C={sizes['num_classes']}, k={sizes['top_k']}, E={sizes['embed_dim']}, "
+    f"C={sizes['num_classes']}, k={sizes['top_k']}, E={sizes['embed_dim']} "
+    f"(buffer embeddings {sizes['embed_dtype']} [N, k, E]), "
     f"B={sizes['batch']}, N_c={sizes['candidates_aser']}/{sizes['candidates_pc']}, "
-    f"K={sizes['knn_k']}; median of {report['repeats']} repeats after a warm-up.",
+    f"K={sizes['knn_k']}; median of {run['repeats']} repeats after a warm-up.",
     "",
   ]
   header = ["What", "shape", "JAX", "NumPy", "NumPy / JAX", "max |JAX - NumPy|"]
   if step:
     header.append(f"JAX / train step ({step:g} s)")
   lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  for row in report["rows"]:
+  for row in run["rows"]:
     ratio = row["ratio_numpy_over_jax"]
     cells = [
       f"{row['kind']}: `{row['name']}`" + (f" ({row['note']})" if row["note"] else ""),
@@ -629,9 +647,65 @@ def render_markdown(report: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def sizes_for(num_images: int) -> Sizes:
+  """The paper's sizes with N = num_images; above 100k images the embeddings of `MILLION`."""
+  base = FULL if num_images <= 100_000 else MILLION
+  return dataclasses.replace(base, num_images=int(num_images))
+
+
+def bench_size(sizes: Sizes, names, args) -> dict:
+  """Every row of one buffer size: the member index build, kernels, algorithms, precompute."""
+  print(f"sizes: {sizes}; device: {jax.devices()[0]}", flush=True)
+  buf = synthetic_buffer(sizes)
+  feats = synthetic_features(sizes)
+  start = time.perf_counter()
+  index = class_index.build_class_index(buf["class_membership"], buf["prototype_distances"])
+  jax.block_until_ready(index)
+  index_s = time.perf_counter() - start
+  del index
+  buffer = state_lib.make_replay_buffer(
+    buf["class_membership"],
+    buf["prototypes"],
+    buf["prototype_distances"],
+    buf["class_embeddings"],
+    buf["query_embeddings"],
+  )
+  jax.block_until_ready(buffer)
+  # The NumPy reference reads the JAX copies (zero-copy views on CPU): one copy in memory.
+  for name in ("class_embeddings", "query_embeddings", "prototype_distances"):
+    buf[name] = np.asarray(getattr(buffer, name))
+  index = buffer.class_index
+  rows = [
+    _row(
+      "build",
+      "class_index.build_class_index",
+      {"median_s": index_s, "min_s": index_s, "repeats": 1},
+      None,
+      f"P={index.members.shape[0]} positions, b={index.block}, "
+      f"class slice {index.class_blocks * index.block}",
+      note="once per buffer, in make_replay_buffer, host NumPy",
+    )
+  ]
+  if not args.skip_kernels:
+    print("kernels", flush=True)
+    rows += bench_kernels(sizes, buf, feats, args.repeats)
+  print("algorithms", flush=True)
+  rows += bench_algorithms(sizes, buf, buffer, feats, names, args.repeats)
+  if not args.skip_precompute and "aser_pc" in names:
+    print("precompute", flush=True)
+    rows.append(bench_precompute(sizes, buf, buffer, args.repeats))
+  return {"sizes": dataclasses.asdict(sizes), "repeats": args.repeats, "rows": rows}
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="small sizes for a fast check")
+  parser.add_argument(
+    "--sizes",
+    default="54226,1000000",
+    help="comma-separated buffer sizes N (default: the paper's 54,226 and 1M; ignored "
+    "with --quick)",
+  )
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument(
@@ -643,42 +717,28 @@ def main(argv=None):
   )
   parser.add_argument("--algorithms", default=",".join(ALGORITHM_NAMES))
   parser.add_argument("--skip-precompute", action="store_true")
+  parser.add_argument("--skip-kernels", action="store_true")
   args = parser.parse_args(argv)
-  sizes = QUICK if args.quick else FULL
+  if args.quick:
+    all_sizes = [QUICK]
+  else:
+    all_sizes = [sizes_for(int(n)) for n in args.sizes.split(",") if n]
   names = [n for n in args.algorithms.split(",") if n]
   known = [n for n in names if n in algorithms.ALGORITHMS]
   missing = [n for n in names if n not in algorithms.ALGORITHMS]
-  print(f"sizes: {sizes}; device: {jax.devices()[0]}", flush=True)
-  buf = synthetic_buffer(sizes)
-  feats = synthetic_features(sizes)
-  buffer = state_lib.make_replay_buffer(
-    buf["class_membership"],
-    buf["prototypes"],
-    buf["prototype_distances"],
-    buf["class_embeddings"],
-    buf["query_embeddings"],
-  )
-  rows = []
-  print("kernels", flush=True)
-  rows += bench_kernels(sizes, buf, feats, args.repeats)
-  print("algorithms", flush=True)
-  rows += bench_algorithms(sizes, buf, buffer, feats, known, args.repeats)
-  if not args.skip_precompute and "aser_pc" in known:
-    print("precompute", flush=True)
-    rows.append(bench_precompute(sizes, buf, buffer, args.repeats))
+  runs = [bench_size(sizes, known, args) for sizes in all_sizes]
   device = jax.devices()[0]
   report = {
-    "sizes": dataclasses.asdict(sizes),
+    "runs": runs,
     "quick": args.quick,
-    "repeats": args.repeats,
     "device": getattr(device, "device_kind", str(device)),
     "backend": jax.default_backend(),
     "jax_version": jax.__version__,
     "numpy_version": np.__version__,
     "host": platform.node(),
     "cpu_count": os.cpu_count(),
+    "date_utc": time.strftime("%Y-%m-%d", time.gmtime()),
     "train_step_seconds": args.train_step_seconds,
-    "rows": rows,
     "not_measured": missing,
   }
   stem = os.path.join(args.out, "retrieval" + ("_quick" if args.quick else ""))

@@ -79,3 +79,30 @@ def test_synthetic_buffer_membership():
   assert per_image.min() >= 1 and per_image.max() <= 5  # 1-4 drawn (+1 coverage)
   assert buf["class_membership"].any(0).all()  # every class has members
   assert np.isinf(buf["prototype_distances"][~buf["class_membership"]]).all()
+
+
+def test_sizes_and_markdown_one_table_per_size():
+  assert bench.sizes_for(54_226) == bench.FULL
+  million = bench.sizes_for(1_000_000)
+  assert million.num_images == 1_000_000 and million.embed_dim == bench.MILLION.embed_dim
+  timing = {"median_s": 0.002, "min_s": 0.002, "repeats": 1}
+  runs = [
+    {
+      "sizes": dict(bench.dataclasses.asdict(sizes)),
+      "repeats": 3,
+      "rows": [bench._row("algorithm", "grasp", timing, dict(timing, median_s=0.004), "B=16")],
+    }
+    for sizes in (bench.FULL, million)
+  ]
+  report = dict(
+    runs=runs,
+    device="cpu",
+    backend="cpu",
+    jax_version="x",
+    numpy_version="y",
+    train_step_seconds=0.25,
+    not_measured=[],
+  )
+  text = bench.render_markdown(report)
+  assert text.count("| algorithm: `grasp` | B=16 | 2.00 ms | 4.00 ms | 2.0x | - | 0.8% |") == 2
+  assert "N=54226" in text and "N=1000000" in text and f"E={million.embed_dim} (buffer" in text

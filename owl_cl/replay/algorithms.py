@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from owl_cl.replay import asv_left
+from owl_cl.replay import class_index as class_index_lib
 from owl_cl.replay import class_selection
 from owl_cl.replay import dedup as dedup_lib
 from owl_cl.replay import knn_shapley
@@ -138,6 +139,16 @@ def balanced_step(
   return classes, rstate, {"sampled_classes": classes}
 
 
+def _class_index(buffer: ReplayBuffer) -> class_index_lib.ClassIndex:
+  """The buffer's member index; ValueError if the buffer was not made by make_replay_buffer."""
+  if buffer.class_index is None:
+    raise ValueError(
+      "ReplayBuffer.class_index is None: build the buffer with state.make_replay_buffer "
+      "(it derives the per-class member index from class_membership)"
+    )
+  return buffer.class_index
+
+
 def _new_image_rows(num: int, batch: int) -> Array:
   """Row of the new batch serving each replay slot: slot j -> new image j mod B."""
   return jnp.arange(num, dtype=jnp.int32) % batch
@@ -201,21 +212,40 @@ def uniform_in_class_step(
   """Uniform among the eligible members of each slot's class (`uniform_in_class_active`)."""
   del rstate, features
   indices, valid = sample_selection.uniform_in_class_active(
-    key, buffer.class_membership, eligible, classes, active, without_replacement=without_replacement
+    key,
+    _class_index(buffer),
+    eligible,
+    classes,
+    active,
+    without_replacement=without_replacement,
   )
   return indices, valid, {}
 
 
 def _grasp_entropy(buffer, eligible, classes, weights):
   """Normalised entropy (by log of the number of eligible members) of each slot's GRASP
-  distribution, at the start of the call; NaN for slots without a class."""
-  columns = jnp.take(buffer.prototype_distances, jnp.maximum(classes, 0), axis=1).T  # [num, N]
-  members = eligible[None, :] & jnp.isfinite(columns)
-  probs = sample_selection.prototype_weighted_probs(columns, members, weights[:, None])
-  count = jnp.sum(members, axis=-1)
-  plogp = jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0)
-  entropy = -plogp.sum(-1) / jnp.log(jnp.maximum(count, 2).astype(jnp.float32))
-  entropy = jnp.where(count > 1, entropy, 0.0)
+  distribution, at the start of the call; NaN for slots without a class. Reads each slot's
+  class members only (`class_index.by_class_size`), not an [N] column per slot."""
+  index = _class_index(buffer)
+  pool = class_index_lib.pools(index, eligible)
+
+  def entropy_of(inputs):
+    c, w = inputs
+
+    def within(blocks):
+      _, distances, in_class = class_index_lib.class_slice(index, c, blocks)
+      members = in_class & class_index_lib.slice_flags(index, pool, c, blocks)
+      members = members & jnp.isfinite(distances)
+      probs = sample_selection.prototype_weighted_probs(distances, members, w)
+      count = jnp.sum(members)
+      plogp = jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0)
+      entropy = -plogp.sum() / jnp.log(jnp.maximum(count, 2).astype(jnp.float32))
+      return jnp.where(count > 1, entropy, 0.0)
+
+    return class_index_lib.by_class_size(index, c, within)
+
+  # lax.map (a scan), not vmap: under vmap the size switch would run every branch.
+  entropy = jax.lax.map(entropy_of, (classes, weights))
   return jnp.where(classes >= 0, entropy, jnp.nan)
 
 
@@ -240,7 +270,7 @@ def prototype_weighted_step(
   weights = jnp.full((num,), grasp_weight, jnp.float32)
   indices, valid = sample_selection.prototype_weighted_in_class(
     key,
-    buffer.prototype_distances,
+    _class_index(buffer),
     eligible,
     classes,
     weights,
@@ -307,7 +337,7 @@ class _AlgorithmBase:
     rstate = dedup_lib.auto_reset_if_exhausted(rstate, self.dedup, jnp.sum(active, dtype=jnp.int32))
     eligible = dedup_lib.eligible_images(rstate, self.dedup)
     class_eligible = (
-      sample_selection.class_eligibility(buffer.class_membership, eligible) & buffer.class_valid
+      sample_selection.class_eligibility(_class_index(buffer), eligible) & buffer.class_valid
     )
     key, class_key, sample_key = jax.random.split(rstate.key, 3)
     rstate = rstate.replace(key=key)
@@ -409,7 +439,7 @@ class RetrievalAlgorithm(_AlgorithmBase):
       # The slot's new image (slot j serves new image j mod B), as a batch of one.
       row = {k: jax.lax.dynamic_index_in_dim(v, j % v.shape[0]) for k, v in features.items()}
       class_now = (
-        sample_selection.class_eligibility(buffer.class_membership, available) & buffer.class_valid
+        sample_selection.class_eligibility(_class_index(buffer), available) & buffer.class_valid
       )
       classes, rstate, _ = self.class_step(ck, rstate, buffer, row, class_now, on[None], **class_hp)
       index, valid, _ = self.sample_step(
@@ -527,7 +557,7 @@ class AdaptiveSwGraspAlgorithm(_AlgorithmBase):
     weights = jnp.where(use_grasp, jnp.float32(self.grasp_weight), jnp.float32(swil_slot_weight))
     indices, valid = sample_selection.prototype_weighted_in_class(
       sample_key,
-      buffer.prototype_distances,
+      _class_index(buffer),
       eligible,
       classes,
       weights,
@@ -759,7 +789,7 @@ class AsvAlgorithm(_AlgorithmBase):
       # Released bal_prob_type='GRASP': the candidates of a class are drawn prototype-weighted.
       candidates, candidate_valid = sample_selection.prototype_weighted_in_class(
         sample_key,
-        buffer.prototype_distances,
+        _class_index(buffer),
         eligible,
         classes,
         self.grasp_weight,
@@ -770,7 +800,7 @@ class AsvAlgorithm(_AlgorithmBase):
     else:
       candidates, candidate_valid = sample_selection.uniform_in_class_active(
         sample_key,
-        buffer.class_membership,
+        _class_index(buffer),
         eligible,
         classes,
         candidate_active,

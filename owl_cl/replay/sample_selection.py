@@ -9,36 +9,33 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from owl_cl.replay import class_index as class_index_lib
 
 Array = jax.Array
 
 
-def class_eligibility(class_membership: Array, eligible_images: Array) -> Array:
+def class_eligibility(class_index, eligible_images: Array) -> Array:
   """Classes that still have at least one eligible image.
 
   Args:
-    class_membership: bool [N, C].
+    class_index: `class_index.ClassIndex` (`ReplayBuffer.class_index`), or a concrete bool
+      [N, C] membership (the index is then built on the host).
     eligible_images: bool [N] (e.g. `dedup.eligible_images`).
   Returns:
     bool [C]: class_eligible[c] = any_i(class_membership[i, c] and eligible_images[i]).
+  Cost: one O(P) pass (P ~ memberships + N, `class_index.pools`), not O(N * C).
   Source: docs/reference.md §7 ("classes with no eligible image get probability 0" / are skipped).
   """
-  membership = jnp.asarray(class_membership, bool)
-  return jnp.any(membership & jnp.asarray(eligible_images, bool)[:, None], axis=0)
-
-
-def _pick_uniform(key: Array, candidates: Array) -> tuple[Array, Array]:
-  """Exactly uniform choice of one True entry of bool [N]: (index int32 [], found bool [])."""
-  count = jnp.sum(candidates, dtype=jnp.int32)
-  r = jax.random.randint(key, (), 0, jnp.maximum(count, 1))
-  index = jnp.argmax(jnp.cumsum(candidates, dtype=jnp.int32) > r).astype(jnp.int32)
-  found = count > 0
-  return jnp.where(found, index, 0), found
+  return class_index_lib.class_eligibility(
+    class_index_lib.as_class_index(class_index), eligible_images
+  )
 
 
 def uniform_in_class(
   key: Array,
-  class_membership: Array,
+  class_index,
   eligible: Array,
   classes: Array,
   without_replacement: bool = True,
@@ -52,9 +49,14 @@ def uniform_in_class(
   among *all* eligible images of any class; if nothing is eligible at all the slot is invalid
   (index 0, valid False).
 
+  Slot j draws r = randint(key_j, 0, count) and takes the r-th available candidate in
+  ascending image order, found through the member index in O(sqrt N) per slot
+  (`class_index.rth_available`; one O(P) pass per call builds the availability).
+
   Args:
     key: PRNG key.
-    class_membership: bool [N, C].
+    class_index: `class_index.ClassIndex` (`ReplayBuffer.class_index`), or a concrete bool
+      [N, C] membership (indexed on the host; not under jit).
     eligible: bool [N]; eligible images at the start of the call.
     classes: int [B]; class of each slot (-1 = none: fall back to any eligible image).
     without_replacement: static; True = mark as you go (use when dedup is active).
@@ -63,43 +65,47 @@ def uniform_in_class(
     valid: bool [B].
   Source: paper §4 "Uniform", docs/reference.md §7.
   """
-  membership = jnp.asarray(class_membership, bool)
   classes = jnp.asarray(classes, jnp.int32)
-  keys = jax.random.split(key, classes.shape[0])
-
-  def step(available, inputs):
-    k, c = inputs
-    column = jnp.take(membership, jnp.maximum(c, 0), axis=1)
-    members = (column & available) & (c >= 0)
-    candidates = jnp.where(members.any(), members, available)
-    index, found = _pick_uniform(k, candidates)
-    if without_replacement:
-      available = available.at[index].set(available[index] & ~found)
-    return available, (index, found)
-
-  _, (indices, valid) = jax.lax.scan(step, jnp.asarray(eligible, bool), (keys, classes))
-  return indices, valid
+  return uniform_in_class_active(
+    key,
+    class_index,
+    eligible,
+    classes,
+    jnp.ones(classes.shape, bool),
+    without_replacement=without_replacement,
+  )
 
 
-def _gumbel_top_k(key: Array, eligible: Array, num: int) -> Array:
+def _sequential_sample(key: Array, eligible: Array, num: int) -> Array:
   """int32 [num]: an ordered uniform sample without replacement of the True entries of bool
-  [N] (Gumbel-top-k: the `num` largest of i.i.d. Gumbel scores, -inf where not eligible).
+  [N]: draw i takes the r-th still available entry, r = randint(split(key, num)[i], 0,
+  count), found through per-block counts (`class_index.block_pool`): one O(N) sum per call,
+  O(sqrt N) per draw, no random number per image. Entries past the number of eligible
+  images are 0 (the caller masks them).
 
-  Every ordered num-tuple of distinct eligible images is equally likely (the Gumbel-max
-  trick applied sequentially, Vieira 2014 / Kool et al. 2019, "Stochastic Beams and Where to
-  Find Them" eq. 2 with uniform logits); entries past the number of eligible images are
-  ineligible ones (the caller masks them). Costs O(N) draws and a top-k, not a sort of N.
+  Every ordered num-tuple of distinct eligible images is equally likely (each draw is
+  uniform over the remaining ones).
   """
-  scores = jnp.where(eligible, jax.random.gumbel(key, eligible.shape, jnp.float32), -jnp.inf)
-  return jax.lax.top_k(scores, num)[1].astype(jnp.int32)
+  pool = class_index_lib.block_pool(eligible)
+  keys = jax.random.split(key, num)
+
+  def step(pool, k):
+    count = jnp.sum(pool.block_counts)
+    r = jax.random.randint(k, (), 0, jnp.maximum(count, 1))
+    image = class_index_lib.rth_in_block_pool(pool, r)
+    found = count > 0
+    pool = class_index_lib.remove_from_block_pool(pool, image, found)
+    return pool, jnp.where(found, image, 0)
+
+  return jax.lax.scan(step, pool, keys)[1]
 
 
 def uniform(key: Array, eligible: Array, num: int) -> tuple[Array, Array]:
   """Uniform selection without a class step: `num` distinct images among the eligible ones.
 
-  Gumbel-top-k (`_gumbel_top_k`): the `num` eligible images with the largest i.i.d. Gumbel
-  scores, an exactly uniform ordered sample without replacement, in O(N) (no permutation
-  of the buffer). If fewer than `num` images are eligible the
+  Sequential uniform draws without replacement (`_sequential_sample`): an exactly uniform
+  ordered sample, in one O(N) pass plus O(sqrt N) per image (no permutation of the buffer,
+  no random number per buffer image). If fewer than `num` images are eligible the
   remaining slots are invalid (index 0, valid False).
 
   Args:
@@ -116,14 +122,14 @@ def uniform(key: Array, eligible: Array, num: int) -> tuple[Array, Array]:
   n = eligible.shape[0]
   if num > n:
     raise ValueError(f"cannot draw {num} distinct images from a buffer of {n}")
-  first = _gumbel_top_k(key, eligible, num)
+  first = _sequential_sample(key, eligible, num)
   valid = jnp.arange(num) < jnp.sum(eligible, dtype=jnp.int32)
   return jnp.where(valid, first, 0), valid
 
 
 def uniform_in_class_active(
   key: Array,
-  class_membership: Array,
+  class_index,
   eligible: Array,
   classes: Array,
   active: Array,
@@ -133,7 +139,7 @@ def uniform_in_class_active(
   """`uniform_in_class` with a slot mask: inactive slots pick nothing (valid False).
 
   Args:
-    key, class_membership, eligible, classes, without_replacement: as `uniform_in_class`.
+    key, class_index, eligible, classes, without_replacement: as `uniform_in_class`.
     active: bool [B]; inactive slots return index 0, valid False and remove nothing from the
       eligible set.
     fallback: static; True: a slot whose class has no eligible member left draws among all
@@ -141,33 +147,41 @@ def uniform_in_class_active(
       per-image candidate subsets stop at an exhausted class).
   Returns:
     indices int32 [B], valid bool [B].
+  Cost: one O(P) pass per call, then O(class_blocks + b) per slot (b ~ sqrt N); the draws
+    (key_j = split(key, B)[j], r = randint(key_j, 0, count)) are those of a scan over the
+    membership column, image for image.
   Source: paper §4 "Uniform", docs/reference.md §7, §9 (slot mask for loss adaptivity).
   """
-  membership = jnp.asarray(class_membership, bool)
+  index = class_index_lib.as_class_index(class_index)
   classes = jnp.asarray(classes, jnp.int32)
   active = jnp.asarray(active, bool)
   keys = jax.random.split(key, classes.shape[0])
+  pool = class_index_lib.pools(index, eligible)
 
-  def step(available, inputs):
+  def step(pool, inputs):
     k, c, on = inputs
-    column = jnp.take(membership, jnp.maximum(c, 0), axis=1)
-    members = (column & available) & (c >= 0)
+    in_class = jnp.where(c >= 0, class_index_lib.segment_count(index, pool, jnp.maximum(c, 0)), 0)
+    use_class = in_class > 0
     if fallback:
-      candidates = jnp.where(members.any(), members, available) & on
+      count = jnp.where(use_class, in_class, class_index_lib.all_images_count(index, pool))
     else:
-      candidates = members & on
-    index, found = _pick_uniform(k, candidates)
+      count = in_class
+    count = jnp.where(on, count, 0)
+    r = jax.random.randint(k, (), 0, jnp.maximum(count, 1))
+    found = count > 0
+    image = class_index_lib.rth_available(index, pool, c, use_class, r)
+    image = jnp.where(found, image, 0)
     if without_replacement:
-      available = available.at[index].set(available[index] & ~found)
-    return available, (index, found)
+      pool = class_index_lib.remove_image(index, pool, image, found)
+    return pool, (image, found)
 
-  _, (indices, valid) = jax.lax.scan(step, jnp.asarray(eligible, bool), (keys, classes, active))
+  _, (indices, valid) = jax.lax.scan(step, pool, (keys, classes, active))
   return indices, valid
 
 
 def uniform_active(key: Array, eligible: Array, active: Array) -> tuple[Array, Array]:
   """`uniform` with a slot mask: the i-th active slot gets the i-th image of a uniform ordered
-  sample without replacement of the eligible images (Gumbel-top-k, `_gumbel_top_k`);
+  sample without replacement of the eligible images (`_sequential_sample`, as `uniform`);
   inactive slots get index 0, valid False.
 
   Args:
@@ -185,7 +199,7 @@ def uniform_active(key: Array, eligible: Array, active: Array) -> tuple[Array, A
   n, num = eligible.shape[0], active.shape[0]
   if num > n:
     raise ValueError(f"cannot draw {num} distinct images from a buffer of {n}")
-  first = _gumbel_top_k(key, eligible, num)
+  first = _sequential_sample(key, eligible, num)
   rank = jnp.cumsum(active, dtype=jnp.int32) - 1
   valid = active & (rank < jnp.sum(eligible, dtype=jnp.int32))
   return jnp.where(valid, first[jnp.clip(rank, 0, num - 1)], 0), valid
@@ -219,9 +233,14 @@ def prototype_weighted_probs(distances: Array, eligible: Array, w) -> Array:
   return jnp.where(total > 0, unnorm / jnp.where(total > 0, total, 1.0), 0.0)
 
 
+def _log_or_minus_inf(p: Array) -> Array:
+  """log p, -inf where p <= 0 (categorical logits of non-negative weights)."""
+  return jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+
+
 def prototype_weighted_in_class(
   key: Array,
-  prototype_distances: Array,
+  class_index,
   eligible: Array,
   classes: Array,
   weights: Array,
@@ -238,9 +257,16 @@ def prototype_weighted_in_class(
   among all eligible images (as `uniform_in_class`); if nothing is eligible, or the slot is
   inactive, it returns index 0, valid False.
 
+  The weighted draw reads the class's own blocks only (`class_index.by_class_size`, O(M_c)
+  per slot for the class's size M_c rounded up to a power of two of blocks, not O(N)); it
+  picks a block by its probability mass, then a member within it (exactly eq. 2's p_i); the
+  fallback draw is `uniform_in_class`'s (same key, same image).
+
   Args:
     key: PRNG key.
-    prototype_distances: float [N, C]; +inf for non-members (`ReplayBuffer`).
+    class_index: `class_index.ClassIndex` built with the prototype distances
+      (`ReplayBuffer.class_index`), or a concrete float [N, C] prototype_distances array
+      (+inf for non-members; indexed on the host, not under jit).
     eligible: bool [N].
     classes: int [B]; -1 = no class.
     weights: float [B] (or scalar, broadcast); w of eq. 1 per slot.
@@ -252,35 +278,49 @@ def prototype_weighted_in_class(
     indices int32 [B], valid bool [B].
   Source: paper §4 "Prototype-Weighted" (eqs. 1-2), docs/reference.md §7.
   """
-  distances = jnp.asarray(prototype_distances, jnp.float32)
+  if isinstance(class_index, class_index_lib.ClassIndex):
+    index = class_index
+  else:
+    distances = np.asarray(class_index, np.float32)
+    index = class_index_lib.build_class_index(np.isfinite(distances), distances)
   classes = jnp.asarray(classes, jnp.int32)
   num = classes.shape[0]
   weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), (num,))
   active = jnp.asarray(active, bool)
   keys = jax.random.split(key, num)
+  pool = class_index_lib.pools(index, eligible)
 
-  def step(available, inputs):
+  def step(pool, inputs):
     k, c, w, on = inputs
     k_weighted, k_uniform = jax.random.split(k)
-    column = jnp.take(distances, jnp.maximum(c, 0), axis=1)
-    members = available & jnp.isfinite(column) & (c >= 0) & on
-    probs = prototype_weighted_probs(column, members, w)
-    logits = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
-    weighted = jax.random.categorical(k_weighted, logits).astype(jnp.int32)
-    fallback_index, found_any = _pick_uniform(k_uniform, available & on)
-    if not fallback:
-      found_any = jnp.zeros((), bool)
-    has_member = members.any()
-    index = jnp.where(has_member, weighted, fallback_index)
-    found = has_member | found_any
-    index = jnp.where(found, index, 0)
-    if without_replacement:
-      available = available.at[index].set(available[index] & ~found)
-    return available, (index, found)
 
-  _, (indices, valid) = jax.lax.scan(
-    step, jnp.asarray(eligible, bool), (keys, classes, weights, active)
-  )
+    def weighted_draw(blocks):
+      members, distances, in_class = class_index_lib.class_slice(index, c, blocks)
+      available = class_index_lib.slice_flags(index, pool, c, blocks) & in_class & on
+      probs = prototype_weighted_probs(distances, available, w).reshape(blocks, index.block)
+      # Two-level draw, exactly p_i: a block with probability sum(p over the block), then a
+      # member of it with probability p_i / that sum (blocks + b random numbers, not M).
+      k_block, k_member = jax.random.split(k_weighted)
+      block = jax.random.categorical(k_block, _log_or_minus_inf(probs.sum(axis=1)))
+      member = jax.random.categorical(k_member, _log_or_minus_inf(probs[block]))
+      return members[block * index.block + member], jnp.any(probs > 0)
+
+    # Reads the class's own blocks only (rounded up to a power of two).
+    weighted, has_member = class_index_lib.by_class_size(index, c, weighted_draw)
+    if fallback:
+      count = jnp.where(on, class_index_lib.all_images_count(index, pool), 0)
+    else:
+      count = jnp.zeros((), jnp.int32)
+    r = jax.random.randint(k_uniform, (), 0, jnp.maximum(count, 1))
+    fallback_index = class_index_lib.rth_available(index, pool, c, jnp.zeros((), bool), r)
+    found = has_member | (count > 0)
+    index_ = jnp.where(has_member, weighted, fallback_index)
+    index_ = jnp.where(found, index_, 0)
+    if without_replacement:
+      pool = class_index_lib.remove_image(index, pool, index_, found)
+    return pool, (index_, found)
+
+  _, (indices, valid) = jax.lax.scan(step, pool, (keys, classes, weights, active))
   return indices, valid
 
 

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from owl_cl.replay import class_index as class_index_lib
+
 Array = jax.Array
 
 
@@ -177,6 +179,10 @@ class ReplayBuffer:
     class_valid: bool [C]; class has >= 1 member image.
     image_features: float [N, k, D] or None; the ViT output tokens of the same top-k tokens
       (stored only for ASER on image features, `replay.aser.asv_features`).
+    class_index: `class_index.ClassIndex`; the per-class member index (class c's members,
+      padded, `class_index.counts` int32 [C] the class sizes) with the members' prototype
+      distances, derived from class_membership by `make_replay_buffer` (never stored), so
+      class-conditional draws read a class's members instead of an [N] column.
   """
 
   class_membership: Array
@@ -186,6 +192,7 @@ class ReplayBuffer:
   query_embeddings: Array
   class_valid: Array
   image_features: Array | None = None
+  class_index: class_index_lib.ClassIndex | None = None
 
   @property
   def num_images(self) -> int:
@@ -216,12 +223,14 @@ def make_replay_buffer(
     query_embeddings: float [N, k, E].
     image_features: optional float [N, k, D] (ASER on image features).
   Returns:
-    ReplayBuffer with `class_valid = class_membership.any(0)`.
+    ReplayBuffer with `class_valid = class_membership.any(0)` and the member index
+    (`class_index.build_class_index`, NumPy on the host, O(N * C) once per buffer).
   Raises:
     ValueError: inconsistent shapes.
   Source: docs/reference.md §6.
   """
-  membership = jnp.asarray(class_membership, bool)
+  membership_np = np.asarray(class_membership, bool)
+  membership = jnp.asarray(membership_np)
   prototypes = jnp.asarray(prototypes, jnp.float32)
   distances = jnp.asarray(prototype_distances, jnp.float32)
   class_embeddings = jnp.asarray(class_embeddings)
@@ -257,4 +266,5 @@ def make_replay_buffer(
     class_embeddings=class_embeddings,
     query_embeddings=query_embeddings,
     class_valid=membership.any(axis=0),
+    class_index=class_index_lib.build_class_index(membership_np, np.asarray(distances)),
   )

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from owl_cl.replay import class_index
 from owl_cl.replay import sample_selection as ss
 
 # 6 images, 3 classes.
@@ -28,6 +29,7 @@ def test_class_eligibility():
   )
 
 
+INDEX = class_index.build_class_index(MEMBERSHIP)
 _in_class = jax.jit(ss.uniform_in_class, static_argnames="without_replacement")
 
 
@@ -35,7 +37,7 @@ def test_uniform_in_class_members_unique_and_fallback():
   eligible = np.ones(6, bool)
   for seed in range(10):
     idx, valid = _in_class(
-      jax.random.PRNGKey(seed), MEMBERSHIP, eligible, np.array([0, 0, 0, 2], np.int32)
+      jax.random.PRNGKey(seed), INDEX, eligible, np.array([0, 0, 0, 2], np.int32)
     )
     idx, valid = np.asarray(idx), np.asarray(valid)
     assert valid.all()
@@ -43,21 +45,21 @@ def test_uniform_in_class_members_unique_and_fallback():
     assert MEMBERSHIP[idx[:3], 0].all()  # class 0 has exactly 3 images
     assert idx[3] == 3
   # class 2 has a single image: the second slot falls back to another eligible image.
-  idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, eligible, np.array([2, 2], np.int32))
+  idx, valid = _in_class(jax.random.PRNGKey(0), INDEX, eligible, np.array([2, 2], np.int32))
   assert np.asarray(valid).all() and idx[0] == 3 and idx[1] != 3
   # class -1 means "any eligible image".
   only = np.array([0, 0, 0, 0, 1, 0], bool)
-  idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, only, np.array([-1], np.int32))
+  idx, valid = _in_class(jax.random.PRNGKey(0), INDEX, only, np.array([-1], np.int32))
   assert int(idx[0]) == 4 and bool(valid[0])
   # nothing eligible at all: invalid slots with index 0.
-  idx, valid = _in_class(jax.random.PRNGKey(0), MEMBERSHIP, only, np.array([1, 1], np.int32))
+  idx, valid = _in_class(jax.random.PRNGKey(0), INDEX, only, np.array([1, 1], np.int32))
   assert int(idx[0]) == 4 and np.asarray(valid).tolist() == [True, False] and int(idx[1]) == 0
 
 
 def test_uniform_in_class_with_replacement_allows_repeats():
   idx, valid = _in_class(
     jax.random.PRNGKey(0),
-    MEMBERSHIP,
+    INDEX,
     np.ones(6, bool),
     np.array([2, 2, 2], np.int32),
     without_replacement=False,
@@ -76,7 +78,7 @@ def test_uniform_in_class_is_uniform_over_eligible_members():
   assert abs(counts[1] / 3000 - 0.5) < 0.04
 
 
-def test_uniform_gumbel_top_k_is_uniform_over_ordered_samples():
+def test_uniform_is_uniform_over_ordered_samples():
   # 4 eligible images, 2 slots: each of the 12 ordered pairs has probability 1/12
   # (chi-square, 11 degrees of freedom; p = 0.001 critical value 31.3). uniform_active's
   # i-th active slot takes the i-th of the same sample.
