@@ -77,15 +77,20 @@ class Prefetcher:
     return False
 
   def _read(self) -> None:
-    try:
-      for item in self._items:
-        if not self._put(item):
-          return
-    except BaseException as error:  # pylint: disable=broad-except
-      # Handed to the consumer, which raises it where the serial loop would have.
-      self._put(_Failure(error))
-      return
-    self._put(_END)
+    # `close` sets the stop event before it makes room in the queue: a put that room let
+    # through is followed by this check, so nothing is read after `close`.
+    while not self._stop.is_set():
+      try:
+        item = next(self._items)
+      except StopIteration:
+        self._put(_END)
+        return
+      except BaseException as error:  # pylint: disable=broad-except
+        # Handed to the consumer, which raises it where the serial loop would have.
+        self._put(_Failure(error))
+        return
+      if not self._put(item):
+        return
 
   def __iter__(self):
     return self

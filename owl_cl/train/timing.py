@@ -58,25 +58,41 @@ def _ready_time(output: Any) -> float:
   return time.perf_counter()
 
 
-def step_record(previous_done: float | None, calls: list[tuple[str, float, float]]) -> dict:
+def step_record(
+  previous_done: float | None,
+  calls: list[tuple[str, float, float]],
+  next_done: float | None = None,
+) -> dict:
   """The time breakdown of one step from its device calls (module docstring).
 
   Args:
     previous_done: C_0, perf_counter seconds at which the previous step's last call finished
       (None for a loop's first step: its idle before the first call is then 0).
     calls: [(name, dispatch D_i, completion C_i)] in dispatch order; names from
-      `DEVICE_COMPONENTS` (a name may repeat: its times add up).
+      `DEVICE_COMPONENTS` (a name may repeat: its times add up). Each call needs the one
+      before it (features -> retrieval -> host gather -> train step).
+    next_done: the completion of the next step's first call when it needs this step's last
+      one (the next features or train step need the parameters), else None.
 
   Returns:
     {'step_seconds', 'host_idle', and each name of `calls`: seconds (float >= 0)};
-    step_seconds = sum of the others exactly (up to float rounding). A completion earlier than
-    its call's start (timestamp jitter) counts as 0 busy seconds and moves the chain's end to
-    that start, which keeps the sum exact.
+    step_seconds = sum of the others exactly (up to float rounding).
+
+  A completion can only be timestamped late (the watcher wakes after the call finished), never
+  early, so every C_i is first lowered to the earliest completion of a call that needs it
+  (C_i <= C_{i+1} <= next_done). A completion still earlier than its call's start counts as 0
+  busy seconds and moves the chain's end to that start, which keeps the sum exact.
   """
   record = {"host_idle": 0.0}
   if not calls:
     record["step_seconds"] = 0.0
     return record
+  bounded = []
+  upper = float("inf") if next_done is None else next_done
+  for name, dispatch, completion in reversed(calls):
+    upper = min(completion, upper)
+    bounded.append((name, dispatch, upper))
+  calls = bounded[::-1]
   done = calls[0][1] if previous_done is None else previous_done
   start_of_step = done
   for name, dispatch, completion in calls:
@@ -158,9 +174,17 @@ class StepTimer:
   def collect(self) -> list[dict]:
     """The records of the steps ended since the last `collect` (waits for their completion
     timestamps: their outputs must be computed or on their way)."""
-    for step in self._finished:
-      calls = [(n, d, c if isinstance(c, float) else c.result()) for n, d, c in step.calls]
-      record = step_record(self._previous_done, calls)
+    resolved = [
+      [(n, d, c if isinstance(c, float) else c.result()) for n, d, c in step.calls]
+      for step in self._finished
+    ]
+    for i, (step, calls) in enumerate(zip(self._finished, resolved)):
+      # The next step's first call bounds this step's end when it needs it (features and
+      # train steps need the parameters; a retrieval without features does not).
+      after = resolved[i + 1] if i + 1 < len(resolved) else []
+      needs_this = after and after[0][0] != "retrieval"
+      next_done = min(c for _, _, c in after) if needs_this else None
+      record = step_record(self._previous_done, calls, next_done)
       if calls:
         # The chain's end as `step_record` clamps it: the next step's C_0.
         start = calls[0][1] if self._previous_done is None else self._previous_done
