@@ -125,6 +125,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.num_negatives = 23  # random negative class names per training image (up to)
   c.data.max_instances = 8  # M boxes per image
   c.data.num_workers = 0  # grain worker processes (0 = in process)
+  # Training batches read and transferred ahead by a background thread while the loop waits
+  # for the retrieval (owl_cl.train.prefetch); 0 = in the loop's thread. Same results.
+  c.data.prefetch_batches = 1
   # Decode every image of every split the run reads before training (owl_cl.data.scan: a
   # truncated or missing file is one error up front, not a crash hours in), once per split
   # and data version (recorded under <cache_dir>/data_scan). False skips the decoding (empty

@@ -246,6 +246,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
     }
 
   latest = checkpointer.latest_stage()
+  # {dataset name: the time breakdown of its steps (`timing.summarize`)}: wall-clock figures,
+  # kept apart from the stages' training summaries (which two runs reproduce exactly) and
+  # carried in the stage checkpoints' meta. A dataset resumed from a step checkpoint
+  # summarises the steps run after the resume.
+  step_timings = {}
   if latest is None:
     stages = [{"name": "pretrained", "metrics": evaluate(params, "pretrained")}]
     checkpointer.save(0, params, replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT})
@@ -255,6 +260,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
     params, replay_state, meta = checkpointer.restore(latest, params, replay_state)
     replay_state = replay_setup.upgrade_restored_state(replay_state, meta, workdir)
     stages = meta["stages"]
+    step_timings = meta.get("step_timings", {})
 
   def write(status: str):
     results = {
@@ -275,6 +281,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
       "timings": {
         "pretrain_seconds": pretrain_meta.get("seconds"),
         "wall_seconds": round(time.time() - wall_start, 1),
+        # Per dataset: steps, mean / median seconds of step_seconds, embed, retrieval,
+        # train_step, host_idle, gather, input, and host_idle_fraction (owl_cl.train.timing).
+        "step_timings": step_timings,
       },
       "buffer": buffer_stats,
     }
@@ -300,6 +309,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
       records_path=os.path.join(workdir, "records", f"{dataset.name}.npz"),
       step_checkpoints=step_checkpoints,
     )
+    step_timings[dataset.name] = train_summary.pop("step_timings")
     metrics = evaluate(params, dataset.name, benchmark_lib.stage_eval_names(config, bench, index))
     for name, values in metrics.items():
       trainer.log_scalars(writer, f"eval/{name}", values, index)
@@ -316,7 +326,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
       # is on one local device, which a multi-process save refuses (host copies it takes).
       replay_state = sharding_lib.fetch_replicated(replay_state)
     checkpointer.save(
-      index, params, replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT}
+      index,
+      params,
+      replay_state,
+      {"stages": stages, "step_timings": step_timings, **replay_setup.CHECKPOINT_FORMAT},
     )
     # Every process has finished the dataset before the writer reports it.
     distributed.barrier(f"stage-{index}", timeout_s=BARRIER_TIMEOUT_S)

@@ -32,8 +32,10 @@ from owl_cl.benchmark import Dataset
 from owl_cl.detector import Detector
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import optim
+from owl_cl.train import prefetch
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
+from owl_cl.train import timing
 from owl_cl.validation import ConfigError
 from owl_cl.validation import check_per_dataset_fields
 
@@ -267,19 +269,32 @@ def train_loop(
   after_epoch: Callable[[LoopState], LoopState] = lambda loop: loop,
   checkpoint: Callable[[LoopState], None] = lambda loop: None,
   learning_rate: float | None = None,
+  prefetch_batches: int = 0,
+  timer: timing.StepTimer | None = None,
 ) -> LoopState:
   """Runs train steps until `total_steps` (or `num_epochs` epochs; None = as many as needed).
 
-  Per step: split the key, shard the batch, the replayed inputs (`replay.step_inputs`), the
-  train step, the replay counters; every `train.log_every_steps` steps and at the last one
-  `on_log(loop, host metrics)` returns the progress bar's fields. `after_step(loop)` runs
-  after every step, then `checkpoint(loop)` (`checkpoint_hook`: a step checkpoint when due;
-  raises `preemption.Preempted` after SIGTERM); `after_epoch(loop)` after every epoch begun
-  with steps left. `learning_rate` (the phase's peak) only enters the divergence message.
+  Per step: the next batch, sharded, the key split, the replayed inputs
+  (`replay.step_inputs`), the train step, the replay counters; every
+  `train.log_every_steps` steps and at the last one `on_log(loop, host metrics)` returns the
+  progress bar's fields. `after_step(loop)` runs after every step, then `checkpoint(loop)`
+  (`checkpoint_hook`: a step checkpoint when due; raises `preemption.Preempted` after
+  SIGTERM); `after_epoch(loop)` after every epoch begun with steps left. `learning_rate`
+  (the phase's peak) only enters the divergence message.
+
+  Overlap (`prefetch_batches` > 0, config `data.prefetch_batches`): a background thread
+  reads and shards the next batches (`owl_cl.train.prefetch`) while this thread waits for
+  the retrieval and gathers the replay batch. What cannot overlap: the retrieval of step t
+  needs the parameters after step t - 1, so its features, its retrieval, the gather of its
+  indices and their transfer run after that train step, and the train step after them; the
+  device is idle while the host fetches the indices and gathers (`owl_cl.train.timing`
+  measures it). The results are those of the serial loop (`prefetch_batches` 0) bit for bit.
+  `timer` (`timing.StepTimer`; None: none) records every step's time breakdown.
 
   A `loop` restored from a step checkpoint (`restore_loop`) goes on exactly where it
   stopped: from batch `loop.batch_in_epoch` of epoch `loop.epoch` (that epoch's
-  `after_epoch` still runs), with its keys, counters and optimizer state.
+  `after_epoch` still runs), with its keys, counters and optimizer state. A batch prefetched
+  and not consumed does not count: the position moves when a step takes its batch.
 
   Returns:
     the loop state after the last step (`loop.loss`: the last step's loss).
@@ -290,6 +305,7 @@ def train_loop(
     owl_cl.preemption.Preempted: SIGTERM was received (from `checkpoint`).
   """
   log_every = detector.config.train.log_every_steps
+  timer = timing.NULL_TIMER if timer is None else timer
   bar = progress(total_steps, desc)
   bar.update(loop.step)
   first = loop.epoch
@@ -304,25 +320,37 @@ def train_loop(
     batches = detector.train_batches(
       source, batch_size=batch_size, seed=data_seed, epoch=epoch, start_batch=loop.batch_in_epoch
     )
-    for batch in batches:
-      if loop.step >= total_steps:
-        break
-      loop.key, step_key = jax.random.split(loop.key)
-      inputs = sharding_lib.shard_batch({k: batch[k] for k in MODEL_INPUTS}, detector.mesh)
-      loop, replay_inputs = replay.step_inputs(loop, inputs)
-      loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
-      loop.step += 1
-      loop.batch_in_epoch += 1
-      loop.loss = metrics["loss"]
-      bar.update(1)
-      loop = replay.count(loop, metrics)
-      if loop.step % log_every == 0 or loop.step == total_steps:
-        host_metrics = sharding_lib.fetch_replicated(metrics)
-        check_finite(host_metrics, desc, loop.step, learning_rate)
-        bar.set_postfix(**on_log(loop, host_metrics))
-      after_step(loop)
-      checkpoint(loop)
-      preemption.checkpoint_event("train_step")
+    to_device = lambda batch: sharding_lib.shard_batch(
+      {k: batch[k] for k in MODEL_INPUTS}, detector.mesh
+    )
+    # At most the batches the phase's remaining steps take are read (none wasted at its end).
+    with prefetch.Prefetcher(
+      batches, to_device, prefetch_batches, max(0, total_steps - loop.step)
+    ) as inputs_ahead:
+      while loop.step < total_steps:
+        waited = time.perf_counter()
+        inputs = next(inputs_ahead, None)
+        if inputs is None:
+          break  # the epoch's last batch was taken
+        timer.host("input", time.perf_counter() - waited)
+        loop.key, step_key = jax.random.split(loop.key)
+        loop, replay_inputs = replay.step_inputs(loop, inputs, timer)
+        dispatched = time.perf_counter()
+        loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
+        timer.device("train_step", dispatched, metrics["loss"])
+        timer.end_step()
+        loop.step += 1
+        loop.batch_in_epoch += 1
+        loop.loss = metrics["loss"]
+        bar.update(1)
+        loop = replay.count(loop, metrics)
+        if loop.step % log_every == 0 or loop.step == total_steps:
+          host_metrics = sharding_lib.fetch_replicated(metrics)
+          check_finite(host_metrics, desc, loop.step, learning_rate)
+          bar.set_postfix(**on_log(loop, host_metrics))
+        after_step(loop)
+        checkpoint(loop)
+        preemption.checkpoint_event("train_step")
     loop = after_epoch(loop)
   bar.close()
   return loop
@@ -379,9 +407,11 @@ def pretrain(
   )
   loop = restore_loop(step_checkpoints, 0, loop, no_replay)
   start = time.time()
+  timer = timing.StepTimer()
 
   def on_log(loop, metrics):
     log_scalars(writer, "pretrain", dict(metrics, lr=schedule(loop.step)), loop.step)
+    log_scalars(writer, "timing/pretrain", timing.means(timer.collect()), loop.step)
     seconds = round(time.time() - start, 1)
     curve = loop.history["curve"]
     curve.append({"step": loop.step, "seconds": seconds, "loss": float(metrics["loss"])})
@@ -402,22 +432,29 @@ def pretrain(
       "pre-training step %d: validation AP50 %.3f AP %.3f", loop.step, val["AP50"], val["AP"]
     )
 
-  loop = train_loop(
-    detector,
-    loop,
-    train_step=train_step,
-    replay=no_replay,
-    source=bench.pretrain.train,
-    batch_size=settings.batch_size,
-    data_seed=config.seed,
-    total_steps=settings.num_steps,
-    num_epochs=None,
-    desc="pre-training",
-    on_log=on_log,
-    after_step=after_step,
-    checkpoint=checkpoint_hook(step_checkpoints, 0, settings.num_steps, no_replay, "pre-training"),
-    learning_rate=settings.learning_rate,
-  )
+  try:
+    loop = train_loop(
+      detector,
+      loop,
+      train_step=train_step,
+      replay=no_replay,
+      source=bench.pretrain.train,
+      batch_size=settings.batch_size,
+      data_seed=config.seed,
+      total_steps=settings.num_steps,
+      num_epochs=None,
+      desc="pre-training",
+      on_log=on_log,
+      after_step=after_step,
+      checkpoint=checkpoint_hook(
+        step_checkpoints, 0, settings.num_steps, no_replay, "pre-training"
+      ),
+      learning_rate=settings.learning_rate,
+      prefetch_batches=config.data.prefetch_batches,
+      timer=timer,
+    )
+  finally:
+    timer.close()
   return sharding_lib.fetch_replicated(loop.train_state.params), loop.history["curve"]
 
 
@@ -516,7 +553,9 @@ def train_on_dataset(
   dataset, training resumes from it and ends as the uninterrupted run would.
 
   Returns:
-    (params, replay state, training summary dict for results.json).
+    (params, replay state, training summary dict for results.json; its 'step_timings' is
+    the steps' time breakdown, `timing.StepTimer.summary`, which `experiment` moves to
+    results.json `timings`).
 
   Raises:
     ConfigError: a dataset with fewer training images than one batch.
@@ -565,10 +604,13 @@ def train_on_dataset(
   # `params` gives best_params' tree structure, shapes and dtypes.
   loop = restore_loop(step_checkpoints, index, loop, replay, params if carry_best else None)
 
+  timer = timing.StepTimer()
+
   def on_log(loop, metrics):
     postfix, replay_scalars = replay.log(loop)
     scalars = dict(metrics, lr=schedule(loop.step), **replay_scalars)
     log_scalars(writer, f"train/{dataset.name}", scalars, loop.step)
+    log_scalars(writer, f"timing/{dataset.name}", timing.means(timer.collect()), loop.step)
     return {"loss": f"{float(metrics['loss']):.3f}", **postfix}
 
   def after_epoch(loop):
@@ -590,25 +632,32 @@ def train_on_dataset(
       loop.best_params = best["params"]
     return loop
 
-  loop = train_loop(
-    detector,
-    loop,
-    train_step=train_step,
-    replay=replay,
-    source=dataset.train,
-    batch_size=batch_size,
-    data_seed=config.seed + index,
-    total_steps=total,
-    num_epochs=settings["num_epochs"],
-    desc=f"dataset {index}: {dataset.name}",
-    on_log=on_log,
-    after_epoch=after_epoch,
-    checkpoint=checkpoint_hook(step_checkpoints, index, total, replay, f"dataset {index}"),
-    learning_rate=settings["learning_rate"],
-  )
+  try:
+    loop = train_loop(
+      detector,
+      loop,
+      train_step=train_step,
+      replay=replay,
+      source=dataset.train,
+      batch_size=batch_size,
+      data_seed=config.seed + index,
+      total_steps=total,
+      num_epochs=settings["num_epochs"],
+      desc=f"dataset {index}: {dataset.name}",
+      on_log=on_log,
+      after_epoch=after_epoch,
+      checkpoint=checkpoint_hook(step_checkpoints, index, total, replay, f"dataset {index}"),
+      learning_rate=settings["learning_rate"],
+      prefetch_batches=config.data.prefetch_batches,
+      timer=timer,
+    )
+  finally:
+    timer.close()
   loop = replay.end_dataset(loop)
   summary = {
     "steps": loop.step,
+    # Wall-clock: moved out of the stage's training summary into results.json `timings`.
+    "step_timings": timer.summary(),
     "replayed_images": loop.replayed,
     "final_loss": float(sharding_lib.fetch_replicated(loop.loss)) if loop.step else None,
     "settings": settings,

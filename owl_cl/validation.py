@@ -163,6 +163,7 @@ FIELD_RULES: dict[str, Rule] = {
   "data.num_negatives": integer(0),
   "data.max_instances": integer(1),
   "data.num_workers": integer(0),
+  "data.prefetch_batches": integer(0),
   "data.eval_batch_size": integer(1),
   "data.merge_iou": real(0.0, 1.0, low_open=True, optional=True),
   "data.augment.crop_min_area_fraction": real(0.0, 1.0),

@@ -157,19 +157,25 @@ def test_step_checkpoints_keep_the_newest_two_and_restore_exactly(tmp_path):
   off.close()
 
 
-def _fake_loop_run(loop, total_steps, num_epochs, batches_per_epoch, stop_after=None):
+def _fake_loop_run(
+  loop, total_steps, num_epochs, batches_per_epoch, stop_after=None, prefetch=0, reads=None
+):
   """`trainer.train_loop` over fake batches: returns (loop, log of what it consumed).
 
   A batch is `{'images': [epoch, position]}`; the train step adds it to a running sum and
   the key it was given to a list, so the order of batches and keys is observable.
   `stop_after`: raise `preemption.Preempted` from the checkpoint hook after that step (the
   moment a checkpoint would have been taken), leaving `loop` as the checkpoint holds it.
+  `prefetch`: the loop's `prefetch_batches`; `reads` (a list): gets (epoch, position) of
+  every batch the input pipeline produced, consumed or not.
   """
   log = []
 
   def train_batches(source, *, batch_size, seed, epoch, start_batch):
     del source, batch_size, seed
     for position in range(start_batch, batches_per_epoch):
+      if reads is not None:
+        reads.append((epoch, position))
       batch = {k: np.zeros((1,)) for k in trainer.MODEL_INPUTS}
       batch["images"] = np.array([epoch, position])
       yield batch
@@ -208,33 +214,44 @@ def _fake_loop_run(loop, total_steps, num_epochs, batches_per_epoch, stop_after=
       on_log=lambda loop, metrics: {},
       after_epoch=after_epoch,
       checkpoint=checkpoint,
+      prefetch_batches=prefetch,
     )
   except preemption.Preempted:
     pass
   return loop, log
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize(
   "stop_after, total_steps, num_epochs",
   [(1, 7, 3), (3, 7, 3), (5, 7, 3), (7, 7, 3), (2, 5, None)],
 )
 def test_resumed_loop_sees_the_same_batches_and_keys(
-  monkeypatch, stop_after, total_steps, num_epochs
+  monkeypatch, stop_after, total_steps, num_epochs, prefetch
 ):
   # 3 batches per epoch: stops at the first step, at an epoch's last step (before its
   # after_epoch), mid-epoch, at the very last step (only after_epoch is left), and in an
-  # open-ended loop (pre-training: num_epochs None).
+  # open-ended loop (pre-training: num_epochs None). With prefetch 2 the stopped run has read
+  # batches ahead that no step took: the resumed run must still start at the next unconsumed
+  # one.
   monkeypatch.setattr(trainer.sharding_lib, "shard_batch", lambda batch, mesh: batch)
   fresh = lambda: trainer.LoopState(train_state=0, replay_state=None, key=jax.random.PRNGKey(3))
   _, uninterrupted = _fake_loop_run(fresh(), total_steps, num_epochs, 3)
-  stopped, first = _fake_loop_run(fresh(), total_steps, num_epochs, 3, stop_after=stop_after)
+  reads = []
+  _, ahead = _fake_loop_run(fresh(), total_steps, num_epochs, 3, prefetch=prefetch, reads=reads)
+  assert ahead == uninterrupted
+  # The pipeline reads exactly the batches the steps take, none past the last step.
+  assert reads == [e[1] for e in uninterrupted if e[0] == "step"]
+  stopped, first = _fake_loop_run(
+    fresh(), total_steps, num_epochs, 3, stop_after=stop_after, prefetch=prefetch
+  )
   assert stopped.step == stop_after
   # What a step checkpoint holds (`trainer.loop_checkpoint`), into a freshly set-up loop.
   restored = fresh()
   restored.train_state, restored.key = stopped.train_state, jnp.asarray(np.asarray(stopped.key))
   restored.step, restored.epoch = stopped.step, stopped.epoch
   restored.batch_in_epoch = stopped.batch_in_epoch
-  _, second = _fake_loop_run(restored, total_steps, num_epochs, 3)
+  _, second = _fake_loop_run(restored, total_steps, num_epochs, 3, prefetch=prefetch)
   assert first + second == uninterrupted
   assert [e for e in uninterrupted if e[0] == "step"][-1][1] == (
     (total_steps - 1) // 3,

@@ -16,6 +16,7 @@ device arrays (`ReplayBuffer`), the *replay state* the retrieval's counters and 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, NamedTuple
 
 from absl import logging
@@ -32,6 +33,7 @@ from owl_cl.replay import records as records_lib
 from owl_cl.replay import state as replay_state_lib
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
+from owl_cl.train import timing
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
 from owl_cl.validation import ConfigError
@@ -279,8 +281,8 @@ class NoReplay:
   def prepare(self, loop):
     return loop
 
-  def step_inputs(self, loop, inputs):
-    del inputs
+  def step_inputs(self, loop, inputs, timer=timing.NULL_TIMER):
+    del inputs, timer
     return loop, None
 
   def count(self, loop, metrics):
@@ -404,21 +406,31 @@ class Replay:
       return self._embed(params, inputs["images"], inputs["queries"]), None
     return {}, None
 
-  def step_inputs(self, loop, inputs):
+  def step_inputs(self, loop, inputs, timer=timing.NULL_TIMER):
     """The replayed examples of one step, sharded, and the loop with its replay state moved on.
+
+    `timer` (`owl_cl.train.timing.StepTimer`) records the features' and the retrieval's
+    dispatch and completion and the host seconds of the gather (+ transfer).
 
     Returns:
       (loop, replay inputs): images, queries, labels, boxes, stored_logits, replay_mask bool
       [R] (+ replay_active bool [R] with the paper's loss adaptivity).
     """
+    dispatched = time.perf_counter()
     features, active = self._features(loop.train_state.params, inputs)
+    if features:
+      timer.device("embed", dispatched, features)
+    dispatched = time.perf_counter()
     retrieved = Retrieved(
       *self._retrieve(loop.replay_state, self.buffer, features, self.num_replay, active)
     )
     loop.replay_state = retrieved.replay_state
     # Retrieval is replicated: every process holds the same indices [R] and mask [R], and
-    # gathers from its store only the slots that land on its own devices.
+    # gathers from its store only the slots that land on its own devices. The host waits
+    # here: the step's gather needs them (and they need the previous step's parameters).
     indices, valid = sharding_lib.fetch_replicated((retrieved.indices, retrieved.valid))
+    gather_start = time.perf_counter()
+    timer.device("retrieval", dispatched, gather_start)
     if self.recorder is not None:
       self.recorder.add(sharding_lib.fetch_replicated(retrieved.records), valid)
     dedup.check_auto_reset(loop.replay_state)
@@ -430,7 +442,11 @@ class Replay:
     if active is not None:
       replay_batch["replay_active"] = active
       names.append("replay_active")
-    return loop, sharding_lib.shard_batch({k: replay_batch[k] for k in names}, self.detector.mesh)
+    replay_inputs = sharding_lib.shard_batch(
+      {k: replay_batch[k] for k in names}, self.detector.mesh
+    )
+    timer.host("gather", time.perf_counter() - gather_start)
+    return loop, replay_inputs
 
   def count(self, loop, metrics):
     """Adds the step's replays in the loss, and whether there was any, to the counters."""

@@ -16,6 +16,7 @@ VOLATILE_FIELDS = frozenset(
     "wall_seconds",
     "pretrain_seconds",
     "steps_per_second",
+    "step_timings",
     "created_at",
     "updated_at",
     "run_id",
