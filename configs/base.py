@@ -311,12 +311,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.records = True
   c.replay.top_k = 8  # k class embeddings per image
   # The buffer store keeps its images by reference and decodes them from the pre-training set
-  # when replayed (docs/reference.md §6). image_cache: a folder on local disk (e.g. a local
-  # NVMe '/tmp/owl_cl_replay_images'; '~' and $VARS expanded) where each buffer image's resized
-  # uint8 pixels are kept once decoded (up to S*S*3 bytes per buffer image: 2.1 MB at 840 px,
-  # about 115 GB for the paper's 54k images, filled lazily), so later replays do not decode it
-  # again. None: decode at every replay.
+  # when replayed (docs/reference.md §6). image_cache: a folder on local disk where each buffer
+  # image's resized uint8 pixels are kept once decoded (up to S*S*3 bytes per buffer image,
+  # filled lazily), so later replays read them instead of decoding again; a relative path lies
+  # inside cache_dir, an absolute one (e.g. a local NVMe '/tmp/owl_cl_replay_images'; '~' and
+  # $VARS expanded) anywhere; None: decode at every replay. On for the built-in benchmark
+  # (its 306 images at 64 px: 3.8 MB; decoding them instead costs ~6% of a CPU step); off in
+  # 'paper', whose 54k images at 840 px would take about 115 GB.
   c.replay.image_cache = ml_collections.config_dict.placeholder(str)
+  c.replay.image_cache = "replay_images"
   # Loss adaptivity (paper §4 eqs. 5-6, Table 4; docs/reference.md §9). mode: 'none' (1:1 replay,
   # the
   # paper's main results); 'paper' (replay only for the r new images whose pre-step loss
@@ -466,6 +469,9 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   # "Train-step benchmark").
   c.model.dtype = "bfloat16"
   c.model.remat = "block"
+  # Replayed images are decoded from Objects365 at every replay; a cache of the buffer's
+  # images at 840 px takes about 115 GB: opt in with replay.image_cache on a local disk.
+  c.replay.image_cache = None
   # Required with 'clip': model.tokenizer_vocab_path (the CLIP BPE vocabulary).
   # Required: a scenic msgpack, an HF folder or an owl_cl parameter checkpoint.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)

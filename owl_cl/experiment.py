@@ -149,8 +149,9 @@ def remove_stale_temporaries(config: ml_collections.ConfigDict, workdir: str) ->
   for folder in (cache, *(os.path.join(cache, f) for f in caches)):
     utils.remove_stale_temporaries(folder)
   # The replay image cache's folders are created the same way (replay/images.py).
-  if config.replay.get("image_cache"):
-    utils.remove_stale_temporaries(expand_path(config.replay.image_cache))
+  image_cache = replay_setup.image_cache_dir(config)
+  if image_cache:
+    utils.remove_stale_temporaries(image_cache)
 
 
 def compilation_cache_dir(config: ml_collections.ConfigDict) -> str:

@@ -206,8 +206,18 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     build,
     superseded,
     source=source,
-    image_cache=config.replay.get("image_cache"),
+    image_cache=image_cache_dir(config),
   )
+
+
+def image_cache_dir(config: ml_collections.ConfigDict) -> str | None:
+  """The replay image cache's folder: `replay.image_cache` ('~' and $VARS expanded; a relative
+  path inside `cache_dir`), or None when it is unset or '' (decode at every replay)."""
+  folder = config.replay.get("image_cache")
+  if not folder:
+    return None
+  folder = os.path.expandvars(os.path.expanduser(folder))
+  return os.path.join(expand_path(config.cache_dir), folder)  # an absolute folder wins
 
 
 # Written into every stage checkpoint's meta: the form of the class embeddings its replay state

@@ -214,3 +214,20 @@ def test_wrong_or_missing_source_is_refused(tmp_path):
 
   with pytest.raises(ValueError, match="has 8 images"):
     store_lib.ReplayStore.load(path, source=Short())
+
+
+def test_image_cache_folder_from_the_config(tmp_path, monkeypatch):
+  from owl_cl.replay import setup as replay_setup  # noqa: PLC0415
+  from owl_cl.testing.configs import tiny_config  # noqa: PLC0415
+
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  # The built-in default: a folder inside cache_dir.
+  assert replay_setup.image_cache_dir(config) == str(tmp_path / "cache" / "replay_images")
+  config.replay.image_cache = str(tmp_path / "nvme")  # absolute: as given
+  assert replay_setup.image_cache_dir(config) == str(tmp_path / "nvme")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  config.replay.image_cache = "~/images"
+  assert replay_setup.image_cache_dir(config) == str(tmp_path / "home" / "images")
+  for off in (None, ""):
+    config.replay.image_cache = off
+    assert replay_setup.image_cache_dir(config) is None
