@@ -249,10 +249,7 @@ def main(argv=None):
     load_average_end=os.getloadavg()[0],
   )
   stem = os.path.join(args.out, "asv_left")
-  utils.atomic_write_json(stem + ".json", report, indent=2)
-  text = render_markdown(report)
-  utils.atomic_write_text(stem + ".md", text)
-  print(text)
+  utils.write_report(stem, report, render_markdown(report), indent=2)
   return report
 
 

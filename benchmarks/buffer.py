@@ -364,11 +364,7 @@ def main(argv=None):
       by_size[200000]["peak_rss_bytes"] / by_size[20000]["peak_rss_bytes"]
     )
   report["store_bytes_per_image_paper"] = report["paper"]["store_bytes_per_image_paper"]
-  # Atomic: a killed benchmark never leaves a half-written results file.
-  utils.atomic_write_json(stem + ".json", report, indent=1)
-  text = render_markdown(report)
-  utils.atomic_write_text(stem + ".md", text)
-  print(text)
+  utils.write_report(stem, report, render_markdown(report), indent=1)
   return report
 
 

@@ -742,11 +742,7 @@ def main(argv=None):
     "not_measured": missing,
   }
   stem = os.path.join(args.out, "retrieval" + ("_quick" if args.quick else ""))
-  # Atomic: a killed benchmark never leaves a half-written results file.
-  utils.atomic_write_json(stem + ".json", report, indent=2)
-  text = render_markdown(report)
-  utils.atomic_write_text(stem + ".md", text)
-  print(text)
+  utils.write_report(stem, report, render_markdown(report), indent=2)
   return report
 
 

@@ -69,6 +69,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from owl_cl import model as model_lib  # noqa: E402
+from owl_cl import utils  # noqa: E402
 from owl_cl.model import clip as clip_lib  # noqa: E402
 from owl_cl.train import losses  # noqa: E402
 from owl_cl.train import sharding as sharding_lib  # noqa: E402
@@ -578,7 +579,7 @@ def _fmt_gb(x):
   return "-" if x is None else f"{x / GB:.2f}"
 
 
-def write_markdown(path: str, results: dict) -> None:
+def render_markdown(results: dict) -> str:
   lines = [f"# Train-step benchmark ({results['mode']})", ""]
   env = results["environment"]
   lines += [
@@ -657,8 +658,7 @@ def write_markdown(path: str, results: dict) -> None:
       f"Warm / cold compile time: **{c['warm']['compile_s'] / c['cold']['compile_s']:.3f}**.",
       "",
     ]
-  with open(path, "w") as f:
-    f.write("\n".join(lines))
+  return "\n".join(lines)
 
 
 def _environment() -> dict:
@@ -760,9 +760,7 @@ def main(argv=None) -> dict:
   if set(results) <= {"mode", "environment", "batches", "timing_skipped", "compile_cache"}:
     # Only the compilation was measured: its own files, the full results stay as they are.
     stem += "_compile"
-  with open(stem + ".json", "w") as f:
-    json.dump(results, f, indent=1, default=str)
-  write_markdown(stem + ".md", results)
+  utils.write_report(stem, results, render_markdown(results))
   print(f"wrote {stem}.json and {stem}.md", flush=True)
   return results
 

@@ -127,6 +127,15 @@ def atomic_write_json(path: str, obj: Any, **dump_kwargs) -> None:
   atomic_write_text(path, json.dumps(obj, **dump_kwargs))
 
 
+def write_report(stem: str, report: dict, markdown: str, indent: int = 1) -> None:
+  """A benchmark's results: `<stem>.json` (`report`) and `<stem>.md` (`markdown`), each
+  written atomically (a killed benchmark never leaves a half-written file); prints the
+  Markdown. Non-JSON values are written with `str`."""
+  atomic_write_text(stem + ".json", json.dumps(report, indent=indent, default=str))
+  atomic_write_text(stem + ".md", markdown)
+  print(markdown, flush=True)
+
+
 EXISTING_FOLDER_POLICIES = ("error", "replace", "keep")
 
 
@@ -176,6 +185,31 @@ def atomic_directory(path: str, *, if_exists: str = "error") -> Iterator[str]:
       _swap_in(tmp, path)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)  # gone already unless the block failed, or 'keep'
+
+
+def open_progress_folder(path: str, manifest: dict, what: str, subfolder: str = "") -> bool:
+  """Opens the progress folder of a resumable computation; returns True when resuming.
+
+  A folder whose `manifest.json` differs from `manifest` (another computation, or none
+  readable) is deleted with a warning naming `what`; a new folder (with `subfolder` inside)
+  then gets the manifest, written atomically. Used by the buffer build and ASER-PC's left term.
+  """
+  manifest_path = os.path.join(path, "manifest.json")
+  if os.path.isdir(path):
+    try:
+      with open(manifest_path) as f:
+        old = json.load(f)
+    except (OSError, ValueError):
+      old = None
+    if old != manifest:
+      logging.warning("%s: %s is of another computation; restarting", what, path)
+      shutil.rmtree(path)
+  if os.path.isdir(path):
+    logging.info("%s: resuming in %s", what, path)
+    return True
+  os.makedirs(os.path.join(path, subfolder) if subfolder else path)
+  atomic_write_json(manifest_path, manifest)
+  return False
 
 
 def _swap_in(new: str, path: str) -> None:

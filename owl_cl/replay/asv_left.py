@@ -153,19 +153,7 @@ class _ProgressFolder:
   def __init__(self, path: str, manifest: dict):
     self.path = path
     self.state_path = os.path.join(path, "state.npz")
-    manifest_path = os.path.join(path, "manifest.json")
-    if os.path.isdir(path):
-      try:
-        with open(manifest_path) as f:
-          old = json.load(f)
-      except (OSError, ValueError):
-        old = None
-      if old != manifest:
-        logging.warning("ASER-PC left term: %s is of another computation; restarting", path)
-        shutil.rmtree(path)
-    if not os.path.isdir(path):
-      os.makedirs(path)
-      utils.atomic_write_json(manifest_path, manifest)
+    utils.open_progress_folder(path, manifest, "ASER-PC left term")
 
   def state(self) -> tuple[int, np.ndarray | None, np.ndarray | None]:
     """(chunks committed, sum float64 [N], min float32 [N]); (0, None, None) before the first."""

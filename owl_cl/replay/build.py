@@ -270,21 +270,7 @@ class _BuildFolder:
   def __init__(self, path: str, manifest: dict):
     self.path = path
     self.store = os.path.join(path, "store")
-    manifest_path = os.path.join(path, "manifest.json")
-    if os.path.isdir(path):
-      try:
-        with open(manifest_path) as f:
-          old = json.load(f)
-      except (OSError, ValueError):
-        old = None
-      if old != manifest:
-        logging.warning("replay buffer: the build folder %s is of another build; restarting", path)
-        shutil.rmtree(path)
-    if not os.path.isdir(path):
-      os.makedirs(self.store)
-      atomic_write_json(manifest_path, manifest)
-    else:
-      logging.info("replay buffer: resuming the build in %s", path)
+    utils.open_progress_folder(path, manifest, "replay buffer build", subfolder="store")
 
   def state(self, name: str) -> tuple[int, np.ndarray | None, np.ndarray | None]:
     """(batches committed by pass `name`, its sums float64 [C, E], counts int64 [C]); (0, None,
