@@ -26,6 +26,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "multihost_worker.py")
 
 
+def _process_env(nproc: int) -> dict:
+  """The environment of one of `nproc` processes: CPU only, 8 devices over all of them."""
+  return dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
+    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    PYTHONUNBUFFERED="1",
+  )
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -42,13 +53,7 @@ def _spawn(jobs: list[tuple[str, int, str]], timeout: float) -> list[list[tuple[
   try:
     for j, (mode, nproc, out) in enumerate(jobs):
       port = str(_free_port())
-      env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        PYTHONUNBUFFERED="1",
-      )
+      env = _process_env(nproc)
       for pid in range(nproc):
         log = open(os.path.join(out, f"{mode}{nproc}_{pid}.log"), "w+")
         handles.append((j, None, log))
@@ -299,13 +304,7 @@ def _main_jobs(jobs: list[dict], timeout: float) -> list[list[tuple[int, str]]]:
     for j, job in enumerate(jobs):
       nproc, workdir = job["nproc"], job["workdir"]
       port = str(_free_port())
-      env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        PYTHONUNBUFFERED="1",
-      )
+      env = _process_env(nproc)
       env.pop(preemption.KILL_HOOK_ENV, None)
       env.pop(DETECTIONS_HOOK_ENV, None)
       if job.get("detections_dir"):
