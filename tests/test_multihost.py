@@ -94,27 +94,34 @@ def _check(results):
     assert rc == 0, f"process {pid} {status}:\n{output[-4000:]}"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """Outputs of the 1 x 8 reference and of both processes of the 2 x 4 run (run side by side:
-  the processes' serial phases, start-up and waits, overlap)."""
-  single = str(tmp_path_factory.mktemp("single"))
-  multi = str(tmp_path_factory.mktemp("multi"))
-  single_run, multi_run = _spawn([("run", 1, single), ("run", 2, multi)], timeout=400)
+def test_two_process_run_matches_one_process_run(tmp_path):
+  # The 1 x 8 reference and both processes of the 2 x 4 run, side by side (the processes'
+  # serial phases, start-up and waits, overlap). One test for every check of their outputs:
+  # under `pytest -n 2` a module fixture shared by several tests is built once per worker
+  # that runs one of them (70 s of processes each time).
+  single_dir, multi_dir = str(tmp_path / "single"), str(tmp_path / "multi")
+  os.makedirs(single_dir)
+  os.makedirs(multi_dir)
+  single_run, multi_run = _spawn([("run", 1, single_dir), ("run", 2, multi_dir)], timeout=400)
   _check(multi_run)
   _check(single_run)
   load = lambda d, pid: dict(np.load(os.path.join(d, f"process{pid}.npz")))
-  return load(single, 0), [load(multi, 0), load(multi, 1)]
+  single, multi = load(single_dir, 0), [load(multi_dir, 0), load(multi_dir, 1)]
+  _collectives_across_processes(single, multi)
+  _train_step_matches_single_process(single, multi)
+  _dataset_shards_cover_once(single, multi)
+  _gathered_predictions_equal_single_process(single, multi)
+  _replay_slots_are_local(single, multi)
+  _orbax_stage_checkpoint_roundtrip(single, multi)
+  _writer_and_log_prefix(single, multi)
 
 
-def test_collectives_across_processes(runs):
-  single, multi = runs
+def _collectives_across_processes(single, multi):
   for r in [single] + multi:
     assert float(r["psum"]) == 28.0  # sum of 0..7, exact in float32
 
 
-def test_train_step_matches_single_process(runs):
-  single, multi = runs
+def _train_step_matches_single_process(single, multi):
   metric_keys = [k for k in single if k.startswith("metric/")]
   param_keys = [k for k in single if k.startswith("param/")]
   assert "metric/loss" in metric_keys and len(param_keys) > 10
@@ -132,8 +139,7 @@ def test_train_step_matches_single_process(runs):
     np.testing.assert_array_equal(multi[0][k], multi[1][k], err_msg=k)
 
 
-def test_dataset_shards_cover_once(runs):
-  single, multi = runs
+def _dataset_shards_cover_once(single, multi):
   ids = list(range(1000, 1037))
   assert single["shard"].tolist() == ids
   shards = [r["shard"].tolist() for r in multi]
@@ -141,8 +147,7 @@ def test_dataset_shards_cover_once(runs):
   assert [len(s) for s in shards] == [19, 18]
 
 
-def test_gathered_predictions_equal_single_process(runs):
-  single, multi = runs
+def _gathered_predictions_equal_single_process(single, multi):
   assert single["pred_ids"].tolist() == list(range(1000, 1037))
   for r in multi:
     np.testing.assert_array_equal(r["pred_ids"], single["pred_ids"])
@@ -151,8 +156,7 @@ def test_gathered_predictions_equal_single_process(runs):
     np.testing.assert_allclose(r["pred_scores"], single["pred_scores"], rtol=0, atol=1e-6)
 
 
-def test_replay_slots_are_local(runs):
-  single, multi = runs
+def _replay_slots_are_local(single, multi):
   np.testing.assert_array_equal(single["replay_rows"], np.arange(8))
   for pid, r in enumerate(multi):
     np.testing.assert_array_equal(r["replay_rows"], np.arange(4 * pid, 4 * pid + 4))
@@ -164,14 +168,12 @@ def test_replay_slots_are_local(runs):
   np.testing.assert_array_equal(single["replay_global"], single["replay_expected"])
 
 
-def test_orbax_stage_checkpoint_roundtrip(runs):
+def _orbax_stage_checkpoint_roundtrip(single, multi):
   # Both processes save stage 0 into one shared folder and restore it bit for bit.
-  single, multi = runs
   assert [bool(r["checkpoint_roundtrip"]) for r in [single] + multi] == [True, True, True]
 
 
-def test_writer_and_log_prefix(runs):
-  single, multi = runs
+def _writer_and_log_prefix(single, multi):
   assert bool(single["is_writer"]) and str(single["log_prefix"]) == ""
   assert [bool(r["is_writer"]) for r in multi] == [True, False]
   assert [str(r["log_prefix"]) for r in multi] == ["[process 0/2] ", "[process 1/2] "]
