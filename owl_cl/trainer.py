@@ -252,6 +252,10 @@ def make_optimizer(params, optimizer: dict, total_steps: int, config: ml_collect
   )
 
 
+# `train_loop`: no batch was taken ahead for the next step.
+_NOT_TAKEN = object()
+
+
 def train_loop(
   detector: Detector,
   loop: LoopState,
@@ -310,48 +314,63 @@ def train_loop(
   bar.update(loop.step)
   first = loop.epoch
   epochs = itertools.count(first) if num_epochs is None else range(first, num_epochs)
-  for epoch in epochs:
-    # A restored loop part-way into its epoch finishes it (and its after_epoch) first.
-    continuing = epoch == first and loop.batch_in_epoch > 0
-    if loop.step >= total_steps and not continuing:
-      break
-    if not continuing:
-      loop.epoch, loop.batch_in_epoch = epoch, 0
-    batches = detector.train_batches(
-      source, batch_size=batch_size, seed=data_seed, epoch=epoch, start_batch=loop.batch_in_epoch
-    )
-    to_device = lambda batch: sharding_lib.shard_batch(
-      {k: batch[k] for k in MODEL_INPUTS}, detector.mesh
-    )
-    # At most the batches the phase's remaining steps take are read (none wasted at its end).
-    with prefetch.Prefetcher(
-      batches, to_device, prefetch_batches, max(0, total_steps - loop.step)
-    ) as inputs_ahead:
-      while loop.step < total_steps:
-        waited = time.perf_counter()
-        inputs = next(inputs_ahead, None)
-        if inputs is None:
-          break  # the epoch's last batch was taken
-        timer.host("input", time.perf_counter() - waited)
-        loop.key, step_key = jax.random.split(loop.key)
-        loop, replay_inputs = replay.step_inputs(loop, inputs, timer)
-        dispatched = time.perf_counter()
-        loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
-        timer.device("train_step", dispatched, metrics["loss"])
-        timer.end_step()
-        loop.step += 1
-        loop.batch_in_epoch += 1
-        loop.loss = metrics["loss"]
-        bar.update(1)
-        loop = replay.count(loop, metrics)
-        if loop.step % log_every == 0 or loop.step == total_steps:
-          host_metrics = sharding_lib.fetch_replicated(metrics)
-          check_finite(host_metrics, desc, loop.step, learning_rate)
-          bar.set_postfix(**on_log(loop, host_metrics))
-        after_step(loop)
-        checkpoint(loop)
-        preemption.checkpoint_event("train_step")
-    loop = after_epoch(loop)
+  try:
+    for epoch in epochs:
+      # A restored loop part-way into its epoch finishes it (and its after_epoch) first.
+      continuing = epoch == first and loop.batch_in_epoch > 0
+      if loop.step >= total_steps and not continuing:
+        break
+      if not continuing:
+        loop.epoch, loop.batch_in_epoch = epoch, 0
+      batches = detector.train_batches(
+        source, batch_size=batch_size, seed=data_seed, epoch=epoch, start_batch=loop.batch_in_epoch
+      )
+      to_device = lambda batch: sharding_lib.shard_batch(
+        {k: batch[k] for k in MODEL_INPUTS}, detector.mesh
+      )
+      # At most the batches the phase's remaining steps take are read (none wasted at its end).
+      with prefetch.Prefetcher(
+        batches, to_device, prefetch_batches, max(0, total_steps - loop.step)
+      ) as inputs_ahead:
+        next_inputs = _NOT_TAKEN  # the next step's batch, taken early for a stale retrieval
+        while loop.step < total_steps:
+          waited = time.perf_counter()
+          inputs = next(inputs_ahead, None) if next_inputs is _NOT_TAKEN else next_inputs
+          next_inputs = _NOT_TAKEN
+          if inputs is None:
+            break  # the epoch's last batch was taken
+          timer.host("input", time.perf_counter() - waited)
+          loop.key, step_key = jax.random.split(loop.key)
+          loop, replay_inputs = replay.step_inputs(loop, inputs, timer)
+          if loop.step + 1 < total_steps:
+            # The next step's retrieval, dispatched before this train step, its gather in the
+            # background meanwhile (`Replay.look_ahead`; a no-op where it would be inexact).
+            if replay.reads_next_batch:
+              waited = time.perf_counter()
+              next_inputs = next(inputs_ahead, None)
+              timer.host("input", time.perf_counter() - waited)
+            replay.look_ahead(loop, None if next_inputs is _NOT_TAKEN else next_inputs)
+          dispatched = time.perf_counter()
+          loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
+          timer.device("train_step", dispatched, metrics["loss"])
+          timer.end_step()
+          loop.step += 1
+          loop.batch_in_epoch += 1
+          loop.loss = metrics["loss"]
+          bar.update(1)
+          loop = replay.count(loop, metrics)
+          if loop.step % log_every == 0 or loop.step == total_steps:
+            host_metrics = sharding_lib.fetch_replicated(metrics)
+            check_finite(host_metrics, desc, loop.step, learning_rate)
+            bar.set_postfix(**on_log(loop, host_metrics))
+          after_step(loop)
+          checkpoint(loop)
+          preemption.checkpoint_event("train_step")
+      loop = after_epoch(loop)
+  finally:
+    # A retrieval prepared ahead that no step took (the phase's end, a stop, an error)
+    # is dropped: the serial loop would not have computed it.
+    replay.close_lookahead()
   bar.close()
   return loop
 

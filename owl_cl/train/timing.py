@@ -180,9 +180,10 @@ class StepTimer:
     ]
     for i, (step, calls) in enumerate(zip(self._finished, resolved)):
       # The next step's first call bounds this step's end when it needs it (features and
-      # train steps need the parameters; a retrieval without features does not).
+      # train steps need the parameters; a retrieval without features does not, nor does a
+      # call dispatched before this step's last one: prepared ahead, `Replay.look_ahead`).
       after = resolved[i + 1] if i + 1 < len(resolved) else []
-      needs_this = after and after[0][0] != "retrieval"
+      needs_this = after and calls and after[0][0] != "retrieval" and after[0][1] >= calls[-1][1]
       next_done = min(c for _, _, c in after) if needs_this else None
       record = step_record(self._previous_done, calls, next_done)
       if calls:
