@@ -286,14 +286,26 @@ def train_loop(
   SIGTERM); `after_epoch(loop)` after every epoch begun with steps left. `learning_rate`
   (the phase's peak) only enters the divergence message.
 
-  Overlap (`prefetch_batches` > 0, config `data.prefetch_batches`): a background thread
-  reads and shards the next batches (`owl_cl.train.prefetch`) while this thread waits for
-  the retrieval and gathers the replay batch. What cannot overlap: the retrieval of step t
-  needs the parameters after step t - 1, so its features, its retrieval, the gather of its
-  indices and their transfer run after that train step, and the train step after them; the
-  device is idle while the host fetches the indices and gathers (`owl_cl.train.timing`
-  measures it). The results are those of the serial loop (`prefetch_batches` 0) bit for bit.
-  `timer` (`timing.StepTimer`; None: none) records every step's time breakdown.
+  Overlap. (1) `prefetch_batches` > 0 (config `data.prefetch_batches`): a background thread
+  reads and shards the next new batches (`owl_cl.train.prefetch`). (2) The replay lookahead
+  (`Replay.look_ahead`, config `replay.lookahead`): before dispatching train step t the loop
+  dispatches step t+1's retrieval, ahead of train step t on the devices, and a second
+  background thread fetches its indices, gathers the replay batch from the store and
+  transfers it while train step t runs; step t+1 takes it ready and dispatches its train step
+  at once, so the device no longer waits for the gather. Exact, hence on by default, where
+  the retrieval reads no parameters (uniform, uniform_balanced, grasp and their dedup
+  variants): its next call depends only on the replay state after this one. Not across a
+  change of that state between the steps (a dedup reset in `after_epoch`): the retrieval
+  prepared ahead is dropped and redone in line. What cannot overlap exactly: a retrieval
+  that reads the parameters (features of the new images: SWIL, ASER...; the new-image losses
+  of the paper's loss adaptivity) needs those after step t - 1, so its features, retrieval,
+  gather and transfer run after that train step and before step t's, with the device idle
+  while the host fetches and gathers (`owl_cl.train.timing` measures it);
+  `replay.stale_retrieval` computes them one step stale instead (from the parameters step t
+  trains from, while step t trains; an approximation: other results), which needs the next
+  new batch early, so not at an epoch's last step (the next epoch's reader does not exist
+  yet). With (1), exact (2), or both, the results are the serial loop's bit for bit. `timer`
+  (`timing.StepTimer`; None: none) records every step's time breakdown.
 
   A `loop` restored from a step checkpoint (`restore_loop`) goes on exactly where it
   stopped: from batch `loop.batch_in_epoch` of epoch `loop.epoch` (that epoch's
@@ -337,6 +349,8 @@ def train_loop(
           waited = time.perf_counter()
           inputs = next(inputs_ahead, None) if next_inputs is _NOT_TAKEN else next_inputs
           next_inputs = _NOT_TAKEN
+          if isinstance(inputs, prefetch.Failure):
+            raise inputs.error
           if inputs is None:
             break  # the epoch's last batch was taken
           timer.host("input", time.perf_counter() - waited)
@@ -347,9 +361,16 @@ def train_loop(
             # background meanwhile (`Replay.look_ahead`; a no-op where it would be inexact).
             if replay.reads_next_batch:
               waited = time.perf_counter()
-              next_inputs = next(inputs_ahead, None)
+              try:
+                next_inputs = next(inputs_ahead, None)
+              except Exception as error:  # pylint: disable=broad-except
+                # Raised when the next step takes its batch, as in the serial loop.
+                next_inputs = prefetch.Failure(error)
               timer.host("input", time.perf_counter() - waited)
-            replay.look_ahead(loop, None if next_inputs is _NOT_TAKEN else next_inputs)
+            readable = next_inputs is not _NOT_TAKEN and not isinstance(
+              next_inputs, prefetch.Failure
+            )
+            replay.look_ahead(loop, next_inputs if readable else None)
           dispatched = time.perf_counter()
           loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
           timer.device("train_step", dispatched, metrics["loss"])

@@ -5,8 +5,9 @@
   the pre-training set (selected once, cached under `cache_dir/buffers`).
 - `make_replay(...)`: the object the step loop calls. `Replay` prepares the device buffer
   before a dataset and, per step, computes the new images' features, retrieves, gathers the
-  replayed examples, writes the retrieval records and counts the replays that entered the
-  loss; `NoReplay` (retrieval 'none') does nothing, so the loop has no replay branches.
+  replayed examples (or takes them prepared during the previous step: `Replay.look_ahead`),
+  writes the retrieval records and counts the replays that entered the loss; `NoReplay`
+  (retrieval 'none') does nothing, so the loop has no replay branches.
 
 Names: the *store* is the host copy of the selected images (`ReplayStore`), the *buffer* its
 device arrays (`ReplayBuffer`), the *replay state* the retrieval's counters and PRNG key
@@ -378,9 +379,15 @@ class Replay:
   """Retrieval from the buffer plus DER++ (paper eq. 1-5) for one downstream dataset.
 
   The loop calls `prepare` once before the dataset's first step, then per step
-  `step_inputs` (the replayed examples: features -> retrieval -> gather) and `count`
+  `step_inputs` (the replayed examples: features -> retrieval -> gather), `look_ahead` (the
+  next step's, prepared while this one trains, where `lookahead` allows) and `count`
   (replays that entered the loss), `end_epoch` / `end_dataset` (dedup resets), `log` and
-  `summary`. The counters live in the loop state (device scalars: no host sync per step).
+  `summary`, and `close_lookahead` at the loop's end. The counters live in the loop state
+  (device scalars: no host sync per step).
+
+  `lookahead`: 'exact' (the retrieval reads no parameters), 'stale'
+  (`replay.stale_retrieval` with one that does) or None (serial: `replay.lookahead` False,
+  or a retrieval that reads the parameters without the stale option).
   """
 
   def __init__(self, detector, store, records_path: str | None):
