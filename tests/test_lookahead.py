@@ -168,9 +168,10 @@ def test_error_in_the_lookahead_thread_is_raised_at_its_step(shared, tmp_path, m
 
 def test_stale_retrieval_reads_the_parameters_of_the_previous_step(shared, tmp_path):
   """SWIL with `replay.stale_retrieval`: the features of a step prepared ahead come from the
-  parameters the previous train step started from, those of a step computed serially from
-  its own (compared bit for bit with the parameters each train step was given)."""
-  config = _config("swil", shared, stale_retrieval=True)
+  parameters the previous train step started from, those of the loop's first step from its
+  own (compared bit for bit with the parameters each train step was given). With a dedup
+  reset at the epoch's end, step 3's retrieval is redone from the same stale features."""
+  config = _config("swil", shared, stale_retrieval=True, dedup="epoch")
   config.train.num_epochs = 2  # 4 steps
   embedded, trained = [], []  # (host params, new batch) given to each features / train step
   features, make = replay_setup.Replay._features, step_lib.make_train_step
@@ -194,16 +195,17 @@ def test_stale_retrieval_reads_the_parameters_of_the_previous_step(shared, tmp_p
     patch.setattr(step_lib, "make_train_step", counting)
     _, _, summary, _, threads = _run(config, shared, tmp_path, "f")
   assert summary["steps"] == 4 and len(trained) == len(embedded) == 4
-  # Step 1 serially, step 2 ahead; step 3 (first of epoch 2) serially: its batch is read by
-  # the next epoch's reader, which does not exist yet at step 2; step 4 ahead.
-  assert threads == [MAIN, AHEAD, MAIN, AHEAD]
+  # Step 1 serially; steps 2-4 prepared ahead (step 3's batch is the next epoch's first: one
+  # reader reads every epoch); step 3's retrieval read the state before the epoch's reset:
+  # its gather is dropped and the retrieval redone in the loop's thread, from its features.
+  assert threads == [MAIN, AHEAD, AHEAD, MAIN, AHEAD]
   same = lambda a, b: all(
     np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))
   )
-  for t, ahead in enumerate([False, True, False, True]):
+  for t in range(4):
     params, inputs = embedded[t]
     assert inputs is trained[t][1], t  # the features of step t's own new batch
-    assert same(params, trained[t - 1 if ahead else t][0]), t
-  # Step 3's update (the learning rate is 0 at step 1, the warmup's start) changed the
-  # parameters: the check of step 4 above tells stale from serial features.
-  assert not same(trained[2][0], trained[3][0])
+    assert same(params, trained[max(t - 1, 0)][0]), t
+  # Steps 2 and 3 changed the parameters (the learning rate is 0 at step 1, the warmup's
+  # start): the checks of steps 3 and 4 above tell stale from current features.
+  assert not same(trained[1][0], trained[2][0]) and not same(trained[2][0], trained[3][0])
