@@ -24,6 +24,7 @@ from owl_cl.replay import setup as replay_setup
 from owl_cl.testing.configs import tiny_config
 from owl_cl.train import checkpointing
 from owl_cl.train import step as step_lib
+from owl_cl.validation import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +210,12 @@ def test_stale_retrieval_reads_the_parameters_of_the_previous_step(shared, tmp_p
   # Steps 2 and 3 changed the parameters (the learning rate is 0 at step 1, the warmup's
   # start): the checks of steps 3 and 4 above tell stale from current features.
   assert not same(trained[1][0], trained[2][0]) and not same(trained[2][0], trained[3][0])
+
+
+def test_stale_retrieval_without_lookahead_is_a_config_error(tmp_path):
+  config = tiny_config("swil", str(tmp_path))
+  config.replay.stale_retrieval = True
+  replay_setup.check_replay_config(config)  # with the lookahead (the default): accepted
+  config.replay.lookahead = False
+  with pytest.raises(ConfigError, match="stale_retrieval=True .* needs config.replay.lookahead"):
+    replay_setup.check_replay_config(config)
