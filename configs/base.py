@@ -309,6 +309,20 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.replay.aser.asv_features = "class_embeddings"
   # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
   c.replay.records = True
+  # Lookahead (owl_cl.replay.setup `Replay.look_ahead`): while step t trains, step t+1's
+  # retrieval is dispatched and its replay batch gathered from the store and transferred in a
+  # background thread. Exact, hence on, where the retrieval reads no parameters (uniform,
+  # uniform_balanced, grasp and their dedup variants: the same indices, replay state, records
+  # and parameters bit for bit; not across a dedup reset, where it is redone). False: the
+  # serial loop (retrieval, then gather, then train step).
+  c.replay.lookahead = True
+  # Feature-based retrievals (SWIL, ASER, ... and the paper's loss adaptivity) read the
+  # parameters: True computes step t+1's features (and new-image losses) from the parameters
+  # before step t's update, one step stale, so that they, the retrieval and the gather also
+  # overlap step t. An approximation, not in the paper: results differ from False (the
+  # default, exact), and a run resumed from a step checkpoint computes its first step's
+  # features from the current parameters. Needs lookahead.
+  c.replay.stale_retrieval = False
   c.replay.top_k = 8  # k class embeddings per image
   # The buffer store keeps its images by reference and decodes them from the pre-training set
   # when replayed (docs/reference.md §6). image_cache: a folder on local disk where each buffer

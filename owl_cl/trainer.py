@@ -12,6 +12,7 @@ best-epoch carry of a dataset) is passed in as callbacks.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 import dataclasses
 import itertools
@@ -282,14 +283,27 @@ def train_loop(
   SIGTERM); `after_epoch(loop)` after every epoch begun with steps left. `learning_rate`
   (the phase's peak) only enters the divergence message.
 
-  Overlap (`prefetch_batches` > 0, config `data.prefetch_batches`): a background thread
-  reads and shards the next batches (`owl_cl.train.prefetch`) while this thread waits for
-  the retrieval and gathers the replay batch. What cannot overlap: the retrieval of step t
-  needs the parameters after step t - 1, so its features, its retrieval, the gather of its
-  indices and their transfer run after that train step, and the train step after them; the
-  device is idle while the host fetches the indices and gathers (`owl_cl.train.timing`
-  measures it). The results are those of the serial loop (`prefetch_batches` 0) bit for bit.
-  `timer` (`timing.StepTimer`; None: none) records every step's time breakdown.
+  Overlap. (1) `prefetch_batches` > 0 (config `data.prefetch_batches`): a background thread reads
+  and shards the next new batches (`owl_cl.train.prefetch`), one reader for all the phase's
+  epochs, so the next epoch's first batch is read during this epoch's last step and its
+  `after_epoch` (the batches of an epoch depend only on the data seed and the epoch). (2) The
+  replay lookahead (`Replay.look_ahead`, config `replay.lookahead`): before dispatching train step
+  t the loop dispatches step t+1's retrieval, ahead of train step t on the devices, and a second
+  background thread fetches its indices, gathers the replay batch from the store and transfers it
+  while train step t runs; step t+1 takes it ready and dispatches its train step at once, so the
+  device no longer waits for the gather. Exact, hence on by default, where the retrieval reads no
+  parameters (uniform, uniform_balanced, grasp and their dedup variants): its next call depends
+  only on the replay state after this one. Not across a change of that state between the steps (a
+  dedup reset in `after_epoch`): the retrieval prepared ahead is dropped and redone in line. What
+  cannot overlap exactly: a retrieval that reads the parameters (features of the new images: SWIL,
+  ASER...; the new-image losses of the paper's loss adaptivity) needs those after step t - 1, so
+  its features, retrieval, gather and transfer run after that train step and before step t's, with
+  the device idle while the host fetches and gathers (`owl_cl.train.timing` measures it);
+  `replay.stale_retrieval` computes them one step stale instead (from the parameters step t trains
+  from, while step t trains; an approximation: other results), from the next new batch read early
+  (kept for its step; a read error is raised when that step takes it). With (1), exact (2), or
+  both, the results are the serial loop's bit for bit. `timer` (`timing.StepTimer`; None: none)
+  records every step's time breakdown.
 
   A `loop` restored from a step checkpoint (`restore_loop`) goes on exactly where it
   stopped: from batch `loop.batch_in_epoch` of epoch `loop.epoch` (that epoch's
@@ -308,33 +322,86 @@ def train_loop(
   timer = timing.NULL_TIMER if timer is None else timer
   bar = progress(total_steps, desc)
   bar.update(loop.step)
-  first = loop.epoch
+  first, start_batch = loop.epoch, loop.batch_in_epoch
+  # A restored loop part-way into its epoch finishes it (and its after_epoch) first.
+  continuing = start_batch > 0
   epochs = itertools.count(first) if num_epochs is None else range(first, num_epochs)
-  for epoch in epochs:
-    # A restored loop part-way into its epoch finishes it (and its after_epoch) first.
-    continuing = epoch == first and loop.batch_in_epoch > 0
-    if loop.step >= total_steps and not continuing:
-      break
-    if not continuing:
-      loop.epoch, loop.batch_in_epoch = epoch, 0
-    batches = detector.train_batches(
-      source, batch_size=batch_size, seed=data_seed, epoch=epoch, start_batch=loop.batch_in_epoch
-    )
-    to_device = lambda batch: sharding_lib.shard_batch(
-      {k: batch[k] for k in MODEL_INPUTS}, detector.mesh
-    )
-    # At most the batches the phase's remaining steps take are read (none wasted at its end).
-    with prefetch.Prefetcher(
-      batches, to_device, prefetch_batches, max(0, total_steps - loop.step)
-    ) as inputs_ahead:
-      while loop.step < total_steps:
+  left = max(0, total_steps - loop.step)
+
+  def phase_items():
+    """(epoch, None) as an epoch begins, then (epoch, host batch) for each of its batches:
+    every epoch of the phase in order, read by one reader; at most the batches the phase's
+    remaining steps take (none wasted at its end), and no epoch begun without steps left
+    (but a restored loop's, which its after_epoch still ends)."""
+    remaining = left
+    for epoch in epochs:
+      resumed = epoch == first and continuing
+      if remaining <= 0 and not resumed:
+        return
+      yield epoch, None
+      batches = detector.train_batches(
+        source,
+        batch_size=batch_size,
+        seed=data_seed,
+        epoch=epoch,
+        start_batch=start_batch if resumed else 0,
+      )
+      for batch in itertools.islice(batches, remaining):
+        remaining -= 1
+        yield epoch, batch
+
+  def to_device(item):
+    epoch, batch = item
+    if batch is None:
+      return item
+    return epoch, sharding_lib.shard_batch({k: batch[k] for k in MODEL_INPUTS}, detector.mesh)
+
+  begun = False  # an epoch was begun (its after_epoch is due when it ends)
+  read_early = collections.deque()  # items read before their turn (a stale retrieval's batch)
+  try:
+    with prefetch.Prefetcher(phase_items(), to_device, prefetch_batches, None) as items:
+
+      def next_batch():
+        """The next step's batch, read early (kept for its turn), or None: no step follows."""
+        while True:
+          try:
+            item = next(items, None)
+          except Exception as error:  # pylint: disable=broad-except
+            # Raised when the next step takes its batch, as in the serial loop.
+            item = prefetch.Failure(error)
+          read_early.append(item)
+          if item is None or isinstance(item, prefetch.Failure):
+            return None
+          if item[1] is not None:
+            return item[1]
+
+      while True:
         waited = time.perf_counter()
-        inputs = next(inputs_ahead, None)
-        if inputs is None:
-          break  # the epoch's last batch was taken
+        item = read_early.popleft() if read_early else next(items, None)
+        if isinstance(item, prefetch.Failure):
+          raise item.error
+        if item is None:
+          break  # the phase's last batch was taken
+        epoch, inputs = item
+        if inputs is None:  # an epoch begins: the previous one has ended
+          if begun:
+            loop = after_epoch(loop)
+          begun = True
+          if not (epoch == first and continuing):
+            loop.epoch, loop.batch_in_epoch = epoch, 0
+          continue
         timer.host("input", time.perf_counter() - waited)
         loop.key, step_key = jax.random.split(loop.key)
         loop, replay_inputs = replay.step_inputs(loop, inputs, timer)
+        if loop.step + 1 < total_steps:
+          # The next step's retrieval, dispatched before this train step, its gather in the
+          # background meanwhile (`Replay.look_ahead`; a no-op where it would be inexact).
+          next_inputs = None
+          if replay.reads_next_batch:
+            waited = time.perf_counter()
+            next_inputs = next_batch()
+            timer.host("input", time.perf_counter() - waited)
+          replay.look_ahead(loop, next_inputs)
         dispatched = time.perf_counter()
         loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
         timer.device("train_step", dispatched, metrics["loss"])
@@ -351,7 +418,12 @@ def train_loop(
         after_step(loop)
         checkpoint(loop)
         preemption.checkpoint_event("train_step")
-    loop = after_epoch(loop)
+    if begun:
+      loop = after_epoch(loop)
+  finally:
+    # A retrieval prepared ahead that no step took (the phase's end, a stop, an error)
+    # is dropped: the serial loop would not have computed it.
+    replay.close_lookahead()
   bar.close()
   return loop
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -158,7 +159,14 @@ def test_step_checkpoints_keep_the_newest_two_and_restore_exactly(tmp_path):
 
 
 def _fake_loop_run(
-  loop, total_steps, num_epochs, batches_per_epoch, stop_after=None, prefetch=0, reads=None
+  loop,
+  total_steps,
+  num_epochs,
+  batches_per_epoch,
+  stop_after=None,
+  prefetch=0,
+  reads=None,
+  on_epoch_end=lambda loop: None,
 ):
   """`trainer.train_loop` over fake batches: returns (loop, log of what it consumed).
 
@@ -167,7 +175,8 @@ def _fake_loop_run(
   `stop_after`: raise `preemption.Preempted` from the checkpoint hook after that step (the
   moment a checkpoint would have been taken), leaving `loop` as the checkpoint holds it.
   `prefetch`: the loop's `prefetch_batches`; `reads` (a list): gets (epoch, position) of
-  every batch the input pipeline produced, consumed or not.
+  every batch the input pipeline produced, consumed or not. `on_epoch_end(loop)` runs in
+  `after_epoch`.
   """
   log = []
 
@@ -193,6 +202,7 @@ def _fake_loop_run(
 
   def after_epoch(loop):
     log.append(("epoch end", loop.epoch, loop.step))
+    on_epoch_end(loop)
     return loop
 
   def checkpoint(loop):
@@ -257,6 +267,26 @@ def test_resumed_loop_sees_the_same_batches_and_keys(
     (total_steps - 1) // 3,
     (total_steps - 1) % 3,
   )
+
+
+def test_one_reader_reads_the_next_epoch_during_after_epoch(monkeypatch):
+  # One reader for all the epochs: while epoch e's after_epoch runs (e.g. a validation), the
+  # next epoch's first batch is read in the background. Waited for up to 10 s: a reader
+  # begun only after after_epoch would never deliver it there.
+  monkeypatch.setattr(trainer.sharding_lib, "shard_batch", lambda batch, mesh: batch)
+  reads, seen = [], []
+
+  def on_epoch_end(loop):
+    deadline = time.monotonic() + (10.0 if loop.epoch < 2 else 0.2)  # epoch 2 is the last
+    while (loop.epoch + 1, 0) not in reads and time.monotonic() < deadline:
+      time.sleep(0.01)
+    seen.append((loop.epoch + 1, 0) in reads)
+
+  fresh = trainer.LoopState(train_state=0, replay_state=None, key=jax.random.PRNGKey(3))
+  _fake_loop_run(fresh, 6, 3, 2, prefetch=1, reads=reads, on_epoch_end=on_epoch_end)
+  # Epochs 0 and 1 had a next epoch to read; epoch 2 was the last.
+  assert seen == [True, True, False]
+  assert reads == [(e, p) for e in range(3) for p in range(2)]
 
 
 def test_detector_batches_from_a_start_batch_are_the_epoch_s_tail(pretrained_cache_dir):

@@ -5,8 +5,9 @@
   the pre-training set (selected once, cached under `cache_dir/buffers`).
 - `make_replay(...)`: the object the step loop calls. `Replay` prepares the device buffer
   before a dataset and, per step, computes the new images' features, retrieves, gathers the
-  replayed examples, writes the retrieval records and counts the replays that entered the
-  loss; `NoReplay` (retrieval 'none') does nothing, so the loop has no replay branches.
+  replayed examples (or takes them prepared during the previous step: `Replay.look_ahead`),
+  writes the retrieval records and counts the replays that entered the loss; `NoReplay`
+  (retrieval 'none') does nothing, so the loop has no replay branches.
 
 Names: the *store* is the host copy of the selected images (`ReplayStore`), the *buffer* its
 device arrays (`ReplayBuffer`), the *replay state* the retrieval's counters and PRNG key
@@ -15,6 +16,7 @@ device arrays (`ReplayBuffer`), the *replay state* the retrieval's counters and 
 
 from __future__ import annotations
 
+from concurrent import futures
 import os
 import time
 from typing import Any, NamedTuple
@@ -91,12 +93,17 @@ def check_replay_config(config: ml_collections.ConfigDict) -> None:
 
   Raises:
     ConfigError: an unknown algorithm / dedup schedule / hyperparameter, an unknown
-      loss-adaptivity mode, or mode 'paper' (one replay per new image, paper eq. 5) with
-      `replay.ratio` != 1.
+      loss-adaptivity mode, mode 'paper' (one replay per new image, paper eq. 5) with
+      `replay.ratio` != 1, or `replay.stale_retrieval` without `replay.lookahead`.
   """
   if config.replay.algorithm == "none":
     return
   make_algorithm(config)
+  if config.replay.get("stale_retrieval", False) and not config.replay.get("lookahead", True):
+    raise ConfigError(
+      "config.replay.stale_retrieval=True computes the next step's retrieval ahead and needs "
+      "config.replay.lookahead=True, got False"
+    )
   num_replay = num_replay_per_step(config)
   if loss_adaptivity_mode(config) == "paper" and num_replay != config.train.batch_size:
     raise ConfigError(
@@ -283,10 +290,52 @@ class Retrieved(NamedTuple):
   records: Any = None
 
 
+class _Dispatched(NamedTuple):
+  """One step's features and retrieval, dispatched to the devices (not yet computed).
+
+  features: the retrieval features ({} when the retrieval reads no parameters); active: bool
+  [B] of the paper's loss adaptivity or None; retrieved: `Retrieved` of device arrays;
+  embed_at / retrieve_at: perf_counter seconds of the two dispatches (`StepTimer.device`).
+  """
+
+  features: dict
+  active: Any
+  retrieved: Retrieved
+  embed_at: float
+  retrieve_at: float
+
+
+class _Gathered(NamedTuple):
+  """The host half of one step's replay: replay_inputs (sharded), valid bool [R] and the
+  host records (None without records), the moment the indices reached the host
+  (perf_counter s) and the seconds spent gathering + transferring."""
+
+  replay_inputs: dict
+  valid: Any
+  records: Any
+  fetched_at: float
+  gather_seconds: float
+
+
+class _Ahead(NamedTuple):
+  """The next step's replay, retrieved and gathered ahead (`Replay.look_ahead`).
+
+  based_on: the replay state object the retrieval read; next_inputs: the new batch its
+  features read (None when the retrieval reads no features); dispatched: `_Dispatched`;
+  gathered: future of `_Gathered` (computed in the lookahead thread).
+  """
+
+  based_on: Any
+  next_inputs: Any
+  dispatched: _Dispatched
+  gathered: futures.Future
+
+
 class NoReplay:
   """Retrieval 'none': fine-tuning on the new data alone. Every call is a no-op."""
 
   train_step_options = {"with_replay": False}
+  reads_next_batch = False
 
   def prepare(self, loop):
     return loop
@@ -294,6 +343,12 @@ class NoReplay:
   def step_inputs(self, loop, inputs, timer=timing.NULL_TIMER):
     del inputs, timer
     return loop, None
+
+  def look_ahead(self, loop, next_inputs=None) -> None:
+    del loop, next_inputs
+
+  def close_lookahead(self) -> None:
+    pass
 
   def count(self, loop, metrics):
     del metrics
@@ -324,9 +379,15 @@ class Replay:
   """Retrieval from the buffer plus DER++ (paper eq. 1-5) for one downstream dataset.
 
   The loop calls `prepare` once before the dataset's first step, then per step
-  `step_inputs` (the replayed examples: features -> retrieval -> gather) and `count`
+  `step_inputs` (the replayed examples: features -> retrieval -> gather), `look_ahead` (the
+  next step's, prepared while this one trains, where `lookahead` allows) and `count`
   (replays that entered the loss), `end_epoch` / `end_dataset` (dedup resets), `log` and
-  `summary`. The counters live in the loop state (device scalars: no host sync per step).
+  `summary`, and `close_lookahead` at the loop's end. The counters live in the loop state
+  (device scalars: no host sync per step).
+
+  `lookahead`: 'exact' (the retrieval reads no parameters), 'stale'
+  (`replay.stale_retrieval` with one that does) or None (serial: `replay.lookahead` False,
+  or a retrieval that reads the parameters without the stale option).
   """
 
   def __init__(self, detector, store, records_path: str | None):
@@ -391,6 +452,18 @@ class Replay:
       if top_k and self._new_losses is None
       else None
     )
+    # The lookahead (`look_ahead`): 'exact' when the retrieval reads no parameters (its next
+    # call depends only on the replay state after this one), 'stale' when it does and
+    # replay.stale_retrieval allows its features one step old, None: serial.
+    reads_params = self._new_losses is not None or self._embed is not None
+    self.lookahead = None
+    if config.replay.get("lookahead", True):
+      if not reads_params:
+        self.lookahead = "exact"
+      elif config.replay.get("stale_retrieval", False):
+        self.lookahead = "stale"
+    self._ahead: _Ahead | None = None
+    self._thread: futures.ThreadPoolExecutor | None = None
 
   def prepare(self, loop):
     """Puts the buffer on the devices and lets the algorithm prepare its state (ASER-PC's left
@@ -416,8 +489,64 @@ class Replay:
       return self._embed(params, inputs["images"], inputs["queries"]), None
     return {}, None
 
+  def _dispatch(self, replay_state, params, inputs, features=None) -> _Dispatched:
+    """Dispatches one step's features (from `params` and the new batch `inputs`; `features`:
+    (features, active) already computed) and its retrieval from `replay_state`."""
+    embed_at = time.perf_counter()
+    features, active = self._features(params, inputs) if features is None else features
+    retrieve_at = time.perf_counter()
+    retrieved = Retrieved(
+      *self._retrieve(replay_state, self.buffer, features, self.num_replay, active)
+    )
+    return _Dispatched(features, active, retrieved, embed_at, retrieve_at)
+
+  def _gather(self, dispatched: _Dispatched) -> _Gathered:
+    """The host half of one step's replay: waits for the retrieved indices, gathers this
+    process's rows of them from the store and transfers them (thread-safe: `store.gather`)."""
+    retrieved = dispatched.retrieved
+    # Retrieval is replicated: every process holds the same indices [R] and mask [R], and
+    # gathers from its store only the slots that land on its own devices. The host waits
+    # here: the gather needs them.
+    indices, valid = sharding_lib.fetch_replicated((retrieved.indices, retrieved.valid))
+    fetched_at = time.perf_counter()
+    records = None
+    if self.recorder is not None:
+      records = sharding_lib.fetch_replicated(retrieved.records)
+    local_indices, local_valid = sharding_lib.local_rows((indices, valid), self.detector.mesh)
+    replay_batch = self.store.gather(local_indices, local_valid)
+    replay_batch["replay_mask"] = local_valid
+    names = list(REPLAY_INPUTS)
+    if dispatched.active is not None:
+      replay_batch["replay_active"] = dispatched.active
+      names.append("replay_active")
+    replay_inputs = sharding_lib.shard_batch(
+      {k: replay_batch[k] for k in names}, self.detector.mesh
+    )
+    return _Gathered(replay_inputs, valid, records, fetched_at, time.perf_counter() - fetched_at)
+
+  def _apply(self, loop, dispatched: _Dispatched, gathered: _Gathered, timer):
+    """Moves `loop` on by one step's retrieval (in the loop's thread, in step order: the
+    replay state, the records, the auto-reset warning, the counters, the timer)."""
+    if dispatched.features:
+      timer.device("embed", dispatched.embed_at, dispatched.features)
+    timer.device("retrieval", dispatched.retrieve_at, gathered.fetched_at)
+    timer.host("gather", gathered.gather_seconds)
+    loop.replay_state = dispatched.retrieved.replay_state
+    if self.recorder is not None:
+      self.recorder.add(gathered.records, gathered.valid)
+    dedup.check_auto_reset(loop.replay_state)
+    loop.replayed += int(gathered.valid.sum())
+    return loop, gathered.replay_inputs
+
   def step_inputs(self, loop, inputs, timer=timing.NULL_TIMER):
     """The replayed examples of one step, sharded, and the loop with its replay state moved on.
+
+    Serially: the features of `inputs` from the current parameters, the retrieval, the
+    gather. When `look_ahead` prepared this step during the previous one and the loop still
+    holds the replay state it read (no dedup reset, no restore since), its result is taken
+    instead, the same bit for bit (exact lookahead) or computed from the parameters one step
+    older (`replay.stale_retrieval`; a reset in between redoes only the retrieval, from the
+    same features). Anything else prepared ahead is dropped unused.
 
     `timer` (`owl_cl.train.timing.StepTimer`) records the features' and the retrieval's
     dispatch and completion and the host seconds of the gather (+ transfer).
@@ -425,38 +554,59 @@ class Replay:
     Returns:
       (loop, replay inputs): images, queries, labels, boxes, stored_logits, replay_mask bool
       [R] (+ replay_active bool [R] with the paper's loss adaptivity).
+
+    Raises:
+      whatever the retrieval or the gather raised, also when it ran ahead in the lookahead
+      thread (raised here, at the step it belongs to).
     """
-    dispatched = time.perf_counter()
-    features, active = self._features(loop.train_state.params, inputs)
-    if features:
-      timer.device("embed", dispatched, features)
-    dispatched = time.perf_counter()
-    retrieved = Retrieved(
-      *self._retrieve(loop.replay_state, self.buffer, features, self.num_replay, active)
-    )
-    loop.replay_state = retrieved.replay_state
-    # Retrieval is replicated: every process holds the same indices [R] and mask [R], and
-    # gathers from its store only the slots that land on its own devices. The host waits
-    # here: the step's gather needs them (and they need the previous step's parameters).
-    indices, valid = sharding_lib.fetch_replicated((retrieved.indices, retrieved.valid))
-    gather_start = time.perf_counter()
-    timer.device("retrieval", dispatched, gather_start)
-    if self.recorder is not None:
-      self.recorder.add(sharding_lib.fetch_replicated(retrieved.records), valid)
-    dedup.check_auto_reset(loop.replay_state)
-    local_indices, local_valid = sharding_lib.local_rows((indices, valid), self.detector.mesh)
-    replay_batch = self.store.gather(local_indices, local_valid)
-    replay_batch["replay_mask"] = local_valid
-    loop.replayed += int(valid.sum())
-    names = list(REPLAY_INPUTS)
-    if active is not None:
-      replay_batch["replay_active"] = active
-      names.append("replay_active")
-    replay_inputs = sharding_lib.shard_batch(
-      {k: replay_batch[k] for k in names}, self.detector.mesh
-    )
-    timer.host("gather", time.perf_counter() - gather_start)
-    return loop, replay_inputs
+    ahead, self._ahead = self._ahead, None
+    features = None
+    if ahead is not None:
+      same_batch = ahead.next_inputs is inputs or ahead.next_inputs is None
+      if same_batch and ahead.based_on is loop.replay_state:
+        return self._apply(loop, ahead.dispatched, ahead.gathered.result(), timer)
+      _drop(ahead)
+      if same_batch and self.lookahead == "stale":
+        # The stale features stay valid; only the retrieval read a state reset since.
+        features = (ahead.dispatched.features, ahead.dispatched.active)
+    dispatched = self._dispatch(loop.replay_state, loop.train_state.params, inputs, features)
+    return self._apply(loop, dispatched, self._gather(dispatched), timer)
+
+  @property
+  def reads_next_batch(self) -> bool:
+    """Whether `look_ahead` needs the next step's new batch (stale retrieval features)."""
+    return self.lookahead == "stale"
+
+  def look_ahead(self, loop, next_inputs=None) -> None:
+    """Prepares the next step's replay while this step trains (call before its train step).
+
+    Dispatches the next step's retrieval from `loop.replay_state` (the state after this
+    step's retrieval) now, ahead of this step's train step on the devices, and gathers +
+    transfers its replay batch in the lookahead thread meanwhile; `step_inputs` of the next
+    step takes it. Exact lookahead (`self.lookahead == 'exact'`: the retrieval reads no
+    parameters: uniform, balanced, GRASP and their dedup variants): the same indices, state
+    and records as the serial loop. Stale (`'stale'`, `replay.stale_retrieval`): the features
+    of `next_inputs` (the next step's new batch) are computed from `loop.train_state.params`,
+    the parameters before this step's update. No-op when `self.lookahead` is None.
+    """
+    if self.lookahead is None or (self.lookahead == "stale" and next_inputs is None):
+      return
+    _drop(self._ahead)
+    self._ahead = None
+    params = loop.train_state.params if self.lookahead == "stale" else None
+    dispatched = self._dispatch(loop.replay_state, params, next_inputs)
+    if self._thread is None:
+      self._thread = futures.ThreadPoolExecutor(1, thread_name_prefix="replay-lookahead")
+    gathered = self._thread.submit(self._gather, dispatched)
+    self._ahead = _Ahead(loop.replay_state, next_inputs, dispatched, gathered)
+
+  def close_lookahead(self) -> None:
+    """Drops what was prepared ahead and stops the lookahead thread (the loop's end)."""
+    _drop(self._ahead)
+    self._ahead = None
+    if self._thread is not None:
+      self._thread.shutdown(wait=True)
+      self._thread = None
 
   def count(self, loop, metrics):
     """Adds the step's replays in the loss, and whether there was any, to the counters."""
@@ -507,6 +657,13 @@ class Replay:
       replay_steps=int(sharding_lib.fetch_replicated(loop.replay_steps)),
       **self._fractions(loop),
     )
+
+
+def _drop(ahead: _Ahead | None) -> None:
+  """Waits for a lookahead that will not be used (its gather may still be reading the store)
+  and discards its result or error: the serial loop would never have computed it."""
+  if ahead is not None:
+    futures.wait([ahead.gathered])
 
 
 def make_replay(detector, store, records_path: str | None = None) -> Replay | NoReplay:

@@ -27,8 +27,9 @@ from typing import Any
 _END = object()  # the reader has no more items
 
 
-class _Failure:
-  """An exception of the reader thread, raised again in the consumer's thread."""
+class Failure:
+  """An exception of the reader thread (or of a batch the loop read early), raised again in
+  the consumer's thread when the item is taken."""
 
   def __init__(self, error: BaseException):
     self.error = error
@@ -87,7 +88,7 @@ class Prefetcher:
         return
       except BaseException as error:  # pylint: disable=broad-except
         # Handed to the consumer, which raises it where the serial loop would have.
-        self._put(_Failure(error))
+        self._put(Failure(error))
         return
       if not self._put(item):
         return
@@ -102,7 +103,7 @@ class Prefetcher:
     if item is _END:
       self._queue.put(_END)  # a later `next` ends too
       raise StopIteration
-    if isinstance(item, _Failure):
+    if isinstance(item, Failure):
       self._queue.put(item)
       raise item.error
     return item

@@ -21,14 +21,21 @@ completion C_i and C_0 the previous step's train-step completion:
 
 so step = C_n - C_0 = sum(busy_i) + sum(idle_i) exactly (`step_record`). Host-side durations
 are recorded besides (not part of the partition): **gather** (fetching the retrieved indices'
-examples from the store and transferring them: inside host idle, since the train step needs
-them) and **input** (the loop's wait for the next new batch: decoding + transfer when read
-in line, ~0 when prefetched in the background, `owl_cl.train.prefetch`).
+examples from the store and transferring them: inside host idle when done in the loop's
+thread, since the train step needs them; in the background during the previous train step
+when the replay lookahead prepared them, `Replay.look_ahead`) and **input** (the loop's wait
+for the next new batch: decoding + transfer when read in line, ~0 when prefetched in the
+background, `owl_cl.train.prefetch`).
 
 Accuracy: a completion is timestamped when the watcher thread wakes, up to a few ms late when
 the main thread holds the GIL (Python's switch interval is 5 ms); the loop mostly waits for
 the retrieval with the GIL released at that moment, so the error is usually well below that.
 The first step of every loop (it compiles the programs) is left out of the summaries.
+
+Calls prepared ahead (`Replay.look_ahead`: the next step's features and retrieval, dispatched
+before this step's train step) are recorded with the step they belong to: they start before
+its C_0, so they count 0 s of their own unless they end after it (their device time lies in
+the previous step's train-step interval), and they do not bound the previous step's end.
 """
 
 from __future__ import annotations
@@ -180,9 +187,10 @@ class StepTimer:
     ]
     for i, (step, calls) in enumerate(zip(self._finished, resolved)):
       # The next step's first call bounds this step's end when it needs it (features and
-      # train steps need the parameters; a retrieval without features does not).
+      # train steps need the parameters; a retrieval without features does not, nor does a
+      # call dispatched before this step's last one: prepared ahead, `Replay.look_ahead`).
       after = resolved[i + 1] if i + 1 < len(resolved) else []
-      needs_this = after and after[0][0] != "retrieval"
+      needs_this = after and calls and after[0][0] != "retrieval" and after[0][1] >= calls[-1][1]
       next_done = min(c for _, _, c in after) if needs_this else None
       record = step_record(self._previous_done, calls, next_done)
       if calls:

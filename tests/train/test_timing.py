@@ -42,6 +42,33 @@ def test_step_record_first_step_and_jitter():
   )
 
 
+def test_collect_with_calls_prepared_ahead_by_hand():
+  # Step 1 (the loop's first): retrieval 0.0 -> 0.1, the train step dispatched at 0.2, done
+  # 1.0. Step 2's features and retrieval were prepared ahead (stale lookahead), dispatched at
+  # 0.15 and 0.16, before step 1's train step: they do not need it, so they must not cut
+  # step 1 short (they end inside it: 0 s of their own); step 2's train step, dispatched at
+  # 0.5 while step 1's still ran, starts at 1.0 and ends at 2.0 (no host idle).
+  timer = timing.StepTimer()
+  try:
+    for calls in (
+      [("retrieval", 0.0, 0.1), ("train_step", 0.2, 1.0)],
+      [("embed", 0.15, 0.3), ("retrieval", 0.16, 0.4), ("train_step", 0.5, 2.0)],
+    ):
+      for name, dispatch, done in calls:
+        timer.device(name, dispatch, done)
+      timer.end_step()
+    first, second = timer.collect()
+  finally:
+    timer.close()
+  assert first == pytest.approx(
+    {"retrieval": 0.1, "train_step": 0.8, "host_idle": 0.1, "step_seconds": 1.0}, abs=1e-12
+  )
+  assert second == pytest.approx(
+    {"embed": 0.0, "retrieval": 0.0, "train_step": 1.0, "host_idle": 0.0, "step_seconds": 1.0},
+    abs=1e-12,
+  )
+
+
 def test_summarize_by_hand():
   records = [
     {"step_seconds": 1.0, "train_step": 0.9, "host_idle": 0.1, "gather": 0.05},
