@@ -135,6 +135,7 @@ def uniform_in_class_active(
   active: Array,
   without_replacement: bool = True,
   fallback: bool = True,
+  pool: class_index_lib.Pools | None = None,
 ) -> tuple[Array, Array]:
   """`uniform_in_class` with a slot mask: inactive slots pick nothing (valid False).
 
@@ -145,6 +146,8 @@ def uniform_in_class_active(
     fallback: static; True: a slot whose class has no eligible member left draws among all
       eligible images (as `uniform_in_class`); False: it is invalid (the released code's
       per-image candidate subsets stop at an exhausted class).
+    pool: optional `class_index.pools(index, eligible)`, computed once per retrieval call by
+      its caller (None: computed here).
   Returns:
     indices int32 [B], valid bool [B].
   Cost: one O(P) pass per call, then O(class_blocks + b) per slot (b ~ sqrt N); the draws
@@ -156,7 +159,7 @@ def uniform_in_class_active(
   classes = jnp.asarray(classes, jnp.int32)
   active = jnp.asarray(active, bool)
   keys = jax.random.split(key, classes.shape[0])
-  pool = class_index_lib.pools(index, eligible)
+  pool = class_index_lib.pools(index, eligible) if pool is None else pool
 
   def step(pool, inputs):
     k, c, on = inputs
@@ -247,6 +250,7 @@ def prototype_weighted_in_class(
   active: Array,
   without_replacement: bool = True,
   fallback: bool = True,
+  pool: class_index_lib.Pools | None = None,
 ) -> tuple[Array, Array]:
   """Prototype-weighted (GRASP) sample selection: one image per slot within its class.
 
@@ -274,6 +278,7 @@ def prototype_weighted_in_class(
     without_replacement: static.
     fallback: static; False: a slot whose class has no eligible member left is invalid
       instead of drawing uniformly among all eligible images.
+    pool: optional `class_index.pools(index, eligible)` (as `uniform_in_class_active`).
   Returns:
     indices int32 [B], valid bool [B].
   Source: paper §4 "Prototype-Weighted" (eqs. 1-2), docs/reference.md §7.
@@ -288,7 +293,7 @@ def prototype_weighted_in_class(
   weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), (num,))
   active = jnp.asarray(active, bool)
   keys = jax.random.split(key, num)
-  pool = class_index_lib.pools(index, eligible)
+  pool = class_index_lib.pools(index, eligible) if pool is None else pool
 
   def step(pool, inputs):
     k, c, w, on = inputs
