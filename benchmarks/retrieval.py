@@ -25,7 +25,7 @@ frequencies are Zipf-like (a few frequent classes, a long tail) and every class 
 Embeddings are random normal (timing does not depend on their values).
 
 Usage:
-  python benchmarks/retrieval.py [--quick] [--sizes 54226,1000000] [--repeats 5]
+  python benchmarks/retrieval.py [--quick] [--sizes 54226,1000000] [--repeats 30]
   [--out benchmarks/results] [--train-step-seconds 0.25] [--skip-kernels] [--skip-precompute]
 
 `--sizes` runs every size in turn (default: the paper's N = 54,226 and N = 1M). At N = 1M the
@@ -706,7 +706,7 @@ def main(argv=None):
     help="comma-separated buffer sizes N (default: the paper's 54,226 and 1M; ignored "
     "with --quick)",
   )
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument(
     "--train-step-seconds",
