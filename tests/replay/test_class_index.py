@@ -97,7 +97,7 @@ def test_uniform_in_class_equals_the_column_scan(without_replacement, fallback):
   membership = rng.random((n, c)) < np.array([0.9, 0.5, 0.05, 0.01, 0.0])
   index = class_index.build_class_index(membership)
   assert index.class_blocks > 1
-  new = jax.jit(ss.uniform_in_class_active, static_argnums=(5, 6))
+  new = jax.jit(ss.uniform_in_class_active, static_argnums=(5, 6))  # pool: argument 7
   old = jax.jit(_reference_uniform_in_class, static_argnums=(5, 6))
   for seed in range(4):
     eligible = rng.random(n) < (0.2, 0.9, 1.0, 0.02)[seed]
@@ -108,6 +108,14 @@ def test_uniform_in_class_equals_the_column_scan(without_replacement, fallback):
     got = new(key, index, eligible, classes, active, without_replacement, fallback)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    # The availability handed in by the caller (one pass per retrieval call) is the same.
+    pool = class_index.pools(index, jnp.asarray(eligible))
+    handed = new(key, index, eligible, classes, active, without_replacement, fallback, pool)
+    np.testing.assert_array_equal(np.asarray(handed[0]), np.asarray(want[0]))
+    # ... and it is what the draws read: a pool with nothing available draws nothing.
+    empty = class_index.pools(index, jnp.zeros((n,), bool))
+    none = new(key, index, eligible, classes, active, without_replacement, fallback, empty)
+    assert not np.asarray(none[1]).any()
 
 
 def test_prototype_weighted_matches_exact_probabilities():
