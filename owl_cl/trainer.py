@@ -12,7 +12,6 @@ best-epoch carry of a dataset) is passed in as callbacks.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 import dataclasses
 import itertools
@@ -357,29 +356,12 @@ def train_loop(
     return epoch, sharding_lib.shard_batch({k: batch[k] for k in MODEL_INPUTS}, detector.mesh)
 
   begun = False  # an epoch was begun (its after_epoch is due when it ends)
-  read_early = collections.deque()  # items read before their turn (a stale retrieval's batch)
   try:
-    with prefetch.Prefetcher(phase_items(), to_device, prefetch_batches, None) as items:
-
-      def next_batch():
-        """The next step's batch, read early (kept for its turn), or None: no step follows."""
-        while True:
-          try:
-            item = next(items, None)
-          except Exception as error:  # pylint: disable=broad-except
-            # Raised when the next step takes its batch, as in the serial loop.
-            item = prefetch.Failure(error)
-          read_early.append(item)
-          if item is None or isinstance(item, prefetch.Failure):
-            return None
-          if item[1] is not None:
-            return item[1]
-
+    with prefetch.Prefetcher(phase_items(), to_device, prefetch_batches, None) as reader:
+      items = prefetch.ReadAhead(reader)
       while True:
         waited = time.perf_counter()
-        item = read_early.popleft() if read_early else next(items, None)
-        if isinstance(item, prefetch.Failure):
-          raise item.error
+        item = items.take()
         if item is None:
           break  # the phase's last batch was taken
         epoch, inputs = item
@@ -399,7 +381,7 @@ def train_loop(
           next_inputs = None
           if replay.reads_next_batch:
             waited = time.perf_counter()
-            next_inputs = next_batch()
+            next_inputs = items.peek_batch()
             timer.host("input", time.perf_counter() - waited)
           replay.look_ahead(loop, next_inputs)
         dispatched = time.perf_counter()

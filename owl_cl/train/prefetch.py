@@ -18,6 +18,7 @@ asked for (no thread is started).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator
 import itertools
 import queue
@@ -33,6 +34,40 @@ class Failure:
 
   def __init__(self, error: BaseException):
     self.error = error
+
+
+class ReadAhead:
+  """The training loop's view of its phase's items: `(epoch, None)` as an epoch begins, then
+  `(epoch, batch)` per batch (`trainer.train_loop`), taken in order with `take`, and the next
+  batch readable before its turn with `peek_batch` (a stale retrieval's features read it one
+  step early). Items read early are kept and taken in their turn; an error met while reading
+  early is raised when its item is taken, where the serial loop would have met it.
+  """
+
+  def __init__(self, items: Iterator):
+    self._items = items
+    self._early = collections.deque()  # items read before their turn
+
+  def take(self) -> Any:
+    """The next item, or None at the phase's end. Raises the error of a failed read."""
+    item = self._early.popleft() if self._early else next(self._items, None)
+    if isinstance(item, Failure):
+      raise item.error
+    return item
+
+  def peek_batch(self) -> Any:
+    """The next item's batch, read now and kept for its turn (the epoch markers before it
+    too), or None when no batch follows or reading it failed."""
+    while True:
+      try:
+        item = next(self._items, None)
+      except Exception as error:  # pylint: disable=broad-except
+        item = Failure(error)
+      self._early.append(item)
+      if item is None or isinstance(item, Failure):
+        return None
+      if item[1] is not None:
+        return item[1]
 
 
 class Prefetcher:
