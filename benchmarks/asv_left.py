@@ -11,7 +11,7 @@ values):
   * one chunk of --full-chunk images against the paper's whole buffer (--full-images 54,226:
     N*k = 433,808 candidate tokens), run twice (compilation, then timed). Above 46,340
     candidate tokens the KNN-SV's sort changes from two packed int32 sorts to one stable
-    two-operand sort (generic comparator, `knn_shapley._sort_order`), so the small run alone
+    two-operand sort (generic comparator, `knn_shapley._exact_sort_order`), so the small run alone
     under-predicts.
 
 Projection. All-to-all, each of the N*k evaluation tokens is scored against all N*k candidate

@@ -87,26 +87,97 @@ def test_knn_shapley_infinite_and_negative_distances_keep_the_stable_order():
   np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
-def test_knn_shapley_generic_sort_path_matches_packed_sort(monkeypatch):
-  # Above PACKED_SORT_MAX_CANDIDATES (the whole-buffer precomputation) a generic stable sort
-  # is used; both orders must give the same values (ties, invalid candidates).
+def _lexsort_rows(key):
+  """[N_e, N_c] -> [N_c, N_e]: each row's indices by (key, index), candidate-major."""
+  return np.stack([np.lexsort((np.arange(key.shape[1]), row)) for row in key], axis=1)
+
+
+def test_knn_shapley_every_sort_path_gives_the_stable_order(monkeypatch):
+  # Three paths give the order: the binned sort (N_c <= BINNED_SORT_MAX_CANDIDATES), the packed
+  # rank sort, and above PACKED_SORT_MAX_CANDIDATES (the whole-buffer precomputation) a generic
+  # stable sort. All must give the same order (valid by distance then index, invalid last) and
+  # values (ties, invalid candidates).
   rng = np.random.default_rng(8)
   d = rng.integers(0, 5, (6, 25)).astype(np.float32)
   u = rng.uniform(-1, 1, (6, 25)).astype(np.float32)
   valid = rng.random(25) < 0.7
-  packed = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
-  packed_order = np.asarray(knn_shapley._sort_order(d, valid))
-  monkeypatch.setattr(knn_shapley, "PACKED_SORT_MAX_CANDIDATES", 10)
-  generic = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
-  # The same order, not only the same values: valid by distance then index, invalid last.
-  np.testing.assert_array_equal(np.asarray(knn_shapley._sort_order(d, valid)), packed_order)
-  key = np.where(valid, d, np.inf)
-  np.testing.assert_array_equal(
-    packed_order, np.stack([np.lexsort((np.arange(25), row)) for row in key])
-  )
+  expected_order = _lexsort_rows(np.where(valid, d, np.inf))
   expected = np.stack([_recursion_reference(d[j], u[j], 4, valid) for j in range(6)])
-  np.testing.assert_allclose(generic, expected, atol=1e-6)
-  np.testing.assert_allclose(packed, expected, atol=1e-6)
+  for binned_max, packed_max in ((4096, 46_340), (10, 46_340), (10, 10)):
+    monkeypatch.setattr(knn_shapley, "BINNED_SORT_MAX_CANDIDATES", binned_max)
+    monkeypatch.setattr(knn_shapley, "PACKED_SORT_MAX_CANDIDATES", packed_max)
+    np.testing.assert_array_equal(np.asarray(knn_shapley._sort_order(d, valid)), expected_order)
+    got = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def _binned(d, valid):
+  d = np.asarray(d, np.float32)
+  valid = np.asarray(valid, bool)
+  key = knn_shapley._order_key(d, valid)
+  order, exact = knn_shapley._binned_sort_order(d, valid, key)
+  return np.asarray(order), bool(exact)
+
+
+def test_binned_sort_orders_candidates_that_share_a_bin():
+  # The row's span (0 to 1e6) puts 1, 1 + 1 ulp and 1 + 2 ulp in one bin (bin width ~2e-3),
+  # where the uint32 sort leaves them in index order, i.e. reversed; 7 + 1 ulp and 7 likewise.
+  # The fix-up passes must order both groups (sizes 3 and 2) without the fallback.
+  one, seven = np.float32(1.0), np.float32(7.0)
+  up = lambda x, n: np.nextafter(x, np.float32(np.inf)) if n == 1 else up(up(x, 1), n - 1)
+  row = np.array([1e6, up(one, 2), up(one, 1), one, 5.0, up(seven, 1), seven, 3.0, 0.0], np.float32)
+  d = np.stack([row, row[::-1], np.roll(row, 3)])
+  valid = np.ones(9, bool)
+  valid[4] = False
+  order, exact = _binned(d, valid)
+  assert exact
+  np.testing.assert_array_equal(order, _lexsort_rows(np.where(valid, d, np.inf)))
+
+
+def test_binned_sort_reports_groups_it_cannot_order():
+  # Four distinct distances in one bin, in reverse order: three passes cannot sort them, the
+  # check must say so, and `_sort_order` must still return the exact order (fallback).
+  x = np.float32(1.0)
+  group = [x]
+  for _ in range(3):
+    group.append(np.nextafter(group[-1], np.float32(np.inf)))
+  row = np.array([1e6] + group[::-1] + [2.0, 0.0], np.float32)
+  d = row[None, :]
+  valid = np.ones(row.size, bool)
+  _, exact = _binned(d, valid)
+  assert not exact
+  expected = _lexsort_rows(d)
+  np.testing.assert_array_equal(np.asarray(knn_shapley._sort_order(d, valid)), expected)
+  # NaN distances spread no bins (the row's min is NaN): the check fails, the fallback orders
+  # NaN after +inf like the exact sort.
+  d_nan = np.array([[0.5, np.nan, 0.25, 2.0]], np.float32)
+  valid = np.array([True, True, True, False])
+  _, exact = _binned(d_nan, valid)
+  assert not exact
+  np.testing.assert_array_equal(
+    np.asarray(knn_shapley._sort_order(d_nan, valid))[:, 0], [2, 0, 3, 1]
+  )
+
+
+def test_binned_sort_matches_exact_sort_on_paper_sized_rows():
+  # [1344, 1344] (ASER's left term): uniform distances (ties in about 5% of the rows), L2-like
+  # distances with a zero diagonal, and coarse distances with many exact ties; the binned path
+  # and the exact path must give the same order.
+  rng = np.random.default_rng(11)
+  n = 1344
+  cases = [
+    rng.random((n, n), dtype=np.float32),
+    np.where(np.eye(n, dtype=bool), 0.0, 1.2 + 0.3 * rng.random((n, n))).astype(np.float32),
+    (np.round(rng.random((n, n)) * 300) / 300).astype(np.float32),
+  ]
+  valid = rng.random(n) < 0.97
+  for d in cases:
+    key = knn_shapley._order_key(d, valid)
+    order, exact = knn_shapley._binned_sort_order(d, valid, key)
+    assert bool(exact)
+    np.testing.assert_array_equal(
+      np.asarray(order), np.asarray(knn_shapley._exact_sort_order(key)).T
+    )
 
 
 def test_knn_shapley_errors_and_no_valid_candidate():
