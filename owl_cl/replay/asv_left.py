@@ -33,10 +33,12 @@ instead of recomputed; its progress folder is the same name + `.build`.
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 import json
 import os
 import shutil
 import time
+from typing import Any
 
 from absl import logging
 import jax
@@ -51,10 +53,10 @@ from owl_cl import utils
 from owl_cl.replay import knn_shapley
 from owl_cl.train import sharding as sharding_lib
 
+Array = jax.Array
+
 # Version of the cached file's and of the progress folder's layout (another version: recomputed).
 LEFT_TERM_FORMAT = 1
-# (mesh, N, chunk, k, options) -> the jitted chunk function (compiled once per process).
-_CHUNK_FUNCTIONS: dict = {}
 
 
 def left_term_options(
@@ -92,15 +94,27 @@ def left_term_options(
   return options
 
 
-def _chunk_function(mesh, num_images: int, chunk: int, options: dict) -> Callable:
-  """The jitted (start int32 [], class tokens [N, t, D], queries [N, t, E]) -> (sum float32
-  [N], min float32 [N]) over evaluation images start .. start + chunk - 1 (those >= N masked)."""
-  cache_key = (mesh, num_images, chunk, json.dumps(options, sort_keys=True))
-  if cache_key in _CHUNK_FUNCTIONS:
-    return _CHUNK_FUNCTIONS[cache_key]
+@functools.partial(jax.jit, static_argnames=("mesh", "num_images", "chunk", "options"))
+def _chunk_sums(
+  start: Array,
+  class_tokens: Array,
+  query_embeddings: Array,
+  *,
+  mesh,
+  num_images: int,
+  chunk: int,
+  options: tuple[tuple[str, Any], ...],
+) -> tuple[Array, Array]:
+  """Sum float32 [N] and min float32 [N] of the max-reduced KNN-SVs over evaluation images
+  start .. start + chunk - 1 (int32 []; those >= N masked), rows split over the mesh.
+
+  Args: class tokens float32 [N, t, D], queries float32 [N, t, E], replicated; static: the
+  mesh, N, chunk (a multiple of the mesh's data size) and `left_term_options` as sorted
+  items (jit compiles once per distinct value and keeps it: no cache of our own).
+  """
   devices = mesh.shape[sharding_lib.DATA_AXIS]
   local = chunk // devices
-  kwargs = {name: v for name, v in options.items() if name != "features"}
+  kwargs = {name: v for name, v in options if name != "features"}
   k = kwargs.pop("k", 1)  # unused by 'tknn'
 
   def local_rows(start, class_tokens, query_embeddings):
@@ -127,13 +141,9 @@ def _chunk_function(mesh, num_images: int, chunk: int, options: dict) -> Callabl
 
   # check_vma=False: the KNN-SV's scan carries a fresh (unvarying) zero vector into values that
   # vary over the devices, which the check rejects; the outputs are replicated by psum / pmin.
-  function = jax.jit(
-    jax.shard_map(
-      local_rows, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False
-    )
-  )
-  _CHUNK_FUNCTIONS[cache_key] = function
-  return function
+  return jax.shard_map(
+    local_rows, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False
+  )(start, class_tokens, query_embeddings)
 
 
 def _broadcast(value: np.ndarray) -> np.ndarray:
@@ -279,7 +289,13 @@ def compute_left_term(
     else sharding_lib.replicate(jnp.asarray(x, jnp.float32), mesh)
   )
   tokens, queries = as_replicated(class_tokens), as_replicated(query_embeddings)
-  function = _chunk_function(mesh, num_images, chunk, options)
+  function = functools.partial(
+    _chunk_sums,
+    mesh=mesh,
+    num_images=num_images,
+    chunk=chunk,
+    options=tuple(sorted(options.items())),
+  )
   bar = tqdm.tqdm(
     total=num_images,
     initial=min(first * chunk, num_images),

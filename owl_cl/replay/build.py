@@ -33,6 +33,7 @@ prototypes; the others read the store from the shared cache folder.
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 import hashlib
 import json
 import os
@@ -69,8 +70,6 @@ BUILD_FORMAT = 2
 _AUGMENTATIONS = ("hflip", "random_crop", "mosaic_sizes")
 PASSES = ("losses", "features", "distances")
 _INT32_MAX = np.iinfo(np.int32).max
-# (id(model), mesh, digest of the step options) -> (model, `make_steps` of it).
-_STEPS: dict = {}
 
 
 class BufferExample:
@@ -134,81 +133,112 @@ def make_steps(
       tokens, `buffer_selection.top_k_token_features`).
     'distances': (params, batch, prototypes float32 [C, E]) -> prototype_distances float32
       [B, C] (`buffer_selection.prototype_distances` with `distance_max_instances`).
+  The functions are module-level `jax.jit`s whose static arguments are the model (a linen
+  module: hashed and compared by its configuration), the mesh and these options, so a later
+  build with the same ones (a resumed build, the tests) reuses jit's compilations.
   Source: docs/reference.md §6.
   """
-  replicated = sharding_lib.replicated(mesh)
-
-  def forward(params, batch):
-    out = model.apply({"params": params}, batch["images"], batch["queries"], train=False)
-    counts = buffer_selection.instance_counts_from_labels(
-      batch["labels"], batch["query_class"], num_classes
-    )
-    return out, counts
-
-  def prototype_sums(out, counts, batch):
-    sums, token_counts = buffer_selection.per_image_class_token_embeddings(
-      out["pred_logits"],
-      out["class_embeddings"],
-      batch["query_class"],
-      counts,
-      max_per_class=max_per_class,
-    )
-    # Reduced on the device: the host receives [C, E], not [B, C, E].
-    valid = batch["valid"]
-    return {
-      "prototype_sums": jnp.sum(jnp.where(valid[:, None, None], sums, 0.0), axis=0),
-      "prototype_counts": jnp.sum(jnp.where(valid[:, None], token_counts, 0), axis=0),
-    }
-
-  def losses_step(params, batch):
-    out, counts = forward(params, batch)
-    det = losses.detection_loss(
-      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
-    )
-    result = {"per_image_loss": det["per_example"], "membership": counts > 0}
-    if prototype_sums_of_all:
-      result.update(prototype_sums(out, counts, batch))
-    return result
-
-  def features_step(params, batch):
-    out, counts = forward(params, batch)
-    query_mask = batch["queries"][..., 0] > 0
-    top_class, top_query = buffer_selection.top_k_embeddings(
-      out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
-    )
-    result = {
-      "logits": out["pred_logits"],
-      "top_class_embeddings": top_class,
-      "top_query_embeddings": top_query,
-      **prototype_sums(out, counts, batch),
-      **{k: batch[k] for k in STORED_EXAMPLE_KEYS},
-    }
-    if image_features:
-      feature_map = out["feature_map"]
-      result["top_image_features"] = buffer_selection.top_k_token_features(
-        out["pred_logits"],
-        feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
-        query_mask,
-        top_k,
-      )
-    return result
-
-  def distances_step(params, batch, prototypes):
-    out, counts = forward(params, batch)
-    return buffer_selection.prototype_distances(
-      out["pred_logits"],
-      out["class_embeddings"],
-      batch["query_class"],
-      counts,
-      prototypes,
-      max_instances=distance_max_instances,
-    )
-
+  options = dict(
+    num_classes=int(num_classes),
+    top_k=int(top_k),
+    max_per_class=int(max_per_class),
+    distance_max_instances=int(distance_max_instances),
+    loss_config=tuple(sorted(loss_config.items())),
+    prototype_sums_of_all=bool(prototype_sums_of_all),
+    image_features=bool(image_features),
+  )
+  static = dict(model=model, mesh=mesh, options=tuple(sorted(options.items())))
   return {
-    "losses": jax.jit(losses_step, out_shardings=replicated),
-    "features": jax.jit(features_step, out_shardings=replicated),
-    "distances": jax.jit(distances_step, out_shardings=replicated),
+    "losses": functools.partial(_losses_step, **static),
+    "features": functools.partial(_features_step, **static),
+    "distances": functools.partial(_distances_step, **static),
   }
+
+
+_STATIC = ("model", "mesh", "options")
+
+
+def _forward(model, options, params, batch):
+  out = model.apply({"params": params}, batch["images"], batch["queries"], train=False)
+  counts = buffer_selection.instance_counts_from_labels(
+    batch["labels"], batch["query_class"], options["num_classes"]
+  )
+  return out, counts
+
+
+def _prototype_sums(options, out, counts, batch):
+  sums, token_counts = buffer_selection.per_image_class_token_embeddings(
+    out["pred_logits"],
+    out["class_embeddings"],
+    batch["query_class"],
+    counts,
+    max_per_class=options["max_per_class"],
+  )
+  # Reduced on the device: the host receives [C, E], not [B, C, E].
+  valid = batch["valid"]
+  return {
+    "prototype_sums": jnp.sum(jnp.where(valid[:, None, None], sums, 0.0), axis=0),
+    "prototype_counts": jnp.sum(jnp.where(valid[:, None], token_counts, 0), axis=0),
+  }
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _losses_step(params, batch, *, model, mesh, options):
+  options = dict(options)
+  out, counts = _forward(model, options, params, batch)
+  det = losses.detection_loss(
+    out["pred_logits"],
+    out["pred_boxes"],
+    batch["labels"],
+    batch["boxes"],
+    **dict(options["loss_config"]),
+  )
+  result = {"per_image_loss": det["per_example"], "membership": counts > 0}
+  if options["prototype_sums_of_all"]:
+    result.update(_prototype_sums(options, out, counts, batch))
+  return jax.lax.with_sharding_constraint(result, sharding_lib.replicated(mesh))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _features_step(params, batch, *, model, mesh, options):
+  options = dict(options)
+  top_k = options["top_k"]
+  out, counts = _forward(model, options, params, batch)
+  query_mask = batch["queries"][..., 0] > 0
+  top_class, top_query = buffer_selection.top_k_embeddings(
+    out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
+  )
+  result = {
+    "logits": out["pred_logits"],
+    "top_class_embeddings": top_class,
+    "top_query_embeddings": top_query,
+    **_prototype_sums(options, out, counts, batch),
+    **{k: batch[k] for k in STORED_EXAMPLE_KEYS},
+  }
+  if options["image_features"]:
+    feature_map = out["feature_map"]
+    result["top_image_features"] = buffer_selection.top_k_token_features(
+      out["pred_logits"],
+      feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
+      query_mask,
+      top_k,
+    )
+  return jax.lax.with_sharding_constraint(result, sharding_lib.replicated(mesh))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _distances_step(params, batch, prototypes, *, model, mesh, options):
+  options = dict(options)
+  out, counts = _forward(model, options, params, batch)
+  distances = buffer_selection.prototype_distances(
+    out["pred_logits"],
+    out["class_embeddings"],
+    batch["query_class"],
+    counts,
+    prototypes,
+    max_instances=options["distance_max_instances"],
+  )
+  return jax.lax.with_sharding_constraint(distances, sharding_lib.replicated(mesh))
 
 
 def _stream(
@@ -456,12 +486,7 @@ def build_store(
     prototype_sums_of_all=all_images_prototypes,
     image_features=image_features,
   )
-  # The jitted steps (and their compilations) are kept for the next build of the same model
-  # (a resumed build in the same process, the tests).
-  cache_key = (id(model), mesh, digest(step_options))
-  if cache_key not in _STEPS or _STEPS[cache_key][0] is not model:
-    _STEPS[cache_key] = (model, make_steps(model, mesh, **step_options))
-  steps = _STEPS[cache_key][1]
+  steps = make_steps(model, mesh, **step_options)
   params = sharding_lib.replicate(params, mesh)
   writer = distributed.is_writer()
   folder = None
