@@ -12,6 +12,7 @@ images, batches of 8: 2 steps per epoch).
 import threading
 
 import jax
+from jax._src import compilation_cache  # reset_cache: no public equivalent
 import numpy as np
 import pytest
 
@@ -40,10 +41,20 @@ def shared(pretrained_cache_dir, tmp_path_factory):
   bench = benchmark.load_benchmark(config)
   params, meta = pretrained.pretrained_params(detector, bench, None)
   store, _ = replay_setup.build_store(detector, bench, params, meta)
-  if not jax.config.jax_compilation_cache_dir:
+  # Set for this module only: later tests in the same worker process see the settings they had.
+  saved = {
+    name: getattr(jax.config, name)
+    for name in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  }
+  # JAX decides once per process whether the cache is used (`reset_cache` makes it decide again).
+  if not saved["jax_compilation_cache_dir"]:
     jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-  return bench, params, store, pretrained_cache_dir
+    compilation_cache.reset_cache()
+  yield bench, params, store, pretrained_cache_dir
+  for name, value in saved.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
 
 
 def _config(algorithm, shared, **replay):
