@@ -15,6 +15,7 @@ Layout under `out_dir`:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -44,14 +45,9 @@ def write_coco_copy(out_dir: str, benchmark: Any, dataset: str) -> None:
       json.dump(data, f)
 
 
-_BUILDER = None
-
-
+@functools.cache
 def _builder_class():
   """The TFDS builder class of 'own_data_shelf' (defined once: TFDS registers it by name)."""
-  global _BUILDER
-  if _BUILDER is not None:
-    return _BUILDER
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   class OwnDataShelf(tfds.core.GeneratorBasedBuilder):
@@ -111,8 +107,7 @@ def _builder_class():
         ex = {"image": image, "image/id": im["id"], "image/filename": im["file_name"]}
         yield im["id"], dict(ex, objects=objects)
 
-  _BUILDER = OwnDataShelf
-  return _BUILDER
+  return OwnDataShelf
 
 
 def write_tfds_copy(data_dir: str, benchmark: Any, dataset: str) -> str:
