@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Any
@@ -252,6 +253,39 @@ def make_optimizer(params, optimizer: dict, total_steps: int, config: ml_collect
   )
 
 
+def _phase_items(detector, source, epochs, first, start_batch, left, batch_size, data_seed):
+  """(epoch, None) as an epoch begins, then (epoch, host batch) for each of its batches: every
+  epoch of `epochs` in order, read by one reader; at most the `left` batches the phase's
+  remaining steps take (none wasted at its end), and no epoch begun without steps left (but a
+  restored loop's epoch `first`, read from batch `start_batch` > 0 on, which its after_epoch
+  still ends)."""
+  remaining = left
+  for epoch in epochs:
+    resumed = epoch == first and start_batch > 0
+    if remaining <= 0 and not resumed:
+      return
+    yield epoch, None
+    batches = detector.train_batches(
+      source,
+      batch_size=batch_size,
+      seed=data_seed,
+      epoch=epoch,
+      start_batch=start_batch if resumed else 0,
+    )
+    for batch in itertools.islice(batches, remaining):
+      remaining -= 1
+      yield epoch, batch
+
+
+def _shard_inputs(mesh, item):
+  """(epoch, host batch) -> (epoch, the model inputs sharded over `mesh`); an epoch marker
+  (epoch, None) passes unchanged."""
+  epoch, batch = item
+  if batch is None:
+    return item
+  return epoch, sharding_lib.shard_batch({k: batch[k] for k in MODEL_INPUTS}, mesh)
+
+
 def train_loop(
   detector: Detector,
   loop: LoopState,
@@ -327,37 +361,11 @@ def train_loop(
   epochs = itertools.count(first) if num_epochs is None else range(first, num_epochs)
   left = max(0, total_steps - loop.step)
 
-  def phase_items():
-    """(epoch, None) as an epoch begins, then (epoch, host batch) for each of its batches:
-    every epoch of the phase in order, read by one reader; at most the batches the phase's
-    remaining steps take (none wasted at its end), and no epoch begun without steps left
-    (but a restored loop's, which its after_epoch still ends)."""
-    remaining = left
-    for epoch in epochs:
-      resumed = epoch == first and continuing
-      if remaining <= 0 and not resumed:
-        return
-      yield epoch, None
-      batches = detector.train_batches(
-        source,
-        batch_size=batch_size,
-        seed=data_seed,
-        epoch=epoch,
-        start_batch=start_batch if resumed else 0,
-      )
-      for batch in itertools.islice(batches, remaining):
-        remaining -= 1
-        yield epoch, batch
-
-  def to_device(item):
-    epoch, batch = item
-    if batch is None:
-      return item
-    return epoch, sharding_lib.shard_batch({k: batch[k] for k in MODEL_INPUTS}, detector.mesh)
-
   begun = False  # an epoch was begun (its after_epoch is due when it ends)
   try:
-    with prefetch.Prefetcher(phase_items(), to_device, prefetch_batches, None) as reader:
+    phase = _phase_items(detector, source, epochs, first, start_batch, left, batch_size, data_seed)
+    to_device = functools.partial(_shard_inputs, detector.mesh)
+    with prefetch.Prefetcher(phase, to_device, prefetch_batches, None) as reader:
       items = prefetch.ReadAhead(reader)
       while True:
         waited = time.perf_counter()
