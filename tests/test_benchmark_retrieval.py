@@ -106,3 +106,24 @@ def test_sizes_and_markdown_one_table_per_size():
   text = bench.render_markdown(report)
   assert text.count("| algorithm: `grasp` | B=16 | 2.00 ms | 4.00 ms | 2.0x | - | 0.8% |") == 2
   assert "N=54226" in text and "N=1000000" in text and f"E={million.embed_dim} (buffer" in text
+
+
+def test_markdown_of_the_algorithms_in_fresh_processes():
+  # Hand-worked: JAX medians 0.30, 0.50, 0.40 ms -> median 0.40 (0.30-0.50); NumPy 0.44, 0.45,
+  # 0.43 -> 0.44 (0.43-0.45); ratio 0.44 / 0.40 = 1.1x; JAX <= NumPy in processes 1 and 3.
+  processes = {"uniform_balanced": {"jax_ms": [0.30, 0.50, 0.40], "numpy_ms": [0.44, 0.45, 0.43]}}
+  timing = {"median_s": 0.002, "min_s": 0.002, "repeats": 1}
+  run = {
+    "sizes": dict(bench.dataclasses.asdict(bench.FULL)),
+    "repeats": 3,
+    "rows": [bench._row("algorithm", "uniform_balanced", timing, timing, "B=16")],
+    "processes": processes,
+  }
+  report = dict(
+    runs=[run], device="cpu", backend="cpu", jax_version="x", numpy_version="y", not_measured=[]
+  )
+  text = bench.render_markdown(report)
+  assert "The algorithms again in 3 fresh processes" in text
+  assert (
+    "| `uniform_balanced` | 0.40 ms (0.30-0.50) | 0.44 ms (0.43-0.45) | 1.1x | 2 of 3 |" in text
+  )
