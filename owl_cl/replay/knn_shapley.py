@@ -228,7 +228,8 @@ def _sort_order(distances: Array, valid: Array) -> Array:
   order, exact = _binned_sort_order(distances, valid, key)
   # The fallback runs only when a bin held more than BIN_FIXUP_PASSES distinct distances (or
   # non-finite ones spread the bins): its result is the same order, at the cost of the exact
-  # path (about 2.5x that of the binned one at [1344, 1344] on the 2-core CPU).
+  # path (96 against 49 ms for the order at [1344, 1344] on the 2-core CPU; the cond itself costs
+  # about 10 ms there even when not taken).
   return jax.lax.cond(exact, lambda: order, lambda: _exact_sort_order(key).T)
 
 
