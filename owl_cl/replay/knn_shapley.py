@@ -23,8 +23,11 @@ both k dims, the paper) or by the released code's nearest-token matching (option
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from owl_cl.replay import class_selection
 
@@ -36,14 +39,14 @@ DISTANCES = ("l2", "cosine")
 # on CPU at the paper's sizes ([1344, 1344]: 284 ms at 1, 359 at 8, 318 at 32; the scan step is one
 # vector add, the sorts dominate).
 SCAN_UNROLL = 1
-# Largest N_c for the binned sort of `_sort_order`: a row's distances are cut into
+# Largest N_c for the binned sort of `_device_sort_order` (XLA's sort: GPU, TPU): a row's distances are cut into
 # 2^(32 - ceil(log2 N_c)) bins (2^20 at N_c = 4096), so four distinct distances in one bin, which
 # the fix-up passes cannot order, are about 1e-5 per row there and far rarer below.
 BINNED_SORT_MAX_CANDIDATES = 4096
 # Odd-even transposition passes over the binned order: they sort every group of up to this many
 # candidates that share a bin (a group of n needs n passes).
 BIN_FIXUP_PASSES = 3
-# Largest N_c for the packed int32 rank sort of `_sort_order` (N_c^2 < 2^31).
+# Largest N_c for the packed int32 rank sort of `_device_sort_order` (N_c^2 < 2^31).
 PACKED_SORT_MAX_CANDIDATES = 46_340
 REDUCTIONS = ("max", "min")
 # Shapley value of a candidate for an evaluation point: 'knn' (exact KNN-SV, the paper) |
@@ -91,13 +94,13 @@ def knn_shapley(distances: Array, utilities: Array, k: int, valid: Array | None 
   if n_c > BINNED_SORT_MAX_CANDIDATES:
     # Whole-buffer rows (ASER-PC's precomputation): row-major, the layout of their sort (the
     # candidate-major gather and deltas cost 5-15% more there).
-    order = _exact_sort_order(_order_key(distances, valid))  # [N_e, N_c]
+    order = _sort_order(distances, valid, candidate_major=False)  # [N_e, N_c]
     u_sorted = jnp.take_along_axis(utilities, order, axis=1)  # [N_e, N_c]
     s_sorted = _sorted_shapley(u_sorted, n_valid, k, candidate_axis=1)  # [N_c, N_e]
     rows = jax.lax.broadcasted_iota(jnp.int32, (n_e, n_c), 0)
     return jnp.zeros((n_e, n_c), jnp.float32).at[rows, order].set(s_sorted.T, unique_indices=True)
   # Candidate-major [N_c, N_e], the layout of the binned sort's fix-up and of the scan.
-  order = _sort_order(distances, valid)  # [N_c, N_e]
+  order = _sort_order(distances, valid, candidate_major=True)  # [N_c, N_e]
   u_sorted = jnp.take_along_axis(utilities.T, order, axis=0)  # [N_c, N_e]
   s_sorted = _sorted_shapley(u_sorted, n_valid, k, candidate_axis=0)  # [N_c, N_e]
   points = jax.lax.broadcasted_iota(jnp.int32, (n_c, n_e), 1)
@@ -211,10 +214,61 @@ def threshold_knn_shapley(
   return jnp.where(within, sv, 0.0)
 
 
-def _sort_order(distances: Array, valid: Array) -> Array:
-  """int32 [N_c, N_e]: column j lists the candidates in the order of evaluation point j, nearest
-  first (ties: lower index first), invalid candidates after every valid one (ties among them
-  by index). Candidate-major, the layout `knn_shapley` scans.
+def _sort_order(distances: Array, valid: Array, candidate_major: bool) -> Array:
+  """int32 [N_c, N_e] (candidate_major) or [N_e, N_c]: for each evaluation point j, the
+  candidates in its order, nearest first (ties: lower index first), invalid candidates after
+  every valid one (ties among them by index).
+
+  On CPU one NumPy sort gives the order (`_host_sort_order`, through `jax.pure_callback`).
+  On other platforms XLA's sort does (`_device_sort_order`). Both give the same order.
+  """
+  key = _order_key(distances, valid)
+  device = lambda k: _device_sort_order(distances, valid, k, candidate_major)
+  return jax.lax.platform_dependent(
+    key, cpu=lambda k: _host_sort_order(k, candidate_major), default=device
+  )
+
+
+def _host_sort_order(key: Array, candidate_major: bool) -> Array:
+  """`_sort_order` on the host: NumPy sorts (key, index) packed in uint64 along each row.
+
+  Why on CPU: XLA's CPU sort calls a compiled comparator for every comparison, so the
+  [1344, 1344] int32 rows of ASER's left term take 33 ms on the 2-core CPU, against 4.5 ms for
+  NumPy's vectorised sort of the packed uint64 words (x86-simd-sort; it releases the GIL). The
+  whole kernel went from 72 to 31 ms there, and the order of [64, 433,808] rows (ASER-PC's
+  precomputation, 8 images against the paper's buffer) from 5.1 to 0.29 s.
+  Under a jit over several devices the callback runs once, on the first device, and the others
+  receive its result (tests/test_multihost.py checks this across processes); inside
+  `shard_map`, once per device on its own rows. JAX's persistent compilation cache does not
+  store programs with host callbacks: they compile again in each process.
+  """
+  shape = key.shape[:-2] + ((key.shape[-1], key.shape[-2]) if candidate_major else key.shape[-2:])
+  return jax.pure_callback(
+    lambda k: _numpy_sort_order(k, candidate_major),
+    jax.ShapeDtypeStruct(shape, jnp.int32),
+    key,
+    vmap_method="broadcast_all",
+  )
+
+
+def _numpy_sort_order(key: np.ndarray, candidate_major: bool) -> np.ndarray:
+  """int32 [..., N_c, N_e] (candidate_major) or [..., N_e, N_c]: each row of key (int32
+  [..., N_e, N_c], `_order_key`) ordered by (key, index), N_c <= 2^32."""
+  key = np.asarray(key, np.int32)
+  # Each uint64 word is key * 2^32 + index: its high half is the key shifted to unsigned order
+  # (x ^ 2^31 maps int32 order onto uint32 order), its low half the candidate index. Sorting
+  # the words orders by key, then by index; the low halves are then the order.
+  high, low = (1, 0) if sys.byteorder == "little" else (0, 1)
+  halves = np.empty(key.shape + (2,), np.uint32)
+  halves[..., high] = key.view(np.uint32) ^ np.uint32(0x80000000)
+  halves[..., low] = np.arange(key.shape[-1], dtype=np.uint32)
+  halves.view(np.uint64)[..., 0].sort(axis=-1)
+  order = halves[..., low].view(np.int32)
+  return np.ascontiguousarray(np.swapaxes(order, -1, -2) if candidate_major else order)
+
+
+def _device_sort_order(distances: Array, valid: Array, key: Array, candidate_major: bool) -> Array:
+  """`_sort_order` with XLA's sort (accelerators).
 
   XLA's CPU sort is fast only for a single integer operand (a multi-operand or float sort goes
   through a generic comparator, about 5x slower). Up to `BINNED_SORT_MAX_CANDIDATES` candidates
@@ -222,9 +276,9 @@ def _sort_order(distances: Array, valid: Array) -> Array:
   check fails, and above that size, `_exact_sort_order` gives it.
   """
   n_c = distances.shape[1]
-  key = _order_key(distances, valid)
-  if n_c > BINNED_SORT_MAX_CANDIDATES:
-    return _exact_sort_order(key).T
+  if n_c > BINNED_SORT_MAX_CANDIDATES or not candidate_major:
+    order = _exact_sort_order(key)
+    return order.T if candidate_major else order
   order, exact = _binned_sort_order(distances, valid, key)
   # The fallback runs only when a bin held more than BIN_FIXUP_PASSES distinct distances (or
   # non-finite ones spread the bins): its result is the same order, at the cost of the exact

@@ -3,10 +3,26 @@
 import itertools
 import math
 
+import jax
 import numpy as np
 import pytest
 
 from owl_cl.replay import knn_shapley
+
+
+def _device_sort_order(distances, valid, candidate_major):
+  """`knn_shapley._sort_order` through XLA's sort (the path of GPUs and TPUs), on this CPU."""
+  key = knn_shapley._order_key(distances, valid)
+  return knn_shapley._device_sort_order(distances, valid, key, candidate_major)
+
+
+@pytest.fixture(params=["host", "device"])
+def sort_path(request, monkeypatch):
+  """Runs a test with each sort of `knn_shapley._sort_order`: 'host' is this CPU's own (NumPy,
+  through a callback), 'device' the XLA sort that accelerators use."""
+  if request.param == "device":
+    monkeypatch.setattr(knn_shapley, "_sort_order", _device_sort_order)
+  return request.param
 
 
 def _knn_utility(subset, d, u, k):
@@ -43,7 +59,7 @@ def _recursion_reference(d, u, k, valid):
 
 
 @pytest.mark.parametrize("k", [1, 3, 20])
-def test_knn_shapley_equals_exact_shapley_by_enumeration(k):
+def test_knn_shapley_equals_exact_shapley_by_enumeration(k, sort_path):
   rng = np.random.default_rng(k)
   n_c = 7
   # row 0: 0/1 labels with tied distances; row 1: real utilities; row 2: ties + invalid.
@@ -63,7 +79,7 @@ def test_knn_shapley_equals_exact_shapley_by_enumeration(k):
 
 
 @pytest.mark.parametrize("k", [1, 20, 45])
-def test_knn_shapley_matches_numpy_recursion(k):
+def test_knn_shapley_matches_numpy_recursion(k, sort_path):
   rng = np.random.default_rng(10 + k)
   n_e, n_c = 5, 40
   d = rng.integers(0, 6, (n_e, n_c)).astype(np.float32)  # many ties
@@ -74,7 +90,7 @@ def test_knn_shapley_matches_numpy_recursion(k):
   np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
-def test_knn_shapley_infinite_and_negative_distances_keep_the_stable_order():
+def test_knn_shapley_infinite_and_negative_distances_keep_the_stable_order(sort_path):
   # The sort maps float distances to int32 keys: +inf valid candidates must still sort
   # before invalid ones (ties by index), negative distances before positive ones.
   rng = np.random.default_rng(7)
@@ -93,22 +109,75 @@ def _lexsort_rows(key):
 
 
 def test_knn_shapley_every_sort_path_gives_the_stable_order(monkeypatch):
-  # Three paths give the order: the binned sort (N_c <= BINNED_SORT_MAX_CANDIDATES), the packed
-  # rank sort, and above PACKED_SORT_MAX_CANDIDATES (the whole-buffer precomputation) a generic
-  # stable sort. All must give the same order (valid by distance then index, invalid last) and
-  # values (ties, invalid candidates).
+  # Four paths give the order: on CPU one NumPy sort of packed (key, index) words; elsewhere
+  # the binned sort (N_c <= BINNED_SORT_MAX_CANDIDATES), the packed rank sort, and above
+  # PACKED_SORT_MAX_CANDIDATES (the whole-buffer precomputation) a generic stable sort. All
+  # must give the same order (valid by distance then index, invalid last), in both layouts,
+  # and the same values (ties, invalid candidates).
   rng = np.random.default_rng(8)
   d = rng.integers(0, 5, (6, 25)).astype(np.float32)
   u = rng.uniform(-1, 1, (6, 25)).astype(np.float32)
   valid = rng.random(25) < 0.7
   expected_order = _lexsort_rows(np.where(valid, d, np.inf))
   expected = np.stack([_recursion_reference(d[j], u[j], 4, valid) for j in range(6)])
+  key = knn_shapley._order_key(d, valid)
+  np.testing.assert_array_equal(
+    knn_shapley._numpy_sort_order(np.asarray(key), True), expected_order
+  )
+  np.testing.assert_array_equal(
+    knn_shapley._numpy_sort_order(np.asarray(key), False), expected_order.T
+  )
+  for candidate_major in (True, False):
+    got = np.asarray(knn_shapley._sort_order(d, valid, candidate_major))
+    np.testing.assert_array_equal(got, expected_order if candidate_major else expected_order.T)
+  np.testing.assert_allclose(
+    np.asarray(knn_shapley.knn_shapley(d, u, 4, valid)), expected, atol=1e-6
+  )
+  monkeypatch.setattr(knn_shapley, "_sort_order", _device_sort_order)
   for binned_max, packed_max in ((4096, 46_340), (10, 46_340), (10, 10)):
     monkeypatch.setattr(knn_shapley, "BINNED_SORT_MAX_CANDIDATES", binned_max)
     monkeypatch.setattr(knn_shapley, "PACKED_SORT_MAX_CANDIDATES", packed_max)
-    np.testing.assert_array_equal(np.asarray(knn_shapley._sort_order(d, valid)), expected_order)
+    for candidate_major in (True, False):
+      got = np.asarray(_device_sort_order(d, valid, candidate_major))
+      np.testing.assert_array_equal(got, expected_order if candidate_major else expected_order.T)
     got = np.asarray(knn_shapley.knn_shapley(d, u, 4, valid))
     np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_host_sort_order_handles_extreme_keys_and_batch_dims():
+  # The packed words must order the whole int32 range (the sign flip to unsigned order) and
+  # break ties by index; a vmapped call hands the callback a leading batch dim.
+  key = np.array(
+    [[2**31 - 1, -(2**31), 0, -1, 0, 2**31 - 1, 5], [3, 3, 3, -7, 3, -(2**31), 2**31 - 1]],
+    np.int32,
+  )
+  expected = _lexsort_rows(key)
+  np.testing.assert_array_equal(knn_shapley._numpy_sort_order(key, True), expected)
+  batched = np.stack([key, key[::-1]])
+  got = jax.jit(jax.vmap(lambda k: knn_shapley._host_sort_order(k, True)))(batched)
+  np.testing.assert_array_equal(np.asarray(got), np.stack([expected, _lexsort_rows(key[::-1])]))
+  # NaN and infinite distances: the host order is the exact path's (NaN after +inf).
+  d = np.array([[0.5, np.nan, -np.inf, 2.0, np.inf, 0.5]], np.float32)
+  valid = np.array([True, True, True, False, True, True])
+  key = knn_shapley._order_key(d, valid)
+  np.testing.assert_array_equal(
+    np.asarray(knn_shapley._sort_order(d, valid, False)),
+    np.asarray(knn_shapley._exact_sort_order(key)),
+  )
+  np.testing.assert_array_equal(
+    np.asarray(knn_shapley._sort_order(d, valid, False))[0], [2, 0, 5, 4, 3, 1]
+  )
+
+
+def test_knn_shapley_vmapped_equals_per_row_calls():
+  rng = np.random.default_rng(12)
+  d = rng.random((3, 4, 9)).astype(np.float32)
+  u = rng.uniform(-1, 1, (3, 4, 9)).astype(np.float32)
+  valid = rng.random(9) < 0.8
+  got = jax.jit(jax.vmap(lambda a, b: knn_shapley.knn_shapley(a, b, 2, valid)))(d, u)
+  for i in range(3):
+    expected = np.stack([_recursion_reference(d[i, j], u[i, j], 2, valid) for j in range(4)])
+    np.testing.assert_allclose(np.asarray(got[i]), expected, atol=1e-6)
 
 
 def _binned(d, valid):
@@ -147,7 +216,7 @@ def test_binned_sort_reports_groups_it_cannot_order():
   _, exact = _binned(d, valid)
   assert not exact
   expected = _lexsort_rows(d)
-  np.testing.assert_array_equal(np.asarray(knn_shapley._sort_order(d, valid)), expected)
+  np.testing.assert_array_equal(np.asarray(_device_sort_order(d, valid, True)), expected)
   # NaN distances spread no bins (the row's min is NaN): the check fails, the fallback orders
   # NaN after +inf like the exact sort.
   d_nan = np.array([[0.5, np.nan, 0.25, 2.0]], np.float32)
@@ -155,7 +224,7 @@ def test_binned_sort_reports_groups_it_cannot_order():
   _, exact = _binned(d_nan, valid)
   assert not exact
   np.testing.assert_array_equal(
-    np.asarray(knn_shapley._sort_order(d_nan, valid))[:, 0], [2, 0, 3, 1]
+    np.asarray(_device_sort_order(d_nan, valid, True))[:, 0], [2, 0, 3, 1]
   )
 
 
