@@ -308,6 +308,27 @@ def test_image_knn_shapley_all_to_all_and_nearest_token_match_numpy():
     knn_shapley.image_knn_shapley(ec, eq, cc, cq, k, token_matching="mean")
 
 
+@pytest.mark.parametrize("token_matching", ["all_to_all", "nearest_token"])
+def test_image_knn_shapley_in_blocks_equals_one_block(monkeypatch, token_matching):
+  # The evaluation images are split into blocks of about EVAL_BLOCK_TOKENS tokens (7 images of
+  # 3 tokens, blocks of 2 images: 4 blocks, the last padded). Rows are independent, so the
+  # values and distances must equal one block's bit for bit.
+  rng = np.random.default_rng(5)
+  ec, eq = rng.normal(size=(7, 3, 6)), rng.normal(size=(7, 3, 6))
+  cc, cq = rng.normal(size=(9, 3, 6)), rng.normal(size=(9, 3, 6))
+  valid = rng.random(9) < 0.8
+  call = lambda: knn_shapley.image_knn_shapley(
+    ec, eq, cc, cq, 4, valid, reduction="max", token_matching=token_matching
+  )
+  monkeypatch.setattr(knn_shapley, "EVAL_BLOCK_TOKENS", 10**6)
+  whole = [np.asarray(x) for x in call()]
+  monkeypatch.setattr(knn_shapley, "EVAL_BLOCK_TOKENS", 6)
+  blocked = [np.asarray(x) for x in call()]
+  assert blocked[0].shape == (7, 9)
+  np.testing.assert_array_equal(blocked[0], whole[0])
+  np.testing.assert_array_equal(blocked[1], whole[1])
+
+
 def test_precompute_left_term_equals_full_matrix():
   rng = np.random.default_rng(4)
   n, t, e, k = 7, 2, 4, 3
