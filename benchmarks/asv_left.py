@@ -9,10 +9,11 @@ values):
     of --chunk images: the first chunk (compilation included), the median of the others,
     the total with the commits;
   * one chunk of --full-chunk images against the paper's whole buffer (--full-images 54,226:
-    N*k = 433,808 candidate tokens), run twice (compilation, then timed). Above 46,340
-    candidate tokens the KNN-SV's sort changes from two packed int32 sorts to one stable
-    two-operand sort (generic comparator, `knn_shapley._exact_sort_order`), so the small run alone
-    under-predicts.
+    N*k = 433,808 candidate tokens), run twice (compilation, then timed). On CPU the KNN-SV's
+    order comes from one NumPy sort at every size (`knn_shapley._host_sort_order`); with
+    XLA's sort (other backends) it changes above 46,340 candidate tokens from two packed int32
+    sorts to one stable two-operand sort (`knn_shapley._exact_sort_order`), so there the small
+    run alone under-predicts.
 
 Projection. All-to-all, each of the N*k evaluation tokens is scored against all N*k candidate
 tokens (a distance, a sort and a scan of N*k entries), so
@@ -129,8 +130,17 @@ def run_full_chunk(n: int, k: int, e: int, chunk: int, options: dict, mesh) -> d
     chunk_s=end[0] - middle[0],
     chunk_cpu_s=end[1] - middle[1],
     compile_s=(middle[0] - start[0]) - (end[0] - middle[0]),
-    generic_sort=n * k > knn_shapley.PACKED_SORT_MAX_CANDIDATES,
+    sort=sort_path(n * k),
   )
+
+
+def sort_path(candidate_tokens: int) -> str:
+  """The sort that orders the KNN-SV's candidates on this backend (`knn_shapley._sort_order`)."""
+  if jax.default_backend() == "cpu":
+    return "host NumPy"
+  if candidate_tokens > knn_shapley.PACKED_SORT_MAX_CANDIDATES:
+    return "stable two-operand"
+  return "packed int32"
 
 
 def projections(whole: dict, full: dict | None, k: int, clock: str = "") -> dict:
@@ -171,7 +181,7 @@ def render_markdown(report: dict) -> str:
   p, q = report["projection"], report["projection_cpu"]
   lines = [
     f"Device: {report['device']} x {report['devices']} ({report['backend']}), JAX "
-    f"{report['jax_version']}, {report['cpu_count']} CPU cores shared with other jobs (load "
+    f"{report['jax_version']}, {report['cpu_count']} CPU cores (load "
     f"average {report['load_average']:.1f} at the start, {report['load_average_end']:.1f} at "
     f"the end); k={report['k']}, E={report['embed']}, K={report['knn_k']}, all-to-all, L2. "
     "CPU = this process's CPU time over all its threads.",
@@ -186,9 +196,8 @@ def render_markdown(report: dict) -> str:
     f"| {_hours(w['total_cpu_s'])} |",
   ]
   if f is not None:
-    sort = "stable two-operand" if f["generic_sort"] else "packed int32"
     lines.append(
-      f"| N={f['images']:,} (N*k={f['tokens']:,}, {sort} sort): one chunk of {f['chunk']} "
+      f"| N={f['images']:,} (N*k={f['tokens']:,}, {f['sort']} sort): one chunk of {f['chunk']} "
       f"images (compile {f['compile_s']:.1f} s) | {f['chunk_s']:.1f} s | {f['chunk_cpu_s']:.1f} s |"
     )
   rows = [
