@@ -9,11 +9,11 @@ values):
     of --chunk images: the first chunk (compilation included), the median of the others,
     the total with the commits;
   * one chunk of --full-chunk images against the paper's whole buffer (--full-images 54,226:
-    N*k = 433,808 candidate tokens), run twice (compilation, then timed). On CPU the KNN-SV's
-    order comes from one NumPy sort at every size (`knn_shapley._host_sort_order`); with
-    XLA's sort (other backends) it changes above 46,340 candidate tokens from two packed int32
-    sorts to one stable two-operand sort (`knn_shapley._exact_sort_order`), so there the small
-    run alone under-predicts.
+    N*k = 433,808 candidate tokens), compiled by a first call, then the median of 3 calls.
+    On CPU the KNN-SV's order comes from one NumPy sort at every size
+    (`knn_shapley._host_sort_order`); with XLA's sort (other backends) it changes above
+    46,340 candidate tokens from two packed int32 sorts to one stable two-operand sort
+    (`knn_shapley._exact_sort_order`), so there the small run alone under-predicts.
 
 Projection. All-to-all, each of the N*k evaluation tokens is scored against all N*k candidate
 tokens (a distance, a sort and a scan of N*k entries), so
@@ -110,26 +110,31 @@ def run_whole(n: int, k: int, e: int, chunk: int, options: dict, mesh) -> dict:
   )
 
 
-def run_full_chunk(n: int, k: int, e: int, chunk: int, options: dict, mesh) -> dict:
-  """One chunk of `chunk` evaluation images against all n images (compiled, then timed)."""
+def run_full_chunk(
+  n: int, k: int, e: int, chunk: int, options: dict, mesh, repeats: int = 3
+) -> dict:
+  """One chunk of `chunk` evaluation images against all n images: compiled by a first call,
+  then the median of `repeats` calls on the next chunks (wall and CPU time)."""
   class_tokens, query_embeddings = synthetic_tokens(n, k, e, seed=1)
   tokens = sharding.replicate(class_tokens, mesh)
   queries = sharding.replicate(query_embeddings, mesh)
   del class_tokens, query_embeddings
-  function = asv_left._chunk_function(mesh, n, chunk, options)  # pylint: disable=protected-access
-  start = _clocks()
-  jax.block_until_ready(function(np.int32(0), tokens, queries))
-  middle = _clocks()
-  jax.block_until_ready(function(np.int32(chunk), tokens, queries))
-  end = _clocks()
+  function = asv_left.chunk_function(mesh, n, chunk, options)
+  stamps = [_clocks()]
+  for i in range(1 + repeats):
+    jax.block_until_ready(function(np.int32(i * chunk), tokens, queries))
+    stamps.append(_clocks())
+  wall, cpu = (np.diff([s[i] for s in stamps]) for i in (0, 1))
+  chunk_s = float(statistics.median(wall[1:]))
   return dict(
     images=n,
     tokens=n * k,
     chunk=chunk,
-    first_chunk_s=middle[0] - start[0],
-    chunk_s=end[0] - middle[0],
-    chunk_cpu_s=end[1] - middle[1],
-    compile_s=(middle[0] - start[0]) - (end[0] - middle[0]),
+    repeats=repeats,
+    first_chunk_s=float(wall[0]),
+    chunk_s=chunk_s,
+    chunk_cpu_s=float(statistics.median(cpu[1:])),
+    compile_s=float(wall[0]) - chunk_s,
     sort=sort_path(n * k),
   )
 
@@ -198,7 +203,8 @@ def render_markdown(report: dict) -> str:
   if f is not None:
     lines.append(
       f"| N={f['images']:,} (N*k={f['tokens']:,}, {f['sort']} sort): one chunk of {f['chunk']} "
-      f"images (compile {f['compile_s']:.1f} s) | {f['chunk_s']:.1f} s | {f['chunk_cpu_s']:.1f} s |"
+      f"images, median of {f['repeats']} (compile {f['compile_s']:.1f} s) | {f['chunk_s']:.1f} s "
+      f"| {f['chunk_cpu_s']:.1f} s |"
     )
   rows = [
     ("from_small_quadratic", f"(N/{w['images']:,})^2 x {w['chunks']} median chunks"),

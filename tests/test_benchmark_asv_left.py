@@ -35,3 +35,27 @@ def test_projection_is_quadratic_in_the_images_and_divided_by_the_devices():
   # A full-size chunk of another N is scaled linearly to the paper's N.
   half = dict(full, images=27_113)
   assert bench.projections(whole, half, 8)["from_full_chunk_s"] == pytest.approx(2 * 10.0 * 6779)
+
+
+def test_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
+  # The whole script (both measurements, projections, report files) on 40 images of 2 tokens
+  # in chunks of 8, and one chunk of 4 images against 60: it must run and report what it did.
+  report = bench.main(
+    [
+      "--num-images=40",
+      "--chunk=8",
+      "--k=2",
+      "--embed=8",
+      "--knn-k=3",
+      "--full-images=60",
+      "--full-chunk=4",
+      f"--out={tmp_path}",
+    ]
+  )
+  assert report["whole"]["chunks"] == 5 and report["whole"]["tokens"] == 80
+  assert report["full_chunk"]["tokens"] == 120
+  assert report["full_chunk"]["sort"] == "host NumPy"  # the CPU path of knn_shapley
+  assert report["projection"]["from_full_chunk_s"] > 0
+  with open(tmp_path / "asv_left.md") as f:
+    assert "host NumPy sort" in f.read()
+  assert (tmp_path / "asv_left.json").exists()

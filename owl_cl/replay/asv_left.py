@@ -146,6 +146,24 @@ def _chunk_sums(
   )(start, class_tokens, query_embeddings)
 
 
+def chunk_function(mesh, num_images: int, chunk: int, options: dict):
+  """The jitted computation of one chunk, as `compute_left_term` calls it.
+
+  Args: the mesh, N (images of the buffer), chunk (evaluation images per call, a multiple of
+    the mesh's data size) and `left_term_options`.
+  Returns: a function (start int32 [], class tokens float32 [N, t, D], queries float32
+    [N, t, E], both replicated) -> (sum float32 [N], min float32 [N]) over evaluation images
+    start .. start + chunk - 1 (`_chunk_sums`). benchmarks/asv_left.py times it.
+  """
+  return functools.partial(
+    _chunk_sums,
+    mesh=mesh,
+    num_images=num_images,
+    chunk=chunk,
+    options=tuple(sorted(options.items())),
+  )
+
+
 def _broadcast(value: np.ndarray) -> np.ndarray:
   """The writer's `value` on every process (itself with one process)."""
   if jax.process_count() == 1:
@@ -289,13 +307,7 @@ def compute_left_term(
     else sharding_lib.replicate(jnp.asarray(x, jnp.float32), mesh)
   )
   tokens, queries = as_replicated(class_tokens), as_replicated(query_embeddings)
-  function = functools.partial(
-    _chunk_sums,
-    mesh=mesh,
-    num_images=num_images,
-    chunk=chunk,
-    options=tuple(sorted(options.items())),
-  )
+  function = chunk_function(mesh, num_images, chunk, options)
   bar = tqdm.tqdm(
     total=num_images,
     initial=min(first * chunk, num_images),
