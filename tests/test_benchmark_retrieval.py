@@ -108,6 +108,21 @@ def test_sizes_and_markdown_one_table_per_size():
   assert "N=54226" in text and "N=1000000" in text and f"E={million.embed_dim} (buffer" in text
 
 
+def test_algorithms_get_the_sizes_of_the_numpy_references():
+  # --quick shrinks N_c and K; the timed algorithms must do the same work as the references
+  # (they once ran the registry's paper defaults, N_c 168 / 352 and K 20, against N_c 32 / 48
+  # and K 5 in NumPy). At the paper's sizes the values are the registry's defaults.
+  for sizes in (bench.QUICK, bench.FULL):
+    for name, n_c in (("aser", sizes.candidates_aser), ("sw_aser_pc", sizes.candidates_pc)):
+      algorithm = bench.algorithms.get_algorithm(
+        name, **bench.algorithm_hyperparameters(name, sizes)
+      )
+      assert (algorithm.num_candidates, algorithm.knn_k) == (n_c, sizes.knn_k)
+  assert bench.algorithm_hyperparameters("grasp", bench.QUICK) == {}
+  default = bench.algorithms.get_algorithm("aser_pc")
+  assert (default.num_candidates, default.knn_k) == (bench.FULL.candidates_pc, bench.FULL.knn_k)
+
+
 def test_markdown_of_the_algorithms_in_fresh_processes():
   # Hand-worked: JAX medians 0.30, 0.50, 0.40 ms -> median 0.40 (0.30-0.50); NumPy 0.44, 0.45,
   # 0.43 -> 0.44 (0.43-0.45); ratio 0.44 / 0.40 = 1.1x; JAX <= NumPy in processes 1 and 3.
