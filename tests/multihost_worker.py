@@ -1,9 +1,10 @@
 """One process of tests/test_multihost.py: `python multihost_worker.py MODE PORT NPROC PID OUT`.
 
-MODE 'run': the sharded train step, dataset shards, gathered predictions and replay slots; the
-outputs go to OUT/process<PID>.npz. NPROC=1 (no jax.distributed) is the single-process
-reference. MODE 'fail': process 1 raises inside `fail_fast`, process 0 waits at a barrier.
-Not a test module (no test_ prefix): it runs only as a subprocess.
+MODE 'run': the sharded train step, dataset shards, gathered predictions, replay slots, a stage
+checkpoint and a host callback; the outputs go to OUT/process<PID>.npz. NPROC=1 (no
+jax.distributed) is the single-process reference. MODE 'fail': process 1 raises inside
+`fail_fast`, process 0 waits at a barrier. Not a test module (no test_ prefix): it runs only
+as a subprocess.
 """
 
 import json
@@ -139,20 +140,6 @@ def run(jax, distributed, pid: int, out: str) -> None:
   result["replay_rows"] = np.arange(8)[sharding.process_rows(8, mesh)]
   result["replay_global"] = np.asarray(everything.addressable_data(0))
   result["replay_expected"] = store[indices]
-  # 7. A host callback in a replicated computation: `knn_shapley` sorts through NumPy on CPU
-  # (`jax.pure_callback`), which runs once, on the first device, in process 0; every device of
-  # every process must receive its result.
-  from owl_cl.replay import knn_shapley  # pylint: disable=g-import-not-at-top
-
-  knn_rng = np.random.default_rng(11)
-  distances = knn_rng.random((12, 40), dtype=np.float32)
-  utilities = knn_rng.uniform(-1, 1, (12, 40)).astype(np.float32)
-  values = jax.jit(
-    lambda d, u: knn_shapley.knn_shapley(d, u, 5), out_shardings=sharding.replicated(mesh)
-  )(sharding.replicate(distances, mesh), sharding.replicate(utilities, mesh))
-  result["knn_distances"], result["knn_utilities"] = distances, utilities
-  result["knn_values"] = np.asarray(values.addressable_data(0))
-  result["knn_values_last_device"] = np.asarray(values.addressable_data(-1))
   # 6. Orbax stage checkpoint in a folder both processes see (a shared workdir): every process
   # saves and restores the replicated parameters (orbax coordinates the processes).
   from owl_cl.train import checkpointing  # pylint: disable=g-import-not-at-top
@@ -167,6 +154,20 @@ def run(jax, distributed, pid: int, out: str) -> None:
     sharding.fetch_replicated(state.params),
   )
   result["checkpoint_roundtrip"] = np.asarray(all(jax.tree.leaves(same)) and meta == {"stage": 0})
+  # 7. A host callback in a replicated computation: `knn_shapley` sorts through NumPy on CPU
+  # (`jax.pure_callback`), which runs once, on the first device, in process 0; every device of
+  # every process must receive its result.
+  from owl_cl.replay import knn_shapley  # pylint: disable=g-import-not-at-top
+
+  knn_rng = np.random.default_rng(11)
+  distances = knn_rng.random((12, 40), dtype=np.float32)
+  utilities = knn_rng.uniform(-1, 1, (12, 40)).astype(np.float32)
+  values = jax.jit(
+    lambda d, u: knn_shapley.knn_shapley(d, u, 5), out_shardings=sharding.replicated(mesh)
+  )(sharding.replicate(distances, mesh), sharding.replicate(utilities, mesh))
+  result["knn_distances"], result["knn_utilities"] = distances, utilities
+  result["knn_values"] = np.asarray(values.addressable_data(0))
+  result["knn_values_last_device"] = np.asarray(values.addressable_data(-1))
   result["is_writer"] = np.asarray(distributed.is_writer())
   result["log_prefix"] = np.asarray(distributed.log_prefix())
   distributed.barrier("worker-done", timeout_s=120)
