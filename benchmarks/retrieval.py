@@ -8,6 +8,9 @@ B 16 new images, N_c 168 (ASER) / 352 (ASER-PC, SW-ASER-PC) candidates, K 20):
     a compiling warm-up call;
   * the kernels (`knn_shapley`, `prototype_weighted_probs`, `adversarial_shapley_value`,
     `normalized_entropy`, `similarity_weighted_probs`) at the sizes one call uses;
+  * the fixed parts of a call (`bench_floors`): the replay state's round trip through a
+    jitted call and the per-call availability passes, against NumPy's whole `uniform` and
+    `uniform_balanced` calls;
   * ASER-PC's precomputation of the left term over the whole buffer. At the full size it is
     N*k = 433,808 evaluation tokens against as many candidate tokens (a sort of 1.9e11
     entries), far beyond a CPU run: one chunk of evaluation images against the whole buffer
@@ -26,8 +29,8 @@ Embeddings are random normal (timing does not depend on their values).
 
 Usage:
   python benchmarks/retrieval.py [--quick] [--sizes 54226,1000000] [--repeats 30]
-  [--out benchmarks/results] [--train-step-seconds 0.25] [--skip-kernels] [--skip-precompute]
-  [--processes 1]
+  [--out benchmarks/results] [--train-step-seconds 0.25] [--skip-kernels] [--skip-floors]
+  [--skip-precompute] [--processes 1]
 
 `--processes P` > 1 also times the algorithms of each size in P fresh processes, one after
 the other, and adds their medians and min-max to the report: a sub-millisecond call's time
@@ -71,6 +74,7 @@ from owl_cl import utils  # noqa: E402
 from owl_cl.replay import algorithms  # noqa: E402
 from owl_cl.replay import class_index  # noqa: E402
 from owl_cl.replay import class_selection  # noqa: E402
+from owl_cl.replay import dedup  # noqa: E402
 from owl_cl.replay import knn_shapley  # noqa: E402
 from owl_cl.replay import sample_selection  # noqa: E402
 from owl_cl.replay import state as state_lib  # noqa: E402
@@ -616,6 +620,76 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
   return rows
 
 
+def bench_floors(sizes: Sizes, buf, buffer, feats, repeats: int) -> list[dict]:
+  """The fixed parts of a retrieval call, jitted alone, against NumPy's whole `uniform` and
+  `uniform_balanced` calls (the NumPy column): what no algorithm can go below on a backend.
+
+  Rows (kind 'floor'):
+    * the state round trip: a call that takes (ReplayState, ReplayBuffer, features) and
+      returns the state with its key split and B images marked (`dedup.mark_replayed`), the
+      least any algorithm's call does;
+    * the buffer's availability (`class_index.block_pool`): the O(N) pass over the dedup
+      mask that `uniform` makes for its per-block counts;
+    * the classes' availability (`class_index.pools` + `class_available_counts`): the O(P)
+      pass over the member index that every class-based algorithm makes once per call.
+  """
+  rstate = state_lib.init_replay_state(sizes.num_images, jax.random.PRNGKey(0), sizes.num_classes)
+  marked = jnp.arange(sizes.batch, dtype=jnp.int32)
+
+  @jax.jit
+  def round_trip(rstate, buffer, features):
+    del buffer, features
+    rstate = rstate.replace(key=jax.random.split(rstate.key)[0])
+    return dedup.mark_replayed(rstate, marked, jnp.ones_like(marked, bool))
+
+  holder = {"state": rstate}
+  features = {k: jnp.asarray(v) for k, v in feats.items()}
+
+  def run_round_trip():
+    holder["state"] = round_trip(holder["state"], buffer, features)
+    return holder["state"].key
+
+  # Every image eligible, as the timed algorithm calls (a fresh dedup period) see them.
+  eligible = jnp.ones((sizes.num_images,), bool)
+  block_pool = jax.jit(lambda e: class_index.block_pool(e).block_counts)
+  index = buffer.class_index
+
+  @jax.jit
+  def class_pass(index, e):
+    return class_index.class_available_counts(index, class_index.pools(index, e))
+
+  timings = {}
+  for name in ("uniform", "uniform_balanced"):
+    ref = NumpyRetrieval(buf, sizes)
+    timings[name] = median_seconds(lambda: ref(name, feats), repeats)
+  return [
+    _row(
+      "floor",
+      "state round trip",
+      median_seconds(run_round_trip, repeats),
+      timings["uniform"],
+      f"B={sizes.batch}",
+      note="key split + B images marked; NumPy: its whole uniform call",
+    ),
+    _row(
+      "floor",
+      "class_index.block_pool",
+      median_seconds(lambda: block_pool(eligible), repeats),
+      timings["uniform"],
+      f"[{sizes.num_images}]",
+      note="uniform's O(N) availability pass; NumPy: its whole uniform call",
+    ),
+    _row(
+      "floor",
+      "class_index.pools",
+      median_seconds(lambda: class_pass(index, eligible), repeats),
+      timings["uniform_balanced"],
+      f"P={index.members.shape[0]}",
+      note="the class-based calls' O(P) availability pass; NumPy: its whole uniform_balanced call",
+    ),
+  ]
+
+
 # ------------------------------------------------------------------------------ report
 def _fmt_s(t: dict | None) -> str:
   if not t:
@@ -679,7 +753,8 @@ def sizes_for(num_images: int) -> Sizes:
 
 
 def bench_size(sizes: Sizes, names, args) -> dict:
-  """Every row of one buffer size: the member index build, kernels, algorithms, precompute."""
+  """Every row of one buffer size: the member index build, kernels, algorithms, floors,
+  precompute."""
   print(f"sizes: {sizes}; device: {jax.devices()[0]}", flush=True)
   buf = synthetic_buffer(sizes)
   feats = synthetic_features(sizes)
@@ -716,6 +791,9 @@ def bench_size(sizes: Sizes, names, args) -> dict:
     rows += bench_kernels(sizes, buf, feats, args.repeats)
   print("algorithms", flush=True)
   rows += bench_algorithms(sizes, buf, buffer, feats, names, args.repeats)
+  if not args.skip_floors:
+    print("floors", flush=True)
+    rows += bench_floors(sizes, buf, buffer, feats, args.repeats)
   if not args.skip_precompute and "aser_pc" in names:
     print("precompute", flush=True)
     rows.append(bench_precompute(sizes, buf, buffer, args.repeats))
@@ -731,6 +809,7 @@ def algorithms_in_processes(sizes: Sizes, names, args) -> dict:
     for p in range(args.processes):
       print(f"process {p + 1}/{args.processes}, N={sizes.num_images}", flush=True)
       command = [sys.executable, os.path.abspath(__file__), "--skip-kernels", "--skip-precompute"]
+      command += ["--skip-floors"]
       command += ["--repeats", str(args.repeats), "--algorithms", ",".join(names)]
       command += ["--out", out]
       command += ["--quick"] if args.quick else ["--sizes", str(sizes.num_images)]
@@ -785,6 +864,7 @@ def main(argv=None):
   parser.add_argument("--algorithms", default=",".join(ALGORITHM_NAMES))
   parser.add_argument("--skip-precompute", action="store_true")
   parser.add_argument("--skip-kernels", action="store_true")
+  parser.add_argument("--skip-floors", action="store_true")
   parser.add_argument(
     "--processes",
     type=int,

@@ -142,3 +142,30 @@ def test_markdown_of_the_algorithms_in_fresh_processes():
   assert (
     "| `uniform_balanced` | 0.40 ms (0.30-0.50) | 0.44 ms (0.43-0.45) | 1.1x | 2 of 3 |" in text
   )
+
+
+def test_floor_rows_time_the_fixed_parts_against_numpys_whole_calls():
+  sizes = bench.Sizes(num_images=200, num_classes=12, top_k=2, embed_dim=4, batch=4)
+  buf = bench.synthetic_buffer(sizes)
+  buffer = bench.state_lib.make_replay_buffer(
+    buf["class_membership"],
+    buf["prototypes"],
+    buf["prototype_distances"],
+    buf["class_embeddings"],
+    buf["query_embeddings"],
+  )
+  rows = bench.bench_floors(sizes, buf, buffer, bench.synthetic_features(sizes), repeats=2)
+  assert [(r["kind"], r["name"]) for r in rows] == [
+    ("floor", "state round trip"),
+    ("floor", "class_index.block_pool"),
+    ("floor", "class_index.pools"),
+  ]
+  index = buffer.class_index
+  assert [r["shape"] for r in rows] == ["B=4", "[200]", f"P={index.members.shape[0]}"]
+  for row in rows:
+    assert row["jax_s"]["repeats"] == 2 and row["jax_s"]["median_s"] > 0
+    assert row["ratio_numpy_over_jax"] == row["numpy_s"]["median_s"] / row["jax_s"]["median_s"]
+  # The NumPy column is the whole uniform call for the first two, uniform_balanced's for the
+  # class pass.
+  assert rows[0]["numpy_s"] is rows[1]["numpy_s"]
+  assert rows[2]["numpy_s"] is not rows[0]["numpy_s"]
