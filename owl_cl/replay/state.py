@@ -110,16 +110,17 @@ def init_replay_state(num_buffer: int, key: Any, num_classes: int = 0) -> Replay
   """
   if int(num_buffer) < 1:
     raise ValueError(f"num_buffer must be >= 1, got {num_buffer}")
-  zero = jnp.zeros((), jnp.int32)
   # Never reuse a key: fold_in(key, 1) would equal split(key, 3)[1], the first retrieval call's
   # class key (the initial order and that call's classes would be correlated).
   state_key, order_key = jax.random.split(_raw_key(key))
   return ReplayState(
     dedup_mask=jnp.zeros((int(num_buffer),), bool),
     class_pointer=jnp.full((), -1, jnp.int32),
-    num_replayed=zero,
-    total_replayed=zero,
-    num_resets=zero,
+    # One array per field: a jit that donates the state (`donate_argnums`) rejects a buffer
+    # that two of its leaves share.
+    num_replayed=jnp.zeros((), jnp.int32),
+    total_replayed=jnp.zeros((), jnp.int32),
+    num_resets=jnp.zeros((), jnp.int32),
     key=state_key,
     auto_reset=jnp.zeros((), bool),
     class_order=jax.random.permutation(order_key, int(num_classes)).astype(jnp.int32),

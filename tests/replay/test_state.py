@@ -107,3 +107,19 @@ def test_no_key_is_drawn_twice(monkeypatch, name, hyperparameters):
     _, _, rstate = algorithm(rstate, buffer, features, 4)
   assert len(drawn) >= 2 + 4 * 3
   assert len(set(drawn)) == len(drawn)
+
+
+def test_a_fresh_state_can_be_donated():
+  # Every leaf its own buffer: a retrieval jitted with the state donated (a user's loop may
+  # do so to update it in place) must run from init_replay_state, and give what it gives
+  # without donation.
+  buffer = random_buffer(seed=2, n=40, c=5)
+  algorithm = algorithms.get_algorithm("uniform_balanced")
+  fresh = lambda: state_lib.init_replay_state(40, jax.random.PRNGKey(5), 5)  # noqa: E731
+  leaves = jax.tree_util.tree_leaves(fresh())
+  pointers = [leaf.unsafe_buffer_pointer() for leaf in leaves]
+  assert len(set(pointers)) == len(leaves)
+  plain = jax.jit(algorithm, static_argnums=3)(fresh(), buffer, {}, 4)
+  donated = jax.jit(algorithm, static_argnums=3, donate_argnums=0)(fresh(), buffer, {}, 4)
+  for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(donated)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
