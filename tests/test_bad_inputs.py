@@ -512,6 +512,43 @@ def test_truncated_image_is_refused_before_training(ext, tmp_path, workdir, caps
   assert "truncated" in err or "broken" in err
 
 
+def test_png_cut_before_iend_is_refused_before_training(tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  bad = os.path.join(folder, "images", "test_1.png")
+  with open(bad, "rb") as f:
+    data = f.read()
+  with open(bad, "wb") as f:
+    f.write(data[: data.rindex(b"IEND") - 4])  # every pixel there, the IEND chunk cut off
+  status, err = refuse_data(config, workdir, capsys)
+  assert status == 2
+  assert f"split 'test': {folder}/test.json: cannot decode image {bad} (image id 2)" in err
+
+
+def test_exif_orientation_reaches_every_split_and_keys_the_caches(tmp_path):
+  from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  config, _ = own_data_config(tmp_path)
+  default = benchmark.load_benchmark(config)
+  config.data.exif_orientation = "apply"
+  applied = benchmark.load_benchmark(config)
+  splits = lambda bench: [source for _, _, source in scan.benchmark_splits(bench)]
+  assert len(splits(applied)) == 5  # pretrain train + test, held-out test, kitchen train + test
+  assert {s.exif_orientation for s in splits(default)} == {"ignore"}
+  assert {s.exif_orientation for s in splits(applied)} == {"apply"}
+  assert applied.fingerprint != default.fingerprint  # the pre-trained model's and buffer's key
+  assert scan.split_key(splits(applied)[0]) != scan.split_key(splits(default)[0])
+
+
+def test_duplicate_annotation_id_is_refused_before_training(tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  train = os.path.join(folder, "train.json")
+  edit_json(train, lambda d: d["annotations"][5].update(id=2))
+  status, err = refuse(config, workdir, capsys)  # found when the json is read
+  assert status == 2
+  assert f"{train}: annotations[5] field 'id' has value 2, which annotations[1] also has" in err
+
+
 def test_every_bad_image_is_listed_and_a_good_scan_is_cached(tmp_path, workdir, capsys):
   from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
   from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
