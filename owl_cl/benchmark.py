@@ -23,7 +23,9 @@ import os
 
 import ml_collections
 
+from owl_cl import config_fields
 from owl_cl import validation
+from owl_cl.config_fields import uses_real_data
 from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import entries as entries_lib
@@ -31,7 +33,6 @@ from owl_cl.data import suites
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import shuffled
-from owl_cl.validation import uses_real_data
 
 PRETRAIN_EVAL = "pretrain_val"
 HELD_OUT_EVAL = "held_out"
@@ -429,7 +430,7 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index:
   everything = [bench.pretrain_eval, bench.held_out_eval] + names
   if index >= len(bench.sequence):
     return everything
-  mode = validation.check_downstream_eval_mode(config)
+  mode = config_fields.check_downstream_eval_mode(config)
   out = []
   if config.eval.pretraining_sets_after_each_dataset:
     out += [bench.pretrain_eval, bench.held_out_eval]

@@ -19,13 +19,13 @@ import ml_collections
 from owl_cl import distributed
 from owl_cl import trainer
 from owl_cl.benchmark import Benchmark
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
 from owl_cl.train import checkpointing
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
-from owl_cl.validation import ConfigError
-from owl_cl.validation import uses_real_data
 
 # The ModelConfig fields a parameter tree determines (`convert.infer_model_config`).
 ARCHITECTURE_FIELDS = (

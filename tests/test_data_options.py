@@ -11,11 +11,11 @@ import pytest
 
 from configs import base
 from owl_cl import pretrained
+from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
 from owl_cl.data import pipeline
 from owl_cl.detector import Detector
 from owl_cl.testing.configs import tiny_config
-from owl_cl.validation import ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
 from owl_data_helpers import basic_dataset  # noqa: E402  pylint: disable=g-import-not-at-top

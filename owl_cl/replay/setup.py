@@ -28,6 +28,8 @@ import ml_collections
 
 from owl_cl import distributed
 from owl_cl import preemption
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import loss_adaptivity_mode
 from owl_cl.replay import algorithms
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import dedup
@@ -38,8 +40,6 @@ from owl_cl.train import step as step_lib
 from owl_cl.train import timing
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
-from owl_cl.validation import ConfigError
-from owl_cl.validation import loss_adaptivity_mode
 
 # The arrays of a replayed example the train step consumes (`replay_active` is added when the
 # loss adaptivity decides per slot).

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from owl_cl import config_fields
 from owl_cl.train import losses
 from owl_cl.train import sharding as sharding_lib
 
@@ -211,7 +212,7 @@ def _loss_fn(
     used = used & gate
   else:
     raise ValueError(
-      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
+      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {config_fields.LOSS_ADAPTIVITY_MODES}"
     )
   metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
   return loss, metrics
@@ -254,9 +255,9 @@ def make_train_step(
   docs/reference.md §9
   (paper eqs. 5-6; the released code's gate).
   """
-  if loss_adaptivity not in losses.LOSS_ADAPTIVITY_MODES:
+  if loss_adaptivity not in config_fields.LOSS_ADAPTIVITY_MODES:
     raise ValueError(
-      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
+      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {config_fields.LOSS_ADAPTIVITY_MODES}"
     )
   if int(loss_gate_groups) < 1:
     raise ValueError(f"loss_gate_groups must be >= 1, got {loss_gate_groups!r}")
