@@ -16,10 +16,10 @@ from configs import base
 from owl_cl import benchmark
 from owl_cl import experiment
 from owl_cl import trainer
-from owl_cl import validation
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
 from owl_cl.data import odinw
+from owl_cl.data import real_inputs
 from owl_cl.detector import Detector
 from owl_cl.eval import detection
 from owl_cl.testing import fake_data
@@ -178,7 +178,7 @@ def test_missing_inputs_are_listed_in_one_error_before_anything_is_written(tmp_p
   assert "config.init_checkpoint is not set" in message
   assert "config.model.tokenizer_vocab_path is not set" in message
   root = os.path.abspath(c.data.root)
-  expected = odinw.expected_files(root, ["Pothole", "Dice"]) + validation.pretraining_input_paths(
+  expected = odinw.expected_files(root, ["Pothole", "Dice"]) + real_inputs.pretraining_input_paths(
     root
   )
   for path in expected:
@@ -190,20 +190,20 @@ def test_missing_inputs_are_listed_in_one_error_before_anything_is_written(tmp_p
   c.data.root = str(tmp_path / "nowhere")
   c.init_checkpoint = str(tmp_path / "weights.msgpack")
   with pytest.raises(MissingInputsError) as info:
-    validation.check_inputs(c)
+    real_inputs.check_inputs(c)
   message = str(info.value)
   assert f"{tmp_path / 'nowhere'} (config.data.root)" in message
   assert f"{tmp_path / 'weights.msgpack'} (config.init_checkpoint)" in message
   c.data.root = None
   with pytest.raises(MissingInputsError, match="config.data.root is not set"):
-    validation.check_inputs(c)
+    real_inputs.check_inputs(c)
 
 
 def test_visual_genome_buffer_is_refused():
   c = paper_config()
   c.replay.selection.visual_genome_loss_threshold = 0.3
   with pytest.raises(ConfigError, match="two pre-training sets"):
-    validation.check_inputs(c)
+    real_inputs.check_inputs(c)
 
 
 # ----------------------------------------------------------------------------- end to end
