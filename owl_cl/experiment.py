@@ -189,6 +189,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   #      replay state (stage 0 = evaluated after pre-training); training goes on after it.
   validation.validate(config, workdir)
   replay_setup.check_replay_config(config)
+  # Built before anything is written: its checks (the tokenizer's vocabulary files and size,
+  # prompt templates) then refuse a run with the workdir left free, not after run.json.
+  detector = Detector(config)
   existing_run(workdir, config)
   if distributed.is_writer():
     utils.check_workdir_free(workdir)  # at once, before the data checks (they can take long)
@@ -210,17 +213,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     with preemption.handle_sigterm():
-      return _run(config, workdir, bench)
+      return _run(config, workdir, bench, detector)
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.Benchmark) -> dict:
+def _run(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  bench: benchmark_lib.Benchmark,
+  detector: Detector,
+) -> dict:
   """`run` after the checks of the config and the data, with the workdir locked."""
   wall_start = time.time()
   # One writer (process 0): run.json, results, records and TensorBoard; every process takes
   # part in the computation and in the orbax stage checkpoints (multi-process saves).
   is_writer = distributed.is_writer()
   run_id = check_workdir(workdir, config) if is_writer else None
-  detector = Detector(config)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if is_writer else None
   checkpointer = checkpointing.StageCheckpointer(
     os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep

@@ -1108,3 +1108,21 @@ def test_main_refuses_a_bad_command_line_in_one_line(overrides, expected, tmp_pa
   assert "Traceback" not in result.stderr
   assert snapshot(workdir) == before
   assert not os.path.exists(tmp_path / "cache")
+
+
+def test_detector_refusal_leaves_the_workdir_free(tmp_path, workdir, capsys):
+  """The detector's own checks (here a CLIP vocabulary larger than the model's) run before
+  the workdir is locked or claimed."""
+  folder = tmp_path / "vocab"
+  folder.mkdir()
+  tokens = {"a": 0, "b": 1, "<|startoftext|>": 2, "<|endoftext|>": 3}
+  (folder / "vocab.json").write_text(json.dumps(tokens))
+  (folder / "merges.txt").write_text("#version: 0.2\n")
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.model.tokenizer = "clip"
+  config.model.tokenizer_vocab_path = str(folder)
+  config.model.overrides.vocab_size = 2
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2 and err.count("\n") == 1
+  assert "config.model.tokenizer='clip' has 4 ids but the model's vocab_size is 2" in err
+  assert sorted(os.listdir(workdir)) == ["notes.txt"]
