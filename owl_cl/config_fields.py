@@ -97,8 +97,9 @@ BETA = real(0.0, 1.0, high_open=True)  # Adam's b1 / b2
 
 
 def choice(options: Sequence[Any] | Callable[[], Sequence[Any]], *, optional: bool = False) -> Rule:
-  """One of `options` (or a function returning them, called when checking: a module imported
-  only then); None too when `optional`. Option fields are listed by `option_problems`."""
+  """One of `options` (or a function returning them, called when checking: a registry that
+  can grow, e.g. the tokenizers); None too when `optional`. `validation.option_problems`
+  lists the fields with such a rule (`is_option`)."""
 
   def rule(value):
     if value is None and optional:

@@ -11,7 +11,7 @@ sequence. Each raises `ConfigError` naming the field and its value.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 import importlib.util
 import json
 import os
@@ -50,18 +50,27 @@ from owl_cl.config_fields import probabilities
 from owl_cl.config_fields import real
 from owl_cl.config_fields import text
 from owl_cl.config_fields import uses_real_data
+from owl_cl.data import builtin
+from owl_cl.data import coco
 from owl_cl.data import entries
 from owl_cl.data import odinw
+from owl_cl.data import prompts
 from owl_cl.data import real_inputs
 from owl_cl.data import scan
 from owl_cl.data import suites
 from owl_cl.data.coco import DataError
 from owl_cl.detector import model_fields
+from owl_cl.model import clip as clip_lib
 from owl_cl.model import convert
 from owl_cl.replay import algorithms as replay_algorithms
 from owl_cl.replay import buffer_selection
+from owl_cl.replay import class_selection
+from owl_cl.replay import dedup
 from owl_cl.replay import knn_shapley
+from owl_cl.replay import sample_selection
 from owl_cl.train import losses
+from owl_cl.train import optim
+from owl_cl.train import step as step_lib
 from owl_cl.utils import expand_path
 
 
@@ -125,18 +134,6 @@ TRAIN_FIELD_RULES: dict[str, Rule] = {
 }
 
 
-def _known(module: str, attr: str) -> Callable[[], list]:
-  """The options `module.attr` lists (a tuple, a dict's keys or a function's result), read
-  when a rule checks a value: the module is imported only then."""
-
-  def known():
-    value = getattr(importlib.import_module(module), attr)
-    value = value() if callable(value) else value
-    return sorted(value) if isinstance(value, dict) else list(value)
-
-  return known
-
-
 _REPLAY_ALGORITHMS = lambda: sorted(replay_algorithms.ALGORITHMS) + ["none"]  # noqa: E731
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -154,13 +151,13 @@ FIELD_RULES: dict[str, Rule] = {
   "compilation_cache_dir": text(optional=True, empty=True),  # '' disables the cache
   "init_checkpoint": text(optional=True),
   # --- model
-  "model.variant": choice(_known("owl_cl.model.owl_vit", "VARIANTS")),
-  "model.tokenizer": choice(_known("owl_cl.model.tokenizer", "known_tokenizers")),
+  "model.variant": choice(sorted(model_lib.VARIANTS)),
+  "model.tokenizer": choice(model_lib.known_tokenizers),
   "model.tokenizer_vocab_path": text(optional=True),
   "model.overrides": mapping,
   "model.dtype": choice(_DTYPES, optional=True),
-  "model.attention": choice(_known("owl_cl.model.clip", "ATTENTION_IMPLEMENTATIONS")),
-  "model.remat": choice(_known("owl_cl.model.clip", "REMAT_POLICIES")),
+  "model.attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
+  "model.remat": choice(clip_lib.REMAT_POLICIES),
   # --- data
   "data.root": text(optional=True),
   "data.sequence": declared(list),
@@ -174,22 +171,20 @@ FIELD_RULES: dict[str, Rule] = {
   "data.num_workers": integer(0),
   "data.prefetch_batches": integer(0),
   "data.validate_images": boolean,
-  "data.exif_orientation": choice(_known("owl_cl.data.coco", "EXIF_ORIENTATIONS")),
+  "data.exif_orientation": choice(coco.EXIF_ORIENTATIONS),
   "data.squash_resize": boolean,
   "data.merge_iou": real(0.0, 1.0, low_open=True, optional=True),
   "data.negatives_by_frequency": boolean,
   "data.host_sharding": boolean,
   "data.eval_batch_size": integer(1),
-  "data.train_prompt_templates": choice(_known("owl_cl.data.prompts", "TRAIN_TEMPLATE_SETS")),
+  "data.train_prompt_templates": choice(sorted(prompts.TRAIN_TEMPLATE_SETS)),
   "data.builtin.seed": integer(0),
   "data.builtin.num_pretrain_train": integer(1),
   "data.builtin.num_pretrain_val": integer(1),
   "data.builtin.num_held_out_val": integer(1),
   "data.builtin.num_downstream_train": integer(1),
   "data.builtin.num_downstream_test": integer(1),
-  "data.builtin.downstream": names(
-    _known("owl_cl.data.builtin", "DOWNSTREAM_NAMES"), what="built-in dataset"
-  ),
+  "data.builtin.downstream": names(lambda: builtin.DOWNSTREAM_NAMES, what="built-in dataset"),
   # --- augmentation
   "data.augment.hflip": boolean,
   "data.augment.random_crop": boolean,
@@ -210,7 +205,7 @@ FIELD_RULES: dict[str, Rule] = {
   "pretrain.eval_every_steps": integer(0, optional=True),
   "train.batch_size": integer(1),
   **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
-  "train.layerwise_granularity": choice(_known("owl_cl.train.optim", "GRANULARITIES")),
+  "train.layerwise_granularity": choice(optim.GRANULARITIES),
   "train.per_dataset": mapping,
   "train.carry": choice(CARRY_MODES),
   "train.b1": BETA,
@@ -230,14 +225,14 @@ FIELD_RULES: dict[str, Rule] = {
   # --- replay (retrieval)
   "replay.algorithm": choice(_REPLAY_ALGORITHMS),
   "replay.ratio": POSITIVE,
-  "replay.dedup": choice(_known("owl_cl.replay.dedup", "SCHEDULE_NAMES")),
+  "replay.dedup": choice(dedup.SCHEDULE_NAMES),
   "replay.dedup_fraction": FRACTION,
   "replay.dedup_without_replacement": boolean,
-  "replay.dedup_fraction_reset": choice(_known("owl_cl.replay.dedup", "FRACTION_RESETS")),
+  "replay.dedup_fraction_reset": choice(dedup.FRACTION_RESETS),
   "replay.der_alpha": NON_NEGATIVE,
   "replay.der_beta": NON_NEGATIVE,
   "replay.swil_weight": FINITE,
-  "replay.swil_reduction": choice(_known("owl_cl.replay.class_selection", "SWIL_REDUCTIONS")),
+  "replay.swil_reduction": choice(class_selection.SWIL_REDUCTIONS),
   "replay.grasp_weight": FINITE,
   "replay.balanced_order": choice(replay_algorithms.BALANCED_ORDERS),
   "replay.adaptive_entropy_threshold": FINITE,
@@ -249,9 +244,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.aser.asv_c": FINITE,
   "replay.aser.asv_token_matching": choice(knn_shapley.TOKEN_MATCHING),
   "replay.aser.asv_distance": choice(knn_shapley.DISTANCES),
-  "replay.aser.asv_weight_reduction": choice(
-    _known("owl_cl.replay.sample_selection", "WEIGHT_REDUCTIONS")
-  ),
+  "replay.aser.asv_weight_reduction": choice(sample_selection.WEIGHT_REDUCTIONS),
   "replay.aser.asv_chunk_size": integer(1),
   "replay.aser.asv_left_term": choice((True, False)),
   "replay.aser.asv_shapley": choice(knn_shapley.SHAPLEY),
@@ -284,8 +277,8 @@ FIELD_RULES: dict[str, Rule] = {
   "eval.multi_label": boolean,
   "eval.downstream_after_each_dataset": choice(DOWNSTREAM_EVAL_MODES),
   "eval.pretraining_sets_after_each_dataset": boolean,
-  "eval.prompt_templates": choice(_known("owl_cl.data.prompts", "EVAL_TEMPLATE_SETS")),
-  "eval.ensemble": choice(_known("owl_cl.train.step", "ENSEMBLE_MODES")),
+  "eval.prompt_templates": choice(sorted(prompts.EVAL_TEMPLATE_SETS)),
+  "eval.ensemble": choice(step_lib.ENSEMBLE_MODES),
   "eval.lvis_top_k": integer(1),
   "eval.lvis_max_dets": integer(1),
   "checkpoint.max_to_keep": integer(1, optional=True),
@@ -299,7 +292,7 @@ FIELD_RULES: dict[str, Rule] = {
 # be; the cross-field rules (image size a multiple of the patch size, widths of the heads) are
 # in `model_problems`.
 MODEL_OVERRIDE_RULES: dict[str, Rule] = {
-  "tokenizer": choice(_known("owl_cl.model.tokenizer", "known_tokenizers")),
+  "tokenizer": choice(model_lib.known_tokenizers),
   **{
     name: integer(1)
     for name in (
@@ -324,8 +317,8 @@ MODEL_OVERRIDE_RULES: dict[str, Rule] = {
   # The compute dtype is config.model.dtype (a name, turned into the jnp type by
   # `detector.model_fields`); an override would pass the name through unconverted.
   "dtype": lambda value: "is set by config.model.dtype (e.g. 'bfloat16'), not an override",
-  "attention": choice(_known("owl_cl.model.clip", "ATTENTION_IMPLEMENTATIONS")),
-  "remat": choice(_known("owl_cl.model.clip", "REMAT_POLICIES")),
+  "attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
+  "remat": choice(clip_lib.REMAT_POLICIES),
 }
 
 # Batch sizes split over the devices of the mesh ('data' axis: every device).
