@@ -527,6 +527,7 @@ def test_png_cut_before_iend_is_refused_before_training(tmp_path, workdir, capsy
 
 def test_exif_orientation_reaches_every_split_and_keys_the_caches(tmp_path):
   from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
+  from owl_cl import cache_keys  # pylint: disable=g-import-not-at-top
   from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
 
   config, _ = own_data_config(tmp_path)
@@ -537,7 +538,13 @@ def test_exif_orientation_reaches_every_split_and_keys_the_caches(tmp_path):
   assert len(splits(applied)) == 5  # pretrain train + test, held-out test, kitchen train + test
   assert {s.exif_orientation for s in splits(default)} == {"ignore"}
   assert {s.exif_orientation for s in splits(applied)} == {"apply"}
-  assert applied.fingerprint != default.fingerprint  # the pre-trained model's and buffer's key
+  assert applied.fingerprint != default.fingerprint
+  # The pre-trained model's and the buffer's cache keys: the option only when not the default.
+  assert cache_keys.non_default_data_options(config, buffer=True) == {
+    "data_options": {"exif_orientation": "apply"}
+  }
+  config.data.exif_orientation = "ignore"
+  assert cache_keys.non_default_data_options(config, buffer=True) == {}
   assert scan.split_key(splits(applied)[0]) != scan.split_key(splits(default)[0])
 
 
