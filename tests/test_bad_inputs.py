@@ -1133,3 +1133,23 @@ def test_detector_refusal_leaves_the_workdir_free(tmp_path, workdir, capsys):
   assert status == 2 and err.count("\n") == 1
   assert "config.model.tokenizer='clip' has 4 ids but the model's vocab_size is 2" in err
   assert sorted(os.listdir(workdir)) == ["notes.txt"]
+
+
+def test_scenic_checkpoint_of_another_model_leaves_the_workdir_free(tmp_path, workdir, capsys):
+  """A scenic file's parameters are known only once read: it is read before the lock and
+  run.json, so the corrected command is not refused as another config."""
+  import flax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "other.msgpack"
+  path.write_bytes(flax.serialization.msgpack_serialize({"params": {"w": np.zeros(2)}}))
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.init_checkpoint = str(path)
+  before = snapshot(workdir)
+  with pytest.raises(main.known_errors()) as raised:
+    experiment.run(config, workdir)
+  with pytest.raises(SystemExit) as exited:
+    main.fail(raised.value)
+  assert exited.value.code == 2
+  assert str(path) in capsys.readouterr().err
+  assert snapshot(workdir) == before  # no run.json, results.json or lock
