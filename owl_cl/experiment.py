@@ -179,10 +179,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   py_logging.getLogger("absl").setLevel(py_logging.INFO)
   workdir = expand_path(workdir)
   # Init / resume order, the same on every start:
-  #   1. validate the config (and the real data's files) before anything is written;
+  #   1. validate the config (and the real data's files) and build the detector before
+  #      anything is written;
   #   2. load the benchmark and check the sequence and every image and annotation (cached),
-  #      then lock the workdir (a second run is refused) and claim it (run.json; a workdir of
-  #      another config is refused): a run refused for its config or data writes nothing;
+  #      read the init checkpoint, then lock the workdir (a second run is refused) and claim
+  #      it (run.json; a workdir of another config is refused): a run refused for its config,
+  #      data or init checkpoint writes nothing;
   #   3. benchmark, detector, starting parameters (init_checkpoint > cached pre-trained
   #      model > pre-train now) and the replay store: all deterministic in the config, so
   #      rebuilt (or read from the caches) identically on a resume;
