@@ -134,7 +134,6 @@ TRAIN_FIELD_RULES: dict[str, Rule] = {
 }
 
 
-_REPLAY_ALGORITHMS = lambda: sorted(replay_algorithms.ALGORITHMS) + ["none"]  # noqa: E731
 _DTYPES = ("float32", "bfloat16", "float16")
 
 # Every field of configs/base.py ('' and 'paper') and what it must be: its type and its range
@@ -223,7 +222,7 @@ FIELD_RULES: dict[str, Rule] = {
   "loss.normalization": choice(losses.NORMALIZATIONS),
   "loss.matcher": choice(losses.MATCHERS),
   # --- replay (retrieval)
-  "replay.algorithm": choice(_REPLAY_ALGORITHMS),
+  "replay.algorithm": choice(sorted(replay_algorithms.ALGORITHMS) + ["none"]),
   "replay.ratio": POSITIVE,
   "replay.dedup": choice(dedup.SCHEDULE_NAMES),
   "replay.dedup_fraction": FRACTION,
