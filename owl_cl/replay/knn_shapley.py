@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from owl_cl.replay import class_selection
+from owl_cl.replay.retrieval import class_selection
 
 Array = jax.Array
 

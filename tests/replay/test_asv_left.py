@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from owl_cl import preemption
-from owl_cl.replay import algorithms
 from owl_cl.replay import asv_left
 from owl_cl.replay import knn_shapley
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Values are KNN-SVs of cosine utilities in [-1, 1] divided by K or N*t (|s| <= 1, here
@@ -196,7 +196,7 @@ def test_algorithm_prepare_caches_and_reloads(tmp_path):
     ce,
     qe,
   )
-  algorithm = algorithms.get_algorithm("aser_pc", num_candidates=4, knn_k=3, asv_chunk_size=4)
+  algorithm = registry.get_algorithm("aser_pc", num_candidates=4, knn_k=3, asv_chunk_size=4)
   fresh = lambda: state_lib.init_replay_state(n, jax.random.PRNGKey(0), num_classes=3)
   plain = algorithm.prepare(fresh(), buffer)
   prefix = str(tmp_path / "store")
