@@ -3,7 +3,7 @@
 A shortest-augmenting-path Hungarian algorithm (Kuhn-Munkres with the Jonker-Volgenant /
 "e-maxx" potentials formulation) written with `lax.fori_loop` / `lax.while_loop` over static
 shapes, so it compiles for CPU, GPU and TPU, runs under `jit` and `vmap`, and needs no round
-trip to the host (the SciPy matcher in `owl_cl.train.losses` is a `pure_callback`).
+trip to the host (the SciPy matcher in `owl_cl.train.matcher` is a `pure_callback`).
 
 The algorithm. Rows are assigned one at a time. For row i, a Dijkstra-like search over the
 columns grows a tree of tight edges under the reduced costs `c[r, j] - u[r] - v[j]`: each
@@ -176,7 +176,7 @@ def match_targets(cost: Array, target_mask: Array) -> Array:
   other tokens get K - 1, the appended padding instance.
 
   Args:
-    cost: float [..., T, K] finite matching costs (`owl_cl.train.losses.matching_cost`).
+    cost: float [..., T, K] finite matching costs (`owl_cl.train.matcher.matching_cost`).
     target_mask: bool [..., K], True for real targets.
 
   Returns:
