@@ -62,12 +62,16 @@ from owl_cl.data.coco import DataError
 from owl_cl.detector import model_fields
 from owl_cl.model import clip as clip_lib
 from owl_cl.model import convert
-from owl_cl.replay import algorithms as replay_algorithms
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import class_selection
-from owl_cl.replay import dedup
-from owl_cl.replay import knn_shapley
-from owl_cl.replay import sample_selection
+from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
+from owl_cl.replay.retrieval import asv as retrieval_asv
+from owl_cl.replay.retrieval import class_selection
+from owl_cl.replay.retrieval import compose as retrieval_compose
+from owl_cl.replay.retrieval import dedup
+from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import registry as retrieval_registry
+from owl_cl.replay.retrieval import sample_selection
+from owl_cl.replay.retrieval import steps as retrieval_steps
 from owl_cl.train import losses
 from owl_cl.train import optim
 from owl_cl.train import step as step_lib
@@ -222,7 +226,7 @@ FIELD_RULES: dict[str, Rule] = {
   "loss.normalization": choice(losses.NORMALIZATIONS),
   "loss.matcher": choice(losses.MATCHERS),
   # --- replay (retrieval)
-  "replay.algorithm": choice(sorted(replay_algorithms.ALGORITHMS) + ["none"]),
+  "replay.algorithm": choice(sorted(retrieval_registry.ALGORITHMS) + ["none"]),
   "replay.ratio": POSITIVE,
   "replay.dedup": choice(dedup.SCHEDULE_NAMES),
   "replay.dedup_fraction": FRACTION,
@@ -233,11 +237,11 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.swil_weight": FINITE,
   "replay.swil_reduction": choice(class_selection.SWIL_REDUCTIONS),
   "replay.grasp_weight": FINITE,
-  "replay.balanced_order": choice(replay_algorithms.BALANCED_ORDERS),
+  "replay.balanced_order": choice(retrieval_steps.BALANCED_ORDERS),
   "replay.adaptive_entropy_threshold": FINITE,
-  "replay.adaptive_entropy_classes": choice(replay_algorithms.ADAPTIVE_ENTROPY_CLASSES),
-  "replay.exhausted_class": choice(replay_algorithms.EXHAUSTED_CLASS),
-  "replay.within_class_weighting": choice(replay_algorithms.WITHIN_CLASS_WEIGHTINGS),
+  "replay.adaptive_entropy_classes": choice(retrieval_adaptive.ADAPTIVE_ENTROPY_CLASSES),
+  "replay.exhausted_class": choice(retrieval_compose.EXHAUSTED_CLASS),
+  "replay.within_class_weighting": choice(retrieval_steps.WITHIN_CLASS_WEIGHTINGS),
   "replay.aser.num_candidates": integer(1, optional=True),
   "replay.aser.knn_k": integer(1),
   "replay.aser.asv_c": FINITE,
@@ -249,8 +253,8 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.aser.asv_shapley": choice(knn_shapley.SHAPLEY),
   "replay.aser.asv_distance_threshold": real(0.0, low_open=True, optional=True),
   "replay.aser.tknn_num_classes": POSITIVE,
-  "replay.aser.candidate_subsets": choice(replay_algorithms.CANDIDATE_SUBSETS),
-  "replay.aser.asv_features": choice(replay_algorithms.ASV_FEATURES),
+  "replay.aser.candidate_subsets": choice(retrieval_asv.CANDIDATE_SUBSETS),
+  "replay.aser.asv_features": choice(retrieval_asv.ASV_FEATURES),
   "replay.records": boolean,
   "replay.lookahead": boolean,
   "replay.stale_retrieval": boolean,
