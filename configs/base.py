@@ -158,7 +158,7 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   # them as the tag says (annotations drawn in a photo viewer); 'refuse' names each such file
   # (docs/reference.md §5).
   c.data.exif_orientation = "ignore"
-  # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.pipeline). The defaults are the
+  # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.input_pipeline). The defaults are the
   # built-in
   # benchmark's; a non-default value also keys the cached pre-trained model and buffer.
   c.data.squash_resize = False  # True: resize to S x S ignoring aspect (released code, HF)

@@ -23,7 +23,8 @@ from owl_cl.benchmark import EVALUATION_PROTOCOLS
 from owl_cl.benchmark import Dataset
 from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
-from owl_cl.data import pipeline
+from owl_cl.data import input_pipeline
+from owl_cl.data import label_ops
 from owl_cl.data import prompts
 from owl_cl.eval import detection
 from owl_cl.model import tokenizer as tokenizer_lib
@@ -167,7 +168,7 @@ class Detector:
     per class, when data.negatives_by_frequency; computed once per source). The same options
     preprocess the replay buffer's images.
 
-    Source: docs/reference.md §3, §5; pipeline.preprocess_train_example.
+    Source: docs/reference.md §3, §5; input_pipeline.preprocess_train_example.
     """
     data = self.config.data
     options = {
@@ -177,7 +178,7 @@ class Detector:
     if data.negatives_by_frequency:
       key = getattr(source, "annotation_file", None) or id(source)
       if key not in self._class_frequencies:
-        self._class_frequencies[key] = pipeline.class_frequencies(source)
+        self._class_frequencies[key] = label_ops.class_frequencies(source)
       options["negative_weights"] = self._class_frequencies[key]
     return options
 
@@ -210,7 +211,7 @@ class Detector:
     return options
 
   def train_batches(self, source, *, batch_size: int, seed: int, epoch: int, start_batch: int = 0):
-    """Training batches of one epoch of `source` (pipeline.train_dataset) with the config's
+    """Training batches of one epoch of `source` (input_pipeline.train_dataset) with the config's
     preprocessing options, augmentations and host sharding (data.host_sharding), from batch
     `start_batch` of the epoch on (a resumed loop).
 
@@ -222,7 +223,7 @@ class Detector:
     if jax.process_count() > 1:
       rows = sharding_lib.process_rows(batch_size, self.mesh)
       shard, batch_rows = None, (rows.start, rows.stop)
-    return pipeline.train_dataset(
+    return input_pipeline.train_dataset(
       source,
       class_tokens=self.train_class_tokens(source),
       empty_tokens=self.empty_tokens,
@@ -284,7 +285,7 @@ class Detector:
 
     multi_process = jax.process_count() > 1
     rows = sharding_lib.process_rows(batch_size, self.mesh) if multi_process else None
-    batches = pipeline.eval_dataset(
+    batches = input_pipeline.eval_dataset(
       source,
       image_size=self.image_size,
       batch_size=batch_size,
@@ -320,7 +321,7 @@ class Detector:
     the rows are gathered so AP is computed over the whole eval set (on every process).
 
     Args:
-      local_batches: this process's rows of the eval batches (`pipeline.eval_dataset` with
+      local_batches: this process's rows of the eval batches (`input_pipeline.eval_dataset` with
         `batch_rows`): images, image_id, orig_size, example_mask.
       predict: `predict(global images [B, S, S, 3]) -> (scores [B, K], labels [B, K],
         boxes [B, K, 4])`, split along the batch.

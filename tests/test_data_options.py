@@ -13,7 +13,8 @@ from configs import base
 from owl_cl import cache_keys
 from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
-from owl_cl.data import pipeline
+from owl_cl.data import input_pipeline
+from owl_cl.data import label_ops
 from owl_cl.detector import Detector
 from owl_cl.testing.configs import tiny_config
 
@@ -40,7 +41,7 @@ def _batches_equal(a, b):
 
 def _explicit(detector, source, **options):
   c = detector.config
-  return pipeline.train_dataset(
+  return input_pipeline.train_dataset(
     source,
     class_tokens=detector.train_class_tokens(source),
     empty_tokens=detector.empty_tokens,
@@ -74,7 +75,7 @@ def test_every_option_reaches_the_pipeline(tmp_path, source):
   c.data.augment.mosaic_sizes = (1, 2)
   c.data.augment.mosaic_probs = (0.5, 0.5)
   detector = Detector(c)
-  frequencies = pipeline.class_frequencies(source)
+  frequencies = label_ops.class_frequencies(source)
   np.testing.assert_array_equal(frequencies, [1, 1, 1])  # dog, cat: image 5; bird: image 2
   expected = _explicit(
     detector,

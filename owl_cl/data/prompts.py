@@ -206,7 +206,7 @@ def prompt_tokens(tokenizer, class_names: Sequence[str], templates: Sequence[str
   Returns:
     int32 ``[C, P, L]``; ``[:, 0]`` with ``templates[0] == '{}'`` equals the tokens of the
     canonical class names. Training: pass it as ``class_tokens`` to
-    `owl_cl.data.pipeline.train_dataset` (one template drawn per query from the example's
+    `owl_cl.data.input_pipeline.train_dataset` (one template drawn per query from the example's
     generator). Evaluation: embed it and ensemble over P.
 
   Raises:

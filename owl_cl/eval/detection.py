@@ -221,7 +221,7 @@ def unpad_boxes(
     orig_sizes: int/float [..., 2] (height, width) of the original image in pixels,
       broadcastable against boxes[..., 0].
     image_size: optional S (pixels); only used with `rounded_content`. The default
-      un-pad is exact for `owl_cl.data.pipeline`, which scales boxes by the single factor
+      un-pad is exact for `owl_cl.data.image_ops`, which scales boxes by the single factor
       S / max(h, w) (`resize_geometry`), so it does not depend on S.
     rounded_content: for a pipeline that instead scales boxes by the realised per-axis
       factors of a resize to (round(h * S / max), round(w * S / max)) pixels (requires
@@ -281,7 +281,7 @@ def to_coco_detections(
       their detections are skipped.
     example_mask: optional bool [B]; False examples (batch padding) are skipped.
     image_size: optional padded square side S in pixels, see `unpad_boxes` (no effect on the
-      default un-pad, which is exact for `owl_cl.data.pipeline`).
+      default un-pad, which is exact for `owl_cl.data.image_ops`).
 
   Returns:
     list of dicts {'image_id': int, 'category_id': int, 'bbox': [x, y, w, h] float pixels

@@ -49,7 +49,8 @@ import tqdm
 
 from owl_cl import distributed
 from owl_cl import utils
-from owl_cl.data import pipeline
+from owl_cl.data import image_ops
+from owl_cl.data import input_pipeline
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import store as store_lib
 from owl_cl.train import losses
@@ -76,11 +77,11 @@ _INT32_MAX = np.iinfo(np.int32).max
 class BufferExample:
   """Image index -> its fixed training example (a picklable grain transform).
 
-  The example of image i is `pipeline.preprocess_train_example(source.load(i),
-  rng=pipeline.example_rng(seed, 0, i), **options)` restricted to `EXAMPLE_KEYS` and
+  The example of image i is `input_pipeline.preprocess_train_example(source.load(i),
+  rng=input_pipeline.example_rng(seed, 0, i), **options)` restricted to `EXAMPLE_KEYS` and
   `image_id`: its queries and negatives are drawn once, seeded by the image index, so every
   pass (and every resumed build) sees the same example. Not augmented: its image is
-  `pipeline.resize_with_pad` of the source image, which the store re-makes at gather time.
+  `image_ops.resize_with_pad` of the source image, which the store re-makes at gather time.
   """
 
   def __init__(self, source, seed: int, options: dict):
@@ -88,8 +89,8 @@ class BufferExample:
 
   def __call__(self, index) -> dict[str, np.ndarray]:
     index = int(index)
-    example = pipeline.preprocess_train_example(
-      self.source.load(index), rng=pipeline.example_rng(self.seed, 0, index), **self.options
+    example = input_pipeline.preprocess_train_example(
+      self.source.load(index), rng=input_pipeline.example_rng(self.seed, 0, index), **self.options
     )
     return {k: example[k] for k in EXAMPLE_KEYS + ("image_id",)}
 
@@ -98,7 +99,7 @@ class BufferExample:
     """How the images are made (`store_lib.IMAGE_REFERENCE_FIELDS` but the key)."""
     return dict(
       image_size=int(self.options["image_size"]),
-      pad_value=float(self.options.get("pad_value", pipeline.TRAIN_PAD_VALUE)),
+      pad_value=float(self.options.get("pad_value", image_ops.TRAIN_PAD_VALUE)),
       squash=bool(self.options.get("squash", False)),
     )
 
@@ -266,7 +267,7 @@ def _stream(
     return
   ds = grain.MapDataset.source(image_indices[np.concatenate(positions)]).map(transform)
   # Private helper of the pipeline, reused so that worker processes behave as in training.
-  batches = pipeline._to_batches(  # pylint: disable=protected-access
+  batches = input_pipeline._to_batches(  # pylint: disable=protected-access
     ds, rows.stop - rows.start, False, num_workers, num_threads=2, prefetch=2 * batch_size
   )
   for b, batch in zip(range(first_batch, num_batches), batches):

@@ -4,8 +4,8 @@ The store (`owl_cl/replay/store.py`) keeps no pixels: per buffer image it keeps 
 the image in the pre-training source (`examples.source_index`) and its image id. `BufferImages`
 turns buffer indices into the images of the training examples, decoding each from the source
 (`source.load(i)`) and preprocessing it with the training pipeline's own functions
-(`pipeline.resized_uint8`, `pipeline.uint8_to_unit`, `pipeline.pad_to_square`: the stages of
-`pipeline.resize_with_pad`, which `pipeline.preprocess_train_example` applies to a
+(`image_ops.resized_uint8`, `image_ops.uint8_to_unit`, `image_ops.pad_to_square`: the stages of
+`image_ops.resize_with_pad`, which `input_pipeline.preprocess_train_example` applies to a
 non-augmented example), so a gathered image equals, bit for bit, the image the builder's
 forward saw (docs/reference.md §5, §6).
 
@@ -32,7 +32,7 @@ from absl import logging
 import numpy as np
 
 from owl_cl import utils
-from owl_cl.data import pipeline
+from owl_cl.data import image_ops
 
 CACHE_FORMAT = 1
 # An entry's validity record: int32 (marker, content height, content width, 0), 16 bytes, so
@@ -155,7 +155,7 @@ class BufferImages:
     source_index: int64 [N] the buffer images' indices in `source`.
     image_id: int64 [N] their image ids (each decode checks the source still has them).
     image_size: S. pad_value: the training pad value (0.5). squash: as
-      `pipeline.resize_with_pad`.
+      `image_ops.resize_with_pad`.
     cache_dir: root of the optional uint8 cache (`ImageCache`); None: decode every time.
     cache_key: what the images depend on (names the cache folder; required with cache_dir).
     num_threads: threads decoding the images of one call (PIL releases the GIL).
@@ -173,7 +173,7 @@ class BufferImages:
     image_id: np.ndarray,
     *,
     image_size: int,
-    pad_value: float = pipeline.TRAIN_PAD_VALUE,
+    pad_value: float = image_ops.TRAIN_PAD_VALUE,
     squash: bool = False,
     cache_dir: str | None = None,
     cache_key: str | None = None,
@@ -217,8 +217,8 @@ class BufferImages:
       )
     image = np.asarray(example["image"])
     if image.dtype != np.uint8:
-      return pipeline.resize_with_pad(image, self.image_size, self.pad_value, squash=self.squash)
-    return pipeline.resized_uint8(image, self.image_size, squash=self.squash)
+      return image_ops.resize_with_pad(image, self.image_size, self.pad_value, squash=self.squash)
+    return image_ops.resized_uint8(image, self.image_size, squash=self.squash)
 
   def _map(self, fn, items: list) -> list:
     if len(items) < 2 or self.num_threads == 1:
@@ -255,7 +255,7 @@ class BufferImages:
       images[row] = (
         c
         if c.dtype != np.uint8
-        else pipeline.pad_to_square(pipeline.uint8_to_unit(c), self.image_size, self.pad_value)
+        else image_ops.pad_to_square(image_ops.uint8_to_unit(c), self.image_size, self.pad_value)
       )
     return images
 

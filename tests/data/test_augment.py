@@ -4,8 +4,10 @@ mosaics, squash-resize, worker processes, host sharding."""
 import numpy as np
 import pytest
 
+from owl_cl.data import image_ops
+from owl_cl.data import input_pipeline
+from owl_cl.data import label_ops
 from owl_cl.data import odinw
-from owl_cl.data import pipeline as P
 from owl_cl.testing import fake_data
 
 L = 16
@@ -37,7 +39,7 @@ def test_negatives_follow_label_frequency():
   counts = np.zeros(5)
   rng = np.random.default_rng(0)
   for _ in range(n):
-    qc = P.sample_queries(
+    qc = label_ops.sample_queries(
       [0], [0], 5, num_queries=3, num_negatives=1, rng=rng, negative_weights=weights
     )
     assert qc[1] == 0
@@ -47,7 +49,7 @@ def test_negatives_follow_label_frequency():
   assert counts[0] == 0
   assert np.all(np.abs(counts - n * p) <= 4 * sigma + 1e-9), counts
   # Zero-weight classes are never drawn, even when fewer negatives than requested result.
-  qc = P.sample_queries(
+  qc = label_ops.sample_queries(
     [], [], 4, 8, 5, np.random.default_rng(1), negative_weights=np.array([0, 1.0, 0, 2.0])
   )
   assert sorted(qc[qc >= 0].tolist()) == [1, 3]
@@ -59,20 +61,20 @@ def test_class_frequencies_count_images(tmp_path):
     dict(labels=np.array([2])),
     dict(labels=np.array([], np.int32)),
   ]
-  np.testing.assert_array_equal(P.class_frequencies(src), [1, 0, 2])
+  np.testing.assert_array_equal(label_ops.class_frequencies(src), [1, 0, 2])
   root = str(tmp_path)
   fake_data.write_fake_odinw(root, ["Dice"], num_images=5)
   dice = odinw.odinw_source(root, "Dice", "train")
   want = np.zeros(6)
   for i in range(len(dice)):
     want[np.unique(dice.targets(i)["labels"])] += 1
-  np.testing.assert_array_equal(P.class_frequencies(dice), want)
+  np.testing.assert_array_equal(label_ops.class_frequencies(dice), want)
 
 
 def test_annotated_negatives_come_first():
   rng = np.random.default_rng(0)
   # Positive 1, present-but-cut 2; annotated negatives 5, 6, 2 (2 is present: ignored), 1.
-  qc = P.sample_queries(
+  qc = label_ops.sample_queries(
     [1], [1, 2], 10, num_queries=8, num_negatives=4, rng=rng, annotated_negatives=[5, 6, 2, 1]
   )
   assert qc[0] == -1 and qc[1] == 1
@@ -80,7 +82,7 @@ def test_annotated_negatives_come_first():
   rest = qc[4:6].tolist()
   assert len(set(rest)) == 2 and not set(rest) & {1, 2, 5, 6} and (qc[6:] == -1).all()
   # Budget smaller than the annotated list: only annotated negatives.
-  qc = P.sample_queries(
+  qc = label_ops.sample_queries(
     [1],
     [1],
     10,
@@ -93,7 +95,7 @@ def test_annotated_negatives_come_first():
   # preprocess_train_example takes them from the example (LVIS 'negative_labels').
   t, e = tokens(10)
   ex = dict(example(boxes=[[0, 0, 10, 10]], labels=[3]), negative_labels=np.array([8, 9]))
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex,
     class_tokens=t,
     empty_tokens=e,
@@ -104,7 +106,7 @@ def test_annotated_negatives_come_first():
     rng=np.random.default_rng(0),
   )
   assert out["query_class"][1] == 3 and sorted(out["query_class"][2:4]) == [8, 9]
-  off = P.preprocess_train_example(
+  off = input_pipeline.preprocess_train_example(
     ex,
     class_tokens=t,
     empty_tokens=e,
@@ -115,7 +117,7 @@ def test_annotated_negatives_come_first():
     rng=np.random.default_rng(0),
     annotated_negatives=False,
   )
-  plain = P.preprocess_train_example(
+  plain = input_pipeline.preprocess_train_example(
     example(boxes=[[0, 0, 10, 10]], labels=[3]),
     class_tokens=t,
     empty_tokens=e,
@@ -135,13 +137,13 @@ def test_iou_merge_hand_worked():
   # disjoint -> separate. E = D exactly (same class) -> merged into D.
   boxes = [[0, 0, 10, 10], [0, 0, 10, 9], [0, 0, 10, 8.9], [50, 50, 60, 60], [50, 50, 60, 60]]
   labels = [1, 2, 3, 1, 1]
-  merged, merged_labels = P.merge_duplicate_instances(boxes, labels, 0.9)
+  merged, merged_labels = label_ops.merge_duplicate_instances(boxes, labels, 0.9)
   np.testing.assert_array_equal(
     merged, np.float32([[0, 0, 10, 10], [0, 0, 10, 8.9], [50, 50, 60, 60]])
   )
   assert merged_labels == [[1, 2], [3], [1]]
   t, e = tokens(5)
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     example(boxes=boxes, labels=labels),
     class_tokens=t,
     empty_tokens=e,
@@ -161,10 +163,10 @@ def test_iou_merge_hand_worked():
 # ---------------------------------------------------------------------------------- flip
 def test_hflip_maps_boxes_exactly():
   ex = example(h=20, w=30, boxes=[[2, 3, 12, 8], [0, 0, 30, 20]], labels=[0, 1])
-  f = P.hflip_example(ex)
+  f = image_ops.hflip_example(ex)
   np.testing.assert_array_equal(f["boxes"], [[18, 3, 28, 8], [0, 0, 30, 20]])
   np.testing.assert_array_equal(f["image"][:, 0], ex["image"][:, 29])
-  ff = P.hflip_example(f)
+  ff = image_ops.hflip_example(f)
   np.testing.assert_array_equal(ff["image"], ex["image"])
   np.testing.assert_array_equal(ff["boxes"], ex["boxes"])
   # The pixels under a box move with it.
@@ -177,7 +179,7 @@ def test_crop_drops_boxes_hand_worked():
     boxes=[[0, 0, 50, 50], [0, 60, 40, 100], [30, 30, 60, 60], [0, 0, 10, 10]], labels=[0, 1, 2, 3]
   )
   # Window x in [20, 100), y in [0, 100).
-  c = P.crop_example(ex, top=0, left=20, height=100, width=80, min_area_fraction=0.6)
+  c = image_ops.crop_example(ex, top=0, left=20, height=100, width=80, min_area_fraction=0.6)
   # Box 0 keeps [20,50]x[0,50]: 1500 / 2500 = 0.6 -> kept as [0, 0, 30, 50].
   # Box 1 keeps [20,40]x[60,100]: 800 / 1600 = 0.5 -> dropped.
   # Box 2 inside -> [10, 30, 40, 60]. Box 3 entirely outside -> dropped.
@@ -187,7 +189,7 @@ def test_crop_drops_boxes_hand_worked():
   np.testing.assert_array_equal(c["image"], ex["image"][:, 20:])
   # Dropped classes are never negatives.
   t, e = tokens(6)
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     c,
     class_tokens=t,
     empty_tokens=e,
@@ -207,11 +209,11 @@ def test_random_crop_invariants():
   )
   areas = (ex["boxes"][:, 2] - ex["boxes"][:, 0]) * (ex["boxes"][:, 3] - ex["boxes"][:, 1])
   for _ in range(200):
-    top, left, h, w = P.sample_crop_region(60, 90, rng)
+    top, left, h, w = image_ops.sample_crop_region(60, 90, rng)
     full = (top, left, h, w) == (0, 0, 60, 90)
     assert full or (0.3 * 5400 - 90 <= h * w <= 5400 and 0.7 <= w / h <= 1.4)
     assert 0 <= top and top + h <= 60 and 0 <= left and left + w <= 90
-    c = P.crop_example(ex, top, left, h, w)
+    c = image_ops.crop_example(ex, top, left, h, w)
     b = c["boxes"]
     assert c["image"].shape == (h, w, 3)
     assert (b[:, 0] >= 0).all() and (b[:, 1] >= 0).all()
@@ -230,7 +232,7 @@ def test_mosaic_places_tiles_exactly():
     example(h=50, w=50, boxes=[[25, 0, 50, 25]], labels=[3], image_id=13),
   ]
   exs[3]["negative_labels"] = np.array([0, 4, 5])
-  m = P.build_mosaic(exs, 2, 40)
+  m = image_ops.build_mosaic(exs, 2, 40)
   # Tile side 20. Tile 0 (row 0, col 0): scale 20/40 -> [1, 2, 5, 10].
   # Tile 1 (row 0, col 1): scale 20/60, offset x 20 -> [20, 0, 40, 10], [30, 5, 35, 10].
   # Tile 3 (row 1, col 1): scale 20/50 = 0.4, offset (20, 20) -> [30, 20, 40, 30].
@@ -240,18 +242,20 @@ def test_mosaic_places_tiles_exactly():
   np.testing.assert_array_equal(m["labels"], [0, 1, 2, 3])
   assert m["image"].shape == (40, 40, 3) and m["image_id"] == 10
   np.testing.assert_array_equal(
-    m["image"][20:40, 0:20], P.resize_with_pad(exs[2]["image"], 20, 0.5)
+    m["image"][20:40, 0:20], image_ops.resize_with_pad(exs[2]["image"], 20, 0.5)
   )
   np.testing.assert_array_equal(
-    m["image"][0:20, 20:40], P.resize_with_pad(exs[1]["image"], 20, 0.5)
+    m["image"][0:20, 20:40], image_ops.resize_with_pad(exs[1]["image"], 20, 0.5)
   )
   np.testing.assert_array_equal(m["negative_labels"], [4, 5])  # 0 is present in tile 0
   with pytest.raises(ValueError, match="divisible"):
-    P.build_mosaic(exs[:1] * 9, 3, 40)
+    image_ops.build_mosaic(exs[:1] * 9, 3, 40)
   # Randomly augmented 3x3 mosaics keep every box inside the image, with positive area.
   rng = np.random.default_rng(1)
   for _ in range(20):
-    m = P.build_mosaic([exs[i % 4] for i in range(9)], 3, 48, rng, hflip=True, random_crop=True)
+    m = image_ops.build_mosaic(
+      [exs[i % 4] for i in range(9)], 3, 48, rng, hflip=True, random_crop=True
+    )
     b = m["boxes"]
     assert ((b >= 0) & (b <= 48)).all() and (b[:, 2] > b[:, 0]).all()
     assert len(b) == len(m["labels"])
@@ -259,18 +263,18 @@ def test_mosaic_places_tiles_exactly():
 
 def test_mosaic_size_distribution():
   rng = np.random.default_rng(0)
-  ks = np.array([P.sample_mosaic_size(rng) for _ in range(3000)])
+  ks = np.array([image_ops.sample_mosaic_size(rng) for _ in range(3000)])
   freq = np.array([(ks == k).mean() for k in (1, 2, 3)])
   assert np.abs(freq - [0.4, 0.3, 0.3]).max() < 0.04, freq
   with pytest.raises(ValueError):
-    P.sample_mosaic_size(rng, (1, 2), (0.5, 0.6))
+    image_ops.sample_mosaic_size(rng, (1, 2), (0.5, 0.6))
 
 
 # ---------------------------------------------------------------------------------- squash
 def test_squash_resize_scales_boxes_per_axis():
   t, e = tokens(3)
   ex = example(h=50, w=100, boxes=[[10, 5, 60, 45]], labels=[1])
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex,
     class_tokens=t,
     empty_tokens=e,
@@ -311,8 +315,8 @@ AUG = dict(
   batch_size=4,
   hflip=True,
   random_crop=True,
-  mosaic_sizes=P.MOSAIC_SIZES,
-  mosaic_probs=P.MOSAIC_PROBS,
+  mosaic_sizes=image_ops.MOSAIC_SIZES,
+  mosaic_probs=image_ops.MOSAIC_PROBS,
 )
 
 
@@ -323,11 +327,11 @@ def test_workers_give_the_same_batches(dice):
     empty_tokens=e,
     seed=4,
     epoch=1,
-    negative_weights=P.class_frequencies(dice),
+    negative_weights=label_ops.class_frequencies(dice),
     **AUG,
   )
-  a = list(P.train_dataset(dice, num_workers=0, **kw))
-  b = list(P.train_dataset(dice, num_workers=2, **kw))
+  a = list(input_pipeline.train_dataset(dice, num_workers=0, **kw))
+  b = list(input_pipeline.train_dataset(dice, num_workers=2, **kw))
   assert len(a) == len(b) == 2
   for x, y in zip(a, b):
     assert set(x) == set(y)
@@ -340,8 +344,8 @@ def test_workers_give_the_same_batches(dice):
   assert (cx - w / 2 >= -1e-6).all() and (cx + w / 2 <= 1 + 1e-6).all()
   assert (cy - h / 2 >= -1e-6).all() and (cy + h / 2 <= 1 + 1e-6).all()
   # Evaluation: same batches, the padding examples only at the end (9 images, B = 4).
-  ev0 = list(P.eval_dataset(dice, image_size=32, batch_size=4, num_workers=0))
-  ev2 = list(P.eval_dataset(dice, image_size=32, batch_size=4, num_workers=2))
+  ev0 = list(input_pipeline.eval_dataset(dice, image_size=32, batch_size=4, num_workers=0))
+  ev2 = list(input_pipeline.eval_dataset(dice, image_size=32, batch_size=4, num_workers=2))
   assert len(ev0) == len(ev2) == 3
   for x, y in zip(ev0, ev2):
     for k in x:
@@ -361,20 +365,22 @@ def test_host_sharding_is_disjoint(dice):
     max_instances=6,
     num_negatives=2,
   )
-  full = P.train_map_dataset(dice, **kw)
-  parts = [P.train_map_dataset(dice, shard=(i, 3), **kw) for i in range(3)]
+  full = input_pipeline.train_map_dataset(dice, **kw)
+  parts = [input_pipeline.train_map_dataset(dice, shard=(i, 3), **kw) for i in range(3)]
   ids = [[int(p[j]["image_id"]) for j in range(len(p))] for p in parts]
   assert [len(x) for x in ids] == [3, 3, 3]
   assert sorted(sum(ids, [])) == sorted(dice.image_ids)
   all_ids = [int(full[j]["image_id"]) for j in range(len(full))]
   assert ids[1] == all_ids[1::3]  # host i takes positions i, i + 3, ... of the global order
-  two = [P.train_map_dataset(dice, shard=(i, 2), **kw) for i in range(2)]
+  two = [input_pipeline.train_map_dataset(dice, shard=(i, 2), **kw) for i in range(2)]
   got = [{int(p[j]["image_id"]) for j in range(len(p))} for p in two]
   assert len(got[0]) == len(got[1]) == 4 and not got[0] & got[1]  # remainder dropped
   # 'jax' in a single process: one shard of one, i.e. everything.
   jax_ids = [
-    int(x) for b in P.train_dataset(dice, shard="jax", batch_size=3, **kw) for x in b["image_id"]
+    int(x)
+    for b in input_pipeline.train_dataset(dice, shard="jax", batch_size=3, **kw)
+    for x in b["image_id"]
   ]
   assert jax_ids == all_ids
   with pytest.raises(ValueError):
-    P.train_map_dataset(dice, shard=(3, 3), **kw)
+    input_pipeline.train_map_dataset(dice, shard=(3, 3), **kw)

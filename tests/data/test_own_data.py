@@ -23,8 +23,8 @@ import pytest
 
 from owl_cl.data import builtin
 from owl_cl.data import entries
+from owl_cl.data import input_pipeline
 from owl_cl.data import odinw
-from owl_cl.data import pipeline
 from owl_cl.data import suites
 from owl_cl.data import tfds_source
 from owl_cl.data.coco import DataError
@@ -271,7 +271,9 @@ def test_tfds_source_feeds_the_eval_pipeline(pair):
   coco, tf = pair
   a, b = entries.load_split(coco, "test"), entries.load_split(tf, "test")
   kw = dict(image_size=32, batch_size=3, num_workers=0)
-  for ba, bb in zip(pipeline.eval_dataset(a, **kw), pipeline.eval_dataset(b, **kw), strict=True):
+  for ba, bb in zip(
+    input_pipeline.eval_dataset(a, **kw), input_pipeline.eval_dataset(b, **kw), strict=True
+  ):
     assert ba.keys() == bb.keys()
     for k in ba:
       np.testing.assert_array_equal(ba[k], bb[k])  # same pixels: identical resize output

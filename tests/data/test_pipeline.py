@@ -4,7 +4,8 @@ import numpy as np
 from owl_data_helpers import write_coco
 import pytest
 
-from owl_cl.data import pipeline as P
+from owl_cl.data import image_ops
+from owl_cl.data import input_pipeline
 from owl_cl.data.coco import CocoSource
 
 L = 16
@@ -42,55 +43,57 @@ KW = dict(image_size=64, num_queries=8, max_instances=4, num_negatives=3)
 
 # ---------------------------------------------------------------------------------- geometry
 def test_resize_geometry_hand_computed():
-  assert P.resize_geometry(50, 100, 64) == (32, 64, 0.64, 0.64)
-  assert P.resize_geometry(100, 40, 64) == (64, 26, 0.64, 0.64)  # 25.6 -> 26
-  assert P.resize_geometry(64, 64, 64) == (64, 64, 1.0, 1.0)
-  assert P.resize_geometry(50, 100, 64, squash=True) == (64, 64, 1.28, 0.64)
+  assert image_ops.resize_geometry(50, 100, 64) == (32, 64, 0.64, 0.64)
+  assert image_ops.resize_geometry(100, 40, 64) == (64, 26, 0.64, 0.64)  # 25.6 -> 26
+  assert image_ops.resize_geometry(64, 64, 64) == (64, 64, 1.0, 1.0)
+  assert image_ops.resize_geometry(50, 100, 64, squash=True) == (64, 64, 1.28, 0.64)
   with pytest.raises(ValueError):
-    P.resize_geometry(0, 10, 64)
+    image_ops.resize_geometry(0, 10, 64)
 
 
 def test_resize_with_pad_values():
   img = np.zeros((50, 100, 3), np.uint8)
   img[..., 0] = 255
   img[..., 1] = 51
-  out = P.resize_with_pad(img, 64, 0.5)
+  out = image_ops.resize_with_pad(img, 64, 0.5)
   assert out.shape == (64, 64, 3) and out.dtype == np.float32
   np.testing.assert_allclose(out[:32, :, 0], 1.0, atol=1e-6)  # content, long side = 64
   np.testing.assert_allclose(out[:32, :, 1], 0.2, atol=1e-6)
   np.testing.assert_allclose(out[32:], 0.5)  # bottom padding
-  out0 = P.resize_with_pad(img, 64, 0.0)
+  out0 = image_ops.resize_with_pad(img, 64, 0.0)
   np.testing.assert_allclose(out0[32:], 0.0)
   # Portrait: pad on the right.
-  out = P.resize_with_pad(np.full((100, 40, 3), 255, np.uint8), 64, 0.5)
+  out = image_ops.resize_with_pad(np.full((100, 40, 3), 255, np.uint8), 64, 0.5)
   np.testing.assert_allclose(out[:, :26], 1.0, atol=1e-6)
   np.testing.assert_allclose(out[:, 26:], 0.5)
   # Squash: no padding at all.
-  out = P.resize_with_pad(img, 64, 0.5, squash=True)
+  out = image_ops.resize_with_pad(img, 64, 0.5, squash=True)
   np.testing.assert_allclose(out[..., 0], 1.0, atol=1e-6)
   # Same size: exact copy / 255.
   rnd = np.random.default_rng(0).integers(0, 256, (64, 64, 3)).astype(np.uint8)
-  np.testing.assert_allclose(P.resize_with_pad(rnd, 64, 0.5), rnd / 255.0, atol=1e-6)
+  np.testing.assert_allclose(image_ops.resize_with_pad(rnd, 64, 0.5), rnd / 255.0, atol=1e-6)
 
 
 def test_resize_bilinear_and_float_input():
   # A horizontal ramp stays a monotone ramp; float input matches uint8 input.
   ramp = np.tile(np.linspace(0, 255, 128).astype(np.uint8)[None, :, None], (32, 1, 3))
-  out = P.resize_with_pad(ramp, 64, 0.5)
+  out = image_ops.resize_with_pad(ramp, 64, 0.5)
   row = out[0, :, 0]
   assert np.all(np.diff(row) > 0) and out[:16].std(axis=0).max() < 1e-6
   np.testing.assert_allclose(out[16:], 0.5)
-  outf = P.resize_with_pad(ramp.astype(np.float32) / 255, 64, 0.5)
+  outf = image_ops.resize_with_pad(ramp.astype(np.float32) / 255, 64, 0.5)
   np.testing.assert_allclose(outf, out, atol=2.5 / 255)
 
 
 def test_scale_boxes_hand_computed():
-  b = P.scale_boxes(np.array([[10, 5, 60, 45]]), 50, 100, 64)
+  b = image_ops.scale_boxes(np.array([[10, 5, 60, 45]]), 50, 100, 64)
   np.testing.assert_allclose(b, [[6.4, 3.2, 38.4, 28.8]], rtol=1e-6)
-  b = P.scale_boxes(np.array([[10, 5, 60, 45]]), 50, 100, 64, squash=True)
+  b = image_ops.scale_boxes(np.array([[10, 5, 60, 45]]), 50, 100, 64, squash=True)
   np.testing.assert_allclose(b, [[6.4, 6.4, 38.4, 57.6]], rtol=1e-6)
   np.testing.assert_allclose(
-    P.xyxy_to_cxcywh(np.array([[6.4, 3.2, 38.4, 28.8]])), [[22.4, 16.0, 32.0, 25.6]], rtol=1e-6
+    image_ops.xyxy_to_cxcywh(np.array([[6.4, 3.2, 38.4, 28.8]])),
+    [[22.4, 16.0, 32.0, 25.6]],
+    rtol=1e-6,
   )
 
 
@@ -98,7 +101,7 @@ def test_scale_boxes_hand_computed():
 def test_train_example_queries_labels_boxes():
   tok, empty = fake_tokens()
   ex = make_example()
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
   )
   qc = out["query_class"]
@@ -133,18 +136,18 @@ def test_negatives_never_positive_and_vary():
   ex = make_example()
   seen = set()
   for index in range(30):
-    out = P.preprocess_train_example(
-      ex, class_tokens=tok, empty_tokens=empty, rng=P.example_rng(0, 0, index), **KW
+    out = input_pipeline.preprocess_train_example(
+      ex, class_tokens=tok, empty_tokens=empty, rng=input_pipeline.example_rng(0, 0, index), **KW
     )
     neg = tuple(out["query_class"][3:6].tolist())
     assert not set(neg) & {3, 7}
     seen.add(neg)
   assert len(seen) > 10  # not the same negatives for all images (docs/reference.md §12)
-  a = P.preprocess_train_example(
-    ex, class_tokens=tok, empty_tokens=empty, rng=P.example_rng(0, 0, 5), **KW
+  a = input_pipeline.preprocess_train_example(
+    ex, class_tokens=tok, empty_tokens=empty, rng=input_pipeline.example_rng(0, 0, 5), **KW
   )
-  b = P.preprocess_train_example(
-    ex, class_tokens=tok, empty_tokens=empty, rng=P.example_rng(0, 0, 5), **KW
+  b = input_pipeline.preprocess_train_example(
+    ex, class_tokens=tok, empty_tokens=empty, rng=input_pipeline.example_rng(0, 0, 5), **KW
   )
   np.testing.assert_array_equal(a["query_class"], b["query_class"])
 
@@ -152,7 +155,7 @@ def test_negatives_never_positive_and_vary():
 def test_negatives_limited_by_free_slots_and_classes():
   tok, empty = fake_tokens(num_classes=4)
   ex = make_example(labels=(0, 1))
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex,
     class_tokens=tok,
     empty_tokens=empty,
@@ -170,7 +173,7 @@ def test_truncation_and_duplicate_merge():
   tok, empty = fake_tokens()
   boxes = [(0, 0, 10, 10), (20, 0, 30, 10), (40, 0, 50, 10), (60, 0, 70, 10), (80, 0, 90, 10)]
   ex = make_example(boxes=boxes, labels=(1, 2, 2, 4, 5))
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex,
     class_tokens=tok,
     empty_tokens=empty,
@@ -187,14 +190,14 @@ def test_truncation_and_duplicate_merge():
   np.testing.assert_array_equal(out["labels"][:, :3], [[0, 1, 0], [0, 0, 1], [0, 0, 1]])
   # Duplicate merge: IoU >= 0.9 boxes with different labels -> one multi-label instance.
   ex = make_example(boxes=[(10, 10, 40, 40), (10, 10, 40, 41), (50, 5, 90, 45)], labels=(1, 2, 3))
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
   )
   assert out["query_class"][1:4].tolist() == [1, 2, 3]
   np.testing.assert_array_equal(
     out["labels"][:, :4], [[0, 1, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
   )
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), merge_iou=None, **KW
   )
   np.testing.assert_array_equal(out["labels"][:3, 1:4], np.eye(3))
@@ -204,7 +207,7 @@ def test_too_many_positives_cut_to_q_minus_1():
   tok, empty = fake_tokens()
   boxes = [(10 * i, 0, 10 * i + 8, 8) for i in range(5)]
   ex = make_example(boxes=boxes, labels=(0, 1, 2, 3, 4))
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex,
     class_tokens=tok,
     empty_tokens=empty,
@@ -223,7 +226,7 @@ def test_too_many_positives_cut_to_q_minus_1():
 def test_no_annotations_and_prompts_and_flip():
   tok, empty = fake_tokens(prompts=3)
   ex = make_example(boxes=np.zeros((0, 4)), labels=())
-  out = P.preprocess_train_example(
+  out = input_pipeline.preprocess_train_example(
     ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
   )
   np.testing.assert_array_equal(out["labels"][:, 0], 1)
@@ -235,7 +238,7 @@ def test_no_annotations_and_prompts_and_flip():
   tok, empty = fake_tokens()
   ex = make_example()
   flips = [
-    P.preprocess_train_example(
+    input_pipeline.preprocess_train_example(
       ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(s), hflip=True, **KW
     )
     for s in range(8)
@@ -260,9 +263,9 @@ def test_train_dataset_shapes_and_determinism():
   tok, empty = fake_tokens()
   src = _sequence_source(10)
   kw = dict(class_tokens=tok, empty_tokens=empty, batch_size=4, seed=3, **KW)
-  a = list(P.train_dataset(src, epoch=0, **kw))
-  b = list(P.train_dataset(src, epoch=0, **kw))
-  c = list(P.train_dataset(src, epoch=1, **kw))
+  a = list(input_pipeline.train_dataset(src, epoch=0, **kw))
+  b = list(input_pipeline.train_dataset(src, epoch=0, **kw))
+  c = list(input_pipeline.train_dataset(src, epoch=1, **kw))
   assert len(a) == 2  # floor(10 / 4), remainder dropped
   shapes = dict(
     images=((4, 64, 64, 3), np.float32),
@@ -287,8 +290,8 @@ def test_train_dataset_shapes_and_determinism():
   assert len(set(ids_a.tolist())) == 8 and not np.array_equal(ids_a, ids_c)
   # Each example equals the public per-example function with the derived rng.
   idx = int(a[0]["image_id"][0]) - 100
-  ref = P.preprocess_train_example(
-    src[idx], class_tokens=tok, empty_tokens=empty, rng=P.example_rng(3, 0, idx), **KW
+  ref = input_pipeline.preprocess_train_example(
+    src[idx], class_tokens=tok, empty_tokens=empty, rng=input_pipeline.example_rng(3, 0, idx), **KW
   )
   for k in ref:
     np.testing.assert_array_equal(a[0][k][0], ref[k])
@@ -298,8 +301,8 @@ def test_train_dataset_multiprocessing_matches():
   tok, empty = fake_tokens()
   src = _sequence_source(8)
   kw = dict(class_tokens=tok, empty_tokens=empty, batch_size=4, seed=0, epoch=0, **KW)
-  a = list(P.train_dataset(src, **kw))
-  b = list(P.train_dataset(src, num_workers=1, **kw))
+  a = list(input_pipeline.train_dataset(src, **kw))
+  b = list(input_pipeline.train_dataset(src, num_workers=1, **kw))
   assert len(a) == len(b) == 2
   for x, y in zip(a, b):
     for k in x:
@@ -313,7 +316,7 @@ def test_eval_dataset_padding(tmp_path):
     str(tmp_path), images, [], cats, colors={10 + i: (255, 255, 255) for i in range(5)}
   )
   src = CocoSource(ann, img_dir)
-  batches = list(P.eval_dataset(src, image_size=32, batch_size=2))
+  batches = list(input_pipeline.eval_dataset(src, image_size=32, batch_size=2))
   assert len(batches) == 3
   assert set(batches[0]) == {"images", "image_id", "orig_size", "example_mask"}
   np.testing.assert_array_equal(
@@ -330,7 +333,7 @@ def test_eval_dataset_padding(tmp_path):
   np.testing.assert_allclose(last[0, 26:], 0.0)
   np.testing.assert_allclose(last[1], 0.0)
   # max_images: the first 3 only, padded to 4.
-  batches = list(P.eval_dataset(src, image_size=32, batch_size=2, max_images=3))
+  batches = list(input_pipeline.eval_dataset(src, image_size=32, batch_size=2, max_images=3))
   np.testing.assert_array_equal(np.concatenate([b["image_id"] for b in batches]), [10, 11, 12, -1])
 
 
@@ -340,8 +343,10 @@ def test_batch_rows_split_each_global_batch():
   tok, empty = fake_tokens()
   src = _sequence_source(10)
   kw = dict(class_tokens=tok, empty_tokens=empty, batch_size=4, seed=3, epoch=1, **KW)
-  whole = list(P.train_dataset(src, **kw))
-  parts = [list(P.train_dataset(src, batch_rows=rows, **kw)) for rows in ((0, 2), (2, 4))]
+  whole = list(input_pipeline.train_dataset(src, **kw))
+  parts = [
+    list(input_pipeline.train_dataset(src, batch_rows=rows, **kw)) for rows in ((0, 2), (2, 4))
+  ]
   assert len(whole) == len(parts[0]) == len(parts[1]) == 2
   for b, batch in enumerate(whole):
     assert parts[0][b]["images"].shape[0] == 2
@@ -349,11 +354,11 @@ def test_batch_rows_split_each_global_batch():
       np.testing.assert_array_equal(
         np.concatenate([parts[0][b][k], parts[1][b][k]]), batch[k], err_msg=k
       )
-  np.testing.assert_array_equal(P.batch_row_positions(10, 4, (1, 3)), [1, 2, 5, 6])
+  np.testing.assert_array_equal(input_pipeline.batch_row_positions(10, 4, (1, 3)), [1, 2, 5, 6])
   with pytest.raises(ValueError, match=r"batch_rows must satisfy 0 <= start < stop <= 4"):
-    P.batch_row_positions(10, 4, (2, 5))
+    input_pipeline.batch_row_positions(10, 4, (2, 5))
   with pytest.raises(ValueError, match="shard or positions"):
-    P.train_map_dataset(
+    input_pipeline.train_map_dataset(
       src,
       shard=(0, 2),
       positions=np.arange(2),
@@ -363,9 +368,10 @@ def test_batch_rows_split_each_global_batch():
 
 def test_eval_batch_rows_cover_every_image_once():
   src = [dict(make_example(h=20, w=30, boxes=[], labels=(), image_id=10 + i)) for i in range(5)]
-  whole = list(P.eval_dataset(src, image_size=32, batch_size=4))
+  whole = list(input_pipeline.eval_dataset(src, image_size=32, batch_size=4))
   parts = [
-    list(P.eval_dataset(src, image_size=32, batch_size=4, batch_rows=r)) for r in ((0, 2), (2, 4))
+    list(input_pipeline.eval_dataset(src, image_size=32, batch_size=4, batch_rows=r))
+    for r in ((0, 2), (2, 4))
   ]
   assert len(whole) == len(parts[0]) == len(parts[1]) == 2  # ceil(5 / 4), same on every process
   for b, batch in enumerate(whole):
@@ -375,13 +381,13 @@ def test_eval_batch_rows_cover_every_image_once():
   assert sorted(i for i in ids.tolist() if i >= 0) == [10, 11, 12, 13, 14]
   # The row selection pickles to grain worker processes.
   kw = dict(image_size=32, batch_size=4, batch_rows=(2, 4))
-  for a, b in zip(P.eval_dataset(src, num_workers=1, **kw), parts[1]):
+  for a, b in zip(input_pipeline.eval_dataset(src, num_workers=1, **kw), parts[1]):
     np.testing.assert_array_equal(a["images"], b["images"])
 
 
 def test_bad_tokens_raise():
   with pytest.raises(ValueError, match="class_tokens"):
-    P.train_dataset(
+    input_pipeline.train_dataset(
       _sequence_source(2),
       class_tokens=np.zeros((3, 8), np.int32),
       empty_tokens=np.zeros(16, np.int32),

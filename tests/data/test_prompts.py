@@ -4,7 +4,7 @@ draws."""
 import numpy as np
 import pytest
 
-from owl_cl.data import pipeline
+from owl_cl.data import input_pipeline
 from owl_cl.data import prompts
 from owl_cl.model.tokenizer import WordHashTokenizer
 
@@ -91,9 +91,11 @@ def test_training_prompts_one_template_per_label_drawn_by_the_rng():
   )
   drawn = set()
   for seed in range(40):
-    out = pipeline.preprocess_train_example(example, rng=pipeline.example_rng(seed, 0, 0), **kwargs)
-    again = pipeline.preprocess_train_example(
-      example, rng=pipeline.example_rng(seed, 0, 0), **kwargs
+    out = input_pipeline.preprocess_train_example(
+      example, rng=input_pipeline.example_rng(seed, 0, 0), **kwargs
+    )
+    again = input_pipeline.preprocess_train_example(
+      example, rng=input_pipeline.example_rng(seed, 0, 0), **kwargs
     )
     np.testing.assert_array_equal(out["queries"], again["queries"])
     for q, cls in zip(out["queries"], out["query_class"]):
@@ -105,8 +107,8 @@ def test_training_prompts_one_template_per_label_drawn_by_the_rng():
       drawn.add((int(cls), int(match[0])))
   assert len({p for c, p in drawn if c == 0}) > 20  # many different templates are drawn
   # The default [C, L] class tokens keep the bare names (built-in benchmark behaviour).
-  plain = pipeline.preprocess_train_example(
-    example, rng=pipeline.example_rng(0, 0, 0), **dict(kwargs, class_tokens=tokens[:, 0])
+  plain = input_pipeline.preprocess_train_example(
+    example, rng=input_pipeline.example_rng(0, 0, 0), **dict(kwargs, class_tokens=tokens[:, 0])
   )
   for q, cls in zip(plain["queries"], plain["query_class"]):
     if cls >= 0:

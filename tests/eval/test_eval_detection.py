@@ -484,11 +484,11 @@ def test_make_predict_fn_end_to_end():
 
 
 def test_unpad_inverts_the_data_pipeline_box_scaling():
-  """Boxes as `owl_cl.data.pipeline` builds targets -> unpad_boxes gives the pixels back."""
-  pipeline = pytest.importorskip("owl_cl.data.pipeline")
+  """Boxes as `owl_cl.data.input_pipeline` builds targets -> unpad_boxes gives the pixels back."""
+  image_ops = pytest.importorskip("owl_cl.data.image_ops")
   size = 96
   for h, w in [(480, 640), (500, 300), (333, 500), (400, 400)]:
     xyxy = np.array([[10.0, 20.0, 200.0, 150.0], [0.0, 0.0, w, h]], np.float32)
-    rel = pipeline.xyxy_to_cxcywh(pipeline.scale_boxes(xyxy, h, w, size)) / size
+    rel = image_ops.xyxy_to_cxcywh(image_ops.scale_boxes(xyxy, h, w, size)) / size
     back = detection.unpad_boxes(rel, np.array([h, w]), image_size=size)
     np.testing.assert_allclose(back, xyxy, atol=1e-3)

@@ -21,7 +21,7 @@ import pytest
 
 from owl_cl import benchmark
 from owl_cl import pretrained
-from owl_cl.data import pipeline
+from owl_cl.data import input_pipeline
 from owl_cl.detector import Detector
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import build as build_lib
@@ -52,9 +52,9 @@ def _analyse(detector, params, source, options):
 
   Returns (examples [N, ...], analysis dict [N, ...])."""
   o = options
-  examples = pipeline.stack_examples(
+  examples = input_pipeline.stack_examples(
     [
-      pipeline.preprocess_train_example(
+      input_pipeline.preprocess_train_example(
         source.load(i),
         class_tokens=o["class_tokens"],
         empty_tokens=o["empty_tokens"],
@@ -62,7 +62,7 @@ def _analyse(detector, params, source, options):
         num_queries=o["num_queries"],
         max_instances=o["max_instances"],
         num_negatives=o["num_negatives"],
-        rng=pipeline.example_rng(o["seed"], 0, i),
+        rng=input_pipeline.example_rng(o["seed"], 0, i),
         **o["example_options"],
       )
       for i in range(len(source))

@@ -2,7 +2,7 @@
 
 A small generated source (uint8 images of several sizes and aspect ratios, so that the resize
 and the padding both matter) that counts its decodes; the reference is the training pipeline's
-own `pipeline.resize_with_pad`, i.e. what a store of pixels held.
+own `image_ops.resize_with_pad`, i.e. what a store of pixels held.
 """
 
 import concurrent.futures
@@ -12,14 +12,14 @@ import threading
 import numpy as np
 import pytest
 
-from owl_cl.data import pipeline
+from owl_cl.data import image_ops
 from owl_cl.replay import images as images_lib
 from owl_cl.replay import store as store_lib
 
 S, N_SOURCE, Q, L, M, T, C = 24, 12, 3, 4, 2, 5, 2
 # Buffer image i is source image KEPT[i].
 KEPT = np.array([1, 4, 5, 7, 10, 11])
-REFERENCE = dict(image_size=S, pad_value=pipeline.TRAIN_PAD_VALUE, squash=False, key="test")
+REFERENCE = dict(image_size=S, pad_value=image_ops.TRAIN_PAD_VALUE, squash=False, key="test")
 
 
 class CountingSource:
@@ -70,7 +70,7 @@ def _arrays():
 def _pixel_store(source):
   """The store as the previous version kept it: the training pipeline's images as pixels."""
   examples, logits, buffer = _arrays()
-  images = np.stack([pipeline.resize_with_pad(source.load(int(i))["image"], S, 0.5) for i in KEPT])
+  images = np.stack([image_ops.resize_with_pad(source.load(int(i))["image"], S, 0.5) for i in KEPT])
   return store_lib.ReplayStore(dict(examples, images=images), logits, buffer, ["a", "b"])
 
 
@@ -111,7 +111,7 @@ def test_gather_by_reference_equals_the_pixel_store(tmp_path):
   # Padding (bottom of wide images, right of tall ones) at the training value, exactly.
   padded = 0
   for image, i in zip(got["images"], KEPT[INDICES]):
-    h, w, _, _ = pipeline.resize_geometry(10 + 3 * i, 30 - 2 * i, S)
+    h, w, _, _ = image_ops.resize_geometry(10 + 3 * i, 30 - 2 * i, S)
     assert (image[h:] == 0.5).all() and (image[:, w:] == 0.5).all()
     padded += (S - h) * S + (S - w) * h
   assert padded > S * S
