@@ -158,9 +158,9 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   # them as the tag says (annotations drawn in a photo viewer); 'refuse' names each such file
   # (docs/reference.md §5).
   c.data.exif_orientation = "ignore"
-  # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.input_pipeline). The defaults are the
-  # built-in
-  # benchmark's; a non-default value also keys the cached pre-trained model and buffer.
+  # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.input_pipeline). The defaults
+  # are the built-in benchmark's; a non-default value also keys the cached pre-trained model and
+  # buffer.
   c.data.squash_resize = False  # True: resize to S x S ignoring aspect (released code, HF)
   # Boxes with IoU >= this become one multi-label instance (scenic); None: off.
   c.data.merge_iou = ml_collections.FieldReference(0.9, field_type=float)
