@@ -103,23 +103,59 @@ def _default_config_json() -> dict:
   return json.loads(base.get_config("").to_json_best_effort())
 
 
+# Config fields a resumed run may change: they decide when checkpoints are written, never what
+# is computed (a resumed run's results equal the uninterrupted run's), so a run begun before
+# `checkpoint.every_minutes` had a default, or with another interval, is resumed as it is.
+RESUMABLE_FIELDS = frozenset(
+  {"checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.max_to_keep"}
+)
+
+
+def read_run_json(run_file: str) -> dict:
+  """The record `check_workdir` wrote: {'run_id': str, 'config': dict}.
+
+  Raises:
+    ConfigError: the file cannot be read or is not such a record (named, with the cause: it
+      is what ties the workdir's checkpoints and results to one config, so the run cannot
+      go on without it).
+  """
+  try:
+    with open(run_file, encoding="utf-8") as f:
+      existing = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(
+      f"{run_file} cannot be read ({e}): it records the config of the run this workdir holds; "
+      "restore it (e.g. from a backup) to resume, or use another --workdir"
+    ) from None
+  if not (
+    isinstance(existing, dict)
+    and isinstance(existing.get("run_id"), str)
+    and isinstance(existing.get("config"), dict)
+  ):
+    raise ConfigError(
+      f"{run_file} is not a run record (expected 'run_id' and 'config'); restore it to "
+      "resume, or use another --workdir"
+    )
+  return existing
+
+
 def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None:
   """The `workdir/run.json` record of a run of `config` (None: no run yet). Writes nothing.
 
   A field that did not exist when the run began (absent from its `run.json`) is accepted at
   its default (configs/base.py): fields are added with defaults that keep earlier results
-  (docs/architecture.md "Principles"), so the run goes on as it began; any other difference
-  is refused.
+  (docs/architecture.md "Principles"), so the run goes on as it began; the checkpoint
+  intervals (`RESUMABLE_FIELDS`) may differ; any other difference is refused.
 
   Raises:
-    ConfigError: the workdir holds a run of another config (it would be overwritten).
+    ConfigError: the workdir holds a run of another config (it would be overwritten), or its
+      run.json cannot be read (`read_run_json`).
   """
   run_file = os.path.join(workdir, "run.json")
   if not os.path.exists(run_file):
     return None
   config_json = json.loads(config.to_json_best_effort())
-  with open(run_file) as f:
-    existing = json.load(f)
+  existing = read_run_json(run_file)
   if existing.get("config") != config_json:
     old, new = _flat(existing.get("config") or {}), _flat(config_json)
     defaults = _flat(_default_config_json())
@@ -129,6 +165,7 @@ def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None
       for k in set(old) | set(new)
       if old.get(k, missing) != new.get(k, missing)
       and not (k not in old and k in defaults and new.get(k) == defaults[k])
+      and k not in RESUMABLE_FIELDS
     )
     if changed:
       raise ConfigError(
@@ -172,6 +209,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     WorkdirLockedError: another process runs in `workdir` (its pid and host named).
     TrainingDivergedError: a non-finite loss or gradient norm (the last stage checkpoint
       stays; results.json is not marked complete).
+    owl_cl.integrity.IntegrityError: stage checkpoints exist and none matches its manifest
+      (a bad newer one falls back to an older one with a warning instead).
+    owl_cl.train.checkpointing.DiskFullError: no space left on the workdir's device (named,
+      with the space needed when known); the committed checkpoints stay: the same call
+      resumes once space is freed.
     owl_cl.preemption.Preempted: SIGTERM; a step (or stage) checkpoint was saved and
       results.json says 'preempted'. The same call resumes.
   """
@@ -210,7 +252,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     with preemption.handle_sigterm():
-      return _run(config, workdir, bench)
+      try:
+        return _run(config, workdir, bench)
+      except (OSError, ValueError) as e:
+        # A full disk anywhere in the workdir (results, TensorBoard, records): one line naming
+        # the file; the checkpoints' own writes name their space needed (DiskFullError).
+        if isinstance(e, checkpointing.DiskFullError) or not checkpointing.is_disk_full(e):
+          raise
+        path = getattr(e, "filename", None) or workdir
+        free = checkpointing.free_bytes(path)
+        raise checkpointing.DiskFullError(path, None, free, "a file of the run") from None
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.Benchmark) -> dict:
@@ -220,6 +271,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
   # part in the computation and in the orbax stage checkpoints (multi-process saves).
   is_writer = distributed.is_writer()
   run_id = check_workdir(workdir, config) if is_writer else None
+  if is_writer:
+    # This run's results.json / results.md, unreadable (cut, garbage): set aside, and
+    # rebuilt from the stage checkpoints by the first `write` below.
+    results_lib.set_aside_unreadable(workdir)
   detector = Detector(config)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if is_writer else None
   checkpointer = checkpointing.StageCheckpointer(
