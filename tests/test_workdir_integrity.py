@@ -18,8 +18,10 @@ import pytest
 
 from owl_cl import experiment
 from owl_cl import integrity
+from owl_cl import main
 from owl_cl import preemption
 from owl_cl import trainer
+from owl_cl import validation
 from owl_cl.eval import results as results_lib
 from owl_cl.testing.configs import load_config
 from owl_cl.testing.configs import tiny_config
@@ -340,7 +342,7 @@ def test_corrupted_workdir_resumes_to_the_uninterrupted_result(
   config.compilation_cache_dir = str(tmp_path / "xla")
   config.eval.pretraining_sets_after_each_dataset = False
   config.eval.downstream_after_each_dataset = "seen"
-  reference = experiment.run(config, str(tmp_path / "ref"))
+  experiment.run(config, str(tmp_path / "ref"))
   workdir = str(tmp_path / "run")
   _stop_in_dataset_2(config, workdir, monkeypatch)
   step_dirs = sorted(os.listdir(os.path.join(workdir, "step_checkpoints")))
@@ -362,17 +364,68 @@ def test_corrupted_workdir_resumes_to_the_uninterrupted_result(
   assert "stage 1 failed its integrity check" in caplog.text
   assert "falling back to step 1 of phase 2" in caplog.text
   assert got["status"] == "complete"
-  for results in (reference, got):
-    results["config"].pop("cache_dir")
-  assert comparable(got) == comparable(reference)
+  # Compared through results.json (NaN metrics stored as null), every metric, training
+  # summary and buffer figure exactly.
+  with open(os.path.join(tmp_path, "ref", "results.json")) as f:
+    expected = comparable(json.load(f))
   with open(os.path.join(workdir, "results.json")) as f:
-    assert comparable(json.load(f)) == comparable(reference)
+    assert comparable(json.load(f)) == expected
   names = os.listdir(workdir)
   assert any(n.startswith("results.json.corrupt-") for n in names)
   assert any(n.startswith("1.corrupt-") for n in os.listdir(os.path.join(workdir, "checkpoints")))
 
-  # An unreadable run.json is named as such (before any work).
-  with open(os.path.join(workdir, "run.json"), "w") as f:
-    f.write("{")
-  with pytest.raises(ConfigError, match=r"run\.json cannot be read"):
+
+def _reported(error, capsys):
+  """main's report of `error`: (exit status, stderr); a known error, without a traceback."""
+  assert isinstance(error, main.known_errors())
+  with pytest.raises(SystemExit) as exited:
+    main.fail(error)
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  return exited.value.code, err
+
+
+def test_unreadable_run_json_is_named(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  experiment.check_workdir(workdir, config)
+  run_file = os.path.join(workdir, "run.json")
+  with open(run_file, "w") as f:
+    f.write('{"run_id": "ab')  # cut
+  with pytest.raises(ConfigError) as raised:
     experiment.run(config, workdir)
+  status, err = _reported(raised.value, capsys)
+  assert status == 2
+  # Among the config checks' problems (validation.workdir_problem), before any work.
+  assert f"\n  - workdir {workdir}: {run_file} cannot be read (" in err
+  assert "restore it to resume, or use another --workdir" in err
+  with pytest.raises(ConfigError, match=r"run\.json cannot be read \(Unterminated string"):
+    experiment.existing_run(workdir, config)
+  with open(run_file) as f:
+    assert f.read() == '{"run_id": "ab'  # untouched
+
+
+def test_unreadable_results_json_beside_this_runs_run_json_is_not_refused(tmp_path):
+  workdir = str(tmp_path)
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    f.write("\0" * 64)
+  # Without a run.json it cannot be attributed: refused; with this run's: rebuilt.
+  assert "which cannot be read" in validation.foreign_results_problem(workdir)
+  experiment.check_workdir(workdir, load_config("swil"))
+  assert validation.foreign_results_problem(workdir) == ""
+
+
+def test_full_disk_and_bad_checkpoint_are_one_line(tmp_path, capsys):
+  full = checkpointing.DiskFullError(str(tmp_path), 3 * 2**30, 2**29, "the checkpoint of stage 2")
+  status, err = _reported(full, capsys)
+  assert status == 2
+  assert err == (
+    f"error: no space left for the checkpoint of stage 2 in {tmp_path} (about 3072.0 MiB "
+    "needed, 512.0 MiB free); free space on that device and run the same command to resume "
+    "(the last committed checkpoint is kept)\n"
+  )
+  bad = integrity.IntegrityError(str(tmp_path / "f"), "SHA-256 differs from the manifest")
+  assert _reported(bad, capsys) == (
+    2,
+    f"error: {tmp_path / 'f'}: SHA-256 differs from the manifest\n",
+  )
