@@ -14,9 +14,12 @@
 
 Resuming: every finished stage is checkpointed (orbax) together with the metrics so far, and
 within pre-training and each dataset the training loop writes step checkpoints
-(`checkpoint.every_steps` / `every_minutes`, and on SIGTERM); the same command on the same
-workdir restores the newest of them and goes on from there, ending with the results an
-uninterrupted run would have had. SIGTERM saves a step checkpoint at the next step boundary
+(`checkpoint.every_minutes`, 10 by default, / `every_steps`, and on SIGTERM); the same
+command on the same workdir restores the newest of them and goes on from there, ending with
+the results an uninterrupted run would have had. Every checkpoint is verified against its
+manifest first; a bad one is set aside and the previous one used (`checkpointing`), an
+unreadable results.json is rebuilt from them, and a full disk stops the run with one line
+(docs/architecture.md "Stored state"). SIGTERM saves a step checkpoint at the next step boundary
 (or stops after the stage checkpoint in progress) and raises `preemption.Preempted`
 (`owl_cl.main` exits with status `preemption.EXIT_PREEMPTED`); results.json then says
 'preempted'. A workdir that holds a run of a different config is refused (nothing is
