@@ -47,7 +47,13 @@ class DiskFullError(OSError):
   """No space left for a checkpoint (or another file of the workdir).
 
   The message names the folder, the space needed and the space free; what was committed
-  before stays, so the same command resumes once space is freed.
+  before stays, so the same command resumes once space is freed. An OSError with errno
+  ENOSPC (what `main` reports as one line, exit status 2).
+
+  Args:
+    path: the folder (or file) that could not be written.
+    needed: bytes the write takes (None: unknown). free: bytes free there (None: unknown).
+    what: the write, e.g. 'the checkpoint of stage 2'.
   """
 
   def __init__(self, path: str, needed: int | None, free: int | None, what: str):
