@@ -23,15 +23,18 @@ import os
 
 import ml_collections
 
-from owl_cl import validation
+from owl_cl import config_fields
+from owl_cl.config_fields import uses_real_data
 from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import entries as entries_lib
+from owl_cl.data import odinw
+from owl_cl.data import pretraining
+from owl_cl.data import real_inputs
 from owl_cl.data import suites
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import shuffled
-from owl_cl.validation import uses_real_data
 
 PRETRAIN_EVAL = "pretrain_val"
 HELD_OUT_EVAL = "held_out"
@@ -200,14 +203,16 @@ def _protocol(entry: entries_lib.DatasetEntry, split: str, source=True) -> str:
 
 class _SplitLoader:
   """`entries.load_split` that records a split's DataError and goes on with the next split,
-  so one error (`raise_problems`) names every unreadable file of every dataset."""
+  so one error (`raise_problems`) names every unreadable file of every dataset.
+  `coco_options` go to every `CocoSource` (e.g. `exif_orientation`)."""
 
-  def __init__(self):
+  def __init__(self, **coco_options):
     self.problems: list[str] = []
+    self.coco_options = coco_options
 
   def __call__(self, entry: entries_lib.DatasetEntry, split: str) -> coco.CocoSource | None:
     try:
-      return entries_lib.load_split(entry, split)
+      return entries_lib.load_split(entry, split, **self.coco_options)
     except coco.DataError as e:
       self.problems += [f"dataset {entry.name!r} split {split!r}: {p}" for p in str(e).split("\n")]
       return None
@@ -244,11 +249,11 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   datasets of `load_real_benchmark`.
 
   Raises:
-    MissingInputsError: the paper's protocol with missing files (`validation.check_inputs`).
+    MissingInputsError: the paper's protocol with missing files (`data.real_inputs.check_inputs`).
     DataError: a declared dataset that cannot be read (names the entry, field and value).
   """
   if uses_real_data(config):
-    validation.check_inputs(config)
+    real_inputs.check_inputs(config)
   decl = declaration(config)
   needs_builtin = (
     decl["pretrain"] is None
@@ -267,7 +272,8 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
 def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Benchmark:
   """The Benchmark of `declared` entries; undeclared roles from `default` (built-in)."""
   pretrain_eval, held_out_eval = PRETRAIN_EVAL, HELD_OUT_EVAL
-  load = _SplitLoader()
+  exif = config.data.get("exif_orientation", "ignore")
+  load = _SplitLoader(exif_orientation=exif)
   if declared["pretrain"] is None:
     pretrain = default.pretrain
   else:
@@ -323,6 +329,8 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
         for f, v in declared.items()
       },
       "builtin": default.fingerprint if default is not None else None,
+      # Only when not the default: the caches keyed before the option existed stay valid.
+      **({"exif_orientation": exif} if exif != "ignore" else {}),
     }
   )
   return Benchmark(
@@ -367,14 +375,11 @@ def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   `data.odinw_datasets` (train / valid / test splits) shuffled by `sequence_seed`.
 
   Raises:
-    MissingInputsError: see `validation.check_inputs`.
+    MissingInputsError: see `data.real_inputs.check_inputs`.
   """
-  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
-  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
-
-  validation.check_inputs(config)
+  real_inputs.check_inputs(config)
   root = expand_path(config.data.root)
-  names = validation.odinw_names(config)
+  names = real_inputs.odinw_names(config)
   subset_seed = config.data.get("subset_seed", 0)
   sequence = []
   for name in names:
@@ -429,7 +434,7 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index:
   everything = [bench.pretrain_eval, bench.held_out_eval] + names
   if index >= len(bench.sequence):
     return everything
-  mode = validation.check_downstream_eval_mode(config)
+  mode = config_fields.check_downstream_eval_mode(config)
   out = []
   if config.eval.pretraining_sets_after_each_dataset:
     out += [bench.pretrain_eval, bench.held_out_eval]

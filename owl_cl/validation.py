@@ -1,8 +1,9 @@
 """Every check of a run's config, written once and run once, before any work.
 
 `validate(config)` runs the checks that need only the config (called first thing by
-`experiment.run`); `check_inputs(config)` the file checks of the paper's protocol (one error
-listing every missing input); `check_datasets(config)` the checks of the declared datasets
+`experiment.run`); `data.real_inputs.check_inputs(config)` (called by `validate`) the file
+checks of the paper's protocol (one error listing every missing input);
+`check_datasets(config)` the checks of the declared datasets
 (`data.sequence`, `data.pretrain`, `data.held_out`: every problem of every entry);
 `check_sequence_config(config, benchmark)` the checks that need the run's downstream
 sequence. Each raises `ConfigError` naming the field and its value.
@@ -10,140 +11,121 @@ sequence. Each raises `ConfigError` naming the field and its value.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+import importlib.util
 import json
-import math
-import numbers
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ml_collections
 
-from owl_cl.replay import algorithms as replay_algorithms
+from owl_cl import benchmark as benchmark_lib
+from owl_cl import model as model_lib
+from owl_cl import pretrained
+from owl_cl.benchmark import Benchmark
+from owl_cl.config_fields import BETA
+from owl_cl.config_fields import CARRY_MODES
+from owl_cl.config_fields import DOWNSTREAM_EVAL_MODES
+from owl_cl.config_fields import FINITE
+from owl_cl.config_fields import FRACTION
+from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
+from owl_cl.config_fields import NON_NEGATIVE
+from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import MissingInputsError
+from owl_cl.config_fields import Rule
+from owl_cl.config_fields import boolean
+from owl_cl.config_fields import check_carry_mode
+from owl_cl.config_fields import check_downstream_eval_mode
+from owl_cl.config_fields import check_per_dataset_fields
+from owl_cl.config_fields import choice
+from owl_cl.config_fields import clip_vocabulary_problem
+from owl_cl.config_fields import declared
+from owl_cl.config_fields import integer
+from owl_cl.config_fields import integers
+from owl_cl.config_fields import interval
+from owl_cl.config_fields import mapping
+from owl_cl.config_fields import names
+from owl_cl.config_fields import probabilities
+from owl_cl.config_fields import real
+from owl_cl.config_fields import text
+from owl_cl.config_fields import uses_real_data
+from owl_cl.data import builtin
+from owl_cl.data import coco
+from owl_cl.data import entries
+from owl_cl.data import odinw
+from owl_cl.data import prompts
+from owl_cl.data import real_inputs
+from owl_cl.data import scan
+from owl_cl.data import suites
+from owl_cl.data.coco import DataError
+from owl_cl.detector import model_fields
+from owl_cl.model import clip as clip_lib
+from owl_cl.model import convert
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import knn_shapley
+from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
+from owl_cl.replay.retrieval import asv as retrieval_asv
+from owl_cl.replay.retrieval import class_selection
+from owl_cl.replay.retrieval import compose as retrieval_compose
+from owl_cl.replay.retrieval import dedup
+from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import registry as retrieval_registry
+from owl_cl.replay.retrieval import sample_selection
+from owl_cl.replay.retrieval import steps as retrieval_steps
 from owl_cl.train import losses
+from owl_cl.train import optim
+from owl_cl.train import step as step_lib
 from owl_cl.utils import expand_path
-
-if TYPE_CHECKING:
-  from owl_cl.benchmark import Benchmark
-
-# Fields a `train.per_dataset.<dataset name>` entry may set; each replaces the `train.*` field
-# of the same name while training on that dataset (`trainer.dataset_train_settings`).
-PER_DATASET_FIELDS = (
-  "num_epochs",
-  "warmup_epochs",
-  "warmup_steps",
-  "learning_rate",
-  "text_lr_multiplier",
-  "layerwise_decay",
-)
-DOWNSTREAM_EVAL_MODES = ("all", "seen")
-CARRY_MODES = ("last", "best_validation")
-
-
-class ConfigError(ValueError):
-  """A config value the run cannot use; the message names the field and the value."""
-
-
-class MissingInputsError(ConfigError):
-  """Files or folders the run needs are missing; the message lists all of them and the layout."""
 
 
 def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
   """The checks that need only the config; `experiment.run` calls it before any work.
 
-  The range checks (`range_problems`), the workdir check (`workdir_problem`) and the mode
-  checks are collected into one error, so a user fixes every field in one go.
+  Every field's type and range or options (`range_problems`, `FIELD_RULES`) and the workdir
+  (`workdir_problem`) are checked first, then, with every field of the right type, the rules
+  across fields (`model_problems`, `augment_problems`), the init checkpoint and the CLIP
+  vocabulary: all collected into one error, so a user fixes every field in one go. Nothing is
+  written and nothing is compiled.
 
   Args:
     config: the run's config.
     workdir: the run's output folder (absolute), checked writable; None skips that check.
 
   Raises:
-    ConfigError: one message listing every out-of-range field with its value, an unwritable
-      workdir, a workdir holding another run's results (`foreign_results_problem`), an
-      unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or `train.carry`, a
-      CLIP tokenizer without its vocabulary, an `init_checkpoint` folder that holds no
-      checkpoint or a checkpoint of another model (`init_checkpoint_model_problem`).
-    MissingInputsError: the paper's protocol with missing inputs (`check_inputs`), checked
-      once the fields are valid; then every problem of the declared datasets
-      (`check_datasets`).
+    ConfigError: one message listing every field of the wrong type, out of range or with an
+      unknown option with its value, an impossible model (`model_problems`) or augmentation
+      (`augment_problems`), an unwritable workdir, a workdir holding another run's results
+      (`foreign_results_problem`), a CLIP tokenizer without its vocabulary or with an
+      incomplete one (`clip_vocabulary_files_problem`), an `init_checkpoint` that is no
+      checkpoint, a checkpoint of another model (`init_checkpoint_model_problem`) or one
+      whose format needs a missing optional extra (`missing_extra_problem`).
+    MissingInputsError: the paper's protocol with missing inputs
+      (`data.real_inputs.check_inputs`), checked once the fields are valid; then every
+      problem of the declared datasets (`check_datasets`).
   """
   problems = range_problems(config)
+  fields_valid = not problems
   if workdir is not None:
     problems += [p for p in [workdir_problem(workdir)] if p]
-  for check in (loss_adaptivity_mode, check_downstream_eval_mode, check_carry_mode):
-    try:
-      check(config)
-    except ConfigError as e:
-      problems.append(str(e))
-  problems += [p for p in [init_checkpoint_problem(config)] if p]
-  problems += option_problems(config)
-  if not uses_real_data(config):  # With real data, `check_inputs` lists it with the files.
-    problems += [p for p in [clip_vocabulary_problem(config)] if p]
+  if fields_valid:  # The checks across fields read fields of the right type.
+    problems += model_problems(config)
+    problems += augment_problems(config)
+    problems += [p for p in [init_checkpoint_problem(config)] if p]
+    # With real data, `real_inputs.check_inputs` lists it with the files.
+    if not uses_real_data(config):
+      problems += [p for p in [clip_vocabulary_problem(config)] if p]
+    problems += [p for p in [clip_vocabulary_files_problem(config)] if p]
+  if len(problems) == 1:
+    raise ConfigError(f"invalid config: {problems[0]}")
   if problems:
     raise ConfigError(
-      f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n"
-      + "\n".join(f"  - {p}" for p in problems)
+      f"invalid config ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)
     )
-  check_inputs(config)
+  real_inputs.check_inputs(config)
   check_datasets(config)
 
 
 # ----------------------------------------------------------------------------- ranges
-
-# A rule takes a field's value and returns what is wrong with it ('' when fine).
-Rule = Callable[[Any], str]
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def integer(minimum: int, *, optional: bool = False) -> Rule:
-  """An int >= `minimum` (None allowed when `optional`)."""
-
-  def rule(value):
-    if value is None and optional:
-      return ""
-    if not _is_number(value) or int(value) != value:
-      return "must be an integer" + (" or None" if optional else "")
-    return "" if value >= minimum else f"must be >= {minimum}" + (" or None" * optional)
-
-  return rule
-
-
-def real(
-  low: float = -math.inf,
-  high: float = math.inf,
-  *,
-  low_open: bool = False,
-  high_open: bool = False,
-  optional: bool = False,
-) -> Rule:
-  """A finite number in [low, high] (an end excluded when `*_open`; None when `optional`)."""
-
-  def rule(value):
-    if value is None and optional:
-      return ""
-    if not _is_number(value) or not math.isfinite(value):
-      return "must be a finite number" + (" or None" if optional else "")
-    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
-      if high == math.inf:
-        return f"must be {'>' if low_open else '>='} {low:g}"
-      left, right = "(" if low_open else "[", ")" if high_open else "]"
-      return f"must be in {left}{low:g}, {high:g}{right}"
-    return ""
-
-  return rule
-
-
-POSITIVE = real(0.0, low_open=True)  # learning rates, eps, replay ratio
-NON_NEGATIVE = real(0.0)  # loss weights, weight decay, multipliers
-FINITE = real()  # thresholds (a NaN compares False with everything: it must not pass)
-FRACTION = real(0.0, 1.0, low_open=True)  # layer-wise decay, dedup fraction
-BETA = real(0.0, 1.0, high_open=True)  # Adam's b1 / b2
 
 # The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
 TRAIN_FIELD_RULES: dict[str, Rule] = {
@@ -155,23 +137,66 @@ TRAIN_FIELD_RULES: dict[str, Rule] = {
   "layerwise_decay": FRACTION,
 }
 
-# Every numeric field of configs/base.py and its range. Fields a config lacks are skipped
-# (the Visual Genome settings exist in the 'paper' config only).
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+# Every field of configs/base.py ('' and 'paper') and what it must be: its type and its range
+# or options (`tests/test_bad_inputs.py` walks every leaf of both configs and fails for a field
+# without a rule). A dict-valued field (`model.overrides`, `train.per_dataset`, a declared
+# dataset entry) is one leaf; its contents are checked by `model_problems`, `range_problems`
+# and `check_datasets`. Fields a config lacks are skipped (e.g. the 'paper' config's
+# `data.odinw_datasets` and Visual Genome settings).
 FIELD_RULES: dict[str, Rule] = {
+  "experiment_name": text(),
+  "seed": integer(0),
   "sequence_seed": integer(0, optional=True),
+  "cache_dir": text(),
+  "compilation_cache_dir": text(optional=True, empty=True),  # '' disables the cache
+  "init_checkpoint": text(optional=True),
+  # --- model
+  "model.variant": choice(sorted(model_lib.VARIANTS)),
+  "model.tokenizer": choice(model_lib.known_tokenizers),
+  "model.tokenizer_vocab_path": text(optional=True),
+  "model.overrides": mapping,
+  "model.dtype": choice(_DTYPES, optional=True),
+  "model.attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
+  "model.remat": choice(clip_lib.REMAT_POLICIES),
+  # --- data
+  "data.root": text(optional=True),
+  "data.sequence": declared(list),
+  "data.pretrain": declared(dict),
+  "data.held_out": declared(dict),
+  "data.odinw_datasets": names(what="ODinW dataset"),
+  "data.subset_seed": integer(0),
   "data.num_queries": integer(1),
   "data.num_negatives": integer(0),
   "data.max_instances": integer(1),
   "data.num_workers": integer(0),
   "data.prefetch_batches": integer(0),
-  "data.eval_batch_size": integer(1),
+  "data.validate_images": boolean,
+  "data.exif_orientation": choice(coco.EXIF_ORIENTATIONS),
+  "data.squash_resize": boolean,
   "data.merge_iou": real(0.0, 1.0, low_open=True, optional=True),
-  "data.augment.crop_min_area_fraction": real(0.0, 1.0),
+  "data.negatives_by_frequency": boolean,
+  "data.host_sharding": boolean,
+  "data.eval_batch_size": integer(1),
+  "data.train_prompt_templates": choice(sorted(prompts.TRAIN_TEMPLATE_SETS)),
+  "data.builtin.seed": integer(0),
   "data.builtin.num_pretrain_train": integer(1),
   "data.builtin.num_pretrain_val": integer(1),
   "data.builtin.num_held_out_val": integer(1),
   "data.builtin.num_downstream_train": integer(1),
   "data.builtin.num_downstream_test": integer(1),
+  "data.builtin.downstream": names(lambda: builtin.DOWNSTREAM_NAMES, what="built-in dataset"),
+  # --- augmentation
+  "data.augment.hflip": boolean,
+  "data.augment.random_crop": boolean,
+  "data.augment.crop_area_range": interval(0.0, 1.0),
+  "data.augment.crop_aspect_ratio_range": interval(0.0),
+  "data.augment.crop_min_area_fraction": real(0.0, 1.0),
+  "data.augment.mosaic_sizes": integers(1, optional=True),
+  "data.augment.mosaic_probs": probabilities,
+  # --- pre-training, continual fine-tuning, loss
   "pretrain.batch_size": integer(1),
   "pretrain.num_steps": integer(1),
   "pretrain.learning_rate": POSITIVE,
@@ -183,6 +208,9 @@ FIELD_RULES: dict[str, Rule] = {
   "pretrain.eval_every_steps": integer(0, optional=True),
   "train.batch_size": integer(1),
   **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
+  "train.layerwise_granularity": choice(optim.GRANULARITIES),
+  "train.per_dataset": mapping,
+  "train.carry": choice(CARRY_MODES),
   "train.b1": BETA,
   "train.b2": BETA,
   "train.eps": POSITIVE,
@@ -195,28 +223,65 @@ FIELD_RULES: dict[str, Rule] = {
   "loss.class_weight": NON_NEGATIVE,
   "loss.bbox_weight": NON_NEGATIVE,
   "loss.giou_weight": NON_NEGATIVE,
+  "loss.normalization": choice(losses.NORMALIZATIONS),
+  "loss.matcher": choice(losses.MATCHERS),
+  # --- replay (retrieval)
+  "replay.algorithm": choice(sorted(retrieval_registry.ALGORITHMS) + ["none"]),
   "replay.ratio": POSITIVE,
+  "replay.dedup": choice(dedup.SCHEDULE_NAMES),
   "replay.dedup_fraction": FRACTION,
+  "replay.dedup_without_replacement": boolean,
+  "replay.dedup_fraction_reset": choice(dedup.FRACTION_RESETS),
   "replay.der_alpha": NON_NEGATIVE,
   "replay.der_beta": NON_NEGATIVE,
   "replay.swil_weight": FINITE,
+  "replay.swil_reduction": choice(class_selection.SWIL_REDUCTIONS),
   "replay.grasp_weight": FINITE,
+  "replay.balanced_order": choice(retrieval_steps.BALANCED_ORDERS),
   "replay.adaptive_entropy_threshold": FINITE,
+  "replay.adaptive_entropy_classes": choice(retrieval_adaptive.ADAPTIVE_ENTROPY_CLASSES),
+  "replay.exhausted_class": choice(retrieval_compose.EXHAUSTED_CLASS),
+  "replay.within_class_weighting": choice(retrieval_steps.WITHIN_CLASS_WEIGHTINGS),
   "replay.aser.num_candidates": integer(1, optional=True),
   "replay.aser.knn_k": integer(1),
   "replay.aser.asv_c": FINITE,
+  "replay.aser.asv_token_matching": choice(knn_shapley.TOKEN_MATCHING),
+  "replay.aser.asv_distance": choice(knn_shapley.DISTANCES),
+  "replay.aser.asv_weight_reduction": choice(sample_selection.WEIGHT_REDUCTIONS),
   "replay.aser.asv_chunk_size": integer(1),
+  "replay.aser.asv_left_term": choice((True, False)),
+  "replay.aser.asv_shapley": choice(knn_shapley.SHAPLEY),
   "replay.aser.asv_distance_threshold": real(0.0, low_open=True, optional=True),
   "replay.aser.tknn_num_classes": POSITIVE,
+  "replay.aser.candidate_subsets": choice(retrieval_asv.CANDIDATE_SUBSETS),
+  "replay.aser.asv_features": choice(retrieval_asv.ASV_FEATURES),
+  "replay.records": boolean,
+  "replay.lookahead": boolean,
+  "replay.stale_retrieval": boolean,
   "replay.top_k": integer(1),
+  "replay.image_cache": text(optional=True),
+  "replay.loss_adaptivity.mode": choice(LOSS_ADAPTIVITY_MODES),
   "replay.loss_adaptivity.threshold": FINITE,
+  "replay.loss_adaptivity.gate_per_device": boolean,
+  "replay.loss_adaptivity.gate_feature_based_only": boolean,
   "replay.selection.loss_threshold": FINITE,
   "replay.selection.min_per_class": integer(0),
+  "replay.selection.fill_all_for_rare_classes": boolean,
   "replay.selection.max_instances_per_prototype": integer(1),
+  "replay.selection.distance_max_instances": integer(1, optional=True),
+  "replay.selection.drop_images_without_class": boolean,
+  "replay.selection.top_up_order": choice(buffer_selection.TOP_UP_ORDERS),
+  "replay.selection.prototype_images": choice(buffer_selection.PROTOTYPE_IMAGES),
   "replay.selection.visual_genome_loss_threshold": FINITE,
   "replay.selection.visual_genome_min_per_class": integer(0),
+  # --- evaluation, checkpoints, budgets
   "eval.top_k": integer(1),
   "eval.max_dets": integer(1),
+  "eval.multi_label": boolean,
+  "eval.downstream_after_each_dataset": choice(DOWNSTREAM_EVAL_MODES),
+  "eval.pretraining_sets_after_each_dataset": boolean,
+  "eval.prompt_templates": choice(sorted(prompts.EVAL_TEMPLATE_SETS)),
+  "eval.ensemble": choice(step_lib.ENSEMBLE_MODES),
   "eval.lvis_top_k": integer(1),
   "eval.lvis_max_dets": integer(1),
   "checkpoint.max_to_keep": integer(1, optional=True),
@@ -224,6 +289,39 @@ FIELD_RULES: dict[str, Rule] = {
   "checkpoint.every_minutes": real(0.0, low_open=True, optional=True),
   "max_train_steps_per_dataset": integer(1, optional=True),
   "max_eval_images": integer(1, optional=True),
+}
+
+# Every field of the model (`ModelConfig`, `config.model.overrides.<field>`) and what it must
+# be; the cross-field rules (image size a multiple of the patch size, widths of the heads) are
+# in `model_problems`.
+MODEL_OVERRIDE_RULES: dict[str, Rule] = {
+  "tokenizer": choice(model_lib.known_tokenizers),
+  **{
+    name: integer(1)
+    for name in (
+      "vocab_size",
+      "context_length",
+      "embed_dim",
+      "image_size",
+      "patch_size",
+      "vision_width",
+      "vision_layers",
+      "vision_heads",
+      "vision_mlp_dim",
+      "text_width",
+      "text_layers",
+      "text_heads",
+      "text_mlp_dim",
+    )
+  },
+  "text_stochastic_depth": real(0.0, 1.0),
+  "vision_stochastic_depth": real(0.0, 1.0),
+  "hf_compat": boolean,
+  # The compute dtype is config.model.dtype (a name, turned into the jnp type by
+  # `detector.model_fields`); an override would pass the name through unconverted.
+  "dtype": lambda value: "is set by config.model.dtype (e.g. 'bfloat16'), not an override",
+  "attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
+  "remat": choice(clip_lib.REMAT_POLICIES),
 }
 
 # Batch sizes split over the devices of the mesh ('data' axis: every device).
@@ -243,7 +341,8 @@ def _field(config: ml_collections.ConfigDict, path: str) -> Any:
 
 
 def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = None) -> list[str]:
-  """Every numeric field outside its range, as 'config.<field>=<value> <what it must be>'.
+  """Every field of the wrong type, outside its range or not one of its options, as
+  'config.<field>=<value> <what it must be>'.
 
   Args:
     config: the run's config.
@@ -258,7 +357,11 @@ def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = 
     value = _field(config, path)
     if value is not _MISSING and (problem := rule(value)):
       problems.append(f"config.{path}={value!r} {problem}")
-  for name, overrides in config.train.get("per_dataset", {}).items():
+  per_dataset = config.train.get("per_dataset", {})
+  for name, overrides in per_dataset.items() if hasattr(per_dataset, "items") else ():
+    if not hasattr(overrides or {}, "items"):
+      problems.append(f"config.train.per_dataset.{name}={overrides!r} must be a dict of fields")
+      continue
     for field, value in (overrides or {}).items():
       rule = TRAIN_FIELD_RULES.get(field)
       if rule is not None and (problem := rule(value)):
@@ -341,19 +444,30 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   A folder must be one of the formats `pretrained.load_init_checkpoint` reads: an owl_cl
   parameter checkpoint (`params/` written by orbax, with its `_METADATA`), an HF folder
   (`config.json`) or a folder of scenic `checkpoint_<step>` files. A missing path is
-  reported here (built-in benchmark) or by `check_inputs` (real data). An owl_cl or HF
-  checkpoint of another model (size, widths, layers) is named with the model it holds and
+  reported here (built-in benchmark) or by `real_inputs.check_inputs` (real data). An owl_cl
+  or HF checkpoint of another model (size, widths, layers) is named with the model it holds and
   the model the config needs (`init_checkpoint_model_problem`); a scenic one by the loader
-  (`CheckpointMismatchError`, with the config's model named).
+  (`CheckpointMismatchError`, with the config's model named). A file must start like a
+  msgpack map (scenic: a `.npy` or any other file is refused); an HF folder needs the `hf`
+  extra installed (`missing_extra_problem`).
   """
   if not config.get("init_checkpoint"):
     return ""
   path = expand_path(config.init_checkpoint)
   if not os.path.exists(path):
-    # With real data `check_inputs` lists it among every missing input.
+    # With real data `real_inputs.check_inputs` lists it among every missing input.
     return "" if uses_real_data(config) else f"config.init_checkpoint={path} does not exist"
   if not os.path.isdir(path):
-    return ""
+    if _is_msgpack_map(path):
+      return ""
+    with open(path, "rb") as f:
+      npy = f.read(6) == b"\x93NUMPY"
+    return (
+      f"config.init_checkpoint={path} is a file but not a scenic msgpack checkpoint"
+      + (" (it is a NumPy .npy array)" if npy else "")
+      + ": give a scenic checkpoint file, an HF OwlViTForObjectDetection folder or an owl_cl "
+      "parameter checkpoint folder"
+    )
   params = os.path.join(path, "params")
   if os.path.isdir(params):
     if os.path.exists(os.path.join(params, "_METADATA")):
@@ -364,7 +478,12 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
     )
   names = os.listdir(path)
   if "config.json" in names:
-    return init_checkpoint_model_problem(config, path, hf=True)
+    field = f"config.init_checkpoint={path}"
+    feature = "reading an HF checkpoint folder"
+    missing = missing_extra_problem(field, feature, "hf", HF_EXTRA_MODULES)
+    if not missing and all(importlib.util.find_spec(m) is None for m in HF_WEIGHT_MODULES):
+      missing = missing_extra_problem(field, feature, "hf", HF_WEIGHT_MODULES[:1])
+    return missing or init_checkpoint_model_problem(config, path, hf=True)
   if any(n.startswith("checkpoint_") for n in names):
     return ""
   return (
@@ -382,13 +501,6 @@ def init_checkpoint_model_problem(
   (`pretrained.params_checkpoint_problem`), an HF folder (`hf`) from its config.json
   (`pretrained.hf_checkpoint_problem`); the model's shapes by `jax.eval_shape`, nothing
   allocated. An invalid `config.model` is left to the detector's own error."""
-  # pylint: disable=g-import-not-at-top
-  from owl_cl import model as model_lib
-  from owl_cl import pretrained
-  from owl_cl.detector import model_fields
-  from owl_cl.model import convert
-  # pylint: enable=g-import-not-at-top
-
   try:
     model = model_lib.create_model(config.model.variant, **model_fields(config))
   except (ValueError, TypeError, AttributeError):
@@ -399,107 +511,141 @@ def init_checkpoint_model_problem(
 
 
 def option_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """Fields that must name one of a fixed set of options, each named with its value."""
-  options = (
-    ("config.loss.normalization", config.loss.normalization, losses.NORMALIZATIONS),
-    ("config.loss.matcher", config.loss.matcher, losses.MATCHERS),
-    ("config.model.dtype", config.model.dtype, (None, "float32", "bfloat16", "float16")),
-    (
-      "config.replay.selection.top_up_order",
-      config.replay.selection.top_up_order,
-      buffer_selection.TOP_UP_ORDERS,
-    ),
-    (
-      "config.replay.selection.prototype_images",
-      config.replay.selection.prototype_images,
-      buffer_selection.PROTOTYPE_IMAGES,
-    ),
-    (
-      "config.replay.within_class_weighting",
-      config.replay.within_class_weighting,
-      replay_algorithms.WITHIN_CLASS_WEIGHTINGS,
-    ),
-    ("config.replay.aser.asv_shapley", config.replay.aser.asv_shapley, knn_shapley.SHAPLEY),
-    ("config.replay.aser.asv_left_term", config.replay.aser.asv_left_term, (True, False)),
-    (
-      "config.replay.aser.asv_features",
-      config.replay.aser.asv_features,
-      replay_algorithms.ASV_FEATURES,
-    ),
-    (
-      "config.replay.aser.candidate_subsets",
-      config.replay.aser.candidate_subsets,
-      replay_algorithms.CANDIDATE_SUBSETS,
-    ),
-  )
+  """The `range_problems` of the fields that name one of a fixed set of options (`choice`)."""
   return [
-    f"{field}={value!r} is unknown; known: {list(known)}"
-    for field, value, known in options
-    if value not in known
+    f"config.{path}={value!r} {problem}"
+    for path, rule in FIELD_RULES.items()
+    if getattr(rule, "is_option", False)
+    and (value := _field(config, path)) is not _MISSING
+    and (problem := rule(value))
   ]
 
 
-def uses_real_data(config: ml_collections.ConfigDict) -> bool:
-  """True for the paper's protocol (a `:paper` config, or any config with data.root set)."""
-  return config.data.root is not None or "odinw_datasets" in config.data
+def model_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """What makes `config.model` no model, read from the config alone (nothing is built).
 
+  Checks each `model.overrides` field (a `ModelConfig` field, `MODEL_OVERRIDE_RULES`), then
+  the rules across fields: the image size a multiple of the patch size, each tower's width a
+  multiple of its heads, and `replay.top_k` at most the image tokens (the k class embeddings
+  per image are k of its (image_size / patch_size)**2 tokens). Any other refusal of
+  `owl_cl.model.create_model` is named with the model. Run with every field of the right type.
 
-def loss_adaptivity_mode(config: ml_collections.ConfigDict) -> str:
-  """config.replay.loss_adaptivity.mode, checked (paper eq. 5).
-
-  Raises:
-    ConfigError: a mode outside `train.losses.LOSS_ADAPTIVITY_MODES`.
+  Returns:
+    One line per problem naming the field and its value; empty when the model can be built.
   """
-  mode = config.replay.loss_adaptivity.mode
-  if mode not in losses.LOSS_ADAPTIVITY_MODES:
-    raise ConfigError(
-      f"config.replay.loss_adaptivity.mode={mode!r} is unknown; known: "
-      f"{list(losses.LOSS_ADAPTIVITY_MODES)}"
+  overrides = dict(config.model.overrides)
+  problems = []
+  for name, value in overrides.items():
+    rule = MODEL_OVERRIDE_RULES.get(name)
+    if rule is None:
+      problems.append(
+        f"config.model.overrides.{name}={value!r}: no such model field; known: "
+        f"{sorted(MODEL_OVERRIDE_RULES)}"
+      )
+    elif problem := rule(value):
+      problems.append(f"config.model.overrides.{name}={value!r} {problem}")
+  if problems:
+    return problems
+  variant = config.model.variant
+  model = {**model_lib.get_variant_config(variant).as_dict(), **overrides}
+
+  def named(field: str) -> str:
+    if field in overrides:
+      return f"config.model.overrides.{field}={model[field]}"
+    return f"{field}={model[field]} (of variant {variant!r})"
+
+  if model["image_size"] % model["patch_size"]:
+    problems.append(
+      f"{named('image_size')} is not a multiple of the patch size {named('patch_size')}"
     )
-  return mode
+  for tower in ("vision", "text"):
+    if model[f"{tower}_width"] % model[f"{tower}_heads"]:
+      problems.append(
+        f"{named(f'{tower}_width')} is not divisible by the heads {named(f'{tower}_heads')}"
+      )
+  if problems:
+    return problems
+  try:
+    model_lib.create_model(variant, **model_fields(config))
+  except (ValueError, TypeError) as e:
+    return [f"config.model (variant {variant!r}, overrides {overrides}): {e}"]
+  tokens = (model["image_size"] // model["patch_size"]) ** 2
+  if config.replay.top_k > tokens:
+    problems.append(
+      f"config.replay.top_k={config.replay.top_k} is more than the {tokens} image tokens of "
+      f"the model ((image_size {model['image_size']} / patch_size {model['patch_size']})**2, "
+      f"variant {variant!r}): an image has no {config.replay.top_k} class embeddings"
+    )
+  return problems
 
 
-def check_downstream_eval_mode(config: ml_collections.ConfigDict) -> str:
-  """config.eval.downstream_after_each_dataset, checked. Raises ConfigError if unknown."""
-  mode = config.eval.downstream_after_each_dataset
-  if mode not in DOWNSTREAM_EVAL_MODES:
-    raise ConfigError(f"config.eval.downstream_after_each_dataset={mode!r}; use 'all' or 'seen'")
-  return mode
+def augment_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """The augmentation settings across fields: a mosaic size per probability. Returns one
+  line per problem (empty: fine); run with every field of the right type."""
+  augment = config.data.augment
+  sizes, probs = augment.get("mosaic_sizes"), augment.get("mosaic_probs")
+  if sizes is not None and probs is not None and len(sizes) != len(probs):
+    return [
+      f"config.data.augment.mosaic_sizes={tuple(sizes)} and mosaic_probs={tuple(probs)} "
+      f"differ in length ({len(sizes)} vs {len(probs)}): one probability per mosaic size"
+    ]
+  return []
 
 
-def check_carry_mode(config: ml_collections.ConfigDict) -> str:
-  """config.train.carry ('last' when unset), checked. Raises ConfigError if unknown."""
-  carry = config.train.get("carry", "last")
-  if carry not in CARRY_MODES:
-    raise ConfigError(f"config.train.carry={carry!r}; use 'last' or 'best_validation'")
-  return carry
-
-
-def clip_vocabulary_problem(config: ml_collections.ConfigDict) -> str | None:
-  """The message for a CLIP tokenizer without `model.tokenizer_vocab_path`; None when fine."""
-  if config.model.tokenizer == "clip" and not config.model.get("tokenizer_vocab_path"):
+def clip_vocabulary_files_problem(config: ml_collections.ConfigDict) -> str:
+  """What `owl_cl.model.clip_tokenizer.load_vocabulary` would not find at the CLIP
+  tokenizer's `model.tokenizer_vocab_path` ('' when fine, or not the 'clip' tokenizer, or
+  unset: `clip_vocabulary_problem`). A missing path is reported here for the built-in
+  benchmark, by `check_inputs` (with every missing input) for real data. Files are listed,
+  not read."""
+  vocab = config.model.get("tokenizer_vocab_path")
+  if config.model.tokenizer != "clip" or not vocab:
+    return ""
+  path = expand_path(vocab)
+  field = f"config.model.tokenizer_vocab_path={path}"
+  if not os.path.exists(path):
+    return "" if uses_real_data(config) else f"{field} does not exist"
+  if os.path.isdir(path):
+    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
+    if has("vocab.json"):
+      return "" if has("merges.txt") else f"{field} holds vocab.json but no merges.txt"
+    if has("bpe_simple_vocab_16e6.txt.gz") or has("bpe_simple_vocab_16e6.txt"):
+      return ""
     return (
-      "config.model.tokenizer_vocab_path is not set (config.model.tokenizer='clip' needs the "
-      "CLIP BPE vocabulary: an HF checkpoint folder with vocab.json + merges.txt, or OpenAI's "
-      "bpe_simple_vocab_16e6.txt.gz)"
+      f"{field} is a folder without a CLIP vocabulary: expected vocab.json + merges.txt (an "
+      "HF checkpoint folder) or bpe_simple_vocab_16e6.txt.gz (OpenAI)"
     )
-  return None
+  merges = os.path.join(os.path.dirname(path), "merges.txt")
+  if path.endswith(".json") and not os.path.isfile(merges):
+    return f"{field} is a vocab.json without {merges} beside it"
+  return ""
 
 
-def check_per_dataset_fields(config: ml_collections.ConfigDict, name: str) -> dict:
-  """The `train.per_dataset.<name>` overrides ({} when none), fields checked.
+# The modules of setup.py's optional 'hf' extra an HF checkpoint folder needs: transformers
+# (its config.json), and one of safetensors / torch (its weights, `convert.load_hf_state_dict`).
+HF_EXTRA_MODULES = ("transformers",)
+HF_WEIGHT_MODULES = ("safetensors", "torch")
 
-  Raises:
-    ConfigError: a field outside `PER_DATASET_FIELDS`.
-  """
-  overrides = dict(config.train.per_dataset.get(name, {}) or {})
-  unknown = sorted(set(overrides) - set(PER_DATASET_FIELDS))
-  if unknown:
-    raise ConfigError(
-      f"config.train.per_dataset.{name}: unknown fields {unknown}; "
-      f"allowed: {list(PER_DATASET_FIELDS)}"
-    )
-  return overrides
+
+def missing_extra_problem(field: str, feature: str, extra: str, modules: Sequence[str]) -> str:
+  """'' when every module of `modules` can be imported, else one line naming `field`, the
+  `feature` that needs the optional `extra` of setup.py and the missing modules (found with
+  `importlib.util.find_spec`: nothing is imported)."""
+  missing = [m for m in modules if importlib.util.find_spec(m) is None]
+  if not missing:
+    return ""
+  return (
+    f"{field}: {feature} needs the optional extra '{extra}', which is not installed "
+    f"(missing: {', '.join(missing)}); pip install -e '.[{extra}]'"
+  )
+
+
+def _is_msgpack_map(path: str) -> bool:
+  """Whether the file starts like a msgpack map (a flax / scenic checkpoint's top level:
+  fixmap 0x80-0x8f, map16 0xde, map32 0xdf; msgpack spec, "map format family")."""
+  with open(path, "rb") as f:
+    head = f.read(1)
+  return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
 
 def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmark) -> None:
@@ -513,7 +659,7 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
   """
   known = {d.name for d in benchmark.sequence}
   if uses_real_data(config):
-    known |= set(_odinw().ODINW_DATASETS)
+    known |= set(odinw.ODINW_DATASETS)
   for name in config.train.per_dataset:
     if name not in known:
       raise ConfigError(
@@ -551,149 +697,11 @@ def check_data(config: ml_collections.ConfigDict, benchmark: Benchmark) -> dict[
     DataError: one error listing every empty split and every image that does not decode,
       each naming the dataset, the split, the file and the reason.
   """
-  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
-
   return scan.scan_benchmark(
     benchmark,
     expand_path(config.cache_dir),
     decode=bool(config.data.get("validate_images", True)),
   )
-
-
-# ----------------------------------------------------------------------------- real data
-
-
-def _odinw():
-  """owl_cl.data.odinw (the ODinW registry and sources), imported when real data is used."""
-  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
-
-  return odinw
-
-
-def pretraining_input_paths(root: str) -> list[str]:
-  """Files / folders of Objects365 (train: buffer candidates, val: evaluation) and LVIS val
-  (json + the COCO 2017 image folders its images live in) below `root`.
-
-  Source: owl_cl.data.pretraining (layout); docs/reference.md (the paper's data).
-  """
-  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
-
-  paths = [p for split in ("train", "val") for p in pretraining.objects365_paths(root, split)]
-  lvis_json, coco_dir = pretraining.lvis_paths(root, "val")
-  paths += [lvis_json] + [os.path.join(coco_dir, f) for f in ("train2017", "val2017")]
-  return paths
-
-
-def real_data_layout(names: tuple[str, ...]) -> str:
-  """The folder tree the paper's protocol expects below `data.root` (for error messages)."""
-  root = "<root>"
-  pretraining = "\n".join(f"  {p}" for p in pretraining_input_paths(root))
-  return (
-    _odinw().layout_description(names) + "\n<root>/  Objects365 v2 and LVIS v1 val "
-    "(owl_cl.data.pretraining):\n" + pretraining
-  )
-
-
-def odinw_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """The ODinW datasets of the run (`data.odinw_datasets`), validated, in the table's order.
-
-  Raises:
-    ConfigError: an empty list, a duplicate, or a name outside the ODinW registry.
-  """
-  names = tuple(config.data.odinw_datasets)
-  if not names:
-    raise ConfigError("config.data.odinw_datasets is empty; name at least one ODinW dataset")
-  if len(set(names)) != len(names):
-    raise ConfigError(f"config.data.odinw_datasets={names} lists a dataset twice")
-  known = tuple(_odinw().ODINW_DATASETS)
-  unknown = [n for n in names if n not in known]
-  if unknown:
-    raise ConfigError(
-      f"config.data.odinw_datasets names unknown datasets {unknown}; known: {list(known)}"
-    )
-  return names
-
-
-def check_visual_genome(config: ml_collections.ConfigDict) -> None:
-  """Refuses settings that would take buffer images from Visual Genome.
-
-  A loss threshold <= 0 keeps no image (losses are >= 0), and with no per-class minimum
-  nothing tops it up: the paper's setting (t = 0.0) takes nothing from Visual Genome, so
-  Visual Genome is neither loaded nor required.
-
-  Raises:
-    ConfigError: a setting that would take Visual Genome images: a buffer over two
-      pre-training sets (two class vocabularies) is not implemented.
-  """
-  selection = config.replay.selection
-  threshold = selection.get("visual_genome_loss_threshold", 0.0)
-  minimum = selection.get("visual_genome_min_per_class", 0)
-  if threshold > 0.0 or minimum > 0:
-    raise ConfigError(
-      f"config.replay.selection.visual_genome_loss_threshold={threshold} / "
-      f"visual_genome_min_per_class={minimum} would add Visual Genome images to the "
-      "Objects365 buffer; a buffer over two pre-training sets is not implemented (the "
-      "paper's protocol uses 0.0 / 0, which selects no Visual Genome image)"
-    )
-
-
-def input_problems(config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
-  """Everything the paper's protocol lacks before it can start (nothing is read but stats).
-
-  Returns:
-    (missing, problems): paths of missing files / folders, and config fields that must be
-    set (e.g. `config.data.root is not set`). Both empty = ready.
-  """
-  missing, problems = [], []
-  if config.init_checkpoint is None:
-    problems.append(
-      "config.init_checkpoint is not set (a scenic msgpack, an HF folder or an "
-      "owl_cl parameter checkpoint of the pre-trained OWL-ViT)"
-    )
-  elif not os.path.exists(expand_path(config.init_checkpoint)):
-    missing.append(f"{expand_path(config.init_checkpoint)} (config.init_checkpoint)")
-  vocabulary = config.model.get("tokenizer_vocab_path")
-  problem = clip_vocabulary_problem(config)
-  if problem:
-    problems.append(problem)
-  elif vocabulary and not os.path.exists(expand_path(vocabulary)):
-    missing.append(f"{expand_path(vocabulary)} (config.model.tokenizer_vocab_path)")
-  if config.data.root is None:
-    problems.append("config.data.root is not set (the folder holding odinw/, objects365/, lvis/)")
-    return missing, problems
-  root = expand_path(config.data.root)
-  if not os.path.isdir(root):
-    missing.append(f"{root} (config.data.root)")
-    return missing, problems
-  names = odinw_names(config)
-  missing += [str(m) for m in _odinw().missing_files(root, names)]
-  missing += [p for p in pretraining_input_paths(root) if not os.path.exists(p)]
-  return missing, problems
-
-
-def check_inputs(config: ml_collections.ConfigDict) -> None:
-  """Raises one MissingInputsError listing every missing input of the paper's protocol.
-
-  No-op for the built-in benchmark.
-
-  Raises:
-    MissingInputsError: with every missing file / folder, every unset field and the
-      expected data layout.
-    ConfigError: an invalid `data.odinw_datasets` or buffer setting.
-  """
-  if not uses_real_data(config):
-    return
-  check_visual_genome(config)
-  missing, problems = input_problems(config)
-  if not missing and not problems:
-    return
-  lines = ["the paper's protocol cannot start:"]
-  lines += [f"  - {p}" for p in problems]
-  if missing:
-    lines.append(f"  missing ({len(missing)}):")
-    lines += [f"    {m}" for m in missing]
-  lines += ["expected layout below config.data.root:", real_data_layout(odinw_names(config))]
-  raise MissingInputsError("\n".join(lines))
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -713,17 +721,12 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
   same name (their eval results would overwrite each other). The built-in suite's items are
   generated by the run and not checked here. Empty when nothing is declared.
   """
-  from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
-  from owl_cl.data import entries  # pylint: disable=g-import-not-at-top
-  from owl_cl.data import suites  # pylint: disable=g-import-not-at-top
-  from owl_cl.data.coco import DataError  # pylint: disable=g-import-not-at-top
-
-  decl = benchmark.declaration(config)
-  if all(decl[f] is None for f in benchmark.DECLARED_FIELDS):
+  decl = benchmark_lib.declaration(config)
+  if all(decl[f] is None for f in benchmark_lib.DECLARED_FIELDS):
     return []
   # Item by item: a structural error in one item does not hide the file problems of others.
   problems, declared = [], {}
-  for field in benchmark.DECLARED_FIELDS:
+  for field in benchmark_lib.DECLARED_FIELDS:
     value = decl[field]
     if value is None:
       declared[field] = None
@@ -743,7 +746,7 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
       continue
     found = []
     for i, item in enumerate(value):
-      if benchmark.is_builtin_suite(item):
+      if benchmark_lib.is_builtin_suite(item):
         continue  # generated by the run
       where = f"config.data.{field}" + (f"[{i}]" if field == "sequence" else "")
       try:
@@ -758,11 +761,11 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
     declared[field] = found if field == "sequence" else (found[0] if found else None)
   # Names the run's eval sets take from the built-in benchmark when a role is undeclared.
   names = {
-    "pretrain": benchmark.PRETRAIN_EVAL,
-    "held_out": benchmark.HELD_OUT_EVAL,
+    "pretrain": benchmark_lib.PRETRAIN_EVAL,
+    "held_out": benchmark_lib.HELD_OUT_EVAL,
   }
   seen: dict[str, str] = {}
-  for field in benchmark.DECLARED_FIELDS:
+  for field in benchmark_lib.DECLARED_FIELDS:
     value = declared[field]
     if value is None:
       if field in names:

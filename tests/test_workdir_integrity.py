@@ -22,12 +22,12 @@ from owl_cl import main
 from owl_cl import preemption
 from owl_cl import trainer
 from owl_cl import validation
+from owl_cl.config_fields import ConfigError
 from owl_cl.eval import results as results_lib
 from owl_cl.testing.configs import load_config
 from owl_cl.testing.configs import tiny_config
 from owl_cl.testing.results import comparable
 from owl_cl.train import checkpointing
-from owl_cl.validation import ConfigError
 
 
 def _files(folder):
@@ -396,8 +396,9 @@ def test_unreadable_run_json_is_named(tmp_path, capsys):
     experiment.run(config, workdir)
   status, err = _reported(raised.value, capsys)
   assert status == 2
-  # Among the config checks' problems (validation.workdir_problem), before any work.
-  assert f"\n  - workdir {workdir}: {run_file} cannot be read (" in err
+  # One config check's problem (validation.workdir_problem), before any work: one line.
+  assert f"error: invalid config: workdir {workdir}: {run_file} cannot be read (" in err
+  assert err.count("\n") == 1
   assert "restore it to resume, or use another --workdir" in err
   with pytest.raises(ConfigError, match=r"run\.json cannot be read \(Unterminated string"):
     experiment.existing_run(workdir, config)

@@ -1,0 +1,289 @@
+"""The config's errors, field rules and predicates: the leaf every layer may import.
+
+`ConfigError` / `MissingInputsError`, the range rules (`integer`, `real` and their named
+instances) and the predicates and mode checks that modules below `owl_cl.validation` need
+(`uses_real_data`, `loss_adaptivity_mode`, `check_downstream_eval_mode`, `check_carry_mode`,
+`clip_vocabulary_problem`, `check_per_dataset_fields`). It imports nothing of owl_cl, so
+`validation` (the top of the config checks) and every module below it import it without a
+cycle (docs/architecture.md, "Layers").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import math
+import numbers
+from typing import Any
+
+import ml_collections
+
+# Fields a `train.per_dataset.<dataset name>` entry may set; each replaces the `train.*` field
+# of the same name while training on that dataset (`trainer.dataset_train_settings`).
+PER_DATASET_FIELDS = (
+  "num_epochs",
+  "warmup_epochs",
+  "warmup_steps",
+  "learning_rate",
+  "text_lr_multiplier",
+  "layerwise_decay",
+)
+DOWNSTREAM_EVAL_MODES = ("all", "seen")
+CARRY_MODES = ("last", "best_validation")
+# config.replay.loss_adaptivity.mode (paper eq. 5; `train.losses.loss_adaptive_total`).
+LOSS_ADAPTIVITY_MODES = ("none", "paper", "released_gate")
+
+
+class ConfigError(ValueError):
+  """A config value the run cannot use; the message names the field and the value."""
+
+
+class MissingInputsError(ConfigError):
+  """Files or folders the run needs are missing; the message lists all of them and the layout."""
+
+
+# ----------------------------------------------------------------------------- ranges
+
+# A rule takes a field's value and returns what is wrong with it ('' when fine).
+Rule = Callable[[Any], str]
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def integer(minimum: int, *, optional: bool = False) -> Rule:
+  """An int >= `minimum` (None allowed when `optional`)."""
+
+  def rule(value):
+    if value is None and optional:
+      return ""
+    if not _is_number(value) or int(value) != value:
+      return "must be an integer" + (" or None" if optional else "")
+    return "" if value >= minimum else f"must be >= {minimum}" + (" or None" * optional)
+
+  return rule
+
+
+def real(
+  low: float = -math.inf,
+  high: float = math.inf,
+  *,
+  low_open: bool = False,
+  high_open: bool = False,
+  optional: bool = False,
+) -> Rule:
+  """A finite number in [low, high] (an end excluded when `*_open`; None when `optional`)."""
+
+  def rule(value):
+    if value is None and optional:
+      return ""
+    if not _is_number(value) or not math.isfinite(value):
+      return "must be a finite number" + (" or None" if optional else "")
+    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+      if high == math.inf:
+        return f"must be {'>' if low_open else '>='} {low:g}"
+      left, right = "(" if low_open else "[", ")" if high_open else "]"
+      return f"must be in {left}{low:g}, {high:g}{right}"
+    return ""
+
+  return rule
+
+
+POSITIVE = real(0.0, low_open=True)  # learning rates, eps, replay ratio
+NON_NEGATIVE = real(0.0)  # loss weights, weight decay, multipliers
+FINITE = real()  # thresholds (a NaN compares False with everything: it must not pass)
+FRACTION = real(0.0, 1.0, low_open=True)  # layer-wise decay, dedup fraction
+BETA = real(0.0, 1.0, high_open=True)  # Adam's b1 / b2
+
+
+def choice(options: Sequence[Any] | Callable[[], Sequence[Any]], *, optional: bool = False) -> Rule:
+  """One of `options` (or a function returning them, called when checking: a registry that
+  can grow, e.g. the tokenizers); None too when `optional`. `validation.option_problems`
+  lists the fields with such a rule (`is_option`)."""
+
+  def rule(value):
+    if value is None and optional:
+      return ""
+    known = list(options() if callable(options) else options)
+    # Strict types: True == 1 and 1.0 == 1 must not pass for a name.
+    if any(type(value) is type(k) and value == k for k in known):
+      return ""
+    return f"is unknown; known: {known}" + (" or None" if optional else "")
+
+  rule.is_option = True
+  return rule
+
+
+def boolean(value: Any) -> str:
+  """Rule: True or False (not 0 / 1 or 'false': a string 'false' would be truthy)."""
+  return "" if isinstance(value, bool) else "must be True or False"
+
+
+def text(*, optional: bool = False, empty: bool = False) -> Rule:
+  """A non-empty string (None too when `optional`, '' too when `empty`): names, paths."""
+
+  def rule(value):
+    if (value is None and optional) or (value == "" and empty):
+      return ""
+    if not isinstance(value, str) or not value.strip():
+      return "must be a non-empty string" + (" or None" if optional else "")
+    return ""
+
+  return rule
+
+
+def interval(low: float, high: float = math.inf) -> Rule:
+  """A pair (a, b) of finite numbers with low < a <= b <= high: a sampling range."""
+
+  def rule(value):
+    if (
+      not isinstance(value, (list, tuple))
+      or len(value) != 2
+      or not all(_is_number(v) and math.isfinite(v) for v in value)
+    ):
+      return "must be a pair (low, high) of finite numbers"
+    a, b = value
+    if not low < a <= b <= high:
+      top = "" if high == math.inf else f" <= {high:g}"
+      return f"must satisfy {low:g} < low <= high{top} (a reversed or empty range?)"
+    return ""
+
+  return rule
+
+
+def integers(minimum: int, *, optional: bool = False) -> Rule:
+  """A non-empty list / tuple of ints >= `minimum` (None too when `optional`)."""
+
+  def rule(value):
+    if value is None and optional:
+      return ""
+    if not isinstance(value, (list, tuple)) or not value:
+      return "must be a non-empty tuple of integers" + (" or None" if optional else "")
+    bad = [v for v in value if integer(minimum)(v)]
+    return f"must hold integers >= {minimum}, not {bad}" if bad else ""
+
+  return rule
+
+
+def probabilities(value: Any) -> str:
+  """Rule: a non-empty list / tuple of numbers >= 0 that sum to 1 (within 1e-6)."""
+  if not isinstance(value, (list, tuple)) or not value:
+    return "must be a non-empty tuple of probabilities"
+  if not all(_is_number(v) and math.isfinite(v) and v >= 0 for v in value):
+    return "must hold finite numbers >= 0"
+  # 1e-6: decimal literals such as (0.4, 0.3, 0.3) sum to 1 within ~1e-16.
+  return "" if abs(sum(value) - 1.0) <= 1e-6 else f"must sum to 1 (sums to {sum(value):g})"
+
+
+def names(known: Callable[[], Sequence[str]] | None = None, *, what: str = "name") -> Rule:
+  """A non-empty list / tuple of distinct strings, each in `known()` when given."""
+
+  def rule(value):
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+      return f"must be a tuple of {what}s, e.g. ('a', 'b')"
+    if not value:
+      return f"is empty; name at least one {what}"
+    if not all(isinstance(v, str) for v in value):
+      return f"must hold {what}s (strings)"
+    twice = sorted({v for v in value if value.count(v) > 1})
+    if twice:
+      return f"names {twice} more than once"
+    if known is not None:
+      unknown = [v for v in value if v not in known()]
+      if unknown:
+        # An unquoted comma list on the command line arrives as one name.
+        hint = (
+          '; on the command line a tuple is one quoted value, \'("a", "b")\', or the '
+          "flag given once per name"
+          if any("," in v for v in unknown)
+          else ""
+        )
+        return f"names unknown {what}s {unknown}; known: {list(known())}{hint}"
+    return ""
+
+  return rule
+
+
+def mapping(value: Any) -> str:
+  """Rule: a dict (ConfigDict) of fields, checked further by the code that reads it."""
+  return "" if hasattr(value, "keys") else "must be a dict of fields"
+
+
+def declared(kind: type) -> Rule:
+  """None or a `kind` (list: `data.sequence`; dict: one dataset entry); the entries
+  themselves are checked by `check_datasets`."""
+
+  def rule(value):
+    if value is None:
+      return ""
+    ok = isinstance(value, (list, tuple)) if kind is list else hasattr(value, "keys")
+    what = "a list of dataset entries / suites" if kind is list else "one dataset entry (a dict)"
+    return "" if ok else f"must be {what} or None"
+
+  return rule
+
+
+# ----------------------------------------------------------------------------- predicates
+
+
+def uses_real_data(config: ml_collections.ConfigDict) -> bool:
+  """True for the paper's protocol (a `:paper` config, or any config with data.root set)."""
+  return config.data.root is not None or "odinw_datasets" in config.data
+
+
+def loss_adaptivity_mode(config: ml_collections.ConfigDict) -> str:
+  """config.replay.loss_adaptivity.mode, checked (paper eq. 5).
+
+  Raises:
+    ConfigError: a mode outside `LOSS_ADAPTIVITY_MODES`.
+  """
+  mode = config.replay.loss_adaptivity.mode
+  if mode not in LOSS_ADAPTIVITY_MODES:
+    raise ConfigError(
+      f"config.replay.loss_adaptivity.mode={mode!r} is unknown; known: "
+      f"{list(LOSS_ADAPTIVITY_MODES)}"
+    )
+  return mode
+
+
+def check_downstream_eval_mode(config: ml_collections.ConfigDict) -> str:
+  """config.eval.downstream_after_each_dataset, checked. Raises ConfigError if unknown."""
+  mode = config.eval.downstream_after_each_dataset
+  if mode not in DOWNSTREAM_EVAL_MODES:
+    raise ConfigError(f"config.eval.downstream_after_each_dataset={mode!r}; use 'all' or 'seen'")
+  return mode
+
+
+def check_carry_mode(config: ml_collections.ConfigDict) -> str:
+  """config.train.carry ('last' when unset), checked. Raises ConfigError if unknown."""
+  carry = config.train.get("carry", "last")
+  if carry not in CARRY_MODES:
+    raise ConfigError(f"config.train.carry={carry!r}; use 'last' or 'best_validation'")
+  return carry
+
+
+def clip_vocabulary_problem(config: ml_collections.ConfigDict) -> str | None:
+  """The message for a CLIP tokenizer without `model.tokenizer_vocab_path`; None when fine."""
+  if config.model.tokenizer == "clip" and not config.model.get("tokenizer_vocab_path"):
+    return (
+      "config.model.tokenizer_vocab_path is not set (config.model.tokenizer='clip' needs the "
+      "CLIP BPE vocabulary: an HF checkpoint folder with vocab.json + merges.txt, or OpenAI's "
+      "bpe_simple_vocab_16e6.txt.gz)"
+    )
+  return None
+
+
+def check_per_dataset_fields(config: ml_collections.ConfigDict, name: str) -> dict:
+  """The `train.per_dataset.<name>` overrides ({} when none), fields checked.
+
+  Raises:
+    ConfigError: a field outside `PER_DATASET_FIELDS`.
+  """
+  overrides = dict(config.train.per_dataset.get(name, {}) or {})
+  unknown = sorted(set(overrides) - set(PER_DATASET_FIELDS))
+  if unknown:
+    raise ConfigError(
+      f"config.train.per_dataset.{name}: unknown fields {unknown}; "
+      f"allowed: {list(PER_DATASET_FIELDS)}"
+    )
+  return overrides
