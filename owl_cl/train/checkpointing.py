@@ -84,14 +84,17 @@ def is_disk_full(error: BaseException) -> bool:
 
 
 def free_bytes(path: str) -> int | None:
-  """Bytes free for this user on the device holding `path` (its nearest existing folder)."""
+  """Bytes free for this user on the device holding `path` (its nearest existing folder);
+  None when unknown (no such device, or one that reports a total size of 0)."""
   path = os.path.abspath(path)
   while not os.path.exists(path) and os.path.dirname(path) != path:
     path = os.path.dirname(path)
   try:
-    return shutil.disk_usage(path).free
+    usage = shutil.disk_usage(path)
   except OSError:
     return None
+  # A file system that reports no size (some FUSE mounts of object stores) tells nothing.
+  return usage.free if usage.total > 0 else None
 
 
 def tree_bytes(tree: PyTree) -> int:
