@@ -199,13 +199,16 @@ def checkpoint_hook(checkpoints, phase: int, total_steps: int, replay, desc: str
   (and SIGTERM is not handled here).
 
   The time and SIGTERM decisions are agreed by all processes (`preemption.any_process`), so
-  every process saves (a collective write) and stops at the same step.
+  every process saves (a collective write) and stops at the same step. A finished write is
+  committed (`StepCheckpointer.poll`) at the next step.
   """
   if checkpoints is None:
     return lambda loop: None
   checkpoints.start_phase()
 
   def hook(loop: LoopState) -> None:
+    # The previous write, once orbax has finished it, is committed (its manifest) at once.
+    checkpoints.poll()
     time_due, stop = preemption.any_process(checkpoints.time_due(), preemption.requested_here())
     if stop or time_due or checkpoints.step_due(loop.step, total_steps):
       items, meta = loop_checkpoint(loop, replay)

@@ -402,24 +402,33 @@ def workdir_problem(workdir: str) -> str:
 
 def foreign_results_problem(workdir: str) -> str:
   """'' unless `workdir` holds results.json of a run other than its run.json's (or results
-  without any run.json): the run would fail when it first writes its results, after hours of
-  work and with its run.json, checkpoints and TensorBoard files written beside them."""
+  without any run.json), or a run.json that cannot be read: the run would fail when it first
+  writes its results, after hours of work and with its run.json, checkpoints and TensorBoard
+  files written beside them. An unreadable results.json beside a readable run.json is this
+  run's: set aside and rebuilt from the checkpoints (`results.set_aside_unreadable`)."""
   results_path = os.path.join(workdir, "results.json")
+  run_path = os.path.join(workdir, "run.json")
+  run_id = None
+  if os.path.exists(run_path):
+    try:
+      with open(run_path) as f:
+        run_id = json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError) as e:
+      return (
+        f"workdir {workdir}: {run_path} cannot be read ({e}); it records the config of the "
+        "run this workdir holds: restore it to resume, or use another --workdir"
+      )
   if not os.path.isfile(results_path):
     return ""
   try:
     with open(results_path) as f:
       owner = json.load(f).get("run_id")
   except (OSError, ValueError, AttributeError) as e:
+    if run_id is not None:
+      return ""  # this run's, unreadable: rebuilt
     return (
       f"workdir {workdir} holds {results_path}, which cannot be read ({e}); use another workdir"
     )
-  run_id = None
-  try:
-    with open(os.path.join(workdir, "run.json")) as f:
-      run_id = json.load(f).get("run_id")
-  except (OSError, ValueError, AttributeError):
-    pass
   if owner is not None and owner == run_id:
     return ""
   holder = f"run {run_id!r} (run.json)" if run_id else "no run.json"
