@@ -182,214 +182,52 @@ class CocoSource:
     if image_reader is not None:
       check_files = False  # no files: the reader serves the pixels
     path = self.annotation_file
-    if dataset is None and not os.path.isfile(path):
-      raise DataError(f"annotation file not found: {path}")
-    if not os.path.isdir(self.image_dir):
-      raise DataError(f"{path}: image_dir does not exist: {self.image_dir}")
-    if dataset is not None:
-      data = dataset
-    else:
-      try:
-        with open(path) as f:
-          data = json.load(f)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid json ({e})") from e
-    if not isinstance(data, dict):
-      raise DataError(f"{path}: top level must be an object, got {type(data).__name__}")
-    for field in _REQUIRED_TOP:
-      if field not in data:
-        raise DataError(f"{path}: missing required top-level field '{field}'")
-      if not isinstance(data[field], list):
-        raise DataError(f"{path}: field '{field}' must be a list, got {type(data[field]).__name__}")
-
-    # Categories.
-    cats = data["categories"]
-    cat_by_id: dict[int, dict] = {}
-    for i, c in enumerate(cats):
-      _require(c, _REQUIRED_CAT, "categories", path, i)
-      if c["id"] in cat_by_id:
-        raise DataError(f"{path}: categories[{i}] duplicate id {c['id']!r}")
-      cat_by_id[c["id"]] = c
-    excluded = set()
-    for cid in exclude_category_ids:
-      if cid not in cat_by_id:
-        raise DataError(
-          f"{path}: exclude_category_ids value {cid!r} is not a category id in "
-          f"'categories' (known ids: {_short(sorted(cat_by_id), 80)})"
-        )
-      excluded.add(cid)
+    data = _read_json(path, self.image_dir, dataset)
+    # Every problem of the file below (empty names, missing images, bad boxes) is collected
+    # and raised together: one run shows all of them, not the first. Structural errors
+    # (missing fields, duplicate image / category ids) raise at once.
+    problems: list[str] = []
+    cat_by_id, excluded = _check_categories(data["categories"], exclude_category_ids, path)
     self.category_ids: list[int] = sorted(c for c in cat_by_id if c not in excluded)
     self.category_entries: list[dict] = [cat_by_id[c] for c in self.category_ids]
     self.class_names: list[str] = [str(cat_by_id[c]["name"]) for c in self.category_ids]
-    # Every problem of the file below (empty names, missing images, bad boxes) is collected
-    # and raised together: one run shows all of them, not the first.
-    problems: list[str] = []
     for c, n in zip(self.category_ids, self.class_names):
       if not n.strip():
         # A class name is the text query of the class (prompts): an empty one is no query.
         problems.append(f"{path}: category id {c!r} has an empty name {n!r}")
     self._cat_to_index = {c: i for i, c in enumerate(self.category_ids)}
-    self.num_excluded = 0
 
-    # Images.
-    required_image = (
-      _REQUIRED_IMAGE
-      if file_name_fn is None and image_reader is None
-      else ("id", "height", "width")
+    named = file_name_fn is not None or image_reader is not None
+    images, selection = _check_images(
+      data["images"], ("id", "height", "width") if named else _REQUIRED_IMAGE, image_ids, path
     )
-    keep_ids = None
-    if image_ids is not None:
-      keep_ids = set(image_ids)
-      known = {im.get("id") for im in data["images"] if isinstance(im, dict)}
-      unknown = sorted(keep_ids - known, key=str)
-      if unknown:
-        raise DataError(f"{path}: image_ids value(s) {_short(unknown, 80)} not in 'images'")
-    images: dict[int, dict] = {}
-    image_index: dict[Any, int] = {}  # image id -> its position in 'images'
-    for i, im in enumerate(data["images"]):
-      _require(im, required_image, "images", path, i)
-      if keep_ids is not None and im["id"] not in keep_ids:
-        continue
-      if im["id"] in images:
-        raise DataError(
-          f"{path}: images[{i}] field 'id' has value {im['id']!r}, which images"
-          f"[{image_index[im['id']]}] also has (image ids must be unique)"
-        )
-      h, w = im["height"], im["width"]
-      if not (isinstance(h, (int, float)) and isinstance(w, (int, float)) and h > 0 and w > 0):
-        raise DataError(
-          f"{path}: images[{i}] (id {im['id']}) has invalid size height={h!r} width={w!r}"
-        )
-      images[im["id"]] = im
-      image_index[im["id"]] = i
     self.image_ids: list[int] = sorted(images)
     self._images = [images[i] for i in self.image_ids]
-    if image_reader is not None:
-      names = [str(im.get("file_name", im["id"])) for im in self._images]
-    elif file_name_fn is None:
-      names = [im["file_name"] for im in self._images]
-    else:
-      names = []
-      for im in self._images:
-        try:
-          names.append(file_name_fn(im))
-        except (KeyError, ValueError, TypeError) as e:
-          raise DataError(
-            f"{path}: image id {im['id']}: cannot derive the file name from the "
-            f"entry {_short(im)} ({e!r})"
-          ) from e
+    names = _file_names(self._images, file_name_fn, image_reader, path)
     self._paths = [os.path.join(self.image_dir, n) for n in names]
     self._parse_federated(path, excluded)
     if check_files:
-      for im, p in zip(self._images, self._paths):
-        if not os.path.isfile(p):
-          problems.append(
-            f"{path}: image file not found: {p} (image id {im['id']}, "
-            f"file_name {im.get('file_name', os.path.relpath(p, self.image_dir))!r})"
-          )
+      problems += _missing_files(self._images, self._paths, self.image_dir, path)
 
-    # Annotations -> per-image training targets (crowd excluded).
-    self.num_skipped = 0
-    per_image: dict[int, list[tuple]] = {i: [] for i in self.image_ids}
-    kept_anns = []
-    # pycocotools indexes annotations by id (`COCO.anns[id]`): of two with one id the later
-    # silently replaces the earlier, and evaluation then scores against another image's box.
-    ann_index: dict[Any, int] = {}
-    for i, a in enumerate(data["annotations"]):
-      _require(a, _REQUIRED_ANN, "annotations", path, i)
-      aid = a.get("id", i)
-      if "id" in a:
-        if a["id"] in ann_index:
-          problems.append(
-            f"{path}: annotations[{i}] field 'id' has value {a['id']!r}, which annotations"
-            f"[{ann_index[a['id']]}] also has (annotation ids must be unique)"
-          )
-          continue
-        ann_index[a["id"]] = i
-      if a["category_id"] in excluded:
-        self.num_excluded += 1
-        continue
-      if keep_ids is not None and a["image_id"] not in keep_ids:
-        if a["image_id"] not in known:
-          raise DataError(
-            f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
-            f"{a['image_id']!r}, which is not in 'images'"
-          )
-        continue
-      if a["category_id"] not in self._cat_to_index:
-        problems.append(
-          f"{path}: annotations[{i}] (id {aid}) field 'category_id' has value "
-          f"{a['category_id']!r}, which is not in 'categories' "
-          f"(known ids: {_short(self.category_ids, 80)})"
-        )
-        continue
-      im = images.get(a["image_id"])
-      if im is None:
-        problems.append(
-          f"{path}: annotations[{i}] (id {aid}) field 'image_id' has value "
-          f"{a['image_id']!r}, which is not in 'images'"
-        )
-        continue
-      bbox = a["bbox"]
-      if (
-        not isinstance(bbox, (list, tuple))
-        or len(bbox) != 4
-        or not all(isinstance(v, (int, float)) for v in bbox)
-      ):
-        problems.append(
-          f"{path}: annotations[{i}] (id {aid}) field 'bbox' must be 4 numbers "
-          f"[x, y, w, h], got {bbox!r}"
-        )
-        continue
-      x, y, w, h = (float(v) for v in bbox)
-      W, H = float(im["width"]), float(im["height"])
-      problem = None
-      if not (np.isfinite([x, y, w, h]).all()):
-        problem = "is not finite"
-      elif w <= 0 or h <= 0:
-        problem = "is degenerate (w <= 0 or h <= 0)"
-      elif (
-        x < -box_tolerance
-        or y < -box_tolerance
-        or x + w > W + box_tolerance
-        or y + h > H + box_tolerance
-      ):
-        problem = f"lies outside the {int(W)}x{int(H)} (WxH) image by more than {box_tolerance} px"
-      if problem is None:
-        x0, y0 = max(x, 0.0), max(y, 0.0)
-        x1, y1 = min(x + w, W), min(y + h, H)
-        if x1 <= x0 or y1 <= y0:
-          problem = "is empty after clipping to the image"
-      if problem is not None:
-        if on_invalid == "raise":
-          problems.append(
-            f"{path}: annotations[{i}] (id {aid}, image_id {a['image_id']}) "
-            f"field 'bbox' value {list(bbox)!r} {problem}"
-          )
-        self.num_skipped += 1
-        continue
-      kept_anns.append(a)
-      if not a.get("iscrowd", 0):
-        per_image[a["image_id"]].append((x0, y0, x1, y1, self._cat_to_index[a["category_id"]]))
-
+    index = _index_annotations(
+      data["annotations"],
+      images,
+      self._cat_to_index,
+      excluded,
+      selection,
+      box_tolerance,
+      on_invalid,
+      path,
+    )
+    self.num_skipped, self.num_excluded = index.num_skipped, index.num_excluded
+    problems += index.problems
     if problems:
       raise DataError(problem_list(problems))
+    self._boxes, self._labels = _target_arrays(index.per_image, self.image_ids)
 
-    self._boxes = []
-    self._labels = []
-    for iid in self.image_ids:
-      rows = per_image[iid]
-      if rows:
-        arr = np.asarray(rows, dtype=np.float64)
-        self._boxes.append(arr[:, :4].astype(np.float32))
-        self._labels.append(arr[:, 4].astype(np.int32))
-      else:
-        self._boxes.append(np.zeros((0, 4), np.float32))
-        self._labels.append(np.zeros((0,), np.int32))
-
-    if self.num_skipped or self.num_excluded or keep_ids is not None:
+    if self.num_skipped or self.num_excluded or selection is not None:
       data = dict(
-        data, annotations=kept_anns, images=self._images, categories=self.category_entries
+        data, annotations=index.kept, images=self._images, categories=self.category_entries
       )
     # pycocotools index, built from the already-parsed json (it prints; keep quiet).
     coco = COCO()
@@ -612,3 +450,262 @@ class CocoSource:
       image_id=int(info["id"]),
       **self.federated_labels(index),
     )
+
+
+# ------------------------------------------------------------------------------------------
+# CocoSource's construction: read the json, check categories / images / annotations, index
+# the training targets. Each raises DataError naming the file, the entry and the value.
+# ------------------------------------------------------------------------------------------
+def _read_json(path: str, image_dir: str, dataset: dict | None) -> dict:
+  """The json object of `path` (or `dataset`, already parsed) with its top-level lists."""
+  if dataset is None and not os.path.isfile(path):
+    raise DataError(f"annotation file not found: {path}")
+  if not os.path.isdir(image_dir):
+    raise DataError(f"{path}: image_dir does not exist: {image_dir}")
+  if dataset is not None:
+    data = dataset
+  else:
+    try:
+      with open(path) as f:
+        data = json.load(f)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{path}: not valid json ({e})") from e
+  if not isinstance(data, dict):
+    raise DataError(f"{path}: top level must be an object, got {type(data).__name__}")
+  for field in _REQUIRED_TOP:
+    if field not in data:
+      raise DataError(f"{path}: missing required top-level field '{field}'")
+    if not isinstance(data[field], list):
+      raise DataError(f"{path}: field '{field}' must be a list, got {type(data[field]).__name__}")
+  return data
+
+
+def _check_categories(
+  cats: list, exclude_category_ids: Sequence[int], path: str
+) -> tuple[dict[Any, dict], set]:
+  """(category id -> entry, the excluded ids); duplicate ids and unknown excluded ids raise."""
+  cat_by_id: dict[Any, dict] = {}
+  for i, c in enumerate(cats):
+    _require(c, _REQUIRED_CAT, "categories", path, i)
+    if c["id"] in cat_by_id:
+      raise DataError(f"{path}: categories[{i}] duplicate id {c['id']!r}")
+    cat_by_id[c["id"]] = c
+  excluded = set()
+  for cid in exclude_category_ids:
+    if cid not in cat_by_id:
+      raise DataError(
+        f"{path}: exclude_category_ids value {cid!r} is not a category id in "
+        f"'categories' (known ids: {_short(sorted(cat_by_id), 80)})"
+      )
+    excluded.add(cid)
+  return cat_by_id, excluded
+
+
+class _Selection:
+  """The kept image ids of `image_ids=` and every id of 'images' (to tell a dropped image's
+  annotation from one of an unknown image)."""
+
+  def __init__(self, keep: set, known: set):
+    self.keep, self.known = keep, known
+
+
+def _check_images(
+  entries: list, required: Sequence[str], image_ids: Sequence[int] | None, path: str
+) -> tuple[dict[Any, dict], _Selection | None]:
+  """(image id -> entry of the kept images, the selection or None for all images).
+
+  Missing fields, duplicate ids, non-positive sizes and `image_ids` not in 'images' raise.
+  """
+  selection = None
+  if image_ids is not None:
+    selection = _Selection(set(image_ids), {im.get("id") for im in entries if isinstance(im, dict)})
+    unknown = sorted(selection.keep - selection.known, key=str)
+    if unknown:
+      raise DataError(f"{path}: image_ids value(s) {_short(unknown, 80)} not in 'images'")
+  images: dict[Any, dict] = {}
+  image_index: dict[Any, int] = {}  # image id -> its position in 'images'
+  for i, im in enumerate(entries):
+    _require(im, required, "images", path, i)
+    if selection is not None and im["id"] not in selection.keep:
+      continue
+    if im["id"] in images:
+      raise DataError(
+        f"{path}: images[{i}] field 'id' has value {im['id']!r}, which images"
+        f"[{image_index[im['id']]}] also has (image ids must be unique)"
+      )
+    h, w = im["height"], im["width"]
+    if not (isinstance(h, (int, float)) and isinstance(w, (int, float)) and h > 0 and w > 0):
+      raise DataError(
+        f"{path}: images[{i}] (id {im['id']}) has invalid size height={h!r} width={w!r}"
+      )
+    images[im["id"]] = im
+    image_index[im["id"]] = i
+  return images, selection
+
+
+def _file_names(
+  images: list[dict],
+  file_name_fn: Callable[[dict], str] | None,
+  image_reader: Callable[[dict], np.ndarray] | None,
+  path: str,
+) -> list[str]:
+  """Each image's path relative to image_dir (a reader's images: a name for messages)."""
+  if image_reader is not None:
+    return [str(im.get("file_name", im["id"])) for im in images]
+  if file_name_fn is None:
+    return [im["file_name"] for im in images]
+  names = []
+  for im in images:
+    try:
+      names.append(file_name_fn(im))
+    except (KeyError, ValueError, TypeError) as e:
+      raise DataError(
+        f"{path}: image id {im['id']}: cannot derive the file name from the "
+        f"entry {_short(im)} ({e!r})"
+      ) from e
+  return names
+
+
+def _missing_files(images: list[dict], paths: list[str], image_dir: str, path: str) -> list[str]:
+  """One problem per image whose file does not exist."""
+  return [
+    f"{path}: image file not found: {p} (image id {im['id']}, "
+    f"file_name {im.get('file_name', os.path.relpath(p, image_dir))!r})"
+    for im, p in zip(images, paths)
+    if not os.path.isfile(p)
+  ]
+
+
+def _four_numbers(bbox: Any) -> bool:
+  """Whether a COCO `bbox` is a list / tuple of 4 ints or floats."""
+  return (
+    isinstance(bbox, (list, tuple))
+    and len(bbox) == 4
+    and all(isinstance(v, (int, float)) for v in bbox)
+  )
+
+
+def _box_problem(
+  bbox: Sequence[float], width: float, height: float, box_tolerance: float
+) -> tuple[str | None, tuple[float, float, float, float] | None]:
+  """(what is wrong with the COCO `bbox` [x, y, w, h] (4 numbers) of a W x H image or None,
+  the box xyxy clipped to the image when it is fine)."""
+  x, y, w, h = (float(v) for v in bbox)
+  W, H = float(width), float(height)
+  if not (np.isfinite([x, y, w, h]).all()):
+    return "is not finite", None
+  if w <= 0 or h <= 0:
+    return "is degenerate (w <= 0 or h <= 0)", None
+  if (
+    x < -box_tolerance
+    or y < -box_tolerance
+    or x + w > W + box_tolerance
+    or y + h > H + box_tolerance
+  ):
+    return f"lies outside the {int(W)}x{int(H)} (WxH) image by more than {box_tolerance} px", None
+  x0, y0 = max(x, 0.0), max(y, 0.0)
+  x1, y1 = min(x + w, W), min(y + h, H)
+  if x1 <= x0 or y1 <= y0:
+    return "is empty after clipping to the image", None
+  return None, (x0, y0, x1, y1)
+
+
+class _AnnotationIndex:
+  """The annotations' pass: per kept image its (x0, y0, x1, y1, class) rows (crowd excluded),
+  the kept annotation entries, the counts of skipped / excluded ones and the problems."""
+
+  def __init__(self, image_ids):
+    self.per_image: dict[Any, list[tuple]] = {i: [] for i in image_ids}
+    self.kept: list[dict] = []
+    self.num_skipped = 0
+    self.num_excluded = 0
+    self.problems: list[str] = []
+
+
+def _index_annotations(
+  annotations: list,
+  images: dict[Any, dict],
+  cat_to_index: dict[Any, int],
+  excluded: set,
+  selection: _Selection | None,
+  box_tolerance: float,
+  on_invalid: str,
+  path: str,
+) -> _AnnotationIndex:
+  """Check every annotation and index the valid ones by image (see `_AnnotationIndex`).
+
+  Missing fields and an unknown image id under `image_ids=` raise at once; the rest (duplicate
+  ids, unknown category / image ids, bad boxes unless on_invalid='skip') are problems.
+  """
+  index = _AnnotationIndex(sorted(images))
+  # pycocotools indexes annotations by id (`COCO.anns[id]`): of two with one id the later
+  # silently replaces the earlier, and evaluation then scores against another image's box.
+  ann_index: dict[Any, int] = {}
+  for i, a in enumerate(annotations):
+    _require(a, _REQUIRED_ANN, "annotations", path, i)
+    aid = a.get("id", i)
+    where = f"{path}: annotations[{i}] (id {aid})"
+    if "id" in a:
+      if a["id"] in ann_index:
+        index.problems.append(
+          f"{path}: annotations[{i}] field 'id' has value {a['id']!r}, which annotations"
+          f"[{ann_index[a['id']]}] also has (annotation ids must be unique)"
+        )
+        continue
+      ann_index[a["id"]] = i
+    if a["category_id"] in excluded:
+      index.num_excluded += 1
+      continue
+    if selection is not None and a["image_id"] not in selection.keep:
+      if a["image_id"] not in selection.known:
+        raise DataError(
+          f"{where} field 'image_id' has value {a['image_id']!r}, which is not in 'images'"
+        )
+      continue
+    if a["category_id"] not in cat_to_index:
+      index.problems.append(
+        f"{where} field 'category_id' has value {a['category_id']!r}, which is not in "
+        f"'categories' (known ids: {_short(sorted(cat_to_index), 80)})"
+      )
+      continue
+    im = images.get(a["image_id"])
+    if im is None:
+      index.problems.append(
+        f"{where} field 'image_id' has value {a['image_id']!r}, which is not in 'images'"
+      )
+      continue
+    if not _four_numbers(a["bbox"]):
+      index.problems.append(
+        f"{where} field 'bbox' must be 4 numbers [x, y, w, h], got {a['bbox']!r}"
+      )
+      continue
+    problem, xyxy = _box_problem(a["bbox"], im["width"], im["height"], box_tolerance)
+    if problem is not None:
+      if on_invalid == "raise":
+        index.problems.append(
+          f"{path}: annotations[{i}] (id {aid}, image_id {a['image_id']}) "
+          f"field 'bbox' value {list(a['bbox'])!r} {problem}"
+        )
+      index.num_skipped += 1
+      continue
+    index.kept.append(a)
+    if not a.get("iscrowd", 0):
+      index.per_image[a["image_id"]].append((*xyxy, cat_to_index[a["category_id"]]))
+  return index
+
+
+def _target_arrays(
+  per_image: dict[Any, list[tuple]], image_ids: list
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """Per image (in `image_ids` order): boxes float32 [M, 4] xyxy pixels, labels int32 [M]."""
+  boxes, labels = [], []
+  for iid in image_ids:
+    rows = per_image[iid]
+    if rows:
+      arr = np.asarray(rows, dtype=np.float64)
+      boxes.append(arr[:, :4].astype(np.float32))
+      labels.append(arr[:, 4].astype(np.int32))
+    else:
+      boxes.append(np.zeros((0, 4), np.float32))
+      labels.append(np.zeros((0,), np.int32))
+  return boxes, labels
