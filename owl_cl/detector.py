@@ -26,6 +26,7 @@ from owl_cl.data import coco
 from owl_cl.data import input_pipeline
 from owl_cl.data import label_ops
 from owl_cl.data import prompts
+from owl_cl.data import spec as data_spec
 from owl_cl.eval import detection
 from owl_cl.model import tokenizer as tokenizer_lib
 from owl_cl.train import sharding as sharding_lib
@@ -162,6 +163,20 @@ class Detector:
         )
     return self._predict_steps[key]
 
+  def example_spec(self, class_tokens: np.ndarray) -> data_spec.ExampleSpec:
+    """The training example of this run with `class_tokens` (int32 [C, L] or [C, P, L]):
+    the detector's '' tokens and image size, config.data's num_queries, max_instances and
+    num_negatives (`ExampleSpec`; raises its ValueError on token shapes that disagree)."""
+    data = self.config.data
+    return data_spec.ExampleSpec(
+      class_tokens=class_tokens,
+      empty_tokens=self.empty_tokens,
+      image_size=self.image_size,
+      num_queries=data.num_queries,
+      max_instances=data.max_instances,
+      num_negatives=data.num_negatives,
+    )
+
   def example_options(self, source) -> dict[str, Any]:
     """Preprocessing options of a training example of `source` from `config.data`:
     `squash` (data.squash_resize), `merge_iou`, and `negative_weights` (float64 [C] images
@@ -225,12 +240,7 @@ class Detector:
       shard, batch_rows = None, (rows.start, rows.stop)
     return input_pipeline.train_dataset(
       source,
-      class_tokens=self.train_class_tokens(source),
-      empty_tokens=self.empty_tokens,
-      image_size=self.image_size,
-      num_queries=self.config.data.num_queries,
-      max_instances=self.config.data.max_instances,
-      num_negatives=self.config.data.num_negatives,
+      self.example_spec(self.train_class_tokens(source)),
       batch_size=batch_size,
       seed=seed,
       epoch=epoch,

@@ -15,6 +15,7 @@ from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
 from owl_cl.data import input_pipeline
 from owl_cl.data import label_ops
+from owl_cl.data.spec import ExampleSpec
 from owl_cl.detector import Detector
 from owl_cl.testing.configs import tiny_config
 
@@ -43,12 +44,14 @@ def _explicit(detector, source, **options):
   c = detector.config
   return input_pipeline.train_dataset(
     source,
-    class_tokens=detector.train_class_tokens(source),
-    empty_tokens=detector.empty_tokens,
-    image_size=detector.image_size,
-    num_queries=c.data.num_queries,
-    max_instances=c.data.max_instances,
-    num_negatives=c.data.num_negatives,
+    ExampleSpec(
+      class_tokens=detector.train_class_tokens(source),
+      empty_tokens=detector.empty_tokens,
+      image_size=detector.image_size,
+      num_queries=c.data.num_queries,
+      max_instances=c.data.max_instances,
+      num_negatives=c.data.num_negatives,
+    ),
     batch_size=1,
     seed=3,
     epoch=1,

@@ -59,11 +59,11 @@ from owl_cl.data.image_ops import resize_with_pad
 from owl_cl.data.image_ops import sample_mosaic_size
 from owl_cl.data.image_ops import scale_boxes
 from owl_cl.data.image_ops import xyxy_to_cxcywh
-from owl_cl.data.label_ops import check_tokens
 from owl_cl.data.label_ops import instance_targets
 from owl_cl.data.label_ops import merge_duplicate_instances
 from owl_cl.data.label_ops import query_tokens
 from owl_cl.data.label_ops import sample_queries
+from owl_cl.data.spec import ExampleSpec
 
 __all__ = [
   "shard_options",
@@ -149,13 +149,8 @@ def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 def preprocess_train_example(
   example: dict[str, Any],
+  spec: ExampleSpec,
   *,
-  class_tokens: np.ndarray,
-  empty_tokens: np.ndarray,
-  image_size: int,
-  num_queries: int,
-  max_instances: int,
-  num_negatives: int,
   rng: np.random.Generator,
   pad_value: float = TRAIN_PAD_VALUE,
   squash: bool = False,
@@ -173,11 +168,9 @@ def preprocess_train_example(
   Args:
     example: dict(image uint8 [H, W, 3], boxes float [M0, 4] xyxy pixels, labels int [M0]
       contiguous class indices, image_id int), e.g. `CocoSource.load(i)`.
-    class_tokens: int32 [C, L] tokenised class names, or [C, P, L] with P prompt variants
-      (one drawn uniformly per query, docs/reference.md §2 training prompts).
-    empty_tokens: int32 [L] tokens of '' (query 0 and padding queries).
-    image_size: S. num_queries: Q. max_instances: M. num_negatives: negatives per image
-      (released code: 50). rng: numpy Generator (explicit randomness: negatives, prompts, flip).
+    spec: the class tokens (C classes, one drawn prompt variant per query), S, Q, M and the
+      negatives per image (`ExampleSpec`).
+    rng: numpy Generator (explicit randomness: negatives, prompts, flip).
     pad_value: padding value (training 0.5, docs/reference.md §5).
     squash: resize ignoring the aspect ratio (released code), see `resize_with_pad`.
     merge_iou: boxes with IoU >= merge_iou become one multi-label instance (scenic); None: off.
@@ -208,12 +201,12 @@ def preprocess_train_example(
   instances.
 
   Raises:
-    ValueError: inconsistent token shapes, labels outside [0, C).
+    ValueError: labels outside [0, C) (names the image).
 
   Source: docs/reference.md §3 (targets per image), §5 (preprocessing); scenic owl_vit.
   """
-  class_tokens, empty_tokens = check_tokens(class_tokens, empty_tokens)
-  example = _checked_annotations(example, class_tokens.shape[0])
+  image_size, max_instances = spec.image_size, spec.max_instances
+  example = _checked_annotations(example, spec.num_classes)
   if hflip or random_crop:
     example = augment_example(
       example,
@@ -234,9 +227,9 @@ def preprocess_train_example(
   query_class = sample_queries(
     sorted({l for ls in inst_labels for l in ls}),
     _present_classes(example),
-    class_tokens.shape[0],
-    num_queries,
-    num_negatives,
+    spec.num_classes,
+    spec.num_queries,
+    spec.num_negatives,
     rng,
     negative_weights,
     example.get("negative_labels", ()) if annotated_negatives else (),
@@ -245,7 +238,7 @@ def preprocess_train_example(
   out_labels, out_boxes = instance_targets(scaled, inst_labels, query_class, max_instances)
   return dict(
     images=resize_with_pad(image, image_size, pad_value, squash=squash),
-    queries=query_tokens(query_class, class_tokens, empty_tokens, rng),
+    queries=query_tokens(query_class, spec.class_tokens, spec.empty_tokens, rng),
     labels=out_labels,
     boxes=out_boxes,
     query_class=query_class,
@@ -326,8 +319,17 @@ def stack_examples(examples: Sequence[dict[str, np.ndarray]]) -> dict[str, np.nd
 # grain datasets. Transforms are module-level classes so they pickle to grain workers.
 # ------------------------------------------------------------------------------------------
 class _TrainTransform:
-  def __init__(self, source, perm: np.ndarray, seed: int, epoch: int, kwargs: dict[str, Any]):
+  def __init__(
+    self,
+    source,
+    spec: ExampleSpec,
+    perm: np.ndarray,
+    seed: int,
+    epoch: int,
+    kwargs: dict[str, Any],
+  ):
     kwargs = dict(kwargs)
+    self.spec = spec
     self.mosaic_sizes = kwargs.pop("mosaic_sizes", None)
     self.mosaic_probs = kwargs.pop("mosaic_probs", MOSAIC_PROBS)
     self.source, self.perm, self.seed, self.epoch, self.kwargs = source, perm, seed, epoch, kwargs
@@ -336,16 +338,16 @@ class _TrainTransform:
     index = int(self.perm[position])
     rng = example_rng(self.seed, self.epoch, index)
     if self.mosaic_sizes is None:
-      return preprocess_train_example(self.source[index], rng=rng, **self.kwargs)
+      return preprocess_train_example(self.source[index], self.spec, rng=rng, **self.kwargs)
     k = sample_mosaic_size(rng, self.mosaic_sizes, self.mosaic_probs)
     if k == 1:
-      return preprocess_train_example(self.source[index], rng=rng, **self.kwargs)
+      return preprocess_train_example(self.source[index], self.spec, rng=rng, **self.kwargs)
     others = rng.integers(0, len(self.source), size=k * k - 1)
     kw = self.kwargs
     mosaic = build_mosaic(
       [self.source[index]] + [self.source[int(j)] for j in others],
       k,
-      kw["image_size"],
+      self.spec.image_size,
       rng,
       pad_value=kw.get("pad_value", TRAIN_PAD_VALUE),
       squash=kw.get("squash", False),
@@ -357,7 +359,9 @@ class _TrainTransform:
         min_area_fraction=kw.get("crop_min_area_fraction", 0.6),
       ),
     )
-    return preprocess_train_example(mosaic, rng=rng, **dict(kw, hflip=False, random_crop=False))
+    return preprocess_train_example(
+      mosaic, self.spec, rng=rng, **dict(kw, hflip=False, random_crop=False)
+    )
 
 
 class _EvalTransform:
@@ -399,13 +403,8 @@ def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
 
 def train_map_dataset(
   source,
+  spec: ExampleSpec,
   *,
-  class_tokens: np.ndarray,
-  empty_tokens: np.ndarray,
-  image_size: int,
-  num_queries: int,
-  max_instances: int,
-  num_negatives: int,
   seed: int,
   epoch: int,
   shard: Any = None,
@@ -414,8 +413,8 @@ def train_map_dataset(
 ) -> grain.MapDataset:
   """Unbatched training `grain.MapDataset` of one epoch (length N, shuffled).
 
-  Position p holds `preprocess_train_example(source[perm[p]], rng=example_rng(seed, epoch,
-  perm[p]))` with perm = `epoch_permutation(N, seed, epoch)`. `options` are passed on to
+  Position p holds `preprocess_train_example(source[perm[p]], spec, rng=example_rng(seed,
+  epoch, perm[p]))` with perm = `epoch_permutation(N, seed, epoch)`. `options` are passed on to
   `preprocess_train_example` (pad_value, squash, merge_iou, hflip, negative_weights,
   random_crop, crop_*, annotated_negatives), except:
 
@@ -433,16 +432,6 @@ def train_map_dataset(
 
   Source: docs/reference.md §3, §5; scenic owl_vit input pipeline (mosaics, host sharding).
   """
-  class_tokens, empty_tokens = check_tokens(class_tokens, empty_tokens)
-  kwargs = dict(
-    class_tokens=class_tokens,
-    empty_tokens=empty_tokens,
-    image_size=image_size,
-    num_queries=num_queries,
-    max_instances=max_instances,
-    num_negatives=num_negatives,
-    **options,
-  )
   perm = epoch_permutation(len(source), seed, epoch)
   if positions is not None:
     if shard is not None:
@@ -450,7 +439,7 @@ def train_map_dataset(
     ds = grain.MapDataset.source(np.asarray(positions, np.int64))
   else:
     ds = _apply_shard(grain.MapDataset.range(len(source)), shard)
-  return ds.map(_TrainTransform(source, perm, seed, epoch, kwargs))
+  return ds.map(_TrainTransform(source, spec, perm, seed, epoch, options))
 
 
 def _to_batches(
@@ -481,13 +470,8 @@ def _to_batches(
 
 def train_dataset(
   source,
+  spec: ExampleSpec,
   *,
-  class_tokens: np.ndarray,
-  empty_tokens: np.ndarray,
-  image_size: int,
-  num_queries: int,
-  max_instances: int,
-  num_negatives: int,
   batch_size: int,
   seed: int,
   epoch: int,
@@ -504,9 +488,8 @@ def train_dataset(
   Args:
     source: random-access source of examples (`CocoSource` or any sequence of
       `CocoSource.load`-style dicts).
-    class_tokens: int32 [C, L] (or [C, P, L]) tokens of the class names (tokenizer.encode).
-    empty_tokens: int32 [L] tokens of ''.
-    image_size: S. num_queries: Q. max_instances: M. num_negatives: negatives per image.
+    spec: the example's class tokens (tokenizer.encode of the class names, [C, L] or
+      [C, P, L]), S, Q, M and negatives per image (`ExampleSpec`).
     batch_size: B. seed, epoch: ints >= 0; the shuffle order and every per-example random
       choice are pure functions of (seed, epoch, source index).
     num_workers: 0 preprocesses in this process (with `num_threads` reader threads);
@@ -531,7 +514,7 @@ def train_dataset(
     orig_size [B, 2], example_mask [B] (all True). floor(N / B) batches (remainder dropped).
 
   Raises:
-    ValueError: bad token shapes or a negative `start_batch` (at once); errors of the source
+    ValueError: a negative `start_batch` (at once); errors of the source
       (DataError) when iterated.
 
   Source: docs/reference.md §3, §5.
@@ -540,12 +523,7 @@ def train_dataset(
     raise ValueError(f"start_batch must be >= 0, got {start_batch}")
   ds = train_map_dataset(
     source,
-    class_tokens=class_tokens,
-    empty_tokens=empty_tokens,
-    image_size=image_size,
-    num_queries=num_queries,
-    max_instances=max_instances,
-    num_negatives=num_negatives,
+    spec,
     seed=seed,
     epoch=epoch,
     shard=shard,

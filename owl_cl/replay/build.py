@@ -51,6 +51,7 @@ from owl_cl import distributed
 from owl_cl import utils
 from owl_cl.data import image_ops
 from owl_cl.data import input_pipeline
+from owl_cl.data.spec import ExampleSpec
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import store as store_lib
 from owl_cl.train import losses
@@ -77,20 +78,23 @@ _INT32_MAX = np.iinfo(np.int32).max
 class BufferExample:
   """Image index -> its fixed training example (a picklable grain transform).
 
-  The example of image i is `input_pipeline.preprocess_train_example(source.load(i),
+  The example of image i is `input_pipeline.preprocess_train_example(source.load(i), spec,
   rng=input_pipeline.example_rng(seed, 0, i), **options)` restricted to `EXAMPLE_KEYS` and
   `image_id`: its queries and negatives are drawn once, seeded by the image index, so every
   pass (and every resumed build) sees the same example. Not augmented: its image is
   `image_ops.resize_with_pad` of the source image, which the store re-makes at gather time.
   """
 
-  def __init__(self, source, seed: int, options: dict):
-    self.source, self.seed, self.options = source, int(seed), dict(options)
+  def __init__(self, source, seed: int, spec: ExampleSpec, options: dict):
+    self.source, self.seed, self.spec, self.options = source, int(seed), spec, dict(options)
 
   def __call__(self, index) -> dict[str, np.ndarray]:
     index = int(index)
     example = input_pipeline.preprocess_train_example(
-      self.source.load(index), rng=input_pipeline.example_rng(self.seed, 0, index), **self.options
+      self.source.load(index),
+      self.spec,
+      rng=input_pipeline.example_rng(self.seed, 0, index),
+      **self.options,
     )
     return {k: example[k] for k in EXAMPLE_KEYS + ("image_id",)}
 
@@ -98,7 +102,7 @@ class BufferExample:
   def image_reference(self) -> dict:
     """How the images are made (`store_lib.IMAGE_REFERENCE_FIELDS` but the key)."""
     return dict(
-      image_size=int(self.options["image_size"]),
+      image_size=self.spec.image_size,
       pad_value=float(self.options.get("pad_value", image_ops.TRAIN_PAD_VALUE)),
       squash=bool(self.options.get("squash", False)),
     )
@@ -371,12 +375,7 @@ def build_store(
   source,
   path: str,
   *,
-  class_tokens: np.ndarray,
-  empty_tokens: np.ndarray,
-  image_size: int,
-  num_queries: int,
-  max_instances: int,
-  num_negatives: int,
+  spec: ExampleSpec,
   seed: int,
   loss_threshold: float,
   min_per_class: int,
@@ -414,7 +413,7 @@ def build_store(
     model, params: the pre-trained OWL-ViT (flax module) and its parameters.
     source: the pre-training set (`len`, `load(i)`, `class_names`).
     path: the store folder to write (replaced atomically if it exists).
-    class_tokens .. num_negatives, seed, example_options: the fixed training example of each
+    spec, seed, example_options: the fixed training example of each
       image (`BufferExample`; `example_options`: the run's squash, merge_iou,
       negative_weights; no augmentation: the store re-makes the images from the source).
     loss_config: `losses.detection_loss` options. batch_size: images per forward (global, a
@@ -464,21 +463,9 @@ def build_store(
   sharding_lib.check_batch_divisible(batch_size, mesh, "buffer batch size")
   chunk = max(1, chunk_images // batch_size)
   distance_max_instances = (
-    max_instances if distance_max_instances is None else distance_max_instances
+    spec.max_instances if distance_max_instances is None else distance_max_instances
   )
-  transform = BufferExample(
-    source,
-    seed,
-    dict(
-      class_tokens=class_tokens,
-      empty_tokens=empty_tokens,
-      image_size=image_size,
-      num_queries=num_queries,
-      max_instances=max_instances,
-      num_negatives=num_negatives,
-      **(example_options or {}),
-    ),
-  )
+  transform = BufferExample(source, seed, spec, dict(example_options or {}))
   step_options = dict(
     num_classes=num_classes,
     top_k=top_k,
@@ -508,9 +495,9 @@ def build_store(
           selection=[loss_threshold, min_per_class, fill_all_for_rare_classes],
           selection_options=[drop_images_without_class, top_up_order],
           seed=seed,
-          example=[image_size, num_queries, max_instances, num_negatives],
+          example=[spec.image_size, spec.num_queries, spec.max_instances, spec.num_negatives],
           example_options=_fingerprint(example_options or {}),
-          tokens=_fingerprint([class_tokens, empty_tokens]),
+          tokens=_fingerprint([spec.class_tokens, spec.empty_tokens]),
           pad_logit=pad_logit,
         )
       ),

@@ -130,12 +130,7 @@ def build_options(detector, source) -> dict:
   selection = config.replay.selection
   data = config.data
   return dict(
-    class_tokens=detector.class_tokens(source),
-    empty_tokens=detector.empty_tokens,
-    image_size=detector.image_size,
-    num_queries=data.num_queries,
-    max_instances=data.max_instances,
-    num_negatives=data.num_negatives,
+    spec=detector.example_spec(detector.class_tokens(source)),
     seed=config.seed,
     loss_threshold=selection.loss_threshold,
     min_per_class=selection.min_per_class,

@@ -8,6 +8,7 @@ from owl_cl.data import image_ops
 from owl_cl.data import input_pipeline
 from owl_cl.data import label_ops
 from owl_cl.data import odinw
+from owl_cl.data.spec import ExampleSpec
 from owl_cl.testing import fake_data
 
 L = 16
@@ -97,34 +98,25 @@ def test_annotated_negatives_come_first():
   ex = dict(example(boxes=[[0, 0, 10, 10]], labels=[3]), negative_labels=np.array([8, 9]))
   out = input_pipeline.preprocess_train_example(
     ex,
-    class_tokens=t,
-    empty_tokens=e,
-    image_size=32,
-    num_queries=6,
-    max_instances=2,
-    num_negatives=3,
+    ExampleSpec(
+      class_tokens=t, empty_tokens=e, image_size=32, num_queries=6, max_instances=2, num_negatives=3
+    ),
     rng=np.random.default_rng(0),
   )
   assert out["query_class"][1] == 3 and sorted(out["query_class"][2:4]) == [8, 9]
   off = input_pipeline.preprocess_train_example(
     ex,
-    class_tokens=t,
-    empty_tokens=e,
-    image_size=32,
-    num_queries=6,
-    max_instances=2,
-    num_negatives=3,
+    ExampleSpec(
+      class_tokens=t, empty_tokens=e, image_size=32, num_queries=6, max_instances=2, num_negatives=3
+    ),
     rng=np.random.default_rng(0),
     annotated_negatives=False,
   )
   plain = input_pipeline.preprocess_train_example(
     example(boxes=[[0, 0, 10, 10]], labels=[3]),
-    class_tokens=t,
-    empty_tokens=e,
-    image_size=32,
-    num_queries=6,
-    max_instances=2,
-    num_negatives=3,
+    ExampleSpec(
+      class_tokens=t, empty_tokens=e, image_size=32, num_queries=6, max_instances=2, num_negatives=3
+    ),
     rng=np.random.default_rng(0),
   )
   np.testing.assert_array_equal(off["query_class"], plain["query_class"])
@@ -145,12 +137,14 @@ def test_iou_merge_hand_worked():
   t, e = tokens(5)
   out = input_pipeline.preprocess_train_example(
     example(boxes=boxes, labels=labels),
-    class_tokens=t,
-    empty_tokens=e,
-    image_size=100,
-    num_queries=5,
-    max_instances=4,
-    num_negatives=0,
+    ExampleSpec(
+      class_tokens=t,
+      empty_tokens=e,
+      image_size=100,
+      num_queries=5,
+      max_instances=4,
+      num_negatives=0,
+    ),
     rng=np.random.default_rng(0),
   )
   col = {int(c): j for j, c in enumerate(out["query_class"]) if c >= 0}
@@ -191,12 +185,9 @@ def test_crop_drops_boxes_hand_worked():
   t, e = tokens(6)
   out = input_pipeline.preprocess_train_example(
     c,
-    class_tokens=t,
-    empty_tokens=e,
-    image_size=32,
-    num_queries=6,
-    max_instances=4,
-    num_negatives=4,
+    ExampleSpec(
+      class_tokens=t, empty_tokens=e, image_size=32, num_queries=6, max_instances=4, num_negatives=4
+    ),
     rng=np.random.default_rng(0),
   )
   assert sorted(out["query_class"][out["query_class"] >= 0].tolist()) == [0, 2, 4, 5]
@@ -276,12 +267,9 @@ def test_squash_resize_scales_boxes_per_axis():
   ex = example(h=50, w=100, boxes=[[10, 5, 60, 45]], labels=[1])
   out = input_pipeline.preprocess_train_example(
     ex,
-    class_tokens=t,
-    empty_tokens=e,
-    image_size=64,
-    num_queries=3,
-    max_instances=2,
-    num_negatives=0,
+    ExampleSpec(
+      class_tokens=t, empty_tokens=e, image_size=64, num_queries=3, max_instances=2, num_negatives=0
+    ),
     rng=np.random.default_rng(0),
     squash=True,
   )
@@ -307,11 +295,8 @@ def dice(tmp_path_factory):
   return odinw.odinw_source(root, "Dice", "train")
 
 
+SIZES = dict(image_size=48, num_queries=8, max_instances=6, num_negatives=4)
 AUG = dict(
-  image_size=48,
-  num_queries=8,
-  max_instances=6,
-  num_negatives=4,
   batch_size=4,
   hflip=True,
   random_crop=True,
@@ -322,16 +307,10 @@ AUG = dict(
 
 def test_workers_give_the_same_batches(dice):
   t, e = tokens(dice.num_classes)
-  kw = dict(
-    class_tokens=t,
-    empty_tokens=e,
-    seed=4,
-    epoch=1,
-    negative_weights=label_ops.class_frequencies(dice),
-    **AUG,
-  )
-  a = list(input_pipeline.train_dataset(dice, num_workers=0, **kw))
-  b = list(input_pipeline.train_dataset(dice, num_workers=2, **kw))
+  spec = ExampleSpec(class_tokens=t, empty_tokens=e, **SIZES)
+  kw = dict(seed=4, epoch=1, negative_weights=label_ops.class_frequencies(dice), **AUG)
+  a = list(input_pipeline.train_dataset(dice, spec, num_workers=0, **kw))
+  b = list(input_pipeline.train_dataset(dice, spec, num_workers=2, **kw))
   assert len(a) == len(b) == 2
   for x, y in zip(a, b):
     assert set(x) == set(y)
@@ -355,32 +334,26 @@ def test_workers_give_the_same_batches(dice):
 
 def test_host_sharding_is_disjoint(dice):
   t, e = tokens(dice.num_classes)
-  kw = dict(
-    class_tokens=t,
-    empty_tokens=e,
-    seed=0,
-    epoch=0,
-    image_size=32,
-    num_queries=8,
-    max_instances=6,
-    num_negatives=2,
+  spec = ExampleSpec(
+    class_tokens=t, empty_tokens=e, image_size=32, num_queries=8, max_instances=6, num_negatives=2
   )
-  full = input_pipeline.train_map_dataset(dice, **kw)
-  parts = [input_pipeline.train_map_dataset(dice, shard=(i, 3), **kw) for i in range(3)]
+  kw = dict(seed=0, epoch=0)
+  full = input_pipeline.train_map_dataset(dice, spec, **kw)
+  parts = [input_pipeline.train_map_dataset(dice, spec, shard=(i, 3), **kw) for i in range(3)]
   ids = [[int(p[j]["image_id"]) for j in range(len(p))] for p in parts]
   assert [len(x) for x in ids] == [3, 3, 3]
   assert sorted(sum(ids, [])) == sorted(dice.image_ids)
   all_ids = [int(full[j]["image_id"]) for j in range(len(full))]
   assert ids[1] == all_ids[1::3]  # host i takes positions i, i + 3, ... of the global order
-  two = [input_pipeline.train_map_dataset(dice, shard=(i, 2), **kw) for i in range(2)]
+  two = [input_pipeline.train_map_dataset(dice, spec, shard=(i, 2), **kw) for i in range(2)]
   got = [{int(p[j]["image_id"]) for j in range(len(p))} for p in two]
   assert len(got[0]) == len(got[1]) == 4 and not got[0] & got[1]  # remainder dropped
   # 'jax' in a single process: one shard of one, i.e. everything.
   jax_ids = [
     int(x)
-    for b in input_pipeline.train_dataset(dice, shard="jax", batch_size=3, **kw)
+    for b in input_pipeline.train_dataset(dice, spec, shard="jax", batch_size=3, **kw)
     for x in b["image_id"]
   ]
   assert jax_ids == all_ids
   with pytest.raises(ValueError):
-    input_pipeline.train_map_dataset(dice, shard=(3, 3), **kw)
+    input_pipeline.train_map_dataset(dice, spec, shard=(3, 3), **kw)

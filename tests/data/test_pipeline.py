@@ -7,6 +7,7 @@ import pytest
 from owl_cl.data import image_ops
 from owl_cl.data import input_pipeline
 from owl_cl.data.coco import CocoSource
+from owl_cl.data.spec import ExampleSpec
 
 L = 16
 C = 10
@@ -102,7 +103,7 @@ def test_train_example_queries_labels_boxes():
   tok, empty = fake_tokens()
   ex = make_example()
   out = input_pipeline.preprocess_train_example(
-    ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
+    ex, ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW), rng=np.random.default_rng(0)
   )
   qc = out["query_class"]
   assert qc.dtype == np.int32 and qc.shape == (8,)
@@ -137,17 +138,23 @@ def test_negatives_never_positive_and_vary():
   seen = set()
   for index in range(30):
     out = input_pipeline.preprocess_train_example(
-      ex, class_tokens=tok, empty_tokens=empty, rng=input_pipeline.example_rng(0, 0, index), **KW
+      ex,
+      ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW),
+      rng=input_pipeline.example_rng(0, 0, index),
     )
     neg = tuple(out["query_class"][3:6].tolist())
     assert not set(neg) & {3, 7}
     seen.add(neg)
   assert len(seen) > 10  # not the same negatives for all images (docs/reference.md §12)
   a = input_pipeline.preprocess_train_example(
-    ex, class_tokens=tok, empty_tokens=empty, rng=input_pipeline.example_rng(0, 0, 5), **KW
+    ex,
+    ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW),
+    rng=input_pipeline.example_rng(0, 0, 5),
   )
   b = input_pipeline.preprocess_train_example(
-    ex, class_tokens=tok, empty_tokens=empty, rng=input_pipeline.example_rng(0, 0, 5), **KW
+    ex,
+    ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW),
+    rng=input_pipeline.example_rng(0, 0, 5),
   )
   np.testing.assert_array_equal(a["query_class"], b["query_class"])
 
@@ -157,13 +164,15 @@ def test_negatives_limited_by_free_slots_and_classes():
   ex = make_example(labels=(0, 1))
   out = input_pipeline.preprocess_train_example(
     ex,
-    class_tokens=tok,
-    empty_tokens=empty,
+    ExampleSpec(
+      class_tokens=tok,
+      empty_tokens=empty,
+      image_size=64,
+      num_queries=8,
+      max_instances=4,
+      num_negatives=50,
+    ),
     rng=np.random.default_rng(1),
-    image_size=64,
-    num_queries=8,
-    max_instances=4,
-    num_negatives=50,
   )
   assert sorted(out["query_class"][3:5].tolist()) == [2, 3]  # only 2 candidates
   assert list(out["query_class"][5:]) == [-1, -1, -1]
@@ -175,13 +184,15 @@ def test_truncation_and_duplicate_merge():
   ex = make_example(boxes=boxes, labels=(1, 2, 2, 4, 5))
   out = input_pipeline.preprocess_train_example(
     ex,
-    class_tokens=tok,
-    empty_tokens=empty,
+    ExampleSpec(
+      class_tokens=tok,
+      empty_tokens=empty,
+      image_size=64,
+      num_queries=8,
+      max_instances=3,
+      num_negatives=3,
+    ),
     rng=np.random.default_rng(0),
-    image_size=64,
-    num_queries=8,
-    max_instances=3,
-    num_negatives=3,
   )
   qc = out["query_class"].tolist()
   assert qc[:3] == [-1, 1, 2]
@@ -191,14 +202,17 @@ def test_truncation_and_duplicate_merge():
   # Duplicate merge: IoU >= 0.9 boxes with different labels -> one multi-label instance.
   ex = make_example(boxes=[(10, 10, 40, 40), (10, 10, 40, 41), (50, 5, 90, 45)], labels=(1, 2, 3))
   out = input_pipeline.preprocess_train_example(
-    ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
+    ex, ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW), rng=np.random.default_rng(0)
   )
   assert out["query_class"][1:4].tolist() == [1, 2, 3]
   np.testing.assert_array_equal(
     out["labels"][:, :4], [[0, 1, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
   )
   out = input_pipeline.preprocess_train_example(
-    ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), merge_iou=None, **KW
+    ex,
+    ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW),
+    rng=np.random.default_rng(0),
+    merge_iou=None,
   )
   np.testing.assert_array_equal(out["labels"][:3, 1:4], np.eye(3))
 
@@ -209,13 +223,15 @@ def test_too_many_positives_cut_to_q_minus_1():
   ex = make_example(boxes=boxes, labels=(0, 1, 2, 3, 4))
   out = input_pipeline.preprocess_train_example(
     ex,
-    class_tokens=tok,
-    empty_tokens=empty,
+    ExampleSpec(
+      class_tokens=tok,
+      empty_tokens=empty,
+      image_size=64,
+      num_queries=4,
+      max_instances=6,
+      num_negatives=5,
+    ),
     rng=np.random.default_rng(0),
-    image_size=64,
-    num_queries=4,
-    max_instances=6,
-    num_negatives=5,
   )
   assert out["query_class"].tolist() == [-1, 0, 1, 2]
   lab = out["labels"]
@@ -227,7 +243,7 @@ def test_no_annotations_and_prompts_and_flip():
   tok, empty = fake_tokens(prompts=3)
   ex = make_example(boxes=np.zeros((0, 4)), labels=())
   out = input_pipeline.preprocess_train_example(
-    ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(0), **KW
+    ex, ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW), rng=np.random.default_rng(0)
   )
   np.testing.assert_array_equal(out["labels"][:, 0], 1)
   qc = out["query_class"]
@@ -239,7 +255,10 @@ def test_no_annotations_and_prompts_and_flip():
   ex = make_example()
   flips = [
     input_pipeline.preprocess_train_example(
-      ex, class_tokens=tok, empty_tokens=empty, rng=np.random.default_rng(s), hflip=True, **KW
+      ex,
+      ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW),
+      rng=np.random.default_rng(s),
+      hflip=True,
     )
     for s in range(8)
   ]
@@ -262,10 +281,11 @@ def _sequence_source(n=10):
 def test_train_dataset_shapes_and_determinism():
   tok, empty = fake_tokens()
   src = _sequence_source(10)
-  kw = dict(class_tokens=tok, empty_tokens=empty, batch_size=4, seed=3, **KW)
-  a = list(input_pipeline.train_dataset(src, epoch=0, **kw))
-  b = list(input_pipeline.train_dataset(src, epoch=0, **kw))
-  c = list(input_pipeline.train_dataset(src, epoch=1, **kw))
+  spec = ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW)
+  kw = dict(batch_size=4, seed=3)
+  a = list(input_pipeline.train_dataset(src, spec, epoch=0, **kw))
+  b = list(input_pipeline.train_dataset(src, spec, epoch=0, **kw))
+  c = list(input_pipeline.train_dataset(src, spec, epoch=1, **kw))
   assert len(a) == 2  # floor(10 / 4), remainder dropped
   shapes = dict(
     images=((4, 64, 64, 3), np.float32),
@@ -291,7 +311,9 @@ def test_train_dataset_shapes_and_determinism():
   # Each example equals the public per-example function with the derived rng.
   idx = int(a[0]["image_id"][0]) - 100
   ref = input_pipeline.preprocess_train_example(
-    src[idx], class_tokens=tok, empty_tokens=empty, rng=input_pipeline.example_rng(3, 0, idx), **KW
+    src[idx],
+    ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW),
+    rng=input_pipeline.example_rng(3, 0, idx),
   )
   for k in ref:
     np.testing.assert_array_equal(a[0][k][0], ref[k])
@@ -300,9 +322,10 @@ def test_train_dataset_shapes_and_determinism():
 def test_train_dataset_multiprocessing_matches():
   tok, empty = fake_tokens()
   src = _sequence_source(8)
-  kw = dict(class_tokens=tok, empty_tokens=empty, batch_size=4, seed=0, epoch=0, **KW)
-  a = list(input_pipeline.train_dataset(src, **kw))
-  b = list(input_pipeline.train_dataset(src, num_workers=1, **kw))
+  spec = ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW)
+  kw = dict(batch_size=4, seed=0, epoch=0)
+  a = list(input_pipeline.train_dataset(src, spec, **kw))
+  b = list(input_pipeline.train_dataset(src, spec, num_workers=1, **kw))
   assert len(a) == len(b) == 2
   for x, y in zip(a, b):
     for k in x:
@@ -342,10 +365,12 @@ def test_batch_rows_split_each_global_batch():
   # exactly the batches of one process (same examples, same per-example randomness).
   tok, empty = fake_tokens()
   src = _sequence_source(10)
-  kw = dict(class_tokens=tok, empty_tokens=empty, batch_size=4, seed=3, epoch=1, **KW)
-  whole = list(input_pipeline.train_dataset(src, **kw))
+  spec = ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW)
+  kw = dict(batch_size=4, seed=3, epoch=1)
+  whole = list(input_pipeline.train_dataset(src, spec, **kw))
   parts = [
-    list(input_pipeline.train_dataset(src, batch_rows=rows, **kw)) for rows in ((0, 2), (2, 4))
+    list(input_pipeline.train_dataset(src, spec, batch_rows=rows, **kw))
+    for rows in ((0, 2), (2, 4))
   ]
   assert len(whole) == len(parts[0]) == len(parts[1]) == 2
   for b, batch in enumerate(whole):
@@ -360,6 +385,7 @@ def test_batch_rows_split_each_global_batch():
   with pytest.raises(ValueError, match="shard or positions"):
     input_pipeline.train_map_dataset(
       src,
+      spec,
       shard=(0, 2),
       positions=np.arange(2),
       **{k: v for k, v in kw.items() if k != "batch_size"},
@@ -389,10 +415,10 @@ def test_bad_tokens_raise():
   with pytest.raises(ValueError, match="class_tokens"):
     input_pipeline.train_dataset(
       _sequence_source(2),
-      class_tokens=np.zeros((3, 8), np.int32),
-      empty_tokens=np.zeros(16, np.int32),
+      ExampleSpec(
+        class_tokens=np.zeros((3, 8), np.int32), empty_tokens=np.zeros(16, np.int32), **KW
+      ),
       batch_size=1,
       seed=0,
       epoch=0,
-      **KW,
     )

@@ -1,11 +1,14 @@
 """Prompt templates (docs/reference.md §2): lists, prompted strings, tokens, training-prompt
 draws."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from owl_cl.data import input_pipeline
 from owl_cl.data import prompts
+from owl_cl.data.spec import ExampleSpec
 from owl_cl.model.tokenizer import WordHashTokenizer
 
 
@@ -81,7 +84,7 @@ def test_training_prompts_one_template_per_label_drawn_by_the_rng():
     "labels": np.array([0, 2]),
     "image_id": 1,
   }
-  kwargs = dict(
+  spec = ExampleSpec(
     class_tokens=tokens,
     empty_tokens=tok.encode([""])[0],
     image_size=16,
@@ -92,15 +95,15 @@ def test_training_prompts_one_template_per_label_drawn_by_the_rng():
   drawn = set()
   for seed in range(40):
     out = input_pipeline.preprocess_train_example(
-      example, rng=input_pipeline.example_rng(seed, 0, 0), **kwargs
+      example, spec, rng=input_pipeline.example_rng(seed, 0, 0)
     )
     again = input_pipeline.preprocess_train_example(
-      example, rng=input_pipeline.example_rng(seed, 0, 0), **kwargs
+      example, spec, rng=input_pipeline.example_rng(seed, 0, 0)
     )
     np.testing.assert_array_equal(out["queries"], again["queries"])
     for q, cls in zip(out["queries"], out["query_class"]):
       if cls < 0:
-        np.testing.assert_array_equal(q, kwargs["empty_tokens"])
+        np.testing.assert_array_equal(q, spec.empty_tokens)
         continue
       match = np.flatnonzero((tokens[cls] == q).all(-1))
       assert match.size >= 1, (seed, cls)
@@ -108,7 +111,9 @@ def test_training_prompts_one_template_per_label_drawn_by_the_rng():
   assert len({p for c, p in drawn if c == 0}) > 20  # many different templates are drawn
   # The default [C, L] class tokens keep the bare names (built-in benchmark behaviour).
   plain = input_pipeline.preprocess_train_example(
-    example, rng=input_pipeline.example_rng(0, 0, 0), **dict(kwargs, class_tokens=tokens[:, 0])
+    example,
+    dataclasses.replace(spec, class_tokens=tokens[:, 0]),
+    rng=input_pipeline.example_rng(0, 0, 0),
   )
   for q, cls in zip(plain["queries"], plain["query_class"]):
     if cls >= 0:

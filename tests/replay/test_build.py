@@ -56,12 +56,7 @@ def _analyse(detector, params, source, options):
     [
       input_pipeline.preprocess_train_example(
         source.load(i),
-        class_tokens=o["class_tokens"],
-        empty_tokens=o["empty_tokens"],
-        image_size=o["image_size"],
-        num_queries=o["num_queries"],
-        max_instances=o["max_instances"],
-        num_negatives=o["num_negatives"],
+        o["spec"],
         rng=input_pipeline.example_rng(o["seed"], 0, i),
         **o["example_options"],
       )
@@ -138,7 +133,7 @@ def _reference(examples, a, o):
   prototypes, _ = buffer_selection.buffer_prototypes(
     a["sums"], a["token_counts"], keep, o["prototype_images"]
   )
-  max_instances = o["distance_max_instances"] or o["max_instances"]
+  max_instances = o["distance_max_instances"] or o["spec"].max_instances
   distances = buffer_selection.prototype_distances(
     jnp.asarray(a["logits"][keep]),
     jnp.asarray(a["class_embeddings"][keep]),
