@@ -78,6 +78,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.seed = 0
   # Order of the downstream sequence: None keeps the benchmark's order, an int shuffles it.
   c.sequence_seed = ml_collections.config_dict.placeholder(int)
+  # A stored task order (owl_cl/data/orders/<suite>.json, docs/experiments.md): its name
+  # ('random_3'), index ('2') or '<suite>/<name>'. Set, it replaces sequence_seed's shuffle.
+  c.task_order = ml_collections.config_dict.placeholder(str)
   # Where cached artefacts (built-in benchmark, pre-trained models, buffers) live.
   c.cache_dir = "~/.cache/owl_cl"
   # Persistent XLA compilation cache: later runs skip recompiling. None: <cache_dir>/xla

@@ -271,6 +271,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
       "retrieval": config.replay.algorithm,
       "seed": config.seed,
       "sequence": [d.name for d in bench.sequence],
+      # The stored order (suite, name, index, datasets) or None: sequence_seed's shuffle.
+      "task_order": bench.task_order,
+      "sequence_seed": config.get("sequence_seed"),
       "eval_sets": {
         "pretrain": bench.pretrain_eval,
         "held_out": bench.held_out_eval,

@@ -39,6 +39,7 @@ from owl_cl.config_fields import real
 from owl_cl.config_fields import uses_real_data
 from owl_cl.data import entries
 from owl_cl.data import odinw
+from owl_cl.data import orders
 from owl_cl.data import real_inputs
 from owl_cl.data import scan
 from owl_cl.data import suites
@@ -110,6 +111,7 @@ TRAIN_FIELD_RULES: dict[str, Rule] = {
 # (the Visual Genome settings exist in the 'paper' config only).
 FIELD_RULES: dict[str, Rule] = {
   "sequence_seed": integer(0, optional=True),
+  "task_order": orders.task_order_problem,
   "data.num_queries": integer(1),
   "data.num_negatives": integer(0),
   "data.max_instances": integer(1),
