@@ -76,6 +76,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.experiment_name = "base"
   c.seed = 0
+  # Each part's own seed (docs/experiments.md, "Seeds"); None takes `seed`. model: pre-training
+  # and the buffer (keys their caches); data: downstream image order, augmentation, step keys;
+  # retrieval: the retrieval algorithms' sampling.
+  c.seeds = ml_collections.ConfigDict()
+  for part in ("model", "data", "retrieval"):
+    c.seeds[part] = ml_collections.config_dict.placeholder(int)
   # Order of the downstream sequence: None keeps the benchmark's order, an int shuffles it.
   c.sequence_seed = ml_collections.config_dict.placeholder(int)
   # A stored task order (owl_cl/data/orders/<suite>.json, docs/experiments.md): its name

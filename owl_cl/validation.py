@@ -26,6 +26,7 @@ from owl_cl.config_fields import FINITE
 from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
 from owl_cl.config_fields import Rule
@@ -112,6 +113,8 @@ TRAIN_FIELD_RULES: dict[str, Rule] = {
 FIELD_RULES: dict[str, Rule] = {
   "sequence_seed": integer(0, optional=True),
   "task_order": orders.task_order_problem,
+  "seed": integer(0),
+  **{f"seeds.{part}": integer(0, optional=True) for part in SEED_PARTS},
   "data.num_queries": integer(1),
   "data.num_negatives": integer(0),
   "data.max_instances": integer(1),
