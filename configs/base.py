@@ -219,7 +219,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.warmup_epochs = ml_collections.config_dict.placeholder(int)
   # Per-dataset overrides {dataset name: {field: value}} of num_epochs, warmup_epochs,
   # warmup_steps, learning_rate, text_lr_multiplier, layerwise_decay
-  # (owl_cl.validation.PER_DATASET_FIELDS; the paper's per-dataset table in 'paper').
+  # (owl_cl.config_fields.PER_DATASET_FIELDS; the paper's per-dataset table in 'paper').
   c.train.per_dataset = ml_collections.ConfigDict()
   # Parameters carried to the next dataset: 'last' (end of training) or 'best_validation'
   # (as in the released code: AP on the dataset's valid split after every epoch, the best

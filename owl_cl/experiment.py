@@ -42,6 +42,7 @@ import jax
 import ml_collections
 from tensorboardX import SummaryWriter
 
+from configs import base
 from owl_cl import benchmark as benchmark_lib
 from owl_cl import distributed
 from owl_cl import preemption
@@ -100,8 +101,6 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def _default_config_json() -> dict:
   """configs/base.py's config as JSON: the defaults every config field starts from."""
-  from configs import base  # pylint: disable=g-import-not-at-top
-
   return json.loads(base.get_config("").to_json_best_effort())
 
 
