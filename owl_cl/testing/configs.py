@@ -78,31 +78,6 @@ def tiny_config(name: str, cache_dir: str) -> ml_collections.ConfigDict:
   return tiny_budget(c)
 
 
-def tiny_overrides(name: str, cache_dir: str) -> list[tuple[str, str]]:
-  """`tiny_config(name, cache_dir)` as command-line overrides of `configs/<name>.py`.
-
-  Returns:
-    [(dotted field, value text)] for `--config.<field>=<value>` (e.g. launch/sweep.py's
-    `fixed`), every field where the tiny config differs, sorted.
-  """
-  base = _flatten(load_config(name).to_dict())
-  tiny = _flatten(tiny_config(name, cache_dir).to_dict())
-  out = []
-  for field in sorted(tiny):
-    if field not in base or base[field] != tiny[field]:
-      out.append((field, str(tiny[field])))
-  return out
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-  if isinstance(tree, dict):
-    out = {}
-    for key, value in tree.items():
-      out.update(_flatten(value, f"{prefix}{key}."))
-    return out
-  return {prefix[:-1]: tree}
-
-
 def tiny_detector_config(**changes) -> ml_collections.ConfigDict:
   """configs/base.py with a 32-wide, 1-layer model on 32-pixel images (nothing is trained).
 
