@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from owl_cl.config_fields import ConfigError
 from owl_cl.data import builtin
 from owl_cl.data import odinw
 from owl_cl.data import suites
@@ -58,8 +59,9 @@ ORDER_SUITES = ("builtin", "odinw_paper", "odinw13", "odinw35")
 ORDERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "orders")
 
 
-class OrderError(ValueError):
-  """An unknown, ambiguous or corrupted task order (the message names the file / value)."""
+class OrderError(ConfigError):
+  """An unknown, ambiguous or corrupted task order (the message names the file / value); a
+  `ConfigError`, so `owl_cl.main` reports it without a traceback."""
 
 
 def suite_datasets(suite: str) -> tuple[str, ...]:
