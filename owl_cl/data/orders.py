@@ -248,7 +248,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
       os.replace(path + ".tmp", path)
       print(f"wrote {path}")
     else:
-      same = os.path.isfile(path) and open(path, encoding="utf-8").read() == text
+      same = False
+      if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+          same = f.read() == text
       print(f"{path}: {'up to date' if same else 'DIFFERS from generate_orders'}")
       status |= not same
   return status
