@@ -76,8 +76,17 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.experiment_name = "base"
   c.seed = 0
+  # Each part's own seed (docs/experiments.md, "Seeds"); None takes `seed`. model: pre-training
+  # and the buffer (keys their caches); data: downstream image order, augmentation, step keys;
+  # retrieval: the retrieval algorithms' sampling.
+  c.seeds = ml_collections.ConfigDict()
+  for part in ("model", "data", "retrieval"):
+    c.seeds[part] = ml_collections.config_dict.placeholder(int)
   # Order of the downstream sequence: None keeps the benchmark's order, an int shuffles it.
   c.sequence_seed = ml_collections.config_dict.placeholder(int)
+  # A stored task order (owl_cl/data/orders/<suite>.json, docs/experiments.md): its name
+  # ('random_3'), index ('2') or '<suite>/<name>'. Set, it replaces sequence_seed's shuffle.
+  c.task_order = ml_collections.config_dict.placeholder(str)
   # Where cached artefacts (built-in benchmark, pre-trained models, buffers) live.
   c.cache_dir = "~/.cache/owl_cl"
   # Persistent XLA compilation cache: later runs skip recompiling. None: <cache_dir>/xla

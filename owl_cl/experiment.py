@@ -54,7 +54,9 @@ from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl import validation
+from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import seed_of
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
 from owl_cl.model.convert import CheckpointMismatchError
@@ -331,7 +333,7 @@ def _run(
   store, buffer_stats = None, None
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
-  replay_state = replay_setup.initial_replay_state(store, config.seed)
+  replay_state = replay_setup.initial_replay_state(store, seed_of(config, "retrieval"))
   if jax.process_count() > 1:
     # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
     replay_state = sharding_lib.fetch_replicated(replay_state)
@@ -367,7 +369,12 @@ def _run(
       "algorithm": config.experiment_name,
       "retrieval": config.replay.algorithm,
       "seed": config.seed,
+      # The seed of each part (config_fields.seed_of): model, data, retrieval.
+      "seeds": {part: seed_of(config, part) for part in SEED_PARTS},
       "sequence": [d.name for d in bench.sequence],
+      # The stored order (suite, name, index, datasets) or None: sequence_seed's shuffle.
+      "task_order": bench.task_order,
+      "sequence_seed": config.get("sequence_seed"),
       "eval_sets": {
         "pretrain": bench.pretrain_eval,
         "held_out": bench.held_out_eval,

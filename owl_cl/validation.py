@@ -31,6 +31,7 @@ from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
 from owl_cl.config_fields import Rule
@@ -54,6 +55,7 @@ from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import entries
 from owl_cl.data import odinw
+from owl_cl.data import orders
 from owl_cl.data import prompts
 from owl_cl.data import real_inputs
 from owl_cl.data import scan
@@ -150,6 +152,8 @@ FIELD_RULES: dict[str, Rule] = {
   "experiment_name": text(),
   "seed": integer(0),
   "sequence_seed": integer(0, optional=True),
+  "task_order": orders.task_order_problem,
+  **{f"seeds.{part}": integer(0, optional=True) for part in SEED_PARTS},
   "cache_dir": text(),
   "compilation_cache_dir": text(optional=True, empty=True),  # '' disables the cache
   "init_checkpoint": text(optional=True),
