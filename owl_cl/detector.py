@@ -339,7 +339,7 @@ class Detector:
       (global batches: image_id, orig_size, example_mask [B] in the order of one process;
       predict_fn(batch) returning that batch's gathered predictions).
     """
-    keys = ("image_id", "orig_size", "example_mask")
+    keys = data_spec.EVAL_META_KEYS
     batches, outputs = [], []
     for batch in local_batches:
       images = sharding_lib.shard_batch({"images": batch["images"]}, self.mesh)["images"]

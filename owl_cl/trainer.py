@@ -33,6 +33,7 @@ from owl_cl.benchmark import Dataset
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import check_per_dataset_fields
 from owl_cl.config_fields import seed_of
+from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.detector import Detector
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import optim
@@ -42,7 +43,7 @@ from owl_cl.train import step as step_lib
 from owl_cl.train import timing
 
 # The arrays a train step consumes (a batch also holds host-side bookkeeping such as image ids).
-MODEL_INPUTS = ("images", "queries", "labels", "boxes")
+MODEL_INPUTS = MODEL_INPUT_KEYS
 
 
 class TrainingDivergedError(RuntimeError):

@@ -15,7 +15,14 @@ import numpy as np
 
 from owl_cl.data.label_ops import check_tokens
 
-__all__ = ["ExampleSpec"]
+__all__ = ["ExampleSpec", "MODEL_INPUT_KEYS", "TRAIN_EXAMPLE_KEYS", "EVAL_META_KEYS"]
+
+# The batch dict's keys (docs/CONVENTIONS.md "Batch dict"): the arrays a train step consumes,
+# a training example's (those and its query classes), and the host-side bookkeeping of an
+# evaluation batch.
+MODEL_INPUT_KEYS = ("images", "queries", "labels", "boxes")
+TRAIN_EXAMPLE_KEYS = MODEL_INPUT_KEYS + ("query_class",)
+EVAL_META_KEYS = ("image_id", "orig_size", "example_mask")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -33,6 +33,7 @@ from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import loss_adaptivity_mode
 from owl_cl.config_fields import seed_of
+from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import records as records_lib
 from owl_cl.replay import state as replay_state_lib
@@ -46,7 +47,7 @@ from owl_cl.utils import file_digest
 
 # The arrays of a replayed example the train step consumes (`replay_active` is added when the
 # loss adaptivity decides per slot).
-REPLAY_INPUTS = ("images", "queries", "labels", "boxes", "stored_logits", "replay_mask")
+REPLAY_INPUTS = MODEL_INPUT_KEYS + ("stored_logits", "replay_mask")
 
 
 def make_algorithm(config: ml_collections.ConfigDict):

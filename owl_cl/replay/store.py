@@ -49,17 +49,18 @@ import ml_dtypes
 import numpy as np
 
 from owl_cl import utils
+from owl_cl.data.spec import TRAIN_EXAMPLE_KEYS
 from owl_cl.replay import images as images_lib
 from owl_cl.replay.state import ReplayBuffer
 from owl_cl.replay.state import make_replay_buffer
 
 # The example keys of a gathered batch (the forward's inputs); the store holds all but
 # `images` as arrays, and the images as pixels or by reference (`REFERENCE_KEYS`).
-REQUIRED_EXAMPLE_KEYS = ("images", "queries", "labels", "boxes", "query_class")
+REQUIRED_EXAMPLE_KEYS = TRAIN_EXAMPLE_KEYS
 TARGET_KEYS = REQUIRED_EXAMPLE_KEYS[1:]
 REFERENCE_KEYS = ("source_index", "image_id")
 # `meta.json` 'images' of a store by reference: how its images are preprocessed
-# (`pipeline.resize_with_pad`) and what they are of (the build key).
+# (`image_ops.resize_with_pad`) and what they are of (the build key).
 IMAGE_REFERENCE_FIELDS = ("image_size", "pad_value", "squash", "key")
 BUFFER_KEYS = (
   "class_membership",
