@@ -2,6 +2,7 @@
 and the rebuilt result equals the undamaged one bit for bit (issue 33, items 1 and 6)."""
 
 import glob
+import json
 import os
 import shutil
 
@@ -14,6 +15,8 @@ from owl_cl import integrity
 from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl.detector import Detector
+from owl_cl.replay import build as build_lib
+from owl_cl.replay import store as store_lib
 from owl_cl.testing.configs import tiny_config
 
 
@@ -161,3 +164,117 @@ def test_pretrained_model_cached_before_checksums_loads_with_a_warning(
     rebuilt, _ = pretrained.pretrained_params(detector, bench, None)
   assert len(fake_pretraining) == 2 and _equal_trees(rebuilt, params)
   assert len(set_aside_copies(entry)) == 1
+
+
+# ----------------------------------------------------------------------------- replay store
+
+
+def _tiny_store(seed=0, n=16, t=8, q=8, m=8, c=4, e=32):
+  """A pixel store whose arrays are large enough for 256 flipped bytes past their headers."""
+  rng = np.random.default_rng(seed)
+  queries = rng.integers(1, 100, size=(n, q, 4)).astype(np.int32)
+  examples = dict(
+    images=rng.integers(0, 256, size=(n, 4, 4, 3)).astype(np.uint8),
+    queries=queries,
+    labels=rng.integers(0, 2, size=(n, m, q)).astype(np.float32),
+    boxes=rng.random((n, m, 4)).astype(np.float32),
+    query_class=rng.integers(-1, c, size=(n, q)).astype(np.int32),
+  )
+  membership = rng.random((n, c)) < 0.5
+  buffer = dict(
+    class_membership=membership,
+    prototypes=rng.normal(size=(c, e)).astype(np.float32),
+    prototype_distances=np.where(membership, 0.3, np.inf).astype(np.float32),
+    class_embeddings=rng.normal(size=(n, 2, e)).astype(np.float32),
+    query_embeddings=rng.normal(size=(n, 2, e)).astype(np.float32),
+  )
+  logits = (rng.normal(size=(n, t, q)) * 5).astype(np.float32)
+  return store_lib.ReplayStore(examples, logits, buffer, [f"c{i}" for i in range(c)])
+
+
+def _store_arrays(store):
+  return {name: np.array(a) for name, a in store._arrays().items()}  # pylint: disable=protected-access
+
+
+@pytest.fixture
+def store_cache(tmp_path):
+  """(cache root, key material, build function, builds so far) of a tiny cached store."""
+  builds = []
+
+  def build(path, build_dir, key):
+    del build_dir, key
+    builds.append(path)
+    _tiny_store().save(path)
+    return {"images_kept": 16, "images_considered": 32}
+
+  return str(tmp_path / "buffers"), {"test": 1}, build, builds
+
+
+@pytest.mark.parametrize(
+  "damage, name",
+  [
+    ("flip", "stored_logits.npy"),
+    ("flip", "examples.boxes.npy"),
+    ("flip", "buffer.prototypes.npy"),
+    ("header", "stored_logits.npy"),
+    ("truncate", "stored_logits.npy"),
+    ("delete", "examples.queries.npy"),
+    ("delete", integrity.MANIFEST_NAME),
+    ("delete", "meta.json"),
+  ],
+)
+def test_damaged_replay_store_is_set_aside_and_rebuilt(store_cache, caplog, damage, name):
+  root, material, build, builds = store_cache
+  store, stats = build_lib.cached_store(root, material, build)
+  expected = _store_arrays(store)
+  path = store.path
+  reused, _ = build_lib.cached_store(root, material, build)
+  assert len(builds) == 1 and _store_arrays(reused).keys() == expected.keys()
+  target = os.path.join(path, name)
+  if damage == "delete":
+    os.remove(target)
+  elif damage == "header":  # the .npy header: dtype and shape ('pickled data', wrong mmap)
+    stat = os.stat(target)
+    with open(target, "r+b") as f:
+      f.seek(12)
+      f.write(b"'O','fortran_order': True")
+    os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  else:
+    damage_in_place(target, damage)
+  with caplog.at_level("WARNING"):
+    rebuilt, rebuilt_stats = build_lib.cached_store(root, material, build)
+  assert len(builds) == 2
+  got = _store_arrays(rebuilt)
+  assert got.keys() == expected.keys()
+  for key, array in expected.items():  # bit for bit
+    assert got[key].dtype == array.dtype and np.array_equal(got[key], array), key
+  assert rebuilt_stats["images_kept"] == stats["images_kept"]
+  assert f"{target}: " in caplog.text  # the warning names the damaged file
+  (aside,) = set_aside_copies(path)
+  assert os.path.isdir(aside) and len(set_aside_copies(path + ".stats.json")) == 1
+  assert "building it again" in caplog.text
+  integrity.verify_directory(path)
+
+
+def test_replay_store_cached_before_checksums_loads_with_a_warning(store_cache, caplog):
+  root, material, build, builds = store_cache
+  store, _ = build_lib.cached_store(root, material, build)
+  expected = _store_arrays(store)
+  path = store.path
+  os.remove(os.path.join(path, integrity.MANIFEST_NAME))
+  meta_path = os.path.join(path, "meta.json")
+  with open(meta_path) as f:
+    meta = json.load(f)
+  del meta[store_lib.CHECKSUMS_FIELD]
+  with open(meta_path, "w") as f:
+    json.dump(meta, f)
+  with caplog.at_level("WARNING"):
+    loaded, _ = build_lib.cached_store(root, material, build)
+  assert len(builds) == 1 and "predates checksums: loaded unverified" in caplog.text
+  assert all(np.array_equal(_store_arrays(loaded)[k], v) for k, v in expected.items())
+  # Cut so that it no longer loads ('mmap length is greater than file size'): set aside and
+  # rebuilt, no raw traceback.
+  os.truncate(os.path.join(path, "stored_logits.npy"), 100)
+  rebuilt, _ = build_lib.cached_store(root, material, build)
+  assert len(builds) == 2 and len(set_aside_copies(path)) == 1
+  assert all(np.array_equal(_store_arrays(rebuilt)[k], v) for k, v in expected.items())

@@ -48,6 +48,7 @@ from absl import logging
 import ml_dtypes
 import numpy as np
 
+from owl_cl import integrity
 from owl_cl import utils
 from owl_cl.replay import images as images_lib
 from owl_cl.replay.state import ReplayBuffer
@@ -77,6 +78,9 @@ LOGITS_DTYPES = {
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
+# meta.json of a store written with a manifest (`integrity.write_manifest`) says so: such a
+# store whose manifest is gone is damaged, not one of an earlier version.
+CHECKSUMS_FIELD = "checksums"
 
 
 def query_padding(queries: np.ndarray) -> np.ndarray:
@@ -305,7 +309,8 @@ class ReplayStore:
     return arrays
 
   def save(self, path: str) -> None:
-    """Writes the store to directory `path` atomically (`utils.atomic_directory`).
+    """Writes the store to directory `path` atomically (`utils.atomic_directory`), with the
+    manifest of its files' digests last (`integrity.write_manifest`).
 
     An existing store at `path` is replaced once the new one is complete. Raises OSError on
     filesystem errors (the temporary directory is removed).
@@ -324,6 +329,7 @@ class ReplayStore:
       write_meta(
         tmp, self._class_names, self.logits_dtype, self.pad_logit, dtypes, self.image_reference
       )
+      integrity.write_manifest(tmp)  # the commit mark, last
 
   @classmethod
   def load(
@@ -434,6 +440,8 @@ def write_meta(
     logits_dtype=logits_dtype,
     pad_logit=float(pad_logit),
     arrays=dict(arrays),
+    # The writer commits the folder with a manifest (`integrity.write_manifest`).
+    **{CHECKSUMS_FIELD: True},
   )
   if image_reference is not None:
     meta["images"] = dict(image_reference)
