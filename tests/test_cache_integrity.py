@@ -14,6 +14,8 @@ from owl_cl import benchmark
 from owl_cl import integrity
 from owl_cl import pretrained
 from owl_cl import trainer
+from owl_cl.data import builtin
+from owl_cl.data import scan
 from owl_cl.detector import Detector
 from owl_cl.replay import build as build_lib
 from owl_cl.replay import store as store_lib
@@ -278,3 +280,40 @@ def test_replay_store_cached_before_checksums_loads_with_a_warning(store_cache, 
   rebuilt, _ = build_lib.cached_store(root, material, build)
   assert len(builds) == 2 and len(set_aside_copies(path)) == 1
   assert all(np.array_equal(_store_arrays(rebuilt)[k], v) for k, v in expected.items())
+
+
+# ----------------------------------------------------------------------------- data scan
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "other_split"])
+def test_damaged_scan_record_is_set_aside_and_the_split_scanned_again(tmp_path, caplog, damage):
+  bench = builtin.ensure_benchmark(
+    str(tmp_path / "data"),
+    seed=3,
+    progress=False,
+    num_pretrain_train=2,
+    num_pretrain_val=1,
+    num_held_out_val=1,
+    num_downstream_train=3,
+    num_downstream_test=1,
+    downstream=("digits",),
+  )
+  splits = [("digits", "train", bench.source("digits", "train"))]
+  cache = str(tmp_path / "cache")
+  assert scan.scan_splits(splits, cache) == {"scanned": 3, "cached": 0}
+  assert scan.scan_splits(splits, cache) == {"scanned": 0, "cached": 3}
+  (record,) = glob.glob(os.path.join(cache, scan.SCAN_FOLDER, "*.json"))
+  if damage == "other_split":  # valid JSON, but not this split's record
+    with open(record) as f:
+      data = json.load(f)
+    with open(record, "w") as f:
+      json.dump(dict(data, images=99), f)
+  else:
+    damage_in_place(record, damage, nbytes=8)
+  with caplog.at_level("WARNING"):
+    assert scan.scan_splits(splits, cache) == {"scanned": 3, "cached": 0}
+  assert f"data scan record {record} was damaged" in caplog.text
+  assert len(set_aside_copies(record)) == 1
+  with open(record) as f:
+    assert json.load(f)["images"] == 3  # rewritten
+  assert scan.scan_splits(splits, cache) == {"scanned": 0, "cached": 3}
