@@ -334,6 +334,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # 'paper', whose 54k images at 840 px would take about 115 GB.
   c.replay.image_cache = ml_collections.config_dict.placeholder(str)
   c.replay.image_cache = "replay_images"
+  # How the cached replay store is checked against its manifest when a run loads it
+  # (docs/stored_state.md): 'full' hashes every file before the run (about 1-2 GB/s per core);
+  # 'lazy' checks the sizes and the small files at once and each 16 MiB chunk of the per-image
+  # arrays when a replay first reads it (a damaged chunk ends the run with an error naming the
+  # file and sets the store aside, so the next run rebuilds it).
+  c.replay.store_verification = "full"
   # Loss adaptivity (paper §4 eqs. 5-6, Table 4; docs/reference.md §9). mode: 'none' (1:1 replay,
   # the
   # paper's main results); 'paper' (replay only for the r new images whose pre-step loss

@@ -18,8 +18,10 @@ from owl_cl.data import builtin
 from owl_cl.data import scan
 from owl_cl.detector import Detector
 from owl_cl.replay import build as build_lib
+from owl_cl.replay import setup as replay_setup
 from owl_cl.replay import store as store_lib
 from owl_cl.testing.configs import tiny_config
+from owl_cl.validation import ConfigError
 
 
 def damage_in_place(path, kind, nbytes=256):
@@ -317,3 +319,48 @@ def test_damaged_scan_record_is_set_aside_and_the_split_scanned_again(tmp_path, 
   with open(record) as f:
     assert json.load(f)["images"] == 3  # rewritten
   assert scan.scan_splits(splits, cache) == {"scanned": 0, "cached": 3}
+
+
+def test_lazy_verification_checks_rows_when_gathered(store_cache, monkeypatch, caplog):
+  root, material, build, builds = store_cache
+  monkeypatch.setattr(integrity, "_CHUNK_BYTES", 256)  # tiny chunks: the logits span several
+  store, _ = build_lib.cached_store(root, material, build, verification="lazy")
+  expected = _store_arrays(store)
+  path = store.path
+  logits = os.path.join(path, "stored_logits.npy")
+  offset = store.stored_logits.offset
+  row_bytes = store.stored_logits[0].nbytes  # 8 x 8 float16 = 128 bytes: 2 rows per chunk
+  damaged_row = 10
+  stat = os.stat(logits)
+  with open(logits, "r+b") as f:
+    f.seek(offset + damaged_row * row_bytes + 5)
+    f.write(b"\xff\xfe")
+  os.utime(logits, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  # Loaded without hashing the rows: the damage is not found before they are read.
+  lazy, _ = build_lib.cached_store(root, material, build, verification="lazy")
+  assert len(builds) == 1
+  batch = lazy.gather([0, 1, 15])  # rows in intact chunks
+  np.testing.assert_array_equal(batch["stored_logits"], store.gather([0, 1, 15])["stored_logits"])
+  with pytest.raises(integrity.IntegrityError, match="run again to rebuild it") as info:
+    lazy.gather([3, damaged_row])
+  assert info.value.path == logits and "differs from the manifest" in str(info.value)
+  assert len(set_aside_copies(path)) == 1  # set aside: the next run rebuilds it
+  rebuilt, _ = build_lib.cached_store(root, material, build, verification="lazy")
+  assert len(builds) == 2
+  for key, array in expected.items():
+    assert np.array_equal(_store_arrays(rebuilt)[key], array), key
+  # 'full' finds the same damage before any row is used.
+  damaged = os.path.join(rebuilt.path, "stored_logits.npy")
+  with open(damaged, "r+b") as f:
+    f.seek(offset + damaged_row * row_bytes + 5)
+    f.write(b"\xff\xfe")
+  with caplog.at_level("WARNING"):
+    build_lib.cached_store(root, material, build, verification="full")
+  assert len(builds) == 3 and f"{damaged}: SHA-256 differs" in caplog.text
+
+
+def test_unknown_store_verification_is_refused():
+  config = tiny_config("swil", "/nonexistent")
+  config.replay.store_verification = "sometimes"
+  with pytest.raises(ConfigError, match=r"replay.store_verification='sometimes' is unknown"):
+    replay_setup.check_replay_config(config)

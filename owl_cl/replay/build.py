@@ -70,6 +70,10 @@ BUILD_FORMAT = 2
 # (augmentations): refused, since images by reference are re-made without them.
 _AUGMENTATIONS = ("hflip", "random_crop", "mosaic_sizes")
 PASSES = ("losses", "features", "distances")
+# How `cached_store` checks a cached store when loading it (docs/stored_state.md): 'full'
+# hashes every file first; 'lazy' checks sizes and the small files, then each chunk of the
+# per-image arrays when `gather` first reads it (`integrity.LazyVerifier`).
+STORE_VERIFICATIONS = ("full", "lazy")
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -730,6 +734,7 @@ def cached_store(
   *,
   source=None,
   image_cache: str | None = None,
+  verification: str = "full",
 ) -> tuple[store_lib.ReplayStore, dict]:
   """Loads the store cached under a digest of `key_material`, or builds and caches it.
 
@@ -751,9 +756,16 @@ def cached_store(
     source: the pre-training source the store's images are decoded from at gather time
       (`store_lib.ReplayStore.load`); None: gather refuses a store of images by reference.
     image_cache: root of the optional uint8 image cache on local disk (`replay.image_cache`).
+    verification: 'full' (every file hashed before the store is used) or 'lazy' (sizes and
+      the small files first, each chunk of the per-image arrays when first gathered;
+      `replay.store_verification`).
   Returns:
     (store memory-mapped from the cache, stats dict with "seconds").
+  Raises:
+    ValueError: an unknown `verification`.
   """
+  if verification not in STORE_VERIFICATIONS:
+    raise ValueError(f"verification={verification!r} is not one of {STORE_VERIFICATIONS}")
   key = digest(key_material)
   path = os.path.join(cache_root, key)
 
@@ -764,11 +776,13 @@ def cached_store(
   # One run builds while the others sharing the cache wait for its store (the lock); whoever
   # gets the lock looks again, since the store may have been cached meanwhile.
   with distributed.cache_entry_lock(path, "replay buffer"):
-    found = _load_cached(path, stats_path, load) if distributed.is_writer() else None
+    found = _load_cached(path, stats_path, load, verification) if distributed.is_writer() else None
     if distributed.writer_value(found is not None):
       if found is None:  # verified by the writer
         with open(stats_path) as f:
           found = load(path), json.load(f)
+        if verification == "lazy":
+          _attach_lazy_verifier(found[0], path, stats_path)
       logging.info("re-using the cached replay buffer %s", path)
       return found
     for old_material, reason in superseded:
@@ -798,13 +812,45 @@ def cached_store(
   return load(path), stats
 
 
-def _load_cached(path: str, stats_path: str, load) -> tuple[store_lib.ReplayStore, dict] | None:
+def _set_aside_entry(path: str, stats_path: str, error: Exception) -> None:
+  """Sets the damaged store `path` and its statistics aside (renamed, a warning each)."""
+  if os.path.exists(path):
+    integrity.set_aside(path, str(error))
+  if os.path.exists(stats_path):
+    integrity.set_aside(stats_path, "its replay store was set aside")
+
+
+def _attach_lazy_verifier(store, path: str, stats_path: str, verifier=None) -> None:
+  """Makes `store.gather` check each chunk of its per-image arrays when first read
+  (`verifier`: the folder's `_lazy_verifier`, made here when None)."""
+  store.verifier = _lazy_verifier(path) if verifier is None else verifier
+  store.on_damage = lambda error: _set_aside_entry(path, stats_path, error)
+
+
+def _lazy_verifier(path: str) -> integrity.LazyVerifier:
+  """The `integrity.LazyVerifier` of the store at `path`, with what is read at once checked:
+  every size, the small files whole (meta.json, the buffer's arrays, which `replay_buffer`
+  reads whole) and the first chunk (the header) of each per-image file.
+
+  Raises:
+    IntegrityError: a cut or missing file, a checked part that differs.
+  """
+  verifier = integrity.LazyVerifier(path)
+  for rel in verifier.manifest["files"]:
+    verifier.check(rel, 0, 1 if store_lib.is_row_file(rel) else None)
+  return verifier
+
+
+def _load_cached(
+  path: str, stats_path: str, load, verification: str = "full"
+) -> tuple[store_lib.ReplayStore, dict] | None:
   """The cached store at `path` and its statistics once they pass their integrity check.
 
   None when there is no complete entry (the store and its statistics file, written after
   it), or when it was damaged: a file of the store differs from its manifest (streamed
-  SHA-256 of every file, `integrity.verify_directory`), a file or the manifest is missing, the
-  statistics are unreadable. A damaged entry is set aside (the folder and its statistics
+  SHA-256 of every file, `integrity.verify_directory`; with `verification` 'lazy' the sizes
+  and the small files only, the per-image rows being checked as `gather` reads them), a file
+  or the manifest is missing, the statistics are unreadable. A damaged entry is set aside (the folder and its statistics
   renamed `.corrupt-<time>`, never deleted; a warning names the file) for the caller to
   rebuild. A store cached before manifests were written (meta.json without
   `store_lib.CHECKSUMS_FIELD`) is loaded unverified with a warning; one that then fails to load
@@ -817,8 +863,11 @@ def _load_cached(path: str, stats_path: str, load) -> tuple[store_lib.ReplayStor
     return None
   try:
     verified = integrity.has_manifest(path)
-    if verified:
+    verifier = None
+    if verified and verification == "full":
       integrity.verify_directory(path)
+    elif verified:
+      verifier = _lazy_verifier(path)  # the per-image rows when gathered
     else:
       _check_unverified_store(path)
     try:
@@ -835,10 +884,10 @@ def _load_cached(path: str, stats_path: str, load) -> tuple[store_lib.ReplayStor
         raise  # intact files that do not load: not damage, a real error
       # NumPy raises a variety of errors for a damaged .npy of an unverified store.
       raise integrity.IntegrityError(path, f"does not load ({type(e).__name__}: {e})") from e
+    if verifier is not None:
+      _attach_lazy_verifier(store, path, stats_path, verifier)
   except integrity.IntegrityError as e:
-    integrity.set_aside(path, str(e))
-    if os.path.exists(stats_path):
-      integrity.set_aside(stats_path, "its replay store was set aside")
+    _set_aside_entry(path, stats_path, e)
     logging.warning("the cached replay buffer was damaged (%s); building it again", e)
     return None
   return store, stats

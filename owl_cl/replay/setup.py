@@ -93,12 +93,19 @@ def check_replay_config(config: ml_collections.ConfigDict) -> None:
 
   Raises:
     ConfigError: an unknown algorithm / dedup schedule / hyperparameter, an unknown
-      loss-adaptivity mode, mode 'paper' (one replay per new image, paper eq. 5) with
-      `replay.ratio` != 1, or `replay.stale_retrieval` without `replay.lookahead`.
+      `replay.store_verification`, an unknown loss-adaptivity mode, mode 'paper' (one replay
+      per new image, paper eq. 5) with `replay.ratio` != 1, or `replay.stale_retrieval`
+      without `replay.lookahead`.
   """
   if config.replay.algorithm == "none":
     return
   make_algorithm(config)
+  verification = config.replay.get("store_verification", "full")
+  if verification not in buffer_build.STORE_VERIFICATIONS:
+    raise ConfigError(
+      f"config.replay.store_verification={verification!r} is unknown; known: "
+      f"{list(buffer_build.STORE_VERIFICATIONS)}"
+    )
   if config.replay.get("stale_retrieval", False) and not config.replay.get("lookahead", True):
     raise ConfigError(
       "config.replay.stale_retrieval=True computes the next step's retrieval ahead and needs "
@@ -214,6 +221,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     superseded,
     source=source,
     image_cache=image_cache_dir(config),
+    verification=config.replay.get("store_verification", "full"),
   )
 
 

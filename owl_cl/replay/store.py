@@ -83,6 +83,12 @@ _FLOAT16_MAX = float(np.finfo(np.float16).max)
 CHECKSUMS_FIELD = "checksums"
 
 
+def is_row_file(rel: str) -> bool:
+  """Whether the store file `rel` holds per-image rows read by `gather` (examples, logits),
+  the files a lazy verification checks chunk by chunk as they are read."""
+  return rel.endswith(".npy") and (rel.startswith("examples.") or rel == "stored_logits.npy")
+
+
 def query_padding(queries: np.ndarray) -> np.ndarray:
   """bool [..., Q]: padded query slots (all-zero token rows), as the model's mask.
 
@@ -223,6 +229,11 @@ class ReplayStore:
     # The folder the store was loaded from (`load`); None for a store built in memory. Once-
     # per-buffer results (ASER-PC's left term) are cached next to it.
     self.path: str | None = None
+    # Lazy verification (set by `build.cached_store`): an `integrity.LazyVerifier` of the
+    # folder, checked by `gather` before it reads rows, and what to do with a damaged store
+    # (set it aside) before the error is raised.
+    self.verifier: integrity.LazyVerifier | None = None
+    self.on_damage = None
 
   @property
   def num_images(self) -> int:
@@ -274,6 +285,8 @@ class ReplayStore:
       raise IndexError(f"buffer indices must lie in [0, {self.num_images})")
     if valid is not None and np.shape(valid) != indices.shape:
       raise ValueError(f"valid {np.shape(valid)} does not match indices {indices.shape}")
+    if self.verifier is not None:
+      self._verify_rows(indices)
     batch = {}
     if self.by_reference:
       if self.images is None:
@@ -300,6 +313,30 @@ class ReplayStore:
     batch["example_mask"] = mask
     batch["buffer_index"] = indices.astype(np.int32)
     return batch
+
+  def _verify_rows(self, indices: np.ndarray) -> None:
+    """Checks the chunks of the per-image files that rows `indices` lie in (lazy verification).
+
+    Raises:
+      integrity.IntegrityError: a chunk differs from the manifest (the store is set aside
+        first, `on_damage`, so the next run rebuilds it).
+    """
+    rows = np.unique(indices)
+    try:
+      for name, array in self._arrays().items():
+        rel = name + ".npy"
+        if not (isinstance(array, np.memmap) and is_row_file(rel)):
+          continue
+        row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
+        for i in rows:
+          start = array.offset + int(i) * row_bytes
+          self.verifier.check(rel, start, start + row_bytes)
+    except integrity.IntegrityError as e:
+      if self.on_damage is not None:
+        self.on_damage(e)
+      raise integrity.IntegrityError(
+        e.path, f"{e.reason}; the replay store was set aside: run again to rebuild it"
+      ) from None
 
   # ------------------------------------------------------------------------- persistence
   def _arrays(self) -> dict[str, np.ndarray]:
