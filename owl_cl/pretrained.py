@@ -312,10 +312,12 @@ def save_cached_model(path: str, params, meta: dict) -> None:
   has its manifest.
 
   Raises:
-    FileExistsError: `path` exists (the caller holds the entry's lock and found none).
     OSError: a write failed (nothing is left at `path`).
   """
-  with utils.atomic_directory(path) as tmp:
+  # 'keep': the caller holds the entry's lock and found no entry; should another writer have
+  # committed one all the same (a file system whose locks do not hold across hosts), it holds
+  # the same model and stays.
+  with utils.atomic_directory(path, if_exists="keep") as tmp:
     checkpointing.save_params(tmp, params, dict(meta, **{CHECKSUMS_FIELD: True}), overwrite=True)
     integrity.write_manifest(tmp)
 
