@@ -852,9 +852,9 @@ def _load_cached(
   and the small files only, the per-image rows being checked as `gather` reads them), a file
   or the manifest is missing, the statistics are unreadable. A damaged entry is set aside
   (the folder and its statistics renamed `.corrupt-<time>`, never deleted; a warning names
-  the file) for the caller to rebuild. A store cached before manifests were written (meta.json without
-  `store_lib.CHECKSUMS_FIELD`) is loaded unverified with a warning; one that then fails to load
-  is set aside the same way.
+  the file) for the caller to rebuild. A store cached before manifests were written
+  (meta.json without `store_lib.CHECKSUMS_FIELD`) is loaded unverified with a warning; one
+  that then fails to load is set aside the same way.
 
   Raises:
     OSError: the entry cannot be renamed aside (e.g. a read-only cache).
