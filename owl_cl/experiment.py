@@ -49,6 +49,7 @@ from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl import validation
+from owl_cl.config_fields import ConfigError
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
 from owl_cl.replay import setup as replay_setup
@@ -56,7 +57,6 @@ from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
-from owl_cl.validation import ConfigError
 
 # Longest wait of a process for the others at the end of a dataset: a stage's training and
 # evaluation run in lockstep (collectives), so the processes arrive within seconds; a peer

@@ -137,12 +137,12 @@ def main(argv):
 def known_errors() -> tuple[type[BaseException], ...]:
   """The exceptions that are the user's input, not a bug: reported without a traceback."""
   # pylint: disable=g-import-not-at-top
+  from owl_cl.config_fields import ConfigError
   from owl_cl.data.coco import DataError
   from owl_cl.eval.results import ResultsConflictError
   from owl_cl.model.convert import CheckpointMismatchError
   from owl_cl.trainer import TrainingDivergedError
   from owl_cl.utils import WorkdirLockedError
-  from owl_cl.validation import ConfigError
 
   return (
     ConfigError,

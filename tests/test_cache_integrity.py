@@ -14,6 +14,7 @@ from owl_cl import benchmark
 from owl_cl import integrity
 from owl_cl import pretrained
 from owl_cl import trainer
+from owl_cl.config_fields import ConfigError
 from owl_cl.data import builtin
 from owl_cl.data import scan
 from owl_cl.detector import Detector
@@ -21,7 +22,6 @@ from owl_cl.replay import build as build_lib
 from owl_cl.replay import setup as replay_setup
 from owl_cl.replay import store as store_lib
 from owl_cl.testing.configs import tiny_config
-from owl_cl.validation import ConfigError
 
 
 def damage_in_place(path, kind, nbytes=256):

@@ -20,7 +20,8 @@ Pipeline for one evaluation set (docs/reference.md §4):
    function returning `pred_logits` / `pred_boxes`), so the driver is testable with fakes.
 
 LVIS's federated AP (the `lvis` API: APr/APc/APf, `neg_category_ids`) is computed by
-`owl_cl.eval.lvis_eval` (`evaluate_lvis_source`, which shares `collect_detections`);
+`owl_cl.eval.lvis_eval`, through `evaluate_source(..., protocol='lvis')` or
+`evaluate_lvis_source`;
 `coco_evaluate(..., cat_ids=...)` gives the plain COCO AP over a subset of categories (e.g. the
 held-out / rare classes of a stand-in set).
 """
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from owl_cl import preemption
+from owl_cl.eval import lvis_eval
 
 logger = logging.getLogger(__name__)
 
@@ -709,8 +711,6 @@ def evaluate_source(
     count_images = lambda: len(gt.getImgIds())
     max_dets = 100 if max_dets is None else max_dets
   elif protocol == "lvis":
-    from owl_cl.eval import lvis_eval  # pylint: disable=g-import-not-at-top (imports this one)
-
     if ground_truth is None:
       ground_truth = getattr(source, "annotation_file", None)
       if ground_truth is None:
@@ -754,3 +754,34 @@ def evaluate_source(
   if return_detections:
     result["detections"] = detections
   return result
+
+
+def evaluate_lvis_source(
+  predict_fn: PredictFn,
+  source: Any,
+  batches: Iterable[Mapping[str, Any]],
+  category_ids: Sequence[int] | None = None,
+  *,
+  lvis_gt: Any = None,
+  max_dets: int = 300,
+  **kwargs,
+) -> dict[str, Any]:
+  """`evaluate_source` with protocol 'lvis' (the one evaluator); `lvis_gt` is its
+  `ground_truth` (path, dict or `lvis.LVIS`; default `source.annotation_file`).
+
+  Returns:
+    `lvis_eval.lvis_evaluate`'s dict plus 'num_images'.
+
+  Raises:
+    ValueError: see `evaluate_source`.
+  """
+  return evaluate_source(
+    predict_fn,
+    source,
+    batches,
+    category_ids,
+    protocol="lvis",
+    ground_truth=lvis_gt,
+    max_dets=max_dets,
+    **kwargs,
+  )

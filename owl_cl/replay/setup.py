@@ -28,6 +28,10 @@ import ml_collections
 
 from owl_cl import distributed
 from owl_cl import preemption
+from owl_cl.cache_keys import cache_key_fields
+from owl_cl.cache_keys import non_default_data_options
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import loss_adaptivity_mode
 from owl_cl.replay import algorithms
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import dedup
@@ -38,8 +42,6 @@ from owl_cl.train import step as step_lib
 from owl_cl.train import timing
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
-from owl_cl.validation import ConfigError
-from owl_cl.validation import loss_adaptivity_mode
 
 # The arrays of a replayed example the train step consumes (`replay_active` is added when the
 # loss adaptivity decides per slot).
@@ -173,10 +175,6 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   selection = config.replay.selection
   source = benchmark.pretrain.train
   data = config.data
-  # Imported here: the pre-trained model's module imports this one's siblings only.
-  from owl_cl.pretrained import cache_key_fields  # pylint: disable=g-import-not-at-top
-  from owl_cl.pretrained import non_default_data_options  # pylint: disable=g-import-not-at-top
-
   key_material = {
     "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
     "pretrain_data": file_digest(source.annotation_file),

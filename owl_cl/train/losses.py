@@ -76,7 +76,6 @@ __all__ = [
   "NORMALIZATIONS",
   "distillation_mse",
   "der_plus_plus_loss",
-  "LOSS_ADAPTIVITY_MODES",
   "loss_adaptive_combination",
   "loss_adaptive_total",
 ]
@@ -861,8 +860,6 @@ def der_plus_plus_loss(
 # ------------------------------------------------------------------------------------------
 # Loss adaptivity (paper eqs. 5-6)
 # ------------------------------------------------------------------------------------------
-
-LOSS_ADAPTIVITY_MODES = ("none", "paper", "released_gate")
 
 
 def loss_adaptive_combination(

@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from owl_cl import config_fields
+from owl_cl.eval import detection
 from owl_cl.train import losses
 from owl_cl.train import sharding as sharding_lib
+from owl_cl.train import top_k as top_k_lib
 
 PyTree = Any
 Batch = dict[str, jax.Array]
@@ -211,7 +214,7 @@ def _loss_fn(
     used = used & gate
   else:
     raise ValueError(
-      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
+      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {config_fields.LOSS_ADAPTIVITY_MODES}"
     )
   metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
   return loss, metrics
@@ -254,9 +257,9 @@ def make_train_step(
   docs/reference.md §9
   (paper eqs. 5-6; the released code's gate).
   """
-  if loss_adaptivity not in losses.LOSS_ADAPTIVITY_MODES:
+  if loss_adaptivity not in config_fields.LOSS_ADAPTIVITY_MODES:
     raise ValueError(
-      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
+      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {config_fields.LOSS_ADAPTIVITY_MODES}"
     )
   if int(loss_gate_groups) < 1:
     raise ValueError(f"loss_gate_groups must be >= 1, got {loss_gate_groups!r}")
@@ -334,8 +337,6 @@ def make_predict_step(model: nn.Module, mesh, *, top_k: int, multi_label: bool =
     square)` with K = min(top_k, T) (exclusive: argmax class per token then top-K tokens;
     multi-label: top-K (token, class) pairs). Source: docs/reference.md §4.
   """
-  from owl_cl.eval import detection  # Local import: eval depends on nothing in train.
-
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
 
@@ -441,8 +442,6 @@ def make_template_predict_step(
   Raises:
     ValueError: unknown `ensemble`.
   """
-  from owl_cl.eval import detection  # Local import: eval depends on nothing in train.
-
   if ensemble not in ENSEMBLE_MODES:
     raise ValueError(f"ensemble must be one of {ENSEMBLE_MODES}, got {ensemble!r}")
   data = sharding_lib.batch_sharding(mesh)
@@ -467,15 +466,13 @@ def make_embed_step(model: nn.Module, mesh, *, k: int, image_features: bool = Fa
     `image_features` also image_features [B,k,D] (the same tokens' ViT features, for ASER on
     image features).
   """
-  from owl_cl.replay import buffer_selection
-
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
 
   def embed(params, images, queries):
     outputs = _forward(model, params, images, queries, train=False)
     query_mask = queries[..., 0] > 0
-    class_emb, query_emb = buffer_selection.top_k_embeddings(
+    class_emb, query_emb = top_k_lib.top_k_embeddings(
       outputs["pred_logits"],
       outputs["class_embeddings"],
       outputs["query_embeddings"],
@@ -492,11 +489,9 @@ def make_embed_step(model: nn.Module, mesh, *, k: int, image_features: bool = Fa
 
 def _top_image_features(outputs, query_mask, k: int):
   """[B, k, D]: the ViT features (`feature_map` flattened) of the retrieval's top-k tokens."""
-  from owl_cl.replay import buffer_selection
-
   feature_map = outputs["feature_map"]
   tokens = feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1])
-  return buffer_selection.top_k_token_features(outputs["pred_logits"], tokens, query_mask, k)
+  return top_k_lib.top_k_token_features(outputs["pred_logits"], tokens, query_mask, k)
 
 
 def make_new_loss_step(
@@ -517,8 +512,6 @@ def make_new_loss_step(
   Source: docs/reference.md §9 (paper §4 "Loss Adaptivity": "we begin by computing each sample's
   loss").
   """
-  from owl_cl.replay import buffer_selection
-
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
 
@@ -530,7 +523,7 @@ def make_new_loss_step(
       )["per_example"]
     }
     if k:
-      class_emb, query_emb = buffer_selection.top_k_embeddings(
+      class_emb, query_emb = top_k_lib.top_k_embeddings(
         outputs["pred_logits"],
         outputs["class_embeddings"],
         outputs["query_embeddings"],

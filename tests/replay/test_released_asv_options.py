@@ -332,15 +332,15 @@ def test_top_k_token_features_and_store_round_trip(tmp_path):
   [1, 3 tokens, 2 queries] = [[0, 5], [9, 1], [2, 3]] with query 1 padded: max over the
   valid query 0 ranks the tokens 1 (9), 2 (2), 0 (0); top-2 = tokens 1, 2. A buffer with
   image features keeps them through `ReplayStore.save` / `load`; one without has none."""
-  from owl_cl.replay import buffer_selection
   from owl_cl.replay import store as store_lib
+  from owl_cl.train import top_k as top_k_lib
 
   logits = np.array([[[0.0, 5.0], [9.0, 1.0], [2.0, 3.0]]], np.float32)
   tokens = np.arange(3 * 4, dtype=np.float32).reshape(1, 3, 4)
   mask = np.array([[True, False]])
-  got = buffer_selection.top_k_token_features(logits, tokens, mask, 2)
+  got = top_k_lib.top_k_token_features(logits, tokens, mask, 2)
   np.testing.assert_array_equal(got, tokens[:, [1, 2]])
-  class_emb, _ = buffer_selection.top_k_embeddings(logits, tokens, tokens, mask, 2)
+  class_emb, _ = top_k_lib.top_k_embeddings(logits, tokens, tokens, mask, 2)
   np.testing.assert_array_equal(got, class_emb)
 
   line = _line_buffer([[[0.0, 1.0]], [[0.5, np.sqrt(0.75)]], [[1.0, 0.0]]])
