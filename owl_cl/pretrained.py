@@ -276,10 +276,11 @@ def pretrained_params(
   # One run pre-trains while the others sharing the cache wait for its model (the lock), and
   # whoever gets the lock looks again: the model may have been cached meanwhile.
   with distributed.cache_entry_lock(path, "pre-trained model"):
-    loaded = load_cached_model(path, like) if distributed.is_writer() else None
-    if distributed.writer_value(loaded is not None):
-      if loaded is None:  # another process of this run verified the entry
-        loaded = checkpointing.load_params(path, like)
+    # The writer checks the files; every process then loads them together (orbax's restore
+    # synchronises the processes of a multi-process run).
+    usable = check_cached_model(path) if distributed.is_writer() else False
+    loaded = load_cached_model(path, like) if distributed.writer_value(usable) else None
+    if loaded is not None:
       logging.info("re-using the cached pre-trained model %s", path)
       return loaded
     logging.info("no cached pre-trained model: pre-training (cache %s)", path)
@@ -324,41 +325,63 @@ def save_cached_model(path: str, params, meta: dict) -> None:
     integrity.write_manifest(tmp)
 
 
-def load_cached_model(path: str, like) -> tuple[Any, dict] | None:
-  """The cached pre-trained model at `path` once it passes its integrity check, else None.
+def check_cached_model(path: str) -> bool:
+  """Whether the cached pre-trained model at `path` may be loaded: it passes its check.
 
-  Every file is checked against the entry's manifest (streamed SHA-256, `integrity`) before
-  any is read. A damaged entry (a file changed, cut or missing, the manifest missing or
+  Every file is checked against the entry's manifest (streamed SHA-256, `integrity`), no
+  array read. A damaged entry (a file changed, cut or missing, the manifest missing or
   unreadable) is set aside (`integrity.set_aside`: renamed `<path>.corrupt-<time>`, a
-  warning naming the file) and None returned, so the caller pre-trains again. An entry
-  cached before manifests were written (its meta.json without `CHECKSUMS_FIELD`) is loaded
-  unverified with a warning; one that then fails to load is set aside the same way.
+  warning naming the file) and False returned, so the caller pre-trains again. An entry
+  cached before manifests were written (its meta.json without `CHECKSUMS_FIELD`) passes
+  unverified with a warning (`load_cached_model` then sets it aside if it does not load).
 
   Args:
-    path: the entry (`cache_dir/pretrained/<key>`). like: the parameters' ShapeDtypeStruct
-      tree.
+    path: the entry (`cache_dir/pretrained/<key>`).
 
   Returns:
-    (params, meta) as `checkpointing.load_params`, meta without `CHECKSUMS_FIELD`; None when
-    there is no entry or it was set aside.
+    True when the entry is there and intact (or of an earlier version); False when there is
+    none or it was set aside.
 
   Raises:
     OSError: the entry cannot be renamed aside (e.g. a read-only cache).
   """
   if not os.path.exists(path):
-    return None
+    return False
   try:
-    verified = _check_cached_model(path)
-    try:
-      params, meta = checkpointing.load_params(path, like)
-    except Exception as e:  # pylint: disable=broad-except
-      if verified:
-        raise  # intact files that do not load: not damage, a real error
-      # orbax raises a variety of errors for damaged files of an unverified entry.
-      raise integrity.IntegrityError(path, f"does not load ({type(e).__name__}: {e})") from e
+    _check_cached_model(path)
   except integrity.IntegrityError as e:
     integrity.set_aside(path, str(e))
     logging.warning("the cached pre-trained model was damaged (%s); pre-training it again", e)
+    return False
+  return True
+
+
+def load_cached_model(path: str, like) -> tuple[Any, dict] | None:
+  """The cached pre-trained model at `path`, once `check_cached_model` passed it.
+
+  Called by every process of a run together. An entry of an earlier version (no manifest)
+  that does not load is set aside with a warning and None returned (single-process runs;
+  in a multi-process run the error is raised: the processes could not agree on a rebuild).
+
+  Args:
+    path: the entry. like: the parameters' ShapeDtypeStruct tree.
+
+  Returns:
+    (params, meta) as `checkpointing.load_params`, meta without `CHECKSUMS_FIELD`; None when
+    the entry was set aside.
+
+  Raises:
+    Whatever orbax raises for an entry that passed its manifest check yet does not load (not
+    damage: a real error), or for any entry in a multi-process run.
+  """
+  try:
+    params, meta = checkpointing.load_params(path, like)
+  except Exception as e:  # pylint: disable=broad-except
+    # orbax raises a variety of errors for damaged files of an unverified entry.
+    if integrity.has_manifest(path) or jax.process_count() > 1:
+      raise
+    integrity.set_aside(path, f"does not load ({type(e).__name__}: {e})")
+    logging.warning("the cached pre-trained model does not load (%s); pre-training it again", e)
     return None
   meta.pop(CHECKSUMS_FIELD, None)
   return params, meta
