@@ -71,6 +71,7 @@ import optax  # noqa: E402
 from owl_cl import model as model_lib  # noqa: E402
 from owl_cl import utils  # noqa: E402
 from owl_cl.model import clip as clip_lib  # noqa: E402
+from owl_cl.model import convert  # noqa: E402
 from owl_cl.train import losses  # noqa: E402
 from owl_cl.train import sharding as sharding_lib  # noqa: E402
 from owl_cl.train import step as step_lib  # noqa: E402
@@ -425,10 +426,8 @@ def prepare_hf(args, batch: int):
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
 
-  from owl_cl.model import checkpoints  # noqa: PLC0415
-
   cfg = model_lib.get_variant_config(args.variant).replace(image_size=args.image_size)
-  hf_config = checkpoints.model_config_to_hf_config(cfg)
+  hf_config = convert.model_config_to_hf_config(cfg)
   torch.manual_seed(0)
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.OwlViTForObjectDetection(hf_config).to(device).train()

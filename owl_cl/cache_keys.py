@@ -11,6 +11,8 @@ from typing import Any
 
 import ml_collections
 
+from configs import base
+
 
 def _as_tuples(options: dict) -> dict:
   """`options` with list values as tuples (a config read from JSON or flags holds lists)."""
@@ -19,13 +21,13 @@ def _as_tuples(options: dict) -> dict:
 
 def _default_data_options() -> dict[str, Any]:
   """The input-pipeline options of configs/base.py, where their defaults are defined."""
-  from configs import base  # pylint: disable=g-import-not-at-top
-
   data = base.get_config("").data
   return {
     "squash_resize": data.squash_resize,
     "merge_iou": data.merge_iou,
     "negatives_by_frequency": data.negatives_by_frequency,
+    # Decoded pixels: 'apply' turns EXIF-tagged photos (`CocoSource.decode_image`).
+    "exif_orientation": data.exif_orientation,
     "augment": _as_tuples(data.augment.to_dict()),
   }
 

@@ -18,6 +18,7 @@ TPU maintenance) saves a step checkpoint at the next step boundary and exits wit
 
 from __future__ import annotations
 
+import ast
 import logging as py_logging
 import os
 import sys
@@ -28,6 +29,14 @@ from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from owl_cl import distributed
+from owl_cl import preemption
+from owl_cl.config_fields import ConfigError
+from owl_cl.data.coco import DataError
+from owl_cl.eval.results import ResultsConflictError
+from owl_cl.model.convert import CheckpointMismatchError
+from owl_cl.utils import WorkdirLockedError
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -94,8 +103,6 @@ def main(argv):
     _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None
   ):
     raise app.UsageError("--coordinator_address/--num_processes/--process_id need --distributed")
-  from owl_cl import distributed  # pylint: disable=g-import-not-at-top
-
   if _DISTRIBUTED.value:
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -109,7 +116,9 @@ def main(argv):
       jax.local_device_count(),
       jax.device_count(),
     )
-  from owl_cl import experiment  # Imported after flag parsing: keeps --help fast.
+  # Imported here, not at the top: experiment imports tensorboardX, which imports torch when it is
+  # installed (the 'hf' extra), seconds that --help and the tests importing main need not wait.
+  from owl_cl import experiment  # pylint: disable=g-import-not-at-top
 
   config = _CONFIG.value
   if config is None:
@@ -119,8 +128,6 @@ def main(argv):
   # One process's exception ends the whole multi-process run (the others are stopped by JAX's
   # coordination service, naming it); with one process it propagates as usual. A known error
   # (the user's input) is one message and exit status 2 on the process that found it.
-  from owl_cl import preemption  # pylint: disable=g-import-not-at-top
-
   with distributed.fail_fast():
     try:
       experiment.run(config, workdir)
@@ -136,13 +143,8 @@ def main(argv):
 
 def known_errors() -> tuple[type[BaseException], ...]:
   """The exceptions that are the user's input, not a bug: reported without a traceback."""
-  # pylint: disable=g-import-not-at-top
-  from owl_cl.config_fields import ConfigError
-  from owl_cl.data.coco import DataError
-  from owl_cl.eval.results import ResultsConflictError
-  from owl_cl.model.convert import CheckpointMismatchError
-  from owl_cl.trainer import TrainingDivergedError
-  from owl_cl.utils import WorkdirLockedError
+  # Imported here: trainer imports tensorboardX, which imports torch when installed (as above).
+  from owl_cl.trainer import TrainingDivergedError  # pylint: disable=g-import-not-at-top
 
   return (
     ConfigError,
@@ -160,6 +162,7 @@ def fail(error: BaseException, verbose: bool = False) -> None:
   Raises:
     SystemExit: EXIT_DIVERGED for a diverged training, else EXIT_BAD_INPUT.
   """
+  # Imported here: trainer imports tensorboardX, which imports torch when installed (as above).
   from owl_cl.trainer import TrainingDivergedError  # pylint: disable=g-import-not-at-top
 
   if verbose:
@@ -169,19 +172,82 @@ def fail(error: BaseException, verbose: bool = False) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a config typo reported as one line (exit status 2).
+  """absl's flag parsing, with a bad command line reported as one line (exit status 2).
 
   ml_collections raises AttributeError / KeyError (with a "did you mean" hint) for an
-  override of a field the config lacks; absl would print its traceback.
+  override of a field the config lacks, absl a `flags.Error` for a value of the wrong type
+  (`--config.data.num_queries=abc`); absl would print a traceback or exit with status 1.
+  A tuple field given several times with a tuple among the values is refused
+  (`repeated_tuple_problem`).
   """
   try:
-    return app.parse_flags_with_usage(argv)
+    rest = flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
     # The message arrives as the repr of a KeyError's: undo its quoting and line breaks.
     hint = str(e.args[0] if e.args else e).strip("'\"")
     hint = hint.replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
     print(f"error: unknown config field in the command line: {hint}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
+  except flags.Error as e:
+    message = str(e).replace("\n", " ")
+    print(f"error: bad command line: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+  # ml_collections defines a tuple field's flag as a MultiFlag (config_flags).
+  tuple_flags = {
+    name
+    for name in flags.FLAGS
+    if name.startswith("config.") and isinstance(flags.FLAGS[name], flags.MultiFlag)
+  }
+  problem = repeated_tuple_problem(argv, tuple_flags)
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+  return rest
+
+
+def flag_values(argv: list[str], name: str) -> list[str]:
+  """The values `--name=value` / `--name value` of flag `name` in `argv`, in order."""
+  values = []
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      values.append(arg[len(name) + 3 :])
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      values.append(argv[i + 1])
+  return values
+
+
+def repeated_tuple_problem(argv: list[str], tuple_flags: set[str]) -> str:
+  """'' unless a tuple field of the config is given more than once with a tuple among its
+  values (e.g. `--config.data.builtin.downstream=thermal --config.data.builtin.downstream=()`).
+
+  ml_collections joins the values of a tuple field's repeated flags into one tuple (`--f=a
+  --f=b` is ('a', 'b')), so a later override does not replace an earlier one: there the
+  empty tuple adds nothing and ('thermal',) would run. Refused, naming the flag and its
+  values, rather than guessing which one was meant.
+
+  Args:
+    argv: the command line. tuple_flags: names of the config's tuple-field flags
+      ('config.data.builtin.downstream').
+  """
+  for name in sorted(tuple_flags):
+    values = flag_values(argv, name)
+    if len(values) < 2 or not any(_is_tuple_literal(v) for v in values):
+      continue
+    return (
+      f"--{name} is given {len(values)} times ({', '.join(repr(v) for v in values)}): the "
+      "values of a tuple field's repeated flags are joined into one tuple, so a later one "
+      f"does not replace an earlier one; give the whole tuple once, e.g. "
+      f'--{name}=\'("a", "b")\''
+    )
+  return ""
+
+
+def _is_tuple_literal(value: str) -> bool:
+  """Whether `value` reads as a Python tuple or list ('()', '("a", "b")', '[1]')."""
+  try:
+    return isinstance(ast.literal_eval(value), (tuple, list))
+  except (ValueError, SyntaxError):
+    return False
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import ml_collections
 
 from owl_cl import distributed
 from owl_cl import integrity
+from owl_cl import model as model_lib
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl.benchmark import Benchmark
@@ -32,6 +33,7 @@ from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
+from owl_cl.model import convert
 from owl_cl.train import checkpointing
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
@@ -58,8 +60,6 @@ ARCHITECTURE_FIELDS = (
 def architecture(tree) -> dict[str, int] | None:
   """`ARCHITECTURE_FIELDS` read off a parameter tree (leaves with `.shape`); None when the
   tree is not an OWL-ViT's (a needed leaf is absent)."""
-  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
-
   try:
     config = convert.infer_model_config(tree)
   except (ValueError, KeyError, IndexError):
@@ -71,7 +71,6 @@ def describe_architecture(arch: dict[str, int] | None) -> str:
   """'variant 'tiny' with vision_width=64, ...' (the nearest of `model.VARIANTS`)."""
   if arch is None:
     return "an unknown architecture (not an OWL-ViT parameter tree)"
-  from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
 
   def differing(variant):
     return {f: v for f, v in arch.items() if model_lib.VARIANTS[variant][f] != v}
@@ -98,8 +97,6 @@ def params_checkpoint_problem(path: str, like, needs: str = "") -> str:
     differing architecture field; '' when every parameter has the model's shape.
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
 
   try:
     metadata = ocp.StandardCheckpointer().metadata(os.path.join(path, "params"))
@@ -153,8 +150,6 @@ def hf_checkpoint_problem(path: str, like, needs: str = "") -> str:
 
   Args and message: as `params_checkpoint_problem`.
   """
-  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
-
   try:
     held = convert.hf_config_to_model_config(path)
   except (ValueError, ImportError, OSError, KeyError, TypeError):
@@ -206,24 +201,22 @@ def load_init_checkpoint(path: str, like, needs: str = "") -> tuple[Any, dict]:
       configured model (e.g. a B/32 checkpoint for the L/14 config).
     FileNotFoundError: nothing readable at `path`.
   """
-  from owl_cl.model import convert as checkpoints  # pylint: disable=g-import-not-at-top
-
   if os.path.isdir(os.path.join(path, "params")):
     problem = params_checkpoint_problem(path, like, needs)
     if problem:
-      raise checkpoints.CheckpointMismatchError(path, what=f" of the config: {problem}")
+      raise convert.CheckpointMismatchError(path, what=f" of the config: {problem}")
     return checkpointing.load_params(path, like)
   what = f" ({needs})" if needs else ""
   try:
     if os.path.isfile(os.path.join(path, "config.json")):
-      params, hf_config = checkpoints.load_hf_checkpoint(path)
-      params = checkpoints.check_params(params, like, path)
+      params, hf_config = convert.load_hf_checkpoint(path)
+      params = convert.check_params(params, like, path)
       return params, {"source": path, "format": "hf", "hf_model_config": str(hf_config)}
-    params = checkpoints.load_scenic_checkpoint(path, like)
-  except checkpoints.CheckpointMismatchError as e:
+    params = convert.load_scenic_checkpoint(path, like)
+  except convert.CheckpointMismatchError as e:
     if not what:
       raise
-    raise checkpoints.CheckpointMismatchError(
+    raise convert.CheckpointMismatchError(
       e.source, e.missing, e.unexpected, e.wrong_shape, what=what
     ) from e
   return params, {"source": path, "format": "scenic"}

@@ -17,12 +17,19 @@ import os, sys, time
 from absl import logging
 from owl_cl import utils
 logging.set_verbosity(logging.INFO)
-entry, log, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+entry, log, hold, contenders = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+with open(log + ".started", "a") as f:
+  f.write(f"{os.getpid()}\\n")
 print("started", flush=True)
 with utils.cache_entry_lock(entry, "test entry", poll_s=0.02):
   if not os.path.exists(entry):
     with open(log, "a") as f:
       f.write(f"{os.getpid()}\\n")
+    # The builder holds the lock until every contender has started (and then `hold` s), so
+    # that however slowly they start, the others find the lock held.
+    deadline = time.time() + 120
+    while time.time() < deadline and len(open(log + ".started").read().split()) < contenders:
+      time.sleep(0.02)
     time.sleep(hold)
     utils.atomic_write_text(entry, f"built by {os.getpid()}")
   with open(entry) as f:
@@ -32,10 +39,10 @@ with utils.cache_entry_lock(entry, "test entry", poll_s=0.02):
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _start(entry, log, hold):
+def _start(entry, log, hold, contenders=1):
   env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   return subprocess.Popen(
-    [sys.executable, "-c", _BUILDER, str(entry), str(log), str(hold)],
+    [sys.executable, "-c", _BUILDER, str(entry), str(log), str(hold), str(contenders)],
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
@@ -45,8 +52,8 @@ def _start(entry, log, hold):
 
 def test_three_processes_one_builds_the_others_wait_and_reuse(tmp_path):
   entry, log = tmp_path / "cache" / "entry", tmp_path / "builders.log"
-  # The builder holds the lock 1.5 s: the others (started together) find it held.
-  procs = [_start(entry, log, 1.5) for _ in range(3)]
+  # The builder holds the lock until all 3 have started, then 1 s: the others find it held.
+  procs = [_start(entry, log, 1.0, contenders=3) for _ in range(3)]
   outputs = [p.communicate(timeout=120) for p in procs]
   assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outputs]
   builders = log.read_text().split()
