@@ -95,19 +95,12 @@ def check_replay_config(config: ml_collections.ConfigDict) -> None:
 
   Raises:
     ConfigError: an unknown algorithm / dedup schedule / hyperparameter, an unknown
-      `replay.store_verification`, an unknown loss-adaptivity mode, mode 'paper' (one replay
-      per new image, paper eq. 5) with `replay.ratio` != 1, or `replay.stale_retrieval`
-      without `replay.lookahead`.
+      loss-adaptivity mode, mode 'paper' (one replay per new image, paper eq. 5) with
+      `replay.ratio` != 1, or `replay.stale_retrieval` without `replay.lookahead`.
   """
   if config.replay.algorithm == "none":
     return
   make_algorithm(config)
-  verification = config.replay.get("store_verification", "full")
-  if verification not in buffer_build.STORE_VERIFICATIONS:
-    raise ConfigError(
-      f"config.replay.store_verification={verification!r} is unknown; known: "
-      f"{list(buffer_build.STORE_VERIFICATIONS)}"
-    )
   if config.replay.get("stale_retrieval", False) and not config.replay.get("lookahead", True):
     raise ConfigError(
       "config.replay.stale_retrieval=True computes the next step's retrieval ahead and needs "
