@@ -86,6 +86,10 @@ def test_a_killed_builder_s_lock_is_taken_over(tmp_path, caplog):
     assert f.read() == ""  # a clean release leaves no record
 
 
+def _waiting_lines(caplog):
+  return [r.getMessage() for r in list(caplog.records) if "is being built by" in r.getMessage()]
+
+
 def test_a_waiter_logs_the_holder_and_its_progress(tmp_path, caplog):
   entry = str(tmp_path / "entry")
   order = []
@@ -99,11 +103,14 @@ def test_a_waiter_logs_the_holder_and_its_progress(tmp_path, caplog):
       # flock locks an open file: a second open in another thread waits as another process.
       thread = threading.Thread(target=wait_for_it)
       thread.start()
-      time.sleep(0.3)
+      # Held until the waiter has logged 3 lines (however slowly a loaded machine runs it).
+      deadline = time.time() + 60
+      while len(_waiting_lines(caplog)) < 3 and time.time() < deadline:
+        time.sleep(0.01)
       order.append("holder")
     thread.join(timeout=30)
   assert order == ["holder", "waiter"]
-  lines = [r.getMessage() for r in caplog.records if "is being built by" in r.getMessage()]
-  # The first line at once, then one per progress_s (0.05 s) of the 0.3 s wait.
+  lines = _waiting_lines(caplog)
+  # The first line at once, then one per progress_s (0.05 s) of the wait.
   assert len(lines) >= 3
   assert all(f"test entry {entry} is being built by pid {os.getpid()}" in m for m in lines)
