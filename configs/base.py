@@ -346,6 +346,12 @@ def _replay_section(c: ml_collections.ConfigDict) -> None:
   # 'paper', whose 54k images at 840 px would take about 115 GB.
   c.replay.image_cache = ml_collections.config_dict.placeholder(str)
   c.replay.image_cache = "replay_images"
+  # How the cached replay store is checked against its manifest when a run loads it
+  # (docs/stored_state.md): 'full' hashes every file before the run (about 1-2 GB/s per core);
+  # 'lazy' checks the sizes and the small files at once and each 16 MiB chunk of the per-image
+  # arrays when a replay first reads it (a damaged chunk ends the run with an error naming the
+  # file and sets the store aside, so the next run rebuilds it).
+  c.replay.store_verification = "full"
   _loss_adaptivity_section(c)
   _buffer_selection_section(c)
 

@@ -16,7 +16,10 @@ A split that passed is recorded in `<cache_dir>/data_scan/<key>.json` (written a
 keyed by the content digest of its annotation file, its images' (path, size, mtime) (TFDS:
 the record files'), the json's image sizes and the EXIF orientation policy: a second run
 over unchanged data skips the scan; a changed, added or replaced file changes the key and is
-scanned again.
+scanned again. A record is checked when read (valid JSON naming the split's annotation file
+and image count): a damaged one is set aside (`.corrupt-<time>`, a warning naming it) and the
+split scanned again. Runs sharing the cache take a record's lock (`<key>.json.lock`,
+`utils.cache_entry_lock`): one scans the split, the others wait and reuse its record.
 
 Source: docs/reference.md §10 (the paper's datasets); issue 12 item 5.
 """
@@ -25,12 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import concurrent.futures
+import contextlib
+import json
 import os
 import time
 
 from absl import logging
 import tqdm
 
+from owl_cl import integrity
+from owl_cl import utils
 from owl_cl.data.coco import CocoSource
 from owl_cl.data.coco import DataError
 from owl_cl.data.coco import problem_list
@@ -163,32 +170,35 @@ def scan_splits(
       continue
     key = split_key(source)
     record = os.path.join(folder, f"{key}.json") if folder else None
-    if key not in found and record and os.path.isfile(record):
-      counts["cached"] += len(source)
-      continue
-    start = time.time()
-    if key in found:  # the same files in another role: decoded once, reported for each
-      bad = found[key]
-      counts["cached"] += len(source)
-    else:
-      bad = found[key] = _scan_split(source, f"checking {name}/{split}", num_threads)
-      counts["scanned"] += len(source)
-    if bad:
-      problems += [f"{where}: {line}" for line in problem_list(bad).split("\n")]
-      continue
-    if record:
-      atomic_write_json(
-        record,
-        {
-          "dataset": name,
-          "split": split,
-          "annotation_file": source.annotation_file,
-          "images": len(source),
-          "seconds": round(time.time() - start, 2),
-        },
-        indent=2,
-        sort_keys=True,
-      )
+    # One run scans a split while the others sharing the cache wait for its record.
+    lock = utils.cache_entry_lock(record, "data scan") if record else contextlib.nullcontext()
+    with lock:
+      if key not in found and record and _valid_record(record, source):
+        counts["cached"] += len(source)
+        continue
+      start = time.time()
+      if key in found:  # the same files in another role: decoded once, reported for each
+        bad = found[key]
+        counts["cached"] += len(source)
+      else:
+        bad = found[key] = _scan_split(source, f"checking {name}/{split}", num_threads)
+        counts["scanned"] += len(source)
+      if bad:
+        problems += [f"{where}: {line}" for line in problem_list(bad).split("\n")]
+        continue
+      if record:
+        atomic_write_json(
+          record,
+          {
+            "dataset": name,
+            "split": split,
+            "annotation_file": source.annotation_file,
+            "images": len(source),
+            "seconds": round(time.time() - start, 2),
+          },
+          indent=2,
+          sort_keys=True,
+        )
   if problems:
     raise DataError(
       f"the run's data failed the scan ({len(problems)} problem{'s' * (len(problems) > 1)}):\n"
@@ -201,6 +211,33 @@ def scan_splits(
     folder,
   )
   return counts
+
+
+def _valid_record(record: str, source: CocoSource) -> bool:
+  """Whether the scan record `record` vouches for `source` (False when there is none).
+
+  A record that is not valid JSON naming `source`'s annotation file and image count is damaged:
+  it is set aside (`integrity.set_aside`, a warning naming it) and False returned (rescanned).
+  """
+  if not os.path.isfile(record):
+    return False
+  try:
+    with open(record, encoding="utf-8") as f:
+      data = json.load(f)
+    valid = (
+      isinstance(data, dict)
+      and data.get("annotation_file") == source.annotation_file
+      and data.get("images") == len(source)
+    )
+    reason = "its annotation file or image count differs from the split's"
+  except (OSError, ValueError) as e:
+    valid, reason = False, f"unreadable ({e})"
+  if not valid:
+    integrity.set_aside(record, reason)
+    logging.warning(
+      "data scan record %s was damaged (%s); scanning the split again", record, reason
+    )
+  return valid
 
 
 def benchmark_splits(bench) -> list[Split]:

@@ -209,6 +209,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     superseded,
     source=source,
     image_cache=image_cache_dir(config),
+    verification=config.replay.get("store_verification", "full"),
   )
 
 
