@@ -1,0 +1,100 @@
+"""OWLv2 in owl_cl.model: the objectness head's tree, stop_gradient, top-k token sampling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from owl_cl.model import objectness
+from owl_cl.model import owl_vit as owl_lib
+
+SIZE, B, Q = 32, 2, 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model = owl_lib.create_model(
+    "owlv2_tiny",
+    image_size=SIZE,
+    vision_layers=1,
+    text_layers=1,
+    vision_stochastic_depth=0.0,
+    text_stochastic_depth=0.0,
+  )
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.uniform(size=(B, SIZE, SIZE, 3)), jnp.float32)
+  queries = jnp.asarray(rng.integers(1, 50, (B, Q, 16)), jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(0), images, queries)["params"]
+  # Random last layers (zero-initialised as scenic's) so that objectness varies per token.
+  params = jax.tree_util.tree_map_with_path(
+    lambda p, x: (
+      rng.normal(0.0, 0.1, x.shape).astype(np.float32)
+      if "Dense_2" in jax.tree_util.keystr(p)
+      else x
+    ),
+    params,
+  )
+  return model, params, images, queries
+
+
+def test_variants_and_tree():
+  assert owl_lib.get_variant_config("owlv2_b16").image_size == 960
+  assert owl_lib.get_variant_config("owlv2_l14").num_tokens == 72 * 72  # 5,184 (+1 class)
+  assert owl_lib.get_variant_config("vit_b16").version == "v1"
+  with pytest.raises(ValueError, match="objectness_top_k"):
+    owl_lib.create_model("tiny", objectness_top_k=4)
+  with pytest.raises(ValueError, match="version"):
+    owl_lib.create_model("tiny", version="v3")
+
+
+def test_top_k_is_the_full_output_at_the_top_tokens(tiny):
+  """Invariant: the train-time top-k outputs equal the full outputs gathered at the k tokens of
+  highest objectness (stochastic depth off, so train and eval compute the same)."""
+  model, params, images, queries = tiny
+  full = model.apply({"params": params}, images, queries)
+  t = full["objectness_logits"].shape[1]
+  assert t == (SIZE // 8) ** 2 and "keep_tokens" not in full
+  k = 5
+  top = model.clone(objectness_top_k=k).apply(
+    {"params": params}, images, queries, train=True, rngs={"dropout": jax.random.key(1)}
+  )
+  order = np.argsort(-np.asarray(full["objectness_logits"]), axis=1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(top["keep_tokens"], order)
+  for name in ("pred_logits", "pred_boxes", "class_embeddings"):
+    want = np.take_along_axis(np.asarray(full[name]), order[..., None], axis=1)
+    np.testing.assert_allclose(top[name], want, atol=1e-6, rtol=1e-6, err_msg=name)
+  np.testing.assert_allclose(
+    top["objectness_logits"],
+    np.sort(np.asarray(full["objectness_logits"]), axis=1)[:, ::-1][:, :k],
+    atol=1e-6,
+  )
+  # Evaluation keeps every token whatever objectness_top_k is.
+  ev = model.clone(objectness_top_k=k).apply({"params": params}, images, queries)
+  assert ev["pred_logits"].shape[1] == t
+
+
+def test_objectness_gradient_reaches_only_its_head(tiny):
+  """stop_gradient (scenic's OWLv2 config): d(objectness)/d(backbone) = 0, head's != 0."""
+  model, params, images, queries = tiny
+
+  def f(p):
+    return model.apply({"params": p}, images, queries)["objectness_logits"].sum()
+
+  grads = jax.jit(jax.grad(f))(params)
+  backbone = jax.tree.leaves(grads["backbone"]) + jax.tree.leaves(grads["class_head"])
+  assert all(float(jnp.abs(g).max()) == 0.0 for g in backbone)
+  assert float(jnp.abs(grads["objectness_head"]["Dense_0"]["kernel"]).max()) > 0.0
+
+
+def test_query_token_index_and_gather():
+  logits = jnp.array([[0.1, 3.0, 3.0, -1.0], [5.0, 0.0, 1.0, 2.0]])
+  np.testing.assert_array_equal(objectness.query_token_index(logits), [1, 0])  # ties: lower
+  vals, idx = objectness.top_k_tokens(logits, 2)
+  np.testing.assert_array_equal(idx, [[1, 2], [0, 3]])
+  np.testing.assert_array_equal(vals, [[3.0, 3.0], [5.0, 2.0]])
+  table = jnp.arange(8.0).reshape(4, 2)  # shared by both images
+  np.testing.assert_array_equal(
+    objectness.gather_tokens(table[None], idx), [[[2, 3], [4, 5]], [[0, 1], [6, 7]]]
+  )
+  with pytest.raises(ValueError, match="objectness_top_k"):
+    objectness.top_k_tokens(logits, 5)
