@@ -146,6 +146,7 @@ FIELD_RULES: dict[str, Rule] = {
   "loss.class_weight": NON_NEGATIVE,
   "loss.bbox_weight": NON_NEGATIVE,
   "loss.giou_weight": NON_NEGATIVE,
+  "loss.objectness_weight": NON_NEGATIVE,
   "replay.ratio": POSITIVE,
   "replay.dedup_fraction": FRACTION,
   "replay.der_alpha": NON_NEGATIVE,

@@ -38,6 +38,7 @@ import numpy as np
 import scipy.optimize
 
 from owl_cl.train import matching as matching_lib
+from owl_cl.train import objectness_loss as objectness_lib
 
 Array = jax.Array
 
@@ -590,8 +591,11 @@ def detection_loss(
   example_mask: Array | None = None,
   normalization: str = "per_image",
   matcher: str = "auto",
+  objectness_logits: Array | None = None,
+  objectness_weight: float = 0.0,
 ) -> dict[str, Array]:
-  """OWL-ViT detection loss: Hungarian matching, focal class loss, L1 + GIoU box losses.
+  """OWL-ViT detection loss: Hungarian matching, focal class loss, L1 + GIoU box losses;
+  OWLv2 adds the objectness term (``owl_cl.train.objectness_loss``, docs/owlv2.md).
 
   Appends one padding instance per image, builds `matching_cost`, matches with
   `hungarian_matching`, computes `detection_loss_per_example` and averages over images.
@@ -618,6 +622,10 @@ def detection_loss(
       clamped to >= 1; computed over the whole global batch, where the released code
       normalises per device). `per_example` is per image in both.
     matcher: Hungarian solver, 'auto' | 'scipy' | 'jax' (`hungarian_matching`).
+    objectness_logits: OWLv2's float [B, T] objectness logits, or None (v1: no term).
+    objectness_weight: weight of the objectness term (config ``loss.objectness_weight``);
+      with ``objectness_logits=None`` or weight 0 the result is the v1 loss exactly. The term
+      is added to ``per_example`` and ``loss``; it does not enter the matching cost.
 
   Returns:
     dict of float32:
@@ -627,6 +635,8 @@ def detection_loss(
         image, each term normalised within the image (independent of the rest of the batch
         and of example_mask; the replay buffer ranks images by it).
       loss_class, loss_bbox, loss_giou []: the unweighted terms, averaged like `loss`.
+      loss_objectness []: the unweighted objectness term averaged like `loss` (only with
+        objectness logits and a weight > 0).
 
   Raises:
     ValueError: inconsistent shapes, or an unknown `normalization`.
@@ -668,6 +678,13 @@ def detection_loss(
     + bbox_weight * terms["loss_bbox"]
     + giou_weight * terms["loss_giou"]
   )
+  obj = None
+  if objectness_logits is not None and objectness_weight:
+    matched = _gather_targets(real_target_mask(labels_k), target_index)  # [B, T]
+    obj = objectness_lib.objectness_loss_per_example(
+      objectness_logits, matched, focal_alpha=focal_alpha, focal_gamma=focal_gamma
+    )
+    per_example = per_example + objectness_weight * obj["loss_objectness"]
   if normalization == "per_batch":
     w = jnp.ones(per_example.shape, jnp.float32) if example_mask is None else example_mask
     w = jnp.asarray(w, jnp.float32)
@@ -682,20 +699,27 @@ def detection_loss(
     num_boxes = jnp.maximum(total(terms["num_boxes"]), 1.0)
     loss_bbox = total(terms["sum_bbox"]) / num_boxes
     loss_giou = total(terms["sum_giou"]) / num_boxes
-    return dict(
+    out = dict(
       loss=class_weight * loss_class + bbox_weight * loss_bbox + giou_weight * loss_giou,
       per_example=per_example,
       loss_class=loss_class,
       loss_bbox=loss_bbox,
       loss_giou=loss_giou,
     )
-  return dict(
+    if obj is not None:
+      out["loss_objectness"] = total(obj["sum_objectness"]) / num_boxes
+      out["loss"] = out["loss"] + objectness_weight * out["loss_objectness"]
+    return out
+  out = dict(
     loss=_weighted_mean(per_example, example_mask),
     per_example=per_example,
     loss_class=_weighted_mean(terms["loss_class"], example_mask),
     loss_bbox=_weighted_mean(terms["loss_bbox"], example_mask),
     loss_giou=_weighted_mean(terms["loss_giou"], example_mask),
   )
+  if obj is not None:
+    out["loss_objectness"] = _weighted_mean(obj["loss_objectness"], example_mask)
+  return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -774,7 +798,9 @@ def der_plus_plus_loss(
   replay this step) the result is L_det(new) and the replay terms are 0.
 
   Args:
-    new_outputs: {'pred_logits' [B,T,Q], 'pred_boxes' [B,T,4]} of the new images.
+    new_outputs: {'pred_logits' [B,T,Q], 'pred_boxes' [B,T,4]} of the new images; OWLv2
+      adds 'objectness_logits' [B,T] (its term in both halves with
+      ``loss_kwargs['objectness_weight']``, docs/owlv2.md).
     new_targets: {'labels' [B,M,Q], 'boxes' [B,M,4]}.
     replay_outputs: {'pred_logits' [B_r,T,Q], 'pred_boxes' [B_r,T,4]} of the replayed images
       (the same forward pass as the new ones), or None.
@@ -808,6 +834,7 @@ def der_plus_plus_loss(
     new_targets["labels"],
     new_targets["boxes"],
     example_mask=new_mask,
+    objectness_logits=new_outputs.get("objectness_logits"),
     **loss_kwargs,
   )
   out = dict(
@@ -817,6 +844,8 @@ def der_plus_plus_loss(
     loss_giou=new["loss_giou"],
     per_example_new=new["per_example"],
   )
+  if "loss_objectness" in new:
+    out["loss_objectness"] = new["loss_objectness"]
   if replay_outputs is None:
     zero = jnp.zeros((), jnp.float32)
     out.update(
@@ -837,6 +866,7 @@ def der_plus_plus_loss(
     replay_targets["labels"],
     replay_targets["boxes"],
     example_mask=replay_mask,
+    objectness_logits=replay_outputs.get("objectness_logits"),
     **loss_kwargs,
   )
   distill = distillation_mse(

@@ -142,7 +142,12 @@ def _loss_fn(
       max_unique_queries=max_unique_queries,
     )
     new = losses.detection_loss(
-      outputs["pred_logits"], outputs["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
+      outputs["pred_logits"],
+      outputs["pred_boxes"],
+      batch["labels"],
+      batch["boxes"],
+      objectness_logits=outputs.get("objectness_logits"),  # OWLv2 (docs/owlv2.md)
+      **loss_config,
     )
     metrics = {
       "loss": new["loss"],
@@ -151,6 +156,8 @@ def _loss_fn(
       "loss_bbox": new["loss_bbox"],
       "loss_giou": new["loss_giou"],
     }
+    if "loss_objectness" in new:
+      metrics["loss_objectness"] = new["loss_objectness"]
     return new["loss"], metrics
   replay_mask = jnp.asarray(replay["replay_mask"], bool)
   if loss_adaptivity == "paper":  # L_R over the active replays only
@@ -162,14 +169,21 @@ def _loss_fn(
     model, params, images, queries, train=True, key=key, max_unique_queries=max_unique_queries
   )
   split = lambda x: (x[:num_new], x[num_new:])
-  logits_new, logits_replay = split(outputs["pred_logits"])
-  boxes_new, boxes_replay = split(outputs["pred_boxes"])
+  new_outputs, replay_outputs = {}, {}
+  for name in ("pred_logits", "pred_boxes", "objectness_logits"):  # objectness: OWLv2
+    if name in outputs:
+      new_outputs[name], replay_outputs[name] = split(outputs[name])
+  stored_logits = replay["stored_logits"].astype(jnp.float32)
+  if "keep_tokens" in outputs:
+    # OWLv2's objectness_top_k: the outputs are the kept tokens' only; distil at those tokens.
+    keep = split(outputs["keep_tokens"])[1]
+    stored_logits = jnp.take_along_axis(stored_logits, keep[..., None], axis=1)
   result = losses.der_plus_plus_loss(
-    new_outputs={"pred_logits": logits_new, "pred_boxes": boxes_new},
+    new_outputs=new_outputs,
     new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
-    replay_outputs={"pred_logits": logits_replay, "pred_boxes": boxes_replay},
+    replay_outputs=replay_outputs,
     replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
-    stored_logits=replay["stored_logits"].astype(jnp.float32),
+    stored_logits=stored_logits,
     replay_mask=replay_mask,
     alpha=alpha,
     beta=beta,
@@ -201,7 +215,7 @@ def _loss_fn(
       in_d = mask * (group == d)
       det_d = jnp.sum(in_d * result["per_example_replay"]) / jnp.maximum(jnp.sum(in_d), 1.0)
       mse_d = losses.distillation_mse(
-        logits_replay, replay["stored_logits"].astype(jnp.float32), example_mask=in_d
+        replay_outputs["pred_logits"], stored_logits, example_mask=in_d
       )
       terms.append(gates[d] * (alpha * mse_d + beta * det_d))
     weight = jnp.mean(gates.astype(jnp.float32))
