@@ -45,9 +45,10 @@ from owl_cl.data import suites
 from owl_cl.data.coco import DataError
 from owl_cl.detector import model_fields
 from owl_cl.model import convert
-from owl_cl.replay import algorithms as replay_algorithms
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import knn_shapley
+from owl_cl.replay.retrieval import asv as retrieval_asv
+from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import steps as retrieval_steps
 from owl_cl.train import losses
 from owl_cl.utils import expand_path
 
@@ -353,19 +354,19 @@ def option_problems(config: ml_collections.ConfigDict) -> list[str]:
     (
       "config.replay.within_class_weighting",
       config.replay.within_class_weighting,
-      replay_algorithms.WITHIN_CLASS_WEIGHTINGS,
+      retrieval_steps.WITHIN_CLASS_WEIGHTINGS,
     ),
     ("config.replay.aser.asv_shapley", config.replay.aser.asv_shapley, knn_shapley.SHAPLEY),
     ("config.replay.aser.asv_left_term", config.replay.aser.asv_left_term, (True, False)),
     (
       "config.replay.aser.asv_features",
       config.replay.aser.asv_features,
-      replay_algorithms.ASV_FEATURES,
+      retrieval_asv.ASV_FEATURES,
     ),
     (
       "config.replay.aser.candidate_subsets",
       config.replay.aser.candidate_subsets,
-      replay_algorithms.CANDIDATE_SUBSETS,
+      retrieval_asv.CANDIDATE_SUBSETS,
     ),
   )
   return [

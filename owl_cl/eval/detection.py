@@ -642,6 +642,33 @@ def collect_detections(
   return detections, seen
 
 
+def _protocol(protocol, source, ground_truth, coco_gt, max_dets):
+  """`evaluate_source`'s protocol: (ground truth, scoring function, metric names, a function
+  counting the ground truth's images, max_dets with the protocol's default).
+
+  Raises:
+    ValueError: an unknown protocol; 'lvis' without ground truth.
+  """
+  if protocol == "coco":
+    gt = ground_truth if ground_truth is not None else coco_gt
+    gt = source.coco if gt is None else gt
+    score, metric_names = coco_evaluate, COCO_METRIC_NAMES
+    count_images = lambda: len(gt.getImgIds())
+    max_dets = 100 if max_dets is None else max_dets
+  elif protocol == "lvis":
+    if ground_truth is None:
+      ground_truth = getattr(source, "annotation_file", None)
+      if ground_truth is None:
+        raise ValueError("LVIS evaluation needs lvis_gt (the source has no annotation_file)")
+    gt = lvis_eval.load_lvis_ground_truth(ground_truth)
+    score, metric_names = lvis_eval.lvis_evaluate, lvis_eval.LVIS_METRIC_NAMES
+    count_images = lambda: len(gt.imgs)
+    max_dets = 300 if max_dets is None else max_dets
+  else:
+    raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
+  return gt, score, metric_names, count_images, max_dets
+
+
 def evaluate_source(
   predict_fn: PredictFn,
   source: Any,
@@ -704,23 +731,9 @@ def evaluate_source(
 
   Source: docs/reference.md §4 (evaluation protocols); scenic's owl_vit evaluator.
   """
-  if protocol == "coco":
-    gt = ground_truth if ground_truth is not None else coco_gt
-    gt = source.coco if gt is None else gt
-    score, metric_names = coco_evaluate, COCO_METRIC_NAMES
-    count_images = lambda: len(gt.getImgIds())
-    max_dets = 100 if max_dets is None else max_dets
-  elif protocol == "lvis":
-    if ground_truth is None:
-      ground_truth = getattr(source, "annotation_file", None)
-      if ground_truth is None:
-        raise ValueError("LVIS evaluation needs lvis_gt (the source has no annotation_file)")
-    gt = lvis_eval.load_lvis_ground_truth(ground_truth)
-    score, metric_names = lvis_eval.lvis_evaluate, lvis_eval.LVIS_METRIC_NAMES
-    count_images = lambda: len(gt.imgs)
-    max_dets = 300 if max_dets is None else max_dets
-  else:
-    raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
+  gt, score, metric_names, count_images, max_dets = _protocol(
+    protocol, source, ground_truth, coco_gt, max_dets
+  )
   if category_ids is None:
     category_ids = source.category_ids
   if name is None:

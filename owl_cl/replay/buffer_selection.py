@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from owl_cl.replay.class_selection import NORM_EPS
-from owl_cl.replay.class_selection import normalize
+from owl_cl.replay.retrieval.class_selection import NORM_EPS
+from owl_cl.replay.retrieval.class_selection import normalize
 
 Array = jax.Array
 

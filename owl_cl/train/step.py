@@ -102,6 +102,69 @@ def _forward(
   )
 
 
+def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
+  """`_loss_fn` without replay: the new images' detection loss and its metrics."""
+  outputs = _forward(
+    model,
+    params,
+    batch["images"],
+    batch["queries"],
+    train=True,
+    key=key,
+    max_unique_queries=max_unique_queries,
+  )
+  new = losses.detection_loss(
+    outputs["pred_logits"],
+    outputs["pred_boxes"],
+    batch["labels"],
+    batch["boxes"],
+    objectness_logits=outputs.get("objectness_logits"),  # OWLv2 (docs/owlv2.md)
+    **loss_config,
+  )
+  metrics = {
+    "loss": new["loss"],
+    "new_loss": new["loss"],
+    "loss_class": new["loss_class"],
+    "loss_bbox": new["loss_bbox"],
+    "loss_giou": new["loss_giou"],
+  }
+  if "loss_objectness" in new:
+    metrics["loss_objectness"] = new["loss_objectness"]
+  return new["loss"], metrics
+
+
+def _per_device_gate(
+  result,
+  logits_replay,
+  stored_logits,
+  replay,
+  replay_mask,
+  alpha,
+  beta,
+  loss_threshold,
+  loss_gate_groups,
+):
+  """'released_gate' per device (the released code's DDP): the new and replay halves split
+  into G contiguous groups, group g's replay term kept iff the mean of its per-image new
+  losses is >= loss_threshold. Returns (loss [], weight [] = the fraction of open gates,
+  bool [num_slots] whether each replay slot's gate is open)."""
+  g = int(loss_gate_groups)
+  num_slots = replay["images"].shape[0]
+  new_per_group = jax.lax.stop_gradient(result["per_example_new"]).reshape(g, -1).mean(axis=1)
+  gates = new_per_group >= loss_threshold  # [G]
+  group = jnp.arange(num_slots) // (num_slots // g)  # replay slot -> its device
+  mask = jnp.asarray(replay_mask, jnp.float32)
+  terms = []
+  for d in range(g):  # G is the device count (static, small)
+    in_d = mask * (group == d)
+    det_d = jnp.sum(in_d * result["per_example_replay"]) / jnp.maximum(jnp.sum(in_d), 1.0)
+    mse_d = losses.distillation_mse(logits_replay, stored_logits, example_mask=in_d)
+    terms.append(gates[d] * (alpha * mse_d + beta * det_d))
+  weight = jnp.mean(gates.astype(jnp.float32))
+  loss = result["new_loss"] + jnp.sum(jnp.stack(terms)) / g
+  return loss, weight, gates[group]
+
+
 def _loss_fn(
   params,
   batch: Batch,
@@ -132,33 +195,7 @@ def _loss_fn(
   """
   num_new = batch["images"].shape[0]
   if replay is None:
-    outputs = _forward(
-      model,
-      params,
-      batch["images"],
-      batch["queries"],
-      train=True,
-      key=key,
-      max_unique_queries=max_unique_queries,
-    )
-    new = losses.detection_loss(
-      outputs["pred_logits"],
-      outputs["pred_boxes"],
-      batch["labels"],
-      batch["boxes"],
-      objectness_logits=outputs.get("objectness_logits"),  # OWLv2 (docs/owlv2.md)
-      **loss_config,
-    )
-    metrics = {
-      "loss": new["loss"],
-      "new_loss": new["loss"],
-      "loss_class": new["loss_class"],
-      "loss_bbox": new["loss_bbox"],
-      "loss_giou": new["loss_giou"],
-    }
-    if "loss_objectness" in new:
-      metrics["loss_objectness"] = new["loss_objectness"]
-    return new["loss"], metrics
+    return _new_loss_only(params, batch, key, model, loss_config, max_unique_queries)
   replay_mask = jnp.asarray(replay["replay_mask"], bool)
   if loss_adaptivity == "paper":  # L_R over the active replays only
     replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
@@ -173,6 +210,7 @@ def _loss_fn(
   for name in ("pred_logits", "pred_boxes", "objectness_logits"):  # objectness: OWLv2
     if name in outputs:
       new_outputs[name], replay_outputs[name] = split(outputs[name])
+  logits_replay = replay_outputs["pred_logits"]
   stored_logits = replay["stored_logits"].astype(jnp.float32)
   if "keep_tokens" in outputs:
     # OWLv2's objectness_top_k: the outputs are the kept tokens' only; distil at those tokens.
@@ -205,22 +243,18 @@ def _loss_fn(
     weight = r.astype(jnp.float32) / num_slots
     metrics["num_above_threshold"] = r
   elif loss_adaptivity == "released_gate" and loss_gate_groups > 1:
-    g = int(loss_gate_groups)
-    new_per_group = jax.lax.stop_gradient(result["per_example_new"]).reshape(g, -1).mean(axis=1)
-    gates = new_per_group >= loss_threshold  # [G]
-    group = jnp.arange(num_slots) // (num_slots // g)  # replay slot -> its device
-    mask = jnp.asarray(replay_mask, jnp.float32)
-    terms = []
-    for d in range(g):  # G is the device count (static, small)
-      in_d = mask * (group == d)
-      det_d = jnp.sum(in_d * result["per_example_replay"]) / jnp.maximum(jnp.sum(in_d), 1.0)
-      mse_d = losses.distillation_mse(
-        replay_outputs["pred_logits"], stored_logits, example_mask=in_d
-      )
-      terms.append(gates[d] * (alpha * mse_d + beta * det_d))
-    weight = jnp.mean(gates.astype(jnp.float32))
-    loss = result["new_loss"] + jnp.sum(jnp.stack(terms)) / g
-    used = used & gates[group]
+    loss, weight, gated = _per_device_gate(
+      result,
+      logits_replay,
+      stored_logits,
+      replay,
+      replay_mask,
+      alpha,
+      beta,
+      loss_threshold,
+      loss_gate_groups,
+    )
+    used = used & gated
   elif loss_adaptivity == "released_gate":
     gate = jax.lax.stop_gradient(result["new_loss"]) >= loss_threshold
     weight = gate.astype(jnp.float32)
