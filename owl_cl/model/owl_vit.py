@@ -496,6 +496,39 @@ class OwlViT(nn.Module):
     logits = self._objectness_head(jax.lax.stop_gradient(image_features))
     return {"objectness_logits": logits[..., 0]}
 
+  def embed_image_query(self, query_images: jax.Array) -> dict[str, jax.Array]:
+    """OWLv2's image-conditioned query: the class embedding of each query image's token of
+    highest objectness (HF picks the query box this way when none is given).
+
+    Args:
+      query_images: float ``[B, S, S, 3]`` in [0, 1] (one example image per target image).
+
+    Returns:
+      dict: ``query_embeddings [B, 1, E]`` float32 (the raw class embedding, pass as
+      ``query_embeddings`` to ``__call__``), ``query_token [B]`` int32 (its token),
+      ``query_boxes [B, 4]`` float32 cxcywh (that token's predicted box).
+
+    Raises:
+      ValueError: a v1 model (no objectness head), or images of the wrong shape.
+
+    Source: HF transformers `models/owlv2/modeling_owlv2.py`
+    (``Owlv2ForObjectDetection.embed_image_query``, ``image_guided_detection``).
+    """
+    feature_map = self.image_embedder(query_images, train=False)
+    b, h, w, d = feature_map.shape
+    features = feature_map.reshape(b, h * w, d)
+    index = objectness_lib.query_token_index(
+      self.objectness_predictor(features)["objectness_logits"]
+    )
+    class_emb = self.class_predictor(features)["class_embeddings"]
+    boxes = self.box_predictor(features, feature_map)["pred_boxes"]
+    pick = index[:, None]
+    return {
+      "query_embeddings": objectness_lib.gather_tokens(class_emb, pick),
+      "query_token": index,
+      "query_boxes": objectness_lib.gather_tokens(boxes, pick)[:, 0],
+    }
+
   def box_predictor(
     self,
     image_features: jax.Array,

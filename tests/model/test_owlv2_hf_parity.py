@@ -208,3 +208,38 @@ def test_owlv2_l14_mapping_covers_the_real_hf_model():
     assert layout.torch_shape(tuple(like[ours].shape)) == hf_shapes[key], (ours, key)
   back = ck.hf_config_to_model_config(hf_config.to_dict(), dtype=config.dtype)
   assert back == config.replace(hf_compat=True)
+
+
+def test_image_guided_detection_matches_hf(hf_model):
+  """Image-conditioned detection: the query is the class embedding of the query image's token
+  of highest objectness (HF's ``embed_image_query``); the target logits and boxes match HF's
+  ``image_guided_detection`` within the tolerance of ``_assert_matches_hf``."""
+  from transformers.image_utils import OPENAI_CLIP_MEAN
+  from transformers.image_utils import OPENAI_CLIP_STD
+
+  model, folder, size = hf_model
+  params, config = ck.load_hf_checkpoint(folder)
+  images, _ = _inputs(3, size)
+  query_images, _ = _inputs(4, size)
+
+  def pixels(x):
+    x = (x - np.asarray(OPENAI_CLIP_MEAN)) / np.asarray(OPENAI_CLIP_STD)
+    return torch.from_numpy(x.transpose(0, 3, 1, 2).astype(np.float32))
+
+  with torch.no_grad():
+    hf = model.image_guided_detection(
+      pixel_values=pixels(images), query_pixel_values=pixels(query_images)
+    )
+    hf_objectness = model.objectness_predictor(
+      model.image_embedder(pixel_values=pixels(query_images))[0].flatten(1, 2)
+    ).numpy()
+  ours_model = owl_lib.OwlViT(**config)
+  query = ours_model.apply(
+    {"params": params}, jnp.asarray(query_images), method="embed_image_query"
+  )
+  np.testing.assert_array_equal(query["query_token"], hf_objectness.argmax(-1))
+  out = ours_model.apply(
+    {"params": params}, jnp.asarray(images), query_embeddings=query["query_embeddings"]
+  )
+  np.testing.assert_allclose(out["pred_logits"], hf.logits.numpy(), atol=1e-4, rtol=1e-5)
+  np.testing.assert_allclose(out["pred_boxes"], hf.target_pred_boxes.numpy(), atol=1e-4, rtol=0)
