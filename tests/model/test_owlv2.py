@@ -98,3 +98,52 @@ def test_query_token_index_and_gather():
   )
   with pytest.raises(ValueError, match="objectness_top_k"):
     objectness.top_k_tokens(logits, 5)
+
+
+def test_scenic_owlv2_msgpack_loads_and_cli_reads_it(tmp_path):
+  """A scenic OWLv2 checkpoint (msgpack, {'params': tree} with scenic's names, including
+  ``objectness_head``) loads into owlv2 params; a v1 target names the extra head."""
+  import flax
+
+  from owl_cl.model import convert as ck
+  from owl_cl.train import checkpointing
+
+  config = owl_lib.get_variant_config("owlv2_tiny").replace(
+    image_size=SIZE, vision_layers=1, text_layers=1
+  )
+  rng = np.random.default_rng(5)
+  flat = ck.tree.flatten(ck.abstract_params(config))
+  params = ck.tree.unflatten(
+    {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in flat.items()}
+  )
+  assert "objectness_head/Dense_2/kernel" in flat
+  scenic = flax.core.unfreeze(params)
+  # scenic's released naming: resblocks.N (fix_scenic_names maps them back).
+  vis = scenic["backbone"]["clip"]["visual"]["transformer"]
+  vis["resblocks.0"] = vis.pop("resblocks_0")
+  path = tmp_path / "owl2-b16-960-st-ngrams"
+  path.write_bytes(flax.serialization.msgpack_serialize({"params": scenic}))
+  loaded = ck.load_scenic_checkpoint(str(path), config)
+  for k, v in ck.tree.flatten(params).items():
+    np.testing.assert_array_equal(ck.tree.flatten(loaded)[k], v, err_msg=k)
+  with pytest.raises(ck.CheckpointMismatchError, match="objectness_head"):
+    ck.load_scenic_checkpoint(str(path), config.replace(version="v1"))
+  out = str(tmp_path / "ours")
+  ck.main(
+    [
+      "scenic-to-owl_cl",
+      str(path),
+      out,
+      "--variant",
+      "owlv2_tiny",
+      "--override",
+      f"image_size={SIZE}",
+      "--override",
+      "vision_layers=1",
+      "--override",
+      "text_layers=1",
+    ]
+  )
+  restored, meta = checkpointing.load_params(out)
+  assert meta["model_config"]["version"] == "owlv2"
+  assert ck.tree.flatten(restored).keys() == ck.tree.flatten(params).keys()
