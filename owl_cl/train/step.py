@@ -133,6 +133,22 @@ def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
   return new["loss"], metrics
 
 
+def _split_outputs(outputs, replay, num_new):
+  """The forward's outputs over [new ; replay] split into the two halves' dicts
+  (`pred_logits`, `pred_boxes`, and OWLv2's `objectness_logits`), and the replay half's stored
+  logits float32 [B_r, T, Q], gathered at the kept tokens when OWLv2's `objectness_top_k`
+  kept only some (`keep_tokens`): DER++ distils at the tokens the heads saw."""
+  new_outputs, replay_outputs = {}, {}
+  for name in ("pred_logits", "pred_boxes", "objectness_logits"):
+    if name in outputs:
+      new_outputs[name], replay_outputs[name] = outputs[name][:num_new], outputs[name][num_new:]
+  stored_logits = replay["stored_logits"].astype(jnp.float32)
+  if "keep_tokens" in outputs:
+    keep = outputs["keep_tokens"][num_new:]
+    stored_logits = jnp.take_along_axis(stored_logits, keep[..., None], axis=1)
+  return new_outputs, replay_outputs, stored_logits
+
+
 def _per_device_gate(
   result,
   logits_replay,
@@ -205,17 +221,8 @@ def _loss_fn(
   outputs = _forward(
     model, params, images, queries, train=True, key=key, max_unique_queries=max_unique_queries
   )
-  split = lambda x: (x[:num_new], x[num_new:])
-  new_outputs, replay_outputs = {}, {}
-  for name in ("pred_logits", "pred_boxes", "objectness_logits"):  # objectness: OWLv2
-    if name in outputs:
-      new_outputs[name], replay_outputs[name] = split(outputs[name])
+  new_outputs, replay_outputs, stored_logits = _split_outputs(outputs, replay, num_new)
   logits_replay = replay_outputs["pred_logits"]
-  stored_logits = replay["stored_logits"].astype(jnp.float32)
-  if "keep_tokens" in outputs:
-    # OWLv2's objectness_top_k: the outputs are the kept tokens' only; distil at those tokens.
-    keep = split(outputs["keep_tokens"])[1]
-    stored_logits = jnp.take_along_axis(stored_logits, keep[..., None], axis=1)
   result = losses.der_plus_plus_loss(
     new_outputs=new_outputs,
     new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
