@@ -327,7 +327,6 @@ MODEL_OVERRIDE_RULES: dict[str, Rule] = {
   "dtype": lambda value: "is set by config.model.dtype (e.g. 'bfloat16'), not an override",
   "attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
   "remat": choice(clip_lib.REMAT_POLICIES),
-  # OWLv2 (docs/owlv2.md); objectness_top_k > 0 needs version 'owlv2' (`model_problems`).
   "version": choice(model_lib.MODEL_VERSIONS),
   "objectness_top_k": integer(0),
 }
