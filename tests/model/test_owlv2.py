@@ -147,3 +147,16 @@ def test_scenic_owlv2_msgpack_loads_and_cli_reads_it(tmp_path):
   restored, meta = checkpointing.load_params(out)
   assert meta["model_config"]["version"] == "owlv2"
   assert ck.tree.flatten(restored).keys() == ck.tree.flatten(params).keys()
+
+
+def test_cache_keys_v1_unchanged_owlv2_keyed():
+  """v1's loss cache-key fields are those from before the objectness field (its cached
+  models and buffers stay valid); OWLv2's weight enters its keys."""
+  from configs import base
+  from owl_cl import cache_keys
+
+  v1 = cache_keys.cache_key_fields(base.get_config(""), "loss")
+  assert "objectness_weight" not in v1
+  v2 = base.get_config("owlv2")
+  assert v2.model.variant == "owlv2_tiny"
+  assert cache_keys.cache_key_fields(v2, "loss") == dict(v1, objectness_weight=0.5)
