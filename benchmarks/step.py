@@ -36,6 +36,7 @@ Two parts, one JSON and one Markdown file:
 Usage:
   python benchmarks/step.py --quick        # CPU-sized: vit_b32 at 384 px, batch 4
   python benchmarks/step.py                # L/14 at 840 px: arithmetic; timing on a GPU
+  python benchmarks/step.py --variant owlv2_l14 --skip-timing   # OWLv2 L/14 at 1008 px
   options: --variant, --image-size, --num-queries, --batches 1,2,4, --time-batches,
   --skip-arithmetic, --skip-timing, --skip-hf, --repeats, --out
 
@@ -131,11 +132,16 @@ def _inputs(model, batch: int, num_queries: int, max_instances: int, abstract: b
 
 
 def _loss(model, matcher: str):
-  """The `:paper` step's loss (DER++ over [new ; replay]) as a function of the parameters."""
+  """The `:paper` step's loss (DER++ over [new ; replay]) as a function of the parameters;
+  for an OWLv2 variant with the objectness term at the `:owlv2` config's weight (its head's
+  activations are then saved too; docs/owlv2.md)."""
+  loss_config = dict(LOSS_CONFIG, matcher=matcher)
+  if model.version == "owlv2":
+    loss_config["objectness_weight"] = 0.5
   return functools.partial(
     step_lib._loss_fn,
     model=model,
-    loss_config=dict(LOSS_CONFIG, matcher=matcher),
+    loss_config=loss_config,
     alpha=2.0,
     beta=1.0,
     max_unique_queries=None,
@@ -712,7 +718,10 @@ def main(argv=None) -> dict:
   quick = args.quick
   if quick and args.variant == "vit_l14":
     args.variant = "vit_b32"
-  args.image_size = args.image_size or (384 if quick else 840)
+  # The variant's own size: 840 for vit_l14 (the paper), 1008 for owlv2_l14 (5,185 tokens).
+  args.image_size = args.image_size or (
+    384 if quick else model_lib.get_variant_config(args.variant).image_size
+  )
   args.num_queries = args.num_queries or (8 if quick else 126)
   args.max_instances = args.max_instances or (8 if quick else 100)
   args.batches = [int(b) for b in args.batches.split(",")]

@@ -17,8 +17,8 @@ import ml_collections
 
 # `--config=configs/<algorithm>.py:<arg>` with arg a comma-separated list of these (e.g.
 # 'paper,released'): 'paper' the paper's protocol on real data, 'released' every switch set to
-# the released code's behaviour (`apply_released_code`).
-KNOWN_ARGS = ("", "paper", "released")
+# the released code's behaviour (`apply_released_code`), 'owlv2' the OWLv2 model (`apply_owlv2`).
+KNOWN_ARGS = ("", "paper", "released", "owlv2")
 
 # The paper's ODinW sequence (docs/reference.md §10; the paper's Datasets table, tab:ds), in the
 # table's
@@ -107,6 +107,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     apply_paper_protocol(c)
   if "released" in parts:
     apply_released_code(c, real_data="paper" in parts)
+  if "owlv2" in parts:
+    apply_owlv2(c, real_data="paper" in parts)
   return c
 
 
@@ -271,6 +273,9 @@ def _loss_section(c: ml_collections.ConfigDict) -> None:
   c.loss.class_weight = 1.0
   c.loss.bbox_weight = 1.0
   c.loss.giou_weight = 1.0
+  # OWLv2's objectness term (docs/owlv2.md): weight of the focal loss of the objectness logit
+  # against "matched to a real box"; used only by an OWLv2 model (model.variant 'owlv2_*').
+  c.loss.objectness_weight = 0.0
   # Continual fine-tuning's loss normalisation: 'per_image' (scenic, paper: each image's sums
   # over its own #positives/#boxes, then the mean) | 'per_batch' (released code: the batch's
   # sums over its total #positives/#boxes). Pre-training and buffer losses stay per image.
@@ -464,6 +469,18 @@ def _checkpoint_section(c: ml_collections.ConfigDict) -> None:
   c.checkpoint.every_steps = ml_collections.config_dict.placeholder(int)
   c.checkpoint.every_minutes = ml_collections.config_dict.placeholder(float)
   c.checkpoint.every_minutes = 10.0
+
+
+def apply_owlv2(c: ml_collections.ConfigDict, real_data: bool = False) -> ml_collections.ConfigDict:
+  """OWLv2 (docs/owlv2.md) instead of OWL-ViT v1: the model with the objectness head and the
+  objectness loss term. The built-in benchmark's model is `owlv2_tiny` (the tiny towers); the
+  paper's protocol (`real_data`) uses `owlv2_l14` at 1008 px (scenic `owl_v2_clip_l14.py`),
+  which needs an OWLv2 `init_checkpoint` (converted with `python -m owl_cl.model.convert`).
+  """
+  c.model.variant = "owlv2_l14" if real_data else "owlv2_tiny"
+  # felix-lindgren/owlv2-torch's objectness weight (docs/owlv2.md, "The objectness loss").
+  c.loss.objectness_weight = 0.5
+  return c
 
 
 def apply_released_code(

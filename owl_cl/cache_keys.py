@@ -54,6 +54,8 @@ def cache_key_fields(config: ml_collections.ConfigDict, section: str) -> dict:
     out.pop(field, None)
   if section == "model" and out.get("dtype") is None:
     out.pop("dtype", None)
+  if section == "loss" and not out.get("objectness_weight"):
+    out.pop("objectness_weight", None)  # OWLv2's term off: the v1 keys of before it existed
   return out
 
 

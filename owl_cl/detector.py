@@ -114,6 +114,9 @@ class Detector:
       giou_weight=config.loss.giou_weight,
       matcher=config.loss.matcher,
     )
+    if self.model.config.version == "owlv2":
+      # Only OWLv2 has the term (docs/owlv2.md); v1's loss options and cache keys unchanged.
+      self.loss_config["objectness_weight"] = config.loss.objectness_weight
     self.empty_tokens = self.tokenizer.encode([""])[0]
     self._text_embed = step_lib.make_text_embed_step(self.model)
     self._predict_steps = {}  # (templates?, top_k, multi_label) -> jitted prediction

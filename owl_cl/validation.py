@@ -228,6 +228,7 @@ FIELD_RULES: dict[str, Rule] = {
   "loss.class_weight": NON_NEGATIVE,
   "loss.bbox_weight": NON_NEGATIVE,
   "loss.giou_weight": NON_NEGATIVE,
+  "loss.objectness_weight": NON_NEGATIVE,
   "loss.normalization": choice(losses.NORMALIZATIONS),
   "loss.matcher": choice(losses.MATCHERS),
   # --- replay (retrieval)
@@ -328,6 +329,8 @@ MODEL_OVERRIDE_RULES: dict[str, Rule] = {
   "dtype": lambda value: "is set by config.model.dtype (e.g. 'bfloat16'), not an override",
   "attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
   "remat": choice(clip_lib.REMAT_POLICIES),
+  "version": choice(model_lib.MODEL_VERSIONS),
+  "objectness_top_k": integer(0),
 }
 
 # Batch sizes split over the devices of the mesh ('data' axis: every device).

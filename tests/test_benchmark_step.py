@@ -86,3 +86,30 @@ def test_compile_cache_writes_the_step_and_keeps_full_results(tmp_path):
   assert c["cache_files"] == len(os.listdir(tmp_path / "xla" / folder))
   assert (tmp_path / "step_quick.json").read_text() == "{}"
   assert "persistent cache" in (tmp_path / "step_quick_compile.md").read_text()
+
+
+def test_owlv2_arithmetic_counts_the_objectness_head(tmp_path):
+  """OWLv2's rows: more parameters (the objectness head: 2 D x D layers + D x 1) and more saved
+  activations than v1's at the same size (the head's own, trained by the objectness term)."""
+  common = [
+    "--quick",
+    "--image-size=32",
+    "--num-queries=4",
+    "--max-instances=2",
+    "--batches=1",
+    "--dtypes=float32",
+    "--remats=none",
+    "--attentions=xla",
+    "--skip-timing",
+  ]
+  rows = {}
+  for variant in ("tiny", "owlv2_tiny"):
+    out = tmp_path / variant
+    bench.main(common + [f"--variant={variant}", f"--out={out}"])
+    with open(out / "step_quick.json") as f:
+      rows[variant] = json.load(f)["arithmetic"]
+  d = 128  # the tiny vision width
+  extra = rows["owlv2_tiny"]["num_parameters"] - rows["tiny"]["num_parameters"]
+  assert extra == 2 * (d * d + d) + (d + 1)
+  v1, v2 = (rows[v]["configs"][0]["activation_bytes_per_image"] for v in ("tiny", "owlv2_tiny"))
+  assert v2 > v1

@@ -1,10 +1,11 @@
-"""OWL-ViT v1 model (scenic parameter tree) and query tokenizers.
+"""OWL-ViT v1 and OWLv2 models (scenic parameter tree) and query tokenizers.
 
 Public API (CONVENTIONS.md, Model / Tokenizer; docs/reference.md §1, §2):
 
 * :func:`create_model` ``(variant, **overrides) -> OwlViT``; :func:`get_variant_config`
   ``-> ModelConfig`` (also ``model.config``);
-  :data:`VARIANTS` (``tiny``, ``vit_b32``, ``vit_b16``, ``vit_l14``).
+  :data:`VARIANTS` (``tiny``, ``vit_b32``, ``vit_b16``, ``vit_l14``; OWLv2: ``owlv2_tiny``,
+  ``owlv2_b16``, ``owlv2_l14``, docs/owlv2.md).
 * :class:`OwlViT` with methods ``image_embedder``, ``text_embedder``, ``class_predictor``,
   ``box_predictor``; :func:`compute_box_bias`.
 * :func:`get_tokenizer`, :class:`WordHashTokenizer`, :func:`canonicalize_label`.
@@ -14,6 +15,7 @@ Checkpoints from scenic, HF transformers and OpenAI CLIP convert through
 """
 
 from owl_cl.model.clip import quick_gelu
+from owl_cl.model.owl_vit import MODEL_VERSIONS
 from owl_cl.model.owl_vit import VARIANTS
 from owl_cl.model.owl_vit import ModelConfig
 from owl_cl.model.owl_vit import OwlViT
@@ -27,6 +29,7 @@ from owl_cl.model.tokenizer import known_tokenizers
 from owl_cl.model.tokenizer import register_tokenizer
 
 __all__ = [
+  "MODEL_VERSIONS",
   "ModelConfig",
   "OwlViT",
   "VARIANTS",

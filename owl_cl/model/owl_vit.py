@@ -1,4 +1,4 @@
-"""OWL-ViT v1 detector (Flax linen), parameter tree identical to scenic's.
+"""OWL-ViT v1 and OWLv2 detector (Flax linen), parameter tree identical to scenic's.
 
 Source: docs/reference.md §1 (architecture, heads, box bias), §1.1 (parameter tree), §0 (hf_compat,
 precision); scenic `scenic/projects/owl_vit/models.py` (``TextZeroShotDetectionModule``),
@@ -11,6 +11,7 @@ Parameter tree (under ``params``)::
     backbone/merged_class_token/{scale, bias}             LayerNorm, eps 1e-6 (HF: 1e-5)
     class_head/{Dense_0, logit_shift, logit_scale}
     obj_box_head/{Dense_0, Dense_1, Dense_2}
+    objectness_head/{Dense_0, Dense_1, Dense_2}           OWLv2 only (version='owlv2')
 
 Precision: ``dtype`` is the compute dtype of the CLIP towers (float32 or bfloat16); parameters
 are float32; the merged-class-token LayerNorm, both heads and every output are float32.
@@ -18,8 +19,6 @@ are float32; the merged-class-token LayerNorm, both heads and every output are f
 
 from __future__ import annotations
 
-import collections.abc
-from collections.abc import Iterator
 import dataclasses
 from typing import Any
 
@@ -29,8 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from owl_cl.model import clip as clip_lib
+from owl_cl.model import objectness as objectness_lib
 from owl_cl.model.text import DEFAULT_CONTEXT_LENGTH
 from owl_cl.model.tokenizer import DEFAULT_VOCAB_SIZE
+from owl_cl.model.variants import MODEL_VERSIONS
+from owl_cl.model.variants import VARIANTS
+from owl_cl.model.variants import ModelConfig
+from owl_cl.model.variants import get_variant_config
 
 __all__ = [
   "BOX_BIAS_EPS",
@@ -39,6 +43,7 @@ __all__ = [
   "LOGIT_SHIFT_BIAS_INIT",
   "MASKED_LOGIT",
   "MERGED_CLASS_TOKEN_EPS",
+  "MODEL_VERSIONS",
   "ModelConfig",
   "OwlViT",
   "PredictorMLP",
@@ -62,170 +67,6 @@ LOGIT_SHIFT_BIAS_INIT = float(np.log(0.01) - np.log1p(-0.01))  # -4.59512
 #: Epsilon of the box-bias logit.
 BOX_BIAS_EPS = 1e-4
 _NORM_EPS = 1e-6
-
-# --------------------------------------------------------------------------------------------
-# Variants (docs/reference.md §1 table; ``tiny`` is ours, sized for 2 CPU cores).
-# --------------------------------------------------------------------------------------------
-
-_COMMON = dict(
-  context_length=DEFAULT_CONTEXT_LENGTH,
-  text_stochastic_depth=0.1,
-  vision_stochastic_depth=0.2,
-  hf_compat=False,
-  attention="auto",
-  remat="none",
-)
-
-_VIT_B32 = dict(
-  _COMMON,
-  tokenizer="clip",
-  vocab_size=49408,
-  embed_dim=512,
-  image_size=768,
-  patch_size=32,
-  vision_width=768,
-  vision_layers=12,
-  vision_heads=12,
-  vision_mlp_dim=3072,
-  text_width=512,
-  text_layers=12,
-  text_heads=8,
-  text_mlp_dim=2048,
-  dtype=jnp.bfloat16,
-)
-
-VARIANTS: dict[str, dict[str, Any]] = {
-  "tiny": dict(
-    _COMMON,
-    tokenizer="word_hash",
-    vocab_size=DEFAULT_VOCAB_SIZE,
-    embed_dim=128,
-    image_size=64,
-    patch_size=8,
-    vision_width=128,
-    vision_layers=4,
-    vision_heads=2,
-    vision_mlp_dim=512,
-    text_width=128,
-    text_layers=2,
-    text_heads=2,
-    text_mlp_dim=512,
-    dtype=jnp.float32,
-  ),
-  "vit_b32": _VIT_B32,
-  # B/16 is B/32 with 16-pixel patches (4x the image tokens: 2304 at 768 px).
-  "vit_b16": dict(_VIT_B32, patch_size=16),
-  "vit_l14": dict(
-    _COMMON,
-    tokenizer="clip",
-    vocab_size=49408,
-    embed_dim=768,
-    image_size=840,
-    patch_size=14,
-    vision_width=1024,
-    vision_layers=24,
-    vision_heads=16,
-    vision_mlp_dim=4096,
-    text_width=768,
-    text_layers=12,
-    text_heads=12,
-    text_mlp_dim=3072,
-    dtype=jnp.bfloat16,
-  ),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig(collections.abc.Mapping):
-  """Frozen model configuration; attribute (``cfg.image_size``) and mapping
-  (``cfg['image_size']``, ``dict(cfg)``, ``**cfg``) access. Fields = :class:`OwlViT` fields,
-  documented in :func:`get_variant_config`. ``replace(**changes)`` returns a modified copy
-  (unknown names raise TypeError). Derived: ``grid_size`` (S / patch), ``num_tokens`` (T).
-
-  Source: docs/reference.md §1 table.
-  """
-
-  tokenizer: str
-  vocab_size: int
-  context_length: int
-  embed_dim: int
-  image_size: int
-  patch_size: int
-  vision_width: int
-  vision_layers: int
-  vision_heads: int
-  vision_mlp_dim: int
-  text_width: int
-  text_layers: int
-  text_heads: int
-  text_mlp_dim: int
-  text_stochastic_depth: float
-  vision_stochastic_depth: float
-  hf_compat: bool
-  dtype: Any
-  # Execution choices that leave the parameters and (up to rounding) the outputs unchanged;
-  # defaults so that configurations written before they existed still load.
-  attention: str = "auto"
-  remat: str = "none"
-
-  def __getitem__(self, key: str) -> Any:
-    if key not in self.__dataclass_fields__:
-      raise KeyError(key)
-    return getattr(self, key)
-
-  def __iter__(self) -> Iterator[str]:
-    return iter(self.__dataclass_fields__)
-
-  def __len__(self) -> int:
-    return len(self.__dataclass_fields__)
-
-  def as_dict(self) -> dict[str, Any]:
-    """A plain, mutable ``dict`` copy."""
-    return {k: getattr(self, k) for k in self}
-
-  def replace(self, **changes) -> ModelConfig:
-    """Copy with some fields replaced."""
-    return dataclasses.replace(self, **changes)
-
-  @property
-  def grid_size(self) -> int:
-    """Tokens per image side, ``image_size // patch_size``."""
-    return self.image_size // self.patch_size
-
-  @property
-  def num_tokens(self) -> int:
-    """Image tokens T = grid_size ** 2."""
-    return self.grid_size**2
-
-
-def get_variant_config(variant: str) -> ModelConfig:
-  """Configuration of a model variant (a frozen :class:`ModelConfig`, usable as a mapping).
-
-  Keys (= :class:`OwlViT` fields): ``tokenizer`` (str, tokenizer name for
-  ``owl_cl.model.tokenizer.get_tokenizer``), ``vocab_size``, ``context_length`` (L = 16),
-  ``embed_dim`` (E), ``image_size`` (S, pixels), ``patch_size`` (pixels), ``vision_width``
-  (D), ``vision_layers``, ``vision_heads``, ``vision_mlp_dim``, ``text_width``,
-  ``text_layers``, ``text_heads``, ``text_mlp_dim``, ``text_stochastic_depth`` (0.1),
-  ``vision_stochastic_depth`` (0.2), ``hf_compat`` (False), ``dtype`` (compute dtype:
-  float32 for ``tiny``, bfloat16 for the ViT variants, docs/reference.md §0), ``attention`` ('auto'
-  |
-  'xla' | 'cudnn': the ``jax.nn.dot_product_attention`` implementation,
-  ``owl_cl.model.clip.resolve_attention``), ``remat`` ('none' | 'block' | a
-  ``jax.checkpoint_policies`` name: rematerialisation per residual block,
-  ``owl_cl.model.clip.remat_policy``).
-
-  Args:
-    variant: one of ``'tiny'``, ``'vit_b32'``, ``'vit_b16'``, ``'vit_l14'``.
-
-  Raises:
-    ValueError: unknown variant (the message lists the known ones).
-
-  Source: docs/reference.md §1 table; scenic `scenic/projects/owl_vit/clip/model.py` (``CONFIGS``).
-  """
-  if variant not in VARIANTS:
-    raise ValueError(f"unknown model variant {variant!r}; known: {sorted(VARIANTS)}")
-  return ModelConfig(**VARIANTS[variant])
-
 
 # --------------------------------------------------------------------------------------------
 # Box bias.
@@ -459,7 +300,7 @@ class PredictorMLP(nn.Module):
 
 
 class OwlViT(nn.Module):
-  """OWL-ViT v1 text-conditioned detector (scenic ``TextZeroShotDetectionModule``).
+  """OWL-ViT v1 / OWLv2 text-conditioned detector (scenic ``TextZeroShotDetectionModule``).
 
   Build with :func:`create_model`. Fields (defaults = the ``tiny`` variant):
   ``tokenizer`` (name, informational), ``vocab_size``, ``context_length`` (L), ``embed_dim``
@@ -467,7 +308,9 @@ class OwlViT(nn.Module):
   ``vision_heads``, ``vision_mlp_dim``, ``text_width``, ``text_layers``, ``text_heads``,
   ``text_mlp_dim``, ``text_stochastic_depth`` (0.1), ``vision_stochastic_depth`` (0.2),
   ``hf_compat`` (False: scenic; True: HF's merged-LN eps 1e-5, exact-erf GELU in the box
-  head, float32-min masked logits), ``dtype`` (compute dtype of the towers; params float32).
+  head, float32-min masked logits), ``dtype`` (compute dtype of the towers; params float32),
+  ``version`` ('v1' | 'owlv2': adds ``objectness_head`` and ``objectness_logits``),
+  ``objectness_top_k`` (OWLv2, training: keep the k tokens of highest objectness; 0 = all).
 
   ``model.init(rng, images, queries)`` / ``model.apply(variables, images, queries,
   train=False)`` -> dict (all float32):
@@ -501,6 +344,8 @@ class OwlViT(nn.Module):
   dtype: Dtype = jnp.float32
   attention: str = "auto"
   remat: str = "none"
+  version: str = "v1"
+  objectness_top_k: int = 0
 
   # ---- static helpers ------------------------------------------------------------------
 
@@ -550,6 +395,11 @@ class OwlViT(nn.Module):
     self._box_head = PredictorMLP(
       out_dim=4, num_layers=3, hf_compat=self.hf_compat, name="obj_box_head"
     )
+    if self.version == "owlv2":
+      # scenic: ``layers.PredictorMLP(out_dim=1, num_layers=3)`` named 'objectness_head'.
+      self._objectness_head = PredictorMLP(
+        out_dim=1, num_layers=3, hf_compat=self.hf_compat, name="objectness_head"
+      )
 
   # ---- scenic-style methods ------------------------------------------------------------
 
@@ -623,8 +473,67 @@ class OwlViT(nn.Module):
     """
     return self._class_head(image_features, query_embeddings, query_mask)
 
+  def objectness_predictor(self, image_features: jax.Array) -> dict[str, jax.Array]:
+    """OWLv2's objectness logit of every token (``version='owlv2'`` only).
+
+    The head's input is under ``stop_gradient`` (scenic's OWLv2 configs,
+    ``objectness_head.stop_gradient=True``; HF detaches it too): the objectness loss trains
+    the head only, never the backbone.
+
+    Args:
+      image_features: ``[B, T, D]``.
+
+    Returns:
+      ``{'objectness_logits': [B, T]}`` float32.
+
+    Raises:
+      ValueError: a v1 model (no objectness head).
+
+    Source: scenic `scenic/projects/owl_vit/models.py` (``objectness_predictor``).
+    """
+    if self.version != "owlv2":
+      raise ValueError(f"objectness needs version='owlv2', this model is {self.version!r}")
+    logits = self._objectness_head(jax.lax.stop_gradient(image_features))
+    return {"objectness_logits": logits[..., 0]}
+
+  def embed_image_query(self, query_images: jax.Array) -> dict[str, jax.Array]:
+    """OWLv2's image-conditioned query: the class embedding of each query image's token of
+    highest objectness (HF picks the query box this way when none is given).
+
+    Args:
+      query_images: float ``[B, S, S, 3]`` in [0, 1] (one example image per target image).
+
+    Returns:
+      dict: ``query_embeddings [B, 1, E]`` float32 (the raw class embedding, pass as
+      ``query_embeddings`` to ``__call__``), ``query_token [B]`` int32 (its token),
+      ``query_boxes [B, 4]`` float32 cxcywh (that token's predicted box).
+
+    Raises:
+      ValueError: a v1 model (no objectness head), or images of the wrong shape.
+
+    Source: HF transformers `models/owlv2/modeling_owlv2.py`
+    (``Owlv2ForObjectDetection.embed_image_query``, ``image_guided_detection``).
+    """
+    feature_map = self.image_embedder(query_images, train=False)
+    b, h, w, d = feature_map.shape
+    features = feature_map.reshape(b, h * w, d)
+    index = objectness_lib.query_token_index(
+      self.objectness_predictor(features)["objectness_logits"]
+    )
+    class_emb = self.class_predictor(features)["class_embeddings"]
+    boxes = self.box_predictor(features, feature_map)["pred_boxes"]
+    pick = index[:, None]
+    return {
+      "query_embeddings": objectness_lib.gather_tokens(class_emb, pick),
+      "query_token": index,
+      "query_boxes": objectness_lib.gather_tokens(boxes, pick)[:, 0],
+    }
+
   def box_predictor(
-    self, image_features: jax.Array, feature_map: jax.Array
+    self,
+    image_features: jax.Array,
+    feature_map: jax.Array,
+    keep_tokens: jax.Array | None = None,
   ) -> dict[str, jax.Array]:
     """Predicts one box per image token.
 
@@ -632,7 +541,8 @@ class OwlViT(nn.Module):
 
     Args:
       image_features: ``[B, T, D]``. feature_map: ``[B, h, w, D]`` (only its grid shape is
-        used), ``T = h * w``.
+        used), ``T = h * w``; with ``keep_tokens`` (int ``[B, k]``, OWLv2's top-k tokens)
+        ``image_features`` is ``[B, k, D]``, those tokens' features.
 
     Returns:
       ``{'pred_boxes': [B, T, 4]}`` float32, cxcywh in [0, 1] of the padded square.
@@ -643,11 +553,16 @@ class OwlViT(nn.Module):
     Source: scenic `scenic/projects/owl_vit/models.py` (``box_predictor``); docs/reference.md §1.
     """
     h, w = feature_map.shape[1:3]
-    if image_features.shape[1] != h * w:
+    expected = h * w if keep_tokens is None else keep_tokens.shape[1]
+    if image_features.shape[1] != expected:
       raise ValueError(
-        f"image_features has {image_features.shape[1]} tokens, feature_map grid is {h}x{w}"
+        f"image_features has {image_features.shape[1]} tokens, expected {expected} "
+        f"(feature_map grid {h}x{w})"
       )
-    boxes = self._box_head(image_features) + jnp.asarray(compute_box_bias(h, w))
+    bias = jnp.asarray(compute_box_bias(h, w))
+    if keep_tokens is not None:
+      bias = objectness_lib.gather_tokens(bias[None], keep_tokens)
+    boxes = self._box_head(image_features) + bias
     return {"pred_boxes": jax.nn.sigmoid(boxes)}
 
   def __call__(
@@ -674,7 +589,10 @@ class OwlViT(nn.Module):
     Returns:
       dict of float32 arrays: ``pred_logits [B, T, Q]``, ``pred_boxes [B, T, 4]``,
       ``class_embeddings [B, T, E]`` (normalised, as scenic), ``query_embeddings [B, Q, E]``,
-      ``feature_map [B, h, w, D]``.
+      ``feature_map [B, h, w, D]``; OWLv2 adds ``objectness_logits [B, T]``. OWLv2 with
+      ``objectness_top_k = k`` (0 < k < T) and ``train``: the per-token outputs are those of
+      the k tokens of highest objectness (T -> k) and ``keep_tokens [B, k]`` int32 gives
+      their indices (scenic).
 
     Raises:
       ValueError: neither or both of queries / query_embeddings; query_mask with queries;
@@ -714,8 +632,17 @@ class OwlViT(nn.Module):
       if query_mask is None:
         query_mask = jnp.ones(query_embeddings.shape[:2], bool)
     out = {"feature_map": feature_map, "query_embeddings": query_embeddings}
+    keep = None
+    if self.version == "owlv2":
+      out.update(self.objectness_predictor(image_features))
+      if train and 0 < self.objectness_top_k < h * w:
+        out["objectness_logits"], keep = objectness_lib.top_k_tokens(
+          out["objectness_logits"], self.objectness_top_k
+        )
+        image_features = objectness_lib.gather_tokens(image_features, keep)
+        out["keep_tokens"] = keep
     out.update(self.class_predictor(image_features, query_embeddings, query_mask))
-    out.update(self.box_predictor(image_features, feature_map))
+    out.update(self.box_predictor(image_features, feature_map, keep))
     return out
 
 
@@ -754,13 +681,19 @@ def _validate_config(cfg: dict[str, Any]) -> None:
     raise ValueError(f"attention={cfg['attention']!r} is unknown; known: {known_attention}")
   if cfg.get("remat", "none") not in clip_lib.REMAT_POLICIES:
     raise ValueError(f"remat={cfg['remat']!r} is unknown; known: {list(clip_lib.REMAT_POLICIES)}")
+  version, top_k = cfg.get("version", "v1"), cfg.get("objectness_top_k", 0)
+  if version not in MODEL_VERSIONS:
+    raise ValueError(f"version={version!r} is unknown; known: {list(MODEL_VERSIONS)}")
+  if not isinstance(top_k, int) or top_k < 0 or (top_k and version != "owlv2"):
+    raise ValueError(f"objectness_top_k={top_k!r} must be an int >= 0, and 0 unless 'owlv2'")
 
 
 def create_model(variant: str, **overrides) -> OwlViT:
   """Builds an :class:`OwlViT` of a named variant, with optional field overrides.
 
   Args:
-    variant: ``'tiny'``, ``'vit_b32'``, ``'vit_b16'`` or ``'vit_l14'`` (docs/reference.md §1 table).
+    variant: ``'tiny'``, ``'vit_b32'``, ``'vit_b16'``, ``'vit_l14'`` (docs/reference.md §1
+      table), ``'owlv2_tiny'``, ``'owlv2_b16'`` or ``'owlv2_l14'`` (docs/owlv2.md).
     **overrides: replacement values for any config field (see :func:`get_variant_config`),
       e.g. ``vision_layers=2``, ``image_size=96``, ``dtype=jnp.bfloat16``,
       ``hf_compat=True``.

@@ -107,7 +107,9 @@ def der_plus_plus_loss(
   replay this step) the result is L_det(new) and the replay terms are 0.
 
   Args:
-    new_outputs: {'pred_logits' [B,T,Q], 'pred_boxes' [B,T,4]} of the new images.
+    new_outputs: {'pred_logits' [B,T,Q], 'pred_boxes' [B,T,4]} of the new images; OWLv2
+      adds 'objectness_logits' [B,T] (its term in both halves with
+      ``loss_kwargs['objectness_weight']``, docs/owlv2.md).
     new_targets: {'labels' [B,M,Q], 'boxes' [B,M,4]}.
     replay_outputs: {'pred_logits' [B_r,T,Q], 'pred_boxes' [B_r,T,4]} of the replayed images
       (the same forward pass as the new ones), or None.
@@ -141,6 +143,7 @@ def der_plus_plus_loss(
     new_targets["labels"],
     new_targets["boxes"],
     example_mask=new_mask,
+    objectness_logits=new_outputs.get("objectness_logits"),
     **loss_kwargs,
   )
   out = dict(
@@ -150,6 +153,8 @@ def der_plus_plus_loss(
     loss_giou=new["loss_giou"],
     per_example_new=new["per_example"],
   )
+  if "loss_objectness" in new:
+    out["loss_objectness"] = new["loss_objectness"]
   if replay_outputs is None:
     return {**out, **_no_replay_terms(new["loss"])}
   if replay_targets is None or stored_logits is None:
@@ -160,6 +165,7 @@ def der_plus_plus_loss(
     replay_targets["labels"],
     replay_targets["boxes"],
     example_mask=replay_mask,
+    objectness_logits=replay_outputs.get("objectness_logits"),
     **loss_kwargs,
   )
   distill = distillation_mse(

@@ -21,6 +21,7 @@ from owl_cl.train.matcher import check_predictions
 from owl_cl.train.matcher import hungarian_matching
 from owl_cl.train.matcher import matching_cost
 from owl_cl.train.matcher import real_target_mask
+from owl_cl.train.objectness_loss import objectness_loss_per_example
 
 Array = jax.Array
 
@@ -217,8 +218,10 @@ def detection_loss(
   example_mask: Array | None = None,
   normalization: str = "per_image",
   matcher: str = "auto",
+  objectness_logits: Array | None = None,
+  objectness_weight: float = 0.0,
 ) -> dict[str, Array]:
-  """OWL-ViT detection loss: Hungarian matching, focal class loss, L1 + GIoU box losses.
+  """OWL-ViT detection loss: matching, focal class, L1 + GIoU box (+ OWLv2's objectness).
 
   Appends one padding instance per image, builds `matching_cost`, matches with
   `hungarian_matching`, computes `detection_loss_per_example` and averages over images.
@@ -245,6 +248,8 @@ def detection_loss(
       clamped to >= 1; computed over the whole global batch, where the released code
       normalises per device). `per_example` is per image in both.
     matcher: Hungarian solver, 'auto' | 'scipy' | 'jax' (`hungarian_matching`).
+    objectness_logits, objectness_weight: OWLv2's float [B, T] logits and the term's weight
+      (``loss.objectness_weight``); None or 0: the v1 loss exactly (`_add_objectness`).
 
   Returns:
     dict of float32:
@@ -254,6 +259,7 @@ def detection_loss(
         image, each term normalised within the image (independent of the rest of the batch
         and of example_mask; the replay buffer ranks images by it).
       loss_class, loss_bbox, loss_giou []: the unweighted terms, averaged like `loss`.
+      loss_objectness []: the unweighted objectness term (only with the term on).
 
   Raises:
     ValueError: inconsistent shapes, or an unknown `normalization`.
@@ -289,13 +295,50 @@ def detection_loss(
     focal_alpha=focal_alpha,
     focal_gamma=focal_gamma,
   )
+  obj = None
+  if objectness_logits is not None and objectness_weight:
+    matched = _gather_targets(real_target_mask(labels_k), target_index)  # [B, T]
+    obj = objectness_loss_per_example(
+      objectness_logits, matched, focal_alpha=focal_alpha, focal_gamma=focal_gamma
+    )
+  weights = (class_weight, bbox_weight, giou_weight)
+  return _normalised(terms, weights, example_mask, normalization, obj, objectness_weight)
+
+
+def _normalised(terms, weights, example_mask, normalization, obj, objectness_weight):
+  """`detection_loss`'s result from its per-image terms: `per_example` (the weighted sum of
+  the three terms), the batch values by `normalization`, and OWLv2's objectness term `obj`
+  (None: off) at `objectness_weight` (`_add_objectness`)."""
+  class_weight, bbox_weight, giou_weight = weights
   per_example = (
     class_weight * terms["loss_class"]
     + bbox_weight * terms["loss_bbox"]
     + giou_weight * terms["loss_giou"]
   )
   if normalization == "per_batch":
-    return _per_batch_loss(
-      terms, per_example, example_mask, (class_weight, bbox_weight, giou_weight)
-    )
-  return _per_image_loss(terms, per_example, example_mask)
+    out = _per_batch_loss(terms, per_example, example_mask, weights)
+  else:
+    out = _per_image_loss(terms, per_example, example_mask)
+  if obj is None:
+    return out
+  return _add_objectness(out, obj, objectness_weight, example_mask, normalization)
+
+
+def _add_objectness(out, obj, weight, example_mask, normalization) -> dict[str, Array]:
+  """`detection_loss`'s result `out` with OWLv2's objectness term (`obj`, from
+  `objectness_loss_per_example`) at `weight`: weight x the per-image term added to
+  `per_example`; `loss_objectness` normalised as the box losses ('per_image': the weighted
+  mean of the per-image values; 'per_batch': the batch's sum over its total #boxes); `loss`
+  recomputed ('per_image': the weighted mean of the new `per_example`) or weight x
+  `loss_objectness` added ('per_batch')."""
+  out = dict(out, per_example=out["per_example"] + weight * obj["loss_objectness"])
+  if normalization == "per_batch":
+    w = jnp.ones(obj["num_boxes"].shape, jnp.float32) if example_mask is None else example_mask
+    w = jnp.where(jnp.asarray(w, jnp.float32) > 0, jnp.asarray(w, jnp.float32), 0.0)
+    value = jnp.sum(w * obj["sum_objectness"]) / jnp.maximum(jnp.sum(w * obj["num_boxes"]), 1.0)
+    out["loss"] = out["loss"] + weight * value
+  else:
+    value = weighted_mean(obj["loss_objectness"], example_mask)
+    out["loss"] = weighted_mean(out["per_example"], example_mask)
+  out["loss_objectness"] = value
+  return out

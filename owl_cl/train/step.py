@@ -114,7 +114,12 @@ def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
     max_unique_queries=max_unique_queries,
   )
   new = losses.detection_loss(
-    outputs["pred_logits"], outputs["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
+    outputs["pred_logits"],
+    outputs["pred_boxes"],
+    batch["labels"],
+    batch["boxes"],
+    objectness_logits=outputs.get("objectness_logits"),  # OWLv2 (docs/owlv2.md)
+    **loss_config,
   )
   metrics = {
     "loss": new["loss"],
@@ -123,11 +128,37 @@ def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
     "loss_bbox": new["loss_bbox"],
     "loss_giou": new["loss_giou"],
   }
+  if "loss_objectness" in new:
+    metrics["loss_objectness"] = new["loss_objectness"]
   return new["loss"], metrics
 
 
+def _split_outputs(outputs, replay, num_new):
+  """The forward's outputs over [new ; replay] split into the two halves' dicts
+  (`pred_logits`, `pred_boxes`, and OWLv2's `objectness_logits`), and the replay half's stored
+  logits float32 [B_r, T, Q], gathered at the kept tokens when OWLv2's `objectness_top_k`
+  kept only some (`keep_tokens`): DER++ distils at the tokens the heads saw."""
+  new_outputs, replay_outputs = {}, {}
+  for name in ("pred_logits", "pred_boxes", "objectness_logits"):
+    if name in outputs:
+      new_outputs[name], replay_outputs[name] = outputs[name][:num_new], outputs[name][num_new:]
+  stored_logits = replay["stored_logits"].astype(jnp.float32)
+  if "keep_tokens" in outputs:
+    keep = outputs["keep_tokens"][num_new:]
+    stored_logits = jnp.take_along_axis(stored_logits, keep[..., None], axis=1)
+  return new_outputs, replay_outputs, stored_logits
+
+
 def _per_device_gate(
-  result, logits_replay, replay, replay_mask, alpha, beta, loss_threshold, loss_gate_groups
+  result,
+  logits_replay,
+  stored_logits,
+  replay,
+  replay_mask,
+  alpha,
+  beta,
+  loss_threshold,
+  loss_gate_groups,
 ):
   """'released_gate' per device (the released code's DDP): the new and replay halves split
   into G contiguous groups, group g's replay term kept iff the mean of its per-image new
@@ -143,9 +174,7 @@ def _per_device_gate(
   for d in range(g):  # G is the device count (static, small)
     in_d = mask * (group == d)
     det_d = jnp.sum(in_d * result["per_example_replay"]) / jnp.maximum(jnp.sum(in_d), 1.0)
-    mse_d = losses.distillation_mse(
-      logits_replay, replay["stored_logits"].astype(jnp.float32), example_mask=in_d
-    )
+    mse_d = losses.distillation_mse(logits_replay, stored_logits, example_mask=in_d)
     terms.append(gates[d] * (alpha * mse_d + beta * det_d))
   weight = jnp.mean(gates.astype(jnp.float32))
   loss = result["new_loss"] + jnp.sum(jnp.stack(terms)) / g
@@ -192,15 +221,14 @@ def _loss_fn(
   outputs = _forward(
     model, params, images, queries, train=True, key=key, max_unique_queries=max_unique_queries
   )
-  split = lambda x: (x[:num_new], x[num_new:])
-  logits_new, logits_replay = split(outputs["pred_logits"])
-  boxes_new, boxes_replay = split(outputs["pred_boxes"])
+  new_outputs, replay_outputs, stored_logits = _split_outputs(outputs, replay, num_new)
+  logits_replay = replay_outputs["pred_logits"]
   result = losses.der_plus_plus_loss(
-    new_outputs={"pred_logits": logits_new, "pred_boxes": boxes_new},
+    new_outputs=new_outputs,
     new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
-    replay_outputs={"pred_logits": logits_replay, "pred_boxes": boxes_replay},
+    replay_outputs=replay_outputs,
     replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
-    stored_logits=replay["stored_logits"].astype(jnp.float32),
+    stored_logits=stored_logits,
     replay_mask=replay_mask,
     alpha=alpha,
     beta=beta,
@@ -223,7 +251,15 @@ def _loss_fn(
     metrics["num_above_threshold"] = r
   elif loss_adaptivity == "released_gate" and loss_gate_groups > 1:
     loss, weight, gated = _per_device_gate(
-      result, logits_replay, replay, replay_mask, alpha, beta, loss_threshold, loss_gate_groups
+      result,
+      logits_replay,
+      stored_logits,
+      replay,
+      replay_mask,
+      alpha,
+      beta,
+      loss_threshold,
+      loss_gate_groups,
     )
     used = used & gated
   elif loss_adaptivity == "released_gate":

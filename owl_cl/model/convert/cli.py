@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   """Command-line converter; see the README section "Checkpoints" and ``--help``."""
   parser = argparse.ArgumentParser(
     prog="python -m owl_cl.model.convert",
-    description="Convert OWL-ViT checkpoints to and from owl_cl's parameter format.",
+    description="Convert OWL-ViT and OWLv2 checkpoints to and from owl_cl's parameter format.",
   )
   sub = parser.add_subparsers(dest="command", required=True)
 
@@ -121,12 +121,19 @@ def main(argv: Sequence[str] | None = None) -> None:
   model_args(p, required=True)
   p.set_defaults(fn=_cmd_scenic)
 
-  p = sub.add_parser("hf-to-owl_cl", help="saved HF OwlViTForObjectDetection folder -> owl_cl")
+  p = sub.add_parser(
+    "hf-to-owl_cl",
+    help="saved HF OwlViTForObjectDetection or Owlv2ForObjectDetection folder -> owl_cl "
+    "(the version is read from config.json's model_type)",
+  )
   p.add_argument("input", help="folder with config.json and weights")
   p.add_argument("output", help="owl_cl checkpoint folder to write")
   p.set_defaults(fn=_cmd_hf_to_ours)
 
-  p = sub.add_parser("owl_cl-to-hf", help="owl_cl checkpoint -> saved HF folder")
+  p = sub.add_parser(
+    "owl_cl-to-hf",
+    help="owl_cl checkpoint -> saved HF folder (Owlv2ForObjectDetection for an OWLv2 model)",
+  )
   p.add_argument("input", help="owl_cl checkpoint folder (save_params layout)")
   p.add_argument("output", help="HF folder to write")
   model_args(p, required=False)

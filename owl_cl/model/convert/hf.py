@@ -1,4 +1,9 @@
-"""HF transformers ``OwlViTForObjectDetection``, in both directions (docs/reference.md §1.2).
+"""HF transformers ``OwlViTForObjectDetection`` and ``Owlv2ForObjectDetection``, in both
+directions (docs/reference.md §1.2, docs/owlv2.md).
+
+OWLv2's state dict is v1's with the prefix ``owlv2.`` for ``owlvit.`` and the extra
+``objectness_head.dense{0,1,2}``; its config has ``model_type='owlv2'``. A config's
+``version`` ('v1' | 'owlv2') picks the HF class.
 
 In: :func:`load_hf_checkpoint` (a ``save_pretrained`` folder), :func:`hf_state_dict_to_params`,
 :func:`hf_config_to_model_config`. Out: :func:`params_to_hf_state_dict`,
@@ -28,18 +33,24 @@ from owl_cl.model.convert import tree
 # HF state-dict entries without a counterpart in our tree, ignored on import: CLIP's image
 # projection (the detector never uses it, docs/reference.md §1.2) and buffers that older
 # transformers versions saved.
-HF_IGNORED_KEYS = (
-  "owlvit.visual_projection.weight",
-  "owlvit.text_model.embeddings.position_ids",
-  "owlvit.vision_model.embeddings.position_ids",
-  "box_bias",
-)
+HF_IGNORED_KEYS = tuple(
+  f"{prefix}.{key}"
+  for prefix in ("owlvit", "owlv2")
+  for key in (
+    "visual_projection.weight",
+    "text_model.embeddings.position_ids",
+    "vision_model.embeddings.position_ids",
+  )
+) + ("box_bias",)
+# HF's model_type (config.json) and state-dict prefix of each of our versions.
+_HF_MODEL_TYPE = {"v1": "owlvit", "owlv2": "owlv2"}
 _HF_INSTALL = "pip install 'owl_cl[hf]'"
 
 
 def _hf_rows(cfg: owl_lib.ModelConfig) -> list[tuple[str, str, layouts.Layout]]:
   """(our path, HF state-dict key, layout) for every parameter of ``cfg``'s module."""
   rows: list[tuple[str, str, layouts.Layout]] = []
+  top = _HF_MODEL_TYPE[cfg.version]  # 'owlvit' or 'owlv2'
 
   def ln(ours, hf):
     rows.extend(
@@ -71,8 +82,8 @@ def _hf_rows(cfg: owl_lib.ModelConfig) -> list[tuple[str, str, layouts.Layout]]:
       dense(f"{o}/mlp/c_fc", f"{h}.mlp.fc1")
       dense(f"{o}/mlp/c_proj", f"{h}.mlp.fc2")
 
-  rows.append(("backbone/clip/logit_scale", "owlvit.logit_scale", layouts.SAME))
-  t, ht = "backbone/clip/text", "owlvit.text_model"
+  rows.append(("backbone/clip/logit_scale", f"{top}.logit_scale", layouts.SAME))
+  t, ht = "backbone/clip/text", f"{top}.text_model"
   rows.append(
     (f"{t}/token_embedding/embedding", f"{ht}.embeddings.token_embedding.weight", layouts.SAME)
   )
@@ -81,8 +92,8 @@ def _hf_rows(cfg: owl_lib.ModelConfig) -> list[tuple[str, str, layouts.Layout]]:
   )
   blocks(f"{t}/transformer", f"{ht}.encoder", cfg.text_layers)
   ln(f"{t}/ln_final", f"{ht}.final_layer_norm")
-  dense(f"{t}/text_projection", "owlvit.text_projection", bias=False)
-  v, hv = "backbone/clip/visual", "owlvit.vision_model"
+  dense(f"{t}/text_projection", f"{top}.text_projection", bias=False)
+  v, hv = "backbone/clip/visual", f"{top}.vision_model"
   rows.append((f"{v}/conv1/kernel", f"{hv}.embeddings.patch_embedding.weight", layouts.CONV))
   rows.append((f"{v}/class_embedding", f"{hv}.embeddings.class_embedding", layouts.SAME))
   rows.append(
@@ -97,6 +108,9 @@ def _hf_rows(cfg: owl_lib.ModelConfig) -> list[tuple[str, str, layouts.Layout]]:
   dense("class_head/logit_scale", "class_head.logit_scale")
   for i in range(3):
     dense(f"obj_box_head/Dense_{i}", f"box_head.dense{i}")
+  if cfg.version == "owlv2":
+    for i in range(3):
+      dense(f"objectness_head/Dense_{i}", f"objectness_head.dense{i}")
   return rows
 
 
@@ -110,7 +124,7 @@ def _import_hf():
 
 def _read_hf_config(config: Any, source: str) -> tuple[Any, str]:
   transformers = _import_hf()
-  if isinstance(config, transformers.OwlViTConfig):
+  if isinstance(config, (transformers.OwlViTConfig, transformers.Owlv2Config)):
     return config, source
   if isinstance(config, (str, os.PathLike)):
     path = os.fspath(config)
@@ -126,11 +140,16 @@ def _read_hf_config(config: Any, source: str) -> tuple[Any, str]:
     source = path
   if not isinstance(config, Mapping):
     raise TypeError(
-      f"HF config must be an OwlViTConfig, a dict or a path, got {type(config).__name__}"
+      "HF config must be an OwlViTConfig, an Owlv2Config, a dict or a path, got "
+      f"{type(config).__name__}"
     )
   model_type = config.get("model_type", "owlvit")
+  if model_type == "owlv2":
+    return transformers.Owlv2Config.from_dict(dict(config)), source
   if model_type != "owlvit":
-    raise ValueError(f"{source}: model_type={model_type!r}, expected 'owlvit' (OWL-ViT v1)")
+    raise ValueError(
+      f"{source}: model_type={model_type!r}, expected 'owlvit' (OWL-ViT v1) or 'owlv2' (OWLv2)"
+    )
   return transformers.OwlViTConfig.from_dict(dict(config)), source
 
 
@@ -142,7 +161,8 @@ def hf_config_to_model_config(
   text_stochastic_depth: float = 0.1,
   vision_stochastic_depth: float = 0.2,
 ) -> owl_lib.ModelConfig:
-  """Our ``ModelConfig`` (``hf_compat=True``) of an HF ``OwlViTConfig``.
+  """Our ``ModelConfig`` (``hf_compat=True``) of an HF ``OwlViTConfig`` or ``Owlv2Config``
+  (then ``version='owlv2'``).
 
   Maps: ``projection_dim -> embed_dim``; text ``vocab_size``, ``max_position_embeddings ->
   context_length``, ``hidden_size -> text_width``, ``num_hidden_layers``,
@@ -150,9 +170,9 @@ def hf_config_to_model_config(
   ``patch_size``, ``hidden_size -> vision_width``, layers, heads, MLP width.
 
   Args:
-    config: ``transformers.OwlViTConfig``, its ``dict`` (config.json) or a path (folder or
-      config.json). dtype: compute dtype of the towers. tokenizer: tokenizer name stored in
-      the config. text/vision_stochastic_depth: training-only rates (HF has none).
+    config: ``transformers.OwlViTConfig`` / ``Owlv2Config``, its ``dict`` (config.json) or a
+      path (folder or config.json). dtype: compute dtype of the towers. tokenizer: tokenizer
+      name stored in the config. text/vision_stochastic_depth: training-only rates (HF has none).
 
   Returns:
     ``ModelConfig`` with ``hf_compat=True`` (merged-LN eps 1e-5, exact-GELU box head,
@@ -160,7 +180,7 @@ def hf_config_to_model_config(
 
   Raises:
     ValueError: what our module cannot represent, naming the file, field and value:
-      ``model_type`` not 'owlvit', ``hidden_act`` not 'quick_gelu', ``layer_norm_eps``
+      ``model_type`` not 'owlvit' or 'owlv2', ``hidden_act`` not 'quick_gelu', ``layer_norm_eps``
       not 1e-5, ``num_channels`` not 3, ``projection_dim`` != text ``hidden_size``, image
       size not a multiple of the patch.
     ImportError: transformers missing.
@@ -213,12 +233,13 @@ def hf_config_to_model_config(
     vision_stochastic_depth=vision_stochastic_depth,
     hf_compat=True,
     dtype=dtype,
+    version="owlv2" if hf.model_type == "owlv2" else "v1",
   )
 
 
 def model_config_to_hf_config(config: owl_lib.ModelConfig) -> Any:
-  """HF ``OwlViTConfig`` of our ``ModelConfig`` (inverse of
-  :func:`hf_config_to_model_config` on the architecture fields).
+  """HF ``OwlViTConfig`` (``Owlv2Config`` for ``version='owlv2'``) of our ``ModelConfig``
+  (inverse of :func:`hf_config_to_model_config` on the architecture fields).
 
   The HF model always computes as ``hf_compat=True`` (docs/reference.md §0).
 
@@ -256,15 +277,15 @@ def model_config_to_hf_config(config: owl_lib.ModelConfig) -> Any:
     hidden_act="quick_gelu",
     layer_norm_eps=clip_lib.LAYER_NORM_EPS,
   )
-  return transformers.OwlViTConfig(
-    text_config=text, vision_config=vision, projection_dim=config.embed_dim
-  )
+  cls = transformers.Owlv2Config if config.version == "owlv2" else transformers.OwlViTConfig
+  return cls(text_config=text, vision_config=vision, projection_dim=config.embed_dim)
 
 
 def hf_state_dict_to_params(
   state_dict: Mapping[str, Any], config: owl_lib.ModelConfig, source: str = "HF state dict"
 ) -> dict[str, np.ndarray]:
-  """Converts an ``OwlViTForObjectDetection`` state dict into our parameter tree.
+  """Converts an ``OwlViTForObjectDetection`` (or, with ``config.version='owlv2'``,
+  ``Owlv2ForObjectDetection``) state dict into our parameter tree.
 
   Per docs/reference.md §1.2: Linear weight -> kernel = weight.T; q/k/v weight [H*dh, D] -> kernel
   [D, H, dh], bias [H*dh] -> [H, dh]; out_proj weight [D, H*dh] -> kernel [H, dh, D];
@@ -305,9 +326,17 @@ def hf_state_dict_to_params(
   unexpected = sorted(k for k in state_dict if k not in known and k not in HF_IGNORED_KEYS)
   if missing or unexpected or wrong:
     raise tree.CheckpointMismatchError(
-      source, missing, unexpected, wrong, what=" (HF OwlViTForObjectDetection names)"
+      source,
+      missing,
+      unexpected,
+      wrong,
+      what=f" (HF {_hf_class_name(config)}ForObjectDetection names)",
     )
   return tree.check_params(tree.unflatten(flat), tree.unflatten(like), source)
+
+
+def _hf_class_name(config: owl_lib.ModelConfig) -> str:
+  return "Owlv2" if config.version == "owlv2" else "OwlViT"
 
 
 def load_hf_state_dict(path: str) -> dict[str, np.ndarray]:
@@ -407,8 +436,8 @@ def params_to_hf_state_dict(
     params: our tree. config: its ``ModelConfig`` (default :func:`infer_model_config`).
     framework: ``'numpy'`` (``np.ndarray``) or ``'torch'`` (``torch.Tensor``); float32,
       contiguous.
-    visual_projection: ``owlvit.visual_projection.weight`` ``[E, D]`` (CLIP's image
-      projection, which our tree lacks and the detector never uses); default zeros.
+    visual_projection: ``owlvit.visual_projection.weight`` (``owlv2.`` for OWLv2) ``[E, D]``
+      (CLIP's image projection, which our tree lacks and the detector never uses); default zeros.
 
   Returns:
     ``{HF name: array}`` with every persistent entry of the HF model.
@@ -433,7 +462,9 @@ def params_to_hf_state_dict(
   visual_projection = layouts.to_numpy(visual_projection)
   if visual_projection.shape != shape:
     raise ValueError(f"visual_projection must be {shape}, got {visual_projection.shape}")
-  out["owlvit.visual_projection.weight"] = layouts.contiguous(visual_projection)
+  out[f"{_HF_MODEL_TYPE[config.version]}.visual_projection.weight"] = layouts.contiguous(
+    visual_projection
+  )
   if framework == "torch":
     import torch
 

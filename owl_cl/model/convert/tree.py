@@ -194,7 +194,7 @@ def infer_model_config(
 
   Returns:
     ``ModelConfig``; ``image_size = sqrt(P) * patch`` from the vision positional
-    embedding ``[P + 1, D]``.
+    embedding ``[P + 1, D]``; ``version='owlv2'`` when the tree has ``objectness_head``.
 
   Raises:
     ValueError: a needed leaf is absent (named) or the positional grid is not square.
@@ -246,4 +246,6 @@ def infer_model_config(
     vision_stochastic_depth=vision_stochastic_depth,
     hf_compat=hf_compat,
     dtype=dtype,
+    # OWLv2's tree is v1's plus the objectness head (docs/owlv2.md).
+    version="owlv2" if any(k.startswith("objectness_head/") for k in flat) else "v1",
   )
