@@ -230,6 +230,10 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   # 'layer' (the paper: m**depth per transformer block) or 'tensor' (as in the released code:
   # one decay step per parameter tensor in HF order; owl_cl.train.optim.hf_tensor_order).
   c.train.layerwise_granularity = "layer"
+  # Frozen parts (docs/baselines.md): presets 'heads_only', 'text_tower', 'image_tower' or
+  # regexes matched in full against parameter paths ('backbone/clip/text/.*'); frozen
+  # parameters get no update and no optimizer state (owl_cl.train.optim.frozen_labels).
+  c.train.frozen = ()
   # Linear warmup in epochs of the dataset (the paper's table); None: train.warmup_steps.
   c.train.warmup_epochs = ml_collections.config_dict.placeholder(int)
   # Per-dataset overrides {dataset name: {field: value}} of num_epochs, warmup_epochs,

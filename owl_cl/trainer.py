@@ -238,8 +238,8 @@ def make_optimizer(params, optimizer: dict, total_steps: int, config: ml_collect
   """AdamW of one phase (`optim.create_optimizer`). Returns (tx, learning-rate schedule).
 
   `optimizer` holds the phase's learning_rate, warmup_steps, text_lr_multiplier,
-  layerwise_decay, weight_decay and layerwise_granularity; Adam's b1 / b2 / eps and the
-  gradient clipping come from `config.train` for every phase.
+  layerwise_decay, weight_decay, layerwise_granularity and (fine-tuning) frozen; Adam's b1 /
+  b2 / eps and the gradient clipping come from `config.train` for every phase.
   """
   train = config.train
   return optim.create_optimizer(
@@ -640,6 +640,7 @@ def train_on_dataset(
   optimizer.update(
     layerwise_granularity=config.train.get("layerwise_granularity", "layer"),
     weight_decay=config.train.weight_decay,
+    frozen=tuple(config.train.get("frozen", ())),
   )
   tx, schedule = make_optimizer(params, optimizer, total, config)
   replay = replay_setup.make_replay(detector, store, records_path)

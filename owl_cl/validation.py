@@ -50,6 +50,7 @@ from owl_cl.replay.retrieval import asv as retrieval_asv
 from owl_cl.replay.retrieval import knn_shapley
 from owl_cl.replay.retrieval import steps as retrieval_steps
 from owl_cl.train import losses
+from owl_cl.train import optim
 from owl_cl.utils import expand_path
 
 
@@ -81,7 +82,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       check(config)
     except ConfigError as e:
       problems.append(str(e))
-  problems += [p for p in [init_checkpoint_problem(config)] if p]
+  problems += [p for p in [init_checkpoint_problem(config), frozen_problem(config)] if p]
   problems += option_problems(config)
   # With real data, `real_inputs.check_inputs` lists it with the files.
   if not uses_real_data(config):
@@ -332,6 +333,29 @@ def init_checkpoint_model_problem(
   like = convert.abstract_params(model.config)
   check = pretrained.hf_checkpoint_problem if hf else pretrained.params_checkpoint_problem
   return check(path, like, pretrained.model_description(config))
+
+
+def frozen_problem(config: ml_collections.ConfigDict) -> str:
+  """What is wrong with `config.train.frozen` ('' when fine): an entry that is neither a preset
+  nor a regex, or a pattern matching no parameter of the config's model (its tree by
+  `jax.eval_shape`, nothing allocated; `optim.frozen_labels`). An invalid `config.model` is
+  left to the detector's own error."""
+  frozen = tuple(config.train.get("frozen", ()) or ())
+  if not frozen:
+    return ""
+  try:
+    optim.frozen_patterns(frozen)
+  except ValueError as e:
+    return f"config.{e}"
+  try:
+    model = model_lib.create_model(config.model.variant, **model_fields(config))
+  except (ValueError, TypeError, AttributeError):
+    return ""
+  try:
+    optim.frozen_labels(convert.abstract_params(model.config), frozen)
+  except ValueError as e:
+    return f"config.{e} of model.variant={config.model.variant!r}"
+  return ""
 
 
 def option_problems(config: ml_collections.ConfigDict) -> list[str]:

@@ -193,6 +193,21 @@ def test_unknown_algorithm_is_refused(tmp_path, workdir, capsys):
   assert "config.replay.algorithm='swill' is unknown" in err
 
 
+@pytest.mark.parametrize(
+  "frozen, expected",
+  [
+    (("text/.*",), "config.train.frozen: patterns ['text/.*'] match no parameter path"),
+    (("heads", "("), "config.train.frozen: '(' is neither a preset"),
+  ],
+)
+def test_bad_frozen_pattern_is_refused(frozen, expected, tmp_path, workdir, capsys):
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.train.frozen = frozen
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert expected in err
+
+
 def test_unknown_loss_adaptivity_mode_is_refused(tmp_path, workdir, capsys):
   config = tiny_config("swil", str(tmp_path / "cache"))
   config.replay.loss_adaptivity.mode = "sometimes"
