@@ -153,6 +153,11 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   # and data version (recorded under <cache_dir>/data_scan). False skips the decoding (empty
   # splits are still refused); e.g. for a first run on Objects365's 1.7M images.
   c.data.validate_images = True
+  # An image file with an EXIF orientation tag (phone photos): 'ignore' decodes the stored
+  # pixels, the frame of COCO boxes and of pycocotools / PIL / torchvision users; 'apply' turns
+  # them as the tag says (annotations drawn in a photo viewer); 'refuse' names each such file
+  # (docs/reference.md §5).
+  c.data.exif_orientation = "ignore"
   # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.pipeline). The defaults are the
   # built-in
   # benchmark's; a non-default value also keys the cached pre-trained model and buffer.

@@ -203,14 +203,16 @@ def _protocol(entry: entries_lib.DatasetEntry, split: str, source=True) -> str:
 
 class _SplitLoader:
   """`entries.load_split` that records a split's DataError and goes on with the next split,
-  so one error (`raise_problems`) names every unreadable file of every dataset."""
+  so one error (`raise_problems`) names every unreadable file of every dataset.
+  `coco_options` go to every `CocoSource` (e.g. `exif_orientation`)."""
 
-  def __init__(self):
+  def __init__(self, **coco_options):
     self.problems: list[str] = []
+    self.coco_options = coco_options
 
   def __call__(self, entry: entries_lib.DatasetEntry, split: str) -> coco.CocoSource | None:
     try:
-      return entries_lib.load_split(entry, split)
+      return entries_lib.load_split(entry, split, **self.coco_options)
     except coco.DataError as e:
       self.problems += [f"dataset {entry.name!r} split {split!r}: {p}" for p in str(e).split("\n")]
       return None
@@ -270,7 +272,8 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
 def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Benchmark:
   """The Benchmark of `declared` entries; undeclared roles from `default` (built-in)."""
   pretrain_eval, held_out_eval = PRETRAIN_EVAL, HELD_OUT_EVAL
-  load = _SplitLoader()
+  exif = config.data.get("exif_orientation", "ignore")
+  load = _SplitLoader(exif_orientation=exif)
   if declared["pretrain"] is None:
     pretrain = default.pretrain
   else:
@@ -326,6 +329,8 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
         for f, v in declared.items()
       },
       "builtin": default.fingerprint if default is not None else None,
+      # Only when not the default: the caches keyed before the option existed stay valid.
+      **({"exif_orientation": exif} if exif != "ignore" else {}),
     }
   )
   return Benchmark(

@@ -35,6 +35,7 @@ import json
 import logging as py_logging
 import os
 import time
+from typing import Any
 import uuid
 
 from absl import logging
@@ -53,6 +54,7 @@ from owl_cl import validation
 from owl_cl.config_fields import ConfigError
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
+from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
@@ -177,10 +179,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   py_logging.getLogger("absl").setLevel(py_logging.INFO)
   workdir = expand_path(workdir)
   # Init / resume order, the same on every start:
-  #   1. validate the config (and the real data's files) before anything is written;
+  #   1. validate the config (and the real data's files) and build the detector before
+  #      anything is written;
   #   2. load the benchmark and check the sequence and every image and annotation (cached),
-  #      then lock the workdir (a second run is refused) and claim it (run.json; a workdir of
-  #      another config is refused): a run refused for its config or data writes nothing;
+  #      read the init checkpoint, then lock the workdir (a second run is refused) and claim
+  #      it (run.json; a workdir of another config is refused): a run refused for its config,
+  #      data or init checkpoint writes nothing;
   #   3. benchmark, detector, starting parameters (init_checkpoint > cached pre-trained
   #      model > pre-train now) and the replay store: all deterministic in the config, so
   #      rebuilt (or read from the caches) identically on a resume;
@@ -188,12 +192,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   #      replay state (stage 0 = evaluated after pre-training); training goes on after it.
   validation.validate(config, workdir)
   replay_setup.check_replay_config(config)
+  # Built before anything is written: its checks (the tokenizer's vocabulary files and size,
+  # prompt templates) then refuse a run with the workdir left free, not after run.json.
+  detector = Detector(config)
   existing_run(workdir, config)
   if distributed.is_writer():
     utils.check_workdir_free(workdir)  # at once, before the data checks (they can take long)
   bench = benchmark_lib.load_benchmark(config)
   validation.check_sequence_config(config, bench)
   validation.check_data(config, bench)  # every image decoded once (cached by content)
+  # An init checkpoint is read before the workdir is locked or claimed too: one of another
+  # model (a scenic file's parameters are known only once read) is refused with it free.
+  init = read_init_checkpoint(detector, bench)
   # After the checks: nothing (not even the compilation cache's folder or the lock file) is
   # written to the workdir for a bad config or bad data. One run per workdir: a second one is
   # refused before it writes anything; on several hosts (one workdir on a shared file
@@ -209,17 +219,45 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     with preemption.handle_sigterm():
-      return _run(config, workdir, bench)
+      return _run(config, workdir, bench, detector, init)
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.Benchmark) -> dict:
-  """`run` after the checks of the config and the data, with the workdir locked."""
+def read_init_checkpoint(detector: Detector, bench: benchmark_lib.Benchmark):
+  """(params, meta) of `config.init_checkpoint` (`pretrained.pretrained_params`); None when
+  it is not set.
+
+  Raises:
+    CheckpointMismatchError: a checkpoint of another model (its parameters named).
+    ConfigError: a file or folder that cannot be read as a checkpoint (names the field, the
+      path and the reader's reason).
+  """
+  config = detector.config
+  if not config.init_checkpoint:
+    return None
+  try:
+    return pretrained.pretrained_params(detector, bench, None)
+  except CheckpointMismatchError:
+    raise
+  except (ValueError, OSError) as e:
+    raise ConfigError(
+      f"config.init_checkpoint={expand_path(config.init_checkpoint)} cannot be read: {e}"
+    ) from e
+
+
+def _run(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  bench: benchmark_lib.Benchmark,
+  detector: Detector,
+  init: tuple[Any, dict] | None = None,
+) -> dict:
+  """`run` after the checks of the config and the data, with the workdir locked; `init` the
+  (params, meta) of `config.init_checkpoint`, read by `run` (None: none is set)."""
   wall_start = time.time()
   # One writer (process 0): run.json, results, records and TensorBoard; every process takes
   # part in the computation and in the orbax stage checkpoints (multi-process saves).
   is_writer = distributed.is_writer()
   run_id = check_workdir(workdir, config) if is_writer else None
-  detector = Detector(config)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if is_writer else None
   checkpointer = checkpointing.StageCheckpointer(
     os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
@@ -229,7 +267,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
     every_steps=config.checkpoint.get("every_steps"),
     every_minutes=config.checkpoint.get("every_minutes"),
   )
-  params, pretrain_meta = pretrained.pretrained_params(detector, bench, writer, step_checkpoints)
+  params, pretrain_meta = init or pretrained.pretrained_params(
+    detector, bench, writer, step_checkpoints
+  )
   store, buffer_stats = None, None
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)

@@ -3,8 +3,9 @@
 `scan_benchmark(bench, cache_dir)` decodes every image of every split of the run's data (the
 pre-training set's train and eval splits, the held-out set, each downstream dataset's train,
 val and test splits) with the pipeline's own decoder (`CocoSource.decode_image`: PIL, every
-pixel, the size compared with the json's), so a truncated JPEG or PNG, a missing file or an
-image whose size differs from its annotation fails here and not hours into training. The
+pixel, the size compared with the json's, a PNG's IEND chunk present), so a truncated JPEG
+or PNG, a missing file or an image whose size differs from its annotation fails here and not
+hours into training. The
 annotations were checked when the splits were read (`CocoSource`: boxes finite, w, h > 0,
 inside the image within `box_tolerance`, known category ids, non-empty category names;
 every problem of every file in one error, `benchmark._SplitLoader`); an empty split is
@@ -13,8 +14,9 @@ the split, the file and the reason.
 
 A split that passed is recorded in `<cache_dir>/data_scan/<key>.json` (written atomically),
 keyed by the content digest of its annotation file, its images' (path, size, mtime) (TFDS:
-the record files') and the json's image sizes: a second run over unchanged data skips the
-scan; a changed, added or replaced file changes the key and is scanned again.
+the record files'), the json's image sizes and the EXIF orientation policy: a second run
+over unchanged data skips the scan; a changed, added or replaced file changes the key and is
+scanned again.
 
 Source: docs/reference.md §10 (the paper's datasets); issue 12 item 5.
 """
@@ -41,7 +43,8 @@ __all__ = ["SCAN_FOLDER", "split_key", "scan_splits", "benchmark_splits", "scan_
 # Below cache_dir: one small json per split that passed.
 SCAN_FOLDER = "data_scan"
 # Bump when what the scan checks changes: older records no longer vouch for a split.
-SCAN_VERSION = 1
+# 2: PNGs must end with IEND; 16-bit greyscale scaled; the EXIF orientation policy.
+SCAN_VERSION = 2
 # Decoding threads (PIL releases the GIL while decoding).
 NUM_THREADS = min(8, os.cpu_count() or 1)
 _BLOCK = 1024  # images handed to the threads at a time
@@ -62,9 +65,9 @@ def split_key(source: CocoSource) -> str:
   """The digest a scan record of `source` is filed under (module docstring).
 
   Covers the annotation file's bytes (when it is a file; a TFDS source's annotations come
-  from its records), each image's id, json height / width and file (path, size, mtime in
-  ns), or, for a source whose pixels come from a reader (TFDS ArrayRecord), the record
-  files below `image_dir`.
+  from its records), the source's `exif_orientation`, each image's id, json height / width
+  and file (path, size, mtime in ns), or, for a source whose pixels come from a reader (TFDS
+  ArrayRecord), the record files below `image_dir`.
   """
   ann = source.annotation_file
   images = [
@@ -83,6 +86,7 @@ def split_key(source: CocoSource) -> str:
     {
       "version": SCAN_VERSION,
       "annotation_file": ann,
+      "exif_orientation": source.exif_orientation,
       "annotations": file_digest(ann) if os.path.isfile(ann) else None,
       "images": images,
       "files": files,

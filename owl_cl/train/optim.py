@@ -258,6 +258,26 @@ def lr_multipliers(
   return traverse_util.unflatten_dict(out)
 
 
+def _entry_problem(entry) -> str:
+  """What makes one `train.frozen` entry unusable ('' when it is a preset or a regex)."""
+  if not isinstance(entry, str):
+    return f"entry {entry!r} is not a str (a preset or a regex)"
+  if entry in FROZEN_PRESETS:
+    return ""
+  try:
+    re.compile(entry)
+  except re.error as e:
+    return f"{entry!r} is neither a preset {sorted(FROZEN_PRESETS)} nor a valid regex ({e})"
+  return ""
+
+
+def frozen_rule(value) -> str:
+  """The config rule of `train.frozen` (config_fields.Rule): '' or what is wrong with it."""
+  if not isinstance(value, (tuple, list)):
+    return "must be a tuple of presets and regexes"
+  return "; ".join(p for p in map(_entry_problem, value) if p)
+
+
 def frozen_patterns(frozen) -> tuple[str, ...]:
   """The regexes of `train.frozen`: presets (`FROZEN_PRESETS`) expanded, regexes kept.
 
@@ -273,19 +293,9 @@ def frozen_patterns(frozen) -> tuple[str, ...]:
   """
   patterns = []
   for entry in frozen or ():
-    if not isinstance(entry, str):
-      raise ValueError(f"train.frozen: entry {entry!r} is not a str (a preset or a regex)")
-    if entry in FROZEN_PRESETS:
-      patterns += FROZEN_PRESETS[entry]
-      continue
-    try:
-      re.compile(entry)
-    except re.error as e:
-      raise ValueError(
-        f"train.frozen: {entry!r} is neither a preset {sorted(FROZEN_PRESETS)} "
-        f"nor a valid regex ({e})"
-      ) from None
-    patterns.append(entry)
+    if problem := _entry_problem(entry):
+      raise ValueError(f"train.frozen: {problem}")
+    patterns += FROZEN_PRESETS.get(entry, (entry,))
   return tuple(patterns)
 
 
