@@ -400,7 +400,11 @@ def _loss_adaptivity_section(c: ml_collections.ConfigDict) -> None:
 
 
 def _buffer_selection_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.replay.selection` (the one-off buffer selection, paper eq. 7)."""
+  """Fills `c.replay.selection` (the one-off buffer selection, paper eq. 7) and the budget."""
+  # Replay budget (docs/baselines.md): None keeps eq. 7's buffer; a float in (0, 1] is a
+  # fraction of the pre-training set (0.001 / 0.01 / 0.1), an int an image count; the buffer
+  # is then brought to exactly that size (owl_cl.replay.buffer_selection.apply_budget).
+  c.replay.budget = ml_collections.config_dict.placeholder(object)
   c.replay.selection = ml_collections.ConfigDict()
   c.replay.selection.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
   c.replay.selection.min_per_class = 20  # then top up each class to this many images

@@ -35,6 +35,7 @@ from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
 from owl_cl.config_fields import Rule
 from owl_cl.config_fields import boolean
+from owl_cl.config_fields import budget
 from owl_cl.config_fields import check_carry_mode
 from owl_cl.config_fields import check_downstream_eval_mode
 from owl_cl.config_fields import check_per_dataset_fields
@@ -230,6 +231,7 @@ FIELD_RULES: dict[str, Rule] = {
   # --- replay (retrieval)
   "replay.algorithm": choice(sorted(retrieval_registry.ALGORITHMS) + ["none"]),
   "replay.ratio": POSITIVE,
+  "replay.budget": budget,
   "replay.dedup": choice(dedup.SCHEDULE_NAMES),
   "replay.dedup_fraction": FRACTION,
   "replay.dedup_without_replacement": boolean,

@@ -77,6 +77,8 @@ BAD_FIELDS = [
   ("pretrain.batch_size", 0, "config.pretrain.batch_size=0 must be >= 1"),
   ("pretrain.num_steps", 0, "config.pretrain.num_steps=0 must be >= 1"),
   ("replay.ratio", -1.0, "config.replay.ratio=-1.0 must be > 0"),
+  ("replay.budget", 1.5, "config.replay.budget=1.5 must be None, a fraction in (0, 1]"),
+  ("replay.budget", 0, "config.replay.budget=0 must be None, a fraction in (0, 1]"),
   ("replay.selection.loss_threshold", math.nan, "loss_threshold=nan must be a finite"),
   ("replay.loss_adaptivity.threshold", math.nan, "adaptivity.threshold=nan must be a finite"),
   ("max_eval_images", 0, "config.max_eval_images=0 must be >= 1 or None"),
