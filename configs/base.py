@@ -239,6 +239,14 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   # regexes matched in full against parameter paths ('backbone/clip/text/.*'); frozen
   # parameters get no update and no optimizer state (owl_cl.train.optim.frozen_labels).
   c.train.frozen = ()
+  # LwF (docs/baselines.md; Li & Hoiem 2017, Feng et al. CVPR'22): distillation to the
+  # pre-trained model on the new images, weight * T^2 * binary KL of the tempered sigmoids,
+  # plus box_weight * L1 to its boxes where its score >= box_threshold; weights 0: off.
+  c.train.lwf = ml_collections.ConfigDict()
+  c.train.lwf.weight = 0.0
+  c.train.lwf.temperature = 2.0  # Li & Hoiem's T
+  c.train.lwf.box_weight = 0.0
+  c.train.lwf.box_threshold = 0.5
   # Linear warmup in epochs of the dataset (the paper's table); None: train.warmup_steps.
   c.train.warmup_epochs = ml_collections.config_dict.placeholder(int)
   # Per-dataset overrides {dataset name: {field: value}} of num_epochs, warmup_epochs,
