@@ -79,6 +79,8 @@ BAD_FIELDS = [
   ("replay.ratio", -1.0, "config.replay.ratio=-1.0 must be > 0"),
   ("replay.budget", 1.5, "config.replay.budget=1.5 must be None, a fraction in (0, 1]"),
   ("replay.budget", 0, "config.replay.budget=0 must be None, a fraction in (0, 1]"),
+  ("train.lwf.temperature", 0.0, "config.train.lwf.temperature=0.0 must be > 0"),
+  ("train.lwf.weight", -1.0, "config.train.lwf.weight=-1.0 must be >= 0"),
   ("replay.selection.loss_threshold", math.nan, "loss_threshold=nan must be a finite"),
   ("replay.loss_adaptivity.threshold", math.nan, "adaptivity.threshold=nan must be a finite"),
   ("max_eval_images", 0, "config.max_eval_images=0 must be >= 1 or None"),
