@@ -29,6 +29,7 @@ from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import entries as entries_lib
 from owl_cl.data import odinw
+from owl_cl.data import orders
 from owl_cl.data import pretraining
 from owl_cl.data import real_inputs
 from owl_cl.data import suites
@@ -91,6 +92,9 @@ class Benchmark:
   pretrain_eval: str = PRETRAIN_EVAL
   held_out_eval: str = HELD_OUT_EVAL
   roles: dict | None = None
+  # The stored order applied (`owl_cl.data.orders.resolve_order`: suite, name, index,
+  # datasets); None when the sequence follows sequence_seed.
+  task_order: dict | None = None
 
   def eval_sets(self) -> list[tuple[str, Dataset]]:
     """(eval-set name, dataset) of every eval set: pre-training, held-out, each dataset."""
@@ -244,14 +248,48 @@ def _sequence_dataset(entry: entries_lib.DatasetEntry, load=entries_lib.load_spl
 def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   """The run's data, assembled from the config's declaration (module docstring).
 
-  The sequence is shuffled by `sequence_seed`. Nothing declared and no `data.root`: the
+  The sequence follows the stored order `task_order` when set (`apply_task_order`), else it
+  is shuffled by `sequence_seed`. Nothing declared and no `data.root`: the
   built-in benchmark as before; with `data.root`: the paper's declaration, which gives the
   datasets of `load_real_benchmark`.
 
   Raises:
     MissingInputsError: the paper's protocol with missing files (`data.real_inputs.check_inputs`).
     DataError: a declared dataset that cannot be read (names the entry, field and value).
+    OrderError: `task_order` names no stored order of the sequence's suite.
   """
+  return apply_task_order(_load_benchmark(config), config.get("task_order"))
+
+
+def apply_task_order(bench: Benchmark, task_order: str | int | None) -> Benchmark:
+  """`bench` with its sequence in the stored order `task_order` (None: `bench` unchanged).
+
+  Args:
+    bench: a loaded benchmark (its sequence in any order).
+    task_order: see `owl_cl.data.orders.resolve_order`.
+
+  Returns:
+    A new Benchmark: sequence (and roles' downstream list) reordered, `task_order` recorded.
+
+  Raises:
+    OrderError: see `owl_cl.data.orders.resolve_order`.
+  """
+  if task_order is None:
+    return bench
+  order = orders.resolve_order(task_order, [d.name for d in bench.sequence])
+  by_name = {d.name: d for d in bench.sequence}
+  roles = bench.roles
+  if roles is not None and roles.get("downstream") is not None:
+    roles = dict(roles, downstream=list(order["datasets"]))
+  return dataclasses.replace(
+    bench,
+    sequence=tuple(by_name[n] for n in order["datasets"]),
+    roles=roles,
+    task_order=order,
+  )
+
+
+def _load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   if uses_real_data(config):
     real_inputs.check_inputs(config)
   decl = declaration(config)

@@ -96,6 +96,36 @@ FRACTION = real(0.0, 1.0, low_open=True)  # layer-wise decay, dedup fraction
 BETA = real(0.0, 1.0, high_open=True)  # Adam's b1 / b2
 
 
+# ----------------------------------------------------------------------------- seeds
+
+# What each part of `config.seeds` controls (docs/experiments.md, "Seeds"); each unset part
+# takes `config.seed`, so a config that sets only `seed` behaves as before the split.
+SEED_PARTS = ("model", "data", "retrieval")
+
+
+def seed_of(config: ml_collections.ConfigDict, part: str) -> int:
+  """The seed of one part of a run: `config.seeds.<part>` when set, else `config.seed`.
+
+  Args:
+    config: the run's config.
+    part: 'model' (pre-training: initialisation, its data order and augmentation, the buffer's
+      per-image queries; keys the cached pre-trained model and buffer), 'data' (each downstream
+      dataset's image order and augmentation, and its train-step key) or 'retrieval' (the
+      replay state's PRNG key: every sampling step of the retrieval algorithms).
+
+  Returns:
+    int.
+
+  Raises:
+    ValueError: an unknown part.
+  """
+  if part not in SEED_PARTS:
+    raise ValueError(f"unknown seed part {part!r}; known: {SEED_PARTS}")
+  seeds = config.get("seeds")
+  value = seeds.get(part) if seeds is not None else None
+  return int(config.seed if value is None else value)
+
+
 def choice(options: Sequence[Any] | Callable[[], Sequence[Any]], *, optional: bool = False) -> Rule:
   """One of `options` (or a function returning them, called when checking: a registry that
   can grow, e.g. the tokenizers); None too when `optional`. `validation.option_problems`

@@ -14,9 +14,12 @@
 
 Resuming: every finished stage is checkpointed (orbax) together with the metrics so far, and
 within pre-training and each dataset the training loop writes step checkpoints
-(`checkpoint.every_steps` / `every_minutes`, and on SIGTERM); the same command on the same
-workdir restores the newest of them and goes on from there, ending with the results an
-uninterrupted run would have had. SIGTERM saves a step checkpoint at the next step boundary
+(`checkpoint.every_minutes`, 10 by default, / `every_steps`, and on SIGTERM); the same
+command on the same workdir restores the newest of them and goes on from there, ending with
+the results an uninterrupted run would have had. Every checkpoint is verified against its
+manifest first; a bad one is set aside and the previous one used (`checkpointing`), an
+unreadable results.json is rebuilt from them, and a full disk stops the run with one line
+(docs/architecture.md "Stored state"). SIGTERM saves a step checkpoint at the next step boundary
 (or stops after the stage checkpoint in progress) and raises `preemption.Preempted`
 (`owl_cl.main` exits with status `preemption.EXIT_PREEMPTED`); results.json then says
 'preempted'. A workdir that holds a run of a different config is refused (nothing is
@@ -51,7 +54,9 @@ from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl import validation
+from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import seed_of
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
 from owl_cl.model.convert import CheckpointMismatchError
@@ -104,23 +109,59 @@ def _default_config_json() -> dict:
   return json.loads(base.get_config("").to_json_best_effort())
 
 
+# Config fields a resumed run may change: they decide when checkpoints are written, never what
+# is computed (a resumed run's results equal the uninterrupted run's), so a run begun before
+# `checkpoint.every_minutes` had a default, or with another interval, is resumed as it is.
+RESUMABLE_FIELDS = frozenset(
+  {"checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.max_to_keep"}
+)
+
+
+def read_run_json(run_file: str) -> dict:
+  """The record `check_workdir` wrote: {'run_id': str, 'config': dict}.
+
+  Raises:
+    ConfigError: the file cannot be read or is not such a record (named, with the cause: it
+      is what ties the workdir's checkpoints and results to one config, so the run cannot
+      go on without it).
+  """
+  try:
+    with open(run_file, encoding="utf-8") as f:
+      existing = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(
+      f"{run_file} cannot be read ({e}): it records the config of the run this workdir holds; "
+      "restore it (e.g. from a backup) to resume, or use another --workdir"
+    ) from None
+  if not (
+    isinstance(existing, dict)
+    and isinstance(existing.get("run_id"), str)
+    and isinstance(existing.get("config"), dict)
+  ):
+    raise ConfigError(
+      f"{run_file} is not a run record (expected 'run_id' and 'config'); restore it to "
+      "resume, or use another --workdir"
+    )
+  return existing
+
+
 def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None:
   """The `workdir/run.json` record of a run of `config` (None: no run yet). Writes nothing.
 
   A field that did not exist when the run began (absent from its `run.json`) is accepted at
   its default (configs/base.py): fields are added with defaults that keep earlier results
-  (docs/architecture.md "Principles"), so the run goes on as it began; any other difference
-  is refused.
+  (docs/architecture.md "Principles"), so the run goes on as it began; the checkpoint
+  intervals (`RESUMABLE_FIELDS`) may differ; any other difference is refused.
 
   Raises:
-    ConfigError: the workdir holds a run of another config (it would be overwritten).
+    ConfigError: the workdir holds a run of another config (it would be overwritten), or its
+      run.json cannot be read (`read_run_json`).
   """
   run_file = os.path.join(workdir, "run.json")
   if not os.path.exists(run_file):
     return None
   config_json = json.loads(config.to_json_best_effort())
-  with open(run_file) as f:
-    existing = json.load(f)
+  existing = read_run_json(run_file)
   if existing.get("config") != config_json:
     old, new = _flat(existing.get("config") or {}), _flat(config_json)
     defaults = _flat(_default_config_json())
@@ -130,6 +171,7 @@ def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None
       for k in set(old) | set(new)
       if old.get(k, missing) != new.get(k, missing)
       and not (k not in old and k in defaults and new.get(k) == defaults[k])
+      and k not in RESUMABLE_FIELDS
     )
     if changed:
       raise ConfigError(
@@ -173,6 +215,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     WorkdirLockedError: another process runs in `workdir` (its pid and host named).
     TrainingDivergedError: a non-finite loss or gradient norm (the last stage checkpoint
       stays; results.json is not marked complete).
+    owl_cl.integrity.IntegrityError: stage checkpoints exist and none matches its manifest
+      (a bad newer one falls back to an older one with a warning instead).
+    owl_cl.train.checkpointing.DiskFullError: no space left on the workdir's device (named,
+      with the space needed when known); the committed checkpoints stay: the same call
+      resumes once space is freed.
     owl_cl.preemption.Preempted: SIGTERM; a step (or stage) checkpoint was saved and
       results.json says 'preempted'. The same call resumes.
   """
@@ -219,7 +266,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     with preemption.handle_sigterm():
-      return _run(config, workdir, bench, detector, init)
+      try:
+        return _run(config, workdir, bench, detector, init)
+      except (OSError, ValueError) as e:
+        # A full disk anywhere in the workdir (results, TensorBoard, records): one line naming
+        # the file; the checkpoints' own writes name their space needed (DiskFullError).
+        if isinstance(e, checkpointing.DiskFullError) or not checkpointing.is_disk_full(e):
+          raise
+        path = getattr(e, "filename", None) or workdir
+        free = checkpointing.free_bytes(path)
+        raise checkpointing.DiskFullError(path, None, free, "a file of the run") from None
 
 
 def read_init_checkpoint(detector: Detector, bench: benchmark_lib.Benchmark):
@@ -258,6 +314,10 @@ def _run(
   # part in the computation and in the orbax stage checkpoints (multi-process saves).
   is_writer = distributed.is_writer()
   run_id = check_workdir(workdir, config) if is_writer else None
+  if is_writer:
+    # This run's results.json / results.md, unreadable (cut, garbage): set aside, and
+    # rebuilt from the stage checkpoints by the first `write` below.
+    results_lib.set_aside_unreadable(workdir)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if is_writer else None
   checkpointer = checkpointing.StageCheckpointer(
     os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
@@ -275,7 +335,7 @@ def _run(
   store, buffer_stats = None, None
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
-  replay_state = replay_setup.initial_replay_state(store, config.seed)
+  replay_state = replay_setup.initial_replay_state(store, seed_of(config, "retrieval"))
   if jax.process_count() > 1:
     # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
     replay_state = sharding_lib.fetch_replicated(replay_state)
@@ -311,7 +371,12 @@ def _run(
       "algorithm": config.experiment_name,
       "retrieval": config.replay.algorithm,
       "seed": config.seed,
+      # The seed of each part (config_fields.seed_of): model, data, retrieval.
+      "seeds": {part: seed_of(config, part) for part in SEED_PARTS},
       "sequence": [d.name for d in bench.sequence],
+      # The stored order (suite, name, index, datasets) or None: sequence_seed's shuffle.
+      "task_order": bench.task_order,
+      "sequence_seed": config.get("sequence_seed"),
       "eval_sets": {
         "pretrain": bench.pretrain_eval,
         "held_out": bench.held_out_eval,

@@ -9,7 +9,8 @@ coordinator from `--coordinator_address` / `JAX_COORDINATOR_ADDRESS`, else JAX's
 Any config field can be overridden: `--config.replay.dedup=epoch`.
 
 Errors of the user's input (a bad config value, missing or malformed data, a checkpoint of
-another model, a workdir of another run or in use by another process) print one message
+another model, a workdir of another run or in use by another process, a stored file that
+fails its integrity check, a full disk) print one message
 naming the culprit, without a traceback (`--verbose` or `--verbosity=1` adds it), and exit
 with status 2; a diverged training (non-finite loss) exits with status 1. SIGTERM (SLURM,
 TPU maintenance) saves a step checkpoint at the next step boundary and exits with status 75
@@ -35,7 +36,9 @@ from owl_cl import preemption
 from owl_cl.config_fields import ConfigError
 from owl_cl.data.coco import DataError
 from owl_cl.eval.results import ResultsConflictError
+from owl_cl.integrity import IntegrityError
 from owl_cl.model.convert import CheckpointMismatchError
+from owl_cl.train.checkpointing import DiskFullError
 from owl_cl.utils import WorkdirLockedError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -153,6 +156,8 @@ def known_errors() -> tuple[type[BaseException], ...]:
     ResultsConflictError,
     WorkdirLockedError,
     TrainingDivergedError,
+    IntegrityError,
+    DiskFullError,
   )
 
 

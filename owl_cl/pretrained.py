@@ -23,6 +23,7 @@ from owl_cl.benchmark import Benchmark
 from owl_cl.cache_keys import cache_key_fields
 from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import seed_of
 from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
 from owl_cl.model import convert
@@ -229,7 +230,7 @@ def pretrained_params(
     owl_cl.preemption.Preempted: SIGTERM during pre-training (after its step checkpoint).
   """
   config = detector.config
-  like = jax.eval_shape(lambda: detector.init_params(config.seed))
+  like = jax.eval_shape(lambda: detector.init_params(seed_of(config, "model")))
   if config.init_checkpoint:
     return load_init_checkpoint(
       expand_path(config.init_checkpoint), like, needs=model_description(config)
@@ -247,7 +248,7 @@ def pretrained_params(
       },
       **non_default_data_options(config),
       "loss": cache_key_fields(config, "loss"),
-      "seed": config.seed,
+      "seed": seed_of(config, "model"),
       "pretrain_data": file_digest(bench.pretrain.train.annotation_file),
       "train_opt": [
         config.train.b1,

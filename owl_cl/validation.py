@@ -31,6 +31,7 @@ from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
 from owl_cl.config_fields import Rule
@@ -55,6 +56,7 @@ from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import entries
 from owl_cl.data import odinw
+from owl_cl.data import orders
 from owl_cl.data import prompts
 from owl_cl.data import real_inputs
 from owl_cl.data import scan
@@ -152,6 +154,8 @@ FIELD_RULES: dict[str, Rule] = {
   "experiment_name": text(),
   "seed": integer(0),
   "sequence_seed": integer(0, optional=True),
+  "task_order": orders.task_order_problem,
+  **{f"seeds.{part}": integer(0, optional=True) for part in SEED_PARTS},
   "cache_dir": text(),
   "compilation_cache_dir": text(optional=True, empty=True),  # '' disables the cache
   "init_checkpoint": text(optional=True),
@@ -410,24 +414,33 @@ def workdir_problem(workdir: str) -> str:
 
 def foreign_results_problem(workdir: str) -> str:
   """'' unless `workdir` holds results.json of a run other than its run.json's (or results
-  without any run.json): the run would fail when it first writes its results, after hours of
-  work and with its run.json, checkpoints and TensorBoard files written beside them."""
+  without any run.json), or a run.json that cannot be read: the run would fail when it first
+  writes its results, after hours of work and with its run.json, checkpoints and TensorBoard
+  files written beside them. An unreadable results.json beside a readable run.json is this
+  run's: set aside and rebuilt from the checkpoints (`results.set_aside_unreadable`)."""
   results_path = os.path.join(workdir, "results.json")
+  run_path = os.path.join(workdir, "run.json")
+  run_id = None
+  if os.path.exists(run_path):
+    try:
+      with open(run_path) as f:
+        run_id = json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError) as e:
+      return (
+        f"workdir {workdir}: {run_path} cannot be read ({e}); it records the config of the "
+        "run this workdir holds: restore it to resume, or use another --workdir"
+      )
   if not os.path.isfile(results_path):
     return ""
   try:
     with open(results_path) as f:
       owner = json.load(f).get("run_id")
   except (OSError, ValueError, AttributeError) as e:
+    if run_id is not None:
+      return ""  # this run's, unreadable: rebuilt
     return (
       f"workdir {workdir} holds {results_path}, which cannot be read ({e}); use another workdir"
     )
-  run_id = None
-  try:
-    with open(os.path.join(workdir, "run.json")) as f:
-      run_id = json.load(f).get("run_id")
-  except (OSError, ValueError, AttributeError):
-    pass
   if owner is not None and owner == run_id:
     return ""
   holder = f"run {run_id!r} (run.json)" if run_id else "no run.json"

@@ -91,6 +91,8 @@ BAD_FIELDS = [
   ("data.eval_batch_size", 0, "config.data.eval_batch_size=0 must be >= 1"),
   ("eval.top_k", 0, "config.eval.top_k=0 must be >= 1"),
   ("checkpoint.max_to_keep", 0, "config.checkpoint.max_to_keep=0 must be >= 1"),
+  ("task_order", "random_99", "config.task_order='random_99' is no stored order (names: canon"),
+  ("seeds.retrieval", -1, "config.seeds.retrieval=-1 must be >= 0 or None"),
 ]
 
 

@@ -358,8 +358,7 @@ def test_checkpoint_intervals_are_validated():
   from owl_cl.testing.configs import load_config  # pylint: disable=g-import-not-at-top
 
   config = load_config("swil")
-  assert config.checkpoint.every_steps is None and config.checkpoint.every_minutes is None
-  assert load_config("swil", "paper").checkpoint.every_minutes == 30.0
+  assert config.checkpoint.every_steps is None and config.checkpoint.every_minutes == 10.0
   config.checkpoint.every_steps, config.checkpoint.every_minutes = 0, -1.0
   assert validation.range_problems(config) == [
     "config.checkpoint.every_steps=0 must be >= 1 or None",

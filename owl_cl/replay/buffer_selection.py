@@ -155,7 +155,7 @@ def apply_budget(keep, per_image_loss, class_membership, count: int, min_per_cla
     class_membership: bool [N_pt, C].
     count: the buffer size, in [1, N_pt] (`budget_count`).
     min_per_class: eq. 7's per-class minimum (the quota's upper bound).
-    seed: seeds the uniform draw (the run's `config.seed`).
+    seed: seeds the uniform draw (the run's model seed, `seed_of(config, "model")`).
 
   Returns:
     np.ndarray bool [N_pt] with exactly `count` True entries.

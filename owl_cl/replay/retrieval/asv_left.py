@@ -219,6 +219,39 @@ def mesh_of(array, mesh=None):
   return sharding_lib.create_mesh(devices[:1] if devices else jax.devices()[:1])
 
 
+def _check_inputs(class_shape, query_shape, chunk_size) -> int:
+  """N of `compute_left_term`'s inputs; ValueError (before any work) for shapes that are not
+  [N, t, *] with the same N >= 1 and t, or chunk_size < 1."""
+  if len(class_shape) != 3 or len(query_shape) != 3 or class_shape[:2] != query_shape[:2]:
+    raise ValueError(
+      "ASER-PC left term: the class tokens and query embeddings must be [N, t, D] and "
+      f"[N, t, E] with the same N and t; got {class_shape} and {query_shape}"
+    )
+  num_images = int(class_shape[0])
+  if num_images < 1:
+    raise ValueError("ASER-PC left term: the buffer has no image")
+  if int(chunk_size) < 1:
+    raise ValueError(f"ASER-PC left term: chunk_size must be >= 1, got {chunk_size}")
+  return num_images
+
+
+def _manifest(key, class_shape, query_shape, options, chunk, mesh) -> dict:
+  """What a progress folder's committed chunks depend on: a folder with another manifest is
+  started afresh."""
+  return dict(
+    format=LEFT_TERM_FORMAT,
+    key=key,
+    class_tokens=list(class_shape),
+    query_embeddings=list(query_shape),
+    options=options,
+    chunk=chunk,
+    devices=mesh.shape[sharding_lib.DATA_AXIS],
+    # Bit-identical chunks need the same compiled code: another platform or JAX restarts.
+    platform=str(mesh.devices.flat[0].device_kind),
+    jax=jax.__version__,
+  )
+
+
 def compute_left_term(
   class_tokens,
   query_embeddings,
@@ -265,16 +298,7 @@ def compute_left_term(
   Source: paper §4 "ASER-PC", suppl. §C; docs/reference.md §7; the module docstring.
   """
   class_shape, query_shape = np.shape(class_tokens), np.shape(query_embeddings)
-  if len(class_shape) != 3 or len(query_shape) != 3 or class_shape[:2] != query_shape[:2]:
-    raise ValueError(
-      "ASER-PC left term: the class tokens and query embeddings must be [N, t, D] and "
-      f"[N, t, E] with the same N and t; got {class_shape} and {query_shape}"
-    )
-  num_images = int(class_shape[0])
-  if num_images < 1:
-    raise ValueError("ASER-PC left term: the buffer has no image")
-  if int(chunk_size) < 1:
-    raise ValueError(f"ASER-PC left term: chunk_size must be >= 1, got {chunk_size}")
+  num_images = _check_inputs(class_shape, query_shape, chunk_size)
   mesh = mesh_of(class_tokens, mesh)
   devices = mesh.shape[sharding_lib.DATA_AXIS]
   chunk = -(-min(int(chunk_size), num_images) // devices) * devices
@@ -282,18 +306,7 @@ def compute_left_term(
   writer = distributed.is_writer()
   committed = None
   if folder is not None and writer:
-    manifest = dict(
-      format=LEFT_TERM_FORMAT,
-      key=key,
-      class_tokens=list(class_shape),
-      query_embeddings=list(query_shape),
-      options=options,
-      chunk=chunk,
-      devices=devices,
-      # Bit-identical chunks need the same compiled code: another platform or JAX restarts.
-      platform=str(mesh.devices.flat[0].device_kind),
-      jax=jax.__version__,
-    )
+    manifest = _manifest(key, class_shape, query_shape, options, chunk, mesh)
     committed = _ProgressFolder(folder, manifest)
   first, total, minimum = committed.state() if committed is not None else (0, None, None)
   first = int(_broadcast(np.int32(first)))
