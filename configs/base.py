@@ -246,6 +246,18 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   # 'layer' (the paper: m**depth per transformer block) or 'tensor' (as in the released code:
   # one decay step per parameter tensor in HF order; owl_cl.train.optim.hf_tensor_order).
   c.train.layerwise_granularity = "layer"
+  # Frozen parts (docs/baselines.md): presets 'heads_only', 'text_tower', 'image_tower' or
+  # regexes matched in full against parameter paths ('backbone/clip/text/.*'); frozen
+  # parameters get no update and no optimizer state (owl_cl.train.optim.frozen_labels).
+  c.train.frozen = ()
+  # LwF (docs/baselines.md; Li & Hoiem 2017, Feng et al. CVPR'22): distillation to the
+  # pre-trained model on the new images, weight * T^2 * binary KL of the tempered sigmoids,
+  # plus box_weight * L1 to its boxes where its score >= box_threshold; weights 0: off.
+  c.train.lwf = ml_collections.ConfigDict()
+  c.train.lwf.weight = 0.0
+  c.train.lwf.temperature = 2.0  # Li & Hoiem's T
+  c.train.lwf.box_weight = 0.0
+  c.train.lwf.box_threshold = 0.5
   # Linear warmup in epochs of the dataset (the paper's table); None: train.warmup_steps.
   c.train.warmup_epochs = ml_collections.config_dict.placeholder(int)
   # Per-dataset overrides {dataset name: {field: value}} of num_epochs, warmup_epochs,
@@ -416,7 +428,11 @@ def _loss_adaptivity_section(c: ml_collections.ConfigDict) -> None:
 
 
 def _buffer_selection_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.replay.selection` (the one-off buffer selection, paper eq. 7)."""
+  """Fills `c.replay.selection` (the one-off buffer selection, paper eq. 7) and the budget."""
+  # Replay budget (docs/baselines.md): None keeps eq. 7's buffer; a float in (0, 1] is a
+  # fraction of the pre-training set (0.001 / 0.01 / 0.1), an int an image count; the buffer
+  # is then brought to exactly that size (owl_cl.replay.buffer_selection.apply_budget).
+  c.replay.budget = ml_collections.config_dict.placeholder(object)
   c.replay.selection = ml_collections.ConfigDict()
   c.replay.selection.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
   c.replay.selection.min_per_class = 20  # then top up each class to this many images

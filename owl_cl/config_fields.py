@@ -234,6 +234,15 @@ def names(known: Callable[[], Sequence[str]] | None = None, *, what: str = "name
   return rule
 
 
+def budget(value: Any) -> str:
+  """`replay.budget`: None, a fraction in (0, 1] (float) or an image count >= 1 (int)."""
+  if value is None or (isinstance(value, float) and 0.0 < value <= 1.0):
+    return ""
+  if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+    return ""
+  return "must be None, a fraction in (0, 1] (e.g. 0.01) or an image count >= 1 (e.g. 500)"
+
+
 def mapping(value: Any) -> str:
   """Rule: a dict (ConfigDict) of fields, checked further by the code that reads it."""
   return "" if hasattr(value, "keys") else "must be a dict of fields"

@@ -28,7 +28,9 @@ from owl_cl.data import label_ops
 from owl_cl.data import prompts
 from owl_cl.data import spec as data_spec
 from owl_cl.eval import detection
+from owl_cl.model import convert
 from owl_cl.model import tokenizer as tokenizer_lib
+from owl_cl.train import optim
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
 from owl_cl.utils import atomic_write_json
@@ -53,6 +55,25 @@ def model_fields(config: ml_collections.ConfigDict) -> dict:
       fields[name] = config.model[name]
   fields.update(dict(config.model.overrides))
   return fields
+
+
+def frozen_problem(config: ml_collections.ConfigDict) -> str:
+  """What is wrong with `config.train.frozen` ('' when fine) that its field rule
+  (`optim.frozen_rule`) cannot see: a pattern matching no parameter of the config's model (its
+  tree by `jax.eval_shape`, nothing allocated; `optim.frozen_labels`). Call it once the fields
+  are valid; an invalid `config.model` is left to its own checks."""
+  frozen = tuple(config.train.get("frozen", ()) or ())
+  if not frozen:
+    return ""
+  try:
+    model = model_lib.create_model(config.model.variant, **model_fields(config))
+  except (ValueError, TypeError, AttributeError):
+    return ""
+  try:
+    optim.frozen_labels(convert.abstract_params(model.config), frozen)
+  except ValueError as e:
+    return f"config.{e} of model.variant={config.model.variant!r}"
+  return ""
 
 
 class Detector:

@@ -330,6 +330,8 @@ def _run(
   params, pretrain_meta = init or pretrained.pretrained_params(
     detector, bench, writer, step_checkpoints
   )
+  # LwF's teacher: the pre-trained parameters, kept before a resumed run restores its own.
+  teacher = params if trainer.lwf_options(config) else None
   store, buffer_stats = None, None
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
@@ -413,6 +415,7 @@ def _run(
       index,
       records_path=os.path.join(workdir, "records", f"{dataset.name}.npz"),
       step_checkpoints=step_checkpoints,
+      teacher=teacher,
     )
     step_timings[dataset.name] = train_summary.pop("step_timings")
     metrics = evaluate(params, dataset.name, benchmark_lib.stage_eval_names(config, bench, index))

@@ -243,8 +243,8 @@ def make_optimizer(params, optimizer: dict, total_steps: int, config: ml_collect
   """AdamW of one phase (`optim.create_optimizer`). Returns (tx, learning-rate schedule).
 
   `optimizer` holds the phase's learning_rate, warmup_steps, text_lr_multiplier,
-  layerwise_decay, weight_decay and layerwise_granularity; Adam's b1 / b2 / eps and the
-  gradient clipping come from `config.train` for every phase.
+  layerwise_decay, weight_decay, layerwise_granularity and (fine-tuning) frozen; Adam's b1 /
+  b2 / eps and the gradient clipping come from `config.train` for every phase.
   """
   train = config.train
   return optim.create_optimizer(
@@ -528,6 +528,23 @@ def pretrain(
 # ----------------------------------------------------------------------------- one dataset
 
 
+def lwf_options(config: ml_collections.ConfigDict) -> dict | None:
+  """`train.lwf` as the train step's `lwf` option; None when off (weight and box_weight 0)."""
+  lwf = config.train.get("lwf")
+  if lwf is None or not (lwf.weight or lwf.box_weight):
+    return None
+  return {k: float(lwf[k]) for k in ("weight", "temperature", "box_weight", "box_threshold")}
+
+
+def _with_teacher(train_step, teacher, mesh):
+  """`train_step` with the replicated `teacher` parameters as its last argument (an argument
+  of the jitted step, never a constant of its trace)."""
+  if teacher is None:
+    raise ValueError("train.lwf is on but no teacher (pre-trained parameters) was given")
+  teacher = sharding_lib.replicate(teacher, mesh)
+  return lambda state, batch, replay, key: train_step(state, batch, replay, key, teacher)
+
+
 def dataset_train_settings(
   config: ml_collections.ConfigDict, name: str, steps_per_epoch: int
 ) -> dict:
@@ -610,8 +627,12 @@ def train_on_dataset(
   index: int,
   records_path: str | None = None,
   step_checkpoints=None,
+  teacher=None,
 ):
   """Fine-tunes on one downstream dataset with retrieval + DER++ (fresh optimizer).
+
+  With `train.lwf` on (`lwf_options`), `teacher` (the pre-trained parameters) is passed to
+  every train step for the LwF terms (docs/baselines.md); a missing teacher is a ValueError.
 
   `store` is the replay store (None: retrieval 'none'). With `config.replay.records` and a
   `records_path`, the retrieval analysis records (`owl_cl.replay.records`) of the dataset
@@ -645,6 +666,7 @@ def train_on_dataset(
   optimizer.update(
     layerwise_granularity=config.train.get("layerwise_granularity", "layer"),
     weight_decay=config.train.weight_decay,
+    frozen=tuple(config.train.get("frozen", ())),
   )
   tx, schedule = make_optimizer(params, optimizer, total, config)
   replay = replay_setup.make_replay(detector, store, records_path)
@@ -656,8 +678,11 @@ def train_on_dataset(
     # losses stay per image).
     loss_config=dict(detector.loss_config, normalization=config.loss.normalization),
     max_unique_queries=config.train.max_unique_queries,
+    lwf=lwf_options(config),
     **replay.train_step_options,
   )
+  if lwf_options(config):
+    train_step = _with_teacher(train_step, teacher, detector.mesh)
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
     replay_state=replay_state,

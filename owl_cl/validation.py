@@ -36,6 +36,7 @@ from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
 from owl_cl.config_fields import Rule
 from owl_cl.config_fields import boolean
+from owl_cl.config_fields import budget
 from owl_cl.config_fields import check_carry_mode
 from owl_cl.config_fields import check_downstream_eval_mode
 from owl_cl.config_fields import check_per_dataset_fields
@@ -61,6 +62,7 @@ from owl_cl.data import real_inputs
 from owl_cl.data import scan
 from owl_cl.data import suites
 from owl_cl.data.coco import DataError
+from owl_cl.detector import frozen_problem
 from owl_cl.detector import model_fields
 from owl_cl.model import clip as clip_lib
 from owl_cl.model import convert
@@ -113,7 +115,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   if fields_valid:  # The checks across fields read fields of the right type.
     problems += model_problems(config)
     problems += augment_problems(config)
-    problems += [p for p in [init_checkpoint_problem(config)] if p]
+    problems += [p for p in [init_checkpoint_problem(config), frozen_problem(config)] if p]
     # With real data, `real_inputs.check_inputs` lists it with the files.
     if not uses_real_data(config):
       problems += [p for p in [clip_vocabulary_problem(config)] if p]
@@ -214,6 +216,11 @@ FIELD_RULES: dict[str, Rule] = {
   "train.batch_size": integer(1),
   **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
   "train.layerwise_granularity": choice(optim.GRANULARITIES),
+  "train.frozen": optim.frozen_rule,
+  "train.lwf.weight": NON_NEGATIVE,
+  "train.lwf.temperature": POSITIVE,
+  "train.lwf.box_weight": NON_NEGATIVE,
+  "train.lwf.box_threshold": real(0.0, 1.0),
   "train.per_dataset": mapping,
   "train.carry": choice(CARRY_MODES),
   "train.b1": BETA,
@@ -234,6 +241,7 @@ FIELD_RULES: dict[str, Rule] = {
   # --- replay (retrieval)
   "replay.algorithm": choice(sorted(retrieval_registry.ALGORITHMS) + ["none"]),
   "replay.ratio": POSITIVE,
+  "replay.budget": budget,
   "replay.dedup": choice(dedup.SCHEDULE_NAMES),
   "replay.dedup_fraction": FRACTION,
   "replay.dedup_without_replacement": boolean,

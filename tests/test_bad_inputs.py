@@ -77,6 +77,10 @@ BAD_FIELDS = [
   ("pretrain.batch_size", 0, "config.pretrain.batch_size=0 must be >= 1"),
   ("pretrain.num_steps", 0, "config.pretrain.num_steps=0 must be >= 1"),
   ("replay.ratio", -1.0, "config.replay.ratio=-1.0 must be > 0"),
+  ("replay.budget", 1.5, "config.replay.budget=1.5 must be None, a fraction in (0, 1]"),
+  ("replay.budget", 0, "config.replay.budget=0 must be None, a fraction in (0, 1]"),
+  ("train.lwf.temperature", 0.0, "config.train.lwf.temperature=0.0 must be > 0"),
+  ("train.lwf.weight", -1.0, "config.train.lwf.weight=-1.0 must be >= 0"),
   ("replay.selection.loss_threshold", math.nan, "loss_threshold=nan must be a finite"),
   ("replay.loss_adaptivity.threshold", math.nan, "adaptivity.threshold=nan must be a finite"),
   ("max_eval_images", 0, "config.max_eval_images=0 must be >= 1 or None"),
@@ -193,6 +197,21 @@ def test_unknown_algorithm_is_refused(tmp_path, workdir, capsys):
   status, err = refuse(config, workdir, capsys)
   assert status == 2
   assert "config.replay.algorithm='swill' is unknown" in err
+
+
+@pytest.mark.parametrize(
+  "frozen, expected",
+  [
+    (("text/.*",), "config.train.frozen: patterns ['text/.*'] match no parameter path"),
+    (("heads_only", "("), "config.train.frozen=('heads_only', '(') '(' is neither a preset"),
+  ],
+)
+def test_bad_frozen_pattern_is_refused(frozen, expected, tmp_path, workdir, capsys):
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.train.frozen = frozen
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert expected in err
 
 
 def test_unknown_loss_adaptivity_mode_is_refused(tmp_path, workdir, capsys):

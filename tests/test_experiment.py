@@ -3,6 +3,8 @@
 import json
 import os
 
+import jax
+import numpy as np
 import pytest
 
 from owl_cl import experiment
@@ -153,3 +155,39 @@ def test_unknown_loss_adaptivity_mode_is_a_config_error(cache_dir, tmp_path):
   config.replay.loss_adaptivity.mode = "sometimes"
   with pytest.raises(ConfigError, match="loss_adaptivity.mode"):
     experiment.run(config, str(tmp_path / "run"))
+
+
+@pytest.mark.slow  # ~60 s on 2 shared CPU cores (a full tiny run, evaluation included)
+def test_lwf_run_distils_to_the_pretrained_model(cache_dir, tmp_path, monkeypatch):
+  """`configs/lwf.py` at tiny size: every dataset's train step gets the pre-trained
+  parameters as its teacher (not the parameters carried from the previous dataset)."""
+  config = tiny_config("no_replay", cache_dir)
+  config.experiment_name = "lwf"
+  config.train.lwf.weight = 1.0
+  seen = []
+  with_teacher = trainer._with_teacher
+  train_on_dataset = trainer.train_on_dataset
+
+  def spy_train(detector, dataset, params, *args, **kwargs):
+    seen.append({"params": jax.device_get(params), "teacher": kwargs["teacher"]})
+    return train_on_dataset(detector, dataset, params, *args, **kwargs)
+
+  def spy_teacher(train_step, teacher, mesh):
+    seen[-1]["wrapped"] = True
+    return with_teacher(train_step, teacher, mesh)
+
+  monkeypatch.setattr(trainer, "train_on_dataset", spy_train)
+  monkeypatch.setattr(trainer, "_with_teacher", spy_teacher)
+  results = experiment.run(config, str(tmp_path / "run"))
+  assert len(seen) == len(results["sequence"]) >= 2
+  assert all(s.get("wrapped") for s in seen)
+  pretrained = seen[0]["params"]  # the first dataset starts from the pre-trained model
+  for s in seen:
+    for a, b in zip(jax.tree.leaves(s["teacher"]), jax.tree.leaves(pretrained)):
+      np.testing.assert_array_equal(np.asarray(a), b)
+  # The second dataset starts from trained parameters, which differ from the teacher.
+  assert any(
+    not np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(seen[1]["params"]), jax.tree.leaves(pretrained))
+  )
+  assert len(results["stages"]) == len(results["sequence"]) + 1

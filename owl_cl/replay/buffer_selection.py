@@ -111,6 +111,93 @@ def select_buffer(
 
 
 # ------------------------------------------------------------------------------ prototypes
+def budget_count(budget: int | float, num_images: int) -> int:
+  """The buffer size `replay.budget` asks for over a pre-training set of `num_images` images.
+
+  Args:
+    budget: a float in (0, 1]: the fraction of the pre-training set (0.001, 0.01, 0.1 for the
+      0.1 / 1 / 10 % budgets), rounded down to whole images and at least 1; or an int >= 1:
+      an image count, capped at `num_images`.
+    num_images: N_pt >= 1.
+
+  Returns:
+    The number of images the buffer holds, in [1, num_images].
+
+  Raises:
+    ValueError: a bool, a float outside (0, 1], an int < 1 or another type.
+  """
+  if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
+    raise ValueError(f"replay.budget={budget!r} must be a fraction in (0, 1] or a count >= 1")
+  if isinstance(budget, (float, np.floating)):
+    if not 0.0 < budget <= 1.0:
+      raise ValueError(f"replay.budget={budget!r}: a fraction must be in (0, 1]")
+    return max(1, int(np.floor(budget * num_images)))
+  if budget < 1:
+    raise ValueError(f"replay.budget={budget!r}: a count must be >= 1")
+  return min(int(budget), num_images)
+
+
+def apply_budget(keep, per_image_loss, class_membership, count: int, min_per_class: int, seed: int):
+  """The eq. 7 buffer `keep` brought to exactly `count` images (`replay.budget`).
+
+  More selected images than `count`: a class-stratified subsample. Each class c first keeps
+  min(q, its selected images) images, its lowest-loss selected ones (in class-index order;
+  images kept for earlier classes count, as in eq. 7's top-up), with q the largest quota <=
+  `min_per_class` whose kept images fit in `count`; the rest of the budget is a uniform draw
+  without replacement, seeded by `seed`, from the other selected images. Fewer selected images
+  than `count`: the unselected images are added in ascending loss order (ties: lower index
+  first), as a higher eq. 7 threshold would add them. So "how much replay" (the budget) and
+  "which replay" (the retrieval algorithm over the buffer) are separate axes.
+
+  Args:
+    keep: bool [N_pt], the eq. 7 selection (`select_buffer`).
+    per_image_loss: float [N_pt], the pre-trained model's loss per image (NaN: +inf).
+    class_membership: bool [N_pt, C].
+    count: the buffer size, in [1, N_pt] (`budget_count`).
+    min_per_class: eq. 7's per-class minimum (the quota's upper bound).
+    seed: seeds the uniform draw (the run's model seed, `seed_of(config, "model")`).
+
+  Returns:
+    np.ndarray bool [N_pt] with exactly `count` True entries.
+
+  Raises:
+    ValueError: `count` outside [1, N_pt] or mismatched shapes.
+
+  Source: issue 29 item 4 (owl_cl's definition; docs/baselines.md "Replay budget").
+  """
+  keep = np.asarray(keep, bool).copy()
+  loss = np.asarray(per_image_loss, np.float64).reshape(-1)
+  membership = np.asarray(class_membership, bool)
+  if keep.shape != loss.shape or membership.shape[:1] != loss.shape:
+    raise ValueError(f"keep {keep.shape}, loss {loss.shape}, membership {membership.shape} differ")
+  if not 1 <= count <= len(loss):
+    raise ValueError(f"budget count {count} must be in [1, {len(loss)}]")
+  order = np.argsort(np.where(np.isnan(loss), np.inf, loss), kind="stable")
+  selected = int(keep.sum())
+  if selected <= count:
+    keep[order[~keep[order]][: count - selected]] = True
+    return keep
+
+  def protected(quota):
+    out = np.zeros_like(keep)
+    for c in range(membership.shape[1]):
+      candidates = order[keep[order] & membership[order, c]]
+      deficit = quota - int(np.count_nonzero(out & membership[:, c]))
+      if deficit > 0:
+        out[candidates[~out[candidates]][:deficit]] = True
+    return out
+
+  quota = min_per_class
+  base = protected(quota)
+  while base.sum() > count:  # the size of `protected` grows with the quota; quota 0 keeps none
+    quota -= 1
+    base = protected(quota)
+  rest = np.flatnonzero(keep & ~base)
+  draw = np.random.default_rng(seed).choice(rest, size=count - int(base.sum()), replace=False)
+  base[draw] = True
+  return base
+
+
 def instance_counts_from_labels(labels: Array, query_class: Array, num_classes: int) -> Array:
   """Instances of each class per image, from the batch targets (CONVENTIONS batch dict).
 

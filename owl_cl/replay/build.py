@@ -393,6 +393,7 @@ def build_store(
   distance_max_instances: int | None = None,
   drop_images_without_class: bool = False,
   top_up_order: str = "class_index",
+  budget: int | float | None = None,
   prototype_images: str = "buffer",
   image_features: bool = False,
   logits_dtype: str = "float16",
@@ -423,6 +424,9 @@ def build_store(
       negative_weights; no augmentation: the store re-makes the images from the source).
     loss_config: `losses.detection_loss` options. batch_size: images per forward (global, a
       multiple of the mesh's devices).
+    budget: `replay.budget`: None keeps eq. 7's selection; a fraction of `source` or an image
+      count brings it to exactly that size (`buffer_selection.budget_count`, `apply_budget`,
+      seeded by `seed`).
     prototype_images: the prototypes average the kept images ('buffer', the paper) or every
       image of `source` ('all', the released code; their sums are reduced in pass 1).
     image_features: also store the top-k tokens' ViT features (`buffer.image_features`
@@ -549,6 +553,9 @@ def build_store(
       drop_images_without_class=drop_images_without_class,
       top_up_order=top_up_order,
     )
+    if budget is not None:
+      count = buffer_selection.budget_count(budget, num_images)
+      keep = buffer_selection.apply_budget(keep, loss, membership, count, min_per_class, seed)
     kept = np.flatnonzero(keep)
     del keep
   num_kept = int(_broadcast(np.int32(len(kept) if writer else 0)))

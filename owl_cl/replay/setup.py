@@ -145,11 +145,42 @@ def build_options(detector, source) -> dict:
     distance_max_instances=selection.distance_max_instances,
     drop_images_without_class=selection.drop_images_without_class,
     top_up_order=selection.top_up_order,
+    budget=config.replay.get("budget"),
     prototype_images=selection.get("prototype_images", "buffer"),
     image_features=stores_image_features(config),
     mesh=detector.mesh,
     num_workers=data.num_workers,
   )
+
+
+def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta: dict) -> dict:
+  """What the replay store's cache key covers: the model (`pretrain_meta['cache_key']` or the
+  init checkpoint), the pre-training annotations of `source`, the selection settings and budget,
+  the input options, the loss and the seed. Fields added since the first stores enter it only
+  when set, so older caches keep their key."""
+  selection = config.replay.selection
+  data = config.data
+  return {
+    "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
+    "pretrain_data": file_digest(source.annotation_file),
+    # prototype_images enters the key only when set (older caches keep their key).
+    "buffer": {
+      k: v
+      for k, v in selection.to_dict().items()
+      if not (k == "prototype_images" and v == "buffer")
+    },
+    # Only when set, as above (1 and 1.0 differ: a count and the whole set).
+    **({"budget": config.replay.budget} if config.replay.get("budget") is not None else {}),
+    # Only when set, as above: the store then also holds the top-k tokens' ViT features.
+    **({"image_features": True} if stores_image_features(config) else {}),
+    "top_k": config.replay.top_k,
+    "data": [data.num_queries, data.num_negatives, data.max_instances],
+    "loss": cache_key_fields(config, "loss"),
+    "seed": seed_of(config, "model"),
+    # 2: class embeddings normalised as scenic's class head returns them (1: raw).
+    "format": 2,
+    **non_default_data_options(config, buffer=True),
+  }
 
 
 def build_store(detector, benchmark, params, pretrain_meta: dict):
@@ -162,28 +193,8 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   a store cached by an earlier version with its pixels keeps working from them.
   """
   config = detector.config
-  selection = config.replay.selection
   source = benchmark.pretrain.train
-  data = config.data
-  key_material = {
-    "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
-    "pretrain_data": file_digest(source.annotation_file),
-    # prototype_images enters the key only when set (older caches keep their key).
-    "buffer": {
-      k: v
-      for k, v in selection.to_dict().items()
-      if not (k == "prototype_images" and v == "buffer")
-    },
-    # Only when set, as above: the store then also holds the top-k tokens' ViT features.
-    **({"image_features": True} if stores_image_features(config) else {}),
-    "top_k": config.replay.top_k,
-    "data": [data.num_queries, data.num_negatives, data.max_instances],
-    "loss": cache_key_fields(config, "loss"),
-    "seed": seed_of(config, "model"),
-    # 2: class embeddings normalised as scenic's class head returns them (1: raw).
-    "format": 2,
-    **non_default_data_options(config, buffer=True),
-  }
+  key_material = buffer_key_material(config, source, pretrain_meta)
   superseded = ((dict(key_material, format=1), "built with unnormalised class embeddings"),)
 
   def build(path, build_dir, build_key):

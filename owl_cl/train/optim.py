@@ -30,6 +30,18 @@ _BLOCK = re.compile(r"resblocks_(\d+)$")
 
 GRANULARITIES = ("layer", "tensor")
 
+# Named sets of frozen parameters (`train.frozen` may name them beside regexes). A pattern is
+# matched in full against the '/'-joined path below `params` (docs/reference.md §1.1 layout).
+# 'heads_only' trains the class and box heads alone; 'image_tower' freezes the ViT and the
+# LayerNorm after it (`merged_class_token`), which belongs to the image side of the detector
+# (scenic `owl_vit/layers.py`, `PredictorMixin`); 'text_tower' freezes the text transformer,
+# its embeddings and its projection.
+FROZEN_PRESETS = {
+  "heads_only": ("backbone/.*",),
+  "text_tower": ("backbone/clip/text/.*",),
+  "image_tower": ("backbone/clip/visual/.*", "backbone/merged_class_token/.*"),
+}
+
 # One transformer block's tensors in HF `named_parameters()` order (OwlViTEncoderLayer:
 # self_attn.{k,v,q,out}_proj.{weight,bias}, layer_norm1, mlp.fc1, mlp.fc2, layer_norm2), as
 # paths below `resblocks_i` of the scenic tree (docs/reference.md §1.2 mapping).
@@ -246,6 +258,77 @@ def lr_multipliers(
   return traverse_util.unflatten_dict(out)
 
 
+def _entry_problem(entry) -> str:
+  """What makes one `train.frozen` entry unusable ('' when it is a preset or a regex)."""
+  if not isinstance(entry, str):
+    return f"entry {entry!r} is not a str (a preset or a regex)"
+  if entry in FROZEN_PRESETS:
+    return ""
+  try:
+    re.compile(entry)
+  except re.error as e:
+    return f"{entry!r} is neither a preset {sorted(FROZEN_PRESETS)} nor a valid regex ({e})"
+  return ""
+
+
+def frozen_rule(value) -> str:
+  """The config rule of `train.frozen` (config_fields.Rule): '' or what is wrong with it."""
+  if not isinstance(value, (tuple, list)):
+    return "must be a tuple of presets and regexes"
+  return "; ".join(p for p in map(_entry_problem, value) if p)
+
+
+def frozen_patterns(frozen) -> tuple[str, ...]:
+  """The regexes of `train.frozen`: presets (`FROZEN_PRESETS`) expanded, regexes kept.
+
+  Args:
+    frozen: a sequence of preset names and regexes (str); empty or None: nothing frozen.
+
+  Returns:
+    The regexes, in order, presets replaced by their patterns.
+
+  Raises:
+    ValueError: an entry that is not a str, or a regex that does not compile (the message
+      names `train.frozen` and the entry).
+  """
+  patterns = []
+  for entry in frozen or ():
+    if problem := _entry_problem(entry):
+      raise ValueError(f"train.frozen: {problem}")
+    patterns += FROZEN_PRESETS.get(entry, (entry,))
+  return tuple(patterns)
+
+
+def frozen_labels(params: PyTree, frozen) -> PyTree:
+  """'frozen' or 'train' for every parameter, by `train.frozen`'s patterns.
+
+  Args:
+    params: the parameter tree (arrays or ShapeDtypeStructs).
+    frozen: preset names and regexes (`frozen_patterns`); a regex matches a parameter when it
+      matches its '/'-joined path (e.g. 'backbone/clip/text/ln_final/scale') in full.
+
+  Returns:
+    A tree of str with the structure of `params`.
+
+  Raises:
+    ValueError: as `frozen_patterns`; a pattern that matches no parameter (a typo would
+      otherwise silently train everything), naming it.
+
+  Source: big_vision `big_vision/optax.py` (`_make_mask_trees`, frozen by pattern).
+  """
+  patterns = frozen_patterns(frozen)
+  flat = traverse_util.flatten_dict(params)
+  names = {path: "/".join(path) for path in flat}
+  unmatched = [p for p in patterns if not any(re.fullmatch(p, n) for n in names.values())]
+  if unmatched:
+    raise ValueError(f"train.frozen: patterns {unmatched} match no parameter path")
+  labels = {
+    path: "frozen" if any(re.fullmatch(p, name) for p in patterns) else "train"
+    for path, name in names.items()
+  }
+  return traverse_util.unflatten_dict(labels)
+
+
 def warmup_cosine_schedule(
   learning_rate: float, total_steps: int, warmup_steps: int
 ) -> optax.Schedule:
@@ -282,6 +365,7 @@ def create_optimizer(
   eps: float = 1e-8,
   weight_decay: float = 0.0,
   grad_clip_norm: float | None = 1.0,
+  frozen=(),
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with global grad-norm clipping, LR groups and layer-wise decay (docs/reference.md §3).
 
@@ -295,9 +379,15 @@ def create_optimizer(
     text_lr_multiplier, layerwise_decay, layerwise_granularity: see `lr_multipliers`.
     b1, b2, eps, weight_decay: AdamW constants (paper: 0.9, 0.999, 1e-8, 0).
     grad_clip_norm: global gradient-norm clip (paper 1.0); None disables it.
+    frozen: preset names and regexes of the parameters to freeze (`frozen_labels`); their
+      update is exactly zero and they hold no Adam state (`optax.MaskedNode` in its place);
+      the clipping norm is taken over the trained parameters only.
 
   Returns:
     (optax transformation, the base LR schedule for logging).
+
+  Raises:
+    ValueError: as `lr_multipliers` and `frozen_labels`.
   """
   schedule = warmup_cosine_schedule(learning_rate, total_steps, warmup_steps)
   multipliers = lr_multipliers(
@@ -306,6 +396,14 @@ def create_optimizer(
     layerwise_decay=layerwise_decay,
     layerwise_granularity=layerwise_granularity,
   )
+
+  labels = frozen_labels(params, frozen) if frozen else None
+  if labels is not None:
+    # Inside multi_transform the trained branch sees frozen leaves as MaskedNode (a node with
+    # no leaves): the multipliers take the same structure so the two trees map together.
+    multipliers = jax.tree.map(
+      lambda m, label: optax.MaskedNode() if label == "frozen" else m, multipliers, labels
+    )
 
   def scale_by_multipliers(updates, state, params=None):
     del params
@@ -320,7 +418,11 @@ def create_optimizer(
     optax.GradientTransformation(lambda p: optax.EmptyState(), scale_by_multipliers),
     optax.scale_by_learning_rate(schedule),
   ]
-  return optax.chain(*parts), schedule
+  tx = optax.chain(*parts)
+  if labels is not None:
+    # big_vision's "no schedule means frozen": set_to_zero keeps no state.
+    tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+  return tx, schedule
 
 
 def multipliers_summary(params: PyTree, **kwargs) -> Mapping[str, float]:

@@ -21,6 +21,7 @@ import optax
 from owl_cl import config_fields
 from owl_cl.eval import detection
 from owl_cl.train import losses
+from owl_cl.train import lwf as lwf_lib
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import top_k as top_k_lib
 
@@ -103,7 +104,7 @@ def _forward(
 
 
 def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
-  """`_loss_fn` without replay: the new images' detection loss and its metrics."""
+  """`_loss_fn` without replay: the new images' detection loss, its metrics and the outputs."""
   outputs = _forward(
     model,
     params,
@@ -130,7 +131,27 @@ def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
   }
   if "loss_objectness" in new:
     metrics["loss_objectness"] = new["loss_objectness"]
-  return new["loss"], metrics
+  return new["loss"], metrics, outputs
+
+
+def _add_lwf(loss, metrics, new_outputs, teacher, batch, *, model, lwf, max_unique_queries):
+  """(loss, metrics) with the LwF terms added (`lwf` None: unchanged). The teacher (the
+  pre-trained parameters, an argument of the step) scores the new images in eval mode."""
+  if lwf is None:
+    return loss, metrics
+  teacher_outputs = jax.lax.stop_gradient(
+    _forward(
+      model,
+      teacher,
+      batch["images"],
+      batch["queries"],
+      train=False,
+      max_unique_queries=max_unique_queries,
+    )
+  )
+  terms = lwf_lib.lwf_loss(new_outputs, teacher_outputs, lwf)
+  loss = loss + terms["lwf_loss"]
+  return loss, dict(metrics, **terms, loss=loss)
 
 
 def _split_outputs(outputs, replay, num_new):
@@ -181,60 +202,22 @@ def _per_device_gate(
   return loss, weight, gates[group]
 
 
-def _loss_fn(
-  params,
-  batch: Batch,
-  replay: Batch | None,
-  key,
+def _replay_weighting(
+  result,
+  logits_replay,
+  stored_logits,
+  replay,
+  replay_mask,
+  metrics,
   *,
-  model,
-  loss_config,
-  alpha: float,
-  beta: float,
-  max_unique_queries: int | None,
-  loss_adaptivity: str = "none",
-  loss_threshold: float = 0.0,
-  loss_gate_groups: int = 1,
+  alpha,
+  beta,
+  loss_adaptivity,
+  loss_threshold,
+  loss_gate_groups,
 ):
-  """Detection loss of the new half plus DER++ on the replay half (docs/reference.md §3).
-
-  L_T = L_B + weight * L_R with L_R = alpha * distillation + beta * replay detection loss
-  (averaged over the replays with `replay_mask`); weight by `loss_adaptivity`
-  (docs/reference.md §9):
-  'none' 1; 'paper' r / |B| with r = sum(replay['replay_active']) (eq. 6); 'released_gate'
-  1 if L_B >= loss_threshold else 0 (L_B of this forward, as the released code).
-  With `loss_gate_groups` G > 1 ('released_gate' only) the gate is per device as in the
-  released code (DDP): the new and replay halves are split into G contiguous groups (the data
-  sharding), group g's gate reads the mean of its images' per-image new losses, and the replay
-  term is (1/G) sum_g gate_g * L_R,g with L_R,g = alpha * MSE_g + beta * the mean of group g's
-  per-image replay losses (its valid replays).
-  """
-  num_new = batch["images"].shape[0]
-  if replay is None:
-    return _new_loss_only(params, batch, key, model, loss_config, max_unique_queries)
-  replay_mask = jnp.asarray(replay["replay_mask"], bool)
-  if loss_adaptivity == "paper":  # L_R over the active replays only
-    replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
-  # One forward over [new ; replay] (docs/reference.md §3).
-  images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
-  queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
-  outputs = _forward(
-    model, params, images, queries, train=True, key=key, max_unique_queries=max_unique_queries
-  )
-  new_outputs, replay_outputs, stored_logits = _split_outputs(outputs, replay, num_new)
-  logits_replay = replay_outputs["pred_logits"]
-  result = losses.der_plus_plus_loss(
-    new_outputs=new_outputs,
-    new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
-    replay_outputs=replay_outputs,
-    replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
-    stored_logits=stored_logits,
-    replay_mask=replay_mask,
-    alpha=alpha,
-    beta=beta,
-    **loss_config,
-  )
-  metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
+  """(total loss, replay weight, the replays used) of `_loss_fn` under `loss_adaptivity`
+  (docs/reference.md §9); `metrics` gains 'num_above_threshold' under 'paper'."""
   replay_total = alpha * result["distill_loss"] + beta * result["replay_loss"]
   num_slots = replay["images"].shape[0]
   used = replay_mask
@@ -271,8 +254,92 @@ def _loss_fn(
     raise ValueError(
       f"unknown loss_adaptivity {loss_adaptivity!r}; known: {config_fields.LOSS_ADAPTIVITY_MODES}"
     )
+  return loss, weight, used
+
+
+def _loss_fn(
+  params,
+  batch: Batch,
+  replay: Batch | None,
+  key,
+  *,
+  model,
+  loss_config,
+  alpha: float,
+  beta: float,
+  max_unique_queries: int | None,
+  loss_adaptivity: str = "none",
+  loss_threshold: float = 0.0,
+  loss_gate_groups: int = 1,
+  teacher: PyTree | None = None,
+  lwf: dict | None = None,
+):
+  """Detection loss of the new half plus DER++ on the replay half (docs/reference.md §3).
+
+  L_T = L_B + weight * L_R with L_R = alpha * distillation + beta * replay detection loss
+  (averaged over the replays with `replay_mask`); weight by `loss_adaptivity`
+  (docs/reference.md §9):
+  'none' 1; 'paper' r / |B| with r = sum(replay['replay_active']) (eq. 6); 'released_gate'
+  1 if L_B >= loss_threshold else 0 (L_B of this forward, as the released code).
+  With `loss_gate_groups` G > 1 ('released_gate' only) the gate is per device as in the
+  released code (DDP): the new and replay halves are split into G contiguous groups (the data
+  sharding), group g's gate reads the mean of its images' per-image new losses, and the replay
+  term is (1/G) sum_g gate_g * L_R,g with L_R,g = alpha * MSE_g + beta * the mean of group g's
+  per-image replay losses (its valid replays). With `lwf` (`train.lwf`), the LwF terms of the
+  new images against `teacher`'s outputs are added (`owl_cl.train.lwf.lwf_loss`).
+  """
+  num_new = batch["images"].shape[0]
+  add_lwf = functools.partial(
+    _add_lwf,
+    teacher=teacher,
+    batch=batch,
+    model=model,
+    lwf=lwf,
+    max_unique_queries=max_unique_queries,
+  )
+  if replay is None:
+    loss, metrics, outputs = _new_loss_only(
+      params, batch, key, model, loss_config, max_unique_queries
+    )
+    return add_lwf(loss, metrics, outputs)
+  replay_mask = jnp.asarray(replay["replay_mask"], bool)
+  if loss_adaptivity == "paper":  # L_R over the active replays only
+    replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
+  # One forward over [new ; replay] (docs/reference.md §3).
+  images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
+  queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
+  outputs = _forward(
+    model, params, images, queries, train=True, key=key, max_unique_queries=max_unique_queries
+  )
+  new_outputs, replay_outputs, stored_logits = _split_outputs(outputs, replay, num_new)
+  logits_replay = replay_outputs["pred_logits"]
+  result = losses.der_plus_plus_loss(
+    new_outputs=new_outputs,
+    new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
+    replay_outputs=replay_outputs,
+    replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
+    stored_logits=stored_logits,
+    replay_mask=replay_mask,
+    alpha=alpha,
+    beta=beta,
+    **loss_config,
+  )
+  metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
+  loss, weight, used = _replay_weighting(
+    result,
+    logits_replay,
+    stored_logits,
+    replay,
+    replay_mask,
+    metrics,
+    alpha=alpha,
+    beta=beta,
+    loss_adaptivity=loss_adaptivity,
+    loss_threshold=loss_threshold,
+    loss_gate_groups=loss_gate_groups,
+  )
   metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
-  return loss, metrics
+  return add_lwf(loss, metrics, new_outputs)
 
 
 def make_train_step(
@@ -288,11 +355,15 @@ def make_train_step(
   loss_adaptivity: str = "none",
   loss_threshold: float = 0.0,
   loss_gate_groups: int = 1,
+  lwf: dict | None = None,
 ) -> Callable:
   """Builds the jitted, sharded train step.
 
   Returns:
-    `train_step(state: TrainState, batch, replay, key) -> (state, metrics)`; `replay` is
+    `train_step(state: TrainState, batch, replay, key, teacher=None) -> (state, metrics)`;
+    `teacher` is the pre-trained parameters (replicated) when `lwf` (`train.lwf`: weight,
+    temperature, box_weight, box_threshold) is set, whose LwF terms (`owl_cl.train.lwf`) are
+    added to the loss and to the metrics (`lwf_loss`, `lwf_class`, `lwf_box`); `replay` is
     ignored (pass None) when `with_replay` is False. `batch` holds `images` [B,S,S,3],
     `queries` [B,Q,L], `labels` [B,M,Q], `boxes` [B,M,4]; `replay` the same for B_r replayed
     images plus `stored_logits` [B_r,T,Q] and `replay_mask` [B_r] bool. Metrics are scalars
@@ -328,11 +399,12 @@ def make_train_step(
     loss_adaptivity=loss_adaptivity,
     loss_threshold=float(loss_threshold),
     loss_gate_groups=int(loss_gate_groups),
+    lwf=dict(lwf) if lwf else None,
   )
 
-  def step(state: TrainState, batch: Batch, replay: Batch | None, key):
+  def step(state: TrainState, batch: Batch, replay: Batch | None, key, teacher=None):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (_, metrics), grads = grad_fn(state.params, batch, replay, key)
+    (_, metrics), grads = grad_fn(state.params, batch, replay, key, teacher=teacher)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
@@ -341,12 +413,13 @@ def make_train_step(
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
   if not with_replay:
-    fn = lambda state, batch, replay, key: step(state, batch, None, key)
+    fn = lambda state, batch, replay, key, teacher=None: step(state, batch, None, key, teacher)
   else:
     fn = step
   return jax.jit(
     fn,
-    in_shardings=(rep, data, data if with_replay else None, rep),
+    # The teacher (LwF only) is replicated like the parameters.
+    in_shardings=(rep, data, data if with_replay else None, rep) + ((rep,) if lwf else ()),
     out_shardings=(rep, rep),
     donate_argnums=(0,),
   )

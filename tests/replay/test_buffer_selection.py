@@ -234,3 +234,87 @@ def test_prototype_distance_capped_instances_hand_worked():
   args = (logits, emb, np.array([[0]]), np.array([[8]]), protos)
   np.testing.assert_allclose(buffer_selection.prototype_distances(*args, max_instances=8), [[0.0]])
   np.testing.assert_allclose(buffer_selection.prototype_distances(*args, max_instances=6), [[1.0]])
+
+
+# ----------------------------------------------------------------------------- replay budget
+
+
+@pytest.mark.parametrize(
+  "budget, num_images, expected",
+  [(0.25, 8, 2), (0.3, 8, 2), (0.001, 100, 1), (1.0, 8, 8), (3, 8, 3), (20, 8, 8)],
+)
+def test_budget_count_fraction_or_count(budget, num_images, expected):
+  # A fraction rounds down (0.3 * 8 = 2.4 -> 2), at least 1; a count is capped at N_pt.
+  assert buffer_selection.budget_count(budget, num_images) == expected
+
+
+@pytest.mark.parametrize("budget", [True, 0, -1, 1.5, 0.0, "1%"])
+def test_budget_count_rejects_bad_values(budget):
+  with pytest.raises(ValueError, match="replay.budget"):
+    buffer_selection.budget_count(budget, 8)
+
+
+# Six selected images; class 0 in {0, 1, 2}, class 1 in {3, 4}; image 5 in none.
+BUDGET_LOSS = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+
+
+def _budget_membership(members):
+  m = np.zeros((6, 2), bool)
+  for c, images in members.items():
+    m[images, c] = True
+  return m
+
+
+def test_budget_keeps_each_class_minimum_when_it_fits():
+  # min_per_class 2, budget 4: the quota 2 keeps class 0's two lowest-loss images {0, 1} and
+  # class 1's {3, 4}: 4 images, the whole budget, nothing drawn.
+  keep = buffer_selection.apply_budget(
+    np.ones(6, bool), BUDGET_LOSS, _budget_membership({0: [0, 1, 2], 1: [3, 4]}), 4, 2, seed=0
+  )
+  assert np.flatnonzero(keep).tolist() == [0, 1, 3, 4]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_budget_lowers_the_quota_then_draws_the_rest(seed):
+  # Budget 3: quota 2 needs 4 images, so the quota drops to 1: {0} for class 0, {3} for
+  # class 1; the third image is one of the others {1, 2, 4, 5}, the same for the same seed.
+  membership = _budget_membership({0: [0, 1, 2], 1: [3, 4]})
+  keep = buffer_selection.apply_budget(np.ones(6, bool), BUDGET_LOSS, membership, 3, 2, seed)
+  kept = np.flatnonzero(keep).tolist()
+  assert len(kept) == 3 and {0, 3} <= set(kept) and (set(kept) - {0, 3}) <= {1, 2, 4, 5}
+  again = buffer_selection.apply_budget(np.ones(6, bool), BUDGET_LOSS, membership, 3, 2, seed)
+  np.testing.assert_array_equal(keep, again)
+
+
+def test_budget_draw_depends_on_the_seed():
+  membership = _budget_membership({0: [0, 1, 2], 1: [3, 4]})
+  drawn = {
+    tuple(
+      np.flatnonzero(
+        buffer_selection.apply_budget(np.ones(6, bool), BUDGET_LOSS, membership, 3, 2, s)
+      )
+    )
+    for s in range(20)
+  }
+  # Four possible third images; 20 seeds draw more than one of them (a constant draw fails).
+  assert 1 < len(drawn) <= 4
+
+
+def test_budget_quota_counts_images_kept_for_earlier_classes():
+  # Class 0 in {3, 5}, class 1 in {3, 4}; budget 1, quota 1: class 0 keeps image 3 (its lower
+  # loss, 0.4), which is also class 1's: class 1 adds nothing, and the budget is full.
+  keep = buffer_selection.apply_budget(
+    np.ones(6, bool), BUDGET_LOSS, _budget_membership({0: [3, 5], 1: [3, 4]}), 1, 1, seed=0
+  )
+  assert np.flatnonzero(keep).tolist() == [3]
+
+
+def test_budget_above_the_selection_adds_lowest_loss_images():
+  # Selected {0, 3}; budget 4 adds the two unselected images of lowest loss: 2 (0.2), 4 (0.3).
+  loss = np.array([0.1, 0.6, 0.2, 0.4, 0.3, np.nan])
+  keep = np.array([True, False, False, True, False, False])
+  out = buffer_selection.apply_budget(keep, loss, np.zeros((6, 2), bool), 4, 2, seed=0)
+  assert np.flatnonzero(out).tolist() == [0, 2, 3, 4]
+  # All six: the NaN loss (counted +inf) comes last.
+  out = buffer_selection.apply_budget(keep, loss, np.zeros((6, 2), bool), 6, 2, seed=0)
+  assert out.all()

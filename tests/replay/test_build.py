@@ -339,6 +339,19 @@ def test_build_folder_of_other_settings_is_restarted(setup, tmp_path):
   _assert_same_store(str(tmp_path / "fresh"), path)
 
 
+@pytest.mark.parametrize("budget, expected", [(3, 3), (1.0, None)])
+def test_budget_brings_the_store_to_its_size(setup, tmp_path, budget, expected):
+  """`replay.budget` (docs/baselines.md): a count of 3 stores 3 images, the fraction 1.0 the
+  whole pre-training set (eq. 7's selection topped up in loss order)."""
+  detector, params, source, options = setup
+  path = str(tmp_path / "s")
+  stats = build_lib.build_store(
+    detector.model, params, source, path, **{**options, "budget": budget}
+  )
+  expected = len(source) if expected is None else expected
+  assert store_lib.ReplayStore.load(path).num_images == stats["images_kept"] == expected
+
+
 def _as_previous_version(path, dest, images):
   """A copy of the store at `path` as the previous version wrote it: format 1, the images'
   pixels `images` float32 [N, S, S, 3] in `examples.images`, no source indices."""

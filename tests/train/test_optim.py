@@ -1,4 +1,4 @@
-"""LR groups, layer-wise decay and the schedule (docs/reference.md §3)."""
+"""LR groups, layer-wise decay, the schedule (docs/reference.md §3) and frozen parts."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,11 @@ import numpy as np
 import optax
 import pytest
 
+from owl_cl import model as model_lib
+from owl_cl.testing.batches import detection_batch
 from owl_cl.train import optim
+from owl_cl.train import sharding
+from owl_cl.train import step as step_lib
 
 
 def _params(num_vision=3, num_text=2):
@@ -239,3 +243,112 @@ def test_per_tensor_decay_rejects_foreign_tree_and_unknown_granularity():
     optim.lr_multipliers(
       _params(), text_lr_multiplier=0.1, layerwise_decay=0.9, layerwise_granularity="block"
     )
+
+
+# ----------------------------------------------------------------------------- frozen parts
+
+
+def _names(tree, keep):
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, str))[0]
+  return {"/".join(k.key for k in path) for path, label in flat if label == keep}
+
+
+def test_presets_expand_to_the_towers_and_heads():
+  params = _params()
+  frozen = _names(optim.frozen_labels(params, ("text_tower",)), "frozen")
+  assert frozen == {
+    n
+    for n in optim.multipliers_summary(params, text_lr_multiplier=1.0, layerwise_decay=1.0)
+    if n.startswith("backbone/clip/text/")
+  }
+  trained = _names(optim.frozen_labels(params, ("heads_only",)), "train")
+  assert trained == {"class_head/Dense_0/kernel", "obj_box_head/Dense_2/kernel"}
+  image = _names(optim.frozen_labels(params, ("image_tower",)), "frozen")
+  assert "backbone/merged_class_token/scale" in image
+  assert "backbone/clip/visual/transformer/resblocks_0/ln_0/scale" in image
+  assert not any(n.startswith(("backbone/clip/text", "class_head")) for n in image)
+  # A regex matches the full path: 'class_head/.*' does not freeze 'obj_box_head'.
+  assert _names(optim.frozen_labels(params, ("class_head/.*",)), "frozen") == {
+    "class_head/Dense_0/kernel"
+  }
+
+
+@pytest.mark.parametrize(
+  "frozen, message",
+  [(("text/.*",), "match no parameter"), (("(",), "valid regex"), ((3,), "not a str")],
+)
+def test_bad_patterns_raise_naming_the_entry(frozen, message):
+  with pytest.raises(ValueError, match=message):
+    optim.frozen_labels(_params(), frozen)
+
+
+def test_frozen_leaves_have_no_adam_state_and_zero_update():
+  """mu / nu of frozen leaves are MaskedNode; trained leaves update as unfrozen Adam does."""
+  params = _params()
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), params)
+  kwargs = dict(
+    learning_rate=1.0,
+    total_steps=10,
+    warmup_steps=0,
+    text_lr_multiplier=0.1,
+    layerwise_decay=0.5,
+    grad_clip_norm=None,
+  )
+  tx, _ = optim.create_optimizer(params, frozen=("text_tower",), **kwargs)
+  state = tx.init(params)
+  adam = [
+    s
+    for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    if isinstance(s, optax.ScaleByAdamState)
+  ]
+  assert len(adam) == 1
+  for moments in (adam[0].mu, adam[0].nu):
+    text = moments["backbone"]["clip"]["text"]
+    assert all(
+      isinstance(x, optax.MaskedNode)
+      for x in jax.tree.leaves(text, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    )
+    assert not jax.tree.leaves(text)  # no array stored for the text tower
+    assert isinstance(moments["class_head"]["Dense_0"]["kernel"], jax.Array)
+  updates, _ = tx.update(grads, state, params)
+  ref_tx, _ = optim.create_optimizer(params, **kwargs)
+  ref, _ = ref_tx.update(grads, ref_tx.init(params), params)
+  labels = optim.frozen_labels(params, ("text_tower",))
+  for u, r, label in zip(jax.tree.leaves(updates), jax.tree.leaves(ref), jax.tree.leaves(labels)):
+    if label == "frozen":
+      assert np.all(np.asarray(u) == 0.0)
+    else:  # the same ops on the same values: bit-identical
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(r))
+
+
+def test_frozen_parameters_bit_identical_after_train_steps():
+  """Two steps of the real train step (tiny model): the text tower is unchanged, the heads move."""
+  model = model_lib.create_model(
+    "tiny", vision_layers=1, text_layers=1, vocab_size=64, image_size=32
+  )
+  rng = np.random.default_rng(0)
+  batch = detection_batch(rng, 2, num_queries=4, max_boxes=3, query_length=16)
+  params = model.init(
+    jax.random.PRNGKey(0), jnp.asarray(batch["images"]), jnp.asarray(batch["queries"])
+  )["params"]
+  params = jax.device_get(params)
+  mesh = sharding.create_mesh(jax.devices()[:1])
+  tx, _ = optim.create_optimizer(
+    params, learning_rate=1e-2, total_steps=10, warmup_steps=0, frozen=("text_tower",)
+  )
+  train_step = step_lib.make_train_step(
+    model, tx, mesh, loss_config=dict(focal_alpha=0.3, focal_gamma=2.0), with_replay=False
+  )
+  state = sharding.replicate(step_lib.create_train_state(params, tx), mesh)
+  for i in range(2):
+    state, _ = train_step(state, sharding.shard_batch(batch, mesh), None, jax.random.PRNGKey(i))
+  after = jax.device_get(state.params)
+  text_before = jax.tree.leaves(params["backbone"]["clip"]["text"])
+  text_after = jax.tree.leaves(after["backbone"]["clip"]["text"])
+  for a, b in zip(text_before, text_after):
+    np.testing.assert_array_equal(a, b)
+  moved = [
+    not np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(params["obj_box_head"]), jax.tree.leaves(after["obj_box_head"]))
+  ]
+  assert all(moved)

@@ -1,0 +1,25 @@
+"""Learning without Forgetting: distillation to the pre-trained model, no replay.
+
+Definition and sources: docs/baselines.md "LwF".
+
+No stored data: on each batch of new images the frozen pre-trained model (the teacher, passed
+to the train step) scores every (token, query) slot and the trained model is pulled towards
+its tempered sigmoids (`train.lwf.weight` 1, temperature 2 as Li & Hoiem 2017; binary KL, since
+OWL-ViT's classes are independent sigmoids). Box distillation on the teacher's confident
+tokens (Feng et al. CVPR'22, ERD) is an option: `--config.train.lwf.box_weight=1.0`.
+Measures what distillation without stored images keeps of the pre-trained model, between
+sequential fine-tuning (`no_replay.py`) and replay (`uniform.py`, the retrieval algorithms).
+Composes with replay: `--config=configs/swil.py --config.train.lwf.weight=1.0`.
+
+Run: `python -m owl_cl.main --config=configs/lwf.py` (paper's protocol:
+`--config=configs/lwf.py:paper --config.data.root=... --config.init_checkpoint=...`).
+Yields on the built-in benchmark: not yet measured.
+"""
+
+from configs import base
+
+
+def get_config(arg: str = ""):
+  c = base.algorithm_config("lwf", "none", arg)
+  c.train.lwf.weight = 1.0
+  return c
