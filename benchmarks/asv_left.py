@@ -28,7 +28,7 @@ Usage:
   nice -n 10 python benchmarks/asv_left.py [--num-images 5000] [--chunk 64] [--full-chunk 8]
     [--skip-full] [--out benchmarks/results] [--smoke]
 
-Writes `<out>/asv_left.json` and `<out>/asv_left.md`.
+Writes `<out>/asv_left.json` and `<out>/asv_left.md` (`--smoke`: tiny sizes, `asv_left_smoke.*`).
 """
 
 from __future__ import annotations

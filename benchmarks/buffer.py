@@ -33,7 +33,7 @@ Usage:
   python benchmarks/buffer.py [--sizes 20000,200000] [--batch-size 64] [--keep-fraction 0.18]
   [--out benchmarks/results] [--render-only] [--smoke]
 
-Writes `<out>/buffer.json` and `<out>/buffer.md`.
+Writes `<out>/buffer.json` and `<out>/buffer.md` (`--smoke`: one 64-image build, `buffer_smoke.*`).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ in the table and the others still run. Sections, in order:
   whether cuDNN takes the odd length unpadded;
 * `matcher`: the JAX Hungarian matcher (`losses.hungarian_matching(matcher='jax')`, jitted)
   against SciPy's `linear_sum_assignment` per image on the step's cost shapes;
-* `retrieval`: every retrieval algorithm at N = 54,226 and 1M against its NumPy reference
-  (`retrieval.bench_algorithms`), and each one's time as a % of the 16 + 16 step (the largest
-  step measured);
+* `retrieval:N=54226`, `retrieval:N=1000000`: every retrieval algorithm against its NumPy
+  reference (`retrieval.bench_size`), and each one's time as a % of the 16 + 16 step (the
+  largest step measured);
 * `compile`: the step's compile time in a fresh process with an empty persistent
   compilation cache, then in another sharing it (`step.compile_cache`).
 
@@ -93,7 +93,7 @@ BUDGETS = {
   "hf": 35,  # per batch
   "attention": 30,
   "matcher": 20,
-  "retrieval": 55,
+  "retrieval": 25,  # per size (54k, then 1M: 30)
   "compile": 95,
 }
 
@@ -262,29 +262,19 @@ def section_matcher(args) -> dict:
 
 
 def section_retrieval(args) -> dict:
-  """Every algorithm at each size against NumPy (`retrieval.bench_size`, algorithms only)."""
-  sizes = (
-    [retrieval_bench.SMOKE]
-    if args.smoke
-    else [retrieval_bench.sizes_for(n) for n in RETRIEVAL_SIZES]
-  )
+  """Every algorithm at N = `args.batch` buffer images (the smoke sizes with `--smoke`)
+  against NumPy (`retrieval.bench_size`, algorithms only)."""
+  size = retrieval_bench.SMOKE if args.smoke else retrieval_bench.sizes_for(args.batch)
   options = types.SimpleNamespace(
     skip_kernels=True, skip_floors=True, skip_precompute=True, repeats=args.repeats
   )
-  runs = []
-  for size in sizes:
-    run = retrieval_bench.bench_size(size, list(retrieval_bench.ALGORITHM_NAMES), options)
-    runs.append(
-      {
-        "num_images": size.num_images,
-        "algorithms": {
-          r["name"]: {"jax_s": r["jax_s"]["median_s"], "numpy_s": r["numpy_s"]["median_s"]}
-          for r in run["rows"]
-          if r["kind"] == "algorithm"
-        },
-      }
-    )
-  return {"runs": runs}
+  run = retrieval_bench.bench_size(size, list(retrieval_bench.ALGORITHM_NAMES), options)
+  algorithms = {
+    r["name"]: {"jax_s": r["jax_s"]["median_s"], "numpy_s": r["numpy_s"]["median_s"]}
+    for r in run["rows"]
+    if r["kind"] == "algorithm"
+  }
+  return {"num_images": size.num_images, "algorithms": algorithms}
 
 
 def section_compile(args) -> dict:
@@ -309,12 +299,15 @@ SECTIONS = {
 
 
 def plan(args) -> list[tuple[str, int | None, float]]:
-  """The sections in order as (name, batch or None, budget seconds)."""
+  """The sections in order as (name, batch or None, budget seconds); a retrieval section's
+  'batch' is its buffer size N."""
   batches = [2] if args.smoke else [8, 16, 32]
   out = [("peak", None, BUDGETS["peak"]), ("flops", None, BUDGETS["flops"])]
   out += [("step", b, BUDGETS["step"]) for b in batches]
   out += [("hf", b, BUDGETS["hf"]) for b in batches]
-  out += [(name, None, BUDGETS[name]) for name in ("attention", "matcher", "retrieval")]
+  out += [(name, None, BUDGETS[name]) for name in ("attention", "matcher")]
+  sizes = [retrieval_bench.SMOKE.num_images] if args.smoke else list(RETRIEVAL_SIZES)
+  out += [("retrieval", n, BUDGETS["retrieval"] + 5 * i) for i, n in enumerate(sizes)]
   out.append(("compile", batches[-1], BUDGETS["compile"]))
   scale = args.budget / sum(b for _, _, b in out)
   return [(name, batch, budget * scale) for name, batch, budget in out]
@@ -379,7 +372,8 @@ def summarize(results: dict, images: dict) -> dict:
       row["hf_error"] = hf.get("error", hf.get("skipped", "not run"))
     summary["steps"].append(row)
   summary["step_s_for_percent"] = largest
-  for run in results.get("retrieval", {}).get("runs", []):
+  runs = [v for k, v in results.items() if k.startswith("retrieval") and "algorithms" in v]
+  for run in runs:
     summary["retrieval_percent_of_step"][run["num_images"]] = {
       name: (100 * t["jax_s"] / largest if largest else None)
       for name, t in run["algorithms"].items()
@@ -471,7 +465,8 @@ def render_markdown(report: dict) -> str:
       f"JAX (jitted) {m['jax_s'] * 1e3:.2f} ms; SciPy `linear_sum_assignment` per image "
       f"{m['scipy_s'] * 1e3:.2f} ms; SciPy / JAX {m['scipy_s'] / m['jax_s']:.2f}x.",
     ]
-  if r.get("retrieval", {}).get("runs"):
+  runs = [v for k, v in r.items() if k.startswith("retrieval") and "algorithms" in v]
+  if runs:
     lines += [
       "",
       f"## Retrieval (one call = one step's replays), % of the {_fmt(s['step_s_for_percent'])}"
@@ -480,7 +475,7 @@ def render_markdown(report: dict) -> str:
       "| N | algorithm | JAX ms | NumPy ms | NumPy / JAX | % of step |",
       "|---|---|---|---|---|---|",
     ]
-    for run in r["retrieval"]["runs"]:
+    for run in runs:
       n = run["num_images"]
       for name, t in run["algorithms"].items():
         pct = s["retrieval_percent_of_step"].get(n, {}).get(name)
@@ -514,7 +509,7 @@ def main(argv=None) -> dict:
   p.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   args.repeats = args.repeats or (2 if args.smoke else 5)
-  args.budget = args.budget or (300.0 if args.smoke else 540.0)
+  args.budget = args.budget or (900.0 if args.smoke else 540.0)
   if args.repeats < 1 or args.budget <= 0:
     p.error(f"--repeats must be >= 1 and --budget > 0, got {args.repeats} and {args.budget}")
   if args.section:
@@ -531,7 +526,10 @@ def main(argv=None) -> dict:
   owned = tempfile.mkdtemp(prefix="gpu_bench_cache_") if not args.cache_dir else None
   args.cache_dir = args.cache_dir or owned
   for i, (name, batch, _) in enumerate(steps):
-    label = name if batch is None else f"{name}:{batch // 2}+{batch // 2}"
+    if name == "retrieval":
+      label = f"retrieval:N={batch}"
+    else:
+      label = name if batch is None else f"{name}:{batch // 2}+{batch // 2}"
     if batch and name in ("step", "hf"):
       images[f"{batch // 2}+{batch // 2}"] = batch
     later = sum(b for _, _, b in steps[i + 1 :])

@@ -42,7 +42,8 @@ side of the NumPy reference.
 buffer's [N, k, E] embeddings use E = 32 (`MILLION`: 1M x 8 x 768 float32 would be 24.6 GB
 per array); they are read only by the ASV algorithms' N_c candidate rows.
 
-Writes `<out>/retrieval[_quick].json` and `<out>/retrieval[_quick].md`. The script runs
+Writes `<out>/retrieval[_quick|_smoke].json` and `.md` (`--smoke`: every row at tiny sizes,
+`SMOKE`, in seconds). The script runs
 unchanged on CPU, GPU or TPU (the device is recorded). `--train-step-seconds` is a measured
 train step time to express retrieval as a fraction of it (default: the tiny model's CPU
 step from the README, about 0.25 s for 32 images; the L/14 GPU step is not measured here).

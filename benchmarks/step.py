@@ -19,14 +19,25 @@ Two parts, one JSON and one Markdown file:
    *modelled* by an attention with a custom VJP that saves exactly what a flash-attention
    kernel saves (q, k, v, the output and the per-row log-sum-exp) and recomputes the
    probabilities in the backward pass (marked `modelled` in the results).
-2. **Timing** on the device the script runs on: our jitted train step (steps/s, images/s,
-   compile time, peak memory from `device.memory_stats()` where the backend reports it, MFU
-   against the peak measured with a large bf16 matmul on accelerators) and HF transformers'
-   `OwlViTForObjectDetection` forward + backward (random weights of the same architecture,
-   bf16 autocast on GPU, float32 on CPU) at the same batch and image size, with the ratio
-   of images/s. Our step is the full step (forward, matching, loss, backward, AdamW update);
-   HF's is forward + backward of a plain loss (sum of squared logits + boxes), so the ratio
-   favours HF slightly. Both matchers ('scipy', 'jax') are timed in our step.
+2. **Timing** on the device the script runs on, four sides, **each in its own fresh process**
+   (`time_in_fresh_process`) with the same number of compute threads (`--threads`, default
+   the CPUs this process may use: the child is pinned to those CPUs, torch gets
+   `torch.set_num_threads` and `OMP_NUM_THREADS`, XLA:CPU `intra_op_parallelism_threads`),
+   the same model sizes and the same batch, warm-up steps (compilation) excluded:
+   * `ours_model`: our model's forward + backward of a plain loss (mean of the squared
+     logits + sum of the boxes), no optimizer; `hf_model`: the same for HF transformers'
+     `OwlViTForObjectDetection` (random weights of the same architecture, bf16 autocast on
+     CUDA, float32 on CPU, its default attention implementation);
+   * `ours_step:<matcher>`: our full `:paper` step (forward, DER++ over [new ; replay],
+     Hungarian matching, detection loss, backward, AdamW); `hf_step`: HF's forward, SciPy
+     matching and the same detection loss in PyTorch (`hf_detection_loss`), backward,
+     `torch.optim.AdamW` (our step's DER++ distillation term is the only extra work).
+   The ratios HF time / ours are reported for the model alone and for the full step. HF was
+   once timed in the process that had just run our steps: there XLA:CPU's thread pool
+   competed with torch's threads (`--diagnose` times that condition as
+   `hf_model_after_jax`). `--rounds R` runs every side in R processes, one after the other;
+   each row is the median over all timed steps with their min-max. On accelerators the MFU
+   is against a bf16 matmul peak measured in a fresh process.
 3. **Compilation** (`--compile-cache`, any backend): the step is traced, lowered and compiled
    from abstract inputs (no parameters allocated, nothing executed, so L/14 at 840 px
    compiles on a small host) in a fresh process with an empty persistent compilation cache,
@@ -35,13 +46,15 @@ Two parts, one JSON and one Markdown file:
 
 Usage:
   python benchmarks/step.py --quick        # CPU-sized: vit_b32 at 384 px, batch 4
+  python benchmarks/step.py --smoke        # every path at a tiny size in seconds (CI)
   python benchmarks/step.py                # L/14 at 840 px: arithmetic; timing on a GPU
   options: --variant, --image-size, --num-queries, --batches 1,2,4, --time-batches,
-  --skip-arithmetic, --skip-timing, --skip-hf, --repeats, --out
+  --skip-arithmetic, --skip-timing, --skip-hf, --skip-model-only, --repeats, --rounds,
+  --threads, --diagnose, --out
 
-Writes `<out>/step[_quick].json` and `.md`. Nothing here is asserted: targets (activations
-<= 2 GB per image at 840 px with the paper's defaults; >= 1.5x HF on the CPU --quick run)
-are read off the results.
+Writes `<out>/step[_quick|_smoke].json` and `.md`. Nothing here is asserted: targets
+(activations <= 2 GB per image at 840 px with the paper's defaults; on CPU at least parity
+on the model alone, ahead on the full step) are read off the results.
 """
 
 from __future__ import annotations
@@ -360,15 +373,21 @@ def measure_peak_flops(n: int = 8192) -> float:
   return 2 * n**3 / _median_time(lambda: f(a, a).block_until_ready(), 5)
 
 
-def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str):
-  """Builds, compiles and warms our train step; returns (run, record) with run() one step."""
-  model = model_lib.create_model(
+def timed_model(args, dtype=None, remat=None, attention=None):
+  """The model at `args`' variant and image size; dtype / remat / attention default to the
+  timed ones (`args.dtype`, `args.remat`, `args.attention`)."""
+  return model_lib.create_model(
     args.variant,
     image_size=args.image_size,
-    dtype=getattr(jnp, dtype),
-    remat=remat,
-    attention=attention,
+    dtype=getattr(jnp, dtype or args.dtype),
+    remat=remat or args.remat,
+    attention=attention or args.attention,
   )
+
+
+def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str):
+  """Builds, compiles and warms our train step; returns (run, record) with run() one step."""
+  model = timed_model(args, dtype, remat, attention)
   new, replay = _inputs(model, batch, args.num_queries, args.max_instances, abstract=False)
   params = jax.jit(model.init)(jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
   tx = optax.adamw(1e-4)
@@ -412,6 +431,15 @@ def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attenti
   return run, record
 
 
+def side_batch(args, batch: int, context_length: int) -> dict[str, np.ndarray]:
+  """The one batch both sides of the model-only and HF comparisons use (`numpy_batch`,
+  seed 0): `batch` images at `args`' sizes."""
+  rng = np.random.default_rng(0)
+  return numpy_batch(
+    rng, batch, args.image_size, args.num_queries, context_length, args.max_instances
+  )
+
+
 def prepare_ours_model(args, batch: int):
   """Our model's forward + backward of a plain loss, compiled and warmed; (run, record).
 
@@ -419,21 +447,8 @@ def prepare_ours_model(args, batch: int):
   boxes, over `batch` images with `num_queries` queries each; the forward is the evaluation
   one (no stochastic depth: HF's model has none) and no optimizer update follows.
   """
-  model = model_lib.create_model(
-    args.variant,
-    image_size=args.image_size,
-    dtype=getattr(jnp, args.dtype),
-    remat=args.remat,
-    attention=args.attention,
-  )
-  data = numpy_batch(
-    np.random.default_rng(0),
-    batch,
-    args.image_size,
-    args.num_queries,
-    model.context_length,
-    args.max_instances,
-  )
+  model = timed_model(args)
+  data = side_batch(args, batch, model.context_length)
   images, queries = jnp.asarray(data["images"]), jnp.asarray(data["queries"])
   params = jax.jit(model.init)(jax.random.PRNGKey(0), images, queries)["params"]
 
@@ -524,14 +539,7 @@ def prepare_hf(args, batch: int, full: bool):
   torch.manual_seed(0)
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.OwlViTForObjectDetection(hf_config).to(device).train()
-  data = numpy_batch(
-    np.random.default_rng(0),
-    batch,
-    args.image_size,
-    args.num_queries,
-    cfg.context_length,
-    args.max_instances,
-  )
+  data = side_batch(args, batch, cfg.context_length)
   images = torch.as_tensor(data["images"]).permute(0, 3, 1, 2).contiguous().to(device)
   # The same B * Q query rows as ours; HF finds each row's end at its largest id.
   ids = torch.randint(3, 400, (batch * args.num_queries, cfg.context_length), device=device)
@@ -707,13 +715,7 @@ def compile_step(args, batch: int) -> dict:
   compilation, which the persistent compilation cache (`--cache-dir`) replaces by a read.
   No parameters are allocated, so this runs at L/14 840 px on any host.
   """
-  model = model_lib.create_model(
-    args.variant,
-    image_size=args.image_size,
-    dtype=getattr(jnp, args.dtype),
-    remat=args.remat,
-    attention=args.attention,
-  )
+  model = timed_model(args)
   new, replay = _inputs(model, batch, args.num_queries, args.max_instances, abstract=True)
   tx = optax.adamw(1e-4)
   train_step = step_lib.make_train_step(

@@ -24,7 +24,7 @@ SECTIONS = [
   "hf:1+1",
   "attention",
   "matcher",
-  "retrieval",
+  "retrieval:N=200",
   "compile:1+1",
 ]
 
@@ -54,7 +54,7 @@ def test_smoke_runs_every_section(tmp_path):
   assert attention["tokens"] == 17 and attention["xla"]["fwd_bwd_s"] > 0
   assert "error" in attention["cudnn"] and attention["cudnn_padded"]
   assert sections["matcher"]["shape"] == [2, 16, 3]
-  (run,) = sections["retrieval"]["runs"]
+  run = sections["retrieval:N=200"]
   assert list(run["algorithms"]) == list(bench.retrieval_bench.ALGORITHM_NAMES)
   compile_ = sections["compile:1+1"]
   assert compile_["cold"]["compile_s"] > 0 and compile_["warm"]["compile_s"] > 0
@@ -88,6 +88,7 @@ def test_budget_shares_add_up_to_the_budget():
   args = type("Args", (), {"smoke": False, "budget": 540.0})()
   plan = bench.plan(args)
   assert sum(b for _, _, b in plan) == pytest.approx(540.0)
+  assert [n for name, n, _ in plan if name == "retrieval"] == [54_226, 1_000_000]
   assert [(n, b) for n, b, _ in plan if n in ("step", "hf")] == [
     ("step", 8),
     ("step", 16),
