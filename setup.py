@@ -29,7 +29,8 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
   # ruff is pinned: its formatter's output may change between releases (ruff.toml).
-  "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6"],
+  # import-linter checks the import layers of .importlinter (2.10: the acyclic_siblings contract).
+  "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6", "import-linter>=2.10"],
   # HF weight conversion and parity tests; OpenAI CLIP TorchScript init.
   "hf": ["torch==2.13.0", "transformers>=4.44", "safetensors>=0.4"],
   "cuda12": ["jax[cuda12]"],

@@ -1,8 +1,8 @@
 """ASER-PC's left term at scale: measured on this machine, projected to the paper's buffer.
 
-Times `owl_cl.replay.asv_left.compute_left_term` (what a run uses: jitted chunks of evaluation
-images sharded over the mesh, each committed to a progress folder) on synthetic top-k tokens
-(unit-norm random class and query embeddings, [N, k, E]; the time does not depend on their
+Times `owl_cl.replay.retrieval.asv_left.compute_left_term` (what a run uses: jitted chunks of
+evaluation images sharded over the mesh, each committed to a progress folder) on synthetic top-k
+tokens (unit-norm random class and query embeddings, [N, k, E]; the time does not depend on their
 values):
 
   * the whole left term of --num-images images (default 5,000: N*k = 40,000 tokens), chunks
@@ -49,8 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from owl_cl import utils  # noqa: E402
-from owl_cl.replay import asv_left  # noqa: E402
-from owl_cl.replay import knn_shapley  # noqa: E402
+from owl_cl.replay.retrieval import asv_left  # noqa: E402
+from owl_cl.replay.retrieval import knn_shapley  # noqa: E402
 from owl_cl.train import sharding  # noqa: E402
 
 PAPER_IMAGES = 54_226  # the released buffer (docs/reference.md §6)

@@ -48,12 +48,19 @@ import sys
 import tempfile
 import time
 
+import jax
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from configs import base  # noqa: E402
 from owl_cl import utils  # noqa: E402
+from owl_cl.detector import Detector  # noqa: E402
+from owl_cl.model import owl_vit  # noqa: E402
+from owl_cl.replay import build as build_lib  # noqa: E402
+from owl_cl.replay import setup as replay_setup  # noqa: E402
+from owl_cl.testing.configs import tiny_config  # noqa: E402
 
 NUM_CLASSES = 20
 IMAGE_SIZE = 32
@@ -103,13 +110,6 @@ def child(
   num_images: int, batch_size: int, keep_fraction: float, workdir: str, chunk_images: int
 ) -> dict:
   """One build in this process; returns its figures (the parent measures the peak RSS)."""
-  import jax  # noqa: PLC0415
-
-  from owl_cl.detector import Detector  # noqa: PLC0415
-  from owl_cl.replay import build as build_lib  # noqa: PLC0415
-  from owl_cl.replay import setup as replay_setup  # noqa: PLC0415
-  from owl_cl.testing.configs import tiny_config  # noqa: PLC0415
-
   config = tiny_config("swil", workdir)
   config.model.overrides.image_size = IMAGE_SIZE
   config.data.eval_batch_size = batch_size
@@ -196,9 +196,6 @@ def run_size(
 def paper_projection(step_results: str) -> dict:
   """Store bytes per buffer image for L/14 at 840 px (paper settings) and the forward FLOPs /
   time of the Objects365 build (see the module docstring)."""
-  from configs import base  # noqa: PLC0415
-  from owl_cl.model import owl_vit  # noqa: PLC0415
-
   c = base.get_config("paper")
   v = owl_vit.VARIANTS[c.model.variant]
   s, q, m, k = v["image_size"], c.data.num_queries, c.data.max_instances, c.replay.top_k

@@ -3,7 +3,7 @@
 Measures, at the paper's sizes (N 54,226 buffer images, C 365 classes, k 8 top tokens, E 768,
 B 16 new images, N_c 168 (ASER) / 352 (ASER-PC, SW-ASER-PC) candidates, K 20):
 
-  * every retrieval algorithm of the registry (`owl_cl.replay.algorithms.get_algorithm`),
+  * every retrieval algorithm of the registry (`owl_cl.replay.retrieval.registry.get_algorithm`),
     jitted, one call = one training step's retrieval (B replays), median over repeats after
     a compiling warm-up call;
   * the kernels (`knn_shapley`, `prototype_weighted_probs`, `adversarial_shapley_value`,
@@ -72,13 +72,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from owl_cl import utils  # noqa: E402
-from owl_cl.replay import algorithms  # noqa: E402
 from owl_cl.replay import class_index  # noqa: E402
-from owl_cl.replay import class_selection  # noqa: E402
-from owl_cl.replay import dedup  # noqa: E402
-from owl_cl.replay import knn_shapley  # noqa: E402
-from owl_cl.replay import sample_selection  # noqa: E402
 from owl_cl.replay import state as state_lib  # noqa: E402
+from owl_cl.replay.retrieval import class_selection  # noqa: E402
+from owl_cl.replay.retrieval import dedup  # noqa: E402
+from owl_cl.replay.retrieval import knn_shapley  # noqa: E402
+from owl_cl.replay.retrieval import registry  # noqa: E402
+from owl_cl.replay.retrieval import sample_selection  # noqa: E402
 
 EPS = 1e-8
 
@@ -603,7 +603,7 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
   left = rng.uniform(-0.01, 0.05, sizes.num_images).astype(np.float32)
   left_min = (left - 0.02).astype(np.float32)
   for name in names:
-    algorithm = algorithms.get_algorithm(
+    algorithm = registry.get_algorithm(
       name, dedup="dataset", **algorithm_hyperparameters(name, sizes)
     )
     rstate = state_lib.init_replay_state(sizes.num_images, jax.random.PRNGKey(0), sizes.num_classes)
@@ -901,8 +901,8 @@ def main(argv=None):
   else:
     all_sizes = [sizes_for(int(n)) for n in args.sizes.split(",") if n]
   names = [n for n in args.algorithms.split(",") if n]
-  known = [n for n in names if n in algorithms.ALGORITHMS]
-  missing = [n for n in names if n not in algorithms.ALGORITHMS]
+  known = [n for n in names if n in registry.ALGORITHMS]
+  missing = [n for n in names if n not in registry.ALGORITHMS]
   runs = [bench_size(sizes, known, args) for sizes in all_sizes]
   if args.processes > 1:
     for run, sizes in zip(runs, all_sizes):

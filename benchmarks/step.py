@@ -90,6 +90,7 @@ import optax  # noqa: E402
 from owl_cl import model as model_lib  # noqa: E402
 from owl_cl import utils  # noqa: E402
 from owl_cl.model import clip as clip_lib  # noqa: E402
+from owl_cl.model import convert  # noqa: E402
 from owl_cl.train import losses  # noqa: E402
 from owl_cl.train import sharding as sharding_lib  # noqa: E402
 from owl_cl.train import step as step_lib  # noqa: E402
@@ -531,11 +532,9 @@ def prepare_hf(args, batch: int, full: bool):
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
 
-  from owl_cl.model.convert import hf as hf_convert  # noqa: PLC0415
-
   torch.set_num_threads(args.threads)
   cfg = model_lib.get_variant_config(args.variant).replace(image_size=args.image_size)
-  hf_config = hf_convert.model_config_to_hf_config(cfg)
+  hf_config = convert.model_config_to_hf_config(cfg)
   torch.manual_seed(0)
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.OwlViTForObjectDetection(hf_config).to(device).train()

@@ -83,8 +83,26 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Persistent XLA compilation cache: later runs skip recompiling. None: <cache_dir>/xla
   # (follows --config.cache_dir); '' disables it.
   c.compilation_cache_dir = ml_collections.config_dict.placeholder(str)
+  _model_section(c)
+  _data_section(c)
+  _pretrain_section(c)
+  _train_section(c)
+  _loss_section(c)
+  _replay_section(c)
+  _eval_section(c)
+  _checkpoint_section(c)
+  # --- debugging / tiny budgets ----------------------------------------------------------
+  c.max_train_steps_per_dataset = ml_collections.config_dict.placeholder(int)
+  c.max_eval_images = ml_collections.config_dict.placeholder(int)
+  if "paper" in parts:
+    apply_paper_protocol(c)
+  if "released" in parts:
+    apply_released_code(c, real_data="paper" in parts)
+  return c
 
-  # --- model ---------------------------------------------------------------------------
+
+def _model_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.model` and `c.init_checkpoint`."""
   c.model = ml_collections.ConfigDict()
   c.model.variant = "tiny"
   c.model.tokenizer = "word_hash"  # word_hash (tiny) | clip (ViT variants, docs/reference.md §2)
@@ -107,7 +125,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # the model on the pre-training set (built-in benchmark) and cache it.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
 
-  # --- data ----------------------------------------------------------------------------
+
+def _data_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.data` (datasets, input pipeline, the built-in benchmark's sizes)."""
   c.data = ml_collections.ConfigDict()
   c.data.root = ml_collections.config_dict.placeholder(str)  # None: built-in benchmark
   # The run's datasets, declared as dataset entries (owl_cl.data.entries; README "Your own
@@ -172,7 +192,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # with SWIL replay, below the 0.3 bar) and "digits" (slower to learn from scratch).
   c.data.builtin.downstream = ("thermal", "negative", "clutter", "textured", "tiny")
 
-  # --- pre-training (only when no init_checkpoint is given) ------------------------------
+
+def _pretrain_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.pretrain` (used only when no init_checkpoint is given)."""
   c.pretrain = ml_collections.ConfigDict()
   c.pretrain.batch_size = 32
   # Measured on 2 idle CPU cores: ~0.37 s/step; validation AP50 0.66 at step 800, 0.70 at 1200
@@ -188,7 +210,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.pretrain.max_unique_queries = 64
   c.pretrain.eval_every_steps = 400  # validation AP on the pre-training val split (curve)
 
-  # --- continual fine-tuning (per downstream dataset; fresh optimizer each) -------------
+
+def _train_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.train` (continual fine-tuning, per downstream dataset)."""
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 16  # new images per step
   c.train.num_epochs = 8
@@ -210,7 +234,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.warmup_epochs = ml_collections.config_dict.placeholder(int)
   # Per-dataset overrides {dataset name: {field: value}} of num_epochs, warmup_epochs,
   # warmup_steps, learning_rate, text_lr_multiplier, layerwise_decay
-  # (owl_cl.validation.PER_DATASET_FIELDS; the paper's per-dataset table in 'paper').
+  # (owl_cl.config_fields.PER_DATASET_FIELDS; the paper's per-dataset table in 'paper').
   c.train.per_dataset = ml_collections.ConfigDict()
   # Parameters carried to the next dataset: 'last' (end of training) or 'best_validation'
   # (as in the released code: AP on the dataset's valid split after every epoch, the best
@@ -224,8 +248,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.train.log_every_steps = 20
   c.train.max_unique_queries = 64  # see pretrain.max_unique_queries
 
-  # --- detection loss (docs/reference.md §3)
-  # ----------------------------------------------------------
+
+def _loss_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.loss` (the detection loss, docs/reference.md §3)."""
   c.loss = ml_collections.ConfigDict()
   c.loss.focal_alpha = 0.3
   c.loss.focal_gamma = 2.0
@@ -240,8 +265,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # (per platform, owl_cl.train.losses.AUTO_MATCHER: jax, measured faster on CPU too).
   c.loss.matcher = "auto"
 
-  # --- replay (docs/reference.md §6-§8)
-  # ---------------------------------------------------------------
+
+def _replay_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.replay` (docs/reference.md §6-§9)."""
   c.replay = ml_collections.ConfigDict()
   # uniform | uniform_balanced | grasp | swil | sw_grasp | a_sw_grasp | aser | aser_pc |
   # sw_aser_pc | none (paper Table 2)
@@ -278,6 +304,40 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # variants' candidate sets): 'uniform' (paper, released default) | 'grasp' (prototype-weighted
   # with grasp_weight: the released option bal_prob_type='GRASP').
   c.replay.within_class_weighting = "uniform"
+  _aser_section(c)
+  # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
+  c.replay.records = True
+  # Lookahead (owl_cl.replay.setup `Replay.look_ahead`): while step t trains, step t+1's
+  # retrieval is dispatched and its replay batch gathered from the store and transferred in a
+  # background thread. Exact, hence on, where the retrieval reads no parameters (uniform,
+  # uniform_balanced, grasp and their dedup variants: the same indices, replay state, records
+  # and parameters bit for bit; not across a dedup reset, where it is redone). False: the
+  # serial loop (retrieval, then gather, then train step).
+  c.replay.lookahead = True
+  # Feature-based retrievals (SWIL, ASER, ... and the paper's loss adaptivity) read the
+  # parameters: True computes step t+1's features (and new-image losses) from the parameters
+  # before step t's update, one step stale, so that they, the retrieval and the gather also
+  # overlap step t. An approximation, not in the paper: results differ from False (the
+  # default, exact), and a run resumed from a step checkpoint computes its first step's
+  # features from the current parameters. Needs lookahead.
+  c.replay.stale_retrieval = False
+  c.replay.top_k = 8  # k class embeddings per image
+  # The buffer store keeps its images by reference and decodes them from the pre-training set
+  # when replayed (docs/reference.md §6). image_cache: a folder on local disk where each buffer
+  # image's resized uint8 pixels are kept once decoded (up to S*S*3 bytes per buffer image,
+  # filled lazily), so later replays read them instead of decoding again; a relative path lies
+  # inside cache_dir, an absolute one (e.g. a local NVMe '/tmp/owl_cl_replay_images'; '~' and
+  # $VARS expanded) anywhere; None: decode at every replay. On for the built-in benchmark
+  # (its 306 images at 64 px: 3.8 MB; decoding them instead costs ~6% of a CPU step); off in
+  # 'paper', whose 54k images at 840 px would take about 115 GB.
+  c.replay.image_cache = ml_collections.config_dict.placeholder(str)
+  c.replay.image_cache = "replay_images"
+  _loss_adaptivity_section(c)
+  _buffer_selection_section(c)
+
+
+def _aser_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.replay.aser` (the ASV algorithms)."""
   # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, docs/reference.md
   # §7).
   c.replay.aser = ml_collections.ConfigDict()
@@ -307,33 +367,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # 'image_features' (released option cls_embeds=False: the ViT's output tokens; the buffer
   # then also stores them, [N, k, D]).
   c.replay.aser.asv_features = "class_embeddings"
-  # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
-  c.replay.records = True
-  # Lookahead (owl_cl.replay.setup `Replay.look_ahead`): while step t trains, step t+1's
-  # retrieval is dispatched and its replay batch gathered from the store and transferred in a
-  # background thread. Exact, hence on, where the retrieval reads no parameters (uniform,
-  # uniform_balanced, grasp and their dedup variants: the same indices, replay state, records
-  # and parameters bit for bit; not across a dedup reset, where it is redone). False: the
-  # serial loop (retrieval, then gather, then train step).
-  c.replay.lookahead = True
-  # Feature-based retrievals (SWIL, ASER, ... and the paper's loss adaptivity) read the
-  # parameters: True computes step t+1's features (and new-image losses) from the parameters
-  # before step t's update, one step stale, so that they, the retrieval and the gather also
-  # overlap step t. An approximation, not in the paper: results differ from False (the
-  # default, exact), and a run resumed from a step checkpoint computes its first step's
-  # features from the current parameters. Needs lookahead.
-  c.replay.stale_retrieval = False
-  c.replay.top_k = 8  # k class embeddings per image
-  # The buffer store keeps its images by reference and decodes them from the pre-training set
-  # when replayed (docs/reference.md §6). image_cache: a folder on local disk where each buffer
-  # image's resized uint8 pixels are kept once decoded (up to S*S*3 bytes per buffer image,
-  # filled lazily), so later replays read them instead of decoding again; a relative path lies
-  # inside cache_dir, an absolute one (e.g. a local NVMe '/tmp/owl_cl_replay_images'; '~' and
-  # $VARS expanded) anywhere; None: decode at every replay. On for the built-in benchmark
-  # (its 306 images at 64 px: 3.8 MB; decoding them instead costs ~6% of a CPU step); off in
-  # 'paper', whose 54k images at 840 px would take about 115 GB.
-  c.replay.image_cache = ml_collections.config_dict.placeholder(str)
-  c.replay.image_cache = "replay_images"
+
+
+def _loss_adaptivity_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.replay.loss_adaptivity` (docs/reference.md §9)."""
   # Loss adaptivity (paper §4 eqs. 5-6, Table 4; docs/reference.md §9). mode: 'none' (1:1 replay,
   # the
   # paper's main results); 'paper' (replay only for the r new images whose pre-step loss
@@ -351,6 +388,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # ... and True applies the gate only to the feature-based algorithms (swil, sw_grasp,
   # a_sw_grasp, aser, aser_pc, sw_aser_pc); the others then train with mode 'none'.
   c.replay.loss_adaptivity.gate_feature_based_only = False
+
+
+def _buffer_selection_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.replay.selection` (the one-off buffer selection, paper eq. 7)."""
   c.replay.selection = ml_collections.ConfigDict()
   c.replay.selection.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
   c.replay.selection.min_per_class = 20  # then top up each class to this many images
@@ -366,8 +407,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # image of the pre-training set, released code).
   c.replay.selection.prototype_images = "buffer"
 
-  # --- evaluation (docs/reference.md §4)
-  # --------------------------------------------------------------
+
+def _eval_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.eval` (docs/reference.md §4)."""
   c.eval = ml_collections.ConfigDict()
   c.eval.top_k = 100  # detections per image
   c.eval.max_dets = 100  # COCOeval maxDets
@@ -387,7 +429,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.eval.lvis_top_k = 300
   c.eval.lvis_max_dets = 300
 
-  # --- checkpoints -----------------------------------------------------------------------
+
+def _checkpoint_section(c: ml_collections.ConfigDict) -> None:
+  """Fills `c.checkpoint`."""
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.max_to_keep = ml_collections.config_dict.placeholder(int)  # None = all
   # Step checkpoints within pre-training and each dataset (<workdir>/step_checkpoints, the
@@ -395,15 +439,6 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # and at a phase's last step when either is set. None for both: only SIGTERM writes one.
   c.checkpoint.every_steps = ml_collections.config_dict.placeholder(int)
   c.checkpoint.every_minutes = ml_collections.config_dict.placeholder(float)
-
-  # --- debugging / tiny budgets ----------------------------------------------------------
-  c.max_train_steps_per_dataset = ml_collections.config_dict.placeholder(int)
-  c.max_eval_images = ml_collections.config_dict.placeholder(int)
-  if "paper" in parts:
-    apply_paper_protocol(c)
-  if "released" in parts:
-    apply_released_code(c, real_data="paper" in parts)
-  return c
 
 
 def apply_released_code(

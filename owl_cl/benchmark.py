@@ -23,15 +23,18 @@ import os
 
 import ml_collections
 
-from owl_cl import validation
+from owl_cl import config_fields
+from owl_cl.config_fields import uses_real_data
 from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import entries as entries_lib
+from owl_cl.data import odinw
+from owl_cl.data import pretraining
+from owl_cl.data import real_inputs
 from owl_cl.data import suites
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import shuffled
-from owl_cl.validation import uses_real_data
 
 PRETRAIN_EVAL = "pretrain_val"
 HELD_OUT_EVAL = "held_out"
@@ -244,11 +247,11 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   datasets of `load_real_benchmark`.
 
   Raises:
-    MissingInputsError: the paper's protocol with missing files (`validation.check_inputs`).
+    MissingInputsError: the paper's protocol with missing files (`data.real_inputs.check_inputs`).
     DataError: a declared dataset that cannot be read (names the entry, field and value).
   """
   if uses_real_data(config):
-    validation.check_inputs(config)
+    real_inputs.check_inputs(config)
   decl = declaration(config)
   needs_builtin = (
     decl["pretrain"] is None
@@ -367,14 +370,11 @@ def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   `data.odinw_datasets` (train / valid / test splits) shuffled by `sequence_seed`.
 
   Raises:
-    MissingInputsError: see `validation.check_inputs`.
+    MissingInputsError: see `data.real_inputs.check_inputs`.
   """
-  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
-  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
-
-  validation.check_inputs(config)
+  real_inputs.check_inputs(config)
   root = expand_path(config.data.root)
-  names = validation.odinw_names(config)
+  names = real_inputs.odinw_names(config)
   subset_seed = config.data.get("subset_seed", 0)
   sequence = []
   for name in names:
@@ -429,7 +429,7 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index:
   everything = [bench.pretrain_eval, bench.held_out_eval] + names
   if index >= len(bench.sequence):
     return everything
-  mode = validation.check_downstream_eval_mode(config)
+  mode = config_fields.check_downstream_eval_mode(config)
   out = []
   if config.eval.pretraining_sets_after_each_dataset:
     out += [bench.pretrain_eval, bench.held_out_eval]

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from owl_cl import config_fields
 from owl_cl import distributed
 from owl_cl import model as model_lib
-from owl_cl import validation
 from owl_cl.benchmark import EVALUATION_PROTOCOLS
 from owl_cl.benchmark import Dataset
+from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
 from owl_cl.data import pipeline
 from owl_cl.data import prompts
@@ -30,7 +31,6 @@ from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
-from owl_cl.validation import ConfigError
 
 # Test-only hook: when this environment variable names a folder, `Detector.evaluate` also
 # writes each evaluation's detections there (process 0, `<desc>.json`), so a test can compare
@@ -79,7 +79,7 @@ class Detector:
         "context_length": model_config.context_length,
       }
     elif config.model.tokenizer == "clip":
-      problem = validation.clip_vocabulary_problem(config)
+      problem = config_fields.clip_vocabulary_problem(config)
       if problem:
         raise ConfigError(problem)
       tokenizer_kwargs = {

@@ -42,6 +42,7 @@ import jax
 import ml_collections
 from tensorboardX import SummaryWriter
 
+from configs import base
 from owl_cl import benchmark as benchmark_lib
 from owl_cl import distributed
 from owl_cl import preemption
@@ -49,6 +50,7 @@ from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl import validation
+from owl_cl.config_fields import ConfigError
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
 from owl_cl.replay import setup as replay_setup
@@ -56,7 +58,6 @@ from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
-from owl_cl.validation import ConfigError
 
 # Longest wait of a process for the others at the end of a dataset: a stage's training and
 # evaluation run in lockstep (collectives), so the processes arrive within seconds; a peer
@@ -98,8 +99,6 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def _default_config_json() -> dict:
   """configs/base.py's config as JSON: the defaults every config field starts from."""
-  from configs import base  # pylint: disable=g-import-not-at-top
-
   return json.loads(base.get_config("").to_json_best_effort())
 
 

@@ -29,6 +29,14 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from owl_cl import distributed
+from owl_cl import preemption
+from owl_cl.config_fields import ConfigError
+from owl_cl.data.coco import DataError
+from owl_cl.eval.results import ResultsConflictError
+from owl_cl.model.convert import CheckpointMismatchError
+from owl_cl.utils import WorkdirLockedError
+
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
   None,
@@ -94,8 +102,6 @@ def main(argv):
     _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None
   ):
     raise app.UsageError("--coordinator_address/--num_processes/--process_id need --distributed")
-  from owl_cl import distributed  # pylint: disable=g-import-not-at-top
-
   if _DISTRIBUTED.value:
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -109,7 +115,9 @@ def main(argv):
       jax.local_device_count(),
       jax.device_count(),
     )
-  from owl_cl import experiment  # Imported after flag parsing: keeps --help fast.
+  # Imported here, not at the top: experiment imports tensorboardX, which imports torch when it is
+  # installed (the 'hf' extra), seconds that --help and the tests importing main need not wait.
+  from owl_cl import experiment  # pylint: disable=g-import-not-at-top
 
   config = _CONFIG.value
   if config is None:
@@ -119,8 +127,6 @@ def main(argv):
   # One process's exception ends the whole multi-process run (the others are stopped by JAX's
   # coordination service, naming it); with one process it propagates as usual. A known error
   # (the user's input) is one message and exit status 2 on the process that found it.
-  from owl_cl import preemption  # pylint: disable=g-import-not-at-top
-
   with distributed.fail_fast():
     try:
       experiment.run(config, workdir)
@@ -136,13 +142,8 @@ def main(argv):
 
 def known_errors() -> tuple[type[BaseException], ...]:
   """The exceptions that are the user's input, not a bug: reported without a traceback."""
-  # pylint: disable=g-import-not-at-top
-  from owl_cl.data.coco import DataError
-  from owl_cl.eval.results import ResultsConflictError
-  from owl_cl.model.convert import CheckpointMismatchError
-  from owl_cl.trainer import TrainingDivergedError
-  from owl_cl.utils import WorkdirLockedError
-  from owl_cl.validation import ConfigError
+  # Imported here: trainer imports tensorboardX, which imports torch when installed (as above).
+  from owl_cl.trainer import TrainingDivergedError  # pylint: disable=g-import-not-at-top
 
   return (
     ConfigError,
@@ -160,6 +161,7 @@ def fail(error: BaseException, verbose: bool = False) -> None:
   Raises:
     SystemExit: EXIT_DIVERGED for a diverged training, else EXIT_BAD_INPUT.
   """
+  # Imported here: trainer imports tensorboardX, which imports torch when installed (as above).
   from owl_cl.trainer import TrainingDivergedError  # pylint: disable=g-import-not-at-top
 
   if verbose:

@@ -17,15 +17,19 @@ import jax
 import ml_collections
 
 from owl_cl import distributed
+from owl_cl import model as model_lib
 from owl_cl import trainer
 from owl_cl.benchmark import Benchmark
+from owl_cl.cache_keys import cache_key_fields
+from owl_cl.cache_keys import non_default_data_options
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
+from owl_cl.model import convert
 from owl_cl.train import checkpointing
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
-from owl_cl.validation import ConfigError
-from owl_cl.validation import uses_real_data
 
 # The ModelConfig fields a parameter tree determines (`convert.infer_model_config`).
 ARCHITECTURE_FIELDS = (
@@ -48,8 +52,6 @@ ARCHITECTURE_FIELDS = (
 def architecture(tree) -> dict[str, int] | None:
   """`ARCHITECTURE_FIELDS` read off a parameter tree (leaves with `.shape`); None when the
   tree is not an OWL-ViT's (a needed leaf is absent)."""
-  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
-
   try:
     config = convert.infer_model_config(tree)
   except (ValueError, KeyError, IndexError):
@@ -61,7 +63,6 @@ def describe_architecture(arch: dict[str, int] | None) -> str:
   """'variant 'tiny' with vision_width=64, ...' (the nearest of `model.VARIANTS`)."""
   if arch is None:
     return "an unknown architecture (not an OWL-ViT parameter tree)"
-  from owl_cl import model as model_lib  # pylint: disable=g-import-not-at-top
 
   def differing(variant):
     return {f: v for f, v in arch.items() if model_lib.VARIANTS[variant][f] != v}
@@ -88,8 +89,6 @@ def params_checkpoint_problem(path: str, like, needs: str = "") -> str:
     differing architecture field; '' when every parameter has the model's shape.
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
 
   try:
     metadata = ocp.StandardCheckpointer().metadata(os.path.join(path, "params"))
@@ -143,8 +142,6 @@ def hf_checkpoint_problem(path: str, like, needs: str = "") -> str:
 
   Args and message: as `params_checkpoint_problem`.
   """
-  from owl_cl.model import convert  # pylint: disable=g-import-not-at-top
-
   try:
     held = convert.hf_config_to_model_config(path)
   except (ValueError, ImportError, OSError, KeyError, TypeError):
@@ -196,24 +193,22 @@ def load_init_checkpoint(path: str, like, needs: str = "") -> tuple[Any, dict]:
       configured model (e.g. a B/32 checkpoint for the L/14 config).
     FileNotFoundError: nothing readable at `path`.
   """
-  from owl_cl.model import convert as checkpoints  # pylint: disable=g-import-not-at-top
-
   if os.path.isdir(os.path.join(path, "params")):
     problem = params_checkpoint_problem(path, like, needs)
     if problem:
-      raise checkpoints.CheckpointMismatchError(path, what=f" of the config: {problem}")
+      raise convert.CheckpointMismatchError(path, what=f" of the config: {problem}")
     return checkpointing.load_params(path, like)
   what = f" ({needs})" if needs else ""
   try:
     if os.path.isfile(os.path.join(path, "config.json")):
-      params, hf_config = checkpoints.load_hf_checkpoint(path)
-      params = checkpoints.check_params(params, like, path)
+      params, hf_config = convert.load_hf_checkpoint(path)
+      params = convert.check_params(params, like, path)
       return params, {"source": path, "format": "hf", "hf_model_config": str(hf_config)}
-    params = checkpoints.load_scenic_checkpoint(path, like)
-  except checkpoints.CheckpointMismatchError as e:
+    params = convert.load_scenic_checkpoint(path, like)
+  except convert.CheckpointMismatchError as e:
     if not what:
       raise
-    raise checkpoints.CheckpointMismatchError(
+    raise convert.CheckpointMismatchError(
       e.source, e.missing, e.unexpected, e.wrong_shape, what=what
     ) from e
   return params, {"source": path, "format": "scenic"}
@@ -282,67 +277,3 @@ def pretrained_params(
   if step_checkpoints is not None:
     step_checkpoints.discard(0)
   return params, meta
-
-
-def _as_tuples(options: dict) -> dict:
-  """`options` with list values as tuples (a config read from JSON or flags holds lists)."""
-  return {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in options.items()}
-
-
-def _default_data_options() -> dict[str, Any]:
-  """The input-pipeline options of configs/base.py, where their defaults are defined."""
-  from configs import base  # pylint: disable=g-import-not-at-top
-
-  data = base.get_config("").data
-  return {
-    "squash_resize": data.squash_resize,
-    "merge_iou": data.merge_iou,
-    "negatives_by_frequency": data.negatives_by_frequency,
-    "augment": _as_tuples(data.augment.to_dict()),
-  }
-
-
-# The input-pipeline options' defaults. Cache keys list only the options that differ from
-# them, so caches made before an option existed stay valid.
-DEFAULT_DATA_OPTIONS = _default_data_options()
-
-
-# Fields left out of the cache keys of pre-training and of the buffer, so that caches written
-# before they existed stay valid: those that choose how a step executes, not what it computes
-# (attention, remat, matcher: the same values up to rounding), and the loss normalisation, which
-# applies to continual fine-tuning only (pre-training and the buffer's losses are per image).
-_NOT_IN_CACHE_KEYS = {"model": ("attention", "remat"), "loss": ("matcher", "normalization")}
-
-
-def cache_key_fields(config: ml_collections.ConfigDict, section: str) -> dict:
-  """`config.<section>` ('model' | 'loss') as it enters the cache keys.
-
-  Leaves out `_NOT_IN_CACHE_KEYS` and an unset (None) `model.dtype` (the variant's own).
-  """
-  out = config[section].to_dict()
-  for field in _NOT_IN_CACHE_KEYS.get(section, ()):
-    out.pop(field, None)
-  if section == "model" and out.get("dtype") is None:
-    out.pop("dtype", None)
-  return out
-
-
-def non_default_data_options(
-  config: ml_collections.ConfigDict, buffer: bool = False
-) -> dict[str, Any]:
-  """{'data_options': {...}} with the `config.data` pipeline options that differ from
-  `DEFAULT_DATA_OPTIONS` ({} when none do), for the cache keys of the pre-trained model and
-  (buffer=True: augmentations excluded, the buffer's images are not augmented) the buffer."""
-  data = config.data
-  differing = {}
-  for name, default in DEFAULT_DATA_OPTIONS.items():
-    if name == "augment":
-      if buffer:
-        continue
-      value = _as_tuples(data.augment.to_dict())
-      default = _as_tuples(default)
-    else:
-      value = data.get(name, default)
-    if value != default:
-      differing[name] = value
-  return {"data_options": differing} if differing else {}

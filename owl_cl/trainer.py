@@ -30,6 +30,8 @@ import tqdm
 from owl_cl import preemption
 from owl_cl.benchmark import Benchmark
 from owl_cl.benchmark import Dataset
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import check_per_dataset_fields
 from owl_cl.detector import Detector
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import optim
@@ -37,8 +39,6 @@ from owl_cl.train import prefetch
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
 from owl_cl.train import timing
-from owl_cl.validation import ConfigError
-from owl_cl.validation import check_per_dataset_fields
 
 # The arrays a train step consumes (a batch also holds host-side bookkeeping such as image ids).
 MODEL_INPUTS = ("images", "queries", "labels", "boxes")

@@ -1,8 +1,9 @@
 """Every check of a run's config, written once and run once, before any work.
 
 `validate(config)` runs the checks that need only the config (called first thing by
-`experiment.run`); `check_inputs(config)` the file checks of the paper's protocol (one error
-listing every missing input); `check_datasets(config)` the checks of the declared datasets
+`experiment.run`); `data.real_inputs.check_inputs(config)` (called by `validate`) the file
+checks of the paper's protocol (one error listing every missing input);
+`check_datasets(config)` the checks of the declared datasets
 (`data.sequence`, `data.pretrain`, `data.held_out`: every problem of every entry);
 `check_sequence_config(config, benchmark)` the checks that need the run's downstream
 sequence. Each raises `ConfigError` naming the field and its value.
@@ -10,44 +11,46 @@ sequence. Each raises `ConfigError` naming the field and its value.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import json
-import math
-import numbers
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ml_collections
 
-from owl_cl.replay import algorithms as replay_algorithms
+from owl_cl import benchmark as benchmark_lib
+from owl_cl import model as model_lib
+from owl_cl import pretrained
+from owl_cl.benchmark import Benchmark
+from owl_cl.config_fields import BETA
+from owl_cl.config_fields import FINITE
+from owl_cl.config_fields import FRACTION
+from owl_cl.config_fields import NON_NEGATIVE
+from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import MissingInputsError
+from owl_cl.config_fields import Rule
+from owl_cl.config_fields import check_carry_mode
+from owl_cl.config_fields import check_downstream_eval_mode
+from owl_cl.config_fields import check_per_dataset_fields
+from owl_cl.config_fields import clip_vocabulary_problem
+from owl_cl.config_fields import integer
+from owl_cl.config_fields import loss_adaptivity_mode
+from owl_cl.config_fields import real
+from owl_cl.config_fields import uses_real_data
+from owl_cl.data import entries
+from owl_cl.data import odinw
+from owl_cl.data import real_inputs
+from owl_cl.data import scan
+from owl_cl.data import suites
+from owl_cl.data.coco import DataError
+from owl_cl.detector import model_fields
+from owl_cl.model import convert
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import knn_shapley
+from owl_cl.replay.retrieval import asv as retrieval_asv
+from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import steps as retrieval_steps
 from owl_cl.train import losses
 from owl_cl.utils import expand_path
-
-if TYPE_CHECKING:
-  from owl_cl.benchmark import Benchmark
-
-# Fields a `train.per_dataset.<dataset name>` entry may set; each replaces the `train.*` field
-# of the same name while training on that dataset (`trainer.dataset_train_settings`).
-PER_DATASET_FIELDS = (
-  "num_epochs",
-  "warmup_epochs",
-  "warmup_steps",
-  "learning_rate",
-  "text_lr_multiplier",
-  "layerwise_decay",
-)
-DOWNSTREAM_EVAL_MODES = ("all", "seen")
-CARRY_MODES = ("last", "best_validation")
-
-
-class ConfigError(ValueError):
-  """A config value the run cannot use; the message names the field and the value."""
-
-
-class MissingInputsError(ConfigError):
-  """Files or folders the run needs are missing; the message lists all of them and the layout."""
 
 
 def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
@@ -66,9 +69,9 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or `train.carry`, a
       CLIP tokenizer without its vocabulary, an `init_checkpoint` folder that holds no
       checkpoint or a checkpoint of another model (`init_checkpoint_model_problem`).
-    MissingInputsError: the paper's protocol with missing inputs (`check_inputs`), checked
-      once the fields are valid; then every problem of the declared datasets
-      (`check_datasets`).
+    MissingInputsError: the paper's protocol with missing inputs
+      (`data.real_inputs.check_inputs`), checked once the fields are valid; then every
+      problem of the declared datasets (`check_datasets`).
   """
   problems = range_problems(config)
   if workdir is not None:
@@ -80,70 +83,19 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       problems.append(str(e))
   problems += [p for p in [init_checkpoint_problem(config)] if p]
   problems += option_problems(config)
-  if not uses_real_data(config):  # With real data, `check_inputs` lists it with the files.
+  # With real data, `real_inputs.check_inputs` lists it with the files.
+  if not uses_real_data(config):
     problems += [p for p in [clip_vocabulary_problem(config)] if p]
   if problems:
     raise ConfigError(
       f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n"
       + "\n".join(f"  - {p}" for p in problems)
     )
-  check_inputs(config)
+  real_inputs.check_inputs(config)
   check_datasets(config)
 
 
 # ----------------------------------------------------------------------------- ranges
-
-# A rule takes a field's value and returns what is wrong with it ('' when fine).
-Rule = Callable[[Any], str]
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def integer(minimum: int, *, optional: bool = False) -> Rule:
-  """An int >= `minimum` (None allowed when `optional`)."""
-
-  def rule(value):
-    if value is None and optional:
-      return ""
-    if not _is_number(value) or int(value) != value:
-      return "must be an integer" + (" or None" if optional else "")
-    return "" if value >= minimum else f"must be >= {minimum}" + (" or None" * optional)
-
-  return rule
-
-
-def real(
-  low: float = -math.inf,
-  high: float = math.inf,
-  *,
-  low_open: bool = False,
-  high_open: bool = False,
-  optional: bool = False,
-) -> Rule:
-  """A finite number in [low, high] (an end excluded when `*_open`; None when `optional`)."""
-
-  def rule(value):
-    if value is None and optional:
-      return ""
-    if not _is_number(value) or not math.isfinite(value):
-      return "must be a finite number" + (" or None" if optional else "")
-    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
-      if high == math.inf:
-        return f"must be {'>' if low_open else '>='} {low:g}"
-      left, right = "(" if low_open else "[", ")" if high_open else "]"
-      return f"must be in {left}{low:g}, {high:g}{right}"
-    return ""
-
-  return rule
-
-
-POSITIVE = real(0.0, low_open=True)  # learning rates, eps, replay ratio
-NON_NEGATIVE = real(0.0)  # loss weights, weight decay, multipliers
-FINITE = real()  # thresholds (a NaN compares False with everything: it must not pass)
-FRACTION = real(0.0, 1.0, low_open=True)  # layer-wise decay, dedup fraction
-BETA = real(0.0, 1.0, high_open=True)  # Adam's b1 / b2
 
 # The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
 TRAIN_FIELD_RULES: dict[str, Rule] = {
@@ -332,8 +284,8 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   A folder must be one of the formats `pretrained.load_init_checkpoint` reads: an owl_cl
   parameter checkpoint (`params/` written by orbax, with its `_METADATA`), an HF folder
   (`config.json`) or a folder of scenic `checkpoint_<step>` files. A missing path is
-  reported here (built-in benchmark) or by `check_inputs` (real data). An owl_cl or HF
-  checkpoint of another model (size, widths, layers) is named with the model it holds and
+  reported here (built-in benchmark) or by `real_inputs.check_inputs` (real data). An owl_cl
+  or HF checkpoint of another model (size, widths, layers) is named with the model it holds and
   the model the config needs (`init_checkpoint_model_problem`); a scenic one by the loader
   (`CheckpointMismatchError`, with the config's model named).
   """
@@ -341,7 +293,7 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
     return ""
   path = expand_path(config.init_checkpoint)
   if not os.path.exists(path):
-    # With real data `check_inputs` lists it among every missing input.
+    # With real data `real_inputs.check_inputs` lists it among every missing input.
     return "" if uses_real_data(config) else f"config.init_checkpoint={path} does not exist"
   if not os.path.isdir(path):
     return ""
@@ -373,13 +325,6 @@ def init_checkpoint_model_problem(
   (`pretrained.params_checkpoint_problem`), an HF folder (`hf`) from its config.json
   (`pretrained.hf_checkpoint_problem`); the model's shapes by `jax.eval_shape`, nothing
   allocated. An invalid `config.model` is left to the detector's own error."""
-  # pylint: disable=g-import-not-at-top
-  from owl_cl import model as model_lib
-  from owl_cl import pretrained
-  from owl_cl.detector import model_fields
-  from owl_cl.model import convert
-  # pylint: enable=g-import-not-at-top
-
   try:
     model = model_lib.create_model(config.model.variant, **model_fields(config))
   except (ValueError, TypeError, AttributeError):
@@ -408,19 +353,19 @@ def option_problems(config: ml_collections.ConfigDict) -> list[str]:
     (
       "config.replay.within_class_weighting",
       config.replay.within_class_weighting,
-      replay_algorithms.WITHIN_CLASS_WEIGHTINGS,
+      retrieval_steps.WITHIN_CLASS_WEIGHTINGS,
     ),
     ("config.replay.aser.asv_shapley", config.replay.aser.asv_shapley, knn_shapley.SHAPLEY),
     ("config.replay.aser.asv_left_term", config.replay.aser.asv_left_term, (True, False)),
     (
       "config.replay.aser.asv_features",
       config.replay.aser.asv_features,
-      replay_algorithms.ASV_FEATURES,
+      retrieval_asv.ASV_FEATURES,
     ),
     (
       "config.replay.aser.candidate_subsets",
       config.replay.aser.candidate_subsets,
-      replay_algorithms.CANDIDATE_SUBSETS,
+      retrieval_asv.CANDIDATE_SUBSETS,
     ),
   )
   return [
@@ -428,69 +373,6 @@ def option_problems(config: ml_collections.ConfigDict) -> list[str]:
     for field, value, known in options
     if value not in known
   ]
-
-
-def uses_real_data(config: ml_collections.ConfigDict) -> bool:
-  """True for the paper's protocol (a `:paper` config, or any config with data.root set)."""
-  return config.data.root is not None or "odinw_datasets" in config.data
-
-
-def loss_adaptivity_mode(config: ml_collections.ConfigDict) -> str:
-  """config.replay.loss_adaptivity.mode, checked (paper eq. 5).
-
-  Raises:
-    ConfigError: a mode outside `train.losses.LOSS_ADAPTIVITY_MODES`.
-  """
-  mode = config.replay.loss_adaptivity.mode
-  if mode not in losses.LOSS_ADAPTIVITY_MODES:
-    raise ConfigError(
-      f"config.replay.loss_adaptivity.mode={mode!r} is unknown; known: "
-      f"{list(losses.LOSS_ADAPTIVITY_MODES)}"
-    )
-  return mode
-
-
-def check_downstream_eval_mode(config: ml_collections.ConfigDict) -> str:
-  """config.eval.downstream_after_each_dataset, checked. Raises ConfigError if unknown."""
-  mode = config.eval.downstream_after_each_dataset
-  if mode not in DOWNSTREAM_EVAL_MODES:
-    raise ConfigError(f"config.eval.downstream_after_each_dataset={mode!r}; use 'all' or 'seen'")
-  return mode
-
-
-def check_carry_mode(config: ml_collections.ConfigDict) -> str:
-  """config.train.carry ('last' when unset), checked. Raises ConfigError if unknown."""
-  carry = config.train.get("carry", "last")
-  if carry not in CARRY_MODES:
-    raise ConfigError(f"config.train.carry={carry!r}; use 'last' or 'best_validation'")
-  return carry
-
-
-def clip_vocabulary_problem(config: ml_collections.ConfigDict) -> str | None:
-  """The message for a CLIP tokenizer without `model.tokenizer_vocab_path`; None when fine."""
-  if config.model.tokenizer == "clip" and not config.model.get("tokenizer_vocab_path"):
-    return (
-      "config.model.tokenizer_vocab_path is not set (config.model.tokenizer='clip' needs the "
-      "CLIP BPE vocabulary: an HF checkpoint folder with vocab.json + merges.txt, or OpenAI's "
-      "bpe_simple_vocab_16e6.txt.gz)"
-    )
-  return None
-
-
-def check_per_dataset_fields(config: ml_collections.ConfigDict, name: str) -> dict:
-  """The `train.per_dataset.<name>` overrides ({} when none), fields checked.
-
-  Raises:
-    ConfigError: a field outside `PER_DATASET_FIELDS`.
-  """
-  overrides = dict(config.train.per_dataset.get(name, {}) or {})
-  unknown = sorted(set(overrides) - set(PER_DATASET_FIELDS))
-  if unknown:
-    raise ConfigError(
-      f"config.train.per_dataset.{name}: unknown fields {unknown}; "
-      f"allowed: {list(PER_DATASET_FIELDS)}"
-    )
-  return overrides
 
 
 def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmark) -> None:
@@ -504,7 +386,7 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
   """
   known = {d.name for d in benchmark.sequence}
   if uses_real_data(config):
-    known |= set(_odinw().ODINW_DATASETS)
+    known |= set(odinw.ODINW_DATASETS)
   for name in config.train.per_dataset:
     if name not in known:
       raise ConfigError(
@@ -542,149 +424,11 @@ def check_data(config: ml_collections.ConfigDict, benchmark: Benchmark) -> dict[
     DataError: one error listing every empty split and every image that does not decode,
       each naming the dataset, the split, the file and the reason.
   """
-  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
-
   return scan.scan_benchmark(
     benchmark,
     expand_path(config.cache_dir),
     decode=bool(config.data.get("validate_images", True)),
   )
-
-
-# ----------------------------------------------------------------------------- real data
-
-
-def _odinw():
-  """owl_cl.data.odinw (the ODinW registry and sources), imported when real data is used."""
-  from owl_cl.data import odinw  # pylint: disable=g-import-not-at-top
-
-  return odinw
-
-
-def pretraining_input_paths(root: str) -> list[str]:
-  """Files / folders of Objects365 (train: buffer candidates, val: evaluation) and LVIS val
-  (json + the COCO 2017 image folders its images live in) below `root`.
-
-  Source: owl_cl.data.pretraining (layout); docs/reference.md (the paper's data).
-  """
-  from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
-
-  paths = [p for split in ("train", "val") for p in pretraining.objects365_paths(root, split)]
-  lvis_json, coco_dir = pretraining.lvis_paths(root, "val")
-  paths += [lvis_json] + [os.path.join(coco_dir, f) for f in ("train2017", "val2017")]
-  return paths
-
-
-def real_data_layout(names: tuple[str, ...]) -> str:
-  """The folder tree the paper's protocol expects below `data.root` (for error messages)."""
-  root = "<root>"
-  pretraining = "\n".join(f"  {p}" for p in pretraining_input_paths(root))
-  return (
-    _odinw().layout_description(names) + "\n<root>/  Objects365 v2 and LVIS v1 val "
-    "(owl_cl.data.pretraining):\n" + pretraining
-  )
-
-
-def odinw_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """The ODinW datasets of the run (`data.odinw_datasets`), validated, in the table's order.
-
-  Raises:
-    ConfigError: an empty list, a duplicate, or a name outside the ODinW registry.
-  """
-  names = tuple(config.data.odinw_datasets)
-  if not names:
-    raise ConfigError("config.data.odinw_datasets is empty; name at least one ODinW dataset")
-  if len(set(names)) != len(names):
-    raise ConfigError(f"config.data.odinw_datasets={names} lists a dataset twice")
-  known = tuple(_odinw().ODINW_DATASETS)
-  unknown = [n for n in names if n not in known]
-  if unknown:
-    raise ConfigError(
-      f"config.data.odinw_datasets names unknown datasets {unknown}; known: {list(known)}"
-    )
-  return names
-
-
-def check_visual_genome(config: ml_collections.ConfigDict) -> None:
-  """Refuses settings that would take buffer images from Visual Genome.
-
-  A loss threshold <= 0 keeps no image (losses are >= 0), and with no per-class minimum
-  nothing tops it up: the paper's setting (t = 0.0) takes nothing from Visual Genome, so
-  Visual Genome is neither loaded nor required.
-
-  Raises:
-    ConfigError: a setting that would take Visual Genome images: a buffer over two
-      pre-training sets (two class vocabularies) is not implemented.
-  """
-  selection = config.replay.selection
-  threshold = selection.get("visual_genome_loss_threshold", 0.0)
-  minimum = selection.get("visual_genome_min_per_class", 0)
-  if threshold > 0.0 or minimum > 0:
-    raise ConfigError(
-      f"config.replay.selection.visual_genome_loss_threshold={threshold} / "
-      f"visual_genome_min_per_class={minimum} would add Visual Genome images to the "
-      "Objects365 buffer; a buffer over two pre-training sets is not implemented (the "
-      "paper's protocol uses 0.0 / 0, which selects no Visual Genome image)"
-    )
-
-
-def input_problems(config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
-  """Everything the paper's protocol lacks before it can start (nothing is read but stats).
-
-  Returns:
-    (missing, problems): paths of missing files / folders, and config fields that must be
-    set (e.g. `config.data.root is not set`). Both empty = ready.
-  """
-  missing, problems = [], []
-  if config.init_checkpoint is None:
-    problems.append(
-      "config.init_checkpoint is not set (a scenic msgpack, an HF folder or an "
-      "owl_cl parameter checkpoint of the pre-trained OWL-ViT)"
-    )
-  elif not os.path.exists(expand_path(config.init_checkpoint)):
-    missing.append(f"{expand_path(config.init_checkpoint)} (config.init_checkpoint)")
-  vocabulary = config.model.get("tokenizer_vocab_path")
-  problem = clip_vocabulary_problem(config)
-  if problem:
-    problems.append(problem)
-  elif vocabulary and not os.path.exists(expand_path(vocabulary)):
-    missing.append(f"{expand_path(vocabulary)} (config.model.tokenizer_vocab_path)")
-  if config.data.root is None:
-    problems.append("config.data.root is not set (the folder holding odinw/, objects365/, lvis/)")
-    return missing, problems
-  root = expand_path(config.data.root)
-  if not os.path.isdir(root):
-    missing.append(f"{root} (config.data.root)")
-    return missing, problems
-  names = odinw_names(config)
-  missing += [str(m) for m in _odinw().missing_files(root, names)]
-  missing += [p for p in pretraining_input_paths(root) if not os.path.exists(p)]
-  return missing, problems
-
-
-def check_inputs(config: ml_collections.ConfigDict) -> None:
-  """Raises one MissingInputsError listing every missing input of the paper's protocol.
-
-  No-op for the built-in benchmark.
-
-  Raises:
-    MissingInputsError: with every missing file / folder, every unset field and the
-      expected data layout.
-    ConfigError: an invalid `data.odinw_datasets` or buffer setting.
-  """
-  if not uses_real_data(config):
-    return
-  check_visual_genome(config)
-  missing, problems = input_problems(config)
-  if not missing and not problems:
-    return
-  lines = ["the paper's protocol cannot start:"]
-  lines += [f"  - {p}" for p in problems]
-  if missing:
-    lines.append(f"  missing ({len(missing)}):")
-    lines += [f"    {m}" for m in missing]
-  lines += ["expected layout below config.data.root:", real_data_layout(odinw_names(config))]
-  raise MissingInputsError("\n".join(lines))
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -704,17 +448,12 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
   same name (their eval results would overwrite each other). The built-in suite's items are
   generated by the run and not checked here. Empty when nothing is declared.
   """
-  from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
-  from owl_cl.data import entries  # pylint: disable=g-import-not-at-top
-  from owl_cl.data import suites  # pylint: disable=g-import-not-at-top
-  from owl_cl.data.coco import DataError  # pylint: disable=g-import-not-at-top
-
-  decl = benchmark.declaration(config)
-  if all(decl[f] is None for f in benchmark.DECLARED_FIELDS):
+  decl = benchmark_lib.declaration(config)
+  if all(decl[f] is None for f in benchmark_lib.DECLARED_FIELDS):
     return []
   # Item by item: a structural error in one item does not hide the file problems of others.
   problems, declared = [], {}
-  for field in benchmark.DECLARED_FIELDS:
+  for field in benchmark_lib.DECLARED_FIELDS:
     value = decl[field]
     if value is None:
       declared[field] = None
@@ -734,7 +473,7 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
       continue
     found = []
     for i, item in enumerate(value):
-      if benchmark.is_builtin_suite(item):
+      if benchmark_lib.is_builtin_suite(item):
         continue  # generated by the run
       where = f"config.data.{field}" + (f"[{i}]" if field == "sequence" else "")
       try:
@@ -749,11 +488,11 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
     declared[field] = found if field == "sequence" else (found[0] if found else None)
   # Names the run's eval sets take from the built-in benchmark when a role is undeclared.
   names = {
-    "pretrain": benchmark.PRETRAIN_EVAL,
-    "held_out": benchmark.HELD_OUT_EVAL,
+    "pretrain": benchmark_lib.PRETRAIN_EVAL,
+    "held_out": benchmark_lib.HELD_OUT_EVAL,
   }
   seen: dict[str, str] = {}
-  for field in benchmark.DECLARED_FIELDS:
+  for field in benchmark_lib.DECLARED_FIELDS:
     value = declared[field]
     if value is None:
       if field in names:

@@ -157,7 +157,7 @@ def run(jax, distributed, pid: int, out: str) -> None:
   # 7. A host callback in a replicated computation: `knn_shapley` sorts through NumPy on CPU
   # (`jax.pure_callback`), which runs once, on the first device, in process 0; every device of
   # every process must receive its result.
-  from owl_cl.replay import knn_shapley  # pylint: disable=g-import-not-at-top
+  from owl_cl.replay.retrieval import knn_shapley  # pylint: disable=g-import-not-at-top
 
   knn_rng = np.random.default_rng(11)
   distances = knn_rng.random((12, 40), dtype=np.float32)

@@ -26,8 +26,8 @@ from owl_cl import main
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl import validation
+from owl_cl.config_fields import ConfigError
 from owl_cl.testing.configs import tiny_config
-from owl_cl.validation import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -116,12 +116,10 @@ def test_algorithms_get_the_sizes_of_the_numpy_references():
   # and K 5 in NumPy). At the paper's sizes the values are the registry's defaults.
   for sizes in (bench.QUICK, bench.FULL):
     for name, n_c in (("aser", sizes.candidates_aser), ("sw_aser_pc", sizes.candidates_pc)):
-      algorithm = bench.algorithms.get_algorithm(
-        name, **bench.algorithm_hyperparameters(name, sizes)
-      )
+      algorithm = bench.registry.get_algorithm(name, **bench.algorithm_hyperparameters(name, sizes))
       assert (algorithm.num_candidates, algorithm.knn_k) == (n_c, sizes.knn_k)
   assert bench.algorithm_hyperparameters("grasp", bench.QUICK) == {}
-  default = bench.algorithms.get_algorithm("aser_pc")
+  default = bench.registry.get_algorithm("aser_pc")
   assert (default.num_candidates, default.knn_k) == (bench.FULL.candidates_pc, bench.FULL.knn_k)
 
 

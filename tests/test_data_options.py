@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from configs import base
-from owl_cl import pretrained
+from owl_cl import cache_keys
+from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
 from owl_cl.data import pipeline
 from owl_cl.detector import Detector
 from owl_cl.testing.configs import tiny_config
-from owl_cl.validation import ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
 from owl_data_helpers import basic_dataset  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -60,7 +60,7 @@ def test_defaults_give_the_plain_pipeline(tmp_path, source):
   _batches_equal(
     detector.train_batches(source, batch_size=1, seed=3, epoch=1), _explicit(detector, source)
   )
-  assert pretrained.non_default_data_options(detector.config) == {}
+  assert cache_keys.non_default_data_options(detector.config) == {}
 
 
 def test_every_option_reaches_the_pipeline(tmp_path, source):
@@ -98,10 +98,10 @@ def test_every_option_reaches_the_pipeline(tmp_path, source):
     )
   # The buffer gets the preprocessing options but no augmentation.
   assert set(detector.example_options(source)) == {"squash", "merge_iou", "negative_weights"}
-  key = pretrained.non_default_data_options(c)["data_options"]
+  key = cache_keys.non_default_data_options(c)["data_options"]
   assert key["squash_resize"] is True and key["merge_iou"] is None
   assert key["negatives_by_frequency"] is True and key["augment"]["hflip"] is True
-  assert "augment" not in pretrained.non_default_data_options(c, buffer=True)["data_options"]
+  assert "augment" not in cache_keys.non_default_data_options(c, buffer=True)["data_options"]
 
 
 def test_mosaic_lengths_must_match(tmp_path):
@@ -115,11 +115,11 @@ def test_mosaic_lengths_must_match(tmp_path):
 def test_defaults_match_the_config_and_the_paper_weights_negatives_by_frequency():
   d = base.get_config().data
   assert {k: d[k] for k in ("squash_resize", "merge_iou", "negatives_by_frequency")} == {
-    k: pretrained.DEFAULT_DATA_OPTIONS[k]
+    k: cache_keys.DEFAULT_DATA_OPTIONS[k]
     for k in ("squash_resize", "merge_iou", "negatives_by_frequency")
   }
   augment = {
     k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in d.augment.to_dict().items()
   }
-  assert augment == pretrained.DEFAULT_DATA_OPTIONS["augment"]
+  assert augment == cache_keys.DEFAULT_DATA_OPTIONS["augment"]
   assert base.get_config("paper").data.negatives_by_frequency

@@ -16,6 +16,7 @@ import pytest
 
 from configs import base
 from owl_cl import benchmark
+from owl_cl.config_fields import MissingInputsError
 from owl_cl.data import odinw
 from owl_cl.testing import fake_data
 
@@ -107,7 +108,6 @@ def test_a_data_root_without_declaration_is_the_paper_declaration(paper_config):
 def test_declared_datasets_are_checked_before_any_work(tmp_path):
   """Every problem of every declared dataset in one error; the workdir is not created."""
   from owl_cl import experiment
-  from owl_cl import validation
   from owl_cl.testing.configs import tiny_config
 
   good = tmp_path / "good"
@@ -145,7 +145,7 @@ def test_declared_datasets_are_checked_before_any_work(tmp_path):
     val=dict(annotation_file=str(good / "train.json"), image_dir=str(good / "images")),
   )
   workdir = tmp_path / "run"
-  with pytest.raises(validation.MissingInputsError) as info:
+  with pytest.raises(MissingInputsError) as info:
     experiment.run(config, str(workdir))
   text = str(info.value)
   expected = [
@@ -319,7 +319,7 @@ def test_odinw13_suite_end_to_end(tmp_path):
 
   # A missing member folder: one error names the member, its split fields and paths.
   shutil.move(os.path.join(odinw_dir, "pistols"), str(tmp_path / "moved"))
-  with pytest.raises(validation.MissingInputsError) as info:
+  with pytest.raises(MissingInputsError) as info:
     validation.check_datasets(config)
   text = str(info.value)
   for split in ("train", "val", "test"):

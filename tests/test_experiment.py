@@ -7,9 +7,9 @@ import pytest
 
 from owl_cl import experiment
 from owl_cl import trainer
+from owl_cl.config_fields import ConfigError
 from owl_cl.replay import setup as replay_setup
 from owl_cl.testing.configs import tiny_config
-from owl_cl.validation import ConfigError
 
 
 @pytest.fixture

@@ -20,12 +20,12 @@ from owl_cl import benchmark
 from owl_cl import preemption
 from owl_cl import pretrained
 from owl_cl import trainer
+from owl_cl.config_fields import ConfigError
 from owl_cl.detector import Detector
 from owl_cl.replay import setup as replay_setup
 from owl_cl.testing.configs import tiny_config
 from owl_cl.train import checkpointing
 from owl_cl.train import step as step_lib
-from owl_cl.validation import ConfigError
 
 
 @pytest.fixture(scope="module")

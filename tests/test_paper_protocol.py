@@ -16,13 +16,14 @@ from configs import base
 from owl_cl import benchmark
 from owl_cl import experiment
 from owl_cl import trainer
-from owl_cl import validation
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import MissingInputsError
 from owl_cl.data import odinw
+from owl_cl.data import real_inputs
 from owl_cl.detector import Detector
 from owl_cl.eval import detection
 from owl_cl.testing import fake_data
 from owl_cl.train import checkpointing
-from owl_cl.validation import ConfigError
 
 ALGORITHM_FILES = sorted(
   f[:-3]
@@ -170,14 +171,14 @@ def test_missing_inputs_are_listed_in_one_error_before_anything_is_written(tmp_p
   os.makedirs(c.data.root)
   c.data.odinw_datasets = ("Pothole", "Dice")
   workdir = tmp_path / "run"
-  with pytest.raises(validation.MissingInputsError) as info:
+  with pytest.raises(MissingInputsError) as info:
     experiment.run(c, str(workdir))
   message = str(info.value)
   assert not workdir.exists()  # nothing written, nothing trained
   assert "config.init_checkpoint is not set" in message
   assert "config.model.tokenizer_vocab_path is not set" in message
   root = os.path.abspath(c.data.root)
-  expected = odinw.expected_files(root, ["Pothole", "Dice"]) + validation.pretraining_input_paths(
+  expected = odinw.expected_files(root, ["Pothole", "Dice"]) + real_inputs.pretraining_input_paths(
     root
   )
   for path in expected:
@@ -188,21 +189,21 @@ def test_missing_inputs_are_listed_in_one_error_before_anything_is_written(tmp_p
   # A root that does not exist is one line; unset fields are still all listed.
   c.data.root = str(tmp_path / "nowhere")
   c.init_checkpoint = str(tmp_path / "weights.msgpack")
-  with pytest.raises(validation.MissingInputsError) as info:
-    validation.check_inputs(c)
+  with pytest.raises(MissingInputsError) as info:
+    real_inputs.check_inputs(c)
   message = str(info.value)
   assert f"{tmp_path / 'nowhere'} (config.data.root)" in message
   assert f"{tmp_path / 'weights.msgpack'} (config.init_checkpoint)" in message
   c.data.root = None
-  with pytest.raises(validation.MissingInputsError, match="config.data.root is not set"):
-    validation.check_inputs(c)
+  with pytest.raises(MissingInputsError, match="config.data.root is not set"):
+    real_inputs.check_inputs(c)
 
 
 def test_visual_genome_buffer_is_refused():
   c = paper_config()
   c.replay.selection.visual_genome_loss_threshold = 0.3
   with pytest.raises(ConfigError, match="two pre-training sets"):
-    validation.check_inputs(c)
+    real_inputs.check_inputs(c)
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from owl_cl.config_fields import ConfigError
 from owl_cl.replay import setup as replay_setup
-from owl_cl.validation import ConfigError
 
 ALGORITHM_FILES = sorted(
   f[:-3]

@@ -14,8 +14,8 @@ import os
 import numpy as np
 
 from owl_cl import experiment
-from owl_cl.replay import algorithms
 from owl_cl.replay import setup as replay_setup
+from owl_cl.replay.retrieval import registry
 from owl_cl.testing.configs import tiny_config
 
 CONFIGS = ("uniform", "grasp", "sw_grasp", "a_sw_grasp", "aser", "sw_aser_pc")
@@ -23,7 +23,7 @@ RECOMBINED = ("uniform_balanced", "swil", "aser_pc")  # steps of the ones above
 
 
 def test_every_algorithm_config_runs(pretrained_cache_dir, tmp_path):
-  assert set(CONFIGS + RECOMBINED) == set(algorithms.ALGORITHMS)
+  assert set(CONFIGS + RECOMBINED) == set(registry.ALGORITHMS)
   for name in RECOMBINED:
     config = tiny_config(name, pretrained_cache_dir)
     assert replay_setup.make_algorithm(config).name == name

@@ -10,11 +10,11 @@ import numpy as np
 from PIL import Image
 import pytest
 
+from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
 from owl_cl.data import prompts
 from owl_cl.detector import Detector
 from owl_cl.testing.configs import tiny_detector_config as tiny_config
-from owl_cl.validation import ConfigError
 
 
 @pytest.fixture(scope="module")

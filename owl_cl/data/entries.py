@@ -42,6 +42,7 @@ import os
 from typing import Any
 
 from owl_cl.data import odinw
+from owl_cl.data import pretraining
 from owl_cl.data import tfds_source
 from owl_cl.data.coco import CocoSource
 from owl_cl.data.coco import DataError
@@ -245,8 +246,6 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
           ann, img = odinw.odinw_paths(root, member, s)
           splits.append((s, SplitSpec(annotation_file=ann, image_dir=img)))
   elif kind in ("objects365", "lvis"):
-    from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
-
     if not root:
       problems.append(f"{where}: field 'root' (the data root holding {kind}/) is missing")
     paths = pretraining.objects365_paths if kind == "objects365" else pretraining.lvis_paths
@@ -363,8 +362,6 @@ def load_split(entry: DatasetEntry, split: str, **coco_options) -> CocoSource:
   spec = entry.split(split)
   label = entry.name if split == "train" else f"{entry.name}/{split}"
   if entry.kind in ("objects365", "lvis"):
-    from owl_cl.data import pretraining  # pylint: disable=g-import-not-at-top
-
     read = pretraining.objects365_source if entry.kind == "objects365" else pretraining.lvis_source
     return read(entry.root, split, **coco_options)
   if entry.kind == "odinw":

@@ -68,7 +68,7 @@ import numpy as np
 
 from owl_cl.data.coco import CocoSource
 from owl_cl.data.coco import DataError
-from owl_cl.model.tokenizer import canonicalize_label
+from owl_cl.model.text import canonicalize_label
 
 __all__ = [
   "forbidden_label_names",

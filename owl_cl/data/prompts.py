@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from owl_cl.model.tokenizer import canonicalize_label
+from owl_cl.model.text import canonicalize_label
 
 __all__ = [
   "CLIP_IMAGENET_TEMPLATES",

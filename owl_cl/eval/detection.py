@@ -20,7 +20,8 @@ Pipeline for one evaluation set (docs/reference.md §4):
    function returning `pred_logits` / `pred_boxes`), so the driver is testable with fakes.
 
 LVIS's federated AP (the `lvis` API: APr/APc/APf, `neg_category_ids`) is computed by
-`owl_cl.eval.lvis_eval` (`evaluate_lvis_source`, which shares `collect_detections`);
+`owl_cl.eval.lvis_eval`, through `evaluate_source(..., protocol='lvis')` or
+`evaluate_lvis_source`;
 `coco_evaluate(..., cat_ids=...)` gives the plain COCO AP over a subset of categories (e.g. the
 held-out / rare classes of a stand-in set).
 """
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from owl_cl import preemption
+from owl_cl.eval import lvis_eval
 
 logger = logging.getLogger(__name__)
 
@@ -640,6 +642,33 @@ def collect_detections(
   return detections, seen
 
 
+def _protocol(protocol, source, ground_truth, coco_gt, max_dets):
+  """`evaluate_source`'s protocol: (ground truth, scoring function, metric names, a function
+  counting the ground truth's images, max_dets with the protocol's default).
+
+  Raises:
+    ValueError: an unknown protocol; 'lvis' without ground truth.
+  """
+  if protocol == "coco":
+    gt = ground_truth if ground_truth is not None else coco_gt
+    gt = source.coco if gt is None else gt
+    score, metric_names = coco_evaluate, COCO_METRIC_NAMES
+    count_images = lambda: len(gt.getImgIds())
+    max_dets = 100 if max_dets is None else max_dets
+  elif protocol == "lvis":
+    if ground_truth is None:
+      ground_truth = getattr(source, "annotation_file", None)
+      if ground_truth is None:
+        raise ValueError("LVIS evaluation needs lvis_gt (the source has no annotation_file)")
+    gt = lvis_eval.load_lvis_ground_truth(ground_truth)
+    score, metric_names = lvis_eval.lvis_evaluate, lvis_eval.LVIS_METRIC_NAMES
+    count_images = lambda: len(gt.imgs)
+    max_dets = 300 if max_dets is None else max_dets
+  else:
+    raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
+  return gt, score, metric_names, count_images, max_dets
+
+
 def evaluate_source(
   predict_fn: PredictFn,
   source: Any,
@@ -702,25 +731,9 @@ def evaluate_source(
 
   Source: docs/reference.md §4 (evaluation protocols); scenic's owl_vit evaluator.
   """
-  if protocol == "coco":
-    gt = ground_truth if ground_truth is not None else coco_gt
-    gt = source.coco if gt is None else gt
-    score, metric_names = coco_evaluate, COCO_METRIC_NAMES
-    count_images = lambda: len(gt.getImgIds())
-    max_dets = 100 if max_dets is None else max_dets
-  elif protocol == "lvis":
-    from owl_cl.eval import lvis_eval  # pylint: disable=g-import-not-at-top (imports this one)
-
-    if ground_truth is None:
-      ground_truth = getattr(source, "annotation_file", None)
-      if ground_truth is None:
-        raise ValueError("LVIS evaluation needs lvis_gt (the source has no annotation_file)")
-    gt = lvis_eval.load_lvis_ground_truth(ground_truth)
-    score, metric_names = lvis_eval.lvis_evaluate, lvis_eval.LVIS_METRIC_NAMES
-    count_images = lambda: len(gt.imgs)
-    max_dets = 300 if max_dets is None else max_dets
-  else:
-    raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
+  gt, score, metric_names, count_images, max_dets = _protocol(
+    protocol, source, ground_truth, coco_gt, max_dets
+  )
   if category_ids is None:
     category_ids = source.category_ids
   if name is None:
@@ -754,3 +767,34 @@ def evaluate_source(
   if return_detections:
     result["detections"] = detections
   return result
+
+
+def evaluate_lvis_source(
+  predict_fn: PredictFn,
+  source: Any,
+  batches: Iterable[Mapping[str, Any]],
+  category_ids: Sequence[int] | None = None,
+  *,
+  lvis_gt: Any = None,
+  max_dets: int = 300,
+  **kwargs,
+) -> dict[str, Any]:
+  """`evaluate_source` with protocol 'lvis' (the one evaluator); `lvis_gt` is its
+  `ground_truth` (path, dict or `lvis.LVIS`; default `source.annotation_file`).
+
+  Returns:
+    `lvis_eval.lvis_evaluate`'s dict plus 'num_images'.
+
+  Raises:
+    ValueError: see `evaluate_source`.
+  """
+  return evaluate_source(
+    predict_fn,
+    source,
+    batches,
+    category_ids,
+    protocol="lvis",
+    ground_truth=lvis_gt,
+    max_dets=max_dets,
+    **kwargs,
+  )

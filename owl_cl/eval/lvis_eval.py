@@ -8,10 +8,11 @@
   category that is neither annotated in its image nor in the image's `neg_category_ids` is
   dropped; unmatched detections of a category in `not_exhaustive_category_ids` are ignored.
   Returns AP, AP50, AP75, APs/m/l, APr (rare), APc (common), APf (frequent) and AR@max_dets.
-* `evaluate_lvis_source`: the `evaluate_source` analogue for an LVIS set: runs a prediction
-  function over batches (multi-label top-300 (token, class) pairs, `top_predictions`), maps
-  the contiguous label indices back to LVIS category ids explicitly (`to_coco_detections`)
-  and evaluates them.
+* `detection.evaluate_lvis_source` (beside `evaluate_source`, which scores with this
+  module): the `evaluate_source` analogue for an LVIS set: runs a prediction function over
+  batches (multi-label top-300 (token, class) pairs, `top_predictions`), maps the contiguous
+  label indices back to LVIS category ids explicitly (`to_coco_detections`) and evaluates
+  them.
 
 The `lvis` package (0.5.3) still calls `np.float`, which NumPy >= 1.24 removed; `_lvis_api`
 sets `numpy.float = float` only when it is missing, before the API runs.
@@ -22,7 +23,7 @@ Source: docs/reference.md §4; the `lvis` API (lvis-dataset/lvis-api: `LVIS`, `L
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 import contextlib
 import copy
 import io
@@ -33,8 +34,6 @@ from typing import Any
 import warnings
 
 import numpy as np
-
-from owl_cl.eval import detection
 
 logger = logging.getLogger(__name__)
 
@@ -257,34 +256,3 @@ def lvis_evaluate(
       }
     result["per_category"] = per_cat
   return result
-
-
-def evaluate_lvis_source(
-  predict_fn: detection.PredictFn,
-  source: Any,
-  batches: Iterable[Mapping[str, Any]],
-  category_ids: Sequence[int] | None = None,
-  *,
-  lvis_gt: Any = None,
-  max_dets: int = 300,
-  **kwargs,
-) -> dict[str, Any]:
-  """`detection.evaluate_source` with protocol 'lvis' (the one evaluator); `lvis_gt` is its
-  `ground_truth` (path, dict or `lvis.LVIS`; default `source.annotation_file`).
-
-  Returns:
-    `lvis_evaluate`'s dict plus 'num_images'.
-
-  Raises:
-    ValueError: see `detection.evaluate_source`.
-  """
-  return detection.evaluate_source(
-    predict_fn,
-    source,
-    batches,
-    category_ids,
-    protocol="lvis",
-    ground_truth=lvis_gt,
-    max_dets=max_dets,
-    **kwargs,
-  )

@@ -408,24 +408,9 @@ def _replay_section(results: Mapping[str, Any]) -> list[str]:
   return lines + [""]
 
 
-def render_results_markdown(results: Mapping[str, Any]) -> str:
-  """`results.md` text of one finalised results dict (see `finalize_results`).
-
-  Sections: (a) the paper's Table 3 layout (Algorithm | O365 stand-in | LVIS stand-in |
-  held-out (rare) | ODinW stand-in mean), rows "No fine-tuning" (stage 0) and the run's
-  algorithm (last stage), AP then AP50, in % with one decimal; (b) per-dataset AP and AP50
-  matrices (rows: stages, columns: eval sets, plus the downstream mean); (c) with replay,
-  the fraction of steps and samples replayed per dataset (paper Table 4, `_replay_section`);
-  (d) forgetting, BWT and FWT (AP and AP50 points, %). Missing values print as '-'.
-
-  Args:
-    results: a finalised results dict.
-
-  Returns:
-    Markdown text; its first line is the ownership marker
-    `<!-- owl_cl-results run_id="..." schema_version=1 -->`.
-  """
-  roles = results["roles"]
+def _header_lines(results: Mapping[str, Any]) -> list[str]:
+  """`results.md`'s ownership marker, title and run facts (id, status, seed, sequence,
+  stages, wall time, time written)."""
   summary = results["summary"]
   algo = results["algorithm"]
   lines = [
@@ -453,7 +438,15 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
   if results.get("updated_at"):
     lines.append(f"- written: {results['updated_at']}")
   lines.append("")
+  return lines
 
+
+def _table3_section(results: Mapping[str, Any]) -> list[str]:
+  """The paper's Table 3 layout, AP then AP50: "No fine-tuning" and the run's last stage."""
+  roles = results["roles"]
+  summary = results["summary"]
+  algo = results["algorithm"]
+  lines = []
   header = ["Algorithm"] + _column_titles(roles)
   for suffix, title in (("AP", "mAP@[.5:.95]"), ("AP50", "AP50")):
     lines += [f"## Table 3 layout: {title} (%) after stage `{summary['final']['stage']}`", ""]
@@ -462,9 +455,14 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
       [algo + _partial_note(summary)] + _row_cells(summary["final"], suffix, roles),
     ]
     lines += _table(header, rows) + [""]
+  return lines
 
-  eval_sets = _eval_set_order(results)
-  downstream = roles["downstream"]
+
+def _per_dataset_section(results: Mapping[str, Any], eval_sets: list[str]) -> list[str]:
+  """Per-dataset AP and AP50 matrices: a row per stage, a column per eval set, plus the
+  downstream mean."""
+  lines = []
+  downstream = results["roles"]["downstream"]
   for metric in ("AP", "AP50"):
     lines += [f"## Per-dataset {metric} (%) after each stage", ""]
     rows = []
@@ -474,9 +472,12 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
       rows.append([f"{stage['index']}: {stage['name']}"] + cells)
     lines += _table(["Stage"] + [f"`{n}`" for n in eval_sets] + ["downstream mean"], rows)
     lines.append("")
+  return lines
 
-  lines += _replay_section(results)
-  lines += [
+
+def _forgetting_section(results: Mapping[str, Any], eval_sets: list[str]) -> list[str]:
+  """Forgetting, BWT and FWT per eval set, AP and AP50 (points, %)."""
+  lines = [
     "## Forgetting and transfer (points, %)",
     "",
     "Forgetting f_j = max over stages since j was learned (before the last) of the "
@@ -522,6 +523,32 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
       f"- FWT: {_pct(f['fwt'], signed=True)}",
       "",
     ]
+  return lines
+
+
+def render_results_markdown(results: Mapping[str, Any]) -> str:
+  """`results.md` text of one finalised results dict (see `finalize_results`).
+
+  Sections: (a) the paper's Table 3 layout (Algorithm | O365 stand-in | LVIS stand-in |
+  held-out (rare) | ODinW stand-in mean), rows "No fine-tuning" (stage 0) and the run's
+  algorithm (last stage), AP then AP50, in % with one decimal; (b) per-dataset AP and AP50
+  matrices (rows: stages, columns: eval sets, plus the downstream mean); (c) with replay,
+  the fraction of steps and samples replayed per dataset (paper Table 4, `_replay_section`);
+  (d) forgetting, BWT and FWT (AP and AP50 points, %). Missing values print as '-'.
+
+  Args:
+    results: a finalised results dict.
+
+  Returns:
+    Markdown text; its first line is the ownership marker
+    `<!-- owl_cl-results run_id="..." schema_version=1 -->`.
+  """
+  eval_sets = _eval_set_order(results)
+  lines = _header_lines(results)
+  lines += _table3_section(results)
+  lines += _per_dataset_section(results, eval_sets)
+  lines += _replay_section(results)
+  lines += _forgetting_section(results, eval_sets)
   return "\n".join(lines)
 
 

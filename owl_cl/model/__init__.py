@@ -20,8 +20,8 @@ from owl_cl.model.owl_vit import OwlViT
 from owl_cl.model.owl_vit import compute_box_bias
 from owl_cl.model.owl_vit import create_model
 from owl_cl.model.owl_vit import get_variant_config
+from owl_cl.model.text import canonicalize_label
 from owl_cl.model.tokenizer import WordHashTokenizer
-from owl_cl.model.tokenizer import canonicalize_label
 from owl_cl.model.tokenizer import get_tokenizer
 from owl_cl.model.tokenizer import known_tokenizers
 from owl_cl.model.tokenizer import register_tokenizer

@@ -29,9 +29,9 @@ import os
 
 import numpy as np
 
-from owl_cl.model.tokenizer import DEFAULT_CONTEXT_LENGTH
-from owl_cl.model.tokenizer import as_text_list
-from owl_cl.model.tokenizer import canonicalize_label
+from owl_cl.model.text import DEFAULT_CONTEXT_LENGTH
+from owl_cl.model.text import as_text_list
+from owl_cl.model.text import canonicalize_label
 
 __all__ = [
   "ClipTokenizer",

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from owl_cl.model import clip as clip_lib
-from owl_cl.model.tokenizer import DEFAULT_CONTEXT_LENGTH
+from owl_cl.model.text import DEFAULT_CONTEXT_LENGTH
 from owl_cl.model.tokenizer import DEFAULT_VOCAB_SIZE
 
 __all__ = [

@@ -6,7 +6,8 @@ Source: docs/reference.md §2 (tokenizer, label canonicalisation); scenic
 
 Contents:
 
-* :func:`canonicalize_label` — the label clean-up applied before tokenising.
+* :func:`owl_cl.model.text.canonicalize_label` — the label clean-up applied before
+  tokenising (with the other text helpers both tokenizers share).
 * :class:`WordHashTokenizer` — a self-contained word-level tokenizer (no downloads) for the
   ``tiny`` model variant. Every word of the canonicalised text maps to
   ``1 + crc32(word) % (vocab_size - 3)``; ``SOT = vocab_size - 2`` and ``EOT = vocab_size - 1``
@@ -23,70 +24,25 @@ Every tokenizer exposes ``encode(texts) -> np.ndarray int32 [N, context_length]`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import re
 import zlib
 
 import numpy as np
 
+from owl_cl.model.clip_tokenizer import ClipTokenizer
+from owl_cl.model.text import DEFAULT_CONTEXT_LENGTH
+from owl_cl.model.text import as_text_list
+from owl_cl.model.text import canonicalize_label
+
 __all__ = [
-  "DEFAULT_CONTEXT_LENGTH",
   "DEFAULT_VOCAB_SIZE",
   "WordHashTokenizer",
-  "canonicalize_label",
   "get_tokenizer",
   "known_tokenizers",
   "register_tokenizer",
 ]
 
-#: Text context length L of OWL-ViT queries (docs/reference.md §1: "text context 16").
-DEFAULT_CONTEXT_LENGTH = 16
 #: Vocabulary size of the word-hash tokenizer; the ``tiny`` model variant uses it.
 DEFAULT_VOCAB_SIZE = 8192
-
-_NOT_ALLOWED = re.compile(r"[^a-z0-9\-# ]")
-_WHITESPACE = re.compile(r"\s+")
-
-
-def canonicalize_label(text: str) -> str:
-  """Canonicalises a label / query string before tokenisation.
-
-  Lowercases, replaces every character outside ``[a-z0-9-# ]`` by a space, collapses runs of
-  whitespace to one space and strips both ends. Example: ``"Traffic_Light (Red)!"`` ->
-  ``"traffic light red"``.
-
-  Args:
-    text: Python ``str`` (any length, any characters).
-
-  Returns:
-    The canonical ``str`` (possibly ``''``).
-
-  Raises:
-    TypeError: if ``text`` is not a ``str``.
-
-  Source: docs/reference.md §2 (tokenizer: label canonicalisation); scenic
-  `scenic/projects/owl_vit/preprocessing/label_ops.py` (``_canonicalize_string_tf``).
-  """
-  if not isinstance(text, str):
-    raise TypeError(f"canonicalize_label expects a str, got {type(text).__name__}")
-  # Scenic also collapses runs of '-' and drops '#' (its not-promptable marker) except at the
-  # start; the reference (docs/reference.md §2) asks for neither, so neither is done.
-  text = _NOT_ALLOWED.sub(" ", text.lower())
-  return _WHITESPACE.sub(" ", text).strip()
-
-
-def as_text_list(texts: str | Sequence[str]) -> list[str]:
-  """The texts a tokenizer's ``encode`` was given, as a ``list[str]`` (a ``str`` -> ``[str]``).
-
-  Raises:
-    TypeError: an item is not a ``str`` (the message shows it).
-  """
-  if isinstance(texts, str):
-    return [texts]
-  texts = list(texts)
-  for t in texts:
-    if not isinstance(t, str):
-      raise TypeError(f"encode expects str items, got {type(t).__name__}: {t!r}")
-  return texts
 
 
 class WordHashTokenizer:
@@ -194,9 +150,7 @@ class WordHashTokenizer:
 
 def _clip_tokenizer(**kwargs):
   """Factory of ``'clip'``: :class:`owl_cl.model.clip_tokenizer.ClipTokenizer` (kwargs
-  ``vocab_path``, ``context_length``, ``canonicalize``). Imported lazily (needs `tokenizers`)."""
-  from owl_cl.model.clip_tokenizer import ClipTokenizer  # pylint: disable=g-import-not-at-top
-
+  ``vocab_path``, ``context_length``, ``canonicalize``)."""
   return ClipTokenizer(**kwargs)
 
 

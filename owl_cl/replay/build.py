@@ -54,6 +54,7 @@ from owl_cl.replay import buffer_selection
 from owl_cl.replay import store as store_lib
 from owl_cl.train import losses
 from owl_cl.train import sharding as sharding_lib
+from owl_cl.train import top_k as top_k_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import digest
 
@@ -124,13 +125,13 @@ def make_steps(
       with `prototype_sums_of_all` also the batch's prototype_sums / prototype_counts (as
       'features': the prototypes over every image, `prototype_images='all'`).
     'features': -> logits float32 [B, T, Q], top_class_embeddings / top_query_embeddings
-      float32 [B, k, E] (`buffer_selection.top_k_embeddings`), prototype_sums float32 [C, E]
+      float32 [B, k, E] (`train.top_k.top_k_embeddings`), prototype_sums float32 [C, E]
       and prototype_counts int32 [C] summed over the valid rows
       (`buffer_selection.per_image_class_token_embeddings`), and the batch's examples
       without their pixels (`STORED_EXAMPLE_KEYS`), so that the writer has every process's
       rows; with
       `image_features` also top_image_features [B, k, D] (the ViT output tokens of the top-k
-      tokens, `buffer_selection.top_k_token_features`).
+      tokens, `train.top_k.top_k_token_features`).
     'distances': (params, batch, prototypes float32 [C, E]) -> prototype_distances float32
       [B, C] (`buffer_selection.prototype_distances` with `distance_max_instances`).
   The functions are module-level `jax.jit`s whose static arguments are the model (a linen
@@ -205,7 +206,7 @@ def _features_step(params, batch, *, model, mesh, options):
   top_k = options["top_k"]
   out, counts = _forward(model, options, params, batch)
   query_mask = batch["queries"][..., 0] > 0
-  top_class, top_query = buffer_selection.top_k_embeddings(
+  top_class, top_query = top_k_lib.top_k_embeddings(
     out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
   )
   result = {
@@ -217,7 +218,7 @@ def _features_step(params, batch, *, model, mesh, options):
   }
   if options["image_features"]:
     feature_map = out["feature_map"]
-    result["top_image_features"] = buffer_selection.top_k_token_features(
+    result["top_image_features"] = top_k_lib.top_k_token_features(
       out["pred_logits"],
       feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
       query_mask,

@@ -1,7 +1,7 @@
 """Host-side accumulation of retrieval analysis records (paper Figures 3-5).
 
 `RetrievalRecords` takes the per-call record dicts of
-`RetrievalAlgorithm.retrieve_with_records` (see `algorithms.RECORD_KEYS`) and keeps
+`RetrievalAlgorithm.retrieve_with_records` (see `retrieval.compose.RECORD_KEYS`) and keeps
 fixed-size histograms, so a dataset of any length costs the same memory; `save` writes them
 to one `.npz` file (atomically: temporary file, then rename).
 

@@ -28,18 +28,20 @@ import ml_collections
 
 from owl_cl import distributed
 from owl_cl import preemption
-from owl_cl.replay import algorithms
+from owl_cl.cache_keys import cache_key_fields
+from owl_cl.cache_keys import non_default_data_options
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import loss_adaptivity_mode
 from owl_cl.replay import build as buffer_build
-from owl_cl.replay import dedup
 from owl_cl.replay import records as records_lib
 from owl_cl.replay import state as replay_state_lib
+from owl_cl.replay.retrieval import dedup
+from owl_cl.replay.retrieval import registry
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
 from owl_cl.train import timing
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
-from owl_cl.validation import ConfigError
-from owl_cl.validation import loss_adaptivity_mode
 
 # The arrays of a replayed example the train step consumes (`replay_active` is added when the
 # loss adaptivity decides per slot).
@@ -49,7 +51,7 @@ REPLAY_INPUTS = ("images", "queries", "labels", "boxes", "stored_logits", "repla
 def make_algorithm(config: ml_collections.ConfigDict):
   """The retrieval algorithm named by config.replay.algorithm with its hyperparameters.
 
-  Every hyperparameter the algorithm accepts (`algorithms.ALGORITHMS[name]
+  Every hyperparameter the algorithm accepts (`registry.ALGORITHMS[name]
   .hyperparameter_names`) is the `config.replay` (or `config.replay.aser`) field of the same
   name, None = the algorithm's default; the dedup schedule
   from `replay.dedup` (+ `replay.dedup_fraction` for 'fraction').
@@ -59,16 +61,16 @@ def make_algorithm(config: ml_collections.ConfigDict):
   """
   replay_config = config.replay
   name = replay_config.algorithm
-  if name not in algorithms.ALGORITHMS:
+  if name not in registry.ALGORITHMS:
     raise ConfigError(
       f"config.replay.algorithm={name!r} is unknown; known: "
-      f"{sorted(algorithms.ALGORITHMS) + ['none']}"
+      f"{sorted(registry.ALGORITHMS) + ['none']}"
     )
   # Config fields are named like the algorithm's arguments: passed straight through.
   values = {**replay_config.to_dict(), **replay_config.aser.to_dict()}
   hyperparameters = {
     argument: values[argument]
-    for argument in algorithms.ALGORITHMS[name].hyperparameter_names
+    for argument in registry.ALGORITHMS[name].hyperparameter_names
     if values.get(argument) is not None
   }
   try:
@@ -78,7 +80,7 @@ def make_algorithm(config: ml_collections.ConfigDict):
       without_replacement=replay_config.dedup_without_replacement,
       fraction_reset=replay_config.dedup_fraction_reset,
     )
-    return algorithms.get_algorithm(name, dedup=schedule, **hyperparameters)
+    return registry.get_algorithm(name, dedup=schedule, **hyperparameters)
   except ValueError as e:
     raise ConfigError(f"config.replay ({name}): {e}") from e
 
@@ -115,7 +117,7 @@ def check_replay_config(config: ml_collections.ConfigDict) -> None:
 def stores_image_features(config: ml_collections.ConfigDict) -> bool:
   """Whether the buffer and the retrieval features carry the ViT image features (ASER on
   image features: `replay.aser.asv_features='image_features'` with an ASV algorithm)."""
-  names = algorithms.ALGORITHMS.get(config.replay.algorithm)
+  names = registry.ALGORITHMS.get(config.replay.algorithm)
   uses = names is not None and "asv_features" in names.hyperparameter_names
   return uses and config.replay.aser.get("asv_features", "class_embeddings") == "image_features"
 
@@ -166,10 +168,6 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   selection = config.replay.selection
   source = benchmark.pretrain.train
   data = config.data
-  # Imported here: the pre-trained model's module imports this one's siblings only.
-  from owl_cl.pretrained import cache_key_fields  # pylint: disable=g-import-not-at-top
-  from owl_cl.pretrained import non_default_data_options  # pylint: disable=g-import-not-at-top
-
   key_material = {
     "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
     "pretrain_data": file_digest(source.annotation_file),

@@ -40,6 +40,8 @@ import numpy as np
 from PIL import Image
 
 from owl_cl.data import odinw
+from owl_cl.data import pretraining
+from owl_cl.data import suites
 
 __all__ = [
   "write_fake_odinw",
@@ -284,8 +286,6 @@ def write_fake_glip(
   Raises:
     DataError: an unknown suite or member (`suites.suite_entries`).
   """
-  from owl_cl.data import suites  # pylint: disable=g-import-not-at-top
-
   if suite not in ("odinw13", "odinw35"):
     raise ValueError(f"suite must be 'odinw13' or 'odinw35', got {suite!r}")
   entries = suites.suite_entries(suite, root, names=None if names is None else list(names))
@@ -334,8 +334,6 @@ def write_fake_objects365(
     {split: dict(annotation_file, image_dir, json)}. Every image has 1-4 boxes; categories
     (`FAKE_O365_CATEGORIES`) are assigned round-robin so each appears, forbidden ones included.
   """
-  from owl_cl.data import pretraining
-
   counts = _split_counts(num_images, ("train", "val"), dict(train=8, val=4))
   cats = [dict(id=i, name=n) for i, n in FAKE_O365_CATEGORIES]
   out = {}
@@ -402,8 +400,6 @@ def write_fake_lvis(
     round-robin over `FAKE_LVIS_CATEGORIES`; `neg_category_ids` = one category not in the
     image; `not_exhaustive_category_ids` = the first annotated category on every third image.
   """
-  from owl_cl.data import pretraining
-
   counts = _split_counts(num_images, ("train", "val"), dict(train=8, val=4))
   out = {}
   used = 1
@@ -500,8 +496,6 @@ def write_fake_visual_genome(
 
   Returns dict(objects_file, image_data_file, image_dir, objects, image_data).
   """
-  from owl_cl.data import pretraining
-
   rng = np.random.default_rng([seed, 108077])
   paths = pretraining.visual_genome_paths(root)
   image_data, objects = [], []

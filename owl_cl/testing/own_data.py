@@ -23,6 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from owl_cl.data import builtin
+from owl_cl.testing.configs import TINY_BUILTIN
+
 # The built-in downstream dataset each example dataset copies (tiny configs generate these).
 SOURCES = {"kitchen": "thermal", "warehouse": "digits", "shelf": "digits"}
 TFDS_NAME = "own_data_shelf"
@@ -159,9 +162,6 @@ def main(argv: list[str]) -> None:
   (`configs/examples/own_data.py:OUT_DIR,quick`) generates, so that run reuses it.
   """
   import argparse  # pylint: disable=g-import-not-at-top
-
-  from owl_cl.data import builtin  # pylint: disable=g-import-not-at-top
-  from owl_cl.testing.configs import TINY_BUILTIN  # pylint: disable=g-import-not-at-top
 
   parser = argparse.ArgumentParser(
     prog="python -m owl_cl.testing.own_data",

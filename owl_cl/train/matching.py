@@ -3,7 +3,7 @@
 A shortest-augmenting-path Hungarian algorithm (Kuhn-Munkres with the Jonker-Volgenant /
 "e-maxx" potentials formulation) written with `lax.fori_loop` / `lax.while_loop` over static
 shapes, so it compiles for CPU, GPU and TPU, runs under `jit` and `vmap`, and needs no round
-trip to the host (the SciPy matcher in `owl_cl.train.losses` is a `pure_callback`).
+trip to the host (the SciPy matcher in `owl_cl.train.matcher` is a `pure_callback`).
 
 The algorithm. Rows are assigned one at a time. For row i, a Dijkstra-like search over the
 columns grows a tree of tight edges under the reduced costs `c[r, j] - u[r] - v[j]`: each
@@ -33,6 +33,25 @@ Array = jax.Array
 __all__ = ["assign_rows", "linear_sum_assignment", "match_targets"]
 
 
+def _checked_inputs(cost, row_active, col_allowed) -> tuple[Array, Array, Array]:
+  """`assign_rows`'s inputs as float cost [n, m] (integers -> float32), bool row_active [n]
+  and bool col_allowed [m] (None: all True); ValueError for other shapes."""
+  cost = jnp.asarray(cost)
+  if cost.ndim != 2:
+    raise ValueError(f"cost must be [n, m], got shape {cost.shape}")
+  n, m = cost.shape
+  row_active = jnp.ones((n,), bool) if row_active is None else jnp.asarray(row_active, bool)
+  col_allowed = jnp.ones((m,), bool) if col_allowed is None else jnp.asarray(col_allowed, bool)
+  if row_active.shape != (n,) or col_allowed.shape != (m,):
+    raise ValueError(
+      f"row_active must be [{n}] and col_allowed [{m}], got {row_active.shape} and "
+      f"{col_allowed.shape}"
+    )
+  if not jnp.issubdtype(cost.dtype, jnp.floating):
+    cost = cost.astype(jnp.float32)
+  return cost, row_active, col_allowed
+
+
 def assign_rows(cost: Array, row_active: Array | None = None, col_allowed: Array | None = None):
   """Minimum-cost assignment of every active row to a distinct allowed column.
 
@@ -55,19 +74,8 @@ def assign_rows(cost: Array, row_active: Array | None = None, col_allowed: Array
   Source: Jonker & Volgenant (1987), shortest augmenting paths with potentials; scenic
   `matchers/hungarian_tpu.py` is the reference design (not its algorithm).
   """
-  cost = jnp.asarray(cost)
-  if cost.ndim != 2:
-    raise ValueError(f"cost must be [n, m], got shape {cost.shape}")
+  cost, row_active, col_allowed = _checked_inputs(cost, row_active, col_allowed)
   n, m = cost.shape
-  row_active = jnp.ones((n,), bool) if row_active is None else jnp.asarray(row_active, bool)
-  col_allowed = jnp.ones((m,), bool) if col_allowed is None else jnp.asarray(col_allowed, bool)
-  if row_active.shape != (n,) or col_allowed.shape != (m,):
-    raise ValueError(
-      f"row_active must be [{n}] and col_allowed [{m}], got {row_active.shape} and "
-      f"{col_allowed.shape}"
-    )
-  if not jnp.issubdtype(cost.dtype, jnp.floating):
-    cost = cost.astype(jnp.float32)
   dtype = cost.dtype
   inf = jnp.asarray(jnp.inf, dtype)
   # Column m is the search's virtual start column (the "column 0" of the classic
@@ -176,7 +184,7 @@ def match_targets(cost: Array, target_mask: Array) -> Array:
   other tokens get K - 1, the appended padding instance.
 
   Args:
-    cost: float [..., T, K] finite matching costs (`owl_cl.train.losses.matching_cost`).
+    cost: float [..., T, K] finite matching costs (`owl_cl.train.matcher.matching_cost`).
     target_mask: bool [..., K], True for real targets.
 
   Returns:

@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from owl_cl import config_fields
+from owl_cl.eval import detection
 from owl_cl.train import losses
 from owl_cl.train import sharding as sharding_lib
+from owl_cl.train import top_k as top_k_lib
 
 PyTree = Any
 Batch = dict[str, jax.Array]
@@ -99,6 +102,56 @@ def _forward(
   )
 
 
+def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
+  """`_loss_fn` without replay: the new images' detection loss and its metrics."""
+  outputs = _forward(
+    model,
+    params,
+    batch["images"],
+    batch["queries"],
+    train=True,
+    key=key,
+    max_unique_queries=max_unique_queries,
+  )
+  new = losses.detection_loss(
+    outputs["pred_logits"], outputs["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
+  )
+  metrics = {
+    "loss": new["loss"],
+    "new_loss": new["loss"],
+    "loss_class": new["loss_class"],
+    "loss_bbox": new["loss_bbox"],
+    "loss_giou": new["loss_giou"],
+  }
+  return new["loss"], metrics
+
+
+def _per_device_gate(
+  result, logits_replay, replay, replay_mask, alpha, beta, loss_threshold, loss_gate_groups
+):
+  """'released_gate' per device (the released code's DDP): the new and replay halves split
+  into G contiguous groups, group g's replay term kept iff the mean of its per-image new
+  losses is >= loss_threshold. Returns (loss [], weight [] = the fraction of open gates,
+  bool [num_slots] whether each replay slot's gate is open)."""
+  g = int(loss_gate_groups)
+  num_slots = replay["images"].shape[0]
+  new_per_group = jax.lax.stop_gradient(result["per_example_new"]).reshape(g, -1).mean(axis=1)
+  gates = new_per_group >= loss_threshold  # [G]
+  group = jnp.arange(num_slots) // (num_slots // g)  # replay slot -> its device
+  mask = jnp.asarray(replay_mask, jnp.float32)
+  terms = []
+  for d in range(g):  # G is the device count (static, small)
+    in_d = mask * (group == d)
+    det_d = jnp.sum(in_d * result["per_example_replay"]) / jnp.maximum(jnp.sum(in_d), 1.0)
+    mse_d = losses.distillation_mse(
+      logits_replay, replay["stored_logits"].astype(jnp.float32), example_mask=in_d
+    )
+    terms.append(gates[d] * (alpha * mse_d + beta * det_d))
+  weight = jnp.mean(gates.astype(jnp.float32))
+  loss = result["new_loss"] + jnp.sum(jnp.stack(terms)) / g
+  return loss, weight, gates[group]
+
+
 def _loss_fn(
   params,
   batch: Batch,
@@ -129,26 +182,7 @@ def _loss_fn(
   """
   num_new = batch["images"].shape[0]
   if replay is None:
-    outputs = _forward(
-      model,
-      params,
-      batch["images"],
-      batch["queries"],
-      train=True,
-      key=key,
-      max_unique_queries=max_unique_queries,
-    )
-    new = losses.detection_loss(
-      outputs["pred_logits"], outputs["pred_boxes"], batch["labels"], batch["boxes"], **loss_config
-    )
-    metrics = {
-      "loss": new["loss"],
-      "new_loss": new["loss"],
-      "loss_class": new["loss_class"],
-      "loss_bbox": new["loss_bbox"],
-      "loss_giou": new["loss_giou"],
-    }
-    return new["loss"], metrics
+    return _new_loss_only(params, batch, key, model, loss_config, max_unique_queries)
   replay_mask = jnp.asarray(replay["replay_mask"], bool)
   if loss_adaptivity == "paper":  # L_R over the active replays only
     replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
@@ -188,22 +222,10 @@ def _loss_fn(
     weight = r.astype(jnp.float32) / num_slots
     metrics["num_above_threshold"] = r
   elif loss_adaptivity == "released_gate" and loss_gate_groups > 1:
-    g = int(loss_gate_groups)
-    new_per_group = jax.lax.stop_gradient(result["per_example_new"]).reshape(g, -1).mean(axis=1)
-    gates = new_per_group >= loss_threshold  # [G]
-    group = jnp.arange(num_slots) // (num_slots // g)  # replay slot -> its device
-    mask = jnp.asarray(replay_mask, jnp.float32)
-    terms = []
-    for d in range(g):  # G is the device count (static, small)
-      in_d = mask * (group == d)
-      det_d = jnp.sum(in_d * result["per_example_replay"]) / jnp.maximum(jnp.sum(in_d), 1.0)
-      mse_d = losses.distillation_mse(
-        logits_replay, replay["stored_logits"].astype(jnp.float32), example_mask=in_d
-      )
-      terms.append(gates[d] * (alpha * mse_d + beta * det_d))
-    weight = jnp.mean(gates.astype(jnp.float32))
-    loss = result["new_loss"] + jnp.sum(jnp.stack(terms)) / g
-    used = used & gates[group]
+    loss, weight, gated = _per_device_gate(
+      result, logits_replay, replay, replay_mask, alpha, beta, loss_threshold, loss_gate_groups
+    )
+    used = used & gated
   elif loss_adaptivity == "released_gate":
     gate = jax.lax.stop_gradient(result["new_loss"]) >= loss_threshold
     weight = gate.astype(jnp.float32)
@@ -211,7 +233,7 @@ def _loss_fn(
     used = used & gate
   else:
     raise ValueError(
-      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
+      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {config_fields.LOSS_ADAPTIVITY_MODES}"
     )
   metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
   return loss, metrics
@@ -254,9 +276,9 @@ def make_train_step(
   docs/reference.md §9
   (paper eqs. 5-6; the released code's gate).
   """
-  if loss_adaptivity not in losses.LOSS_ADAPTIVITY_MODES:
+  if loss_adaptivity not in config_fields.LOSS_ADAPTIVITY_MODES:
     raise ValueError(
-      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {losses.LOSS_ADAPTIVITY_MODES}"
+      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {config_fields.LOSS_ADAPTIVITY_MODES}"
     )
   if int(loss_gate_groups) < 1:
     raise ValueError(f"loss_gate_groups must be >= 1, got {loss_gate_groups!r}")
@@ -334,8 +356,6 @@ def make_predict_step(model: nn.Module, mesh, *, top_k: int, multi_label: bool =
     square)` with K = min(top_k, T) (exclusive: argmax class per token then top-K tokens;
     multi-label: top-K (token, class) pairs). Source: docs/reference.md §4.
   """
-  from owl_cl.eval import detection  # Local import: eval depends on nothing in train.
-
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
 
@@ -441,8 +461,6 @@ def make_template_predict_step(
   Raises:
     ValueError: unknown `ensemble`.
   """
-  from owl_cl.eval import detection  # Local import: eval depends on nothing in train.
-
   if ensemble not in ENSEMBLE_MODES:
     raise ValueError(f"ensemble must be one of {ENSEMBLE_MODES}, got {ensemble!r}")
   data = sharding_lib.batch_sharding(mesh)
@@ -467,15 +485,13 @@ def make_embed_step(model: nn.Module, mesh, *, k: int, image_features: bool = Fa
     `image_features` also image_features [B,k,D] (the same tokens' ViT features, for ASER on
     image features).
   """
-  from owl_cl.replay import buffer_selection
-
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
 
   def embed(params, images, queries):
     outputs = _forward(model, params, images, queries, train=False)
     query_mask = queries[..., 0] > 0
-    class_emb, query_emb = buffer_selection.top_k_embeddings(
+    class_emb, query_emb = top_k_lib.top_k_embeddings(
       outputs["pred_logits"],
       outputs["class_embeddings"],
       outputs["query_embeddings"],
@@ -492,11 +508,9 @@ def make_embed_step(model: nn.Module, mesh, *, k: int, image_features: bool = Fa
 
 def _top_image_features(outputs, query_mask, k: int):
   """[B, k, D]: the ViT features (`feature_map` flattened) of the retrieval's top-k tokens."""
-  from owl_cl.replay import buffer_selection
-
   feature_map = outputs["feature_map"]
   tokens = feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1])
-  return buffer_selection.top_k_token_features(outputs["pred_logits"], tokens, query_mask, k)
+  return top_k_lib.top_k_token_features(outputs["pred_logits"], tokens, query_mask, k)
 
 
 def make_new_loss_step(
@@ -517,8 +531,6 @@ def make_new_loss_step(
   Source: docs/reference.md §9 (paper §4 "Loss Adaptivity": "we begin by computing each sample's
   loss").
   """
-  from owl_cl.replay import buffer_selection
-
   data = sharding_lib.batch_sharding(mesh)
   rep = sharding_lib.replicated(mesh)
 
@@ -530,7 +542,7 @@ def make_new_loss_step(
       )["per_example"]
     }
     if k:
-      class_emb, query_emb = buffer_selection.top_k_embeddings(
+      class_emb, query_emb = top_k_lib.top_k_embeddings(
         outputs["pred_logits"],
         outputs["class_embeddings"],
         outputs["query_embeddings"],

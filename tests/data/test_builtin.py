@@ -10,6 +10,9 @@ from pycocotools import mask as mask_utils
 import pytest
 
 from owl_cl.data import builtin as B
+from owl_cl.data.builtin import benchmark as builtin_benchmark
+from owl_cl.data.builtin import render
+from owl_cl.data.builtin import vocabulary as builtin_vocabulary
 from owl_cl.data.coco import CocoSource
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools")
@@ -104,8 +107,8 @@ def test_failed_generation_leaves_no_cache(tmp_path, monkeypatch):
       raise RuntimeError("interrupted")
     return real(*args, **kwargs)
 
-  real = B._write_split
-  monkeypatch.setattr(B, "_write_split", boom)
+  real = builtin_benchmark._write_split
+  monkeypatch.setattr(builtin_benchmark, "_write_split", boom)
   kw = dict(
     seed=2,
     progress=False,
@@ -119,7 +122,7 @@ def test_failed_generation_leaves_no_cache(tmp_path, monkeypatch):
   with pytest.raises(RuntimeError, match="interrupted"):
     B.ensure_benchmark(str(tmp_path), **kw)
   assert os.listdir(tmp_path) == []
-  monkeypatch.setattr(B, "_write_split", real)
+  monkeypatch.setattr(builtin_benchmark, "_write_split", real)
   bm = B.ensure_benchmark(str(tmp_path), **kw)
   assert bm.counts["tiny/test"]["images"] == 1
 
@@ -169,7 +172,9 @@ def test_object_pixels_carry_the_class_appearance(tiny):
       colour, pattern = src.coco.cats[a["category_id"]]["name"].split()
       assert names[int(np.argmax(counts[: len(names)]))] == colour, (i, colour, counts)
       ink = (
-        counts[-2] if B._lum(np.array(B.COLORS[colour], np.float32) / 255) < 0.6 else counts[-1]
+        counts[-2]
+        if render._lum(np.array(B.COLORS[colour], np.float32) / 255) < 0.6
+        else counts[-1]
       ) / len(pix)
       if pattern == "plain":
         assert ink < 0.05, (i, colour, pattern, ink)
@@ -216,7 +221,7 @@ def test_held_out_never_in_pretraining(tiny):
   pre_words = {w for n in B.pretrain_class_names() for w in n.split()}
   assert all(w in pre_words for n in held for w in n.split())
   # Distractors (clutter) are pre-training classes only.
-  assert not {f"{c} {p}" for c, p in B._PRETRAIN_PAIRS} & held
+  assert not {f"{c} {p}" for c, p in builtin_vocabulary.PRETRAIN_PAIRS} & held
 
 
 def test_requirements_at_default_sizes():

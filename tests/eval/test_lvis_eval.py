@@ -309,7 +309,7 @@ def test_evaluate_lvis_source_maps_ids_back_and_scores_top_k(gt_path):
   def predict_fn(batch):  # multi-label top-K over (token, class) pairs, as for LVIS
     return detection.top_predictions(batch["scores"], batch["boxes"], top_k=300, multi_label=True)
 
-  result = lvis_eval.evaluate_lvis_source(
+  result = detection.evaluate_lvis_source(
     predict_fn, source, batches, progress=False, return_detections=True
   )
   # K = min(300, T*C) = 24 pairs per image, 3 valid images; zero-score pairs count as
@@ -325,10 +325,10 @@ def test_evaluate_lvis_source_maps_ids_back_and_scores_top_k(gt_path):
   direct = _direct_lvis_eval(gt_path, result["detections"])
   assert result["AP"] == pytest.approx(float(direct["AP"]))
   # A wrong id mapping (shifted by one) is caught by the metrics.
-  wrong = lvis_eval.evaluate_lvis_source(
+  wrong = detection.evaluate_lvis_source(
     predict_fn, source, batches, progress=False, category_ids=[7, 12, 20, 3]
   )
   assert wrong["AP"] < 0.5
   # No valid example: NaN metrics.
-  none = lvis_eval.evaluate_lvis_source(predict_fn, source, [], progress=False)
+  none = detection.evaluate_lvis_source(predict_fn, source, [], progress=False)
   assert none["num_images"] == 0 and np.isnan(none["AP"])

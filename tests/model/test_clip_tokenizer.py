@@ -18,7 +18,7 @@ from owl_cl.model import clip_tokenizer
 from owl_cl.model.clip_tokenizer import ClipTokenizer
 from owl_cl.model.clip_tokenizer import bytes_to_unicode
 from owl_cl.model.clip_tokenizer import load_vocabulary
-from owl_cl.model.tokenizer import canonicalize_label
+from owl_cl.model.text import canonicalize_label
 from owl_cl.model.tokenizer import get_tokenizer
 from owl_cl.model.tokenizer import known_tokenizers
 

@@ -220,14 +220,14 @@ def test_config_fields_reach_the_model():
 
 def test_execution_only_fields_leave_cache_keys_unchanged():
   from configs import base
-  from owl_cl import pretrained
+  from owl_cl import cache_keys
 
   c = base.get_config()
   before = {k: v for k, v in c.model.to_dict().items() if k not in ("attention", "remat", "dtype")}
-  assert pretrained.cache_key_fields(c, "model") == before
-  assert "matcher" not in pretrained.cache_key_fields(c, "loss")
+  assert cache_keys.cache_key_fields(c, "model") == before
+  assert "matcher" not in cache_keys.cache_key_fields(c, "loss")
   c.model.dtype = "bfloat16"  # changes what is computed: part of the key
-  assert pretrained.cache_key_fields(c, "model")["dtype"] == "bfloat16"
+  assert cache_keys.cache_key_fields(c, "model")["dtype"] == "bfloat16"
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")

@@ -5,8 +5,8 @@ import zlib
 import numpy as np
 import pytest
 
+from owl_cl.model.text import canonicalize_label
 from owl_cl.model.tokenizer import WordHashTokenizer
-from owl_cl.model.tokenizer import canonicalize_label
 from owl_cl.model.tokenizer import get_tokenizer
 from owl_cl.model.tokenizer import known_tokenizers
 from owl_cl.model.tokenizer import register_tokenizer

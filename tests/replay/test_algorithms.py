@@ -1,12 +1,12 @@
-"""Tests of owl_cl.replay.algorithms (paper Table 2, docs/reference.md §7)."""
+"""Tests of owl_cl.replay.retrieval.registry (paper Table 2, docs/reference.md §7)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from owl_cl.replay import algorithms
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import registry
 
 ALGOS = ("uniform", "uniform_balanced", "swil")
 
@@ -17,21 +17,21 @@ def _features(seed, b=4, k=3, e=8):
 
 def test_get_algorithm_errors():
   with pytest.raises(ValueError, match="known: .*'swil'.*'uniform'"):
-    algorithms.get_algorithm("gras")
+    registry.get_algorithm("gras")
   with pytest.raises(ValueError, match="swil_weight"):
-    algorithms.get_algorithm("swil", w=1.0)
+    registry.get_algorithm("swil", w=1.0)
   with pytest.raises(ValueError, match="unknown hyperparameters"):
-    algorithms.get_algorithm("uniform", swil_weight=1.0)
+    registry.get_algorithm("uniform", swil_weight=1.0)
   with pytest.raises(ValueError):
-    algorithms.get_algorithm("uniform", dedup="weekly")
-  algo = algorithms.get_algorithm("swil", swil_weight=0.5, dedup="none")
+    registry.get_algorithm("uniform", dedup="weekly")
+  algo = registry.get_algorithm("swil", swil_weight=0.5, dedup="none")
   assert algo.class_hyperparameters == (("swil_weight", 0.5),)
-  assert set(ALGOS) <= set(algorithms.ALGORITHMS)
+  assert set(ALGOS) <= set(registry.ALGORITHMS)
 
 
 @pytest.mark.parametrize("name", ALGOS)
 def test_same_key_same_indices_and_key_advances(name, buffer, rstate):
-  algo = jax.jit(algorithms.get_algorithm(name), static_argnums=3)
+  algo = jax.jit(registry.get_algorithm(name), static_argnums=3)
   feats = _features(0)
   a = algo(rstate, buffer, feats, 4)
   b = algo(rstate, buffer, feats, 4)
@@ -48,7 +48,7 @@ def test_same_key_same_indices_and_key_advances(name, buffer, rstate):
 @pytest.mark.parametrize("name", ALGOS)
 def test_buffer_is_an_argument_not_a_constant(name, make_buffer):
   traces = []
-  algo = algorithms.get_algorithm(name)
+  algo = registry.get_algorithm(name)
 
   def traced(rstate, buffer, features, num):
     traces.append(1)
@@ -68,7 +68,7 @@ def test_buffer_is_an_argument_not_a_constant(name, make_buffer):
 def test_uniform_balanced_cycles_classes(make_buffer):
   buffer = make_buffer(seed=8, n=60, c=5, min_members=10)
   membership = np.asarray(buffer.class_membership)
-  algo = jax.jit(algorithms.get_algorithm("uniform_balanced", dedup="dataset"), static_argnums=3)
+  algo = jax.jit(registry.get_algorithm("uniform_balanced", dedup="dataset"), static_argnums=3)
   s = state_lib.init_replay_state(60, jax.random.PRNGKey(0)).replace(class_pointer=jnp.int32(2))
   expected = [3, 4, 0, 1, 2, 3, 4, 0, 1]
   got = []
@@ -90,7 +90,7 @@ def test_swil_follows_similarity(make_buffer):
   feats = {
     "class_embeddings": np.stack([np.stack([prototypes[3]] * 3), np.stack([prototypes[1]] * 3)])
   }  # [2, 3, E]
-  algo = jax.jit(algorithms.get_algorithm("swil", swil_weight=1.0, dedup="none"), static_argnums=3)
+  algo = jax.jit(registry.get_algorithm("swil", swil_weight=1.0, dedup="none"), static_argnums=3)
   s = state_lib.init_replay_state(20, jax.random.PRNGKey(4))
   for _ in range(3):
     idx, valid, s = algo(s, buffer, feats, 2)
@@ -110,7 +110,7 @@ def test_swil_skips_classes_without_eligible_images(make_buffer):
   feats = {"class_embeddings": np.broadcast_to(prototypes[2], (4, 3, 8)).copy()}
   s = state_lib.init_replay_state(20, jax.random.PRNGKey(0))
   s = s.replace(dedup_mask=jnp.asarray(membership[:, 2]))  # class 2 fully replayed
-  algo = jax.jit(algorithms.get_algorithm("swil", dedup="dataset"), static_argnums=3)
+  algo = jax.jit(registry.get_algorithm("swil", dedup="dataset"), static_argnums=3)
   idx, valid, s2 = algo(s, buffer, feats, 4)
   idx = np.asarray(idx)
   assert np.asarray(valid).all() and not membership[idx, 2].any()

@@ -1,6 +1,6 @@
-"""ASER-PC's left term at scale (`owl_cl/replay/asv_left.py`): the chunked, sharded computation
-against the single-jit `knn_shapley.precompute_left_term`, on 8 host devices, killed and resumed
-bit for bit, and cached next to the replay store."""
+"""ASER-PC's left term at scale (`owl_cl/replay/retrieval/asv_left.py`): the chunked, sharded
+computation against the single-jit `knn_shapley.precompute_left_term`, on 8 host devices, killed and
+resumed bit for bit, and cached next to the replay store."""
 
 import os
 import subprocess
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from owl_cl import preemption
-from owl_cl.replay import algorithms
-from owl_cl.replay import asv_left
-from owl_cl.replay import knn_shapley
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import asv_left
+from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Values are KNN-SVs of cosine utilities in [-1, 1] divided by K or N*t (|s| <= 1, here
@@ -72,7 +72,8 @@ def test_bad_input_named_before_any_work(tmp_path):
 SHARDED = textwrap.dedent("""
     import jax, numpy as np
     assert len(jax.devices()) == 8, jax.devices()
-    from owl_cl.replay import asv_left, knn_shapley
+    from owl_cl.replay.retrieval import asv_left
+    from owl_cl.replay.retrieval import knn_shapley
     from owl_cl.train import sharding
     rng = np.random.default_rng(0)
     ce, qe = (rng.normal(size=(13, 3, 4)).astype(np.float32) for _ in range(2))
@@ -106,7 +107,7 @@ def test_sharded_over_8_devices_equals_one_device():
 KILLED = textwrap.dedent("""
     import sys
     import numpy as np
-    from owl_cl.replay import asv_left
+    from owl_cl.replay.retrieval import asv_left
     rng = np.random.default_rng(0)
     ce, qe = (rng.normal(size=(13, 3, 4)).astype(np.float32) for _ in range(2))
     asv_left.compute_left_term(ce, qe, asv_left.left_term_options(3), chunk_size=4,
@@ -196,7 +197,7 @@ def test_algorithm_prepare_caches_and_reloads(tmp_path):
     ce,
     qe,
   )
-  algorithm = algorithms.get_algorithm("aser_pc", num_candidates=4, knn_k=3, asv_chunk_size=4)
+  algorithm = registry.get_algorithm("aser_pc", num_candidates=4, knn_k=3, asv_chunk_size=4)
   fresh = lambda: state_lib.init_replay_state(n, jax.random.PRNGKey(0), num_classes=3)
   plain = algorithm.prepare(fresh(), buffer)
   prefix = str(tmp_path / "store")

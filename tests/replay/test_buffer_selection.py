@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from owl_cl.replay import buffer_selection
+from owl_cl.train import top_k as top_k_lib
 
 # Hand-worked buffer selection example (t = 0.25, min_per_class = 2).
 LOSS = np.array([0.1, 0.5, 0.05, 0.9, 0.3, 0.2, 0.7, 0.4])
@@ -60,8 +61,8 @@ def test_top_k_tokens_and_embeddings_match_numpy():
   mask = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
   logits[:, :, 2] += 50 * (~mask[:, 2])[:, None]  # masked queries must not count
   k = 4
-  idx = np.asarray(jax.jit(buffer_selection.top_k_tokens, static_argnums=2)(logits, mask, k))
-  ce, qe = jax.jit(buffer_selection.top_k_embeddings, static_argnums=4)(
+  idx = np.asarray(jax.jit(top_k_lib.top_k_tokens, static_argnums=2)(logits, mask, k))
+  ce, qe = jax.jit(top_k_lib.top_k_embeddings, static_argnums=4)(
     logits, class_emb, query_emb, mask, k
   )
   sig = 1 / (1 + np.exp(-logits.astype(np.float64)))

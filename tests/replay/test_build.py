@@ -29,6 +29,7 @@ from owl_cl.replay import setup as replay_setup
 from owl_cl.replay import store as store_lib
 from owl_cl.testing.configs import tiny_config
 from owl_cl.train import losses
+from owl_cl.train import top_k as top_k_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Small batches and one-batch chunks: the 48 pre-training images make 6 chunks in pass 1.
@@ -75,7 +76,7 @@ def _analyse(detector, params, source, options):
     det = losses.detection_loss(
       out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **o["loss_config"]
     )
-    top_class, top_query = buffer_selection.top_k_embeddings(
+    top_class, top_query = top_k_lib.top_k_embeddings(
       out["pred_logits"],
       out["class_embeddings"],
       out["query_embeddings"],
@@ -94,7 +95,7 @@ def _analyse(detector, params, source, options):
     )
     feature_map = out["feature_map"]
     return dict(
-      image_features=buffer_selection.top_k_token_features(
+      image_features=top_k_lib.top_k_token_features(
         out["pred_logits"],
         feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
         batch["queries"][..., 0] > 0,

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from owl_cl.replay import algorithms
 from owl_cl.replay import class_index
-from owl_cl.replay import sample_selection as ss
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import registry
+from owl_cl.replay.retrieval import sample_selection as ss
 
 # 3 images, 2 classes: class 0 = {0, 1}, class 1 = {1, 2}.
 SMALL = np.array([[1, 0], [1, 1], [0, 1]], bool)
@@ -57,7 +57,7 @@ def test_index_errors():
     SMALL, np.ones((2, 4)), np.ones((3, 2)), *[np.ones((3, 1, 4))] * 2
   )
   with pytest.raises(ValueError, match="make_replay_buffer"):
-    algorithms.get_algorithm("uniform_balanced")(
+    registry.get_algorithm("uniform_balanced")(
       state_lib.init_replay_state(3, jax.random.PRNGKey(0)), buffer.replace(class_index=None), {}, 2
     )
 
@@ -164,7 +164,7 @@ def test_prototype_weighted_matches_exact_probabilities():
 
 def test_different_buffers_of_the_same_shapes_do_not_recompile(make_buffer):
   traces = []
-  algo = algorithms.get_algorithm("grasp")
+  algo = registry.get_algorithm("grasp")
 
   def traced(rstate, buffer, features, num):
     traces.append(1)

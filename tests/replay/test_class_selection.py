@@ -1,11 +1,11 @@
-"""Tests of owl_cl.replay.class_selection (docs/reference.md §7)."""
+"""Tests of owl_cl.replay.retrieval.class_selection (docs/reference.md §7)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from owl_cl.replay import class_selection as cs
+from owl_cl.replay.retrieval import class_selection as cs
 
 
 def _np_swil(emb, protos, w, eligible):

@@ -1,4 +1,4 @@
-"""Tests of owl_cl.replay.dedup (docs/reference.md §8) through the retrieval algorithms."""
+"""Tests of owl_cl.replay.retrieval.dedup (docs/reference.md §8) through the algorithms."""
 
 import logging
 
@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from owl_cl.replay import algorithms
-from owl_cl.replay import dedup
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import dedup
+from owl_cl.replay.retrieval import registry
 
 ALGOS = ("uniform", "uniform_balanced", "swil")
 
@@ -53,7 +53,7 @@ def test_mark_and_reset():
 def test_dataset_schedule_never_repeats_until_exhausted(name, make_buffer, caplog):
   n, num = 24, 4
   buffer = make_buffer(seed=3, n=n)
-  algo = jax.jit(algorithms.get_algorithm(name, dedup="dataset"), static_argnums=3)
+  algo = jax.jit(registry.get_algorithm(name, dedup="dataset"), static_argnums=3)
   s = state_lib.init_replay_state(n, jax.random.PRNGKey(7))
   seen = []
   for step in range(n // num):
@@ -79,7 +79,7 @@ def test_dataset_schedule_partial_cycle(make_buffer):
   """N not a multiple of the batch: unique until fewer than `num` remain, then reset."""
   n, num = 10, 4
   buffer = make_buffer(seed=4, n=n, c=4)
-  algo = jax.jit(algorithms.get_algorithm("uniform_balanced", dedup="dataset"), static_argnums=3)
+  algo = jax.jit(registry.get_algorithm("uniform_balanced", dedup="dataset"), static_argnums=3)
   s = state_lib.init_replay_state(n, jax.random.PRNGKey(1))
   first = []
   for _ in range(2):
@@ -94,7 +94,7 @@ def test_dataset_schedule_partial_cycle(make_buffer):
 def test_none_schedule_allows_repeats(name, make_buffer):
   n, num = 6, 4
   buffer = make_buffer(seed=5, n=n, c=3, min_members=1)
-  algo = jax.jit(algorithms.get_algorithm(name, dedup="none"), static_argnums=3)
+  algo = jax.jit(registry.get_algorithm(name, dedup="none"), static_argnums=3)
   s = state_lib.init_replay_state(n, jax.random.PRNGKey(2))
   seen = []
   for step in range(6):
@@ -109,7 +109,7 @@ def test_none_schedule_allows_repeats(name, make_buffer):
 def test_epoch_schedule_resets_each_epoch(make_buffer):
   n, num = 12, 4
   buffer = make_buffer(seed=6, n=n, c=3)
-  algo = jax.jit(algorithms.get_algorithm("uniform", dedup="epoch"), static_argnums=3)
+  algo = jax.jit(registry.get_algorithm("uniform", dedup="epoch"), static_argnums=3)
   s = state_lib.init_replay_state(n, jax.random.PRNGKey(3))
   for _ in range(2):  # two epochs of 2 steps each
     seen = []
@@ -136,10 +136,10 @@ def test_none_without_replacement_within_call_released():
     rng.normal(size=(8, 2, 4)).astype(np.float32),
     rng.normal(size=(8, 2, 4)).astype(np.float32),
   )
-  released = algorithms.get_algorithm(
+  released = registry.get_algorithm(
     "uniform_balanced", dedup=dedup.DedupSchedule("none", without_replacement=True)
   )
-  plain = algorithms.get_algorithm("uniform_balanced", dedup="none")
+  plain = registry.get_algorithm("uniform_balanced", dedup="none")
   rs = state_lib.init_replay_state(8, jax.random.PRNGKey(1))
   rp = rs
   repeats = 0
@@ -165,7 +165,7 @@ def test_none_without_replacement_within_call_released():
 def test_fraction_reset_timing(fraction_reset, expected):
   buffer = random_buffer(n=12, c=3)
   schedule = dedup.DedupSchedule("fraction", 1.0 / 3.0, fraction_reset=fraction_reset)
-  algorithm = algorithms.get_algorithm("uniform", dedup=schedule)
+  algorithm = registry.get_algorithm("uniform", dedup=schedule)
   rstate = state_lib.init_replay_state(12, jax.random.PRNGKey(2))
   seen = []
   for want in expected:

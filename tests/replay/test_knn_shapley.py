@@ -1,4 +1,5 @@
-"""Tests of owl_cl.replay.knn_shapley: exact Shapley values by enumeration, NumPy references."""
+"""Tests of owl_cl.replay.retrieval.knn_shapley: exact Shapley values by enumeration, NumPy
+references."""
 
 import itertools
 import math
@@ -7,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from owl_cl.replay import knn_shapley
+from owl_cl.replay.retrieval import knn_shapley
 
 
 def _device_sort_order(distances, valid, candidate_major):

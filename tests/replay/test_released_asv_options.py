@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from owl_cl.replay import algorithms
-from owl_cl.replay import knn_shapley
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import registry
 
 ASV_NAMES = ("aser", "aser_pc", "sw_aser_pc")
 
@@ -47,7 +47,7 @@ def test_within_class_weighting_frequencies(name):
     hp["adaptive_entropy_threshold"] = 1.0
   else:
     hp.update(num_candidates=1, knn_k=1)
-  algorithm = algorithms.get_algorithm(name, dedup="dataset", **hp)
+  algorithm = registry.get_algorithm(name, dedup="dataset", **hp)
   rstate = algorithm.prepare(
     state_lib.init_replay_state(2, jax.random.PRNGKey(0), num_classes=1), buffer
   )
@@ -64,7 +64,7 @@ def test_within_class_weighting_frequencies(name):
   assert bool(valid.all()) and not bool(used_grasp.any())
   assert abs(float(jnp.mean(indices == 0)) - 0.8) < 0.035
   with pytest.raises(ValueError, match="within_class_weighting='GRASP'"):
-    algorithms.get_algorithm(name, within_class_weighting="GRASP")
+    registry.get_algorithm(name, within_class_weighting="GRASP")
 
 
 def _line_buffer(query_embeddings):
@@ -96,7 +96,7 @@ def test_asv_without_left_term_hand_worked(name):
   buffer = _line_buffer([[[0.0, 1.0]], [[0.5, np.sqrt(0.75)]], [[1.0, 0.0]]])
   rstate = state_lib.init_replay_state(3, jax.random.PRNGKey(0), num_classes=1)
   small = dict(num_candidates=3, knn_k=1)
-  algorithm = algorithms.get_algorithm(name, asv_left_term=False, **small)
+  algorithm = registry.get_algorithm(name, asv_left_term=False, **small)
   prepared = algorithm.prepare(rstate, buffer)
   assert not bool(prepared.asv_left_ready)  # nothing to precompute without the left term
   retrieve = jax.jit(algorithm.retrieve_with_records, static_argnums=3)
@@ -106,13 +106,13 @@ def test_asv_without_left_term_hand_worked(name):
   np.testing.assert_allclose(
     np.sort(records["knn_sv"][0]), [-5.0 / 12.0, 1.0 / 12.0, 1.0 / 3.0], atol=1e-6
   )
-  paper = algorithms.get_algorithm(name, asv_c=10.0, **small)
+  paper = registry.get_algorithm(name, asv_c=10.0, **small)
   indices, _, _, _ = jax.jit(paper.retrieve_with_records, static_argnums=3)(
     paper.prepare(rstate, buffer), buffer, NEW_IMAGE, 3
   )
   assert np.asarray(indices).tolist() == [1, 0, 2]
   with pytest.raises(ValueError, match="asv_left_term='no'"):
-    algorithms.get_algorithm(name, asv_left_term="no")
+    registry.get_algorithm(name, asv_left_term="no")
 
 
 def _tknn_reference(d, u, threshold, num_classes):
@@ -186,7 +186,7 @@ def test_asv_tknn_reaches_both_terms(name):
   buffer = _line_buffer(queries)
   rstate = state_lib.init_replay_state(3, jax.random.PRNGKey(0), num_classes=1)
   for threshold, want in ((None, [-0.68139, 0.23528, 0.54083]), (2.5, [0.0, 0.24875, 0.49875])):
-    algorithm = algorithms.get_algorithm(
+    algorithm = registry.get_algorithm(
       name,
       num_candidates=3,
       asv_shapley="tknn",
@@ -201,7 +201,7 @@ def test_asv_tknn_reaches_both_terms(name):
     np.testing.assert_allclose(np.sort(records["knn_sv"][0]), want, atol=1e-5)
   # With the left term (precomputed or over the candidate set) TKNN feeds it too: the
   # precomputed left term is the mean over the buffer of the max-reduced TKNN-SVs.
-  algorithm = algorithms.get_algorithm(name, num_candidates=3, asv_shapley="tknn")
+  algorithm = registry.get_algorithm(name, num_candidates=3, asv_shapley="tknn")
   prepared = algorithm.prepare(rstate, buffer)
   if algorithm.precomputed:
     embeddings = np.asarray(buffer.class_embeddings)[:, 0, 0]  # x = 1, 2, 3
@@ -212,9 +212,9 @@ def test_asv_tknn_reaches_both_terms(name):
     # float32 of O(1) values: ~1e-7.
     np.testing.assert_allclose(prepared.asv_left, np.mean(rows, axis=0), atol=1e-6)
   with pytest.raises(ValueError, match="asv_shapley='TKNN'"):
-    algorithms.get_algorithm(name, asv_shapley="TKNN")
+    registry.get_algorithm(name, asv_shapley="TKNN")
   with pytest.raises(ValueError, match="asv_distance_threshold=-1.0"):
-    algorithms.get_algorithm(name, asv_distance_threshold=-1.0)
+    registry.get_algorithm(name, asv_distance_threshold=-1.0)
 
 
 def test_prototypes_over_the_whole_pretraining_set_hand_worked():
@@ -274,15 +274,15 @@ def test_per_image_candidate_subsets_hand_worked():
   rstate = state_lib.init_replay_state(6, jax.random.PRNGKey(0), num_classes=2)
   hp = dict(num_candidates=6, knn_k=6, asv_left_term=False)
   for subsets, want in (("shared", [0, 1]), ("per_image", [0, 5])):
-    algorithm = algorithms.get_algorithm("sw_aser_pc", candidate_subsets=subsets, **hp)
+    algorithm = registry.get_algorithm("sw_aser_pc", candidate_subsets=subsets, **hp)
     indices, valid, _, records = jax.jit(algorithm.retrieve_with_records, static_argnums=3)(
       rstate, buffer, features, 2
     )
     assert bool(valid.all()) and np.asarray(indices).tolist() == want, subsets
     assert np.asarray(records["sampled_classes"]).tolist() == [0, 0 if subsets == "shared" else 1]
   with pytest.raises(ValueError, match="candidate_subsets='per_image' needs the similarity"):
-    algorithms.get_algorithm("aser_pc", candidate_subsets="per_image")
-  algorithm = algorithms.get_algorithm(
+    registry.get_algorithm("aser_pc", candidate_subsets="per_image")
+  algorithm = registry.get_algorithm(
     "sw_aser_pc", candidate_subsets="per_image", num_candidates=5, knn_k=6
   )
   with pytest.raises(ValueError, match="num_candidates=5 divisible by the new batch size 2"):
@@ -310,7 +310,7 @@ def test_asv_on_image_features_hand_worked(name):
   )
   features = {**NEW_IMAGE, "image_features": np.zeros((1, 1, 3), np.float32)}
   rstate = state_lib.init_replay_state(3, jax.random.PRNGKey(0), num_classes=1)
-  algorithm = algorithms.get_algorithm(
+  algorithm = registry.get_algorithm(
     name, num_candidates=3, knn_k=1, asv_left_term=False, asv_features="image_features"
   )
   _, valid, _, records = jax.jit(algorithm.retrieve_with_records, static_argnums=3)(
@@ -324,7 +324,7 @@ def test_asv_on_image_features_hand_worked(name):
   with pytest.raises(ValueError, match="needs a buffer with image_features"):
     algorithm(rstate, line, features, 3)
   with pytest.raises(ValueError, match="asv_features='image'"):
-    algorithms.get_algorithm(name, asv_features="image")
+    registry.get_algorithm(name, asv_features="image")
 
 
 def test_top_k_token_features_and_store_round_trip(tmp_path):
@@ -332,15 +332,15 @@ def test_top_k_token_features_and_store_round_trip(tmp_path):
   [1, 3 tokens, 2 queries] = [[0, 5], [9, 1], [2, 3]] with query 1 padded: max over the
   valid query 0 ranks the tokens 1 (9), 2 (2), 0 (0); top-2 = tokens 1, 2. A buffer with
   image features keeps them through `ReplayStore.save` / `load`; one without has none."""
-  from owl_cl.replay import buffer_selection
   from owl_cl.replay import store as store_lib
+  from owl_cl.train import top_k as top_k_lib
 
   logits = np.array([[[0.0, 5.0], [9.0, 1.0], [2.0, 3.0]]], np.float32)
   tokens = np.arange(3 * 4, dtype=np.float32).reshape(1, 3, 4)
   mask = np.array([[True, False]])
-  got = buffer_selection.top_k_token_features(logits, tokens, mask, 2)
+  got = top_k_lib.top_k_token_features(logits, tokens, mask, 2)
   np.testing.assert_array_equal(got, tokens[:, [1, 2]])
-  class_emb, _ = buffer_selection.top_k_embeddings(logits, tokens, tokens, mask, 2)
+  class_emb, _ = top_k_lib.top_k_embeddings(logits, tokens, tokens, mask, 2)
   np.testing.assert_array_equal(got, class_emb)
 
   line = _line_buffer([[[0.0, 1.0]], [[0.5, np.sqrt(0.75)]], [[1.0, 0.0]]])

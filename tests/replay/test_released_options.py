@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from owl_cl.replay import algorithms
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import registry
 
 
 def _entropy(p):
@@ -39,7 +39,7 @@ def test_adaptive_entropy_classes(form, want_grasp):
   rstate = state_lib.init_replay_state(6, jax.random.PRNGKey(0))
   rstate = rstate.replace(dedup_mask=rstate.dedup_mask.at[2].set(True))
   features = {"class_embeddings": np.array([[[1.0, 1.0, 0.0]]], np.float32) / np.sqrt(2.0)}
-  algorithm = algorithms.get_algorithm(
+  algorithm = registry.get_algorithm(
     "a_sw_grasp",
     dedup="dataset",
     swil_weight=1.0,
@@ -54,7 +54,7 @@ def test_adaptive_entropy_classes(form, want_grasp):
   np.testing.assert_allclose(records["swil_entropy"], [want], atol=1e-5)
   assert bool(records["used_grasp"][0]) == want_grasp and bool(valid[0])
   with pytest.raises(ValueError, match="adaptive_entropy_classes='some'"):
-    algorithms.get_algorithm("a_sw_grasp", adaptive_entropy_classes="some")
+    registry.get_algorithm("a_sw_grasp", adaptive_entropy_classes="some")
 
 
 def test_swil_reduction_mean_hand_worked():
@@ -64,7 +64,7 @@ def test_swil_reduction_mean_hand_worked():
   e1 -> (0, 1, 1), e2 -> (1, 0, 1). Mean: d = (0.5, 0.5, 1), p = (2, 2, 1) / 5 with w = 1;
   min: d = (0, 0, 1), p = (1e8, 1e8, 1) / (2e8 + 1) (the 1e-8 of d + 1e-8).
   """
-  from owl_cl.replay import class_selection
+  from owl_cl.replay.retrieval import class_selection
 
   emb = np.array([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]], np.float32)
   protos = np.eye(3, dtype=np.float32)
@@ -74,10 +74,10 @@ def test_swil_reduction_mean_hand_worked():
   np.testing.assert_allclose(np.asarray(mean), [[0.4, 0.4, 0.2]], atol=1e-6)
   low = class_selection.similarity_weighted_probs(emb, protos, 1.0, eligible)
   np.testing.assert_allclose(np.asarray(low), [[0.5, 0.5, 5e-9]], atol=1e-6)
-  alg = algorithms.get_algorithm("swil", swil_reduction="mean")
+  alg = registry.get_algorithm("swil", swil_reduction="mean")
   assert dict(alg.class_hyperparameters)["swil_reduction"] == "mean"
   with pytest.raises(ValueError, match="swil_reduction='avg'"):
-    algorithms.get_algorithm("sw_grasp", swil_reduction="avg")
+    registry.get_algorithm("sw_grasp", swil_reduction="avg")
 
 
 def _three_class_buffer():
@@ -102,8 +102,8 @@ def test_exhausted_class_balanced_hand_worked(key):
   (released) skips it: slot 3 gets class 1, and the pointer ends at class 1."""
   buffer = _three_class_buffer()
   rstate = state_lib.init_replay_state(7, jax.random.PRNGKey(key))
-  fallback = algorithms.get_algorithm("uniform_balanced", dedup="dataset")
-  released = algorithms.get_algorithm("uniform_balanced", dedup="dataset", exhausted_class="redraw")
+  fallback = registry.get_algorithm("uniform_balanced", dedup="dataset")
+  released = registry.get_algorithm("uniform_balanced", dedup="dataset", exhausted_class="redraw")
   _, valid, r_fb, rec_fb = fallback.retrieve_with_records(rstate, buffer, {}, 4)
   assert np.asarray(rec_fb["sampled_classes"]).tolist() == [0, 1, 2, 0] and bool(valid.all())
   assert int(r_fb.class_pointer) == 0
@@ -123,8 +123,8 @@ def test_exhausted_class_swil_hand_worked(key):
   buffer = _three_class_buffer()
   rstate = state_lib.init_replay_state(7, jax.random.PRNGKey(key))
   features = {"class_embeddings": np.array([[[1.0, 0.0, 0.0]]], np.float32)}
-  fallback = algorithms.get_algorithm("swil", dedup="dataset")
-  released = algorithms.get_algorithm("swil", dedup="dataset", exhausted_class="redraw")
+  fallback = registry.get_algorithm("swil", dedup="dataset")
+  released = registry.get_algorithm("swil", dedup="dataset", exhausted_class="redraw")
   _, _, _, rec = fallback.retrieve_with_records(rstate, buffer, features, 2)
   assert np.asarray(rec["sampled_classes"]).tolist() == [0, 0]
   idx, valid, _, rec = released.retrieve_with_records(rstate, buffer, features, 2)
@@ -132,4 +132,4 @@ def test_exhausted_class_swil_hand_worked(key):
   assert bool(valid.all()) and classes[0] == 0 and int(idx[0]) == 0 and classes[1] in (1, 2)
   assert bool(buffer.class_membership[int(idx[1]), classes[1]])
   with pytest.raises(ValueError, match="exhausted_class='skip'"):
-    algorithms.get_algorithm("swil", exhausted_class="skip")
+    registry.get_algorithm("swil", exhausted_class="skip")

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from owl_cl.replay import algorithms
-from owl_cl.replay import dedup
-from owl_cl.replay import knn_shapley
-from owl_cl.replay import sample_selection
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import dedup
+from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import registry
+from owl_cl.replay.retrieval import sample_selection
 
 NAMES = (
   "uniform",
@@ -46,7 +46,7 @@ def _features(seed=0, b=NUM, k=3, e=8):
 
 @functools.cache
 def _jitted(name, schedule="dataset", **extra):
-  algo = algorithms.get_algorithm(name, dedup=schedule, **{**SMALL.get(name, {}), **extra})
+  algo = registry.get_algorithm(name, dedup=schedule, **{**SMALL.get(name, {}), **extra})
   return algo, jax.jit(algo.retrieve_with_records, static_argnums=3)
 
 
@@ -133,7 +133,7 @@ def test_classes_without_eligible_image_are_never_drawn(name, buffer):
       assert target not in np.asarray(rec["sampled_classes"]).tolist()
     mask[idx] = True
   if name in ("swil", "sw_grasp", "a_sw_grasp"):  # p_SWIL of the class is exactly 0
-    from owl_cl.replay import class_selection
+    from owl_cl.replay.retrieval import class_selection
 
     eligible = sample_selection.class_eligibility(membership, ~mask)
     p = class_selection.similarity_weighted_probs(
@@ -196,7 +196,7 @@ def test_aser_and_aser_pc_pick_the_top_asv_of_the_whole_buffer(buffer):
   asv = np.asarray(sample_selection.adversarial_shapley_value(left, right, 0.15))
   expected = set(np.argsort(-asv, kind="stable")[:NUM].tolist())
   for name in ("aser", "aser_pc"):
-    algo = algorithms.get_algorithm(name, dedup="none", num_candidates=N, knn_k=3)
+    algo = registry.get_algorithm(name, dedup="none", num_candidates=N, knn_k=3)
     idx, valid, _ = jax.jit(algo, static_argnums=3)(_state(algo, buffer), buffer, feats, NUM)
     assert np.asarray(valid).all() and set(np.asarray(idx).tolist()) == expected, name
 
@@ -210,12 +210,12 @@ def test_reshuffled_balanced_order_and_registry_errors(buffer):
     drawn += np.asarray(rec["sampled_classes"]).tolist()
   assert sorted(drawn[:C]) == list(range(C)) and sorted(drawn[C : 2 * C]) == list(range(C))
   with pytest.raises(ValueError, match="balanced_order"):
-    algorithms.get_algorithm("grasp", balanced_order="random")
+    registry.get_algorithm("grasp", balanced_order="random")
   with pytest.raises(ValueError, match="unknown hyperparameters"):
-    algorithms.get_algorithm("aser", asv_chunk_size=4)  # only the -PC variants
+    registry.get_algorithm("aser", asv_chunk_size=4)  # only the -PC variants
   with pytest.raises(ValueError, match="num_candidates"):
-    algorithms.get_algorithm("aser", num_candidates=2)(
+    registry.get_algorithm("aser", num_candidates=2)(
       _state(_jitted("aser")[0], buffer), buffer, _features(), NUM
     )
-  assert algorithms.get_algorithm("aser").num_candidates == 168
-  assert algorithms.get_algorithm("sw_aser_pc").num_candidates == 352
+  assert registry.get_algorithm("aser").num_candidates == 168
+  assert registry.get_algorithm("sw_aser_pc").num_candidates == 352

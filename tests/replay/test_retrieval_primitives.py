@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from owl_cl.replay import class_selection
-from owl_cl.replay import dedup
-from owl_cl.replay import sample_selection
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import class_selection
+from owl_cl.replay.retrieval import dedup
+from owl_cl.replay.retrieval import sample_selection
 
 
 def test_prototype_weighted_probs_matches_numpy():

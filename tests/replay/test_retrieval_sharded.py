@@ -15,7 +15,8 @@ SCRIPT = textwrap.dedent("""
     assert len(jax.devices()) == 8, jax.devices()
     sys.path.insert(0, 'tests/replay')
     from conftest import random_buffer
-    from owl_cl.replay import algorithms, state as state_lib
+    from owl_cl.replay import state as state_lib
+    from owl_cl.replay.retrieval import registry
     from owl_cl.train import sharding
 
     B, N, C, K, E = 8, 32, 6, 3, 8
@@ -26,9 +27,9 @@ SCRIPT = textwrap.dedent("""
     mesh = sharding.create_mesh()
     one = jax.devices()[0]
     small = dict(num_candidates=12, knn_k=3)
-    for name in sorted(algorithms.ALGORITHMS):
+    for name in sorted(registry.ALGORITHMS):
       hp = small if 'aser' in name else {}
-      algo = algorithms.get_algorithm(name, **hp)
+      algo = registry.get_algorithm(name, **hp)
       s = algo.prepare(state_lib.init_replay_state(N, jax.random.PRNGKey(1), num_classes=C),
                        buffer)
       active = jnp.array([True, True, False, True, True, True, False, True])

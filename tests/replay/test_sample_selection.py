@@ -1,4 +1,4 @@
-"""Tests of owl_cl.replay.sample_selection (docs/reference.md §7)."""
+"""Tests of owl_cl.replay.retrieval.sample_selection (docs/reference.md §7)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from owl_cl.replay import class_index
-from owl_cl.replay import sample_selection as ss
+from owl_cl.replay.retrieval import sample_selection as ss
 
 # 6 images, 3 classes.
 MEMBERSHIP = np.array(

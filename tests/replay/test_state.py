@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from owl_cl.replay import algorithms
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import registry
 
 
 def test_init_replay_state():
@@ -97,7 +97,7 @@ def test_no_key_is_drawn_twice(monkeypatch, name, hyperparameters):
   monkeypatch.setattr(jax.random, "fold_in", record(fold_in))
   buffer = random_buffer(n=24, c=6)
   rstate = state_lib.init_replay_state(buffer.num_images, k, num_classes=6)
-  algorithm = algorithms.get_algorithm(name, dedup="none", **hyperparameters)
+  algorithm = registry.get_algorithm(name, dedup="none", **hyperparameters)
   rng = np.random.default_rng(0)
   features = {
     "class_embeddings": rng.normal(size=(4, 3, 8)).astype(np.float32),
@@ -114,7 +114,7 @@ def test_a_fresh_state_can_be_donated():
   # do so to update it in place) must run from init_replay_state, and give what it gives
   # without donation.
   buffer = random_buffer(seed=2, n=40, c=5)
-  algorithm = algorithms.get_algorithm("uniform_balanced")
+  algorithm = registry.get_algorithm("uniform_balanced")
   fresh = lambda: state_lib.init_replay_state(40, jax.random.PRNGKey(5), 5)  # noqa: E731
   leaves = jax.tree_util.tree_leaves(fresh())
   pointers = [leaf.unsafe_buffer_pointer() for leaf in leaves]

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 from owl_cl import model as model_lib
-from owl_cl.replay import algorithms
 from owl_cl.replay import state as state_lib
+from owl_cl.replay.retrieval import registry
 from owl_cl.testing.batches import detection_batch
 from owl_cl.train import losses
 from owl_cl.train import sharding
@@ -310,7 +310,7 @@ def test_inactive_slots_are_invalid_and_not_marked():
   features = {"class_embeddings": jnp.asarray(rng.normal(size=(4, 3, 8)), jnp.float32)}
   active = jnp.array([True, False, True, False])
   for name in ("uniform", "uniform_balanced", "swil"):
-    algorithm = jax.jit(algorithms.get_algorithm(name, dedup="dataset"), static_argnums=3)
+    algorithm = jax.jit(registry.get_algorithm(name, dedup="dataset"), static_argnums=3)
     rstate = state_lib.init_replay_state(n, jax.random.PRNGKey(0))
     indices, valid, new_state = algorithm(rstate, buffer, features, 4, active)
     valid, indices = np.asarray(valid), np.asarray(indices)

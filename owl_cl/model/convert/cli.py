@@ -22,6 +22,7 @@ from owl_cl.model.convert import hf
 from owl_cl.model.convert import openai_clip
 from owl_cl.model.convert import scenic
 from owl_cl.model.convert import tree
+from owl_cl.train import checkpointing
 
 
 def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -47,8 +48,6 @@ def _config_from_args(args) -> owl_lib.ModelConfig:
 def _write_ours(path: str, params: tree.PyTree, meta: dict, overwrite: bool) -> None:
   """``checkpointing.save_params`` (atomic); an existing output is replaced only with
   ``overwrite`` and only after the new one is complete."""
-  from owl_cl.train import checkpointing
-
   if os.path.exists(path) and not overwrite:
     raise FileExistsError(f"refusing to overwrite existing {path} (pass --overwrite)")
   checkpointing.save_params(path, params, meta, overwrite=overwrite)
@@ -75,8 +74,6 @@ def _cmd_hf_to_ours(args) -> None:
 
 
 def _cmd_ours_to_hf(args) -> None:
-  from owl_cl.train import checkpointing
-
   params, meta = checkpointing.load_params(args.input)
   if args.variant:
     config = _config_from_args(args)

@@ -106,6 +106,51 @@ def load_clip_torchscript(
   `scenic/projects/owl_vit/layers.py` (``ClipImageTextEmbedder.load_backbone``),
   openai/CLIP `clip/model.py`.
   """
+  state, source = _read_state_dict(path_or_state_dict, source)
+  init = tree.flatten(init_params)
+  like = {k: tuple(v.shape) for k, v in init.items()}
+  cv, ct = "backbone/clip/visual", "backbone/clip/text"
+  rows = _tower_rows(cv, ct, _layer_count(like, cv), _layer_count(like, ct))
+
+  missing, wrong, out = [], [], {}
+  for ours, key, layout in rows:
+    if key not in state:
+      missing.append(f"{key} [{ours}]")
+      continue
+    value = layouts.to_numpy(state[key])
+    expected = layout.torch_shape(like[ours])
+    if tuple(value.shape) != expected:
+      wrong.append((f"{key} [{ours}]", tuple(value.shape), expected))
+      continue
+    out[ours] = layout.from_torch(value, like[ours])
+  known = {r[1] for r in rows}
+  for prefix_torch, prefix_ours in (("visual.transformer", cv), ("transformer", ct)):
+    for i in range(_layer_count(like, prefix_ours)):
+      known |= _convert_qkv(
+        state,
+        like,
+        f"{prefix_torch}.resblocks.{i}.attn",
+        f"{prefix_ours}/transformer/resblocks_{i}/attn",
+        out,
+        missing,
+        wrong,
+      )
+  known |= _convert_posembs(state, like, cv, ct, source, out, missing, wrong)
+
+  unexpected = sorted(k for k in state if k not in known and k not in CLIP_IGNORED_KEYS)
+  if missing or unexpected or wrong:
+    raise tree.CheckpointMismatchError(
+      source, missing, unexpected, wrong, what=" (OpenAI CLIP names)"
+    )
+  for k in init:
+    if not k.startswith("backbone/clip/"):
+      out[k] = np.asarray(init[k])
+  return tree.check_params(tree.unflatten(out), tree.unflatten(init), source)
+
+
+def _read_state_dict(path_or_state_dict, source: str | None) -> tuple[dict[str, Any], str]:
+  """The state dict of a TorchScript / `torch.save` file or of a mapping, and the name for
+  errors. FileNotFoundError: no such file; ImportError: torch missing (for a path)."""
   if isinstance(path_or_state_dict, (str, os.PathLike)):
     path = os.path.abspath(os.fspath(path_or_state_dict))
     source = source or path
@@ -122,21 +167,24 @@ def load_clip_torchscript(
   else:
     state = path_or_state_dict
     source = source or "CLIP state dict"
-  state = {k: v for k, v in state.items()}
-  init = tree.flatten(init_params)
-  like = {k: tuple(v.shape) for k, v in init.items()}
-  cv, ct = "backbone/clip/visual", "backbone/clip/text"
+  return {k: v for k, v in state.items()}, source
 
-  def layers(prefix):
-    return len(
-      {
-        int(m.group(1))
-        for k in like
-        for m in [re.match(re.escape(prefix) + r"/transformer/resblocks_(\d+)/", k)]
-        if m
-      }
-    )
 
+def _layer_count(like: Mapping[str, tuple[int, ...]], prefix: str) -> int:
+  """The number of residual blocks under `prefix/transformer` in the flat tree `like`."""
+  return len(
+    {
+      int(m.group(1))
+      for k in like
+      for m in [re.match(re.escape(prefix) + r"/transformer/resblocks_(\d+)/", k)]
+      if m
+    }
+  )
+
+
+def _tower_rows(cv: str, ct: str, vision_layers: int, text_layers: int):
+  """(our path, OpenAI name, layout) of every one-to-one entry of both towers (all but the
+  fused q/k/v projections and the positional embeddings)."""
   rows = [
     ("backbone/clip/logit_scale", "logit_scale", layouts.SAME),
     (f"{cv}/conv1/kernel", "visual.conv1.weight", layouts.CONV),
@@ -153,52 +201,45 @@ def load_clip_torchscript(
       (f"{ours}/scale", f"{torch_name}.weight", layouts.SAME),
       (f"{ours}/bias", f"{torch_name}.bias", layouts.SAME),
     ]
-  rows += _clip_rows("visual.transformer", f"{cv}/transformer", layers(cv))
-  rows += _clip_rows("transformer", f"{ct}/transformer", layers(ct))
+  rows += _clip_rows("visual.transformer", f"{cv}/transformer", vision_layers)
+  rows += _clip_rows("transformer", f"{ct}/transformer", text_layers)
+  return rows
 
-  missing, wrong, out = [], [], {}
-  for ours, key, layout in rows:
-    if key not in state:
-      missing.append(f"{key} [{ours}]")
-      continue
-    value = layouts.to_numpy(state[key])
-    expected = layout.torch_shape(like[ours])
-    if tuple(value.shape) != expected:
-      wrong.append((f"{key} [{ours}]", tuple(value.shape), expected))
-      continue
-    out[ours] = layout.from_torch(value, like[ours])
 
-  # Fused q/k/v projections.
-  known = {r[1] for r in rows}
-  for prefix_torch, prefix_ours in (("visual.transformer", cv), ("transformer", ct)):
-    for i in range(layers(prefix_ours)):
-      t, o = f"{prefix_torch}.resblocks.{i}.attn", f"{prefix_ours}/transformer/resblocks_{i}/attn"
-      known |= {f"{t}.in_proj_weight", f"{t}.in_proj_bias"}
-      q_shape = like[f"{o}/query/kernel"]
-      width = q_shape[0]
-      for name, shape in (
-        (f"{t}.in_proj_weight", (3 * width, width)),
-        (f"{t}.in_proj_bias", (3 * width,)),
-      ):
-        if name not in state:
-          missing.append(f"{name} [{o}/{{query,key,value}}]")
-        elif tuple(np.shape(state[name])) != shape:
-          wrong.append((f"{name} [{o}/{{query,key,value}}]", tuple(np.shape(state[name])), shape))
-      if f"{t}.in_proj_weight" not in state or f"{t}.in_proj_bias" not in state:
-        continue
-      weight = layouts.to_numpy(state[f"{t}.in_proj_weight"])
-      bias = layouts.to_numpy(state[f"{t}.in_proj_bias"])
-      if weight.shape != (3 * width, width) or bias.shape != (3 * width,):
-        continue
-      for j, name in enumerate(("query", "key", "value")):
-        out[f"{o}/{name}/kernel"] = layouts.QKV.from_torch(
-          weight[j * width : (j + 1) * width], like[f"{o}/{name}/kernel"]
-        )
-        out[f"{o}/{name}/bias"] = layouts.HEAD_BIAS.from_torch(
-          bias[j * width : (j + 1) * width], like[f"{o}/{name}/bias"]
-        )
+def _convert_qkv(state, like, t: str, o: str, out, missing, wrong) -> set[str]:
+  """One block's fused q/k/v projection `t.in_proj_{weight,bias}` split into `o/{query,key,
+  value}` (into `out`; problems appended to `missing` / `wrong`). Returns the names read."""
+  q_shape = like[f"{o}/query/kernel"]
+  width = q_shape[0]
+  for name, shape in (
+    (f"{t}.in_proj_weight", (3 * width, width)),
+    (f"{t}.in_proj_bias", (3 * width,)),
+  ):
+    if name not in state:
+      missing.append(f"{name} [{o}/{{query,key,value}}]")
+    elif tuple(np.shape(state[name])) != shape:
+      wrong.append((f"{name} [{o}/{{query,key,value}}]", tuple(np.shape(state[name])), shape))
+  known = {f"{t}.in_proj_weight", f"{t}.in_proj_bias"}
+  if f"{t}.in_proj_weight" not in state or f"{t}.in_proj_bias" not in state:
+    return known
+  weight = layouts.to_numpy(state[f"{t}.in_proj_weight"])
+  bias = layouts.to_numpy(state[f"{t}.in_proj_bias"])
+  if weight.shape != (3 * width, width) or bias.shape != (3 * width,):
+    return known
+  for j, name in enumerate(("query", "key", "value")):
+    out[f"{o}/{name}/kernel"] = layouts.QKV.from_torch(
+      weight[j * width : (j + 1) * width], like[f"{o}/{name}/kernel"]
+    )
+    out[f"{o}/{name}/bias"] = layouts.HEAD_BIAS.from_torch(
+      bias[j * width : (j + 1) * width], like[f"{o}/{name}/bias"]
+    )
+  return known
 
-  # Positional embeddings: vision grid resized, text truncated.
+
+def _convert_posembs(state, like, cv: str, ct: str, source: str, out, missing, wrong) -> set[str]:
+  """The positional embeddings: the vision grid resized, the text rows truncated (into
+  `out`; problems appended to `missing` / `wrong`). Returns the names read."""
+  known = set()
   for ours, key in (
     (f"{cv}/positional_embedding", "visual.positional_embedding"),
     (f"{ct}/positional_embedding", "positional_embedding"),
@@ -219,16 +260,7 @@ def load_clip_torchscript(
       out[ours] = value[:rows_needed]
     else:
       out[ours] = _resize_vision_posemb(value, rows_needed, source)
-
-  unexpected = sorted(k for k in state if k not in known and k not in CLIP_IGNORED_KEYS)
-  if missing or unexpected or wrong:
-    raise tree.CheckpointMismatchError(
-      source, missing, unexpected, wrong, what=" (OpenAI CLIP names)"
-    )
-  for k in init:
-    if not k.startswith("backbone/clip/"):
-      out[k] = np.asarray(init[k])
-  return tree.check_params(tree.unflatten(out), tree.unflatten(init), source)
+  return known
 
 
 def fresh_head_params(config: owl_lib.ModelConfig, key: jax.Array) -> dict[str, np.ndarray]:

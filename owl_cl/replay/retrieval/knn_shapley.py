@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from owl_cl.replay import class_selection
+from owl_cl.replay.retrieval import class_selection
 
 Array = jax.Array
 
@@ -571,7 +571,7 @@ def precompute_left_term(
   """ASER-PC's precomputed ASV left term over the whole buffer (candidates = evaluation = buffer).
 
   One jitted scan on one device, without progress or cache: the reference of
-  `owl_cl.replay.asv_left.compute_left_term`, which runs use (sharded over the devices,
+  `owl_cl.replay.retrieval.asv_left.compute_left_term`, which runs use (sharded over the devices,
   resumable, cached next to the replay store).
 
   For evaluation images j in chunks of `chunk_size` (memory: chunk * t * N * t floats), the

@@ -50,7 +50,7 @@ import tqdm
 from owl_cl import distributed
 from owl_cl import preemption
 from owl_cl import utils
-from owl_cl.replay import knn_shapley
+from owl_cl.replay.retrieval import knn_shapley
 from owl_cl.train import sharding as sharding_lib
 
 Array = jax.Array

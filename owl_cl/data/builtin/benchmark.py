@@ -1,0 +1,463 @@
+"""The built-in benchmark on disk: splits written as COCO json + PNG, the cache folder.
+
+`ensure_benchmark` generates every split once into a folder keyed by its parameters and
+`FORMAT_VERSION` (atomically) and returns a `BuiltinBenchmark` that reads it back through
+`owl_cl.data.coco.CocoSource`. Package docstring: `owl_cl.data.builtin`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import Any
+import zlib
+
+import numpy as np
+from PIL import Image
+from PIL import ImageDraw
+
+from owl_cl import utils
+from owl_cl.data.builtin.render import Assets
+from owl_cl.data.builtin.render import render_scene
+from owl_cl.data.builtin.vocabulary import DOMAINS
+from owl_cl.data.builtin.vocabulary import DOWNSTREAM
+from owl_cl.data.builtin.vocabulary import DOWNSTREAM_NAMES
+from owl_cl.data.builtin.vocabulary import HELD_OUT_PAIRS
+from owl_cl.data.builtin.vocabulary import NUISANCE_SHAPES
+from owl_cl.data.builtin.vocabulary import PRETRAIN_PAIRS
+from owl_cl.data.builtin.vocabulary import Domain
+from owl_cl.data.builtin.vocabulary import ObjectStyle
+from owl_cl.data.builtin.vocabulary import colour_pattern_domain
+from owl_cl.data.coco import CocoSource
+
+FORMAT_VERSION = 3  # bump whenever generated content changes (keys the cache)
+
+
+# ------------------------------------------------------------------------------------------
+# Writing a split.
+# ------------------------------------------------------------------------------------------
+def _split_code(dataset: str, split: str) -> int:
+  return zlib.crc32(f"{dataset}/{split}".encode())
+
+
+def _write_split(
+  root: str,
+  dataset: str,
+  split: str,
+  dom: Domain,
+  num_images: int,
+  seed: int,
+  assets: Assets,
+  pbar,
+) -> dict[str, int]:
+  from pycocotools import mask as mask_utils
+
+  img_dir = os.path.join(root, dataset, "images")
+  os.makedirs(img_dir, exist_ok=True)
+  distractors = [ObjectStyle("shape", NUISANCE_SHAPES, "color", c, p) for c, p in PRETRAIN_PAIRS]
+  images, anns = [], []
+  code = _split_code(dataset, split)
+  for i in range(num_images):
+    rng = np.random.default_rng(np.random.SeedSequence([seed, code, i]))
+    img, objs = render_scene(assets, dom, split, rng, distractors)
+    H, W = img.shape[:2]
+    fname = f"{split}_{i:06d}.png"
+    Image.fromarray(img).save(os.path.join(img_dir, fname), format="PNG", compress_level=3)
+    image_id = i + 1
+    images.append(dict(id=image_id, file_name=fname, height=H, width=W))
+    for ci, x, y, m in objs:
+      h, w = m.shape
+      full = np.zeros((H, W), np.uint8, order="F")
+      full[y : y + h, x : x + w] = m
+      rle = mask_utils.encode(full)
+      anns.append(
+        dict(
+          id=len(anns) + 1,
+          image_id=image_id,
+          category_id=ci + 1,
+          bbox=[x, y, w, h],
+          area=int(m.sum()),
+          iscrowd=0,
+          segmentation=dict(size=[H, W], counts=rle["counts"].decode("ascii")),
+        )
+      )
+    if pbar is not None:
+      pbar.update(1)
+  cats = [dict(id=i + 1, name=n, supercategory=dataset) for i, (n, _) in enumerate(dom.classes)]
+  info = dict(
+    description=f"owl_cl built-in benchmark: {dataset}/{split}",
+    format_version=FORMAT_VERSION,
+    seed=seed,
+    dataset=dataset,
+    split=split,
+    domain=dom.description,
+  )
+  with open(os.path.join(root, dataset, f"{split}.json"), "w") as f:
+    json.dump(
+      dict(info=info, images=images, annotations=anns, categories=cats), f, separators=(",", ":")
+    )
+  return dict(images=len(images), instances=len(anns))
+
+
+# ------------------------------------------------------------------------------------------
+# Public API.
+# ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BuiltinConfig:
+  """All generation parameters (they, with FORMAT_VERSION, key the cache folder)."""
+
+  seed: int = 0
+  num_pretrain_train: int = 1200
+  num_pretrain_val: int = 200
+  num_held_out_val: int = 100
+  num_downstream_train: int = 200
+  num_downstream_test: int = 60
+  downstream: tuple[str, ...] = DOWNSTREAM_NAMES
+
+  def key(self) -> str:
+    """'builtin_v<FORMAT_VERSION>_<12 hex digits of sha256 of the parameters>'."""
+    payload = json.dumps(
+      dict(dataclasses.asdict(self), format_version=FORMAT_VERSION), sort_keys=True
+    )
+    return f"builtin_v{FORMAT_VERSION}_{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
+
+  def splits(self) -> list[tuple[str, str, Domain, int]]:
+    """(dataset, split, domain, number of images) in generation order."""
+    unknown = [d for d in self.downstream if d not in DOMAINS]
+    if unknown:
+      raise ValueError(f"unknown downstream datasets {unknown}; known: {DOWNSTREAM_NAMES}")
+    pre = colour_pattern_domain(
+      "pretrain", PRETRAIN_PAIRS, "colour x fill-pattern pairs on muted photograph backgrounds"
+    )
+    held = colour_pattern_domain(
+      "held_out", HELD_OUT_PAIRS, "held-out colour-pattern pairs, never in pre-training"
+    )
+    out = [
+      ("pretrain", "train", pre, self.num_pretrain_train),
+      ("pretrain", "val", pre, self.num_pretrain_val),
+      ("held_out", "val", held, self.num_held_out_val),
+    ]
+    for d in self.downstream:
+      out.append((d, "train", DOMAINS[d], self.num_downstream_train))
+      out.append((d, "test", DOMAINS[d], self.num_downstream_test))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFiles:
+  """One split on disk: its COCO json, the folder its file names are relative to, and its
+  name 'dataset/split'."""
+
+  annotation_file: str
+  image_dir: str
+  name: str = ""
+
+  def source(self, name: str | None = None, **kwargs) -> CocoSource:
+    """`CocoSource(annotation_file, image_dir, name or self.name, **kwargs)`."""
+    return CocoSource(self.annotation_file, self.image_dir, name or self.name or None, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class DownstreamDataset:
+  """One downstream dataset: name, train/test `SplitFiles` and class names."""
+
+  name: str
+  train: SplitFiles
+  test: SplitFiles
+  classes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinBenchmark:
+  """A generated built-in benchmark (see the module docstring).
+
+  Attributes:
+    root: the cache folder `<cache_dir>/builtin_v<version>_<hash>`.
+    config: the `BuiltinConfig` it was generated from.
+    splits: (dataset, split) -> SplitFiles; datasets 'pretrain' (train, val), 'held_out' (val)
+      and each downstream name (train, test).
+    downstream_names: downstream datasets in canonical order (the CL order is a seeded shuffle
+      chosen by the experiment, docs/reference.md §10).
+    classes: dataset -> class names in contiguous index order.
+    counts: 'dataset/split' -> dict(images, instances).
+    generation_seconds: wall time of the generation that produced the cache.
+  """
+
+  root: str
+  config: BuiltinConfig
+  splits: dict[tuple[str, str], SplitFiles]
+  downstream_names: tuple[str, ...]
+  classes: dict[str, tuple[str, ...]]
+  counts: dict[str, dict[str, int]]
+  generation_seconds: float
+
+  @property
+  def fingerprint(self) -> str:
+    """The cache key 'builtin_v<version>_<hash>' (identifies the generated data)."""
+    return os.path.basename(self.root)
+
+  @property
+  def pretrain_train(self) -> SplitFiles:
+    return self.splits[("pretrain", "train")]
+
+  @property
+  def pretrain_val(self) -> SplitFiles:
+    return self.splits[("pretrain", "val")]
+
+  @property
+  def held_out_val(self) -> SplitFiles:
+    return self.splits[("held_out", "val")]
+
+  @property
+  def downstream(self) -> tuple[DownstreamDataset, ...]:
+    """The downstream datasets in canonical order."""
+    return tuple(
+      DownstreamDataset(d, self.splits[(d, "train")], self.splits[(d, "test")], self.classes[d])
+      for d in self.downstream_names
+    )
+
+  @property
+  def pretrain_classes(self) -> tuple[str, ...]:
+    return self.classes["pretrain"]
+
+  @property
+  def held_out_classes(self) -> tuple[str, ...]:
+    return self.classes["held_out"]
+
+  def split(self, dataset: str, split: str) -> SplitFiles:
+    """SplitFiles of (dataset, split); KeyError naming the available ones otherwise."""
+    try:
+      return self.splits[(dataset, split)]
+    except KeyError:
+      raise KeyError(
+        f"no split {dataset}/{split}; available: {sorted('/'.join(k) for k in self.splits)}"
+      ) from None
+
+  def source(self, dataset: str, split: str, **kwargs) -> CocoSource:
+    """`CocoSource` of (dataset, split), named 'dataset/split'; decoded images are cached in
+    memory by default (`cache_images=True`; the benchmark is small)."""
+    kwargs.setdefault("cache_images", True)
+    return self.split(dataset, split).source(f"{dataset}/{split}", **kwargs)
+
+  def describe(self) -> str:
+    """A markdown summary: per dataset its domain shift, classes and image/instance counts."""
+    descr = {
+      "pretrain": "colour x fill-pattern pairs on muted photograph backgrounds, "
+      "shapes vary (O365 stand-in)",
+      "held_out": "held-out colour-pattern pairs, never in pre-training (LVIS-rare stand-in)",
+    }
+    descr.update({d.name: d.description for d in DOWNSTREAM})
+    lines = [
+      f"Built-in benchmark `{os.path.basename(self.root)}` (seed {self.config.seed}, "
+      f"format v{FORMAT_VERSION})",
+      "",
+      "| dataset | split(s): images / instances | classes | domain |",
+      "|---|---|---|---|",
+    ]
+    for ds in ["pretrain", "held_out"] + list(self.downstream_names):
+      parts = [
+        f"{sp} {self.counts[f'{ds}/{sp}']['images']} / {self.counts[f'{ds}/{sp}']['instances']}"
+        for sp in ("train", "val", "test")
+        if f"{ds}/{sp}" in self.counts
+      ]
+      lines.append(
+        f"| {ds} | {'; '.join(parts)} | {len(self.classes[ds])}: "
+        f"{', '.join(self.classes[ds])} | {descr[ds]} |"
+      )
+    return "\n".join(lines)
+
+
+def _benchmark_from_meta(root: str, meta: dict[str, Any]) -> BuiltinBenchmark:
+  cfg = meta["config"]
+  cfg = BuiltinConfig(**dict(cfg, downstream=tuple(cfg["downstream"])))
+  splits = {}
+  for ds, sp in ((k.split("/")[0], k.split("/")[1]) for k in meta["counts"]):
+    splits[(ds, sp)] = SplitFiles(
+      os.path.join(root, ds, f"{sp}.json"), os.path.join(root, ds, "images"), f"{ds}/{sp}"
+    )
+  return BuiltinBenchmark(
+    root=root,
+    config=cfg,
+    splits=splits,
+    downstream_names=tuple(cfg.downstream),
+    classes={k: tuple(v) for k, v in meta["classes"].items()},
+    counts=meta["counts"],
+    generation_seconds=float(meta["generation_seconds"]),
+  )
+
+
+_META = "benchmark.json"
+
+
+def _complete(root: str) -> dict[str, Any] | None:
+  """The metadata if `root` holds a complete generation (metadata, every json, every PNG)."""
+  try:
+    with open(os.path.join(root, _META)) as f:
+      meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+      return None
+    per_dataset: dict[str, int] = {}
+    for key, c in meta["counts"].items():
+      ds, sp = key.split("/")
+      if not os.path.isfile(os.path.join(root, ds, f"{sp}.json")):
+        return None
+      per_dataset[ds] = per_dataset.get(ds, 0) + c["images"]
+    for ds, n in per_dataset.items():
+      if len([f for f in os.listdir(os.path.join(root, ds, "images")) if f.endswith(".png")]) != n:
+        return None
+    return meta
+  except (OSError, ValueError, KeyError):
+    return None
+
+
+def generate_benchmark(
+  root: str, config: BuiltinConfig, *, progress: bool = True
+) -> dict[str, Any]:
+  """Generate every split of `config` into the (new, empty) folder `root`, non-atomically.
+
+  Returns the metadata dict written last to `root/benchmark.json` (its presence marks the
+  generation complete). Prefer `ensure_benchmark`, which adds caching and atomicity.
+  """
+  from tqdm.auto import tqdm
+
+  t0 = time.perf_counter()
+  assets = Assets()
+  todo = config.splits()
+  counts, classes = {}, {}
+  with tqdm(
+    total=sum(n for *_, n in todo), desc="built-in benchmark", unit="img", disable=not progress
+  ) as pbar:
+    for ds, sp, dom, n in todo:
+      counts[f"{ds}/{sp}"] = _write_split(root, ds, sp, dom, n, config.seed, assets, pbar)
+      classes[ds] = [c for c, _ in dom.classes]
+  import PIL
+  import skimage
+  import sklearn
+
+  meta = dict(
+    format_version=FORMAT_VERSION,
+    key=config.key(),
+    config=dataclasses.asdict(config),
+    counts=counts,
+    classes=classes,
+    generation_seconds=round(time.perf_counter() - t0, 3),
+    versions=dict(
+      numpy=np.__version__,
+      pillow=PIL.__version__,
+      skimage=skimage.__version__,
+      sklearn=sklearn.__version__,
+    ),
+  )
+  with open(os.path.join(root, _META), "w") as f:
+    json.dump(meta, f, indent=1, sort_keys=True)
+  return meta
+
+
+def ensure_benchmark(
+  cache_dir: str,
+  seed: int = 0,
+  *,
+  num_pretrain_train: int = 1200,
+  num_pretrain_val: int = 200,
+  num_held_out_val: int = 100,
+  num_downstream_train: int = 200,
+  num_downstream_test: int = 60,
+  downstream: Sequence[str] = DOWNSTREAM_NAMES,
+  progress: bool = True,
+) -> BuiltinBenchmark:
+  """Return the built-in benchmark, generating it into `cache_dir` if needed.
+
+  The cache folder is `cache_dir/builtin_v<FORMAT_VERSION>_<hash of all parameters>/`. It is
+  trusted only if complete (metadata present, every json and PNG there). Otherwise the
+  benchmark is generated into a temporary sibling folder and renamed into place atomically, so
+  an interrupted or failed generation never leaves a cache that is later trusted (a stale
+  incomplete folder is removed; concurrent generators: the first rename wins, the others
+  discard their copy). Deterministic: the same parameters give byte-identical json and
+  identical PNG pixels (every image's randomness derives from (seed, dataset/split, index)).
+
+  Args:
+    cache_dir: parent folder (created if missing).
+    seed: generation seed (int >= 0).
+    num_pretrain_train / num_pretrain_val / num_held_out_val / num_downstream_train /
+      num_downstream_test: images per split.
+    downstream: names of the downstream datasets to generate, a subset of `DOWNSTREAM_NAMES`.
+    progress: show a tqdm progress bar.
+
+  Returns:
+    `BuiltinBenchmark`.
+
+  Raises:
+    ValueError: unknown downstream name. OSError: file system errors.
+
+  Default size (3,320 images): ~21 s of CPU time on one core (measured; ~50 s wall on a
+  shared, busy 2-core machine), of which ~3 s loading the bundled photographs.
+  """
+  config = BuiltinConfig(
+    seed=seed,
+    num_pretrain_train=num_pretrain_train,
+    num_pretrain_val=num_pretrain_val,
+    num_held_out_val=num_held_out_val,
+    num_downstream_train=num_downstream_train,
+    num_downstream_test=num_downstream_test,
+    downstream=tuple(downstream),
+  )
+  config.splits()  # validates names
+  os.makedirs(cache_dir, exist_ok=True)
+  root = os.path.join(os.fspath(cache_dir), config.key())
+  meta = _complete(root)
+  if meta is not None:
+    return _benchmark_from_meta(root, meta)
+  # An incomplete leftover (a killed generation that predates atomic writes) is replaced; a
+  # folder that a concurrent run completes while we generate is kept (same contents).
+  if_exists = "replace" if os.path.exists(root) else "keep"
+  with utils.atomic_directory(root, if_exists=if_exists) as tmp:
+    generate_benchmark(tmp, config, progress=progress)
+  meta = _complete(root)
+  if meta is None:
+    raise OSError(f"built-in benchmark at {root} is incomplete after generation")
+  return _benchmark_from_meta(root, meta)
+
+
+def render_preview(
+  benchmark: BuiltinBenchmark,
+  path: str,
+  *,
+  per_dataset: int = 6,
+  cell: int = 128,
+  draw_boxes: bool = True,
+) -> str:
+  """Save a PNG grid: one row per dataset (first split), `per_dataset` scenes each, boxes and
+  class names drawn. Returns `path`."""
+  datasets = ["pretrain", "held_out"] + list(benchmark.downstream_names)
+  label_h = 12
+  grid = Image.new(
+    "RGB", (per_dataset * (cell + 4) + 70, len(datasets) * (cell + label_h + 4)), (255, 255, 255)
+  )
+  draw = ImageDraw.Draw(grid)
+  for r, ds in enumerate(datasets):
+    sp = "train" if (ds, "train") in benchmark.splits else "val"
+    src = benchmark.source(ds, sp)
+    y0 = r * (cell + label_h + 4)
+    draw.text((2, y0 + cell // 2), ds, fill=(0, 0, 0))
+    for c in range(min(per_dataset, len(src))):
+      ex = src.load(c)
+      im = Image.fromarray(ex["image"])
+      s = cell / max(im.size)
+      im = im.resize((round(im.size[0] * s), round(im.size[1] * s)), Image.NEAREST)
+      d = ImageDraw.Draw(im)
+      names = []
+      if draw_boxes:
+        for b, l in zip(ex["boxes"] * s, ex["labels"]):
+          d.rectangle(
+            [float(b[0]), float(b[1]), float(b[2]) - 1, float(b[3]) - 1], outline=(0, 255, 0)
+          )
+          names.append(src.class_names[l])
+      x0 = 70 + c * (cell + 4)
+      grid.paste(im, (x0, y0))
+      draw.text((x0, y0 + cell), ", ".join(sorted(set(names)))[:28], fill=(0, 0, 0))
+  grid.save(path)
+  return path

@@ -1,0 +1,106 @@
+"""Retrieval algorithms by their paper Table 2 names: what configs and `replay.setup` call.
+
+`get_algorithm(name, dedup=..., **hyperparameters)` looks a name up in `ALGORITHMS`, rejects
+unknown hyperparameters and option values, and builds the algorithm. The call protocol of
+what it returns: `owl_cl.replay.retrieval` (package docstring). Source: paper Table 2, suppl.
+Table 7; docs/reference.md §7-§8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from owl_cl.replay.retrieval import adaptive
+from owl_cl.replay.retrieval import asv
+from owl_cl.replay.retrieval import class_selection
+from owl_cl.replay.retrieval import compose
+from owl_cl.replay.retrieval import dedup as dedup_lib
+from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import sample_selection
+from owl_cl.replay.retrieval import steps
+from owl_cl.replay.retrieval.compose import Composition
+from owl_cl.replay.retrieval.steps import balanced_step
+from owl_cl.replay.retrieval.steps import prototype_weighted_step
+from owl_cl.replay.retrieval.steps import similarity_weighted_step
+from owl_cl.replay.retrieval.steps import uniform_in_class_step
+from owl_cl.replay.retrieval.steps import uniform_step
+
+# The Table 2 compositions (hyperparameter defaults: paper suppl. Table 7 / docs/reference.md §7).
+ALGORITHMS: dict[str, Any] = {
+  "uniform": Composition(None, uniform_step),
+  "uniform_balanced": Composition(balanced_step, uniform_in_class_step),
+  "grasp": Composition(balanced_step, prototype_weighted_step),
+  "swil": Composition(similarity_weighted_step, uniform_in_class_step),
+  "sw_grasp": Composition(similarity_weighted_step, prototype_weighted_step),
+  "a_sw_grasp": adaptive.AdaptiveComposition(),
+  "aser": asv.AsvComposition(balanced_step, precomputed=False, num_candidates=168),
+  "aser_pc": asv.AsvComposition(balanced_step, precomputed=True, num_candidates=352),
+  "sw_aser_pc": asv.AsvComposition(similarity_weighted_step, precomputed=True, num_candidates=352),
+}
+
+
+def get_algorithm(
+  name: str, *, dedup: str | dedup_lib.DedupSchedule = "dataset", **hyperparameters
+):
+  """Looks up a retrieval algorithm by its Table 2 name and binds its hyperparameters.
+
+  Args:
+    name: one of `ALGORITHMS` ('uniform', 'uniform_balanced', 'grasp', 'swil', 'sw_grasp',
+      'a_sw_grasp', 'aser', 'aser_pc', 'sw_aser_pc').
+    dedup: dedup schedule name ('none' | 'epoch' | 'dataset' | 'fraction' (1/3)) or a
+      DedupSchedule (e.g. `DedupSchedule('fraction', 0.25)`); default 'dataset' (docs/reference.md
+      §8).
+    **hyperparameters: the algorithm's hyperparameters (`ALGORITHMS[name].hyperparameter_names`),
+      e.g. `swil_weight` (w of SWIL, 1.0), `grasp_weight` (w of GRASP, 1.0),
+      `balanced_order` ('sequential' | 'reshuffled'), `adaptive_entropy_threshold` (tau),
+      `num_candidates`, `knn_k` (20), `asv_c` (0.15), `asv_token_matching`, `asv_distance`,
+      `asv_weight_reduction`, `asv_chunk_size`, and the released code's options
+      `within_class_weighting` ('uniform' | 'grasp'), `asv_left_term`, `asv_shapley`
+      ('knn' | 'tknn'), `asv_distance_threshold`, `tknn_num_classes`, `candidate_subsets`
+      ('shared' | 'per_image'), `asv_features` ('class_embeddings' | 'image_features').
+  Returns:
+    a callable `(rstate, buffer, features, num_replay, active=None) -> (indices, valid, rstate)`.
+  Raises:
+    ValueError: unknown algorithm name (listing the known ones), unknown hyperparameter for
+      that algorithm (listing the accepted ones), or unknown dedup schedule / option value.
+  Source: paper Table 2, docs/reference.md §7-§8.
+  """
+  if name not in ALGORITHMS:
+    raise ValueError(f"unknown retrieval algorithm {name!r}; known: {sorted(ALGORITHMS)}")
+  entry = ALGORITHMS[name]
+  accepted = tuple(entry.hyperparameter_names)
+  unknown = sorted(set(hyperparameters) - set(accepted))
+  if unknown:
+    raise ValueError(
+      f"retrieval algorithm {name!r} got unknown hyperparameters {unknown}; "
+      f"accepted: {sorted(accepted)} (and dedup)"
+    )
+  _check_option_values(hyperparameters)
+  return entry.build(name, dedup_lib.as_schedule(dedup), dict(hyperparameters))
+
+
+def _check_option_values(hp: Mapping[str, Any]):
+  choices = {
+    "balanced_order": steps.BALANCED_ORDERS,
+    "adaptive_entropy_classes": adaptive.ADAPTIVE_ENTROPY_CLASSES,
+    "swil_reduction": class_selection.SWIL_REDUCTIONS,
+    "exhausted_class": compose.EXHAUSTED_CLASS,
+    "asv_token_matching": knn_shapley.TOKEN_MATCHING,
+    "asv_distance": knn_shapley.DISTANCES,
+    "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,
+    "within_class_weighting": steps.WITHIN_CLASS_WEIGHTINGS,
+    "asv_shapley": knn_shapley.SHAPLEY,
+    "asv_left_term": (True, False),
+    "candidate_subsets": asv.CANDIDATE_SUBSETS,
+    "asv_features": asv.ASV_FEATURES,
+  }
+  for field, allowed in choices.items():
+    if field in hp and hp[field] not in allowed:
+      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} is not one of {allowed}")
+  for field in ("num_candidates", "knn_k", "asv_chunk_size"):
+    if field in hp and int(hp[field]) < 1:
+      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be >= 1")
+  for field in ("asv_distance_threshold", "tknn_num_classes"):
+    if field in hp and hp[field] is not None and not float(hp[field]) > 0:
+      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be > 0")

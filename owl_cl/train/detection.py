@@ -1,0 +1,301 @@
+"""The OWL-ViT detection loss: focal class loss and L1 + GIoU box losses after matching.
+
+Normalisation is per example (scenic `normalization='per_example'`): each image's class loss
+is divided by max(#positive (instance, label) pairs, 1), its box losses by max(#matched real
+boxes, 1); the batch value is then the (optionally weighted) mean over images.
+
+Source: docs/reference.md §3; scenic `scenic/projects/owl_vit/matching_base_models.py`
+(`loss_function`, `labels_losses_and_metrics`, `boxes_losses_and_metrics`) and
+`scenic/model_lib/base_models/model_utils.py` (`focal_sigmoid_cross_entropy`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from owl_cl.train.boxes import box_cxcywh_to_xyxy
+from owl_cl.train.boxes import generalized_box_iou
+from owl_cl.train.matcher import append_padding_instance
+from owl_cl.train.matcher import check_predictions
+from owl_cl.train.matcher import hungarian_matching
+from owl_cl.train.matcher import matching_cost
+from owl_cl.train.matcher import real_target_mask
+
+Array = jax.Array
+
+
+def sigmoid_focal_loss(
+  logits: Array, targets: Array, *, alpha: float = 0.3, gamma: float = 2.0
+) -> Array:
+  """Element-wise sigmoid focal loss (Lin et al. 2017), unreduced.
+
+  loss = -alpha_t (1 - p_t)^gamma log p_t with p_t = sigmoid(x) if y = 1 else 1 - sigmoid(x),
+  alpha_t = alpha if y = 1 else 1 - alpha. For soft targets it is scenic's generalisation:
+  ce = -(y log s(x) + (1-y) log s(-x)), loss = ce (1 - e^-ce)^gamma (alpha y + (1-alpha)(1-y)).
+
+  Args:
+    logits: float [...] (any float dtype; computed in float32).
+    targets: float [...] in [0, 1], broadcastable to logits.
+    alpha: weight of positives (docs/reference.md §3: 0.3).
+    gamma: focusing exponent (docs/reference.md §3: 2.0).
+
+  Returns:
+    float32 [...] the loss of every element.
+
+  Source: scenic `model_utils.focal_sigmoid_cross_entropy`.
+  """
+  x = jnp.asarray(logits, jnp.float32)
+  y = jnp.asarray(targets, jnp.float32)
+  ce = -(y * jax.nn.log_sigmoid(x) + (1.0 - y) * jax.nn.log_sigmoid(-x))
+  one_minus_pt = -jnp.expm1(-ce)  # 1 - exp(-ce), accurate when ce is small
+  return ce * one_minus_pt**gamma * (alpha * y + (1.0 - alpha) * (1.0 - y))
+
+
+def _gather_targets(x: Array, index: Array) -> Array:
+  """x [B, K, ...], index [B, T] -> [B, T, ...]."""
+  idx = index.reshape(index.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, idx, axis=1)
+
+
+def detection_loss_per_example(
+  pred_logits: Array,
+  pred_boxes: Array,
+  labels: Array,
+  boxes: Array,
+  target_index: Array,
+  *,
+  focal_alpha: float = 0.3,
+  focal_gamma: float = 2.0,
+) -> dict[str, Array]:
+  """Per-image normalised loss terms for a given matching.
+
+  Args:
+    pred_logits: float [B, T, Q].
+    pred_boxes: float [B, T, 4] cxcywh.
+    labels: float [B, K, Q] targets, padding instance(s) included (`append_padding_instance`).
+    boxes: float [B, K, 4] cxcywh.
+    target_index: int [B, T] target of each token (`hungarian_matching`).
+    focal_alpha, focal_gamma: focal loss (0.3, 2.0).
+
+  Returns:
+    dict of float32 [B]:
+      loss_class: sum over all T tokens and columns 1..Q-1 of the focal loss against the
+        matched target's labels (zero for tokens matched to padding) / max(#positives, 1),
+        #positives = sum of those targets' labels.
+      loss_bbox: sum over tokens matched to real targets of |xyxy_pred - xyxy_tgt|_1
+        / max(#boxes, 1).
+      loss_giou: sum of 1 - GIoU over the same tokens / max(#boxes, 1).
+      num_positives, num_boxes: the unclamped normalisers.
+      sum_class, sum_bbox, sum_giou: the three sums before normalisation.
+
+  Raises:
+    ValueError: inconsistent shapes.
+
+  Source: docs/reference.md §3; scenic `matching_base_models` (`_compute_per_example_class_loss`,
+  `boxes_losses_and_metrics`, normalization='per_example').
+  """
+  pred_logits, pred_boxes = jnp.asarray(pred_logits), jnp.asarray(pred_boxes)
+  labels, boxes = jnp.asarray(labels), jnp.asarray(boxes)
+  check_predictions(pred_logits, pred_boxes, labels, boxes)
+  if target_index.shape != pred_logits.shape[:2]:
+    raise ValueError(
+      f"target_index must be [B,T] = {pred_logits.shape[:2]}, got {target_index.shape}"
+    )
+  target_index = jax.lax.stop_gradient(target_index)
+  tgt_labels = _gather_targets(labels.astype(jnp.float32), target_index)[..., 1:]  # [B,T,Q-1]
+  focal = sigmoid_focal_loss(pred_logits[..., 1:], tgt_labels, alpha=focal_alpha, gamma=focal_gamma)
+  num_pos = jnp.sum(tgt_labels, axis=(1, 2))
+  loss_class = jnp.sum(focal, axis=(1, 2)) / jnp.maximum(num_pos, 1.0)
+
+  matched = _gather_targets(real_target_mask(labels), target_index)  # [B, T]
+  src = box_cxcywh_to_xyxy(pred_boxes.astype(jnp.float32))
+  tgt = box_cxcywh_to_xyxy(_gather_targets(boxes.astype(jnp.float32), target_index))
+  l1 = jnp.where(matched, jnp.sum(jnp.abs(src - tgt), axis=-1), 0.0)
+  giou = jnp.where(matched, 1.0 - generalized_box_iou(src, tgt, all_pairs=False), 0.0)
+  num_boxes = jnp.sum(matched.astype(jnp.float32), axis=1)
+  denom = jnp.maximum(num_boxes, 1.0)
+  return dict(
+    loss_class=loss_class,
+    loss_bbox=jnp.sum(l1, axis=1) / denom,
+    loss_giou=jnp.sum(giou, axis=1) / denom,
+    num_positives=num_pos,
+    num_boxes=num_boxes,
+    # The unnormalised sums, for normalization='per_batch' (`detection_loss`).
+    sum_class=jnp.sum(focal, axis=(1, 2)),
+    sum_bbox=jnp.sum(l1, axis=1),
+    sum_giou=jnp.sum(giou, axis=1),
+  )
+
+
+def weighted_mean(values: Array, weights: Array | None) -> Array:
+  """float32 [...]: the mean of values [B, ...] over the batch; with weights float [B]:
+  sum(w * v) / sum(w) over the images with w > 0, 0 when sum(w) == 0.
+
+  Raises:
+    ValueError: weights is not [B].
+  """
+  if weights is None:
+    return jnp.mean(values) if values.shape[0] else jnp.zeros((), values.dtype)
+  w = jnp.asarray(weights, jnp.float32)
+  if w.shape != values.shape[:1]:
+    raise ValueError(f"example weights must be [B] = {values.shape[:1]}, got {w.shape}")
+  w = w.reshape(w.shape + (1,) * (values.ndim - 1))
+  total = jnp.sum(jnp.where(w > 0, w * values, 0.0), axis=0)
+  return total / jnp.maximum(jnp.sum(w, axis=0), 1e-12)
+
+
+def _match(pred_logits, pred_boxes, labels, boxes, matcher, **cost_options):
+  """The targets with the padding instance appended, labels [B, K, Q] and boxes [B, K, 4],
+  and int32 [B, T] the target of each token (`matcher.hungarian_matching` of the
+  `matcher.matching_cost` with `cost_options`; no gradient flows through it)."""
+  labels_k, boxes_k = append_padding_instance(labels, boxes)
+  cost, mask = matching_cost(
+    jax.lax.stop_gradient(pred_logits),
+    jax.lax.stop_gradient(pred_boxes),
+    labels_k,
+    boxes_k,
+    **cost_options,
+  )
+  return labels_k, boxes_k, hungarian_matching(cost, mask, matcher)
+
+
+def _per_image_loss(terms, per_example, example_mask) -> dict[str, Array]:
+  """`detection_loss`'s 'per_image' normalisation (scenic): the weighted means over images
+  of the per-image normalised terms."""
+  return dict(
+    loss=weighted_mean(per_example, example_mask),
+    per_example=per_example,
+    loss_class=weighted_mean(terms["loss_class"], example_mask),
+    loss_bbox=weighted_mean(terms["loss_bbox"], example_mask),
+    loss_giou=weighted_mean(terms["loss_giou"], example_mask),
+  )
+
+
+def _per_batch_loss(terms, per_example, example_mask, weights) -> dict[str, Array]:
+  """`detection_loss`'s 'per_batch' normalisation (the released code): the batch's sums over
+  its (unmasked, weighted) images divided by its total #positives / #boxes, each >= 1.
+  `weights`: (class_weight, bbox_weight, giou_weight)."""
+  class_weight, bbox_weight, giou_weight = weights
+  w = jnp.ones(per_example.shape, jnp.float32) if example_mask is None else example_mask
+  w = jnp.asarray(w, jnp.float32)
+  if w.shape != per_example.shape:
+    raise ValueError(f"example weights must be [B] = {per_example.shape}, got {w.shape}")
+  w = jnp.where(w > 0, w, 0.0)
+
+  def total(x):
+    return jnp.sum(w * x)
+
+  loss_class = total(terms["sum_class"]) / jnp.maximum(total(terms["num_positives"]), 1.0)
+  num_boxes = jnp.maximum(total(terms["num_boxes"]), 1.0)
+  loss_bbox = total(terms["sum_bbox"]) / num_boxes
+  loss_giou = total(terms["sum_giou"]) / num_boxes
+  return dict(
+    loss=class_weight * loss_class + bbox_weight * loss_bbox + giou_weight * loss_giou,
+    per_example=per_example,
+    loss_class=loss_class,
+    loss_bbox=loss_bbox,
+    loss_giou=loss_giou,
+  )
+
+
+# `detection_loss(normalization=...)`: per image (scenic, paper) | per batch (released code).
+NORMALIZATIONS = ("per_image", "per_batch")
+
+
+def detection_loss(
+  pred_logits: Array,
+  pred_boxes: Array,
+  labels: Array,
+  boxes: Array,
+  *,
+  focal_alpha: float = 0.3,
+  focal_gamma: float = 2.0,
+  class_weight: float = 1.0,
+  bbox_weight: float = 1.0,
+  giou_weight: float = 1.0,
+  example_mask: Array | None = None,
+  normalization: str = "per_image",
+  matcher: str = "auto",
+) -> dict[str, Array]:
+  """OWL-ViT detection loss: Hungarian matching, focal class loss, L1 + GIoU box losses.
+
+  Appends one padding instance per image, builds `matching_cost`, matches with
+  `hungarian_matching`, computes `detection_loss_per_example` and averages over images.
+  The keyword arguments are those of the `loss` config block (configs/base.py), so
+  `detection_loss(..., **config.loss)` works.
+
+  Args:
+    pred_logits: float [B, T, Q] (padded query slots -1e6; computed in float32).
+    pred_boxes: float [B, T, 4] cxcywh in [0, 1].
+    labels: float [B, M, Q] multi-hot; an instance with no positive among columns 1.. is
+      padding (`labels[b, m, 0] = 1`).
+    boxes: float [B, M, 4] cxcywh normalised to the padded square.
+    focal_alpha, focal_gamma: focal loss and cost (docs/reference.md §3: 0.3, 2.0).
+    class_weight, bbox_weight, giou_weight: weights of the three terms, used both in the
+      matching cost and in the total (scenic; docs/reference.md §3: all 1).
+    example_mask: optional bool/float [B]. Images with weight 0 contribute nothing; the batch
+      values become sum(w * v) / sum(w) (0 if all are masked). scenic's `batch_mask` instead
+      divides by B; the two agree when no image is masked.
+    normalization: 'per_image' (scenic normalization='per_example', docs/reference.md §3:
+      each image's sums divided by its own #positives / #boxes, then the weighted mean over
+      images) or
+      'per_batch' (as in the released code: the batch's focal, L1 and GIoU sums over its
+      (unmasked, weighted) images divided by the batch's total #positives / #boxes, each
+      clamped to >= 1; computed over the whole global batch, where the released code
+      normalises per device). `per_example` is per image in both.
+    matcher: Hungarian solver, 'auto' | 'scipy' | 'jax' (`hungarian_matching`).
+
+  Returns:
+    dict of float32:
+      loss []: weighted mean over images of per_example ('per_image'), or the weighted
+        per-batch-normalised terms ('per_batch').
+      per_example [B]: class_weight * cls + bbox_weight * l1 + giou_weight * giou of each
+        image, each term normalised within the image (independent of the rest of the batch
+        and of example_mask; the replay buffer ranks images by it).
+      loss_class, loss_bbox, loss_giou []: the unweighted terms, averaged like `loss`.
+
+  Raises:
+    ValueError: inconsistent shapes, or an unknown `normalization`.
+
+  Source: docs/reference.md §3; scenic `owl_vit/losses.py`, `owl_vit/matching_base_models.py`
+  (normalization='per_example'); 'per_batch' as in the released code.
+  """
+  if normalization not in NORMALIZATIONS:
+    raise ValueError(
+      f"loss.normalization={normalization!r} is unknown; known: {list(NORMALIZATIONS)}"
+    )
+  pred_logits, pred_boxes = jnp.asarray(pred_logits), jnp.asarray(pred_boxes)
+  labels, boxes = jnp.asarray(labels), jnp.asarray(boxes)
+  check_predictions(pred_logits, pred_boxes, labels, boxes)
+  labels_k, boxes_k, target_index = _match(
+    pred_logits,
+    pred_boxes,
+    labels,
+    boxes,
+    matcher,
+    focal_alpha=focal_alpha,
+    focal_gamma=focal_gamma,
+    class_weight=class_weight,
+    bbox_weight=bbox_weight,
+    giou_weight=giou_weight,
+  )
+  terms = detection_loss_per_example(
+    pred_logits,
+    pred_boxes,
+    labels_k,
+    boxes_k,
+    target_index,
+    focal_alpha=focal_alpha,
+    focal_gamma=focal_gamma,
+  )
+  per_example = (
+    class_weight * terms["loss_class"]
+    + bbox_weight * terms["loss_bbox"]
+    + giou_weight * terms["loss_giou"]
+  )
+  if normalization == "per_batch":
+    return _per_batch_loss(
+      terms, per_example, example_mask, (class_weight, bbox_weight, giou_weight)
+    )
+  return _per_image_loss(terms, per_example, example_mask)
