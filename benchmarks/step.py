@@ -837,6 +837,8 @@ def render_markdown(results: dict) -> str:
     f"torch {env.get('torch')}, transformers {env.get('transformers')}; {env['date']}.",
     "",
   ]
+  if results.get("note"):
+    lines += [results["note"], ""]
   a = results.get("arithmetic")
   if a:
     lines += [
@@ -996,6 +998,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     "persistent cache folder (under --cache-dir, else the system's temp): cold vs warm",
   )
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  p.add_argument("--note", default=None, help="conditions of the run, written under the machine")
   args = p.parse_args(argv)
   quick, smoke = args.quick, args.smoke
   args.variant = args.variant or ("tiny" if smoke else "vit_b32" if quick else "vit_l14")
@@ -1058,6 +1061,8 @@ def main(argv=None) -> dict:
     "environment": _environment(),
     "batches": args.batches,
   }
+  if args.note:
+    results["note"] = args.note
   if not args.skip_arithmetic:
     results["arithmetic"] = arithmetic(args, args.dtypes, args.remats, args.attentions)
   args.model_flops_per_image = (results.get("arithmetic") or {}).get("model_flops_per_image_train")
