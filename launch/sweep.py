@@ -1,20 +1,29 @@
-r"""Command lines of a sweep: algorithms x sequence seeds (x optional config grids).
+r"""Command lines of a sweep: algorithms x task orders x seeds (x optional config grids).
 
     python launch/sweep.py --algorithms=no_replay,uniform,swil --seeds=0,1,2 \
+        [--orders=random_0,random_1] [--seed-fields=seeds.data,seeds.retrieval] \
         [--paper] [--set replay.dedup=epoch,dataset] [--fixed data.root=/data] \
-        [--root=workdirs/sweep] [--task-file=sweep.tasks] [--run]
+        [--root=workdirs/sweep] [--task-file=sweep.tasks] [--run] [--processes=N]
 
 Each command is `python -m owl_cl.main --config=configs/<algorithm>.py[:paper]
---workdir=<root>/<algorithm>_seed<k>[_<field>=<v>...] --config.sequence_seed=<k>
-[--config.<field>=<v> ...]`. The order is deterministic: algorithms as given, then seeds,
-then the `--set` grid (itertools.product in the order of the flags). Every workdir is
-distinct; re-running a command on its workdir resumes it (owl_cl.main), so a sweep can be
+--workdir=<root>/<algorithm>[_<order>]_seed<k>[_<field>=<v>...] [--config.task_order=<order>]
+--config.<seed field>=<k>... [--config.<field>=<v> ...]`. Without `--orders` the seed sets
+`sequence_seed` (a seeded shuffle of the sequence, as before); with `--orders` (stored task
+orders, owl_cl/data/orders/) it sets `seeds.data` and `seeds.retrieval`, so the runs of one
+sweep share the cached pre-trained model and buffer (`seeds.model` stays `seed`);
+`--seed-fields` names other fields (e.g. `seed` to vary everything, `seeds.retrieval` alone;
+docs/experiments.md, "Seeds"). The order is deterministic: algorithms as given, then orders,
+then seeds, then the `--set` grid (itertools.product in the order of the flags). Every workdir
+is distinct; re-running a command on its workdir resumes it (owl_cl.main), so a sweep can be
 re-submitted after a failure or preemption.
 
 Default (dry run): print the commands, one per line. `--task-file F`: also write them to F,
 one per line, for `launch/slurm_gpu.sbatch` (line i+1 = array task i); an existing F with
-other contents is never overwritten. `--run`: run them here one after another (stops at
-the first failure).
+other contents is never overwritten. `--run`: run them here, skipping complete runs
+(`results.json` status 'complete'); an interrupted run resumes (owl_cl.main). `--processes N`
+(with `--run`): up to N runs at once, the first one alone (it fills the shared cache: the
+built-in benchmark, the pre-trained model, the buffer); each run's output goes to
+`<root>/logs/<name>.log`. Stops launching at the first failure and returns its status.
 
 Values are checked before anything is printed: algorithms against configs/*.py, every
 `--set` / `--fixed` field against the algorithm's config. A value list is split on commas
@@ -28,11 +37,14 @@ from collections.abc import Sequence
 import dataclasses
 import glob
 import importlib
+import importlib.util
 import itertools
+import json
 import os
 import shlex
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # `python launch/sweep.py` from anywhere: import configs/.
@@ -104,8 +116,14 @@ def _check_field(config, field: str, where: str) -> None:
       ) from None
 
 
-def _load_config(algorithm: str, paper: bool):
-  module = importlib.import_module(f"configs.{algorithm}")
+def _load_config(algorithm: str, paper: bool, configs_dir: str | None = None):
+  if configs_dir is None:
+    module = importlib.import_module(f"configs.{algorithm}")
+  else:
+    path = os.path.join(configs_dir, f"{algorithm}.py")
+    spec = importlib.util.spec_from_file_location(f"sweep_config_{algorithm}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
   return module.get_config("paper" if paper else "")
 
 
@@ -118,6 +136,7 @@ class Task:
   grid: tuple[tuple[str, str], ...]
   workdir: str
   argv: tuple[str, ...]
+  order: str | None = None
 
   @property
   def command(self) -> str:
@@ -140,67 +159,169 @@ def build_sweep(
   fixed: Sequence[tuple[str, str]] = (),
   python: str = "python",
   check_fields: bool = True,
+  orders: Sequence[str] = (),
+  seed_fields: Sequence[str] | None = None,
+  configs_dir: str | None = None,
 ) -> list[Task]:
-  """The sweep's tasks in deterministic order (algorithm, then seed, then grid product).
+  """The sweep's tasks in deterministic order (algorithm, order, seed, then grid product).
 
   Args:
     algorithms: config names (configs/<name>.py), e.g. ['no_replay', 'swil'].
-    seeds: sequence seeds (`config.sequence_seed`: the order of the downstream datasets).
-    root: parent folder of the workdirs `<root>/<algorithm>_seed<k>[_<field>=<v>...]`
+    seeds: the values of the `seed_fields`.
+    root: parent folder of the workdirs `<root>/<algorithm>[_<order>]_seed<k>[_<field>=<v>...]`
       (characters other than letters, digits and `._=-+,` in a value become '-').
     paper: use `configs/<algorithm>.py:paper` (the paper's protocol on real data).
     grid: [(field, [values])]: one task per combination; fields appear in the workdir name.
     fixed: [(field, value)]: passed to every task, not in the workdir name (e.g. data.root).
     python: the interpreter of the command lines.
     check_fields: check that every field exists in each algorithm's config.
+    orders: stored task orders (`config.task_order`: a name, index or '<suite>/<name>'); ()
+      keeps each config's own order.
+    seed_fields: config fields each seed sets; default ['sequence_seed'] without orders,
+      ['seeds.data', 'seeds.retrieval'] with orders (module docstring).
+    configs_dir: a folder of `<algorithm>.py` config files (each with `get_config(arg)`) used
+      instead of the repository's configs/; the commands name its files.
 
   Returns:
-    [Task] of len(algorithms) * len(seeds) * prod(len(values)).
+    [Task] of len(algorithms) * max(1, len(orders)) * len(seeds) * prod(len(values)).
 
   Raises:
     ValueError: an unknown algorithm (the message lists the known ones), no algorithms or
-      seeds, a repeated field, a field missing from the config, or two tasks with the same
-      workdir.
+      seeds, an unknown order, a repeated field, a field missing from the config, or two tasks
+      with the same workdir.
   """
-  known = known_algorithms()
+  known = known_algorithms(configs_dir) if configs_dir else known_algorithms()
   unknown = [a for a in algorithms if a not in known]
   if unknown:
     raise ValueError(f"unknown algorithm(s) {unknown}; known: {', '.join(known)}")
   if not algorithms or not seeds:
     raise ValueError("a sweep needs at least one algorithm and one seed.")
-  fields = [f for f, _ in grid] + [f for f, _ in fixed] + ["sequence_seed"]
+  if seed_fields is None:
+    seed_fields = ["seeds.data", "seeds.retrieval"] if orders else ["sequence_seed"]
+  if not seed_fields:
+    raise ValueError("--seed-fields: at least one field.")
+  if orders:
+    from owl_cl.data import orders as orders_lib  # pylint: disable=g-import-not-at-top
+
+    for order in orders:
+      if problem := orders_lib.task_order_problem(order):
+        raise ValueError(f"--orders: {order!r} {problem}")
+  seed_set = list(seed_fields) + (["task_order"] if orders else [])
+  fields = [f for f, _ in grid] + [f for f, _ in fixed] + seed_set
+
+  def config_path(algorithm: str) -> str:
+    return os.path.join(configs_dir or "configs", f"{algorithm}.py")
+
   repeated = sorted({f for f in fields if fields.count(f) > 1})
   if repeated:
-    raise ValueError(f"field(s) {repeated} given more than once (sequence_seed is set by --seeds).")
+    raise ValueError(
+      f"field(s) {repeated} given more than once ({', '.join(seed_set)} set by the sweep)."
+    )
   if check_fields:
     for algorithm in dict.fromkeys(algorithms):
-      config = _load_config(algorithm, paper)
+      config = _load_config(algorithm, paper, configs_dir)
       for field in fields:
-        _check_field(config, field, f"configs/{algorithm}.py{':paper' if paper else ''}")
+        _check_field(config, field, f"{config_path(algorithm)}{':paper' if paper else ''}")
   tasks, workdirs = [], set()
   grid_fields = [f for f, _ in grid]
-  for algorithm in algorithms:
-    for seed in seeds:
-      for values in itertools.product(*[list(v) for _, v in grid]):
-        pairs = tuple(zip(grid_fields, values))
-        name = "_".join([f"{algorithm}_seed{int(seed)}"] + [_name_part(f, v) for f, v in pairs])
-        workdir = os.path.join(root, name)
-        if workdir in workdirs:
-          raise ValueError(
-            f"two tasks share the workdir {workdir!r}; give distinct algorithms, seeds and values."
-          )
-        workdirs.add(workdir)
-        argv = [
-          python,
-          "-m",
-          "owl_cl.main",
-          f"--config=configs/{algorithm}.py{':paper' if paper else ''}",
-          f"--workdir={workdir}",
-          f"--config.sequence_seed={int(seed)}",
-        ]
-        argv += [f"--config.{f}={v}" for f, v in list(pairs) + list(fixed)]
-        tasks.append(Task(algorithm, int(seed), pairs, workdir, tuple(argv)))
+  for algorithm, order, seed in itertools.product(algorithms, list(orders) or [None], seeds):
+    for values in itertools.product(*[list(v) for _, v in grid]):
+      pairs = tuple(zip(grid_fields, values))
+      head = algorithm if order is None else f"{algorithm}_{_name_part('', order)[1:]}"
+      name = "_".join([f"{head}_seed{int(seed)}"] + [_name_part(f, v) for f, v in pairs])
+      workdir = os.path.join(root, name)
+      if workdir in workdirs:
+        raise ValueError(
+          f"two tasks share the workdir {workdir!r}; give distinct algorithms, seeds and values."
+        )
+      workdirs.add(workdir)
+      argv = [
+        python,
+        "-m",
+        "owl_cl.main",
+        f"--config={config_path(algorithm)}{':paper' if paper else ''}",
+        f"--workdir={workdir}",
+      ]
+      if order is not None:
+        argv.append(f"--config.task_order={order}")
+      argv += [f"--config.{f}={int(seed)}" for f in seed_fields]
+      argv += [f"--config.{f}={v}" for f, v in list(pairs) + list(fixed)]
+      tasks.append(Task(algorithm, int(seed), pairs, workdir, tuple(argv), order))
   return tasks
+
+
+def is_complete(workdir: str) -> bool:
+  """Whether `<workdir>/results.json` says the run is complete (status 'complete'); an
+  unreadable or missing file is not complete (its command resumes or restarts the run)."""
+  try:
+    with open(os.path.join(workdir, "results.json"), encoding="utf-8") as f:
+      return json.load(f).get("status") == "complete"
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
+def _log_path(task: Task) -> str:
+  root = os.path.dirname(os.path.normpath(task.workdir))
+  return os.path.join(root, "logs", os.path.basename(os.path.normpath(task.workdir)) + ".log")
+
+
+def run_tasks(tasks: Sequence[Task], processes: int = 1, *, poll_seconds: float = 1.0) -> int:
+  """Runs the tasks here (cwd: the repository), skipping complete ones.
+
+  Args:
+    tasks: `build_sweep`'s tasks.
+    processes: at most this many at once; 1 runs them one after another in this terminal.
+      With more, the first pending task runs alone (it fills the shared cache), then up to
+      `processes` at a time, each writing to `<root>/logs/<name>.log` (appended).
+    poll_seconds: how often running tasks are checked.
+
+  Returns:
+    0, or the exit status of the first task that failed (no new task starts after it; running
+    ones finish).
+
+  Raises:
+    ValueError: processes < 1.
+  """
+  if processes < 1:
+    raise ValueError(f"--processes must be >= 1, got {processes}")
+  pending = []
+  for task in tasks:
+    if is_complete(task.workdir):
+      print(f"# complete, skipped: {task.workdir}", file=sys.stderr, flush=True)
+    else:
+      pending.append(task)
+  total = len(pending)
+
+  def start(task: Task, n: int) -> subprocess.Popen:
+    print(f"# [{n}/{total}] {task.workdir}", file=sys.stderr, flush=True)
+    if processes == 1:
+      return subprocess.Popen(list(task.argv), cwd=REPO)
+    os.makedirs(os.path.dirname(_log_path(task)), exist_ok=True)
+    with open(_log_path(task), "ab") as log:
+      return subprocess.Popen(list(task.argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+  running: list[tuple[Task, subprocess.Popen]] = []
+  failed = started = 0
+  first_running = True
+  while (pending and not failed) or running:
+    # The first task alone until it has finished (it fills the shared cache), then up to
+    # `processes` at once.
+    while pending and not failed and len(running) < (1 if started and first_running else processes):
+      task = pending.pop(0)
+      started += 1
+      running.append((task, start(task, started)))
+    finished = [(t, p) for t, p in running if p.poll() is not None]
+    if not finished:
+      time.sleep(poll_seconds)
+      continue
+    for task, proc in finished:
+      running.remove((task, proc))
+      if proc.returncode:
+        where = "" if processes == 1 else f" (log: {_log_path(task)})"
+        print(f"# failed with status {proc.returncode}: {task.command}{where}", file=sys.stderr)
+        failed = failed or proc.returncode
+    first_running = first_running and bool(running)
+  return failed
 
 
 def write_task_file(path: str, tasks: Sequence[Task]) -> None:
@@ -233,7 +354,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument(
     "--algorithms", required=True, help=f"comma-separated, of: {', '.join(known_algorithms())}"
   )
-  parser.add_argument("--seeds", default="0", help="comma-separated sequence seeds (0)")
+  parser.add_argument("--seeds", default="0", help="comma-separated seeds (0)")
+  parser.add_argument("--orders", default="", help="comma-separated stored task orders")
+  parser.add_argument(
+    "--seed-fields",
+    help="config fields each seed sets (default sequence_seed; with --orders "
+    "seeds.data,seeds.retrieval)",
+  )
+  parser.add_argument(
+    "--processes", type=int, default=1, help="with --run: runs at once (first alone)"
+  )
   parser.add_argument("--root", default="workdirs/sweep", help="parent of the workdirs")
   parser.add_argument("--paper", action="store_true", help="configs/<algorithm>.py:paper")
   parser.add_argument(
@@ -251,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="config override for every task, not in the workdir name",
   )
   parser.add_argument("--python", default="python", help="interpreter in the commands")
+  parser.add_argument("--configs-dir", help="folder of <algorithm>.py configs (default configs/)")
   parser.add_argument("--task-file", help="write the commands here for slurm_gpu.sbatch")
   parser.add_argument(
     "--dry-run",
@@ -276,9 +407,14 @@ def main(argv: Sequence[str] | None = None) -> int:
       grid=[parse_assignment(s, multiple=True) for s in args.set],
       fixed=[(f, v[0]) for f, v in (parse_assignment(s, multiple=False) for s in args.fixed)],
       python=args.python,
+      orders=split_values(args.orders) if args.orders else (),
+      seed_fields=split_values(args.seed_fields) if args.seed_fields else None,
+      configs_dir=args.configs_dir,
     )
   except ValueError as e:
     parser.error(str(e))
+  if args.processes < 1:
+    parser.error(f"--processes must be >= 1, got {args.processes}")
   for task in tasks:
     print(task.command)
   if args.task_file:
@@ -289,12 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       file=sys.stderr,
     )
   if not args.dry_run:
-    for n, task in enumerate(tasks):
-      print(f"# [{n + 1}/{len(tasks)}] {task.workdir}", file=sys.stderr, flush=True)
-      status = subprocess.call(list(task.argv), cwd=REPO)
-      if status:
-        print(f"# failed with status {status}: {task.command}", file=sys.stderr)
-        return status
+    return run_tasks(tasks, args.processes)
   return 0
 
 

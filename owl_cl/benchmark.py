@@ -29,6 +29,7 @@ from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import entries as entries_lib
 from owl_cl.data import odinw
+from owl_cl.data import orders
 from owl_cl.data import pretraining
 from owl_cl.data import real_inputs
 from owl_cl.data import suites
@@ -91,6 +92,9 @@ class Benchmark:
   pretrain_eval: str = PRETRAIN_EVAL
   held_out_eval: str = HELD_OUT_EVAL
   roles: dict | None = None
+  # The stored order applied (`owl_cl.data.orders.resolve_order`: suite, name, index,
+  # datasets); None when the sequence follows sequence_seed.
+  task_order: dict | None = None
 
   def eval_sets(self) -> list[tuple[str, Dataset]]:
     """(eval-set name, dataset) of every eval set: pre-training, held-out, each dataset."""
@@ -203,14 +207,16 @@ def _protocol(entry: entries_lib.DatasetEntry, split: str, source=True) -> str:
 
 class _SplitLoader:
   """`entries.load_split` that records a split's DataError and goes on with the next split,
-  so one error (`raise_problems`) names every unreadable file of every dataset."""
+  so one error (`raise_problems`) names every unreadable file of every dataset.
+  `coco_options` go to every `CocoSource` (e.g. `exif_orientation`)."""
 
-  def __init__(self):
+  def __init__(self, **coco_options):
     self.problems: list[str] = []
+    self.coco_options = coco_options
 
   def __call__(self, entry: entries_lib.DatasetEntry, split: str) -> coco.CocoSource | None:
     try:
-      return entries_lib.load_split(entry, split)
+      return entries_lib.load_split(entry, split, **self.coco_options)
     except coco.DataError as e:
       self.problems += [f"dataset {entry.name!r} split {split!r}: {p}" for p in str(e).split("\n")]
       return None
@@ -242,14 +248,48 @@ def _sequence_dataset(entry: entries_lib.DatasetEntry, load=entries_lib.load_spl
 def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   """The run's data, assembled from the config's declaration (module docstring).
 
-  The sequence is shuffled by `sequence_seed`. Nothing declared and no `data.root`: the
+  The sequence follows the stored order `task_order` when set (`apply_task_order`), else it
+  is shuffled by `sequence_seed`. Nothing declared and no `data.root`: the
   built-in benchmark as before; with `data.root`: the paper's declaration, which gives the
   datasets of `load_real_benchmark`.
 
   Raises:
     MissingInputsError: the paper's protocol with missing files (`data.real_inputs.check_inputs`).
     DataError: a declared dataset that cannot be read (names the entry, field and value).
+    OrderError: `task_order` names no stored order of the sequence's suite.
   """
+  return apply_task_order(_load_benchmark(config), config.get("task_order"))
+
+
+def apply_task_order(bench: Benchmark, task_order: str | int | None) -> Benchmark:
+  """`bench` with its sequence in the stored order `task_order` (None: `bench` unchanged).
+
+  Args:
+    bench: a loaded benchmark (its sequence in any order).
+    task_order: see `owl_cl.data.orders.resolve_order`.
+
+  Returns:
+    A new Benchmark: sequence (and roles' downstream list) reordered, `task_order` recorded.
+
+  Raises:
+    OrderError: see `owl_cl.data.orders.resolve_order`.
+  """
+  if task_order is None:
+    return bench
+  order = orders.resolve_order(task_order, [d.name for d in bench.sequence])
+  by_name = {d.name: d for d in bench.sequence}
+  roles = bench.roles
+  if roles is not None and roles.get("downstream") is not None:
+    roles = dict(roles, downstream=list(order["datasets"]))
+  return dataclasses.replace(
+    bench,
+    sequence=tuple(by_name[n] for n in order["datasets"]),
+    roles=roles,
+    task_order=order,
+  )
+
+
+def _load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
   if uses_real_data(config):
     real_inputs.check_inputs(config)
   decl = declaration(config)
@@ -270,7 +310,8 @@ def load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
 def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Benchmark:
   """The Benchmark of `declared` entries; undeclared roles from `default` (built-in)."""
   pretrain_eval, held_out_eval = PRETRAIN_EVAL, HELD_OUT_EVAL
-  load = _SplitLoader()
+  exif = config.data.get("exif_orientation", "ignore")
+  load = _SplitLoader(exif_orientation=exif)
   if declared["pretrain"] is None:
     pretrain = default.pretrain
   else:
@@ -326,6 +367,8 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
         for f, v in declared.items()
       },
       "builtin": default.fingerprint if default is not None else None,
+      # Only when not the default: the caches keyed before the option existed stay valid.
+      **({"exif_orientation": exif} if exif != "ignore" else {}),
     }
   )
   return Benchmark(

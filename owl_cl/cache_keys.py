@@ -26,6 +26,8 @@ def _default_data_options() -> dict[str, Any]:
     "squash_resize": data.squash_resize,
     "merge_iou": data.merge_iou,
     "negatives_by_frequency": data.negatives_by_frequency,
+    # Decoded pixels: 'apply' turns EXIF-tagged photos (`CocoSource.decode_image`).
+    "exif_orientation": data.exif_orientation,
     "augment": _as_tuples(data.augment.to_dict()),
   }
 

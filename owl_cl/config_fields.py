@@ -10,7 +10,7 @@ cycle (docs/architecture.md, "Layers").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import math
 import numbers
 from typing import Any
@@ -94,6 +94,163 @@ NON_NEGATIVE = real(0.0)  # loss weights, weight decay, multipliers
 FINITE = real()  # thresholds (a NaN compares False with everything: it must not pass)
 FRACTION = real(0.0, 1.0, low_open=True)  # layer-wise decay, dedup fraction
 BETA = real(0.0, 1.0, high_open=True)  # Adam's b1 / b2
+
+
+# ----------------------------------------------------------------------------- seeds
+
+# What each part of `config.seeds` controls (docs/experiments.md, "Seeds"); each unset part
+# takes `config.seed`, so a config that sets only `seed` behaves as before the split.
+SEED_PARTS = ("model", "data", "retrieval")
+
+
+def seed_of(config: ml_collections.ConfigDict, part: str) -> int:
+  """The seed of one part of a run: `config.seeds.<part>` when set, else `config.seed`.
+
+  Args:
+    config: the run's config.
+    part: 'model' (pre-training: initialisation, its data order and augmentation, the buffer's
+      per-image queries; keys the cached pre-trained model and buffer), 'data' (each downstream
+      dataset's image order and augmentation, and its train-step key) or 'retrieval' (the
+      replay state's PRNG key: every sampling step of the retrieval algorithms).
+
+  Returns:
+    int.
+
+  Raises:
+    ValueError: an unknown part.
+  """
+  if part not in SEED_PARTS:
+    raise ValueError(f"unknown seed part {part!r}; known: {SEED_PARTS}")
+  seeds = config.get("seeds")
+  value = seeds.get(part) if seeds is not None else None
+  return int(config.seed if value is None else value)
+
+
+def choice(options: Sequence[Any] | Callable[[], Sequence[Any]], *, optional: bool = False) -> Rule:
+  """One of `options` (or a function returning them, called when checking: a registry that
+  can grow, e.g. the tokenizers); None too when `optional`. `validation.option_problems`
+  lists the fields with such a rule (`is_option`)."""
+
+  def rule(value):
+    if value is None and optional:
+      return ""
+    known = list(options() if callable(options) else options)
+    # Strict types: True == 1 and 1.0 == 1 must not pass for a name.
+    if any(type(value) is type(k) and value == k for k in known):
+      return ""
+    return f"is unknown; known: {known}" + (" or None" if optional else "")
+
+  rule.is_option = True
+  return rule
+
+
+def boolean(value: Any) -> str:
+  """Rule: True or False (not 0 / 1 or 'false': a string 'false' would be truthy)."""
+  return "" if isinstance(value, bool) else "must be True or False"
+
+
+def text(*, optional: bool = False, empty: bool = False) -> Rule:
+  """A non-empty string (None too when `optional`, '' too when `empty`): names, paths."""
+
+  def rule(value):
+    if (value is None and optional) or (value == "" and empty):
+      return ""
+    if not isinstance(value, str) or not value.strip():
+      return "must be a non-empty string" + (" or None" if optional else "")
+    return ""
+
+  return rule
+
+
+def interval(low: float, high: float = math.inf) -> Rule:
+  """A pair (a, b) of finite numbers with low < a <= b <= high: a sampling range."""
+
+  def rule(value):
+    if (
+      not isinstance(value, (list, tuple))
+      or len(value) != 2
+      or not all(_is_number(v) and math.isfinite(v) for v in value)
+    ):
+      return "must be a pair (low, high) of finite numbers"
+    a, b = value
+    if not low < a <= b <= high:
+      top = "" if high == math.inf else f" <= {high:g}"
+      return f"must satisfy {low:g} < low <= high{top} (a reversed or empty range?)"
+    return ""
+
+  return rule
+
+
+def integers(minimum: int, *, optional: bool = False) -> Rule:
+  """A non-empty list / tuple of ints >= `minimum` (None too when `optional`)."""
+
+  def rule(value):
+    if value is None and optional:
+      return ""
+    if not isinstance(value, (list, tuple)) or not value:
+      return "must be a non-empty tuple of integers" + (" or None" if optional else "")
+    bad = [v for v in value if integer(minimum)(v)]
+    return f"must hold integers >= {minimum}, not {bad}" if bad else ""
+
+  return rule
+
+
+def probabilities(value: Any) -> str:
+  """Rule: a non-empty list / tuple of numbers >= 0 that sum to 1 (within 1e-6)."""
+  if not isinstance(value, (list, tuple)) or not value:
+    return "must be a non-empty tuple of probabilities"
+  if not all(_is_number(v) and math.isfinite(v) and v >= 0 for v in value):
+    return "must hold finite numbers >= 0"
+  # 1e-6: decimal literals such as (0.4, 0.3, 0.3) sum to 1 within ~1e-16.
+  return "" if abs(sum(value) - 1.0) <= 1e-6 else f"must sum to 1 (sums to {sum(value):g})"
+
+
+def names(known: Callable[[], Sequence[str]] | None = None, *, what: str = "name") -> Rule:
+  """A non-empty list / tuple of distinct strings, each in `known()` when given."""
+
+  def rule(value):
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+      return f"must be a tuple of {what}s, e.g. ('a', 'b')"
+    if not value:
+      return f"is empty; name at least one {what}"
+    if not all(isinstance(v, str) for v in value):
+      return f"must hold {what}s (strings)"
+    twice = sorted({v for v in value if value.count(v) > 1})
+    if twice:
+      return f"names {twice} more than once"
+    if known is not None:
+      unknown = [v for v in value if v not in known()]
+      if unknown:
+        # An unquoted comma list on the command line arrives as one name.
+        hint = (
+          '; on the command line a tuple is one quoted value, \'("a", "b")\', or the '
+          "flag given once per name"
+          if any("," in v for v in unknown)
+          else ""
+        )
+        return f"names unknown {what}s {unknown}; known: {list(known())}{hint}"
+    return ""
+
+  return rule
+
+
+def mapping(value: Any) -> str:
+  """Rule: a dict (ConfigDict) of fields, checked further by the code that reads it."""
+  return "" if hasattr(value, "keys") else "must be a dict of fields"
+
+
+def declared(kind: type) -> Rule:
+  """None or a `kind` (list: `data.sequence`; dict: one dataset entry); the entries
+  themselves are checked by `check_datasets`."""
+
+  def rule(value):
+    if value is None:
+      return ""
+    ok = isinstance(value, (list, tuple)) if kind is list else hasattr(value, "keys")
+    what = "a list of dataset entries / suites" if kind is list else "one dataset entry (a dict)"
+    return "" if ok else f"must be {what} or None"
+
+  return rule
 
 
 # ----------------------------------------------------------------------------- predicates

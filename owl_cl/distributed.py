@@ -42,6 +42,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from owl_cl import utils
 from owl_cl.preemption import EXIT_PREEMPTED
 
 # Keys under which a failing process leaves its message in the coordination service's
@@ -312,6 +313,33 @@ def failed_processes() -> dict[int, str]:
   for key, value in client.key_value_dir_get(_FAILURE_KEY):
     out[int(key.rsplit("/", 1)[-1])] = value
   return out
+
+
+def writer_value(value: bool) -> bool:
+  """Process 0's `value` on every process (`value` itself with a single process).
+
+  Collective: every process calls it at the same point (it waits for the others). For the
+  decisions only the writer makes, e.g. whether a cache entry passed its integrity check.
+
+  Returns: bool.
+  Source: `jax.experimental.multihost_utils.broadcast_one_to_all`.
+  """
+  if jax.process_count() == 1:
+    return bool(value)
+  return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(value))))
+
+
+@contextlib.contextmanager
+def cache_entry_lock(path: str, what: str) -> Iterator[None]:
+  """`utils.cache_entry_lock` of the cache entry `path`, held by the writer (process 0).
+
+  A multi-process run is one user of the cache: its writer takes the lock (waiting for
+  another run that builds the entry), and the other processes, which only read the entry,
+  follow the writer's decisions (`writer_value`). Taken on every process, the run's own
+  processes would wait for one another.
+  """
+  with utils.cache_entry_lock(path, what) if is_writer() else contextlib.nullcontext():
+    yield
 
 
 def barrier(name: str, timeout_s: float = 600.0) -> None:

@@ -14,9 +14,12 @@
 
 Resuming: every finished stage is checkpointed (orbax) together with the metrics so far, and
 within pre-training and each dataset the training loop writes step checkpoints
-(`checkpoint.every_steps` / `every_minutes`, and on SIGTERM); the same command on the same
-workdir restores the newest of them and goes on from there, ending with the results an
-uninterrupted run would have had. SIGTERM saves a step checkpoint at the next step boundary
+(`checkpoint.every_minutes`, 10 by default, / `every_steps`, and on SIGTERM); the same
+command on the same workdir restores the newest of them and goes on from there, ending with
+the results an uninterrupted run would have had. Every checkpoint is verified against its
+manifest first; a bad one is set aside and the previous one used (`checkpointing`), an
+unreadable results.json is rebuilt from them, and a full disk stops the run with one line
+(docs/architecture.md "Stored state"). SIGTERM saves a step checkpoint at the next step boundary
 (or stops after the stage checkpoint in progress) and raises `preemption.Preempted`
 (`owl_cl.main` exits with status `preemption.EXIT_PREEMPTED`); results.json then says
 'preempted'. A workdir that holds a run of a different config is refused (nothing is
@@ -35,6 +38,7 @@ import json
 import logging as py_logging
 import os
 import time
+from typing import Any
 import uuid
 
 from absl import logging
@@ -50,9 +54,12 @@ from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl import validation
+from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import seed_of
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
+from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
@@ -102,23 +109,59 @@ def _default_config_json() -> dict:
   return json.loads(base.get_config("").to_json_best_effort())
 
 
+# Config fields a resumed run may change: they decide when checkpoints are written, never what
+# is computed (a resumed run's results equal the uninterrupted run's), so a run begun before
+# `checkpoint.every_minutes` had a default, or with another interval, is resumed as it is.
+RESUMABLE_FIELDS = frozenset(
+  {"checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.max_to_keep"}
+)
+
+
+def read_run_json(run_file: str) -> dict:
+  """The record `check_workdir` wrote: {'run_id': str, 'config': dict}.
+
+  Raises:
+    ConfigError: the file cannot be read or is not such a record (named, with the cause: it
+      is what ties the workdir's checkpoints and results to one config, so the run cannot
+      go on without it).
+  """
+  try:
+    with open(run_file, encoding="utf-8") as f:
+      existing = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(
+      f"{run_file} cannot be read ({e}): it records the config of the run this workdir holds; "
+      "restore it (e.g. from a backup) to resume, or use another --workdir"
+    ) from None
+  if not (
+    isinstance(existing, dict)
+    and isinstance(existing.get("run_id"), str)
+    and isinstance(existing.get("config"), dict)
+  ):
+    raise ConfigError(
+      f"{run_file} is not a run record (expected 'run_id' and 'config'); restore it to "
+      "resume, or use another --workdir"
+    )
+  return existing
+
+
 def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None:
   """The `workdir/run.json` record of a run of `config` (None: no run yet). Writes nothing.
 
   A field that did not exist when the run began (absent from its `run.json`) is accepted at
   its default (configs/base.py): fields are added with defaults that keep earlier results
-  (docs/architecture.md "Principles"), so the run goes on as it began; any other difference
-  is refused.
+  (docs/architecture.md "Principles"), so the run goes on as it began; the checkpoint
+  intervals (`RESUMABLE_FIELDS`) may differ; any other difference is refused.
 
   Raises:
-    ConfigError: the workdir holds a run of another config (it would be overwritten).
+    ConfigError: the workdir holds a run of another config (it would be overwritten), or its
+      run.json cannot be read (`read_run_json`).
   """
   run_file = os.path.join(workdir, "run.json")
   if not os.path.exists(run_file):
     return None
   config_json = json.loads(config.to_json_best_effort())
-  with open(run_file) as f:
-    existing = json.load(f)
+  existing = read_run_json(run_file)
   if existing.get("config") != config_json:
     old, new = _flat(existing.get("config") or {}), _flat(config_json)
     defaults = _flat(_default_config_json())
@@ -128,6 +171,7 @@ def existing_run(workdir: str, config: ml_collections.ConfigDict) -> dict | None
       for k in set(old) | set(new)
       if old.get(k, missing) != new.get(k, missing)
       and not (k not in old and k in defaults and new.get(k) == defaults[k])
+      and k not in RESUMABLE_FIELDS
     )
     if changed:
       raise ConfigError(
@@ -171,16 +215,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     WorkdirLockedError: another process runs in `workdir` (its pid and host named).
     TrainingDivergedError: a non-finite loss or gradient norm (the last stage checkpoint
       stays; results.json is not marked complete).
+    owl_cl.integrity.IntegrityError: stage checkpoints exist and none matches its manifest
+      (a bad newer one falls back to an older one with a warning instead).
+    owl_cl.train.checkpointing.DiskFullError: no space left on the workdir's device (named,
+      with the space needed when known); the committed checkpoints stay: the same call
+      resumes once space is freed.
     owl_cl.preemption.Preempted: SIGTERM; a step (or stage) checkpoint was saved and
       results.json says 'preempted'. The same call resumes.
   """
   py_logging.getLogger("absl").setLevel(py_logging.INFO)
   workdir = expand_path(workdir)
   # Init / resume order, the same on every start:
-  #   1. validate the config (and the real data's files) before anything is written;
+  #   1. validate the config (and the real data's files) and build the detector before
+  #      anything is written;
   #   2. load the benchmark and check the sequence and every image and annotation (cached),
-  #      then lock the workdir (a second run is refused) and claim it (run.json; a workdir of
-  #      another config is refused): a run refused for its config or data writes nothing;
+  #      read the init checkpoint, then lock the workdir (a second run is refused) and claim
+  #      it (run.json; a workdir of another config is refused): a run refused for its config,
+  #      data or init checkpoint writes nothing;
   #   3. benchmark, detector, starting parameters (init_checkpoint > cached pre-trained
   #      model > pre-train now) and the replay store: all deterministic in the config, so
   #      rebuilt (or read from the caches) identically on a resume;
@@ -188,12 +239,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   #      replay state (stage 0 = evaluated after pre-training); training goes on after it.
   validation.validate(config, workdir)
   replay_setup.check_replay_config(config)
+  # Built before anything is written: its checks (the tokenizer's vocabulary files and size,
+  # prompt templates) then refuse a run with the workdir left free, not after run.json.
+  detector = Detector(config)
   existing_run(workdir, config)
   if distributed.is_writer():
     utils.check_workdir_free(workdir)  # at once, before the data checks (they can take long)
   bench = benchmark_lib.load_benchmark(config)
   validation.check_sequence_config(config, bench)
   validation.check_data(config, bench)  # every image decoded once (cached by content)
+  # An init checkpoint is read before the workdir is locked or claimed too: one of another
+  # model (a scenic file's parameters are known only once read) is refused with it free.
+  init = read_init_checkpoint(detector, bench)
   # After the checks: nothing (not even the compilation cache's folder or the lock file) is
   # written to the workdir for a bad config or bad data. One run per workdir: a second one is
   # refused before it writes anything; on several hosts (one workdir on a shared file
@@ -209,17 +266,58 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     with preemption.handle_sigterm():
-      return _run(config, workdir, bench)
+      try:
+        return _run(config, workdir, bench, detector, init)
+      except (OSError, ValueError) as e:
+        # A full disk anywhere in the workdir (results, TensorBoard, records): one line naming
+        # the file; the checkpoints' own writes name their space needed (DiskFullError).
+        if isinstance(e, checkpointing.DiskFullError) or not checkpointing.is_disk_full(e):
+          raise
+        path = getattr(e, "filename", None) or workdir
+        free = checkpointing.free_bytes(path)
+        raise checkpointing.DiskFullError(path, None, free, "a file of the run") from None
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.Benchmark) -> dict:
-  """`run` after the checks of the config and the data, with the workdir locked."""
+def read_init_checkpoint(detector: Detector, bench: benchmark_lib.Benchmark):
+  """(params, meta) of `config.init_checkpoint` (`pretrained.pretrained_params`); None when
+  it is not set.
+
+  Raises:
+    CheckpointMismatchError: a checkpoint of another model (its parameters named).
+    ConfigError: a file or folder that cannot be read as a checkpoint (names the field, the
+      path and the reader's reason).
+  """
+  config = detector.config
+  if not config.init_checkpoint:
+    return None
+  try:
+    return pretrained.pretrained_params(detector, bench, None)
+  except CheckpointMismatchError:
+    raise
+  except (ValueError, OSError) as e:
+    raise ConfigError(
+      f"config.init_checkpoint={expand_path(config.init_checkpoint)} cannot be read: {e}"
+    ) from e
+
+
+def _run(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  bench: benchmark_lib.Benchmark,
+  detector: Detector,
+  init: tuple[Any, dict] | None = None,
+) -> dict:
+  """`run` after the checks of the config and the data, with the workdir locked; `init` the
+  (params, meta) of `config.init_checkpoint`, read by `run` (None: none is set)."""
   wall_start = time.time()
   # One writer (process 0): run.json, results, records and TensorBoard; every process takes
   # part in the computation and in the orbax stage checkpoints (multi-process saves).
   is_writer = distributed.is_writer()
   run_id = check_workdir(workdir, config) if is_writer else None
-  detector = Detector(config)
+  if is_writer:
+    # This run's results.json / results.md, unreadable (cut, garbage): set aside, and
+    # rebuilt from the stage checkpoints by the first `write` below.
+    results_lib.set_aside_unreadable(workdir)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if is_writer else None
   checkpointer = checkpointing.StageCheckpointer(
     os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
@@ -229,11 +327,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
     every_steps=config.checkpoint.get("every_steps"),
     every_minutes=config.checkpoint.get("every_minutes"),
   )
-  params, pretrain_meta = pretrained.pretrained_params(detector, bench, writer, step_checkpoints)
+  params, pretrain_meta = init or pretrained.pretrained_params(
+    detector, bench, writer, step_checkpoints
+  )
   store, buffer_stats = None, None
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
-  replay_state = replay_setup.initial_replay_state(store, config.seed)
+  replay_state = replay_setup.initial_replay_state(store, seed_of(config, "retrieval"))
   if jax.process_count() > 1:
     # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
     replay_state = sharding_lib.fetch_replicated(replay_state)
@@ -269,7 +369,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, bench: benchmark_lib.B
       "algorithm": config.experiment_name,
       "retrieval": config.replay.algorithm,
       "seed": config.seed,
+      # The seed of each part (config_fields.seed_of): model, data, retrieval.
+      "seeds": {part: seed_of(config, part) for part in SEED_PARTS},
       "sequence": [d.name for d in bench.sequence],
+      # The stored order (suite, name, index, datasets) or None: sequence_seed's shuffle.
+      "task_order": bench.task_order,
+      "sequence_seed": config.get("sequence_seed"),
       "eval_sets": {
         "pretrain": bench.pretrain_eval,
         "held_out": bench.held_out_eval,

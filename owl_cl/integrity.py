@@ -5,8 +5,9 @@ image cache, stage and step checkpoints) is a folder of files. When the writer h
 the folder, `write_manifest` records each file's size and SHA-256 in `MANIFEST_NAME`, written
 last and atomically: a folder with a manifest is complete, and any byte changed, cut or
 deleted afterwards is found by `verify_directory` (every file, streamed in 16 MiB chunks so a
-100 GB store is never held in memory) or by `verify_file` (one file, for stores checked
-lazily, chunk by chunk on first use).
+100 GB store is never held in memory) or by `verify_file` (one file), or chunk by chunk
+on first use (`LazyVerifier`, for stores too large to hash before every run: files larger than
+one chunk also record each chunk's digest).
 
 A mismatch raises `IntegrityError`, which names the file and what differs. What follows is
 the caller's policy: a cache entry is moved aside with `set_aside` (renamed, never deleted,
@@ -27,6 +28,7 @@ from collections.abc import Iterable
 import hashlib
 import json
 import os
+import threading
 import time
 
 from absl import logging
@@ -60,11 +62,18 @@ def sha256_file(path: str) -> str:
   Raises:
     OSError: the file cannot be read (FileNotFoundError when it is missing).
   """
+  return _digests(path)[0]
+
+
+def _digests(path: str) -> tuple[str, list[str]]:
+  """(SHA-256 of the whole file, SHA-256 of each `_CHUNK_BYTES` chunk), in one read."""
   sha = hashlib.sha256()
+  chunks = []
   with open(path, "rb") as f:
     for chunk in iter(lambda: f.read(_CHUNK_BYTES), b""):
       sha.update(chunk)
-  return sha.hexdigest()
+      chunks.append(hashlib.sha256(chunk).hexdigest())
+  return sha.hexdigest(), chunks
 
 
 def _relative_files(directory: str) -> list[str]:
@@ -90,7 +99,9 @@ def write_manifest(directory: str, files: Iterable[str] | None = None) -> dict:
     files: paths relative to `directory` to record; None records every file below it.
 
   Returns:
-    The manifest: {'version': 1, 'files': {relative path: {'size': bytes, 'sha256': hex}}}.
+    The manifest: {'version': 1, 'files': {relative path: {'size': bytes, 'sha256': hex}}};
+    a file larger than one 16 MiB chunk also gets 'chunks': [hex SHA-256 of each chunk]
+    (computed in the same read), for `LazyVerifier`.
 
   Raises:
     OSError: a file cannot be read, or the manifest cannot be written (full disk: the
@@ -100,7 +111,11 @@ def write_manifest(directory: str, files: Iterable[str] | None = None) -> dict:
   records = {}
   for rel in names:
     path = os.path.join(directory, rel)
-    records[rel] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    size = os.path.getsize(path)
+    sha, chunks = _digests(path)
+    records[rel] = {"size": size, "sha256": sha}
+    if len(chunks) > 1:
+      records[rel]["chunks"] = chunks
   manifest = {"version": MANIFEST_VERSION, "files": records}
   utils.atomic_write_json(os.path.join(directory, MANIFEST_NAME), manifest, indent=1)
   return manifest
@@ -160,6 +175,30 @@ def verify_file(directory: str, rel: str, manifest: dict | None = None) -> None:
     raise IntegrityError(path, "SHA-256 differs from the manifest (changed on disk)")
 
 
+def verify_sizes(directory: str) -> dict:
+  """Checks that every file recorded in `directory`'s manifest exists with its recorded size.
+
+  The cheap part of `verify_directory` (no byte read): a cut or missing file is found at once.
+
+  Returns:
+    The manifest.
+
+  Raises:
+    IntegrityError: no or unreadable manifest, or the first file that is missing or of
+      another size.
+  """
+  manifest = read_manifest(directory)
+  for rel, record in manifest["files"].items():
+    path = os.path.join(directory, rel)
+    try:
+      size = os.path.getsize(path)
+    except FileNotFoundError:
+      raise IntegrityError(path, "missing (listed in the manifest)") from None
+    if size != record["size"]:
+      raise IntegrityError(path, f"{size} bytes, the manifest recorded {record['size']}")
+  return manifest
+
+
 def verify_directory(directory: str) -> dict:
   """Checks every file recorded in `directory`'s manifest (sizes first, then digests).
 
@@ -172,18 +211,68 @@ def verify_directory(directory: str) -> dict:
   Raises:
     IntegrityError: no or unreadable manifest, or the first file that is missing or differs.
   """
-  manifest = read_manifest(directory)
-  for rel, record in manifest["files"].items():
-    path = os.path.join(directory, rel)
-    try:
-      size = os.path.getsize(path)
-    except FileNotFoundError:
-      raise IntegrityError(path, "missing (listed in the manifest)") from None
-    if size != record["size"]:
-      raise IntegrityError(path, f"{size} bytes, the manifest recorded {record['size']}")
+  manifest = verify_sizes(directory)
   for rel in manifest["files"]:
     verify_file(directory, rel, manifest)
   return manifest
+
+
+class LazyVerifier:
+  """Checks a committed folder's files chunk by chunk, each chunk when it is first read.
+
+  For stores too large to hash before every run: `verify_sizes` at open (a cut or missing file
+  is found at once), then `check(rel, start, stop)` before bytes [start, stop) of a file are
+  used hashes the 16 MiB chunks they fall in that were not checked yet (each chunk once per
+  verifier). A file recorded without chunk digests (at most one chunk, or a manifest written
+  before they were recorded) is checked whole at its first use. Thread-safe.
+
+  Args:
+    directory: the committed folder (its manifest is read and the sizes checked here).
+
+  Raises:
+    IntegrityError: (constructor) no or unreadable manifest, a cut or missing file.
+  """
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    self.manifest = verify_sizes(directory)
+    self._checked: dict[str, set[int]] = {}
+    self._lock = threading.Lock()
+
+  def check(self, rel: str, start: int = 0, stop: int | None = None) -> None:
+    """Verifies the chunks of file `rel` holding bytes [start, stop) (stop None: to its end).
+
+    Raises:
+      IntegrityError: a chunk (or the file, without chunk digests) differs from its digest;
+        the file is not in the manifest.
+    """
+    record = self.manifest["files"].get(rel)
+    path = os.path.join(self.directory, rel)
+    if record is None:
+      raise IntegrityError(path, f"not listed in {MANIFEST_NAME}")
+    stop = record["size"] if stop is None else min(int(stop), record["size"])
+    chunks = record.get("chunks")
+    if not chunks:
+      wanted = {0}
+    else:
+      wanted = set(range(int(start) // _CHUNK_BYTES, max(int(start), stop - 1) // _CHUNK_BYTES + 1))
+    with self._lock:
+      todo = sorted(wanted - self._checked.setdefault(rel, set()))
+    for i in todo:
+      if not chunks:
+        verify_file(self.directory, rel, self.manifest)
+      else:
+        with open(path, "rb") as f:
+          f.seek(i * _CHUNK_BYTES)
+          data = f.read(_CHUNK_BYTES)
+        if hashlib.sha256(data).hexdigest() != chunks[i]:
+          raise IntegrityError(
+            path,
+            f"bytes {i * _CHUNK_BYTES}-{i * _CHUNK_BYTES + len(data)} (chunk {i}): SHA-256 "
+            "differs from the manifest (changed on disk)",
+          )
+      with self._lock:
+        self._checked[rel].add(i)
 
 
 def set_aside(path: str, reason: str) -> str:

@@ -9,7 +9,8 @@ coordinator from `--coordinator_address` / `JAX_COORDINATOR_ADDRESS`, else JAX's
 Any config field can be overridden: `--config.replay.dedup=epoch`.
 
 Errors of the user's input (a bad config value, missing or malformed data, a checkpoint of
-another model, a workdir of another run or in use by another process) print one message
+another model, a workdir of another run or in use by another process, a stored file that
+fails its integrity check, a full disk) print one message
 naming the culprit, without a traceback (`--verbose` or `--verbosity=1` adds it), and exit
 with status 2; a diverged training (non-finite loss) exits with status 1. SIGTERM (SLURM,
 TPU maintenance) saves a step checkpoint at the next step boundary and exits with status 75
@@ -18,6 +19,7 @@ TPU maintenance) saves a step checkpoint at the next step boundary and exits wit
 
 from __future__ import annotations
 
+import ast
 import logging as py_logging
 import os
 import sys
@@ -34,7 +36,9 @@ from owl_cl import preemption
 from owl_cl.config_fields import ConfigError
 from owl_cl.data.coco import DataError
 from owl_cl.eval.results import ResultsConflictError
+from owl_cl.integrity import IntegrityError
 from owl_cl.model.convert import CheckpointMismatchError
+from owl_cl.train.checkpointing import DiskFullError
 from owl_cl.utils import WorkdirLockedError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -152,6 +156,8 @@ def known_errors() -> tuple[type[BaseException], ...]:
     ResultsConflictError,
     WorkdirLockedError,
     TrainingDivergedError,
+    IntegrityError,
+    DiskFullError,
   )
 
 
@@ -171,19 +177,82 @@ def fail(error: BaseException, verbose: bool = False) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a config typo reported as one line (exit status 2).
+  """absl's flag parsing, with a bad command line reported as one line (exit status 2).
 
   ml_collections raises AttributeError / KeyError (with a "did you mean" hint) for an
-  override of a field the config lacks; absl would print its traceback.
+  override of a field the config lacks, absl a `flags.Error` for a value of the wrong type
+  (`--config.data.num_queries=abc`); absl would print a traceback or exit with status 1.
+  A tuple field given several times with a tuple among the values is refused
+  (`repeated_tuple_problem`).
   """
   try:
-    return app.parse_flags_with_usage(argv)
+    rest = flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
     # The message arrives as the repr of a KeyError's: undo its quoting and line breaks.
     hint = str(e.args[0] if e.args else e).strip("'\"")
     hint = hint.replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
     print(f"error: unknown config field in the command line: {hint}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
+  except flags.Error as e:
+    message = str(e).replace("\n", " ")
+    print(f"error: bad command line: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+  # ml_collections defines a tuple field's flag as a MultiFlag (config_flags).
+  tuple_flags = {
+    name
+    for name in flags.FLAGS
+    if name.startswith("config.") and isinstance(flags.FLAGS[name], flags.MultiFlag)
+  }
+  problem = repeated_tuple_problem(argv, tuple_flags)
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+  return rest
+
+
+def flag_values(argv: list[str], name: str) -> list[str]:
+  """The values `--name=value` / `--name value` of flag `name` in `argv`, in order."""
+  values = []
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      values.append(arg[len(name) + 3 :])
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      values.append(argv[i + 1])
+  return values
+
+
+def repeated_tuple_problem(argv: list[str], tuple_flags: set[str]) -> str:
+  """'' unless a tuple field of the config is given more than once with a tuple among its
+  values (e.g. `--config.data.builtin.downstream=thermal --config.data.builtin.downstream=()`).
+
+  ml_collections joins the values of a tuple field's repeated flags into one tuple (`--f=a
+  --f=b` is ('a', 'b')), so a later override does not replace an earlier one: there the
+  empty tuple adds nothing and ('thermal',) would run. Refused, naming the flag and its
+  values, rather than guessing which one was meant.
+
+  Args:
+    argv: the command line. tuple_flags: names of the config's tuple-field flags
+      ('config.data.builtin.downstream').
+  """
+  for name in sorted(tuple_flags):
+    values = flag_values(argv, name)
+    if len(values) < 2 or not any(_is_tuple_literal(v) for v in values):
+      continue
+    return (
+      f"--{name} is given {len(values)} times ({', '.join(repr(v) for v in values)}): the "
+      "values of a tuple field's repeated flags are joined into one tuple, so a later one "
+      f"does not replace an earlier one; give the whole tuple once, e.g. "
+      f'--{name}=\'("a", "b")\''
+    )
+  return ""
+
+
+def _is_tuple_literal(value: str) -> bool:
+  """Whether `value` reads as a Python tuple or list ('()', '("a", "b")', '[1]')."""
+  try:
+    return isinstance(ast.literal_eval(value), (tuple, list))
+  except (ValueError, SyntaxError):
+    return False
 
 
 if __name__ == "__main__":

@@ -3,6 +3,12 @@
 `pretrained_params` loads the configured checkpoint (owl_cl parameters, an HF folder or a
 scenic msgpack), or the cached pre-trained model of the built-in benchmark, or pre-trains it
 (`trainer.pretrain`) and caches it under `cache_dir/pretrained/<digest of its settings>`.
+
+The cache entry is committed with a manifest of its files' SHA-256 (`integrity`), verified
+before every load: a changed, cut or missing file sets the entry aside
+(`<key>.corrupt-<time>`, never deleted) and the model is pre-trained again, with a warning
+naming the file. Runs sharing the cache take the entry's lock (`<key>.lock`): one pre-trains,
+the others wait and load its model (docs/stored_state.md).
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ import jax
 import ml_collections
 
 from owl_cl import distributed
+from owl_cl import integrity
 from owl_cl import model as model_lib
 from owl_cl import trainer
+from owl_cl import utils
 from owl_cl.benchmark import Benchmark
 from owl_cl.cache_keys import cache_key_fields
 from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import seed_of
 from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
 from owl_cl.model import convert
@@ -229,7 +238,7 @@ def pretrained_params(
     owl_cl.preemption.Preempted: SIGTERM during pre-training (after its step checkpoint).
   """
   config = detector.config
-  like = jax.eval_shape(lambda: detector.init_params(config.seed))
+  like = jax.eval_shape(lambda: detector.init_params(seed_of(config, "model")))
   if config.init_checkpoint:
     return load_init_checkpoint(
       expand_path(config.init_checkpoint), like, needs=model_description(config)
@@ -247,7 +256,7 @@ def pretrained_params(
       },
       **non_default_data_options(config),
       "loss": cache_key_fields(config, "loss"),
-      "seed": config.seed,
+      "seed": seed_of(config, "model"),
       "pretrain_data": file_digest(bench.pretrain.train.annotation_file),
       "train_opt": [
         config.train.b1,
@@ -258,22 +267,145 @@ def pretrained_params(
     }
   )
   path = os.path.join(expand_path(config.cache_dir), "pretrained", key)
-  if os.path.isdir(path):
-    logging.info("re-using the cached pre-trained model %s", path)
-    return checkpointing.load_params(path, like)
-  logging.info("no cached pre-trained model: pre-training (cache %s)", path)
-  start = time.time()
-  # Looked up on the module at call time, so a test can replace it.
-  params, curve = trainer.pretrain(detector, bench, writer, step_checkpoints)
-  meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
-  # The model it holds, named when it is given as another config's init_checkpoint.
-  meta["model"] = cache_key_fields(config, "model")
-  meta["validation"] = detector.evaluate(params, bench.pretrain.test, "pre-training val")
-  # One writer: the temporary folder and the rename are not safe to run on several hosts
-  # sharing the cache; the others wait until the model is on disk.
-  if distributed.is_writer():
-    checkpointing.save_params(path, params, meta)
-  distributed.barrier("pretrained-saved", timeout_s=600.0)
+  # One run pre-trains while the others sharing the cache wait for its model (the lock), and
+  # whoever gets the lock looks again: the model may have been cached meanwhile.
+  with distributed.cache_entry_lock(path, "pre-trained model"):
+    # The writer checks the files; every process then loads them together (orbax's restore
+    # synchronises the processes of a multi-process run).
+    usable = check_cached_model(path) if distributed.is_writer() else False
+    loaded = load_cached_model(path, like) if distributed.writer_value(usable) else None
+    if loaded is not None:
+      logging.info("re-using the cached pre-trained model %s", path)
+      return loaded
+    logging.info("no cached pre-trained model: pre-training (cache %s)", path)
+    start = time.time()
+    # Looked up on the module at call time, so a test can replace it.
+    params, curve = trainer.pretrain(detector, bench, writer, step_checkpoints)
+    meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
+    # The model it holds, named when it is given as another config's init_checkpoint.
+    meta["model"] = cache_key_fields(config, "model")
+    meta["validation"] = detector.evaluate(params, bench.pretrain.test, "pre-training val")
+    # One writer: the temporary folder and the rename are not safe to run on several hosts
+    # sharing the cache; the others wait until the model is on disk.
+    if distributed.is_writer():
+      save_cached_model(path, params, meta)
+    distributed.barrier("pretrained-saved", timeout_s=600.0)
   if step_checkpoints is not None:
     step_checkpoints.discard(0)
   return params, meta
+
+
+# meta.json of a cache entry written with a manifest says so: an entry of this version whose
+# manifest is gone is damaged, not one of an earlier version.
+CHECKSUMS_FIELD = "checksums"
+
+
+def save_cached_model(path: str, params, meta: dict) -> None:
+  """Writes the pre-trained model's cache entry `path` atomically, its manifest last.
+
+  The parameters and `meta.json` (`checkpointing.save_params`, with `CHECKSUMS_FIELD` added)
+  and then the manifest of their digests (`integrity.write_manifest`) are written in a
+  temporary sibling folder that is renamed to `path` once complete: a folder at `path` always
+  has its manifest.
+
+  Raises:
+    OSError: a write failed (nothing is left at `path`).
+  """
+  # 'keep': the caller holds the entry's lock and found no entry; should another writer have
+  # committed one all the same (a file system whose locks do not hold across hosts), it holds
+  # the same model and stays.
+  with utils.atomic_directory(path, if_exists="keep") as tmp:
+    checkpointing.save_params(tmp, params, dict(meta, **{CHECKSUMS_FIELD: True}), overwrite=True)
+    integrity.write_manifest(tmp)
+
+
+def check_cached_model(path: str) -> bool:
+  """Whether the cached pre-trained model at `path` may be loaded: it passes its check.
+
+  Every file is checked against the entry's manifest (streamed SHA-256, `integrity`), no
+  array read. A damaged entry (a file changed, cut or missing, the manifest missing or
+  unreadable) is set aside (`integrity.set_aside`: renamed `<path>.corrupt-<time>`, a
+  warning naming the file) and False returned, so the caller pre-trains again. An entry
+  cached before manifests were written (its meta.json without `CHECKSUMS_FIELD`) passes
+  unverified with a warning (`load_cached_model` then sets it aside if it does not load).
+
+  Args:
+    path: the entry (`cache_dir/pretrained/<key>`).
+
+  Returns:
+    True when the entry is there and intact (or of an earlier version); False when there is
+    none or it was set aside.
+
+  Raises:
+    OSError: the entry cannot be renamed aside (e.g. a read-only cache).
+  """
+  if not os.path.exists(path):
+    return False
+  try:
+    _check_cached_model(path)
+  except integrity.IntegrityError as e:
+    integrity.set_aside(path, str(e))
+    logging.warning("the cached pre-trained model was damaged (%s); pre-training it again", e)
+    return False
+  return True
+
+
+def load_cached_model(path: str, like) -> tuple[Any, dict] | None:
+  """The cached pre-trained model at `path`, once `check_cached_model` passed it.
+
+  Called by every process of a run together. An entry of an earlier version (no manifest)
+  that does not load is set aside with a warning and None returned (single-process runs;
+  in a multi-process run the error is raised: the processes could not agree on a rebuild).
+
+  Args:
+    path: the entry. like: the parameters' ShapeDtypeStruct tree.
+
+  Returns:
+    (params, meta) as `checkpointing.load_params`, meta without `CHECKSUMS_FIELD`; None when
+    the entry was set aside.
+
+  Raises:
+    Whatever orbax raises for an entry that passed its manifest check yet does not load (not
+    damage: a real error), or for any entry in a multi-process run.
+  """
+  try:
+    params, meta = checkpointing.load_params(path, like)
+  except Exception as e:  # pylint: disable=broad-except
+    # orbax raises a variety of errors for damaged files of an unverified entry.
+    if integrity.has_manifest(path) or jax.process_count() > 1:
+      raise
+    integrity.set_aside(path, f"does not load ({type(e).__name__}: {e})")
+    logging.warning("the cached pre-trained model does not load (%s); pre-training it again", e)
+    return None
+  meta.pop(CHECKSUMS_FIELD, None)
+  return params, meta
+
+
+def _check_cached_model(path: str) -> bool:
+  """Verifies the entry at `path`; True when checked against a manifest, False for an entry
+  of an earlier version (unverified, logged).
+
+  Raises:
+    IntegrityError: a file differs from the manifest, or the manifest or meta.json is missing.
+  """
+  if integrity.has_manifest(path):
+    integrity.verify_directory(path)
+    return True
+  meta_path = os.path.join(path, "meta.json")
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+  except FileNotFoundError:
+    raise integrity.IntegrityError(meta_path, "missing") from None
+  except (OSError, ValueError) as e:
+    raise integrity.IntegrityError(meta_path, f"unreadable ({e})") from None
+  if not isinstance(meta, dict) or meta.get(CHECKSUMS_FIELD):
+    raise integrity.IntegrityError(
+      os.path.join(path, integrity.MANIFEST_NAME), "missing (meta.json says it was written)"
+    )
+  logging.warning(
+    "the cached pre-trained model %s predates checksums: loaded unverified (delete it to "
+    "pre-train it again with checksums)",
+    path,
+  )
+  return False

@@ -32,6 +32,7 @@ from owl_cl.benchmark import Benchmark
 from owl_cl.benchmark import Dataset
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import check_per_dataset_fields
+from owl_cl.config_fields import seed_of
 from owl_cl.detector import Detector
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import optim
@@ -199,13 +200,16 @@ def checkpoint_hook(checkpoints, phase: int, total_steps: int, replay, desc: str
   (and SIGTERM is not handled here).
 
   The time and SIGTERM decisions are agreed by all processes (`preemption.any_process`), so
-  every process saves (a collective write) and stops at the same step.
+  every process saves (a collective write) and stops at the same step. A finished write is
+  committed (`StepCheckpointer.poll`) at the next step.
   """
   if checkpoints is None:
     return lambda loop: None
   checkpoints.start_phase()
 
   def hook(loop: LoopState) -> None:
+    # The previous write, once orbax has finished it, is committed (its manifest) at once.
+    checkpoints.poll()
     time_due, stop = preemption.any_process(checkpoints.time_due(), preemption.requested_here())
     if stop or time_due or checkpoints.step_due(loop.step, total_steps):
       items, meta = loop_checkpoint(loop, replay)
@@ -440,7 +444,7 @@ def pretrain(
   sharding_lib.check_batch_divisible(
     settings.batch_size, detector.mesh, "config.pretrain.batch_size"
   )
-  params = detector.init_params(config.seed)
+  params = detector.init_params(seed_of(config, "model"))
   optimizer = {
     name: settings[name]
     for name in (
@@ -464,7 +468,7 @@ def pretrain(
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
     replay_state=None,
-    key=jax.random.PRNGKey(config.seed + 1),
+    key=jax.random.PRNGKey(seed_of(config, "model") + 1),
     history={"curve": []},
   )
   loop = restore_loop(step_checkpoints, 0, loop, no_replay)
@@ -502,7 +506,7 @@ def pretrain(
       replay=no_replay,
       source=bench.pretrain.train,
       batch_size=settings.batch_size,
-      data_seed=config.seed,
+      data_seed=seed_of(config, "model"),
       total_steps=settings.num_steps,
       num_epochs=None,
       desc="pre-training",
@@ -656,7 +660,7 @@ def train_on_dataset(
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
     replay_state=replay_state,
-    key=jax.random.PRNGKey(config.seed * 1000 + index),
+    key=jax.random.PRNGKey(seed_of(config, "data") * 1000 + index),
   )
   loop = replay.prepare(loop)
   carry_best = config.train.get("carry", "last") == "best_validation"
@@ -702,7 +706,7 @@ def train_on_dataset(
       replay=replay,
       source=dataset.train,
       batch_size=batch_size,
-      data_seed=config.seed + index,
+      data_seed=seed_of(config, "data") + index,
       total_steps=total,
       num_epochs=settings["num_epochs"],
       desc=f"dataset {index}: {dataset.name}",

@@ -9,6 +9,7 @@
 - `shuffled`: the seeded permutation that orders the downstream sequence (`sequence_seed`).
 - `expand_path`: `~` and relative paths of the config made absolute.
 - `workdir_lock`: one run per workdir (refuses a second one with the holder's pid and host).
+- `cache_entry_lock`: one builder per cache entry (the others wait for it, then reuse it).
 - `remove_stale_temporaries`: clears the `.tmp*` leftovers of killed cache writes.
 """
 
@@ -290,14 +291,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
         previous.get("host", "?"),
         previous.get("started", "?"),
       )
-    record = {
-      "pid": os.getpid(),
-      "host": socket.gethostname(),
-      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
-    os.fsync(fd)
+    _write_lock_record(fd)
     try:
       yield
     finally:
@@ -339,6 +333,18 @@ def _take_lock(fd: int, workdir: str) -> None:
     ) from None
 
 
+def _write_lock_record(fd: int) -> None:
+  """Replaces the record in the held lock file `fd` by this process's (pid, host, start)."""
+  record = {
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+  }
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, json.dumps(record).encode(), 0)
+  os.fsync(fd)
+
+
 def _read_lock_record(fd: int) -> dict:
   """The holder record in an open lock file ({} when empty or unreadable)."""
   with contextlib.suppress(OSError, ValueError):
@@ -346,6 +352,98 @@ def _read_lock_record(fd: int) -> dict:
     if isinstance(data, dict):
       return data
   return {}
+
+
+# ----------------------------------------------------------------------------- cache entry locks
+
+# The lock file of cache entry `<path>` is `<path>.lock` (never deleted, as the workdir's).
+ENTRY_LOCK_SUFFIX = ".lock"
+# Seconds between two tries of a held entry lock, and between two "still waiting" log lines.
+ENTRY_LOCK_POLL_SECONDS = 0.5
+ENTRY_LOCK_PROGRESS_SECONDS = 30.0
+
+
+@contextlib.contextmanager
+def cache_entry_lock(
+  path: str,
+  what: str = "cache entry",
+  *,
+  poll_s: float = ENTRY_LOCK_POLL_SECONDS,
+  progress_s: float = ENTRY_LOCK_PROGRESS_SECONDS,
+) -> Iterator[None]:
+  """Holds the exclusive lock of the cache entry `path` (`<path>.lock`), waiting for a holder.
+
+  Runs sharing a `cache_dir` (a local sweep, one workdir each) need the same entries (the
+  pre-trained model, the replay store, ...): the first to take an entry's lock builds it while
+  the others wait here, then find it complete and reuse it. The caller checks for the entry
+  again once it holds the lock (another run may have built it meanwhile) before building.
+
+  Design as `workdir_lock`: an `fcntl.flock` on the lock file, whose content is the holder's
+  record (pid, host, start time) for the log lines. The kernel drops the lock when its holder
+  dies however it dies, so a killed builder's lock is free at once; a record left in a free
+  lock is taken over with a warning. The wait polls a non-blocking flock every `poll_s`
+  seconds (a blocking flock could not log progress), logging the holder when it starts and
+  every `progress_s` seconds. On NFS, Linux maps flock to the server's byte-range locks
+  (NFSv4, or NFSv3 with lockd), which hold across hosts; NFSv3 mounted with `nolock` and some
+  FUSE file systems grant every flock locally: there concurrent runs are not kept apart
+  (docs/stored_state.md). flock locks an open file, not a process: two threads of one
+  process that each call this are kept apart as well, but one thread that calls it again
+  for the same entry while holding it waits for itself.
+
+  Args:
+    path: the cache entry (file or folder; it need not exist). Its parent is created.
+    what: the entry's kind for the log lines, e.g. 'pre-trained model'.
+    poll_s: seconds between two tries while another process holds the lock.
+    progress_s: seconds between two "still waiting" log lines.
+
+  Raises:
+    OSError: the lock file cannot be created or locked (e.g. a read-only cache folder).
+  """
+  path = os.path.abspath(path)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd = os.open(path + ENTRY_LOCK_SUFFIX, os.O_RDWR | os.O_CREAT, 0o666)
+  try:
+    start = time.monotonic()
+    next_log = start
+    while True:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+          raise
+      now = time.monotonic()
+      if now >= next_log:
+        holder = _read_lock_record(fd)
+        logging.info(
+          "%s %s is being built by pid %s on host %s (since %s); waiting for it (%.0f s so far)",
+          what,
+          path,
+          holder.get("pid", "?"),
+          holder.get("host", "?"),
+          holder.get("started", "?"),
+          now - start,
+        )
+        next_log = now + progress_s
+      time.sleep(poll_s)
+    previous = _read_lock_record(fd)
+    if previous:
+      logging.warning(
+        "%s %s: taking over the lock of pid %s on host %s (started %s), which ended without "
+        "releasing it (killed?)",
+        what,
+        path,
+        previous.get("pid", "?"),
+        previous.get("host", "?"),
+        previous.get("started", "?"),
+      )
+    _write_lock_record(fd)
+    try:
+      yield
+    finally:
+      os.ftruncate(fd, 0)
+  finally:
+    os.close(fd)
 
 
 # ----------------------------------------------------------------------------- temporaries

@@ -11,6 +11,8 @@ sequence. Each raises `ConfigError` naming the field and its value.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+import importlib.util
 import json
 import os
 from typing import Any
@@ -22,74 +24,105 @@ from owl_cl import model as model_lib
 from owl_cl import pretrained
 from owl_cl.benchmark import Benchmark
 from owl_cl.config_fields import BETA
+from owl_cl.config_fields import CARRY_MODES
+from owl_cl.config_fields import DOWNSTREAM_EVAL_MODES
 from owl_cl.config_fields import FINITE
 from owl_cl.config_fields import FRACTION
+from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
 from owl_cl.config_fields import Rule
+from owl_cl.config_fields import boolean
 from owl_cl.config_fields import check_carry_mode
 from owl_cl.config_fields import check_downstream_eval_mode
 from owl_cl.config_fields import check_per_dataset_fields
+from owl_cl.config_fields import choice
 from owl_cl.config_fields import clip_vocabulary_problem
+from owl_cl.config_fields import declared
 from owl_cl.config_fields import integer
-from owl_cl.config_fields import loss_adaptivity_mode
+from owl_cl.config_fields import integers
+from owl_cl.config_fields import interval
+from owl_cl.config_fields import mapping
+from owl_cl.config_fields import names
+from owl_cl.config_fields import probabilities
 from owl_cl.config_fields import real
+from owl_cl.config_fields import text
 from owl_cl.config_fields import uses_real_data
+from owl_cl.data import builtin
+from owl_cl.data import coco
 from owl_cl.data import entries
 from owl_cl.data import odinw
+from owl_cl.data import orders
+from owl_cl.data import prompts
 from owl_cl.data import real_inputs
 from owl_cl.data import scan
 from owl_cl.data import suites
 from owl_cl.data.coco import DataError
 from owl_cl.detector import model_fields
+from owl_cl.model import clip as clip_lib
 from owl_cl.model import convert
 from owl_cl.replay import buffer_selection
+from owl_cl.replay import build as buffer_build
+from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
 from owl_cl.replay.retrieval import asv as retrieval_asv
+from owl_cl.replay.retrieval import class_selection
+from owl_cl.replay.retrieval import compose as retrieval_compose
+from owl_cl.replay.retrieval import dedup
 from owl_cl.replay.retrieval import knn_shapley
+from owl_cl.replay.retrieval import registry as retrieval_registry
+from owl_cl.replay.retrieval import sample_selection
 from owl_cl.replay.retrieval import steps as retrieval_steps
 from owl_cl.train import losses
+from owl_cl.train import optim
+from owl_cl.train import step as step_lib
 from owl_cl.utils import expand_path
 
 
 def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
   """The checks that need only the config; `experiment.run` calls it before any work.
 
-  The range checks (`range_problems`), the workdir check (`workdir_problem`) and the mode
-  checks are collected into one error, so a user fixes every field in one go.
+  Every field's type and range or options (`range_problems`, `FIELD_RULES`) and the workdir
+  (`workdir_problem`) are checked first, then, with every field of the right type, the rules
+  across fields (`model_problems`, `augment_problems`), the init checkpoint and the CLIP
+  vocabulary: all collected into one error, so a user fixes every field in one go. Nothing is
+  written and nothing is compiled.
 
   Args:
     config: the run's config.
     workdir: the run's output folder (absolute), checked writable; None skips that check.
 
   Raises:
-    ConfigError: one message listing every out-of-range field with its value, an unwritable
-      workdir, a workdir holding another run's results (`foreign_results_problem`), an
-      unknown loss-adaptivity mode, `eval.downstream_after_each_dataset` or `train.carry`, a
-      CLIP tokenizer without its vocabulary, an `init_checkpoint` folder that holds no
-      checkpoint or a checkpoint of another model (`init_checkpoint_model_problem`).
+    ConfigError: one message listing every field of the wrong type, out of range or with an
+      unknown option with its value, an impossible model (`model_problems`) or augmentation
+      (`augment_problems`), an unwritable workdir, a workdir holding another run's results
+      (`foreign_results_problem`), a CLIP tokenizer without its vocabulary or with an
+      incomplete one (`clip_vocabulary_files_problem`), an `init_checkpoint` that is no
+      checkpoint, a checkpoint of another model (`init_checkpoint_model_problem`) or one
+      whose format needs a missing optional extra (`missing_extra_problem`).
     MissingInputsError: the paper's protocol with missing inputs
       (`data.real_inputs.check_inputs`), checked once the fields are valid; then every
       problem of the declared datasets (`check_datasets`).
   """
   problems = range_problems(config)
+  fields_valid = not problems
   if workdir is not None:
     problems += [p for p in [workdir_problem(workdir)] if p]
-  for check in (loss_adaptivity_mode, check_downstream_eval_mode, check_carry_mode):
-    try:
-      check(config)
-    except ConfigError as e:
-      problems.append(str(e))
-  problems += [p for p in [init_checkpoint_problem(config)] if p]
-  problems += option_problems(config)
-  # With real data, `real_inputs.check_inputs` lists it with the files.
-  if not uses_real_data(config):
-    problems += [p for p in [clip_vocabulary_problem(config)] if p]
+  if fields_valid:  # The checks across fields read fields of the right type.
+    problems += model_problems(config)
+    problems += augment_problems(config)
+    problems += [p for p in [init_checkpoint_problem(config)] if p]
+    # With real data, `real_inputs.check_inputs` lists it with the files.
+    if not uses_real_data(config):
+      problems += [p for p in [clip_vocabulary_problem(config)] if p]
+    problems += [p for p in [clip_vocabulary_files_problem(config)] if p]
+  if len(problems) == 1:
+    raise ConfigError(f"invalid config: {problems[0]}")
   if problems:
     raise ConfigError(
-      f"invalid config ({len(problems)} problem{'s' * (len(problems) > 1)}):\n"
-      + "\n".join(f"  - {p}" for p in problems)
+      f"invalid config ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems)
     )
   real_inputs.check_inputs(config)
   check_datasets(config)
@@ -107,23 +140,68 @@ TRAIN_FIELD_RULES: dict[str, Rule] = {
   "layerwise_decay": FRACTION,
 }
 
-# Every numeric field of configs/base.py and its range. Fields a config lacks are skipped
-# (the Visual Genome settings exist in the 'paper' config only).
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+# Every field of configs/base.py ('' and 'paper') and what it must be: its type and its range
+# or options (`tests/test_bad_inputs.py` walks every leaf of both configs and fails for a field
+# without a rule). A dict-valued field (`model.overrides`, `train.per_dataset`, a declared
+# dataset entry) is one leaf; its contents are checked by `model_problems`, `range_problems`
+# and `check_datasets`. Fields a config lacks are skipped (e.g. the 'paper' config's
+# `data.odinw_datasets` and Visual Genome settings).
 FIELD_RULES: dict[str, Rule] = {
+  "experiment_name": text(),
+  "seed": integer(0),
   "sequence_seed": integer(0, optional=True),
+  "task_order": orders.task_order_problem,
+  **{f"seeds.{part}": integer(0, optional=True) for part in SEED_PARTS},
+  "cache_dir": text(),
+  "compilation_cache_dir": text(optional=True, empty=True),  # '' disables the cache
+  "init_checkpoint": text(optional=True),
+  # --- model
+  "model.variant": choice(sorted(model_lib.VARIANTS)),
+  "model.tokenizer": choice(model_lib.known_tokenizers),
+  "model.tokenizer_vocab_path": text(optional=True),
+  "model.overrides": mapping,
+  "model.dtype": choice(_DTYPES, optional=True),
+  "model.attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
+  "model.remat": choice(clip_lib.REMAT_POLICIES),
+  # --- data
+  "data.root": text(optional=True),
+  "data.sequence": declared(list),
+  "data.pretrain": declared(dict),
+  "data.held_out": declared(dict),
+  "data.odinw_datasets": names(what="ODinW dataset"),
+  "data.subset_seed": integer(0),
   "data.num_queries": integer(1),
   "data.num_negatives": integer(0),
   "data.max_instances": integer(1),
   "data.num_workers": integer(0),
   "data.prefetch_batches": integer(0),
-  "data.eval_batch_size": integer(1),
+  "data.validate_images": boolean,
+  "data.exif_orientation": choice(coco.EXIF_ORIENTATIONS),
+  "data.squash_resize": boolean,
   "data.merge_iou": real(0.0, 1.0, low_open=True, optional=True),
-  "data.augment.crop_min_area_fraction": real(0.0, 1.0),
+  "data.negatives_by_frequency": boolean,
+  "data.host_sharding": boolean,
+  "data.eval_batch_size": integer(1),
+  "data.train_prompt_templates": choice(sorted(prompts.TRAIN_TEMPLATE_SETS)),
+  "data.builtin.seed": integer(0),
   "data.builtin.num_pretrain_train": integer(1),
   "data.builtin.num_pretrain_val": integer(1),
   "data.builtin.num_held_out_val": integer(1),
   "data.builtin.num_downstream_train": integer(1),
   "data.builtin.num_downstream_test": integer(1),
+  "data.builtin.downstream": names(lambda: builtin.DOWNSTREAM_NAMES, what="built-in dataset"),
+  # --- augmentation
+  "data.augment.hflip": boolean,
+  "data.augment.random_crop": boolean,
+  "data.augment.crop_area_range": interval(0.0, 1.0),
+  "data.augment.crop_aspect_ratio_range": interval(0.0),
+  "data.augment.crop_min_area_fraction": real(0.0, 1.0),
+  "data.augment.mosaic_sizes": integers(1, optional=True),
+  "data.augment.mosaic_probs": probabilities,
+  # --- pre-training, continual fine-tuning, loss
   "pretrain.batch_size": integer(1),
   "pretrain.num_steps": integer(1),
   "pretrain.learning_rate": POSITIVE,
@@ -135,6 +213,9 @@ FIELD_RULES: dict[str, Rule] = {
   "pretrain.eval_every_steps": integer(0, optional=True),
   "train.batch_size": integer(1),
   **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
+  "train.layerwise_granularity": choice(optim.GRANULARITIES),
+  "train.per_dataset": mapping,
+  "train.carry": choice(CARRY_MODES),
   "train.b1": BETA,
   "train.b2": BETA,
   "train.eps": POSITIVE,
@@ -147,28 +228,66 @@ FIELD_RULES: dict[str, Rule] = {
   "loss.class_weight": NON_NEGATIVE,
   "loss.bbox_weight": NON_NEGATIVE,
   "loss.giou_weight": NON_NEGATIVE,
+  "loss.normalization": choice(losses.NORMALIZATIONS),
+  "loss.matcher": choice(losses.MATCHERS),
+  # --- replay (retrieval)
+  "replay.algorithm": choice(sorted(retrieval_registry.ALGORITHMS) + ["none"]),
   "replay.ratio": POSITIVE,
+  "replay.dedup": choice(dedup.SCHEDULE_NAMES),
   "replay.dedup_fraction": FRACTION,
+  "replay.dedup_without_replacement": boolean,
+  "replay.dedup_fraction_reset": choice(dedup.FRACTION_RESETS),
   "replay.der_alpha": NON_NEGATIVE,
   "replay.der_beta": NON_NEGATIVE,
   "replay.swil_weight": FINITE,
+  "replay.swil_reduction": choice(class_selection.SWIL_REDUCTIONS),
   "replay.grasp_weight": FINITE,
+  "replay.balanced_order": choice(retrieval_steps.BALANCED_ORDERS),
   "replay.adaptive_entropy_threshold": FINITE,
+  "replay.adaptive_entropy_classes": choice(retrieval_adaptive.ADAPTIVE_ENTROPY_CLASSES),
+  "replay.exhausted_class": choice(retrieval_compose.EXHAUSTED_CLASS),
+  "replay.within_class_weighting": choice(retrieval_steps.WITHIN_CLASS_WEIGHTINGS),
   "replay.aser.num_candidates": integer(1, optional=True),
   "replay.aser.knn_k": integer(1),
   "replay.aser.asv_c": FINITE,
+  "replay.aser.asv_token_matching": choice(knn_shapley.TOKEN_MATCHING),
+  "replay.aser.asv_distance": choice(knn_shapley.DISTANCES),
+  "replay.aser.asv_weight_reduction": choice(sample_selection.WEIGHT_REDUCTIONS),
   "replay.aser.asv_chunk_size": integer(1),
+  "replay.aser.asv_left_term": choice((True, False)),
+  "replay.aser.asv_shapley": choice(knn_shapley.SHAPLEY),
   "replay.aser.asv_distance_threshold": real(0.0, low_open=True, optional=True),
   "replay.aser.tknn_num_classes": POSITIVE,
+  "replay.aser.candidate_subsets": choice(retrieval_asv.CANDIDATE_SUBSETS),
+  "replay.aser.asv_features": choice(retrieval_asv.ASV_FEATURES),
+  "replay.records": boolean,
+  "replay.lookahead": boolean,
+  "replay.stale_retrieval": boolean,
   "replay.top_k": integer(1),
+  "replay.image_cache": text(optional=True),
+  "replay.store_verification": choice(buffer_build.STORE_VERIFICATIONS),
+  "replay.loss_adaptivity.mode": choice(LOSS_ADAPTIVITY_MODES),
   "replay.loss_adaptivity.threshold": FINITE,
+  "replay.loss_adaptivity.gate_per_device": boolean,
+  "replay.loss_adaptivity.gate_feature_based_only": boolean,
   "replay.selection.loss_threshold": FINITE,
   "replay.selection.min_per_class": integer(0),
+  "replay.selection.fill_all_for_rare_classes": boolean,
   "replay.selection.max_instances_per_prototype": integer(1),
+  "replay.selection.distance_max_instances": integer(1, optional=True),
+  "replay.selection.drop_images_without_class": boolean,
+  "replay.selection.top_up_order": choice(buffer_selection.TOP_UP_ORDERS),
+  "replay.selection.prototype_images": choice(buffer_selection.PROTOTYPE_IMAGES),
   "replay.selection.visual_genome_loss_threshold": FINITE,
   "replay.selection.visual_genome_min_per_class": integer(0),
+  # --- evaluation, checkpoints, budgets
   "eval.top_k": integer(1),
   "eval.max_dets": integer(1),
+  "eval.multi_label": boolean,
+  "eval.downstream_after_each_dataset": choice(DOWNSTREAM_EVAL_MODES),
+  "eval.pretraining_sets_after_each_dataset": boolean,
+  "eval.prompt_templates": choice(sorted(prompts.EVAL_TEMPLATE_SETS)),
+  "eval.ensemble": choice(step_lib.ENSEMBLE_MODES),
   "eval.lvis_top_k": integer(1),
   "eval.lvis_max_dets": integer(1),
   "checkpoint.max_to_keep": integer(1, optional=True),
@@ -176,6 +295,39 @@ FIELD_RULES: dict[str, Rule] = {
   "checkpoint.every_minutes": real(0.0, low_open=True, optional=True),
   "max_train_steps_per_dataset": integer(1, optional=True),
   "max_eval_images": integer(1, optional=True),
+}
+
+# Every field of the model (`ModelConfig`, `config.model.overrides.<field>`) and what it must
+# be; the cross-field rules (image size a multiple of the patch size, widths of the heads) are
+# in `model_problems`.
+MODEL_OVERRIDE_RULES: dict[str, Rule] = {
+  "tokenizer": choice(model_lib.known_tokenizers),
+  **{
+    name: integer(1)
+    for name in (
+      "vocab_size",
+      "context_length",
+      "embed_dim",
+      "image_size",
+      "patch_size",
+      "vision_width",
+      "vision_layers",
+      "vision_heads",
+      "vision_mlp_dim",
+      "text_width",
+      "text_layers",
+      "text_heads",
+      "text_mlp_dim",
+    )
+  },
+  "text_stochastic_depth": real(0.0, 1.0),
+  "vision_stochastic_depth": real(0.0, 1.0),
+  "hf_compat": boolean,
+  # The compute dtype is config.model.dtype (a name, turned into the jnp type by
+  # `detector.model_fields`); an override would pass the name through unconverted.
+  "dtype": lambda value: "is set by config.model.dtype (e.g. 'bfloat16'), not an override",
+  "attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
+  "remat": choice(clip_lib.REMAT_POLICIES),
 }
 
 # Batch sizes split over the devices of the mesh ('data' axis: every device).
@@ -195,7 +347,8 @@ def _field(config: ml_collections.ConfigDict, path: str) -> Any:
 
 
 def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = None) -> list[str]:
-  """Every numeric field outside its range, as 'config.<field>=<value> <what it must be>'.
+  """Every field of the wrong type, outside its range or not one of its options, as
+  'config.<field>=<value> <what it must be>'.
 
   Args:
     config: the run's config.
@@ -210,7 +363,11 @@ def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = 
     value = _field(config, path)
     if value is not _MISSING and (problem := rule(value)):
       problems.append(f"config.{path}={value!r} {problem}")
-  for name, overrides in config.train.get("per_dataset", {}).items():
+  per_dataset = config.train.get("per_dataset", {})
+  for name, overrides in per_dataset.items() if hasattr(per_dataset, "items") else ():
+    if not hasattr(overrides or {}, "items"):
+      problems.append(f"config.train.per_dataset.{name}={overrides!r} must be a dict of fields")
+      continue
     for field, value in (overrides or {}).items():
       rule = TRAIN_FIELD_RULES.get(field)
       if rule is not None and (problem := rule(value)):
@@ -251,24 +408,33 @@ def workdir_problem(workdir: str) -> str:
 
 def foreign_results_problem(workdir: str) -> str:
   """'' unless `workdir` holds results.json of a run other than its run.json's (or results
-  without any run.json): the run would fail when it first writes its results, after hours of
-  work and with its run.json, checkpoints and TensorBoard files written beside them."""
+  without any run.json), or a run.json that cannot be read: the run would fail when it first
+  writes its results, after hours of work and with its run.json, checkpoints and TensorBoard
+  files written beside them. An unreadable results.json beside a readable run.json is this
+  run's: set aside and rebuilt from the checkpoints (`results.set_aside_unreadable`)."""
   results_path = os.path.join(workdir, "results.json")
+  run_path = os.path.join(workdir, "run.json")
+  run_id = None
+  if os.path.exists(run_path):
+    try:
+      with open(run_path) as f:
+        run_id = json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError) as e:
+      return (
+        f"workdir {workdir}: {run_path} cannot be read ({e}); it records the config of the "
+        "run this workdir holds: restore it to resume, or use another --workdir"
+      )
   if not os.path.isfile(results_path):
     return ""
   try:
     with open(results_path) as f:
       owner = json.load(f).get("run_id")
   except (OSError, ValueError, AttributeError) as e:
+    if run_id is not None:
+      return ""  # this run's, unreadable: rebuilt
     return (
       f"workdir {workdir} holds {results_path}, which cannot be read ({e}); use another workdir"
     )
-  run_id = None
-  try:
-    with open(os.path.join(workdir, "run.json")) as f:
-      run_id = json.load(f).get("run_id")
-  except (OSError, ValueError, AttributeError):
-    pass
   if owner is not None and owner == run_id:
     return ""
   holder = f"run {run_id!r} (run.json)" if run_id else "no run.json"
@@ -287,7 +453,9 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
   reported here (built-in benchmark) or by `real_inputs.check_inputs` (real data). An owl_cl
   or HF checkpoint of another model (size, widths, layers) is named with the model it holds and
   the model the config needs (`init_checkpoint_model_problem`); a scenic one by the loader
-  (`CheckpointMismatchError`, with the config's model named).
+  (`CheckpointMismatchError`, with the config's model named). A file must start like a
+  msgpack map (scenic: a `.npy` or any other file is refused); an HF folder needs the `hf`
+  extra installed (`missing_extra_problem`).
   """
   if not config.get("init_checkpoint"):
     return ""
@@ -296,7 +464,16 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
     # With real data `real_inputs.check_inputs` lists it among every missing input.
     return "" if uses_real_data(config) else f"config.init_checkpoint={path} does not exist"
   if not os.path.isdir(path):
-    return ""
+    if _is_msgpack_map(path):
+      return ""
+    with open(path, "rb") as f:
+      npy = f.read(6) == b"\x93NUMPY"
+    return (
+      f"config.init_checkpoint={path} is a file but not a scenic msgpack checkpoint"
+      + (" (it is a NumPy .npy array)" if npy else "")
+      + ": give a scenic checkpoint file, an HF OwlViTForObjectDetection folder or an owl_cl "
+      "parameter checkpoint folder"
+    )
   params = os.path.join(path, "params")
   if os.path.isdir(params):
     if os.path.exists(os.path.join(params, "_METADATA")):
@@ -307,7 +484,12 @@ def init_checkpoint_problem(config: ml_collections.ConfigDict) -> str:
     )
   names = os.listdir(path)
   if "config.json" in names:
-    return init_checkpoint_model_problem(config, path, hf=True)
+    field = f"config.init_checkpoint={path}"
+    feature = "reading an HF checkpoint folder"
+    missing = missing_extra_problem(field, feature, "hf", HF_EXTRA_MODULES)
+    if not missing and all(importlib.util.find_spec(m) is None for m in HF_WEIGHT_MODULES):
+      missing = missing_extra_problem(field, feature, "hf", HF_WEIGHT_MODULES[:1])
+    return missing or init_checkpoint_model_problem(config, path, hf=True)
   if any(n.startswith("checkpoint_") for n in names):
     return ""
   return (
@@ -335,44 +517,141 @@ def init_checkpoint_model_problem(
 
 
 def option_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """Fields that must name one of a fixed set of options, each named with its value."""
-  options = (
-    ("config.loss.normalization", config.loss.normalization, losses.NORMALIZATIONS),
-    ("config.loss.matcher", config.loss.matcher, losses.MATCHERS),
-    ("config.model.dtype", config.model.dtype, (None, "float32", "bfloat16", "float16")),
-    (
-      "config.replay.selection.top_up_order",
-      config.replay.selection.top_up_order,
-      buffer_selection.TOP_UP_ORDERS,
-    ),
-    (
-      "config.replay.selection.prototype_images",
-      config.replay.selection.prototype_images,
-      buffer_selection.PROTOTYPE_IMAGES,
-    ),
-    (
-      "config.replay.within_class_weighting",
-      config.replay.within_class_weighting,
-      retrieval_steps.WITHIN_CLASS_WEIGHTINGS,
-    ),
-    ("config.replay.aser.asv_shapley", config.replay.aser.asv_shapley, knn_shapley.SHAPLEY),
-    ("config.replay.aser.asv_left_term", config.replay.aser.asv_left_term, (True, False)),
-    (
-      "config.replay.aser.asv_features",
-      config.replay.aser.asv_features,
-      retrieval_asv.ASV_FEATURES,
-    ),
-    (
-      "config.replay.aser.candidate_subsets",
-      config.replay.aser.candidate_subsets,
-      retrieval_asv.CANDIDATE_SUBSETS,
-    ),
-  )
+  """The `range_problems` of the fields that name one of a fixed set of options (`choice`)."""
   return [
-    f"{field}={value!r} is unknown; known: {list(known)}"
-    for field, value, known in options
-    if value not in known
+    f"config.{path}={value!r} {problem}"
+    for path, rule in FIELD_RULES.items()
+    if getattr(rule, "is_option", False)
+    and (value := _field(config, path)) is not _MISSING
+    and (problem := rule(value))
   ]
+
+
+def model_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """What makes `config.model` no model, read from the config alone (nothing is built).
+
+  Checks each `model.overrides` field (a `ModelConfig` field, `MODEL_OVERRIDE_RULES`), then
+  the rules across fields: the image size a multiple of the patch size, each tower's width a
+  multiple of its heads, and `replay.top_k` at most the image tokens (the k class embeddings
+  per image are k of its (image_size / patch_size)**2 tokens). Any other refusal of
+  `owl_cl.model.create_model` is named with the model. Run with every field of the right type.
+
+  Returns:
+    One line per problem naming the field and its value; empty when the model can be built.
+  """
+  overrides = dict(config.model.overrides)
+  problems = []
+  for name, value in overrides.items():
+    rule = MODEL_OVERRIDE_RULES.get(name)
+    if rule is None:
+      problems.append(
+        f"config.model.overrides.{name}={value!r}: no such model field; known: "
+        f"{sorted(MODEL_OVERRIDE_RULES)}"
+      )
+    elif problem := rule(value):
+      problems.append(f"config.model.overrides.{name}={value!r} {problem}")
+  if problems:
+    return problems
+  variant = config.model.variant
+  model = {**model_lib.get_variant_config(variant).as_dict(), **overrides}
+
+  def named(field: str) -> str:
+    if field in overrides:
+      return f"config.model.overrides.{field}={model[field]}"
+    return f"{field}={model[field]} (of variant {variant!r})"
+
+  if model["image_size"] % model["patch_size"]:
+    problems.append(
+      f"{named('image_size')} is not a multiple of the patch size {named('patch_size')}"
+    )
+  for tower in ("vision", "text"):
+    if model[f"{tower}_width"] % model[f"{tower}_heads"]:
+      problems.append(
+        f"{named(f'{tower}_width')} is not divisible by the heads {named(f'{tower}_heads')}"
+      )
+  if problems:
+    return problems
+  try:
+    model_lib.create_model(variant, **model_fields(config))
+  except (ValueError, TypeError) as e:
+    return [f"config.model (variant {variant!r}, overrides {overrides}): {e}"]
+  tokens = (model["image_size"] // model["patch_size"]) ** 2
+  if config.replay.top_k > tokens:
+    problems.append(
+      f"config.replay.top_k={config.replay.top_k} is more than the {tokens} image tokens of "
+      f"the model ((image_size {model['image_size']} / patch_size {model['patch_size']})**2, "
+      f"variant {variant!r}): an image has no {config.replay.top_k} class embeddings"
+    )
+  return problems
+
+
+def augment_problems(config: ml_collections.ConfigDict) -> list[str]:
+  """The augmentation settings across fields: a mosaic size per probability. Returns one
+  line per problem (empty: fine); run with every field of the right type."""
+  augment = config.data.augment
+  sizes, probs = augment.get("mosaic_sizes"), augment.get("mosaic_probs")
+  if sizes is not None and probs is not None and len(sizes) != len(probs):
+    return [
+      f"config.data.augment.mosaic_sizes={tuple(sizes)} and mosaic_probs={tuple(probs)} "
+      f"differ in length ({len(sizes)} vs {len(probs)}): one probability per mosaic size"
+    ]
+  return []
+
+
+def clip_vocabulary_files_problem(config: ml_collections.ConfigDict) -> str:
+  """What `owl_cl.model.clip_tokenizer.load_vocabulary` would not find at the CLIP
+  tokenizer's `model.tokenizer_vocab_path` ('' when fine, or not the 'clip' tokenizer, or
+  unset: `clip_vocabulary_problem`). A missing path is reported here for the built-in
+  benchmark, by `check_inputs` (with every missing input) for real data. Files are listed,
+  not read."""
+  vocab = config.model.get("tokenizer_vocab_path")
+  if config.model.tokenizer != "clip" or not vocab:
+    return ""
+  path = expand_path(vocab)
+  field = f"config.model.tokenizer_vocab_path={path}"
+  if not os.path.exists(path):
+    return "" if uses_real_data(config) else f"{field} does not exist"
+  if os.path.isdir(path):
+    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
+    if has("vocab.json"):
+      return "" if has("merges.txt") else f"{field} holds vocab.json but no merges.txt"
+    if has("bpe_simple_vocab_16e6.txt.gz") or has("bpe_simple_vocab_16e6.txt"):
+      return ""
+    return (
+      f"{field} is a folder without a CLIP vocabulary: expected vocab.json + merges.txt (an "
+      "HF checkpoint folder) or bpe_simple_vocab_16e6.txt.gz (OpenAI)"
+    )
+  merges = os.path.join(os.path.dirname(path), "merges.txt")
+  if path.endswith(".json") and not os.path.isfile(merges):
+    return f"{field} is a vocab.json without {merges} beside it"
+  return ""
+
+
+# The modules of setup.py's optional 'hf' extra an HF checkpoint folder needs: transformers
+# (its config.json), and one of safetensors / torch (its weights, `convert.load_hf_state_dict`).
+HF_EXTRA_MODULES = ("transformers",)
+HF_WEIGHT_MODULES = ("safetensors", "torch")
+
+
+def missing_extra_problem(field: str, feature: str, extra: str, modules: Sequence[str]) -> str:
+  """'' when every module of `modules` can be imported, else one line naming `field`, the
+  `feature` that needs the optional `extra` of setup.py and the missing modules (found with
+  `importlib.util.find_spec`: nothing is imported)."""
+  missing = [m for m in modules if importlib.util.find_spec(m) is None]
+  if not missing:
+    return ""
+  return (
+    f"{field}: {feature} needs the optional extra '{extra}', which is not installed "
+    f"(missing: {', '.join(missing)}); pip install -e '.[{extra}]'"
+  )
+
+
+def _is_msgpack_map(path: str) -> bool:
+  """Whether the file starts like a msgpack map (a flax / scenic checkpoint's top level:
+  fixmap 0x80-0x8f, map16 0xde, map32 0xdf; msgpack spec, "map format family")."""
+  with open(path, "rb") as f:
+    head = f.read(1)
+  return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
 
 def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmark) -> None:

@@ -87,6 +87,8 @@ BAD_FIELDS = [
   ("data.eval_batch_size", 0, "config.data.eval_batch_size=0 must be >= 1"),
   ("eval.top_k", 0, "config.eval.top_k=0 must be >= 1"),
   ("checkpoint.max_to_keep", 0, "config.checkpoint.max_to_keep=0 must be >= 1"),
+  ("task_order", "random_99", "config.task_order='random_99' is no stored order (names: canon"),
+  ("seeds.retrieval", -1, "config.seeds.retrieval=-1 must be >= 0 or None"),
 ]
 
 
@@ -403,7 +405,8 @@ def test_invalid_annotation_json_is_refused_before_the_run_is_claimed(
   config.data.root = fake_root
   config.data.odinw_datasets = ("Pothole", "Dice")
   config.init_checkpoint = str(tmp_path / "weights.msgpack")
-  open(config.init_checkpoint, "w").close()  # exists; never read: the data check comes first
+  with open(config.init_checkpoint, "wb") as f:
+    f.write(b"\x80")  # an empty msgpack map; never read: the data check comes first
   config.cache_dir = str(tmp_path / "cache")
   config.model.variant, config.model.tokenizer = "tiny", "word_hash"
   annotations = os.path.join(fake_root, "odinw/pothole/train/annotations_without_background.json")
@@ -512,6 +515,50 @@ def test_truncated_image_is_refused_before_training(ext, tmp_path, workdir, caps
   assert "truncated" in err or "broken" in err
 
 
+def test_png_cut_before_iend_is_refused_before_training(tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  bad = os.path.join(folder, "images", "test_1.png")
+  with open(bad, "rb") as f:
+    data = f.read()
+  with open(bad, "wb") as f:
+    f.write(data[: data.rindex(b"IEND") - 4])  # every pixel there, the IEND chunk cut off
+  status, err = refuse_data(config, workdir, capsys)
+  assert status == 2
+  assert f"split 'test': {folder}/test.json: cannot decode image {bad} (image id 2)" in err
+
+
+def test_exif_orientation_reaches_every_split_and_keys_the_caches(tmp_path):
+  from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
+  from owl_cl import cache_keys  # pylint: disable=g-import-not-at-top
+  from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
+
+  config, _ = own_data_config(tmp_path)
+  default = benchmark.load_benchmark(config)
+  config.data.exif_orientation = "apply"
+  applied = benchmark.load_benchmark(config)
+  splits = lambda bench: [source for _, _, source in scan.benchmark_splits(bench)]
+  assert len(splits(applied)) == 5  # pretrain train + test, held-out test, kitchen train + test
+  assert {s.exif_orientation for s in splits(default)} == {"ignore"}
+  assert {s.exif_orientation for s in splits(applied)} == {"apply"}
+  assert applied.fingerprint != default.fingerprint
+  # The pre-trained model's and the buffer's cache keys: the option only when not the default.
+  assert cache_keys.non_default_data_options(config, buffer=True) == {
+    "data_options": {"exif_orientation": "apply"}
+  }
+  config.data.exif_orientation = "ignore"
+  assert cache_keys.non_default_data_options(config, buffer=True) == {}
+  assert scan.split_key(splits(applied)[0]) != scan.split_key(splits(default)[0])
+
+
+def test_duplicate_annotation_id_is_refused_before_training(tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  train = os.path.join(folder, "train.json")
+  edit_json(train, lambda d: d["annotations"][5].update(id=2))
+  status, err = refuse(config, workdir, capsys)  # found when the json is read
+  assert status == 2
+  assert f"{train}: annotations[5] field 'id' has value 2, which annotations[1] also has" in err
+
+
 def test_every_bad_image_is_listed_and_a_good_scan_is_cached(tmp_path, workdir, capsys):
   from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
   from owl_cl.data import scan  # pylint: disable=g-import-not-at-top
@@ -540,7 +587,8 @@ def test_every_bad_image_is_listed_and_a_good_scan_is_cached(tmp_path, workdir, 
   write_split(folder, "test", 4)
   bench = benchmark.load_benchmark(config)
   assert validation.check_data(config, bench) == {"scanned": 8 + 4, "cached": 8 + 4 + 4}
-  assert len(os.listdir(tmp_path / "cache" / scan.SCAN_FOLDER)) == 2
+  records = os.listdir(tmp_path / "cache" / scan.SCAN_FOLDER)
+  assert len([n for n in records if n.endswith(".json")]) == 2  # (and their lock files)
   assert validation.check_data(config, bench) == {"scanned": 0, "cached": 28}
   # A changed image file changes its split's key: the test splits are scanned again.
   with open(os.path.join(folder, "images", "test_0.png"), "ab") as f:
@@ -639,7 +687,8 @@ def paper_config(fake_root, tmp_path):
   config.data.root = fake_root
   config.data.odinw_datasets = ("Pothole", "Dice")
   config.init_checkpoint = str(tmp_path / "weights.msgpack")
-  open(config.init_checkpoint, "w").close()  # exists; never read: the data checks come first
+  with open(config.init_checkpoint, "wb") as f:
+    f.write(b"\x80")  # an empty msgpack map; never read: the data checks come first
   config.cache_dir = str(tmp_path / "cache")
   config.model.variant, config.model.tokenizer = "tiny", "word_hash"
   return config
@@ -729,7 +778,7 @@ def test_unknown_dedup_schedule_is_refused(tmp_path, workdir, capsys):
   config.replay.dedup = "sometimes"
   status, err = refuse(config, workdir, capsys)
   assert status == 2
-  assert "config.replay (swil): unknown dedup schedule 'sometimes'; known: [" in err
+  assert "config.replay.dedup='sometimes' is unknown; known: ['none', 'epoch', " in err
 
 
 def save_other_model(path) -> None:
@@ -824,3 +873,286 @@ def test_hf_init_checkpoint_of_another_model_is_refused(tmp_path, workdir, capsy
   assert f"config.init_checkpoint={folder} holds another model: variant 'tiny' with" in err
   assert "(its config.json)" in err
   assert "differing: vision_layers 2 (checkpoint) vs 1 (config)" in err
+
+
+# ----------------------------------------------------------------------------- every field
+# Issue 33 items 3 and 5: every field is checked before any work, one line naming the field
+# and the value, exit status 2, and the workdir left free (no run.json, results.json or lock):
+# the corrected command then starts as if the failed one had never run.
+
+
+def config_leaves(config, prefix: str = ""):
+  """Dotted paths of every leaf of `config`; a field with a rule of its own (a dict-valued
+  one such as `model.overrides` or a declared dataset entry) is one leaf."""
+  for key in config.keys():
+    path = prefix + key
+    value = config[key]
+    if hasattr(value, "keys") and path not in validation.FIELD_RULES:
+      yield from config_leaves(value, path + ".")
+    else:
+      yield path
+
+
+@pytest.mark.parametrize("arg", ["", "paper", "paper,released"])
+def test_every_config_field_has_a_rule(arg):
+  from configs import base  # pylint: disable=g-import-not-at-top
+
+  config = base.get_config(arg)
+  leaves = list(config_leaves(config))
+  assert len(leaves) >= 137  # every section walked (137 leaves in '' when written)
+  assert [p for p in leaves if p not in validation.FIELD_RULES] == []
+  # The defaults pass their own rules: a rule that refuses every value cannot hide here.
+  assert validation.range_problems(config, num_devices=1) == []
+  assert validation.model_problems(config) == [] and validation.augment_problems(config) == []
+
+
+def test_every_model_field_has_an_override_rule():
+  from owl_cl.model import owl_vit  # pylint: disable=g-import-not-at-top
+
+  fields = set(owl_vit.ModelConfig.__dataclass_fields__)
+  assert set(validation.MODEL_OVERRIDE_RULES) == fields
+  for variant in owl_vit.VARIANTS:
+    config = owl_vit.get_variant_config(variant)
+    for name, rule in validation.MODEL_OVERRIDE_RULES.items():
+      if name != "dtype":  # a jnp type in ModelConfig; config.model.dtype names it
+        assert rule(config[name]) == "", (variant, name)
+
+
+def with_field(config, path: str, value):
+  """`config` with `path` set to `value`, past ml_collections' type check (a config file or
+  a None-valued field can hold any type: the rules must catch it)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  tree = config.to_dict()
+  node = tree
+  *parents, name = path.split(".")
+  for part in parents:
+    node = node[part]
+  node[name] = value
+  return ml_collections.ConfigDict(tree)
+
+
+def write_npy(tmp_path) -> str:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  path = str(tmp_path / "weights.npy")
+  np.save(path, np.zeros(3, np.float32))
+  return path
+
+
+def hf_folder(tmp_path) -> str:
+  folder = tmp_path / "hf"
+  folder.mkdir()
+  (folder / "config.json").write_text("{}")
+  return str(folder)
+
+
+def vocab_folder_without_merges(tmp_path) -> str:
+  folder = tmp_path / "vocab"
+  folder.mkdir()
+  (folder / "vocab.json").write_text('{"a": 0}')
+  return str(folder)
+
+
+# (case, {field: value} or a function (config, tmp_path) -> config, text the one line holds)
+MEASURED_CASES = [
+  (
+    "image size not a multiple of the patch",
+    {"model.overrides.image_size": 100},
+    "config.model.overrides.image_size=100 is not a multiple of the patch size patch_size=8 "
+    "(of variant 'tiny')",
+  ),
+  ("patch size 0", {"model.overrides.patch_size": 0}, "overrides.patch_size=0 must be >= 1"),
+  (
+    "unknown model field",
+    {"model.overrides.vision_depth": 2},
+    "config.model.overrides.vision_depth=2: no such model field; known: [",
+  ),
+  ("variant", {"model.variant": "vit_h14"}, "config.model.variant='vit_h14' is unknown; known:"),
+  ("tokenizer", {"model.tokenizer": "bert"}, "config.model.tokenizer='bert' is unknown; known:"),
+  ("remat", {"model.remat": "blocks"}, "config.model.remat='blocks' is unknown; known: ['none'"),
+  ("attention", {"model.attention": "flash"}, "config.model.attention='flash' is unknown"),
+  (
+    "unknown built-in dataset",
+    {"data.builtin.downstream": ("thermal", "sketch")},
+    "downstream=('thermal', 'sketch') names unknown built-in datasets ['sketch']; known:",
+  ),
+  (
+    "duplicated built-in dataset",
+    {"data.builtin.downstream": ("thermal", "digits", "thermal")},
+    "config.data.builtin.downstream=('thermal', 'digits', 'thermal') names ['thermal'] more",
+  ),
+  (
+    "empty built-in sequence",
+    {"data.builtin.downstream": ()},
+    "config.data.builtin.downstream=() is empty; name at least one built-in dataset",
+  ),
+  ("negative seed", {"seed": -1}, "config.seed=-1 must be >= 0"),
+  (
+    "mosaic size 0",
+    {"data.augment.mosaic_sizes": (0, 2)},
+    "config.data.augment.mosaic_sizes=(0, 2) must hold integers >= 1, not [0]",
+  ),
+  (
+    "mosaic lengths differ",
+    {"data.augment.mosaic_sizes": (1, 2)},
+    "mosaic_sizes=(1, 2) and mosaic_probs=(0.4, 0.3, 0.3) differ in length (2 vs 3)",
+  ),
+  (
+    "reversed crop range",
+    {"data.augment.crop_area_range": (1.0, 0.3)},
+    "config.data.augment.crop_area_range=(1.0, 0.3) must satisfy 0 < low <= high <= 1",
+  ),
+  (
+    "top_k above the tokens",
+    {"replay.top_k": 65},  # the tiny model at 64 px, patch 8: 8 x 8 = 64 tokens
+    "config.replay.top_k=65 is more than the 64 image tokens of the model",
+  ),
+  (
+    "sequence as a string",
+    {"data.sequence": "thermal"},
+    "config.data.sequence='thermal' must be a list of dataset entries / suites or None",
+  ),
+  (
+    "string where an int belongs",
+    lambda c, tmp: with_field(c, "data.num_queries", "24"),
+    "config.data.num_queries='24' must be an integer",
+  ),
+  (
+    "string where a bool belongs",
+    lambda c, tmp: with_field(c, "data.validate_images", "false"),
+    "config.data.validate_images='false' must be True or False",
+  ),
+  (
+    "init_checkpoint a .npy",
+    lambda c, tmp: with_field(c, "init_checkpoint", write_npy(tmp)),
+    "weights.npy is a file but not a scenic msgpack checkpoint (it is a NumPy .npy array)",
+  ),
+  (
+    "CLIP vocabulary without merges.txt",
+    lambda c, tmp: with_field(
+      with_field(c, "model.tokenizer", "clip"),
+      "model.tokenizer_vocab_path",
+      vocab_folder_without_merges(tmp),
+    ),
+    "vocab holds vocab.json but no merges.txt",
+  ),
+]
+
+
+@pytest.mark.parametrize("case,change,expected", MEASURED_CASES, ids=[c[0] for c in MEASURED_CASES])
+def test_bad_field_is_one_line_and_leaves_the_workdir_free(
+  case, change, expected, tmp_path, workdir, capsys
+):
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  if callable(change):
+    config = change(config, tmp_path)
+  else:
+    for path, value in change.items():
+      section, _, name = path.rpartition(".")
+      (_node(config, section) if section else config)[name] = value
+  status, err = refuse(config, workdir, capsys)  # workdir and cache untouched
+  assert status == main.EXIT_BAD_INPUT
+  assert err.startswith("error: invalid config: ") and err.count("\n") == 1, err
+  assert expected in err, err
+  assert sorted(os.listdir(workdir)) == ["notes.txt"]  # no run.json, results.json or lock
+
+
+def test_hf_checkpoint_without_the_hf_extra_is_refused(tmp_path, workdir, capsys, monkeypatch):
+  monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.init_checkpoint = hf_folder(tmp_path)
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2 and err.count("\n") == 1
+  assert (
+    f"config.init_checkpoint={tmp_path / 'hf'}: reading an HF checkpoint folder needs the "
+    "optional extra 'hf', which is not installed (missing: transformers); "
+    "pip install -e '.[hf]'"
+  ) in err
+  assert sorted(os.listdir(workdir)) == ["notes.txt"]
+
+
+@pytest.mark.parametrize(
+  "argv,expected",
+  [
+    (["--config.data.builtin.downstream=thermal", "--config.data.builtin.downstream=()"], 2),
+    (["--config.data.builtin.downstream", "()", "--config.data.builtin.downstream=tiny"], 2),
+    (["--config.data.builtin.downstream=thermal", "--config.data.builtin.downstream=tiny"], 0),
+    (["--config.data.builtin.downstream=()"], 0),
+    (["--config.seed=1", "--config.seed=()"], 0),  # not a tuple field
+  ],
+)
+def test_repeated_tuple_flag_with_a_tuple_is_refused(argv, expected):
+  problem = main.repeated_tuple_problem(["main.py", *argv], {"config.data.builtin.downstream"})
+  if expected:
+    assert problem.startswith(f"--config.data.builtin.downstream is given {expected} times (")
+    assert "a later one does not replace an earlier one" in problem
+  else:
+    assert problem == ""
+
+
+@pytest.mark.parametrize(
+  "overrides,expected",
+  [
+    (
+      ["--config.data.builtin.downstream=thermal", "--config.data.builtin.downstream=()"],
+      "error: --config.data.builtin.downstream is given 2 times ('thermal', '()'): the values",
+    ),
+    (
+      ["--config.data.num_queries=abc"],
+      "error: bad command line: flag --config.data.num_queries=abc: invalid literal for int()",
+    ),
+    (
+      ["--config.data.builtin.downstream=thermal,digits"],
+      "error: invalid config: config.data.builtin.downstream=('thermal,digits',) names unknown",
+    ),
+  ],
+  ids=["repeated tuple flag", "string for an int", "unquoted comma list"],
+)
+def test_main_refuses_a_bad_command_line_in_one_line(overrides, expected, tmp_path, workdir):
+  before = snapshot(workdir)
+  result = run_main(tmp_path, workdir, *overrides)
+  assert result.returncode == 2, result.stderr
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and errors[0].startswith(expected), result.stderr
+  assert "Traceback" not in result.stderr
+  assert snapshot(workdir) == before
+  assert not os.path.exists(tmp_path / "cache")
+
+
+def test_detector_refusal_leaves_the_workdir_free(tmp_path, workdir, capsys):
+  """The detector's own checks (here a CLIP vocabulary larger than the model's) run before
+  the workdir is locked or claimed."""
+  folder = tmp_path / "vocab"
+  folder.mkdir()
+  tokens = {"a": 0, "b": 1, "<|startoftext|>": 2, "<|endoftext|>": 3}
+  (folder / "vocab.json").write_text(json.dumps(tokens))
+  (folder / "merges.txt").write_text("#version: 0.2\n")
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.model.tokenizer = "clip"
+  config.model.tokenizer_vocab_path = str(folder)
+  config.model.overrides.vocab_size = 2
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2 and err.count("\n") == 1
+  assert "config.model.tokenizer='clip' has 4 ids but the model's vocab_size is 2" in err
+  assert sorted(os.listdir(workdir)) == ["notes.txt"]
+
+
+def test_scenic_checkpoint_of_another_model_leaves_the_workdir_free(tmp_path, workdir, capsys):
+  """A scenic file's parameters are known only once read: it is read before the lock and
+  run.json, so the corrected command is not refused as another config."""
+  import flax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "other.msgpack"
+  path.write_bytes(flax.serialization.msgpack_serialize({"params": {"w": np.zeros(2)}}))
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.init_checkpoint = str(path)
+  before = snapshot(workdir)
+  with pytest.raises(main.known_errors()) as raised:
+    experiment.run(config, workdir)
+  with pytest.raises(SystemExit) as exited:
+    main.fail(raised.value)
+  assert exited.value.code == 2
+  assert str(path) in capsys.readouterr().err
+  assert snapshot(workdir) == before  # no run.json, results.json or lock

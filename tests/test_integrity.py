@@ -89,3 +89,26 @@ def test_set_aside_renames_and_never_deletes(tmp_path):
   folder = _artifact(tmp_path)
   second = integrity.set_aside(str(folder), "test")
   assert second != first and os.path.isdir(first) and os.path.isdir(second)
+
+
+def test_lazy_verifier_checks_each_chunk_once_when_first_used(tmp_path, monkeypatch):
+  monkeypatch.setattr(integrity, "_CHUNK_BYTES", 1024)  # 16 chunks in a 16 KiB file
+  folder = _artifact(tmp_path)
+  with open(folder / integrity.MANIFEST_NAME) as f:
+    record = json.load(f)["files"]["a.bin"]
+  data = (folder / "a.bin").read_bytes()
+  assert record["chunks"] == [
+    hashlib.sha256(data[i : i + 1024]).hexdigest() for i in range(0, len(data), 1024)
+  ]
+  _flip(folder / "a.bin", 5 * 1024 + 7)  # chunk 5 only
+  verifier = integrity.LazyVerifier(str(folder))  # sizes agree: no error yet
+  verifier.check("a.bin", 0, 5 * 1024)  # chunks 0-4
+  verifier.check("a.bin", 6 * 1024)  # chunks 6-15
+  verifier.check("sub/b.json")  # one chunk: checked whole
+  with pytest.raises(integrity.IntegrityError, match=r"bytes 5120-6144 \(chunk 5\)") as info:
+    verifier.check("a.bin", 5 * 1024 + 100, 5 * 1024 + 101)
+  assert info.value.path == str(folder / "a.bin")
+  # A cut file is found when the verifier is made, before any chunk is read.
+  os.truncate(folder / "a.bin", 100)
+  with pytest.raises(integrity.IntegrityError, match="100 bytes, the manifest recorded 16384"):
+    integrity.LazyVerifier(str(folder))

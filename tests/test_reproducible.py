@@ -38,6 +38,9 @@ def test_same_seed_gives_identical_results(pretrained_cache_dir, tmp_path):
   assert a["status"] == b["status"] == "complete"
   assert a["run_id"] != b["run_id"]  # two runs, not one resumed
   assert [s["name"] for s in a["stages"]] == ["pretrained", "thermal", "digits"]
+  # The seed of each part is recorded; no stored order (the config's own order).
+  assert a["seeds"] == {"model": 0, "data": 0, "retrieval": 0}
+  assert a["task_order"] is None and a["sequence_seed"] is None
   for stage_a, stage_b in zip(a["stages"], b["stages"]):
     assert stage_a["metrics"] == stage_b["metrics"], stage_a["name"]
     assert comparable(stage_a.get("train")) == comparable(stage_b.get("train"))

@@ -1,8 +1,9 @@
 """Analysis of finished runs: results and retrieval records -> matrices, curves, figures.
 
 `load_run(workdir)`, `stage_matrix`, `forgetting_curve` (owl_cl/analysis/runs.py) and the
-matplotlib figures (owl_cl/analysis/plots.py, Agg canvas, no display). Example:
-notebooks/analysis.ipynb.
+matplotlib figures (owl_cl/analysis/plots.py, Agg canvas, no display). Repeated runs:
+`owl_cl.analysis.stats` (t-intervals, paired tests, Holm) and `owl_cl.analysis.report`
+(`python -m owl_cl.report`, docs/experiments.md). Example: notebooks/analysis.ipynb.
 """
 
 from owl_cl.analysis.plots import plot_distance_ranks

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+from PIL import ImageOps
 from pycocotools.coco import COCO
 
 __all__ = ["DataError", "CocoSource"]
@@ -32,6 +33,18 @@ _REQUIRED_TOP = ("images", "annotations", "categories")
 _REQUIRED_IMAGE = ("id", "file_name", "height", "width")
 _REQUIRED_ANN = ("image_id", "category_id", "bbox")
 _REQUIRED_CAT = ("id", "name")
+
+# What `decode_image` does with an image whose EXIF orientation tag (0x0112) is not 1
+# (docs/reference.md §5, "EXIF orientation"): 'ignore' decodes the stored pixels (the frame
+# COCO boxes, PIL, torchvision's CocoDetection and pycocotools users assume), 'apply' rotates /
+# flips them as the tag says (PIL.ImageOps.exif_transpose: the frame a photo viewer shows),
+# 'refuse' raises DataError naming the file and the tag.
+EXIF_ORIENTATIONS = ("ignore", "apply", "refuse")
+_EXIF_ORIENTATION_TAG = 0x0112
+# Orientations 5-8 turn the image by 90 degrees (width and height swap).
+_EXIF_TRANSPOSING = (5, 6, 7, 8)
+# PIL modes of 16-bit greyscale (a 16-bit PNG opens as 'I;16'; older Pillow gave 'I').
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 def _require(entry: Any, fields: Sequence[str], where: str, path: str, index: int) -> None:
@@ -94,6 +107,9 @@ class CocoSource:
       the images are not files (e.g. a TFDS ArrayRecord dataset,
       `owl_cl.data.tfds_source.TfdsImageReader`); 'file_name' is then not required, no file is
       checked and `image_dir` only names the origin. It must pickle (grain worker processes).
+    exif_orientation: an image file with an EXIF orientation tag other than 1: 'ignore' (the
+      stored pixels), 'apply' (rotated as the tag says) or 'refuse' (`EXIF_ORIENTATIONS`;
+      `config.data.exif_orientation`). Files only: a reader's pixels are its own.
 
   Per-image federated fields (LVIS): when an image entry has `neg_category_ids` /
   `not_exhaustive_category_ids` (lists of category ids), `federated` is True and `load()` adds
@@ -115,10 +131,11 @@ class CocoSource:
 
   Raises:
     DataError: missing annotation file; unreadable json; missing required field (names the
-      entry); duplicate image/category id. Then, all listed in one error (up to
-      `MAX_LISTED_PROBLEMS`): a category with an empty name; annotation with unknown
-      `category_id` or `image_id`; box not finite, with w <= 0 or h <= 0 or outside the image
-      by more than `box_tolerance`; missing image file (names the path and image id).
+      entry); duplicate image id (names both positions) or category id. Then, all listed in
+      one error (up to `MAX_LISTED_PROBLEMS`): a category with an empty name; annotation
+      with unknown `category_id` or `image_id`; box not finite, with w <= 0 or h <= 0 or
+      outside the image by more than `box_tolerance`; duplicate annotation id (names both
+      positions); missing image file (names the path and image id).
 
   Source: docs/CONVENTIONS.md "Data"; docs/reference.md §4 (contiguous index <-> category id mapped
   explicitly, never assumed).
@@ -139,9 +156,15 @@ class CocoSource:
     image_ids: Sequence[int] | None = None,
     file_name_fn: Callable[[dict], str] | None = None,
     image_reader: Callable[[dict], np.ndarray] | None = None,
+    exif_orientation: str = "ignore",
   ):
     if on_invalid not in ("raise", "skip"):
       raise ValueError(f"on_invalid must be 'raise' or 'skip', got {on_invalid!r}")
+    if exif_orientation not in EXIF_ORIENTATIONS:
+      raise ValueError(
+        f"exif_orientation must be one of {list(EXIF_ORIENTATIONS)}, got {exif_orientation!r}"
+      )
+    self.exif_orientation = exif_orientation
     self.annotation_file = os.fspath(annotation_file)
     self._cache: dict[int, np.ndarray] | None = {} if cache_images else None
     self.image_dir = os.fspath(image_dir)
@@ -153,6 +176,7 @@ class CocoSource:
       cache_images=cache_images,
       file_name_fn=file_name_fn,
       image_reader=image_reader,
+      exif_orientation=exif_orientation,
     )
     self._image_reader = image_reader
     if image_reader is not None:
@@ -221,18 +245,23 @@ class CocoSource:
       if unknown:
         raise DataError(f"{path}: image_ids value(s) {_short(unknown, 80)} not in 'images'")
     images: dict[int, dict] = {}
+    image_index: dict[Any, int] = {}  # image id -> its position in 'images'
     for i, im in enumerate(data["images"]):
       _require(im, required_image, "images", path, i)
       if keep_ids is not None and im["id"] not in keep_ids:
         continue
       if im["id"] in images:
-        raise DataError(f"{path}: images[{i}] duplicate id {im['id']!r}")
+        raise DataError(
+          f"{path}: images[{i}] field 'id' has value {im['id']!r}, which images"
+          f"[{image_index[im['id']]}] also has (image ids must be unique)"
+        )
       h, w = im["height"], im["width"]
       if not (isinstance(h, (int, float)) and isinstance(w, (int, float)) and h > 0 and w > 0):
         raise DataError(
           f"{path}: images[{i}] (id {im['id']}) has invalid size height={h!r} width={w!r}"
         )
       images[im["id"]] = im
+      image_index[im["id"]] = i
     self.image_ids: list[int] = sorted(images)
     self._images = [images[i] for i in self.image_ids]
     if image_reader is not None:
@@ -263,9 +292,20 @@ class CocoSource:
     self.num_skipped = 0
     per_image: dict[int, list[tuple]] = {i: [] for i in self.image_ids}
     kept_anns = []
+    # pycocotools indexes annotations by id (`COCO.anns[id]`): of two with one id the later
+    # silently replaces the earlier, and evaluation then scores against another image's box.
+    ann_index: dict[Any, int] = {}
     for i, a in enumerate(data["annotations"]):
       _require(a, _REQUIRED_ANN, "annotations", path, i)
       aid = a.get("id", i)
+      if "id" in a:
+        if a["id"] in ann_index:
+          problems.append(
+            f"{path}: annotations[{i}] field 'id' has value {a['id']!r}, which annotations"
+            f"[{ann_index[a['id']]}] also has (annotation ids must be unique)"
+          )
+          continue
+        ann_index[a["id"]] = i
       if a["category_id"] in excluded:
         self.num_excluded += 1
         continue
@@ -454,39 +494,88 @@ class CocoSource:
   def decode_image(self, index: int) -> np.ndarray:
     """Decodes the pixels of image `index` as `load` does, without its in-memory cache.
 
+    16-bit greyscale (PIL mode 'I;16', e.g. a 16-bit PNG) is scaled to 8 bits, round(v * 255 /
+    65535), not clipped (PIL's `convert('RGB')` clips it to white). A PNG must end with its
+    IEND chunk (PIL decodes one cut after its last pixel data without a word). An EXIF
+    orientation tag other than 1 is handled per `exif_orientation` (class docstring).
+
     Returns:
-      uint8 [H, W, 3] RGB (PIL `convert('RGB')`: every pixel decoded, so a truncated file
-      fails here).
+      uint8 [H, W, 3] RGB (every pixel decoded, so a truncated file fails here).
 
     Raises:
-      DataError: the image file is missing or undecodable (names the json, the path and the
-        image id), or its decoded size differs from the json's height / width.
+      DataError: the image file is missing, undecodable, a PNG cut before IEND, of a mode
+        with no 8-bit meaning (32-bit integer or float pixels), tagged with an EXIF
+        orientation under 'refuse', or its decoded size differs from the json's height /
+        width (names the json, the path, the image id and the value).
     """
     info = self._images[index]
     p = self._paths[index]
+    where = f"{self.annotation_file}: image {p} (image id {info['id']})"
+    orientation = 1
     try:
       if self._image_reader is not None:
         image = np.asarray(self._image_reader(info), np.uint8)
       else:
-        with Image.open(p) as im:
-          image = np.asarray(im.convert("RGB"))
+        with open(p, "rb") as f:
+          data = f.read()
+        with Image.open(io.BytesIO(data)) as im:
+          if im.format == "PNG":
+            # verify() walks the chunks to IEND with their CRCs; it consumes its image.
+            with Image.open(io.BytesIO(data)) as check:
+              check.verify()
+          orientation = int(im.getexif().get(_EXIF_ORIENTATION_TAG, 1) or 1)
+          image = self._pixels(im, orientation, where)
+    except DataError:
+      raise
     except FileNotFoundError as e:
       raise DataError(
         f"{self.annotation_file}: image file not found: {p} (image id {info['id']})"
       ) from e
     except (OSError, SyntaxError, ValueError) as e:
-      # PIL: OSError (truncated / unidentified files), SyntaxError (some broken headers),
-      # ValueError (impossible modes or sizes).
+      # PIL: OSError (truncated / unidentified files), SyntaxError (some broken headers,
+      # a PNG cut inside its IEND chunk), ValueError (impossible modes or sizes).
       raise DataError(
         f"{self.annotation_file}: cannot decode image {p} (image id {info['id']}): {e}"
       ) from e
     if image.shape[0] != int(info["height"]) or image.shape[1] != int(info["width"]):
+      hint = ""
+      if (
+        orientation in _EXIF_TRANSPOSING
+        and self.exif_orientation == "ignore"
+        and (image.shape[1], image.shape[0]) == (int(info["height"]), int(info["width"]))
+      ):
+        hint = (
+          f"; its EXIF orientation {orientation} turns it by 90 degrees, to the json's size: "
+          "if the boxes were drawn on the turned image, set config.data.exif_orientation='apply'"
+        )
       raise DataError(
-        f"{self.annotation_file}: image {p} (image id {info['id']}) decodes to "
-        f"{image.shape[1]}x{image.shape[0]} (WxH) but the json says "
-        f"width={info['width']} height={info['height']}"
+        f"{where} decodes to {image.shape[1]}x{image.shape[0]} (WxH) but the json says "
+        f"width={info['width']} height={info['height']}{hint}"
       )
     return image
+
+  def _pixels(self, im: Image.Image, orientation: int, where: str) -> np.ndarray:
+    """uint8 [H, W, 3] RGB of the open PIL image `im` (`decode_image`'s conversions)."""
+    if orientation != 1:
+      if self.exif_orientation == "refuse":
+        raise DataError(
+          f"{where} has EXIF orientation {orientation} and "
+          "config.data.exif_orientation='refuse' (use 'ignore' for the stored pixels, "
+          "'apply' for the turned ones)"
+        )
+      if self.exif_orientation == "apply":
+        im = ImageOps.exif_transpose(im)
+    if im.mode in _SIXTEEN_BIT_MODES:
+      grey = np.asarray(im).astype(np.float64)
+      grey = np.rint(grey * (255.0 / 65535.0)).astype(np.uint8)
+      return np.repeat(grey[..., None], 3, axis=-1)
+    if im.mode in ("I", "F"):
+      # 32-bit integer or float pixels (TIFF, PFM): no bit depth says what white is.
+      raise DataError(
+        f"{where} has PIL mode {im.mode!r} (32-bit {'float' if im.mode == 'F' else 'integer'} "
+        "pixels), which has no 8-bit scale; convert it to 8-bit RGB or 16-bit greyscale"
+      )
+    return np.asarray(im.convert("RGB"))
 
   def load(self, index: int) -> dict[str, Any]:
     """Decode example `index` (0 <= index < len).

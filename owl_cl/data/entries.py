@@ -232,94 +232,14 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
   for k, kinds in _KIND_FIELDS.items():
     if cfg.get(k) not in (None, "") and kind in KINDS and kind not in kinds:
       problems.append(f"{where}: field {k!r} ({cfg[k]!r}) applies to kind {kinds}, not {kind!r}")
-  splits = []
   if kind == "odinw":
-    if member not in odinw.ODINW_DATASETS:
-      problems.append(
-        f"{where}: field 'member' has value {member!r}, expected one of {odinw.ODINW_NAMES}"
-      )
-    if not root:
-      problems.append(f"{where}: field 'root' (the data root holding odinw/) is missing")
-    if not problems:
-      for s in SPLITS:
-        if s in cfg or not any(x in cfg for x in SPLITS):
-          ann, img = odinw.odinw_paths(root, member, s)
-          splits.append((s, SplitSpec(annotation_file=ann, image_dir=img)))
+    splits = _odinw_splits(cfg, where, member, root, problems)
   elif kind in ("objects365", "lvis"):
-    if not root:
-      problems.append(f"{where}: field 'root' (the data root holding {kind}/) is missing")
-    paths = pretraining.objects365_paths if kind == "objects365" else pretraining.lvis_paths
-    declared = [s for s in SPLITS if s in cfg]
-    for s in declared:
-      if s == "test" or cfg[s] not in (True, None, "", {}):
-        problems.append(
-          f"{where} field {s!r}: kind {kind!r} has fixed files; give only the split names "
-          f"('train', 'val') as fields set to True, got {cfg[s]!r}"
-        )
-    if not problems:
-      for s in [s for s in declared if cfg[s] is not None] or _ROOTED_SPLITS[kind]:
-        ann, img = paths(root, s)
-        splits.append((s, SplitSpec(annotation_file=ann, image_dir=img)))
+    splits = _rooted_splits(cfg, where, kind, root, problems)
   else:
-    for s in SPLITS:
-      if s not in cfg or cfg[s] is None:
-        continue
-      value = cfg[s]
-      fwhere = f"{where} field '{s}'"
-      if isinstance(value, str):
-        if kind != "tfds":
-          problems.append(f"{fwhere}: a string ({value!r}) is a TFDS split name; kind is {kind!r}")
-          continue
-        value = {"split": value}
-      try:
-        value = _as_dict(value, fwhere)
-      except DataError as e:
-        problems.append(str(e))
-        continue
-      unknown = sorted(set(value) - _SPLIT_KEYS)
-      if unknown:
-        problems.append(f"{fwhere}: unknown field(s) {unknown} (known: {sorted(_SPLIT_KEYS)})")
-        continue
-      if kind == "tfds":
-        for k in ("tfds", "data_dir", "category_ids", "categories_file"):
-          if not value.get(k) and cfg.get(k):
-            value[k] = cfg[k]
-        value.setdefault("split", _DEFAULT_TFDS_SPLIT[s])
-        if not str(value.get("tfds", "")).startswith(tfds_source.TFDS_PREFIX):
-          problems.append(
-            f"{fwhere}: field 'tfds' has value {value.get('tfds')!r}, expected "
-            f"'tfds:<name>[:<version>]'"
-          )
-        value["data_dir"] = os.path.expanduser(str(value.get("data_dir", "") or ""))
-        if value.get("category_ids") is not None:
-          try:
-            value["category_ids"] = _ints(value["category_ids"], f"{fwhere} 'category_ids'")
-          except DataError as e:
-            problems.append(str(e))
-            continue
-      elif kind == "coco":
-        for k in ("annotation_file", "image_dir"):
-          if not value.get(k):
-            problems.append(f"{fwhere}: field {k!r} is missing or empty")
-          else:
-            value[k] = os.path.expanduser(str(value[k]))
-      splits.append((s, SplitSpec(**value)))
-    if kind in ("coco", "tfds") and not splits and not problems:
-      problems.append(f"{where}: declares none of the splits {SPLITS}")
+    splits = _declared_splits(cfg, where, kind, problems)
   spec = odinw.ODINW_DATASETS.get(member) if kind == "odinw" else None
-  # An entry's own value wins; an ODinW member's default is the registry's (paper protocol).
-  max_detections = cfg.get("max_detections")
-  if max_detections is None and spec is not None:
-    max_detections = spec.max_detections
-  if max_detections is not None and (
-    isinstance(max_detections, bool)
-    or not isinstance(max_detections, numbers.Integral)
-    or max_detections < 1
-  ):
-    problems.append(
-      f"{where}: field 'max_detections' has value {max_detections!r}, expected a positive "
-      f"integer (detections kept per image) or None (the config's eval.top_k / max_dets)"
-    )
+  max_detections = _max_detections(cfg, where, spec, problems)
   if problems:
     raise DataError("\n".join(problems))
   if max_detections is not None:
@@ -339,6 +259,118 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
     member=member,
     root=root,
   )
+
+
+def _odinw_splits(cfg, where, member, root, problems) -> list[tuple[str, SplitSpec]]:
+  """Kind 'odinw': the member's registry paths of the declared splits (all three when none
+  is declared). Problems are appended to `problems`; no splits once there is any."""
+  splits = []
+  if member not in odinw.ODINW_DATASETS:
+    problems.append(
+      f"{where}: field 'member' has value {member!r}, expected one of {odinw.ODINW_NAMES}"
+    )
+  if not root:
+    problems.append(f"{where}: field 'root' (the data root holding odinw/) is missing")
+  if not problems:
+    for s in SPLITS:
+      if s in cfg or not any(x in cfg for x in SPLITS):
+        ann, img = odinw.odinw_paths(root, member, s)
+        splits.append((s, SplitSpec(annotation_file=ann, image_dir=img)))
+  return splits
+
+
+def _rooted_splits(cfg, where, kind, root, problems) -> list[tuple[str, SplitSpec]]:
+  """Kinds 'objects365' / 'lvis': the fixed files of the splits named (fields set to True;
+  default `_ROOTED_SPLITS`). Problems are appended to `problems`; no splits once there is
+  any."""
+  splits = []
+  if not root:
+    problems.append(f"{where}: field 'root' (the data root holding {kind}/) is missing")
+  paths = pretraining.objects365_paths if kind == "objects365" else pretraining.lvis_paths
+  declared = [s for s in SPLITS if s in cfg]
+  for s in declared:
+    if s == "test" or cfg[s] not in (True, None, "", {}):
+      problems.append(
+        f"{where} field {s!r}: kind {kind!r} has fixed files; give only the split names "
+        f"('train', 'val') as fields set to True, got {cfg[s]!r}"
+      )
+  if not problems:
+    for s in [s for s in declared if cfg[s] is not None] or _ROOTED_SPLITS[kind]:
+      ann, img = paths(root, s)
+      splits.append((s, SplitSpec(annotation_file=ann, image_dir=img)))
+  return splits
+
+
+def _declared_splits(cfg, where, kind, problems) -> list[tuple[str, SplitSpec]]:
+  """Kinds 'coco' / 'tfds': each declared split's `SplitSpec` (for 'tfds', a string is the
+  TFDS split name and the entry-level tfds / data_dir / category_ids / categories_file are
+  the defaults). Problems are appended to `problems`; a split with one is left out."""
+  splits = []
+  for s in SPLITS:
+    if s not in cfg or cfg[s] is None:
+      continue
+    value = cfg[s]
+    fwhere = f"{where} field '{s}'"
+    if isinstance(value, str):
+      if kind != "tfds":
+        problems.append(f"{fwhere}: a string ({value!r}) is a TFDS split name; kind is {kind!r}")
+        continue
+      value = {"split": value}
+    try:
+      value = _as_dict(value, fwhere)
+    except DataError as e:
+      problems.append(str(e))
+      continue
+    unknown = sorted(set(value) - _SPLIT_KEYS)
+    if unknown:
+      problems.append(f"{fwhere}: unknown field(s) {unknown} (known: {sorted(_SPLIT_KEYS)})")
+      continue
+    if kind == "tfds":
+      for k in ("tfds", "data_dir", "category_ids", "categories_file"):
+        if not value.get(k) and cfg.get(k):
+          value[k] = cfg[k]
+      value.setdefault("split", _DEFAULT_TFDS_SPLIT[s])
+      if not str(value.get("tfds", "")).startswith(tfds_source.TFDS_PREFIX):
+        problems.append(
+          f"{fwhere}: field 'tfds' has value {value.get('tfds')!r}, expected "
+          f"'tfds:<name>[:<version>]'"
+        )
+      value["data_dir"] = os.path.expanduser(str(value.get("data_dir", "") or ""))
+      if value.get("category_ids") is not None:
+        try:
+          value["category_ids"] = _ints(value["category_ids"], f"{fwhere} 'category_ids'")
+        except DataError as e:
+          problems.append(str(e))
+          continue
+    elif kind == "coco":
+      for k in ("annotation_file", "image_dir"):
+        if not value.get(k):
+          problems.append(f"{fwhere}: field {k!r} is missing or empty")
+        else:
+          value[k] = os.path.expanduser(str(value[k]))
+    splits.append((s, SplitSpec(**value)))
+  if kind in ("coco", "tfds") and not splits and not problems:
+    problems.append(f"{where}: declares none of the splits {SPLITS}")
+  return splits
+
+
+def _max_detections(cfg, where, spec, problems):
+  """The entry's `max_detections`: its own value, else an ODinW member's registry default
+  (`spec`), else None. A value that is not a positive integer is appended to `problems`."""
+  # An entry's own value wins; an ODinW member's default is the registry's (paper protocol).
+  max_detections = cfg.get("max_detections")
+  if max_detections is None and spec is not None:
+    max_detections = spec.max_detections
+  if max_detections is not None and (
+    isinstance(max_detections, bool)
+    or not isinstance(max_detections, numbers.Integral)
+    or max_detections < 1
+  ):
+    problems.append(
+      f"{where}: field 'max_detections' has value {max_detections!r}, expected a positive "
+      f"integer (detections kept per image) or None (the config's eval.top_k / max_dets)"
+    )
+  return max_detections
 
 
 def load_split(entry: DatasetEntry, split: str, **coco_options) -> CocoSource:
@@ -476,65 +508,13 @@ def check_entry(entry: DatasetEntry, required: Sequence[str] = ()) -> list[str]:
   for split, spec in entry.splits:
     where = f"{where0} field '{split}'"
     if entry.kind == "tfds":
-      found = tfds_source.tfds_problems(
-        spec.tfds, spec.data_dir or None, spec.split, where, spec.category_ids
-      )
-      problems.extend(found)
-      tfds_ok = not found
-      if spec.categories_file and not os.path.isfile(spec.categories_file):
-        problems.append(f"{where} 'categories_file': file not found: {spec.categories_file!r}")
-      elif not spec.categories_file and (
-        entry.evaluation == "lvis"
-        or (
-          entry.evaluation is None
-          and tfds_ok
-          and tfds_source.tfds_has_lvis_fields(spec.tfds, spec.data_dir or None)
-        )
-      ):
-        problems.append(
-          f"{where}: the evaluation protocol is 'lvis' but TFDS has no category 'frequency' "
-          f"(LVIS APr groups): set 'categories_file' to a json with the LVIS categories, or "
-          f"'evaluation' to 'coco'"
-        )
+      problems.extend(_tfds_split_problems(entry, spec, where))
       continue
     if entry.kind == "odinw" and not os.path.isfile(spec.annotation_file):
       continue  # reported above with the layout
-    if not spec.image_dir or not os.path.isdir(spec.image_dir):
-      problems.append(f"{where} 'image_dir': folder not found: {spec.image_dir!r}")
-    data = _read_json(spec.annotation_file, where, problems)
-    if data is None:
-      continue
-    if not data["images"]:
-      problems.append(f"{where} 'annotation_file': {spec.annotation_file} has no images")
-    names = _coco_names(data, entry.exclude_category_ids)
-    names_by_split[split] = names
-    if entry.kind == "odinw":
-      spec_o = odinw.ODINW_DATASETS[entry.member]
-      expected = [
-        n
-        for i, n in enumerate(spec_o.category_names, start=1)
-        if i not in spec_o.exclude_category_ids
-      ]
-      if names != expected:
-        problems.append(
-          f"{where} 'annotation_file': {spec.annotation_file} has categories {names}, "
-          f"expected {expected} for ODinW {entry.member}"
-        )
-    if not names:
-      problems.append(f"{where} 'annotation_file': {spec.annotation_file} has no categories")
-    if entry.evaluation == "lvis" or (entry.evaluation is None and _has_lvis_fields(data)):
-      lacking = [
-        c.get("id")
-        for c in data["categories"]
-        if isinstance(c, dict) and c.get("frequency") not in ("r", "c", "f")
-      ]
-      if lacking:
-        problems.append(
-          f"{where} 'annotation_file': the evaluation protocol is 'lvis' but categories "
-          f"{lacking[:10]} of {spec.annotation_file} have no LVIS 'frequency' (r, c or f)"
-        )
-    for p in tfds_source._name_problems(names, f"{where} 'annotation_file' categories"):  # pylint: disable=protected-access
-      problems.append(f"{p} (in {spec.annotation_file})")
+    names = _coco_split_problems(entry, spec, where, problems)
+    if names is not None:
+      names_by_split[split] = names
   ref = next(iter(names_by_split.items()), None)
   for split, names in names_by_split.items():
     if ref is not None and names != ref[1]:
@@ -543,6 +523,76 @@ def check_entry(entry: DatasetEntry, required: Sequence[str] = ()) -> list[str]:
         f"categories {ref[1]}"
       )
   return problems
+
+
+def _tfds_split_problems(entry: DatasetEntry, spec: SplitSpec, where: str) -> list[str]:
+  """`check_entry`'s problems of one 'tfds' split: the TFDS folder and split, and the
+  categories file the 'lvis' protocol needs."""
+  problems = list(
+    tfds_source.tfds_problems(
+      spec.tfds, spec.data_dir or None, spec.split, where, spec.category_ids
+    )
+  )
+  tfds_ok = not problems
+  if spec.categories_file and not os.path.isfile(spec.categories_file):
+    problems.append(f"{where} 'categories_file': file not found: {spec.categories_file!r}")
+  elif not spec.categories_file and (
+    entry.evaluation == "lvis"
+    or (
+      entry.evaluation is None
+      and tfds_ok
+      and tfds_source.tfds_has_lvis_fields(spec.tfds, spec.data_dir or None)
+    )
+  ):
+    problems.append(
+      f"{where}: the evaluation protocol is 'lvis' but TFDS has no category 'frequency' "
+      f"(LVIS APr groups): set 'categories_file' to a json with the LVIS categories, or "
+      f"'evaluation' to 'coco'"
+    )
+  return problems
+
+
+def _coco_split_problems(
+  entry: DatasetEntry, spec: SplitSpec, where: str, problems: list[str]
+) -> list[str] | None:
+  """`check_entry`'s checks of one COCO-json split (kinds 'coco', 'odinw'), appended to
+  `problems`. Returns its class names, or None when its json cannot be read."""
+  if not spec.image_dir or not os.path.isdir(spec.image_dir):
+    problems.append(f"{where} 'image_dir': folder not found: {spec.image_dir!r}")
+  data = _read_json(spec.annotation_file, where, problems)
+  if data is None:
+    return None
+  if not data["images"]:
+    problems.append(f"{where} 'annotation_file': {spec.annotation_file} has no images")
+  names = _coco_names(data, entry.exclude_category_ids)
+  if entry.kind == "odinw":
+    spec_o = odinw.ODINW_DATASETS[entry.member]
+    expected = [
+      n
+      for i, n in enumerate(spec_o.category_names, start=1)
+      if i not in spec_o.exclude_category_ids
+    ]
+    if names != expected:
+      problems.append(
+        f"{where} 'annotation_file': {spec.annotation_file} has categories {names}, "
+        f"expected {expected} for ODinW {entry.member}"
+      )
+  if not names:
+    problems.append(f"{where} 'annotation_file': {spec.annotation_file} has no categories")
+  if entry.evaluation == "lvis" or (entry.evaluation is None and _has_lvis_fields(data)):
+    lacking = [
+      c.get("id")
+      for c in data["categories"]
+      if isinstance(c, dict) and c.get("frequency") not in ("r", "c", "f")
+    ]
+    if lacking:
+      problems.append(
+        f"{where} 'annotation_file': the evaluation protocol is 'lvis' but categories "
+        f"{lacking[:10]} of {spec.annotation_file} have no LVIS 'frequency' (r, c or f)"
+      )
+  for p in tfds_source._name_problems(names, f"{where} 'annotation_file' categories"):  # pylint: disable=protected-access
+    problems.append(f"{p} (in {spec.annotation_file})")
+  return names
 
 
 def check_entries(entries: Sequence[DatasetEntry], required: Sequence[str] = ()) -> None:

@@ -3,8 +3,9 @@
 `scan_benchmark(bench, cache_dir)` decodes every image of every split of the run's data (the
 pre-training set's train and eval splits, the held-out set, each downstream dataset's train,
 val and test splits) with the pipeline's own decoder (`CocoSource.decode_image`: PIL, every
-pixel, the size compared with the json's), so a truncated JPEG or PNG, a missing file or an
-image whose size differs from its annotation fails here and not hours into training. The
+pixel, the size compared with the json's, a PNG's IEND chunk present), so a truncated JPEG
+or PNG, a missing file or an image whose size differs from its annotation fails here and not
+hours into training. The
 annotations were checked when the splits were read (`CocoSource`: boxes finite, w, h > 0,
 inside the image within `box_tolerance`, known category ids, non-empty category names;
 every problem of every file in one error, `benchmark._SplitLoader`); an empty split is
@@ -13,8 +14,12 @@ the split, the file and the reason.
 
 A split that passed is recorded in `<cache_dir>/data_scan/<key>.json` (written atomically),
 keyed by the content digest of its annotation file, its images' (path, size, mtime) (TFDS:
-the record files') and the json's image sizes: a second run over unchanged data skips the
-scan; a changed, added or replaced file changes the key and is scanned again.
+the record files'), the json's image sizes and the EXIF orientation policy: a second run
+over unchanged data skips the scan; a changed, added or replaced file changes the key and is
+scanned again. A record is checked when read (valid JSON naming the split's annotation file
+and image count): a damaged one is set aside (`.corrupt-<time>`, a warning naming it) and the
+split scanned again. Runs sharing the cache take a record's lock (`<key>.json.lock`,
+`utils.cache_entry_lock`): one scans the split, the others wait and reuse its record.
 
 Source: docs/reference.md §10 (the paper's datasets); issue 12 item 5.
 """
@@ -23,12 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import concurrent.futures
+import contextlib
+import json
 import os
 import time
 
 from absl import logging
 import tqdm
 
+from owl_cl import integrity
+from owl_cl import utils
 from owl_cl.data.coco import CocoSource
 from owl_cl.data.coco import DataError
 from owl_cl.data.coco import problem_list
@@ -41,7 +50,8 @@ __all__ = ["SCAN_FOLDER", "split_key", "scan_splits", "benchmark_splits", "scan_
 # Below cache_dir: one small json per split that passed.
 SCAN_FOLDER = "data_scan"
 # Bump when what the scan checks changes: older records no longer vouch for a split.
-SCAN_VERSION = 1
+# 2: PNGs must end with IEND; 16-bit greyscale scaled; the EXIF orientation policy.
+SCAN_VERSION = 2
 # Decoding threads (PIL releases the GIL while decoding).
 NUM_THREADS = min(8, os.cpu_count() or 1)
 _BLOCK = 1024  # images handed to the threads at a time
@@ -62,9 +72,9 @@ def split_key(source: CocoSource) -> str:
   """The digest a scan record of `source` is filed under (module docstring).
 
   Covers the annotation file's bytes (when it is a file; a TFDS source's annotations come
-  from its records), each image's id, json height / width and file (path, size, mtime in
-  ns), or, for a source whose pixels come from a reader (TFDS ArrayRecord), the record
-  files below `image_dir`.
+  from its records), the source's `exif_orientation`, each image's id, json height / width
+  and file (path, size, mtime in ns), or, for a source whose pixels come from a reader (TFDS
+  ArrayRecord), the record files below `image_dir`.
   """
   ann = source.annotation_file
   images = [
@@ -83,6 +93,7 @@ def split_key(source: CocoSource) -> str:
     {
       "version": SCAN_VERSION,
       "annotation_file": ann,
+      "exif_orientation": source.exif_orientation,
       "annotations": file_digest(ann) if os.path.isfile(ann) else None,
       "images": images,
       "files": files,
@@ -159,32 +170,35 @@ def scan_splits(
       continue
     key = split_key(source)
     record = os.path.join(folder, f"{key}.json") if folder else None
-    if key not in found and record and os.path.isfile(record):
-      counts["cached"] += len(source)
-      continue
-    start = time.time()
-    if key in found:  # the same files in another role: decoded once, reported for each
-      bad = found[key]
-      counts["cached"] += len(source)
-    else:
-      bad = found[key] = _scan_split(source, f"checking {name}/{split}", num_threads)
-      counts["scanned"] += len(source)
-    if bad:
-      problems += [f"{where}: {line}" for line in problem_list(bad).split("\n")]
-      continue
-    if record:
-      atomic_write_json(
-        record,
-        {
-          "dataset": name,
-          "split": split,
-          "annotation_file": source.annotation_file,
-          "images": len(source),
-          "seconds": round(time.time() - start, 2),
-        },
-        indent=2,
-        sort_keys=True,
-      )
+    # One run scans a split while the others sharing the cache wait for its record.
+    lock = utils.cache_entry_lock(record, "data scan") if record else contextlib.nullcontext()
+    with lock:
+      if key not in found and record and _valid_record(record, source):
+        counts["cached"] += len(source)
+        continue
+      start = time.time()
+      if key in found:  # the same files in another role: decoded once, reported for each
+        bad = found[key]
+        counts["cached"] += len(source)
+      else:
+        bad = found[key] = _scan_split(source, f"checking {name}/{split}", num_threads)
+        counts["scanned"] += len(source)
+      if bad:
+        problems += [f"{where}: {line}" for line in problem_list(bad).split("\n")]
+        continue
+      if record:
+        atomic_write_json(
+          record,
+          {
+            "dataset": name,
+            "split": split,
+            "annotation_file": source.annotation_file,
+            "images": len(source),
+            "seconds": round(time.time() - start, 2),
+          },
+          indent=2,
+          sort_keys=True,
+        )
   if problems:
     raise DataError(
       f"the run's data failed the scan ({len(problems)} problem{'s' * (len(problems) > 1)}):\n"
@@ -197,6 +211,33 @@ def scan_splits(
     folder,
   )
   return counts
+
+
+def _valid_record(record: str, source: CocoSource) -> bool:
+  """Whether the scan record `record` vouches for `source` (False when there is none).
+
+  A record that is not valid JSON naming `source`'s annotation file and image count is damaged:
+  it is set aside (`integrity.set_aside`, a warning naming it) and False returned (rescanned).
+  """
+  if not os.path.isfile(record):
+    return False
+  try:
+    with open(record, encoding="utf-8") as f:
+      data = json.load(f)
+    valid = (
+      isinstance(data, dict)
+      and data.get("annotation_file") == source.annotation_file
+      and data.get("images") == len(source)
+    )
+    reason = "its annotation file or image count differs from the split's"
+  except (OSError, ValueError) as e:
+    valid, reason = False, f"unreadable ({e})"
+  if not valid:
+    integrity.set_aside(record, reason)
+    logging.warning(
+      "data scan record %s was damaged (%s); scanning the split again", record, reason
+    )
+  return valid
 
 
 def benchmark_splits(bench) -> list[Split]:

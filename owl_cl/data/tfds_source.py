@@ -373,6 +373,67 @@ def _merge_categories(categories: list[dict], path: str, where: str) -> list[dic
   return out
 
 
+def _convert_record(ex, r, keys, names, category_ids, where, next_ann_id):
+  """One TFDS record -> (its COCO image entry, its COCO annotations, the next free annotation
+  id). Boxes: TFDS's normalised (ymin, xmin, ymax, xmax) -> xywh float pixels of the image
+  size read from the encoded image's header (no pixel decoding).
+
+  Raises:
+    DataError: an undecodable image header, or a label outside the class list (naming the
+      record, image id and field).
+  """
+  annotations = []
+  image_id = int(ex["image/id"]) if "image/id" in keys else r
+  try:
+    with Image.open(io.BytesIO(ex["image"])) as im:
+      width, height = im.size  # header only: no pixel decoding
+  except OSError as e:
+    raise DataError(f"{where}: record {r} (image id {image_id}) field 'image': {e}") from e
+  entry: dict[str, Any] = dict(id=image_id, height=height, width=width, tfds_record=r)
+  if "image/filename" in keys:
+    fn = ex["image/filename"]
+    entry["file_name"] = fn.decode() if isinstance(fn, bytes) else str(fn)
+  for field in _LVIS_FIELDS:
+    if field in keys:
+      bad = [k for k in _ids(ex[field]) if not 0 <= k < len(names)]
+      if bad:
+        raise DataError(
+          f"{where}: record {r} (image id {image_id}) field {field!r} has values {bad} "
+          f"outside the {len(names)} classes"
+        )
+      entry[field] = [category_ids[k] for k in _ids(ex[field])]
+  objects = ex["objects"]
+  bbox = np.asarray(objects["bbox"], np.float64).reshape(-1, 4)
+  labels = _ids(objects["label"])
+  crowd = _ids(objects["is_crowd"]) if "objects/is_crowd" in keys else [0] * len(labels)
+  ann_ids = _ids(objects["id"]) if "objects/id" in keys else None
+  areas = np.asarray(objects["area"], np.float64) if "objects/area" in keys else None
+  for j, ((ymin, xmin, ymax, xmax), k) in enumerate(zip(bbox, labels)):
+    if not 0 <= k < len(names):
+      raise DataError(
+        f"{where}: record {r} (image id {image_id}) field 'objects/label' has value {k}, "
+        f"outside the {len(names)} classes"
+      )
+    x, y = xmin * width, ymin * height
+    w, h = (xmax - xmin) * width, (ymax - ymin) * height
+    if ann_ids is None:
+      aid = next_ann_id
+      next_ann_id += 1
+    else:
+      aid = ann_ids[j]
+    annotations.append(
+      dict(
+        id=aid,
+        image_id=image_id,
+        category_id=category_ids[k],
+        bbox=[float(x), float(y), float(w), float(h)],
+        area=float(areas[j]) if areas is not None else float(w * h),
+        iscrowd=int(crowd[j]),
+      )
+    )
+  return entry, annotations, next_ann_id
+
+
 def tfds_source(
   ref: str,
   data_dir: str | None,
@@ -435,56 +496,11 @@ def tfds_source(
   next_ann_id = 1
   where = f"{where + ': ' if where else ''}{ref} ({path}) split {split!r}"
   for r in range(len(source)):
-    ex = source[r]
-    image_id = int(ex["image/id"]) if "image/id" in keys else r
-    try:
-      with Image.open(io.BytesIO(ex["image"])) as im:
-        width, height = im.size  # header only: no pixel decoding
-    except OSError as e:
-      raise DataError(f"{where}: record {r} (image id {image_id}) field 'image': {e}") from e
-    entry: dict[str, Any] = dict(id=image_id, height=height, width=width, tfds_record=r)
-    if "image/filename" in keys:
-      fn = ex["image/filename"]
-      entry["file_name"] = fn.decode() if isinstance(fn, bytes) else str(fn)
-    for field in _LVIS_FIELDS:
-      if field in keys:
-        bad = [k for k in _ids(ex[field]) if not 0 <= k < len(names)]
-        if bad:
-          raise DataError(
-            f"{where}: record {r} (image id {image_id}) field {field!r} has values {bad} "
-            f"outside the {len(names)} classes"
-          )
-        entry[field] = [category_ids[k] for k in _ids(ex[field])]
+    entry, anns, next_ann_id = _convert_record(
+      source[r], r, keys, names, category_ids, where, next_ann_id
+    )
     images.append(entry)
-    objects = ex["objects"]
-    bbox = np.asarray(objects["bbox"], np.float64).reshape(-1, 4)
-    labels = _ids(objects["label"])
-    crowd = _ids(objects["is_crowd"]) if "objects/is_crowd" in keys else [0] * len(labels)
-    ann_ids = _ids(objects["id"]) if "objects/id" in keys else None
-    areas = np.asarray(objects["area"], np.float64) if "objects/area" in keys else None
-    for j, ((ymin, xmin, ymax, xmax), k) in enumerate(zip(bbox, labels)):
-      if not 0 <= k < len(names):
-        raise DataError(
-          f"{where}: record {r} (image id {image_id}) field 'objects/label' has value {k}, "
-          f"outside the {len(names)} classes"
-        )
-      x, y = xmin * width, ymin * height
-      w, h = (xmax - xmin) * width, (ymax - ymin) * height
-      if ann_ids is None:
-        aid = next_ann_id
-        next_ann_id += 1
-      else:
-        aid = ann_ids[j]
-      annotations.append(
-        dict(
-          id=aid,
-          image_id=image_id,
-          category_id=category_ids[k],
-          bbox=[float(x), float(y), float(w), float(h)],
-          area=float(areas[j]) if areas is not None else float(w * h),
-          iscrowd=int(crowd[j]),
-        )
-      )
+    annotations.extend(anns)
   categories = [dict(id=c, name=n) for c, n in zip(category_ids, names)]
   if categories_file:
     categories = _merge_categories(categories, categories_file, where)

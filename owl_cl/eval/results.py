@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from owl_cl import integrity
 from owl_cl.eval import forgetting as forgetting_lib
 from owl_cl.utils import atomic_write_text
 
@@ -600,6 +601,34 @@ def _owner_of_md(path: str) -> str:
       f"{path} exists but has no owl_cl run marker; refusing to overwrite it."
     )
   return match.group(1)
+
+
+def set_aside_unreadable(workdir: str) -> list[str]:
+  """Moves an unreadable `results.json` / `results.md` of `workdir` aside, for a rebuild.
+
+  For the run that owns `workdir` (its run.json checked first): everything in these files is
+  rebuilt from the stage checkpoints by the run's next `write_results`, so a file that cannot
+  be parsed (or has no run_id / run marker) is renamed (`integrity.set_aside`:
+  `<file>.corrupt-<time>`, never deleted) instead of blocking the resume. A readable file of
+  another run is left alone (`write_results` refuses it).
+
+  Returns:
+    The new paths of the files moved aside (empty when both were readable or absent).
+
+  Raises:
+    OSError: a rename failed.
+  """
+  moved = []
+  for name, owner in ((RESULTS_JSON, _owner_of_json), (RESULTS_MD, _owner_of_md)):
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+      continue
+    try:
+      owner(path)
+    except ResultsConflictError as e:
+      cause = f"unreadable: {e.__cause__}" if e.__cause__ else "no run_id / run marker"
+      moved.append(integrity.set_aside(path, f"{cause}; rebuilt from the checkpoints"))
+  return moved
 
 
 def write_results(workdir: str, results: Mapping[str, Any]) -> dict[str, Any]:

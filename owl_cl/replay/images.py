@@ -15,8 +15,15 @@ S x S x 3 bytes) once it has been decoded. The float32 image is rebuilt from it 
 scaling and padding, so cached and decoded images are identical (uint8 sources; a source
 giving float images is decoded every time). Written safely: an entry's pixels are written and
 `fdatasync`ed before its validity record, so a run killed at any point (or a power loss)
-leaves entries that are complete or marked missing, never torn. Several threads and processes
-may share a cache (positional reads and writes; two writers of one entry write the same bytes).
+leaves entries that are complete or marked missing, never torn. Checked on every read: the
+record holds the CRC-32 of the entry's pixels, so a changed or cut `pixels.u8` (or records
+file) makes the entry count as missing; it is decoded from the source again and rewritten,
+with a warning naming the file and the entry. The cache is written incrementally (images are
+added as they are replayed), so it has no folder-wide manifest: each record is its own check.
+Several threads and processes may share a cache without a lock around appends: positional
+reads and writes, and two writers of one entry write the same bytes (the decode is
+deterministic); the folder's creation and its repair (a cut file extended, an unreadable
+`meta.json`) hold the entry lock (`utils.cache_entry_lock`).
 """
 
 from __future__ import annotations
@@ -27,18 +34,29 @@ import json
 import os
 import threading
 from typing import Any
+import zlib
 
 from absl import logging
 import numpy as np
 
+from owl_cl import integrity
 from owl_cl import utils
 from owl_cl.data import pipeline
 
-CACHE_FORMAT = 1
-# An entry's validity record: int32 (marker, content height, content width, 0), 16 bytes, so
-# it never straddles a disk sector (written in one piece).
+# 2: the record's last field is the CRC-32 of the pixels (1: 0, unchecked; recreated).
+CACHE_FORMAT = 2
+# An entry's validity record: int32 (marker, content height, content width, CRC-32 of the
+# content's bytes as int32), 16 bytes, so it never straddles a disk sector (written in one
+# piece).
 _RECORD = 4
 _MARKER = 0x0C1CA5E1
+# Damaged entries named one per warning, then summed up at the cache's close.
+_MAX_WARNINGS = 10
+
+
+def _crc(data: bytes) -> int:
+  """zlib's CRC-32 of `data` as the int32 stored in a record (the same 32 bits)."""
+  return int(np.uint32(zlib.crc32(data)).view(np.int32))
 
 
 def cache_key(reference: dict, source_index: np.ndarray, image_id: np.ndarray) -> str:
@@ -74,6 +92,8 @@ class ImageCache:
     self.slot = int(image_size) ** 2 * 3
     self._fds = None
     self._lock = threading.Lock()
+    # Entries found damaged by this object (each decoded again), for the log.
+    self.damaged = 0
 
   def _create(self, if_exists: str) -> None:
     with utils.atomic_directory(self.path, if_exists=if_exists) as tmp:
@@ -86,37 +106,98 @@ class ImageCache:
     """(pixels fd, entries fd), creating the folder on first use (thread-safe)."""
     with self._lock:
       if self._fds is None:
-        try:
-          with open(os.path.join(self.path, "meta.json")) as f:
-            found = json.load(f)
-        except (OSError, ValueError):
-          found = None
-        if found != self.meta:
-          # A folder of another layout (an older cache format) is replaced; a missing one is
-          # created, keeping a concurrent creator's if it finishes first.
-          stale = os.path.exists(self.path)
-          if stale:
-            logging.warning("replay image cache %s is of another layout; recreating it", self.path)
-          self._create("replace" if stale else "keep")
+        if self._read_meta() != self.meta or not self._full_size():
+          # Created, replaced or repaired by one process at a time (several runs may share it).
+          with utils.cache_entry_lock(self.path, "replay image cache"):
+            self._prepare()
         self._fds = tuple(
           os.open(os.path.join(self.path, name), os.O_RDWR) for name in ("pixels.u8", "entries.i32")
         )
         logging.info("replay image cache: %s", self.path)
       return self._fds
 
+  def _read_meta(self) -> dict | None:
+    try:
+      with open(os.path.join(self.path, "meta.json")) as f:
+        found = json.load(f)
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError):
+      return {}  # unreadable: damaged
+    return found if isinstance(found, dict) else {}
+
+  def _sizes(self) -> dict[str, int]:
+    return {"pixels.u8": self.meta["images"] * self.slot, "entries.i32": self.meta["images"] * 16}
+
+  def _full_size(self) -> bool:
+    try:
+      return all(
+        os.path.getsize(os.path.join(self.path, name)) >= size
+        for name, size in self._sizes().items()
+      )
+    except OSError:
+      return False
+
+  def _prepare(self) -> None:
+    """Makes the folder one of this layout, complete (under the entry lock)."""
+    found = self._read_meta()
+    if found is None and not os.path.exists(self.path):
+      self._create("keep")
+      return
+    if found != self.meta:
+      if found:
+        # Another layout (an older cache format): replaced, it holds no other data.
+        logging.warning("replay image cache %s is of another layout; recreating it", self.path)
+        self._create("replace")
+      else:  # meta.json missing or unreadable: kept aside for inspection
+        integrity.set_aside(self.path, "meta.json missing or unreadable")
+        self._create("keep")
+      return
+    for name, size in self._sizes().items():
+      path = os.path.join(self.path, name)
+      if not os.path.exists(path) or os.path.getsize(path) < size:
+        # Cut (or lost): the missing part reads as zeros, entries not cached (or failing their
+        # CRC), decoded and rewritten.
+        logging.warning(
+          "replay image cache %s is cut (%s of %d bytes); its missing entries are decoded again",
+          path,
+          os.path.getsize(path) if os.path.exists(path) else "missing",
+          size,
+        )
+        with open(path, "ab") as f:
+          f.truncate(size)
+
   def read(self, index: int) -> np.ndarray | None:
-    """Entry `index`'s uint8 [h, w, 3] content, or None when it is not cached yet."""
+    """Entry `index`'s uint8 [h, w, 3] content, or None when it is not cached yet or fails its
+    check (the pixels' CRC-32 differs from the record's, or are cut short: logged)."""
     pixels, entries = self._open()
     record = np.frombuffer(os.pread(entries, 4 * _RECORD, 4 * _RECORD * index), np.int32)
     if len(record) != _RECORD or record[0] != _MARKER:
       return None
     h, w = int(record[1]), int(record[2])
     if not (0 < h * w * 3 <= self.slot):
+      self._damaged("entries.i32", index, f"record of a {h} x {w} image")
       return None
     data = os.pread(pixels, h * w * 3, self.slot * index)
-    if len(data) != h * w * 3:  # a truncated file: treat as missing
+    if len(data) != h * w * 3:
+      self._damaged("pixels.u8", index, f"{len(data)} of {h * w * 3} bytes (file cut)")
+      return None
+    if _crc(data) != int(record[3]):
+      self._damaged("pixels.u8", index, "CRC-32 differs from its record (changed on disk)")
       return None
     return np.frombuffer(data, np.uint8).reshape(h, w, 3)
+
+  def _damaged(self, name: str, index: int, reason: str) -> None:
+    with self._lock:
+      self.damaged += 1
+      count = self.damaged
+    if count <= _MAX_WARNINGS:
+      logging.warning(
+        "replay image cache %s: entry %d failed its check (%s); decoding it again",
+        os.path.join(self.path, name),
+        index,
+        reason,
+      )
 
   def write(self, contents: dict[int, np.ndarray]) -> None:
     """Caches {index: uint8 [h, w, 3] content}: pixels, fdatasync, then the records.
@@ -134,7 +215,8 @@ class ImageCache:
     # The records only once the pixels are on disk: a record never points at torn pixels.
     os.fdatasync(pixels)
     for index, content in contents.items():
-      record = np.array([_MARKER, content.shape[0], content.shape[1], 0], np.int32).tobytes()
+      crc = _crc(np.ascontiguousarray(content, np.uint8).tobytes())
+      record = np.array([_MARKER, content.shape[0], content.shape[1], crc], np.int32).tobytes()
       os.pwrite(entries, record, 4 * _RECORD * index)
 
   def close(self) -> None:
@@ -144,6 +226,12 @@ class ImageCache:
         for fd in self._fds:
           os.close(fd)
         self._fds = None
+      if self.damaged > _MAX_WARNINGS:
+        logging.warning(
+          "replay image cache %s: %d damaged entries in all, each decoded again",
+          self.path,
+          self.damaged,
+        )
 
 
 class BufferImages:

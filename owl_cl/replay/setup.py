@@ -32,6 +32,7 @@ from owl_cl.cache_keys import cache_key_fields
 from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import loss_adaptivity_mode
+from owl_cl.config_fields import seed_of
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import records as records_lib
 from owl_cl.replay import state as replay_state_lib
@@ -136,7 +137,7 @@ def build_options(detector, source) -> dict:
     num_queries=data.num_queries,
     max_instances=data.max_instances,
     num_negatives=data.num_negatives,
-    seed=config.seed,
+    seed=seed_of(config, "model"),
     loss_threshold=selection.loss_threshold,
     min_per_class=selection.min_per_class,
     fill_all_for_rare_classes=selection.fill_all_for_rare_classes,
@@ -182,7 +183,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     "top_k": config.replay.top_k,
     "data": [data.num_queries, data.num_negatives, data.max_instances],
     "loss": cache_key_fields(config, "loss"),
-    "seed": config.seed,
+    "seed": seed_of(config, "model"),
     # 2: class embeddings normalised as scenic's class head returns them (1: raw).
     "format": 2,
     **non_default_data_options(config, buffer=True),
@@ -212,6 +213,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     superseded,
     source=source,
     image_cache=image_cache_dir(config),
+    verification=config.replay.get("store_verification", "full"),
   )
 
 

@@ -48,6 +48,7 @@ from absl import logging
 import ml_dtypes
 import numpy as np
 
+from owl_cl import integrity
 from owl_cl import utils
 from owl_cl.replay import images as images_lib
 from owl_cl.replay.state import ReplayBuffer
@@ -77,6 +78,15 @@ LOGITS_DTYPES = {
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
+# meta.json of a store written with a manifest (`integrity.write_manifest`) says so: such a
+# store whose manifest is gone is damaged, not one of an earlier version.
+CHECKSUMS_FIELD = "checksums"
+
+
+def is_row_file(rel: str) -> bool:
+  """Whether the store file `rel` holds per-image rows read by `gather` (examples, logits),
+  the files a lazy verification checks chunk by chunk as they are read."""
+  return rel.endswith(".npy") and (rel.startswith("examples.") or rel == "stored_logits.npy")
 
 
 def query_padding(queries: np.ndarray) -> np.ndarray:
@@ -219,6 +229,11 @@ class ReplayStore:
     # The folder the store was loaded from (`load`); None for a store built in memory. Once-
     # per-buffer results (ASER-PC's left term) are cached next to it.
     self.path: str | None = None
+    # Lazy verification (set by `build.cached_store`): an `integrity.LazyVerifier` of the
+    # folder, checked by `gather` before it reads rows, and what to do with a damaged store
+    # (set it aside) before the error is raised.
+    self.verifier: integrity.LazyVerifier | None = None
+    self.on_damage = None
 
   @property
   def num_images(self) -> int:
@@ -270,6 +285,8 @@ class ReplayStore:
       raise IndexError(f"buffer indices must lie in [0, {self.num_images})")
     if valid is not None and np.shape(valid) != indices.shape:
       raise ValueError(f"valid {np.shape(valid)} does not match indices {indices.shape}")
+    if self.verifier is not None:
+      self._verify_rows(indices)
     batch = {}
     if self.by_reference:
       if self.images is None:
@@ -297,6 +314,30 @@ class ReplayStore:
     batch["buffer_index"] = indices.astype(np.int32)
     return batch
 
+  def _verify_rows(self, indices: np.ndarray) -> None:
+    """Checks the chunks of the per-image files that rows `indices` lie in (lazy verification).
+
+    Raises:
+      integrity.IntegrityError: a chunk differs from the manifest (the store is set aside
+        first, `on_damage`, so the next run rebuilds it).
+    """
+    rows = np.unique(indices)
+    try:
+      for name, array in self._arrays().items():
+        rel = name + ".npy"
+        if not (isinstance(array, np.memmap) and is_row_file(rel)):
+          continue
+        row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
+        for i in rows:
+          start = array.offset + int(i) * row_bytes
+          self.verifier.check(rel, start, start + row_bytes)
+    except integrity.IntegrityError as e:
+      if self.on_damage is not None:
+        self.on_damage(e)
+      raise integrity.IntegrityError(
+        e.path, f"{e.reason}; the replay store was set aside: run again to rebuild it"
+      ) from None
+
   # ------------------------------------------------------------------------- persistence
   def _arrays(self) -> dict[str, np.ndarray]:
     arrays = {f"examples.{k}": v for k, v in self.examples.items()}
@@ -305,7 +346,8 @@ class ReplayStore:
     return arrays
 
   def save(self, path: str) -> None:
-    """Writes the store to directory `path` atomically (`utils.atomic_directory`).
+    """Writes the store to directory `path` atomically (`utils.atomic_directory`), with the
+    manifest of its files' digests last (`integrity.write_manifest`).
 
     An existing store at `path` is replaced once the new one is complete. Raises OSError on
     filesystem errors (the temporary directory is removed).
@@ -324,6 +366,7 @@ class ReplayStore:
       write_meta(
         tmp, self._class_names, self.logits_dtype, self.pad_logit, dtypes, self.image_reference
       )
+      integrity.write_manifest(tmp)  # the commit mark, last
 
   @classmethod
   def load(
@@ -434,6 +477,8 @@ def write_meta(
     logits_dtype=logits_dtype,
     pad_logit=float(pad_logit),
     arrays=dict(arrays),
+    # The writer commits the folder with a manifest (`integrity.write_manifest`).
+    **{CHECKSUMS_FIELD: True},
   )
   if image_reference is not None:
     meta["images"] = dict(image_reference)

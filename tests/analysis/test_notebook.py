@@ -63,7 +63,8 @@ def test_notebook_runs_on_fake_sweep(tmp_path, monkeypatch):
 
   for run_id, algorithm in (("a", "no_replay"), ("b", "swil")):
     workdir = tmp_path / "workdirs" / "sweep" / f"{algorithm}_seed0"
-    rl.write_results(str(workdir), make_results(run_id=run_id, algorithm=algorithm))
+    results = make_results(run_id=run_id, algorithm=algorithm)
+    rl.write_results(str(workdir), dict(results, status="complete"))
   write_records(str(tmp_path / "workdirs" / "sweep" / "swil_seed0" / "records" / "D1.npz"))
   monkeypatch.chdir(tmp_path)
   with open(NOTEBOOK, encoding="utf-8") as f:
@@ -73,5 +74,6 @@ def test_notebook_runs_on_fake_sweep(tmp_path, monkeypatch):
   for cell in nb["cells"]:
     if cell["cell_type"] == "code":
       exec(compile("".join(cell["source"]), NOTEBOOK, "exec"), namespace)  # pylint: disable=exec-used
-  # 2 heat maps + 1 forgetting figure + 4 records figures of swil / D1.
-  assert len(shown) == 7 and all(isinstance(f, Figure) for f in shown)
+  # 2 heat maps + the report's 2 figures (one run each: swil against no_replay, paired on
+  # seed 0 and the order) + 1 forgetting figure + 4 records figures of swil / D1.
+  assert len(shown) == 9 and all(isinstance(f, Figure) for f in shown)

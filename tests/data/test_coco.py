@@ -153,3 +153,128 @@ def test_image_size_mismatch(tmp_path):
   src = CocoSource(ann2, img_dir)
   with pytest.raises(DataError, match="height=31"):
     src.load(0)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def one_image_source(tmp_path, write, height, width, **options) -> CocoSource:
+  """A CocoSource of one image `img.<ext>` written by `write(path_without_ext) -> ext`, with
+  the json size `height` x `width` and no annotation."""
+  img_dir = tmp_path / "images"
+  img_dir.mkdir(exist_ok=True)
+  ext = write(str(img_dir / "img"))
+  images = [dict(id=1, file_name=f"img.{ext}", height=height, width=width)]
+  ann, _ = write_coco(
+    str(tmp_path), images, [], [dict(id=1, name="cup")], write_images=False, json_name="a.json"
+  )
+  return CocoSource(ann, str(img_dir), **options)
+
+
+def test_sixteen_bit_png_is_scaled_to_eight_bits(tmp_path):
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  # Every 16-bit level class: 0, 128 (rounds to 0), 257*k (exactly k), 65535 (255).
+  grey = np.array([[0, 128, 257, 32896], [257 * 200, 65000, 65535, 1000]], np.uint16)
+
+  def write(stem):
+    Image.fromarray(grey).save(stem + ".png")  # PIL writes mode I;16 as a 16-bit PNG
+    return "png"
+
+  image = one_image_source(tmp_path, write, 2, 4).decode_image(0)
+  expected = np.rint(grey.astype(np.float64) * 255.0 / 65535.0).astype(np.uint8)
+  np.testing.assert_array_equal(expected, [[0, 0, 1, 128], [200, 253, 255, 4]])  # by hand
+  assert image.dtype == np.uint8 and image.shape == (2, 4, 3)
+  np.testing.assert_array_equal(image, np.repeat(expected[..., None], 3, axis=-1))
+
+
+def test_png_cut_before_iend_is_refused(tmp_path):
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  def write(stem):
+    pixels = np.random.default_rng(0).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(stem + ".png")
+    with open(stem + ".png", "rb") as f:
+      data = f.read()
+    assert data.endswith(b"IEND\xaeB`\x82")
+    with open(stem + ".png", "wb") as f:
+      f.write(data[:-12])  # the whole IEND chunk gone: PIL alone decodes every pixel
+    return "png"
+
+  source = one_image_source(tmp_path, write, 6, 5)
+  with Image.open(source.image_path(0)) as im:
+    assert np.asarray(im.convert("RGB")).shape == (6, 5, 3)  # what the check is for
+  with pytest.raises(DataError, match=r"cannot decode image .*img.png \(image id 1\): .*trunc"):
+    source.decode_image(0)
+
+
+def write_oriented_jpeg(stem: str, orientation: int) -> np.ndarray:
+  """A 4x6 (HxW) JPEG of four flat quadrants tagged with EXIF `orientation`; returns the
+  stored pixels as decoded by PIL (JPEG is lossy: the reference is the decoded file)."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  pixels = np.zeros((4, 6, 3), np.uint8)
+  pixels[:2, :3], pixels[:2, 3:], pixels[2:, :3], pixels[2:, 3:] = 0, 80, 160, 240
+  exif = Image.Exif()
+  exif[0x0112] = orientation
+  Image.fromarray(pixels).save(stem + ".jpg", exif=exif, quality=100)
+  with Image.open(stem + ".jpg") as im:
+    return np.asarray(im.convert("RGB"))
+
+
+@pytest.mark.parametrize("policy", ["ignore", "apply", "refuse"])
+def test_exif_orientation_policy(policy, tmp_path):
+  stored = {}
+
+  def write(stem):
+    stored["pixels"] = write_oriented_jpeg(stem, 6)  # 6: turn 90 degrees clockwise to view
+    return "jpg"
+
+  # The json gives the frame the boxes were drawn in: stored 6x4 (WxH) or turned 4x6.
+  height, width = (6, 4) if policy == "apply" else (4, 6)
+  source = one_image_source(tmp_path, write, height, width, exif_orientation=policy)
+  if policy == "refuse":
+    with pytest.raises(DataError, match=r"img.jpg \(image id 1\) has EXIF orientation 6 and"):
+      source.decode_image(0)
+    return
+  image = source.decode_image(0)
+  # Orientation 6 = the stored image turned 90 degrees clockwise (np.rot90 k=-1).
+  expected = stored["pixels"] if policy == "ignore" else np.rot90(stored["pixels"], k=-1)
+  np.testing.assert_array_equal(image, expected)
+
+
+def test_exif_turned_json_size_names_the_policy(tmp_path):
+  """'ignore' with a json in the turned frame: the mismatch says which setting fits."""
+
+  def write(stem):
+    write_oriented_jpeg(stem, 8)  # 8: turn 90 degrees counter-clockwise to view
+    return "jpg"
+
+  source = one_image_source(tmp_path, write, 6, 4)
+  with pytest.raises(DataError, match="EXIF orientation 8 turns it by 90 degrees") as e:
+    source.decode_image(0)
+  assert "decodes to 6x4 (WxH) but the json says width=4 height=6" in str(e.value)
+  assert "config.data.exif_orientation='apply'" in str(e.value)
+
+
+def test_duplicate_annotation_id_is_refused(tmp_path):
+  images, anns, cats = basic_dataset()
+  anns[3]["id"] = 2  # image 2's bird would replace image 5's cat in pycocotools' index
+  ann, img_dir = write_coco(str(tmp_path), images, anns, cats)
+  with pytest.raises(DataError) as e:
+    CocoSource(ann, img_dir)
+  assert str(e.value) == (
+    f"{ann}: annotations[3] field 'id' has value 2, which annotations[1] also has "
+    "(annotation ids must be unique)"
+  )
+
+
+def test_duplicate_image_id_is_refused(tmp_path):
+  images, anns, cats = basic_dataset()
+  images[2]["id"] = 5
+  ann, img_dir = write_coco(str(tmp_path), images, anns, cats)
+  with pytest.raises(DataError) as e:
+    CocoSource(ann, img_dir)
+  assert str(e.value) == (
+    f"{ann}: images[2] field 'id' has value 5, which images[0] also has (image ids must be unique)"
+  )

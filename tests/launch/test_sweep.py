@@ -300,3 +300,94 @@ def test_slurm_multinode_tasks_get_the_cluster_spec(tmp_path):
   assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c" in (
     proc.stderr
   )
+
+
+def test_orders_axis_and_seed_fields():
+  tasks = sweep.build_sweep(["swil"], [0, 1], root="/w", orders=["random_0", "odinw13/reversed"])
+  assert [t.command for t in tasks] == [
+    f"python -m owl_cl.main --config=configs/swil.py --workdir=/w/swil_{name}_seed{seed} "
+    f"--config.task_order={order} --config.seeds.data={seed} --config.seeds.retrieval={seed}"
+    for order, name in (("random_0", "random_0"), ("odinw13/reversed", "odinw13-reversed"))
+    for seed in (0, 1)
+  ]
+  assert [t.order for t in tasks] == ["random_0"] * 2 + ["odinw13/reversed"] * 2
+  # Each seed part can be varied alone; `seed` varies everything (the model too).
+  (task,) = sweep.build_sweep(["swil"], [3], orders=["1"], seed_fields=["seeds.retrieval"])
+  assert task.argv[-2:] == ("--config.task_order=1", "--config.seeds.retrieval=3")
+  (task,) = sweep.build_sweep(["swil"], [3], seed_fields=["seed"])
+  assert task.argv[-1] == "--config.seed=3"
+  with pytest.raises(ValueError, match="'random_99' is no stored order"):
+    sweep.build_sweep(["swil"], [0], orders=["random_99"])
+  with pytest.raises(ValueError, match=r"\['task_order'\] given more than once"):
+    sweep.build_sweep(["swil"], [0], orders=["random_0"], grid=[("task_order", ["random_1"])])
+  with pytest.raises(ValueError, match="seeds.dta"):
+    sweep.build_sweep(["swil"], [0], seed_fields=["seeds.dta"])
+
+
+FAKE_RUN = r"""
+import json, os, sys, time
+workdir, fail = sys.argv[1], sys.argv[2] == "fail"
+with open(os.path.join(os.path.dirname(workdir), "times.txt"), "a") as f:
+  f.write(f"start {os.path.basename(workdir)} {time.time()}\n")
+time.sleep(0.3)
+if fail:
+  sys.exit(3)
+os.makedirs(workdir, exist_ok=True)
+with open(os.path.join(workdir, "results.json"), "w") as f:
+  json.dump({"status": "complete"}, f)
+with open(os.path.join(os.path.dirname(workdir), "times.txt"), "a") as f:
+  f.write(f"end {os.path.basename(workdir)} {time.time()}\n")
+"""
+
+
+def fake_tasks(root, names, fail=()):
+  return [
+    sweep.Task(
+      "uniform",
+      0,
+      (),
+      os.path.join(root, n),
+      (sys.executable, "-c", FAKE_RUN, os.path.join(root, n), "fail" if n in fail else "ok"),
+    )
+    for n in names
+  ]
+
+
+def read_times(root):
+  times = {}
+  for line in open(os.path.join(root, "times.txt")).read().splitlines():
+    event, name, t = line.split()
+    times.setdefault(name, {})[event] = float(t)
+  return times
+
+
+def test_run_tasks_skips_complete_first_alone_and_caps(tmp_path):
+  root = str(tmp_path)
+  tasks = fake_tasks(root, ["a", "b", "c", "d", "e"])
+  os.makedirs(tasks[1].workdir)
+  with open(os.path.join(tasks[1].workdir, "results.json"), "w") as f:
+    f.write('{"status": "complete"}')
+  os.makedirs(tasks[2].workdir)  # a killed run: no complete results, run (resumed) again
+  with open(os.path.join(tasks[2].workdir, "results.json"), "w") as f:
+    f.write('{"status": "running"}')
+  assert sweep.run_tasks(tasks, processes=2, poll_seconds=0.05) == 0
+  times = read_times(root)
+  assert sorted(times) == ["a", "c", "d", "e"]  # b was complete: skipped
+  assert all(sweep.is_complete(t.workdir) for t in tasks)
+  # a ran alone: every other began after it ended.
+  assert all(times[n]["start"] >= times["a"]["end"] for n in ("c", "d", "e"))
+  # Never more than 2 at once: at every start, at most one other run is in progress.
+  for n in ("c", "d", "e"):
+    others = [m for m in ("c", "d", "e") if m != n]
+    inside = [m for m in others if times[m]["start"] <= times[n]["start"] < times[m]["end"]]
+    assert len(inside) <= 1
+  assert os.path.isfile(os.path.join(root, "logs", "c.log"))
+
+
+def test_run_tasks_stops_at_the_first_failure(tmp_path):
+  root = str(tmp_path)
+  tasks = fake_tasks(root, ["a", "b", "c"], fail=("b",))
+  assert sweep.run_tasks(tasks, processes=1, poll_seconds=0.05) == 3
+  assert sorted(read_times(root)) == ["a", "b"]  # c never started
+  with pytest.raises(ValueError, match="--processes must be >= 1"):
+    sweep.run_tasks(tasks, processes=0)

@@ -213,3 +213,36 @@ def test_algorithm_prepare_caches_and_reloads(tmp_path):
   loaded = algorithm.prepare(fresh(), buffer, cache_prefix=prefix)
   np.testing.assert_array_equal(np.asarray(loaded.asv_left), marker)
   np.testing.assert_array_equal(np.asarray(loaded.asv_left_min), -marker)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_cached_left_term_is_set_aside_and_recomputed(tmp_path, caplog, damage):
+  ce, qe = _tokens()
+  prefix = str(tmp_path / "0123456789abcdef")
+  options = asv_left.left_term_options(3)
+  calls = []
+  first = asv_left.cached_left_term(
+    prefix, ce, qe, options, chunk_size=4, progress=False, chunk_hook=calls.append
+  )
+  path = asv_left.cache_path(prefix, options)
+  stat = os.stat(path)
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+  # The left term's values (a member's data, not the zip directory): found by their bytes.
+  start = bytes(data).index(np.asarray(first[0]).tobytes())
+  if damage == "flip":
+    data[start : start + 16] = bytes(b ^ 0xFF for b in data[start : start + 16])
+  else:
+    data = data[: start + 8]
+  with open(path, "wb") as f:
+    f.write(bytes(data))
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  with caplog.at_level("WARNING"):
+    again = asv_left.cached_left_term(
+      prefix, ce, qe, options, chunk_size=4, progress=False, chunk_hook=calls.append
+    )
+  assert calls == [1, 2, 3, 4] * 2  # recomputed
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a, b)
+  assert f"{path}: unreadable" in caplog.text and "recomputing it" in caplog.text
+  assert len([n for n in os.listdir(tmp_path) if ".corrupt-" in n]) == 1

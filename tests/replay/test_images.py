@@ -138,8 +138,8 @@ def test_cache_gives_the_same_batches_and_spares_the_decodes(tmp_path):
     store_lib.ReplayStore.load(path, source=source).gather([2])["images"],
   )
   assert source.loads == len(np.unique(INDICES)) + 2
-  # One folder, named by the buffer's key.
-  (folder,) = os.listdir(cache_root)
+  # One folder, named by the buffer's key (and its lock file).
+  (folder,) = [n for n in os.listdir(cache_root) if not n.endswith(".lock")]
   assert folder == images_lib.cache_key(REFERENCE, KEPT, KEPT + 100)
 
 
@@ -231,3 +231,67 @@ def test_image_cache_folder_from_the_config(tmp_path, monkeypatch):
   for off in (None, ""):
     config.replay.image_cache = off
     assert replay_setup.image_cache_dir(config) is None
+
+
+def _filled_cache(tmp_path):
+  """(store path, cache root, cache folder, expected batch) after one gather filled the cache."""
+  source = CountingSource()
+  path = _saved_store(tmp_path)
+  expected = store_lib.ReplayStore.load(path, source=source).gather(INDICES, VALID)
+  cache_root = str(tmp_path / "cache")
+  store_lib.ReplayStore.load(path, source=source, image_cache=cache_root).gather(INDICES, VALID)
+  (folder,) = [n for n in os.listdir(cache_root) if not n.endswith(".lock")]
+  return path, cache_root, os.path.join(cache_root, folder), expected
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "records"])
+def test_damaged_cache_entries_are_decoded_again_and_rewritten(tmp_path, caplog, damage):
+  path, cache_root, folder, expected = _filled_cache(tmp_path)
+  pixels = os.path.join(folder, "pixels.u8")
+  stat = os.stat(pixels)
+  slot = S * S * 3
+  first = int(np.unique(INDICES)[0])  # a cached entry
+  if damage == "flip":  # up to 4096 bytes of the first cached entry, size and mtime kept
+    with open(pixels, "r+b") as f:
+      f.seek(first * slot)
+      old = f.read(min(4096, slot))  # one slot: the tiny images' slots are smaller
+      f.seek(first * slot)
+      f.write(bytes(b ^ 0x5A for b in old))
+    damaged = 1
+  elif damage == "truncate":  # every entry but the first cut away
+    os.truncate(pixels, first * slot + 10)
+    damaged = len(np.unique(INDICES))
+  else:  # the records file cut: every entry missing
+    os.truncate(os.path.join(folder, "entries.i32"), 0)
+    damaged = len(np.unique(INDICES))
+  os.utime(pixels, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  source = CountingSource()
+  store = store_lib.ReplayStore.load(path, source=source, image_cache=cache_root)
+  with caplog.at_level("WARNING"):
+    _assert_same_batch(store.gather(INDICES, VALID), expected)
+  assert source.loads == damaged  # the damaged entries decoded again, the others read
+  if damage == "flip":
+    assert f"{pixels}: entry {first} failed its check (CRC-32 differs" in caplog.text
+  else:
+    assert "is cut" in caplog.text and folder in caplog.text
+  # Rewritten: a later run reads every entry from the cache, without a warning.
+  caplog.clear()
+  source.loads = 0
+  again = store_lib.ReplayStore.load(path, source=source, image_cache=cache_root)
+  with caplog.at_level("WARNING"):
+    _assert_same_batch(again.gather(INDICES, VALID), expected)
+  assert source.loads == 0 and "failed its check" not in caplog.text
+
+
+def test_unreadable_cache_meta_sets_the_folder_aside(tmp_path, caplog):
+  path, cache_root, folder, expected = _filled_cache(tmp_path)
+  with open(os.path.join(folder, "meta.json"), "w") as f:
+    f.write("{not json")
+  source = CountingSource()
+  store = store_lib.ReplayStore.load(path, source=source, image_cache=cache_root)
+  with caplog.at_level("WARNING"):
+    _assert_same_batch(store.gather(INDICES, VALID), expected)
+  assert source.loads == len(np.unique(INDICES))
+  (aside,) = [n for n in os.listdir(cache_root) if ".corrupt-" in n]
+  assert os.path.isfile(os.path.join(cache_root, aside, "pixels.u8"))  # kept, not deleted
+  assert "failed its integrity check" in caplog.text

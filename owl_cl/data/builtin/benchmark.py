@@ -16,10 +16,12 @@ import time
 from typing import Any
 import zlib
 
+from absl import logging
 import numpy as np
 from PIL import Image
 from PIL import ImageDraw
 
+from owl_cl import integrity
 from owl_cl import utils
 from owl_cl.data.builtin.render import Assets
 from owl_cl.data.builtin.render import render_scene
@@ -372,12 +374,16 @@ def ensure_benchmark(
   """Return the built-in benchmark, generating it into `cache_dir` if needed.
 
   The cache folder is `cache_dir/builtin_v<FORMAT_VERSION>_<hash of all parameters>/`. It is
-  trusted only if complete (metadata present, every json and PNG there). Otherwise the
-  benchmark is generated into a temporary sibling folder and renamed into place atomically, so
-  an interrupted or failed generation never leaves a cache that is later trusted (a stale
-  incomplete folder is removed; concurrent generators: the first rename wins, the others
-  discard their copy). Deterministic: the same parameters give byte-identical json and
-  identical PNG pixels (every image's randomness derives from (seed, dataset/split, index)).
+  trusted only if complete (metadata present, every json and PNG there) and every file matches
+  the manifest written with it (`integrity.verify_directory`). Otherwise the benchmark is
+  generated into a temporary sibling folder, its manifest written last, and renamed into place
+  atomically, so an interrupted or failed generation never leaves a cache that is later
+  trusted. A damaged folder is set aside (`.corrupt-<time>`, a warning naming the file); an
+  incomplete one, or one generated before manifests were written, is replaced (generation is
+  deterministic and takes seconds). Concurrent runs take the folder's lock
+  (`utils.cache_entry_lock`): one generates, the others wait and reuse it. Deterministic: the
+  same parameters give byte-identical json and identical PNG pixels (every image's
+  randomness derives from (seed, dataset/split, index)).
 
   Args:
     cache_dir: parent folder (created if missing).
@@ -408,14 +414,26 @@ def ensure_benchmark(
   config.splits()  # validates names
   os.makedirs(cache_dir, exist_ok=True)
   root = os.path.join(os.fspath(cache_dir), config.key())
-  meta = _complete(root)
-  if meta is not None:
-    return _benchmark_from_meta(root, meta)
-  # An incomplete leftover (a killed generation that predates atomic writes) is replaced; a
-  # folder that a concurrent run completes while we generate is kept (same contents).
-  if_exists = "replace" if os.path.exists(root) else "keep"
-  with utils.atomic_directory(root, if_exists=if_exists) as tmp:
-    generate_benchmark(tmp, config, progress=progress)
+  with utils.cache_entry_lock(root, "built-in benchmark"):
+    if integrity.has_manifest(root):
+      try:
+        integrity.verify_directory(root)
+        meta = _complete(root)
+        if meta is not None:
+          return _benchmark_from_meta(root, meta)
+      except integrity.IntegrityError as e:
+        integrity.set_aside(root, str(e))
+        logging.warning("the built-in benchmark was damaged (%s); generating it again", e)
+    elif os.path.exists(root):
+      logging.info(
+        "the built-in benchmark at %s is incomplete or predates checksums: generating it again",
+        root,
+      )
+    # An incomplete leftover (a killed generation that predates atomic writes, or one of an
+    # earlier version without a manifest) is replaced.
+    with utils.atomic_directory(root, if_exists="replace") as tmp:
+      generate_benchmark(tmp, config, progress=progress)
+      integrity.write_manifest(tmp)  # the commit mark, last
   meta = _complete(root)
   if meta is None:
     raise OSError(f"built-in benchmark at {root} is incomplete after generation")

@@ -27,7 +27,11 @@ How it runs (`compute_left_term`):
 
 `cached_left_term` keeps the result in `<prefix>.asv_left-<digest of the options>.npz`, the
 prefix being the cached replay store's folder (its cache key), written atomically and loaded
-instead of recomputed; its progress folder is the same name + `.build`.
+instead of recomputed; its progress folder is the same name + `.build`. The file is checked
+when read: NumPy's `.npz` is a zip whose members carry a CRC-32, which `zipfile` compares
+when a member is read to its end, so a changed or cut file fails to load; it is then set aside
+(`.corrupt-<time>`) and recomputed with a warning naming it. Runs sharing the cache take the
+file's lock (`<file>.lock`): one computes, the others wait and load its result.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import numpy as np
 import tqdm
 
 from owl_cl import distributed
+from owl_cl import integrity
 from owl_cl import preemption
 from owl_cl import utils
 from owl_cl.replay.retrieval import knn_shapley
@@ -219,6 +224,39 @@ def mesh_of(array, mesh=None):
   return sharding_lib.create_mesh(devices[:1] if devices else jax.devices()[:1])
 
 
+def _check_inputs(class_shape, query_shape, chunk_size) -> int:
+  """N of `compute_left_term`'s inputs; ValueError (before any work) for shapes that are not
+  [N, t, *] with the same N >= 1 and t, or chunk_size < 1."""
+  if len(class_shape) != 3 or len(query_shape) != 3 or class_shape[:2] != query_shape[:2]:
+    raise ValueError(
+      "ASER-PC left term: the class tokens and query embeddings must be [N, t, D] and "
+      f"[N, t, E] with the same N and t; got {class_shape} and {query_shape}"
+    )
+  num_images = int(class_shape[0])
+  if num_images < 1:
+    raise ValueError("ASER-PC left term: the buffer has no image")
+  if int(chunk_size) < 1:
+    raise ValueError(f"ASER-PC left term: chunk_size must be >= 1, got {chunk_size}")
+  return num_images
+
+
+def _manifest(key, class_shape, query_shape, options, chunk, mesh) -> dict:
+  """What a progress folder's committed chunks depend on: a folder with another manifest is
+  started afresh."""
+  return dict(
+    format=LEFT_TERM_FORMAT,
+    key=key,
+    class_tokens=list(class_shape),
+    query_embeddings=list(query_shape),
+    options=options,
+    chunk=chunk,
+    devices=mesh.shape[sharding_lib.DATA_AXIS],
+    # Bit-identical chunks need the same compiled code: another platform or JAX restarts.
+    platform=str(mesh.devices.flat[0].device_kind),
+    jax=jax.__version__,
+  )
+
+
 def compute_left_term(
   class_tokens,
   query_embeddings,
@@ -265,16 +303,7 @@ def compute_left_term(
   Source: paper §4 "ASER-PC", suppl. §C; docs/reference.md §7; the module docstring.
   """
   class_shape, query_shape = np.shape(class_tokens), np.shape(query_embeddings)
-  if len(class_shape) != 3 or len(query_shape) != 3 or class_shape[:2] != query_shape[:2]:
-    raise ValueError(
-      "ASER-PC left term: the class tokens and query embeddings must be [N, t, D] and "
-      f"[N, t, E] with the same N and t; got {class_shape} and {query_shape}"
-    )
-  num_images = int(class_shape[0])
-  if num_images < 1:
-    raise ValueError("ASER-PC left term: the buffer has no image")
-  if int(chunk_size) < 1:
-    raise ValueError(f"ASER-PC left term: chunk_size must be >= 1, got {chunk_size}")
+  num_images = _check_inputs(class_shape, query_shape, chunk_size)
   mesh = mesh_of(class_tokens, mesh)
   devices = mesh.shape[sharding_lib.DATA_AXIS]
   chunk = -(-min(int(chunk_size), num_images) // devices) * devices
@@ -282,18 +311,7 @@ def compute_left_term(
   writer = distributed.is_writer()
   committed = None
   if folder is not None and writer:
-    manifest = dict(
-      format=LEFT_TERM_FORMAT,
-      key=key,
-      class_tokens=list(class_shape),
-      query_embeddings=list(query_shape),
-      options=options,
-      chunk=chunk,
-      devices=devices,
-      # Bit-identical chunks need the same compiled code: another platform or JAX restarts.
-      platform=str(mesh.devices.flat[0].device_kind),
-      jax=jax.__version__,
-    )
+    manifest = _manifest(key, class_shape, query_shape, options, chunk, mesh)
     committed = _ProgressFolder(folder, manifest)
   first, total, minimum = committed.state() if committed is not None else (0, None, None)
   first = int(_broadcast(np.int32(first)))
@@ -347,9 +365,12 @@ def cached_left_term(
 ) -> tuple[np.ndarray, np.ndarray]:
   """`compute_left_term` cached next to the replay store at `prefix` (`cache_path`).
 
-  Loaded when the file is there (and holds N values for these options); else computed with the
-  progress folder `<file>.build` (resumed if an earlier computation was interrupted), written
-  atomically by process 0 (then the progress folder is removed), and read back by every process.
+  Loaded when the file is there, intact (every member's zip CRC-32 matches) and of these
+  options and N images; else computed with the progress folder `<file>.build` (resumed if an
+  earlier computation was interrupted), written atomically by process 0 (then the progress
+  folder is removed), and read back by every process. A damaged file is set aside
+  (`integrity.set_aside`, a warning naming it) and recomputed. Runs sharing the cache take the
+  file's lock (`utils.cache_entry_lock`): one computes, the others wait and load its result.
 
   Args:
     prefix: the replay store's folder (`ReplayStore.path`, `cache_dir/buffers/<key>`).
@@ -359,37 +380,61 @@ def cached_left_term(
     (left float32 [N], left_min float32 [N]) as `compute_left_term`.
   Raises:
     ValueError: as `compute_left_term`.
+    integrity.IntegrityError: the file written by this call does not read back.
   """
   path = cache_path(prefix, options)
   num_images = int(np.shape(class_tokens)[0])
   material = json.dumps(dict(format=LEFT_TERM_FORMAT, options=options), sort_keys=True)
 
   def load():
-    with np.load(path) as z:
-      if str(z["key"]) != material or z["left"].shape != (num_images,):
-        return None
-      return z["left"], z["left_min"]
+    """(left, left_min), None when the file is of other options or N.
 
-  if os.path.exists(path):
-    loaded = load()
-    if loaded is not None:
+    Raises: IntegrityError when it is damaged (zip CRC, a cut or unreadable file)."""
+    try:
+      with np.load(path, allow_pickle=False) as z:
+        if str(z["key"]) != material or z["left"].shape != (num_images,):
+          return None
+        return z["left"], z["left_min"]
+    except FileNotFoundError:
+      raise integrity.IntegrityError(path, "missing") from None
+    except Exception as e:  # pylint: disable=broad-except
+      # zipfile.BadZipFile (CRC, cut file), ValueError, KeyError, EOFError, zlib.error, ...
+      raise integrity.IntegrityError(path, f"unreadable ({type(e).__name__}: {e})") from None
+
+  def load_or_set_aside():
+    if not os.path.exists(path):
+      return None
+    try:
+      loaded = load()
+    except integrity.IntegrityError as e:
+      integrity.set_aside(path, str(e))
+      logging.warning("ASER-PC left term: %s was damaged; recomputing it", path)
+      return None
+    if loaded is None:
+      logging.warning("ASER-PC left term: %s is of another buffer or options; recomputing", path)
+    return loaded
+
+  with distributed.cache_entry_lock(path, "ASER-PC left term"):
+    loaded = load_or_set_aside() if distributed.is_writer() else None
+    if distributed.writer_value(loaded is not None):
       logging.info("ASER-PC left term: re-using %s", path)
-      return loaded
-    logging.warning("ASER-PC left term: %s is of another buffer or options; recomputing", path)
-  start = time.time()
-  left, left_min = compute_left_term(
-    class_tokens, query_embeddings, options, folder=path + ".build", key=material, **kwargs
-  )
-  if distributed.is_writer():
-    utils.atomic_write(
-      path,
-      lambda tmp: np.savez(tmp, left=left, left_min=left_min, key=np.asarray(material)),
-      suffix=".npz",
+      return loaded if loaded is not None else load()
+    start = time.time()
+    left, left_min = compute_left_term(
+      class_tokens, query_embeddings, options, folder=path + ".build", key=material, **kwargs
     )
-    shutil.rmtree(path + ".build", ignore_errors=True)
-    logging.info(
-      "ASER-PC left term of %d images: %.1f s, cached in %s", num_images, time.time() - start, path
-    )
-  distributed.barrier(f"asv-left-cached-{os.path.basename(path)}")
-  loaded = load()
-  return loaded
+    if distributed.is_writer():
+      utils.atomic_write(
+        path,
+        lambda tmp: np.savez(tmp, left=left, left_min=left_min, key=np.asarray(material)),
+        suffix=".npz",
+      )
+      shutil.rmtree(path + ".build", ignore_errors=True)
+      logging.info(
+        "ASER-PC left term of %d images: %.1f s, cached in %s",
+        num_images,
+        time.time() - start,
+        path,
+      )
+    distributed.barrier(f"asv-left-cached-{os.path.basename(path)}")
+  return load()

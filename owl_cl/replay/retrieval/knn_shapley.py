@@ -516,14 +516,7 @@ def image_knn_shapley(
       return reduce(reduce(sv, axis=3), axis=1)
 
   else:
-    nearest = jnp.argmin(d, axis=-1)  # [N_e, t, N_c]
-    d = jnp.min(d, axis=-1)
-    matched = jnp.take_along_axis(
-      cand_query[None, None],  # [N_e,t,N_c,E]
-      nearest[..., None, None],
-      axis=3,
-    )[..., 0, :]
-    u = _cosine_similarity(eval_query[:, :, None, :], matched)  # [N_e, t, N_c]
+    d, u = _nearest_token(d, eval_query, cand_query)
 
     def image_values(d_rows, u_rows):  # [n, t, N_c] each -> [n, N_c]
       n = d_rows.shape[0]
@@ -533,6 +526,20 @@ def image_knn_shapley(
 
   values = _map_image_blocks(image_values, d, u, t_e)
   return jnp.where(candidate_valid[None, :], values, 0.0), image_distances
+
+
+def _nearest_token(d: Array, eval_query: Array, cand_query: Array) -> tuple[Array, Array]:
+  """nearest_token matching: each candidate image represented, for each evaluation token, by
+  its token nearest to it. d float32 [N_e, t, N_c, t'] -> (distances float32 [N_e, t, N_c],
+  utilities float32 [N_e, t, N_c]: cosine of the evaluation token's and that token's query
+  embeddings, eval_query [N_e, t, E], cand_query [N_c, t', E])."""
+  nearest = jnp.argmin(d, axis=-1)  # [N_e, t, N_c]
+  matched = jnp.take_along_axis(
+    cand_query[None, None],  # [N_e,t,N_c,E]
+    nearest[..., None, None],
+    axis=3,
+  )[..., 0, :]
+  return jnp.min(d, axis=-1), _cosine_similarity(eval_query[:, :, None, :], matched)
 
 
 def _map_image_blocks(fn, d: Array, u: Array, tokens: int) -> Array:

@@ -1,0 +1,540 @@
+"""The report of repeated runs: per-algorithm intervals, paired differences, noise floor, figures.
+
+`python -m owl_cl.report DIR... [--reference uniform] [--stage K] [--out DIR]` (docs/experiments.md,
+"Report"): reads every run below the DIRs (a workdir holds `results.json`; a sweep folder
+holds workdirs), refuses incomplete runs and runs of different configs (other than the swept
+fields, `SWEPT_FIELDS`), and writes `report.md`, `report.json` and PNG figures.
+
+* Per algorithm and metric (`METRICS`): mean, standard deviation, n and a 95% t-interval.
+* Paired differences against the reference algorithm over the runs that share (seeds, task
+  order) (`pair_key`): mean difference with its 95% t-interval, the paired t-test and the
+  Wilcoxon signed-rank test, and Holm-corrected p-values across the comparisons of each
+  metric; the same for every pair of algorithms.
+* The noise floor of each metric: the median half-width of the paired-difference intervals
+  against the reference (a difference smaller than it is not resolved by this sweep).
+* Figures: the pre-training set's AP over the stages per algorithm with interval bands, and
+  a forest plot of the paired differences against the reference.
+
+Metrics are in percentage points (results store fractions), wall time in minutes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+import numpy as np
+
+from owl_cl.analysis import stats
+from owl_cl.eval import results as results_lib
+from owl_cl.utils import atomic_write_text
+
+__all__ = [
+  "METRICS",
+  "SWEPT_FIELDS",
+  "ReportError",
+  "RunPoint",
+  "find_runs",
+  "load_points",
+  "build_report",
+  "render_markdown",
+  "plot_forgetting_bands",
+  "plot_forest",
+  "write_report",
+  "main",
+]
+
+# (key, label): the Table 3 columns (mAP@[.5:.95]), forgetting, BWT, kept %, replayed %, time.
+METRICS = (
+  ("pretrain_AP", "pre-training set AP"),
+  ("open_vocab_AP", "open-vocabulary AP"),
+  ("held_out_AP", "held-out AP"),
+  ("downstream_mean_AP", "downstream mean AP"),
+  ("forgetting_AP", "average forgetting (AP)"),
+  ("bwt_AP", "backward transfer (AP)"),
+  ("kept_AP50", "pre-training AP50 kept (%)"),
+  ("replayed", "replayed samples (%)"),
+  ("wall_minutes", "wall time (min)"),
+)
+# Config fields a sweep varies between runs (never part of the compared config): the seeds,
+# the order, the run's name and where caches live. `replay` may differ between algorithms
+# (each algorithm's settings live there) but not between runs of one algorithm.
+SWEPT_FIELDS = (
+  "seed",
+  "seeds",
+  "sequence_seed",
+  "task_order",
+  "experiment_name",
+  "cache_dir",
+  "compilation_cache_dir",
+)
+_ALGORITHM_FIELDS = ("replay",)
+REPORT_MD, REPORT_JSON = "report.md", "report.json"
+FIGURE_FORGETTING, FIGURE_FOREST = "forgetting_curves.png", "forest_plot.png"
+
+
+class ReportError(ValueError):
+  """Runs that cannot be compared (the message names the run and the field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPoint:
+  """One complete run, reduced to what the report compares.
+
+  Attributes:
+    path: its workdir. algorithm: `results['algorithm']`. run_id: its run id.
+    pair: `pair_key` (seeds and order): runs of two algorithms with equal keys are paired.
+    values: {metric key: float, NaN when the run has no such value}.
+    curve: float64 [S]: the pre-training set's AP (points) after each stage.
+  """
+
+  path: str
+  algorithm: str
+  run_id: str
+  pair: str
+  values: dict[str, float]
+  curve: np.ndarray
+
+
+def find_runs(paths: Sequence[str]) -> list[str]:
+  """The workdirs below `paths` (a folder with `results.json`, or any folder under one),
+  sorted, each once.
+
+  Raises:
+    ReportError: a path that does not exist, or no run at all (names the paths).
+  """
+  found = []
+  for path in paths:
+    if not os.path.isdir(path):
+      raise ReportError(f"{path}: no such folder (give run workdirs or sweep folders)")
+    for folder, dirs, files in os.walk(path):
+      dirs.sort()
+      if results_lib.RESULTS_JSON in files:
+        found.append(os.path.normpath(folder))
+        dirs.clear()  # a run's own subfolders (checkpoints, records) hold no runs
+  found = sorted(dict.fromkeys(found))
+  if not found:
+    raise ReportError(f"no {results_lib.RESULTS_JSON} below {list(paths)}")
+  return found
+
+
+def pair_key(results: Mapping[str, Any]) -> str:
+  """What two runs must share to be paired: the seeds (`seeds`, else `seed`) and the task
+  order (the downstream sequence as trained), as a JSON string."""
+  seeds = results.get("seeds") or {"seed": results.get("seed")}
+  return json.dumps({"seeds": seeds, "order": list(results.get("sequence") or [])}, sort_keys=True)
+
+
+def _pct(value: Any) -> float:
+  return math.nan if value is None else 100.0 * float(value)
+
+
+def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, float]:
+  stages = results["stages"]
+  index = len(stages) - 1 if stage is None else stage
+  row = results_lib.table3_row(stages[index], results["roles"])
+  values = {k: _pct(row[k]) for k in ("pretrain_AP", "open_vocab_AP", "held_out_AP")}
+  values["downstream_mean_AP"] = _pct(row["downstream_mean_AP"])
+  forgetting = results.get("forgetting") or {}
+  ap = forgetting.get("AP") or {}
+  final = stage is None or index == len(stages) - 1
+  # Forgetting, BWT, kept and time describe a whole sequence: final evaluations only.
+  values["forgetting_AP"] = _pct(ap.get("average_forgetting")) if final else math.nan
+  values["bwt_AP"] = _pct(ap.get("bwt")) if final else math.nan
+  pretrain_set = results["roles"]["pretrain"]["eval_set"]
+  kept = ((forgetting.get("AP50") or {}).get("per_set") or {}).get(pretrain_set) or {}
+  values["kept_AP50"] = _pct(kept.get("retained_fraction")) if final else math.nan
+  fractions = [
+    s["train"]["replay_samples_fraction"]
+    for s in stages[1 : index + 1]
+    if (s.get("train") or {}).get("replay_samples_fraction") is not None
+  ]
+  # The mean over the datasets trained so far of the paper's Table 4 fraction.
+  values["replayed"] = 100.0 * float(np.mean(fractions)) if fractions else math.nan
+  wall = (results.get("timings") or {}).get("wall_seconds")
+  values["wall_minutes"] = float(wall) / 60.0 if wall is not None and final else math.nan
+  return values
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if isinstance(tree, Mapping):
+    out = {}
+    for k, v in tree.items():
+      out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def _compared_config(config: Mapping[str, Any], ignore: Sequence[str]) -> dict[str, Any]:
+  flat = _flatten(config)
+  skip = tuple(SWEPT_FIELDS) + tuple(ignore)
+  return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in skip)}
+
+
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any], fields) -> list[str]:
+  keys = sorted(
+    k for k in set(a) | set(b) if fields(k) and a.get(k, "<missing>") != b.get(k, "<missing>")
+  )
+  return [f"{k}={a.get(k, '<missing>')!r} vs {b.get(k, '<missing>')!r}" for k in keys[:5]]
+
+
+def load_points(
+  workdirs: Sequence[str], *, stage: int | None = None, ignore_fields: Sequence[str] = ()
+) -> list[RunPoint]:
+  """Reads and checks the runs: complete, comparable configs, each (algorithm, pair) once.
+
+  Args:
+    workdirs: run folders (`find_runs`).
+    stage: None: final evaluations; k: the evaluations after the k-th dataset (0 = after
+      pre-training), for every run.
+    ignore_fields: further config fields (dotted, a prefix covers its subtree) that may differ.
+
+  Returns:
+    [RunPoint] in the order of `workdirs`.
+
+  Raises:
+    ReportError: an incomplete run (status not 'complete'), a stage index the run lacks, a run
+      whose config differs from the first run's outside the swept fields (or, for one
+      algorithm, inside `replay`), or two runs of one algorithm with one (seeds, order); each
+      message names the run(s) and the first differing fields.
+  """
+  points, configs, first = [], {}, None
+  seen: dict[tuple[str, str], str] = {}
+  for workdir in workdirs:
+    try:
+      results = results_lib.load_results(workdir)
+    except (OSError, ValueError) as e:
+      raise ReportError(f"{workdir}: cannot read its results ({e})") from None
+    if results.get("status") != "complete":
+      raise ReportError(
+        f"{workdir}: run {results['run_id']!r} is incomplete (status "
+        f"{results.get('status')!r}, {results['summary']['stages_completed']} of "
+        f"{results['summary']['stages_expected']} stages); finish it (re-run its command) or "
+        "leave it out."
+      )
+    if stage is not None and not 0 <= stage < len(results["stages"]):
+      raise ReportError(f"{workdir}: --stage {stage} but the run has {len(results['stages'])}")
+    config = _compared_config(results.get("config") or {}, ignore_fields)
+    algorithm = results["algorithm"]
+    if first is None:
+      first = (workdir, config)
+    else:
+      diff = _differences(first[1], config, lambda k: not k.startswith(_ALGORITHM_FIELDS))
+      if diff:
+        raise ReportError(
+          f"{workdir}: its config differs from {first[0]}'s outside the swept fields "
+          f"({'; '.join(diff)}); report them separately or pass --ignore-field."
+        )
+    if algorithm in configs:
+      other, other_config = configs[algorithm]
+      diff = _differences(other_config, config, lambda k: k.startswith(_ALGORITHM_FIELDS))
+      if diff:
+        raise ReportError(
+          f"{workdir}: algorithm {algorithm!r} with other replay settings than {other} "
+          f"({'; '.join(diff)}); report them separately."
+        )
+    else:
+      configs[algorithm] = (workdir, config)
+    key = pair_key(results)
+    if (algorithm, key) in seen:
+      raise ReportError(
+        f"{workdir} and {seen[(algorithm, key)]}: two {algorithm!r} runs with the same seeds and "
+        f"order ({key}); keep one."
+      )
+    seen[(algorithm, key)] = workdir
+    curve = np.array(
+      [_pct(results_lib.table3_row(s, results["roles"])["pretrain_AP"]) for s in results["stages"]]
+    )
+    points.append(
+      RunPoint(workdir, algorithm, results["run_id"], key, _run_values(results, stage), curve)
+    )
+  return points
+
+
+def _finite(values: Sequence[float]) -> list[float]:
+  return [v for v in values if not math.isnan(v)]
+
+
+def _compare(points, a: str, b: str, metric: str) -> dict[str, Any]:
+  """Paired difference a - b of `metric` over the pairs where both have a value."""
+  va = {p.pair: p.values[metric] for p in points if p.algorithm == a}
+  vb = {p.pair: p.values[metric] for p in points if p.algorithm == b}
+  pairs = sorted(k for k in va if k in vb and not math.isnan(va[k]) and not math.isnan(vb[k]))
+  out = stats.paired_difference([va[k] for k in pairs], [vb[k] for k in pairs])
+  out["unpaired_runs"] = len(va) + len(vb) - 2 * len(pairs)
+  return out
+
+
+def _with_holm(comparisons: dict[str, dict[str, dict]], metric_keys) -> None:
+  for metric in metric_keys:
+    names = list(comparisons)
+    adjusted = stats.holm([comparisons[n][metric]["p"] for n in names])
+    for name, value in zip(names, adjusted):
+      comparisons[name][metric]["p_holm"] = float(value)
+
+
+def build_report(
+  points: Sequence[RunPoint], reference: str | None = None, *, stage: int | None = None
+) -> dict[str, Any]:
+  """The report's numbers (report.json) from checked runs.
+
+  Args:
+    points: `load_points`' runs.
+    reference: the algorithm every other is compared with; default 'uniform' when present,
+      else the first algorithm.
+    stage: recorded in the report (None: final evaluations).
+
+  Returns:
+    dict(stage, reference, confidence, metrics {key: label}, algorithms [names, first seen],
+    runs [{path, algorithm, run_id, pair}], summary {algorithm: {metric: `stats.summarize`}},
+    versus_reference {algorithm: {metric: `stats.paired_difference` + p_holm, unpaired_runs}},
+    pairwise {'a - b': {...same...}}, noise_floor {metric: {median, max, comparisons}} (the
+    half-widths of the paired intervals against the reference, points), curves {algorithm:
+    {mean [S], low [S], high [S]}}). Holm's correction is over the comparisons of one metric
+    (against the reference: the other algorithms; pairwise: every pair).
+
+  Raises:
+    ReportError: no runs, or an unknown reference algorithm.
+  """
+  if not points:
+    raise ReportError("no runs to report")
+  algorithms = list(dict.fromkeys(p.algorithm for p in points))
+  if reference is None:
+    reference = "uniform" if "uniform" in algorithms else algorithms[0]
+  if reference not in algorithms:
+    raise ReportError(f"--reference {reference!r} has no runs; algorithms: {algorithms}")
+  keys = [k for k, _ in METRICS]
+  summary = {
+    a: {
+      m: stats.summarize(_finite([p.values[m] for p in points if p.algorithm == a])) for m in keys
+    }
+    for a in algorithms
+  }
+  versus = {
+    a: {m: _compare(points, a, reference, m) for m in keys} for a in algorithms if a != reference
+  }
+  _with_holm(versus, keys)
+  pairwise = {
+    f"{a} - {b}": {m: _compare(points, a, b, m) for m in keys}
+    for i, a in enumerate(algorithms)
+    for b in algorithms[i + 1 :]
+  }
+  _with_holm(pairwise, keys)
+  noise = {}
+  for m in keys:
+    widths = _finite([versus[a][m]["half_width"] for a in versus])
+    noise[m] = dict(
+      median=float(np.median(widths)) if widths else math.nan,
+      max=float(np.max(widths)) if widths else math.nan,
+      comparisons=len(widths),
+    )
+  curves = {}
+  for a in algorithms:
+    lengths = {p.curve.shape[0] for p in points if p.algorithm == a}
+    if len(lengths) != 1:
+      continue  # runs of different lengths: no common stage axis
+    matrix = np.stack([p.curve for p in points if p.algorithm == a])
+    cols = [stats.summarize(_finite(matrix[:, s])) for s in range(matrix.shape[1])]
+    curves[a] = {k: [c[k] for c in cols] for k in ("mean", "low", "high")}
+  return dict(
+    stage="final" if stage is None else stage,
+    reference=reference,
+    confidence=stats.CONFIDENCE,
+    metrics=dict(METRICS),
+    algorithms=algorithms,
+    runs=[dict(path=p.path, algorithm=p.algorithm, run_id=p.run_id, pair=p.pair) for p in points],
+    summary=summary,
+    versus_reference=versus,
+    pairwise=pairwise,
+    noise_floor=noise,
+    curves=curves,
+  )
+
+
+def _fmt(value: float, digits: int = 2) -> str:
+  return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _p(value: float) -> str:
+  if value is None or math.isnan(value):
+    return "n/a"
+  return f"{value:.3g}" if value >= 1e-3 else "<0.001"
+
+
+_HEADLINE = ("pretrain_AP", "downstream_mean_AP")
+
+
+def render_markdown(report: Mapping[str, Any], alpha: float = 0.05) -> str:
+  """report.md: noise floor first, then per-algorithm intervals, paired differences against the
+  reference, and the pairs that differ (Holm-adjusted p <= `alpha`)."""
+  metrics = report["metrics"]
+  conf = int(round(100 * report["confidence"]))
+  stage = report["stage"]
+  when = "final evaluations" if stage == "final" else f"evaluations after stage {stage}"
+  lines = ["# Sweep report", ""]
+  floor = report["noise_floor"]
+  parts = [
+    f"{metrics[m]}: {_fmt(floor[m]['median'])} points (max {_fmt(floor[m]['max'])})"
+    for m in _HEADLINE
+  ]
+  lines += [
+    f"**Noise floor** (median half-width of the {conf}% paired-difference intervals against "
+    f"`{report['reference']}`, over {floor[_HEADLINE[0]]['comparisons']} comparisons): "
+    + "; ".join(parts)
+    + ". Differences smaller than this are not resolved by these runs.",
+    "",
+    f"{len(report['runs'])} runs, {len(report['algorithms'])} algorithms, {when}; "
+    f"mean ± {conf}% t-interval half-width (n). Metrics in points, wall time in minutes.",
+    "",
+  ]
+  header = ["algorithm"] + [metrics[m] for m in metrics]
+  lines += ["## Per algorithm", "", "| " + " | ".join(header) + " |"]
+  lines.append("|" + "---|" * len(header))
+  for a in report["algorithms"]:
+    cells = [stats.describe(report["summary"][a][m]) for m in metrics]
+    lines.append("| " + " | ".join([a] + cells) + " |")
+  lines += ["", f"## Paired differences against `{report['reference']}`", ""]
+  lines.append(
+    "Over the runs that share seeds and order: mean difference ± half-width (n), paired t-test "
+    "p, Holm-adjusted p (over the algorithms, per metric), Wilcoxon signed-rank p."
+  )
+  lines += [
+    "",
+    "| algorithm | metric | difference | p | p (Holm) | p (Wilcoxon) |",
+    "|---|---|---|---|---|---|",
+  ]
+  for a, by_metric in report["versus_reference"].items():
+    for m in metrics:
+      r = by_metric[m]
+      lines.append(
+        f"| {a} | {metrics[m]} | {stats.describe(r)} | {_p(r['p'])} | {_p(r['p_holm'])} | "
+        f"{_p(r['wilcoxon_p'])} |"
+      )
+  lines += ["", f"## Pairs that differ (Holm-adjusted p <= {alpha}, all pairs)", ""]
+  for m in _HEADLINE:
+    differ = [
+      f"{name} ({stats.describe(r[m])})"
+      for name, r in report["pairwise"].items()
+      if not math.isnan(r[m]["p_holm"]) and r[m]["p_holm"] <= alpha
+    ]
+    lines.append(f"- {metrics[m]}: " + ("; ".join(differ) if differ else "none"))
+  lines.append("")
+  return "\n".join(lines)
+
+
+def _figure(width: float, height: float) -> Figure:
+  fig = Figure(figsize=(width, height), layout="constrained")
+  FigureCanvasAgg(fig)
+  return fig
+
+
+def plot_forgetting_bands(report: Mapping[str, Any]) -> Figure:
+  """The pre-training set's AP (points) after each stage: per algorithm its mean over runs and
+  its t-interval as a band (stage 0 = after pre-training)."""
+  fig = _figure(6.4, 4.0)
+  ax = fig.add_subplot()
+  for a, c in report["curves"].items():
+    x = np.arange(len(c["mean"]))
+    line = ax.plot(x, c["mean"], marker="o", label=a)[0]
+    low, high = np.asarray(c["low"], float), np.asarray(c["high"], float)
+    if np.isfinite(low).any():
+      ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+  ax.set_xlabel("stage (0 = after pre-training, i = after the i-th dataset)")
+  ax.set_ylabel("pre-training set AP (points)")
+  ax.set_title(f"Forgetting: mean and {int(round(100 * report['confidence']))}% interval")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return fig
+
+
+def plot_forest(report: Mapping[str, Any], metrics: Sequence[str] = _HEADLINE) -> Figure:
+  """Forest plot: each algorithm's paired difference from the reference (points) with its
+  interval, one panel per metric, a vertical line at 0."""
+  versus = report["versus_reference"]
+  names = list(versus)
+  fig = _figure(4.0 * len(metrics), 1.0 + 0.35 * max(1, len(names)))
+  axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+  for ax, m in zip(axes, metrics):
+    y = np.arange(len(names))
+    means = np.array([versus[n][m]["mean"] for n in names], float)
+    half = np.array([versus[n][m]["half_width"] for n in names], float)
+    ax.errorbar(means, y, xerr=np.nan_to_num(half), fmt="o", capsize=3)
+    ax.axvline(0.0, color="k", linewidth=0.8)
+    ax.set_yticks(y, names)
+    ax.set_xlabel(f"difference from {report['reference']} (points)")
+    ax.set_title(report["metrics"][m], fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+  return fig
+
+
+def _jsonable(value: Any) -> Any:
+  if isinstance(value, Mapping):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, (float, np.floating)):
+    return float(value) if math.isfinite(value) else None
+  if isinstance(value, np.integer):
+    return int(value)
+  return value
+
+
+def write_report(report: Mapping[str, Any], out_dir: str) -> dict[str, str]:
+  """Writes report.md, report.json and the two figures into `out_dir` (each atomically).
+
+  Returns:
+    {'md' | 'json' | 'forgetting' | 'forest': path}.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {
+    "md": os.path.join(out_dir, REPORT_MD),
+    "json": os.path.join(out_dir, REPORT_JSON),
+    "forgetting": os.path.join(out_dir, FIGURE_FORGETTING),
+    "forest": os.path.join(out_dir, FIGURE_FOREST),
+  }
+  atomic_write_text(paths["md"], render_markdown(report))
+  clean = _jsonable(report)  # NaN -> null (strict JSON)
+  atomic_write_text(paths["json"], json.dumps(clean, indent=1) + "\n")
+  for key, fig in (("forgetting", plot_forgetting_bands(report)), ("forest", plot_forest(report))):
+    tmp = paths[key] + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, paths[key])
+  return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`python -m owl_cl.report DIR... [--reference A] [--stage K] [--out DIR]`: module docstring.
+
+  Returns:
+    0, or 2 after printing a `ReportError` (names the run) to stderr.
+  """
+  import argparse  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  parser = argparse.ArgumentParser(
+    prog="python -m owl_cl.report", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument("dirs", nargs="+", help="run workdirs or sweep folders")
+  parser.add_argument("--reference", help="algorithm compared with (default uniform)")
+  parser.add_argument("--stage", type=int, help="evaluations after this stage (default final)")
+  parser.add_argument("--out", help="output folder (default the first DIR)")
+  parser.add_argument(
+    "--ignore-field", action="append", default=[], help="config field that may differ (repeatable)"
+  )
+  args = parser.parse_args(argv)
+  try:
+    points = load_points(find_runs(args.dirs), stage=args.stage, ignore_fields=args.ignore_field)
+    report = build_report(points, args.reference, stage=args.stage)
+  except ReportError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  paths = write_report(report, args.out or args.dirs[0])
+  print(render_markdown(report))
+  print(f"wrote {', '.join(paths.values())}", file=sys.stderr)
+  return 0

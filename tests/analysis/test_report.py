@@ -1,0 +1,229 @@
+"""owl_cl.analysis.stats and owl_cl.report: hand-worked statistics, pairing, Holm, refusals."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from owl_cl.analysis import report as report_lib
+from owl_cl.analysis import stats
+from owl_cl.eval import results as results_lib
+
+# Student-t quantiles t_{0.975, df} from a printed table (4 significant digits): the
+# intervals below are compared to the table's values with a tolerance of 1e-3 relative.
+T975 = {3: 3.182, 4: 2.776}
+
+
+def test_summarize_hand_worked():
+  r = stats.summarize([1.0, 2.0, 3.0, 4.0, 5.0])
+  # mean 3; sample variance (4 + 1 + 0 + 1 + 4) / 4 = 2.5; sem = sqrt(2.5 / 5) = sqrt(0.5).
+  assert r["n"] == 5 and r["mean"] == 3.0
+  assert r["std"] == pytest.approx(math.sqrt(2.5), rel=1e-12)
+  assert r["sem"] == pytest.approx(math.sqrt(0.5), rel=1e-12)
+  assert r["half_width"] == pytest.approx(T975[4] * math.sqrt(0.5), rel=1e-3)
+  assert r["low"] == pytest.approx(3.0 - r["half_width"], abs=1e-12)
+  assert r["high"] == pytest.approx(3.0 + r["half_width"], abs=1e-12)
+  one = stats.summarize([7.0])
+  assert one["n"] == 1 and one["mean"] == 7.0 and math.isnan(one["half_width"])
+  assert stats.describe(r) == f"3.00 ± {r['half_width']:.2f} (n = 5)"
+  assert stats.describe(one) == "7.00 (n = 1)"
+  with pytest.raises(ValueError, match="NaN"):
+    stats.summarize([1.0, float("nan")])
+
+
+def test_paired_difference_hand_worked():
+  a, b = [3.0, 5.0, 4.0, 6.0], [1.0, 2.0, 2.0, 3.0]
+  r = stats.paired_difference(a, b)
+  # d = [2, 3, 2, 3]: mean 2.5, variance (4 * 0.25) / 3 = 1/3, sem = sqrt(1/12), t = 2.5 / sem.
+  assert r["n"] == 4 and r["mean"] == 2.5
+  sem = math.sqrt(1.0 / 12.0)
+  assert r["sem"] == pytest.approx(sem, rel=1e-12)
+  assert r["t"] == pytest.approx(2.5 / sem, rel=1e-12)
+  assert r["half_width"] == pytest.approx(T975[3] * sem, rel=1e-3)
+  # p = 2 P(T_3 > 8.660): from the t density integrated by the trapezoid rule (an independent
+  # route to the same number), to 1e-6 absolute.
+  x = np.linspace(2.5 / sem, 400.0, 2_000_001)
+  density = (2 / (math.pi * math.sqrt(3))) / (1 + x**2 / 3) ** 2  # Student t, 3 d.o.f.
+  assert r["p"] == pytest.approx(2 * np.trapezoid(density, x), abs=1e-6)
+  # The pairing matters: unpaired, the same numbers would not be this sure.
+  assert r["p"] < 0.01
+  shift = stats.paired_difference([1.0, 2.0], [0.0, 1.0])  # a constant shift: sure
+  assert shift["p"] == 0.0 and shift["t"] == math.inf and shift["half_width"] == 0.0
+  assert stats.paired_difference([1.0, 2.0], [1.0, 2.0])["p"] == 1.0
+  with pytest.raises(ValueError, match="pairs must match"):
+    stats.paired_difference([1.0, 2.0], [1.0])
+
+
+def test_holm_hand_worked():
+  # Sorted: 0.005 x 4 = 0.02; 0.01 x 3 = 0.03; 0.03 x 2 = 0.06; 0.04 x 1 = 0.04 -> 0.06
+  # (monotone); back in input order.
+  got = stats.holm([0.01, 0.04, 0.03, 0.005])
+  np.testing.assert_allclose(got, [0.03, 0.06, 0.06, 0.02], rtol=1e-12)
+  # NaN stays NaN and does not count: m = 2.
+  got = stats.holm([float("nan"), 0.2, 0.6])
+  assert math.isnan(got[0])
+  np.testing.assert_allclose(got[1:], [0.4, 0.6], rtol=1e-12)
+  np.testing.assert_allclose(stats.holm([0.5, 0.6]), [1.0, 1.0])  # capped at 1, monotone
+  with pytest.raises(ValueError, match="must be in"):
+    stats.holm([1.5])
+
+
+# -------------------------------------------------------------------------- fake sweep
+
+BASE_CONFIG = {"train": {"learning_rate": 1e-4}, "replay": {"dedup": "dataset"}, "seed": 0}
+
+
+def write_run(root, algorithm, seed, order, pre_final, down_final, *, status="complete", **cfg):
+  """A workdir written by the project's writer: stage 0 and two datasets in `order`."""
+
+  def m(ap):
+    return {"AP": ap, "AP50": min(1.0, 1.5 * ap)}
+
+  first, second = order
+  stages = [
+    {"name": "pretrained", "metrics": {"o365": m(0.30), "D1": m(0.0), "D2": m(0.0)}},
+    {
+      "name": first,
+      "metrics": {"o365": m(0.25), first: m(0.5), second: m(0.0)},
+      "train": {"replay_samples_fraction": 0.5},
+    },
+    {
+      "name": second,
+      "metrics": {"o365": m(pre_final), first: m(down_final), second: m(down_final)},
+      "train": {"replay_samples_fraction": 0.25},
+    },
+  ]
+  config = json.loads(json.dumps(BASE_CONFIG))
+  config["seed"] = seed
+  for key, value in cfg.items():
+    section, field = key.split("__")
+    config[section][field] = value
+  workdir = os.path.join(root, f"{algorithm}_{''.join(order)}_seed{seed}")
+  results_lib.write_results(
+    workdir,
+    {
+      "run_id": f"{algorithm}-{seed}-{first}",
+      "algorithm": algorithm,
+      "status": status,
+      "seed": seed,
+      "seeds": {"model": 0, "data": seed, "retrieval": seed},
+      "sequence": list(order),
+      "roles": {"pretrain": "o365", "downstream": ["D1", "D2"]},
+      "stages": stages,
+      "config": config,
+      "timings": {"wall_seconds": 120.0},
+    },
+  )
+  return workdir
+
+
+def fake_sweep(root):
+  """uniform and swil, seeds 0-2, two orders; swil = uniform + 2 points on the pre-training set
+  plus a per-run wobble, so the paired difference is known exactly."""
+  uniform_pre = {0: 0.20, 1: 0.22, 2: 0.18}
+  wobble = {0: 0.001, 1: -0.002, 2: 0.001}
+  for order in (("D1", "D2"), ("D2", "D1")):
+    for seed in (0, 1, 2):
+      extra = 0.01 if order[0] == "D2" else 0.0
+      write_run(root, "uniform", seed, order, uniform_pre[seed] + extra, 0.4)
+      write_run(root, "swil", seed, order, uniform_pre[seed] + extra + 0.02 + wobble[seed], 0.4)
+
+
+def test_report_statistics_and_pairing(tmp_path):
+  fake_sweep(str(tmp_path))
+  points = report_lib.load_points(report_lib.find_runs([str(tmp_path)]))
+  assert len(points) == 12
+  rep = report_lib.build_report(points)
+  assert rep["reference"] == "uniform" and rep["algorithms"] == ["swil", "uniform"]
+  u = rep["summary"]["uniform"]["pretrain_AP"]
+  # Points: (20 + 22 + 18 + 21 + 23 + 19) / 6 = 20.5.
+  assert u["n"] == 6 and u["mean"] == pytest.approx(20.5, abs=1e-9)
+  d = rep["versus_reference"]["swil"]["pretrain_AP"]
+  # Differences (points): 2 + 100 * wobble = [2.1, 1.8, 2.1] for each order: mean 2.0.
+  assert d["n"] == 6 and d["mean"] == pytest.approx(2.0, abs=1e-9)
+  diffs = np.array([2.1, 1.8, 2.1, 2.1, 1.8, 2.1])
+  half = 2.571 * diffs.std(ddof=1) / math.sqrt(6)  # t_{0.975, 5} = 2.571 (table)
+  assert d["half_width"] == pytest.approx(half, rel=1e-3)
+  # One comparison: Holm leaves its p as is; the noise floor is its half-width.
+  assert d["p_holm"] == d["p"] < 1e-4
+  assert rep["noise_floor"]["pretrain_AP"]["median"] == d["half_width"]
+  # No downstream difference at all: p 1, zero interval.
+  assert rep["versus_reference"]["swil"]["downstream_mean_AP"]["p"] == 1.0
+  # Other columns: forgetting of the first-trained set 50 -> 40 = 10 points on average of D1,
+  # D2 (each trained first in one order: 10, last: 0); replayed = mean(50, 25) %; 2 minutes.
+  s = rep["summary"]["uniform"]
+  assert s["replayed"]["mean"] == pytest.approx(37.5)
+  assert s["wall_minutes"]["mean"] == pytest.approx(2.0)
+  assert s["kept_AP50"]["n"] == 6
+  # Mid-sequence on request: after the first dataset, o365 AP is 25 for every run.
+  mid = report_lib.build_report(
+    report_lib.load_points(report_lib.find_runs([str(tmp_path)]), stage=1), stage=1
+  )
+  assert mid["summary"]["swil"]["pretrain_AP"]["mean"] == pytest.approx(25.0)
+  assert math.isnan(mid["summary"]["swil"]["wall_minutes"]["mean"])
+  # Curves: stage 0 is 30 points for everyone (zero-width band).
+  assert rep["curves"]["swil"]["mean"][0] == pytest.approx(30.0)
+  md = report_lib.render_markdown(rep)
+  assert md.splitlines()[2].startswith("**Noise floor**")
+  assert "swil - uniform" in md.split("## Pairs that differ")[1].splitlines()[2]
+
+
+def test_pairs_follow_seeds_and_order_not_file_order(tmp_path):
+  """A missing swil run leaves its uniform partner unpaired (not paired with another)."""
+  write_run(str(tmp_path), "uniform", 0, ("D1", "D2"), 0.20, 0.4)
+  write_run(str(tmp_path), "uniform", 1, ("D1", "D2"), 0.30, 0.4)
+  write_run(str(tmp_path), "swil", 1, ("D1", "D2"), 0.31, 0.4)
+  write_run(str(tmp_path), "swil", 1, ("D2", "D1"), 0.50, 0.4)
+  rep = report_lib.build_report(report_lib.load_points(report_lib.find_runs([str(tmp_path)])))
+  d = rep["versus_reference"]["swil"]["pretrain_AP"]
+  assert d["n"] == 1 and d["mean"] == pytest.approx(1.0) and d["unpaired_runs"] == 2
+
+
+def test_refusals_name_the_run(tmp_path):
+  root = str(tmp_path / "a")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4)
+  bad = write_run(root, "uniform", 1, ("D1", "D2"), 0.2, 0.4, status="running")
+  with pytest.raises(report_lib.ReportError, match=f"{bad}: run 'uniform-1-D1' is incomplete"):
+    report_lib.load_points(report_lib.find_runs([root]))
+  root = str(tmp_path / "b")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4)
+  bad = write_run(root, "swil", 0, ("D1", "D2"), 0.2, 0.4, train__learning_rate=2e-4)
+  # Runs are read in sorted order: swil first, so the uniform run is the one named as odd.
+  with pytest.raises(report_lib.ReportError, match=r"uniform_D1D2_seed0: its config differs") as e:
+    report_lib.load_points(report_lib.find_runs([root]))
+  assert "train.learning_rate=0.0002 vs 0.0001" in str(e.value) and f"from {bad}'s" in str(e.value)
+  # Passing the field as ignorable accepts them.
+  report_lib.load_points(report_lib.find_runs([root]), ignore_fields=["train.learning_rate"])
+  root = str(tmp_path / "c")
+  write_run(root, "swil", 0, ("D1", "D2"), 0.2, 0.4)
+  write_run(root, "swil", 1, ("D1", "D2"), 0.2, 0.4, replay__dedup="epoch")
+  with pytest.raises(report_lib.ReportError, match="'swil' with other replay settings"):
+    report_lib.load_points(report_lib.find_runs([root]))
+  # Replay settings may differ between algorithms (that is what an algorithm is).
+  root = str(tmp_path / "d")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4)
+  write_run(root, "swil", 0, ("D1", "D2"), 0.2, 0.4, replay__dedup="epoch")
+  assert len(report_lib.load_points(report_lib.find_runs([root]))) == 2
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(report_lib.ReportError, match="no results.json below"):
+    report_lib.find_runs([str(tmp_path / "empty")])
+  with pytest.raises(report_lib.ReportError, match="missing: no such folder"):
+    report_lib.find_runs([str(tmp_path / "missing")])
+
+
+def test_cli_writes_the_report(tmp_path, capsys):
+  fake_sweep(str(tmp_path / "sweep"))
+  out = tmp_path / "out"
+  assert report_lib.main([str(tmp_path / "sweep"), "--out", str(out)]) == 0
+  assert sorted(os.listdir(out)) == sorted(
+    ["report.md", "report.json", "forgetting_curves.png", "forest_plot.png"]
+  )
+  with open(out / "report.json") as f:
+    data = json.load(f)  # strict JSON: NaN written as null
+  assert data["versus_reference"]["swil"]["pretrain_AP"]["mean"] == pytest.approx(2.0)
+  assert (out / "report.md").read_text().startswith("# Sweep report")
+  write_run(str(tmp_path / "sweep"), "swil", 9, ("D1", "D2"), 0.2, 0.4, status="running")
+  assert report_lib.main([str(tmp_path / "sweep"), "--out", str(out)]) == 2
+  assert "is incomplete" in capsys.readouterr().err
