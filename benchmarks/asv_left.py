@@ -26,9 +26,9 @@ devices (not measurable here: host devices share the same CPU cores).
 
 Usage:
   nice -n 10 python benchmarks/asv_left.py [--num-images 5000] [--chunk 64] [--full-chunk 8]
-    [--skip-full] [--out benchmarks/results]
+    [--skip-full] [--out benchmarks/results] [--smoke]
 
-Writes `<out>/asv_left.json` and `<out>/asv_left.md`.
+Writes `<out>/asv_left.json` and `<out>/asv_left.md` (`--smoke`: tiny sizes, `asv_left_smoke.*`).
 """
 
 from __future__ import annotations
@@ -233,7 +233,16 @@ def main(argv=None):
   parser.add_argument("--full-chunk", type=int, default=8)
   parser.add_argument("--skip-full", action="store_true")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  parser.add_argument(
+    "--smoke",
+    action="store_true",
+    help="40 images of 2 tokens (E 8, K 3) in chunks of 8, one chunk of 4 against 60 "
+    "(seconds; tests, CI); writes asv_left_smoke.*",
+  )
   args = parser.parse_args(argv)
+  if args.smoke:
+    args.num_images, args.chunk, args.k, args.embed, args.knn_k = 40, 8, 2, 8, 3
+    args.full_images, args.full_chunk = 60, 4
   mesh = sharding.create_mesh()
   options = asv_left.left_term_options(args.knn_k)
   load = os.getloadavg()[0]
@@ -263,7 +272,7 @@ def main(argv=None):
     projection_cpu=projections(whole, full, args.k, "cpu"),
     load_average_end=os.getloadavg()[0],
   )
-  stem = os.path.join(args.out, "asv_left")
+  stem = os.path.join(args.out, "asv_left_smoke" if args.smoke else "asv_left")
   utils.write_report(stem, report, render_markdown(report), indent=2)
   return report
 

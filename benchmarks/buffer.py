@@ -31,9 +31,9 @@ eval-forward throughput (`eval_forward_images_per_s`), which a CPU-only run does
 
 Usage:
   python benchmarks/buffer.py [--sizes 20000,200000] [--batch-size 64] [--keep-fraction 0.18]
-  [--out benchmarks/results] [--render-only]
+  [--out benchmarks/results] [--render-only] [--smoke]
 
-Writes `<out>/buffer.json` and `<out>/buffer.md`.
+Writes `<out>/buffer.json` and `<out>/buffer.md` (`--smoke`: one 64-image build, `buffer_smoke.*`).
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ class SyntheticSource:
   __getitem__ = load
 
 
-def child(num_images: int, batch_size: int, keep_fraction: float, workdir: str) -> dict:
+def child(
+  num_images: int, batch_size: int, keep_fraction: float, workdir: str, chunk_images: int
+) -> dict:
   """One build in this process; returns its figures (the parent measures the peak RSS)."""
   config = tiny_config("swil", workdir)
   config.model.overrides.image_size = IMAGE_SIZE
@@ -120,7 +122,7 @@ def child(num_images: int, batch_size: int, keep_fraction: float, workdir: str) 
     min_per_class=max(1, round(keep_fraction * num_images / NUM_CLASSES)),
     logits_dtype="bfloat16",
     # Several commits even at small sizes (pass 1's rate is timed between its first and last).
-    chunk_images=CHUNK_IMAGES,
+    chunk_images=chunk_images,
   )
   commits = []
   path = os.path.join(workdir, "store")
@@ -157,7 +159,9 @@ def child(num_images: int, batch_size: int, keep_fraction: float, workdir: str) 
   )
 
 
-def run_size(num_images: int, batch_size: int, keep_fraction: float) -> dict:
+def run_size(
+  num_images: int, batch_size: int, keep_fraction: float, chunk_images: int = CHUNK_IMAGES
+) -> dict:
   """`child` in a fresh subprocess; adds its peak RSS (bytes, `ru_maxrss` from os.wait4)."""
   with tempfile.TemporaryDirectory(prefix="buffer-bench-") as workdir:
     out = os.path.join(workdir, "result.json")
@@ -172,6 +176,8 @@ def run_size(num_images: int, batch_size: int, keep_fraction: float) -> dict:
       str(keep_fraction),
       "--workdir",
       workdir,
+      "--chunk-images",
+      str(chunk_images),
       "--result",
       out,
     ]
@@ -315,7 +321,13 @@ def main(argv=None):
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--keep-fraction", type=float, default=0.18)
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-  parser.add_argument("--name", default="buffer")
+  parser.add_argument("--name", default=None, help="file stem (default buffer[_smoke])")
+  parser.add_argument("--chunk-images", type=int, default=CHUNK_IMAGES)
+  parser.add_argument(
+    "--smoke",
+    action="store_true",
+    help="one 64-image build in batches of 8, chunks of 32 (seconds; tests, CI)",
+  )
   parser.add_argument(
     "--render-only",
     action="store_true",
@@ -326,9 +338,13 @@ def main(argv=None):
   parser.add_argument("--workdir", help=argparse.SUPPRESS)
   parser.add_argument("--result", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.smoke:
+    args.sizes, args.batch_size, args.chunk_images = "64", 8, 32
+  args.name = args.name or ("buffer_smoke" if args.smoke else "buffer")
   if args.child:
+    result = child(args.child, args.batch_size, args.keep_fraction, args.workdir, args.chunk_images)
     with open(args.result, "w") as f:
-      json.dump(child(args.child, args.batch_size, args.keep_fraction, args.workdir), f)
+      json.dump(result, f)
     return None
   stem = os.path.join(args.out, args.name)
   if args.render_only:
@@ -344,7 +360,7 @@ def main(argv=None):
   runs = []
   for n in [int(s) for s in args.sizes.split(",") if s]:
     print(f"building over {n:,} images", flush=True)
-    runs.append(run_size(n, args.batch_size, args.keep_fraction))
+    runs.append(run_size(n, args.batch_size, args.keep_fraction, args.chunk_images))
     print(json.dumps(runs[-1], indent=1), flush=True)
   report = dict(
     environment=environment(),

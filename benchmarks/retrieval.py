@@ -28,7 +28,7 @@ frequencies are Zipf-like (a few frequent classes, a long tail) and every class 
 Embeddings are random normal (timing does not depend on their values).
 
 Usage:
-  python benchmarks/retrieval.py [--quick] [--sizes 54226,1000000] [--repeats 30]
+  python benchmarks/retrieval.py [--quick | --smoke] [--sizes 54226,1000000] [--repeats 30]
   [--out benchmarks/results] [--train-step-seconds 0.25] [--skip-kernels] [--skip-floors]
   [--skip-precompute] [--processes 1]
 
@@ -42,7 +42,8 @@ side of the NumPy reference.
 buffer's [N, k, E] embeddings use E = 32 (`MILLION`: 1M x 8 x 768 float32 would be 24.6 GB
 per array); they are read only by the ASV algorithms' N_c candidate rows.
 
-Writes `<out>/retrieval[_quick].json` and `<out>/retrieval[_quick].md`. The script runs
+Writes `<out>/retrieval[_quick|_smoke].json` and `.md` (`--smoke`: every row at tiny sizes,
+`SMOKE`, in seconds). The script runs
 unchanged on CPU, GPU or TPU (the device is recorded). `--train-step-seconds` is a measured
 train step time to express retrieval as a fraction of it (default: the tiny model's CPU
 step from the README, about 0.25 s for 32 images; the L/14 GPU step is not measured here).
@@ -112,6 +113,18 @@ QUICK = Sizes(
   candidates_pc=48,
   knn_k=5,
   precompute_chunk=600,
+)
+# --smoke: every path in seconds (tests, CI); the sizes of tests/test_benchmark_retrieval.py.
+SMOKE = Sizes(
+  num_images=200,
+  num_classes=12,
+  top_k=2,
+  embed_dim=8,
+  batch=4,
+  candidates_aser=8,
+  candidates_pc=12,
+  knn_k=3,
+  precompute_chunk=200,
 )
 
 # Paper hyperparameters (suppl. Table 7): SWIL / GRASP w = 1, ASER c = 0.15; tau of
@@ -812,9 +825,11 @@ def algorithms_in_processes(sizes: Sizes, names, args) -> dict:
       command += ["--skip-floors"]
       command += ["--repeats", str(args.repeats), "--algorithms", ",".join(names)]
       command += ["--out", out]
-      command += ["--quick"] if args.quick else ["--sizes", str(sizes.num_images)]
+      mode = "--smoke" if args.smoke else "--quick" if args.quick else None
+      command += [mode] if mode else ["--sizes", str(sizes.num_images)]
       subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-      with open(os.path.join(out, "retrieval" + ("_quick" if args.quick else "") + ".json")) as f:
+      suffix = "_smoke" if args.smoke else "_quick" if args.quick else ""
+      with open(os.path.join(out, f"retrieval{suffix}.json")) as f:
         rows = json.load(f)["runs"][0]["rows"]
       for row in rows:
         if row["kind"] == "algorithm":
@@ -847,6 +862,9 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="small sizes for a fast check")
   parser.add_argument(
+    "--smoke", action="store_true", help="every path at tiny sizes in seconds (tests, CI)"
+  )
+  parser.add_argument(
     "--sizes",
     default="54226,1000000",
     help="comma-separated buffer sizes N (default: the paper's 54,226 and 1M; ignored "
@@ -875,7 +893,10 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.processes < 1:
     parser.error(f"--processes must be >= 1, got {args.processes}")
-  if args.quick:
+  if args.smoke:
+    all_sizes = [SMOKE]
+    args.repeats = min(args.repeats, 2)
+  elif args.quick:
     all_sizes = [QUICK]
   else:
     all_sizes = [sizes_for(int(n)) for n in args.sizes.split(",") if n]
@@ -890,6 +911,7 @@ def main(argv=None):
   report = {
     "runs": runs,
     "quick": args.quick,
+    "smoke": args.smoke,
     "device": getattr(device, "device_kind", str(device)),
     "backend": jax.default_backend(),
     "jax_version": jax.__version__,
@@ -900,7 +922,8 @@ def main(argv=None):
     "train_step_seconds": args.train_step_seconds,
     "not_measured": missing,
   }
-  stem = os.path.join(args.out, "retrieval" + ("_quick" if args.quick else ""))
+  suffix = "_smoke" if args.smoke else "_quick" if args.quick else ""
+  stem = os.path.join(args.out, "retrieval" + suffix)
   utils.write_report(stem, report, render_markdown(report), indent=2)
   return report
 

@@ -19,14 +19,25 @@ Two parts, one JSON and one Markdown file:
    *modelled* by an attention with a custom VJP that saves exactly what a flash-attention
    kernel saves (q, k, v, the output and the per-row log-sum-exp) and recomputes the
    probabilities in the backward pass (marked `modelled` in the results).
-2. **Timing** on the device the script runs on: our jitted train step (steps/s, images/s,
-   compile time, peak memory from `device.memory_stats()` where the backend reports it, MFU
-   against the peak measured with a large bf16 matmul on accelerators) and HF transformers'
-   `OwlViTForObjectDetection` forward + backward (random weights of the same architecture,
-   bf16 autocast on GPU, float32 on CPU) at the same batch and image size, with the ratio
-   of images/s. Our step is the full step (forward, matching, loss, backward, AdamW update);
-   HF's is forward + backward of a plain loss (sum of squared logits + boxes), so the ratio
-   favours HF slightly. Both matchers ('scipy', 'jax') are timed in our step.
+2. **Timing** on the device the script runs on, four sides, **each in its own fresh process**
+   (`time_in_fresh_process`) with the same number of compute threads (`--threads`, default
+   the CPUs this process may use: the child is pinned to those CPUs, torch gets
+   `torch.set_num_threads` and `OMP_NUM_THREADS`, XLA:CPU `intra_op_parallelism_threads`),
+   the same model sizes and the same batch, warm-up steps (compilation) excluded:
+   * `ours_model`: our model's forward + backward of a plain loss (mean of the squared
+     logits + sum of the boxes), no optimizer; `hf_model`: the same for HF transformers'
+     `OwlViTForObjectDetection` (random weights of the same architecture, bf16 autocast on
+     CUDA, float32 on CPU, its default attention implementation);
+   * `ours_step:<matcher>`: our full `:paper` step (forward, DER++ over [new ; replay],
+     Hungarian matching, detection loss, backward, AdamW); `hf_step`: HF's forward, SciPy
+     matching and the same detection loss in PyTorch (`hf_detection_loss`), backward,
+     `torch.optim.AdamW` (our step's DER++ distillation term is the only extra work).
+   The ratios HF time / ours are reported for the model alone and for the full step. HF was
+   once timed in the process that had just run our steps: there XLA:CPU's thread pool
+   competed with torch's threads (`--diagnose` times that condition as
+   `hf_model_after_jax`). `--rounds R` runs every side in R processes, one after the other;
+   each row is the median over all timed steps with their min-max. On accelerators the MFU
+   is against a bf16 matmul peak measured in a fresh process.
 3. **Compilation** (`--compile-cache`, any backend): the step is traced, lowered and compiled
    from abstract inputs (no parameters allocated, nothing executed, so L/14 at 840 px
    compiles on a small host) in a fresh process with an empty persistent compilation cache,
@@ -35,14 +46,16 @@ Two parts, one JSON and one Markdown file:
 
 Usage:
   python benchmarks/step.py --quick        # CPU-sized: vit_b32 at 384 px, batch 4
+  python benchmarks/step.py --smoke        # every path at a tiny size in seconds (CI)
   python benchmarks/step.py                # L/14 at 840 px: arithmetic; timing on a GPU
   python benchmarks/step.py --variant owlv2_l14 --skip-timing   # OWLv2 L/14 at 1008 px
   options: --variant, --image-size, --num-queries, --batches 1,2,4, --time-batches,
-  --skip-arithmetic, --skip-timing, --skip-hf, --repeats, --out
+  --skip-arithmetic, --skip-timing, --skip-hf, --skip-model-only, --repeats, --rounds,
+  --threads, --diagnose, --out
 
-Writes `<out>/step[_quick].json` and `.md`. Nothing here is asserted: targets (activations
-<= 2 GB per image at 840 px with the paper's defaults; >= 1.5x HF on the CPU --quick run)
-are read off the results.
+Writes `<out>/step[_quick|_smoke].json` and `.md`. Nothing here is asserted: targets
+(activations <= 2 GB per image at 840 px with the paper's defaults; on CPU at least parity
+on the model alone, ahead on the full step) are read off the results.
 """
 
 from __future__ import annotations
@@ -62,6 +75,12 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CPUS_VARIABLE = "OWL_CL_BENCHMARK_CPUS"
+if os.environ.get(CPUS_VARIABLE) and hasattr(os, "sched_setaffinity"):
+  # A timed side's process (`time_in_fresh_process`): pinned to its CPUs before XLA or torch
+  # size their thread pools (set here, not by the parent between fork and exec: the parent
+  # runs JAX's threads).
+  os.sched_setaffinity(0, [int(c) for c in os.environ[CPUS_VARIABLE].split(",")])
 # JAX and PyTorch share the accelerator in one process: no up-front reservation by JAX.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -104,31 +123,50 @@ def _inputs(model, batch: int, num_queries: int, max_instances: int, abstract: b
     replay = dict(new, **{k: jax.ShapeDtypeStruct(*v) for k, v in extra.items()})
     return new, replay
   rng = np.random.default_rng(0)
-
-  def one():
-    queries = np.zeros(shapes["queries"][0], np.int32)
-    queries[..., 0] = 1
-    queries[..., 1] = rng.integers(3, 400, queries.shape[:2])
-    queries[..., 2] = 2
-    labels = np.zeros(shapes["labels"][0], np.float32)
-    labels[..., 0] = 1
-    n_real = max(max_instances // 2, 1)
-    for i in range(n_real):
-      labels[:, i, 0] = 0
-      labels[:, i, 1 + i % (num_queries - 1)] = 1
-    cxcy = rng.uniform(0.2, 0.8, (half, max_instances, 2))
-    wh = rng.uniform(0.05, 0.3, (half, max_instances, 2))
-    return {
-      "images": jnp.asarray(rng.uniform(size=shapes["images"][0]).astype(np.float32)),
-      "queries": jnp.asarray(queries),
-      "labels": jnp.asarray(labels),
-      "boxes": jnp.asarray(np.concatenate([cxcy, wh], -1).astype(np.float32)),
+  new, replay = (
+    {
+      k: jnp.asarray(v)
+      for k, v in numpy_batch(rng, half, s, num_queries, length, max_instances).items()
     }
-
-  new, replay = one(), one()
+    for _ in range(2)
+  )
   replay["stored_logits"] = jnp.asarray(rng.normal(size=extra["stored_logits"][0]), jnp.bfloat16)
   replay["replay_mask"] = jnp.ones((half,), bool)
   return new, replay
+
+
+def numpy_batch(
+  rng: np.random.Generator,
+  images: int,
+  image_size: int,
+  num_queries: int,
+  context_length: int,
+  max_instances: int,
+) -> dict[str, np.ndarray]:
+  """A synthetic detection batch in NumPy (no JAX: the HF process must not start XLA).
+
+  Returns images float32 [B, S, S, 3] uniform in [0, 1]; queries int32 [B, Q, L] (start
+  token 1, a random id in [3, 400), end token 2); labels float32 [B, M, Q] (the first
+  max(M // 2, 1) instances real, one-hot at a column >= 1, the rest padding at column 0);
+  boxes float32 [B, M, 4] cxcywh with centres in [0.2, 0.8] and sides in [0.05, 0.3].
+  """
+  queries = np.zeros((images, num_queries, context_length), np.int32)
+  queries[..., 0] = 1
+  queries[..., 1] = rng.integers(3, 400, queries.shape[:2])
+  queries[..., 2] = 2
+  labels = np.zeros((images, max_instances, num_queries), np.float32)
+  labels[..., 0] = 1
+  for i in range(max(max_instances // 2, 1)):
+    labels[:, i, 0] = 0
+    labels[:, i, 1 + i % (num_queries - 1)] = 1
+  cxcy = rng.uniform(0.2, 0.8, (images, max_instances, 2))
+  wh = rng.uniform(0.05, 0.3, (images, max_instances, 2))
+  return {
+    "images": rng.uniform(size=(images, image_size, image_size, 3)).astype(np.float32),
+    "queries": queries,
+    "labels": labels,
+    "boxes": np.concatenate([cxcy, wh], -1).astype(np.float32),
+  }
 
 
 def _loss(model, matcher: str):
@@ -334,24 +372,29 @@ def _peak_memory(device) -> int | None:
   return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def measure_peak_flops() -> float:
-  """Peak bf16 FLOP/s of the default device: a large matmul, median of 5."""
-  n = 8192
+def measure_peak_flops(n: int = 8192) -> float:
+  """Peak bf16 FLOP/s of the default device: an [n, n] x [n, n] matmul, median of 5."""
   a = jnp.ones((n, n), jnp.bfloat16)
   f = jax.jit(lambda x, y: x @ y)
   f(a, a).block_until_ready()
   return 2 * n**3 / _median_time(lambda: f(a, a).block_until_ready(), 5)
 
 
-def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str):
-  """Builds, compiles and warms our train step; returns (run, record) with run() one step."""
-  model = model_lib.create_model(
+def timed_model(args, dtype=None, remat=None, attention=None):
+  """The model at `args`' variant and image size; dtype / remat / attention default to the
+  timed ones (`args.dtype`, `args.remat`, `args.attention`)."""
+  return model_lib.create_model(
     args.variant,
     image_size=args.image_size,
-    dtype=getattr(jnp, dtype),
-    remat=remat,
-    attention=attention,
+    dtype=getattr(jnp, dtype or args.dtype),
+    remat=remat or args.remat,
+    attention=attention or args.attention,
   )
+
+
+def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str):
+  """Builds, compiles and warms our train step; returns (run, record) with run() one step."""
+  model = timed_model(args, dtype, remat, attention)
   new, replay = _inputs(model, batch, args.num_queries, args.max_instances, abstract=False)
   params = jax.jit(model.init)(jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
   tx = optax.adamw(1e-4)
@@ -395,52 +438,121 @@ def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attenti
   return run, record
 
 
-def time_all(args, batch: int) -> tuple[list, dict | None]:
-  """Times our step for each matcher and HF's step, interleaving their steps round by round
-  so that they share the machine's load (the CPU here is shared by other work); medians
-  over `args.repeats` rounds. Returns (our records, HF's record or None)."""
-  prepared = [
-    prepare_ours(args, batch, m, args.dtype, args.remat, args.attention) for m in args.matchers
-  ]
-  if not args.skip_hf:
-    prepared.append(prepare_hf(args, batch))
-  times = [[] for _ in prepared]
-  for _ in range(args.repeats):
-    for (run, _), ts in zip(prepared, times, strict=True):
-      t0 = time.perf_counter()
-      run()
-      ts.append(time.perf_counter() - t0)
-  out = []
-  for (_, record), ts in zip(prepared, times, strict=True):
-    step_s = statistics.median(ts)
-    record.update(step_s=step_s, step_s_all=ts, images_per_s=record["batch"] / step_s)
-    if "peak_fn" in record:  # HF
-      record["peak_bytes"] = record.pop("peak_fn")()
-    else:
-      record.update(
-        compile_s_approx=record["first_step_s"] - step_s,
-        peak_bytes=_peak_memory(jax.devices()[0]),
-      )
-    out.append(record)
-  if args.skip_hf:
-    return out, None
-  return out[:-1], out[-1]
+def side_batch(args, batch: int, context_length: int) -> dict[str, np.ndarray]:
+  """The one batch both sides of the model-only and HF comparisons use (`numpy_batch`,
+  seed 0): `batch` images at `args`' sizes."""
+  rng = np.random.default_rng(0)
+  return numpy_batch(
+    rng, batch, args.image_size, args.num_queries, context_length, args.max_instances
+  )
 
 
-def prepare_hf(args, batch: int):
-  """HF's forward + backward, warmed up; returns (run, record)."""
+def prepare_ours_model(args, batch: int):
+  """Our model's forward + backward of a plain loss, compiled and warmed; (run, record).
+
+  The loss is HF's in `prepare_hf(full=False)`: mean of the squared logits + sum of the
+  boxes, over `batch` images with `num_queries` queries each; the forward is the evaluation
+  one (no stochastic depth: HF's model has none) and no optimizer update follows.
+  """
+  model = timed_model(args)
+  data = side_batch(args, batch, model.context_length)
+  images, queries = jnp.asarray(data["images"]), jnp.asarray(data["queries"])
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), images, queries)["params"]
+
+  def loss(p, x, q):
+    out = model.apply({"params": p}, x, q)
+    return jnp.mean(jnp.square(out["pred_logits"])) + jnp.sum(out["pred_boxes"])
+
+  grad = jax.jit(jax.value_and_grad(loss))
+
+  def run():
+    jax.block_until_ready(grad(params, images, queries))
+
+  record = {
+    "batch": batch,
+    "dtype": args.dtype,
+    "remat": args.remat,
+    "attention": clip_lib.resolve_attention(args.attention, getattr(jnp, args.dtype), 64),
+  }
+  return run, record
+
+
+def _box_xyxy(torch, b):
+  cx, cy, w, h = b.unbind(-1)
+  return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
+
+
+def _giou(torch, a, b):
+  """Generalised IoU of every box of a [N, 4] with every box of b [M, 4] (xyxy): [N, M]."""
+  area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
+  area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+  lt, rb = torch.max(a[:, None, :2], b[None, :, :2]), torch.min(a[:, None, 2:], b[None, :, 2:])
+  inter = (rb - lt).clamp(min=0).prod(-1)
+  union = area_a[:, None] + area_b[None, :] - inter
+  lt_c, rb_c = torch.min(a[:, None, :2], b[None, :, :2]), torch.max(a[:, None, 2:], b[None, :, 2:])
+  hull = (rb_c - lt_c).clamp(min=0).prod(-1)
+  return inter / union - (hull - union) / hull
+
+
+def hf_detection_loss(torch, logits, pred_boxes, labels, boxes):
+  """The detection loss of our step (focal + L1 + GIoU after Hungarian matching, per image,
+  all weights 1, focal alpha 0.3 / gamma 2) in PyTorch, matched with SciPy per image as HF's
+  DETR-family losses do; logits [B, T, Q], pred_boxes [B, T, 4] cxcywh, labels [B, M, Q]
+  (column 0 = padding instance), boxes [B, M, 4]. Returns the mean over images (a scalar)."""
+  from scipy import optimize  # noqa: PLC0415
+
+  alpha, gamma = LOSS_CONFIG["focal_alpha"], LOSS_CONFIG["focal_gamma"]
+  total = 0.0
+  for b in range(logits.shape[0]):
+    real = labels[b, :, 1:].sum(-1) > 0
+    tgt_labels, tgt_boxes = labels[b, real, 1:], _box_xyxy(torch, boxes[b, real])
+    x = logits[b, :, 1:].float()
+    prob = x.sigmoid()
+    pos = alpha * (1 - prob) ** gamma * -torch.nn.functional.logsigmoid(x)
+    neg = (1 - alpha) * prob**gamma * -torch.nn.functional.logsigmoid(-x)
+    src = _box_xyxy(torch, pred_boxes[b].float())
+    # scenic's cost (losses.matching_cost): focal pos - neg summed over the target's labels,
+    # L1 between cxcywh boxes, minus the GIoU.
+    cost = (pos - neg) @ tgt_labels.T + torch.cdist(pred_boxes[b].float(), boxes[b, real], p=1)
+    cost = cost - _giou(torch, src, tgt_boxes)
+    rows, cols = optimize.linear_sum_assignment(cost.detach().cpu().numpy())
+    rows, cols = torch.as_tensor(rows), torch.as_tensor(cols)
+    target = torch.zeros_like(x)
+    target[rows] = tgt_labels[cols]
+    focal = torch.where(target > 0, pos, neg).sum() / target.sum().clamp(min=1)
+    num_boxes = max(len(cols), 1)
+    l1 = (src[rows] - tgt_boxes[cols]).abs().sum() / num_boxes
+    giou = (1 - torch.diagonal(_giou(torch, src[rows], tgt_boxes[cols]))).sum() / num_boxes
+    total = total + focal + l1 + giou
+  return total / logits.shape[0]
+
+
+def prepare_hf(args, batch: int, full: bool):
+  """HF OwlViT's forward + backward, warmed up; returns (run, record).
+
+  `full=False`: the plain loss of `prepare_ours_model` (mean squared logits + sum of boxes).
+  `full=True`: the full step, `hf_detection_loss` (SciPy matching, focal + L1 + GIoU) and
+  a `torch.optim.AdamW` update. bf16 autocast on CUDA, float32 on CPU; HF's default
+  attention implementation (recorded). Imports no JAX array code: XLA is never started here.
+  """
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
 
+  torch.set_num_threads(args.threads)
   cfg = model_lib.get_variant_config(args.variant).replace(image_size=args.image_size)
   hf_config = convert.model_config_to_hf_config(cfg)
   torch.manual_seed(0)
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.OwlViTForObjectDetection(hf_config).to(device).train()
-  images = torch.rand(batch, 3, args.image_size, args.image_size, device=device)
+  data = side_batch(args, batch, cfg.context_length)
+  images = torch.as_tensor(data["images"]).permute(0, 3, 1, 2).contiguous().to(device)
+  # The same B * Q query rows as ours; HF finds each row's end at its largest id.
   ids = torch.randint(3, 400, (batch * args.num_queries, cfg.context_length), device=device)
-  ids[:, -1] = cfg.vocab_size - 1  # EOT (the largest id) ends every query
+  ids[:, -1] = cfg.vocab_size - 1
   mask = torch.ones_like(ids)
+  labels = torch.as_tensor(data["labels"], device=device)
+  boxes = torch.as_tensor(data["boxes"], device=device)
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if full else None
   autocast = (
     torch.autocast("cuda", dtype=torch.bfloat16)
     if device == "cuda"
@@ -451,26 +563,154 @@ def prepare_hf(args, batch: int):
     model.zero_grad(set_to_none=True)
     with autocast:
       out = model(input_ids=ids, pixel_values=images, attention_mask=mask)
-      loss = out.logits.float().square().mean() + out.pred_boxes.float().sum()
+      if full:
+        loss = hf_detection_loss(torch, out.logits, out.pred_boxes, labels, boxes)
+      else:
+        loss = out.logits.float().square().mean() + out.pred_boxes.float().sum()
     loss.backward()
+    if optimizer is not None:
+      optimizer.step()
     if device == "cuda":
       torch.cuda.synchronize()
 
   if device == "cuda":
     torch.cuda.reset_peak_memory_stats()
-  run()
+  record = {
+    "batch": batch,
+    "dtype": "bf16 autocast" if device == "cuda" else "float32",
+    "attention": getattr(model.config, "_attn_implementation", None),
+    "torch_threads": torch.get_num_threads(),
+  }
 
   def peak():
     return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
 
-  record = {
-    "batch": batch,
-    "device": device,
-    "autocast_bf16": device == "cuda",
-    "torch_threads": torch.get_num_threads(),
-    "peak_fn": peak,
-  }
-  return run, record
+  return run, record, peak
+
+
+# The timed sides: who, what work, and whether its loss / update are the full step's.
+SIDES = {
+  "ours_model": "owl_cl model: forward + backward, plain loss",
+  "ours_step": "owl_cl step: forward, DER++ over [new ; replay], matching, loss, backward, AdamW",
+  "hf_model": "HF OwlViT: forward + backward, plain loss",
+  "hf_step": "HF OwlViT step: forward, SciPy matching, focal + L1 + GIoU, backward, AdamW",
+  "hf_model_after_jax": "HF OwlViT: forward + backward, plain loss, after our model ran in "
+  "the same process (the old method)",
+}
+
+
+def time_side(args, side: str, batch: int) -> dict:
+  """One side of the comparison timed in this process (`--time-one`): warm-up calls
+  (compilation included) excluded, then `args.repeats` timed steps (seconds)."""
+  peak = None
+  if side == "ours_model":
+    run, record = prepare_ours_model(args, batch)
+  elif side.startswith("ours_step"):
+    run, record = prepare_ours(
+      args, batch, side.split(":")[1], args.dtype, args.remat, args.attention
+    )
+  elif side in ("hf_model", "hf_step"):
+    run, record, peak = prepare_hf(args, batch, full=side == "hf_step")
+  elif side == "hf_model_after_jax":
+    # The old method's condition: HF timed in a process where XLA:CPU has already run our
+    # model (its thread pool alive beside torch's).
+    run_ours, _ = prepare_ours_model(args, batch)
+    run_ours()
+    run, record, peak = prepare_hf(args, batch, full=False)
+  elif side == "peak_flops":
+    return {"side": side, "peak_bf16_flops": measure_peak_flops(args.peak_matmul)}
+  else:
+    raise ValueError(f"unknown side {side!r}; known: {sorted(SIDES)} (ours_step:<matcher>)")
+  t0 = time.perf_counter()
+  if "first_step_s" not in record:  # prepare_ours already ran its two warm-up steps
+    run()
+    record["first_step_s"] = time.perf_counter() - t0
+    run()
+  times = []
+  for _ in range(args.repeats):
+    t0 = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - t0)
+  record.update(side=side, step_s_all=times, process_threads=len(os.listdir("/proc/self/task")))
+  if side.startswith("ours"):
+    record["peak_bytes"] = _peak_memory(jax.devices()[0])
+  else:
+    record["peak_bytes"] = peak()
+  return record
+
+
+def thread_settings(threads: int) -> dict:
+  """The environment and CPU set that give a fresh process `threads` compute threads.
+
+  Both frameworks size their pools from the CPUs the process may run on, so the child is
+  pinned to the first `threads` of this process's CPUs (`OWL_CL_BENCHMARK_CPUS`, applied by
+  `os.sched_setaffinity` when this script starts); on top,
+  torch gets `OMP_NUM_THREADS` / `MKL_NUM_THREADS` (and `torch.set_num_threads` in the child)
+  and XLA:CPU `--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads=T`.
+  """
+  cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+  env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+  flags = f"--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={threads}"
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+  if cpus:
+    env[CPUS_VARIABLE] = ",".join(map(str, cpus[:threads]))
+  return env
+
+
+def _side_argv(args) -> list[str]:
+  """The command-line settings a `--time-one` child needs to rebuild `args`."""
+  return [
+    f"--variant={args.variant}",
+    f"--image-size={args.image_size}",
+    f"--num-queries={args.num_queries}",
+    f"--max-instances={args.max_instances}",
+    f"--dtype={args.dtype}",
+    f"--remat={args.remat}",
+    f"--attention={args.attention}",
+    f"--repeats={args.repeats}",
+    f"--threads={args.threads}",
+    f"--peak-matmul={args.peak_matmul}",
+  ]
+
+
+def time_in_fresh_process(args, side: str, batch: int, timeout: float | None = None) -> dict:
+  """`time_side` in a new Python process with `args.threads` threads (`thread_settings`).
+
+  Returns its record, or {'side', 'batch', 'error'} when the child failed (the last lines of
+  its output, e.g. an out-of-memory) or ran past `timeout` seconds.
+  """
+  env = thread_settings(args.threads)
+  cmd = [sys.executable, os.path.abspath(__file__), f"--time-one={side}"]
+  cmd += _side_argv(args) + [f"--time-batches={batch}"]
+  try:
+    proc = subprocess.run(
+      cmd,
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=timeout,
+    )
+  except subprocess.TimeoutExpired:
+    return {"side": side, "batch": batch, "error": f"timed out after {timeout:.0f} s"}
+  if proc.returncode:
+    tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    return {"side": side, "batch": batch, "error": f"exit {proc.returncode}: {tail}"}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarize(records: list[dict]) -> dict:
+  """One side's records from several processes pooled: the median step and its min-max."""
+  times = [t for r in records for t in r["step_s_all"]]
+  out = dict(records[0])
+  out.update(
+    step_s_all=times,
+    step_s=statistics.median(times),
+    step_s_min=min(times),
+    step_s_max=max(times),
+    processes=len(records),
+    images_per_s=out["batch"] / statistics.median(times),
+  )
+  return out
 
 
 def compile_step(args, batch: int) -> dict:
@@ -480,13 +720,7 @@ def compile_step(args, batch: int) -> dict:
   compilation, which the persistent compilation cache (`--cache-dir`) replaces by a read.
   No parameters are allocated, so this runs at L/14 840 px on any host.
   """
-  model = model_lib.create_model(
-    args.variant,
-    image_size=args.image_size,
-    dtype=getattr(jnp, args.dtype),
-    remat=args.remat,
-    attention=args.attention,
-  )
+  model = timed_model(args)
   new, replay = _inputs(model, batch, args.num_queries, args.max_instances, abstract=True)
   tx = optax.adamw(1e-4)
   train_step = step_lib.make_train_step(
@@ -552,28 +786,45 @@ def compile_cache(args) -> dict:
 
 
 def timing(args) -> dict:
-  backend = jax.default_backend()
-  result = {"backend": backend, "ours": [], "hf": [], "ratios": []}
-  if backend != "cpu":
-    result["peak_bf16_flops"] = measure_peak_flops()
+  """Every side of `args.sides` at every `args.time_batches`, each in its own fresh process
+  (`time_in_fresh_process`), the sides one after the other, `args.rounds` times; the ratios
+  HF step time / ours of the model alone and of the full step."""
+  result = {"backend": args.backend, "threads": args.threads, "rows": [], "ratios": []}
+  if args.backend != "cpu":
+    result["peak_bf16_flops"] = time_in_fresh_process(args, "peak_flops", 0)["peak_bf16_flops"]
   for batch in args.time_batches:
-    ours, hf = time_all(args, batch)
-    for r in ours:
-      if "peak_bf16_flops" in result and args.model_flops_per_image:
-        r["mfu"] = r["images_per_s"] * args.model_flops_per_image / result["peak_bf16_flops"]
-      print(f"ours   batch {batch:3d} matcher={r['matcher']}: {r}", flush=True)
-      result["ours"].append(r)
-    if hf is not None:
-      print(f"HF     batch {batch:3d}: {hf}", flush=True)
-      result["hf"].append(hf)
-      best = max(ours, key=lambda o: o["images_per_s"])
-      result["ratios"].append(
-        {
-          "batch": batch,
-          "ours_matcher": best["matcher"],
-          "ours_over_hf_images_per_s": best["images_per_s"] / hf["images_per_s"],
-        }
-      )
+    records = {side: [] for side in args.sides}
+    for r in range(args.rounds):
+      for side in args.sides:
+        print(f"batch {batch}, round {r + 1}/{args.rounds}: {side}", flush=True)
+        records[side].append(time_in_fresh_process(args, side, batch))
+    rows = {}
+    for side, recs in records.items():
+      failed = [r for r in recs if "error" in r]
+      if failed:
+        rows[side] = failed[0]
+        print(f"  {side} failed: {failed[0]['error']}", flush=True)
+        continue
+      rows[side] = summarize(recs)
+      if "peak_bf16_flops" in result and args.model_flops_per_image and side != "hf_step":
+        rows[side]["mfu"] = (
+          rows[side]["images_per_s"] * args.model_flops_per_image / result["peak_bf16_flops"]
+        )
+      print(f"  {side}: {rows[side]['step_s']:.3f} s", flush=True)
+    result["rows"] += list(rows.values())
+    ok = {k: v for k, v in rows.items() if "error" not in v}
+    ours_steps = [v for k, v in ok.items() if k.startswith("ours_step")]
+    ratio = {"batch": batch}
+    if "ours_model" in ok and "hf_model" in ok:
+      ratio["model_only"] = ok["hf_model"]["step_s"] / ok["ours_model"]["step_s"]
+    if ours_steps and "hf_step" in ok:
+      best = min(ours_steps, key=lambda v: v["step_s"])
+      ratio["full_step"] = ok["hf_step"]["step_s"] / best["step_s"]
+      ratio["full_step_ours"] = best["side"]
+    if ours_steps and "hf_model" in ok:
+      best = min(ours_steps, key=lambda v: v["step_s"])
+      ratio["ours_step_over_hf_model"] = ok["hf_model"]["step_s"] / best["step_s"]
+    result["ratios"].append(ratio)
   return result
 
 
@@ -592,6 +843,8 @@ def render_markdown(results: dict) -> str:
     f"torch {env.get('torch')}, transformers {env.get('transformers')}; {env['date']}.",
     "",
   ]
+  if results.get("note"):
+    lines += [results["note"], ""]
   a = results.get("arithmetic")
   if a:
     lines += [
@@ -618,33 +871,7 @@ def render_markdown(results: dict) -> str:
     lines.append("")
   t = results.get("timing")
   if t:
-    lines += [
-      f"## Timing on {t['backend']}",
-      "",
-      "| who | batch | matcher | dtype | remat | attention | step s | images/s | compile s "
-      "| peak GB | MFU |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for o in t["ours"]:
-      mfu = f"{o['mfu']:.1%}" if "mfu" in o else "-"
-      lines.append(
-        f"| owl_cl | {o['batch']} | {o['matcher']} | {o['dtype']} | {o['remat']} | "
-        f"{o['attention']} | {o['step_s']:.3f} | {o['images_per_s']:.2f} | "
-        f"{o['compile_s_approx']:.1f} | {_fmt_gb(o['peak_bytes'])} | {mfu} |"
-      )
-    for h in t["hf"]:
-      prec = "bf16 autocast" if h["autocast_bf16"] else "float32"
-      lines.append(
-        f"| HF OwlViT | {h['batch']} | - | {prec} | - | - | {h['step_s']:.3f} | "
-        f"{h['images_per_s']:.2f} | - | {_fmt_gb(h['peak_bytes'])} | - |"
-      )
-    lines.append("")
-    for r in t["ratios"]:
-      lines.append(
-        f"Batch {r['batch']}: owl_cl ({r['ours_matcher']} matcher) / HF images per second = "
-        f"**{r['ours_over_hf_images_per_s']:.2f}x**."
-      )
-    lines.append("")
+    lines += render_timing(t)
   c = results.get("compile_cache")
   if c:
     lines += [
@@ -666,6 +893,48 @@ def render_markdown(results: dict) -> str:
   return "\n".join(lines)
 
 
+def render_timing(t: dict) -> list[str]:
+  """The timing table and the ratios (Markdown lines)."""
+  lines = [
+    f"## Timing on {t['backend']} ({t['threads']} threads per process)",
+    "",
+    "Each row is one side in its own fresh process(es) (`processes`), warm-up steps excluded; "
+    "step s is the median over all timed steps, min-max beside it.",
+    "",
+    "| side | work | batch | matcher | dtype | attention | step s | min-max s | images/s "
+    "| first step s | peak GB | MFU | processes |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in t["rows"]:
+    side = r["side"]
+    work = SIDES[side.split(":")[0]]
+    if "error" in r:
+      lines.append(f"| {side} | {work} | {r['batch']} | failed: {r['error']} |" + " |" * 9)
+      continue
+    mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+    lines.append(
+      f"| {side} | {work} | {r['batch']} | {r.get('matcher', '-')} | {r['dtype']} | "
+      f"{r.get('attention') or '-'} | {r['step_s']:.3f} | {r['step_s_min']:.3f}-"
+      f"{r['step_s_max']:.3f} | {r['images_per_s']:.2f} | {r['first_step_s']:.1f} | "
+      f"{_fmt_gb(r['peak_bytes'])} | {mfu} | {r['processes']} |"
+    )
+  lines.append("")
+  for r in t["ratios"]:
+    parts = []
+    if "model_only" in r:
+      parts.append(f"model only (forward + backward) **{r['model_only']:.2f}x**")
+    if "full_step" in r:
+      parts.append(f"full step **{r['full_step']:.2f}x** ({r['full_step_ours']})")
+    if "ours_step_over_hf_model" in r:
+      parts.append(
+        f"our full step against HF's forward + backward {r['ours_step_over_hf_model']:.2f}x"
+      )
+    if parts:
+      lines.append(f"Batch {r['batch']}, HF step time / ours: " + "; ".join(parts) + ".")
+  lines.append("")
+  return lines
+
+
 def _environment() -> dict:
   env = {
     "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
@@ -685,28 +954,49 @@ def _environment() -> dict:
   return env
 
 
-def main(argv=None) -> dict:
+def default_threads() -> int:
+  """The CPUs this process may run on (its affinity), else `os.cpu_count()`."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """The command line with every mode's defaults filled in (the module docstring)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="vit_b32 at 384 px, batch 4, on CPU")
-  p.add_argument("--variant", default="vit_l14")
+  p.add_argument(
+    "--smoke", action="store_true", help="every path at a tiny size in seconds (tests, CI)"
+  )
+  p.add_argument("--variant", default=None, help="default vit_l14 (quick vit_b32, smoke tiny)")
   p.add_argument("--image-size", type=int, default=None)
   p.add_argument("--num-queries", type=int, default=None)
   p.add_argument("--max-instances", type=int, default=None)
-  p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+  p.add_argument("--batches", default=None)
   p.add_argument("--time-batches", default=None, help="batches to time (default: see --quick)")
-  p.add_argument("--dtypes", default="float32,bfloat16")
-  p.add_argument("--remats", default="none,block,dots_with_no_batch_dims_saveable")
-  p.add_argument("--attentions", default="xla,cudnn")
+  p.add_argument("--dtypes", default=None)
+  p.add_argument("--remats", default=None)
+  p.add_argument("--attentions", default=None)
   p.add_argument("--dtype", default=None, help="timed dtype (default bfloat16; quick float32)")
   p.add_argument("--remat", default=None, help="timed remat (default block; quick none)")
   p.add_argument("--attention", default="auto")
   p.add_argument("--matchers", default=None, help="timed matchers (default scipy,jax)")
-  p.add_argument("--repeats", type=int, default=None)
+  p.add_argument("--repeats", type=int, default=None, help="timed steps per process")
+  p.add_argument("--rounds", type=int, default=1, help="fresh processes per side")
+  p.add_argument("--threads", type=int, default=None, help="compute threads per side")
+  p.add_argument("--peak-matmul", type=int, default=8192, help=argparse.SUPPRESS)
   p.add_argument("--skip-arithmetic", action="store_true")
   p.add_argument("--skip-timing", action="store_true")
   p.add_argument("--skip-hf", action="store_true")
+  p.add_argument("--skip-model-only", action="store_true")
+  p.add_argument(
+    "--diagnose",
+    action="store_true",
+    help="also time HF in a process where our model ran first (the old, shared-process method)",
+  )
   p.add_argument("--cache-dir", default=None, help="persistent compilation cache")
   p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--time-one", default=None, help=argparse.SUPPRESS)
   p.add_argument(
     "--compile-cache",
     action="store_true",
@@ -714,29 +1004,47 @@ def main(argv=None) -> dict:
     "persistent cache folder (under --cache-dir, else the system's temp): cold vs warm",
   )
   p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  p.add_argument("--note", default=None, help="conditions of the run, written under the machine")
   args = p.parse_args(argv)
-  quick = args.quick
-  if quick and args.variant == "vit_l14":
-    args.variant = "vit_b32"
+  quick, smoke = args.quick, args.smoke
+  args.variant = args.variant or ("tiny" if smoke else "vit_b32" if quick else "vit_l14")
   # The variant's own size: 840 for vit_l14 (the paper), 1008 for owlv2_l14 (5,185 tokens).
   args.image_size = args.image_size or (
-    384 if quick else model_lib.get_variant_config(args.variant).image_size
+    32 if smoke else 384 if quick else model_lib.get_variant_config(args.variant).image_size
   )
-  args.num_queries = args.num_queries or (8 if quick else 126)
-  args.max_instances = args.max_instances or (8 if quick else 100)
-  args.batches = [int(b) for b in args.batches.split(",")]
-  args.time_batches = [
-    int(b) for b in (args.time_batches or ("4" if quick else "4,8,16,32")).split(",")
+  args.num_queries = args.num_queries or (4 if smoke else 8 if quick else 126)
+  args.max_instances = args.max_instances or (2 if smoke else 8 if quick else 100)
+  args.batches = [
+    int(b) for b in (args.batches or ("1,2" if smoke else "1,2,4,8,16,32")).split(",")
   ]
-  args.dtype = args.dtype or ("float32" if quick else "bfloat16")
-  args.remat = args.remat or ("none" if quick else "block")
-  args.matchers = (args.matchers or "scipy,jax").split(",")
-  args.repeats = args.repeats or (3 if quick else 10)
+  args.time_batches = [
+    int(b)
+    for b in (args.time_batches or ("2" if smoke else "4" if quick else "4,8,16,32")).split(",")
+  ]
+  args.dtypes = (args.dtypes or ("float32" if smoke else "float32,bfloat16")).split(",")
+  args.remats = (
+    args.remats or ("none" if smoke else "none,block,dots_with_no_batch_dims_saveable")
+  ).split(",")
+  args.attentions = (args.attentions or ("xla" if smoke else "xla,cudnn")).split(",")
+  args.dtype = args.dtype or ("float32" if quick or smoke else "bfloat16")
+  args.remat = args.remat or ("none" if quick or smoke else "block")
+  args.matchers = (args.matchers or ("jax" if smoke else "scipy,jax")).split(",")
+  args.repeats = args.repeats or (1 if smoke else 3 if quick else 10)
+  args.threads = args.threads or default_threads()
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
   if args.cache_dir:
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   if args.compile_only:
     r = compile_step(args, args.time_batches[0])
+    print(json.dumps(r), flush=True)
+    return r
+  if args.time_one:
+    r = time_side(args, args.time_one, args.time_batches[0])
     print(json.dumps(r), flush=True)
     return r
   # Bad settings fail here, before any work.
@@ -745,26 +1053,37 @@ def main(argv=None) -> dict:
   )
   for m in args.matchers:
     losses.resolve_matcher(m)
-
+  if args.rounds < 1 or args.repeats < 1 or args.threads < 1:
+    raise ValueError(
+      f"--rounds, --repeats and --threads must be >= 1, got {args.rounds}, {args.repeats}, "
+      f"{args.threads}"
+    )
+  args.sides = [] if args.skip_model_only else ["ours_model"]
+  args.sides += [f"ours_step:{m}" for m in args.matchers]
+  if not args.skip_hf:
+    args.sides += ["hf_step"] if args.skip_model_only else ["hf_model", "hf_step"]
+    args.sides += ["hf_model_after_jax"] if args.diagnose else []
+  args.backend = jax.default_backend()
+  mode = "smoke" if args.smoke else "quick" if args.quick else "full"
   results: dict[str, Any] = {
-    "mode": "quick" if quick else "full",
+    "mode": mode,
     "environment": _environment(),
     "batches": args.batches,
   }
+  if args.note:
+    results["note"] = args.note
   if not args.skip_arithmetic:
-    results["arithmetic"] = arithmetic(
-      args, args.dtypes.split(","), args.remats.split(","), args.attentions.split(",")
-    )
+    results["arithmetic"] = arithmetic(args, args.dtypes, args.remats, args.attentions)
   args.model_flops_per_image = (results.get("arithmetic") or {}).get("model_flops_per_image_train")
-  on_accelerator = jax.default_backend() != "cpu"
-  if not args.skip_timing and (quick or on_accelerator):
+  on_accelerator = args.backend != "cpu"
+  if not args.skip_timing and (mode != "full" or on_accelerator):
     results["timing"] = timing(args)
   elif not args.skip_timing:
     results["timing_skipped"] = "no accelerator: real-size timing needs a GPU (--quick times here)"
   if args.compile_cache:
     results["compile_cache"] = compile_cache(args)
   os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, "step_quick" if quick else "step")
+  stem = os.path.join(args.out, "step" if mode == "full" else f"step_{mode}")
   if set(results) <= {"mode", "environment", "batches", "timing_skipped", "compile_cache"}:
     # Only the compilation was measured: its own files, the full results stay as they are.
     stem += "_compile"

@@ -2,8 +2,10 @@
 buffer and 8 devices), on hand-worked figures."""
 
 import importlib.util
+import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -37,25 +39,14 @@ def test_projection_is_quadratic_in_the_images_and_divided_by_the_devices():
   assert bench.projections(whole, half, 8)["from_full_chunk_s"] == pytest.approx(2 * 10.0 * 6779)
 
 
-def test_benchmark_runs_end_to_end_at_a_tiny_size(tmp_path):
-  # The whole script (both measurements, projections, report files) on 40 images of 2 tokens
-  # in chunks of 8, and one chunk of 4 images against 60: it must run and report what it did.
-  report = bench.main(
-    [
-      "--num-images=40",
-      "--chunk=8",
-      "--k=2",
-      "--embed=8",
-      "--knn-k=3",
-      "--full-images=60",
-      "--full-chunk=4",
-      f"--out={tmp_path}",
-    ]
-  )
+def test_smoke_runs_end_to_end(tmp_path):
+  # The whole script as a user runs it (both measurements, projections, report files) on 40
+  # images of 2 tokens in chunks of 8, and one chunk of 4 images against 60.
+  argv = [sys.executable, _PATH, "--smoke", f"--out={tmp_path}"]
+  subprocess.run(argv, check=True, cwd=tmp_path, capture_output=True, timeout=600)
+  report = json.loads((tmp_path / "asv_left_smoke.json").read_text())
   assert report["whole"]["chunks"] == 5 and report["whole"]["tokens"] == 80
   assert report["full_chunk"]["tokens"] == 120
   assert report["full_chunk"]["sort"] == "host NumPy"  # the CPU path of knn_shapley
   assert report["projection"]["from_full_chunk_s"] > 0
-  with open(tmp_path / "asv_left.md") as f:
-    assert "host NumPy sort" in f.read()
-  assert (tmp_path / "asv_left.json").exists()
+  assert "host NumPy sort" in (tmp_path / "asv_left_smoke.md").read_text()

@@ -2,8 +2,10 @@
 
 import importlib.util
 import itertools
+import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -167,3 +169,20 @@ def test_floor_rows_time_the_fixed_parts_against_numpys_whole_calls():
   # class pass.
   assert rows[0]["numpy_s"] is rows[1]["numpy_s"]
   assert rows[2]["numpy_s"] is not rows[0]["numpy_s"]
+
+
+def test_smoke_runs_every_row_in_fresh_processes(tmp_path):
+  # The whole script as a user runs it at the smoke sizes, with the algorithms again in 2
+  # fresh processes: every kind of row is written, one per algorithm.
+  argv = [sys.executable, _PATH, "--smoke", "--processes=2", f"--out={tmp_path}"]
+  subprocess.run(argv, check=True, cwd=tmp_path, capture_output=True, timeout=900)
+  report = json.loads((tmp_path / "retrieval_smoke.json").read_text())
+  (run,) = report["runs"]
+  assert run["sizes"]["num_images"] == bench.SMOKE.num_images and report["smoke"]
+  kinds = [r["kind"] for r in run["rows"]]
+  assert kinds.count("algorithm") == len(bench.ALGORITHM_NAMES)
+  assert {"build", "kernel", "floor", "precompute"} <= set(kinds)
+  for name in bench.ALGORITHM_NAMES:
+    assert len(run["processes"][name]["jax_ms"]) == 2
+  md = (tmp_path / "retrieval_smoke.md").read_text()
+  assert "The algorithms again in 2 fresh processes" in md

@@ -1,91 +1,109 @@
-"""benchmarks/step.py: its smallest path runs and writes the fields the README reads."""
+"""benchmarks/step.py: its smoke run (every path, each side in a fresh process) writes the
+fields the README reads; the HF side computes our detection loss; the pooled timings."""
 
 import importlib.util
 import json
 import os
+import subprocess
 import sys
-import types
 
-_PATH = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "step.py"
-)
+import numpy as np
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PATH = os.path.join(_ROOT, "benchmarks", "step.py")
 _spec = importlib.util.spec_from_file_location("benchmark_step", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = bench
 _spec.loader.exec_module(bench)
 
+HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
-def test_smallest_arithmetic_path_writes_json(tmp_path):
-  argv = [
-    "--quick",
-    "--variant=tiny",
-    "--image-size=32",
-    "--num-queries=4",
-    "--max-instances=2",
-    "--batches=1,2",
-    "--dtypes=float32",
-    "--remats=none,block",
-    "--attentions=xla",
-    "--skip-timing",
-    f"--out={tmp_path}",
-  ]
-  bench.main(argv)
-  with open(tmp_path / "step_quick.json") as f:
-    results = json.load(f)
+
+def test_smoke_run_times_every_side_in_fresh_processes(tmp_path):
+  # The whole script as a user runs it: arithmetic (2 remats), then our model, our step and
+  # (with the hf extra) HF's model and step, each in its own process; 2 threads per side.
+  argv = [sys.executable, _PATH, "--smoke", "--remats=none,block", "--threads=2"]
+  argv += [f"--out={tmp_path}"] + ([] if HAS_HF else ["--skip-hf"])
+  subprocess.run(argv, check=True, cwd=tmp_path, capture_output=True, timeout=900)
+  results = json.loads((tmp_path / "step_smoke.json").read_text())
+  assert results["mode"] == "smoke"
   a = results["arithmetic"]
-  assert a["num_parameters"] > 0
   assert a["fixed_bytes_total"] == 16 * a["num_parameters"]  # params, grads, 2 Adam moments
   assert a["model_flops_per_image_train"] > a["model_flops_per_image_eval"] > 0
   rows = {r["remat"]: r for r in a["configs"]}
-  assert set(rows) == {"none", "block"}
   for r in rows.values():
-    assert r["activation_bytes_per_image"] > 0
     total = r["total_bytes_by_batch"]
-    assert float(total["2"]) - float(total["1"]) == r["activation_bytes_per_image"]
+    assert float(total["2"]) - float(total["1"]) == r["activation_bytes_per_image"] > 0
   # Remat keeps only the block inputs: fewer saved bytes, more FLOPs (the recomputation).
   assert rows["block"]["activation_bytes_per_image"] < rows["none"]["activation_bytes_per_image"]
   assert rows["block"]["step_flops_per_image"] > rows["none"]["step_flops_per_image"]
-  assert (tmp_path / "step_quick.md").read_text().startswith("# Train-step benchmark")
+
+  t = results["timing"]
+  sides = ["ours_model", "ours_step:jax"] + (["hf_model", "hf_step"] if HAS_HF else [])
+  assert [r["side"] for r in t["rows"]] == sides and t["threads"] == 2
+  for r in t["rows"]:
+    assert "error" not in r, r
+    assert r["batch"] == 2 and len(r["step_s_all"]) == 1 and r["processes"] == 1
+    assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+    assert r["images_per_s"] == pytest.approx(2 / r["step_s"])
+  by_side = {r["side"]: r for r in t["rows"]}
+  # The timed step reused the first call's executable (no retrace on the second call).
+  assert by_side["ours_step:jax"]["compilations"] == 1
+  (ratio,) = t["ratios"]
+  if HAS_HF:
+    assert by_side["hf_model"]["torch_threads"] == 2
+    assert ratio["model_only"] == pytest.approx(
+      by_side["hf_model"]["step_s"] / by_side["ours_model"]["step_s"]
+    )
+    assert ratio["full_step"] == pytest.approx(
+      by_side["hf_step"]["step_s"] / by_side["ours_step:jax"]["step_s"]
+    )
+  md = (tmp_path / "step_smoke.md").read_text()
+  assert md.startswith("# Train-step benchmark (smoke)")
+  assert md.count("| ours_") == 2 and md.count("| hf_") == (2 if HAS_HF else 0)
 
 
-def test_timed_step_reuses_the_first_compilation():
-  """The two warm-up calls of the timed step share one executable (no retrace on call 2)."""
-  args = types.SimpleNamespace(variant="tiny", image_size=32, num_queries=4, max_instances=2)
-  _, record = bench.prepare_ours(args, 2, "jax", "float32", "none", "xla")
-  assert record["compilations"] == 1
-  assert record["first_step_s"] > 0 and record["second_step_s"] > 0
+def test_hf_detection_loss_is_ours():
+  # The HF side's full step computes our detection loss (SciPy matching, focal + L1 + GIoU
+  # per image): the same value as owl_cl.train.losses.detection_loss on the same inputs.
+  torch = pytest.importorskip("torch")
+  from owl_cl.train import losses  # noqa: PLC0415
 
-
-def test_compile_cache_writes_the_step_and_keeps_full_results(tmp_path):
-  """--compile-cache compiles in two fresh processes sharing a new cache folder, writes its
-  own files and leaves an existing step_quick.json alone."""
-  (tmp_path / "step_quick.json").write_text("{}")
-  results = bench.main(
-    [
-      "--quick",
-      "--compile-cache",
-      "--skip-arithmetic",
-      "--skip-timing",
-      "--variant=tiny",
-      "--image-size=32",
-      "--num-queries=4",
-      "--max-instances=2",
-      "--time-batches=2",
-      "--attention=xla",
-      f"--cache-dir={tmp_path / 'xla'}",
-      f"--out={tmp_path}",
-    ]
+  rng = np.random.default_rng(0)
+  batch = bench.numpy_batch(rng, 2, 8, 5, 4, 4)
+  logits = rng.normal(size=(2, 7, 5)).astype(np.float32)
+  boxes = np.concatenate(
+    [rng.uniform(0.3, 0.7, (2, 7, 2)), rng.uniform(0.1, 0.4, (2, 7, 2))], -1
+  ).astype(np.float32)
+  ours = losses.detection_loss(
+    logits, boxes, batch["labels"], batch["boxes"], **bench.LOSS_CONFIG, matcher="scipy"
+  )["loss"]
+  hf = bench.hf_detection_loss(
+    torch,
+    torch.as_tensor(logits),
+    torch.as_tensor(boxes),
+    torch.as_tensor(batch["labels"]),
+    torch.as_tensor(batch["boxes"]),
   )
-  c = results["compile_cache"]
-  assert c["batch"] == 2 and c["dtype"] == "float32"
-  for run in ("cold", "warm"):
-    assert c[run]["lower_s"] > 0 and c[run]["compile_s"] > 0
-  # The cold process wrote the step's executable into the (new, first empty) cache folder.
-  (folder,) = os.listdir(tmp_path / "xla")
-  assert any(f.startswith("jit_step-") for f in os.listdir(tmp_path / "xla" / folder))
-  assert c["cache_files"] == len(os.listdir(tmp_path / "xla" / folder))
-  assert (tmp_path / "step_quick.json").read_text() == "{}"
-  assert "persistent cache" in (tmp_path / "step_quick_compile.md").read_text()
+  # float32 sums of a few dozen terms of order 1: agreement to 1e-5 relative.
+  np.testing.assert_allclose(float(hf), float(ours), rtol=1e-5)
+
+
+def test_pooled_timings_and_thread_settings():
+  # Two processes' steps pooled: median of [3, 1, 2, 5] = 2.5, min 1, max 5; 4 images.
+  records = [
+    {"side": "hf_model", "batch": 4, "step_s_all": [3.0, 1.0]},
+    {"side": "hf_model", "batch": 4, "step_s_all": [2.0, 5.0]},
+  ]
+  s = bench.summarize(records)
+  assert (s["step_s"], s["step_s_min"], s["step_s_max"], s["processes"]) == (2.5, 1.0, 5.0, 2)
+  assert s["images_per_s"] == 4 / 2.5
+  env = bench.thread_settings(1)
+  assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+  assert env["XLA_FLAGS"].endswith("intra_op_parallelism_threads=1")
+  if hasattr(os, "sched_getaffinity"):
+    assert env[bench.CPUS_VARIABLE] == str(min(os.sched_getaffinity(0)))
 
 
 def test_owlv2_arithmetic_counts_the_objectness_head(tmp_path):
