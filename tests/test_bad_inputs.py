@@ -21,6 +21,7 @@ import types
 
 import pytest
 
+from owl_cl import config_rules
 from owl_cl import experiment
 from owl_cl import main
 from owl_cl import trainer
@@ -906,7 +907,7 @@ def config_leaves(config, prefix: str = ""):
   for key in config.keys():
     path = prefix + key
     value = config[key]
-    if hasattr(value, "keys") and path not in validation.FIELD_RULES:
+    if hasattr(value, "keys") and path not in config_rules.FIELD_RULES:
       yield from config_leaves(value, path + ".")
     else:
       yield path
@@ -919,7 +920,7 @@ def test_every_config_field_has_a_rule(arg):
   config = base.get_config(arg)
   leaves = list(config_leaves(config))
   assert len(leaves) >= 137  # every section walked (137 leaves in '' when written)
-  assert [p for p in leaves if p not in validation.FIELD_RULES] == []
+  assert [p for p in leaves if p not in config_rules.FIELD_RULES] == []
   # The defaults pass their own rules: a rule that refuses every value cannot hide here.
   assert validation.range_problems(config, num_devices=1) == []
   assert validation.model_problems(config) == [] and validation.augment_problems(config) == []
@@ -929,10 +930,10 @@ def test_every_model_field_has_an_override_rule():
   from owl_cl.model import owl_vit  # pylint: disable=g-import-not-at-top
 
   fields = set(owl_vit.ModelConfig.__dataclass_fields__)
-  assert set(validation.MODEL_OVERRIDE_RULES) == fields
+  assert set(config_rules.MODEL_OVERRIDE_RULES) == fields
   for variant in owl_vit.VARIANTS:
     config = owl_vit.get_variant_config(variant)
-    for name, rule in validation.MODEL_OVERRIDE_RULES.items():
+    for name, rule in config_rules.MODEL_OVERRIDE_RULES.items():
       if name != "dtype":  # a jnp type in ModelConfig; config.model.dtype names it
         assert rule(config[name]) == "", (variant, name)
 
