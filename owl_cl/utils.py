@@ -281,24 +281,32 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
   try:
     _take_lock(fd, workdir)
-    previous = _read_lock_record(fd)
-    if previous:
-      logging.warning(
-        "workdir %s: taking over the lock of pid %s on host %s (started %s), which ended "
-        "without releasing it (killed?)",
-        workdir,
-        previous.get("pid", "?"),
-        previous.get("host", "?"),
-        previous.get("started", "?"),
-      )
-    _write_lock_record(fd)
-    try:
+    with _held(fd, f"workdir {workdir}"):
       yield
-    finally:
-      # A clean end empties the record; the kernel releases the flock at close (or death).
-      os.ftruncate(fd, 0)
   finally:
     os.close(fd)
+
+
+@contextlib.contextmanager
+def _held(fd: int, name: str) -> Iterator[None]:
+  """The body of a taken flock on `fd`: a record left by a holder that did not end cleanly is
+  taken over with a warning naming `name`, ours is written, and emptied at a clean end (the
+  kernel releases the flock when the file is closed, or the process dies)."""
+  previous = _read_lock_record(fd)
+  if previous:
+    logging.warning(
+      "%s: taking over the lock of pid %s on host %s (started %s), which ended without "
+      "releasing it (killed?)",
+      name,
+      previous.get("pid", "?"),
+      previous.get("host", "?"),
+      previous.get("started", "?"),
+    )
+  _write_lock_record(fd)
+  try:
+    yield
+  finally:
+    os.ftruncate(fd, 0)
 
 
 def check_workdir_free(workdir: str) -> None:
@@ -426,22 +434,8 @@ def cache_entry_lock(
         )
         next_log = now + progress_s
       time.sleep(poll_s)
-    previous = _read_lock_record(fd)
-    if previous:
-      logging.warning(
-        "%s %s: taking over the lock of pid %s on host %s (started %s), which ended without "
-        "releasing it (killed?)",
-        what,
-        path,
-        previous.get("pid", "?"),
-        previous.get("host", "?"),
-        previous.get("started", "?"),
-      )
-    _write_lock_record(fd)
-    try:
+    with _held(fd, f"{what} {path}"):
       yield
-    finally:
-      os.ftruncate(fd, 0)
   finally:
     os.close(fd)
 
