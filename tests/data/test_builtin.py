@@ -56,34 +56,30 @@ def test_deterministic(tiny, tmp_path):
         np.asarray(Image.open(fa[rel])), np.asarray(Image.open(fb[rel])), err_msg=rel
       )
   # Another seed gives other pixels.
-  third = B.ensure_benchmark(
-    str(tmp_path),
-    seed=8,
-    progress=False,
-    num_pretrain_train=2,
-    num_pretrain_val=1,
-    num_held_out_val=1,
-    num_downstream_train=1,
-    num_downstream_test=1,
-    downstream=("tiny",),
-  )
+  third = B.ensure_benchmark(str(tmp_path), **_tiny_kwargs(seed=8, downstream=("tiny",)))
   assert third.root != other.root
   a = np.asarray(Image.open(os.path.join(third.root, "pretrain", "images", "train_000000.png")))
   b = np.asarray(Image.open(os.path.join(tiny.root, "pretrain", "images", "train_000000.png")))
   assert a.shape != b.shape or not np.array_equal(a, b)
 
 
-def test_cache_reused_and_incomplete_regenerated(tmp_path):
-  kw = dict(
-    seed=1,
+def _tiny_kwargs(seed: int, downstream: tuple[str, ...]) -> dict:
+  """`ensure_benchmark`'s keywords for the smallest benchmark: 2 + 1 pre-training images, one
+  held-out and one train / test image per downstream dataset, no progress bar."""
+  return dict(
+    seed=seed,
     progress=False,
     num_pretrain_train=2,
     num_pretrain_val=1,
     num_held_out_val=1,
     num_downstream_train=1,
     num_downstream_test=1,
-    downstream=("digits",),
+    downstream=downstream,
   )
+
+
+def test_cache_reused_and_incomplete_regenerated(tmp_path):
+  kw = _tiny_kwargs(seed=1, downstream=("digits",))
   bm = B.ensure_benchmark(str(tmp_path), **kw)
   marker = os.path.join(bm.root, "benchmark.json")
   mtime = os.stat(marker).st_mtime_ns
@@ -274,16 +270,7 @@ def test_describe_and_preview(tiny, tmp_path):
 
 @pytest.mark.parametrize("damage", ["flip", "delete_manifest"])
 def test_damaged_cache_is_set_aside_and_regenerated(tmp_path, caplog, damage):
-  kw = dict(
-    seed=4,
-    progress=False,
-    num_pretrain_train=2,
-    num_pretrain_val=1,
-    num_held_out_val=1,
-    num_downstream_train=1,
-    num_downstream_test=1,
-    downstream=("digits",),
-  )
+  kw = _tiny_kwargs(seed=4, downstream=("digits",))
   bm = B.ensure_benchmark(str(tmp_path), **kw)
   assert integrity.has_manifest(bm.root)
   files = _all_files(bm.root)
