@@ -75,6 +75,7 @@ SWEPT_FIELDS = (
   "compilation_cache_dir",
 )
 _ALGORITHM_FIELDS = ("replay",)
+BUILTIN_VERSION_FIELD = "data.builtin.version"
 REPORT_MD, REPORT_JSON = "report.md", "report.json"
 FIGURE_FORGETTING, FIGURE_FOREST = "forgetting_curves.png", "forest_plot.png"
 
@@ -173,6 +174,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def _compared_config(config: Mapping[str, Any], ignore: Sequence[str]) -> dict[str, Any]:
   flat = _flatten(config)
+  if any(k.startswith("data.builtin.") for k in flat):
+    # A run that predates the field ran version 1 of the built-in benchmark.
+    flat.setdefault(BUILTIN_VERSION_FIELD, 1)
   skip = tuple(SWEPT_FIELDS) + tuple(ignore)
   return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in skip)}
 
@@ -199,7 +203,8 @@ def load_points(
     [RunPoint] in the order of `workdirs`.
 
   Raises:
-    ReportError: an incomplete run (status not 'complete'), a stage index the run lacks, a run
+    ReportError: an incomplete run (status not 'complete'), a stage index the run lacks, runs
+      of different built-in benchmark versions (a run without the field: version 1), a run
       whose config differs from the first run's outside the swept fields (or, for one
       algorithm, inside `replay`), or two runs of one algorithm with one (seeds, order); each
       message names the run(s) and the first differing fields.
@@ -225,6 +230,13 @@ def load_points(
     if first is None:
       first = (workdir, config)
     else:
+      versions = [c.get(BUILTIN_VERSION_FIELD) for c in (first[1], config)]
+      if versions[0] != versions[1]:
+        raise ReportError(
+          f"{workdir}: built-in benchmark version {versions[1]} ({BUILTIN_VERSION_FIELD}), "
+          f"{first[0]}: version {versions[0]}; runs of different benchmark versions are not "
+          "comparable: report them separately."
+        )
       diff = _differences(first[1], config, lambda k: not k.startswith(_ALGORITHM_FIELDS))
       if diff:
         raise ReportError(

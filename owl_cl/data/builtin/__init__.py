@@ -50,6 +50,7 @@ the splits, the cache folder, `BuiltinBenchmark`); the public names are re-expor
 """
 
 from owl_cl.data.builtin.benchmark import FORMAT_VERSION
+from owl_cl.data.builtin.benchmark import TAIL_DATASET
 from owl_cl.data.builtin.benchmark import BuiltinBenchmark
 from owl_cl.data.builtin.benchmark import BuiltinConfig
 from owl_cl.data.builtin.benchmark import DownstreamDataset
@@ -57,6 +58,7 @@ from owl_cl.data.builtin.benchmark import SplitFiles
 from owl_cl.data.builtin.benchmark import ensure_benchmark
 from owl_cl.data.builtin.benchmark import generate_benchmark
 from owl_cl.data.builtin.benchmark import render_preview
+from owl_cl.data.builtin.vocabulary import BENCHMARK_VERSIONS
 from owl_cl.data.builtin.vocabulary import COLORS
 from owl_cl.data.builtin.vocabulary import DOWNSTREAM_NAMES
 from owl_cl.data.builtin.vocabulary import HELD_OUT_PAIRS
@@ -68,6 +70,8 @@ from owl_cl.data.builtin.vocabulary import pretrain_class_names
 
 __all__ = [
   "FORMAT_VERSION",
+  "TAIL_DATASET",
+  "BENCHMARK_VERSIONS",
   "BuiltinConfig",
   "SplitFiles",
   "DownstreamDataset",
