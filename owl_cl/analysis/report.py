@@ -172,11 +172,20 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   return {prefix[:-1]: tree}
 
 
+def _builtin_version(config: Mapping[str, Any]) -> int | None:
+  """The run's built-in benchmark version: `data.builtin.version`, 1 for a config with a
+  `data.builtin` section that predates the field, None without one."""
+  builtin = (config.get("data") or {}).get("builtin")
+  if not isinstance(builtin, Mapping):
+    return None
+  return builtin.get("version", 1)
+
+
 def _compared_config(config: Mapping[str, Any], ignore: Sequence[str]) -> dict[str, Any]:
   flat = _flatten(config)
-  if any(k.startswith("data.builtin.") for k in flat):
-    # A run that predates the field ran version 1 of the built-in benchmark.
-    flat.setdefault(BUILTIN_VERSION_FIELD, 1)
+  version = _builtin_version(config)
+  if version is not None:  # a run that predates the field ran version 1
+    flat[BUILTIN_VERSION_FIELD] = version
   skip = tuple(SWEPT_FIELDS) + tuple(ignore)
   return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in skip)}
 
@@ -226,15 +235,16 @@ def load_points(
     if stage is not None and not 0 <= stage < len(results["stages"]):
       raise ReportError(f"{workdir}: --stage {stage} but the run has {len(results['stages'])}")
     config = _compared_config(results.get("config") or {}, ignore_fields)
+    # Checked on the run's own config: --ignore-field never makes two versions comparable.
+    version = _builtin_version(results.get("config") or {})
     algorithm = results["algorithm"]
     if first is None:
-      first = (workdir, config)
+      first = (workdir, config, version)
     else:
-      versions = [c.get(BUILTIN_VERSION_FIELD) for c in (first[1], config)]
-      if versions[0] != versions[1]:
+      if version != first[2]:
         raise ReportError(
-          f"{workdir}: built-in benchmark version {versions[1]} ({BUILTIN_VERSION_FIELD}), "
-          f"{first[0]}: version {versions[0]}; runs of different benchmark versions are not "
+          f"{workdir}: built-in benchmark version {version} ({BUILTIN_VERSION_FIELD}), "
+          f"{first[0]}: version {first[2]}; runs of different benchmark versions are not "
           "comparable: report them separately."
         )
       diff = _differences(first[1], config, lambda k: not k.startswith(_ALGORITHM_FIELDS))

@@ -97,9 +97,12 @@ def write_run(root, algorithm, seed, order, pre_final, down_final, *, status="co
   ]
   config = json.loads(json.dumps(BASE_CONFIG))
   config["seed"] = seed
-  for key, value in cfg.items():
-    section, field = key.split("__")
-    config[section][field] = value
+  for key, value in cfg.items():  # 'section__field' (or deeper: 'data__builtin__version')
+    *path, field = key.split("__")
+    node = config
+    for part in path:
+      node = node.setdefault(part, {})
+    node[field] = value
   workdir = os.path.join(root, f"{algorithm}_{''.join(order)}_seed{seed}")
   results_lib.write_results(
     workdir,
@@ -227,3 +230,26 @@ def test_cli_writes_the_report(tmp_path, capsys):
   write_run(str(tmp_path / "sweep"), "swil", 9, ("D1", "D2"), 0.2, 0.4, status="running")
   assert report_lib.main([str(tmp_path / "sweep"), "--out", str(out)]) == 2
   assert "is incomplete" in capsys.readouterr().err
+
+
+def test_refuses_mixed_builtin_versions(tmp_path):
+  # A run without data.builtin.version predates version 2: it ran version 1, comparable with
+  # a run that records version 1.
+  root = str(tmp_path / "same")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4, data__builtin__seed=0)
+  write_run(
+    root, "swil", 0, ("D1", "D2"), 0.2, 0.4, data__builtin__seed=0, data__builtin__version=1
+  )
+  assert len(report_lib.load_points(report_lib.find_runs([root]))) == 2
+  root = str(tmp_path / "mixed")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4, data__builtin__seed=0)
+  v2 = write_run(
+    root, "swil", 0, ("D1", "D2"), 0.2, 0.4, data__builtin__seed=0, data__builtin__version=2
+  )
+  # Sorted order: swil (version 2) first, the uniform run (version 1) is named as the odd one.
+  with pytest.raises(report_lib.ReportError, match="built-in benchmark version 1") as e:
+    report_lib.load_points(report_lib.find_runs([root]))
+  assert f"{v2}: version 2" in str(e.value) and "uniform_D1D2_seed0" in str(e.value)
+  # --ignore-field does not make versions comparable: the check reads the recorded version.
+  with pytest.raises(report_lib.ReportError, match="not comparable"):
+    report_lib.load_points(report_lib.find_runs([root]), ignore_fields=["data.builtin"])
