@@ -1,10 +1,11 @@
-"""mkdocs hook: the benchmark pages that live outside docs/ become pages of the site.
+"""mkdocs hook: the repository's Markdown pages outside docs/ become pages of the site.
 
-benchmarks/README.md and benchmarks/results/*.md sit beside the scripts that write them; the
-docs link to them with repository-relative paths (`../benchmarks/README.md`), which work on
-GitHub. This hook adds those files to the site under `benchmarks/` and rewrites such links to
-their site paths, so `mkdocs build --strict` checks them like any other link. Nothing is
-copied into docs/: each page is written once, where its script writes it.
+README.md (the site's home page), benchmarks/README.md and benchmarks/results/*.md live where
+GitHub shows them and where the scripts write them; the pages link to each other with
+repository-relative paths (`docs/configs.md` from the README, `../benchmarks/README.md` from a
+docs page), which work on GitHub. This hook adds those files to the site and rewrites every
+link between pages to its site path, so `mkdocs build --strict` checks them like any other
+link. Nothing is copied into docs/: each page is written once.
 """
 
 import os
@@ -14,12 +15,13 @@ import re
 from mkdocs.structure.files import File
 from mkdocs.structure.files import InclusionLevel
 
-# Repository folders (relative to the repository root) whose Markdown files join the site at
-# the same relative path. benchmarks/README.md is in the nav; the result tables are reached
-# through its links (a new result file needs no nav entry). `*_smoke.md` (the scripts' smoke
-# mode, never committed) is left out.
+# Repository file -> its path on the site. The README is the home page (docs/ has no index.md).
+REPO_PAGES = {"README.md": "index.md"}
+# Repository folders whose Markdown files join the site at the same path. benchmarks/README.md
+# is in the nav; the result tables are reached through its links, so a new result file needs
+# no nav entry. `*_smoke.md` (the scripts' smoke mode, never committed) is left out.
 REPO_PAGE_DIRS = ("benchmarks", "benchmarks/results")
-NAV_PAGES = ("benchmarks/README.md",)
+NAV_PAGES = ("index.md", "benchmarks/README.md")
 
 # An inline Markdown link or image target: `](target)` or `](target "title")`.
 _LINK = re.compile(r"\]\(([^)\s]+)((?:\s+\"[^\"]*\")?)\)")
@@ -29,37 +31,51 @@ def _repo_root(config) -> str:
   return os.path.dirname(os.path.abspath(config["config_file_path"]))
 
 
-def on_files(files, config):
-  """Adds every Markdown file of REPO_PAGE_DIRS to the site (mkdocs hook)."""
+def _repo_pages(config) -> dict[str, str]:
+  """{repository path: site path} of every page outside docs/."""
   root = _repo_root(config)
+  pages = dict(REPO_PAGES)
   for folder in REPO_PAGE_DIRS:
     for name in sorted(os.listdir(os.path.join(root, folder))):
       if name.endswith(".md") and not name.endswith("_smoke.md"):
-        src_uri = f"{folder}/{name}"
-        inclusion = InclusionLevel.INCLUDED if src_uri in NAV_PAGES else InclusionLevel.NOT_IN_NAV
-        path = os.path.join(root, folder, name)
-        files.append(File.generated(config, src_uri, abs_src_path=path, inclusion=inclusion))
+        pages[f"{folder}/{name}"] = f"{folder}/{name}"
+  return pages
+
+
+def on_files(files, config):
+  """Adds the pages outside docs/ to the site (mkdocs hook)."""
+  root = _repo_root(config)
+  for repo_path, site_path in _repo_pages(config).items():
+    inclusion = InclusionLevel.INCLUDED if site_path in NAV_PAGES else InclusionLevel.NOT_IN_NAV
+    abs_path = os.path.join(root, repo_path)
+    files.append(File.generated(config, site_path, abs_src_path=abs_path, inclusion=inclusion))
   return files
 
 
 def on_page_markdown(markdown, page, config, files):
-  """Rewrites links from docs/ pages to the repository's pages into site links (mkdocs hook)."""
-  docs_rel = os.path.relpath(config["docs_dir"], _repo_root(config)).replace(os.sep, "/")
-  if page.file.abs_src_path and not os.path.abspath(page.file.abs_src_path).startswith(
-    os.path.abspath(config["docs_dir"]) + os.sep
-  ):
-    return markdown  # a page added by on_files: its links are already site-relative
-  page_dir = posixpath.dirname(page.file.src_uri)
+  """Rewrites repository-relative links between pages into site links (mkdocs hook)."""
+  root = _repo_root(config)
+  docs_rel = os.path.relpath(config["docs_dir"], root).replace(os.sep, "/")
+  pages = _repo_pages(config)
+  site_to_repo = {site: repo for repo, site in pages.items()}
+  site_path = page.file.src_uri
+  page_repo_path = site_to_repo.get(site_path, posixpath.join(docs_rel, site_path))
+  page_repo_dir = posixpath.dirname(page_repo_path)
+  page_site_dir = posixpath.dirname(site_path)
 
   def rewrite(match):
     target, title = match.group(1), match.group(2)
-    if "://" in target or target.startswith("#"):
+    if "://" in target or target.startswith(("#", "mailto:")):
       return match.group(0)
-    path, _, anchor = target.partition("#")
-    repo_path = posixpath.normpath(posixpath.join(docs_rel, page_dir, path))
-    if not any(posixpath.dirname(repo_path) == d for d in REPO_PAGE_DIRS):
-      return match.group(0)
-    site_path = posixpath.relpath(repo_path, page_dir or ".")
-    return f"]({site_path}{'#' + anchor if anchor else ''}{title})"
+    path, hash_, anchor = target.partition("#")
+    repo_target = posixpath.normpath(posixpath.join(page_repo_dir, path))
+    if repo_target in pages:
+      site_target = pages[repo_target]
+    elif repo_target.startswith(docs_rel + "/"):
+      site_target = repo_target[len(docs_rel) + 1 :]
+    else:
+      return match.group(0)  # not a page of the site: mkdocs reports it
+    rel = posixpath.relpath(site_target, page_site_dir or ".")
+    return f"]({rel}{hash_}{anchor}{title})"
 
   return _LINK.sub(rewrite, markdown)

@@ -33,7 +33,7 @@ Array = jax.Array
 #: (per platform: `resolve_matcher`).
 MATCHERS = ("auto", "scipy", "jax")
 #: What 'auto' picks on each platform: 'jax' everywhere. CPU: measured (benchmarks/step.py,
-#: README "Train-step benchmark"): the built-in step (tiny model, 16 + 16 images, 64 tokens,
+#: docs/benchmarks.md "Matcher"): the built-in step (tiny model, 16 + 16 images, 64 tokens,
 #: 9 targets) takes 0.34 s with the JAX matcher and 0.44 s with SciPy's host callback.
 #: GPU/TPU: no device -> host -> device round trip every step (TPUs cannot run host
 #: callbacks inside a compiled step at all).
