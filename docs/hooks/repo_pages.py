@@ -5,15 +5,20 @@ GitHub shows them and where the scripts write them; the pages link to each other
 repository-relative paths (`docs/configs.md` from the README, `../benchmarks/README.md` from a
 docs page), which work on GitHub. This hook adds those files to the site and rewrites every
 link between pages to its site path, so `mkdocs build --strict` checks them like any other
-link. Nothing is copied into docs/: each page is written once.
+link. Nothing is copied into docs/: each page is written once. It also fails the strict build
+for a module of owl_cl that no page of the API reference (docs/api/*.md) renders.
 """
 
+import glob
+import logging
 import os
 import posixpath
 import re
 
 from mkdocs.structure.files import File
 from mkdocs.structure.files import InclusionLevel
+
+log = logging.getLogger("mkdocs.hooks.repo_pages")
 
 # Repository file -> its path on the site. The README is the home page (docs/ has no index.md).
 REPO_PAGES = {"README.md": "index.md"}
@@ -42,9 +47,30 @@ def _repo_pages(config) -> dict[str, str]:
   return pages
 
 
+def _undocumented_modules(root: str, docs_dir: str) -> list[str]:
+  """owl_cl's modules that no `::: owl_cl.<module>` line of docs/api/*.md renders."""
+  documented = set()
+  for page in glob.glob(os.path.join(docs_dir, "api", "*.md")):
+    with open(page) as f:
+      documented.update(re.findall(r"^::: (owl_cl[\w.]*)\s*$", f.read(), re.M))
+  missing = []
+  for path in sorted(glob.glob(os.path.join(root, "owl_cl", "**", "*.py"), recursive=True)):
+    rel = os.path.relpath(path, root)[: -len(".py")].replace(os.sep, ".")
+    if rel.endswith((".__init__", ".__main__")):
+      continue
+    if rel not in documented:
+      missing.append(rel)
+  return missing
+
+
 def on_files(files, config):
-  """Adds the pages outside docs/ to the site (mkdocs hook)."""
+  """Adds the pages outside docs/ to the site (mkdocs hook).
+
+  Also warns (so the strict build fails) for every owl_cl module the API reference leaves out.
+  """
   root = _repo_root(config)
+  for module in _undocumented_modules(root, config["docs_dir"]):
+    log.warning(f"API reference: module {module} is on no docs/api/*.md page (add '::: {module}')")
   for repo_path, site_path in _repo_pages(config).items():
     inclusion = InclusionLevel.INCLUDED if site_path in NAV_PAGES else InclusionLevel.NOT_IN_NAV
     abs_path = os.path.join(root, repo_path)
