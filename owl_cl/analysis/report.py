@@ -56,6 +56,8 @@ METRICS = (
   ("pretrain_AP", "pre-training set AP"),
   ("open_vocab_AP", "open-vocabulary AP"),
   ("held_out_AP", "held-out AP"),
+  # Version 2 of the built-in benchmark: the eval set of its 5 rarest pre-training classes.
+  ("tail_AP", "pre-training tail classes AP"),
   ("downstream_mean_AP", "downstream mean AP"),
   ("forgetting_AP", "average forgetting (AP)"),
   ("bwt_AP", "backward transfer (AP)"),
@@ -77,6 +79,7 @@ SWEPT_FIELDS = (
 )
 _ALGORITHM_FIELDS = ("replay",)
 BUILTIN_VERSION_FIELD = "data.builtin.version"
+TAIL_EVAL_SET = "pretrain_tail"  # owl_cl.data.builtin.TAIL_DATASET
 REPORT_MD, REPORT_JSON = "report.md", "report.json"
 FIGURE_FORGETTING, FIGURE_FOREST = "forgetting_curves.png", "forest_plot.png"
 
@@ -143,6 +146,9 @@ def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, floa
   row = table3.table3_row(stages[index], results["roles"])
   values = {k: _pct(row[k]) for k in ("pretrain_AP", "open_vocab_AP", "held_out_AP")}
   values["downstream_mean_AP"] = _pct(row["downstream_mean_AP"])
+  # NaN for a run without the set (version 1, real data) or a stage that did not evaluate it.
+  tail = (stages[index].get("metrics") or {}).get(TAIL_EVAL_SET) or {}
+  values["tail_AP"] = _pct(tail.get("AP"))
   forgetting = results.get("forgetting") or {}
   ap = forgetting.get("AP") or {}
   final = stage is None or index == len(stages) - 1

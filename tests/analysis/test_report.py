@@ -75,8 +75,11 @@ def test_holm_hand_worked():
 BASE_CONFIG = {"train": {"learning_rate": 1e-4}, "replay": {"dedup": "dataset"}, "seed": 0}
 
 
-def write_run(root, algorithm, seed, order, pre_final, down_final, *, status="complete", **cfg):
-  """A workdir written by the project's writer: stage 0 and two datasets in `order`."""
+def write_run(
+  root, algorithm, seed, order, pre_final, down_final, *, status="complete", tail=None, **cfg
+):
+  """A workdir written by the project's writer: stage 0 and two datasets in `order`; `tail`:
+  the final AP of built-in version 2's tail-classes set `pretrain_tail` (None: no such set)."""
 
   def m(ap):
     return {"AP": ap, "AP50": min(1.0, 1.5 * ap)}
@@ -95,6 +98,8 @@ def write_run(root, algorithm, seed, order, pre_final, down_final, *, status="co
       "train": {"replay_samples_fraction": 0.25},
     },
   ]
+  if tail is not None:
+    stages[-1]["metrics"]["pretrain_tail"] = m(tail)
   config = json.loads(json.dumps(BASE_CONFIG))
   config["seed"] = seed
   for key, value in cfg.items():  # 'section__field' (or deeper: 'data__builtin__version')
@@ -253,3 +258,20 @@ def test_refuses_mixed_builtin_versions(tmp_path):
   # --ignore-field does not make versions comparable: the check reads the recorded version.
   with pytest.raises(report_lib.ReportError, match="not comparable"):
     report_lib.load_points(report_lib.find_runs([root]), ignore_fields=["data.builtin"])
+
+
+def test_tail_classes_ap_reported_for_version_2(tmp_path):
+  root = str(tmp_path / "v2")
+  for seed, (u, s) in enumerate(((0.10, 0.13), (0.12, 0.14), (0.08, 0.12))):
+    write_run(root, "uniform", seed, ("D1", "D2"), 0.2, 0.4, tail=u, data__builtin__version=2)
+    write_run(root, "swil", seed, ("D1", "D2"), 0.2, 0.4, tail=s, data__builtin__version=2)
+  report = report_lib.build_report(report_lib.load_points(report_lib.find_runs([root])))
+  # Hand-worked: uniform's tail AP 10 / 12 / 8 points, mean 10; differences swil - uniform
+  # 3, 2, 4 points: mean 3.
+  assert report["summary"]["uniform"]["tail_AP"]["mean"] == pytest.approx(10.0)
+  assert report["versus_reference"]["swil"]["tail_AP"]["mean"] == pytest.approx(3.0)
+  # A version-1 run has no tail set: NaN, n = 0.
+  root = str(tmp_path / "v1")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4)
+  points = report_lib.load_points(report_lib.find_runs([root]))
+  assert math.isnan(points[0].values["tail_AP"])
