@@ -41,6 +41,13 @@ Scenes are 96-128 px on the long side, aspect ratio 0.7-1.43, with 1-4 annotated
 long side is 20-45% of the scene's (>= 12.8 px after resizing to 64; `tiny`: 14-20%, >= 9 px;
 `digits` 32-50%, `glyphs` 30-50%, 1-3 objects).
 
+Version 2 (`ensure_benchmark(..., version=2)`; docs/experiments.md, "Built-in benchmark
+version 2"): the same classes, dataset names and domain shifts, with long-tailed pre-training
+classes (frequency proportional to 1 / rank), a tail-classes evaluation set `pretrain_tail/val`,
+downstream classes that interfere with named pre-training classes, a class in two downstream
+datasets and a negative control (`vocabulary.design(2)`, stored in `benchmark.json`). The
+description above is version 1, the default, which version 2 leaves byte for byte unchanged.
+
 API: `ensure_benchmark(cache_dir, seed=0, **sizes) -> BuiltinBenchmark`,
 `BuiltinBenchmark.describe()`, `render_preview(...)`.
 
