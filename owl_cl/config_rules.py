@@ -39,7 +39,7 @@ from owl_cl.data import orders
 from owl_cl.data import prompts
 from owl_cl.model import clip as clip_lib
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import build as buffer_build
+from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
 from owl_cl.replay.retrieval import asv as retrieval_asv
 from owl_cl.replay.retrieval import class_selection
@@ -195,7 +195,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.stale_retrieval": boolean,
   "replay.top_k": integer(1),
   "replay.image_cache": text(optional=True),
-  "replay.store_verification": choice(buffer_build.STORE_VERIFICATIONS),
+  "replay.store_verification": choice(store_cache.STORE_VERIFICATIONS),
   "replay.loss_adaptivity.mode": choice(LOSS_ADAPTIVITY_MODES),
   "replay.loss_adaptivity.threshold": FINITE,
   "replay.loss_adaptivity.gate_per_device": boolean,
