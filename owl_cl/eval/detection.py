@@ -21,9 +21,8 @@ Pipeline for one evaluation set (docs/reference.md §4):
 
 LVIS's federated AP (the `lvis` API: APr/APc/APf, `neg_category_ids`) is computed by
 `owl_cl.eval.lvis_eval`, through `evaluate_source(..., protocol='lvis')` or
-`evaluate_lvis_source`;
-`coco_evaluate(..., cat_ids=...)` gives the plain COCO AP over a subset of categories (e.g. the
-held-out / rare classes of a stand-in set).
+`evaluate_lvis_source`; `coco_evaluate(..., cat_ids=...)` gives the plain COCO AP over a subset
+of categories (e.g. the held-out / rare classes of a stand-in set).
 """
 
 from __future__ import annotations
@@ -47,20 +46,7 @@ logger = logging.getLogger(__name__)
 
 # Names of the 12 COCOeval bbox summary statistics, in pycocotools' `stats` order. 'AR1' and
 # 'AR10' are AR at 1 and 10 detections per image; 'AR', 'ARs', 'ARm', 'ARl' use `max_dets`.
-COCO_METRIC_NAMES = (
-  "AP",
-  "AP50",
-  "AP75",
-  "APs",
-  "APm",
-  "APl",
-  "AR1",
-  "AR10",
-  "AR",
-  "ARs",
-  "ARm",
-  "ARl",
-)
+COCO_METRIC_NAMES = tuple("AP AP50 AP75 APs APm APl AR1 AR10 AR ARs ARm ARl".split())
 
 
 # ------------------------------------------------------------------------------------------
