@@ -380,6 +380,7 @@ def _run(
       "eval_sets": {
         "pretrain": bench.pretrain_eval,
         "held_out": bench.held_out_eval,
+        "zero_shot": [d.name for d in bench.zero_shot],
         "downstream": [d.name for d in bench.sequence],
       },
       "stages": stages,

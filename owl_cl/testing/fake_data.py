@@ -263,6 +263,7 @@ def write_fake_glip(
   seed: int = 0,
   image_size: tuple[int, int] = (24, 48),
   num_classes: int = 2,
+  variant: str | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
   """Write fake members of GLIP's ODinW-13 / ODinW-35 under `root/odinw/` in GLIP's folders.
 
@@ -271,14 +272,16 @@ def write_fake_glip(
   image in one folder and `<split>_annotations_without_background.json`; PascalVOC's test split
   is its valid folder, written once). Each member gets `num_classes` categories with ids from
   1 named by `glip_category_names` (GLIP's real class lists are not reproduced), in the
-  Roboflow format of `write_fake_odinw`.
+  Roboflow format of `write_fake_odinw`. `variant='zira'` writes ODinW-13 in ZiRa's / DitHub's
+  folders instead (`suites.ODINW13_ZIRA`: train and test splits; docs/ivlod.md).
 
   Args:
     root: data root (the folder that will hold `odinw/`).
-    suite: 'odinw13' | 'odinw35'. names: members (GLIP config stems; default all).
+    suite: 'odinw13' | 'odinw35'. names: members (the suite's names; default all).
     num_images: images per split: int, dict split -> int, or None (train 4, val 2, test 2).
     seed: int; everything written is a function of the arguments.
     image_size: (min, max) side length in pixels. num_classes: categories per member.
+    variant: suite 'odinw13': a key of `suites.ODINW13_VARIANTS` (None: 'glip').
 
   Returns:
     {name: {split: dict(annotation_file, image_dir, json=<the written dict>)}}.
@@ -288,7 +291,9 @@ def write_fake_glip(
   """
   if suite not in ("odinw13", "odinw35"):
     raise ValueError(f"suite must be 'odinw13' or 'odinw35', got {suite!r}")
-  entries = suites.suite_entries(suite, root, names=None if names is None else list(names))
+  entries = suites.suite_entries(
+    suite, root, names=None if names is None else list(names), variant=variant
+  )
   counts = _split_counts(num_images, odinw.SPLITS, dict(train=4, val=2, test=2))
   out: dict[str, dict[str, dict[str, Any]]] = {}
   for d, entry in enumerate(entries):
@@ -299,6 +304,8 @@ def write_fake_glip(
     usable = [c["id"] for c in cats if c["id"] not in entry.exclude_category_ids]
     out[entry.name] = {}
     for s, split in enumerate(odinw.SPLITS):
+      if split not in entry.split_names:
+        continue
       spec = entry.split(split)
       same = [w for w in out[entry.name].values() if w["annotation_file"] == spec.annotation_file]
       if same:  # PascalVOC: the test split is the valid folder
