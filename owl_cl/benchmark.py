@@ -113,9 +113,13 @@ class Benchmark:
 
 
 def _plain(value):
-  """A config value (ConfigDict, FieldReference-free) as plain dicts / lists."""
+  """A config value (ConfigDict, FieldReference-free) as plain dicts / lists: a copy, so that
+  `declaration` filling in defaults never changes the config (a plain dict in a config list
+  is the config's own object)."""
   if hasattr(value, "to_dict"):
     return value.to_dict()
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
     return [_plain(v) for v in value]
   return value
