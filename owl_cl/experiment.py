@@ -397,6 +397,14 @@ def _run(
     }
     if bench.roles is not None:
       results["roles"] = bench.roles
+    if config.eval.get("report_ivlod"):
+      # The IVLOD block's sets (owl_cl.eval.ivlod; results.finalize_results computes it).
+      lvis = bench.held_out.evaluation == "lvis"
+      results["ivlod"] = {
+        "zero_shot_set": bench.zero_shot[0].name if bench.zero_shot else None,
+        "lvis_set": bench.held_out_eval if lvis else None,
+        "datasets": [d.name for d in bench.sequence],
+      }
     if is_writer:
       results_lib.write_results(workdir, results)
     return results
