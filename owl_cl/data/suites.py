@@ -325,9 +325,9 @@ def variant_hint(entry: DatasetEntry) -> list[str]:
     if other != variant and os.path.isfile(found):
       out.append(
         f"dataset {entry.name!r} is ODinW-13 variant {variant!r} "
-        f"(config.data.odinw13_variant), but the data root holds variant {other!r}'s "
+        f"(config.data.odinw13_variant), but the data root holds the {other!r} variant's "
         f"{members[index].name!r} ({found}): set config.data.odinw13_variant={other!r} or "
-        f"add variant {variant!r}'s folders (docs/ivlod.md)"
+        f"add the {variant!r} variant's folders (docs/ivlod.md)"
       )
   return out
 

@@ -82,7 +82,9 @@ def ivlod_block(
 
   Args:
     stages: the results' stages, stage 0 after pre-training, the last the latest written.
-    datasets, zero_shot_set, lvis_set: as `ivlod_row`.
+    datasets: as `ivlod_row`.
+    zero_shot_set: as `ivlod_row`.
+    lvis_set: as `ivlod_row`.
 
   Returns:
     {'zero_shot_set', 'lvis_set', 'datasets': list, 'rows': {'no_finetuning': stage 0's row,
