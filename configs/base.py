@@ -157,6 +157,13 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   c.data.sequence = None
   c.data.pretrain = None
   c.data.held_out = None
+  # Further zero-shot eval sets, a list of entries (test split, else val), evaluated when the
+  # pre-training and held-out sets are: e.g. COCO val 2017, the IVLOD papers' "ZCOCO"
+  # (docs/ivlod.md). None: none.
+  c.data.zero_shot = None
+  # Which ODinW-13 an 'odinw13' suite item without its own `variant` reads: 'glip' (GLIP's
+  # configs/odinw_13) or 'zira' (ZiRa's / DitHub's folders, docs/ivlod.md). None: 'glip'.
+  c.data.odinw13_variant = ml_collections.config_dict.placeholder(str)
   # Q per training image: '' + positives + negatives, padded with ''. 24 > 20 pre-training
   # classes: every image contrasts its objects against every other class name.
   c.data.num_queries = 24
@@ -243,6 +250,13 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 16  # new images per step
   c.train.num_epochs = 8
+  # A budget per dataset in optimizer steps that replaces num_epochs (the IVLOD protocol's
+  # iterations per task, docs/ivlod.md); None: num_epochs epochs.
+  c.train.num_steps = ml_collections.config_dict.placeholder(int)
+  # The same per dataset: ((dataset name, steps), ...), for names a ConfigDict key cannot hold
+  # (dots: ODinW-13's 'Raccoon_Raccoon.v2-raw.coco'). A `train.per_dataset.<name>.num_steps`
+  # wins over it, it over `num_steps`. None: none.
+  c.train.num_steps_by_dataset = ml_collections.config_dict.placeholder(tuple)
   # 3e-4 (not the pre-training 1e-3): with 1e-3 one dataset's training wrecked the features
   # the next one needs (sequence probe without replay: `textured` AP50 0.19 after its own
   # training at 1e-3, 0.56 at 3e-4; every dataset >= 0.56 at 3e-4).
@@ -480,6 +494,9 @@ def _eval_section(c: ml_collections.ConfigDict) -> None:
   # pairs, the lvis API's federated AP with this many detections per image.
   c.eval.lvis_top_k = 300
   c.eval.lvis_max_dets = 300
+  # The IVLOD metric block (docs/ivlod.md: "Avg" over the downstream sets after the last
+  # task, "ZCOCO", LVIS APr) in results.json `ivlod` and results.md; configs/ivlod_odinw13.py.
+  c.eval.report_ivlod = False
 
 
 def _checkpoint_section(c: ml_collections.ConfigDict) -> None:

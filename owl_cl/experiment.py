@@ -383,6 +383,7 @@ def _run(
       "eval_sets": {
         "pretrain": bench.pretrain_eval,
         "held_out": bench.held_out_eval,
+        "zero_shot": [d.name for d in bench.zero_shot],
         "downstream": [d.name for d in bench.sequence],
         **({"extra": [d.name for d in bench.extra_evals]} if bench.extra_evals else {}),
       },
@@ -400,6 +401,14 @@ def _run(
     }
     if bench.roles is not None:
       results["roles"] = bench.roles
+    if config.eval.get("report_ivlod"):
+      # The IVLOD block's sets (owl_cl.eval.ivlod; results.finalize_results computes it).
+      lvis = bench.held_out.evaluation == "lvis"
+      results["ivlod"] = {
+        "zero_shot_set": bench.zero_shot[0].name if bench.zero_shot else None,
+        "lvis_set": bench.held_out_eval if lvis else None,
+        "datasets": [d.name for d in bench.sequence],
+      }
     if is_writer:
       results_lib.write_results(workdir, results)
     return results
