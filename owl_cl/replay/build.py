@@ -89,8 +89,10 @@ class BufferSpec:
     loss_threshold: eq. 7's t: images whose detection loss (loss units) is below it are kept.
     min_per_class: each class with fewer kept images gets its images in ascending loss order
       (`buffer_selection.select_buffer`).
-    fill_all_for_rare_classes, drop_images_without_class, top_up_order: the options of
-      `buffer_selection.select_buffer`.
+    fill_all_for_rare_classes: `buffer_selection.select_buffer`'s option of that name.
+    drop_images_without_class: `buffer_selection.select_buffer`'s option of that name.
+    top_up_order: `buffer_selection.select_buffer`'s option of that name
+      (`buffer_selection.TOP_UP_ORDERS`).
     top_k: k, the tokens per image whose class and query embeddings are stored (the retrieval
       features, `train.top_k.top_k_embeddings`).
     max_per_class: n_c's cap: prototypes are the mean of the selected images' top-n_c class
@@ -372,7 +374,8 @@ def build_store(
   (`_prototypes`), pass 3 (`_distances_pass`), the store moved into place (`_write_store`).
 
   Args:
-    model, params: the pre-trained OWL-ViT (flax module) and its parameters.
+    model: the pre-trained OWL-ViT (flax module).
+    params: its parameters.
     source: the pre-training set (`len`, `load(i)`, `class_names`).
     path: the store folder to write (replaced atomically if it exists).
     buffer_spec: what the buffer is made of (`BufferSpec`: examples, selection, features,
