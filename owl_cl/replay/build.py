@@ -378,8 +378,7 @@ def build_store(
     params: its parameters.
     source: the pre-training set (`len`, `load(i)`, `class_names`).
     path: the store folder to write (replaced atomically if it exists).
-    buffer_spec: what the buffer is made of (`BufferSpec`: examples, selection, features,
-      logits dtype).
+    buffer_spec: what the buffer is made of (`BufferSpec`).
     batch_size: images per forward (global, a multiple of the mesh's devices).
     mesh: the device mesh (None: all devices).
     num_workers: grain worker processes preprocessing the images (0: in process).

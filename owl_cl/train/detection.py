@@ -224,10 +224,9 @@ def detection_loss(
 ) -> dict[str, Array]:
   """OWL-ViT detection loss: matching, focal class, L1 + GIoU box (+ OWLv2's objectness).
 
-  Appends one padding instance per image, builds `matching_cost`, matches with
-  `hungarian_matching`, computes `detection_loss_per_example` and averages over images.
-  The keyword arguments are those of the `loss` config block (configs/base.py), so
-  `detection_loss(..., **config.loss)` works.
+  Appends one padding instance per image, matches (`matching_cost`, `hungarian_matching`),
+  averages `detection_loss_per_example` over images. The keyword arguments are the `loss`
+  config block's (configs/base.py): `detection_loss(..., **config.loss)` works.
 
   Args:
     pred_logits: float [B, T, Q] (padded query slots -1e6; computed in float32).
@@ -244,18 +243,15 @@ def detection_loss(
     example_mask: optional bool/float [B]. Images with weight 0 contribute nothing; the batch
       values become sum(w * v) / sum(w) (0 if all are masked). scenic's `batch_mask` instead
       divides by B; the two agree when no image is masked.
-    normalization: 'per_image' (scenic normalization='per_example', docs/reference.md §3:
-      each image's sums divided by its own #positives / #boxes, then the weighted mean over
-      images) or
-      'per_batch' (as in the released code: the batch's focal, L1 and GIoU sums over its
-      (unmasked, weighted) images divided by the batch's total #positives / #boxes, each
-      clamped to >= 1; computed over the whole global batch, where the released code
-      normalises per device). `per_example` is per image in both.
+    normalization: 'per_image' (scenic's 'per_example', docs/reference.md §3: each image's
+      sums over its own #positives / #boxes, then the weighted mean over images) or
+      'per_batch' (the released code: the focal, L1 and GIoU sums over the unmasked, weighted
+      images over the batch's #positives / #boxes, each clamped to >= 1, on the whole global
+      batch where the released code normalises per device). `per_example` is per image.
     matcher: Hungarian solver, 'auto' | 'scipy' | 'jax' (`hungarian_matching`).
     objectness_logits: OWLv2's float [B, T] objectness logits; None: the v1 loss exactly
       (`_add_objectness`).
-    objectness_weight: the objectness term's weight (``loss.objectness_weight``); None or 0:
-      the v1 loss exactly.
+    objectness_weight: the objectness term's weight (``loss.objectness_weight``); 0: v1's.
 
   Returns:
     dict of float32:
