@@ -66,7 +66,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       (`foreign_results_problem`), a CLIP tokenizer without its vocabulary or with an
       incomplete one (`clip_vocabulary_files_problem`), an `init_checkpoint` that is no
       checkpoint, a checkpoint of another model (`init_checkpoint_model_problem`) or one
-      whose format needs a missing optional extra (`missing_extra_problem`).
+      whose format needs a missing optional extra (`missing_extra_problem`), a schedule
+      that cannot work with the other fields (`schedule_problem`).
     MissingInputsError: the paper's protocol with missing inputs
       (`data.real_inputs.check_inputs`), checked once the fields are valid; then every
       problem of the declared datasets (`check_datasets`).
