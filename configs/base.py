@@ -5,8 +5,8 @@
   * arg 'paper': the paper's protocol on real data (OWL-ViT L/14 at 840 px, the 15 ODinW
     datasets in a seeded order with the paper's per-dataset hyperparameters, a replay buffer
     from Objects365, evaluation on O365 val, LVIS val and the ODinW test sets). It needs
-    `--config.data.root` and `--config.init_checkpoint` (README, "Running the paper's protocol
-    on real data").
+    `--config.data.root` and `--config.init_checkpoint` (docs/paper_protocol.md, "The paper's
+    protocol on real data").
 Algorithm configs (`uniform.py`, `uniform_balanced.py`, `grasp.py`, `swil.py`, `sw_grasp.py`,
 `a_sw_grasp.py`, `aser.py`, `aser_pc.py`, `sw_aser_pc.py`, `no_replay.py`) start from this one
 through `algorithm_config(name, algorithm, arg)`, so every algorithm has both.
@@ -141,7 +141,7 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   """Fills `c.data` (datasets, input pipeline, the built-in benchmark's sizes)."""
   c.data = ml_collections.ConfigDict()
   c.data.root = ml_collections.config_dict.placeholder(str)  # None: built-in benchmark
-  # The run's datasets, declared as dataset entries (owl_cl.data.entries; README "Your own
+  # The run's datasets, declared as dataset entries (owl_cl.data.entries; docs/data.md "Your own
   # data"; owl_cl.benchmark): `sequence` a list of entries or suite references such as
   # dict(suite="odinw13", root=...); `pretrain` one entry, the pre-training / replay source
   # (train split: buffer candidates; test, else val: the pre-training proxy eval); `held_out`
@@ -214,7 +214,7 @@ def _pretrain_section(c: ml_collections.ConfigDict) -> None:
   c.pretrain = ml_collections.ConfigDict()
   c.pretrain.batch_size = 32
   # Measured on 2 idle CPU cores: ~0.37 s/step; validation AP50 0.66 at step 800, 0.70 at 1200
-  # of a 1500-step run (README, Measured), so 1200 steps keep pre-training under 10 minutes.
+  # of a 1500-step run (docs/measured.md), so 1200 steps keep pre-training under 10 minutes.
   c.pretrain.num_steps = 1200
   c.pretrain.learning_rate = 1e-3
   c.pretrain.warmup_steps = 100
@@ -510,7 +510,7 @@ def apply_released_code(
   """Sets every paper/released-code switch of `c` to the released code's behaviour.
 
   The released code is the authors' PyTorch repository (github 5hadytru/optimal_retrieval);
-  README "Paper vs released code" lists each difference, its field and its source. Left as
+  docs/released_code.md lists each difference, its field and its source. Left as
   they are: `replay.loss_adaptivity.mode` (the released default has no loss adaptivity; its
   gate options are set for when 'released_gate' is chosen) and `train.carry`
   ('best_validation' needs datasets with a validation split: set only with `real_data`, the
@@ -575,7 +575,7 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.model.tokenizer = "clip"
   c.model.overrides = ml_collections.ConfigDict()
   # bfloat16 compute (float32 parameters, softmax, loss and optimizer) and every block
-  # rematerialised: the 16 + 16 step's saved activations then fit one 80 GB GPU (README,
+  # rematerialised: the 16 + 16 step's saved activations then fit one 80 GB GPU (docs/benchmarks.md,
   # "Train-step benchmark").
   c.model.dtype = "bfloat16"
   c.model.remat = "block"
@@ -586,7 +586,9 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   # Required: a scenic msgpack, an HF folder or an owl_cl parameter checkpoint.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
   # --- data --------------------------------------------------------------------------------
-  c.data.root = ml_collections.config_dict.placeholder(str)  # required (README layout)
+  c.data.root = ml_collections.config_dict.placeholder(
+    str
+  )  # required (docs/paper_protocol.md layout)
   # The paper's datasets as a declaration (owl_cl.benchmark.PAPER_DECLARATION): Objects365 v2
   # (buffer source, 'o365' eval), LVIS v1 val ('lvis' eval), the ODinW paper suite; entries
   # without a root take data.root; `odinw_datasets` picks and orders the suite's members.

@@ -365,8 +365,8 @@ def load_cached_model(path: str, like) -> tuple[Any, dict] | None:
     the entry was set aside.
 
   Raises:
-    Whatever orbax raises for an entry that passed its manifest check yet does not load (not
-    damage: a real error), or for any entry in a multi-process run.
+    Exception: whatever orbax raises for an entry that passed its manifest check yet does not
+      load (not damage: a real error), or for any entry in a multi-process run.
   """
   try:
     params, meta = checkpointing.load_params(path, like)

@@ -15,7 +15,7 @@ ALGORITHM_FILES = sorted(
   if f.endswith(".py") and f not in ("__init__.py", "base.py")
 )
 
-# field path -> (default, released value); README "Paper vs released code".
+# field path -> (default, released value); docs/released_code.md.
 SWITCHES = {
   "loss.normalization": ("per_image", "per_batch"),
   "replay.grasp_weight": (1.0, 0.7),

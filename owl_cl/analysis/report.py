@@ -33,6 +33,7 @@ import numpy as np
 
 from owl_cl.analysis import stats
 from owl_cl.eval import results as results_lib
+from owl_cl.eval import table3
 from owl_cl.utils import atomic_write_text
 
 __all__ = [
@@ -144,11 +145,7 @@ def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, floa
   index = len(stages) - 1 if stage is None else stage
   final = stage is None or index == len(stages) - 1
   # The final row is the schedule's (a per-task run's: the mean over its task models).
-  row = (
-    results["summary"]["final"]
-    if final
-    else results_lib.table3_row(stages[index], results["roles"])
-  )
+  row = results["summary"]["final"] if final else table3.table3_row(stages[index], results["roles"])
   values = {k: _pct(row[k]) for k in ("pretrain_AP", "open_vocab_AP", "held_out_AP")}
   values["downstream_mean_AP"] = _pct(row["downstream_mean_AP"])
   own = results["summary"].get("own") or {}
@@ -261,7 +258,7 @@ def load_points(
       )
     seen[(algorithm, key)] = workdir
     curve = np.array(
-      [_pct(results_lib.table3_row(s, results["roles"])["pretrain_AP"]) for s in results["stages"]]
+      [_pct(table3.table3_row(s, results["roles"])["pretrain_AP"]) for s in results["stages"]]
     )
     points.append(
       RunPoint(workdir, algorithm, results["run_id"], key, _run_values(results, stage), curve)

@@ -356,7 +356,8 @@ def visual_genome_to_coco(
     remove_forbidden: drop objects any of whose names is forbidden (released code).
     forbidden: forbidden names (default: scenic's lists).
     image_ids: keep only these images (e.g. a de-duplicated training list); default all.
-    objects_file, image_data_file: names used in error messages.
+    objects_file: the objects file's name, used in error messages.
+    image_data_file: the image-data file's name, used in error messages.
 
   Returns:
     dict(images [{id, file_name, height, width}], annotations [{id, image_id, category_id,

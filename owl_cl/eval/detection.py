@@ -539,10 +539,13 @@ def make_predict_fn(
       [B, T, 4]; typically a closure over the model and its variables, e.g.
       `lambda images: model.apply(variables, images, queries=None, query_embeddings=q,
       query_mask=m)`.
-    top_k, multi_label, class_mask: see `top_predictions`.
+    top_k: see `top_predictions`.
+    multi_label: see `top_predictions`.
+    class_mask: see `top_predictions`.
     batch_keys: batch entries passed to `outputs_fn` (only these cross into the jit, so int64
       host fields like `image_id` are never converted).
-    average, template_axis: template ensembling for 4-D logits, see `ensemble_templates`.
+    average: template ensembling for 4-D logits, see `ensemble_templates`.
+    template_axis: template ensembling for 4-D logits, see `ensemble_templates`.
     jit: wrap the whole prediction in `jax.jit` (default True).
 
   Returns:
@@ -712,7 +715,8 @@ def evaluate_source(
       LVIS json path, dict or `lvis.LVIS` ('lvis'). `coco_gt` is the same for 'coco'.
     image_size: padded square side S, see `unpad_boxes` (not needed by the default un-pad).
     max_dets: detections per image scored (default 100 for 'coco', 300 for 'lvis').
-    cat_ids, per_category: see `coco_evaluate` / `lvis_evaluate`.
+    cat_ids: see `coco_evaluate` / `lvis_evaluate`.
+    per_category: see `coco_evaluate` / `lvis_evaluate`.
     restrict_to_seen_images: evaluate only the images present in the batches (True, so a
       partial pass over a set is scored on what was predicted) or on all images of the
       ground truth.

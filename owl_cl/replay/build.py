@@ -416,12 +416,14 @@ def build_store(
   #instances) best class-c embeddings. See the module docstring for the passes and resuming.
 
   Args:
-    model, params: the pre-trained OWL-ViT (flax module) and its parameters.
+    model: the pre-trained OWL-ViT (flax module).
+    params: its parameters.
     source: the pre-training set (`len`, `load(i)`, `class_names`).
     path: the store folder to write (replaced atomically if it exists).
-    spec, seed, example_options: the fixed training example of each
-      image (`BufferExample`; `example_options`: the run's squash, merge_iou,
-      negative_weights; no augmentation: the store re-makes the images from the source).
+    spec: the fixed training example of each image (`BufferExample`; no augmentation: the
+      store re-makes the images from the source).
+    seed: the seed of each image's fixed example (`BufferExample`).
+    example_options: the run's squash, merge_iou, negative_weights (`BufferExample`).
     loss_config: `losses.detection_loss` options. batch_size: images per forward (global, a
       multiple of the mesh's devices).
     budget: `replay.budget`: None keeps eq. 7's selection; a fraction of `source` or an image

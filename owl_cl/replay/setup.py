@@ -563,8 +563,8 @@ class Replay:
       [R] (+ replay_active bool [R] with the paper's loss adaptivity).
 
     Raises:
-      whatever the retrieval or the gather raised, also when it ran ahead in the lookahead
-      thread (raised here, at the step it belongs to).
+      Exception: whatever the retrieval or the gather raised, also when it ran ahead in the
+        lookahead thread (raised here, at the step it belongs to).
     """
     ahead, self._ahead = self._ahead, None
     features = None

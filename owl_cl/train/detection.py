@@ -77,7 +77,8 @@ def detection_loss_per_example(
     labels: float [B, K, Q] targets, padding instance(s) included (`append_padding_instance`).
     boxes: float [B, K, 4] cxcywh.
     target_index: int [B, T] target of each token (`hungarian_matching`).
-    focal_alpha, focal_gamma: focal loss (0.3, 2.0).
+    focal_alpha: focal loss alpha (0.3).
+    focal_gamma: focal loss gamma (2.0).
 
   Returns:
     dict of float32 [B]:
@@ -234,9 +235,12 @@ def detection_loss(
     labels: float [B, M, Q] multi-hot; an instance with no positive among columns 1.. is
       padding (`labels[b, m, 0] = 1`).
     boxes: float [B, M, 4] cxcywh normalised to the padded square.
-    focal_alpha, focal_gamma: focal loss and cost (docs/reference.md §3: 0.3, 2.0).
-    class_weight, bbox_weight, giou_weight: weights of the three terms, used both in the
-      matching cost and in the total (scenic; docs/reference.md §3: all 1).
+    focal_alpha: focal loss and cost alpha (docs/reference.md §3: 0.3).
+    focal_gamma: focal loss and cost gamma (docs/reference.md §3: 2.0).
+    class_weight: weight of the focal term, used both in the matching cost and in the total
+      (scenic; docs/reference.md §3: 1).
+    bbox_weight: weight of the L1 term, likewise (1).
+    giou_weight: weight of the GIoU term, likewise (1).
     example_mask: optional bool/float [B]. Images with weight 0 contribute nothing; the batch
       values become sum(w * v) / sum(w) (0 if all are masked). scenic's `batch_mask` instead
       divides by B; the two agree when no image is masked.
@@ -248,8 +252,10 @@ def detection_loss(
       clamped to >= 1; computed over the whole global batch, where the released code
       normalises per device). `per_example` is per image in both.
     matcher: Hungarian solver, 'auto' | 'scipy' | 'jax' (`hungarian_matching`).
-    objectness_logits, objectness_weight: OWLv2's float [B, T] logits and the term's weight
-      (``loss.objectness_weight``); None or 0: the v1 loss exactly (`_add_objectness`).
+    objectness_logits: OWLv2's float [B, T] objectness logits; None: the v1 loss exactly
+      (`_add_objectness`).
+    objectness_weight: the objectness term's weight (``loss.objectness_weight``); None or 0:
+      the v1 loss exactly.
 
   Returns:
     dict of float32:

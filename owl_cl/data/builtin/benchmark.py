@@ -388,8 +388,11 @@ def ensure_benchmark(
   Args:
     cache_dir: parent folder (created if missing).
     seed: generation seed (int >= 0).
-    num_pretrain_train / num_pretrain_val / num_held_out_val / num_downstream_train /
-      num_downstream_test: images per split.
+    num_pretrain_train: images of the pre-training train split.
+    num_pretrain_val: images of the pre-training val split.
+    num_held_out_val: images of the held-out split.
+    num_downstream_train: images of each downstream train split.
+    num_downstream_test: images of each downstream test split.
     downstream: names of the downstream datasets to generate, a subset of `DOWNSTREAM_NAMES`.
     progress: show a tqdm progress bar.
 
