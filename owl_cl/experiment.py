@@ -313,6 +313,10 @@ def _run(
   (params, meta) of `config.init_checkpoint`, read by `run` (None: none is set)."""
   session = _open_session(config, workdir, bench, detector, init)
   params, replay_state, latest = session.restore_or_start()
+  if schedule_of(config) != "per_task" and not trainer.lwf_options(config):
+    # Only a per-task run (every task starts from them) and LwF (the teacher) read the
+    # pre-trained parameters after stage 0: not a second copy of the model in memory.
+    session.pretrained = None
   session.write("running")
   try:
     for index in range(latest + 1, len(stage_names(config, bench)) + 1):
