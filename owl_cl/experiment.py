@@ -8,8 +8,9 @@
                pre-trained here on the built-in benchmark and cached (`pretrained`)
   4 buffer     selection over the pre-training set -> host ReplayStore (cached;
                `replay.setup.build_store`)
-  5 sequence   for each downstream dataset: retrieval + DER++ training (`trainer`),
-               evaluation, stage checkpoint
+  5 stages     for each downstream dataset (or, `train.schedule='joint'`, once for all of
+               them; 'per_task': each from the pre-trained model): retrieval + DER++
+               training (`trainer`), evaluation, stage checkpoint
   6 results    results.json / results.md in the workdir, TensorBoard scalars
 
 Resuming: every finished stage is checkpointed (orbax) together with the metrics so far, and
