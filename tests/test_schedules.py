@@ -146,10 +146,3 @@ def test_joint_with_best_validation_carry_is_refused_up_front(pretrained_cache_d
   with pytest.raises(ConfigError, match="schedule='joint' with config.train.carry"):
     experiment.run(config, str(workdir))
   assert not workdir.exists()  # nothing written
-
-
-def test_unknown_schedule_is_refused_with_its_field(pretrained_cache_dir, tmp_path):
-  config = tiny_config("no_replay", pretrained_cache_dir)
-  config.train.schedule = "parallel"
-  with pytest.raises(ConfigError, match=r"config.train.schedule='parallel'"):
-    experiment.run(config, str(tmp_path / "run"))
