@@ -108,3 +108,26 @@ def pretrained_cache_dir(tmp_path_factory) -> str:
   cache_dir = str(tmp_path_factory.mktemp("cache"))
   shutil.copytree(built, cache_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("COMPLETE"))
   return cache_dir
+
+
+def pytest_collection_modifyitems(config, items):
+  """Modules with a `slow` test run first, their slow tests first within them.
+
+  Under `-n 2` the workers take the next tests as they finish (pytest.ini: one at a time):
+  the long end-to-end tests start while the many short ones fill the other worker, instead
+  of one of them starting last while the other worker sits idle. Whole modules move, so a
+  module's fixtures are still set up once per worker. The order is the same in every worker
+  (xdist requires it) and no test depends on it.
+  """
+  del config  # unused
+  slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+  first = {}
+  for index, item in enumerate(items):
+    first.setdefault(item.module.__name__, index)
+  items.sort(
+    key=lambda item: (
+      item.module.__name__ not in slow_modules,
+      first[item.module.__name__],
+      item.get_closest_marker("slow") is None,
+    )
+  )
