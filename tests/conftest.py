@@ -27,6 +27,8 @@ XLA_CACHE_ENV = {
   "JAX_COMPILATION_CACHE_DIR": None,  # set to the session's folder
   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 }
+# A compilation cache folder kept across pytest runs (docs/tests.md); unset: one per run.
+XLA_CACHE_KEEP_ENV = "OWL_CL_TEST_XLA_CACHE"
 
 
 def _shared_root(tmp_path_factory) -> pathlib.Path:
@@ -49,11 +51,13 @@ def xla_cache_dir(tmp_path_factory) -> str:
   the folder once per process, at its first compilation: a test that sets
   `compilation_cache_dir` (as `experiment.run` applies it) still uses this one, unless it
   calls `compilation_cache.reset_cache()` (tests/test_lookahead.py restores it after).
-  Loaded executables are the compiled ones byte for byte: results do not change. Two
-  processes that write one entry at once are safe (JAX writes it whole or reads it as a
-  miss, with a warning).
+  Loaded executables are the compiled ones byte for byte: results do not change. A process
+  that reads an entry another one is still writing compiles the program instead (JAX warns
+  and goes on).
   """
-  folder = str(_shared_root(tmp_path_factory) / "xla")
+  # OWL_CL_TEST_XLA_CACHE: a folder kept across pytest runs (the inner loop's reruns compile
+  # only what changed); CI leaves it unset: each run starts from an empty cache.
+  folder = os.environ.get(XLA_CACHE_KEEP_ENV) or str(_shared_root(tmp_path_factory) / "xla")
   os.makedirs(folder, exist_ok=True)
   _use_xla_cache(folder)
   for name, value in XLA_CACHE_ENV.items():
