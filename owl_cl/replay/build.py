@@ -9,7 +9,8 @@ passes of the jitted eval-mode forward of the pre-trained model:
      only these ([N] float32 and [N, C] bool, memory-mapped files) are kept;
   selection: `select_buffer` (loss < t, per-class top-up) on those arrays;
   2. the selected images: the examples without their pixels (the images are kept by
-     reference: source index and image id, `replay/images.py`), the logits to distil (DER++),
+     reference: source index and image id, `replay/images.py`), the logits to distil (DER++;
+     with OWLv2 also the objectness logits, docs/owlv2.md),
      the top-k class and query embeddings (retrieval features) are written to the store's
      files in chunks, and the
      prototype sums / counts (top-n_c class embeddings per class) are reduced on the device
@@ -124,6 +125,7 @@ def make_steps(
   loss_config: dict,
   prototype_sums_of_all: bool = False,
   image_features: bool = False,
+  selection_objectness: bool = False,
 ) -> dict[str, Callable]:
   """The jitted per-batch functions of the three passes (outputs replicated on the mesh).
 
@@ -134,7 +136,8 @@ def make_steps(
     'losses': -> per_image_loss float32 [B] (docs/reference.md §3), membership bool [B, C];
       with `prototype_sums_of_all` also the batch's prototype_sums / prototype_counts (as
       'features': the prototypes over every image, `prototype_images='all'`).
-    'features': -> logits float32 [B, T, Q], top_class_embeddings / top_query_embeddings
+    'features': -> logits float32 [B, T, Q] (OWLv2: and objectness float32 [B, T]),
+      top_class_embeddings / top_query_embeddings
       float32 [B, k, E] (`train.top_k.top_k_embeddings`), prototype_sums float32 [C, E]
       and prototype_counts int32 [C] summed over the valid rows
       (`buffer_selection.per_image_class_token_embeddings`), and the batch's examples
@@ -142,6 +145,9 @@ def make_steps(
       rows; with
       `image_features` also top_image_features [B, k, D] (the ViT output tokens of the top-k
       tokens, `train.top_k.top_k_token_features`).
+  With `selection_objectness` (OWLv2), 'losses' adds the objectness term at the loss config's
+  `objectness_weight` to each image's loss (docs/owlv2.md, buffer selection); without it, and
+  for v1, the loss is the detection loss's class and box terms.
     'distances': (params, batch, prototypes float32 [C, E]) -> prototype_distances float32
       [B, C] (`buffer_selection.prototype_distances` with `distance_max_instances`).
   The functions are module-level `jax.jit`s whose static arguments are the model (a linen
@@ -157,6 +163,7 @@ def make_steps(
     loss_config=tuple(sorted(loss_config.items())),
     prototype_sums_of_all=bool(prototype_sums_of_all),
     image_features=bool(image_features),
+    selection_objectness=bool(selection_objectness),
   )
   static = dict(model=model, mesh=mesh, options=tuple(sorted(options.items())))
   return {
@@ -202,6 +209,9 @@ def _losses_step(params, batch, *, model, mesh, options):
     out["pred_boxes"],
     batch["labels"],
     batch["boxes"],
+    # OWLv2: the objectness term counts in the selection loss only when asked
+    # (replay.selection.objectness_in_loss, docs/owlv2.md); v1 has no objectness logits.
+    objectness_logits=out.get("objectness_logits") if options["selection_objectness"] else None,
     **dict(options["loss_config"]),
   )
   result = {"per_image_loss": det["per_example"], "membership": counts > 0}
@@ -226,6 +236,8 @@ def _features_step(params, batch, *, model, mesh, options):
     **_prototype_sums(options, out, counts, batch),
     **{k: batch[k] for k in STORED_EXAMPLE_KEYS},
   }
+  if "objectness_logits" in out:  # OWLv2: distilled by DER++ too (docs/owlv2.md)
+    result["objectness"] = out["objectness_logits"]
   if options["image_features"]:
     feature_map = out["feature_map"]
     result["top_image_features"] = top_k_lib.top_k_token_features(
@@ -396,6 +408,7 @@ def build_store(
   budget: int | float | None = None,
   prototype_images: str = "buffer",
   image_features: bool = False,
+  selection_objectness: bool = False,
   logits_dtype: str = "float16",
   pad_logit: float = -1e6,
   mesh=None,
@@ -431,6 +444,10 @@ def build_store(
       image of `source` ('all', the released code; their sums are reduced in pass 1).
     image_features: also store the top-k tokens' ViT features (`buffer.image_features`
       [N, k, D], ASER on image features, `replay.aser.asv_features`).
+    selection_objectness: OWLv2: the selection loss includes the objectness term (at
+      `loss_config['objectness_weight']`; `replay.selection.objectness_in_loss`, docs/owlv2.md).
+      False: it does not (and v1 has none). An OWLv2 store also keeps the objectness logits
+      (`stored_objectness`) for DER++ whatever this is.
     logits_dtype: storage dtype of the DER++ logits ('float16', 'bfloat16', 'float32').
     mesh: the device mesh (None: all devices).
     num_workers: grain worker processes preprocessing the images (0: in process).
@@ -483,6 +500,8 @@ def build_store(
     loss_config=loss_config,
     prototype_sums_of_all=all_images_prototypes,
     image_features=image_features,
+    # Only when set: a build folder of before the option existed resumes.
+    **({"selection_objectness": True} if selection_objectness else {}),
   )
   steps = make_steps(model, mesh, **step_options)
   params = sharding_lib.replicate(params, mesh)
@@ -591,6 +610,10 @@ def build_store(
         start,
         store_lib.encode_logits(out["logits"][:count], out["queries"][:count], logits_dtype),
       )
+      if "stored_objectness" in store:
+        store["stored_objectness"].write(
+          start, store_lib.encode_objectness(out["objectness"][:count], logits_dtype)
+        )
       store["buffer.class_embeddings"].write(start, out["top_class_embeddings"][:count])
       store["buffer.query_embeddings"].write(start, out["top_query_embeddings"][:count])
       if image_features:
@@ -696,6 +719,11 @@ def _store_shapes(transform, features_step, params, num_kept: int, logits_dtype:
     (num_kept,) + abstract["logits"].shape[1:],
     store_lib.LOGITS_DTYPES[logits_dtype],
   )
+  if "objectness" in abstract:
+    shapes["stored_objectness"] = (
+      (num_kept,) + abstract["objectness"].shape[1:],
+      store_lib.LOGITS_DTYPES[logits_dtype],
+    )
   for name in ("class_embeddings", "query_embeddings", "image_features"):
     if f"top_{name}" in abstract:
       shapes[f"buffer.{name}"] = ((num_kept,) + abstract[f"top_{name}"].shape[1:], np.float32)
