@@ -255,6 +255,8 @@ def pretrained_params(
         if k in ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
       },
       **non_default_data_options(config),
+      # OWLv2 pre-trains on its own preprocessing (docs/owlv2.md); v1's key is unchanged.
+      **({"resize": detector.resize_method} if detector.resize_method != "resize_with_pad" else {}),
       "loss": cache_key_fields(config, "loss"),
       "seed": seed_of(config, "model"),
       "pretrain_data": file_digest(bench.pretrain.train.annotation_file),

@@ -106,12 +106,17 @@ class BufferExample:
 
   @property
   def image_reference(self) -> dict:
-    """How the images are made (`store_lib.IMAGE_REFERENCE_FIELDS` but the key)."""
-    return dict(
+    """How the images are made (`store_lib.IMAGE_REFERENCE_FIELDS` but the key, and OWLv2's
+    `resize` when set)."""
+    reference = dict(
       image_size=self.spec.image_size,
       pad_value=float(self.options.get("pad_value", image_ops.TRAIN_PAD_VALUE)),
       squash=bool(self.options.get("squash", False)),
     )
+    # OWLv2's preprocessing (docs/owlv2.md); absent for v1, whose stores keep their fields.
+    if self.options.get("resize", "resize_with_pad") != "resize_with_pad":
+      reference["resize"] = self.options["resize"]
+    return reference
 
 
 def make_steps(

@@ -66,6 +66,8 @@ REFERENCE_KEYS = ("source_index", "image_id")
 # `meta.json` 'images' of a store by reference: how its images are preprocessed
 # (`image_ops.resize_with_pad`) and what they are of (the build key).
 IMAGE_REFERENCE_FIELDS = ("image_size", "pad_value", "squash", "key")
+# ... and, for an OWLv2 model's store only, `resize` ('pad_then_resize', docs/owlv2.md).
+OPTIONAL_IMAGE_REFERENCE_FIELDS = ("resize",)
 BUFFER_KEYS = (
   "class_membership",
   "prototypes",
@@ -222,10 +224,13 @@ class ReplayStore:
       raise ValueError("a store keeps its images either as pixels or by reference, not both")
     if images is not None and not by_reference:
       raise ValueError("a store of pixels takes no image decoder (images needs image_reference)")
-    if by_reference and sorted(image_reference) != sorted(IMAGE_REFERENCE_FIELDS):
+    if by_reference and (
+      set(IMAGE_REFERENCE_FIELDS) - set(image_reference)
+      or set(image_reference) - set(IMAGE_REFERENCE_FIELDS + OPTIONAL_IMAGE_REFERENCE_FIELDS)
+    ):
       raise ValueError(
         f"image_reference has fields {sorted(image_reference)}, expected "
-        f"{sorted(IMAGE_REFERENCE_FIELDS)}"
+        f"{sorted(IMAGE_REFERENCE_FIELDS)} (and optionally {list(OPTIONAL_IMAGE_REFERENCE_FIELDS)})"
       )
     self.image_reference = dict(image_reference) if by_reference else None
     self.images = images
@@ -481,6 +486,7 @@ class ReplayStore:
         image_size=reference["image_size"],
         pad_value=reference["pad_value"],
         squash=reference["squash"],
+        resize=reference.get("resize", "resize_with_pad"),
         cache_dir=image_cache,
         cache_key=images_lib.cache_key(reference, examples["source_index"], examples["image_id"]),
         num_threads=decode_threads,

@@ -22,6 +22,7 @@ import pytest
 from owl_cl import benchmark
 from owl_cl import pretrained
 from owl_cl.data import input_pipeline
+from owl_cl.data import owlv2_images
 from owl_cl.detector import Detector
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import build as build_lib
@@ -440,6 +441,12 @@ def test_owlv2_store_keeps_objectness_and_selection_may_include_it(pretrained_ca
   build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **options)
   store = store_lib.ReplayStore.load(str(tmp_path / "s"), source=source)
   gathered = store.gather(np.arange(store.num_images))
+  # OWLv2's images by reference are re-made by its preprocessing (pad, then resize).
+  assert store.image_reference["resize"] == "pad_then_resize"
+  first = source.load(int(store.examples["source_index"][0]))["image"]
+  np.testing.assert_array_equal(
+    gathered["images"][0], owlv2_images.pad_then_resize(first, detector.image_size)
+  )
   out = jax.jit(detector.model.apply)({"params": params}, gathered["images"], gathered["queries"])
   objectness = np.asarray(out["objectness_logits"])
   assert np.ptp(objectness, axis=1).min() > 0  # varies per token
