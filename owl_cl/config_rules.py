@@ -180,6 +180,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.dedup_fraction_reset": choice(dedup.FRACTION_RESETS),
   "replay.der_alpha": NON_NEGATIVE,
   "replay.der_beta": NON_NEGATIVE,
+  "replay.der_objectness_weight": NON_NEGATIVE,
   "replay.swil_weight": FINITE,
   "replay.swil_reduction": choice(class_selection.SWIL_REDUCTIONS),
   "replay.grasp_weight": FINITE,
@@ -219,6 +220,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.selection.drop_images_without_class": boolean,
   "replay.selection.top_up_order": choice(buffer_selection.TOP_UP_ORDERS),
   "replay.selection.prototype_images": choice(buffer_selection.PROTOTYPE_IMAGES),
+  "replay.selection.objectness_in_loss": boolean,
   "replay.selection.visual_genome_loss_threshold": FINITE,
   "replay.selection.visual_genome_min_per_class": integer(0),
   # --- evaluation, checkpoints, budgets

@@ -140,6 +140,11 @@ class Detector:
       # Only OWLv2 has the term (docs/owlv2.md); v1's loss options and cache keys unchanged.
       self.loss_config["objectness_weight"] = config.loss.objectness_weight
     self.empty_tokens = self.tokenizer.encode([""])[0]
+    # How images become the S x S input: OWLv2 pads to a square, then resizes (HF's and
+    # scenic's OWLv2 preprocessing); v1 resizes, then pads (docs/owlv2.md).
+    self.resize_method = (
+      "pad_then_resize" if self.model.config.version == "owlv2" else "resize_with_pad"
+    )
     self._text_embed = step_lib.make_text_embed_step(self.model)
     self._predict_steps = {}  # (templates?, top_k, multi_label) -> jitted prediction
     self._class_frequencies = {}  # source -> float64 [C] images per class (negatives)
@@ -205,8 +210,9 @@ class Detector:
   def example_options(self, source) -> dict[str, Any]:
     """Preprocessing options of a training example of `source` from `config.data`:
     `squash` (data.squash_resize), `merge_iou`, and `negative_weights` (float64 [C] images
-    per class, when data.negatives_by_frequency; computed once per source). The same options
-    preprocess the replay buffer's images.
+    per class, when data.negatives_by_frequency; computed once per source); an OWLv2 model
+    adds `resize='pad_then_resize'` (its preprocessing, docs/owlv2.md; v1's options are
+    unchanged). The same options preprocess the replay buffer's images.
 
     Source: docs/reference.md §3, §5; input_pipeline.preprocess_train_example.
     """
@@ -215,6 +221,8 @@ class Detector:
       "squash": bool(data.squash_resize),
       "merge_iou": None if data.merge_iou is None else float(data.merge_iou),
     }
+    if self.resize_method != "resize_with_pad":
+      options["resize"] = self.resize_method
     if data.negatives_by_frequency:
       key = getattr(source, "annotation_file", None) or id(source)
       if key not in self._class_frequencies:
@@ -348,6 +356,7 @@ class Detector:
       image_size=self.image_size,
       batch_size=batch_size,
       squash=bool(self.config.data.squash_resize),
+      resize=self.resize_method,
       max_images=self.config.max_eval_images,
       batch_rows=None if rows is None else (rows.start, rows.stop),
     )

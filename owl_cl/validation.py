@@ -311,9 +311,12 @@ def model_problems(config: ml_collections.ConfigDict) -> list[str]:
 
   Checks each `model.overrides` field (a `ModelConfig` field, `MODEL_OVERRIDE_RULES`), then
   the rules across fields: the image size a multiple of the patch size, each tower's width a
-  multiple of its heads, and `replay.top_k` at most the image tokens (the k class embeddings
-  per image are k of its (image_size / patch_size)**2 tokens). Any other refusal of
-  `owl_cl.model.create_model` is named with the model. Run with every field of the right type.
+  multiple of its heads, `replay.top_k` at most the image tokens (the k class embeddings
+  per image are k of its (image_size / patch_size)**2 tokens), and
+  OWLv2's rules (`data.squash_resize` off, `replay.selection.objectness_in_loss` only with
+  an OWLv2 model and its objectness term). Any
+  other refusal of `owl_cl.model.create_model` is named with the model. Run with every field
+  of the right type.
 
   Returns:
     One line per problem naming the field and its value; empty when the model can be built.
@@ -361,7 +364,32 @@ def model_problems(config: ml_collections.ConfigDict) -> list[str]:
       f"the model ((image_size {model['image_size']} / patch_size {model['patch_size']})**2, "
       f"variant {variant!r}): an image has no {config.replay.top_k} class embeddings"
     )
-  return problems
+  return problems + _owlv2_problems(config, model["version"], variant)
+
+
+def _owlv2_problems(config, version: str, variant: str) -> list[str]:
+  """OWLv2's rules across fields (docs/owlv2.md): its preprocessing pads to a square, so
+  `data.squash_resize` has no OWLv2 form; `replay.selection.objectness_in_loss` needs an OWLv2
+  model whose loss has the objectness term (`loss.objectness_weight` > 0): otherwise it would
+  select by the same loss as False while keying another buffer."""
+  if version == "owlv2" and config.data.squash_resize:
+    return [
+      f"config.data.squash_resize=True resizes without padding, but the OWLv2 model of "
+      f"config.model.variant={variant!r} pads to a square, then resizes (docs/owlv2.md)"
+    ]
+  if not config.replay.selection.get("objectness_in_loss", False):
+    return []
+  if version != "owlv2":
+    return [
+      f"config.replay.selection.objectness_in_loss=True needs an OWLv2 model, but "
+      f"config.model.variant={variant!r} is version {version!r} (no objectness head)"
+    ]
+  if not config.loss.objectness_weight:
+    return [
+      f"config.replay.selection.objectness_in_loss=True adds nothing with "
+      f"config.loss.objectness_weight={config.loss.objectness_weight!r}: set it > 0"
+    ]
+  return []
 
 
 def augment_problems(config: ml_collections.ConfigDict) -> list[str]:

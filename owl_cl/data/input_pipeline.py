@@ -55,7 +55,7 @@ from owl_cl.data.image_ops import MOSAIC_PROBS
 from owl_cl.data.image_ops import TRAIN_PAD_VALUE
 from owl_cl.data.image_ops import augment_example
 from owl_cl.data.image_ops import build_mosaic
-from owl_cl.data.image_ops import resize_with_pad
+from owl_cl.data.image_ops import preprocess_image
 from owl_cl.data.image_ops import sample_mosaic_size
 from owl_cl.data.image_ops import scale_boxes
 from owl_cl.data.image_ops import xyxy_to_cxcywh
@@ -161,6 +161,7 @@ def preprocess_train_example(
   rng: np.random.Generator,
   pad_value: float = TRAIN_PAD_VALUE,
   squash: bool = False,
+  resize: str = "resize_with_pad",
   merge_iou: float | None = 0.9,
   hflip: bool = False,
   negative_weights: np.ndarray | None = None,
@@ -180,6 +181,8 @@ def preprocess_train_example(
     rng: numpy Generator (explicit randomness: negatives, prompts, flip).
     pad_value: padding value (training 0.5, docs/reference.md §5).
     squash: resize ignoring the aspect ratio (released code), see `resize_with_pad`.
+    resize: 'resize_with_pad' (v1) or 'pad_then_resize' (OWLv2, docs/owlv2.md): how the image
+      becomes S x S (`image_ops.preprocess_image`); the boxes are the same for both.
     merge_iou: boxes with IoU >= merge_iou become one multi-label instance (scenic); None: off.
     hflip: random horizontal flip with p = 0.5 (scenic augmentation; off by default).
     negative_weights: optional float [C] negative sampling weights (default uniform;
@@ -244,7 +247,7 @@ def preprocess_train_example(
   scaled = xyxy_to_cxcywh(scale_boxes(inst_boxes, h, w, image_size, squash=squash)) / image_size
   out_labels, out_boxes = instance_targets(scaled, inst_labels, query_class, max_instances)
   return dict(
-    images=resize_with_pad(image, image_size, pad_value, squash=squash),
+    images=preprocess_image(image, image_size, pad_value, squash=squash, method=resize),
     queries=query_tokens(query_class, spec.class_tokens, spec.empty_tokens, rng),
     labels=out_labels,
     boxes=out_boxes,
@@ -282,12 +285,14 @@ def preprocess_eval_example(
   image_size: int,
   pad_value: float = EVAL_PAD_VALUE,
   squash: bool = False,
+  resize: str = "resize_with_pad",
 ) -> dict[str, np.ndarray]:
   """One evaluation example.
 
   Args:
     example: dict(image uint8 [H, W, 3], image_id int, ...).
     image_size: S. pad_value: 0.0 (docs/reference.md §5). squash: see `resize_with_pad`.
+    resize: 'resize_with_pad' (v1) or 'pad_then_resize' (OWLv2), `image_ops.preprocess_image`.
 
   Returns:
     dict(images float32 [S, S, 3], image_id int64 [], orig_size int32 [2] (H, W),
@@ -297,7 +302,7 @@ def preprocess_eval_example(
   """
   image = example["image"]
   return dict(
-    images=resize_with_pad(image, image_size, pad_value, squash=squash),
+    images=preprocess_image(image, image_size, pad_value, squash=squash, method=resize),
     image_id=np.int64(example["image_id"]),
     orig_size=np.array(image.shape[:2], np.int32),
     example_mask=np.bool_(True),
@@ -373,7 +378,13 @@ class _TrainTransform:
 
 class _EvalTransform:
   def __init__(
-    self, source, image_size: int, pad_value: float, squash: bool, num_images: int | None = None
+    self,
+    source,
+    image_size: int,
+    pad_value: float,
+    squash: bool,
+    num_images: int | None = None,
+    resize: str = "resize_with_pad",
   ):
     self.source, self.image_size, self.pad_value, self.squash = (
       source,
@@ -381,13 +392,18 @@ class _EvalTransform:
       pad_value,
       squash,
     )
+    self.resize = resize
     self.num_images = len(source) if num_images is None else num_images
 
   def __call__(self, index: int) -> dict[str, np.ndarray]:
     if index >= self.num_images:
       return padding_eval_example(self.image_size, self.pad_value)
     return preprocess_eval_example(
-      self.source[index], image_size=self.image_size, pad_value=self.pad_value, squash=self.squash
+      self.source[index],
+      image_size=self.image_size,
+      pad_value=self.pad_value,
+      squash=self.squash,
+      resize=self.resize,
     )
 
 
@@ -569,13 +585,14 @@ def eval_map_dataset(
   pad_value: float = EVAL_PAD_VALUE,
   squash: bool = False,
   max_images: int | None = None,
+  resize: str = "resize_with_pad",
 ) -> grain.MapDataset:
   """Unbatched evaluation `grain.MapDataset` in source order (the first `max_images` images
   when given), padded with `padding_eval_example` up to a multiple of `batch_size`."""
   n = len(source) if max_images is None else min(len(source), int(max_images))
   n_padded = -(-n // batch_size) * batch_size
   return grain.MapDataset.range(n_padded).map(
-    _EvalTransform(source, image_size, pad_value, squash, n)
+    _EvalTransform(source, image_size, pad_value, squash, n, resize)
   )
 
 
@@ -591,6 +608,7 @@ def eval_dataset(
   squash: bool = False,
   max_images: int | None = None,
   batch_rows: tuple[int, int] | None = None,
+  resize: str = "resize_with_pad",
 ) -> Iterator[dict[str, np.ndarray]]:
   """Iterator over evaluation batches, in source order, every image exactly once.
 
@@ -601,6 +619,7 @@ def eval_dataset(
     prefetch: as `train_dataset`.
     pad_value: 0.0 (docs/reference.md §5).
     squash: see `resize_with_pad`. max_images: evaluate only the first N images (None: all).
+    resize: 'resize_with_pad' (v1) or 'pad_then_resize' (OWLv2), `image_ops.preprocess_image`.
     batch_rows: (start, stop): multi-process evaluation; keep rows [start, stop) of each
       global batch of B (as `train_dataset`); every process iterates the same ceil(N / B)
       batches of stop - start rows, and the processes together see every image once.
@@ -619,6 +638,7 @@ def eval_dataset(
     pad_value=pad_value,
     squash=squash,
     max_images=max_images,
+    resize=resize,
   )
   if batch_rows is not None:
     positions = batch_row_positions(len(ds), batch_size, batch_rows)
