@@ -190,9 +190,8 @@ def preprocess_train_example(
     random_crop: scenic random crop after the flip (`random_crop_example` with
       crop_area_range, crop_aspect_ratio_range, crop_min_area_fraction; off by default).
     annotated_negatives: use the example's `negative_labels` (LVIS `neg_category_ids`) as the
-      first negatives, topped up by random ones (docs/reference.md §3). Classes in `excluded_labels`
-      (boxes
-      removed by augmentation) are never negatives.
+      first negatives, topped up by random ones (docs/reference.md §3). Classes in
+      `excluded_labels` (boxes removed by augmentation) are never negatives.
 
   Returns:
     dict with the per-example (unbatched) entries of the batch dict: images float32 [S, S, 3],
@@ -218,17 +217,9 @@ def preprocess_train_example(
   image_size, max_instances = spec.image_size, spec.max_instances
   example = _checked_annotations(example, spec.num_classes)
   if hflip or random_crop:
-    example = augment_example(
-      example,
-      rng,
-      hflip,
-      random_crop,
-      dict(
-        area_range=crop_area_range,
-        aspect_ratio_range=crop_aspect_ratio_range,
-        min_area_fraction=crop_min_area_fraction,
-      ),
-    )
+    crop = dict(area_range=crop_area_range, aspect_ratio_range=crop_aspect_ratio_range)
+    crop["min_area_fraction"] = crop_min_area_fraction
+    example = augment_example(example, rng, hflip, random_crop, crop)
     example = _checked_annotations(example, None)
   image, boxes, labels = example["image"], example["boxes"], example["labels"]
   h, w = int(image.shape[0]), int(image.shape[1])

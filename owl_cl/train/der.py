@@ -166,6 +166,20 @@ def _no_replay_terms(new_loss: Array) -> dict[str, Array]:
   )
 
 
+def _half_loss(outputs, targets, example_mask, loss_kwargs) -> dict[str, Array]:
+  """`detection_loss` of one half of the batch (new or replayed images; OWLv2's objectness
+  term when `outputs` has 'objectness_logits')."""
+  return detection_loss(
+    outputs["pred_logits"],
+    outputs["pred_boxes"],
+    targets["labels"],
+    targets["boxes"],
+    example_mask=example_mask,
+    objectness_logits=outputs.get("objectness_logits"),
+    **loss_kwargs,
+  )
+
+
 def der_plus_plus_loss(
   new_outputs: Mapping[str, Array],
   new_targets: Mapping[str, Array],
@@ -225,15 +239,7 @@ def der_plus_plus_loss(
 
   Source: docs/reference.md §3 (DER++, paper §3; Buzzega et al. 2020).
   """
-  new = detection_loss(
-    new_outputs["pred_logits"],
-    new_outputs["pred_boxes"],
-    new_targets["labels"],
-    new_targets["boxes"],
-    example_mask=new_mask,
-    objectness_logits=new_outputs.get("objectness_logits"),
-    **loss_kwargs,
-  )
+  new = _half_loss(new_outputs, new_targets, new_mask, loss_kwargs)
   out = dict(
     new_loss=new["loss"],
     loss_class=new["loss_class"],
@@ -247,15 +253,7 @@ def der_plus_plus_loss(
     return {**out, **_no_replay_terms(new["loss"])}
   if replay_targets is None or stored_logits is None:
     raise ValueError("replay_outputs needs replay_targets and stored_logits")
-  replay = detection_loss(
-    replay_outputs["pred_logits"],
-    replay_outputs["pred_boxes"],
-    replay_targets["labels"],
-    replay_targets["boxes"],
-    example_mask=replay_mask,
-    objectness_logits=replay_outputs.get("objectness_logits"),
-    **loss_kwargs,
-  )
+  replay = _half_loss(replay_outputs, replay_targets, replay_mask, loss_kwargs)
   distill, distill_objectness = der_distillation(
     replay_outputs,
     stored_logits,
