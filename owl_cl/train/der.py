@@ -128,7 +128,8 @@ def der_distillation(
     stored_logits: float [B_r,T,Q] the pre-trained model's class logits.
     stored_objectness: float [B_r,T] the pre-trained model's objectness logits, or None.
     objectness_distill_weight: w >= 0 (config `replay.der_objectness_weight`).
-    query_mask, example_mask: as `distillation_mse`.
+    query_mask: as `distillation_mse`.
+    example_mask: as `distillation_mse`.
 
   Returns:
     (float32 [] the term, float32 [] the objectness MSE before w or None when off).
