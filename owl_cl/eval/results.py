@@ -40,7 +40,11 @@
     "no_finetuning": ROW, "final": ROW,
     "num_downstream": int, "stages_completed": int, "stages_expected": int|null
   },
-  "forgetting": {"AP": F, "AP50": F}  # F = owl_cl.eval.forgetting.forgetting_summary(...)
+  "forgetting": {"AP": F, "AP50": F}, # F = owl_cl.eval.forgetting.forgetting_summary(...)
+  "ivlod": {...}                      # optional: the IVLOD metric block (owl_cl.eval.ivlod),
+                                      # recomputed from the stages when the input names its
+                                      # sets {zero_shot_set, lvis_set, datasets (default: the
+                                      # downstream sets)}
 }
 ROW = {"stage": str, "pretrain_AP", "pretrain_AP50", "open_vocab_AP", "open_vocab_AP50",
        "held_out_AP", "held_out_AP50", "downstream_mean_AP", "downstream_mean_AP50"}
@@ -74,6 +78,7 @@ import numpy as np
 
 from owl_cl import integrity
 from owl_cl.eval import forgetting as forgetting_lib
+from owl_cl.eval import ivlod as ivlod_lib
 from owl_cl.eval import results_markdown
 from owl_cl.eval import table3
 from owl_cl.utils import atomic_write_text
@@ -126,7 +131,8 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
 
   Returns:
     A new JSON-ready dict with 'schema', 'schema_version', normalised 'roles' and 'stages'
-    ('index', 'trained_on'), and recomputed 'summary' and 'forgetting'. NaN -> None.
+    ('index', 'trained_on'), and recomputed 'summary' and 'forgetting' (and 'ivlod' when
+    the input has that key, `owl_cl.eval.ivlod`). NaN -> None.
 
   Raises:
     ValueError: missing/empty run_id or algorithm, no stages, a stage without a name,
@@ -194,6 +200,14 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
   for metric in ("AP", "AP50"):
     A, _, _ = forgetting_lib.accuracy_matrix(stages, eval_sets, metric=metric)
     out["forgetting"][metric] = forgetting_lib.forgetting_summary(A, names, eval_sets, trained_at)
+  spec = results.get("ivlod")
+  if isinstance(spec, Mapping):
+    out["ivlod"] = ivlod_lib.ivlod_block(
+      stages,
+      spec.get("datasets") or roles["downstream"],
+      spec.get("zero_shot_set"),
+      spec.get("lvis_set"),
+    )
   return _to_jsonable(out)
 
 

@@ -185,6 +185,33 @@ def _table3_section(results: Mapping[str, Any]) -> list[str]:
   return lines
 
 
+def _ivlod_section(results: Mapping[str, Any]) -> list[str]:
+  """The IVLOD row of the continual open-vocabulary detection papers (`owl_cl.eval.ivlod`):
+  ZCOCO, Avg, LVIS APr and the per-dataset APs after the last task, beside No fine-tuning;
+  nothing without a results.json `ivlod` block."""
+  block = results.get("ivlod")
+  if not block:
+    return []
+  datasets = block["datasets"]
+  header = ["Algorithm", "ZCOCO", f"Avg ({len(datasets)})", "LVIS APr"]
+  header += [f"`{d}`" for d in datasets]
+  rows = []
+  for key, label in (("no_finetuning", "No fine-tuning"), ("final", results["algorithm"])):
+    row = block["rows"][key]
+    cells = [pct(row[k]) for k in ("ZCOCO", "Avg", "LVIS_APr")]
+    rows.append([label] + cells + [pct(row["per_dataset"].get(d)) for d in datasets])
+  final = block["rows"]["final"]["stage"]
+  return [
+    f"## IVLOD (ZiRa, DitHub): AP (%) after stage `{final}`",
+    "",
+    f"ZCOCO: AP on `{block['zero_shot_set']}`; Avg: mean AP over the {len(datasets)} "
+    f"downstream test sets; LVIS APr: `{block['lvis_set']}` rare classes (docs/ivlod.md).",
+    "",
+    *table(header, rows),
+    "",
+  ]
+
+
 def _per_dataset_section(results: Mapping[str, Any], eval_sets: list[str]) -> list[str]:
   """Per-dataset AP and AP50 matrices: a row per stage, a column per eval set, plus the
   downstream mean."""
@@ -261,7 +288,8 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
   algorithm (last stage), AP then AP50, in % with one decimal; (b) per-dataset AP and AP50
   matrices (rows: stages, columns: eval sets, plus the downstream mean); (c) with replay,
   the fraction of steps and samples replayed per dataset (paper Table 4, `_replay_section`);
-  (d) forgetting, BWT and FWT (AP and AP50 points, %). Missing values print as '-'.
+  (d) forgetting, BWT and FWT (AP and AP50 points, %); with an `ivlod` block, the IVLOD row
+  (ZCOCO, Avg, LVIS APr, per dataset) after (a). Missing values print as '-'.
 
   Args:
     results: a finalised results dict.
@@ -273,6 +301,7 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
   eval_sets = table3.eval_set_order(results)
   lines = _header_lines(results)
   lines += _table3_section(results)
+  lines += _ivlod_section(results)
   lines += _per_dataset_section(results, eval_sets)
   lines += _replay_section(results)
   lines += _forgetting_section(results, eval_sets)

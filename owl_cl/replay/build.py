@@ -89,8 +89,10 @@ class BufferSpec:
     loss_threshold: eq. 7's t: images whose detection loss (loss units) is below it are kept.
     min_per_class: each class with fewer kept images gets its images in ascending loss order
       (`buffer_selection.select_buffer`).
-    fill_all_for_rare_classes, drop_images_without_class, top_up_order: the options of
-      `buffer_selection.select_buffer`.
+    fill_all_for_rare_classes: `buffer_selection.select_buffer`'s option of that name.
+    drop_images_without_class: `buffer_selection.select_buffer`'s option of that name.
+    top_up_order: `buffer_selection.select_buffer`'s option of that name
+      (`buffer_selection.TOP_UP_ORDERS`).
     top_k: k, the tokens per image whose class and query embeddings are stored (the retrieval
       features, `train.top_k.top_k_embeddings`).
     max_per_class: n_c's cap: prototypes are the mean of the selected images' top-n_c class
@@ -402,19 +404,7 @@ def build_store(
   mesh = sharding_lib.create_mesh() if mesh is None else mesh
   sharding_lib.check_batch_divisible(batch_size, mesh, "buffer batch size")
   chunk = max(1, chunk_images // batch_size)
-  step_options = dict(
-    num_classes=num_classes,
-    top_k=spec.top_k,
-    max_per_class=spec.max_per_class,
-    distance_max_instances=(
-      spec.example.max_instances
-      if spec.distance_max_instances is None
-      else spec.distance_max_instances
-    ),
-    loss_config=dict(spec.loss_config),
-    prototype_sums_of_all=spec.all_images_prototypes,
-    image_features=spec.image_features,
-  )
+  step_options = _step_options(spec, num_classes)
   folder = None
   if distributed.is_writer():
     manifest = _build_manifest(spec, step_options, build_key, num_images, batch_size, chunk)
@@ -446,6 +436,24 @@ def build_store(
     _write_store(run, path, spec, store, prototypes, source.class_names, build_key)
   distributed.barrier("buffer-build-done")
   return stats
+
+
+def _step_options(spec: BufferSpec, num_classes: int) -> dict:
+  """`build_steps.make_steps`' options of `spec` for C = `num_classes` (also digested into
+  the build folder's manifest)."""
+  return dict(
+    num_classes=num_classes,
+    top_k=spec.top_k,
+    max_per_class=spec.max_per_class,
+    distance_max_instances=(
+      spec.example.max_instances
+      if spec.distance_max_instances is None
+      else spec.distance_max_instances
+    ),
+    loss_config=dict(spec.loss_config),
+    prototype_sums_of_all=spec.all_images_prototypes,
+    image_features=spec.image_features,
+  )
 
 
 def _build_manifest(

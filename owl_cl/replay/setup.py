@@ -28,6 +28,7 @@ import ml_collections
 
 from owl_cl import distributed
 from owl_cl import preemption
+from owl_cl.cache_keys import builtin_version_key
 from owl_cl.cache_keys import cache_key_fields
 from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
@@ -188,6 +189,7 @@ def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta
     # 2: class embeddings normalised as scenic's class head returns them (1: raw).
     "format": 2,
     **non_default_data_options(config, buffer=True),
+    **builtin_version_key(config),
   }
 
 

@@ -276,6 +276,33 @@ def detection_loss(
   pred_logits, pred_boxes = jnp.asarray(pred_logits), jnp.asarray(pred_boxes)
   labels, boxes = jnp.asarray(labels), jnp.asarray(boxes)
   check_predictions(pred_logits, pred_boxes, labels, boxes)
+  weights = (class_weight, bbox_weight, giou_weight)
+  terms, obj = _per_example_terms(
+    pred_logits,
+    pred_boxes,
+    labels,
+    boxes,
+    matcher,
+    (focal_alpha, focal_gamma),
+    weights,
+    objectness_logits if objectness_weight else None,
+  )
+  return _normalised(terms, weights, example_mask, normalization, obj, objectness_weight)
+
+
+def _per_example_terms(
+  pred_logits, pred_boxes, labels, boxes, matcher, focal, weights, objectness_logits
+):
+  """`detection_loss`'s per-image terms: the Hungarian matching (`_match`, its cost weighted
+  by `weights` = (class, bbox, giou)), then `detection_loss_per_example` with `focal` =
+  (alpha, gamma), and OWLv2's objectness term where `objectness_logits` float [B, T] is given
+  (a token's target: whether it is matched to a real instance).
+
+  Returns:
+    (`detection_loss_per_example`'s dict, `objectness_loss_per_example`'s dict or None).
+  """
+  focal_alpha, focal_gamma = focal
+  class_weight, bbox_weight, giou_weight = weights
   labels_k, boxes_k, target_index = _match(
     pred_logits,
     pred_boxes,
@@ -297,14 +324,12 @@ def detection_loss(
     focal_alpha=focal_alpha,
     focal_gamma=focal_gamma,
   )
-  obj = None
-  if objectness_logits is not None and objectness_weight:
-    matched = _gather_targets(real_target_mask(labels_k), target_index)  # [B, T]
-    obj = objectness_loss_per_example(
-      objectness_logits, matched, focal_alpha=focal_alpha, focal_gamma=focal_gamma
-    )
-  weights = (class_weight, bbox_weight, giou_weight)
-  return _normalised(terms, weights, example_mask, normalization, obj, objectness_weight)
+  if objectness_logits is None:
+    return terms, None
+  matched = _gather_targets(real_target_mask(labels_k), target_index)  # [B, T]
+  return terms, objectness_loss_per_example(
+    objectness_logits, matched, focal_alpha=focal_alpha, focal_gamma=focal_gamma
+  )
 
 
 def _normalised(terms, weights, example_mask, normalization, obj, objectness_weight):
