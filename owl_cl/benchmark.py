@@ -103,13 +103,21 @@ class Benchmark:
   # The stored order applied (`owl_cl.data.orders.resolve_order`: suite, name, index,
   # datasets); None when the sequence follows sequence_seed.
   task_order: dict | None = None
+  # Further evaluation sets of the pre-training classes, evaluated whenever the pre-training
+  # set is: version 2's tail classes ('pretrain_tail'); () otherwise.
+  extra_evals: tuple[Dataset, ...] = ()
+  # The built-in benchmark's version when the run reads any of its datasets, else None.
+  builtin_version: int | None = None
+  # Zero-shot retention sets (`data.zero_shot`, e.g. COCO val 2017 for IVLOD's ZCOCO),
+  # evaluated whenever the pre-training set is.
   zero_shot: tuple[Dataset, ...] = ()
 
   def eval_sets(self) -> list[tuple[str, Dataset]]:
-    """(eval-set name, dataset) of every eval set: pre-training, held-out, the zero-shot
-    sets, each dataset."""
+    """(eval-set name, dataset) of every eval set: pre-training, held-out, the extra sets, the
+    zero-shot sets, each dataset."""
     fixed = [(self.pretrain_eval, self.pretrain), (self.held_out_eval, self.held_out)]
-    return fixed + [(d.name, d) for d in self.zero_shot] + [(d.name, d) for d in self.sequence]
+    extra = [(d.name, d) for d in self.extra_evals + self.zero_shot]
+    return fixed + extra + [(d.name, d) for d in self.sequence]
 
 
 def _plain(value):
@@ -409,6 +417,9 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
     pretrain_eval=pretrain_eval,
     held_out_eval=held_out_eval,
     roles=roles,
+    # The tail set belongs to the built-in pre-training set: kept only with it.
+    extra_evals=default.extra_evals if default is not None and declared["pretrain"] is None else (),
+    builtin_version=default.builtin_version if default is not None else None,
     zero_shot=tuple(zero_shot),
   )
 
@@ -418,6 +429,9 @@ def _builtin_benchmark(config: ml_collections.ConfigDict):
   settings = config.data.builtin
   bench = builtin.ensure_benchmark(
     os.path.join(expand_path(config.cache_dir), "builtin"),
+    # Fields added with version 2: a config (run.json) that predates them is version 1.
+    version=settings.get("version", 1),
+    num_tail_val=settings.get("num_tail_val", 200),
     seed=settings.seed,
     num_pretrain_train=settings.num_pretrain_train,
     num_pretrain_val=settings.num_pretrain_val,
@@ -430,7 +444,17 @@ def _builtin_benchmark(config: ml_collections.ConfigDict):
   held_out = Dataset(HELD_OUT_EVAL, None, bench.held_out_val.source())
   sequence = [Dataset(d.name, d.train.source(), d.test.source()) for d in bench.downstream]
   sequence = shuffled(sequence, config.sequence_seed)
-  return bench, Benchmark(pretrain, held_out, tuple(sequence), fingerprint=bench.fingerprint)
+  extra = ()
+  if bench.tail_val is not None:
+    extra = (Dataset(builtin.TAIL_DATASET, None, bench.tail_val.source()),)
+  return bench, Benchmark(
+    pretrain,
+    held_out,
+    tuple(sequence),
+    fingerprint=bench.fingerprint,
+    extra_evals=extra,
+    builtin_version=bench.version,
+  )
 
 
 def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
@@ -493,19 +517,21 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index:
 
   The final stage evaluates every set; earlier stages the downstream sets per
   `eval.downstream_after_each_dataset` ('all' | 'seen': datasets 1..index) plus the
-  pre-training, held-out and zero-shot sets if `eval.pretraining_sets_after_each_dataset`.
+  pre-training, held-out, extra (version 2's tail classes) and zero-shot sets if
+  `eval.pretraining_sets_after_each_dataset`.
   Stage 0 (after pre-training) always evaluates everything (the "No fine-tuning" row).
 
   Raises:
     ConfigError: an unknown `eval.downstream_after_each_dataset`.
   """
   names = [d.name for d in bench.sequence]
-  fixed = [bench.pretrain_eval, bench.held_out_eval] + [d.name for d in bench.zero_shot]
-  everything = fixed + names
+  extra = [d.name for d in bench.extra_evals + bench.zero_shot]
+  pretraining_sets = [bench.pretrain_eval, bench.held_out_eval] + extra
+  everything = pretraining_sets + names
   if index >= len(bench.sequence):
     return everything
   mode = config_fields.check_downstream_eval_mode(config)
   out = []
   if config.eval.pretraining_sets_after_each_dataset:
-    out += fixed
+    out += pretraining_sets
   return out + (names if mode == "all" else names[:index])

@@ -41,7 +41,7 @@ from owl_cl.data import prompts
 from owl_cl.data import suites
 from owl_cl.model import clip as clip_lib
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import build as buffer_build
+from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
 from owl_cl.replay.retrieval import asv as retrieval_asv
 from owl_cl.replay.retrieval import class_selection
@@ -115,12 +115,14 @@ FIELD_RULES: dict[str, Rule] = {
   "data.host_sharding": boolean,
   "data.eval_batch_size": integer(1),
   "data.train_prompt_templates": choice(sorted(prompts.TRAIN_TEMPLATE_SETS)),
+  "data.builtin.version": choice(builtin.BENCHMARK_VERSIONS),
   "data.builtin.seed": integer(0),
   "data.builtin.num_pretrain_train": integer(1),
   "data.builtin.num_pretrain_val": integer(1),
   "data.builtin.num_held_out_val": integer(1),
   "data.builtin.num_downstream_train": integer(1),
   "data.builtin.num_downstream_test": integer(1),
+  "data.builtin.num_tail_val": integer(1),
   "data.builtin.downstream": names(lambda: builtin.DOWNSTREAM_NAMES, what="built-in dataset"),
   # --- augmentation
   "data.augment.hflip": boolean,
@@ -202,7 +204,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.stale_retrieval": boolean,
   "replay.top_k": integer(1),
   "replay.image_cache": text(optional=True),
-  "replay.store_verification": choice(buffer_build.STORE_VERIFICATIONS),
+  "replay.store_verification": choice(store_cache.STORE_VERIFICATIONS),
   "replay.loss_adaptivity.mode": choice(LOSS_ADAPTIVITY_MODES),
   "replay.loss_adaptivity.threshold": FINITE,
   "replay.loss_adaptivity.gate_per_device": boolean,

@@ -377,11 +377,15 @@ def _run(
       # The stored order (suite, name, index, datasets) or None: sequence_seed's shuffle.
       "task_order": bench.task_order,
       "sequence_seed": config.get("sequence_seed"),
+      # The built-in benchmark's version (1 or 2) when the run reads any of its datasets,
+      # else None; the report refuses to mix versions.
+      "builtin_version": bench.builtin_version,
       "eval_sets": {
         "pretrain": bench.pretrain_eval,
         "held_out": bench.held_out_eval,
         "zero_shot": [d.name for d in bench.zero_shot],
         "downstream": [d.name for d in bench.sequence],
+        **({"extra": [d.name for d in bench.extra_evals]} if bench.extra_evals else {}),
       },
       "stages": stages,
       "config": json.loads(config.to_json_best_effort()),

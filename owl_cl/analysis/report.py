@@ -59,6 +59,8 @@ METRICS = (
   ("pretrain_AP", "pre-training set AP"),
   ("open_vocab_AP", "open-vocabulary AP"),
   ("held_out_AP", "held-out AP"),
+  # Version 2 of the built-in benchmark: the eval set of its 5 rarest pre-training classes.
+  ("tail_AP", "pre-training tail classes AP"),
   ("downstream_mean_AP", "downstream mean AP"),
   ("forgetting_AP", "average forgetting (AP)"),
   ("bwt_AP", "backward transfer (AP)"),
@@ -86,6 +88,8 @@ SWEPT_FIELDS = (
   "compilation_cache_dir",
 )
 _ALGORITHM_FIELDS = ("replay",)
+BUILTIN_VERSION_FIELD = "data.builtin.version"
+TAIL_EVAL_SET = "pretrain_tail"  # owl_cl.data.builtin.TAIL_DATASET
 REPORT_MD, REPORT_JSON = "report.md", "report.json"
 FIGURE_FORGETTING, FIGURE_FOREST = "forgetting_curves.png", "forest_plot.png"
 
@@ -152,6 +156,9 @@ def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, floa
   row = table3.table3_row(stages[index], results["roles"])
   values = {k: _pct(row[k]) for k in ("pretrain_AP", "open_vocab_AP", "held_out_AP")}
   values["downstream_mean_AP"] = _pct(row["downstream_mean_AP"])
+  # NaN for a run without the set (version 1, real data) or a stage that did not evaluate it.
+  tail = (stages[index].get("metrics") or {}).get(TAIL_EVAL_SET) or {}
+  values["tail_AP"] = _pct(tail.get("AP"))
   forgetting = results.get("forgetting") or {}
   ap = forgetting.get("AP") or {}
   final = stage is None or index == len(stages) - 1
@@ -197,8 +204,20 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   return {prefix[:-1]: tree}
 
 
+def _builtin_version(config: Mapping[str, Any]) -> int | None:
+  """The run's built-in benchmark version: `data.builtin.version`, 1 for a config with a
+  `data.builtin` section that predates the field, None without one."""
+  builtin = (config.get("data") or {}).get("builtin")
+  if not isinstance(builtin, Mapping):
+    return None
+  return builtin.get("version", 1)
+
+
 def _compared_config(config: Mapping[str, Any], ignore: Sequence[str]) -> dict[str, Any]:
   flat = _flatten(config)
+  version = _builtin_version(config)
+  if version is not None:  # a run that predates the field ran version 1
+    flat[BUILTIN_VERSION_FIELD] = version
   skip = tuple(SWEPT_FIELDS) + tuple(ignore)
   return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in skip)}
 
@@ -225,7 +244,8 @@ def load_points(
     [RunPoint] in the order of `workdirs`.
 
   Raises:
-    ReportError: an incomplete run (status not 'complete'), a stage index the run lacks, a run
+    ReportError: an incomplete run (status not 'complete'), a stage index the run lacks, runs
+      of different built-in benchmark versions (a run without the field: version 1), a run
       whose config differs from the first run's outside the swept fields (or, for one
       algorithm, inside `replay`), or two runs of one algorithm with one (seeds, order); each
       message names the run(s) and the first differing fields.
@@ -247,10 +267,18 @@ def load_points(
     if stage is not None and not 0 <= stage < len(results["stages"]):
       raise ReportError(f"{workdir}: --stage {stage} but the run has {len(results['stages'])}")
     config = _compared_config(results.get("config") or {}, ignore_fields)
+    # Checked on the run's own config: --ignore-field never makes two versions comparable.
+    version = _builtin_version(results.get("config") or {})
     algorithm = results["algorithm"]
     if first is None:
-      first = (workdir, config)
+      first = (workdir, config, version)
     else:
+      if version != first[2]:
+        raise ReportError(
+          f"{workdir}: built-in benchmark version {version} ({BUILTIN_VERSION_FIELD}), "
+          f"{first[0]}: version {first[2]}; runs of different benchmark versions are not "
+          "comparable: report them separately."
+        )
       diff = _differences(first[1], config, lambda k: not k.startswith(_ALGORITHM_FIELDS))
       if diff:
         raise ReportError(
