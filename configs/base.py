@@ -293,6 +293,11 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   # (as in the released code: AP on the dataset's valid split after every epoch, the best
   # epoch's parameters are kept; needs datasets with a valid split).
   c.train.carry = "last"
+  # How the downstream datasets are trained (docs/baselines.md): 'sequence' one after another
+  # (continual learning); 'joint' all of them at once, the same examples and total steps as the
+  # sequence, shuffled together (the upper bound, configs/joint.py); 'per_task' each alone from
+  # the pre-trained model, one model per task (configs/per_task.py).
+  c.train.schedule = "sequence"
   c.train.b1 = 0.9
   c.train.b2 = 0.999
   c.train.eps = 1e-8

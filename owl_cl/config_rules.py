@@ -19,6 +19,7 @@ from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import SCHEDULES
 from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import Rule
 from owl_cl.config_fields import boolean
@@ -153,6 +154,7 @@ FIELD_RULES: dict[str, Rule] = {
   "train.lwf.box_threshold": real(0.0, 1.0),
   "train.per_dataset": mapping,
   "train.carry": choice(CARRY_MODES),
+  "train.schedule": choice(SCHEDULES),
   "train.b1": BETA,
   "train.b2": BETA,
   "train.eps": POSITIVE,

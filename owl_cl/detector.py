@@ -25,6 +25,7 @@ from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
 from owl_cl.data import input_pipeline
 from owl_cl.data import label_ops
+from owl_cl.data import mixture
 from owl_cl.data import prompts
 from owl_cl.data import spec as data_spec
 from owl_cl.eval import detection
@@ -256,12 +257,35 @@ class Detector:
 
     In a multi-process run each process reads only its rows of every global batch
     (`sharding_lib.process_rows`), so the processes together see the batches of one process;
-    `sharding_lib.shard_batch` assembles them."""
+    `sharding_lib.shard_batch` assembles them.
+
+    `source` may be a `mixture.JointSource` (the joint schedule): one epoch (0) of its plan,
+    each example with its own dataset's queries and preprocessing options (`seed` unused: the
+    plan holds each dataset's).
+
+    Raises:
+      ValueError: a JointSource with epoch != 0 or another batch size than its plan's."""
     shard: Any = "jax" if self.config.data.host_sharding else None
     batch_rows = None
     if jax.process_count() > 1:
       rows = sharding_lib.process_rows(batch_size, self.mesh)
       shard, batch_rows = None, (rows.start, rows.stop)
+    if isinstance(source, mixture.JointSource):
+      if epoch != 0 or batch_size != source.batch_size:
+        raise ValueError(
+          f"the joint set is one epoch of batches of {source.batch_size}; got epoch {epoch}, "
+          f"batch size {batch_size}"
+        )
+      sources = [part.source for part in source.parts]
+      return mixture.joint_train_dataset(
+        source,
+        [self.example_spec(self.train_class_tokens(s)) for s in sources],
+        [dict(self.example_options(s), **self.augment_options()) for s in sources],
+        num_workers=self.config.data.num_workers,
+        shard=shard,
+        batch_rows=batch_rows,
+        start_batch=start_batch,
+      )
     return input_pipeline.train_dataset(
       source,
       self.example_spec(self.train_class_tokens(source)),

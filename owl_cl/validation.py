@@ -66,7 +66,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       (`foreign_results_problem`), a CLIP tokenizer without its vocabulary or with an
       incomplete one (`clip_vocabulary_files_problem`), an `init_checkpoint` that is no
       checkpoint, a checkpoint of another model (`init_checkpoint_model_problem`) or one
-      whose format needs a missing optional extra (`missing_extra_problem`).
+      whose format needs a missing optional extra (`missing_extra_problem`), a schedule
+      that cannot work with the other fields (`schedule_problem`).
     MissingInputsError: the paper's protocol with missing inputs
       (`data.real_inputs.check_inputs`), checked once the fields are valid; then every
       problem of the declared datasets (`check_datasets`).
@@ -79,6 +80,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
     problems += model_problems(config)
     problems += augment_problems(config)
     problems += [p for p in [init_checkpoint_problem(config), frozen_problem(config)] if p]
+    problems += [p for p in [schedule_problem(config)] if p]
     # With real data, `real_inputs.check_inputs` lists it with the files.
     if not uses_real_data(config):
       problems += [p for p in [clip_vocabulary_problem(config)] if p]
@@ -149,6 +151,18 @@ def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = 
         f"use a multiple of {num_devices}"
       )
   return problems
+
+
+def schedule_problem(config: ml_collections.ConfigDict) -> str:
+  """What keeps `train.schedule` from working with the other fields ('' when fine): the joint
+  set has no one valid split, so `train.carry='best_validation'` cannot pick its epoch."""
+  if config.train.get("schedule") == "joint" and config.train.carry == "best_validation":
+    return (
+      "config.train.schedule='joint' with config.train.carry='best_validation': the joint set "
+      "is one epoch of every dataset, with no valid split to pick an epoch by; use "
+      "train.carry='last'"
+    )
+  return ""
 
 
 def workdir_problem(workdir: str) -> str:

@@ -76,6 +76,8 @@ __all__ = [
   "epoch_permutation",
   "train_map_dataset",
   "train_dataset",
+  "apply_shard",
+  "iterate_batches",
   "eval_map_dataset",
   "eval_dataset",
 ]
@@ -106,7 +108,12 @@ def shard_options(shard: Any = None):
   )
 
 
-def _apply_shard(ds: grain.MapDataset, shard: Any) -> grain.MapDataset:
+def apply_shard(ds: grain.MapDataset, shard: Any) -> grain.MapDataset:
+  """The elements of `ds` this host keeps under `shard` (`shard_options`; remainder dropped).
+
+  Raises:
+    ValueError: a shard index outside [0, count).
+  """
   opts = shard_options(shard)
   if opts is None or opts.shard_count == 1:
     return ds
@@ -438,7 +445,7 @@ def train_map_dataset(
       raise ValueError(f"give shard or positions, not both (shard={shard!r})")
     ds = grain.MapDataset.source(np.asarray(positions, np.int64))
   else:
-    ds = _apply_shard(grain.MapDataset.range(len(source)), shard)
+    ds = apply_shard(grain.MapDataset.range(len(source)), shard)
   return ds.map(_TrainTransform(source, spec, perm, seed, epoch, options))
 
 
@@ -534,11 +541,24 @@ def train_dataset(
     **options,
   )
   local_batch = batch_size if batch_rows is None else batch_rows[1] - batch_rows[0]
+  return iterate_batches(ds, local_batch, start_batch, num_workers, num_threads, prefetch)
+
+
+def iterate_batches(
+  ds: grain.MapDataset,
+  batch_size: int,
+  start_batch: int = 0,
+  num_workers: int = 0,
+  num_threads: int = 2,
+  prefetch: int = 64,
+) -> Iterator[dict[str, np.ndarray]]:
+  """Full batches of `batch_size` consecutive elements of `ds` (the last partial one
+  dropped), from batch `start_batch` on; workers, threads and prefetch as `train_dataset`."""
   if start_batch:
     # Every example is a pure function of (seed, epoch, position), so the slice holds exactly
     # the examples the uninterrupted epoch would have read from this batch on.
-    ds = ds[start_batch * local_batch :]
-  return _to_batches(ds, local_batch, True, num_workers, num_threads, prefetch)
+    ds = ds[start_batch * batch_size :]
+  return _to_batches(ds, batch_size, True, num_workers, num_threads, prefetch)
 
 
 def eval_map_dataset(
