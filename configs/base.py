@@ -157,6 +157,13 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   c.data.sequence = None
   c.data.pretrain = None
   c.data.held_out = None
+  # Further zero-shot eval sets, a list of entries (test split, else val), evaluated when the
+  # pre-training and held-out sets are: e.g. COCO val 2017, the IVLOD papers' "ZCOCO"
+  # (docs/ivlod.md). None: none.
+  c.data.zero_shot = None
+  # Which ODinW-13 an 'odinw13' suite item without its own `variant` reads: 'glip' (GLIP's
+  # configs/odinw_13) or 'zira' (ZiRa's / DitHub's folders, docs/ivlod.md). None: 'glip'.
+  c.data.odinw13_variant = ml_collections.config_dict.placeholder(str)
   # Q per training image: '' + positives + negatives, padded with ''. 24 > 20 pre-training
   # classes: every image contrasts its objects against every other class name.
   c.data.num_queries = 24
@@ -243,6 +250,13 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 16  # new images per step
   c.train.num_epochs = 8
+  # A budget per dataset in optimizer steps that replaces num_epochs (the IVLOD protocol's
+  # iterations per task, docs/ivlod.md); None: num_epochs epochs.
+  c.train.num_steps = ml_collections.config_dict.placeholder(int)
+  # The same per dataset: ((dataset name, steps), ...), for names a ConfigDict key cannot hold
+  # (dots: ODinW-13's 'Raccoon_Raccoon.v2-raw.coco'). A `train.per_dataset.<name>.num_steps`
+  # wins over it, it over `num_steps`. None: none.
+  c.train.num_steps_by_dataset = ml_collections.config_dict.placeholder(tuple)
   # 3e-4 (not the pre-training 1e-3): with 1e-3 one dataset's training wrecked the features
   # the next one needs (sequence probe without replay: `textured` AP50 0.19 after its own
   # training at 1e-3, 0.56 at 3e-4; every dataset >= 0.56 at 3e-4).
@@ -279,6 +293,11 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   # (as in the released code: AP on the dataset's valid split after every epoch, the best
   # epoch's parameters are kept; needs datasets with a valid split).
   c.train.carry = "last"
+  # How the downstream datasets are trained (docs/baselines.md): 'sequence' one after another
+  # (continual learning); 'joint' all of them at once, the same examples and total steps as the
+  # sequence, shuffled together (the upper bound, configs/joint.py); 'per_task' each alone from
+  # the pre-trained model, one model per task (configs/per_task.py).
+  c.train.schedule = "sequence"
   c.train.b1 = 0.9
   c.train.b2 = 0.999
   c.train.eps = 1e-8
@@ -324,6 +343,9 @@ def _replay_section(c: ml_collections.ConfigDict) -> None:
   c.replay.dedup_fraction_reset = "before"
   c.replay.der_alpha = 2.0  # DER++ logit distillation weight
   c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
+  # OWLv2 (docs/owlv2.md): weight of the objectness logits' MSE in DER++'s distillation,
+  # relative to the class logits' MSE (both then times der_alpha); 0: class logits only.
+  c.replay.der_objectness_weight = 1.0
   c.replay.swil_weight = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
   # SWIL distance over an image's k top embeddings: 'min' (paper, released default) | 'mean'
   # (the released option swil_reduce_type='avg').
@@ -458,6 +480,9 @@ def _buffer_selection_section(c: ml_collections.ConfigDict) -> None:
   # Images the class prototypes average over: 'buffer' (the selected images) | 'all' (every
   # image of the pre-training set, released code).
   c.replay.selection.prototype_images = "buffer"
+  # OWLv2 (docs/owlv2.md): whether the selection loss of eq. 7 includes the objectness term
+  # (at loss.objectness_weight). False: the v1 detection loss, the units of loss_threshold.
+  c.replay.selection.objectness_in_loss = False
 
 
 def _eval_section(c: ml_collections.ConfigDict) -> None:
@@ -480,6 +505,9 @@ def _eval_section(c: ml_collections.ConfigDict) -> None:
   # pairs, the lvis API's federated AP with this many detections per image.
   c.eval.lvis_top_k = 300
   c.eval.lvis_max_dets = 300
+  # The IVLOD metric block (docs/ivlod.md: "Avg" over the downstream sets after the last
+  # task, "ZCOCO", LVIS APr) in results.json `ivlod` and results.md; configs/ivlod_odinw13.py.
+  c.eval.report_ivlod = False
 
 
 def _checkpoint_section(c: ml_collections.ConfigDict) -> None:

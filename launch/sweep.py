@@ -51,11 +51,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # `python launch/sweep.py` from anywhere: import configs/.
   sys.path.insert(0, REPO)
 
-_NOT_ALGORITHMS = ("base", "__init__")
+# configs/ that are no algorithm: the base and protocols (ivlod_odinw13: docs/ivlod.md).
+_NOT_ALGORITHMS = ("base", "__init__", "ivlod_odinw13")
 
 
 def known_algorithms(configs_dir: str = os.path.join(REPO, "configs")) -> list[str]:
-  """Algorithm config names: configs/<name>.py except base.py / __init__.py, sorted."""
+  """Algorithm config names: configs/<name>.py except `_NOT_ALGORITHMS`, sorted."""
   names = [
     os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(configs_dir, "*.py"))
   ]

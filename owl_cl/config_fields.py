@@ -21,6 +21,7 @@ import ml_collections
 # of the same name while training on that dataset (`trainer.dataset_train_settings`).
 PER_DATASET_FIELDS = (
   "num_epochs",
+  "num_steps",
   "warmup_epochs",
   "warmup_steps",
   "learning_rate",
@@ -29,6 +30,10 @@ PER_DATASET_FIELDS = (
 )
 DOWNSTREAM_EVAL_MODES = ("all", "seen")
 CARRY_MODES = ("last", "best_validation")
+# config.train.schedule (docs/baselines.md): how the downstream datasets are trained.
+# 'sequence': one after another (continual learning); 'joint': all at once, the upper bound;
+# 'per_task': each alone from the pre-trained model, one model per task.
+SCHEDULES = ("sequence", "joint", "per_task")
 # config.replay.loss_adaptivity.mode (paper eq. 5; `train.losses.loss_adaptive_total`).
 LOSS_ADAPTIVITY_MODES = ("none", "paper", "released_gate")
 
@@ -243,6 +248,25 @@ def budget(value: Any) -> str:
   return "must be None, a fraction in (0, 1] (e.g. 0.01) or an image count >= 1 (e.g. 500)"
 
 
+def step_table(value: Any) -> str:
+  """Rule: None or a non-empty tuple of (dataset name, steps >= 1) pairs, each name once (a
+  table by name, since dataset names such as 'Raccoon_Raccoon.v2-raw.coco' hold dots, which a
+  ConfigDict key cannot)."""
+  if value is None:
+    return ""
+  shape = "must be None or a tuple of (dataset name, steps) pairs, e.g. (('pothole', 250),)"
+  if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+    return shape
+  for pair in value:
+    if isinstance(pair, str) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+      return f"{shape}; got the item {pair!r}"
+    if not isinstance(pair[0], str) or not pair[0] or integer(1)(pair[1]):
+      return f"{shape} with steps >= 1; got the item {tuple(pair)!r}"
+  names_ = [p[0] for p in value]
+  twice = sorted({n for n in names_ if names_.count(n) > 1})
+  return f"names {twice} more than once" if twice else ""
+
+
 def mapping(value: Any) -> str:
   """Rule: a dict (ConfigDict) of fields, checked further by the code that reads it."""
   return "" if hasattr(value, "keys") else "must be a dict of fields"
@@ -310,6 +334,11 @@ def clip_vocabulary_problem(config: ml_collections.ConfigDict) -> str | None:
       "bpe_simple_vocab_16e6.txt.gz)"
     )
   return None
+
+
+def schedule_of(config: ml_collections.ConfigDict) -> str:
+  """config.train.schedule ('sequence' when unset: configs made before the field existed)."""
+  return config.train.get("schedule", "sequence")
 
 
 def check_per_dataset_fields(config: ml_collections.ConfigDict, name: str) -> dict:

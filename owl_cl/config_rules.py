@@ -19,6 +19,7 @@ from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import SCHEDULES
 from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import Rule
 from owl_cl.config_fields import boolean
@@ -32,14 +33,16 @@ from owl_cl.config_fields import mapping
 from owl_cl.config_fields import names
 from owl_cl.config_fields import probabilities
 from owl_cl.config_fields import real
+from owl_cl.config_fields import step_table
 from owl_cl.config_fields import text
 from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import orders
 from owl_cl.data import prompts
+from owl_cl.data import suites
 from owl_cl.model import clip as clip_lib
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import build as buffer_build
+from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
 from owl_cl.replay.retrieval import asv as retrieval_asv
 from owl_cl.replay.retrieval import class_selection
@@ -56,6 +59,8 @@ from owl_cl.train import step as step_lib
 # The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
 TRAIN_FIELD_RULES: dict[str, Rule] = {
   "num_epochs": integer(1),
+  # A budget in optimizer steps replacing num_epochs (the IVLOD protocol); None: epochs.
+  "num_steps": integer(1, optional=True),
   "warmup_epochs": integer(0, optional=True),
   "warmup_steps": integer(0),
   "learning_rate": POSITIVE,
@@ -94,6 +99,8 @@ FIELD_RULES: dict[str, Rule] = {
   "data.sequence": declared(list),
   "data.pretrain": declared(dict),
   "data.held_out": declared(dict),
+  "data.zero_shot": declared(list),
+  "data.odinw13_variant": choice(list(suites.ODINW13_VARIANTS), optional=True),
   "data.odinw_datasets": names(what="ODinW dataset"),
   "data.subset_seed": integer(0),
   "data.num_queries": integer(1),
@@ -138,6 +145,7 @@ FIELD_RULES: dict[str, Rule] = {
   "pretrain.eval_every_steps": integer(0, optional=True),
   "train.batch_size": integer(1),
   **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
+  "train.num_steps_by_dataset": step_table,
   "train.layerwise_granularity": choice(optim.GRANULARITIES),
   "train.frozen": optim.frozen_rule,
   "train.lwf.weight": NON_NEGATIVE,
@@ -146,6 +154,7 @@ FIELD_RULES: dict[str, Rule] = {
   "train.lwf.box_threshold": real(0.0, 1.0),
   "train.per_dataset": mapping,
   "train.carry": choice(CARRY_MODES),
+  "train.schedule": choice(SCHEDULES),
   "train.b1": BETA,
   "train.b2": BETA,
   "train.eps": POSITIVE,
@@ -171,6 +180,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.dedup_fraction_reset": choice(dedup.FRACTION_RESETS),
   "replay.der_alpha": NON_NEGATIVE,
   "replay.der_beta": NON_NEGATIVE,
+  "replay.der_objectness_weight": NON_NEGATIVE,
   "replay.swil_weight": FINITE,
   "replay.swil_reduction": choice(class_selection.SWIL_REDUCTIONS),
   "replay.grasp_weight": FINITE,
@@ -197,7 +207,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.stale_retrieval": boolean,
   "replay.top_k": integer(1),
   "replay.image_cache": text(optional=True),
-  "replay.store_verification": choice(buffer_build.STORE_VERIFICATIONS),
+  "replay.store_verification": choice(store_cache.STORE_VERIFICATIONS),
   "replay.loss_adaptivity.mode": choice(LOSS_ADAPTIVITY_MODES),
   "replay.loss_adaptivity.threshold": FINITE,
   "replay.loss_adaptivity.gate_per_device": boolean,
@@ -210,6 +220,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.selection.drop_images_without_class": boolean,
   "replay.selection.top_up_order": choice(buffer_selection.TOP_UP_ORDERS),
   "replay.selection.prototype_images": choice(buffer_selection.PROTOTYPE_IMAGES),
+  "replay.selection.objectness_in_loss": boolean,
   "replay.selection.visual_genome_loss_threshold": FINITE,
   "replay.selection.visual_genome_min_per_class": integer(0),
   # --- evaluation, checkpoints, budgets
@@ -222,6 +233,7 @@ FIELD_RULES: dict[str, Rule] = {
   "eval.ensemble": choice(step_lib.ENSEMBLE_MODES),
   "eval.lvis_top_k": integer(1),
   "eval.lvis_max_dets": integer(1),
+  "eval.report_ivlod": boolean,
   "checkpoint.max_to_keep": integer(1, optional=True),
   "checkpoint.every_steps": integer(1, optional=True),
   "checkpoint.every_minutes": real(0.0, low_open=True, optional=True),

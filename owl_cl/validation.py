@@ -66,7 +66,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       (`foreign_results_problem`), a CLIP tokenizer without its vocabulary or with an
       incomplete one (`clip_vocabulary_files_problem`), an `init_checkpoint` that is no
       checkpoint, a checkpoint of another model (`init_checkpoint_model_problem`) or one
-      whose format needs a missing optional extra (`missing_extra_problem`).
+      whose format needs a missing optional extra (`missing_extra_problem`), a schedule
+      that cannot work with the other fields (`schedule_problem`).
     MissingInputsError: the paper's protocol with missing inputs
       (`data.real_inputs.check_inputs`), checked once the fields are valid; then every
       problem of the declared datasets (`check_datasets`).
@@ -79,6 +80,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
     problems += model_problems(config)
     problems += augment_problems(config)
     problems += [p for p in [init_checkpoint_problem(config), frozen_problem(config)] if p]
+    problems += [p for p in [schedule_problem(config)] if p]
     # With real data, `real_inputs.check_inputs` lists it with the files.
     if not uses_real_data(config):
       problems += [p for p in [clip_vocabulary_problem(config)] if p]
@@ -149,6 +151,18 @@ def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = 
         f"use a multiple of {num_devices}"
       )
   return problems
+
+
+def schedule_problem(config: ml_collections.ConfigDict) -> str:
+  """What keeps `train.schedule` from working with the other fields ('' when fine): the joint
+  set has no one valid split, so `train.carry='best_validation'` cannot pick its epoch."""
+  if config.train.get("schedule") == "joint" and config.train.carry == "best_validation":
+    return (
+      "config.train.schedule='joint' with config.train.carry='best_validation': the joint set "
+      "is one epoch of every dataset, with no valid split to pick an epoch by; use "
+      "train.carry='last'"
+    )
+  return ""
 
 
 def workdir_problem(workdir: str) -> str:
@@ -297,9 +311,12 @@ def model_problems(config: ml_collections.ConfigDict) -> list[str]:
 
   Checks each `model.overrides` field (a `ModelConfig` field, `MODEL_OVERRIDE_RULES`), then
   the rules across fields: the image size a multiple of the patch size, each tower's width a
-  multiple of its heads, and `replay.top_k` at most the image tokens (the k class embeddings
-  per image are k of its (image_size / patch_size)**2 tokens). Any other refusal of
-  `owl_cl.model.create_model` is named with the model. Run with every field of the right type.
+  multiple of its heads, `replay.top_k` at most the image tokens (the k class embeddings
+  per image are k of its (image_size / patch_size)**2 tokens), and
+  OWLv2's rules (`data.squash_resize` off, `replay.selection.objectness_in_loss` only with
+  an OWLv2 model and its objectness term). Any
+  other refusal of `owl_cl.model.create_model` is named with the model. Run with every field
+  of the right type.
 
   Returns:
     One line per problem naming the field and its value; empty when the model can be built.
@@ -347,7 +364,32 @@ def model_problems(config: ml_collections.ConfigDict) -> list[str]:
       f"the model ((image_size {model['image_size']} / patch_size {model['patch_size']})**2, "
       f"variant {variant!r}): an image has no {config.replay.top_k} class embeddings"
     )
-  return problems
+  return problems + _owlv2_problems(config, model["version"], variant)
+
+
+def _owlv2_problems(config, version: str, variant: str) -> list[str]:
+  """OWLv2's rules across fields (docs/owlv2.md): its preprocessing pads to a square, so
+  `data.squash_resize` has no OWLv2 form; `replay.selection.objectness_in_loss` needs an OWLv2
+  model whose loss has the objectness term (`loss.objectness_weight` > 0): otherwise it would
+  select by the same loss as False while keying another buffer."""
+  if version == "owlv2" and config.data.squash_resize:
+    return [
+      f"config.data.squash_resize=True resizes without padding, but the OWLv2 model of "
+      f"config.model.variant={variant!r} pads to a square, then resizes (docs/owlv2.md)"
+    ]
+  if not config.replay.selection.get("objectness_in_loss", False):
+    return []
+  if version != "owlv2":
+    return [
+      f"config.replay.selection.objectness_in_loss=True needs an OWLv2 model, but "
+      f"config.model.variant={variant!r} is version {version!r} (no objectness head)"
+    ]
+  if not config.loss.objectness_weight:
+    return [
+      f"config.replay.selection.objectness_in_loss=True adds nothing with "
+      f"config.loss.objectness_weight={config.loss.objectness_weight!r}: set it > 0"
+    ]
+  return []
 
 
 def augment_problems(config: ml_collections.ConfigDict) -> list[str]:
@@ -423,10 +465,11 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
   """Validates the sequence-dependent settings before anything is trained.
 
   Raises:
-    ConfigError: `train.per_dataset` naming a dataset outside the run's registry or setting
-      an unknown field; `train.carry` unknown, or 'best_validation' with a dataset that has
-      no valid split; an unknown `eval.downstream_after_each_dataset`; a training set
-      smaller than one batch (an empty one included).
+    ConfigError: `train.per_dataset` or `train.num_steps_by_dataset` naming a dataset
+      outside the run's registry, or `train.per_dataset` setting an unknown field;
+      `train.carry` unknown, or 'best_validation' with a dataset that has no valid split;
+      an unknown `eval.downstream_after_each_dataset`; a training set smaller than one batch
+      (an empty one included).
   """
   known = {d.name for d in benchmark.sequence}
   if uses_real_data(config):
@@ -437,6 +480,11 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
         f"config.train.per_dataset.{name}: no dataset named {name!r}; known: {sorted(known)}"
       )
     check_per_dataset_fields(config, name)
+  for name, _ in config.train.get("num_steps_by_dataset") or ():
+    if name not in known:
+      raise ConfigError(
+        f"config.train.num_steps_by_dataset: no dataset named {name!r}; known: {sorted(known)}"
+      )
   if check_carry_mode(config) == "best_validation":
     without = [d.name for d in benchmark.sequence if d.valid is None]
     if without:
@@ -480,11 +528,17 @@ def check_data(config: ml_collections.ConfigDict, benchmark: Benchmark) -> dict[
 # The splits each role of a declared dataset needs (owl_cl.benchmark: a sequence task trains
 # on train and is evaluated on test; the pre-training source gives the buffer's candidates
 # from train; the held-out set is evaluated on test or val).
-ROLE_SPLITS = {"sequence": ("train", "test"), "pretrain": ("train",), "held_out": ()}
+ROLE_SPLITS = {
+  "sequence": ("train", "test"),
+  "pretrain": ("train",),
+  "held_out": (),
+  "zero_shot": (),
+}
 
 
 def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
-  """Every problem of the declared datasets (`data.sequence` / `pretrain` / `held_out`).
+  """Every problem of the declared datasets (`data.sequence` / `pretrain` / `held_out` /
+  `zero_shot`).
 
   Reads the annotation jsons and TFDS metadata, not the images (`entries.check_entry`):
   structural errors of an entry or suite item, missing files, folders or splits, unreadable
@@ -502,7 +556,7 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
     if value is None:
       declared[field] = None
       continue
-    if field != "sequence":
+    if field not in benchmark_lib.LIST_FIELDS:
       if not isinstance(value, dict) or "suite" in value:
         problems.append(
           f"config.data.{field}: must be one dataset entry (a dict with name and kind), "
@@ -512,14 +566,14 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
         continue
       value = [value]
     elif not isinstance(value, (list, tuple)):
-      problems.append(f"config.data.sequence: must be a list of entries / suites, got {value!r}")
+      problems.append(f"config.data.{field}: must be a list of entries / suites, got {value!r}")
       declared[field] = []
       continue
     found = []
     for i, item in enumerate(value):
       if benchmark_lib.is_builtin_suite(item):
         continue  # generated by the run
-      where = f"config.data.{field}" + (f"[{i}]" if field == "sequence" else "")
+      where = f"config.data.{field}" + (f"[{i}]" if field in benchmark_lib.LIST_FIELDS else "")
       try:
         if isinstance(item, dict) and "suite" in item:
           found += suites.entries_from_config([item])
@@ -529,7 +583,7 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
         problems += [
           f"{where}: {line.removeprefix('datasets[0]: ')}" for line in str(e).split("\n")
         ]
-    declared[field] = found if field == "sequence" else (found[0] if found else None)
+    declared[field] = found if field in benchmark_lib.LIST_FIELDS else (found[0] if found else None)
   # Names the run's eval sets take from the built-in benchmark when a role is undeclared.
   names = {
     "pretrain": benchmark_lib.PRETRAIN_EVAL,
@@ -547,8 +601,11 @@ def dataset_problems(config: ml_collections.ConfigDict) -> list[str]:
       if e.name in seen:
         problems.append(f"{where}: dataset {e.name!r}: field 'name' is also used by {seen[e.name]}")
       seen.setdefault(e.name, f"config.data.{field}")
-      problems += [f"{where}: {p}" for p in entries.check_entry(e, ROLE_SPLITS[field])]
-      if field == "held_out" and not set(e.split_names) & {"test", "val"}:
+      found = entries.check_entry(e, ROLE_SPLITS[field])
+      problems += [f"{where}: {p}" for p in found]
+      if found and e.suite in suites.ODINW13_VARIANT_SUITES.values():
+        problems += [f"{where}: {p}" for p in suites.variant_hint(e)]
+      if field in ("held_out", "zero_shot") and not set(e.split_names) & {"test", "val"}:
         problems.append(f"{where}: dataset {e.name!r} needs a 'test' or 'val' split to evaluate")
   if isinstance(decl["sequence"], (list, tuple)) and not decl["sequence"]:
     problems.append("config.data.sequence: is empty; declare at least one dataset")

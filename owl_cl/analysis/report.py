@@ -5,7 +5,8 @@
 holds workdirs), refuses incomplete runs and runs of different configs (other than the swept
 fields, `SWEPT_FIELDS`), and writes `report.md`, `report.json` and PNG figures.
 
-* Per algorithm and metric (`METRICS`): mean, standard deviation, n and a 95% t-interval.
+* Per algorithm and metric (`METRICS`; with IVLOD runs also `IVLOD_METRICS`: Avg, ZCOCO,
+  LVIS APr): mean, standard deviation, n and a 95% t-interval.
 * Paired differences against the reference algorithm over the runs that share (seeds, task
   order) (`pair_key`): mean difference with its 95% t-interval, the paired t-test and the
   Wilcoxon signed-rank test, and Holm-corrected p-values across the comparisons of each
@@ -32,12 +33,14 @@ from matplotlib.figure import Figure
 import numpy as np
 
 from owl_cl.analysis import stats
+from owl_cl.eval import ivlod
 from owl_cl.eval import results as results_lib
 from owl_cl.eval import table3
 from owl_cl.utils import atomic_write_text
 
 __all__ = [
   "METRICS",
+  "IVLOD_METRICS",
   "SWEPT_FIELDS",
   "ReportError",
   "RunPoint",
@@ -51,7 +54,9 @@ __all__ = [
   "main",
 ]
 
-# (key, label): the Table 3 columns (mAP@[.5:.95]), forgetting, BWT, kept %, replayed %, time.
+# (key, label): the Table 3 columns (mAP@[.5:.95]), each dataset's AP right after its own
+# training (mean, and the lowest AP50: the plasticity that `per_task` bounds), forgetting,
+# BWT, kept %, replayed %, time.
 METRICS = (
   ("pretrain_AP", "pre-training set AP"),
   ("open_vocab_AP", "open-vocabulary AP"),
@@ -59,11 +64,20 @@ METRICS = (
   # Version 2 of the built-in benchmark: the eval set of its 5 rarest pre-training classes.
   ("tail_AP", "pre-training tail classes AP"),
   ("downstream_mean_AP", "downstream mean AP"),
+  ("own_mean_AP", "own-task AP (mean)"),
+  ("own_min_AP50", "own-task AP50 (min own)"),
   ("forgetting_AP", "average forgetting (AP)"),
   ("bwt_AP", "backward transfer (AP)"),
   ("kept_AP50", "pre-training AP50 kept (%)"),
   ("replayed", "replayed samples (%)"),
   ("wall_minutes", "wall time (min)"),
+)
+# The IVLOD block's metrics (owl_cl.eval.ivlod, docs/ivlod.md), reported when some run has
+# them (configs/ivlod_odinw13.py): its Avg, ZCOCO and LVIS APr at the reported stage.
+IVLOD_METRICS = (
+  ("ivlod_Avg", "IVLOD Avg (downstream mean AP)"),
+  ("ivlod_ZCOCO", "ZCOCO (COCO val AP)"),
+  ("ivlod_LVIS_APr", "LVIS APr"),
 )
 # Config fields a sweep varies between runs (never part of the compared config): the seeds,
 # the order, the run's name and where caches live. `replay` may differ between algorithms
@@ -77,7 +91,7 @@ SWEPT_FIELDS = (
   "cache_dir",
   "compilation_cache_dir",
 )
-_ALGORITHM_FIELDS = ("replay",)
+_ALGORITHM_FIELDS = ("replay", "train.schedule", "train.lwf", "train.frozen")
 BUILTIN_VERSION_FIELD = "data.builtin.version"
 TAIL_EVAL_SET = "pretrain_tail"  # owl_cl.data.builtin.TAIL_DATASET
 REPORT_MD, REPORT_JSON = "report.md", "report.json"
@@ -143,15 +157,19 @@ def _pct(value: Any) -> float:
 def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, float]:
   stages = results["stages"]
   index = len(stages) - 1 if stage is None else stage
-  row = table3.table3_row(stages[index], results["roles"])
+  final = stage is None or index == len(stages) - 1
+  # The final row is the schedule's (a per-task run's: the mean over its task models).
+  row = results["summary"]["final"] if final else table3.table3_row(stages[index], results["roles"])
   values = {k: _pct(row[k]) for k in ("pretrain_AP", "open_vocab_AP", "held_out_AP")}
   values["downstream_mean_AP"] = _pct(row["downstream_mean_AP"])
   # NaN for a run without the set (version 1, real data) or a stage that did not evaluate it.
   tail = (stages[index].get("metrics") or {}).get(TAIL_EVAL_SET) or {}
   values["tail_AP"] = _pct(tail.get("AP"))
+  own = results["summary"].get("own") or {}
+  values["own_mean_AP"] = _pct(own.get("mean_AP")) if final else math.nan
+  values["own_min_AP50"] = _pct(own.get("min_AP50")) if final else math.nan
   forgetting = results.get("forgetting") or {}
   ap = forgetting.get("AP") or {}
-  final = stage is None or index == len(stages) - 1
   # Forgetting, BWT, kept and time describe a whole sequence: final evaluations only.
   values["forgetting_AP"] = _pct(ap.get("average_forgetting")) if final else math.nan
   values["bwt_AP"] = _pct(ap.get("bwt")) if final else math.nan
@@ -167,7 +185,22 @@ def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, floa
   values["replayed"] = 100.0 * float(np.mean(fractions)) if fractions else math.nan
   wall = (results.get("timings") or {}).get("wall_seconds")
   values["wall_minutes"] = float(wall) / 60.0 if wall is not None and final else math.nan
+  block = results.get("ivlod")
+  row = (
+    ivlod.ivlod_row(stages[index], block["datasets"], block["zero_shot_set"], block["lvis_set"])
+    if block
+    else {}
+  )
+  for key, _ in IVLOD_METRICS:
+    values[key] = _pct(row.get(key.removeprefix("ivlod_")))
   return values
+
+
+def _metrics(points: Sequence[RunPoint]) -> tuple[tuple[str, str], ...]:
+  """`METRICS`, then `IVLOD_METRICS` when some run has an IVLOD value."""
+  ivlod_values = [p.values.get(k, math.nan) for p in points for k, _ in IVLOD_METRICS]
+  has_ivlod = any(not math.isnan(v) for v in ivlod_values)
+  return METRICS + (IVLOD_METRICS if has_ivlod else ())
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -338,7 +371,8 @@ def build_report(
     reference = "uniform" if "uniform" in algorithms else algorithms[0]
   if reference not in algorithms:
     raise ReportError(f"--reference {reference!r} has no runs; algorithms: {algorithms}")
-  keys = [k for k, _ in METRICS]
+  metrics = _metrics(points)
+  keys = [k for k, _ in metrics]
   summary = {
     a: {
       m: stats.summarize(_finite([p.values[m] for p in points if p.algorithm == a])) for m in keys
@@ -375,7 +409,7 @@ def build_report(
     stage="final" if stage is None else stage,
     reference=reference,
     confidence=stats.CONFIDENCE,
-    metrics=dict(METRICS),
+    metrics=dict(metrics),
     algorithms=algorithms,
     runs=[dict(path=p.path, algorithm=p.algorithm, run_id=p.run_id, pair=p.pair) for p in points],
     summary=summary,

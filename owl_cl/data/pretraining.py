@@ -79,6 +79,7 @@ __all__ = [
   "objects365_relative_path",
   "objects365_source",
   "lvis_paths",
+  "coco_paths",
   "coco_url_relative_path",
   "lvis_source",
   "lvis_frequency_groups",
@@ -240,6 +241,22 @@ def lvis_paths(root: str, split: str) -> tuple[str, str]:
   if split not in ("train", "val"):
     raise ValueError(f"LVIS split must be 'train' or 'val', got {split!r}")
   return os.path.join(root, "lvis", f"lvis_v1_{split}.json"), os.path.join(root, "coco")
+
+
+def coco_paths(root: str, split: str) -> tuple[str, str]:
+  """(annotation json, image folder) of COCO 2017 `split` ('train' | 'val') under `root`:
+  `<root>/coco/annotations/instances_<split>2017.json` and `<root>/coco/<split>2017` (the
+  layout of cocodataset.org's zips unpacked into `<root>/coco/`, whose images LVIS shares).
+
+  Raises:
+    ValueError: another split.
+  """
+  if split not in ("train", "val"):
+    raise ValueError(f"COCO 2017 split must be 'train' or 'val', got {split!r}")
+  coco = os.path.join(root, "coco")
+  return os.path.join(coco, "annotations", f"instances_{split}2017.json"), os.path.join(
+    coco, f"{split}2017"
+  )
 
 
 def coco_url_relative_path(image: dict[str, Any]) -> str:
