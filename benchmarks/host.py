@@ -31,6 +31,7 @@ written to `host_smoke.*` so it never overwrites a real result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -77,13 +78,14 @@ def commit() -> str:
 
 
 def metrics_digest(results_path: str) -> str:
-  """sha256 (first 16 hex digits) of `results.json` without its timings and paths.
+  """sha256 (first 16 hex digits) of `results.json` without its run id, config and timings.
 
   Only what a run computes enters: every field except those that differ between identical
-  runs (wall times, dates, paths, the config's cache folders).
+  runs (the run id, the config with its folders, wall times, dates, paths).
   """
   with open(results_path) as f:
     results = json.load(f)
+  results = {k: v for k, v in results.items() if k not in ("run_id", "config")}
 
   def strip(x):
     if isinstance(x, dict):
@@ -147,7 +149,11 @@ def measure(
   (`cache_dir`: an existing cache folder instead, filled by an earlier run of the same
   overrides, so no filling run)."""
   env = dict(os.environ, PYTHONPATH=REPO)
-  with tempfile.TemporaryDirectory(prefix="host-bench-", dir=keep) as tmp:
+  # With `keep`, the runs' folders (workdirs with results.json, logs) stay there.
+  context = tempfile.TemporaryDirectory(prefix="host-bench-", dir=keep)
+  if keep:
+    context = contextlib.nullcontext(tempfile.mkdtemp(prefix="host-bench-", dir=keep))
+  with context as tmp:
     config = CONFIG
     if smoke:
       config = os.path.join(tmp, "smoke_config.py")
@@ -213,7 +219,11 @@ def main(argv=None):
   parser.add_argument(
     "--cache-dir", default=None, help="an existing cache folder (warm, no filling run)"
   )
-  parser.add_argument("--keep", default=None, help="parent of the temporary folder (default /tmp)")
+  parser.add_argument(
+    "--keep",
+    default=None,
+    help="keep the runs' folders under KEEP (default: a temporary folder, removed)",
+  )
   parser.add_argument(
     "--commit", default=None, help="the row's commit (default: this checkout's, from git)"
   )

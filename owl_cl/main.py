@@ -7,6 +7,8 @@ workdir. The same command on the same workdir resumes after the last finished da
 Multi-host (TPU pod slices, several GPU nodes): add `--distributed` on every host (the
 coordinator from `--coordinator_address` / `JAX_COORDINATOR_ADDRESS`, else JAX's detection).
 Any config field can be overridden: `--config.replay.dedup=epoch`.
+glibc's malloc is set first to keep freed memory for reuse (`--keep_freed_memory`, default on;
+`owl_cl.host_memory`, docs/host_cost.md): XLA:CPU's per-step buffers no longer cost page faults.
 
 Errors of the user's input (a bad config value, missing or malformed data, a checkpoint of
 another model, a workdir of another run or in use by another process, a stored file that
@@ -32,6 +34,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from owl_cl import distributed
+from owl_cl import host_memory
 from owl_cl import preemption
 from owl_cl.config_fields import ConfigError
 from owl_cl.data.coco import DataError
@@ -75,6 +78,14 @@ _PROCESS_ID = flags.DEFINE_integer(
   "process_id", None, "With --distributed: this process's index (default from the environment)."
 )
 
+_KEEP_FREED_MEMORY = flags.DEFINE_bool(
+  "keep_freed_memory",
+  True,
+  "glibc malloc keeps freed memory for reuse instead of returning it to the OS and faulting it "
+  "back every step (owl_cl.host_memory; docs/host_cost.md). Same results; --nokeep_freed_memory "
+  "or any MALLOC_* / GLIBC_TUNABLES variable in the environment leaves glibc's defaults.",
+)
+
 _VERBOSE = flags.DEFINE_bool(
   "verbose",
   False,
@@ -99,6 +110,9 @@ class _QuietLibraryInfo(py_logging.Filter):
 
 
 def main(argv):
+  if _KEEP_FREED_MEMORY.value:
+    # First: before JAX creates the threads that allocate (a thread keeps its malloc arena).
+    malloc = host_memory.keep_freed_memory()
   logging.get_absl_handler().addFilter(_QuietLibraryInfo())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -128,6 +142,8 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/swil.py")
   workdir = _WORKDIR.value or default_workdir(config.experiment_name)
   logging.info("workdir: %s", os.path.abspath(workdir))
+  if _KEEP_FREED_MEMORY.value:
+    logging.info("malloc keeps freed memory (--keep_freed_memory): %s", malloc)
   # One process's exception ends the whole multi-process run (the others are stopped by JAX's
   # coordination service, naming it); with one process it propagates as usual. A known error
   # (the user's input) is one message and exit status 2 on the process that found it.

@@ -13,7 +13,7 @@ _PATH = os.path.join(
 )
 
 
-@pytest.mark.slow  # a whole tiny run in a subprocess: ~60 s of CPU (its own pre-training)
+@pytest.mark.slow  # a whole tiny run in a subprocess: ~100 s of CPU (compiles, pre-training)
 def test_smoke_times_the_main_job_and_appends_a_row(tmp_path):
   argv = [sys.executable, _PATH, "--smoke", "--label=first", f"--out={tmp_path}"]
   subprocess.run(argv, check=True, cwd=tmp_path, capture_output=True, timeout=1200)
@@ -38,13 +38,13 @@ def _load_bench():
 
 def test_metrics_digest_ignores_timings_and_paths_only(tmp_path):
   bench = _load_bench()
-  results = {"stages": [{"AP": 0.25, "train_seconds": 3.0}], "workdir": "/a", "date": "x"}
+  results = {"stages": [{"AP": 0.25, "seconds": 3.0}], "run_id": "1", "config": {"cache_dir": "/a"}}
   path = tmp_path / "results.json"
   path.write_text(json.dumps(results))
   digest = bench.metrics_digest(str(path))
-  # Another run's wall times, date and workdir: the same digest.
-  results.update(workdir="/b", date="y")
-  results["stages"][0]["train_seconds"] = 9.0
+  # Another run's id, folders and wall times: the same digest.
+  results.update(run_id="2", config={"cache_dir": "/b"})
+  results["stages"][0]["seconds"] = 9.0
   path.write_text(json.dumps(results))
   assert bench.metrics_digest(str(path)) == digest
   # One metric's last bit changed: another digest.
