@@ -81,11 +81,12 @@ def metrics_digest(results_path: str) -> str:
   """sha256 (first 16 hex digits) of `results.json` without its run id, config and timings.
 
   Only what a run computes enters: every field except those that differ between identical
-  runs (the run id, the config with its folders, wall times, dates, paths).
+  runs (the run id, the config with its folders, the step timings, wall times, dates, paths).
   """
   with open(results_path) as f:
     results = json.load(f)
-  results = {k: v for k, v in results.items() if k not in ("run_id", "config")}
+  skip = ("run_id", "config", "timings", "created_at", "updated_at")
+  results = {k: v for k, v in results.items() if k not in skip}
 
   def strip(x):
     if isinstance(x, dict):

@@ -39,11 +39,13 @@ def _load_bench():
 def test_metrics_digest_ignores_timings_and_paths_only(tmp_path):
   bench = _load_bench()
   results = {"stages": [{"AP": 0.25, "seconds": 3.0}], "run_id": "1", "config": {"cache_dir": "/a"}}
+  results.update(timings={"wall_seconds": 5.0}, created_at="t0", updated_at="t1")
   path = tmp_path / "results.json"
   path.write_text(json.dumps(results))
   digest = bench.metrics_digest(str(path))
   # Another run's id, folders and wall times: the same digest.
-  results.update(run_id="2", config={"cache_dir": "/b"})
+  results.update(run_id="2", config={"cache_dir": "/b"}, timings={"wall_seconds": 7.0})
+  results.update(created_at="t2", updated_at="t3")
   results["stages"][0]["seconds"] = 9.0
   path.write_text(json.dumps(results))
   assert bench.metrics_digest(str(path)) == digest
