@@ -27,6 +27,7 @@ from owl_cl.data import owlv2_images
 from owl_cl.detector import Detector
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import build as build_lib
+from owl_cl.replay import build_steps
 from owl_cl.replay import setup as replay_setup
 from owl_cl.replay import store as store_lib
 from owl_cl.testing.configs import tiny_config
@@ -464,7 +465,8 @@ def test_owlv2_store_keeps_objectness_and_selection_may_include_it(pretrained_ca
   head = params["objectness_head"]["Dense_2"]
   head["kernel"] = rng.normal(0.0, 0.1, head["kernel"].shape).astype(np.float32)
   source = benchmark.load_benchmark(config).pretrain.train
-  options = dict(replay_setup.build_options(detector, source), selection_objectness=True)
+  options = _with(replay_setup.build_options(detector, source), selection_objectness=True)
+  spec = options["buffer_spec"]
   build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **options)
   store = store_lib.ReplayStore.load(str(tmp_path / "s"), source=source)
   gathered = store.gather(np.arange(store.num_images))
@@ -480,17 +482,17 @@ def test_owlv2_store_keeps_objectness_and_selection_may_include_it(pretrained_ca
   np.testing.assert_allclose(gathered["stored_objectness"], objectness, rtol=2**-10, atol=1e-6)
 
   # The per-image selection loss, with and without the objectness term.
-  transform = build_lib.BufferExample(source, options["seed"], options["spec"], {})
+  transform = build_lib.BufferExample(source, spec.seed, spec.example, {})
   examples = [transform(i) for i in range(BATCH)]
   batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
   batch["image_id"] = batch["image_id"].astype(np.int32)
   batch["valid"] = np.ones(BATCH, bool)
   step_options = dict(
     num_classes=len(source.class_names),
-    top_k=options["top_k"],
-    max_per_class=options["max_per_class"],
+    top_k=spec.top_k,
+    max_per_class=spec.max_per_class,
     distance_max_instances=4,
-    loss_config=options["loss_config"],
+    loss_config=dict(spec.loss_config),
   )
   out = detector.model.apply({"params": params}, batch["images"], batch["queries"])
   det = {
@@ -500,12 +502,12 @@ def test_owlv2_store_keeps_objectness_and_selection_may_include_it(pretrained_ca
       batch["labels"],
       batch["boxes"],
       objectness_logits=out["objectness_logits"] if with_term else None,
-      **options["loss_config"],
+      **spec.loss_config,
     )["per_example"]
     for with_term in (False, True)
   }
   for with_term in (False, True):
-    steps = build_lib.make_steps(
+    steps = build_steps.make_steps(
       detector.model, detector.mesh, **step_options, selection_objectness=with_term
     )
     got = steps["losses"](params, batch)["per_image_loss"]
