@@ -59,6 +59,7 @@ from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import seed_of
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
+from owl_cl.model import lora as lora_lib
 from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import checkpointing
@@ -70,6 +71,10 @@ from owl_cl.utils import expand_path
 # evaluation run in lockstep (collectives), so the processes arrive within seconds; a peer
 # that is gone or hung turns into an error naming it instead of a hang.
 BARRIER_TIMEOUT_S = 1800.0
+
+# The LoRA adapters' seed is seed_of(config, 'data') * 1000 + this: the dataset step keys use
+# seed * 1000 + index with index <= the sequence's length, so the two never coincide.
+LORA_SEED_OFFSET = 999
 
 
 def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
@@ -336,6 +341,15 @@ def _run(
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
   replay_state = replay_setup.initial_replay_state(store, seed_of(config, "retrieval"))
+  # LoRA (docs/lora.md): the pre-trained parameters are the frozen base of the whole sequence
+  # (the buffer above was built from them alone); fresh adapters (B = 0: the same model) train
+  # from stage 1 on, carried from dataset to dataset. The stage checkpoints hold the adapters:
+  # the base is rebuilt from init_checkpoint or the pre-trained cache on a resume.
+  lora = detector.lora is not None
+  base = params if lora else None
+  # The adapters' A draw: the data seed (as the step keys) offset from the step keys' seeds.
+  params = detector.add_adapters(params, seed_of(config, "data") * 1000 + LORA_SEED_OFFSET)
+  stored = lora_lib.adapters_of if lora else lambda p: p
   if jax.process_count() > 1:
     # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
     replay_state = sharding_lib.fetch_replicated(replay_state)
@@ -355,11 +369,14 @@ def _run(
   step_timings = {}
   if latest is None:
     stages = [{"name": "pretrained", "metrics": evaluate(params, "pretrained")}]
-    checkpointer.save(0, params, replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT})
+    checkpointer.save(
+      0, stored(params), replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT}
+    )
     latest = 0
   else:
     logging.info("resuming %s after stage %d", workdir, latest)
-    params, replay_state, meta = checkpointer.restore(latest, params, replay_state)
+    restored, replay_state, meta = checkpointer.restore(latest, stored(params), replay_state)
+    params = lora_lib.combine(base, restored) if lora else restored
     replay_state = replay_setup.upgrade_restored_state(replay_state, meta, workdir)
     stages = meta["stages"]
     step_timings = meta.get("step_timings", {})
@@ -435,7 +452,7 @@ def _run(
       replay_state = sharding_lib.fetch_replicated(replay_state)
     checkpointer.save(
       index,
-      params,
+      stored(params),
       replay_state,
       {"stages": stages, "step_timings": step_timings, **replay_setup.CHECKPOINT_FORMAT},
     )

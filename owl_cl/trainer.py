@@ -35,6 +35,7 @@ from owl_cl.config_fields import check_per_dataset_fields
 from owl_cl.config_fields import seed_of
 from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.detector import Detector
+from owl_cl.model import lora as lora_lib
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import optim
 from owl_cl.train import prefetch
@@ -122,21 +123,31 @@ def _host_arrays(tree):
   return jax.tree.map(np.asarray, sharding_lib.fetch_replicated(tree))
 
 
-def loop_checkpoint(loop: LoopState, replay) -> tuple[dict, dict]:
+def _stored_params(params, adapters_only: bool):
+  """The part of a parameter tree a checkpoint holds: all of it, or (LoRA) its adapters."""
+  return lora_lib.adapters_of(params) if adapters_only else params
+
+
+def loop_checkpoint(loop: LoopState, replay, adapters_only: bool = False) -> tuple[dict, dict]:
   """What a step checkpoint holds of `loop`: (array items, JSON-able meta).
 
   Items: 'train_state' (replicated arrays), 'key' uint32 [2], 'replay_state' and
   'best_params' (host copies, when present), plus `replay.checkpoint_items()` (the retrieval
-  records). Meta: the host ints, the counters and the last loss (fetched: one host sync per
-  checkpoint), and `history`. Inverse: `restore_loop`.
+  records). With `adapters_only` (LoRA: the base model is frozen, so the phase's starting
+  parameters hold it), the parameters of 'train_state' and 'best_params' are the adapters
+  alone (`lora.adapters_of`). Meta: the host ints, the counters and the last loss (fetched: one
+  host sync per checkpoint), and `history`. Inverse: `restore_loop`.
   """
-  items = {"train_state": loop.train_state, "key": np.asarray(jax.device_get(loop.key))}
+  train_state = loop.train_state
+  if adapters_only:
+    train_state = train_state.replace(params=lora_lib.adapters_of(train_state.params))
+  items = {"train_state": train_state, "key": np.asarray(jax.device_get(loop.key))}
   if loop.replay_state is not None:
     # Host copy: after `initial_replay_state` it lives on one device, which a multi-process
     # save cannot take; the values are what matter.
     items["replay_state"] = _host_arrays(loop.replay_state)
   if loop.best_params is not None:
-    items["best_params"] = _host_arrays(loop.best_params)
+    items["best_params"] = _host_arrays(_stored_params(loop.best_params, adapters_only))
   items.update(replay.checkpoint_items())
   replays_in_loss, replay_steps, loss = (
     sharding_lib.fetch_replicated(x) for x in (loop.replays_in_loss, loop.replay_steps, loop.loss)
@@ -155,20 +166,29 @@ def loop_checkpoint(loop: LoopState, replay) -> tuple[dict, dict]:
   return items, meta
 
 
-def restore_loop(checkpoints, phase: int, loop: LoopState, replay, params_like=None) -> LoopState:
+def restore_loop(
+  checkpoints, phase: int, loop: LoopState, replay, params_like=None, adapters_only: bool = False
+) -> LoopState:
   """`loop` (freshly set up for `phase`) with the state of the phase's newest step checkpoint.
 
   Returns `loop` unchanged when there is none (or `checkpoints` is None). `params_like`: the
-  host parameter tree's shapes (for 'best_params').
+  host parameter tree's shapes (for 'best_params'). `adapters_only` as `loop_checkpoint`: the
+  stored adapters are combined with the base parameters of `loop`'s fresh train state (the
+  frozen base is the phase's starting one, bit for bit).
   """
   step = None if checkpoints is None else checkpoints.latest(phase)
   if step is None:
     return loop
-  like = {"train_state": loop.train_state, "key": np.asarray(jax.device_get(loop.key))}
+  train_state = loop.train_state
+  base = None
+  if adapters_only:
+    base = lora_lib.base_of(train_state.params)
+    train_state = train_state.replace(params=lora_lib.adapters_of(train_state.params))
+  like = {"train_state": train_state, "key": np.asarray(jax.device_get(loop.key))}
   if loop.replay_state is not None:
     like["replay_state"] = _host_arrays(loop.replay_state)
   if params_like is not None:
-    like["best_params"] = params_like
+    like["best_params"] = _stored_params(params_like, adapters_only)
   like.update(replay.checkpoint_items())
   items, meta = checkpoints.restore(phase, step, like)
   logging.info(
@@ -181,10 +201,16 @@ def restore_loop(checkpoints, phase: int, loop: LoopState, replay, params_like=N
   )
   replay.restore_items(items)
   loop.train_state = items["train_state"]
+  loop.best_params = items.get("best_params")
+  if adapters_only:
+    restored = loop.train_state.params
+    loop.train_state = loop.train_state.replace(params=lora_lib.combine(base, restored))
+    if loop.best_params is not None:
+      host_base = _host_arrays(base)
+      loop.best_params = lora_lib.combine(host_base, loop.best_params)
   loop.key = jnp.asarray(items["key"])
   if "replay_state" in items:
     loop.replay_state = items["replay_state"]
-  loop.best_params = items.get("best_params")
   loop.step, loop.epoch, loop.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
   loop.replayed = meta["replayed"]
   loop.replays_in_loss = jnp.asarray(meta["replays_in_loss"], jnp.int32)
@@ -194,11 +220,13 @@ def restore_loop(checkpoints, phase: int, loop: LoopState, replay, params_like=N
   return loop
 
 
-def checkpoint_hook(checkpoints, phase: int, total_steps: int, replay, desc: str):
+def checkpoint_hook(
+  checkpoints, phase: int, total_steps: int, replay, desc: str, adapters_only: bool = False
+):
   """The loop's per-step checkpoint call: `hook(loop)` saves a step checkpoint when one is due
   (`StepCheckpointer.step_due` / `time_due`) or SIGTERM was received, and after SIGTERM
   raises `preemption.Preempted` once the checkpoint is on disk. None: no step checkpoints
-  (and SIGTERM is not handled here).
+  (and SIGTERM is not handled here). `adapters_only`: see `loop_checkpoint`.
 
   The time and SIGTERM decisions are agreed by all processes (`preemption.any_process`), so
   every process saves (a collective write) and stops at the same step. A finished write is
@@ -213,7 +241,7 @@ def checkpoint_hook(checkpoints, phase: int, total_steps: int, replay, desc: str
     checkpoints.poll()
     time_due, stop = preemption.any_process(checkpoints.time_due(), preemption.requested_here())
     if stop or time_due or checkpoints.step_due(loop.step, total_steps):
-      items, meta = loop_checkpoint(loop, replay)
+      items, meta = loop_checkpoint(loop, replay, adapters_only)
       checkpoints.save(phase, loop.step, items, meta)
     if stop:
       checkpoints.wait()
@@ -634,6 +662,11 @@ def train_on_dataset(
   With `train.lwf` on (`lwf_options`), `teacher` (the pre-trained parameters) is passed to
   every train step for the LwF terms (docs/baselines.md); a missing teacher is a ValueError.
 
+  With `train.lora` on (`detector.lora`), `params` is a LoRA tree (`Detector.add_adapters`):
+  only its adapters train (the base has no optimizer state), the train step applies
+  `detector.tuned_train_model`, step checkpoints hold the adapters, and the returned
+  parameters are the LoRA tree (evaluation merges it, `Detector.model_params`).
+
   `store` is the replay store (None: retrieval 'none'). With `config.replay.records` and a
   `records_path`, the retrieval analysis records (`owl_cl.replay.records`) of the dataset
   are written there. `step_checkpoints` (`checkpointing.StepCheckpointer`; None: none) saves
@@ -663,15 +696,18 @@ def train_on_dataset(
   if config.max_train_steps_per_dataset:
     total = min(total, config.max_train_steps_per_dataset)
   optimizer = {k: v for k, v in settings.items() if k != "num_epochs"}
+  lora = detector.lora is not None
+  # LoRA: the base model is frozen (no update, no optimizer state), only the adapters train.
+  frozen = tuple(config.train.get("frozen", ())) + ((lora_lib.FROZEN_BASE,) if lora else ())
   optimizer.update(
     layerwise_granularity=config.train.get("layerwise_granularity", "layer"),
     weight_decay=config.train.weight_decay,
-    frozen=tuple(config.train.get("frozen", ())),
+    frozen=frozen,
   )
   tx, schedule = make_optimizer(params, optimizer, total, config)
   replay = replay_setup.make_replay(detector, store, records_path)
   train_step = step_lib.make_train_step(
-    detector.model,
+    detector.tuned_train_model,
     tx,
     detector.mesh,
     # The normalisation applies to fine-tuning only (pre-training and the buffer's per-image
@@ -694,7 +730,9 @@ def train_on_dataset(
     loop.history = {"best_AP": -np.inf, "best_epoch": None, "validation": []}
   # After `prepare`: the restored replay state already holds what it prepared.
   # `params` gives best_params' tree structure, shapes and dtypes.
-  loop = restore_loop(step_checkpoints, index, loop, replay, params if carry_best else None)
+  loop = restore_loop(
+    step_checkpoints, index, loop, replay, params if carry_best else None, adapters_only=lora
+  )
 
   timer = timing.StepTimer()
 
@@ -738,7 +776,9 @@ def train_on_dataset(
       desc=f"dataset {index}: {dataset.name}",
       on_log=on_log,
       after_epoch=after_epoch,
-      checkpoint=checkpoint_hook(step_checkpoints, index, total, replay, f"dataset {index}"),
+      checkpoint=checkpoint_hook(
+        step_checkpoints, index, total, replay, f"dataset {index}", adapters_only=lora
+      ),
       learning_rate=settings["learning_rate"],
       prefetch_batches=config.data.prefetch_batches,
       timer=timer,
