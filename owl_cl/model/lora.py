@@ -103,7 +103,9 @@ def lora_model(model: nn.Module, options: LoraOptions, *, train: bool) -> nn.Mod
     A linen module with `model`'s methods and fields; its parameters are `model`'s plus
     `<kernel>_lora_a` float32 [d_in, r] and `<kernel>_lora_b` float32 [r, d_out] in every
     targeted module. Its methods must be named through `type(returned)` (qwix intercepts the
-    subclass's methods, not `OwlViT`'s).
+    subclass's methods, not `OwlViT`'s). Apply it to jax Arrays (as every jitted step does):
+    qwix finds a layer's kernel among its `jax.Array` parameters, and a NumPy kernel would be
+    passed over silently (the layer then runs without its adapter).
 
   Source: qwix `apply_lora_to_model`, `LoraProvider`, `LoraRule` (qwix 0.1.8,
   `qwix/_src/providers/lora.py`).
