@@ -217,3 +217,47 @@ def test_lora_with_lwf_is_refused():
   config.train.lwf.weight = 1.0
   with pytest.raises(ConfigError, match="LoRA and LwF do not combine"):
     validation.validate(config, None)
+
+
+def test_lora_to_owl_cl_merges_a_runs_stage_adapters_into_its_base(setup, tmp_path):
+  """`python -m owl_cl.model.convert lora-to-owl_cl BASE WORKDIR OUT`: the stage checkpoint's
+  adapters (verified) merged with the run's rank and alpha, written in the owl_cl format."""
+  from owl_cl.model.convert import cli  # noqa: PLC0415
+  from owl_cl.model.convert import tree  # noqa: PLC0415
+  from owl_cl.train import checkpointing  # noqa: PLC0415
+
+  model, params, _ = setup
+  options = lora.LoraOptions(rank=2, alpha=4.0)
+  adapters = lora.init_adapters(model, options, jax.random.PRNGKey(1))
+  # Trained-looking adapters: B != 0.
+  adapters = jax.tree.map(
+    lambda v: v + 0.01 * (1 + np.arange(v.size).reshape(v.shape) % 7), adapters
+  )
+  base_dir = str(tmp_path / "base")
+  checkpointing.save_params(
+    base_dir, params, {"model_config": tree.model_config_to_dict(model.config)}
+  )
+  workdir = tmp_path / "run"
+  stages = checkpointing.StageCheckpointer(str(workdir / "checkpoints"))
+  stages.save(1, jax.device_get(adapters), None, {"stages": []})
+  stages.close()
+  config = base.get_config("lora")
+  config.train.lora.rank, config.train.lora.alpha = options.rank, options.alpha
+  (workdir / "run.json").write_text(
+    '{"run_id": "x", "config": ' + config.to_json_best_effort() + "}"
+  )
+  out = str(tmp_path / "merged")
+  cli.main(["lora-to-owl_cl", base_dir, str(workdir), out])
+  merged, meta = checkpointing.load_params(out)
+  expected = lora.merge(lora.combine(params, jax.device_get(adapters)), options)
+  assert jax.tree.structure(merged) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert meta["lora"]["stage"] == 1 and meta["lora"]["rank"] == 2
+  # A run without LoRA is refused, naming the field.
+  config.train.lora.rank = 0
+  (workdir / "run.json").write_text(
+    '{"run_id": "x", "config": ' + config.to_json_best_effort() + "}"
+  )
+  with pytest.raises(SystemExit):
+    cli.main(["lora-to-owl_cl", base_dir, str(workdir), str(tmp_path / "other")])
