@@ -35,6 +35,13 @@ EXTRAS = {
   "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6", "import-linter>=2.10"],
   # HF weight conversion and parity tests; OpenAI CLIP TorchScript init.
   "hf": ["torch==2.13.0", "transformers>=4.44", "safetensors>=0.4"],
+  # The documentation site (mkdocs.yml): `mkdocs serve`, `mkdocs build --strict` in .ci/run.
+  "docs": [
+    "mkdocs>=1.6.1",
+    "mkdocs-material>=9.8",
+    "mkdocstrings>=1.0",
+    "mkdocstrings-python>=2.0",
+  ],
   "cuda12": ["jax[cuda12]"],
   "tpu": ["jax[tpu]"],
 }

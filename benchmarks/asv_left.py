@@ -181,7 +181,7 @@ def _hours(seconds: float) -> str:
 
 
 def render_markdown(report: dict) -> str:
-  """The results as the README's table (wall time and CPU time side by side)."""
+  """The results as a Markdown table (wall time and CPU time side by side)."""
   w, f = report["whole"], report.get("full_chunk")
   p, q = report["projection"], report["projection_cpu"]
   lines = [

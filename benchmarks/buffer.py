@@ -39,6 +39,7 @@ Writes `<out>/buffer.json` and `<out>/buffer.md` (`--smoke`: one 64-image build,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -117,13 +118,14 @@ def child(
   params = detector.init_params(0)
   source = SyntheticSource(num_images)
   options = replay_setup.build_options(detector, source)
-  options.update(
+  options["buffer_spec"] = dataclasses.replace(
+    options["buffer_spec"],
     loss_threshold=-np.inf,
     min_per_class=max(1, round(keep_fraction * num_images / NUM_CLASSES)),
     logits_dtype="bfloat16",
-    # Several commits even at small sizes (pass 1's rate is timed between its first and last).
-    chunk_images=chunk_images,
   )
+  # Several commits even at small sizes (pass 1's rate is timed between its first and last).
+  options["chunk_images"] = chunk_images
   commits = []
   path = os.path.join(workdir, "store")
   start = time.perf_counter()

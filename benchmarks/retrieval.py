@@ -46,7 +46,7 @@ Writes `<out>/retrieval[_quick|_smoke].json` and `.md` (`--smoke`: every row at 
 `SMOKE`, in seconds). The script runs
 unchanged on CPU, GPU or TPU (the device is recorded). `--train-step-seconds` is a measured
 train step time to express retrieval as a fraction of it (default: the tiny model's CPU
-step from the README, about 0.25 s for 32 images; the L/14 GPU step is not measured here).
+step of docs/benchmarks.md, about 0.25 s for 32 images; the L/14 GPU step is not measured here).
 """
 
 from __future__ import annotations
@@ -877,7 +877,7 @@ def main(argv=None):
     type=float,
     default=0.25,
     help="a measured train step time (s) to express retrieval as a "
-    "fraction of it; default: README tiny model, CPU",
+    "fraction of it; default: the built-in tiny model, CPU",
   )
   parser.add_argument("--algorithms", default=",".join(ALGORITHM_NAMES))
   parser.add_argument("--skip-precompute", action="store_true")

@@ -2,11 +2,13 @@
 
 `get_config(arg)`:
   * arg '' (default): the built-in benchmark with the tiny model;
+  * arg 'builtin2': version 2 of the built-in benchmark, where the retrieval algorithm matters
+    by construction, with its training settings (`apply_builtin_v2`; docs/experiments.md);
   * arg 'paper': the paper's protocol on real data (OWL-ViT L/14 at 840 px, the 15 ODinW
     datasets in a seeded order with the paper's per-dataset hyperparameters, a replay buffer
     from Objects365, evaluation on O365 val, LVIS val and the ODinW test sets). It needs
-    `--config.data.root` and `--config.init_checkpoint` (README, "Running the paper's protocol
-    on real data").
+    `--config.data.root` and `--config.init_checkpoint` (docs/paper_protocol.md, "The paper's
+    protocol on real data").
 Algorithm configs (`uniform.py`, `uniform_balanced.py`, `grasp.py`, `swil.py`, `sw_grasp.py`,
 `a_sw_grasp.py`, `aser.py`, `aser_pc.py`, `sw_aser_pc.py`, `no_replay.py`) start from this one
 through `algorithm_config(name, algorithm, arg)`, so every algorithm has both.
@@ -18,8 +20,9 @@ import ml_collections
 # `--config=configs/<algorithm>.py:<arg>` with arg a comma-separated list of these (e.g.
 # 'paper,released'): 'paper' the paper's protocol on real data, 'released' every switch set to
 # the released code's behaviour (`apply_released_code`), 'owlv2' the OWLv2 model (`apply_owlv2`),
-# 'lora' LoRA adapters instead of full fine-tuning (`apply_lora`; docs/lora.md).
-KNOWN_ARGS = ("", "paper", "released", "owlv2", "lora")
+# 'builtin2' version 2 of the built-in benchmark (`apply_builtin_v2`), 'lora' LoRA adapters
+# instead of full fine-tuning (`apply_lora`; docs/lora.md).
+KNOWN_ARGS = ("", "paper", "released", "owlv2", "builtin2", "lora")
 
 # The paper's ODinW sequence (docs/reference.md §10; the paper's Datasets table, tab:ds), in the
 # table's
@@ -110,14 +113,18 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     apply_released_code(c, real_data="paper" in parts)
   if "owlv2" in parts:
     apply_owlv2(c, real_data="paper" in parts)
+  if "builtin2" in parts:
+    if "paper" in parts:
+      raise ValueError(f"config argument {arg!r}: 'builtin2' is a built-in benchmark, not 'paper'")
+    apply_builtin_v2(c)
   if "lora" in parts:
     apply_lora(c)
   return c
 
 
-# The ':lora' adapters: rank 8 and alpha 16 (alpha / rank = 2), the setting of Hu et al.'s
-# GPT-3 experiments generalised by common practice (HF peft's examples); dropout 0.05 as
-# QLoRA (Dettmers et al. 2023) for models up to 13B.
+# The ':lora' adapters: rank 8 and alpha 16 (alpha / rank = 2), a common setting (HF peft's
+# examples; Hu et al. §7.2 find a small rank enough); dropout 0.05 as QLoRA (Dettmers et
+# al. 2023) for models up to 13B.
 LORA_RANK = 8
 LORA_ALPHA = 16.0
 LORA_DROPOUT = 0.05
@@ -161,7 +168,7 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   """Fills `c.data` (datasets, input pipeline, the built-in benchmark's sizes)."""
   c.data = ml_collections.ConfigDict()
   c.data.root = ml_collections.config_dict.placeholder(str)  # None: built-in benchmark
-  # The run's datasets, declared as dataset entries (owl_cl.data.entries; README "Your own
+  # The run's datasets, declared as dataset entries (owl_cl.data.entries; docs/data.md "Your own
   # data"; owl_cl.benchmark): `sequence` a list of entries or suite references such as
   # dict(suite="odinw13", root=...); `pretrain` one entry, the pre-training / replay source
   # (train split: buffer candidates; test, else val: the pre-training proxy eval); `held_out`
@@ -170,6 +177,13 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   c.data.sequence = None
   c.data.pretrain = None
   c.data.held_out = None
+  # Further zero-shot eval sets, a list of entries (test split, else val), evaluated when the
+  # pre-training and held-out sets are: e.g. COCO val 2017, the IVLOD papers' "ZCOCO"
+  # (docs/ivlod.md). None: none.
+  c.data.zero_shot = None
+  # Which ODinW-13 an 'odinw13' suite item without its own `variant` reads: 'glip' (GLIP's
+  # configs/odinw_13) or 'zira' (ZiRa's / DitHub's folders, docs/ivlod.md). None: 'glip'.
+  c.data.odinw13_variant = ml_collections.config_dict.placeholder(str)
   # Q per training image: '' + positives + negatives, padded with ''. 24 > 20 pre-training
   # classes: every image contrasts its objects against every other class name.
   c.data.num_queries = 24
@@ -217,12 +231,16 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
   # per label and image one template drawn from ['{}'] + the 80 CLIP ImageNet templates.
   c.data.train_prompt_templates = "none"
   c.data.builtin = ml_collections.ConfigDict()
+  # 1: the original benchmark; 2: the one where the retrieval algorithm matters by
+  # construction (docs/experiments.md; `:builtin2` sets it with its training settings).
+  c.data.builtin.version = 1
   c.data.builtin.seed = 0
   c.data.builtin.num_pretrain_train = 4000
   c.data.builtin.num_pretrain_val = 200
   c.data.builtin.num_held_out_val = 100
   c.data.builtin.num_downstream_train = 200
   c.data.builtin.num_downstream_test = 60
+  c.data.builtin.num_tail_val = 200  # version 2's tail-classes evaluation set (pretrain_tail)
   # The sequence (ODinW stand-in), one domain shift each: colour map, inversion, clutter,
   # photo textures, scale. Also available: "glyphs" (reached AP50 0.25 after its own training
   # with SWIL replay, below the 0.3 bar) and "digits" (slower to learn from scratch).
@@ -234,7 +252,7 @@ def _pretrain_section(c: ml_collections.ConfigDict) -> None:
   c.pretrain = ml_collections.ConfigDict()
   c.pretrain.batch_size = 32
   # Measured on 2 idle CPU cores: ~0.37 s/step; validation AP50 0.66 at step 800, 0.70 at 1200
-  # of a 1500-step run (README, Measured), so 1200 steps keep pre-training under 10 minutes.
+  # of a 1500-step run (docs/measured.md), so 1200 steps keep pre-training under 10 minutes.
   c.pretrain.num_steps = 1200
   c.pretrain.learning_rate = 1e-3
   c.pretrain.warmup_steps = 100
@@ -252,6 +270,13 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 16  # new images per step
   c.train.num_epochs = 8
+  # A budget per dataset in optimizer steps that replaces num_epochs (the IVLOD protocol's
+  # iterations per task, docs/ivlod.md); None: num_epochs epochs.
+  c.train.num_steps = ml_collections.config_dict.placeholder(int)
+  # The same per dataset: ((dataset name, steps), ...), for names a ConfigDict key cannot hold
+  # (dots: ODinW-13's 'Raccoon_Raccoon.v2-raw.coco'). A `train.per_dataset.<name>.num_steps`
+  # wins over it, it over `num_steps`. None: none.
+  c.train.num_steps_by_dataset = ml_collections.config_dict.placeholder(tuple)
   # 3e-4 (not the pre-training 1e-3): with 1e-3 one dataset's training wrecked the features
   # the next one needs (sequence probe without replay: `textured` AP50 0.19 after its own
   # training at 1e-3, 0.56 at 3e-4; every dataset >= 0.56 at 3e-4).
@@ -503,6 +528,9 @@ def _eval_section(c: ml_collections.ConfigDict) -> None:
   # pairs, the lvis API's federated AP with this many detections per image.
   c.eval.lvis_top_k = 300
   c.eval.lvis_max_dets = 300
+  # The IVLOD metric block (docs/ivlod.md: "Avg" over the downstream sets after the last
+  # task, "ZCOCO", LVIS APr) in results.json `ivlod` and results.md; configs/ivlod_odinw13.py.
+  c.eval.report_ivlod = False
 
 
 def _checkpoint_section(c: ml_collections.ConfigDict) -> None:
@@ -533,13 +561,37 @@ def apply_owlv2(c: ml_collections.ConfigDict, real_data: bool = False) -> ml_col
   return c
 
 
+# Version 2 of the built-in benchmark (docs/experiments.md, "Built-in benchmark version 2"):
+# replays per dataset = new images x epochs x ratio = 200 x 2 x 1 = 400, a third of the
+# 1,200-image buffer, so a buffer image is replayed at most once per dataset.
+BUILTIN_V2_BUFFER = 1200
+BUILTIN_V2_EPOCHS = 2
+
+
+def apply_builtin_v2(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Version 2 of the built-in benchmark with the settings its design fixes (docs/experiments.md,
+  "Built-in benchmark version 2"): all 7 downstream datasets (the negative control `digits`
+  and `glyphs`, which shares a class with `clutter`, included), 600 pre-training validation
+  images (the noise floor), 2 epochs per dataset and a buffer of exactly 1,200 images
+  (`replay.budget`), three times one dataset's 400 replays.
+  """
+  from owl_cl.data.builtin import vocabulary
+
+  c.data.builtin.version = 2
+  c.data.builtin.num_pretrain_val = 600
+  c.data.builtin.downstream = tuple(vocabulary.DOWNSTREAM_NAMES)
+  c.train.num_epochs = BUILTIN_V2_EPOCHS
+  c.replay.budget = BUILTIN_V2_BUFFER
+  return c
+
+
 def apply_released_code(
   c: ml_collections.ConfigDict, real_data: bool = False
 ) -> ml_collections.ConfigDict:
   """Sets every paper/released-code switch of `c` to the released code's behaviour.
 
   The released code is the authors' PyTorch repository (github 5hadytru/optimal_retrieval);
-  README "Paper vs released code" lists each difference, its field and its source. Left as
+  docs/released_code.md lists each difference, its field and its source. Left as
   they are: `replay.loss_adaptivity.mode` (the released default has no loss adaptivity; its
   gate options are set for when 'released_gate' is chosen) and `train.carry`
   ('best_validation' needs datasets with a validation split: set only with `real_data`, the
@@ -604,7 +656,7 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   c.model.tokenizer = "clip"
   c.model.overrides = ml_collections.ConfigDict()
   # bfloat16 compute (float32 parameters, softmax, loss and optimizer) and every block
-  # rematerialised: the 16 + 16 step's saved activations then fit one 80 GB GPU (README,
+  # rematerialised: the 16 + 16 step's saved activations then fit one 80 GB GPU (docs/benchmarks.md,
   # "Train-step benchmark").
   c.model.dtype = "bfloat16"
   c.model.remat = "block"
@@ -615,7 +667,9 @@ def apply_paper_protocol(c: ml_collections.ConfigDict) -> ml_collections.ConfigD
   # Required: a scenic msgpack, an HF folder or an owl_cl parameter checkpoint.
   c.init_checkpoint = ml_collections.config_dict.placeholder(str)
   # --- data --------------------------------------------------------------------------------
-  c.data.root = ml_collections.config_dict.placeholder(str)  # required (README layout)
+  c.data.root = ml_collections.config_dict.placeholder(
+    str
+  )  # required (docs/paper_protocol.md layout)
   # The paper's datasets as a declaration (owl_cl.benchmark.PAPER_DECLARATION): Objects365 v2
   # (buffer source, 'o365' eval), LVIS v1 val ('lvis' eval), the ODinW paper suite; entries
   # without a root take data.root; `odinw_datasets` picks and orders the suite's members.

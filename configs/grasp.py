@@ -4,7 +4,7 @@
 
 Run: `python -m owl_cl.main --config=configs/grasp.py` (paper's protocol:
 `--config=configs/grasp.py:paper --config.data.root=... --config.init_checkpoint=...`).
-Yields on the built-in benchmark (defaults, one seed; README "Measured"): mAP@[.5:.95] after
+Yields on the built-in benchmark (defaults, one seed; README "Results"): mAP@[.5:.95] after
 the 5th dataset 25.9 % on the pre-training validation set (O365 stand-in), 15.8 % on the
 held-out classes (LVIS-rare stand-in), 15.9 % mean over the downstream sets (ODinW stand-in);
 98% of the pre-trained model's pre-training validation AP50 kept.

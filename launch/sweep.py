@@ -2,10 +2,11 @@ r"""Command lines of a sweep: algorithms x task orders x seeds (x optional confi
 
     python launch/sweep.py --algorithms=no_replay,uniform,swil --seeds=0,1,2 \
         [--orders=random_0,random_1] [--seed-fields=seeds.data,seeds.retrieval] \
-        [--paper] [--set replay.dedup=epoch,dataset] [--fixed data.root=/data] \
+        [--paper | --config-arg=builtin2] [--set replay.dedup=epoch,dataset] \
+        [--fixed data.root=/data] \
         [--root=workdirs/sweep] [--task-file=sweep.tasks] [--run] [--processes=N]
 
-Each command is `python -m owl_cl.main --config=configs/<algorithm>.py[:paper]
+Each command is `python -m owl_cl.main --config=configs/<algorithm>.py[:paper|:builtin2]
 --workdir=<root>/<algorithm>[_<order>]_seed<k>[_<field>=<v>...] [--config.task_order=<order>]
 --config.<seed field>=<k>... [--config.<field>=<v> ...]`. Without `--orders` the seed sets
 `sequence_seed` (a seeded shuffle of the sequence, as before); with `--orders` (stored task
@@ -50,11 +51,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # `python launch/sweep.py` from anywhere: import configs/.
   sys.path.insert(0, REPO)
 
-_NOT_ALGORITHMS = ("base", "__init__")
+# configs/ that are no algorithm: the base and protocols (ivlod_odinw13: docs/ivlod.md).
+_NOT_ALGORITHMS = ("base", "__init__", "ivlod_odinw13")
 
 
 def known_algorithms(configs_dir: str = os.path.join(REPO, "configs")) -> list[str]:
-  """Algorithm config names: configs/<name>.py except base.py / __init__.py, sorted."""
+  """Algorithm config names: configs/<name>.py except `_NOT_ALGORITHMS`, sorted."""
   names = [
     os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(configs_dir, "*.py"))
   ]
@@ -116,7 +118,12 @@ def _check_field(config, field: str, where: str) -> None:
       ) from None
 
 
-def _load_config(algorithm: str, paper: bool, configs_dir: str | None = None):
+def _config_arg(paper: bool, config_arg: str = "") -> str:
+  """The `get_config` argument: 'paper' and/or `config_arg` (e.g. 'builtin2'), comma-joined."""
+  return ",".join(p for p in ("paper" if paper else "", config_arg) if p)
+
+
+def _load_config(algorithm: str, paper: bool, configs_dir: str | None = None, config_arg: str = ""):
   if configs_dir is None:
     module = importlib.import_module(f"configs.{algorithm}")
   else:
@@ -124,7 +131,7 @@ def _load_config(algorithm: str, paper: bool, configs_dir: str | None = None):
     spec = importlib.util.spec_from_file_location(f"sweep_config_{algorithm}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-  return module.get_config("paper" if paper else "")
+  return module.get_config(_config_arg(paper, config_arg))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +169,7 @@ def build_sweep(
   orders: Sequence[str] = (),
   seed_fields: Sequence[str] | None = None,
   configs_dir: str | None = None,
+  config_arg: str = "",
 ) -> list[Task]:
   """The sweep's tasks in deterministic order (algorithm, order, seed, then grid product).
 
@@ -181,6 +189,8 @@ def build_sweep(
       ['seeds.data', 'seeds.retrieval'] with orders (module docstring).
     configs_dir: a folder of `<algorithm>.py` config files (each with `get_config(arg)`) used
       instead of the repository's configs/; the commands name its files.
+    config_arg: a further `get_config` argument of every config, e.g. 'builtin2' (version 2
+      of the built-in benchmark): `--config=configs/<algorithm>.py:builtin2`.
 
   Returns:
     [Task] of len(algorithms) * max(1, len(orders)) * len(seeds) * prod(len(values)).
@@ -209,6 +219,8 @@ def build_sweep(
   seed_set = list(seed_fields) + (["task_order"] if orders else [])
   fields = [f for f, _ in grid] + [f for f, _ in fixed] + seed_set
 
+  arg = _config_arg(paper, config_arg)
+
   def config_path(algorithm: str) -> str:
     return os.path.join(configs_dir or "configs", f"{algorithm}.py")
 
@@ -219,9 +231,12 @@ def build_sweep(
     )
   if check_fields:
     for algorithm in dict.fromkeys(algorithms):
-      config = _load_config(algorithm, paper, configs_dir)
+      try:
+        config = _load_config(algorithm, paper, configs_dir, config_arg)
+      except ValueError as e:  # an unknown config argument
+        raise ValueError(f"--config-arg={config_arg!r}: {e}") from None
       for field in fields:
-        _check_field(config, field, f"{config_path(algorithm)}{':paper' if paper else ''}")
+        _check_field(config, field, f"{config_path(algorithm)}{':' + arg if arg else ''}")
   tasks, workdirs = [], set()
   grid_fields = [f for f, _ in grid]
   for algorithm, order, seed in itertools.product(algorithms, list(orders) or [None], seeds):
@@ -239,7 +254,7 @@ def build_sweep(
         python,
         "-m",
         "owl_cl.main",
-        f"--config={config_path(algorithm)}{':paper' if paper else ''}",
+        f"--config={config_path(algorithm)}{':' + arg if arg else ''}",
         f"--workdir={workdir}",
       ]
       if order is not None:
@@ -367,6 +382,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--root", default="workdirs/sweep", help="parent of the workdirs")
   parser.add_argument("--paper", action="store_true", help="configs/<algorithm>.py:paper")
   parser.add_argument(
+    "--config-arg",
+    default="",
+    help="a get_config argument of every config, e.g. builtin2 (configs/<algorithm>.py:builtin2)",
+  )
+  parser.add_argument(
     "--set",
     action="append",
     default=[],
@@ -404,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       seeds,
       root=args.root,
       paper=args.paper,
+      config_arg=args.config_arg,
       grid=[parse_assignment(s, multiple=True) for s in args.set],
       fixed=[(f, v[0]) for f, v in (parse_assignment(s, multiple=False) for s in args.fixed)],
       python=args.python,

@@ -7,13 +7,17 @@ The datasets are declared in the config as dataset entries (`owl_cl.data.entries
   entry needs train and test splits; a val split feeds `train.carry='best_validation'`);
 * `data.pretrain`: one entry, the pre-training / replay source (its train split is the
   buffer's candidate pool, its test split, else its val split, the pre-training proxy eval);
-* `data.held_out`: one entry, the held-out / open-vocabulary eval set (test split, else val).
+* `data.held_out`: one entry, the held-out / open-vocabulary eval set (test split, else val);
+* `data.zero_shot`: a list of entries, further zero-shot eval sets (test split, else val),
+  evaluated when the pre-training and held-out sets are (e.g. COCO val 2017, the IVLOD
+  papers' "ZCOCO", docs/ivlod.md); None: none.
 
 A field left None takes its default: the built-in benchmark (generated under `cache_dir`)
 without `data.root`; with it, the paper's declaration `PAPER_DECLARATION` (Objects365, LVIS
 val, the ODinW paper suite restricted to `data.odinw_datasets`). Entries and suite items
-without a `root` take `data.root`. `stage_eval_names` says which evaluation sets are
-evaluated after each stage of the sequence.
+without a `root` take `data.root`; an 'odinw13' suite item without `variant` takes
+`data.odinw13_variant`. `stage_eval_names` says which evaluation sets are evaluated after
+each stage of the sequence.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ OBJECTS365_EVAL = "o365"
 LVIS_EVAL = "lvis"
 EVALUATION_PROTOCOLS = ("coco", "lvis")
 # The declaration fields of `config.data` and the splits each role needs.
-DECLARED_FIELDS = ("sequence", "pretrain", "held_out")
+DECLARED_FIELDS = ("sequence", "pretrain", "held_out", "zero_shot")
+# The declaration fields that hold a list of entries (the others hold one entry).
+LIST_FIELDS = ("sequence", "zero_shot")
 # The paper's protocol as a declaration (the `:paper` config sets these fields; a config with
 # `data.root` and none of them gets them too): Objects365 v2 train / val, LVIS v1 val, the
 # 15 ODinW datasets of the paper (`data.odinw_datasets` picks and orders them).
@@ -52,9 +58,10 @@ PAPER_DECLARATION = {
   "pretrain": {"name": OBJECTS365_EVAL, "kind": "objects365"},
   "held_out": {"name": LVIS_EVAL, "kind": "lvis", "evaluation": "lvis"},
 }
-_ROOTED = ("odinw", "objects365", "lvis")
-# Labels of the results table's columns for the paper's datasets (else the entry's name).
-_KIND_LABELS = {"objects365": "O365", "lvis": "LVIS"}
+_ROOTED = ("odinw", "objects365", "lvis", "coco2017")
+# Labels of the results table's columns for the paper's datasets (else the entry's name);
+# COCO val 2017 as a zero-shot set is the IVLOD papers' "ZCOCO" (docs/ivlod.md).
+_KIND_LABELS = {"objects365": "O365", "lvis": "LVIS", "coco2017": "ZCOCO"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +89,8 @@ class Benchmark:
 
   `pretrain.test` and `held_out.test` are evaluated under the names `pretrain_eval` and
   `held_out_eval`; `roles` says which eval set fills which Table 3 column (results.json
-  `roles`; None: the built-in benchmark's default roles).
+  `roles`; None: the built-in benchmark's default roles). `zero_shot` are further eval-only
+  sets (`data.zero_shot`), evaluated under their names when the pre-training sets are.
   """
 
   pretrain: Dataset
@@ -95,18 +103,31 @@ class Benchmark:
   # The stored order applied (`owl_cl.data.orders.resolve_order`: suite, name, index,
   # datasets); None when the sequence follows sequence_seed.
   task_order: dict | None = None
+  # Further evaluation sets of the pre-training classes, evaluated whenever the pre-training
+  # set is: version 2's tail classes ('pretrain_tail'); () otherwise.
+  extra_evals: tuple[Dataset, ...] = ()
+  # The built-in benchmark's version when the run reads any of its datasets, else None.
+  builtin_version: int | None = None
+  # Zero-shot retention sets (`data.zero_shot`, e.g. COCO val 2017 for IVLOD's ZCOCO),
+  # evaluated whenever the pre-training set is.
+  zero_shot: tuple[Dataset, ...] = ()
 
   def eval_sets(self) -> list[tuple[str, Dataset]]:
-    """(eval-set name, dataset) of every eval set: pre-training, held-out, each dataset."""
-    return [(self.pretrain_eval, self.pretrain), (self.held_out_eval, self.held_out)] + [
-      (d.name, d) for d in self.sequence
-    ]
+    """(eval-set name, dataset) of every eval set: pre-training, held-out, the extra sets, the
+    zero-shot sets, each dataset."""
+    fixed = [(self.pretrain_eval, self.pretrain), (self.held_out_eval, self.held_out)]
+    extra = [(d.name, d) for d in self.extra_evals + self.zero_shot]
+    return fixed + extra + [(d.name, d) for d in self.sequence]
 
 
 def _plain(value):
-  """A config value (ConfigDict, FieldReference-free) as plain dicts / lists."""
+  """A config value (ConfigDict, FieldReference-free) as plain dicts / lists: a copy, so that
+  `declaration` filling in defaults never changes the config (a plain dict in a config list
+  is the config's own object)."""
   if hasattr(value, "to_dict"):
     return value.to_dict()
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
     return [_plain(v) for v in value]
   return value
@@ -119,7 +140,8 @@ def declaration(config: ml_collections.ConfigDict) -> dict:
   data (`uses_real_data`) an undeclared field takes `PAPER_DECLARATION`'s. Entry and suite
   items of the kinds below a data root ('odinw', 'objects365', 'lvis', ODinW suites) without
   `root` get `data.root`; an 'odinw_paper' suite item without `names` gets
-  `data.odinw_datasets` (when set) and without `subset_seed` gets `data.subset_seed`.
+  `data.odinw_datasets` (when set) and without `subset_seed` gets `data.subset_seed`; an
+  'odinw13' suite item without `variant` gets `data.odinw13_variant` (when set).
   """
   data = config.data
   real = uses_real_data(config)
@@ -127,16 +149,21 @@ def declaration(config: ml_collections.ConfigDict) -> dict:
   out = {}
   for field in DECLARED_FIELDS:
     value = _plain(data.get(field))
-    if value is None and real:
+    if value is None and real and field in PAPER_DECLARATION:
       value = _plain(PAPER_DECLARATION[field])
     out[field] = value
-  items = [out["pretrain"], out["held_out"]] + list(out["sequence"] or [])
+  items = [out["pretrain"], out["held_out"]] + [
+    v for f in LIST_FIELDS if isinstance(out[f], list) for v in out[f]
+  ]
   for item in items:
     if not isinstance(item, dict):
       continue
     if "suite" in item:
       if item["suite"] != "builtin" and not item.get("root") and root:
         item["root"] = root
+      if item["suite"] == "odinw13" and "variant" not in item:
+        if data.get("odinw13_variant") is not None:
+          item["variant"] = data.odinw13_variant
       if item["suite"] in ("odinw_paper", "odinw15"):
         if item.get("names") is None and data.get("odinw_datasets") is not None:
           item["names"] = list(data.odinw_datasets)
@@ -171,7 +198,7 @@ def declared_entries(
       out[field] = None
       continue
     try:
-      if field == "sequence":
+      if field in LIST_FIELDS:
         items = [v for v in value if builtin_benchmark is not None or not is_builtin_suite(v)]
         out[field] = suites.entries_from_config(items, benchmark=builtin_benchmark)
       else:
@@ -200,8 +227,8 @@ def _eval_split(entry: entries_lib.DatasetEntry) -> str:
 def _protocol(entry: entries_lib.DatasetEntry, split: str, source=True) -> str:
   if source is None:
     return "coco"  # the split could not be read: reported by `_SplitLoader`, never evaluated
-  if entry.evaluation is None and entry.kind in ("objects365", "lvis"):
-    return "coco" if entry.kind == "objects365" else "lvis"  # their jsons are large
+  if entry.evaluation is None and entry.kind in ("objects365", "lvis", "coco2017"):
+    return "lvis" if entry.kind == "lvis" else "coco"  # their jsons are large
   return entries_lib.evaluation_protocol(entry, split)
 
 
@@ -339,6 +366,15 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
     sequence = shuffled(
       [_sequence_dataset(e, load) for e in declared["sequence"]], config.sequence_seed
     )
+  zero_shot = []
+  for e in declared.get("zero_shot") or []:
+    split = _eval_split(e)
+    test = load(e, split)
+    zero_shot.append(
+      Dataset(
+        e.name, None, test, evaluation=_protocol(e, split, test), max_detections=e.max_detections
+      )
+    )
   load.raise_problems()
   roles = None
   if held_out.evaluation == "lvis" and declared["held_out"] is not None:
@@ -358,6 +394,8 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
       "downstream": [d.name for d in sequence],
       "downstream_label": "ODinW mean" if odinw_only else "downstream mean",
     }
+    if declared.get("zero_shot"):
+      roles["zero_shot"] = [{"eval_set": e.name, "label": label(e)} for e in declared["zero_shot"]]
   fingerprint = digest(
     {
       "declared": {
@@ -379,6 +417,10 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
     pretrain_eval=pretrain_eval,
     held_out_eval=held_out_eval,
     roles=roles,
+    # The tail set belongs to the built-in pre-training set: kept only with it.
+    extra_evals=default.extra_evals if default is not None and declared["pretrain"] is None else (),
+    builtin_version=default.builtin_version if default is not None else None,
+    zero_shot=tuple(zero_shot),
   )
 
 
@@ -387,6 +429,9 @@ def _builtin_benchmark(config: ml_collections.ConfigDict):
   settings = config.data.builtin
   bench = builtin.ensure_benchmark(
     os.path.join(expand_path(config.cache_dir), "builtin"),
+    # Fields added with version 2: a config (run.json) that predates them is version 1.
+    version=settings.get("version", 1),
+    num_tail_val=settings.get("num_tail_val", 200),
     seed=settings.seed,
     num_pretrain_train=settings.num_pretrain_train,
     num_pretrain_val=settings.num_pretrain_val,
@@ -399,7 +444,17 @@ def _builtin_benchmark(config: ml_collections.ConfigDict):
   held_out = Dataset(HELD_OUT_EVAL, None, bench.held_out_val.source())
   sequence = [Dataset(d.name, d.train.source(), d.test.source()) for d in bench.downstream]
   sequence = shuffled(sequence, config.sequence_seed)
-  return bench, Benchmark(pretrain, held_out, tuple(sequence), fingerprint=bench.fingerprint)
+  extra = ()
+  if bench.tail_val is not None:
+    extra = (Dataset(builtin.TAIL_DATASET, None, bench.tail_val.source()),)
+  return bench, Benchmark(
+    pretrain,
+    held_out,
+    tuple(sequence),
+    fingerprint=bench.fingerprint,
+    extra_evals=extra,
+    builtin_version=bench.version,
+  )
 
 
 def load_real_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
@@ -462,18 +517,21 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index:
 
   The final stage evaluates every set; earlier stages the downstream sets per
   `eval.downstream_after_each_dataset` ('all' | 'seen': datasets 1..index) plus the
-  pre-training and held-out sets if `eval.pretraining_sets_after_each_dataset`.
+  pre-training, held-out, extra (version 2's tail classes) and zero-shot sets if
+  `eval.pretraining_sets_after_each_dataset`.
   Stage 0 (after pre-training) always evaluates everything (the "No fine-tuning" row).
 
   Raises:
     ConfigError: an unknown `eval.downstream_after_each_dataset`.
   """
   names = [d.name for d in bench.sequence]
-  everything = [bench.pretrain_eval, bench.held_out_eval] + names
+  extra = [d.name for d in bench.extra_evals + bench.zero_shot]
+  pretraining_sets = [bench.pretrain_eval, bench.held_out_eval] + extra
+  everything = pretraining_sets + names
   if index >= len(bench.sequence):
     return everything
   mode = config_fields.check_downstream_eval_mode(config)
   out = []
   if config.eval.pretraining_sets_after_each_dataset:
-    out += [bench.pretrain_eval, bench.held_out_eval]
+    out += pretraining_sets
   return out + (names if mode == "all" else names[:index])

@@ -78,3 +78,12 @@ def non_default_data_options(
     if value != default:
       differing[name] = value
   return {"data_options": differing} if differing else {}
+
+
+def builtin_version_key(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """{'builtin_version': v} for a built-in benchmark version other than 1, else {} (version 1's
+  keys stay those of before the field existed), for the cache keys of the pre-trained model
+  and the buffer. Their keys also hash the pre-training annotation file, which differs between
+  versions; this names the version explicitly."""
+  version = config.data.get("builtin", {}).get("version", 1)
+  return {"builtin_version": version} if version != 1 else {}

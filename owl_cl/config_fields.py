@@ -21,6 +21,7 @@ import ml_collections
 # of the same name while training on that dataset (`trainer.dataset_train_settings`).
 PER_DATASET_FIELDS = (
   "num_epochs",
+  "num_steps",
   "warmup_epochs",
   "warmup_steps",
   "learning_rate",
@@ -241,6 +242,25 @@ def budget(value: Any) -> str:
   if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
     return ""
   return "must be None, a fraction in (0, 1] (e.g. 0.01) or an image count >= 1 (e.g. 500)"
+
+
+def step_table(value: Any) -> str:
+  """Rule: None or a non-empty tuple of (dataset name, steps >= 1) pairs, each name once (a
+  table by name, since dataset names such as 'Raccoon_Raccoon.v2-raw.coco' hold dots, which a
+  ConfigDict key cannot)."""
+  if value is None:
+    return ""
+  shape = "must be None or a tuple of (dataset name, steps) pairs, e.g. (('pothole', 250),)"
+  if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+    return shape
+  for pair in value:
+    if isinstance(pair, str) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+      return f"{shape}; got the item {pair!r}"
+    if not isinstance(pair[0], str) or not pair[0] or integer(1)(pair[1]):
+      return f"{shape} with steps >= 1; got the item {tuple(pair)!r}"
+  names_ = [p[0] for p in value]
+  twice = sorted({n for n in names_ if names_.count(n) > 1})
+  return f"names {twice} more than once" if twice else ""
 
 
 def mapping(value: Any) -> str:

@@ -32,15 +32,17 @@ from owl_cl.config_fields import mapping
 from owl_cl.config_fields import names
 from owl_cl.config_fields import probabilities
 from owl_cl.config_fields import real
+from owl_cl.config_fields import step_table
 from owl_cl.config_fields import text
 from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import orders
 from owl_cl.data import prompts
+from owl_cl.data import suites
 from owl_cl.model import clip as clip_lib
 from owl_cl.model import lora as lora_lib
 from owl_cl.replay import buffer_selection
-from owl_cl.replay import build as buffer_build
+from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
 from owl_cl.replay.retrieval import asv as retrieval_asv
 from owl_cl.replay.retrieval import class_selection
@@ -57,6 +59,8 @@ from owl_cl.train import step as step_lib
 # The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
 TRAIN_FIELD_RULES: dict[str, Rule] = {
   "num_epochs": integer(1),
+  # A budget in optimizer steps replacing num_epochs (the IVLOD protocol); None: epochs.
+  "num_steps": integer(1, optional=True),
   "warmup_epochs": integer(0, optional=True),
   "warmup_steps": integer(0),
   "learning_rate": POSITIVE,
@@ -95,6 +99,8 @@ FIELD_RULES: dict[str, Rule] = {
   "data.sequence": declared(list),
   "data.pretrain": declared(dict),
   "data.held_out": declared(dict),
+  "data.zero_shot": declared(list),
+  "data.odinw13_variant": choice(list(suites.ODINW13_VARIANTS), optional=True),
   "data.odinw_datasets": names(what="ODinW dataset"),
   "data.subset_seed": integer(0),
   "data.num_queries": integer(1),
@@ -110,12 +116,14 @@ FIELD_RULES: dict[str, Rule] = {
   "data.host_sharding": boolean,
   "data.eval_batch_size": integer(1),
   "data.train_prompt_templates": choice(sorted(prompts.TRAIN_TEMPLATE_SETS)),
+  "data.builtin.version": choice(builtin.BENCHMARK_VERSIONS),
   "data.builtin.seed": integer(0),
   "data.builtin.num_pretrain_train": integer(1),
   "data.builtin.num_pretrain_val": integer(1),
   "data.builtin.num_held_out_val": integer(1),
   "data.builtin.num_downstream_train": integer(1),
   "data.builtin.num_downstream_test": integer(1),
+  "data.builtin.num_tail_val": integer(1),
   "data.builtin.downstream": names(lambda: builtin.DOWNSTREAM_NAMES, what="built-in dataset"),
   # --- augmentation
   "data.augment.hflip": boolean,
@@ -137,6 +145,7 @@ FIELD_RULES: dict[str, Rule] = {
   "pretrain.eval_every_steps": integer(0, optional=True),
   "train.batch_size": integer(1),
   **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
+  "train.num_steps_by_dataset": step_table,
   "train.layerwise_granularity": choice(optim.GRANULARITIES),
   "train.frozen": optim.frozen_rule,
   "train.lwf.weight": NON_NEGATIVE,
@@ -200,7 +209,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.stale_retrieval": boolean,
   "replay.top_k": integer(1),
   "replay.image_cache": text(optional=True),
-  "replay.store_verification": choice(buffer_build.STORE_VERIFICATIONS),
+  "replay.store_verification": choice(store_cache.STORE_VERIFICATIONS),
   "replay.loss_adaptivity.mode": choice(LOSS_ADAPTIVITY_MODES),
   "replay.loss_adaptivity.threshold": FINITE,
   "replay.loss_adaptivity.gate_per_device": boolean,
@@ -225,6 +234,7 @@ FIELD_RULES: dict[str, Rule] = {
   "eval.ensemble": choice(step_lib.ENSEMBLE_MODES),
   "eval.lvis_top_k": integer(1),
   "eval.lvis_max_dets": integer(1),
+  "eval.report_ivlod": boolean,
   "checkpoint.max_to_keep": integer(1, optional=True),
   "checkpoint.every_steps": integer(1, optional=True),
   "checkpoint.every_minutes": real(0.0, low_open=True, optional=True),

@@ -394,10 +394,15 @@ def _run(
       # The stored order (suite, name, index, datasets) or None: sequence_seed's shuffle.
       "task_order": bench.task_order,
       "sequence_seed": config.get("sequence_seed"),
+      # The built-in benchmark's version (1 or 2) when the run reads any of its datasets,
+      # else None; the report refuses to mix versions.
+      "builtin_version": bench.builtin_version,
       "eval_sets": {
         "pretrain": bench.pretrain_eval,
         "held_out": bench.held_out_eval,
+        "zero_shot": [d.name for d in bench.zero_shot],
         "downstream": [d.name for d in bench.sequence],
+        **({"extra": [d.name for d in bench.extra_evals]} if bench.extra_evals else {}),
       },
       "stages": stages,
       "config": json.loads(config.to_json_best_effort()),
@@ -413,6 +418,14 @@ def _run(
     }
     if bench.roles is not None:
       results["roles"] = bench.roles
+    if config.eval.get("report_ivlod"):
+      # The IVLOD block's sets (owl_cl.eval.ivlod; results.finalize_results computes it).
+      lvis = bench.held_out.evaluation == "lvis"
+      results["ivlod"] = {
+        "zero_shot_set": bench.zero_shot[0].name if bench.zero_shot else None,
+        "lvis_set": bench.held_out_eval if lvis else None,
+        "datasets": [d.name for d in bench.sequence],
+      }
     if is_writer:
       results_lib.write_results(workdir, results)
     return results

@@ -28,6 +28,7 @@ from owl_cl import model as model_lib
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl.benchmark import Benchmark
+from owl_cl.cache_keys import builtin_version_key
 from owl_cl.cache_keys import cache_key_fields
 from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
@@ -255,6 +256,7 @@ def pretrained_params(
         if k in ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
       },
       **non_default_data_options(config),
+      **builtin_version_key(config),
       "loss": cache_key_fields(config, "loss"),
       "seed": seed_of(config, "model"),
       "pretrain_data": file_digest(bench.pretrain.train.annotation_file),
@@ -365,8 +367,8 @@ def load_cached_model(path: str, like) -> tuple[Any, dict] | None:
     the entry was set aside.
 
   Raises:
-    Whatever orbax raises for an entry that passed its manifest check yet does not load (not
-    damage: a real error), or for any entry in a multi-process run.
+    Exception: whatever orbax raises for an entry that passed its manifest check yet does not
+      load (not damage: a real error), or for any entry in a multi-process run.
   """
   try:
     params, meta = checkpointing.load_params(path, like)

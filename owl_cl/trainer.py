@@ -588,6 +588,10 @@ def dataset_train_settings(
      'warmup_steps'}; warmup_steps = warmup_epochs * steps_per_epoch when `warmup_epochs` is
     set (globally or for the dataset; the paper's table gives warmup in epochs), else
     `warmup_steps`. A dataset's `warmup_steps` override wins over a global `warmup_epochs`.
+    With a budget in steps (`train.per_dataset.<name>.num_steps`, else
+    `train.num_steps_by_dataset`'s entry for `name`, else `train.num_steps`) also
+    'num_steps': the dataset's optimizer steps, which replace num_epochs (the IVLOD
+    protocol, docs/ivlod.md).
 
   Raises:
     ConfigError: an unknown field in `train.per_dataset.<name>`.
@@ -603,12 +607,15 @@ def dataset_train_settings(
     warmup_steps = int(value("warmup_steps"))
   else:
     warmup_steps = int(warmup_epochs) * steps_per_epoch
+  table = dict(train.get("num_steps_by_dataset") or ())
+  num_steps = overrides.get("num_steps", table.get(name, train.get("num_steps")))
   return {
     "num_epochs": int(value("num_epochs")),
     "learning_rate": float(value("learning_rate")),
     "text_lr_multiplier": float(value("text_lr_multiplier")),
     "layerwise_decay": float(value("layerwise_decay")),
     "warmup_steps": warmup_steps,
+    **({"num_steps": int(num_steps)} if num_steps is not None else {}),
   }
 
 
@@ -692,10 +699,12 @@ def train_on_dataset(
       f"fewer than config.train.batch_size={batch_size}"
     )
   settings = dataset_train_settings(config, dataset.name, steps_per_epoch)
-  total = steps_per_epoch * settings["num_epochs"]
+  # A budget in steps (train.num_steps) runs as many epochs as it takes, the last one cut.
+  num_epochs = None if "num_steps" in settings else settings["num_epochs"]
+  total = settings.get("num_steps") or steps_per_epoch * settings["num_epochs"]
   if config.max_train_steps_per_dataset:
     total = min(total, config.max_train_steps_per_dataset)
-  optimizer = {k: v for k, v in settings.items() if k != "num_epochs"}
+  optimizer = {k: v for k, v in settings.items() if k not in ("num_epochs", "num_steps")}
   lora = detector.lora is not None
   # LoRA: the base model is frozen (no update, no optimizer state), only the adapters train.
   frozen = tuple(config.train.get("frozen", ())) + ((lora_lib.FROZEN_BASE,) if lora else ())
@@ -772,7 +781,7 @@ def train_on_dataset(
       batch_size=batch_size,
       data_seed=seed_of(config, "data") + index,
       total_steps=total,
-      num_epochs=settings["num_epochs"],
+      num_epochs=num_epochs,
       desc=f"dataset {index}: {dataset.name}",
       on_log=on_log,
       after_epoch=after_epoch,

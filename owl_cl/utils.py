@@ -91,7 +91,7 @@ def atomic_write(path: str, write: Callable[[str], None], *, suffix: str = "") -
       adds '.npz' to a name without it).
 
   Raises:
-    Whatever `write` raises; the temporary file is removed first.
+    Exception: whatever `write` raises; the temporary file is removed first.
   """
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
@@ -164,7 +164,7 @@ def atomic_directory(path: str, *, if_exists: str = "error") -> Iterator[str]:
     FileExistsError: `path` exists with if_exists='error' (checked before and after the
       block, so no work is wasted on an output that cannot be written).
     ValueError: an unknown `if_exists`.
-    Whatever the block raises (the temporary is removed first).
+    Exception: whatever the block raises (the temporary is removed first).
   """
   if if_exists not in EXISTING_FOLDER_POLICIES:
     raise ValueError(f"if_exists={if_exists!r} is not one of {EXISTING_FOLDER_POLICIES}")

@@ -1,5 +1,5 @@
 """benchmarks/step.py: its smoke run (every path, each side in a fresh process) writes the
-fields the README reads; the HF side computes our detection loss; the pooled timings."""
+fields docs/benchmarks.md reads; the HF side computes our detection loss; the pooled timings."""
 
 import importlib.util
 import json

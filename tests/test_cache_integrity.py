@@ -18,8 +18,8 @@ from owl_cl import validation
 from owl_cl.data import builtin
 from owl_cl.data import scan
 from owl_cl.detector import Detector
-from owl_cl.replay import build as build_lib
 from owl_cl.replay import store as store_lib
+from owl_cl.replay import store_cache as store_cache_lib
 from owl_cl.testing.configs import tiny_config
 
 
@@ -228,10 +228,10 @@ def store_cache(tmp_path):
 )
 def test_damaged_replay_store_is_set_aside_and_rebuilt(store_cache, caplog, damage, name):
   root, material, build, builds = store_cache
-  store, stats = build_lib.cached_store(root, material, build)
+  store, stats = store_cache_lib.cached_store(root, material, build)
   expected = _store_arrays(store)
   path = store.path
-  reused, _ = build_lib.cached_store(root, material, build)
+  reused, _ = store_cache_lib.cached_store(root, material, build)
   assert len(builds) == 1 and _store_arrays(reused).keys() == expected.keys()
   target = os.path.join(path, name)
   if damage == "delete":
@@ -245,7 +245,7 @@ def test_damaged_replay_store_is_set_aside_and_rebuilt(store_cache, caplog, dama
   else:
     damage_in_place(target, damage)
   with caplog.at_level("WARNING"):
-    rebuilt, rebuilt_stats = build_lib.cached_store(root, material, build)
+    rebuilt, rebuilt_stats = store_cache_lib.cached_store(root, material, build)
   assert len(builds) == 2
   got = _store_arrays(rebuilt)
   assert got.keys() == expected.keys()
@@ -261,7 +261,7 @@ def test_damaged_replay_store_is_set_aside_and_rebuilt(store_cache, caplog, dama
 
 def test_replay_store_cached_before_checksums_loads_with_a_warning(store_cache, caplog):
   root, material, build, builds = store_cache
-  store, _ = build_lib.cached_store(root, material, build)
+  store, _ = store_cache_lib.cached_store(root, material, build)
   expected = _store_arrays(store)
   path = store.path
   os.remove(os.path.join(path, integrity.MANIFEST_NAME))
@@ -272,13 +272,13 @@ def test_replay_store_cached_before_checksums_loads_with_a_warning(store_cache, 
   with open(meta_path, "w") as f:
     json.dump(meta, f)
   with caplog.at_level("WARNING"):
-    loaded, _ = build_lib.cached_store(root, material, build)
+    loaded, _ = store_cache_lib.cached_store(root, material, build)
   assert len(builds) == 1 and "predates checksums: loaded unverified" in caplog.text
   assert all(np.array_equal(_store_arrays(loaded)[k], v) for k, v in expected.items())
   # Cut so that it no longer loads ('mmap length is greater than file size'): set aside and
   # rebuilt, no raw traceback.
   os.truncate(os.path.join(path, "stored_logits.npy"), 100)
-  rebuilt, _ = build_lib.cached_store(root, material, build)
+  rebuilt, _ = store_cache_lib.cached_store(root, material, build)
   assert len(builds) == 2 and len(set_aside_copies(path)) == 1
   assert all(np.array_equal(_store_arrays(rebuilt)[k], v) for k, v in expected.items())
 
@@ -323,7 +323,7 @@ def test_damaged_scan_record_is_set_aside_and_the_split_scanned_again(tmp_path, 
 def test_lazy_verification_checks_rows_when_gathered(store_cache, monkeypatch, caplog):
   root, material, build, builds = store_cache
   monkeypatch.setattr(integrity, "_CHUNK_BYTES", 256)  # tiny chunks: the logits span several
-  store, _ = build_lib.cached_store(root, material, build, verification="lazy")
+  store, _ = store_cache_lib.cached_store(root, material, build, verification="lazy")
   expected = _store_arrays(store)
   path = store.path
   logits = os.path.join(path, "stored_logits.npy")
@@ -336,7 +336,7 @@ def test_lazy_verification_checks_rows_when_gathered(store_cache, monkeypatch, c
     f.write(b"\xff\xfe")
   os.utime(logits, ns=(stat.st_atime_ns, stat.st_mtime_ns))
   # Loaded without hashing the rows: the damage is not found before they are read.
-  lazy, _ = build_lib.cached_store(root, material, build, verification="lazy")
+  lazy, _ = store_cache_lib.cached_store(root, material, build, verification="lazy")
   assert len(builds) == 1
   batch = lazy.gather([0, 1, 15])  # rows in intact chunks
   np.testing.assert_array_equal(batch["stored_logits"], store.gather([0, 1, 15])["stored_logits"])
@@ -344,7 +344,7 @@ def test_lazy_verification_checks_rows_when_gathered(store_cache, monkeypatch, c
     lazy.gather([3, damaged_row])
   assert info.value.path == logits and "differs from the manifest" in str(info.value)
   assert len(set_aside_copies(path)) == 1  # set aside: the next run rebuilds it
-  rebuilt, _ = build_lib.cached_store(root, material, build, verification="lazy")
+  rebuilt, _ = store_cache_lib.cached_store(root, material, build, verification="lazy")
   assert len(builds) == 2
   for key, array in expected.items():
     assert np.array_equal(_store_arrays(rebuilt)[key], array), key
@@ -354,7 +354,7 @@ def test_lazy_verification_checks_rows_when_gathered(store_cache, monkeypatch, c
     f.seek(offset + damaged_row * row_bytes + 5)
     f.write(b"\xff\xfe")
   with caplog.at_level("WARNING"):
-    build_lib.cached_store(root, material, build, verification="full")
+    store_cache_lib.cached_store(root, material, build, verification="full")
   assert len(builds) == 3 and f"{damaged}: SHA-256 differs" in caplog.text
 
 

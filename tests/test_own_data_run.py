@@ -1,6 +1,6 @@
-"""A run over a user-declared sequence: two COCO folders and a TFDS dataset (README example).
+"""A run over a user-declared sequence: two COCO folders and a TFDS dataset (docs/data.md).
 
-The README's "Your own data" quick-try commands are read from README.md and run as written,
+The "Your own data" quick-try commands of docs/data.md are read from that page and run as written,
 as subprocesses from the repository root: `python -m owl_cl.testing.own_data ...` writes the
 data (two COCO folders and a TFDS ArrayRecord dataset, from the built-in benchmark's images)
 and `python -m owl_cl.main --config=configs/examples/own_data.py:<dir>,quick ...` runs the
@@ -22,15 +22,15 @@ import pytest
 pytest.importorskip("tensorflow_datasets", reason="writing the TFDS fixture needs it")
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-README = os.path.join(REPO, "README.md")
+PAGE = os.path.join(REPO, "docs", "data.md")
 WRITE = "python -m owl_cl.testing.own_data "
 RUN = "python -m owl_cl.main --config=configs/examples/own_data.py:"
-# The README's quick-try folders, replaced by the test's.
+# The page's quick-try folders, replaced by the test's.
 DATA, WORKDIR, CACHE = "/tmp/own_data", "/tmp/own_run", "/tmp/owl_cl_quick"
 
 
-def _readme_section() -> str:
-  with open(README) as f:
+def _page_section() -> str:
+  with open(PAGE) as f:
     text = f.read()
   start = text.index("## Your own data")
   end = text.index("\n## ", start + 1)
@@ -38,12 +38,12 @@ def _readme_section() -> str:
 
 
 def _commands() -> dict[str, list[str]]:
-  """{'write' | 'run', 'full' | 'quick'}: the README's command lines, split as a shell does."""
-  lines = [line for line in _readme_section().splitlines() if line.startswith((WRITE, RUN))]
+  """{'write' | 'run', 'full' | 'quick'}: the page's command lines, split as a shell does."""
+  lines = [line for line in _page_section().splitlines() if line.startswith((WRITE, RUN))]
   out = {}
   for line in lines:
     key = ("write" if line.startswith(WRITE) else "run", "quick" if "quick" in line else "full")
-    assert key not in out, f"two README lines for {key}: {line}"
+    assert key not in out, f"two lines of the page for {key}: {line}"
     out[key] = shlex.split(line)
   assert sorted(out) == [("run", "full"), ("run", "quick"), ("write", "full"), ("write", "quick")]
   return out
@@ -59,15 +59,15 @@ def _without_quick(tokens: list[str], data: str) -> list[str]:
   return out
 
 
-def test_readme_config_file_is_the_shipped_one():
+def test_page_config_file_is_the_shipped_one():
   with open(os.path.join(REPO, "configs", "examples", "own_data.py")) as f:
     shipped = f.read()
-  for block in re.findall(r"```python\n(.*?)```", _readme_section(), re.S):
+  for block in re.findall(r"```python\n(.*?)```", _page_section(), re.S):
     if "def get_config" in block:
       assert block.strip() in shipped, block
       break
   else:
-    pytest.fail("README 'Your own data' shows no config file")
+    pytest.fail("docs/data.md 'Your own data' shows no config file")
   # The full commands are the quick try's without the quick options (same tools, flags, config).
   commands = _commands()
   data = commands["write", "full"][3]
@@ -79,8 +79,8 @@ def test_readme_config_file_is_the_shipped_one():
   ]
 
 
-def test_readme_quick_try_runs_as_written(pretrained_cache_dir, tmp_path):
-  """The README's two quick-try lines, run as written; results.json / results.md checked."""
+def test_page_quick_try_runs_as_written(pretrained_cache_dir, tmp_path):
+  """The page's two quick-try lines, run as written; results.json / results.md checked."""
   commands = _commands()
   data_dir, workdir = str(tmp_path / "own"), str(tmp_path / "run")
   folders = {DATA: data_dir, WORKDIR: workdir, CACHE: pretrained_cache_dir}

@@ -9,13 +9,15 @@ import pytest
 from owl_cl.config_fields import ConfigError
 from owl_cl.replay import setup as replay_setup
 
+# configs/ivlod_odinw13.py is a protocol on real data (its args: '' and 'glip'), not an
+# algorithm with the built-in / 'paper' / 'released' args (tests/data/test_ivlod_data.py).
 ALGORITHM_FILES = sorted(
   f[:-3]
   for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))
-  if f.endswith(".py") and f not in ("__init__.py", "base.py")
+  if f.endswith(".py") and f not in ("__init__.py", "base.py", "ivlod_odinw13.py")
 )
 
-# field path -> (default, released value); README "Paper vs released code".
+# field path -> (default, released value); docs/released_code.md.
 SWITCHES = {
   "loss.normalization": ("per_image", "per_batch"),
   "replay.grasp_weight": (1.0, 0.7),
@@ -157,6 +159,7 @@ def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, w
   import types
 
   from owl_cl.replay import build as buffer_build
+  from owl_cl.replay import store_cache
 
   c = _config("grasp", arg)
   c.cache_dir = str(tmp_path)
@@ -175,12 +178,12 @@ def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, w
   seen = {}
   monkeypatch.setattr(buffer_build, "build_store", lambda *a, **kw: seen.update(kw))
   monkeypatch.setattr(
-    buffer_build,
+    store_cache,
     "cached_store",
     lambda folder, key, build, superseded, **kw: (build("store", "store.build", "key"), key),
   )
   benchmark = types.SimpleNamespace(pretrain=types.SimpleNamespace(train=source))
   _, key = replay_setup.build_store(detector, benchmark, None, {})
-  assert seen["prototype_images"] == want
+  assert seen["buffer_spec"].prototype_images == want
   assert key["buffer"].get("prototype_images", "buffer") == want
   assert ("prototype_images" in key["buffer"]) == (want == "all")

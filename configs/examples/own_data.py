@@ -1,12 +1,12 @@
 """Your own data: continual learning over a sequence of two COCO folders and a TFDS dataset.
 
-Run (README "Your own data"):
+Run (docs/data.md "Your own data"):
   python -m owl_cl.main --config=configs/examples/own_data.py:/data/own --workdir=/tmp/own_run
 with /data/own holding kitchen/ and warehouse/ (COCO json + images) and tfds/ (the TFDS data
 folder with own_data_shelf prepared as ArrayRecord). Pre-training, the replay buffer and the
 pre-training / held-out evaluation sets stay the built-in benchmark's (data.pretrain and
 data.held_out unset); `python -m owl_cl.testing.own_data /data/own` writes this data from the
-built-in benchmark's images. The argument `/data/own,quick` is the README's quick try: the
+built-in benchmark's images. The argument `/data/own,quick` is the quick try of docs/data.md: the
 tiny budget of the tests (`owl_cl.testing.configs.tiny_budget`).
 """
 

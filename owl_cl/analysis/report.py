@@ -5,7 +5,8 @@
 holds workdirs), refuses incomplete runs and runs of different configs (other than the swept
 fields, `SWEPT_FIELDS`), and writes `report.md`, `report.json` and PNG figures.
 
-* Per algorithm and metric (`METRICS`): mean, standard deviation, n and a 95% t-interval.
+* Per algorithm and metric (`METRICS`; with IVLOD runs also `IVLOD_METRICS`: Avg, ZCOCO,
+  LVIS APr): mean, standard deviation, n and a 95% t-interval.
 * Paired differences against the reference algorithm over the runs that share (seeds, task
   order) (`pair_key`): mean difference with its 95% t-interval, the paired t-test and the
   Wilcoxon signed-rank test, and Holm-corrected p-values across the comparisons of each
@@ -32,11 +33,14 @@ from matplotlib.figure import Figure
 import numpy as np
 
 from owl_cl.analysis import stats
+from owl_cl.eval import ivlod
 from owl_cl.eval import results as results_lib
+from owl_cl.eval import table3
 from owl_cl.utils import atomic_write_text
 
 __all__ = [
   "METRICS",
+  "IVLOD_METRICS",
   "SWEPT_FIELDS",
   "ReportError",
   "RunPoint",
@@ -55,12 +59,21 @@ METRICS = (
   ("pretrain_AP", "pre-training set AP"),
   ("open_vocab_AP", "open-vocabulary AP"),
   ("held_out_AP", "held-out AP"),
+  # Version 2 of the built-in benchmark: the eval set of its 5 rarest pre-training classes.
+  ("tail_AP", "pre-training tail classes AP"),
   ("downstream_mean_AP", "downstream mean AP"),
   ("forgetting_AP", "average forgetting (AP)"),
   ("bwt_AP", "backward transfer (AP)"),
   ("kept_AP50", "pre-training AP50 kept (%)"),
   ("replayed", "replayed samples (%)"),
   ("wall_minutes", "wall time (min)"),
+)
+# The IVLOD block's metrics (owl_cl.eval.ivlod, docs/ivlod.md), reported when some run has
+# them (configs/ivlod_odinw13.py): its Avg, ZCOCO and LVIS APr at the reported stage.
+IVLOD_METRICS = (
+  ("ivlod_Avg", "IVLOD Avg (downstream mean AP)"),
+  ("ivlod_ZCOCO", "ZCOCO (COCO val AP)"),
+  ("ivlod_LVIS_APr", "LVIS APr"),
 )
 # Config fields a sweep varies between runs (never part of the compared config): the seeds,
 # the order, the run's name and where caches live. `replay` may differ between algorithms
@@ -75,6 +88,8 @@ SWEPT_FIELDS = (
   "compilation_cache_dir",
 )
 _ALGORITHM_FIELDS = ("replay",)
+BUILTIN_VERSION_FIELD = "data.builtin.version"
+TAIL_EVAL_SET = "pretrain_tail"  # owl_cl.data.builtin.TAIL_DATASET
 REPORT_MD, REPORT_JSON = "report.md", "report.json"
 FIGURE_FORGETTING, FIGURE_FOREST = "forgetting_curves.png", "forest_plot.png"
 
@@ -138,9 +153,12 @@ def _pct(value: Any) -> float:
 def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, float]:
   stages = results["stages"]
   index = len(stages) - 1 if stage is None else stage
-  row = results_lib.table3_row(stages[index], results["roles"])
+  row = table3.table3_row(stages[index], results["roles"])
   values = {k: _pct(row[k]) for k in ("pretrain_AP", "open_vocab_AP", "held_out_AP")}
   values["downstream_mean_AP"] = _pct(row["downstream_mean_AP"])
+  # NaN for a run without the set (version 1, real data) or a stage that did not evaluate it.
+  tail = (stages[index].get("metrics") or {}).get(TAIL_EVAL_SET) or {}
+  values["tail_AP"] = _pct(tail.get("AP"))
   forgetting = results.get("forgetting") or {}
   ap = forgetting.get("AP") or {}
   final = stage is None or index == len(stages) - 1
@@ -159,7 +177,22 @@ def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, floa
   values["replayed"] = 100.0 * float(np.mean(fractions)) if fractions else math.nan
   wall = (results.get("timings") or {}).get("wall_seconds")
   values["wall_minutes"] = float(wall) / 60.0 if wall is not None and final else math.nan
+  block = results.get("ivlod")
+  row = (
+    ivlod.ivlod_row(stages[index], block["datasets"], block["zero_shot_set"], block["lvis_set"])
+    if block
+    else {}
+  )
+  for key, _ in IVLOD_METRICS:
+    values[key] = _pct(row.get(key.removeprefix("ivlod_")))
   return values
+
+
+def _metrics(points: Sequence[RunPoint]) -> tuple[tuple[str, str], ...]:
+  """`METRICS`, then `IVLOD_METRICS` when some run has an IVLOD value."""
+  ivlod_values = [p.values.get(k, math.nan) for p in points for k, _ in IVLOD_METRICS]
+  has_ivlod = any(not math.isnan(v) for v in ivlod_values)
+  return METRICS + (IVLOD_METRICS if has_ivlod else ())
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -171,8 +204,20 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   return {prefix[:-1]: tree}
 
 
+def _builtin_version(config: Mapping[str, Any]) -> int | None:
+  """The run's built-in benchmark version: `data.builtin.version`, 1 for a config with a
+  `data.builtin` section that predates the field, None without one."""
+  builtin = (config.get("data") or {}).get("builtin")
+  if not isinstance(builtin, Mapping):
+    return None
+  return builtin.get("version", 1)
+
+
 def _compared_config(config: Mapping[str, Any], ignore: Sequence[str]) -> dict[str, Any]:
   flat = _flatten(config)
+  version = _builtin_version(config)
+  if version is not None:  # a run that predates the field ran version 1
+    flat[BUILTIN_VERSION_FIELD] = version
   skip = tuple(SWEPT_FIELDS) + tuple(ignore)
   return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in skip)}
 
@@ -199,7 +244,8 @@ def load_points(
     [RunPoint] in the order of `workdirs`.
 
   Raises:
-    ReportError: an incomplete run (status not 'complete'), a stage index the run lacks, a run
+    ReportError: an incomplete run (status not 'complete'), a stage index the run lacks, runs
+      of different built-in benchmark versions (a run without the field: version 1), a run
       whose config differs from the first run's outside the swept fields (or, for one
       algorithm, inside `replay`), or two runs of one algorithm with one (seeds, order); each
       message names the run(s) and the first differing fields.
@@ -221,10 +267,18 @@ def load_points(
     if stage is not None and not 0 <= stage < len(results["stages"]):
       raise ReportError(f"{workdir}: --stage {stage} but the run has {len(results['stages'])}")
     config = _compared_config(results.get("config") or {}, ignore_fields)
+    # Checked on the run's own config: --ignore-field never makes two versions comparable.
+    version = _builtin_version(results.get("config") or {})
     algorithm = results["algorithm"]
     if first is None:
-      first = (workdir, config)
+      first = (workdir, config, version)
     else:
+      if version != first[2]:
+        raise ReportError(
+          f"{workdir}: built-in benchmark version {version} ({BUILTIN_VERSION_FIELD}), "
+          f"{first[0]}: version {first[2]}; runs of different benchmark versions are not "
+          "comparable: report them separately."
+        )
       diff = _differences(first[1], config, lambda k: not k.startswith(_ALGORITHM_FIELDS))
       if diff:
         raise ReportError(
@@ -249,7 +303,7 @@ def load_points(
       )
     seen[(algorithm, key)] = workdir
     curve = np.array(
-      [_pct(results_lib.table3_row(s, results["roles"])["pretrain_AP"]) for s in results["stages"]]
+      [_pct(table3.table3_row(s, results["roles"])["pretrain_AP"]) for s in results["stages"]]
     )
     points.append(
       RunPoint(workdir, algorithm, results["run_id"], key, _run_values(results, stage), curve)
@@ -309,7 +363,8 @@ def build_report(
     reference = "uniform" if "uniform" in algorithms else algorithms[0]
   if reference not in algorithms:
     raise ReportError(f"--reference {reference!r} has no runs; algorithms: {algorithms}")
-  keys = [k for k, _ in METRICS]
+  metrics = _metrics(points)
+  keys = [k for k, _ in metrics]
   summary = {
     a: {
       m: stats.summarize(_finite([p.values[m] for p in points if p.algorithm == a])) for m in keys
@@ -346,7 +401,7 @@ def build_report(
     stage="final" if stage is None else stage,
     reference=reference,
     confidence=stats.CONFIDENCE,
-    metrics=dict(METRICS),
+    metrics=dict(metrics),
     algorithms=algorithms,
     runs=[dict(path=p.path, algorithm=p.algorithm, run_id=p.run_id, pair=p.pair) for p in points],
     summary=summary,

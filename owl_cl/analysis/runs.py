@@ -1,7 +1,7 @@
 """Reading finished (or running) workdirs for analysis: results, stage matrices, curves.
 
 A workdir of `python -m owl_cl.main` holds `results.json` (schema: `owl_cl.eval.results`,
-README "Outputs") and `records/<dataset>.npz` (keys: `owl_cl.replay.records`). Everything
+docs/runs.md "Outputs") and `records/<dataset>.npz` (keys: `owl_cl.replay.records`). Everything
 here is a pure function of those files / dicts; nothing imports JAX.
 """
 

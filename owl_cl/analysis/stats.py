@@ -65,7 +65,8 @@ def paired_difference(
   """The paired difference a - b over runs that share everything but the compared factor.
 
   Args:
-    a, b: float [n] each, `a[i]` and `b[i]` from runs of the same (seed, order); no NaN.
+    a: float [n], `a[i]` from the run of (seed, order) i; no NaN.
+    b: float [n], `b[i]` from the run of the same (seed, order) as `a[i]`; no NaN.
     confidence: coverage of the interval of the mean difference.
 
   Returns:

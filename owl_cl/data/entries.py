@@ -10,7 +10,11 @@ library turns it into the `CocoSource` every other part of owl_cl consumes:
   folders, category check, balanced training subsets), loaded exactly as `odinw_source` does;
 * kind 'objects365' / 'lvis': Objects365 v2 (splits train, val) / LVIS v1 (split val; train
   when declared) below `root`, read by their own readers (`owl_cl.data.pretraining`: forbidden
-  categories removed from Objects365 train, LVIS images found through `coco_url`).
+  categories removed from Objects365 train, LVIS images found through `coco_url`);
+* kind 'coco2017': COCO 2017 (split val; train when declared) below `root`,
+  `<root>/coco/annotations/instances_<split>2017.json` with the images in
+  `<root>/coco/<split>2017/` (`pretraining.coco_paths`), read by pycocotools like kind 'coco'
+  (the IVLOD protocol's zero-shot "ZCOCO" set, docs/ivlod.md).
 
 Named suites (ODinW-13, ODinW-35, the paper's 15, the built-in benchmark) expand to lists of
 entries: `owl_cl.data.suites`.
@@ -60,9 +64,14 @@ __all__ = [
   "evaluation_protocol",
 ]
 
-KINDS = ("coco", "tfds", "odinw", "objects365", "lvis")
+KINDS = ("coco", "tfds", "odinw", "objects365", "lvis", "coco2017")
 # Kinds whose files sit at fixed places below a data `root`, with their default splits.
-_ROOTED_SPLITS = {"objects365": ("train", "val"), "lvis": ("val",)}
+_ROOTED_SPLITS = {"objects365": ("train", "val"), "lvis": ("val",), "coco2017": ("val",)}
+_ROOTED_PATHS = {
+  "objects365": pretraining.objects365_paths,
+  "lvis": pretraining.lvis_paths,
+  "coco2017": pretraining.coco_paths,
+}
 SPLITS = ("train", "val", "test")
 EVALUATIONS = ("coco", "lvis")
 _LVIS_IMAGE_FIELDS = ("neg_category_ids", "not_exhaustive_category_ids")
@@ -169,7 +178,7 @@ _ENTRY_KEYS = {
 _SPLIT_KEYS = {f.name for f in dataclasses.fields(SplitSpec)}
 _KIND_FIELDS = {
   "member": ("odinw",),
-  "root": ("odinw", "objects365", "lvis"),
+  "root": ("odinw", "objects365", "lvis", "coco2017"),
   "tfds": ("tfds",),
   "data_dir": ("tfds",),
   "category_ids": ("tfds",),
@@ -234,7 +243,7 @@ def entry_from_config(cfg: Any) -> DatasetEntry:
       problems.append(f"{where}: field {k!r} ({cfg[k]!r}) applies to kind {kinds}, not {kind!r}")
   if kind == "odinw":
     splits = _odinw_splits(cfg, where, member, root, problems)
-  elif kind in ("objects365", "lvis"):
+  elif kind in _ROOTED_SPLITS:
     splits = _rooted_splits(cfg, where, kind, root, problems)
   else:
     splits = _declared_splits(cfg, where, kind, problems)
@@ -280,13 +289,14 @@ def _odinw_splits(cfg, where, member, root, problems) -> list[tuple[str, SplitSp
 
 
 def _rooted_splits(cfg, where, kind, root, problems) -> list[tuple[str, SplitSpec]]:
-  """Kinds 'objects365' / 'lvis': the fixed files of the splits named (fields set to True;
-  default `_ROOTED_SPLITS`). Problems are appended to `problems`; no splits once there is
-  any."""
+  """Kinds 'objects365' / 'lvis' / 'coco2017': the fixed files of the splits named (fields set
+  to True; default `_ROOTED_SPLITS`). Problems are appended to `problems`; no splits once
+  there is any."""
   splits = []
   if not root:
-    problems.append(f"{where}: field 'root' (the data root holding {kind}/) is missing")
-  paths = pretraining.objects365_paths if kind == "objects365" else pretraining.lvis_paths
+    folder = "coco" if kind == "coco2017" else kind
+    problems.append(f"{where}: field 'root' (the data root holding {folder}/) is missing")
+  paths = _ROOTED_PATHS[kind]
   declared = [s for s in SPLITS if s in cfg]
   for s in declared:
     if s == "test" or cfg[s] not in (True, None, "", {}):
@@ -417,7 +427,7 @@ def load_split(entry: DatasetEntry, split: str, **coco_options) -> CocoSource:
       exclude_category_ids=entry.exclude_category_ids,
       **coco_options,
     )
-  elif entry.kind == "coco":
+  elif entry.kind in ("coco", "coco2017"):
     source = CocoSource(
       spec.annotation_file,
       spec.image_dir,
@@ -495,7 +505,7 @@ def check_entry(entry: DatasetEntry, required: Sequence[str] = ()) -> list[str]:
   if entry.kind == "odinw":
     missing = odinw.missing_files(entry.root, [entry.member], entry.split_names)
     problems.extend(f"{where0} (ODinW {entry.member}): missing {p}" for p in missing)
-  if entry.kind in ("objects365", "lvis"):
+  if entry.kind in _ROOTED_SPLITS:
     # Their jsons are large (Objects365 train: GBs): only the files are checked here.
     for split, spec in entry.splits:
       where = f"{where0} field '{split}'"

@@ -60,7 +60,8 @@ def resize_geometry(
   """Target size of the resized image content and the box scale factors.
 
   Args:
-    height, width: original image size in pixels (> 0).
+    height: original image height in pixels (> 0).
+    width: original image width in pixels (> 0).
     size: S, side of the square network input in pixels.
     squash: False (default, scenic): keep the aspect ratio, long side = S, i.e.
       scale = S / max(H, W), new size = (round(H*scale), round(W*scale)) clamped to [1, S];
@@ -183,7 +184,9 @@ def scale_boxes(
 
   Args:
     boxes: float [M, 4] xyxy, pixels of the original image.
-    height, width: original image size; size: S.
+    height: original image height in pixels.
+    width: original image width in pixels.
+    size: S.
     squash: as in `resize_geometry`.
 
   Returns:
@@ -379,8 +382,11 @@ def build_mosaic(
     examples: k*k examples (image [H, W, 3] uint8, boxes [M, 4] xyxy pixels, labels [M]).
     mosaic_size: k >= 1. image_size: S, divisible by k.
     rng: Generator for the augmentations (required when hflip or random_crop).
-    pad_value, squash: as `resize_with_pad`. hflip, random_crop, crop_kwargs: per-tile
-      augmentations (`random_crop_example` keyword arguments).
+    pad_value: as `resize_with_pad`.
+    squash: as `resize_with_pad`.
+    hflip: per-tile horizontal flip (as `random_crop_example`).
+    random_crop: per-tile random crop (as `random_crop_example`).
+    crop_kwargs: `random_crop_example` keyword arguments of the per-tile crop.
 
   Returns:
     example dict: image float32 [S, S, 3] in [0, 1], boxes float32 [sum M, 4] xyxy pixels of

@@ -494,7 +494,8 @@ def train_dataset(
       choice are pure functions of (seed, epoch, source index).
     num_workers: 0 preprocesses in this process (with `num_threads` reader threads);
       > 0 uses grain multiprocessing prefetch (`mp_prefetch`) with that many processes.
-    num_threads, prefetch: grain `ReadOptions` for the in-process readers.
+    num_threads: grain `ReadOptions.num_threads` of the in-process readers.
+    prefetch: grain `ReadOptions.prefetch_buffer_size` of the in-process readers.
     shard: host sharding (`shard_options`: None, 'jax', ShardOptions or (index, count)); each
       host then iterates floor(N / count) / B batches of its disjoint part.
     batch_rows: (start, stop): multi-process data parallelism; keep only rows [start, stop)
@@ -575,7 +576,10 @@ def eval_dataset(
 
   Args:
     source: random-access source (`CocoSource`). image_size: S. batch_size: B.
-    num_workers, num_threads, prefetch: as `train_dataset`. pad_value: 0.0 (docs/reference.md §5).
+    num_workers: as `train_dataset`.
+    num_threads: as `train_dataset`.
+    prefetch: as `train_dataset`.
+    pad_value: 0.0 (docs/reference.md §5).
     squash: see `resize_with_pad`. max_images: evaluate only the first N images (None: all).
     batch_rows: (start, stop): multi-process evaluation; keep rows [start, stop) of each
       global batch of B (as `train_dataset`); every process iterates the same ceil(N / B)

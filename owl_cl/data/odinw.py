@@ -96,9 +96,8 @@ class OdinwSpec:
     subset_size: size of the balanced training subset (None: the whole training split).
     num_train, num_test: image counts of the paper's Datasets table (num_train after
       subsetting).
-    max_detections: detections kept per image at evaluation (docs/reference.md §4: 100 for EgoHands
-    and
-      BrackishUnderwater, 300 otherwise).
+    max_detections: detections kept per image at evaluation (docs/reference.md §4: 100 for
+      EgoHands and BrackishUnderwater, 300 otherwise).
   """
 
   name: str

@@ -55,7 +55,7 @@ __all__ = [
 ORDER_SEED = 20240601
 # Random orders stored per suite, beyond 'canonical' and 'reversed'.
 NUM_RANDOM = 8
-ORDER_SUITES = ("builtin", "odinw_paper", "odinw13", "odinw35")
+ORDER_SUITES = ("builtin", "odinw_paper", "odinw13", "odinw35", "odinw13_zira")
 ORDERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "orders")
 
 
@@ -78,6 +78,8 @@ def suite_datasets(suite: str) -> tuple[str, ...]:
     return tuple(d.name for d in suites.ODINW13)
   if suite == "odinw35":
     return tuple(d.name for d in suites.ODINW35)
+  if suite == "odinw13_zira":  # ODinW-13 as the IVLOD papers read it (docs/ivlod.md)
+    return tuple(d.name for d in suites.ODINW13_ZIRA)
   raise OrderError(f"unknown order suite {suite!r}; known: {ORDER_SUITES}")
 
 

@@ -79,6 +79,7 @@ __all__ = [
   "objects365_relative_path",
   "objects365_source",
   "lvis_paths",
+  "coco_paths",
   "coco_url_relative_path",
   "lvis_source",
   "lvis_frequency_groups",
@@ -242,6 +243,22 @@ def lvis_paths(root: str, split: str) -> tuple[str, str]:
   return os.path.join(root, "lvis", f"lvis_v1_{split}.json"), os.path.join(root, "coco")
 
 
+def coco_paths(root: str, split: str) -> tuple[str, str]:
+  """(annotation json, image folder) of COCO 2017 `split` ('train' | 'val') under `root`:
+  `<root>/coco/annotations/instances_<split>2017.json` and `<root>/coco/<split>2017` (the
+  layout of cocodataset.org's zips unpacked into `<root>/coco/`, whose images LVIS shares).
+
+  Raises:
+    ValueError: another split.
+  """
+  if split not in ("train", "val"):
+    raise ValueError(f"COCO 2017 split must be 'train' or 'val', got {split!r}")
+  coco = os.path.join(root, "coco")
+  return os.path.join(coco, "annotations", f"instances_{split}2017.json"), os.path.join(
+    coco, f"{split}2017"
+  )
+
+
 def coco_url_relative_path(image: dict[str, Any]) -> str:
   """'http://images.cocodataset.org/val2017/000000397133.jpg' -> 'val2017/000000397133.jpg'.
 
@@ -356,7 +373,8 @@ def visual_genome_to_coco(
     remove_forbidden: drop objects any of whose names is forbidden (released code).
     forbidden: forbidden names (default: scenic's lists).
     image_ids: keep only these images (e.g. a de-duplicated training list); default all.
-    objects_file, image_data_file: names used in error messages.
+    objects_file: the objects file's name, used in error messages.
+    image_data_file: the image-data file's name, used in error messages.
 
   Returns:
     dict(images [{id, file_name, height, width}], annotations [{id, image_id, category_id,

@@ -64,6 +64,24 @@ def odinw_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   return names
 
 
+def uses_paper_odinw(config: ml_collections.ConfigDict) -> bool:
+  """True when the run's sequence holds the paper's ODinW datasets: `data.sequence` unset, or
+  holding an 'odinw_paper' / 'odinw15' suite item or a kind 'odinw' entry. Another declared
+  sequence (e.g. the 'odinw13' suite of configs/ivlod_odinw13.py) is checked by
+  `validation.check_datasets` alone, without the paper's 15 datasets."""
+  sequence = config.data.get("sequence")
+  if sequence is None:
+    return True
+  items = sequence if isinstance(sequence, (list, tuple)) else [sequence]
+  for item in items:
+    item = item.to_dict() if hasattr(item, "to_dict") else item
+    if isinstance(item, dict) and (
+      item.get("suite") in ("odinw_paper", "odinw15") or item.get("kind") == "odinw"
+    ):
+      return True
+  return False
+
+
 def check_visual_genome(config: ml_collections.ConfigDict) -> None:
   """Refuses settings that would take buffer images from Visual Genome.
 
@@ -115,8 +133,8 @@ def input_problems(config: ml_collections.ConfigDict) -> tuple[list[str], list[s
   if not os.path.isdir(root):
     missing.append(f"{root} (config.data.root)")
     return missing, problems
-  names = odinw_names(config)
-  missing += [str(m) for m in odinw.missing_files(root, names)]
+  if uses_paper_odinw(config):
+    missing += [str(m) for m in odinw.missing_files(root, odinw_names(config))]
   missing += [p for p in pretraining_input_paths(root) if not os.path.exists(p)]
   return missing, problems
 
@@ -142,5 +160,6 @@ def check_inputs(config: ml_collections.ConfigDict) -> None:
   if missing:
     lines.append(f"  missing ({len(missing)}):")
     lines += [f"    {m}" for m in missing]
-  lines += ["expected layout below config.data.root:", real_data_layout(odinw_names(config))]
+  names = odinw_names(config) if uses_paper_odinw(config) else ()
+  lines += ["expected layout below config.data.root:", real_data_layout(names)]
   raise MissingInputsError("\n".join(lines))

@@ -244,6 +244,8 @@ def benchmark_splits(bench) -> list[Split]:
   """(dataset name, split, source) of every split an `owl_cl.benchmark.Benchmark` reads."""
   out = []
   roles = [(bench.pretrain_eval, bench.pretrain), (bench.held_out_eval, bench.held_out)]
+  roles += [(d.name, d) for d in getattr(bench, "extra_evals", ())]
+  roles += [(d.name, d) for d in getattr(bench, "zero_shot", ())]
   for name, dataset in roles + [(d.name, d) for d in bench.sequence]:
     for split in ("train", "valid", "test"):
       source = getattr(dataset, split)

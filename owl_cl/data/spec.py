@@ -2,7 +2,7 @@
 
 One frozen value carried by the input pipeline (`input_pipeline.preprocess_train_example`,
 `train_map_dataset`, `train_dataset`), the detector (`Detector.example_spec`) and the replay
-buffer's build (`replay.build.build_store`) instead of six keywords.
+buffer's build (`replay.build.BufferSpec.example`) instead of six keywords.
 
 Source: docs/reference.md §3 (queries and targets per image), §5 (image size).
 """

@@ -40,7 +40,11 @@
     "no_finetuning": ROW, "final": ROW,
     "num_downstream": int, "stages_completed": int, "stages_expected": int|null
   },
-  "forgetting": {"AP": F, "AP50": F}  # F = owl_cl.eval.forgetting.forgetting_summary(...)
+  "forgetting": {"AP": F, "AP50": F}, # F = owl_cl.eval.forgetting.forgetting_summary(...)
+  "ivlod": {...}                      # optional: the IVLOD metric block (owl_cl.eval.ivlod),
+                                      # recomputed from the stages when the input names its
+                                      # sets {zero_shot_set, lvis_set, datasets (default: the
+                                      # downstream sets)}
 }
 ROW = {"stage": str, "pretrain_AP", "pretrain_AP50", "open_vocab_AP", "open_vocab_AP50",
        "held_out_AP", "held_out_AP50", "downstream_mean_AP", "downstream_mean_AP50"}
@@ -53,6 +57,10 @@ Metric values are fractions in [0, 1] (pycocotools' convention); NaN is stored a
 Writing is atomic (temporary file in the same directory, fsync, `os.replace`) and serialised
 by an advisory lock; `write_results` refuses (`ResultsConflictError`) to overwrite files that
 belong to another `run_id` and re-writes only its own run's files (e.g. after every stage).
+
+This module completes, writes and reads the schema and merges several runs into one Table 3;
+the Table-3 rows and columns are `owl_cl.eval.table3`, the `results.md` text
+`owl_cl.eval.results_markdown`, the forgetting / BWT / FWT summaries `owl_cl.eval.forgetting`.
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ import numpy as np
 
 from owl_cl import integrity
 from owl_cl.eval import forgetting as forgetting_lib
+from owl_cl.eval import ivlod as ivlod_lib
+from owl_cl.eval import results_markdown
+from owl_cl.eval import table3
 from owl_cl.utils import atomic_write_text
 
 SCHEMA = "owl_cl.results"
@@ -77,16 +88,6 @@ SCHEMA_VERSION = 1
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
 _MD_MARKER = re.compile(r"<!--\s*owl_cl-results\s+run_id=\"([^\"]*)\"")
-
-_DEFAULT_LABELS = {
-  "pretrain": "O365 stand-in",
-  "open_vocab": "LVIS stand-in",
-  "held_out": "held-out (rare)",
-}
-# Label of the held-out column when there is no separate open-vocabulary (LVIS) column.
-_HELD_OUT_ONLY_LABEL = "LVIS stand-in / held-out (rare)"
-_DEFAULT_DOWNSTREAM_LABEL = "ODinW stand-in mean"
-_COLUMNS = ("pretrain", "open_vocab", "held_out")
 
 
 class ResultsConflictError(FileExistsError):
@@ -120,101 +121,6 @@ def _to_jsonable(value: Any) -> Any:
   return str(value)
 
 
-def _num(value: Any) -> float:
-  """None / missing -> NaN, else float."""
-  return float("nan") if value is None else float(value)
-
-
-def _normalize_role(role: Any, key: str) -> dict[str, Any]:
-  if role is None:
-    role = {}
-  elif isinstance(role, str):
-    role = {"eval_set": role}
-  role = dict(role)
-  role.setdefault("eval_set", None)
-  role.setdefault("AP", "AP")
-  role.setdefault("AP50", "AP50")
-  role.setdefault("label", _DEFAULT_LABELS[key])
-  return role
-
-
-def _normalize_roles(
-  roles: Mapping[str, Any] | None, sequence: Sequence[str], stages: Sequence[Mapping[str, Any]]
-) -> dict[str, Any]:
-  roles = dict(roles or {})
-  out = {key: _normalize_role(roles.get(key), key) for key in _COLUMNS}
-  if (
-    out["open_vocab"]["eval_set"] is None
-    and out["held_out"]["eval_set"] is not None
-    and not (isinstance(roles.get("held_out"), Mapping) and "label" in roles["held_out"])
-  ):
-    out["held_out"]["label"] = _HELD_OUT_ONLY_LABEL
-  downstream = roles.get("downstream")
-  if downstream is None:
-    if sequence:
-      downstream = list(sequence)
-    else:
-      keys = [s.get("trained_on") or s["name"] for s in stages[1:]]
-      downstream = [k for k in keys if any(k in (s.get("metrics") or {}) for s in stages)]
-  out["downstream"] = [str(d) for d in downstream]
-  out["downstream_label"] = roles.get("downstream_label", _DEFAULT_DOWNSTREAM_LABEL)
-  return out
-
-
-def _stage_value(stage: Mapping[str, Any], eval_set: str | None, key: str | None) -> float:
-  if eval_set is None or key is None:
-    return float("nan")
-  cell = (stage.get("metrics") or {}).get(eval_set)
-  if not isinstance(cell, Mapping):
-    return float("nan")
-  return _num(cell.get(key))
-
-
-def _downstream_mean(stage: Mapping[str, Any], downstream: Sequence[str], key: str) -> float:
-  values = [_stage_value(stage, d, key) for d in downstream]
-  if not values or any(math.isnan(v) for v in values):
-    return float("nan")  # Never report a partial average as the benchmark score.
-  return float(np.mean(values))
-
-
-def table3_row(stage: Mapping[str, Any], roles: Mapping[str, Any]) -> dict[str, Any]:
-  """The Table-3 row (pre-training set, open-vocabulary set, held-out, downstream mean).
-
-  Args:
-    stage: a results.json stage ({'name', 'metrics': {eval_set: {metric: value}}}).
-    roles: normalised roles (results.json 'roles').
-
-  Returns:
-    {'stage': name, 'pretrain_AP', 'pretrain_AP50', 'open_vocab_AP', 'open_vocab_AP50',
-     'held_out_AP', 'held_out_AP50', 'downstream_mean_AP', 'downstream_mean_AP50'}: floats in
-    [0, 1] or NaN (missing; the downstream mean is NaN if any downstream set is missing).
-
-  Source: the paper's Table 3 (tab:main): O365 | LVIS | LVIS rare | ODinW mean; docs/reference.md
-  §4.
-  """
-  row: dict[str, Any] = {"stage": stage.get("name")}
-  for key in _COLUMNS:
-    role = roles[key]
-    row[f"{key}_AP"] = _stage_value(stage, role["eval_set"], role["AP"])
-    row[f"{key}_AP50"] = _stage_value(stage, role["eval_set"], role["AP50"])
-  row["downstream_mean_AP"] = _downstream_mean(stage, roles["downstream"], "AP")
-  row["downstream_mean_AP50"] = _downstream_mean(stage, roles["downstream"], "AP50")
-  return row
-
-
-def _eval_set_order(results: Mapping[str, Any]) -> list[str]:
-  roles = results["roles"]
-  order: list[str] = []
-  for name in [roles[k]["eval_set"] for k in _COLUMNS] + list(roles["downstream"]):
-    if name is not None and name not in order:
-      order.append(name)
-  for stage in results["stages"]:
-    for name in stage.get("metrics") or {}:
-      if name not in order:
-        order.append(name)
-  return order
-
-
 def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
   """Validates a results dict and fills the derived schema fields (module docstring).
 
@@ -225,7 +131,8 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
 
   Returns:
     A new JSON-ready dict with 'schema', 'schema_version', normalised 'roles' and 'stages'
-    ('index', 'trained_on'), and recomputed 'summary' and 'forgetting'. NaN -> None.
+    ('index', 'trained_on'), and recomputed 'summary' and 'forgetting' (and 'ivlod' when
+    the input has that key, `owl_cl.eval.ivlod`). NaN -> None.
 
   Raises:
     ValueError: missing/empty run_id or algorithm, no stages, a stage without a name,
@@ -270,19 +177,21 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
       "metadata": results.get("metadata") or {},
       "created_at": results.get("created_at"),
       "updated_at": results.get("updated_at"),
-      "roles": _normalize_roles(results.get("roles") or results.get("eval_sets"), sequence, stages),
+      "roles": table3.normalize_roles(
+        results.get("roles") or results.get("eval_sets"), sequence, stages
+      ),
       "stages": stages,
     }
   )
   roles = out["roles"]
   out["summary"] = {
-    "no_finetuning": table3_row(stages[0], roles),
-    "final": table3_row(stages[-1], roles),
+    "no_finetuning": table3.table3_row(stages[0], roles),
+    "final": table3.table3_row(stages[-1], roles),
     "num_downstream": len(roles["downstream"]),
     "stages_completed": len(stages),
     "stages_expected": len(sequence) + 1 if sequence else None,
   }
-  eval_sets = _eval_set_order(out)
+  eval_sets = table3.eval_set_order(out)
   stage_keys = [s.get("trained_on") or s["name"] for s in stages]
   trained_at = forgetting_lib.trained_at_from_names(
     stage_keys, eval_sets, downstream=[d for d in roles["downstream"] if d in eval_sets]
@@ -291,266 +200,15 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
   for metric in ("AP", "AP50"):
     A, _, _ = forgetting_lib.accuracy_matrix(stages, eval_sets, metric=metric)
     out["forgetting"][metric] = forgetting_lib.forgetting_summary(A, names, eval_sets, trained_at)
+  spec = results.get("ivlod")
+  if isinstance(spec, Mapping):
+    out["ivlod"] = ivlod_lib.ivlod_block(
+      stages,
+      spec.get("datasets") or roles["downstream"],
+      spec.get("zero_shot_set"),
+      spec.get("lvis_set"),
+    )
   return _to_jsonable(out)
-
-
-# ------------------------------------------------------------------------------------------
-# Markdown.
-# ------------------------------------------------------------------------------------------
-
-
-def _pct(value: Any, signed: bool = False) -> str:
-  if value is None or (isinstance(value, float) and math.isnan(value)):
-    return "-"
-  return f"{100.0 * float(value):+.1f}" if signed else f"{100.0 * float(value):.1f}"
-
-
-def _shown_columns(roles: Mapping[str, Any]) -> list[str]:
-  """Table-3 columns with an eval set (a run without an LVIS stand-in has no LVIS column)."""
-  return [key for key in _COLUMNS if roles[key]["eval_set"] is not None]
-
-
-def _column_titles(roles: Mapping[str, Any]) -> list[str]:
-  titles = []
-  for key in _shown_columns(roles):
-    role = roles[key]
-    if role["AP"] != "AP":
-      titles.append(f"{role['label']} (`{role['eval_set']}` {role['AP']})")
-    else:
-      titles.append(f"{role['label']} (`{role['eval_set']}`)")
-  titles.append(f"{roles['downstream_label']} ({len(roles['downstream'])} sets)")
-  return titles
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-  lines = [
-    "| " + " | ".join(header) + " |",
-    "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-  ]
-  lines += ["| " + " | ".join(row) + " |" for row in rows]
-  return lines
-
-
-def _row_cells(row: Mapping[str, Any], suffix: str, roles: Mapping[str, Any]) -> list[str]:
-  return [_pct(row.get(f"{key}_{suffix}")) for key in _shown_columns(roles) + ["downstream_mean"]]
-
-
-def _partial_note(summary: Mapping[str, Any]) -> str:
-  expected = summary.get("stages_expected")
-  done = summary.get("stages_completed")
-  if expected and done is not None and done < expected:
-    return f" (partial: {done - 1}/{expected - 1} datasets)"
-  return ""
-
-
-def _replay_section(results: Mapping[str, Any]) -> list[str]:
-  """Per-dataset replay fractions (the paper's Table 4 "Replay %"), from each stage's
-  `train` summary (`replay_steps_fraction`, `replay_samples_fraction`, `replays_in_loss`,
-  `replay_slots`, `replayed_images`, `loss_adaptivity`, `loss_threshold`); [] if no stage
-  has them (e.g. no replay)."""
-  trained = [(s["name"], s.get("train") or {}) for s in results["stages"][1:]]
-  trained = [(n, t) for n, t in trained if "replay_samples_fraction" in t]
-  if not trained:
-    return []
-  modes = sorted({str(t.get("loss_adaptivity")) for _, t in trained})
-  thresholds = sorted(
-    {t.get("loss_threshold") for _, t in trained if t.get("loss_threshold") is not None}
-  )
-  lines = [
-    "## Replay (paper Table 4: fraction replayed)",
-    "",
-    f"- loss adaptivity: {', '.join(modes)}"
-    + (f" (threshold l = {', '.join(f'{x:g}' for x in thresholds)})" if thresholds else ""),
-    "",
-  ]
-  rows = []
-  totals = {
-    "steps": 0,
-    "replay_steps": 0,
-    "replays_in_loss": 0,
-    "replay_slots": 0,
-    "replayed_images": 0,
-  }
-  for name, t in trained:
-    rows.append(
-      [
-        f"`{name}`",
-        str(t.get("steps", "-")),
-        str(t.get("replayed_images", "-")),
-        str(t.get("replays_in_loss", "-")),
-        _pct(t.get("replay_steps_fraction")),
-        _pct(t.get("replay_samples_fraction")),
-      ]
-    )
-    for key in totals:
-      totals[key] += int(t.get(key) or 0)
-  steps, slots = totals["steps"], totals["replay_slots"]
-  rows.append(
-    [
-      "all",
-      str(steps),
-      str(totals["replayed_images"]),
-      str(totals["replays_in_loss"]),
-      _pct(totals["replay_steps"] / steps if steps else None),
-      _pct(totals["replays_in_loss"] / slots if slots else None),
-    ]
-  )
-  lines += _table(
-    [
-      "Dataset",
-      "steps",
-      "retrieved images",
-      "replays in loss",
-      "steps with replay (%)",
-      "samples replayed (%)",
-    ],
-    rows,
-  )
-  return lines + [""]
-
-
-def _header_lines(results: Mapping[str, Any]) -> list[str]:
-  """`results.md`'s ownership marker, title and run facts (id, status, seed, sequence,
-  stages, wall time, time written)."""
-  summary = results["summary"]
-  algo = results["algorithm"]
-  lines = [
-    f'<!-- owl_cl-results run_id="{results["run_id"]}" '
-    f"schema_version={results['schema_version']} -->",
-    f"# Results: {algo}",
-    "",
-  ]
-  lines.append(f"- run id: `{results['run_id']}`")
-  if results.get("status"):
-    lines.append(f"- status: {results['status']}")
-  if results.get("seed") is not None:
-    lines.append(f"- seed: {results['seed']}")
-  if results.get("sequence"):
-    lines.append(f"- sequence ({len(results['sequence'])}): " + " -> ".join(results["sequence"]))
-  lines.append(
-    f"- stages completed: {summary['stages_completed'] - 1} datasets after "
-    "pre-training" + _partial_note(summary)
-  )
-  total = (results.get("wall_times") or {}).get("total") or (results.get("timings") or {}).get(
-    "wall_seconds"
-  )
-  if total is not None:
-    lines.append(f"- wall time: {total / 3600:.2f} h")
-  if results.get("updated_at"):
-    lines.append(f"- written: {results['updated_at']}")
-  lines.append("")
-  return lines
-
-
-def _table3_section(results: Mapping[str, Any]) -> list[str]:
-  """The paper's Table 3 layout, AP then AP50: "No fine-tuning" and the run's last stage."""
-  roles = results["roles"]
-  summary = results["summary"]
-  algo = results["algorithm"]
-  lines = []
-  header = ["Algorithm"] + _column_titles(roles)
-  for suffix, title in (("AP", "mAP@[.5:.95]"), ("AP50", "AP50")):
-    lines += [f"## Table 3 layout: {title} (%) after stage `{summary['final']['stage']}`", ""]
-    rows = [
-      ["No fine-tuning"] + _row_cells(summary["no_finetuning"], suffix, roles),
-      [algo + _partial_note(summary)] + _row_cells(summary["final"], suffix, roles),
-    ]
-    lines += _table(header, rows) + [""]
-  return lines
-
-
-def _per_dataset_section(results: Mapping[str, Any], eval_sets: list[str]) -> list[str]:
-  """Per-dataset AP and AP50 matrices: a row per stage, a column per eval set, plus the
-  downstream mean."""
-  lines = []
-  downstream = results["roles"]["downstream"]
-  for metric in ("AP", "AP50"):
-    lines += [f"## Per-dataset {metric} (%) after each stage", ""]
-    rows = []
-    for stage in results["stages"]:
-      cells = [_pct(_stage_value(stage, name, metric)) for name in eval_sets]
-      cells.append(_pct(_downstream_mean(stage, downstream, metric)))
-      rows.append([f"{stage['index']}: {stage['name']}"] + cells)
-    lines += _table(["Stage"] + [f"`{n}`" for n in eval_sets] + ["downstream mean"], rows)
-    lines.append("")
-  return lines
-
-
-def _forgetting_section(results: Mapping[str, Any], eval_sets: list[str]) -> list[str]:
-  """Forgetting, BWT and FWT per eval set, AP and AP50 (points, %)."""
-  lines = [
-    "## Forgetting and transfer (points, %)",
-    "",
-    "Forgetting f_j = max over stages since j was learned (before the last) of the "
-    "metric minus its final value (Chaudhry et al. 2018); BWT = mean over downstream "
-    "sets learned before the last stage of final minus just-after-learning (Lopez-Paz "
-    "& Ranzato 2017); FWT = mean of the metric just before learning minus after "
-    "pre-training (zero-shot reference); retained = final / after pre-training.",
-    "",
-  ]
-  for metric in ("AP", "AP50"):
-    f = results["forgetting"][metric]
-    rows = []
-    for name in eval_sets:
-      s = f["per_set"][name]
-      rows.append(
-        [
-          f"`{name}`",
-          s["trained_at"] or "-",
-          _pct(s["initial"]),
-          _pct(s["best_before_final"]),
-          _pct(s["final"]),
-          _pct(s["forgetting"]),
-          _pct(s["retained_fraction"]),
-        ]
-      )
-    lines += [f"### {metric}", ""]
-    lines += _table(
-      [
-        "Eval set",
-        "trained at",
-        "after pre-training",
-        "best before final",
-        "final",
-        "forgetting",
-        "retained (%)",
-      ],
-      rows,
-    )
-    lines += [
-      "",
-      f"- average forgetting: {_pct(f['average_forgetting'])}",
-      f"- BWT: {_pct(f['bwt'], signed=True)}",
-      f"- FWT: {_pct(f['fwt'], signed=True)}",
-      "",
-    ]
-  return lines
-
-
-def render_results_markdown(results: Mapping[str, Any]) -> str:
-  """`results.md` text of one finalised results dict (see `finalize_results`).
-
-  Sections: (a) the paper's Table 3 layout (Algorithm | O365 stand-in | LVIS stand-in |
-  held-out (rare) | ODinW stand-in mean), rows "No fine-tuning" (stage 0) and the run's
-  algorithm (last stage), AP then AP50, in % with one decimal; (b) per-dataset AP and AP50
-  matrices (rows: stages, columns: eval sets, plus the downstream mean); (c) with replay,
-  the fraction of steps and samples replayed per dataset (paper Table 4, `_replay_section`);
-  (d) forgetting, BWT and FWT (AP and AP50 points, %). Missing values print as '-'.
-
-  Args:
-    results: a finalised results dict.
-
-  Returns:
-    Markdown text; its first line is the ownership marker
-    `<!-- owl_cl-results run_id="..." schema_version=1 -->`.
-  """
-  eval_sets = _eval_set_order(results)
-  lines = _header_lines(results)
-  lines += _table3_section(results)
-  lines += _per_dataset_section(results, eval_sets)
-  lines += _replay_section(results)
-  lines += _forgetting_section(results, eval_sets)
-  return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------
@@ -674,7 +332,7 @@ def write_results(workdir: str, results: Mapping[str, Any]) -> dict[str, Any]:
     final["created_at"] = created_at or final.get("created_at") or now
     final["updated_at"] = now
     atomic_write_text(json_path, json.dumps(final, indent=2, allow_nan=False) + "\n")
-    atomic_write_text(md_path, render_results_markdown(final) + "\n")
+    atomic_write_text(md_path, results_markdown.render_results_markdown(final) + "\n")
   return final
 
 
@@ -709,16 +367,6 @@ def load_results(path: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 
 
-def _mean_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-  out = {}
-  for key in ("pretrain", "open_vocab", "held_out", "downstream_mean"):
-    for suffix in ("AP", "AP50"):
-      values = [_num(r.get(f"{key}_{suffix}")) for r in rows]
-      values = [v for v in values if not math.isnan(v)]
-      out[f"{key}_{suffix}"] = float(np.mean(values)) if values else float("nan")
-  return out
-
-
 def merge_results_tables(paths: Sequence[str], *, group_by_algorithm: bool = True) -> str:
   """One Table 3 (markdown) from several runs' results.json files.
 
@@ -743,7 +391,10 @@ def merge_results_tables(paths: Sequence[str], *, group_by_algorithm: bool = Tru
   reference = runs[0]["roles"]
 
   def signature(roles):
-    return ([(roles[k]["eval_set"], roles[k]["AP"]) for k in _COLUMNS], sorted(roles["downstream"]))
+    return (
+      [(roles[k]["eval_set"], roles[k]["AP"]) for k in table3.COLUMNS],
+      sorted(roles["downstream"]),
+    )
 
   for run in runs[1:]:
     if signature(run["roles"]) != signature(reference):
@@ -758,27 +409,29 @@ def merge_results_tables(paths: Sequence[str], *, group_by_algorithm: bool = Tru
     groups.setdefault(key, []).append(run)
 
   baseline_rows = [r["summary"]["no_finetuning"] for r in runs]
-  baseline = _mean_rows(baseline_rows)
+  baseline = table3.mean_rows(baseline_rows)
   spread = 0.0
   for key, _value in baseline.items():
-    values = [_num(r.get(key)) for r in baseline_rows]
+    values = [table3.num(r.get(key)) for r in baseline_rows]
     values = [v for v in values if not math.isnan(v)]
     if values:
       spread = max(spread, max(values) - min(values))
 
-  header = ["Algorithm", "runs"] + _column_titles(reference)
+  header = ["Algorithm", "runs"] + results_markdown.column_titles(reference)
   lines: list[str] = []
   for suffix, title in (("AP", "mAP@[.5:.95]"), ("AP50", "AP50")):
     lines += [f"### Table 3 layout: {title} (%) after the final stage", ""]
-    rows = [["No fine-tuning", str(len(runs))] + _row_cells(baseline, suffix, reference)]
+    rows = [
+      ["No fine-tuning", str(len(runs))] + results_markdown.row_cells(baseline, suffix, reference)
+    ]
     for label, members in groups.items():
-      partial = any(_partial_note(m["summary"]) for m in members)
-      mean = _mean_rows([m["summary"]["final"] for m in members])
+      partial = any(results_markdown.partial_note(m["summary"]) for m in members)
+      mean = table3.mean_rows([m["summary"]["final"] for m in members])
       rows.append(
         [label + (" (partial)" if partial else ""), str(len(members))]
-        + _row_cells(mean, suffix, reference)
+        + results_markdown.row_cells(mean, suffix, reference)
       )
-    lines += _table(header, rows) + [""]
+    lines += results_markdown.table(header, rows) + [""]
   if spread > 0.0005:
     lines.append(
       f"Note: the runs' after-pre-training (No fine-tuning) values differ by up to "

@@ -589,17 +589,14 @@ class TextEncoder(nn.Module):
 class CLIP(nn.Module):
   """CLIP image and text towers under one scope (``visual``, ``text``, ``logit_scale``).
 
-  Attributes:
-    vocab_size, embed_dim (E), context_length (L);
-    text_width, text_layers, text_heads, text_mlp_dim;
-    vision_width, vision_layers, vision_heads, vision_mlp_dim, patch_size;
-    text_stochastic_droplayer_rate, vision_stochastic_droplayer_rate; dtype (compute);
-    attention, remat (:class:`Transformer`, both towers).
+  Its fields: vocab_size, embed_dim (E), context_length (L); text_width, text_layers,
+  text_heads, text_mlp_dim; vision_width, vision_layers, vision_heads, vision_mlp_dim,
+  patch_size; text_stochastic_droplayer_rate, vision_stochastic_droplayer_rate; dtype
+  (compute); attention, remat (:class:`Transformer`, both towers).
 
-  Methods:
-    ``encode_image(images [B,S,S,3] CLIP-normalised, deterministic) -> [B, 1+P, D]``
-    (all tokens after ``ln_post``, no projection); ``encode_text(tokens [N, L],
-    deterministic) -> [N, E]`` (not normalised).
+  Its methods: ``encode_image(images [B,S,S,3] CLIP-normalised, deterministic) -> [B, 1+P, D]``
+  (all tokens after ``ln_post``, no projection); ``encode_text(tokens [N, L], deterministic)
+  -> [N, E]`` (not normalised).
 
   The scalar ``logit_scale`` (init log(1/0.07)) is CLIP's contrastive temperature; the
   detector does not use it but keeps it so the parameter tree equals scenic's.

@@ -3,7 +3,8 @@
 
 The pre-training set flows through the input pipeline (grain, optional worker processes) in
 batches over the devices of the mesh (each process reads its rows of every batch), in three
-passes of the jitted eval-mode forward of the pre-trained model:
+passes of the jitted eval-mode forward of the pre-trained model (`replay/build_steps.py`),
+what the buffer is made of given by one frozen `BufferSpec`:
 
   1. every image: the detection loss (eq. 7 ranks images by it) and the class membership;
      only these ([N] float32 and [N, C] bool, memory-mapped files) are kept;
@@ -28,19 +29,19 @@ Multi-process: every process runs the same batches, reading only its rows of eac
 is collective and its outputs replicated); process 0 (the writer) keeps the build folder and
 writes the store, and tells the others where to resume, which images were selected and the
 prototypes; the others read the store from the shared cache folder.
+
+The cache of built stores (one per key, checked when loaded) is `replay/store_cache.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-import functools
+from collections.abc import Callable, Mapping
+import dataclasses
 import hashlib
-import json
 import os
 import shutil
-import time
+from typing import Any
 
-from absl import logging
 import grain
 import jax
 import jax.numpy as jnp
@@ -54,18 +55,14 @@ from owl_cl.data import image_ops
 from owl_cl.data import input_pipeline
 from owl_cl.data.spec import ExampleSpec
 from owl_cl.replay import buffer_selection
+from owl_cl.replay import build_steps
 from owl_cl.replay import store as store_lib
-from owl_cl.train import losses
 from owl_cl.train import sharding as sharding_lib
-from owl_cl.train import top_k as top_k_lib
-from owl_cl.utils import atomic_write_json
 from owl_cl.utils import digest
 
-# The arrays of an example the forward reads (defined once, by the store), and those the store
-# keeps: all but the pixels, plus the image id, which with the source index (written from the
-# selection) references the image.
+# The arrays of an example the forward reads (defined once, by the store); the store keeps
+# `build_steps.STORED_EXAMPLE_KEYS` of them.
 EXAMPLE_KEYS = store_lib.REQUIRED_EXAMPLE_KEYS
-STORED_EXAMPLE_KEYS = store_lib.TARGET_KEYS + ("image_id",)
 # Version of the build folder's layout; a folder of another version is started afresh.
 # 2: images by reference (1 wrote the pixels).
 BUILD_FORMAT = 2
@@ -73,11 +70,96 @@ BUILD_FORMAT = 2
 # (augmentations): refused, since images by reference are re-made without them.
 _AUGMENTATIONS = ("hflip", "random_crop", "mosaic_sizes")
 PASSES = ("losses", "features", "distances")
-# How `cached_store` checks a cached store when loading it (docs/stored_state.md): 'full'
-# hashes every file first; 'lazy' checks sizes and the small files, then each chunk of the
-# per-image arrays when `gather` first reads it (`integrity.LazyVerifier`).
-STORE_VERIFICATIONS = ("full", "lazy")
 _INT32_MAX = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BufferSpec:
+  """What a replay buffer is made of: its examples, its selection (paper eq. 7), its retrieval
+  features and its stored logits (docs/reference.md §6). One frozen value, checked when made,
+  that `build_store` takes instead of seventeen keywords (`replay.setup.build_options` makes it
+  from the run's config). How the build runs (batch size, mesh, workers, chunks) is not part
+  of it.
+
+  Attributes:
+    example: the fixed training example of each image (`data.spec.ExampleSpec`,
+      `BufferExample`).
+    seed: seeds each image's queries and negatives (`input_pipeline.example_rng(seed, 0, i)`)
+      and the budget's draw.
+    loss_threshold: eq. 7's t: images whose detection loss (loss units) is below it are kept.
+    min_per_class: each class with fewer kept images gets its images in ascending loss order
+      (`buffer_selection.select_buffer`).
+    fill_all_for_rare_classes: `buffer_selection.select_buffer`'s option of that name.
+    drop_images_without_class: `buffer_selection.select_buffer`'s option of that name.
+    top_up_order: `buffer_selection.select_buffer`'s option of that name
+      (`buffer_selection.TOP_UP_ORDERS`).
+    top_k: k, the tokens per image whose class and query embeddings are stored (the retrieval
+      features, `train.top_k.top_k_embeddings`).
+    max_per_class: n_c's cap: prototypes are the mean of the selected images' top-n_c class
+      embeddings, n_c = min(max_per_class, #instances).
+    loss_config: `losses.detection_loss` options (pass 1's per-image loss).
+    example_options: the run's squash, merge_iou, negative_weights
+      (`input_pipeline.preprocess_train_example`); copied. No augmentation: the store re-makes
+      the images from the source.
+    distance_max_instances: an image's prototype distance takes the min over its
+      min(distance_max_instances, #instances) best class-c embeddings (None: M, the example's
+      `max_instances`).
+    budget: `replay.budget`: None keeps eq. 7's selection; a fraction of the source or an
+      image count brings it to exactly that size (`buffer_selection.budget_count`,
+      `apply_budget`, seeded by `seed`).
+    prototype_images: the prototypes average the kept images ('buffer', the paper) or every
+      image of the source ('all', the released code; their sums are reduced in pass 1).
+    image_features: also store the top-k tokens' ViT features (`buffer.image_features`
+      [N, k, D], ASER on image features, `replay.aser.asv_features`).
+    logits_dtype: storage dtype of the DER++ logits ('float16', 'bfloat16', 'float32').
+    pad_logit: the model's padded-query logit (-1e6, scenic), restored at gather time.
+
+  Raises:
+    ValueError: an unknown `prototype_images` or `logits_dtype`, or an augmentation in
+      `example_options` (the message names the field and its value).
+  """
+
+  example: ExampleSpec
+  seed: int
+  loss_threshold: float
+  min_per_class: int
+  fill_all_for_rare_classes: bool
+  top_k: int
+  max_per_class: int
+  loss_config: Mapping[str, Any]
+  example_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  distance_max_instances: int | None = None
+  drop_images_without_class: bool = False
+  top_up_order: str = "class_index"
+  budget: int | float | None = None
+  prototype_images: str = "buffer"
+  image_features: bool = False
+  logits_dtype: str = "float16"
+  pad_logit: float = -1e6
+
+  def __post_init__(self):
+    if self.prototype_images not in buffer_selection.PROTOTYPE_IMAGES:
+      raise ValueError(
+        f"replay.selection.prototype_images={self.prototype_images!r} is unknown; "
+        f"known: {list(buffer_selection.PROTOTYPE_IMAGES)}"
+      )
+    # Frozen: the copy is set through object.__setattr__ (dataclasses' own way).
+    object.__setattr__(self, "example_options", dict(self.example_options or {}))
+    augmented = [k for k in _AUGMENTATIONS if self.example_options.get(k)]
+    if augmented:
+      raise ValueError(
+        f"the replay buffer's examples are not augmented (their images are re-made from the "
+        f"source when replayed), but example_options set {augmented}"
+      )
+    if self.logits_dtype not in store_lib.LOGITS_DTYPES:
+      raise ValueError(
+        f"logits_dtype={self.logits_dtype!r} is unknown; known: {sorted(store_lib.LOGITS_DTYPES)}"
+      )
+
+  @property
+  def all_images_prototypes(self) -> bool:
+    """Whether the prototypes average every image of the source (`prototype_images='all'`)."""
+    return self.prototype_images == "all"
 
 
 class BufferExample:
@@ -111,145 +193,6 @@ class BufferExample:
       pad_value=float(self.options.get("pad_value", image_ops.TRAIN_PAD_VALUE)),
       squash=bool(self.options.get("squash", False)),
     )
-
-
-def make_steps(
-  model,
-  mesh,
-  *,
-  num_classes: int,
-  top_k: int,
-  max_per_class: int,
-  distance_max_instances: int,
-  loss_config: dict,
-  prototype_sums_of_all: bool = False,
-  image_features: bool = False,
-) -> dict[str, Callable]:
-  """The jitted per-batch functions of the three passes (outputs replicated on the mesh).
-
-  Every function takes (params, batch) with the batch dict's `EXAMPLE_KEYS` [B, ...], plus
-  `image_id` int32 [B] and `valid` bool [B] (False for padding rows), sharded along 'data'.
-
-  Returns dict:
-    'losses': -> per_image_loss float32 [B] (docs/reference.md §3), membership bool [B, C];
-      with `prototype_sums_of_all` also the batch's prototype_sums / prototype_counts (as
-      'features': the prototypes over every image, `prototype_images='all'`).
-    'features': -> logits float32 [B, T, Q], top_class_embeddings / top_query_embeddings
-      float32 [B, k, E] (`train.top_k.top_k_embeddings`), prototype_sums float32 [C, E]
-      and prototype_counts int32 [C] summed over the valid rows
-      (`buffer_selection.per_image_class_token_embeddings`), and the batch's examples
-      without their pixels (`STORED_EXAMPLE_KEYS`), so that the writer has every process's
-      rows; with
-      `image_features` also top_image_features [B, k, D] (the ViT output tokens of the top-k
-      tokens, `train.top_k.top_k_token_features`).
-    'distances': (params, batch, prototypes float32 [C, E]) -> prototype_distances float32
-      [B, C] (`buffer_selection.prototype_distances` with `distance_max_instances`).
-  The functions are module-level `jax.jit`s whose static arguments are the model (a linen
-  module: hashed and compared by its configuration), the mesh and these options, so a later
-  build with the same ones (a resumed build, the tests) reuses jit's compilations.
-  Source: docs/reference.md §6.
-  """
-  options = dict(
-    num_classes=int(num_classes),
-    top_k=int(top_k),
-    max_per_class=int(max_per_class),
-    distance_max_instances=int(distance_max_instances),
-    loss_config=tuple(sorted(loss_config.items())),
-    prototype_sums_of_all=bool(prototype_sums_of_all),
-    image_features=bool(image_features),
-  )
-  static = dict(model=model, mesh=mesh, options=tuple(sorted(options.items())))
-  return {
-    "losses": functools.partial(_losses_step, **static),
-    "features": functools.partial(_features_step, **static),
-    "distances": functools.partial(_distances_step, **static),
-  }
-
-
-_STATIC = ("model", "mesh", "options")
-
-
-def _forward(model, options, params, batch):
-  out = model.apply({"params": params}, batch["images"], batch["queries"], train=False)
-  counts = buffer_selection.instance_counts_from_labels(
-    batch["labels"], batch["query_class"], options["num_classes"]
-  )
-  return out, counts
-
-
-def _prototype_sums(options, out, counts, batch):
-  sums, token_counts = buffer_selection.per_image_class_token_embeddings(
-    out["pred_logits"],
-    out["class_embeddings"],
-    batch["query_class"],
-    counts,
-    max_per_class=options["max_per_class"],
-  )
-  # Reduced on the device: the host receives [C, E], not [B, C, E].
-  valid = batch["valid"]
-  return {
-    "prototype_sums": jnp.sum(jnp.where(valid[:, None, None], sums, 0.0), axis=0),
-    "prototype_counts": jnp.sum(jnp.where(valid[:, None], token_counts, 0), axis=0),
-  }
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _losses_step(params, batch, *, model, mesh, options):
-  options = dict(options)
-  out, counts = _forward(model, options, params, batch)
-  det = losses.detection_loss(
-    out["pred_logits"],
-    out["pred_boxes"],
-    batch["labels"],
-    batch["boxes"],
-    **dict(options["loss_config"]),
-  )
-  result = {"per_image_loss": det["per_example"], "membership": counts > 0}
-  if options["prototype_sums_of_all"]:
-    result.update(_prototype_sums(options, out, counts, batch))
-  return jax.lax.with_sharding_constraint(result, sharding_lib.replicated(mesh))
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _features_step(params, batch, *, model, mesh, options):
-  options = dict(options)
-  top_k = options["top_k"]
-  out, counts = _forward(model, options, params, batch)
-  query_mask = batch["queries"][..., 0] > 0
-  top_class, top_query = top_k_lib.top_k_embeddings(
-    out["pred_logits"], out["class_embeddings"], out["query_embeddings"], query_mask, top_k
-  )
-  result = {
-    "logits": out["pred_logits"],
-    "top_class_embeddings": top_class,
-    "top_query_embeddings": top_query,
-    **_prototype_sums(options, out, counts, batch),
-    **{k: batch[k] for k in STORED_EXAMPLE_KEYS},
-  }
-  if options["image_features"]:
-    feature_map = out["feature_map"]
-    result["top_image_features"] = top_k_lib.top_k_token_features(
-      out["pred_logits"],
-      feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
-      query_mask,
-      top_k,
-    )
-  return jax.lax.with_sharding_constraint(result, sharding_lib.replicated(mesh))
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _distances_step(params, batch, prototypes, *, model, mesh, options):
-  options = dict(options)
-  out, counts = _forward(model, options, params, batch)
-  distances = buffer_selection.prototype_distances(
-    out["pred_logits"],
-    out["class_embeddings"],
-    batch["query_class"],
-    counts,
-    prototypes,
-    max_instances=options["distance_max_instances"],
-  )
-  return jax.lax.with_sharding_constraint(distances, sharding_lib.replicated(mesh))
 
 
 def _stream(
@@ -374,30 +317,45 @@ def _chunk_ends(b: int, total: int, chunk: int) -> bool:
   return (b + 1) % chunk == 0 or b + 1 == total
 
 
+@dataclasses.dataclass
+class _Build:
+  """What every pass of one build reads: the examples, the jitted steps, the replicated
+  parameters, how the batches are made and the writer's build folder (None on the others)."""
+
+  transform: BufferExample
+  steps: dict[str, Callable]
+  params: Any
+  mesh: Any
+  batch_size: int
+  chunk: int  # batches per committed chunk
+  num_workers: int
+  folder: _BuildFolder | None
+  hook: Callable[[str, int], None]
+
+  @property
+  def writer(self) -> bool:
+    """Whether this process writes (process 0: it alone has the build folder)."""
+    return self.folder is not None
+
+  def stream(self, image_indices: np.ndarray, first: int):
+    """`_stream` of `image_indices` from batch `first` (its (b, count, batch) triples)."""
+    return _stream(
+      self.transform, image_indices, self.batch_size, first, self.mesh, self.num_workers
+    )
+
+  def first_batch(self, first: int) -> int:
+    """The writer's resume point `first` (batches committed) on every process."""
+    return int(_broadcast(np.int32(first)))
+
+
 def build_store(
   model,
   params,
   source,
   path: str,
   *,
-  spec: ExampleSpec,
-  seed: int,
-  loss_threshold: float,
-  min_per_class: int,
-  fill_all_for_rare_classes: bool,
-  top_k: int,
-  max_per_class: int,
-  loss_config: dict,
+  buffer_spec: BufferSpec,
   batch_size: int,
-  example_options: dict | None = None,
-  distance_max_instances: int | None = None,
-  drop_images_without_class: bool = False,
-  top_up_order: str = "class_index",
-  budget: int | float | None = None,
-  prototype_images: str = "buffer",
-  image_features: bool = False,
-  logits_dtype: str = "float16",
-  pad_logit: float = -1e6,
   mesh=None,
   num_workers: int = 0,
   chunk_images: int = 4096,
@@ -407,31 +365,21 @@ def build_store(
 ) -> dict:
   """Selects the buffer from `source` (the pre-training set) and writes its `ReplayStore` to `path`.
 
-  Selection is eq. 7 of the paper (docs/reference.md §6): loss < `loss_threshold`, then each
-  class with fewer than `min_per_class` kept images gets its images in ascending loss order
-  (`buffer_selection.select_buffer` with `fill_all_for_rare_classes`,
-  `drop_images_without_class`, `top_up_order`). Prototypes are the mean of the selected
-  images' top-n_c class embeddings (n_c = min(`max_per_class`, #instances)); an image's
-  prototype distance takes the min over its min(`distance_max_instances` (None: M),
-  #instances) best class-c embeddings. See the module docstring for the passes and resuming.
+  Selection is eq. 7 of the paper (docs/reference.md §6): loss < t, then each class with fewer
+  than `min_per_class` kept images gets its images in ascending loss order
+  (`buffer_selection.select_buffer`), optionally brought to a budget. Prototypes are the mean
+  of the selected images' top-n_c class embeddings; an image's prototype distance takes the min
+  over its best class-c embeddings (`BufferSpec`). The passes (module docstring): pass 1
+  (`_losses_pass`), the selection (`_select`), pass 2 (`_features_pass`), the prototypes
+  (`_prototypes`), pass 3 (`_distances_pass`), the store moved into place (`_write_store`).
 
   Args:
-    model, params: the pre-trained OWL-ViT (flax module) and its parameters.
+    model: the pre-trained OWL-ViT (flax module).
+    params: its parameters.
     source: the pre-training set (`len`, `load(i)`, `class_names`).
     path: the store folder to write (replaced atomically if it exists).
-    spec, seed, example_options: the fixed training example of each
-      image (`BufferExample`; `example_options`: the run's squash, merge_iou,
-      negative_weights; no augmentation: the store re-makes the images from the source).
-    loss_config: `losses.detection_loss` options. batch_size: images per forward (global, a
-      multiple of the mesh's devices).
-    budget: `replay.budget`: None keeps eq. 7's selection; a fraction of `source` or an image
-      count brings it to exactly that size (`buffer_selection.budget_count`, `apply_budget`,
-      seeded by `seed`).
-    prototype_images: the prototypes average the kept images ('buffer', the paper) or every
-      image of `source` ('all', the released code; their sums are reduced in pass 1).
-    image_features: also store the top-k tokens' ViT features (`buffer.image_features`
-      [N, k, D], ASER on image features, `replay.aser.asv_features`).
-    logits_dtype: storage dtype of the DER++ logits ('float16', 'bfloat16', 'float32').
+    buffer_spec: what the buffer is made of (`BufferSpec`).
+    batch_size: images per forward (global, a multiple of the mesh's devices).
     mesh: the device mesh (None: all devices).
     num_workers: grain worker processes preprocessing the images (0: in process).
     chunk_images: images per committed chunk (rounded down to whole batches, at least one).
@@ -444,220 +392,301 @@ def build_store(
     statistics dict: images considered / kept, kept below the threshold, per-class counts, loss
     quantiles.
   Raises:
-    ValueError: an empty source, an unknown `prototype_images` or `logits_dtype`, an
-      augmentation in `example_options` (before any work), no image selected (threshold and
-      minimum both select nothing), or image ids beyond int32.
+    ValueError: an empty source, a batch size the mesh does not divide (before any work), no
+      image selected (threshold and minimum both select nothing), or image ids beyond int32.
+      (A bad `BufferSpec` is refused when it is made.)
   """
+  spec = buffer_spec
   num_images = len(source)
   if not num_images:
     raise ValueError(f"the pre-training set {source!r} has no image")
-  if prototype_images not in buffer_selection.PROTOTYPE_IMAGES:
-    raise ValueError(
-      f"replay.selection.prototype_images={prototype_images!r} is unknown; "
-      f"known: {list(buffer_selection.PROTOTYPE_IMAGES)}"
-    )
-  all_images_prototypes = prototype_images == "all"
-  augmented = [k for k in _AUGMENTATIONS if (example_options or {}).get(k)]
-  if augmented:
-    raise ValueError(
-      f"the replay buffer's examples are not augmented (their images are re-made from the "
-      f"source when replayed), but example_options set {augmented}"
-    )
-  if logits_dtype not in store_lib.LOGITS_DTYPES:
-    raise ValueError(
-      f"logits_dtype={logits_dtype!r} is unknown; known: {sorted(store_lib.LOGITS_DTYPES)}"
-    )
   num_classes = len(source.class_names)
   mesh = sharding_lib.create_mesh() if mesh is None else mesh
   sharding_lib.check_batch_divisible(batch_size, mesh, "buffer batch size")
   chunk = max(1, chunk_images // batch_size)
-  distance_max_instances = (
-    spec.max_instances if distance_max_instances is None else distance_max_instances
-  )
-  transform = BufferExample(source, seed, spec, dict(example_options or {}))
-  step_options = dict(
-    num_classes=num_classes,
-    top_k=top_k,
-    max_per_class=max_per_class,
-    distance_max_instances=distance_max_instances,
-    loss_config=loss_config,
-    prototype_sums_of_all=all_images_prototypes,
-    image_features=image_features,
-  )
-  steps = make_steps(model, mesh, **step_options)
-  params = sharding_lib.replicate(params, mesh)
-  writer = distributed.is_writer()
+  step_options = _step_options(spec, num_classes)
   folder = None
-  if writer:
-    manifest = dict(
-      format=BUILD_FORMAT,
-      key=build_key,
-      images=num_images,
-      classes=num_classes,
-      batch_size=batch_size,
-      chunk_batches=chunk,
-      logits_dtype=logits_dtype,
-      # Everything else the passes depend on: a folder left by another build is not resumed.
-      options=digest(
-        dict(
-          step_options,
-          selection=[loss_threshold, min_per_class, fill_all_for_rare_classes],
-          selection_options=[drop_images_without_class, top_up_order],
-          seed=seed,
-          example=[spec.image_size, spec.num_queries, spec.max_instances, spec.num_negatives],
-          example_options=_fingerprint(example_options or {}),
-          tokens=_fingerprint([spec.class_tokens, spec.empty_tokens]),
-          pad_logit=pad_logit,
-        )
-      ),
-    )
+  if distributed.is_writer():
+    manifest = _build_manifest(spec, step_options, build_key, num_images, batch_size, chunk)
     folder = _BuildFolder(build_dir or path + ".build", manifest)
   distributed.barrier("buffer-build-open")
-  hook = chunk_hook or (lambda name, batches: None)
+  run = _Build(
+    transform=BufferExample(source, spec.seed, spec.example, spec.example_options),
+    steps=build_steps.make_steps(model, mesh, **step_options),
+    params=sharding_lib.replicate(params, mesh),
+    mesh=mesh,
+    batch_size=batch_size,
+    chunk=chunk,
+    num_workers=num_workers,
+    folder=folder,
+    hook=chunk_hook or (lambda name, batches: None),
+  )
+  loss, membership, all_sums, all_counts = _losses_pass(run, num_images, num_classes, spec)
+  kept = _select(run, spec, loss, membership, num_images)
+  store, sums, counts = _features_pass(run, spec, kept, membership)
+  # 'all' (released code): the prototypes average every pre-training image, not the kept.
+  if spec.all_images_prototypes:
+    sums, counts = all_sums, all_counts
+  prototypes = _prototypes(run, sums, counts)
+  _distances_pass(run, kept, prototypes, store)
+  stats = None
+  if run.writer:
+    stats = _statistics(loss, membership, kept, spec.loss_threshold, source.class_names)
+    del loss, membership
+    _write_store(run, path, spec, store, prototypes, source.class_names, build_key)
+  distributed.barrier("buffer-build-done")
+  return stats
 
-  # ---------------------------------------------------------------- pass 1: every image
+
+def _step_options(spec: BufferSpec, num_classes: int) -> dict:
+  """`build_steps.make_steps`' options of `spec` for C = `num_classes` (also digested into
+  the build folder's manifest)."""
+  return dict(
+    num_classes=num_classes,
+    top_k=spec.top_k,
+    max_per_class=spec.max_per_class,
+    distance_max_instances=(
+      spec.example.max_instances
+      if spec.distance_max_instances is None
+      else spec.distance_max_instances
+    ),
+    loss_config=dict(spec.loss_config),
+    prototype_sums_of_all=spec.all_images_prototypes,
+    image_features=spec.image_features,
+  )
+
+
+def _build_manifest(
+  spec: BufferSpec,
+  step_options: dict,
+  build_key: str,
+  num_images: int,
+  batch_size: int,
+  chunk: int,
+) -> dict:
+  """The build folder's manifest: what the build is of (a folder of another one is restarted)."""
+  example = spec.example
+  return dict(
+    format=BUILD_FORMAT,
+    key=build_key,
+    images=num_images,
+    classes=step_options["num_classes"],
+    batch_size=batch_size,
+    chunk_batches=chunk,
+    logits_dtype=spec.logits_dtype,
+    # Everything else the passes depend on: a folder left by another build is not resumed.
+    options=digest(
+      dict(
+        step_options,
+        selection=[spec.loss_threshold, spec.min_per_class, spec.fill_all_for_rare_classes],
+        selection_options=[spec.drop_images_without_class, spec.top_up_order],
+        seed=spec.seed,
+        example=[
+          example.image_size,
+          example.num_queries,
+          example.max_instances,
+          example.num_negatives,
+        ],
+        example_options=_fingerprint(spec.example_options),
+        tokens=_fingerprint([example.class_tokens, example.empty_tokens]),
+        pad_logit=spec.pad_logit,
+      )
+    ),
+  )
+
+
+def _losses_pass(run: _Build, num_images: int, num_classes: int, spec: BufferSpec):
+  """Pass 1 over every image: the per-image detection loss and class membership, and with
+  `prototype_images='all'` the prototype sums of every image.
+
+  Returns:
+    The writer's (loss float32 [N], membership bool [N, C], both memory-mapped read-only, sums
+    float64 [C, E], counts int64 [C] (0 unless 'all')); (None, None, 0, 0) on the others.
+  """
   all_images = np.arange(num_images)
-  num_batches = -(-num_images // batch_size)
+  num_batches = -(-num_images // run.batch_size)
   first = all_sums = all_counts = 0
-  if writer:
-    first, all_sums, all_counts = folder.state("losses")
+  loss = membership = None
+  if run.writer:
+    first, all_sums, all_counts = run.folder.state("losses")
     create = first == 0
-    loss = folder.array("per_image_loss", np.float32, (num_images,) if create else None)
-    membership = folder.array("membership", bool, (num_images, num_classes) if create else None)
-  first = int(_broadcast(np.int32(first)))
-  bar = _progress_bar(1, num_images, first * batch_size, writer)
-  for b, count, batch in _stream(transform, all_images, batch_size, first, mesh, num_workers):
-    out = sharding_lib.fetch_replicated(steps["losses"](params, batch))
-    if writer:
-      loss.write(b * batch_size, out["per_image_loss"][:count])
-      membership.write(b * batch_size, out["membership"][:count])
-      if all_images_prototypes:
+    loss = run.folder.array("per_image_loss", np.float32, (num_images,) if create else None)
+    membership = run.folder.array("membership", bool, (num_images, num_classes) if create else None)
+  first = run.first_batch(first)
+  bar = _progress_bar(1, num_images, first * run.batch_size, run.writer)
+  for b, count, batch in run.stream(all_images, first):
+    out = sharding_lib.fetch_replicated(run.steps["losses"](run.params, batch))
+    if run.writer:
+      loss.write(b * run.batch_size, out["per_image_loss"][:count])
+      membership.write(b * run.batch_size, out["membership"][:count])
+      if spec.all_images_prototypes:
         all_sums, all_counts = _accumulate(b > 0, all_sums, all_counts, out)
-      if _chunk_ends(b, num_batches, chunk):
-        hook("losses", b + 1)
-        folder.commit("losses", b + 1, (loss, membership), all_sums, all_counts)
+      if _chunk_ends(b, num_batches, run.chunk):
+        run.hook("losses", b + 1)
+        run.folder.commit("losses", b + 1, (loss, membership), all_sums, all_counts)
     bar.update(count)
   bar.close()
+  if not run.writer:
+    return None, None, all_sums, all_counts
+  loss.close()
+  membership.close()
+  return run.folder.read("per_image_loss"), run.folder.read("membership"), all_sums, all_counts
 
-  # ---------------------------------------------------------------- selection (eq. 7)
-  if writer:
-    loss.close()
-    membership.close()
-    loss, membership = folder.read("per_image_loss"), folder.read("membership")
+
+def _select(run: _Build, spec: BufferSpec, loss, membership, num_images: int) -> np.ndarray:
+  """The selection (eq. 7, then the budget) from pass 1's arrays, made by the writer.
+
+  Returns:
+    The kept image indices int64 [N_kept], ascending, on every process.
+  Raises:
+    ValueError: no image selected.
+  """
+  kept = None
+  if run.writer:
     keep = buffer_selection.select_buffer(
       loss,
       membership,
-      loss_threshold,
-      min_per_class=min_per_class,
-      fill_all_for_rare_classes=fill_all_for_rare_classes,
-      drop_images_without_class=drop_images_without_class,
-      top_up_order=top_up_order,
+      spec.loss_threshold,
+      min_per_class=spec.min_per_class,
+      fill_all_for_rare_classes=spec.fill_all_for_rare_classes,
+      drop_images_without_class=spec.drop_images_without_class,
+      top_up_order=spec.top_up_order,
     )
-    if budget is not None:
-      count = buffer_selection.budget_count(budget, num_images)
-      keep = buffer_selection.apply_budget(keep, loss, membership, count, min_per_class, seed)
+    if spec.budget is not None:
+      count = buffer_selection.budget_count(spec.budget, num_images)
+      keep = buffer_selection.apply_budget(
+        keep, loss, membership, count, spec.min_per_class, spec.seed
+      )
     kept = np.flatnonzero(keep)
     del keep
-  num_kept = int(_broadcast(np.int32(len(kept) if writer else 0)))
+  num_kept = int(_broadcast(np.int32(len(kept) if run.writer else 0)))
   if not num_kept:
     raise ValueError(
-      f"replay.selection selected no image (loss_threshold={loss_threshold}, "
-      f"min_per_class={min_per_class})"
+      f"replay.selection selected no image (loss_threshold={spec.loss_threshold}, "
+      f"min_per_class={spec.min_per_class})"
     )
-  kept = _broadcast(kept if writer else np.zeros(num_kept, np.int64))
+  return _broadcast(kept if run.writer else np.zeros(num_kept, np.int64))
 
-  # ---------------------------------------------------------------- pass 2: the kept images
+
+def _features_pass(run: _Build, spec: BufferSpec, kept: np.ndarray, membership):
+  """Pass 2 over the kept images: their examples (without pixels), source indices, DER++
+  logits, top-k class / query (and image) features written to the store's arrays; their class
+  membership written first; the prototype sums and counts accumulated.
+
+  Returns:
+    The writer's (store {array name: `store_lib.ArrayFile`}, sums float64 [C, E], counts int64
+    [C]); ({}, None, None) on the others.
+  """
+  num_kept = len(kept)
+  batch_size = run.batch_size
   kept_batches = -(-num_kept // batch_size)
   first, sums, counts = 0, None, None
   store = {}
-  if writer:
-    first, sums, counts = folder.state("features")
+  if run.writer:
+    first, sums, counts = run.folder.state("features")
     create = first == 0
-    shapes = _store_shapes(transform, steps["features"], params, num_kept, logits_dtype)
+    shapes = _store_shapes(
+      run.transform, run.steps["features"], run.params, num_kept, spec.logits_dtype
+    )
     for name, (shape, dtype) in shapes.items():
-      store[name] = folder.array(name, dtype, shape if create else None, in_store=True)
+      store[name] = run.folder.array(name, dtype, shape if create else None, in_store=True)
     if create:
       store["buffer.class_membership"].write(0, membership[kept])
-  first = int(_broadcast(np.int32(first)))
-  bar = _progress_bar(2, num_kept, first * batch_size, writer)
-  for b, count, batch in _stream(transform, kept, batch_size, first, mesh, num_workers):
-    out = sharding_lib.fetch_replicated(steps["features"](params, batch))
-    if writer:
+  first = run.first_batch(first)
+  bar = _progress_bar(2, num_kept, first * batch_size, run.writer)
+  for b, count, batch in run.stream(kept, first):
+    out = sharding_lib.fetch_replicated(run.steps["features"](run.params, batch))
+    if run.writer:
       start = b * batch_size
-      for k in STORED_EXAMPLE_KEYS:
+      for k in build_steps.STORED_EXAMPLE_KEYS:
         store[f"examples.{k}"].write(start, out[k][:count])
       store["examples.source_index"].write(start, kept[start : start + count])
       store["stored_logits"].write(
         start,
-        store_lib.encode_logits(out["logits"][:count], out["queries"][:count], logits_dtype),
+        store_lib.encode_logits(out["logits"][:count], out["queries"][:count], spec.logits_dtype),
       )
       store["buffer.class_embeddings"].write(start, out["top_class_embeddings"][:count])
       store["buffer.query_embeddings"].write(start, out["top_query_embeddings"][:count])
-      if image_features:
+      if spec.image_features:
         store["buffer.image_features"].write(start, out["top_image_features"][:count])
       sums, counts = _accumulate(b > 0, sums, counts, out)
-      if _chunk_ends(b, kept_batches, chunk):
-        hook("features", b + 1)
-        folder.commit("features", b + 1, store.values(), sums, counts)
+      if _chunk_ends(b, kept_batches, run.chunk):
+        run.hook("features", b + 1)
+        run.folder.commit("features", b + 1, store.values(), sums, counts)
     bar.update(count)
   bar.close()
+  return store, sums, counts
 
-  # ---------------------------------------------------------------- pass 3: distances
+
+def _prototypes(run: _Build, sums, counts) -> np.ndarray:
+  """The class prototypes float32 [C, E] (mean class embedding, zero for a class without any)
+  from the writer's sums float64 [C, E] and counts int64 [C], on every process."""
   prototypes = None
-  if writer:
-    # 'all' (released code): the prototypes average every pre-training image, not the kept.
-    if all_images_prototypes:
-      sums, counts = all_sums, all_counts
+  if run.writer:
     valid = counts > 0
     prototypes = np.where(valid[:, None], sums / np.where(valid, counts, 1)[:, None], 0.0)
     prototypes = prototypes.astype(np.float32)
   # The writer's [C, E] prototypes to every process: a broadcast needs the same shape on all
   # of them, and only the writer knows E here, so the shape goes first.
-  shape = _broadcast(np.asarray(prototypes.shape if writer else (0, 0), np.int32))
-  prototypes = _broadcast(prototypes if writer else np.zeros(tuple(shape), np.float32))
-  prototypes_on_mesh = sharding_lib.replicate(jnp.asarray(prototypes), mesh)
-  first = int(_broadcast(np.int32(folder.state("distances")[0] if writer else 0)))
-  bar = _progress_bar(3, num_kept, first * batch_size, writer)
-  for b, count, batch in _stream(transform, kept, batch_size, first, mesh, num_workers):
-    out = sharding_lib.fetch_replicated(steps["distances"](params, batch, prototypes_on_mesh))
-    if writer:
+  shape = _broadcast(np.asarray(prototypes.shape if run.writer else (0, 0), np.int32))
+  return _broadcast(prototypes if run.writer else np.zeros(tuple(shape), np.float32))
+
+
+def _distances_pass(run: _Build, kept: np.ndarray, prototypes: np.ndarray, store: dict) -> None:
+  """Pass 3 over the kept images: their prototype distances float32 [N_kept, C] to the
+  complete `prototypes`, written to the writer's `store`."""
+  prototypes_on_mesh = sharding_lib.replicate(jnp.asarray(prototypes), run.mesh)
+  first = run.first_batch(run.folder.state("distances")[0] if run.writer else 0)
+  kept_batches = -(-len(kept) // run.batch_size)
+  bar = _progress_bar(3, len(kept), first * run.batch_size, run.writer)
+  for b, count, batch in run.stream(kept, first):
+    out = sharding_lib.fetch_replicated(
+      run.steps["distances"](run.params, batch, prototypes_on_mesh)
+    )
+    if run.writer:
       distances = store["buffer.prototype_distances"]
-      distances.write(b * batch_size, out[:count])
-      if _chunk_ends(b, kept_batches, chunk):
-        hook("distances", b + 1)
-        folder.commit("distances", b + 1, (distances,))
+      distances.write(b * run.batch_size, out[:count])
+      if _chunk_ends(b, kept_batches, run.chunk):
+        run.hook("distances", b + 1)
+        run.folder.commit("distances", b + 1, (distances,))
     bar.update(count)
   bar.close()
 
-  # ---------------------------------------------------------------- the store, atomically
-  stats = None
-  if writer:
-    for array in store.values():
-      array.close()
-    np.save(os.path.join(folder.store, "buffer.prototypes.npy"), prototypes)
-    store_lib.write_meta(
-      folder.store,
-      source.class_names,
-      logits_dtype,
-      pad_logit,
-      {name: store_lib.dtype_name(a.dtype) for name, a in store.items()}
-      | {"buffer.prototypes": "float32"},
-      dict(transform.image_reference, key=build_key),
-    )
-    stats = _statistics(loss, membership, kept, loss_threshold, source.class_names)
-    with utils.atomic_directory(path, if_exists="replace") as tmp:
-      for name in os.listdir(folder.store):
-        # Hard links: the build folder stays whole until the store is in place.
-        try:
-          os.link(os.path.join(folder.store, name), os.path.join(tmp, name))
-        except OSError:
-          shutil.copy2(os.path.join(folder.store, name), os.path.join(tmp, name))
-      # The commit mark, last: the digests of every file of the store (read back once).
-      integrity.write_manifest(tmp)
-    del loss, membership
-    shutil.rmtree(folder.path)
-  distributed.barrier("buffer-build-done")
-  return stats
+
+def _write_store(
+  run: _Build,
+  path: str,
+  spec: BufferSpec,
+  store: dict,
+  prototypes: np.ndarray,
+  class_names,
+  build_key: str,
+) -> None:
+  """The writer's last step: the store's prototypes and meta.json, the store moved to `path`
+  atomically with its manifest (the commit mark), the build folder removed."""
+  folder = run.folder
+  for array in store.values():
+    array.close()
+  np.save(os.path.join(folder.store, "buffer.prototypes.npy"), prototypes)
+  store_lib.write_meta(
+    folder.store,
+    class_names,
+    spec.logits_dtype,
+    spec.pad_logit,
+    {name: store_lib.dtype_name(a.dtype) for name, a in store.items()}
+    | {"buffer.prototypes": "float32"},
+    dict(run.transform.image_reference, key=build_key),
+  )
+  with utils.atomic_directory(path, if_exists="replace") as tmp:
+    for name in os.listdir(folder.store):
+      # Hard links: the build folder stays whole until the store is in place.
+      try:
+        os.link(os.path.join(folder.store, name), os.path.join(tmp, name))
+      except OSError:
+        shutil.copy2(os.path.join(folder.store, name), os.path.join(tmp, name))
+    # The commit mark, last: the digests of every file of the store (read back once).
+    integrity.write_manifest(tmp)
+  shutil.rmtree(folder.path)
 
 
 _PASS_NAMES = {
@@ -688,7 +717,7 @@ def _store_shapes(transform, features_step, params, num_kept: int, logits_dtype:
   abstract = jax.eval_shape(features_step, params, batch)
   shapes = {
     f"examples.{k}": ((num_kept,) + np.shape(example[k]), np.asarray(example[k]).dtype)
-    for k in STORED_EXAMPLE_KEYS
+    for k in build_steps.STORED_EXAMPLE_KEYS
   }
   shapes["examples.image_id"] = ((num_kept,), np.dtype(np.int64))
   shapes["examples.source_index"] = ((num_kept,), np.dtype(np.int64))
@@ -720,195 +749,3 @@ def _statistics(loss, membership, kept, loss_threshold, class_names) -> dict:
       q: float(np.quantile(loss, float(q))) for q in ("0.1", "0.25", "0.5", "0.75", "0.9")
     },
   }
-
-
-def cached_store(
-  cache_root: str,
-  key_material: dict,
-  build_fn,
-  superseded: tuple[tuple[dict, str], ...] = (),
-  *,
-  source=None,
-  image_cache: str | None = None,
-  verification: str = "full",
-) -> tuple[store_lib.ReplayStore, dict]:
-  """Loads the store cached under a digest of `key_material`, or builds and caches it.
-
-  `build_fn(path, build_dir, build_key)` writes the store to `path` atomically (`build_store`),
-  keeping its progress in `build_dir` (next to the cache entry) so that an interrupted build
-  resumes there; a store is trusted only once its statistics file is written after it, and
-  every time it is loaded its files are checked against the manifest written with it (a
-  damaged store is set aside and rebuilt with a warning, `_load_cached`). Runs sharing the
-  cache take the entry's lock (`<key>.lock`): one builds, the others wait and reuse its store.
-
-  Args:
-    cache_root: folder of the cached stores (one sub-folder per key digest).
-    key_material: JSON-able dict of everything the store depends on.
-    build_fn: `(path, build_dir, build_key) -> stats dict`, run on every process (the forward
-      is collective; process 0 writes).
-    superseded: (key material, reason) of stores that earlier code versions cached for the
-      same run; when one of them is on disk and the current one is not, the rebuild is
-      logged with its reason (e.g. class embeddings that were stored unnormalised).
-    source: the pre-training source the store's images are decoded from at gather time
-      (`store_lib.ReplayStore.load`); None: gather refuses a store of images by reference.
-    image_cache: root of the optional uint8 image cache on local disk (`replay.image_cache`).
-    verification: 'full' (every file hashed before the store is used) or 'lazy' (sizes and
-      the small files first, each chunk of the per-image arrays when first gathered;
-      `replay.store_verification`).
-  Returns:
-    (store memory-mapped from the cache, stats dict with "seconds").
-  Raises:
-    ValueError: an unknown `verification`.
-  """
-  if verification not in STORE_VERIFICATIONS:
-    raise ValueError(f"verification={verification!r} is not one of {STORE_VERIFICATIONS}")
-  key = digest(key_material)
-  path = os.path.join(cache_root, key)
-
-  def load(path):
-    return store_lib.ReplayStore.load(path, source=source, image_cache=image_cache)
-
-  stats_path = path + ".stats.json"
-  # One run builds while the others sharing the cache wait for its store (the lock); whoever
-  # gets the lock looks again, since the store may have been cached meanwhile.
-  with distributed.cache_entry_lock(path, "replay buffer"):
-    found = _load_cached(path, stats_path, load, verification) if distributed.is_writer() else None
-    if distributed.writer_value(found is not None):
-      if found is None:  # verified by the writer
-        with open(stats_path) as f:
-          found = load(path), json.load(f)
-        if verification == "lazy":
-          _attach_lazy_verifier(found[0], path, stats_path)
-      logging.info("re-using the cached replay buffer %s", path)
-      return found
-    for old_material, reason in superseded:
-      old_path = os.path.join(cache_root, digest(old_material))
-      if os.path.isdir(old_path):
-        logging.warning(
-          "the replay buffer cached in %s is out of date (%s); rebuilding it in %s",
-          old_path,
-          reason,
-          path,
-        )
-    start = time.time()
-    stats = build_fn(path, path + ".build", key)
-    if distributed.is_writer():
-      stats["seconds"] = round(time.time() - start, 1)
-      atomic_write_json(stats_path, stats, indent=2)
-    distributed.barrier("buffer-cached", timeout_s=600.0)
-  with open(stats_path) as f:
-    stats = json.load(f)
-  logging.info(
-    "replay buffer: %d of %d images (%.1f s), cached in %s",
-    stats["images_kept"],
-    stats["images_considered"],
-    stats["seconds"],
-    path,
-  )
-  return load(path), stats
-
-
-def _set_aside_entry(path: str, stats_path: str, error: Exception) -> None:
-  """Sets the damaged store `path` and its statistics aside (renamed, a warning each)."""
-  if os.path.exists(path):
-    integrity.set_aside(path, str(error))
-  if os.path.exists(stats_path):
-    integrity.set_aside(stats_path, "its replay store was set aside")
-
-
-def _attach_lazy_verifier(store, path: str, stats_path: str, verifier=None) -> None:
-  """Makes `store.gather` check each chunk of its per-image arrays when first read
-  (`verifier`: the folder's `_lazy_verifier`, made here when None)."""
-  store.verifier = _lazy_verifier(path) if verifier is None else verifier
-  store.on_damage = lambda error: _set_aside_entry(path, stats_path, error)
-
-
-def _lazy_verifier(path: str) -> integrity.LazyVerifier:
-  """The `integrity.LazyVerifier` of the store at `path`, with what is read at once checked:
-  every size, the small files whole (meta.json, the buffer's arrays, which `replay_buffer`
-  reads whole) and the first chunk (the header) of each per-image file.
-
-  Raises:
-    IntegrityError: a cut or missing file, a checked part that differs.
-  """
-  verifier = integrity.LazyVerifier(path)
-  for rel in verifier.manifest["files"]:
-    verifier.check(rel, 0, 1 if store_lib.is_row_file(rel) else None)
-  return verifier
-
-
-def _load_cached(
-  path: str, stats_path: str, load, verification: str = "full"
-) -> tuple[store_lib.ReplayStore, dict] | None:
-  """The cached store at `path` and its statistics once they pass their integrity check.
-
-  None when there is no complete entry (the store and its statistics file, written after
-  it), or when it was damaged: a file of the store differs from its manifest (streamed
-  SHA-256 of every file, `integrity.verify_directory`; with `verification` 'lazy' the sizes
-  and the small files only, the per-image rows being checked as `gather` reads them), a file
-  or the manifest is missing, the statistics are unreadable. A damaged entry is set aside
-  (the folder and its statistics renamed `.corrupt-<time>`, never deleted; a warning names
-  the file) for the caller to rebuild. A store cached before manifests were written
-  (meta.json without `store_lib.CHECKSUMS_FIELD`) is loaded unverified with a warning; one
-  that then fails to load is set aside the same way.
-
-  Raises:
-    OSError: the entry cannot be renamed aside (e.g. a read-only cache).
-  """
-  if not (os.path.isdir(path) and os.path.exists(stats_path)):
-    return None
-  try:
-    verified = integrity.has_manifest(path)
-    verifier = None
-    if verified and verification == "full":
-      integrity.verify_directory(path)
-    elif verified:
-      verifier = _lazy_verifier(path)  # the per-image rows when gathered
-    else:
-      _check_unverified_store(path)
-    try:
-      with open(stats_path) as f:
-        stats = json.load(f)
-      if not isinstance(stats, dict) or "images_kept" not in stats:
-        raise ValueError("no 'images_kept'")
-    except ValueError as e:
-      raise integrity.IntegrityError(stats_path, f"unreadable statistics ({e})") from None
-    try:
-      store = load(path)
-    except Exception as e:  # pylint: disable=broad-except
-      if verified:
-        raise  # intact files that do not load: not damage, a real error
-      # NumPy raises a variety of errors for a damaged .npy of an unverified store.
-      raise integrity.IntegrityError(path, f"does not load ({type(e).__name__}: {e})") from e
-    if verifier is not None:
-      _attach_lazy_verifier(store, path, stats_path, verifier)
-  except integrity.IntegrityError as e:
-    _set_aside_entry(path, stats_path, e)
-    logging.warning("the cached replay buffer was damaged (%s); building it again", e)
-    return None
-  return store, stats
-
-
-def _check_unverified_store(path: str) -> None:
-  """A store folder without a manifest: one of an earlier version (logged), or a damaged one.
-
-  Raises:
-    IntegrityError: meta.json is missing or unreadable, or says a manifest was written.
-  """
-  meta_path = os.path.join(path, "meta.json")
-  try:
-    with open(meta_path) as f:
-      meta = json.load(f)
-  except FileNotFoundError:
-    raise integrity.IntegrityError(meta_path, "missing") from None
-  except (OSError, ValueError) as e:
-    raise integrity.IntegrityError(meta_path, f"unreadable ({e})") from None
-  if not isinstance(meta, dict) or meta.get(store_lib.CHECKSUMS_FIELD):
-    raise integrity.IntegrityError(
-      os.path.join(path, integrity.MANIFEST_NAME), "missing (meta.json says it was written)"
-    )
-  logging.warning(
-    "the cached replay buffer %s predates checksums: loaded unverified (delete it to build "
-    "it again with checksums)",
-    path,
-  )

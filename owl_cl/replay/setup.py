@@ -28,6 +28,7 @@ import ml_collections
 
 from owl_cl import distributed
 from owl_cl import preemption
+from owl_cl.cache_keys import builtin_version_key
 from owl_cl.cache_keys import cache_key_fields
 from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
@@ -37,6 +38,7 @@ from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import records as records_lib
 from owl_cl.replay import state as replay_state_lib
+from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import dedup
 from owl_cl.replay.retrieval import registry
 from owl_cl.train import sharding as sharding_lib
@@ -125,14 +127,18 @@ def stores_image_features(config: ml_collections.ConfigDict) -> bool:
 
 
 def build_options(detector, source) -> dict:
-  """`buffer_build.build_store`'s options for the pre-training set `source` from the run's
-  config and detector (the images' preprocessing, the selection settings, the loss, the batch
-  size, the mesh and the grain workers)."""
+  """`buffer_build.build_store`'s keywords for the pre-training set `source` from the run's
+  config and detector: `buffer_spec` (the `buffer_build.BufferSpec`: the images' preprocessing,
+  the selection settings, the loss), the batch size, the mesh and the grain workers.
+
+  Raises:
+    ValueError: a selection setting `buffer_build.BufferSpec` refuses (names the field).
+  """
   config = detector.config
   selection = config.replay.selection
   data = config.data
-  return dict(
-    spec=detector.example_spec(detector.class_tokens(source)),
+  buffer_spec = buffer_build.BufferSpec(
+    example=detector.example_spec(detector.class_tokens(source)),
     seed=seed_of(config, "model"),
     loss_threshold=selection.loss_threshold,
     min_per_class=selection.min_per_class,
@@ -140,7 +146,6 @@ def build_options(detector, source) -> dict:
     top_k=config.replay.top_k,
     max_per_class=selection.max_instances_per_prototype,
     loss_config=detector.loss_config,
-    batch_size=data.eval_batch_size,
     example_options=detector.example_options(source),
     distance_max_instances=selection.distance_max_instances,
     drop_images_without_class=selection.drop_images_without_class,
@@ -148,6 +153,10 @@ def build_options(detector, source) -> dict:
     budget=config.replay.get("budget"),
     prototype_images=selection.get("prototype_images", "buffer"),
     image_features=stores_image_features(config),
+  )
+  return dict(
+    buffer_spec=buffer_spec,
+    batch_size=data.eval_batch_size,
     mesh=detector.mesh,
     num_workers=data.num_workers,
   )
@@ -180,6 +189,7 @@ def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta
     # 2: class embeddings normalised as scenic's class head returns them (1: raw).
     "format": 2,
     **non_default_data_options(config, buffer=True),
+    **builtin_version_key(config),
   }
 
 
@@ -213,7 +223,7 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
   # The store keeps its images by reference: gather decodes them from the pre-training set
   # (an optional uint8 cache on local disk keeps them once decoded). Not in the key: a store
   # is the same whether or where its images are cached.
-  return buffer_build.cached_store(
+  return store_cache.cached_store(
     os.path.join(expand_path(config.cache_dir), "buffers"),
     key_material,
     build,
@@ -563,8 +573,8 @@ class Replay:
       [R] (+ replay_active bool [R] with the paper's loss adaptivity).
 
     Raises:
-      whatever the retrieval or the gather raised, also when it ran ahead in the lookahead
-      thread (raised here, at the step it belongs to).
+      Exception: whatever the retrieval or the gather raised, also when it ran ahead in the
+        lookahead thread (raised here, at the step it belongs to).
     """
     ahead, self._ahead = self._ahead, None
     features = None

@@ -230,7 +230,7 @@ class ReplayStore:
     # The folder the store was loaded from (`load`); None for a store built in memory. Once-
     # per-buffer results (ASER-PC's left term) are cached next to it.
     self.path: str | None = None
-    # Lazy verification (set by `build.cached_store`): an `integrity.LazyVerifier` of the
+    # Lazy verification (set by `store_cache.cached_store`): an `integrity.LazyVerifier` of the
     # folder, checked by `gather` before it reads rows, and what to do with a damaged store
     # (set it aside) before the error is raised.
     self.verifier: integrity.LazyVerifier | None = None

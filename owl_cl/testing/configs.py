@@ -35,7 +35,7 @@ def tiny_budget(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   OWL-ViT, 4 pre-training steps, 2 steps per downstream dataset, the `TINY_BUILTIN` benchmark.
   `c.cache_dir` and `c.compilation_cache_dir` are left as they are.
 
-  Also the quick try of the README's "Your own data" example
+  Also the quick try of the "Your own data" example (docs/data.md)
   (`configs/examples/own_data.py:<dir>,quick`).
   """
   o = c.model.overrides

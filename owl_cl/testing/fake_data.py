@@ -14,6 +14,11 @@ noise background) and whose annotations are those rectangles' boxes. Determinist
 * `write_fake_glip(root, suite, names=None, num_images=None, seed=0)`: members of GLIP's
   ODinW-13 / ODinW-35 (`owl_cl.data.suites`) in GLIP's folder names, same json format, with
   made-up class names (`glip_category_names`).
+* `write_fake_glip(..., variant='zira')`: ODinW-13 in ZiRa's / DitHub's folders
+  (`suites.ODINW13_ZIRA`, train and test splits).
+* `write_fake_coco2017(root, split='val', num_images=4, seed=0)`: COCO 2017
+  (`coco/annotations/instances_<split>2017.json`, images in `coco/<split>2017/`) with a few
+  of COCO's category ids and names (`FAKE_COCO_CATEGORIES`, ids not contiguous).
 * `write_fake_objects365(root, num_images=None, seed=0)`: Objects365 v2
   (`objects365/annotations/zhiyuan_objv2_{train,val}.json`, file names
   `images/v1/patchN/objects365_v1_XXXXXXXX.jpg` stored as `objects365/{train,val}/patchN/...`),
@@ -47,6 +52,8 @@ __all__ = [
   "write_fake_odinw",
   "write_fake_glip",
   "glip_category_names",
+  "write_fake_coco2017",
+  "FAKE_COCO_CATEGORIES",
   "write_fake_objects365",
   "write_fake_lvis",
   "write_fake_visual_genome",
@@ -263,6 +270,7 @@ def write_fake_glip(
   seed: int = 0,
   image_size: tuple[int, int] = (24, 48),
   num_classes: int = 2,
+  variant: str | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
   """Write fake members of GLIP's ODinW-13 / ODinW-35 under `root/odinw/` in GLIP's folders.
 
@@ -271,14 +279,16 @@ def write_fake_glip(
   image in one folder and `<split>_annotations_without_background.json`; PascalVOC's test split
   is its valid folder, written once). Each member gets `num_classes` categories with ids from
   1 named by `glip_category_names` (GLIP's real class lists are not reproduced), in the
-  Roboflow format of `write_fake_odinw`.
+  Roboflow format of `write_fake_odinw`. `variant='zira'` writes ODinW-13 in ZiRa's / DitHub's
+  folders instead (`suites.ODINW13_ZIRA`: train and test splits; docs/ivlod.md).
 
   Args:
     root: data root (the folder that will hold `odinw/`).
-    suite: 'odinw13' | 'odinw35'. names: members (GLIP config stems; default all).
+    suite: 'odinw13' | 'odinw35'. names: members (the suite's names; default all).
     num_images: images per split: int, dict split -> int, or None (train 4, val 2, test 2).
     seed: int; everything written is a function of the arguments.
     image_size: (min, max) side length in pixels. num_classes: categories per member.
+    variant: suite 'odinw13': a key of `suites.ODINW13_VARIANTS` (None: 'glip').
 
   Returns:
     {name: {split: dict(annotation_file, image_dir, json=<the written dict>)}}.
@@ -288,7 +298,9 @@ def write_fake_glip(
   """
   if suite not in ("odinw13", "odinw35"):
     raise ValueError(f"suite must be 'odinw13' or 'odinw35', got {suite!r}")
-  entries = suites.suite_entries(suite, root, names=None if names is None else list(names))
+  entries = suites.suite_entries(
+    suite, root, names=None if names is None else list(names), variant=variant
+  )
   counts = _split_counts(num_images, odinw.SPLITS, dict(train=4, val=2, test=2))
   out: dict[str, dict[str, dict[str, Any]]] = {}
   for d, entry in enumerate(entries):
@@ -299,6 +311,8 @@ def write_fake_glip(
     usable = [c["id"] for c in cats if c["id"] not in entry.exclude_category_ids]
     out[entry.name] = {}
     for s, split in enumerate(odinw.SPLITS):
+      if split not in entry.split_names:
+        continue
       spec = entry.split(split)
       same = [w for w in out[entry.name].values() if w["annotation_file"] == spec.annotation_file]
       if same:  # PascalVOC: the test split is the valid folder
@@ -316,6 +330,46 @@ def write_fake_glip(
         image_size,
       )
   return out
+
+
+# ------------------------------------------------------------------------------------------
+# COCO 2017
+# ------------------------------------------------------------------------------------------
+# A few of COCO 2017's categories (id, name, supercategory): the ids are not contiguous, as in
+# instances_val2017.json (80 classes with ids 1..90).
+FAKE_COCO_CATEGORIES = (
+  (1, "person", "person"),
+  (3, "car", "vehicle"),
+  (90, "toothbrush", "indoor"),
+)
+
+
+def write_fake_coco2017(
+  root: str,
+  split: str = "val",
+  num_images: int = 4,
+  seed: int = 0,
+  image_size: tuple[int, int] = (24, 48),
+) -> dict[str, Any]:
+  """Write a fake COCO 2017 split under `root/coco/` in the layout of `pretraining.coco_paths`.
+
+  Args:
+    root: data root (the folder that will hold `coco/`).
+    split: 'train' | 'val'. num_images: images written (>= 1).
+    seed: int; everything written is a function of the arguments.
+    image_size: (min, max) side length in pixels.
+
+  Returns:
+    dict(annotation_file, image_dir, json=<the written dict>).
+
+  Raises:
+    ValueError: an unknown split (`pretraining.coco_paths`).
+  """
+  ann, img = pretraining.coco_paths(root, split)
+  cats = [dict(id=i, name=n, supercategory=s) for i, n, s in FAKE_COCO_CATEGORIES]
+  usable = [c["id"] for c in cats]
+  rng = np.random.default_rng([seed, 2017])
+  return _write_roboflow_split(ann, img, "coco", split, cats, usable, num_images, rng, image_size)
 
 
 # ------------------------------------------------------------------------------------------

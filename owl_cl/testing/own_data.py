@@ -1,6 +1,6 @@
 """Own-data fixtures: COCO folders and a TFDS ArrayRecord dataset made from built-in images.
 
-`write_own_data(out_dir, benchmark)` writes the data of the README's worked example
+`write_own_data(out_dir, benchmark)` writes the data of the worked example of docs/data.md
 ("Your own data", `configs/examples/own_data.py`) from a generated built-in benchmark: two
 COCO-format folders and one TFDS dataset prepared as ArrayRecord. Writing the TFDS dataset
 needs `tensorflow_datasets` (a test-time dependency); reading it does not
@@ -165,8 +165,8 @@ def main(argv: list[str]) -> None:
 
   parser = argparse.ArgumentParser(
     prog="python -m owl_cl.testing.own_data",
-    description="Writes the README 'Your own data' example's datasets (two COCO folders and "
-    "a TFDS ArrayRecord dataset) from the built-in benchmark's images.",
+    description="Writes the datasets of docs/data.md's 'Your own data' example (two COCO "
+    "folders and a TFDS ArrayRecord dataset) from the built-in benchmark's images.",
   )
   parser.add_argument("out_dir", help="the data folder (the config's argument)")
   parser.add_argument(

@@ -77,7 +77,8 @@ def detection_loss_per_example(
     labels: float [B, K, Q] targets, padding instance(s) included (`append_padding_instance`).
     boxes: float [B, K, 4] cxcywh.
     target_index: int [B, T] target of each token (`hungarian_matching`).
-    focal_alpha, focal_gamma: focal loss (0.3, 2.0).
+    focal_alpha: focal loss alpha (0.3).
+    focal_gamma: focal loss gamma (2.0).
 
   Returns:
     dict of float32 [B]:
@@ -223,10 +224,9 @@ def detection_loss(
 ) -> dict[str, Array]:
   """OWL-ViT detection loss: matching, focal class, L1 + GIoU box (+ OWLv2's objectness).
 
-  Appends one padding instance per image, builds `matching_cost`, matches with
-  `hungarian_matching`, computes `detection_loss_per_example` and averages over images.
-  The keyword arguments are those of the `loss` config block (configs/base.py), so
-  `detection_loss(..., **config.loss)` works.
+  Appends one padding instance per image, matches (`matching_cost`, `hungarian_matching`),
+  averages `detection_loss_per_example` over images. The keyword arguments are the `loss`
+  config block's (configs/base.py): `detection_loss(..., **config.loss)` works.
 
   Args:
     pred_logits: float [B, T, Q] (padded query slots -1e6; computed in float32).
@@ -234,22 +234,24 @@ def detection_loss(
     labels: float [B, M, Q] multi-hot; an instance with no positive among columns 1.. is
       padding (`labels[b, m, 0] = 1`).
     boxes: float [B, M, 4] cxcywh normalised to the padded square.
-    focal_alpha, focal_gamma: focal loss and cost (docs/reference.md §3: 0.3, 2.0).
-    class_weight, bbox_weight, giou_weight: weights of the three terms, used both in the
-      matching cost and in the total (scenic; docs/reference.md §3: all 1).
+    focal_alpha: focal loss and cost alpha (docs/reference.md §3: 0.3).
+    focal_gamma: focal loss and cost gamma (docs/reference.md §3: 2.0).
+    class_weight: weight of the focal term, used both in the matching cost and in the total
+      (scenic; docs/reference.md §3: 1).
+    bbox_weight: weight of the L1 term, likewise (1).
+    giou_weight: weight of the GIoU term, likewise (1).
     example_mask: optional bool/float [B]. Images with weight 0 contribute nothing; the batch
       values become sum(w * v) / sum(w) (0 if all are masked). scenic's `batch_mask` instead
       divides by B; the two agree when no image is masked.
-    normalization: 'per_image' (scenic normalization='per_example', docs/reference.md §3:
-      each image's sums divided by its own #positives / #boxes, then the weighted mean over
-      images) or
-      'per_batch' (as in the released code: the batch's focal, L1 and GIoU sums over its
-      (unmasked, weighted) images divided by the batch's total #positives / #boxes, each
-      clamped to >= 1; computed over the whole global batch, where the released code
-      normalises per device). `per_example` is per image in both.
+    normalization: 'per_image' (scenic's 'per_example', docs/reference.md §3: each image's
+      sums over its own #positives / #boxes, then the weighted mean over images) or
+      'per_batch' (the released code: the focal, L1 and GIoU sums over the unmasked, weighted
+      images over the batch's #positives / #boxes, each clamped to >= 1, on the whole global
+      batch where the released code normalises per device). `per_example` is per image.
     matcher: Hungarian solver, 'auto' | 'scipy' | 'jax' (`hungarian_matching`).
-    objectness_logits, objectness_weight: OWLv2's float [B, T] logits and the term's weight
-      (``loss.objectness_weight``); None or 0: the v1 loss exactly (`_add_objectness`).
+    objectness_logits: OWLv2's float [B, T] objectness logits; None: the v1 loss exactly
+      (`_add_objectness`).
+    objectness_weight: the objectness term's weight (``loss.objectness_weight``); 0: v1's.
 
   Returns:
     dict of float32:
@@ -274,6 +276,33 @@ def detection_loss(
   pred_logits, pred_boxes = jnp.asarray(pred_logits), jnp.asarray(pred_boxes)
   labels, boxes = jnp.asarray(labels), jnp.asarray(boxes)
   check_predictions(pred_logits, pred_boxes, labels, boxes)
+  weights = (class_weight, bbox_weight, giou_weight)
+  terms, obj = _per_example_terms(
+    pred_logits,
+    pred_boxes,
+    labels,
+    boxes,
+    matcher,
+    (focal_alpha, focal_gamma),
+    weights,
+    objectness_logits if objectness_weight else None,
+  )
+  return _normalised(terms, weights, example_mask, normalization, obj, objectness_weight)
+
+
+def _per_example_terms(
+  pred_logits, pred_boxes, labels, boxes, matcher, focal, weights, objectness_logits
+):
+  """`detection_loss`'s per-image terms: the Hungarian matching (`_match`, its cost weighted
+  by `weights` = (class, bbox, giou)), then `detection_loss_per_example` with `focal` =
+  (alpha, gamma), and OWLv2's objectness term where `objectness_logits` float [B, T] is given
+  (a token's target: whether it is matched to a real instance).
+
+  Returns:
+    (`detection_loss_per_example`'s dict, `objectness_loss_per_example`'s dict or None).
+  """
+  focal_alpha, focal_gamma = focal
+  class_weight, bbox_weight, giou_weight = weights
   labels_k, boxes_k, target_index = _match(
     pred_logits,
     pred_boxes,
@@ -295,14 +324,12 @@ def detection_loss(
     focal_alpha=focal_alpha,
     focal_gamma=focal_gamma,
   )
-  obj = None
-  if objectness_logits is not None and objectness_weight:
-    matched = _gather_targets(real_target_mask(labels_k), target_index)  # [B, T]
-    obj = objectness_loss_per_example(
-      objectness_logits, matched, focal_alpha=focal_alpha, focal_gamma=focal_gamma
-    )
-  weights = (class_weight, bbox_weight, giou_weight)
-  return _normalised(terms, weights, example_mask, normalization, obj, objectness_weight)
+  if objectness_logits is None:
+    return terms, None
+  matched = _gather_targets(real_target_mask(labels_k), target_index)  # [B, T]
+  return terms, objectness_loss_per_example(
+    objectness_logits, matched, focal_alpha=focal_alpha, focal_gamma=focal_gamma
+  )
 
 
 def _normalised(terms, weights, example_mask, normalization, obj, objectness_weight):

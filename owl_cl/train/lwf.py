@@ -96,11 +96,13 @@ def lwf_box_loss(
   """L1 to the teacher's boxes on its confident tokens (ERD's box distillation, an option).
 
   Args:
-    boxes / teacher_boxes: float [B, T_tok, 4] cxcywh in [0, 1] of the padded square.
+    boxes: float [B, T_tok, 4] cxcywh in [0, 1] of the padded square (the trained model's).
+    teacher_boxes: float [B, T_tok, 4], the same of the pre-trained model.
     teacher_logits: float [B, T_tok, Q]; a token is confident when the sigmoid of its best real
       query's teacher logit is >= `threshold`.
     threshold: in [0, 1].
-    query_mask, example_mask: as `lwf_class_loss`.
+    query_mask: as `lwf_class_loss`.
+    example_mask: as `lwf_class_loss`.
 
   Returns:
     float32 []: the sum over the 4 coordinates of |student - teacher|, averaged over the
@@ -122,8 +124,9 @@ def lwf_loss(outputs: dict, teacher: dict, options: dict) -> dict[str, Array]:
   """The LwF terms of one batch: {'lwf_loss', 'lwf_class', 'lwf_box'} float32 [].
 
   Args:
-    outputs / teacher: the trained and pre-trained models' `pred_logits` [B, T_tok, Q] and
-      `pred_boxes` [B, T_tok, 4] on the new images.
+    outputs: the trained model's `pred_logits` [B, T_tok, Q] and `pred_boxes` [B, T_tok, 4]
+      on the new images.
+    teacher: the same of the pre-trained model.
     options: `train.lwf`: weight, temperature, box_weight, box_threshold.
 
   Returns:

@@ -33,7 +33,7 @@ Array = jax.Array
 #: (per platform: `resolve_matcher`).
 MATCHERS = ("auto", "scipy", "jax")
 #: What 'auto' picks on each platform: 'jax' everywhere. CPU: measured (benchmarks/step.py,
-#: README "Train-step benchmark"): the built-in step (tiny model, 16 + 16 images, 64 tokens,
+#: docs/benchmarks.md "Matcher"): the built-in step (tiny model, 16 + 16 images, 64 tokens,
 #: 9 targets) takes 0.34 s with the JAX matcher and 0.44 s with SciPy's host callback.
 #: GPU/TPU: no device -> host -> device round trip every step (TPUs cannot run host
 #: callbacks inside a compiled step at all).
@@ -48,7 +48,8 @@ def focal_matching_cost(logits: Array, *, alpha: float = 0.3, gamma: float = 2.0
 
   Args:
     logits: float [...] (computed in float32).
-    alpha, gamma: docs/reference.md §3 (0.3, 2.0).
+    alpha: focal alpha, docs/reference.md §3 (0.3).
+    gamma: focal gamma, docs/reference.md §3 (2.0).
 
   Returns:
     float32 [...] the cost of declaring each element positive.
@@ -160,8 +161,11 @@ def matching_cost(
     pred_boxes: float [B, T, 4] cxcywh in [0, 1].
     labels: float [B, K, Q] multi-hot targets, padding instance(s) included.
     boxes: float [B, K, 4] cxcywh targets.
-    focal_alpha, focal_gamma: focal class cost (0.3, 2.0).
-    class_weight, bbox_weight, giou_weight: cost weights (scenic: the loss weights, all 1).
+    focal_alpha: focal class cost alpha (0.3).
+    focal_gamma: focal class cost gamma (2.0).
+    class_weight: weight of the class cost (scenic: the loss weight, 1).
+    bbox_weight: weight of the L1 box cost (1).
+    giou_weight: weight of the GIoU cost (1).
 
   Returns:
     (cost float32 [B, T, K], target_mask bool [B, K] True for real targets).

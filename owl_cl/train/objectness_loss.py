@@ -46,8 +46,8 @@ def objectness_loss_per_example(
     objectness_logits: float [B, T] (any float dtype; computed in float32).
     matched: bool [B, T], True where the Hungarian matcher assigned the token to a real
       ground-truth box (no gradient).
-    focal_alpha, focal_gamma: the focal loss's alpha (weight of positives) and gamma
-      (config ``loss.focal_alpha`` / ``loss.focal_gamma``: 0.3, 2.0).
+    focal_alpha: the focal loss's alpha, the weight of positives (``loss.focal_alpha``: 0.3).
+    focal_gamma: the focal loss's gamma (``loss.focal_gamma``: 2.0).
 
   Returns:
     dict of float32 [B]: ``loss_objectness`` (sum over tokens / max(#matched, 1)),

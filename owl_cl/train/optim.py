@@ -97,7 +97,8 @@ def parameter_depth(
   Args:
     path: parameter path below `params`, e.g. ('backbone', 'clip', 'text', 'transformer',
       'resblocks_3', 'mlp', 'c_fc', 'kernel').
-    num_vision_blocks / num_text_blocks: transformer depth of each tower.
+    num_vision_blocks: transformer depth of the vision tower.
+    num_text_blocks: transformer depth of the text tower.
 
   Returns:
     ('text' | 'vision', depth >= 0). Depth 0 = heads, final LayerNorms, projections; depth i in
@@ -138,7 +139,8 @@ def hf_tensor_order(
   (= `merged_class_token`). Weight before bias, LayerNorm weight (= scale) before bias.
 
   Args:
-    num_text_blocks / num_vision_blocks: transformer depth of each tower (L/14: 12 / 24).
+    num_text_blocks: transformer depth of the text tower (L/14: 12).
+    num_vision_blocks: transformer depth of the vision tower (L/14: 24).
 
   Returns:
     (paths, first_vision_index): paths below `params` (None for visual_projection), and the
@@ -194,7 +196,8 @@ def tensor_decay_exponents(
 
   Args:
     flat_paths: every parameter path of the tree (tuples of str).
-    num_text_blocks / num_vision_blocks: tower depths.
+    num_text_blocks: text tower depth.
+    num_vision_blocks: vision tower depth.
 
   Returns:
     {path: ('text' | 'vision', exponent >= 0)} for every path of `flat_paths`.
@@ -391,9 +394,15 @@ def create_optimizer(
   Args:
     params: parameter tree (to derive the multipliers; not modified).
     learning_rate: peak vision/head LR.
-    total_steps, warmup_steps: schedule length and linear warmup (steps).
-    text_lr_multiplier, layerwise_decay, layerwise_granularity: see `lr_multipliers`.
-    b1, b2, eps, weight_decay: AdamW constants (paper: 0.9, 0.999, 1e-8, 0).
+    total_steps: schedule length (steps).
+    warmup_steps: linear warmup (steps).
+    text_lr_multiplier: see `lr_multipliers`.
+    layerwise_decay: see `lr_multipliers`.
+    layerwise_granularity: see `lr_multipliers`.
+    b1: AdamW beta 1 (paper: 0.9).
+    b2: AdamW beta 2 (paper: 0.999).
+    eps: AdamW epsilon (paper: 1e-8).
+    weight_decay: AdamW weight decay (paper: 0).
     grad_clip_norm: global gradient-norm clip (paper 1.0); None disables it.
     frozen: preset names and regexes of the parameters to freeze (`frozen_labels`); their
       update is exactly zero and they hold no Adam state (`optax.MaskedNode` in its place);

@@ -75,8 +75,11 @@ def test_holm_hand_worked():
 BASE_CONFIG = {"train": {"learning_rate": 1e-4}, "replay": {"dedup": "dataset"}, "seed": 0}
 
 
-def write_run(root, algorithm, seed, order, pre_final, down_final, *, status="complete", **cfg):
-  """A workdir written by the project's writer: stage 0 and two datasets in `order`."""
+def write_run(
+  root, algorithm, seed, order, pre_final, down_final, *, status="complete", tail=None, **cfg
+):
+  """A workdir written by the project's writer: stage 0 and two datasets in `order`; `tail`:
+  the final AP of built-in version 2's tail-classes set `pretrain_tail` (None: no such set)."""
 
   def m(ap):
     return {"AP": ap, "AP50": min(1.0, 1.5 * ap)}
@@ -95,11 +98,16 @@ def write_run(root, algorithm, seed, order, pre_final, down_final, *, status="co
       "train": {"replay_samples_fraction": 0.25},
     },
   ]
+  if tail is not None:
+    stages[-1]["metrics"]["pretrain_tail"] = m(tail)
   config = json.loads(json.dumps(BASE_CONFIG))
   config["seed"] = seed
-  for key, value in cfg.items():
-    section, field = key.split("__")
-    config[section][field] = value
+  for key, value in cfg.items():  # 'section__field' (or deeper: 'data__builtin__version')
+    *path, field = key.split("__")
+    node = config
+    for part in path:
+      node = node.setdefault(part, {})
+    node[field] = value
   workdir = os.path.join(root, f"{algorithm}_{''.join(order)}_seed{seed}")
   results_lib.write_results(
     workdir,
@@ -227,3 +235,43 @@ def test_cli_writes_the_report(tmp_path, capsys):
   write_run(str(tmp_path / "sweep"), "swil", 9, ("D1", "D2"), 0.2, 0.4, status="running")
   assert report_lib.main([str(tmp_path / "sweep"), "--out", str(out)]) == 2
   assert "is incomplete" in capsys.readouterr().err
+
+
+def test_refuses_mixed_builtin_versions(tmp_path):
+  # A run without data.builtin.version predates version 2: it ran version 1, comparable with
+  # a run that records version 1.
+  root = str(tmp_path / "same")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4, data__builtin__seed=0)
+  write_run(
+    root, "swil", 0, ("D1", "D2"), 0.2, 0.4, data__builtin__seed=0, data__builtin__version=1
+  )
+  assert len(report_lib.load_points(report_lib.find_runs([root]))) == 2
+  root = str(tmp_path / "mixed")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4, data__builtin__seed=0)
+  v2 = write_run(
+    root, "swil", 0, ("D1", "D2"), 0.2, 0.4, data__builtin__seed=0, data__builtin__version=2
+  )
+  # Sorted order: swil (version 2) first, the uniform run (version 1) is named as the odd one.
+  with pytest.raises(report_lib.ReportError, match="built-in benchmark version 1") as e:
+    report_lib.load_points(report_lib.find_runs([root]))
+  assert f"{v2}: version 2" in str(e.value) and "uniform_D1D2_seed0" in str(e.value)
+  # --ignore-field does not make versions comparable: the check reads the recorded version.
+  with pytest.raises(report_lib.ReportError, match="not comparable"):
+    report_lib.load_points(report_lib.find_runs([root]), ignore_fields=["data.builtin"])
+
+
+def test_tail_classes_ap_reported_for_version_2(tmp_path):
+  root = str(tmp_path / "v2")
+  for seed, (u, s) in enumerate(((0.10, 0.13), (0.12, 0.14), (0.08, 0.12))):
+    write_run(root, "uniform", seed, ("D1", "D2"), 0.2, 0.4, tail=u, data__builtin__version=2)
+    write_run(root, "swil", seed, ("D1", "D2"), 0.2, 0.4, tail=s, data__builtin__version=2)
+  report = report_lib.build_report(report_lib.load_points(report_lib.find_runs([root])))
+  # Hand-worked: uniform's tail AP 10 / 12 / 8 points, mean 10; differences swil - uniform
+  # 3, 2, 4 points: mean 3.
+  assert report["summary"]["uniform"]["tail_AP"]["mean"] == pytest.approx(10.0)
+  assert report["versus_reference"]["swil"]["tail_AP"]["mean"] == pytest.approx(3.0)
+  # A version-1 run has no tail set: NaN, n = 0.
+  root = str(tmp_path / "v1")
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4)
+  points = report_lib.load_points(report_lib.find_runs([root]))
+  assert math.isnan(points[0].values["tail_AP"])

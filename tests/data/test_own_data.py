@@ -28,7 +28,7 @@ from owl_cl.data import odinw
 from owl_cl.data import suites
 from owl_cl.data import tfds_source
 from owl_cl.data.coco import DataError
-from owl_cl.eval import detection
+from owl_cl.eval import coco_eval
 from owl_cl.testing import fake_data
 
 tfds = pytest.importorskip("tensorflow_datasets", reason="tensorflow-datasets is not installed")
@@ -251,8 +251,8 @@ def test_coco_and_tfds_give_the_same_ap(pair):
     )
   dets.append(dict(image_id=7, category_id=3, bbox=[30.0, 20.0, 30.0, 25.0], score=0.95))
   dets.append(dict(image_id=5, category_id=1, bbox=[1.0, 1.0, 10.0, 10.0], score=0.9))
-  ra = detection.coco_evaluate(a.coco, dets, max_dets=100)
-  rb = detection.coco_evaluate(b.coco, dets, max_dets=100)
+  ra = coco_eval.coco_evaluate(a.coco, dets, max_dets=100)
+  rb = coco_eval.coco_evaluate(b.coco, dets, max_dets=100)
   assert 0.0 < ra["AP"] < 1.0
   for k in ("AP", "AP50", "AP75", "APs", "AR"):
     assert ra[k] == rb[k] or (np.isnan(ra[k]) and np.isnan(rb[k])), k

@@ -11,6 +11,7 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 import pytest
 
+from owl_cl.eval import coco_eval
 from owl_cl.eval import detection
 
 # Three images with different aspect ratios: (image id, height, width).
@@ -280,7 +281,7 @@ def test_perfect_predictions_full_path_ap_one():
   dets = [d for d in dets if d["score"] > 0]
   assert len(dets) == len(GT)
   assert {d["category_id"] for d in dets} == {3, 7, 11}
-  metrics = detection.coco_evaluate(coco, dets)
+  metrics = coco_eval.coco_evaluate(coco, dets)
   assert metrics["AP"] == pytest.approx(1.0)
   assert metrics["AP50"] == pytest.approx(1.0)
   assert metrics["AP75"] == pytest.approx(1.0)
@@ -292,7 +293,7 @@ def test_perfect_predictions_full_path_ap_one():
     scores, labels, boxes, image_ids=image_ids, orig_sizes=sizes, category_ids=CATEGORY_IDS
   )
   assert len(all_dets) == 3 * 5
-  assert detection.coco_evaluate(coco, all_dets)["AP"] == pytest.approx(1.0)
+  assert coco_eval.coco_evaluate(coco, all_dets)["AP"] == pytest.approx(1.0)
 
 
 def perturbed_detections():
@@ -324,10 +325,10 @@ def test_perturbed_agrees_with_cocoeval(max_dets):
   coco = make_coco()
   dets = perturbed_detections()
   snapshot = [dict(d) for d in dets]
-  metrics = detection.coco_evaluate(coco, dets, max_dets=max_dets)
+  metrics = coco_eval.coco_evaluate(coco, dets, max_dets=max_dets)
   assert dets == snapshot  # input not mutated
   stats = run_cocoeval_directly(coco, dets, max_dets=max_dets)
-  for name, value in zip(detection.COCO_METRIC_NAMES, stats):
+  for name, value in zip(coco_eval.COCO_METRIC_NAMES, stats):
     if value == -1:
       assert math.isnan(metrics[name]), name
     else:
@@ -338,7 +339,7 @@ def test_perturbed_agrees_with_cocoeval(max_dets):
 def test_max_dets_is_per_image():
   coco = make_coco()
   dets = perturbed_detections()
-  m1 = detection.coco_evaluate(coco, dets, max_dets=1)
+  m1 = coco_eval.coco_evaluate(coco, dets, max_dets=1)
   # Independent: keep the best detection of each image, then pycocotools' default maxDets.
   best = {}
   for d in dets:
@@ -348,12 +349,12 @@ def test_max_dets_is_per_image():
   assert m1["AP"] == pytest.approx(stats[0], abs=1e-12)
   assert m1["AR"] == pytest.approx(stats[8], abs=1e-12)
   assert m1["num_detections"] == len(IMAGES)
-  assert m1["AP"] < detection.coco_evaluate(coco, dets, max_dets=100)["AP"]
+  assert m1["AP"] < coco_eval.coco_evaluate(coco, dets, max_dets=100)["AP"]
 
 
 def test_empty_detections_give_zero_ap():
   coco = make_coco()
-  metrics = detection.coco_evaluate(coco, [])
+  metrics = coco_eval.coco_evaluate(coco, [])
   assert metrics["AP"] == 0.0 and metrics["AP50"] == 0.0 and metrics["AR"] == 0.0
   assert math.isnan(metrics["APs"])
   assert metrics["num_detections"] == 0
@@ -362,7 +363,7 @@ def test_empty_detections_give_zero_ap():
 def test_subset_of_images_and_categories_and_per_category():
   coco = make_coco()
   dets = perturbed_detections()
-  metrics = detection.coco_evaluate(coco, dets, image_ids=[101], cat_ids=[3, 11], per_category=True)
+  metrics = coco_eval.coco_evaluate(coco, dets, image_ids=[101], cat_ids=[3, 11], per_category=True)
   with contextlib.redirect_stdout(io.StringIO()):
     ev = COCOeval(coco, coco.loadRes([dict(d) for d in dets]), "bbox")
     ev.params.imgIds = [101]
@@ -378,13 +379,13 @@ def test_subset_of_images_and_categories_and_per_category():
 
 def test_unknown_image_id_raises():
   with pytest.raises(ValueError):
-    detection.coco_evaluate(
+    coco_eval.coco_evaluate(
       make_coco(), [{"image_id": 999, "category_id": 3, "bbox": [0, 0, 1, 1], "score": 1.0}]
     )
 
 
 def test_coco_evaluate_prints_nothing(capsys):
-  detection.coco_evaluate(make_coco(), perturbed_detections())
+  coco_eval.coco_evaluate(make_coco(), perturbed_detections())
   assert capsys.readouterr().out == ""
 
 

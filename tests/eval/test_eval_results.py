@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from owl_cl.eval import results as rl
+from owl_cl.eval import table3
 
 
 def metrics(ap, ap50, **extra):
@@ -207,7 +208,7 @@ def test_missing_values_render_as_dash(tmp_path):
   md = open(os.path.join(tmp_path, "results.md")).read()
   assert "| swil | - | 24.9 | 21.6 | - |" in md
   assert math.isnan(
-    rl.table3_row(r["stages"][2], rl.finalize_results(r)["roles"])["downstream_mean_AP"]
+    table3.table3_row(r["stages"][2], rl.finalize_results(r)["roles"])["downstream_mean_AP"]
   )
 
 

@@ -100,6 +100,19 @@ def test_paper_fixed_and_bracket_values():
       sweep.split_values(bad)
 
 
+def test_config_arg_selects_builtin_v2(capsys):
+  tasks = sweep.build_sweep(["uniform", "swil"], [0], root="runs", config_arg="builtin2")
+  assert [t.argv[3] for t in tasks] == [
+    "--config=configs/uniform.py:builtin2",
+    "--config=configs/swil.py:builtin2",
+  ]
+  # Fields are checked against the builtin2 config; an unknown argument is refused.
+  with pytest.raises(ValueError, match="--config-arg='bogus': unknown config argument"):
+    sweep.build_sweep(["uniform"], [0], config_arg="bogus")
+  assert sweep.main(["--algorithms=uniform", "--config-arg=builtin2", "--seeds=1"]) == 0
+  assert "--config=configs/uniform.py:builtin2 " in capsys.readouterr().out
+
+
 def test_workdirs_unique_and_refusals():
   tasks = sweep.build_sweep(
     ALGORITHMS, [0, 1, 2], grid=[("replay.ratio", ["0.5", "1.0"])], check_fields=False

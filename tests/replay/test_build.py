@@ -5,6 +5,7 @@ every image preprocessed and analysed at once, then selected), and a build kille
 (SIGKILL of a subprocess, or an exception at a chunk boundary) against an uninterrupted one.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -51,14 +52,14 @@ def _analyse(detector, params, source, options):
   """The in-memory builder's first half: every image preprocessed, then analysed per batch.
 
   Returns (examples [N, ...], analysis dict [N, ...])."""
-  o = options
+  o = options["buffer_spec"]
   examples = input_pipeline.stack_examples(
     [
       input_pipeline.preprocess_train_example(
         source.load(i),
-        o["spec"],
-        rng=input_pipeline.example_rng(o["seed"], 0, i),
-        **o["example_options"],
+        o.example,
+        rng=input_pipeline.example_rng(o.seed, 0, i),
+        **o.example_options,
       )
       for i in range(len(source))
     ]
@@ -69,14 +70,14 @@ def _analyse(detector, params, source, options):
   def forward(batch):
     out = detector.model.apply({"params": params}, batch["images"], batch["queries"], train=False)
     det = losses.detection_loss(
-      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **o["loss_config"]
+      out["pred_logits"], out["pred_boxes"], batch["labels"], batch["boxes"], **o.loss_config
     )
     top_class, top_query = top_k_lib.top_k_embeddings(
       out["pred_logits"],
       out["class_embeddings"],
       out["query_embeddings"],
       batch["queries"][..., 0] > 0,
-      o["top_k"],
+      o.top_k,
     )
     counts = buffer_selection.instance_counts_from_labels(
       batch["labels"], batch["query_class"], num_classes
@@ -86,7 +87,7 @@ def _analyse(detector, params, source, options):
       out["class_embeddings"],
       batch["query_class"],
       counts,
-      max_per_class=o["max_per_class"],
+      max_per_class=o.max_per_class,
     )
     feature_map = out["feature_map"]
     return dict(
@@ -94,7 +95,7 @@ def _analyse(detector, params, source, options):
         out["pred_logits"],
         feature_map.reshape(feature_map.shape[0], -1, feature_map.shape[-1]),
         batch["queries"][..., 0] > 0,
-        o["top_k"],
+        o.top_k,
       ),
       loss=det["per_example"],
       logits=out["pred_logits"],
@@ -118,22 +119,22 @@ def _analyse(detector, params, source, options):
 
 
 def _reference(examples, a, o):
-  """The in-memory builder's selection: kept image indices, their prototypes, distances,
-  logits, top-k class / query embeddings and examples."""
+  """The in-memory builder's selection (`o`: the `BufferSpec`): kept image indices, their
+  prototypes, distances, logits, top-k class / query embeddings and examples."""
   membership = a["counts"] > 0
   keep = buffer_selection.select_buffer(
     a["loss"],
     membership,
-    o["loss_threshold"],
-    min_per_class=o["min_per_class"],
-    fill_all_for_rare_classes=o["fill_all_for_rare_classes"],
-    drop_images_without_class=o["drop_images_without_class"],
-    top_up_order=o["top_up_order"],
+    o.loss_threshold,
+    min_per_class=o.min_per_class,
+    fill_all_for_rare_classes=o.fill_all_for_rare_classes,
+    drop_images_without_class=o.drop_images_without_class,
+    top_up_order=o.top_up_order,
   )
   prototypes, _ = buffer_selection.buffer_prototypes(
-    a["sums"], a["token_counts"], keep, o["prototype_images"]
+    a["sums"], a["token_counts"], keep, o.prototype_images
   )
-  max_instances = o["distance_max_instances"] or o["spec"].max_instances
+  max_instances = o.distance_max_instances or o.example.max_instances
   distances = buffer_selection.prototype_distances(
     jnp.asarray(a["logits"][keep]),
     jnp.asarray(a["class_embeddings"][keep]),
@@ -156,8 +157,13 @@ def _reference(examples, a, o):
   )
 
 
+def _with(options, **changes):
+  """`build_options` with the `BufferSpec` fields `changes` replaced."""
+  return {**options, "buffer_spec": dataclasses.replace(options["buffer_spec"], **changes)}
+
+
 def _options(options, **changes):
-  return {**options, "chunk_images": BATCH, **changes}
+  return {**_with(options, **changes), "chunk_images": BATCH}
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +183,7 @@ def test_streaming_build_equals_in_memory_reference(setup, analysis, tmp_path, c
   # Threshold at the 40% loss quantile: the threshold keeps some, the top-up adds others.
   threshold = float(np.quantile(analysis["loss"], 0.4))
   options = _options(options, loss_threshold=threshold, min_per_class=3, **changes)
-  ref = _reference(examples, analysis, options)
+  ref = _reference(examples, analysis, options["buffer_spec"])
   stats = build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **options)
   store = store_lib.ReplayStore.load(str(tmp_path / "s"), source=source)
   assert 0 < stats["kept_below_threshold"] < stats["images_kept"] < len(source)
@@ -201,7 +207,7 @@ def test_streaming_build_equals_in_memory_reference(setup, analysis, tmp_path, c
   np.testing.assert_allclose(b["prototypes"], ref["prototypes"], atol=1e-5, rtol=0)
   np.testing.assert_allclose(b["class_embeddings"], ref["top_class"], atol=1e-5, rtol=0)
   np.testing.assert_allclose(b["query_embeddings"], ref["top_query"], atol=1e-5, rtol=1e-5)
-  if options["image_features"]:
+  if options["buffer_spec"].image_features:
     np.testing.assert_allclose(b["image_features"], ref["image_features"], atol=1e-5, rtol=1e-5)
   else:
     assert "image_features" not in b
@@ -235,7 +241,12 @@ class _Stop(Exception):
 
 
 # Every image kept (6 chunks in every pass), DER++ logits in bfloat16.
-RESUME_OPTIONS = dict(chunk_images=BATCH, loss_threshold=1e9, logits_dtype="bfloat16")
+RESUME_SPEC = dict(loss_threshold=1e9, logits_dtype="bfloat16")
+
+
+def _resume_options(options):
+  """`build_options` with RESUME_SPEC and one-batch chunks."""
+  return {**_with(options, **RESUME_SPEC), "chunk_images": BATCH}
 
 
 @pytest.fixture(scope="module")
@@ -243,14 +254,14 @@ def whole(setup, tmp_path_factory):
   """The store of an uninterrupted build with RESUME_OPTIONS."""
   detector, params, source, options = setup
   path = str(tmp_path_factory.mktemp("whole") / "store")
-  build_lib.build_store(detector.model, params, source, path, **{**options, **RESUME_OPTIONS})
+  build_lib.build_store(detector.model, params, source, path, **_resume_options(options))
   return path
 
 
 @pytest.mark.parametrize("stop_at", [("losses", 3), ("distances", 2)])
 def test_interrupted_build_resumes_to_the_same_store(setup, whole, tmp_path, stop_at):
   detector, params, source, options = setup
-  options = {**options, **RESUME_OPTIONS}
+  options = _resume_options(options)
   calls = []
 
   def stop(name, batches):
@@ -274,11 +285,11 @@ def test_interrupted_build_resumes_to_the_same_store(setup, whole, tmp_path, sto
 
 def test_killed_subprocess_build_resumes_to_the_same_store(setup, whole, tmp_path):
   detector, params, source, options = setup
-  options = {**options, **RESUME_OPTIONS}
+  options = _resume_options(options)
   path = str(tmp_path / "killed")
   script = textwrap.dedent(
     f"""
-    import os, signal
+    import dataclasses, os, signal
     from owl_cl import benchmark, pretrained
     from owl_cl.detector import Detector
     from owl_cl.replay import build, setup
@@ -290,7 +301,9 @@ def test_killed_subprocess_build_resumes_to_the_same_store(setup, whole, tmp_pat
     bench = benchmark.load_benchmark(config)
     params, _ = pretrained.pretrained_params(detector, bench, None)
     source = bench.pretrain.train
-    options = dict(setup.build_options(detector, source), **{RESUME_OPTIONS!r})
+    options = setup.build_options(detector, source)
+    options["buffer_spec"] = dataclasses.replace(options["buffer_spec"], **{RESUME_SPEC!r})
+    options["chunk_images"] = {BATCH}
 
     def kill(name, batches):
       # Mid-chunk: pass 2's arrays of this chunk are written, its progress is not.
@@ -325,11 +338,11 @@ def test_build_folder_of_other_settings_is_restarted(setup, tmp_path):
 
   with pytest.raises(_Stop):
     build_lib.build_store(
-      detector.model, params, source, path, chunk_hook=stop, **{**options, **RESUME_OPTIONS}
+      detector.model, params, source, path, chunk_hook=stop, **_resume_options(options)
     )
   # Another selection (no threshold, 3 images per class): pass 1 is redone, not resumed.
   calls = []
-  changed = {**options, **RESUME_OPTIONS, "loss_threshold": -np.inf, "min_per_class": 3}
+  changed = _with(_resume_options(options), loss_threshold=-np.inf, min_per_class=3)
   stats = build_lib.build_store(
     detector.model, params, source, path, chunk_hook=lambda *c: calls.append(c), **changed
   )
@@ -346,7 +359,7 @@ def test_budget_brings_the_store_to_its_size(setup, tmp_path, budget, expected):
   detector, params, source, options = setup
   path = str(tmp_path / "s")
   stats = build_lib.build_store(
-    detector.model, params, source, path, **{**options, "budget": budget}
+    detector.model, params, source, path, **_with(options, budget=budget)
   )
   expected = len(source) if expected is None else expected
   assert store_lib.ReplayStore.load(path).num_images == stats["images_kept"] == expected
@@ -403,18 +416,32 @@ def test_store_by_reference_gathers_what_the_pixel_store_did(
     store_lib.ReplayStore.load(whole).gather([0])
 
 
-def test_augmented_buffer_examples_are_refused_before_any_work(setup, tmp_path):
-  detector, params, source, options = setup
-  augmented = {**options, "example_options": {**options["example_options"], "hflip": True}}
-  with pytest.raises(ValueError, match="hflip"):
-    build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **augmented)
-  assert not os.listdir(tmp_path)
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    ({"example_options": {"squash": False, "hflip": True}}, r"example_options set \['hflip'\]"),
+    ({"logits_dtype": "int8"}, "logits_dtype='int8' is unknown"),
+    ({"prototype_images": "kept"}, "replay.selection.prototype_images='kept' is unknown"),
+  ],
+  ids=["augmented", "logits_dtype", "prototype_images"],
+)
+def test_bad_buffer_spec_is_refused_when_made(setup, changes, message):
+  """A `BufferSpec` the build cannot honour is refused when it is made, before any build
+  (augmented examples: images by reference are re-made without the augmentation)."""
+  spec = setup[3]["buffer_spec"]
+  with pytest.raises(ValueError, match=message):
+    dataclasses.replace(spec, **changes)
 
 
-def test_unknown_logits_dtype_is_refused_before_any_work(setup, tmp_path):
-  detector, params, source, options = setup
-  with pytest.raises(ValueError, match="logits_dtype='int8'"):
-    build_lib.build_store(
-      detector.model, params, source, str(tmp_path / "s"), **{**options, "logits_dtype": "int8"}
-    )
+class _EmptySource:
+  class_names = ("a",)
+
+  def __len__(self):
+    return 0
+
+
+def test_empty_source_is_refused_before_any_work(setup, tmp_path):
+  detector, params, _, options = setup
+  with pytest.raises(ValueError, match="pre-training set .* has no image"):
+    build_lib.build_store(detector.model, params, _EmptySource(), str(tmp_path / "s"), **options)
   assert not os.listdir(tmp_path)

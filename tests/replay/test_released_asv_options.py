@@ -1,6 +1,6 @@
-"""Hand-worked tests of the released code's options of issue 18 item 9 (README "Paper vs
-released code"): GRASP-weighted draws within a class (`bal_prob_type='GRASP'`), ASER without
-its buffer term (`no_buff`) and the thresholded KNN-SV (`SV_type='TKNN'`, `l2_thresh`)."""
+"""Hand-worked tests of the released code's options of issue 18 item 9 (docs/released_code.md):
+GRASP-weighted draws within a class (`bal_prob_type='GRASP'`), ASER without its buffer term
+(`no_buff`) and the thresholded KNN-SV (`SV_type='TKNN'`, `l2_thresh`)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Hand-worked tests of the released code's retrieval options (README "paper vs released code")."""
+"""Hand-worked tests of the released code's retrieval options (docs/released_code.md)."""
 
 import jax
 import numpy as np

@@ -41,6 +41,13 @@ Scenes are 96-128 px on the long side, aspect ratio 0.7-1.43, with 1-4 annotated
 long side is 20-45% of the scene's (>= 12.8 px after resizing to 64; `tiny`: 14-20%, >= 9 px;
 `digits` 32-50%, `glyphs` 30-50%, 1-3 objects).
 
+Version 2 (`ensure_benchmark(..., version=2)`; docs/experiments.md, "Built-in benchmark
+version 2"): the same classes, dataset names and domain shifts, with long-tailed pre-training
+classes (frequency proportional to 1 / rank), a tail-classes evaluation set `pretrain_tail/val`,
+downstream classes that interfere with named pre-training classes, a class in two downstream
+datasets and a negative control (`vocabulary.design(2)`, stored in `benchmark.json`). The
+description above is version 1, the default, which version 2 leaves byte for byte unchanged.
+
 API: `ensure_benchmark(cache_dir, seed=0, **sizes) -> BuiltinBenchmark`,
 `BuiltinBenchmark.describe()`, `render_preview(...)`.
 
@@ -50,6 +57,7 @@ the splits, the cache folder, `BuiltinBenchmark`); the public names are re-expor
 """
 
 from owl_cl.data.builtin.benchmark import FORMAT_VERSION
+from owl_cl.data.builtin.benchmark import TAIL_DATASET
 from owl_cl.data.builtin.benchmark import BuiltinBenchmark
 from owl_cl.data.builtin.benchmark import BuiltinConfig
 from owl_cl.data.builtin.benchmark import DownstreamDataset
@@ -57,6 +65,7 @@ from owl_cl.data.builtin.benchmark import SplitFiles
 from owl_cl.data.builtin.benchmark import ensure_benchmark
 from owl_cl.data.builtin.benchmark import generate_benchmark
 from owl_cl.data.builtin.benchmark import render_preview
+from owl_cl.data.builtin.vocabulary import BENCHMARK_VERSIONS
 from owl_cl.data.builtin.vocabulary import COLORS
 from owl_cl.data.builtin.vocabulary import DOWNSTREAM_NAMES
 from owl_cl.data.builtin.vocabulary import HELD_OUT_PAIRS
@@ -68,6 +77,8 @@ from owl_cl.data.builtin.vocabulary import pretrain_class_names
 
 __all__ = [
   "FORMAT_VERSION",
+  "TAIL_DATASET",
+  "BENCHMARK_VERSIONS",
   "BuiltinConfig",
   "SplitFiles",
   "DownstreamDataset",

@@ -23,20 +23,21 @@ from PIL import ImageDraw
 
 from owl_cl import integrity
 from owl_cl import utils
+from owl_cl.data.builtin import vocabulary
 from owl_cl.data.builtin.render import Assets
 from owl_cl.data.builtin.render import render_scene
-from owl_cl.data.builtin.vocabulary import DOMAINS
-from owl_cl.data.builtin.vocabulary import DOWNSTREAM
+from owl_cl.data.builtin.vocabulary import BENCHMARK_VERSIONS
 from owl_cl.data.builtin.vocabulary import DOWNSTREAM_NAMES
 from owl_cl.data.builtin.vocabulary import HELD_OUT_PAIRS
 from owl_cl.data.builtin.vocabulary import NUISANCE_SHAPES
 from owl_cl.data.builtin.vocabulary import PRETRAIN_PAIRS
 from owl_cl.data.builtin.vocabulary import Domain
 from owl_cl.data.builtin.vocabulary import ObjectStyle
-from owl_cl.data.builtin.vocabulary import colour_pattern_domain
 from owl_cl.data.coco import CocoSource
 
 FORMAT_VERSION = 3  # bump whenever generated content changes (keys the cache)
+# Version 2's dataset of the tail-classes evaluation set (split 'val').
+TAIL_DATASET = "pretrain_tail"
 
 
 # ------------------------------------------------------------------------------------------
@@ -55,12 +56,16 @@ def _write_split(
   seed: int,
   assets: Assets,
   pbar,
+  version: int = 1,
 ) -> dict[str, int]:
   from pycocotools import mask as mask_utils
 
   img_dir = os.path.join(root, dataset, "images")
   os.makedirs(img_dir, exist_ok=True)
-  distractors = [ObjectStyle("shape", NUISANCE_SHAPES, "color", c, p) for c, p in PRETRAIN_PAIRS]
+  distractors = [
+    ObjectStyle("shape", NUISANCE_SHAPES, "color", c, p)
+    for c, p in (dom.distractor_pairs or PRETRAIN_PAIRS)
+  ]
   images, anns = [], []
   code = _split_code(dataset, split)
   for i in range(num_images):
@@ -98,6 +103,8 @@ def _write_split(
     split=split,
     domain=dom.description,
   )
+  if version != 1:  # version 1's files stay byte for byte as before the field existed
+    info["benchmark_version"] = version
   with open(os.path.join(root, dataset, f"{split}.json"), "w") as f:
     json.dump(
       dict(info=info, images=images, annotations=anns, categories=cats), f, separators=(",", ":")
@@ -110,7 +117,11 @@ def _write_split(
 # ------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class BuiltinConfig:
-  """All generation parameters (they, with FORMAT_VERSION, key the cache folder)."""
+  """All generation parameters (they, with FORMAT_VERSION, key the cache folder).
+
+  `version` 1 (default) or 2 (docs/experiments.md, "Built-in benchmark version 2");
+  `num_tail_val` is the size of version 2's tail-classes evaluation set (unused by version 1).
+  """
 
   seed: int = 0
   num_pretrain_train: int = 1200
@@ -119,23 +130,40 @@ class BuiltinConfig:
   num_downstream_train: int = 200
   num_downstream_test: int = 60
   downstream: tuple[str, ...] = DOWNSTREAM_NAMES
+  version: int = 1
+  num_tail_val: int = 200
+
+  def as_dict(self) -> dict[str, Any]:
+    """The parameters as stored and keyed: version 1 without `version` and `num_tail_val`
+    (fields added with version 2), so version 1's cache keys and metadata are unchanged."""
+    out = dataclasses.asdict(self)
+    if self.version == 1:
+      del out["version"], out["num_tail_val"]
+    return out
 
   def key(self) -> str:
-    """'builtin_v<FORMAT_VERSION>_<12 hex digits of sha256 of the parameters>'."""
-    payload = json.dumps(
-      dict(dataclasses.asdict(self), format_version=FORMAT_VERSION), sort_keys=True
-    )
-    return f"builtin_v{FORMAT_VERSION}_{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
+    """Version 1: 'builtin_v<FORMAT_VERSION>_<12 hex digits of sha256 of the parameters>';
+    version 2: 'builtin2_v<FORMAT_VERSION>_<...>' (the version enters the hash too)."""
+    payload = json.dumps(dict(self.as_dict(), format_version=FORMAT_VERSION), sort_keys=True)
+    prefix = "builtin" if self.version == 1 else f"builtin{self.version}"
+    return f"{prefix}_v{FORMAT_VERSION}_{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
 
   def splits(self) -> list[tuple[str, str, Domain, int]]:
-    """(dataset, split, domain, number of images) in generation order."""
-    unknown = [d for d in self.downstream if d not in DOMAINS]
+    """(dataset, split, domain, number of images) in generation order.
+
+    Raises:
+      ValueError: a `version` not in `BENCHMARK_VERSIONS`, or an unknown downstream name.
+    """
+    if self.version not in BENCHMARK_VERSIONS:
+      raise ValueError(
+        f"built-in benchmark version {self.version!r} unknown; known: {BENCHMARK_VERSIONS}"
+      )
+    domains = vocabulary.downstream_domains(self.version)
+    unknown = [d for d in self.downstream if d not in domains]
     if unknown:
       raise ValueError(f"unknown downstream datasets {unknown}; known: {DOWNSTREAM_NAMES}")
-    pre = colour_pattern_domain(
-      "pretrain", PRETRAIN_PAIRS, "colour x fill-pattern pairs on muted photograph backgrounds"
-    )
-    held = colour_pattern_domain(
+    pre = vocabulary.pretrain_domain(self.version)
+    held = vocabulary.colour_pattern_domain(
       "held_out", HELD_OUT_PAIRS, "held-out colour-pattern pairs, never in pre-training"
     )
     out = [
@@ -143,9 +171,11 @@ class BuiltinConfig:
       ("pretrain", "val", pre, self.num_pretrain_val),
       ("held_out", "val", held, self.num_held_out_val),
     ]
+    if self.version == 2:
+      out.append((TAIL_DATASET, "val", vocabulary.tail_domain(), self.num_tail_val))
     for d in self.downstream:
-      out.append((d, "train", DOMAINS[d], self.num_downstream_train))
-      out.append((d, "test", DOMAINS[d], self.num_downstream_test))
+      out.append((d, "train", domains[d], self.num_downstream_train))
+      out.append((d, "test", domains[d], self.num_downstream_test))
     return out
 
 
@@ -187,6 +217,8 @@ class BuiltinBenchmark:
     classes: dataset -> class names in contiguous index order.
     counts: 'dataset/split' -> dict(images, instances).
     generation_seconds: wall time of the generation that produced the cache.
+    design: version 2's design as generated (`vocabulary.design`: class frequencies, tail
+      classes, interference, reappearing class, negative control); {} for version 1.
   """
 
   root: str
@@ -196,6 +228,17 @@ class BuiltinBenchmark:
   classes: dict[str, tuple[str, ...]]
   counts: dict[str, dict[str, int]]
   generation_seconds: float
+  design: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def version(self) -> int:
+    """The benchmark version (1 or 2)."""
+    return self.config.version
+
+  @property
+  def tail_val(self) -> SplitFiles | None:
+    """Version 2's tail-classes evaluation set (None in version 1)."""
+    return self.splits.get((TAIL_DATASET, "val"))
 
   @property
   def fingerprint(self) -> str:
@@ -249,18 +292,21 @@ class BuiltinBenchmark:
     """A markdown summary: per dataset its domain shift, classes and image/instance counts."""
     descr = {
       "pretrain": "colour x fill-pattern pairs on muted photograph backgrounds, "
-      "shapes vary (O365 stand-in)",
+      "shapes vary (O365 stand-in)"
+      + (", class frequency proportional to 1 / rank" if self.version == 2 else ""),
       "held_out": "held-out colour-pattern pairs, never in pre-training (LVIS-rare stand-in)",
+      TAIL_DATASET: vocabulary.tail_domain().description,
     }
-    descr.update({d.name: d.description for d in DOWNSTREAM})
+    descr.update({n: d.description for n, d in vocabulary.downstream_domains(self.version).items()})
     lines = [
-      f"Built-in benchmark `{os.path.basename(self.root)}` (seed {self.config.seed}, "
-      f"format v{FORMAT_VERSION})",
+      f"Built-in benchmark `{os.path.basename(self.root)}` (version {self.version}, seed "
+      f"{self.config.seed}, format v{FORMAT_VERSION})",
       "",
       "| dataset | split(s): images / instances | classes | domain |",
       "|---|---|---|---|",
     ]
-    for ds in ["pretrain", "held_out"] + list(self.downstream_names):
+    extra = [TAIL_DATASET] if self.tail_val is not None else []
+    for ds in ["pretrain", "held_out"] + extra + list(self.downstream_names):
       parts = [
         f"{sp} {self.counts[f'{ds}/{sp}']['images']} / {self.counts[f'{ds}/{sp}']['instances']}"
         for sp in ("train", "val", "test")
@@ -289,6 +335,7 @@ def _benchmark_from_meta(root: str, meta: dict[str, Any]) -> BuiltinBenchmark:
     classes={k: tuple(v) for k, v in meta["classes"].items()},
     counts=meta["counts"],
     generation_seconds=float(meta["generation_seconds"]),
+    design=meta.get("design", {}),
   )
 
 
@@ -334,7 +381,9 @@ def generate_benchmark(
     total=sum(n for *_, n in todo), desc="built-in benchmark", unit="img", disable=not progress
   ) as pbar:
     for ds, sp, dom, n in todo:
-      counts[f"{ds}/{sp}"] = _write_split(root, ds, sp, dom, n, config.seed, assets, pbar)
+      counts[f"{ds}/{sp}"] = _write_split(
+        root, ds, sp, dom, n, config.seed, assets, pbar, config.version
+      )
       classes[ds] = [c for c, _ in dom.classes]
   import PIL
   import skimage
@@ -343,7 +392,7 @@ def generate_benchmark(
   meta = dict(
     format_version=FORMAT_VERSION,
     key=config.key(),
-    config=dataclasses.asdict(config),
+    config=config.as_dict(),
     counts=counts,
     classes=classes,
     generation_seconds=round(time.perf_counter() - t0, 3),
@@ -354,6 +403,9 @@ def generate_benchmark(
       sklearn=sklearn.__version__,
     ),
   )
+  if config.version != 1:  # version 1's metadata as before the field existed
+    meta["benchmark_version"] = config.version
+    meta["design"] = vocabulary.design(config.version)
   with open(os.path.join(root, _META), "w") as f:
     json.dump(meta, f, indent=1, sort_keys=True)
   return meta
@@ -369,6 +421,8 @@ def ensure_benchmark(
   num_downstream_train: int = 200,
   num_downstream_test: int = 60,
   downstream: Sequence[str] = DOWNSTREAM_NAMES,
+  version: int = 1,
+  num_tail_val: int = 200,
   progress: bool = True,
 ) -> BuiltinBenchmark:
   """Return the built-in benchmark, generating it into `cache_dir` if needed.
@@ -388,16 +442,24 @@ def ensure_benchmark(
   Args:
     cache_dir: parent folder (created if missing).
     seed: generation seed (int >= 0).
-    num_pretrain_train / num_pretrain_val / num_held_out_val / num_downstream_train /
-      num_downstream_test: images per split.
+    num_pretrain_train: images of the pre-training train split.
+    num_pretrain_val: images of the pre-training val split.
+    num_held_out_val: images of the held-out split.
+    num_downstream_train: images of each downstream train split.
+    num_downstream_test: images of each downstream test split.
     downstream: names of the downstream datasets to generate, a subset of `DOWNSTREAM_NAMES`.
+    version: 1 (the original benchmark) or 2 (docs/experiments.md, "Built-in benchmark
+      version 2": long-tailed pre-training classes, the `pretrain_tail/val` set, interfering
+      downstream classes, a reappearing class, a negative control; metadata in `design`).
+    num_tail_val: images of version 2's tail-classes evaluation set.
     progress: show a tqdm progress bar.
 
   Returns:
     `BuiltinBenchmark`.
 
   Raises:
-    ValueError: unknown downstream name. OSError: file system errors.
+    ValueError: unknown version or downstream name (before anything is written).
+    OSError: file system errors.
 
   Default size (3,320 images): ~21 s of CPU time on one core (measured; ~50 s wall on a
   shared, busy 2-core machine), of which ~3 s loading the bundled photographs.
@@ -410,8 +472,10 @@ def ensure_benchmark(
     num_downstream_train=num_downstream_train,
     num_downstream_test=num_downstream_test,
     downstream=tuple(downstream),
+    version=version,
+    num_tail_val=num_tail_val,
   )
-  config.splits()  # validates names
+  config.splits()  # validates the version and the names
   os.makedirs(cache_dir, exist_ok=True)
   root = os.path.join(os.fspath(cache_dir), config.key())
   with utils.cache_entry_lock(root, "built-in benchmark"):
@@ -450,7 +514,8 @@ def render_preview(
 ) -> str:
   """Save a PNG grid: one row per dataset (first split), `per_dataset` scenes each, boxes and
   class names drawn. Returns `path`."""
-  datasets = ["pretrain", "held_out"] + list(benchmark.downstream_names)
+  extra = [TAIL_DATASET] if benchmark.tail_val is not None else []
+  datasets = ["pretrain", "held_out"] + extra + list(benchmark.downstream_names)
   label_h = 12
   grid = Image.new(
     "RGB", (per_dataset * (cell + 4) + 70, len(datasets) * (cell + label_h + 4)), (255, 255, 255)

@@ -441,7 +441,12 @@ def render_scene(
 
   n = int(rng.integers(dom.n_objects[0], dom.n_objects[1] + 1))
   for _ in range(n):
-    ci = int(rng.integers(len(dom.classes)))
+    if dom.class_weights:  # version 2 (version 1 keeps its draws: the same bytes)
+      ci = int(
+        rng.choice(len(dom.classes), p=np.asarray(dom.class_weights) / sum(dom.class_weights))
+      )
+    else:
+      ci = int(rng.integers(len(dom.classes)))
     res = place(dom.classes[ci][1], dom.size_frac)
     if res is not None:
       placed.append((ci,) + res)

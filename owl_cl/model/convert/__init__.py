@@ -12,7 +12,7 @@ One module per format, all returning the ``params`` collection as a nested ``dic
 * ``openai_clip``: OpenAI CLIP TorchScript files as the towers' initialisation
   (:func:`load_clip_torchscript`, :func:`fresh_head_params`).
 * ``layouts``: how a leaf is stored in torch (shared by ``hf`` and ``openai_clip``).
-* ``cli``: ``python -m owl_cl.model.convert ...`` (see the README section "Checkpoints").
+* ``cli``: ``python -m owl_cl.model.convert ...`` (see docs/checkpoints.md).
 
 Not to be confused with ``owl_cl.train.checkpointing``, which saves and restores a run's own
 state. This package re-exports every public function, so ``from owl_cl.model import convert``

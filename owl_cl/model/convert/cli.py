@@ -3,7 +3,7 @@ owl_cl-to-hf, clip-to-owl_cl} INPUT OUTPUT ...``.
 
 Each command writes (or reads) our own parameter format, ``owl_cl.train.checkpointing``'s
 ``save_params`` layout: an orbax tree plus ``meta.json`` recording where the parameters came
-from. See the README section "Checkpoints".
+from. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _cmd_clip(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  """Command-line converter; see the README section "Checkpoints" and ``--help``."""
+  """Command-line converter; see docs/checkpoints.md and ``--help``."""
   parser = argparse.ArgumentParser(
     prog="python -m owl_cl.model.convert",
     description="Convert OWL-ViT and OWLv2 checkpoints to and from owl_cl's parameter format.",

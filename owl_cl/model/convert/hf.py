@@ -411,8 +411,10 @@ def load_hf_checkpoint(
     (``hf_compat=True``) to build the matching module with ``OwlViT(**config)``.
 
   Raises:
-    FileNotFoundError, ValueError (see :func:`hf_config_to_model_config`),
-    CheckpointMismatchError (listing paths, naming the folder).
+    FileNotFoundError: see :func:`hf_config_to_model_config`.
+    ValueError: see :func:`hf_config_to_model_config`.
+    CheckpointMismatchError: parameters missing, unexpected or wrongly shaped (listing their
+      paths, naming the folder).
 
   Source: docs/reference.md §1.2.
   """

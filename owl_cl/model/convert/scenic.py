@@ -105,8 +105,9 @@ def read_scenic_checkpoint(path: str) -> dict[str, Any]:
     :func:`fix_scenic_names`.
 
   Raises:
-    FileNotFoundError: no such file. ValueError: not msgpack, or none of the known
-    nestings (the message names the file and its top-level keys).
+    FileNotFoundError: no such file.
+    ValueError: not msgpack, or none of the known nestings (the message names the file and
+      its top-level keys).
 
   Source: docs/reference.md §2; scenic `scenic/projects/owl_vit/models.py` (``load_variables``).
   """

@@ -189,8 +189,11 @@ def infer_model_config(
 
   Args:
     params: our parameter tree (arrays or ``ShapeDtypeStruct``).
-    tokenizer, hf_compat, dtype, text_stochastic_depth, vision_stochastic_depth: the
-      fields a tree does not determine.
+    tokenizer: a `ModelConfig` field a tree does not determine.
+    hf_compat: a `ModelConfig` field a tree does not determine.
+    dtype: a `ModelConfig` field a tree does not determine.
+    text_stochastic_depth: a `ModelConfig` field a tree does not determine.
+    vision_stochastic_depth: a `ModelConfig` field a tree does not determine.
 
   Returns:
     ``ModelConfig``; ``image_size = sqrt(P) * patch`` from the vision positional

@@ -154,10 +154,15 @@ def _chunk_sums(
 def chunk_function(mesh, num_images: int, chunk: int, options: dict):
   """The jitted computation of one chunk, as `compute_left_term` calls it.
 
-  Args: the mesh, N (images of the buffer), chunk (evaluation images per call, a multiple of
-    the mesh's data size) and `left_term_options`.
-  Returns: a function (start int32 [], class tokens float32 [N, t, D], queries float32
-    [N, t, E], both replicated) -> (sum float32 [N], min float32 [N]) over evaluation images
+  Args:
+    mesh: the device mesh the chunk's rows are split over.
+    num_images: N, images of the buffer.
+    chunk: evaluation images per call, a multiple of the mesh's data size.
+    options: `left_term_options`.
+
+  Returns:
+    A function (start int32 [], class tokens float32 [N, t, D], queries float32 [N, t, E],
+    both replicated) -> (sum float32 [N], min float32 [N]) over evaluation images
     start .. start + chunk - 1 (`_chunk_sums`). benchmarks/asv_left.py times it.
   """
   return functools.partial(
@@ -374,7 +379,9 @@ def cached_left_term(
 
   Args:
     prefix: the replay store's folder (`ReplayStore.path`, `cache_dir/buffers/<key>`).
-    class_tokens, query_embeddings, options: as `compute_left_term`.
+    class_tokens: as `compute_left_term`.
+    query_embeddings: as `compute_left_term`.
+    options: as `compute_left_term`.
     **kwargs: `compute_left_term`'s mesh, chunk_size, progress, chunk_hook.
   Returns:
     (left float32 [N], left_min float32 [N]) as `compute_left_term`.

@@ -74,9 +74,8 @@ def similarity_weighted_probs(
     class_embeddings: float [B, k, E]; top-k class embeddings of each new image
       (`selection.top_k_embeddings`).
     prototypes: float [C, E]; class prototypes of the buffer.
-    w: float >= 0; inverse-distance exponent (docs/reference.md §7: 1.0). w = 0 gives uniform over
-    the
-      eligible classes. May be a traced scalar.
+    w: float >= 0; inverse-distance exponent (docs/reference.md §7: 1.0). w = 0 gives uniform
+      over the eligible classes. May be a traced scalar.
     class_eligible: bool [C]; classes with at least one eligible buffer image.
     reduction: how d reduces the k embeddings: 'min' (paper, released default) or 'mean'
       (the released code's `swil_reduce_type='avg'`).

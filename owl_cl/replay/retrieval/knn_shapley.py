@@ -458,10 +458,11 @@ def image_knn_shapley(
     image candidates, reduced over the evaluation token dim.
 
   Args:
-    eval_class_embeddings / eval_query_embeddings: float [N_e, t, D] / [N_e, t, E].
-    candidate_class_embeddings / candidate_query_embeddings: float [N_c, t', D] /
-      [N_c, t', E]. The "class" tokens give the distances (the class embeddings, D = E, or
-      the ViT image features, released `cls_embeds=False`), the queries the utilities.
+    eval_class_embeddings: float [N_e, t, D]. The "class" tokens give the distances (the
+      class embeddings, D = E, or the ViT image features, released `cls_embeds=False`).
+    eval_query_embeddings: float [N_e, t, E]; the queries give the utilities.
+    candidate_class_embeddings: float [N_c, t', D], as `eval_class_embeddings`.
+    candidate_query_embeddings: float [N_c, t', E], as `eval_query_embeddings`.
     k: K of the KNN utility (static).
     candidate_valid: optional bool [N_c]; invalid candidates (all their tokens) get 0 and do
       not count.
@@ -470,8 +471,9 @@ def image_knn_shapley(
     distance: 'l2' (the released code) | 'cosine' between class embeddings.
     shapley: 'knn' (exact KNN-SV, `knn_shapley`; k used) | 'tknn' (the released code's
       thresholded KNN-SV, `threshold_knn_shapley`; k unused).
-    threshold, num_classes: of 'tknn' (`threshold_knn_shapley`): distances >= threshold do
-      not count (None: no threshold); C of the 1/C term.
+    threshold: of 'tknn' (`threshold_knn_shapley`): distances >= threshold do not count
+      (None: no threshold).
+    num_classes: of 'tknn' (`threshold_knn_shapley`): C of the 1/C term.
   Returns:
     values: float32 [N_e, N_c] image-level KNN-SVs (0 for invalid candidates).
     image_distances: float32 [N_e, N_c]; min over token pairs of the distance (+inf for
@@ -586,10 +588,15 @@ def precompute_left_term(
   (`image_knn_shapley`, reduction 'max'); their mean and min over j are accumulated.
 
   Args:
-    class_embeddings / query_embeddings: float [N, t, E]; the buffer's top-k embeddings.
+    class_embeddings: float [N, t, E]; the buffer's top-k class embeddings.
+    query_embeddings: float [N, t, E]; the buffer's top-k query embeddings.
     k: K of the KNN utility.
     chunk_size: evaluation images per chunk (static, >= 1).
-    token_matching, distance, shapley, threshold, num_classes: as in `image_knn_shapley`.
+    token_matching: as in `image_knn_shapley`.
+    distance: as in `image_knn_shapley`.
+    shapley: as in `image_knn_shapley`.
+    threshold: as in `image_knn_shapley`.
+    num_classes: as in `image_knn_shapley`.
   Returns:
     left_term: float32 [N]; (1/N) sum_j s_j(i) (the left term of eq. 3 without w).
     left_min: float32 [N]; min_j s_j(i) (for w of eq. 4 over a candidate subset).

@@ -140,7 +140,11 @@ def uniform_in_class_active(
   """`uniform_in_class` with a slot mask: inactive slots pick nothing (valid False).
 
   Args:
-    key, class_index, eligible, classes, without_replacement: as `uniform_in_class`.
+    key: as `uniform_in_class`.
+    class_index: as `uniform_in_class`.
+    eligible: as `uniform_in_class`.
+    classes: as `uniform_in_class`.
+    without_replacement: as `uniform_in_class`.
     active: bool [B]; inactive slots return index 0, valid False and remove nothing from the
       eligible set.
     fallback: static; True: a slot whose class has no eligible member left draws among all

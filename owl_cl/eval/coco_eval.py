@@ -1,0 +1,201 @@
+"""COCO box AP with pycocotools (docs/reference.md §4): `coco_evaluate` runs `COCOeval`
+(bbox) with a configurable number of detections per image, and returns AP@[.5:.95], AP50,
+AP75, APs/m/l and AR as floats in [0, 1], NaN where pycocotools reports -1 ("no ground truth
+for this setting"). The detections come from `owl_cl.eval.detection.to_coco_detections`;
+LVIS's federated AP is `owl_cl.eval.lvis_eval`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import contextlib
+import copy
+import io
+import logging
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Names of the 12 COCOeval bbox summary statistics, in pycocotools' `stats` order. 'AR1' and
+# 'AR10' are AR at 1 and 10 detections per image; 'AR', 'ARs', 'ARm', 'ARl' use `max_dets`.
+COCO_METRIC_NAMES = (
+  "AP",
+  "AP50",
+  "AP75",
+  "APs",
+  "APm",
+  "APl",
+  "AR1",
+  "AR10",
+  "AR",
+  "ARs",
+  "ARm",
+  "ARl",
+)
+
+
+def _summarize(
+  coco_eval,
+  ap: bool,
+  iou_thr: float | None = None,
+  area: str = "all",
+  max_dets: int = 100,
+  category_index: int | None = None,
+) -> float:
+  """Replica of `COCOeval.summarize._summarize` (no printing); -1 when no data."""
+  p = coco_eval.params
+  a_ind = [i for i, lbl in enumerate(p.areaRngLbl) if lbl == area]
+  m_ind = [i for i, m in enumerate(p.maxDets) if m == max_dets]
+  if ap:
+    s = coco_eval.eval["precision"]  # [T, R, K, A, M]
+    if iou_thr is not None:
+      s = s[np.where(np.isclose(iou_thr, p.iouThrs))[0]]
+    s = s[:, :, :, a_ind, m_ind]
+    if category_index is not None:
+      s = s[:, :, category_index]
+  else:
+    s = coco_eval.eval["recall"]  # [T, K, A, M]
+    if iou_thr is not None:
+      s = s[np.where(np.isclose(iou_thr, p.iouThrs))[0]]
+    s = s[:, :, a_ind, m_ind]
+    if category_index is not None:
+      s = s[:, category_index]
+  valid = s[s > -1]
+  return float(np.mean(valid)) if valid.size else -1.0
+
+
+def _no_data_to_nan(value: float) -> float:
+  return float("nan") if value == -1.0 else float(value)
+
+
+def _result_coco(coco_gt, detections: list[dict[str, Any]]):
+  """COCO result object; pycocotools' `loadRes` crashes on an empty list, handle it here."""
+  from pycocotools.coco import COCO  # pylint: disable=g-import-not-at-top
+
+  if detections:
+    return coco_gt.loadRes(copy.deepcopy(detections))  # loadRes mutates its input.
+  res = COCO()
+  res.dataset["images"] = list(coco_gt.dataset.get("images", []))
+  res.dataset["categories"] = copy.deepcopy(coco_gt.dataset.get("categories", []))
+  res.dataset["annotations"] = []
+  res.createIndex()
+  return res
+
+
+def _truncate_per_image(
+  detections: list[Mapping[str, Any]], max_dets: int
+) -> list[Mapping[str, Any]]:
+  """The `max_dets` highest-scoring detections of each image (stable for ties)."""
+  by_image: dict[int, list[Mapping[str, Any]]] = {}
+  for d in detections:
+    by_image.setdefault(int(d["image_id"]), []).append(d)
+  if all(len(v) <= max_dets for v in by_image.values()):
+    return detections
+  out = []
+  for dets in by_image.values():
+    out.extend(sorted(dets, key=lambda d: -float(d["score"]))[:max_dets])
+  return out
+
+
+def coco_evaluate(
+  coco_gt,
+  detections: Sequence[Mapping[str, Any]],
+  *,
+  image_ids: Sequence[int] | None = None,
+  cat_ids: Sequence[int] | None = None,
+  max_dets: int = 100,
+  truncate_per_image: bool = True,
+  per_category: bool = False,
+) -> dict[str, Any]:
+  """COCO box AP of detections against a ground truth, via pycocotools' COCOeval.
+
+  Source: docs/reference.md §4.
+
+  Args:
+    coco_gt: `pycocotools.coco.COCO` ground truth (e.g. `CocoSource.coco`).
+    detections: COCO result dicts {'image_id', 'category_id', 'bbox' [x, y, w, h] pixels,
+      'score'} (`to_coco_detections`). Not modified. May be empty (AP 0 for every category
+      that has ground truth).
+    image_ids: evaluate on these images only (default: all images of `coco_gt`).
+    cat_ids: evaluate these category ids only (default: all categories of `coco_gt`); the AP
+      is the mean over these categories (e.g. the held-out / rare classes).
+    max_dets: detections per image considered (the largest of COCOeval's `maxDets`, which
+      become [1, 10, max_dets]); ODinW uses 100, LVIS/O365-style evaluation 300. Note that
+      COCOeval itself applies maxDets per (image, category); see `truncate_per_image`.
+    truncate_per_image: first keep only the `max_dets` highest-scoring detections of each
+      image (the COCO challenge rule, as the LVIS API does), so the limit is per image.
+      A no-op for `top_predictions` output with top_k <= max_dets.
+    per_category: also return {'per_category': {cat_id: {'AP', 'AP50'}}}.
+
+  Returns:
+    dict with float keys `COCO_METRIC_NAMES` ('AP' = AP@[.5:.95], 'AP50', 'AP75', 'APs',
+    'APm', 'APl', 'AR1', 'AR10', 'AR' = AR@max_dets, 'ARs', 'ARm', 'ARl'), each in [0, 1],
+    or NaN where pycocotools reports -1 (no ground truth for that setting, e.g. no small
+    objects); plus 'num_detections' (int) and, if requested, 'per_category'.
+
+  Raises:
+    ValueError: a detection refers to an image id absent from `coco_gt`, a ground-truth
+      annotation lacks 'area', or max_dets < 1.
+
+  Source: docs/reference.md §4; pycocotools `COCOeval` (iouType 'bbox'): the statistics are computed
+  as
+  `COCOeval.summarize` does, without its printing (evaluate/accumulate output goes to the
+  logger at DEBUG level).
+  """
+  from pycocotools.cocoeval import COCOeval  # pylint: disable=g-import-not-at-top
+
+  if max_dets < 1:
+    raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
+  detections = list(detections)
+  if any("area" not in a for a in coco_gt.dataset.get("annotations", [])):
+    raise ValueError("Every ground-truth annotation needs an 'area' (COCOeval's area ranges).")
+  gt_image_ids = set(coco_gt.getImgIds())
+  unknown = {int(d["image_id"]) for d in detections} - gt_image_ids
+  if unknown:
+    raise ValueError(
+      f"{len(unknown)} detection image ids are not in the ground truth, e.g. {sorted(unknown)[:5]}."
+    )
+  if truncate_per_image:
+    detections = _truncate_per_image(detections, int(max_dets))
+  log = io.StringIO()
+  with contextlib.redirect_stdout(log):
+    coco_dt = _result_coco(coco_gt, detections)
+    coco_eval = COCOeval(coco_gt, coco_dt, iouType="bbox")
+    if image_ids is not None:
+      coco_eval.params.imgIds = sorted({int(i) for i in image_ids})
+    if cat_ids is not None:
+      coco_eval.params.catIds = sorted({int(c) for c in cat_ids})
+    coco_eval.params.maxDets = sorted({1, 10, int(max_dets)})
+    coco_eval.evaluate()
+    coco_eval.accumulate()
+  logger.debug("pycocotools: %s", log.getvalue())
+  m = int(max_dets)
+  stats = [
+    _summarize(coco_eval, True, max_dets=m),
+    _summarize(coco_eval, True, iou_thr=0.5, max_dets=m),
+    _summarize(coco_eval, True, iou_thr=0.75, max_dets=m),
+    _summarize(coco_eval, True, area="small", max_dets=m),
+    _summarize(coco_eval, True, area="medium", max_dets=m),
+    _summarize(coco_eval, True, area="large", max_dets=m),
+    _summarize(coco_eval, False, max_dets=1),
+    _summarize(coco_eval, False, max_dets=10),
+    _summarize(coco_eval, False, max_dets=m),
+    _summarize(coco_eval, False, area="small", max_dets=m),
+    _summarize(coco_eval, False, area="medium", max_dets=m),
+    _summarize(coco_eval, False, area="large", max_dets=m),
+  ]
+  result: dict[str, Any] = {name: _no_data_to_nan(v) for name, v in zip(COCO_METRIC_NAMES, stats)}
+  result["num_detections"] = len(detections)  # after truncation
+  if per_category:
+    result["per_category"] = {
+      int(cat): {
+        "AP": _no_data_to_nan(_summarize(coco_eval, True, max_dets=m, category_index=k)),
+        "AP50": _no_data_to_nan(
+          _summarize(coco_eval, True, iou_thr=0.5, max_dets=m, category_index=k)
+        ),
+      }
+      for k, cat in enumerate(coco_eval.params.catIds)
+    }
+  return result
