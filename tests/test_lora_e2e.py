@@ -35,6 +35,8 @@ def _folder_bytes(folder):
   )
 
 
+# Three whole runs (reference, stopped, resumed): about 110 s of CPU.
+@pytest.mark.slow
 def test_lora_with_replay_stopped_and_resumed_equals_the_uninterrupted_run(
   pretrained_cache_dir, tmp_path, monkeypatch
 ):
