@@ -21,6 +21,7 @@ ALGORITHMS = [
   "aser_pc",
   "grasp",
   "heads_only",
+  "lora",
   "lwf",
   "no_replay",
   "sw_aser_pc",
