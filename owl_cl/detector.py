@@ -204,8 +204,10 @@ class Detector:
   def model_params(self, params):
     """The parameters of `model` for fine-tuned `params`: LoRA adapters merged into their
     kernels (`lora.merge`; bit-identical to the base while B = 0), else `params` itself."""
+    if self.lora is None:
+      return params
     flat_keys = jax.tree_util.tree_flatten_with_path(params)[0]
-    if self.lora is None or not any(lora_lib.is_adapter(_names(p)) for p, _ in flat_keys):
+    if not any(lora_lib.is_adapter(_names(p)) for p, _ in flat_keys):
       return params
     return lora_lib.merge(params, self.lora)
 
