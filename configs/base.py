@@ -327,6 +327,11 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   # (as in the released code: AP on the dataset's valid split after every epoch, the best
   # epoch's parameters are kept; needs datasets with a valid split).
   c.train.carry = "last"
+  # How the downstream datasets are trained (docs/baselines.md): 'sequence' one after another
+  # (continual learning); 'joint' all of them at once, the same examples and total steps as the
+  # sequence, shuffled together (the upper bound, configs/joint.py); 'per_task' each alone from
+  # the pre-trained model, one model per task (configs/per_task.py).
+  c.train.schedule = "sequence"
   c.train.b1 = 0.9
   c.train.b2 = 0.999
   c.train.eps = 1e-8
@@ -372,6 +377,9 @@ def _replay_section(c: ml_collections.ConfigDict) -> None:
   c.replay.dedup_fraction_reset = "before"
   c.replay.der_alpha = 2.0  # DER++ logit distillation weight
   c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
+  # OWLv2 (docs/owlv2.md): weight of the objectness logits' MSE in DER++'s distillation,
+  # relative to the class logits' MSE (both then times der_alpha); 0: class logits only.
+  c.replay.der_objectness_weight = 1.0
   c.replay.swil_weight = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
   # SWIL distance over an image's k top embeddings: 'min' (paper, released default) | 'mean'
   # (the released option swil_reduce_type='avg').
@@ -506,6 +514,9 @@ def _buffer_selection_section(c: ml_collections.ConfigDict) -> None:
   # Images the class prototypes average over: 'buffer' (the selected images) | 'all' (every
   # image of the pre-training set, released code).
   c.replay.selection.prototype_images = "buffer"
+  # OWLv2 (docs/owlv2.md): whether the selection loss of eq. 7 includes the objectness term
+  # (at loss.objectness_weight). False: the v1 detection loss, the units of loss_threshold.
+  c.replay.selection.objectness_in_loss = False
 
 
 def _eval_section(c: ml_collections.ConfigDict) -> None:

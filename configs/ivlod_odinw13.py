@@ -34,6 +34,7 @@ import math
 import ml_collections
 
 from configs import base
+from owl_cl.data import suites
 
 # DitHub's iterations per task at batch 2, by the position of the dataset in ODinW-13's
 # listing (owl_cl.data.suites.ODINW13 / ODINW13_ZIRA): chiara-cap/DitHub
@@ -89,8 +90,6 @@ def apply_ivlod(
   Raises:
     ValueError: unknown variant or not 13 budgets.
   """
-  from owl_cl.data import suites
-
   if variant not in VARIANTS:
     raise ValueError(f"unknown ODinW-13 variant {variant!r}; known: {VARIANTS}")
   members = suites.ODINW13_VARIANTS[variant]

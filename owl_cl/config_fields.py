@@ -30,6 +30,10 @@ PER_DATASET_FIELDS = (
 )
 DOWNSTREAM_EVAL_MODES = ("all", "seen")
 CARRY_MODES = ("last", "best_validation")
+# config.train.schedule (docs/baselines.md): how the downstream datasets are trained.
+# 'sequence': one after another (continual learning); 'joint': all at once, the upper bound;
+# 'per_task': each alone from the pre-trained model, one model per task.
+SCHEDULES = ("sequence", "joint", "per_task")
 # config.replay.loss_adaptivity.mode (paper eq. 5; `train.losses.loss_adaptive_total`).
 LOSS_ADAPTIVITY_MODES = ("none", "paper", "released_gate")
 
@@ -330,6 +334,11 @@ def clip_vocabulary_problem(config: ml_collections.ConfigDict) -> str | None:
       "bpe_simple_vocab_16e6.txt.gz)"
     )
   return None
+
+
+def schedule_of(config: ml_collections.ConfigDict) -> str:
+  """config.train.schedule ('sequence' when unset: configs made before the field existed)."""
+  return config.train.get("schedule", "sequence")
 
 
 def check_per_dataset_fields(config: ml_collections.ConfigDict, name: str) -> dict:

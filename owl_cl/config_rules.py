@@ -19,6 +19,7 @@ from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import POSITIVE
+from owl_cl.config_fields import SCHEDULES
 from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import Rule
 from owl_cl.config_fields import boolean
@@ -158,6 +159,7 @@ FIELD_RULES: dict[str, Rule] = {
   "train.lora.targets": lambda value: lora_lib.targets_problem(value, None),
   "train.per_dataset": mapping,
   "train.carry": choice(CARRY_MODES),
+  "train.schedule": choice(SCHEDULES),
   "train.b1": BETA,
   "train.b2": BETA,
   "train.eps": POSITIVE,
@@ -183,6 +185,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.dedup_fraction_reset": choice(dedup.FRACTION_RESETS),
   "replay.der_alpha": NON_NEGATIVE,
   "replay.der_beta": NON_NEGATIVE,
+  "replay.der_objectness_weight": NON_NEGATIVE,
   "replay.swil_weight": FINITE,
   "replay.swil_reduction": choice(class_selection.SWIL_REDUCTIONS),
   "replay.grasp_weight": FINITE,
@@ -222,6 +225,7 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.selection.drop_images_without_class": boolean,
   "replay.selection.top_up_order": choice(buffer_selection.TOP_UP_ORDERS),
   "replay.selection.prototype_images": choice(buffer_selection.PROTOTYPE_IMAGES),
+  "replay.selection.objectness_in_loss": boolean,
   "replay.selection.visual_genome_loss_threshold": FINITE,
   "replay.selection.visual_genome_min_per_class": integer(0),
   # --- evaluation, checkpoints, budgets

@@ -25,6 +25,7 @@ from owl_cl.config_fields import ConfigError
 from owl_cl.data import coco
 from owl_cl.data import input_pipeline
 from owl_cl.data import label_ops
+from owl_cl.data import mixture
 from owl_cl.data import prompts
 from owl_cl.data import spec as data_spec
 from owl_cl.eval import detection
@@ -169,6 +170,11 @@ class Detector:
       # Only OWLv2 has the term (docs/owlv2.md); v1's loss options and cache keys unchanged.
       self.loss_config["objectness_weight"] = config.loss.objectness_weight
     self.empty_tokens = self.tokenizer.encode([""])[0]
+    # How images become the S x S input: OWLv2 pads to a square, then resizes (HF's and
+    # scenic's OWLv2 preprocessing); v1 resizes, then pads (docs/owlv2.md).
+    self.resize_method = (
+      "pad_then_resize" if self.model.config.version == "owlv2" else "resize_with_pad"
+    )
     self._text_embed = step_lib.make_text_embed_step(self.model)
     # LoRA (`train.lora`, docs/lora.md; None: off): fine-tuning trains adapters on the frozen
     # model. `tuned_model` is the model the fine-tuning's eval-mode forwards apply to its
@@ -266,8 +272,9 @@ class Detector:
   def example_options(self, source) -> dict[str, Any]:
     """Preprocessing options of a training example of `source` from `config.data`:
     `squash` (data.squash_resize), `merge_iou`, and `negative_weights` (float64 [C] images
-    per class, when data.negatives_by_frequency; computed once per source). The same options
-    preprocess the replay buffer's images.
+    per class, when data.negatives_by_frequency; computed once per source); an OWLv2 model
+    adds `resize='pad_then_resize'` (its preprocessing, docs/owlv2.md; v1's options are
+    unchanged). The same options preprocess the replay buffer's images.
 
     Source: docs/reference.md §3, §5; input_pipeline.preprocess_train_example.
     """
@@ -276,6 +283,8 @@ class Detector:
       "squash": bool(data.squash_resize),
       "merge_iou": None if data.merge_iou is None else float(data.merge_iou),
     }
+    if self.resize_method != "resize_with_pad":
+      options["resize"] = self.resize_method
     if data.negatives_by_frequency:
       key = getattr(source, "annotation_file", None) or id(source)
       if key not in self._class_frequencies:
@@ -318,12 +327,35 @@ class Detector:
 
     In a multi-process run each process reads only its rows of every global batch
     (`sharding_lib.process_rows`), so the processes together see the batches of one process;
-    `sharding_lib.shard_batch` assembles them."""
+    `sharding_lib.shard_batch` assembles them.
+
+    `source` may be a `mixture.JointSource` (the joint schedule): one epoch (0) of its plan,
+    each example with its own dataset's queries and preprocessing options (`seed` unused: the
+    plan holds each dataset's).
+
+    Raises:
+      ValueError: a JointSource with epoch != 0 or another batch size than its plan's."""
     shard: Any = "jax" if self.config.data.host_sharding else None
     batch_rows = None
     if jax.process_count() > 1:
       rows = sharding_lib.process_rows(batch_size, self.mesh)
       shard, batch_rows = None, (rows.start, rows.stop)
+    if isinstance(source, mixture.JointSource):
+      if epoch != 0 or batch_size != source.batch_size:
+        raise ValueError(
+          f"the joint set is one epoch of batches of {source.batch_size}; got epoch {epoch}, "
+          f"batch size {batch_size}"
+        )
+      sources = [part.source for part in source.parts]
+      return mixture.joint_train_dataset(
+        source,
+        [self.example_spec(self.train_class_tokens(s)) for s in sources],
+        [dict(self.example_options(s), **self.augment_options()) for s in sources],
+        num_workers=self.config.data.num_workers,
+        shard=shard,
+        batch_rows=batch_rows,
+        start_batch=start_batch,
+      )
     return input_pipeline.train_dataset(
       source,
       self.example_spec(self.train_class_tokens(source)),
@@ -388,6 +420,7 @@ class Detector:
       image_size=self.image_size,
       batch_size=batch_size,
       squash=bool(self.config.data.squash_resize),
+      resize=self.resize_method,
       max_images=self.config.max_eval_images,
       batch_rows=None if rows is None else (rows.start, rows.stop),
     )

@@ -8,8 +8,9 @@
                pre-trained here on the built-in benchmark and cached (`pretrained`)
   4 buffer     selection over the pre-training set -> host ReplayStore (cached;
                `replay.setup.build_store`)
-  5 sequence   for each downstream dataset: retrieval + DER++ training (`trainer`),
-               evaluation, stage checkpoint
+  5 stages     for each downstream dataset (or, `train.schedule='joint'`, once for all of
+               them; 'per_task': each from the pre-trained model): retrieval + DER++
+               training (`trainer`), evaluation, stage checkpoint
   6 results    results.json / results.md in the workdir, TensorBoard scalars
 
 Resuming: every finished stage is checkpointed (orbax) together with the metrics so far, and
@@ -34,6 +35,7 @@ claims the workdir (so the corrected command is not "a different config").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging as py_logging
 import os
@@ -56,10 +58,10 @@ from owl_cl import utils
 from owl_cl import validation
 from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import schedule_of
 from owl_cl.config_fields import seed_of
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
-from owl_cl.model import lora as lora_lib
 from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import checkpointing
@@ -314,6 +316,54 @@ def _run(
 ) -> dict:
   """`run` after the checks of the config and the data, with the workdir locked; `init` the
   (params, meta) of `config.init_checkpoint`, read by `run` (None: none is set)."""
+  session = _open_session(config, workdir, bench, detector, init)
+  params, replay_state, latest = session.restore_or_start()
+  if schedule_of(config) != "per_task" and not trainer.lwf_options(config):
+    # Only a per-task run (every task starts from them) and LwF (the teacher) read the
+    # pre-trained parameters after stage 0: not a second copy of the model in memory.
+    session.pretrained = None
+  session.write("running")
+  try:
+    for index in range(latest + 1, len(stage_names(config, bench)) + 1):
+      # A SIGTERM during an evaluation or a stage checkpoint stops here, after it.
+      stop_if_preempted(f"after stage {index - 1}")
+      params, replay_state = session.run_stage(index, params, replay_state)
+  except preemption.Preempted:
+    session.write("preempted")
+    session.close()
+    raise
+  results = session.write("complete")
+  session.close()
+  logging.info("results: %s", os.path.join(workdir, "results.md"))
+  return results
+
+
+def stage_names(config: ml_collections.ConfigDict, bench: benchmark_lib.Benchmark) -> list[str]:
+  """The stages after pre-training, by `train.schedule`: each dataset of the sequence
+  ('sequence', 'per_task'), or the one joint stage ('joint')."""
+  if schedule_of(config) == "joint":
+    return [trainer.JOINT]
+  return [d.name for d in bench.sequence]
+
+
+def stage_eval_sets(
+  config: ml_collections.ConfigDict, bench: benchmark_lib.Benchmark, index: int
+) -> list[str]:
+  """The eval sets evaluated after stage `index` (1-based). 'sequence': as
+  `benchmark.stage_eval_names`; 'joint': every set (its one stage is the last); 'per_task':
+  the task's own dataset and the pre-training and held-out sets (what one task's model keeps;
+  the other datasets are not its task)."""
+  schedule = schedule_of(config)
+  if schedule == "joint":
+    return benchmark_lib.stage_eval_names(config, bench, len(bench.sequence))
+  if schedule == "per_task":
+    return [bench.pretrain_eval, bench.held_out_eval, bench.sequence[index - 1].name]
+  return benchmark_lib.stage_eval_names(config, bench, index)
+
+
+def _open_session(config, workdir, bench, detector, init) -> _Session:
+  """The run's writers and checkpointers, its starting parameters (`init`, else the cached or
+  freshly pre-trained model), LwF's teacher and the replay store (built or read from cache)."""
   wall_start = time.time()
   # One writer (process 0): run.json, results, records and TensorBoard; every process takes
   # part in the computation and in the orbax stage checkpoints (multi-process saves).
@@ -321,12 +371,9 @@ def _run(
   run_id = check_workdir(workdir, config) if is_writer else None
   if is_writer:
     # This run's results.json / results.md, unreadable (cut, garbage): set aside, and
-    # rebuilt from the stage checkpoints by the first `write` below.
+    # rebuilt from the stage checkpoints by the first `write`.
     results_lib.set_aside_unreadable(workdir)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if is_writer else None
-  checkpointer = checkpointing.StageCheckpointer(
-    os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
-  )
   step_checkpoints = checkpointing.StepCheckpointer(
     os.path.join(workdir, "step_checkpoints"),
     every_steps=config.checkpoint.get("every_steps"),
@@ -335,58 +382,115 @@ def _run(
   params, pretrain_meta = init or pretrained.pretrained_params(
     detector, bench, writer, step_checkpoints
   )
-  # LwF's teacher: the pre-trained parameters, kept before a resumed run restores its own.
-  teacher = params if trainer.lwf_options(config) else None
   store, buffer_stats = None, None
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
   replay_state = replay_setup.initial_replay_state(store, seed_of(config, "retrieval"))
-  # LoRA (docs/lora.md): the pre-trained parameters are the frozen base of the whole sequence
-  # (the buffer above was built from them alone); fresh adapters (B = 0: the same model) train
-  # from stage 1 on, carried from dataset to dataset. The stage checkpoints hold the adapters:
+  # LoRA (docs/lora.md): the pre-trained parameters are the frozen base of the whole run (the
+  # buffer above was built from them alone); fresh adapters (B = 0: the same model) train from
+  # stage 1 on: carried from stage to stage ('sequence'), or fresh for each task ('per_task':
+  # every stage starts from `_Session.pretrained`). The stage checkpoints hold the adapters:
   # the base is rebuilt from init_checkpoint or the pre-trained cache on a resume.
-  lora = detector.lora is not None
-  base = params if lora else None
   # The adapters' A draw: the data seed (as the step keys) offset from the step keys' seeds.
   params = detector.add_adapters(params, seed_of(config, "data") * 1000 + LORA_SEED_OFFSET)
-  stored = lora_lib.adapters_of if lora else lambda p: p
   if jax.process_count() > 1:
     # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
     replay_state = sharding_lib.fetch_replicated(replay_state)
+  return _Session(
+    config=config,
+    workdir=workdir,
+    bench=bench,
+    detector=detector,
+    run_id=run_id,
+    writer=writer,
+    checkpointer=checkpointing.StageCheckpointer(
+      os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
+    ),
+    step_checkpoints=step_checkpoints,
+    pretrained=params,
+    initial_replay=replay_state,
+    pretrain_meta=pretrain_meta,
+    store=store,
+    buffer_stats=buffer_stats,
+    wall_start=wall_start,
+  )
 
-  def evaluate(params, stage_name, names=None):
+
+@dataclasses.dataclass
+class _Session:
+  """One run's fixed parts (config, data, detector, writers, checkpointers, the pre-trained
+  parameters and the initial replay state, the store) and what it accumulates: the stages'
+  results and the step timings ({dataset name: `timing.summarize` of its steps}: wall-clock
+  figures, kept apart from the stages' training summaries, which two runs reproduce exactly,
+  and carried in the stage checkpoints' meta; a stage resumed from a step checkpoint
+  summarises the steps run after the resume)."""
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  bench: benchmark_lib.Benchmark
+  detector: Detector
+  run_id: str | None
+  writer: SummaryWriter | None
+  checkpointer: checkpointing.StageCheckpointer
+  step_checkpoints: checkpointing.StepCheckpointer
+  pretrained: Any
+  initial_replay: Any
+  pretrain_meta: dict
+  store: Any
+  buffer_stats: dict | None
+  wall_start: float
+  stages: list = dataclasses.field(default_factory=list)
+  step_timings: dict = dataclasses.field(default_factory=dict)
+
+  def evaluate(self, params, stage_name: str, names=None) -> dict:
+    """{eval set: metrics} of `params` on the eval sets `names` (None: every one)."""
     return {
-      name: detector.evaluate_dataset(params, dataset, f"eval {name} @ {stage_name}")
-      for name, dataset in bench.eval_sets()
+      name: self.detector.evaluate_dataset(params, dataset, f"eval {name} @ {stage_name}")
+      for name, dataset in self.bench.eval_sets()
       if names is None or name in names
     }
 
-  latest = checkpointer.latest_stage()
-  # {dataset name: the time breakdown of its steps (`timing.summarize`)}: wall-clock figures,
-  # kept apart from the stages' training summaries (which two runs reproduce exactly) and
-  # carried in the stage checkpoints' meta. A dataset resumed from a step checkpoint
-  # summarises the steps run after the resume.
-  step_timings = {}
-  if latest is None:
-    stages = [{"name": "pretrained", "metrics": evaluate(params, "pretrained")}]
-    checkpointer.save(
-      0, stored(params), replay_state, {"stages": stages, **replay_setup.CHECKPOINT_FORMAT}
-    )
-    latest = 0
-  else:
-    logging.info("resuming %s after stage %d", workdir, latest)
-    restored, replay_state, meta = checkpointer.restore(latest, stored(params), replay_state)
-    params = lora_lib.combine(base, restored) if lora else restored
-    replay_state = replay_setup.upgrade_restored_state(replay_state, meta, workdir)
-    stages = meta["stages"]
-    step_timings = meta.get("step_timings", {})
+  def stored(self, params):
+    """The part of `params` a stage checkpoint holds: all of it, or (LoRA) the adapters."""
+    return params if self.detector.lora is None else trainer.LORA_ADAPTERS.part(params)
 
-  def write(status: str):
+  def from_stored(self, restored):
+    """The parameters of a restored stage checkpoint (`stored`'s inverse): LoRA's adapters
+    joined with the frozen base (the pre-trained parameters', bit for bit)."""
+    if self.detector.lora is None:
+      return restored
+    return trainer.LORA_ADAPTERS.join(self.pretrained, restored)
+
+  def restore_or_start(self):
+    """(params, replay state, last finished stage): the newest stage checkpoint's, or the
+    pre-trained model evaluated and saved as stage 0."""
+    latest = self.checkpointer.latest_stage()
+    if latest is None:
+      self.stages = [
+        {"name": "pretrained", "metrics": self.evaluate(self.pretrained, "pretrained")}
+      ]
+      meta = {"stages": self.stages, **replay_setup.CHECKPOINT_FORMAT}
+      self.checkpointer.save(0, self.stored(self.pretrained), self.initial_replay, meta)
+      return self.pretrained, self.initial_replay, 0
+    logging.info("resuming %s after stage %d", self.workdir, latest)
+    restored, replay_state, meta = self.checkpointer.restore(
+      latest, self.stored(self.pretrained), self.initial_replay
+    )
+    params = self.from_stored(restored)
+    replay_state = replay_setup.upgrade_restored_state(replay_state, meta, self.workdir)
+    self.stages = meta["stages"]
+    self.step_timings = meta.get("step_timings", {})
+    return params, replay_state, latest
+
+  def results(self, status: str) -> dict:
+    """The results dict (`results_lib.write_results`' input) with `status`."""
+    config, bench, meta = self.config, self.bench, self.pretrain_meta
     results = {
-      "run_id": run_id,
+      "run_id": self.run_id,
       "status": status,
       "algorithm": config.experiment_name,
       "retrieval": config.replay.algorithm,
+      "schedule": schedule_of(config),
       "seed": config.seed,
       # The seed of each part (config_fields.seed_of): model, data, retrieval.
       "seeds": {part: seed_of(config, part) for part in SEED_PARTS},
@@ -404,17 +508,17 @@ def _run(
         "downstream": [d.name for d in bench.sequence],
         **({"extra": [d.name for d in bench.extra_evals]} if bench.extra_evals else {}),
       },
-      "stages": stages,
+      "stages": self.stages,
       "config": json.loads(config.to_json_best_effort()),
-      "pretraining": {k: pretrain_meta.get(k) for k in ("seconds", "curve", "validation")},
+      "pretraining": {k: meta.get(k) for k in ("seconds", "curve", "validation")},
       "timings": {
-        "pretrain_seconds": pretrain_meta.get("seconds"),
-        "wall_seconds": round(time.time() - wall_start, 1),
+        "pretrain_seconds": meta.get("seconds"),
+        "wall_seconds": round(time.time() - self.wall_start, 1),
         # Per dataset: steps, mean / median seconds of step_seconds, embed, retrieval,
         # train_step, host_idle, gather, input, and host_idle_fraction (owl_cl.train.timing).
-        "step_timings": step_timings,
+        "step_timings": self.step_timings,
       },
-      "buffer": buffer_stats,
+      "buffer": self.buffer_stats,
     }
     if bench.roles is not None:
       results["roles"] = bench.roles
@@ -426,73 +530,67 @@ def _run(
         "lvis_set": bench.held_out_eval if lvis else None,
         "datasets": [d.name for d in bench.sequence],
       }
-    if is_writer:
-      results_lib.write_results(workdir, results)
     return results
 
-  def run_stage(index, params, replay_state):
-    """Trains on dataset `index` (resuming its step checkpoint, if any), evaluates, and
-    saves the stage checkpoint (which supersedes the dataset's step checkpoints)."""
-    dataset = bench.sequence[index - 1]
+  def write(self, status: str) -> dict:
+    """`results(status)`, written to results.json / results.md (by the writer process)."""
+    results = self.results(status)
+    if self.run_id is not None:
+      results_lib.write_results(self.workdir, results)
+    return results
+
+  def train(self, index: int, params, replay_state):
+    """Trains stage `index` by `train.schedule` (`trainer.train_on_dataset` /
+    `train_joint`): 'sequence' from `params` and `replay_state`, 'per_task' from the
+    pre-trained parameters and the initial replay state. Returns (name, params, replay
+    state, training summary)."""
+    config, schedule = self.config, schedule_of(self.config)
+    name = stage_names(config, self.bench)[index - 1]
+    if schedule == "per_task":
+      params, replay_state = self.pretrained, self.initial_replay
+    options = dict(
+      records_path=os.path.join(self.workdir, "records", f"{name}.npz"),
+      step_checkpoints=self.step_checkpoints,
+      # LwF's teacher: the pre-trained parameters (not a resumed run's restored ones).
+      teacher=self.pretrained if trainer.lwf_options(config) else None,
+    )
+    state = (params, self.store, replay_state, self.writer, index)
+    if schedule == "joint":
+      return (name, *trainer.train_joint(self.detector, self.bench.sequence, *state, **options))
+    dataset = self.bench.sequence[index - 1]
+    return (name, *trainer.train_on_dataset(self.detector, dataset, *state, **options))
+
+  def run_stage(self, index: int, params, replay_state):
+    """Trains stage `index` (resuming its step checkpoint, if any), evaluates, and saves the
+    stage checkpoint (which supersedes the stage's step checkpoints)."""
     start = time.time()
-    params, replay_state, train_summary = trainer.train_on_dataset(
-      detector,
-      dataset,
-      params,
-      store,
-      replay_state,
-      writer,
-      index,
-      records_path=os.path.join(workdir, "records", f"{dataset.name}.npz"),
-      step_checkpoints=step_checkpoints,
-      teacher=teacher,
-    )
-    step_timings[dataset.name] = train_summary.pop("step_timings")
-    metrics = evaluate(params, dataset.name, benchmark_lib.stage_eval_names(config, bench, index))
-    for name, values in metrics.items():
-      trainer.log_scalars(writer, f"eval/{name}", values, index)
-    stages.append(
-      {
-        "name": dataset.name,
-        "metrics": metrics,
-        "train": train_summary,
-        "seconds": round(time.time() - start, 1),
-      }
-    )
+    name, params, replay_state, train_summary = self.train(index, params, replay_state)
+    self.step_timings[name] = train_summary.pop("step_timings")
+    metrics = self.evaluate(params, name, stage_eval_sets(self.config, self.bench, index))
+    for eval_set, values in metrics.items():
+      trainer.log_scalars(self.writer, f"eval/{eval_set}", values, index)
+    stage = {"name": name, "metrics": metrics, "train": train_summary}
+    self.stages.append(dict(stage, seconds=round(time.time() - start, 1)))
     if jax.process_count() > 1:
-      # A dataset resumed at its last step never ran a replicated retrieval: its replay state
+      # A stage resumed at its last step never ran a replicated retrieval: its replay state
       # is on one local device, which a multi-process save refuses (host copies it takes).
       replay_state = sharding_lib.fetch_replicated(replay_state)
-    checkpointer.save(
-      index,
-      stored(params),
-      replay_state,
-      {"stages": stages, "step_timings": step_timings, **replay_setup.CHECKPOINT_FORMAT},
+    meta = {"stages": self.stages, "step_timings": self.step_timings}
+    self.checkpointer.save(
+      index, self.stored(params), replay_state, {**meta, **replay_setup.CHECKPOINT_FORMAT}
     )
-    # Every process has finished the dataset before the writer reports it.
+    # Every process has finished the stage before the writer reports it.
     distributed.barrier(f"stage-{index}", timeout_s=BARRIER_TIMEOUT_S)
-    step_checkpoints.discard(index)
-    write("running")
+    self.step_checkpoints.discard(index)
+    self.write("running")
     return params, replay_state
 
-  write("running")
-  try:
-    for index in range(latest + 1, len(bench.sequence) + 1):
-      # A SIGTERM during an evaluation or a stage checkpoint stops here, after it.
-      stop_if_preempted(f"after stage {index - 1}")
-      params, replay_state = run_stage(index, params, replay_state)
-  except preemption.Preempted:
-    write("preempted")
-    step_checkpoints.close()
-    checkpointer.close()
-    raise
-  results = write("complete")
-  if writer is not None:
-    writer.close()
-  step_checkpoints.close()
-  checkpointer.close()
-  logging.info("results: %s", os.path.join(workdir, "results.md"))
-  return results
+  def close(self) -> None:
+    """Closes TensorBoard and the checkpointers (waits for their writes)."""
+    if self.writer is not None:
+      self.writer.close()
+    self.step_checkpoints.close()
+    self.checkpointer.close()
 
 
 def stop_if_preempted(where: str) -> None:

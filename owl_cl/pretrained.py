@@ -257,6 +257,8 @@ def pretrained_params(
       },
       **non_default_data_options(config),
       **builtin_version_key(config),
+      # OWLv2 pre-trains on its own preprocessing (docs/owlv2.md); v1's key is unchanged.
+      **({"resize": detector.resize_method} if detector.resize_method != "resize_with_pad" else {}),
       "loss": cache_key_fields(config, "loss"),
       "seed": seed_of(config, "model"),
       "pretrain_data": file_digest(bench.pretrain.train.annotation_file),

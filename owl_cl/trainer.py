@@ -8,6 +8,29 @@ best-epoch carry of a dataset) is passed in as callbacks.
 
 - `pretrain`: the model from scratch on the pre-training set (built-in benchmark only).
 - `train_on_dataset`: fine-tuning on one downstream dataset with retrieval + DER++.
+- `train_joint`: fine-tuning on every downstream dataset at once (the `joint` schedule,
+  `owl_cl.data.mixture`), with the same replay.
+
+Overlap in `train_loop`. (1) `prefetch_batches` > 0 (config `data.prefetch_batches`): a background
+thread reads and shards the next new batches (`owl_cl.train.prefetch`), one reader for all the
+phase's epochs, so the next epoch's first batch is read during this epoch's last step and its
+`after_epoch` (the batches of an epoch depend only on the data seed and the epoch). (2) The replay
+lookahead (`Replay.look_ahead`, config `replay.lookahead`): before dispatching train step t the
+loop dispatches step t+1's retrieval, ahead of train step t on the devices, and a second
+background thread fetches its indices, gathers the replay batch from the store and transfers it
+while train step t runs; step t+1 takes it ready and dispatches its train step at once, so the
+device no longer waits for the gather. Exact, hence on by default, where the retrieval reads no
+parameters (uniform, uniform_balanced, grasp and their dedup variants): its next call depends only
+on the replay state after this one. Not across a change of that state between the steps (a dedup
+reset in `after_epoch`): the retrieval prepared ahead is dropped and redone in line. What cannot
+overlap exactly: a retrieval that reads the parameters (features of the new images: SWIL, ASER...;
+the new-image losses of the paper's loss adaptivity) needs those after step t - 1, so its
+features, retrieval, gather and transfer run after that train step and before step t's, with the
+device idle while the host fetches and gathers (`owl_cl.train.timing` measures it);
+`replay.stale_retrieval` computes them one step stale instead (from the parameters step t trains
+from, while step t trains; an approximation: other results), from the next new batch read early
+(kept for its step; a read error is raised when that step takes it). With (1), exact (2), or both,
+the results are the serial loop's bit for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +44,6 @@ from typing import Any
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tensorboardX import SummaryWriter
@@ -31,8 +53,10 @@ from owl_cl import preemption
 from owl_cl.benchmark import Benchmark
 from owl_cl.benchmark import Dataset
 from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import check_carry_mode
 from owl_cl.config_fields import check_per_dataset_fields
 from owl_cl.config_fields import seed_of
+from owl_cl.data import mixture
 from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.detector import Detector
 from owl_cl.model import lora as lora_lib
@@ -42,215 +66,27 @@ from owl_cl.train import prefetch
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
 from owl_cl.train import timing
+from owl_cl.train.loop_state import GUARDED_METRICS  # noqa: F401 (re-exported)
+from owl_cl.train.loop_state import LoopState
+from owl_cl.train.loop_state import ParamsPart
+from owl_cl.train.loop_state import TrainingDivergedError  # noqa: F401 (re-exported)
+from owl_cl.train.loop_state import check_finite
+from owl_cl.train.loop_state import checkpoint_hook
+from owl_cl.train.loop_state import loop_checkpoint  # noqa: F401 (re-exported)
+from owl_cl.train.loop_state import restore_loop
 
 # The arrays a train step consumes (a batch also holds host-side bookkeeping such as image ids).
 MODEL_INPUTS = MODEL_INPUT_KEYS
 
+# What LoRA's checkpoints (step and stage) hold of a LoRA parameter tree: the adapters; the
+# frozen base is joined back from the phase's (the run's) starting parameters.
+LORA_ADAPTERS = ParamsPart(
+  part=lora_lib.adapters_of,
+  join=lambda params, adapters: lora_lib.combine(lora_lib.base_of(params), adapters),
+)
 
-class TrainingDivergedError(RuntimeError):
-  """A non-finite loss or gradient norm; the message names the phase, step and value."""
-
-
-# Host metrics checked for finiteness at every logged step (`check_finite`).
-GUARDED_METRICS = ("loss", "grad_norm")
-
-
-def check_finite(metrics: dict, desc: str, step: int, learning_rate: float | None) -> None:
-  """Raises TrainingDivergedError if a GUARDED_METRICS entry of `metrics` is NaN or inf.
-
-  Checked on the metrics the loop already fetches to the host (every
-  `train.log_every_steps` steps and the last one), so the guard adds no device sync: a
-  divergence is caught at most `log_every_steps - 1` steps late (a NaN stays NaN: the
-  parameters it reached are NaN too).
-
-  Args:
-    metrics: host metrics of one step.
-    desc: the phase, e.g. 'dataset 2: negative' or 'pre-training'.
-    step: the step within the phase (1-based).
-    learning_rate: the phase's peak learning rate (for the hint), None when unknown.
-  """
-  for name in GUARDED_METRICS:
-    if name not in metrics:
-      continue
-    value = float(np.asarray(metrics[name]))
-    if not np.isfinite(value):
-      lr = f" (now {learning_rate:g})" if learning_rate is not None else ""
-      raise TrainingDivergedError(
-        f"training diverged in {desc} at step {step}: {name} = {value}; the run stops "
-        f"here (results.json stays 'running', the last finished dataset's checkpoint is "
-        f"kept). Try a lower learning rate{lr}, a longer warmup, or gradient clipping "
-        "(config.train.grad_clip_norm), in a new --workdir (this one holds this config's run)"
-      )
-
-
-@dataclasses.dataclass
-class LoopState:
-  """Everything the step loop carries from one step to the next (and a step checkpoint holds).
-
-  train_state: `step_lib.TrainState` (params, optimizer state and its step, which drives the
-    learning-rate schedule), replicated on the mesh.
-  replay_state: `ReplayState` (retrieval counters and PRNG key; a 1-image placeholder
-    without replay; None in pre-training).
-  key: PRNG key of the train steps (split once per step: dropout / query sampling).
-  step, epoch: steps taken in this phase, and the current epoch (0-based).
-  batch_in_epoch: batches of `epoch` consumed so far: the input pipeline's position (a
-    resumed loop reads the epoch from this batch on, `Detector.train_batches(start_batch=)`).
-  replays_in_loss, replay_steps: int32 [] device counters (no host sync per step) of the
-    replays that entered the loss and of the steps with at least one.
-  replayed: valid replay slots retrieved (host int).
-  loss: float32 [] the last step's loss (device; None before the first step).
-  history: JSON-able host records of the phase (pre-training: 'curve'; a dataset with
-    train.carry='best_validation': 'validation', 'best_AP', 'best_epoch').
-  best_params: host parameter tree of the best validation epoch so far (None: none yet).
-  """
-
-  train_state: Any
-  replay_state: Any
-  key: jax.Array
-  step: int = 0
-  epoch: int = 0
-  batch_in_epoch: int = 0
-  replays_in_loss: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
-  replay_steps: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
-  replayed: int = 0
-  loss: Any = None
-  history: dict = dataclasses.field(default_factory=dict)
-  best_params: Any = None
-
-
-def _host_arrays(tree):
-  """NumPy arrays of a replicated tree (orbax saves no NumPy scalars: 0-d arrays instead)."""
-  return jax.tree.map(np.asarray, sharding_lib.fetch_replicated(tree))
-
-
-def _stored_params(params, adapters_only: bool):
-  """The part of a parameter tree a checkpoint holds: all of it, or (LoRA) its adapters."""
-  return lora_lib.adapters_of(params) if adapters_only else params
-
-
-def loop_checkpoint(loop: LoopState, replay, adapters_only: bool = False) -> tuple[dict, dict]:
-  """What a step checkpoint holds of `loop`: (array items, JSON-able meta).
-
-  Items: 'train_state' (replicated arrays), 'key' uint32 [2], 'replay_state' and
-  'best_params' (host copies, when present), plus `replay.checkpoint_items()` (the retrieval
-  records). With `adapters_only` (LoRA: the base model is frozen, so the phase's starting
-  parameters hold it), the parameters of 'train_state' and 'best_params' are the adapters
-  alone (`lora.adapters_of`). Meta: the host ints, the counters and the last loss (fetched: one
-  host sync per checkpoint), and `history`. Inverse: `restore_loop`.
-  """
-  train_state = loop.train_state
-  if adapters_only:
-    train_state = train_state.replace(params=lora_lib.adapters_of(train_state.params))
-  items = {"train_state": train_state, "key": np.asarray(jax.device_get(loop.key))}
-  if loop.replay_state is not None:
-    # Host copy: after `initial_replay_state` it lives on one device, which a multi-process
-    # save cannot take; the values are what matter.
-    items["replay_state"] = _host_arrays(loop.replay_state)
-  if loop.best_params is not None:
-    items["best_params"] = _host_arrays(_stored_params(loop.best_params, adapters_only))
-  items.update(replay.checkpoint_items())
-  replays_in_loss, replay_steps, loss = (
-    sharding_lib.fetch_replicated(x) for x in (loop.replays_in_loss, loop.replay_steps, loop.loss)
-  )
-  meta = {
-    "step": loop.step,
-    "epoch": loop.epoch,
-    "batch_in_epoch": loop.batch_in_epoch,
-    "replayed": loop.replayed,
-    "replays_in_loss": int(replays_in_loss),
-    "replay_steps": int(replay_steps),
-    # float(float32) -> JSON -> float32 is exact.
-    "loss": None if loss is None else float(loss),
-    "history": loop.history,
-  }
-  return items, meta
-
-
-def restore_loop(
-  checkpoints, phase: int, loop: LoopState, replay, params_like=None, adapters_only: bool = False
-) -> LoopState:
-  """`loop` (freshly set up for `phase`) with the state of the phase's newest step checkpoint.
-
-  Returns `loop` unchanged when there is none (or `checkpoints` is None). `params_like`: the
-  host parameter tree's shapes (for 'best_params'). `adapters_only` as `loop_checkpoint`: the
-  stored adapters are combined with the base parameters of `loop`'s fresh train state (the
-  frozen base is the phase's starting one, bit for bit).
-  """
-  step = None if checkpoints is None else checkpoints.latest(phase)
-  if step is None:
-    return loop
-  train_state = loop.train_state
-  base = None
-  if adapters_only:
-    base = lora_lib.base_of(train_state.params)
-    train_state = train_state.replace(params=lora_lib.adapters_of(train_state.params))
-  like = {"train_state": train_state, "key": np.asarray(jax.device_get(loop.key))}
-  if loop.replay_state is not None:
-    like["replay_state"] = _host_arrays(loop.replay_state)
-  if params_like is not None:
-    like["best_params"] = _stored_params(params_like, adapters_only)
-  like.update(replay.checkpoint_items())
-  items, meta = checkpoints.restore(phase, step, like)
-  logging.info(
-    "resuming phase %d at step %d (epoch %d, batch %d) from %s",
-    phase,
-    step,
-    meta["epoch"],
-    meta["batch_in_epoch"],
-    checkpoints.directory,
-  )
-  replay.restore_items(items)
-  loop.train_state = items["train_state"]
-  loop.best_params = items.get("best_params")
-  if adapters_only:
-    restored = loop.train_state.params
-    loop.train_state = loop.train_state.replace(params=lora_lib.combine(base, restored))
-    if loop.best_params is not None:
-      host_base = _host_arrays(base)
-      loop.best_params = lora_lib.combine(host_base, loop.best_params)
-  loop.key = jnp.asarray(items["key"])
-  if "replay_state" in items:
-    loop.replay_state = items["replay_state"]
-  loop.step, loop.epoch, loop.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
-  loop.replayed = meta["replayed"]
-  loop.replays_in_loss = jnp.asarray(meta["replays_in_loss"], jnp.int32)
-  loop.replay_steps = jnp.asarray(meta["replay_steps"], jnp.int32)
-  loop.loss = None if meta["loss"] is None else np.float32(meta["loss"])
-  loop.history = meta["history"]
-  return loop
-
-
-def checkpoint_hook(
-  checkpoints, phase: int, total_steps: int, replay, desc: str, adapters_only: bool = False
-):
-  """The loop's per-step checkpoint call: `hook(loop)` saves a step checkpoint when one is due
-  (`StepCheckpointer.step_due` / `time_due`) or SIGTERM was received, and after SIGTERM
-  raises `preemption.Preempted` once the checkpoint is on disk. None: no step checkpoints
-  (and SIGTERM is not handled here). `adapters_only`: see `loop_checkpoint`.
-
-  The time and SIGTERM decisions are agreed by all processes (`preemption.any_process`), so
-  every process saves (a collective write) and stops at the same step. A finished write is
-  committed (`StepCheckpointer.poll`) at the next step.
-  """
-  if checkpoints is None:
-    return lambda loop: None
-  checkpoints.start_phase()
-
-  def hook(loop: LoopState) -> None:
-    # The previous write, once orbax has finished it, is committed (its manifest) at once.
-    checkpoints.poll()
-    time_due, stop = preemption.any_process(checkpoints.time_due(), preemption.requested_here())
-    if stop or time_due or checkpoints.step_due(loop.step, total_steps):
-      items, meta = loop_checkpoint(loop, replay, adapters_only)
-      checkpoints.save(phase, loop.step, items, meta)
-    if stop:
-      checkpoints.wait()
-      raise preemption.Preempted(
-        f"stopped by SIGTERM in {desc} after step {loop.step}; checkpoint saved in "
-        f"{checkpoints.directory}; run the same command to resume"
-      )
-
-  return hook
+# The name of the joint phase (its stage, step checkpoints' desc, TensorBoard prefix, records).
+JOINT = "joint"
 
 
 def progress(total: int, desc: str):
@@ -349,26 +185,8 @@ def train_loop(
   SIGTERM); `after_epoch(loop)` after every epoch begun with steps left. `learning_rate`
   (the phase's peak) only enters the divergence message.
 
-  Overlap. (1) `prefetch_batches` > 0 (config `data.prefetch_batches`): a background thread reads
-  and shards the next new batches (`owl_cl.train.prefetch`), one reader for all the phase's
-  epochs, so the next epoch's first batch is read during this epoch's last step and its
-  `after_epoch` (the batches of an epoch depend only on the data seed and the epoch). (2) The
-  replay lookahead (`Replay.look_ahead`, config `replay.lookahead`): before dispatching train step
-  t the loop dispatches step t+1's retrieval, ahead of train step t on the devices, and a second
-  background thread fetches its indices, gathers the replay batch from the store and transfers it
-  while train step t runs; step t+1 takes it ready and dispatches its train step at once, so the
-  device no longer waits for the gather. Exact, hence on by default, where the retrieval reads no
-  parameters (uniform, uniform_balanced, grasp and their dedup variants): its next call depends
-  only on the replay state after this one. Not across a change of that state between the steps (a
-  dedup reset in `after_epoch`): the retrieval prepared ahead is dropped and redone in line. What
-  cannot overlap exactly: a retrieval that reads the parameters (features of the new images: SWIL,
-  ASER...; the new-image losses of the paper's loss adaptivity) needs those after step t - 1, so
-  its features, retrieval, gather and transfer run after that train step and before step t's, with
-  the device idle while the host fetches and gathers (`owl_cl.train.timing` measures it);
-  `replay.stale_retrieval` computes them one step stale instead (from the parameters step t trains
-  from, while step t trains; an approximation: other results), from the next new batch read early
-  (kept for its step; a read error is raised when that step takes it). With (1), exact (2), or
-  both, the results are the serial loop's bit for bit. `timer` (`timing.StepTimer`; None: none)
+  Overlap of input, retrieval and train step: the module docstring ("Overlap"); with it the
+  results are the serial loop's bit for bit. `timer` (`timing.StepTimer`; None: none)
   records every step's time breakdown.
 
   A `loop` restored from a step checkpoint (`restore_loop`) goes on exactly where it
@@ -384,7 +202,6 @@ def train_loop(
       (`check_finite`).
     owl_cl.preemption.Preempted: SIGTERM was received (from `checkpoint`).
   """
-  log_every = detector.config.train.log_every_steps
   timer = timing.NULL_TIMER if timer is None else timer
   bar = progress(total_steps, desc)
   bar.update(loop.step)
@@ -393,7 +210,15 @@ def train_loop(
   continuing = start_batch > 0
   epochs = itertools.count(first) if num_epochs is None else range(first, num_epochs)
   left = max(0, total_steps - loop.step)
-
+  step = functools.partial(
+    _take_step,
+    train_step=train_step,
+    replay=replay,
+    total_steps=total_steps,
+    log=(detector.config.train.log_every_steps, desc, learning_rate, on_log),
+    timer=timer,
+    bar=bar,
+  )
   begun = False  # an epoch was begun (its after_epoch is due when it ends)
   try:
     phase = _phase_items(detector, source, epochs, first, start_batch, left, batch_size, data_seed)
@@ -414,30 +239,7 @@ def train_loop(
             loop.epoch, loop.batch_in_epoch = epoch, 0
           continue
         timer.host("input", time.perf_counter() - waited)
-        loop.key, step_key = jax.random.split(loop.key)
-        loop, replay_inputs = replay.step_inputs(loop, inputs, timer)
-        if loop.step + 1 < total_steps:
-          # The next step's retrieval, dispatched before this train step, its gather in the
-          # background meanwhile (`Replay.look_ahead`; a no-op where it would be inexact).
-          next_inputs = None
-          if replay.reads_next_batch:
-            waited = time.perf_counter()
-            next_inputs = items.peek_batch()
-            timer.host("input", time.perf_counter() - waited)
-          replay.look_ahead(loop, next_inputs)
-        dispatched = time.perf_counter()
-        loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
-        timer.device("train_step", dispatched, metrics["loss"])
-        timer.end_step()
-        loop.step += 1
-        loop.batch_in_epoch += 1
-        loop.loss = metrics["loss"]
-        bar.update(1)
-        loop = replay.count(loop, metrics)
-        if loop.step % log_every == 0 or loop.step == total_steps:
-          host_metrics = sharding_lib.fetch_replicated(metrics)
-          check_finite(host_metrics, desc, loop.step, learning_rate)
-          bar.set_postfix(**on_log(loop, host_metrics))
+        loop = step(loop, inputs, items)
         after_step(loop)
         checkpoint(loop)
         preemption.checkpoint_event("train_step")
@@ -448,6 +250,39 @@ def train_loop(
     # is dropped: the serial loop would not have computed it.
     replay.close_lookahead()
   bar.close()
+  return loop
+
+
+def _take_step(loop, inputs, items, *, train_step, replay, total_steps, log, timer, bar):
+  """One step of `train_loop`: the key split, the replayed inputs, the next step's retrieval
+  dispatched ahead, the train step, the counters, and (every `log_every` steps and at the
+  last) the host metrics checked and logged. `log`: (log_every, desc, learning_rate, on_log).
+  Returns `loop`, advanced by the step."""
+  log_every, desc, learning_rate, on_log = log
+  loop.key, step_key = jax.random.split(loop.key)
+  loop, replay_inputs = replay.step_inputs(loop, inputs, timer)
+  if loop.step + 1 < total_steps:
+    # The next step's retrieval, dispatched before this train step, its gather in the
+    # background meanwhile (`Replay.look_ahead`; a no-op where it would be inexact).
+    next_inputs = None
+    if replay.reads_next_batch:
+      waited = time.perf_counter()
+      next_inputs = items.peek_batch()
+      timer.host("input", time.perf_counter() - waited)
+    replay.look_ahead(loop, next_inputs)
+  dispatched = time.perf_counter()
+  loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
+  timer.device("train_step", dispatched, metrics["loss"])
+  timer.end_step()
+  loop.step += 1
+  loop.batch_in_epoch += 1
+  loop.loss = metrics["loss"]
+  bar.update(1)
+  loop = replay.count(loop, metrics)
+  if loop.step % log_every == 0 or loop.step == total_steps:
+    host_metrics = sharding_lib.fetch_replicated(metrics)
+    check_finite(host_metrics, desc, loop.step, learning_rate)
+    bar.set_postfix(**on_log(loop, host_metrics))
   return loop
 
 
@@ -652,6 +487,92 @@ def track_best_epoch(
   return best
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """One downstream training phase: a dataset of the sequence, or the joint set.
+
+  Attributes:
+    name: the dataset's name, or 'joint'.
+    index: the stage it ends (1-based): its step checkpoints' phase and its PRNG key's offset.
+    source: what `Detector.train_batches` reads (`CocoSource`, or `mixture.JointSource`).
+    data_seed: the input pipeline's seed (seeds.data + index).
+    batch_size: new images per step.
+    total: optimiser steps of the phase.
+    num_epochs: epochs the loop reads (the joint set: 1, its plan holds every epoch; None: as
+      many as a budget in steps takes, `train.num_steps`).
+    settings: the optimiser settings (`dataset_train_settings`), for the summary.
+    dataset: the `Dataset` (its valid split for `train.carry='best_validation'`); None: joint.
+  """
+
+  name: str
+  index: int
+  source: Any
+  data_seed: int
+  batch_size: int
+  total: int
+  num_epochs: int | None
+  settings: dict
+  dataset: Dataset | None = None
+
+
+def dataset_phase(config: ml_collections.ConfigDict, dataset: Dataset, index: int) -> Phase:
+  """The phase of `dataset`, the `index`-th (1-based) of the sequence: steps_per_epoch =
+  images // train.batch_size, total = steps_per_epoch * num_epochs, capped by
+  `max_train_steps_per_dataset`.
+
+  Raises:
+    ConfigError: a dataset with fewer training images than one batch.
+  """
+  batch_size = config.train.batch_size
+  steps_per_epoch = len(dataset.train) // batch_size
+  if steps_per_epoch < 1:
+    raise ConfigError(
+      f"dataset {dataset.name} has {len(dataset.train)} training images, "
+      f"fewer than config.train.batch_size={batch_size}"
+    )
+  settings = dataset_train_settings(config, dataset.name, steps_per_epoch)
+  # A budget in steps (train.num_steps) runs as many epochs as it takes, the last one cut.
+  num_epochs = None if "num_steps" in settings else settings["num_epochs"]
+  total = settings.get("num_steps") or steps_per_epoch * settings["num_epochs"]
+  if config.max_train_steps_per_dataset:
+    total = min(total, config.max_train_steps_per_dataset)
+  return Phase(
+    name=dataset.name,
+    index=index,
+    source=dataset.train,
+    data_seed=seed_of(config, "data") + index,
+    batch_size=batch_size,
+    total=total,
+    num_epochs=num_epochs,
+    settings=settings,
+    dataset=dataset,
+  )
+
+
+def joint_phase(config: ml_collections.ConfigDict, datasets, index: int = 1) -> Phase:
+  """The joint phase over `datasets` (the sequence, in order): the examples every
+  `dataset_phase` reads, shuffled together (`mixture.joint_plan`, seeded by seeds.data), and
+  their total steps. The optimiser settings are `train.*` (no `train.per_dataset` entry
+  applies); `warmup_epochs` counts passes over the union (sum of images // batch size).
+
+  Raises:
+    ConfigError: a dataset with fewer training images than one batch.
+  """
+  phases = [dataset_phase(config, d, i) for i, d in enumerate(datasets, start=1)]
+  batch_size = config.train.batch_size
+  plan = mixture.joint_plan(
+    [len(d.train) for d in datasets], [p.total for p in phases], batch_size, seed_of(config, "data")
+  )
+  parts = tuple(mixture.JointPart(p.name, p.source, p.data_seed, p.total) for p in phases)
+  source = mixture.JointSource(parts, plan, batch_size)
+  one_pass = sum(len(d.train) // batch_size for d in datasets)
+  settings = dataset_train_settings(config, JOINT, one_pass)
+  settings["num_epochs"] = 1
+  return Phase(
+    JOINT, index, source, seed_of(config, "data") + index, batch_size, source.steps, 1, settings
+  )
+
+
 def train_on_dataset(
   detector: Detector,
   dataset: Dataset,
@@ -689,32 +610,125 @@ def train_on_dataset(
     ConfigError: a dataset with fewer training images than one batch.
     owl_cl.preemption.Preempted: SIGTERM (after the checkpoint is saved).
   """
+  phase = dataset_phase(detector.config, dataset, index)
+  return train_phase(
+    detector, phase, params, store, replay_state, writer, records_path, step_checkpoints, teacher
+  )
+
+
+def train_joint(
+  detector: Detector,
+  datasets,
+  params,
+  store,
+  replay_state,
+  writer,
+  index: int = 1,
+  records_path: str | None = None,
+  step_checkpoints=None,
+  teacher=None,
+):
+  """Fine-tunes on every dataset of `datasets` at once (`joint_phase`: the sequence's
+  examples and total steps, shuffled together), with retrieval + DER++ as configured.
+
+  Arguments, returns and errors as `train_on_dataset` (the phase is stage `index`); the
+  summary also holds 'joint': {dataset name: its steps in the sequence}.
+  """
+  phase = joint_phase(detector.config, datasets, index)
+  params, replay_state, summary = train_phase(
+    detector, phase, params, store, replay_state, writer, records_path, step_checkpoints, teacher
+  )
+  summary["joint"] = {part.name: part.steps for part in phase.source.parts}
+  return params, replay_state, summary
+
+
+def train_phase(
+  detector: Detector,
+  phase: Phase,
+  params,
+  store,
+  replay_state,
+  writer,
+  records_path: str | None = None,
+  step_checkpoints=None,
+  teacher=None,
+):
+  """Fine-tunes on one `Phase` (fresh optimizer): `train_on_dataset` / `train_joint`.
+
+  Returns and raises as `train_on_dataset`.
+  """
   config = detector.config
-  batch_size = config.train.batch_size
-  sharding_lib.check_batch_divisible(batch_size, detector.mesh, "config.train.batch_size")
-  steps_per_epoch = len(dataset.train) // batch_size
-  if steps_per_epoch < 1:
-    raise ConfigError(
-      f"dataset {dataset.name} has {len(dataset.train)} training images, "
-      f"fewer than config.train.batch_size={batch_size}"
+  sharding_lib.check_batch_divisible(phase.batch_size, detector.mesh, "config.train.batch_size")
+  replay = replay_setup.make_replay(detector, store, records_path)
+  tx, schedule, train_step = _phase_train_step(detector, phase, params, replay, teacher)
+  loop = LoopState(
+    train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
+    replay_state=replay_state,
+    key=jax.random.PRNGKey(seed_of(config, "data") * 1000 + phase.index),
+  )
+  loop = replay.prepare(loop)
+  carry_best = check_carry_mode(config) == "best_validation" and phase.dataset is not None
+  if carry_best:
+    loop.history = {"best_AP": -np.inf, "best_epoch": None, "validation": []}
+  # After `prepare`: the restored replay state already holds what it prepared.
+  # `params` gives best_params' tree structure, shapes and dtypes.
+  # LoRA: the step checkpoints hold the adapters alone (the base is `params`', frozen).
+  held = LORA_ADAPTERS if detector.lora is not None else None
+  like = params if carry_best else None
+  loop = restore_loop(step_checkpoints, phase.index, loop, replay, like, params_part=held)
+  timer = timing.StepTimer()
+  on_log, after_epoch = _phase_callbacks(detector, phase, replay, writer, schedule, timer)
+  try:
+    loop = train_loop(
+      detector,
+      loop,
+      train_step=train_step,
+      replay=replay,
+      source=phase.source,
+      batch_size=phase.batch_size,
+      data_seed=phase.data_seed,
+      total_steps=phase.total,
+      num_epochs=phase.num_epochs,
+      desc=_phase_desc(phase),
+      on_log=on_log,
+      after_epoch=after_epoch if carry_best else replay.end_epoch,
+      checkpoint=checkpoint_hook(
+        step_checkpoints,
+        phase.index,
+        phase.total,
+        replay,
+        phase.name if phase.dataset is None else f"dataset {phase.index}",
+        params_part=held,
+      ),
+      learning_rate=phase.settings["learning_rate"],
+      prefetch_batches=config.data.prefetch_batches,
+      timer=timer,
     )
-  settings = dataset_train_settings(config, dataset.name, steps_per_epoch)
-  # A budget in steps (train.num_steps) runs as many epochs as it takes, the last one cut.
-  num_epochs = None if "num_steps" in settings else settings["num_epochs"]
-  total = settings.get("num_steps") or steps_per_epoch * settings["num_epochs"]
-  if config.max_train_steps_per_dataset:
-    total = min(total, config.max_train_steps_per_dataset)
-  optimizer = {k: v for k, v in settings.items() if k not in ("num_epochs", "num_steps")}
-  lora = detector.lora is not None
+  finally:
+    timer.close()
+  return _phase_result(replay.end_dataset(loop), phase, replay, timer, carry_best)
+
+
+def _phase_desc(phase: Phase) -> str:
+  """The progress bar's and the divergence message's name of the phase."""
+  if phase.dataset is None:
+    return f"{phase.name} ({len(phase.source.parts)} datasets)"
+  return f"dataset {phase.index}: {phase.name}"
+
+
+def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher):
+  """(optimizer, learning-rate schedule, jitted train step) of the phase. LwF's teacher is
+  bound as the step's last argument (`_with_teacher`)."""
+  config = detector.config
+  optimizer = {k: v for k, v in phase.settings.items() if k not in ("num_epochs", "num_steps")}
   # LoRA: the base model is frozen (no update, no optimizer state), only the adapters train.
-  frozen = tuple(config.train.get("frozen", ())) + ((lora_lib.FROZEN_BASE,) if lora else ())
+  lora = (lora_lib.FROZEN_BASE,) if detector.lora is not None else ()
   optimizer.update(
     layerwise_granularity=config.train.get("layerwise_granularity", "layer"),
     weight_decay=config.train.weight_decay,
-    frozen=frozen,
+    frozen=tuple(config.train.get("frozen", ())) + lora,
   )
-  tx, schedule = make_optimizer(params, optimizer, total, config)
-  replay = replay_setup.make_replay(detector, store, records_path)
+  tx, schedule = make_optimizer(params, optimizer, phase.total, config)
   train_step = step_lib.make_train_step(
     detector.tuned_train_model,
     tx,
@@ -728,80 +742,51 @@ def train_on_dataset(
   )
   if lwf_options(config):
     train_step = _with_teacher(train_step, teacher, detector.mesh)
-  loop = LoopState(
-    train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
-    replay_state=replay_state,
-    key=jax.random.PRNGKey(seed_of(config, "data") * 1000 + index),
-  )
-  loop = replay.prepare(loop)
-  carry_best = config.train.get("carry", "last") == "best_validation"
-  if carry_best:
-    loop.history = {"best_AP": -np.inf, "best_epoch": None, "validation": []}
-  # After `prepare`: the restored replay state already holds what it prepared.
-  # `params` gives best_params' tree structure, shapes and dtypes.
-  loop = restore_loop(
-    step_checkpoints, index, loop, replay, params if carry_best else None, adapters_only=lora
-  )
+  return tx, schedule, train_step
 
-  timer = timing.StepTimer()
+
+def _phase_callbacks(detector: Detector, phase: Phase, replay, writer, schedule, timer):
+  """(on_log, after_epoch) of a phase's `train_loop`: TensorBoard scalars and the progress
+  bar's fields; the replay's end of epoch and the best-validation-epoch carry."""
+  dataset = phase.dataset
 
   def on_log(loop, metrics):
     postfix, replay_scalars = replay.log(loop)
     scalars = dict(metrics, lr=schedule(loop.step), **replay_scalars)
-    log_scalars(writer, f"train/{dataset.name}", scalars, loop.step)
-    log_scalars(writer, f"timing/{dataset.name}", timing.means(timer.collect()), loop.step)
+    log_scalars(writer, f"train/{phase.name}", scalars, loop.step)
+    log_scalars(writer, f"timing/{phase.name}", timing.means(timer.collect()), loop.step)
     return {"loss": f"{float(metrics['loss']):.3f}", **postfix}
 
   def after_epoch(loop):
     loop = replay.end_epoch(loop)
-    if carry_best:
-      history = loop.history
-      best = {"AP": history["best_AP"], "epoch": history["best_epoch"], "params": loop.best_params}
-      best = track_best_epoch(
-        detector,
-        dataset,
-        loop.train_state.params,
-        loop.epoch,
-        best,
-        history["validation"],
-        writer,
-        index,
-      )
-      history.update(best_AP=best["AP"], best_epoch=best["epoch"])
-      loop.best_params = best["params"]
+    history = loop.history
+    best = {"AP": history["best_AP"], "epoch": history["best_epoch"], "params": loop.best_params}
+    best = track_best_epoch(
+      detector,
+      dataset,
+      loop.train_state.params,
+      loop.epoch,
+      best,
+      history["validation"],
+      writer,
+      phase.index,
+    )
+    history.update(best_AP=best["AP"], best_epoch=best["epoch"])
+    loop.best_params = best["params"]
     return loop
 
-  try:
-    loop = train_loop(
-      detector,
-      loop,
-      train_step=train_step,
-      replay=replay,
-      source=dataset.train,
-      batch_size=batch_size,
-      data_seed=seed_of(config, "data") + index,
-      total_steps=total,
-      num_epochs=num_epochs,
-      desc=f"dataset {index}: {dataset.name}",
-      on_log=on_log,
-      after_epoch=after_epoch,
-      checkpoint=checkpoint_hook(
-        step_checkpoints, index, total, replay, f"dataset {index}", adapters_only=lora
-      ),
-      learning_rate=settings["learning_rate"],
-      prefetch_batches=config.data.prefetch_batches,
-      timer=timer,
-    )
-  finally:
-    timer.close()
-  loop = replay.end_dataset(loop)
+  return on_log, after_epoch
+
+
+def _phase_result(loop: LoopState, phase: Phase, replay, timer, carry_best: bool):
+  """(params, replay state, summary) at the end of a phase (`train_on_dataset`'s returns)."""
   summary = {
     "steps": loop.step,
     # Wall-clock: moved out of the stage's training summary into results.json `timings`.
     "step_timings": timer.summary(),
     "replayed_images": loop.replayed,
     "final_loss": float(sharding_lib.fetch_replicated(loop.loss)) if loop.step else None,
-    "settings": settings,
+    "settings": phase.settings,
     **replay.summary(loop),
   }
   if carry_best and loop.best_params is not None:

@@ -67,7 +67,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
       (`foreign_results_problem`), a CLIP tokenizer without its vocabulary or with an
       incomplete one (`clip_vocabulary_files_problem`), an `init_checkpoint` that is no
       checkpoint, a checkpoint of another model (`init_checkpoint_model_problem`) or one
-      whose format needs a missing optional extra (`missing_extra_problem`).
+      whose format needs a missing optional extra (`missing_extra_problem`), a schedule
+      that cannot work with the other fields (`schedule_problem`).
     MissingInputsError: the paper's protocol with missing inputs
       (`data.real_inputs.check_inputs`), checked once the fields are valid; then every
       problem of the declared datasets (`check_datasets`).
@@ -79,7 +80,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   if fields_valid:  # The checks across fields read fields of the right type.
     problems += model_problems(config)
     problems += augment_problems(config)
-    checks = (init_checkpoint_problem, frozen_problem, lora_problem)
+    checks = (init_checkpoint_problem, frozen_problem, lora_problem, schedule_problem)
     problems += [p for p in (check(config) for check in checks) if p]
     # With real data, `real_inputs.check_inputs` lists it with the files.
     if not uses_real_data(config):
@@ -151,6 +152,18 @@ def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = 
         f"use a multiple of {num_devices}"
       )
   return problems
+
+
+def schedule_problem(config: ml_collections.ConfigDict) -> str:
+  """What keeps `train.schedule` from working with the other fields ('' when fine): the joint
+  set has no one valid split, so `train.carry='best_validation'` cannot pick its epoch."""
+  if config.train.get("schedule") == "joint" and config.train.carry == "best_validation":
+    return (
+      "config.train.schedule='joint' with config.train.carry='best_validation': the joint set "
+      "is one epoch of every dataset, with no valid split to pick an epoch by; use "
+      "train.carry='last'"
+    )
+  return ""
 
 
 def workdir_problem(workdir: str) -> str:
@@ -299,9 +312,12 @@ def model_problems(config: ml_collections.ConfigDict) -> list[str]:
 
   Checks each `model.overrides` field (a `ModelConfig` field, `MODEL_OVERRIDE_RULES`), then
   the rules across fields: the image size a multiple of the patch size, each tower's width a
-  multiple of its heads, and `replay.top_k` at most the image tokens (the k class embeddings
-  per image are k of its (image_size / patch_size)**2 tokens). Any other refusal of
-  `owl_cl.model.create_model` is named with the model. Run with every field of the right type.
+  multiple of its heads, `replay.top_k` at most the image tokens (the k class embeddings
+  per image are k of its (image_size / patch_size)**2 tokens), and
+  OWLv2's rules (`data.squash_resize` off, `replay.selection.objectness_in_loss` only with
+  an OWLv2 model and its objectness term). Any
+  other refusal of `owl_cl.model.create_model` is named with the model. Run with every field
+  of the right type.
 
   Returns:
     One line per problem naming the field and its value; empty when the model can be built.
@@ -349,7 +365,32 @@ def model_problems(config: ml_collections.ConfigDict) -> list[str]:
       f"the model ((image_size {model['image_size']} / patch_size {model['patch_size']})**2, "
       f"variant {variant!r}): an image has no {config.replay.top_k} class embeddings"
     )
-  return problems
+  return problems + _owlv2_problems(config, model["version"], variant)
+
+
+def _owlv2_problems(config, version: str, variant: str) -> list[str]:
+  """OWLv2's rules across fields (docs/owlv2.md): its preprocessing pads to a square, so
+  `data.squash_resize` has no OWLv2 form; `replay.selection.objectness_in_loss` needs an OWLv2
+  model whose loss has the objectness term (`loss.objectness_weight` > 0): otherwise it would
+  select by the same loss as False while keying another buffer."""
+  if version == "owlv2" and config.data.squash_resize:
+    return [
+      f"config.data.squash_resize=True resizes without padding, but the OWLv2 model of "
+      f"config.model.variant={variant!r} pads to a square, then resizes (docs/owlv2.md)"
+    ]
+  if not config.replay.selection.get("objectness_in_loss", False):
+    return []
+  if version != "owlv2":
+    return [
+      f"config.replay.selection.objectness_in_loss=True needs an OWLv2 model, but "
+      f"config.model.variant={variant!r} is version {version!r} (no objectness head)"
+    ]
+  if not config.loss.objectness_weight:
+    return [
+      f"config.replay.selection.objectness_in_loss=True adds nothing with "
+      f"config.loss.objectness_weight={config.loss.objectness_weight!r}: set it > 0"
+    ]
+  return []
 
 
 def augment_problems(config: ml_collections.ConfigDict) -> list[str]:

@@ -1,22 +1,137 @@
-"""Session fixtures shared by the end-to-end tests (what is expensive to build, built once)."""
+"""Session fixtures shared by the end-to-end tests (what is expensive to build, built once).
 
+Under pytest-xdist (`-n 2`) every worker is its own process with its own session: what is
+built once per session here is built once for all workers, in a folder of the run's base
+temp root that the workers share (`_shared_root`), by whichever worker comes first while the
+others wait for its lock (`utils.cache_entry_lock`). docs/tests.md has the measured costs.
+"""
+
+import os
+import pathlib
+import shutil
+
+import jax
+from jax._src import compilation_cache  # reset_cache: no public equivalent
 import pytest
 
 from owl_cl import benchmark
 from owl_cl import pretrained
+from owl_cl import utils
 from owl_cl.detector import Detector
+from owl_cl.replay import setup as replay_setup
 from owl_cl.testing.configs import tiny_config
+
+# The environment variables that point the session's subprocesses (`owl_cl.main`, sweeps,
+# benchmark smoke runs) at the session's compilation cache: JAX reads them when imported.
+XLA_CACHE_ENV = {
+  "JAX_COMPILATION_CACHE_DIR": None,  # set to the session's folder
+  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+}
+# A compilation cache folder kept across pytest runs (docs/tests.md); unset: one per run.
+XLA_CACHE_KEEP_ENV = "OWL_CL_TEST_XLA_CACHE"
+
+
+def _shared_root(tmp_path_factory) -> pathlib.Path:
+  """The folder every worker process of this pytest run shares.
+
+  pytest-xdist gives each worker the base temp `<root>/popen-gw<N>` of the run's `<root>`;
+  without xdist the base temp is the run's own.
+  """
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_cache_dir(tmp_path_factory) -> str:
+  """The run's persistent XLA compilation cache, shared by every test, worker and subprocess.
+
+  The tiny configs compile the same programs (same shapes) test after test: a program
+  compiled once is read back afterwards instead of compiled again (XLA's compile is most of
+  a tiny run's CPU time). Every compilation is kept (no minimum compile time). JAX reads
+  the folder once per process, at its first compilation: a test that sets
+  `compilation_cache_dir` (as `experiment.run` applies it) still uses this one, unless it
+  calls `compilation_cache.reset_cache()` (tests/test_lookahead.py restores it after).
+  Loaded executables are the compiled ones byte for byte: results do not change. A process
+  that reads an entry another one is still writing compiles the program instead (JAX warns
+  and goes on).
+  """
+  # OWL_CL_TEST_XLA_CACHE: a folder kept across pytest runs (the inner loop's reruns compile
+  # only what changed); CI leaves it unset: each run starts from an empty cache.
+  folder = os.environ.get(XLA_CACHE_KEEP_ENV) or str(_shared_root(tmp_path_factory) / "xla")
+  os.makedirs(folder, exist_ok=True)
+  _use_xla_cache(folder)
+  for name, value in XLA_CACHE_ENV.items():
+    os.environ[name] = value if value is not None else folder
+  return folder
+
+
+def _use_xla_cache(folder: str) -> None:
+  """Points this process's JAX at the compilation cache `folder`, caching every program."""
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  compilation_cache.reset_cache()  # decided again at the next compilation, with the folder
+
+
+@pytest.fixture(autouse=True)
+def _keep_xla_cache(xla_cache_dir):
+  """Restores the session's compilation cache after a test that changed JAX's settings.
+
+  `experiment.run` with a `compilation_cache_dir` sets JAX's process-wide cache settings (its
+  folder, a 1 s minimum compile time); later tests of the worker would inherit them.
+  """
+  yield
+  if (
+    jax.config.jax_compilation_cache_dir != xla_cache_dir
+    or jax.config.jax_persistent_cache_min_compile_time_secs != 0.0
+  ):
+    _use_xla_cache(xla_cache_dir)
 
 
 @pytest.fixture(scope="session")
 def pretrained_cache_dir(tmp_path_factory) -> str:
-  """A cache folder holding the built-in benchmark and the tiny configs' pre-trained model.
+  """A cache folder holding the built-in benchmark, the tiny configs' pre-trained model and
+  the `swil` tiny config's replay store.
 
   Every `tiny_config` (whatever the retrieval) shares the pre-training settings, so runs with
   this cache load the model instead of pre-training it; tests never depend on one another
-  to have filled it.
+  to have filled it. Built once per pytest run (`_shared_root`, under its lock) and copied
+  to a folder of this worker's own: what a test adds to it (another store, a scan record)
+  stays in the worker, and no test copies a folder that another worker is writing.
   """
+  built = str(_shared_root(tmp_path_factory) / "pretrained_cache")
+  with utils.cache_entry_lock(built, "session's pre-trained cache"):
+    done = os.path.join(built, "COMPLETE")
+    if not os.path.exists(done):
+      shutil.rmtree(built, ignore_errors=True)  # a worker killed while building it
+      config = tiny_config("swil", built)
+      detector = Detector(config)
+      bench = benchmark.load_benchmark(config)
+      params, meta = pretrained.pretrained_params(detector, bench, None)
+      replay_setup.build_store(detector, bench, params, meta)
+      open(done, "w").close()
   cache_dir = str(tmp_path_factory.mktemp("cache"))
-  config = tiny_config("swil", cache_dir)
-  pretrained.pretrained_params(Detector(config), benchmark.load_benchmark(config), None)
+  shutil.copytree(built, cache_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("COMPLETE"))
   return cache_dir
+
+
+def pytest_collection_modifyitems(config, items):
+  """Modules with a `slow` test run first, their slow tests first within them.
+
+  Under `-n 2` the workers take the next tests as they finish (pytest.ini: one at a time):
+  the long end-to-end tests start while the many short ones fill the other worker, instead
+  of one of them starting last while the other worker sits idle. Whole modules move, so a
+  module's fixtures are still set up once per worker. The order is the same in every worker
+  (xdist requires it) and no test depends on it.
+  """
+  del config  # unused
+  slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+  first = {}
+  for index, item in enumerate(items):
+    first.setdefault(item.module.__name__, index)
+  items.sort(
+    key=lambda item: (
+      item.module.__name__ not in slow_modules,
+      first[item.module.__name__],
+      item.get_closest_marker("slow") is None,
+    )
+  )

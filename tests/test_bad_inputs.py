@@ -94,6 +94,7 @@ BAD_FIELDS = [
   ("checkpoint.max_to_keep", 0, "config.checkpoint.max_to_keep=0 must be >= 1"),
   ("task_order", "random_99", "config.task_order='random_99' is no stored order (names: canon"),
   ("seeds.retrieval", -1, "config.seeds.retrieval=-1 must be >= 0 or None"),
+  ("train.schedule", "parallel", "config.train.schedule='parallel' is unknown; known: ['seq"),
 ]
 
 

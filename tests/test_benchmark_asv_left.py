@@ -39,6 +39,7 @@ def test_projection_is_quadratic_in_the_images_and_divided_by_the_devices():
   assert bench.projections(whole, half, 8)["from_full_chunk_s"] == pytest.approx(2 * 10.0 * 6779)
 
 
+@pytest.mark.slow
 def test_smoke_runs_end_to_end(tmp_path):
   # The whole script as a user runs it (both measurements, projections, report files) on 40
   # images of 2 tokens in chunks of 8, and one chunk of 4 images against 60.

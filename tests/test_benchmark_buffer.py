@@ -12,6 +12,7 @@ _PATH = os.path.join(
 )
 
 
+@pytest.mark.slow
 def test_smoke_builds_a_store_and_writes_the_tables(tmp_path):
   # 64 images in batches of 8, chunks of 32 (two commits of pass 1, so its rate is timed).
   argv = [sys.executable, _PATH, "--smoke", f"--out={tmp_path}"]

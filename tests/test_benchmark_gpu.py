@@ -35,6 +35,7 @@ def _run(tmp_path, *extra):
   return json.loads((tmp_path / "gpu_smoke.json").read_text())
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_section(tmp_path):
   # A budget no loaded CI machine reaches: every section must finish on its own.
   report = _run(tmp_path, "--budget=1100", "--repeats=1", f"--cache-dir={tmp_path / 'xla'}")
@@ -72,6 +73,7 @@ def test_smoke_runs_every_section(tmp_path):
   assert md.count("| 200 | `") == len(run["algorithms"])  # one retrieval row per algorithm
 
 
+@pytest.mark.slow
 def test_sections_past_the_budget_are_recorded_and_the_rest_still_runs(tmp_path):
   # 2 s in all: every section is killed at its share (>= 1 s) and recorded; the files are
   # still written.

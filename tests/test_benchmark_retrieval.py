@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 _PATH = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "retrieval.py"
@@ -171,6 +172,7 @@ def test_floor_rows_time_the_fixed_parts_against_numpys_whole_calls():
   assert rows[2]["numpy_s"] is not rows[0]["numpy_s"]
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_row_in_fresh_processes(tmp_path):
   # The whole script as a user runs it at the smoke sizes, with the algorithms again in 2
   # fresh processes: every kind of row is written, one per algorithm.

@@ -20,6 +20,7 @@ _spec.loader.exec_module(bench)
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
 
+@pytest.mark.slow
 def test_smoke_run_times_every_side_in_fresh_processes(tmp_path):
   # The whole script as a user runs it: arithmetic (2 remats), then our model, our step and
   # (with the hf extra) HF's model and step, each in its own process; 2 threads per side.

@@ -24,6 +24,7 @@ def _stage_names(results):
   return [s["name"] for s in results["stages"]]
 
 
+@pytest.mark.slow
 def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
   config = tiny_config("swil", cache_dir)
   workdir = str(tmp_path / "run")
@@ -74,6 +75,7 @@ def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
   assert json.load(open(os.path.join(workdir, "results.json")))["stages"] == final["stages"]
 
 
+@pytest.mark.slow
 def test_no_replay_reuses_cached_pretrained_model(cache_dir, tmp_path, monkeypatch):
   config = tiny_config("no_replay", cache_dir)
   # The session's cache holds the pre-trained model of the tiny configs (tests/conftest.py).
@@ -104,6 +106,7 @@ def test_unknown_algorithm_is_a_config_error(cache_dir):
     replay_setup.make_algorithm(config)
 
 
+@pytest.mark.slow
 def test_loss_adaptivity_reports_replay_fractions(cache_dir, tmp_path, monkeypatch):
   """Paper loss adaptivity end to end: the reported replay fractions count the replays made.
 

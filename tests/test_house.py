@@ -17,11 +17,7 @@ MAX_FUNCTION_LINES = 100
 
 # Functions over MAX_FUNCTION_LINES ('<file>:<qualified name>' -> reason): only where a long
 # function reads better whole (said in a comment beside it), or while it is being split.
-LONG_FUNCTIONS = {
-  "owl_cl/experiment.py:_run": "being split on branch joint",
-  "owl_cl/trainer.py:train_loop": "being split on branch joint",
-  "owl_cl/trainer.py:train_on_dataset": "being split on branch joint",
-}
+LONG_FUNCTIONS = {}
 
 # In-function imports of owl_cl modules ((file, imported module) -> reason): only where the
 # module imported needs torch, transformers or tensorflow (docs/architecture.md, "Layers").

@@ -116,6 +116,7 @@ MAIN = threading.main_thread().name
 AHEAD = "replay-lookahead_0"
 
 
+@pytest.mark.slow
 def test_exact_lookahead_across_dedup_resets_equals_the_serial_loop(shared, tmp_path):
   # The dedup reset at the first epoch's end (after step 2) replaces the replay state the
   # retrieval prepared ahead of step 3 read: dropped, and redone in the loop's thread.
@@ -130,6 +131,7 @@ def test_exact_lookahead_across_dedup_resets_equals_the_serial_loop(shared, tmp_
   _assert_same(ahead, serial)
 
 
+@pytest.mark.slow
 def test_exact_lookahead_through_a_step_checkpoint_and_resume(shared, tmp_path, monkeypatch):
   """Uniform retrieval, no reset at an epoch's end: every step but a loop's first is prepared
   ahead, across epochs too. SIGTERM seen after step 3 (mid-epoch 2, with step 4's retrieval
@@ -156,6 +158,7 @@ def test_exact_lookahead_through_a_step_checkpoint_and_resume(shared, tmp_path, 
   _assert_same(resumed, serial)
 
 
+@pytest.mark.slow
 def test_error_in_the_lookahead_thread_is_raised_at_its_step(shared, tmp_path, monkeypatch):
   # The 3rd gather fails. The serial loop meets it at step 3, before its train step: 2 train
   # steps ran. Ahead, that gather runs in the background during step 2, and its error must
@@ -181,6 +184,7 @@ def test_error_in_the_lookahead_thread_is_raised_at_its_step(shared, tmp_path, m
   assert gathers == [MAIN, AHEAD, AHEAD] and len(trained) == 2
 
 
+@pytest.mark.slow
 def test_stale_retrieval_reads_the_parameters_of_the_previous_step(shared, tmp_path):
   """SWIL with `replay.stale_retrieval`: the features of a step prepared ahead come from the
   parameters the previous train step started from, those of the loop's first step from its

@@ -94,6 +94,7 @@ def _check(results):
     assert rc == 0, f"process {pid} {status}:\n{output[-4000:]}"
 
 
+@pytest.mark.slow
 def test_two_process_run_matches_one_process_run(tmp_path):
   # The 1 x 8 reference and both processes of the 2 x 4 run, side by side (the processes'
   # serial phases, start-up and waits, overlap). One test for every check of their outputs:
@@ -462,6 +463,7 @@ def _only_store(cache_dir: str) -> str:
   return os.path.join(root, stores[0])
 
 
+@pytest.mark.slow
 def test_main_job_two_processes_matches_one(tmp_path, pretrained_cache_dir):
   # The whole run (`owl_cl.main`, built-in benchmark, tiny budget: 2 steps on one downstream
   # dataset, the 3 eval sets after both stages) as 1 process x 8 devices and as 2 processes x

@@ -79,6 +79,7 @@ def test_page_config_file_is_the_shipped_one():
   ]
 
 
+@pytest.mark.slow
 def test_page_quick_try_runs_as_written(pretrained_cache_dir, tmp_path):
   """The page's two quick-try lines, run as written; results.json / results.md checked."""
   commands = _commands()

@@ -260,6 +260,7 @@ def data_root(tmp_path_factory):
   return root
 
 
+@pytest.mark.slow
 def test_paper_pipeline_end_to_end_on_fake_real_layout(data_root, tmp_path):
   cache_dir = str(tmp_path / "cache")
   c = tiny_paper_config(data_root, cache_dir)

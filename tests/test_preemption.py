@@ -61,6 +61,7 @@ def _run_main(config_file, workdir, kill_at=None):
   )
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, tmp_path):
   xla = str(tmp_path / "xla")  # shared compilation cache: the later runs compile nothing
   configs = {}

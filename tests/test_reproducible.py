@@ -4,12 +4,14 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from owl_cl import experiment
 from owl_cl.testing.configs import tiny_config
 from owl_cl.testing.results import comparable
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_results(pretrained_cache_dir, tmp_path):
   """Same config, same seed, same cache, two workdirs: every metric of every stage (the
   pre-trained evaluation, each dataset's training summary and evaluations) is equal exactly

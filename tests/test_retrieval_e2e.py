@@ -12,6 +12,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from owl_cl import experiment
 from owl_cl.replay import setup as replay_setup
@@ -22,6 +23,7 @@ CONFIGS = ("uniform", "grasp", "sw_grasp", "a_sw_grasp", "aser", "sw_aser_pc")
 RECOMBINED = ("uniform_balanced", "swil", "aser_pc")  # steps of the ones above
 
 
+@pytest.mark.slow
 def test_every_algorithm_config_runs(pretrained_cache_dir, tmp_path):
   assert set(CONFIGS + RECOMBINED) == set(registry.ALGORITHMS)
   for name in RECOMBINED:

@@ -328,6 +328,7 @@ def _stop_in_dataset_2(config, workdir, monkeypatch):
   monkeypatch.delenv(preemption.KILL_HOOK_ENV)
 
 
+@pytest.mark.slow
 def test_corrupted_workdir_resumes_to_the_uninterrupted_result(
   pretrained_cache_dir, tmp_path, monkeypatch, caplog
 ):

@@ -54,7 +54,9 @@ __all__ = [
   "main",
 ]
 
-# (key, label): the Table 3 columns (mAP@[.5:.95]), forgetting, BWT, kept %, replayed %, time.
+# (key, label): the Table 3 columns (mAP@[.5:.95]), each dataset's AP right after its own
+# training (mean, and the lowest AP50: the plasticity that `per_task` bounds), forgetting,
+# BWT, kept %, replayed %, time.
 METRICS = (
   ("pretrain_AP", "pre-training set AP"),
   ("open_vocab_AP", "open-vocabulary AP"),
@@ -62,6 +64,8 @@ METRICS = (
   # Version 2 of the built-in benchmark: the eval set of its 5 rarest pre-training classes.
   ("tail_AP", "pre-training tail classes AP"),
   ("downstream_mean_AP", "downstream mean AP"),
+  ("own_mean_AP", "own-task AP (mean)"),
+  ("own_min_AP50", "own-task AP50 (min own)"),
   ("forgetting_AP", "average forgetting (AP)"),
   ("bwt_AP", "backward transfer (AP)"),
   ("kept_AP50", "pre-training AP50 kept (%)"),
@@ -87,7 +91,7 @@ SWEPT_FIELDS = (
   "cache_dir",
   "compilation_cache_dir",
 )
-_ALGORITHM_FIELDS = ("replay",)
+_ALGORITHM_FIELDS = ("replay", "train.schedule", "train.lwf", "train.frozen")
 BUILTIN_VERSION_FIELD = "data.builtin.version"
 TAIL_EVAL_SET = "pretrain_tail"  # owl_cl.data.builtin.TAIL_DATASET
 REPORT_MD, REPORT_JSON = "report.md", "report.json"
@@ -153,15 +157,19 @@ def _pct(value: Any) -> float:
 def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, float]:
   stages = results["stages"]
   index = len(stages) - 1 if stage is None else stage
-  row = table3.table3_row(stages[index], results["roles"])
+  final = stage is None or index == len(stages) - 1
+  # The final row is the schedule's (a per-task run's: the mean over its task models).
+  row = results["summary"]["final"] if final else table3.table3_row(stages[index], results["roles"])
   values = {k: _pct(row[k]) for k in ("pretrain_AP", "open_vocab_AP", "held_out_AP")}
   values["downstream_mean_AP"] = _pct(row["downstream_mean_AP"])
   # NaN for a run without the set (version 1, real data) or a stage that did not evaluate it.
   tail = (stages[index].get("metrics") or {}).get(TAIL_EVAL_SET) or {}
   values["tail_AP"] = _pct(tail.get("AP"))
+  own = results["summary"].get("own") or {}
+  values["own_mean_AP"] = _pct(own.get("mean_AP")) if final else math.nan
+  values["own_min_AP50"] = _pct(own.get("min_AP50")) if final else math.nan
   forgetting = results.get("forgetting") or {}
   ap = forgetting.get("AP") or {}
-  final = stage is None or index == len(stages) - 1
   # Forgetting, BWT, kept and time describe a whole sequence: final evaluations only.
   values["forgetting_AP"] = _pct(ap.get("average_forgetting")) if final else math.nan
   values["bwt_AP"] = _pct(ap.get("bwt")) if final else math.nan

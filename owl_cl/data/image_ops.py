@@ -19,9 +19,13 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from owl_cl.data import owlv2_images
+
 __all__ = [
   "resize_geometry",
   "resize_with_pad",
+  "RESIZE_METHODS",
+  "preprocess_image",
   "resized_uint8",
   "pad_to_square",
   "uint8_to_unit",
@@ -175,6 +179,50 @@ def resize_with_pad(
     return pad_to_square(uint8_to_unit(resized_uint8(image, size, squash=squash)), size, pad_value)
   new_h, new_w, _, _ = resize_geometry(image.shape[0], image.shape[1], size, squash=squash)
   return pad_to_square(_resize_float(image, new_h, new_w), size, pad_value)
+
+
+# How an image becomes the S x S network input: v1's 'resize_with_pad' (resize the long side
+# to S, then pad; scenic `ResizeWithPad`) or OWLv2's 'pad_then_resize' (pad to a square, then
+# resize with anti-aliasing; `owlv2_images.pad_then_resize`, HF `Owlv2ImageProcessor`).
+RESIZE_METHODS = ("resize_with_pad", "pad_then_resize")
+
+
+def preprocess_image(
+  image: np.ndarray,
+  size: int,
+  pad_value: float,
+  *,
+  squash: bool = False,
+  method: str = "resize_with_pad",
+) -> np.ndarray:
+  """The S x S network input of an image by `method` (`RESIZE_METHODS`).
+
+  Both methods put the content at the top left at the scale S / max(H, W), so the boxes of
+  either are `scale_boxes(..., squash=False)`'s; only the resampling differs (PIL bilinear;
+  OWLv2: Gaussian anti-aliasing then linear zoom of the padded square).
+
+  Args:
+    image: [H, W, 3] uint8 (0..255) or float in [0, 1].
+    size: S in pixels.
+    pad_value: value of the padding pixels.
+    squash: `resize_with_pad`'s squash (v1 only: OWLv2 pads to a square by definition).
+    method: 'resize_with_pad' (v1, default) or 'pad_then_resize' (OWLv2).
+
+  Returns:
+    float32 [S, S, 3] in [0, 1].
+
+  Raises:
+    ValueError: an unknown method, squash with 'pad_then_resize', image not [H, W, 3].
+
+  Source: docs/reference.md §5 (v1); docs/owlv2.md (OWLv2, HF `Owlv2ImageProcessor`).
+  """
+  if method == "resize_with_pad":
+    return resize_with_pad(image, size, pad_value, squash=squash)
+  if method != "pad_then_resize":
+    raise ValueError(f"unknown resize method {method!r}; known: {list(RESIZE_METHODS)}")
+  if squash:
+    raise ValueError("squash resizes without padding: it has no OWLv2 'pad_then_resize' form")
+  return owlv2_images.pad_then_resize(image, size, pad_value)
 
 
 def scale_boxes(

@@ -55,7 +55,7 @@ from owl_cl.data.image_ops import MOSAIC_PROBS
 from owl_cl.data.image_ops import TRAIN_PAD_VALUE
 from owl_cl.data.image_ops import augment_example
 from owl_cl.data.image_ops import build_mosaic
-from owl_cl.data.image_ops import resize_with_pad
+from owl_cl.data.image_ops import preprocess_image
 from owl_cl.data.image_ops import sample_mosaic_size
 from owl_cl.data.image_ops import scale_boxes
 from owl_cl.data.image_ops import xyxy_to_cxcywh
@@ -76,6 +76,8 @@ __all__ = [
   "epoch_permutation",
   "train_map_dataset",
   "train_dataset",
+  "apply_shard",
+  "iterate_batches",
   "eval_map_dataset",
   "eval_dataset",
 ]
@@ -106,7 +108,12 @@ def shard_options(shard: Any = None):
   )
 
 
-def _apply_shard(ds: grain.MapDataset, shard: Any) -> grain.MapDataset:
+def apply_shard(ds: grain.MapDataset, shard: Any) -> grain.MapDataset:
+  """The elements of `ds` this host keeps under `shard` (`shard_options`; remainder dropped).
+
+  Raises:
+    ValueError: a shard index outside [0, count).
+  """
   opts = shard_options(shard)
   if opts is None or opts.shard_count == 1:
     return ds
@@ -154,6 +161,7 @@ def preprocess_train_example(
   rng: np.random.Generator,
   pad_value: float = TRAIN_PAD_VALUE,
   squash: bool = False,
+  resize: str = "resize_with_pad",
   merge_iou: float | None = 0.9,
   hflip: bool = False,
   negative_weights: np.ndarray | None = None,
@@ -173,6 +181,8 @@ def preprocess_train_example(
     rng: numpy Generator (explicit randomness: negatives, prompts, flip).
     pad_value: padding value (training 0.5, docs/reference.md §5).
     squash: resize ignoring the aspect ratio (released code), see `resize_with_pad`.
+    resize: 'resize_with_pad' (v1) or 'pad_then_resize' (OWLv2, docs/owlv2.md): how the image
+      becomes S x S (`image_ops.preprocess_image`); the boxes are the same for both.
     merge_iou: boxes with IoU >= merge_iou become one multi-label instance (scenic); None: off.
     hflip: random horizontal flip with p = 0.5 (scenic augmentation; off by default).
     negative_weights: optional float [C] negative sampling weights (default uniform;
@@ -180,9 +190,8 @@ def preprocess_train_example(
     random_crop: scenic random crop after the flip (`random_crop_example` with
       crop_area_range, crop_aspect_ratio_range, crop_min_area_fraction; off by default).
     annotated_negatives: use the example's `negative_labels` (LVIS `neg_category_ids`) as the
-      first negatives, topped up by random ones (docs/reference.md §3). Classes in `excluded_labels`
-      (boxes
-      removed by augmentation) are never negatives.
+      first negatives, topped up by random ones (docs/reference.md §3). Classes in
+      `excluded_labels` (boxes removed by augmentation) are never negatives.
 
   Returns:
     dict with the per-example (unbatched) entries of the batch dict: images float32 [S, S, 3],
@@ -208,17 +217,9 @@ def preprocess_train_example(
   image_size, max_instances = spec.image_size, spec.max_instances
   example = _checked_annotations(example, spec.num_classes)
   if hflip or random_crop:
-    example = augment_example(
-      example,
-      rng,
-      hflip,
-      random_crop,
-      dict(
-        area_range=crop_area_range,
-        aspect_ratio_range=crop_aspect_ratio_range,
-        min_area_fraction=crop_min_area_fraction,
-      ),
-    )
+    crop = dict(area_range=crop_area_range, aspect_ratio_range=crop_aspect_ratio_range)
+    crop["min_area_fraction"] = crop_min_area_fraction
+    example = augment_example(example, rng, hflip, random_crop, crop)
     example = _checked_annotations(example, None)
   image, boxes, labels = example["image"], example["boxes"], example["labels"]
   h, w = int(image.shape[0]), int(image.shape[1])
@@ -237,7 +238,7 @@ def preprocess_train_example(
   scaled = xyxy_to_cxcywh(scale_boxes(inst_boxes, h, w, image_size, squash=squash)) / image_size
   out_labels, out_boxes = instance_targets(scaled, inst_labels, query_class, max_instances)
   return dict(
-    images=resize_with_pad(image, image_size, pad_value, squash=squash),
+    images=preprocess_image(image, image_size, pad_value, squash=squash, method=resize),
     queries=query_tokens(query_class, spec.class_tokens, spec.empty_tokens, rng),
     labels=out_labels,
     boxes=out_boxes,
@@ -275,12 +276,14 @@ def preprocess_eval_example(
   image_size: int,
   pad_value: float = EVAL_PAD_VALUE,
   squash: bool = False,
+  resize: str = "resize_with_pad",
 ) -> dict[str, np.ndarray]:
   """One evaluation example.
 
   Args:
     example: dict(image uint8 [H, W, 3], image_id int, ...).
     image_size: S. pad_value: 0.0 (docs/reference.md §5). squash: see `resize_with_pad`.
+    resize: 'resize_with_pad' (v1) or 'pad_then_resize' (OWLv2), `image_ops.preprocess_image`.
 
   Returns:
     dict(images float32 [S, S, 3], image_id int64 [], orig_size int32 [2] (H, W),
@@ -290,7 +293,7 @@ def preprocess_eval_example(
   """
   image = example["image"]
   return dict(
-    images=resize_with_pad(image, image_size, pad_value, squash=squash),
+    images=preprocess_image(image, image_size, pad_value, squash=squash, method=resize),
     image_id=np.int64(example["image_id"]),
     orig_size=np.array(image.shape[:2], np.int32),
     example_mask=np.bool_(True),
@@ -366,7 +369,13 @@ class _TrainTransform:
 
 class _EvalTransform:
   def __init__(
-    self, source, image_size: int, pad_value: float, squash: bool, num_images: int | None = None
+    self,
+    source,
+    image_size: int,
+    pad_value: float,
+    squash: bool,
+    num_images: int | None = None,
+    resize: str = "resize_with_pad",
   ):
     self.source, self.image_size, self.pad_value, self.squash = (
       source,
@@ -374,13 +383,18 @@ class _EvalTransform:
       pad_value,
       squash,
     )
+    self.resize = resize
     self.num_images = len(source) if num_images is None else num_images
 
   def __call__(self, index: int) -> dict[str, np.ndarray]:
     if index >= self.num_images:
       return padding_eval_example(self.image_size, self.pad_value)
     return preprocess_eval_example(
-      self.source[index], image_size=self.image_size, pad_value=self.pad_value, squash=self.squash
+      self.source[index],
+      image_size=self.image_size,
+      pad_value=self.pad_value,
+      squash=self.squash,
+      resize=self.resize,
     )
 
 
@@ -438,7 +452,7 @@ def train_map_dataset(
       raise ValueError(f"give shard or positions, not both (shard={shard!r})")
     ds = grain.MapDataset.source(np.asarray(positions, np.int64))
   else:
-    ds = _apply_shard(grain.MapDataset.range(len(source)), shard)
+    ds = apply_shard(grain.MapDataset.range(len(source)), shard)
   return ds.map(_TrainTransform(source, spec, perm, seed, epoch, options))
 
 
@@ -534,11 +548,24 @@ def train_dataset(
     **options,
   )
   local_batch = batch_size if batch_rows is None else batch_rows[1] - batch_rows[0]
+  return iterate_batches(ds, local_batch, start_batch, num_workers, num_threads, prefetch)
+
+
+def iterate_batches(
+  ds: grain.MapDataset,
+  batch_size: int,
+  start_batch: int = 0,
+  num_workers: int = 0,
+  num_threads: int = 2,
+  prefetch: int = 64,
+) -> Iterator[dict[str, np.ndarray]]:
+  """Full batches of `batch_size` consecutive elements of `ds` (the last partial one
+  dropped), from batch `start_batch` on; workers, threads and prefetch as `train_dataset`."""
   if start_batch:
     # Every example is a pure function of (seed, epoch, position), so the slice holds exactly
     # the examples the uninterrupted epoch would have read from this batch on.
-    ds = ds[start_batch * local_batch :]
-  return _to_batches(ds, local_batch, True, num_workers, num_threads, prefetch)
+    ds = ds[start_batch * batch_size :]
+  return _to_batches(ds, batch_size, True, num_workers, num_threads, prefetch)
 
 
 def eval_map_dataset(
@@ -549,13 +576,14 @@ def eval_map_dataset(
   pad_value: float = EVAL_PAD_VALUE,
   squash: bool = False,
   max_images: int | None = None,
+  resize: str = "resize_with_pad",
 ) -> grain.MapDataset:
   """Unbatched evaluation `grain.MapDataset` in source order (the first `max_images` images
   when given), padded with `padding_eval_example` up to a multiple of `batch_size`."""
   n = len(source) if max_images is None else min(len(source), int(max_images))
   n_padded = -(-n // batch_size) * batch_size
   return grain.MapDataset.range(n_padded).map(
-    _EvalTransform(source, image_size, pad_value, squash, n)
+    _EvalTransform(source, image_size, pad_value, squash, n, resize)
   )
 
 
@@ -571,6 +599,7 @@ def eval_dataset(
   squash: bool = False,
   max_images: int | None = None,
   batch_rows: tuple[int, int] | None = None,
+  resize: str = "resize_with_pad",
 ) -> Iterator[dict[str, np.ndarray]]:
   """Iterator over evaluation batches, in source order, every image exactly once.
 
@@ -581,6 +610,7 @@ def eval_dataset(
     prefetch: as `train_dataset`.
     pad_value: 0.0 (docs/reference.md §5).
     squash: see `resize_with_pad`. max_images: evaluate only the first N images (None: all).
+    resize: 'resize_with_pad' (v1) or 'pad_then_resize' (OWLv2), `image_ops.preprocess_image`.
     batch_rows: (start, stop): multi-process evaluation; keep rows [start, stop) of each
       global batch of B (as `train_dataset`); every process iterates the same ceil(N / B)
       batches of stop - start rows, and the processes together see every image once.
@@ -599,6 +629,7 @@ def eval_dataset(
     pad_value=pad_value,
     squash=squash,
     max_images=max_images,
+    resize=resize,
   )
   if batch_rows is not None:
     positions = batch_row_positions(len(ds), batch_size, batch_rows)

@@ -12,6 +12,8 @@
   "seed": int | null,
   "status": str | null,               # optional, e.g. "running" / "complete"
   "sequence": [str, ...],             # downstream datasets in training order
+  "schedule": str | null,             # 'sequence' (null: the same), 'joint' (one stage named
+                                      # 'joint'), 'per_task' (stage i: task i's own model)
   "wall_times": {str: float},         # seconds, e.g. {"total": 812.5, "<stage name>": 60.1}
   "metadata": dict,                   # free form: git commit, host, jax version, ...
   "created_at": str, "updated_at": str,   # ISO 8601 UTC, set by write_results
@@ -37,7 +39,10 @@
     ...
   ],
   "summary": {                        # the Table-3 rows (metric values in [0, 1], null = NaN)
-    "no_finetuning": ROW, "final": ROW,
+    "no_finetuning": ROW, "final": ROW,   # per_task: "final" = each set by its own task's
+                                          # model, the other columns the task models' mean
+    "own": {"per_set": {set: {"AP", "AP50"}}, "mean_AP", "mean_AP50", "min_AP", "min_AP50"},
+                                      # each downstream set right after its own training
     "num_downstream": int, "stages_completed": int, "stages_expected": int|null
   },
   "forgetting": {"AP": F, "AP50": F}, # F = owl_cl.eval.forgetting.forgetting_summary(...)
@@ -136,7 +141,7 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
 
   Raises:
     ValueError: missing/empty run_id or algorithm, no stages, a stage without a name,
-      duplicate stage names.
+      duplicate stage names, an unknown `schedule`.
   """
   for key in ("run_id", "algorithm"):
     if not isinstance(results.get(key), str) or not results.get(key):
@@ -183,32 +188,57 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
       "stages": stages,
     }
   )
-  roles = out["roles"]
-  out["summary"] = {
-    "no_finetuning": table3.table3_row(stages[0], roles),
-    "final": table3.table3_row(stages[-1], roles),
-    "num_downstream": len(roles["downstream"]),
-    "stages_completed": len(stages),
-    "stages_expected": len(sequence) + 1 if sequence else None,
-  }
-  eval_sets = table3.eval_set_order(out)
-  stage_keys = [s.get("trained_on") or s["name"] for s in stages]
-  trained_at = forgetting_lib.trained_at_from_names(
-    stage_keys, eval_sets, downstream=[d for d in roles["downstream"] if d in eval_sets]
-  )
-  out["forgetting"] = {}
-  for metric in ("AP", "AP50"):
-    A, _, _ = forgetting_lib.accuracy_matrix(stages, eval_sets, metric=metric)
-    out["forgetting"][metric] = forgetting_lib.forgetting_summary(A, names, eval_sets, trained_at)
+  schedule = results.get("schedule")
+  if schedule is not None and schedule not in table3.SCHEDULES:
+    raise ValueError(f"results['schedule']={schedule!r}; known: {table3.SCHEDULES}.")
+  out["summary"] = _summary(stages, out["roles"], sequence, schedule)
+  out["forgetting"] = _forgetting(stages, out, schedule)
   spec = results.get("ivlod")
   if isinstance(spec, Mapping):
     out["ivlod"] = ivlod_lib.ivlod_block(
       stages,
-      spec.get("datasets") or roles["downstream"],
+      spec.get("datasets") or out["roles"]["downstream"],
       spec.get("zero_shot_set"),
       spec.get("lvis_set"),
     )
   return _to_jsonable(out)
+
+
+def _summary(stages, roles, sequence, schedule) -> dict[str, Any]:
+  """results.json `summary`: the Table-3 rows ("final": `table3.final_stage`'s), each
+  downstream set's own-task AP (`table3.own_task_summary`) and the stage counts (a joint run
+  has one stage after pre-training)."""
+  expected = (2 if schedule == "joint" else len(sequence) + 1) if sequence else None
+  return {
+    "no_finetuning": table3.table3_row(stages[0], roles),
+    "final": table3.table3_row(table3.final_stage(stages, roles, schedule), roles),
+    "own": table3.own_task_summary(stages, roles, schedule),
+    "num_downstream": len(roles["downstream"]),
+    "stages_completed": len(stages),
+    "stages_expected": expected,
+  }
+
+
+def _forgetting(stages, out: Mapping[str, Any], schedule) -> dict[str, Any]:
+  """results.json `forgetting` per metric (`forgetting_lib.forgetting_summary`). A per-task
+  run's matrix is [stage 0, `table3.per_task_stage`] with nothing trained in it: no model
+  learns two tasks, so forgetting and BWT are NaN, and "retained" is the task models' mean
+  over the pre-trained model's."""
+  roles = out["roles"]
+  eval_sets = table3.eval_set_order(out)
+  if schedule == "per_task" and len(stages) > 1:
+    stages = [stages[0], table3.per_task_stage(stages, roles)]
+  names = [s["name"] for s in stages]
+  keys = [s.get("trained_on") or s["name"] for s in stages]
+  downstream = [d for d in roles["downstream"] if d in eval_sets]
+  if schedule == "per_task":
+    downstream = []
+  trained_at = forgetting_lib.trained_at_from_names(keys, eval_sets, downstream=downstream)
+  forgetting = {}
+  for metric in ("AP", "AP50"):
+    A, _, _ = forgetting_lib.accuracy_matrix(stages, eval_sets, metric=metric)
+    forgetting[metric] = forgetting_lib.forgetting_summary(A, names, eval_sets, trained_at)
+  return forgetting
 
 
 # ------------------------------------------------------------------------------------------

@@ -153,6 +153,8 @@ def _header_lines(results: Mapping[str, Any]) -> list[str]:
     lines.append(f"- seed: {results['seed']}")
   if results.get("sequence"):
     lines.append(f"- sequence ({len(results['sequence'])}): " + " -> ".join(results["sequence"]))
+  if results.get("schedule") not in (None, "sequence"):
+    lines.append(f"- schedule: {results['schedule']} (docs/baselines.md)")
   lines.append(
     f"- stages completed: {summary['stages_completed'] - 1} datasets after "
     "pre-training" + partial_note(summary)
@@ -210,6 +212,23 @@ def _ivlod_section(results: Mapping[str, Any]) -> list[str]:
     *table(header, rows),
     "",
   ]
+
+
+def _own_task_section(results: Mapping[str, Any]) -> list[str]:
+  """Each downstream set's AP and AP50 right after its own training, their mean and min
+  (`summary.own`; the min is the "min own" a `per_task` run bounds); [] without it."""
+  own = results["summary"].get("own")
+  if not own or not own.get("per_set"):
+    return []
+  names = list(own["per_set"])
+  rows = [
+    [metric]
+    + [pct(own["per_set"][n][metric]) for n in names]
+    + [pct(own[f"mean_{metric}"]), pct(own[f"min_{metric}"])]
+    for metric in ("AP", "AP50")
+  ]
+  lines = ["## Own-task AP (%): each dataset right after its own training", ""]
+  return lines + table(["Metric"] + [f"`{n}`" for n in names] + ["mean", "min"], rows) + [""]
 
 
 def _per_dataset_section(results: Mapping[str, Any], eval_sets: list[str]) -> list[str]:
@@ -285,7 +304,9 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
 
   Sections: (a) the paper's Table 3 layout (Algorithm | O365 stand-in | LVIS stand-in |
   held-out (rare) | ODinW stand-in mean), rows "No fine-tuning" (stage 0) and the run's
-  algorithm (last stage), AP then AP50, in % with one decimal; (b) per-dataset AP and AP50
+  algorithm (last stage; a per-task run: the mean over its task models), AP then AP50, in %
+  with one decimal, followed by each dataset's own-task AP (`_own_task_section`); (b)
+  per-dataset AP and AP50
   matrices (rows: stages, columns: eval sets, plus the downstream mean); (c) with replay,
   the fraction of steps and samples replayed per dataset (paper Table 4, `_replay_section`);
   (d) forgetting, BWT and FWT (AP and AP50 points, %); with an `ivlod` block, the IVLOD row
@@ -302,6 +323,7 @@ def render_results_markdown(results: Mapping[str, Any]) -> str:
   lines = _header_lines(results)
   lines += _table3_section(results)
   lines += _ivlod_section(results)
+  lines += _own_task_section(results)
   lines += _per_dataset_section(results, eval_sets)
   lines += _replay_section(results)
   lines += _forgetting_section(results, eval_sets)

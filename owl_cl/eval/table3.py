@@ -162,3 +162,88 @@ def mean_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
       values = [v for v in values if not math.isnan(v)]
       out[f"{key}_{suffix}"] = float(np.mean(values)) if values else float("nan")
   return out
+
+
+# results.json `schedule` (config `train.schedule`, docs/baselines.md); absent: 'sequence'.
+SCHEDULES = ("sequence", "joint", "per_task")
+
+
+def _mean_cells(cells: Sequence[Any]) -> dict[str, float]:
+  """Metric-wise mean of eval cells ({metric: value}); a metric missing (or NaN) in any cell,
+  or a missing cell, gives NaN (a partial mean is never reported)."""
+  keys = list(dict.fromkeys(k for c in cells if isinstance(c, Mapping) for k in c))
+  out = {}
+  for key in keys:
+    values = [num(c.get(key)) if isinstance(c, Mapping) else math.nan for c in cells]
+    out[key] = float(np.mean(values)) if values else math.nan
+  return out
+
+
+def per_task_stage(stages: Sequence[Mapping[str, Any]], roles: Mapping[str, Any]) -> dict:
+  """The final "stage" of a `per_task` run (one model per task): each downstream set by its
+  own task's model, the Table-3 columns' other sets (pre-training, held-out) by the mean over
+  the task models.
+
+  Args:
+    stages: the run's stages (stage i >= 1: the model of task i, `trained_on` its set).
+    roles: normalised roles.
+
+  Returns:
+    {'name': 'per_task', 'metrics': {eval_set: {metric: value}}}: a downstream set whose task
+    has not run yet is absent (the downstream mean is then NaN).
+  """
+  tasks = stages[1:]
+  metrics = {}
+  for stage in tasks:
+    own = stage.get("trained_on") or stage["name"]
+    if own in (stage.get("metrics") or {}):
+      metrics[own] = dict(stage["metrics"][own])
+  for key in COLUMNS:
+    name = roles[key]["eval_set"]
+    if name is not None and name not in metrics:
+      metrics[name] = _mean_cells([(s.get("metrics") or {}).get(name) for s in tasks])
+  return {"name": "per_task", "metrics": metrics}
+
+
+def final_stage(
+  stages: Sequence[Mapping[str, Any]], roles: Mapping[str, Any], schedule: str | None
+) -> Mapping[str, Any]:
+  """The stage the run's Table-3 row reads: the last one, or for a `per_task` run with a
+  task done `per_task_stage` (the mean over its task models)."""
+  if schedule == "per_task" and len(stages) > 1:
+    return per_task_stage(stages, roles)
+  return stages[-1]
+
+
+def own_task_summary(
+  stages: Sequence[Mapping[str, Any]], roles: Mapping[str, Any], schedule: str | None
+) -> dict[str, Any]:
+  """Each downstream set's AP right after its own training: at the stage trained on it
+  ('sequence', 'per_task'), at the one joint stage ('joint').
+
+  Args:
+    stages: the run's stages (finalised: `trained_on` set). roles: normalised roles.
+    schedule: one of `SCHEDULES` (None: 'sequence').
+
+  Returns:
+    {'per_set': {set: {'AP', 'AP50'}}, 'mean_AP', 'mean_AP50', 'min_AP', 'min_AP50'}:
+    fractions in [0, 1]; NaN for a set not trained yet, and means / minima over a partial
+    set of datasets are NaN.
+
+  Source: the diagonal A[i, i] of the accuracy matrix (Lopez-Paz & Ranzato 2017); its
+  minimum is the "min own" of the README's table (the least plastic dataset), the `per_task`
+  run's the plasticity ceiling (docs/baselines.md).
+  """
+  by_name = {s.get("trained_on") or s["name"]: s for s in stages[1:]}
+  joint = stages[-1] if schedule == "joint" and len(stages) > 1 else None
+  per_set = {}
+  for name in roles["downstream"]:
+    stage = joint or by_name.get(name) or {}
+    per_set[name] = {key: stage_value(stage, name, key) for key in ("AP", "AP50")}
+  out: dict[str, Any] = {"per_set": per_set}
+  for key in ("AP", "AP50"):
+    values = [cell[key] for cell in per_set.values()]
+    partial = not values or any(math.isnan(v) for v in values)
+    out[f"mean_{key}"] = math.nan if partial else float(np.mean(values))
+    out[f"min_{key}"] = math.nan if partial else float(np.min(values))
+  return out

@@ -10,7 +10,8 @@ what the buffer is made of given by one frozen `BufferSpec`:
      only these ([N] float32 and [N, C] bool, memory-mapped files) are kept;
   selection: `select_buffer` (loss < t, per-class top-up) on those arrays;
   2. the selected images: the examples without their pixels (the images are kept by
-     reference: source index and image id, `replay/images.py`), the logits to distil (DER++),
+     reference: source index and image id, `replay/images.py`), the logits to distil (DER++;
+     with OWLv2 also the objectness logits, docs/owlv2.md),
      the top-k class and query embeddings (retrieval features) are written to the store's
      files in chunks, and the
      prototype sums / counts (top-n_c class embeddings per class) are reduced on the device
@@ -111,6 +112,10 @@ class BufferSpec:
       image of the source ('all', the released code; their sums are reduced in pass 1).
     image_features: also store the top-k tokens' ViT features (`buffer.image_features`
       [N, k, D], ASER on image features, `replay.aser.asv_features`).
+    selection_objectness: OWLv2: the selection loss includes the objectness term (at
+      `loss_config['objectness_weight']`; `replay.selection.objectness_in_loss`, docs/owlv2.md).
+      False: it does not (and v1 has none). An OWLv2 store also keeps the objectness logits
+      (`stored_objectness`) for DER++ whatever this is.
     logits_dtype: storage dtype of the DER++ logits ('float16', 'bfloat16', 'float32').
     pad_logit: the model's padded-query logit (-1e6, scenic), restored at gather time.
 
@@ -134,6 +139,7 @@ class BufferSpec:
   budget: int | float | None = None
   prototype_images: str = "buffer"
   image_features: bool = False
+  selection_objectness: bool = False
   logits_dtype: str = "float16"
   pad_logit: float = -1e6
 
@@ -187,12 +193,17 @@ class BufferExample:
 
   @property
   def image_reference(self) -> dict:
-    """How the images are made (`store_lib.IMAGE_REFERENCE_FIELDS` but the key)."""
-    return dict(
+    """How the images are made (`store_lib.IMAGE_REFERENCE_FIELDS` but the key, and OWLv2's
+    `resize` when set)."""
+    reference = dict(
       image_size=self.spec.image_size,
       pad_value=float(self.options.get("pad_value", image_ops.TRAIN_PAD_VALUE)),
       squash=bool(self.options.get("squash", False)),
     )
+    # OWLv2's preprocessing (docs/owlv2.md); absent for v1, whose stores keep their fields.
+    if self.options.get("resize", "resize_with_pad") != "resize_with_pad":
+      reference["resize"] = self.options["resize"]
+    return reference
 
 
 def _stream(
@@ -453,6 +464,8 @@ def _step_options(spec: BufferSpec, num_classes: int) -> dict:
     loss_config=dict(spec.loss_config),
     prototype_sums_of_all=spec.all_images_prototypes,
     image_features=spec.image_features,
+    # Only when set: a build folder of before the option existed resumes.
+    **({"selection_objectness": True} if spec.selection_objectness else {}),
   )
 
 
@@ -605,6 +618,10 @@ def _features_pass(run: _Build, spec: BufferSpec, kept: np.ndarray, membership):
         start,
         store_lib.encode_logits(out["logits"][:count], out["queries"][:count], spec.logits_dtype),
       )
+      if "stored_objectness" in store:
+        store["stored_objectness"].write(
+          start, store_lib.encode_objectness(out["objectness"][:count], spec.logits_dtype)
+        )
       store["buffer.class_embeddings"].write(start, out["top_class_embeddings"][:count])
       store["buffer.query_embeddings"].write(start, out["top_query_embeddings"][:count])
       if spec.image_features:
@@ -725,6 +742,11 @@ def _store_shapes(transform, features_step, params, num_kept: int, logits_dtype:
     (num_kept,) + abstract["logits"].shape[1:],
     store_lib.LOGITS_DTYPES[logits_dtype],
   )
+  if "objectness" in abstract:
+    shapes["stored_objectness"] = (
+      (num_kept,) + abstract["objectness"].shape[1:],
+      store_lib.LOGITS_DTYPES[logits_dtype],
+    )
   for name in ("class_embeddings", "query_embeddings", "image_features"):
     if f"top_{name}" in abstract:
       shapes[f"buffer.{name}"] = ((num_kept,) + abstract[f"top_{name}"].shape[1:], np.float32)

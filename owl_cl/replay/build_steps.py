@@ -34,6 +34,7 @@ def make_steps(
   loss_config: dict,
   prototype_sums_of_all: bool = False,
   image_features: bool = False,
+  selection_objectness: bool = False,
 ) -> dict[str, Callable]:
   """The jitted per-batch functions of the three passes (outputs replicated on the mesh).
 
@@ -44,7 +45,8 @@ def make_steps(
     'losses': -> per_image_loss float32 [B] (docs/reference.md §3), membership bool [B, C];
       with `prototype_sums_of_all` also the batch's prototype_sums / prototype_counts (as
       'features': the prototypes over every image, `prototype_images='all'`).
-    'features': -> logits float32 [B, T, Q], top_class_embeddings / top_query_embeddings
+    'features': -> logits float32 [B, T, Q] (OWLv2: and objectness float32 [B, T]),
+      top_class_embeddings / top_query_embeddings
       float32 [B, k, E] (`train.top_k.top_k_embeddings`), prototype_sums float32 [C, E]
       and prototype_counts int32 [C] summed over the valid rows
       (`buffer_selection.per_image_class_token_embeddings`), and the batch's examples
@@ -54,6 +56,9 @@ def make_steps(
       tokens, `train.top_k.top_k_token_features`).
     'distances': (params, batch, prototypes float32 [C, E]) -> prototype_distances float32
       [B, C] (`buffer_selection.prototype_distances` with `distance_max_instances`).
+  With `selection_objectness` (OWLv2), 'losses' adds the objectness term at the loss config's
+  `objectness_weight` to each image's loss (docs/owlv2.md, buffer selection); without it, and
+  for v1, the loss is the detection loss's class and box terms.
   The functions are module-level `jax.jit`s whose static arguments are the model (a linen
   module: hashed and compared by its configuration), the mesh and these options, so a later
   build with the same ones (a resumed build, the tests) reuses jit's compilations.
@@ -67,6 +72,7 @@ def make_steps(
     loss_config=tuple(sorted(loss_config.items())),
     prototype_sums_of_all=bool(prototype_sums_of_all),
     image_features=bool(image_features),
+    selection_objectness=bool(selection_objectness),
   )
   static = dict(model=model, mesh=mesh, options=tuple(sorted(options.items())))
   return {
@@ -112,6 +118,9 @@ def _losses_step(params, batch, *, model, mesh, options):
     out["pred_boxes"],
     batch["labels"],
     batch["boxes"],
+    # OWLv2: the objectness term counts in the selection loss only when asked
+    # (replay.selection.objectness_in_loss, docs/owlv2.md); v1 has no objectness logits.
+    objectness_logits=out.get("objectness_logits") if options["selection_objectness"] else None,
     **dict(options["loss_config"]),
   )
   result = {"per_image_loss": det["per_example"], "membership": counts > 0}
@@ -136,6 +145,8 @@ def _features_step(params, batch, *, model, mesh, options):
     **_prototype_sums(options, out, counts, batch),
     **{k: batch[k] for k in STORED_EXAMPLE_KEYS},
   }
+  if "objectness_logits" in out:  # OWLv2: distilled by DER++ too (docs/owlv2.md)
+    result["objectness"] = out["objectness_logits"]
   if options["image_features"]:
     feature_map = out["feature_map"]
     result["top_image_features"] = top_k_lib.top_k_token_features(

@@ -244,6 +244,8 @@ class BufferImages:
     image_id: int64 [N] their image ids (each decode checks the source still has them).
     image_size: S. pad_value: the training pad value (0.5). squash: as
       `image_ops.resize_with_pad`.
+    resize: 'resize_with_pad' (v1) or 'pad_then_resize' (OWLv2, `image_ops.preprocess_image`:
+      no uint8 stage, so its images are decoded every time and never cached).
     cache_dir: root of the optional uint8 cache (`ImageCache`); None: decode every time.
     cache_key: what the images depend on (names the cache folder; required with cache_dir).
     num_threads: threads decoding the images of one call (PIL releases the GIL).
@@ -263,6 +265,7 @@ class BufferImages:
     image_size: int,
     pad_value: float = image_ops.TRAIN_PAD_VALUE,
     squash: bool = False,
+    resize: str = "resize_with_pad",
     cache_dir: str | None = None,
     cache_key: str | None = None,
     num_threads: int = 4,
@@ -283,8 +286,9 @@ class BufferImages:
         f"{len(source)} images: not the pre-training set the buffer was built from"
       )
     self.image_size, self.pad_value, self.squash = int(image_size), float(pad_value), bool(squash)
+    self.resize = resize
     self.cache = None
-    if cache_dir:
+    if cache_dir and resize == "resize_with_pad":
       if not cache_key:
         raise ValueError("an image cache needs a cache_key")
       self.cache = ImageCache(cache_dir, cache_key, len(self.source_index), self.image_size)
@@ -295,7 +299,7 @@ class BufferImages:
 
   def _decode(self, i: int) -> np.ndarray:
     """Buffer image i decoded from the source and resized: uint8 [h, w, 3] content, or the
-    float32 [S, S, 3] image for a source giving float pixels."""
+    float32 [S, S, 3] image for a source giving float pixels or OWLv2's `resize`."""
     example = self.source.load(int(self.source_index[i]))
     if int(example["image_id"]) != int(self.image_id[i]):
       raise ValueError(
@@ -304,6 +308,10 @@ class BufferImages:
         "the pre-training set changed since the buffer was built"
       )
     image = np.asarray(example["image"])
+    if self.resize != "resize_with_pad":
+      return image_ops.preprocess_image(
+        image, self.image_size, self.pad_value, squash=self.squash, method=self.resize
+      )
     if image.dtype != np.uint8:
       return image_ops.resize_with_pad(image, self.image_size, self.pad_value, squash=self.squash)
     return image_ops.resized_uint8(image, self.image_size, squash=self.squash)

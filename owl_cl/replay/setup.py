@@ -35,6 +35,7 @@ from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import loss_adaptivity_mode
 from owl_cl.config_fields import seed_of
 from owl_cl.data.spec import MODEL_INPUT_KEYS
+from owl_cl.model import get_variant_config
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import records as records_lib
 from owl_cl.replay import state as replay_state_lib
@@ -50,6 +51,8 @@ from owl_cl.utils import file_digest
 # The arrays of a replayed example the train step consumes (`replay_active` is added when the
 # loss adaptivity decides per slot).
 REPLAY_INPUTS = MODEL_INPUT_KEYS + ("stored_logits", "replay_mask")
+# What the store of an OWLv2 model adds to them: its objectness logits (DER++, docs/owlv2.md).
+OWLV2_REPLAY_INPUTS = ("stored_objectness",)
 
 
 def make_algorithm(config: ml_collections.ConfigDict):
@@ -126,6 +129,12 @@ def stores_image_features(config: ml_collections.ConfigDict) -> bool:
   return uses and config.replay.aser.get("asv_features", "class_embeddings") == "image_features"
 
 
+def model_version(config: ml_collections.ConfigDict) -> str:
+  """'v1' or 'owlv2': the version of `config.model` (its variant's, or the override's)."""
+  overrides = dict(config.model.overrides)
+  return overrides.get("version", get_variant_config(config.model.variant).version)
+
+
 def build_options(detector, source) -> dict:
   """`buffer_build.build_store`'s keywords for the pre-training set `source` from the run's
   config and detector: `buffer_spec` (the `buffer_build.BufferSpec`: the images' preprocessing,
@@ -153,6 +162,7 @@ def build_options(detector, source) -> dict:
     budget=config.replay.get("budget"),
     prototype_images=selection.get("prototype_images", "buffer"),
     image_features=stores_image_features(config),
+    selection_objectness=bool(selection.get("objectness_in_loss", False)),
   )
   return dict(
     buffer_spec=buffer_spec,
@@ -166,7 +176,9 @@ def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta
   """What the replay store's cache key covers: the model (`pretrain_meta['cache_key']` or the
   init checkpoint), the pre-training annotations of `source`, the selection settings and budget,
   the input options, the loss and the seed. Fields added since the first stores enter it only
-  when set, so older caches keep their key."""
+  when set, so older caches keep their key. An OWLv2 model's store also holds the objectness
+  logits (`stored_objectness`): 'objectness' in its key, so an OWLv2 store of before is
+  rebuilt; v1's key is unchanged."""
   selection = config.replay.selection
   data = config.data
   return {
@@ -177,11 +189,14 @@ def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta
       k: v
       for k, v in selection.to_dict().items()
       if not (k == "prototype_images" and v == "buffer")
+      and not (k == "objectness_in_loss" and not v)
     },
     # Only when set, as above (1 and 1.0 differ: a count and the whole set).
     **({"budget": config.replay.budget} if config.replay.get("budget") is not None else {}),
     # Only when set, as above: the store then also holds the top-k tokens' ViT features.
     **({"image_features": True} if stores_image_features(config) else {}),
+    # OWLv2: the store keeps the objectness logits for DER++ (docs/owlv2.md).
+    **({"objectness": True} if model_version(config) == "owlv2" else {}),
     "top_k": config.replay.top_k,
     "data": [data.num_queries, data.num_negatives, data.max_instances],
     "loss": cache_key_fields(config, "loss"),
@@ -430,6 +445,7 @@ class Replay:
     self.train_step_options = {
       "alpha": config.replay.der_alpha,
       "beta": config.replay.der_beta,
+      "objectness_distill_weight": config.replay.get("der_objectness_weight", 1.0),
       "with_replay": True,
       "loss_adaptivity": self.adaptivity,
       "loss_threshold": self.threshold,
@@ -532,7 +548,7 @@ class Replay:
     local_indices, local_valid = sharding_lib.local_rows((indices, valid), self.detector.mesh)
     replay_batch = self.store.gather(local_indices, local_valid)
     replay_batch["replay_mask"] = local_valid
-    names = list(REPLAY_INPUTS)
+    names = list(REPLAY_INPUTS) + [k for k in OWLV2_REPLAY_INPUTS if k in replay_batch]
     if dispatched.active is not None:
       replay_batch["replay_active"] = dispatched.active
       names.append("replay_active")

@@ -12,6 +12,8 @@
         built in memory (tests) and the stores of earlier versions (format 1), which keep
         working;
   * `stored_logits` [N, T, Q]: the pre-trained model's logits for DER++ (docs/reference.md §3);
+  * with an OWLv2 model, `stored_objectness` [N, T]: its objectness logits, distilled by DER++
+    as well (docs/owlv2.md); absent from the stores of a v1 model (and those written before);
   * the `ReplayBuffer` arrays used by retrieval (`class_membership`, `prototypes`,
     `prototype_distances`, `class_embeddings`, `query_embeddings`).
 
@@ -25,9 +27,10 @@ and restored to exactly `pad_logit` (-1e6, scenic) at gather time, so the DER++ 
 slots stays exactly 0 (-1e6 is not representable in float16 and only approximately in
 bfloat16). Real logits are clipped to the float16 range (+-65504) before casting; the
 rounding error is relative: 2^-11 (float16) or 2^-8 (bfloat16), e.g. +-0.005 / +-0.04 on a
-logit of 10. Gathered logits are always float32. Pixel images stored as uint8 are returned as
-float32 / 255 (note: the training pad value 0.5 is not exact in uint8); images by reference are
-returned exactly as the training pipeline makes them (pad 0.5 included).
+logit of 10. The objectness logits are stored in the same dtype, clipped the same way (they
+have no padded slots). Gathered logits are always float32. Pixel images stored as uint8 are
+returned as float32 / 255 (note: the training pad value 0.5 is not exact in uint8); images by
+reference are returned exactly as the training pipeline makes them (pad 0.5 included).
 
 On disk (`save`/`load`): a directory with one `.npy` per array (bfloat16 saved as its uint16
 bit pattern) and `meta.json` (with `images`: the preprocessing of images by reference); written
@@ -63,6 +66,8 @@ REFERENCE_KEYS = ("source_index", "image_id")
 # `meta.json` 'images' of a store by reference: how its images are preprocessed
 # (`image_ops.resize_with_pad`) and what they are of (the build key).
 IMAGE_REFERENCE_FIELDS = ("image_size", "pad_value", "squash", "key")
+# ... and, for an OWLv2 model's store only, `resize` ('pad_then_resize', docs/owlv2.md).
+OPTIONAL_IMAGE_REFERENCE_FIELDS = ("resize",)
 BUFFER_KEYS = (
   "class_membership",
   "prototypes",
@@ -87,7 +92,9 @@ CHECKSUMS_FIELD = "checksums"
 def is_row_file(rel: str) -> bool:
   """Whether the store file `rel` holds per-image rows read by `gather` (examples, logits),
   the files a lazy verification checks chunk by chunk as they are read."""
-  return rel.endswith(".npy") and (rel.startswith("examples.") or rel == "stored_logits.npy")
+  return rel.endswith(".npy") and (
+    rel.startswith("examples.") or rel in ("stored_logits.npy", "stored_objectness.npy")
+  )
 
 
 def query_padding(queries: np.ndarray) -> np.ndarray:
@@ -118,6 +125,27 @@ def encode_logits(logits: np.ndarray, queries: np.ndarray, dtype: str = "float16
     raise ValueError(f"logits {logits.shape} do not match queries {np.shape(queries)}")
   logits = np.where(pad[:, None, :], 0.0, np.clip(logits, -_FLOAT16_MAX, _FLOAT16_MAX))
   return logits.astype(LOGITS_DTYPES[dtype])
+
+
+def encode_objectness(objectness: np.ndarray, dtype: str = "float16") -> np.ndarray:
+  """Converts OWLv2's float [n, T] objectness logits to the storage dtype (clipped to the
+  float16 range as `encode_logits`; no padded slots).
+
+  Args:
+    objectness: float [n, T] the model's `objectness_logits`.
+    dtype: 'float32' | 'float16' | 'bfloat16'.
+  Returns:
+    np.ndarray [n, T] of the storage dtype.
+  Raises:
+    ValueError: unknown dtype, or objectness not 2-D.
+  Source: docs/owlv2.md ("DER++ on the class and objectness logits").
+  """
+  if dtype not in LOGITS_DTYPES:
+    raise ValueError(f"unknown logits dtype {dtype!r}; known: {sorted(LOGITS_DTYPES)}")
+  objectness = np.asarray(objectness, np.float32)
+  if objectness.ndim != 2:
+    raise ValueError(f"objectness logits must be [n, T], got {objectness.shape}")
+  return np.clip(objectness, -_FLOAT16_MAX, _FLOAT16_MAX).astype(LOGITS_DTYPES[dtype])
 
 
 def decode_logits(stored: np.ndarray, queries: np.ndarray, pad_logit: float = -1e6) -> np.ndarray:
@@ -155,16 +183,19 @@ class ReplayStore:
     class_names: C strings, contiguous class index -> name.
     logits_dtype: storage dtype of the logits: 'float32' | 'float16' | 'bfloat16'.
     pad_logit: the model's padded-query logit (-1e6 scenic; HF uses float min).
-    logits_encoded: True if `stored_logits` is already `encode_logits` output of
-      `logits_dtype` (used by `load`).
+    logits_encoded: True if `stored_logits` (and `stored_objectness`) are already
+      `encode_logits` / `encode_objectness` output of `logits_dtype` (used by `load`).
+    stored_objectness: OWLv2: float [N, T] the pre-trained model's objectness logits (the
+      tokens of `stored_logits`); None for a v1 model.
     image_reference: images by reference: dict of IMAGE_REFERENCE_FIELDS (S, pad value,
       squash, build key), saved in `meta.json`; None for a pixel store.
     images: the `images_lib.BufferImages` that decodes the images by reference (None: the
       store's arrays are readable but `gather` refuses; `load` with a `source` attaches it).
   Raises:
     ValueError: missing keys, inconsistent leading dims / class counts, unknown dtype, both
-      or neither of pixels and references.
-  Source: docs/reference.md §3 (DER++), §6 (buffer contents), §11 (size).
+      or neither of pixels and references; `stored_objectness` not [N, T] of
+      `stored_logits`' N and T.
+  Source: docs/reference.md §3 (DER++), §6 (buffer contents), §11 (size); docs/owlv2.md.
   """
 
   def __init__(
@@ -177,6 +208,7 @@ class ReplayStore:
     logits_dtype: str = "float16",
     pad_logit: float = -1e6,
     logits_encoded: bool = False,
+    stored_objectness: np.ndarray | None = None,
     image_reference: Mapping[str, Any] | None = None,
     images: images_lib.BufferImages | None = None,
   ):
@@ -192,10 +224,13 @@ class ReplayStore:
       raise ValueError("a store keeps its images either as pixels or by reference, not both")
     if images is not None and not by_reference:
       raise ValueError("a store of pixels takes no image decoder (images needs image_reference)")
-    if by_reference and sorted(image_reference) != sorted(IMAGE_REFERENCE_FIELDS):
+    if by_reference and (
+      set(IMAGE_REFERENCE_FIELDS) - set(image_reference)
+      or set(image_reference) - set(IMAGE_REFERENCE_FIELDS + OPTIONAL_IMAGE_REFERENCE_FIELDS)
+    ):
       raise ValueError(
         f"image_reference has fields {sorted(image_reference)}, expected "
-        f"{sorted(IMAGE_REFERENCE_FIELDS)}"
+        f"{sorted(IMAGE_REFERENCE_FIELDS)} (and optionally {list(OPTIONAL_IMAGE_REFERENCE_FIELDS)})"
       )
     self.image_reference = dict(image_reference) if by_reference else None
     self.images = images
@@ -220,6 +255,20 @@ class ReplayStore:
       self.stored_logits = encode_logits(stored_logits, self.examples["queries"], logits_dtype)
     if self.stored_logits.shape[0] != n:
       raise ValueError(f"stored_logits leading dim {self.stored_logits.shape[0]} != N={n}")
+    self.stored_objectness = None
+    if stored_objectness is not None:
+      if not logits_encoded:
+        stored_objectness = encode_objectness(stored_objectness, logits_dtype)
+      elif np.dtype(stored_objectness.dtype) != LOGITS_DTYPES[logits_dtype]:
+        raise ValueError(
+          f"encoded objectness logits have dtype {stored_objectness.dtype}, expected {logits_dtype}"
+        )
+      if tuple(stored_objectness.shape) != tuple(self.stored_logits.shape[:2]):
+        raise ValueError(
+          f"stored_objectness {tuple(stored_objectness.shape)} is not [N, T] = "
+          f"{tuple(self.stored_logits.shape[:2])} of stored_logits"
+        )
+      self.stored_objectness = stored_objectness
     self.buffer_arrays = _buffer_dict(buffer)
     membership = self.buffer_arrays["class_membership"]
     if membership.shape[0] != n:
@@ -272,7 +321,8 @@ class ReplayStore:
     Returns:
       dict with `images` float32 [n, S, S, 3] (by reference: the training pipeline's image;
       uint8 pixels -> float32 / 255), every other example key but `source_index` ([n, ...]),
-      `stored_logits` float32 [n, T, Q] (padded slots = pad_logit), `example_mask` bool [n],
+      `stored_logits` float32 [n, T, Q] (padded slots = pad_logit), `stored_objectness`
+      float32 [n, T] (OWLv2 stores only), `example_mask` bool [n],
       `buffer_index` int32 [n].
     Raises:
       IndexError: an index outside [0, N). ValueError: valid's shape differs from indices';
@@ -306,6 +356,8 @@ class ReplayStore:
     batch["stored_logits"] = decode_logits(
       self.stored_logits[indices], batch["queries"], self.pad_logit
     )
+    if self.stored_objectness is not None:
+      batch["stored_objectness"] = np.asarray(self.stored_objectness[indices]).astype(np.float32)
     mask = np.ones(indices.shape, bool)
     if "example_mask" in batch:
       mask &= batch["example_mask"].astype(bool)
@@ -343,6 +395,8 @@ class ReplayStore:
   def _arrays(self) -> dict[str, np.ndarray]:
     arrays = {f"examples.{k}": v for k, v in self.examples.items()}
     arrays["stored_logits"] = self.stored_logits
+    if self.stored_objectness is not None:
+      arrays["stored_objectness"] = self.stored_objectness
     arrays.update({f"buffer.{k}": v for k, v in self.buffer_arrays.items()})
     return arrays
 
@@ -432,6 +486,7 @@ class ReplayStore:
         image_size=reference["image_size"],
         pad_value=reference["pad_value"],
         squash=reference["squash"],
+        resize=reference.get("resize", "resize_with_pad"),
         cache_dir=image_cache,
         cache_key=images_lib.cache_key(reference, examples["source_index"], examples["image_id"]),
         num_threads=decode_threads,
@@ -444,6 +499,7 @@ class ReplayStore:
       logits_dtype=meta["logits_dtype"],
       pad_logit=meta["pad_logit"],
       logits_encoded=True,
+      stored_objectness=arrays.get("stored_objectness"),
       image_reference=reference,
       images=images,
     )
@@ -467,7 +523,8 @@ def write_meta(
     class_names: C class names.
     logits_dtype: storage dtype of `stored_logits` ('float32' | 'float16' | 'bfloat16').
     pad_logit: the model's padded-query logit.
-    arrays: array name (`examples.<key>`, `stored_logits`, `buffer.<key>`) -> dtype name
+    arrays: array name (`examples.<key>`, `stored_logits`, OWLv2's `stored_objectness`,
+      `buffer.<key>`) -> dtype name
       ('bfloat16' for arrays saved as their uint16 bit pattern).
     image_reference: images by reference: IMAGE_REFERENCE_FIELDS (S, pad value, squash, build
       key); None for a store of pixels.

@@ -1,6 +1,10 @@
 """The DER++ replay loss: detection loss on new and replayed images plus logit distillation.
 
 Source: docs/reference.md §3 (DER++, paper §3; Buzzega et al. 2020; the released code).
+OWLv2 (docs/owlv2.md): the distillation also covers the objectness logits, an MSE of its own
+at `objectness_distill_weight` relative to the class logits' (ours: DER++ distils "the
+network's logits", Buzzega et al. 2020 §3; OWLv2's objectness logit is one more output of
+the network, and neither the paper of this project nor OWLv2's says how to weigh it).
 """
 
 from __future__ import annotations
@@ -71,6 +75,83 @@ def distillation_mse(
   return weighted_mean(jnp.mean(sq, axis=(1, 2)), example_mask)
 
 
+def objectness_distillation_mse(
+  objectness_logits: Array, stored_objectness: Array, *, example_mask: Array | None = None
+) -> Array:
+  """DER++ distillation of OWLv2's objectness logits: MSE over images and tokens.
+
+  Each image's squared error is averaged over its T tokens (every token is real: objectness
+  has no padded slots); the images are then averaged as in `distillation_mse`.
+
+  Args:
+    objectness_logits: float [B_r, T] the current model's objectness logits on the replays.
+    stored_objectness: float [B_r, T] the pre-trained model's (frozen: no gradient).
+    example_mask: optional bool/float [B_r]; the result is sum(w * mse_b) / sum(w) (0 when
+      all are masked).
+
+  Returns:
+    float32 [] the mean squared error.
+
+  Raises:
+    ValueError: shapes disagree or are not [B_r, T].
+
+  Source: Buzzega et al. 2020 (DER++ logit MSE); its use on objectness is ours
+  (docs/owlv2.md, "DER++ on the class and objectness logits").
+  """
+  x = jnp.asarray(objectness_logits, jnp.float32)
+  stored = jax.lax.stop_gradient(jnp.asarray(stored_objectness, jnp.float32))
+  if x.ndim != 2 or x.shape != stored.shape:
+    raise ValueError(
+      f"expected objectness_logits and stored_objectness [B,T] of one shape, got "
+      f"{x.shape} and {stored.shape}"
+    )
+  return weighted_mean(jnp.mean(jnp.square(x - stored), axis=1), example_mask)
+
+
+def der_distillation(
+  replay_outputs: Mapping[str, Array],
+  stored_logits: Array,
+  stored_objectness: Array | None = None,
+  *,
+  objectness_distill_weight: float = 1.0,
+  query_mask: Array | None = None,
+  example_mask: Array | None = None,
+) -> tuple[Array, Array | None]:
+  """DER++'s distillation term: MSE(class logits) + w * MSE(objectness logits).
+
+  The objectness part is there only for an OWLv2 model whose store keeps the objectness
+  logits (`replay_outputs['objectness_logits']` and `stored_objectness` both given) and
+  w = `objectness_distill_weight` > 0; otherwise the term is `distillation_mse` (v1's, exactly).
+
+  Args:
+    replay_outputs: {'pred_logits' [B_r,T,Q], OWLv2: 'objectness_logits' [B_r,T], ...}.
+    stored_logits: float [B_r,T,Q] the pre-trained model's class logits.
+    stored_objectness: float [B_r,T] the pre-trained model's objectness logits, or None.
+    objectness_distill_weight: w >= 0 (config `replay.der_objectness_weight`).
+    query_mask: as `distillation_mse`.
+    example_mask: as `distillation_mse`.
+
+  Returns:
+    (float32 [] the term, float32 [] the objectness MSE before w or None when off).
+
+  Raises:
+    ValueError: shapes disagree (`distillation_mse`, `objectness_distillation_mse`).
+
+  Source: Buzzega et al. 2020; docs/reference.md §3; docs/owlv2.md (the objectness part).
+  """
+  distill = distillation_mse(
+    replay_outputs["pred_logits"],
+    stored_logits,
+    query_mask=query_mask,
+    example_mask=example_mask,
+  )
+  objectness = replay_outputs.get("objectness_logits")
+  if objectness is None or stored_objectness is None or not objectness_distill_weight:
+    return distill, None
+  obj = objectness_distillation_mse(objectness, stored_objectness, example_mask=example_mask)
+  return distill + objectness_distill_weight * obj, obj
+
+
 def _no_replay_terms(new_loss: Array) -> dict[str, Array]:
   """`der_plus_plus_loss`'s replay entries when nothing is replayed: loss = L_det(new),
   zero replay terms, per_example_replay float32 [0]."""
@@ -86,6 +167,20 @@ def _no_replay_terms(new_loss: Array) -> dict[str, Array]:
   )
 
 
+def _half_loss(outputs, targets, example_mask, loss_kwargs) -> dict[str, Array]:
+  """`detection_loss` of one half of the batch (new or replayed images; OWLv2's objectness
+  term when `outputs` has 'objectness_logits')."""
+  return detection_loss(
+    outputs["pred_logits"],
+    outputs["pred_boxes"],
+    targets["labels"],
+    targets["boxes"],
+    example_mask=example_mask,
+    objectness_logits=outputs.get("objectness_logits"),
+    **loss_kwargs,
+  )
+
+
 def der_plus_plus_loss(
   new_outputs: Mapping[str, Array],
   new_targets: Mapping[str, Array],
@@ -93,6 +188,8 @@ def der_plus_plus_loss(
   replay_targets: Mapping[str, Array] | None = None,
   stored_logits: Array | None = None,
   *,
+  stored_objectness: Array | None = None,
+  objectness_distill_weight: float = 1.0,
   replay_mask: Array | None = None,
   replay_query_mask: Array | None = None,
   new_mask: Array | None = None,
@@ -115,6 +212,11 @@ def der_plus_plus_loss(
       (the same forward pass as the new ones), or None.
     replay_targets: {'labels' [B_r,M_r,Q_r], 'boxes' [B_r,M_r,4]} stored targets.
     stored_logits: float [B_r,T,Q_r] the pre-trained model's logits (no gradient).
+    stored_objectness: OWLv2: float [B_r,T] the pre-trained model's objectness logits (no
+      gradient), distilled at `objectness_distill_weight` (`der_distillation`); None: the
+      class logits only.
+    objectness_distill_weight: weight of the objectness MSE relative to the class logits'
+      (config `replay.der_objectness_weight`; both then times alpha).
     replay_mask: optional bool/float [B_r]: replayed images with weight 0 (e.g. when only r of
       the B_r slots hold a sample) contribute to neither replay term; both replay terms are
       averaged over the remaining images (0 when none remain).
@@ -129,7 +231,8 @@ def der_plus_plus_loss(
     dict of float32: loss [], new_loss [], replay_loss [] (L_det of the replay half),
     distill_loss [] (the MSE, before alpha), loss_class / loss_bbox / loss_giou [] (new half),
     replay_loss_class / replay_loss_bbox / replay_loss_giou [], per_example_new [B],
-    per_example_replay [B_r].
+    per_example_replay [B_r]; with the objectness distillation on, distill_loss is
+    MSE_class + w * MSE_objectness and distill_objectness [] is MSE_objectness.
 
   Raises:
     ValueError: inconsistent shapes, or replay_outputs given without replay_targets or
@@ -137,15 +240,7 @@ def der_plus_plus_loss(
 
   Source: docs/reference.md §3 (DER++, paper §3; Buzzega et al. 2020).
   """
-  new = detection_loss(
-    new_outputs["pred_logits"],
-    new_outputs["pred_boxes"],
-    new_targets["labels"],
-    new_targets["boxes"],
-    example_mask=new_mask,
-    objectness_logits=new_outputs.get("objectness_logits"),
-    **loss_kwargs,
-  )
+  new = _half_loss(new_outputs, new_targets, new_mask, loss_kwargs)
   out = dict(
     new_loss=new["loss"],
     loss_class=new["loss_class"],
@@ -159,21 +254,17 @@ def der_plus_plus_loss(
     return {**out, **_no_replay_terms(new["loss"])}
   if replay_targets is None or stored_logits is None:
     raise ValueError("replay_outputs needs replay_targets and stored_logits")
-  replay = detection_loss(
-    replay_outputs["pred_logits"],
-    replay_outputs["pred_boxes"],
-    replay_targets["labels"],
-    replay_targets["boxes"],
-    example_mask=replay_mask,
-    objectness_logits=replay_outputs.get("objectness_logits"),
-    **loss_kwargs,
-  )
-  distill = distillation_mse(
-    replay_outputs["pred_logits"],
+  replay = _half_loss(replay_outputs, replay_targets, replay_mask, loss_kwargs)
+  distill, distill_objectness = der_distillation(
+    replay_outputs,
     stored_logits,
+    stored_objectness,
+    objectness_distill_weight=objectness_distill_weight,
     query_mask=replay_query_mask,
     example_mask=replay_mask,
   )
+  if distill_objectness is not None:
+    out["distill_objectness"] = distill_objectness
   out.update(
     loss=new["loss"] + alpha * distill + beta * replay["loss"],
     replay_loss=replay["loss"],

@@ -32,8 +32,10 @@ from owl_cl.train.boxes import box_iou
 from owl_cl.train.boxes import box_xyxy_to_cxcywh
 from owl_cl.train.boxes import generalized_box_iou
 from owl_cl.train.der import PADDED_LOGIT_THRESHOLD
+from owl_cl.train.der import der_distillation
 from owl_cl.train.der import der_plus_plus_loss
 from owl_cl.train.der import distillation_mse
+from owl_cl.train.der import objectness_distillation_mse
 from owl_cl.train.detection import NORMALIZATIONS
 from owl_cl.train.detection import detection_loss
 from owl_cl.train.detection import detection_loss_per_example
@@ -68,6 +70,8 @@ __all__ = [
   "detection_loss",
   "NORMALIZATIONS",
   "distillation_mse",
+  "objectness_distillation_mse",
+  "der_distillation",
   "der_plus_plus_loss",
   "loss_adaptive_combination",
   "loss_adaptive_total",

@@ -157,23 +157,28 @@ def _add_lwf(loss, metrics, new_outputs, teacher, batch, *, model, lwf, max_uniq
 def _split_outputs(outputs, replay, num_new):
   """The forward's outputs over [new ; replay] split into the two halves' dicts
   (`pred_logits`, `pred_boxes`, and OWLv2's `objectness_logits`), and the replay half's stored
-  logits float32 [B_r, T, Q], gathered at the kept tokens when OWLv2's `objectness_top_k`
-  kept only some (`keep_tokens`): DER++ distils at the tokens the heads saw."""
+  logits float32 [B_r, T, Q] and (OWLv2 stores) stored objectness float32 [B_r, T] or None,
+  gathered at the kept tokens when OWLv2's `objectness_top_k` kept only some
+  (`keep_tokens`): DER++ distils at the tokens the heads saw."""
   new_outputs, replay_outputs = {}, {}
   for name in ("pred_logits", "pred_boxes", "objectness_logits"):
     if name in outputs:
       new_outputs[name], replay_outputs[name] = outputs[name][:num_new], outputs[name][num_new:]
   stored_logits = replay["stored_logits"].astype(jnp.float32)
+  stored_objectness = replay.get("stored_objectness")
+  if stored_objectness is not None:
+    stored_objectness = jnp.asarray(stored_objectness, jnp.float32)
   if "keep_tokens" in outputs:
     keep = outputs["keep_tokens"][num_new:]
     stored_logits = jnp.take_along_axis(stored_logits, keep[..., None], axis=1)
-  return new_outputs, replay_outputs, stored_logits
+    if stored_objectness is not None:
+      stored_objectness = jnp.take_along_axis(stored_objectness, keep, axis=1)
+  return new_outputs, replay_outputs, stored_logits, stored_objectness
 
 
 def _per_device_gate(
   result,
-  logits_replay,
-  stored_logits,
+  distill_inputs,
   replay,
   replay_mask,
   alpha,
@@ -183,8 +188,9 @@ def _per_device_gate(
 ):
   """'released_gate' per device (the released code's DDP): the new and replay halves split
   into G contiguous groups, group g's replay term kept iff the mean of its per-image new
-  losses is >= loss_threshold. Returns (loss [], weight [] = the fraction of open gates,
-  bool [num_slots] whether each replay slot's gate is open)."""
+  losses is >= loss_threshold. `distill_inputs`: `losses.der_distillation`'s arguments but
+  the example mask. Returns (loss [], weight [] = the fraction of open gates, bool
+  [num_slots] whether each replay slot's gate is open)."""
   g = int(loss_gate_groups)
   num_slots = replay["images"].shape[0]
   new_per_group = jax.lax.stop_gradient(result["per_example_new"]).reshape(g, -1).mean(axis=1)
@@ -195,7 +201,7 @@ def _per_device_gate(
   for d in range(g):  # G is the device count (static, small)
     in_d = mask * (group == d)
     det_d = jnp.sum(in_d * result["per_example_replay"]) / jnp.maximum(jnp.sum(in_d), 1.0)
-    mse_d = losses.distillation_mse(logits_replay, stored_logits, example_mask=in_d)
+    mse_d, _ = losses.der_distillation(**distill_inputs, example_mask=in_d)
     terms.append(gates[d] * (alpha * mse_d + beta * det_d))
   weight = jnp.mean(gates.astype(jnp.float32))
   loss = result["new_loss"] + jnp.sum(jnp.stack(terms)) / g
@@ -204,8 +210,7 @@ def _per_device_gate(
 
 def _replay_weighting(
   result,
-  logits_replay,
-  stored_logits,
+  distill_inputs,
   replay,
   replay_mask,
   metrics,
@@ -235,8 +240,7 @@ def _replay_weighting(
   elif loss_adaptivity == "released_gate" and loss_gate_groups > 1:
     loss, weight, gated = _per_device_gate(
       result,
-      logits_replay,
-      stored_logits,
+      distill_inputs,
       replay,
       replay_mask,
       alpha,
@@ -268,6 +272,7 @@ def _loss_fn(
   alpha: float,
   beta: float,
   max_unique_queries: int | None,
+  objectness_distill_weight: float = 1.0,
   loss_adaptivity: str = "none",
   loss_threshold: float = 0.0,
   loss_gate_groups: int = 1,
@@ -286,7 +291,9 @@ def _loss_fn(
   sharding), group g's gate reads the mean of its images' per-image new losses, and the replay
   term is (1/G) sum_g gate_g * L_R,g with L_R,g = alpha * MSE_g + beta * the mean of group g's
   per-image replay losses (its valid replays). With `lwf` (`train.lwf`), the LwF terms of the
-  new images against `teacher`'s outputs are added (`owl_cl.train.lwf.lwf_loss`).
+  new images against `teacher`'s outputs are added (`owl_cl.train.lwf.lwf_loss`). OWLv2 with
+  `replay['stored_objectness']`: the distillation is MSE_class + `objectness_distill_weight`
+  x MSE_objectness (`losses.der_distillation`, docs/owlv2.md).
   """
   num_new = batch["images"].shape[0]
   add_lwf = functools.partial(
@@ -311,14 +318,24 @@ def _loss_fn(
   outputs = _forward(
     model, params, images, queries, train=True, key=key, max_unique_queries=max_unique_queries
   )
-  new_outputs, replay_outputs, stored_logits = _split_outputs(outputs, replay, num_new)
-  logits_replay = replay_outputs["pred_logits"]
+  new_outputs, replay_outputs, stored_logits, stored_objectness = _split_outputs(
+    outputs, replay, num_new
+  )
+  # DER++'s distillation inputs (class and, OWLv2, objectness logits; docs/owlv2.md).
+  distill_inputs = dict(
+    replay_outputs=replay_outputs,
+    stored_logits=stored_logits,
+    stored_objectness=stored_objectness,
+    objectness_distill_weight=objectness_distill_weight,
+  )
   result = losses.der_plus_plus_loss(
     new_outputs=new_outputs,
     new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
     replay_outputs=replay_outputs,
     replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
     stored_logits=stored_logits,
+    stored_objectness=stored_objectness,
+    objectness_distill_weight=objectness_distill_weight,
     replay_mask=replay_mask,
     alpha=alpha,
     beta=beta,
@@ -327,8 +344,7 @@ def _loss_fn(
   metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
   loss, weight, used = _replay_weighting(
     result,
-    logits_replay,
-    stored_logits,
+    distill_inputs,
     replay,
     replay_mask,
     metrics,
@@ -350,6 +366,7 @@ def make_train_step(
   loss_config: dict,
   alpha: float = 2.0,
   beta: float = 1.0,
+  objectness_distill_weight: float = 1.0,
   with_replay: bool,
   max_unique_queries: int | None = None,
   loss_adaptivity: str = "none",
@@ -366,7 +383,9 @@ def make_train_step(
     added to the loss and to the metrics (`lwf_loss`, `lwf_class`, `lwf_box`); `replay` is
     ignored (pass None) when `with_replay` is False. `batch` holds `images` [B,S,S,3],
     `queries` [B,Q,L], `labels` [B,M,Q], `boxes` [B,M,4]; `replay` the same for B_r replayed
-    images plus `stored_logits` [B_r,T,Q] and `replay_mask` [B_r] bool. Metrics are scalars
+    images plus `stored_logits` [B_r,T,Q] and `replay_mask` [B_r] bool, and for an OWLv2
+    store `stored_objectness` [B_r,T] (DER++ distils it at `objectness_distill_weight`
+    relative to the class logits: `losses.der_distillation`, docs/owlv2.md). Metrics are scalars
     (loss, its terms, grad norm, LR multiplier-free step count).
     `max_unique_queries`: see `_forward` (the text tower embeds each distinct query once).
     `loss_adaptivity` (docs/reference.md §9; static): 'none' L = L_B + L_R; 'paper' L = L_B +
@@ -396,6 +415,7 @@ def make_train_step(
     alpha=alpha,
     beta=beta,
     max_unique_queries=max_unique_queries,
+    objectness_distill_weight=float(objectness_distill_weight),
     loss_adaptivity=loss_adaptivity,
     loss_threshold=float(loss_threshold),
     loss_gate_groups=int(loss_gate_groups),

@@ -275,3 +275,63 @@ def test_tail_classes_ap_reported_for_version_2(tmp_path):
   write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4)
   points = report_lib.load_points(report_lib.find_runs([root]))
   assert math.isnan(points[0].values["tail_AP"])
+
+
+def _write_baseline(root, algorithm, seed, schedule, stages):
+  """A joint or per_task run (config differs from BASE_CONFIG by train.schedule)."""
+  config = json.loads(json.dumps(BASE_CONFIG))
+  config["seed"], config["train"]["schedule"] = seed, schedule
+  results_lib.write_results(
+    os.path.join(root, f"{algorithm}_seed{seed}"),
+    {
+      "run_id": f"{algorithm}-{seed}",
+      "algorithm": algorithm,
+      "schedule": schedule,
+      "status": "complete",
+      "seed": seed,
+      "seeds": {"model": 0, "data": seed, "retrieval": seed},
+      "sequence": ["D1", "D2"],
+      "roles": {"pretrain": "o365", "downstream": ["D1", "D2"]},
+      "stages": stages,
+      "config": config,
+      "timings": {"wall_seconds": 60.0},
+    },
+  )
+
+
+def test_joint_and_per_task_are_their_own_rows_beside_the_sequences_min_own(tmp_path):
+  root = str(tmp_path)
+
+  def m(ap):
+    return {"AP": ap, "AP50": min(1.0, 1.5 * ap)}
+
+  zero = {"name": "pretrained", "metrics": {"o365": m(0.30), "D1": m(0.0), "D2": m(0.0)}}
+  for seed in (0, 1):
+    write_run(root, "uniform", seed, ("D1", "D2"), 0.20, 0.4)
+    joint = {"o365": m(0.26), "D1": m(0.50 + 0.01 * seed), "D2": m(0.60)}
+    _write_baseline(root, "joint", seed, "joint", [zero, {"name": "joint", "metrics": joint}])
+    tasks = [
+      {"name": "D1", "metrics": {"o365": m(0.10), "D1": m(0.6)}},
+      {"name": "D2", "metrics": {"o365": m(0.14), "D2": m(0.4 + 0.02 * seed)}},
+    ]
+    _write_baseline(root, "per_task", seed, "per_task", [zero, *tasks])
+  points = report_lib.load_points(report_lib.find_runs([root]))
+  rep = report_lib.build_report(points)
+  assert rep["algorithms"] == ["joint", "per_task", "uniform"] and rep["reference"] == "uniform"
+  s = rep["summary"]
+  # joint: the one stage's values; own-task AP = that stage's AP on each set.
+  assert s["joint"]["downstream_mean_AP"]["mean"] == pytest.approx((50.5 + 60.0) / 2)
+  assert s["joint"]["own_mean_AP"]["mean"] == pytest.approx((50.5 + 60.0) / 2)
+  assert math.isnan(s["joint"]["forgetting_AP"]["mean"])  # one stage: no forgetting
+  # per_task: each set by its own model, the pre-training set the models' mean (12 points);
+  # min own AP50 = 1.5 x min(60, 41) = 61.5 (mean over seeds 0 and 1: 60 and 63).
+  assert s["per_task"]["pretrain_AP"]["mean"] == pytest.approx(12.0)
+  assert s["per_task"]["downstream_mean_AP"]["mean"] == pytest.approx((60.0 + 41.0) / 2)
+  assert s["per_task"]["own_min_AP50"]["mean"] == pytest.approx(61.5)
+  # The sequence's own-task AP: D1 after stage 1 (50), D2 after stage 2 (40); min AP50 60.
+  assert s["uniform"]["own_mean_AP"]["mean"] == pytest.approx(45.0)
+  assert s["uniform"]["own_min_AP50"]["mean"] == pytest.approx(60.0)
+  md = report_lib.render_markdown(rep)
+  rows = [line.split(" | ")[0] for line in md.split("## Per algorithm")[1].splitlines()[4:7]]
+  assert rows == ["| joint", "| per_task", "| uniform"]
+  assert "own-task AP50 (min own)" in md

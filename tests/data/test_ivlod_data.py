@@ -16,6 +16,7 @@ from owl_cl import validation
 from owl_cl.config_fields import ConfigError
 from owl_cl.data import entries
 from owl_cl.data import orders
+from owl_cl.data import real_inputs
 from owl_cl.data import suites
 from owl_cl.data.coco import DataError
 from owl_cl.testing import fake_data
@@ -260,3 +261,19 @@ def test_ivlod_budget_of_a_dataset_outside_the_run_is_refused(tmp_path):
   bench = benchmark.load_benchmark(config)
   with pytest.raises(ConfigError, match="num_steps_by_dataset: no dataset named 'potholes'"):
     validation.check_sequence_config(config, bench)
+
+
+def test_ivlod_inputs_do_not_need_the_papers_odinw(tmp_path):
+  ivlod = importlib.import_module("configs.ivlod_odinw13")
+  c = ivlod.get_config("")
+  c.data.root = str(tmp_path)
+  assert not real_inputs.uses_paper_odinw(c)
+  missing, _ = real_inputs.input_problems(c)
+  # Objects365 and LVIS (the replay source and held-out set) stay required; the paper's 15
+  # ODinW datasets do not (the ODinW-13 suite is checked by validation.check_datasets).
+  assert os.path.join(str(tmp_path), "lvis", "lvis_v1_val.json") in missing
+  assert not [m for m in missing if os.sep + "odinw" + os.sep in m]
+  paper = importlib.import_module("configs.swil").get_config("paper")
+  paper.data.root = str(tmp_path)
+  assert real_inputs.uses_paper_odinw(paper)
+  assert [m for m in real_inputs.input_problems(paper)[0] if os.sep + "odinw" + os.sep in m]

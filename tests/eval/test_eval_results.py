@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from owl_cl.eval import results as rl
+from owl_cl.eval import results_markdown
 from owl_cl.eval import table3
 
 
@@ -87,6 +88,88 @@ def test_finalize_summary_and_forgetting():
     rl.finalize_results({**make_results(), "run_id": ""})
   with pytest.raises(ValueError):
     rl.finalize_results({**make_results(), "stages": []})
+
+
+def test_own_task_ap_of_a_sequence_is_the_diagonal():
+  own = rl.finalize_results(make_results())["summary"]["own"]
+  # D1 right after stage 1 (AP .60, AP50 .80), D2 right after stage 2 (.71, .90).
+  assert own["per_set"] == {"D1": {"AP": 0.60, "AP50": 0.80}, "D2": {"AP": 0.71, "AP50": 0.90}}
+  assert own["mean_AP"] == pytest.approx(0.655) and own["min_AP"] == pytest.approx(0.60)
+  assert own["mean_AP50"] == pytest.approx(0.85) and own["min_AP50"] == pytest.approx(0.80)
+  # A run that has not trained D2 yet: no mean over part of the datasets.
+  partial = rl.finalize_results(make_results(n_stages=2))["summary"]["own"]
+  assert partial["per_set"]["D2"] == {"AP": None, "AP50": None}
+  assert partial["mean_AP"] is None and partial["min_AP50"] is None
+
+
+def _per_task_results(n_stages=3):
+  r = make_results(algorithm="per_task", n_stages=n_stages)
+  r["schedule"] = "per_task"
+  # Each task's model on its own set and on the pre-training / open-vocabulary sets only.
+  r["stages"][1:] = [
+    {
+      "name": "D1",
+      "metrics": {
+        "o365": metrics(0.20, 0.30),
+        "lvis": metrics(0.26, 0.36, APr=0.21),
+        "D1": metrics(0.65, 0.85),
+      },
+    },
+    {
+      "name": "D2",
+      "metrics": {
+        "o365": metrics(0.22, 0.34),
+        "lvis": metrics(0.28, 0.40, APr=0.23),
+        "D2": metrics(0.75, 0.92),
+      },
+    },
+  ][: n_stages - 1]
+  return r
+
+
+def test_per_task_row_is_each_set_by_its_own_model_and_the_models_mean():
+  r = rl.finalize_results(_per_task_results())
+  final = r["summary"]["final"]
+  assert final["stage"] == "per_task"
+  assert final["pretrain_AP"] == pytest.approx((0.20 + 0.22) / 2)
+  assert final["pretrain_AP50"] == pytest.approx((0.30 + 0.34) / 2)
+  assert final["open_vocab_AP"] == pytest.approx((0.26 + 0.28) / 2)
+  assert final["held_out_AP"] == pytest.approx((0.21 + 0.23) / 2)  # APr
+  assert final["downstream_mean_AP"] == pytest.approx((0.65 + 0.75) / 2)
+  assert final["downstream_mean_AP50"] == pytest.approx((0.85 + 0.92) / 2)
+  own = r["summary"]["own"]
+  assert own["min_AP50"] == pytest.approx(0.85) and own["mean_AP"] == pytest.approx(0.70)
+  # No model learns two tasks: no forgetting, no BWT; kept = the models' mean / pre-trained.
+  f = r["forgetting"]["AP"]
+  assert f["average_forgetting"] is None and f["bwt"] is None
+  assert f["per_set"]["o365"]["retained_fraction"] == pytest.approx(0.21 / 0.242)
+  assert r["summary"]["stages_expected"] == 3
+  md = results_markdown.render_results_markdown(r)
+  assert "- schedule: per_task" in md
+  assert "| AP | 65.0 | 75.0 | 70.0 | 65.0 |" in md  # own-task AP: D1, D2, mean, min
+  # Only D1's model so far: the downstream mean waits for D2.
+  partial = rl.finalize_results(_per_task_results(n_stages=2))["summary"]["final"]
+  assert partial["downstream_mean_AP"] is None
+  assert partial["pretrain_AP"] == pytest.approx(0.20)
+
+
+def test_joint_run_has_one_stage_and_its_own_task_ap():
+  r = make_results(algorithm="joint", n_stages=3)
+  r["schedule"] = "joint"
+  r["stages"] = [r["stages"][0], dict(r["stages"][2], name="joint")]
+  r = rl.finalize_results(r)
+  assert r["summary"]["stages_expected"] == 2 and r["summary"]["stages_completed"] == 2
+  assert r["summary"]["final"]["stage"] == "joint"
+  assert r["summary"]["final"]["downstream_mean_AP"] == pytest.approx((0.40 + 0.71) / 2)
+  # Every set was trained in the one stage: own-task AP = the joint stage's.
+  assert r["summary"]["own"]["per_set"]["D1"] == {"AP": 0.40, "AP50": 0.70}
+  assert r["summary"]["own"]["min_AP50"] == pytest.approx(0.70)
+  assert r["forgetting"]["AP"]["average_forgetting"] is None
+  assert r["forgetting"]["AP"]["per_set"]["o365"]["retained_fraction"] == pytest.approx(
+    0.225 / 0.242
+  )
+  with pytest.raises(ValueError, match="schedule"):
+    rl.finalize_results({**make_results(), "schedule": "parallel"})
 
 
 def test_write_results_files_and_markdown_numbers(tmp_path):

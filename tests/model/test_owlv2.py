@@ -160,3 +160,85 @@ def test_cache_keys_v1_unchanged_owlv2_keyed():
   v2 = base.get_config("owlv2")
   assert v2.model.variant == "owlv2_tiny"
   assert cache_keys.cache_key_fields(v2, "loss") == dict(v1, objectness_weight=0.5)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_train_step_distils_stored_objectness_at_the_kept_tokens(tiny, top_k):
+  """The train step's DER++ term with an OWLv2 store: the stored class logits are the model's
+  own (class MSE 0) and the stored objectness is the model's plus d_t = (t + 1) / T at token
+  t, so the objectness MSE is the mean of d_t^2 over the tokens the heads saw (all, or the
+  top-k by objectness: `_split_outputs` gathers the stored arrays at `keep_tokens`)."""
+  from owl_cl.train import step as step_lib
+
+  model, params, images, queries = tiny
+  model = model.clone(objectness_top_k=top_k)
+  full = model.apply({"params": params}, images, queries)
+  t = full["objectness_logits"].shape[1]
+  offset = (np.arange(t) + 1.0) / t
+  labels = np.zeros((B, 1, Q), np.float32)
+  labels[:, 0, 1] = 1.0
+  boxes = np.tile(np.array([0.5, 0.5, 0.3, 0.3], np.float32), (B, 1, 1))
+  example = dict(images=images, queries=queries, labels=labels, boxes=boxes)
+  replay = dict(
+    example,
+    stored_logits=np.asarray(full["pred_logits"]),
+    stored_objectness=np.asarray(full["objectness_logits"]) + offset,
+    replay_mask=np.ones(B, bool),
+  )
+  key = jax.random.key(2)
+  _, metrics = step_lib._loss_fn(  # pylint: disable=protected-access
+    params,
+    example,
+    replay,
+    key,
+    model=model,
+    loss_config=dict(objectness_weight=0.5),
+    alpha=2.0,
+    beta=1.0,
+    max_unique_queries=None,
+    objectness_distill_weight=0.25,
+  )
+  if top_k:
+    kept = model.apply({"params": params}, images, queries, train=True, rngs={"dropout": key})[
+      "keep_tokens"
+    ]
+    expected = np.mean(offset[np.asarray(kept)] ** 2)
+  else:
+    expected = np.mean(offset**2)
+  # Logits O(1-10) recomputed by the same float32 forward: class MSE ~1e-12.
+  np.testing.assert_allclose(metrics["distill_objectness"], expected, rtol=1e-4)
+  np.testing.assert_allclose(metrics["distill_loss"], 0.25 * expected, rtol=1e-4, atol=1e-8)
+
+
+def test_buffer_key_and_selection_objectness_rules(tmp_path):
+  """An OWLv2 store (it keeps the objectness logits) has 'objectness' in its key, v1's key
+  has no new entry; `replay.selection.objectness_in_loss` enters the key only when True and
+  is refused up front for a v1 model or a zero objectness weight."""
+  import types
+
+  from configs import base
+  from owl_cl import validation
+  from owl_cl.replay import setup as replay_setup
+
+  annotations = tmp_path / "instances.json"
+  annotations.write_text('{"images": []}')
+  source = types.SimpleNamespace(annotation_file=str(annotations))
+
+  def key(config):
+    return replay_setup.buffer_key_material(config, source, {"cache_key": "m"})
+
+  v1, v2 = base.get_config(""), base.get_config("owlv2")
+  assert "objectness" not in key(v1) and "objectness_in_loss" not in key(v1)["buffer"]
+  assert key(v2)["objectness"] is True and "objectness_in_loss" not in key(v2)["buffer"]
+  v2.replay.selection.objectness_in_loss = True
+  assert key(v2)["buffer"]["objectness_in_loss"] is True
+  assert validation.model_problems(v2) == []
+  v2.loss.objectness_weight = 0.0
+  (problem,) = validation.model_problems(v2)
+  assert "objectness_in_loss=True adds nothing with config.loss.objectness_weight=0.0" in problem
+  v1.replay.selection.objectness_in_loss = True
+  (problem,) = validation.model_problems(v1)
+  assert "objectness_in_loss=True needs an OWLv2 model" in problem and "'v1'" in problem
+  v1.replay.selection.objectness_in_loss = False
+  v1.replay.der_objectness_weight = -1.0
+  assert any("der_objectness_weight=-1.0" in p for p in validation.range_problems(v1))

@@ -23,6 +23,7 @@ import pytest
 from owl_cl import benchmark
 from owl_cl import pretrained
 from owl_cl.data import input_pipeline
+from owl_cl.data import owlv2_images
 from owl_cl.detector import Detector
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import build as build_lib
@@ -445,3 +446,69 @@ def test_empty_source_is_refused_before_any_work(setup, tmp_path):
   with pytest.raises(ValueError, match="pre-training set .* has no image"):
     build_lib.build_store(detector.model, params, _EmptySource(), str(tmp_path / "s"), **options)
   assert not os.listdir(tmp_path)
+
+
+def test_owlv2_store_keeps_objectness_and_selection_may_include_it(pretrained_cache_dir, tmp_path):
+  """OWLv2 (random tiny model: the builder does not care whether it is pre-trained): the store
+  keeps each kept image's objectness logits (float16: relative rounding 2^-11) beside its
+  class logits; the selection loss is the detection loss without the objectness term, or with
+  it at loss.objectness_weight under `selection_objectness` (docs/owlv2.md)."""
+  config = tiny_config("swil", pretrained_cache_dir)
+  config.model.variant = "owlv2_tiny"
+  config.loss.objectness_weight = 0.5
+  config.data.eval_batch_size = BATCH
+  detector = Detector(config)
+  params = detector.init_params(0)
+  # Random last layers (zero-initialised as scenic's) so that objectness varies per token.
+  rng = np.random.default_rng(0)
+  head = params["objectness_head"]["Dense_2"]
+  head["kernel"] = rng.normal(0.0, 0.1, head["kernel"].shape).astype(np.float32)
+  source = benchmark.load_benchmark(config).pretrain.train
+  options = dict(replay_setup.build_options(detector, source), selection_objectness=True)
+  build_lib.build_store(detector.model, params, source, str(tmp_path / "s"), **options)
+  store = store_lib.ReplayStore.load(str(tmp_path / "s"), source=source)
+  gathered = store.gather(np.arange(store.num_images))
+  # OWLv2's images by reference are re-made by its preprocessing (pad, then resize).
+  assert store.image_reference["resize"] == "pad_then_resize"
+  first = source.load(int(store.examples["source_index"][0]))["image"]
+  np.testing.assert_array_equal(
+    gathered["images"][0], owlv2_images.pad_then_resize(first, detector.image_size)
+  )
+  out = jax.jit(detector.model.apply)({"params": params}, gathered["images"], gathered["queries"])
+  objectness = np.asarray(out["objectness_logits"])
+  assert np.ptp(objectness, axis=1).min() > 0  # varies per token
+  np.testing.assert_allclose(gathered["stored_objectness"], objectness, rtol=2**-10, atol=1e-6)
+
+  # The per-image selection loss, with and without the objectness term.
+  transform = build_lib.BufferExample(source, options["seed"], options["spec"], {})
+  examples = [transform(i) for i in range(BATCH)]
+  batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+  batch["image_id"] = batch["image_id"].astype(np.int32)
+  batch["valid"] = np.ones(BATCH, bool)
+  step_options = dict(
+    num_classes=len(source.class_names),
+    top_k=options["top_k"],
+    max_per_class=options["max_per_class"],
+    distance_max_instances=4,
+    loss_config=options["loss_config"],
+  )
+  out = detector.model.apply({"params": params}, batch["images"], batch["queries"])
+  det = {
+    with_term: losses.detection_loss(
+      out["pred_logits"],
+      out["pred_boxes"],
+      batch["labels"],
+      batch["boxes"],
+      objectness_logits=out["objectness_logits"] if with_term else None,
+      **options["loss_config"],
+    )["per_example"]
+    for with_term in (False, True)
+  }
+  for with_term in (False, True):
+    steps = build_lib.make_steps(
+      detector.model, detector.mesh, **step_options, selection_objectness=with_term
+    )
+    got = steps["losses"](params, batch)["per_image_loss"]
+    # Losses O(1-10) of the same float32 forward, jitted in another program: ~1e-6 relative.
+    np.testing.assert_allclose(got, det[with_term], rtol=1e-5, err_msg=str(with_term))
+  assert np.all(np.asarray(det[True]) > np.asarray(det[False]))  # the term is positive

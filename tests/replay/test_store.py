@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 
+from owl_cl import integrity
 from owl_cl.replay import store as store_lib
 from owl_cl.replay.state import ReplayBuffer
 
@@ -112,3 +113,68 @@ def test_constructor_errors():
     store_lib.ReplayStore(
       examples, logits, store.buffer_arrays, store.class_names, logits_dtype="int8"
     )
+
+
+def _owlv2_store(dtype):
+  """`_store`'s examples with OWLv2's objectness logits [N, T] (values O(5))."""
+  store, examples, logits = _store(dtype)
+  objectness = (np.random.default_rng(1).normal(size=(N, T)) * 5).astype(np.float32)
+  owlv2 = store_lib.ReplayStore(
+    examples,
+    logits,
+    store.buffer_arrays,
+    store.class_names,
+    logits_dtype=dtype,
+    stored_objectness=objectness,
+  )
+  return owlv2, store, objectness
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_objectness_stored_gathered_saved_and_verified(tmp_path, dtype):
+  """OWLv2's objectness logits: gathered float32 within the storage dtype's relative rounding
+  (2^-11 float16, 2^-8 bfloat16, exact float32), saved and loaded bit for bit, covered by the
+  manifest; a v1 store (no objectness) gathers and saves exactly as before."""
+  owlv2, v1, objectness = _owlv2_store(dtype)
+  idx = np.array([4, 0, 4])
+  batch = owlv2.gather(idx)
+  rtol = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}[dtype]
+  assert batch["stored_objectness"].dtype == np.float32
+  np.testing.assert_allclose(batch["stored_objectness"], objectness[idx], rtol=rtol, atol=0)
+  v1_batch = v1.gather(idx)
+  assert batch.keys() - v1_batch.keys() == {"stored_objectness"}
+  for k in v1_batch:
+    np.testing.assert_array_equal(batch[k], v1_batch[k], err_msg=k)
+
+  path = str(tmp_path / "owlv2")
+  owlv2.save(path)
+  v1.save(str(tmp_path / "v1"))
+  assert "stored_objectness.npy" in os.listdir(path)
+  assert "stored_objectness.npy" not in os.listdir(tmp_path / "v1")
+  assert "stored_objectness.npy" in integrity.verify_directory(path)["files"]
+  assert store_lib.is_row_file("stored_objectness.npy")  # checked chunk by chunk when lazy
+  loaded = store_lib.ReplayStore.load(path)
+  np.testing.assert_array_equal(loaded.gather(idx)["stored_objectness"], batch["stored_objectness"])
+  assert store_lib.ReplayStore.load(str(tmp_path / "v1")).stored_objectness is None
+  # A flipped byte in the objectness file is found by the manifest.
+  with open(os.path.join(path, "stored_objectness.npy"), "r+b") as f:
+    f.seek(-2, os.SEEK_END)
+    last = f.read(1)
+    f.seek(-2, os.SEEK_END)
+    f.write(bytes([last[0] ^ 0xFF]))
+  with pytest.raises(integrity.IntegrityError, match="stored_objectness"):
+    integrity.verify_directory(path)
+
+
+def test_objectness_shape_refused():
+  store, examples, logits = _store()
+  with pytest.raises(ValueError, match=r"stored_objectness \(5, 3\) is not \[N, T\] = \(5, 4\)"):
+    store_lib.ReplayStore(
+      examples,
+      logits,
+      store.buffer_arrays,
+      store.class_names,
+      stored_objectness=np.zeros((N, T - 1), np.float32),
+    )
+  with pytest.raises(ValueError, match="must be \\[n, T\\]"):
+    store_lib.encode_objectness(np.zeros((N, T, 1)))
