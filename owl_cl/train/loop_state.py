@@ -129,7 +129,9 @@ def loop_checkpoint(
   `params_part.part` of them (the adapters alone). Meta: the host ints, the counters and the
   last loss (fetched: one host sync per checkpoint), and `history`. Inverse: `restore_loop`.
   """
-  train_state = loop.train_state.replace(params=_held(loop.train_state.params, params_part))
+  train_state = loop.train_state
+  if params_part is not None:
+    train_state = train_state.replace(params=params_part.part(train_state.params))
   items = {"train_state": train_state, "key": np.asarray(jax.device_get(loop.key))}
   if loop.replay_state is not None:
     # Host copy: after `initial_replay_state` it lives on one device, which a multi-process
@@ -173,8 +175,10 @@ def restore_loop(
   step = None if checkpoints is None else checkpoints.latest(phase)
   if step is None:
     return loop
-  fresh = loop.train_state.params
-  train_state = loop.train_state.replace(params=_held(fresh, params_part))
+  train_state = loop.train_state
+  if params_part is not None:
+    fresh = train_state.params
+    train_state = train_state.replace(params=params_part.part(fresh))
   like = {"train_state": train_state, "key": np.asarray(jax.device_get(loop.key))}
   if loop.replay_state is not None:
     like["replay_state"] = _host_arrays(loop.replay_state)

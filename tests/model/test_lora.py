@@ -261,3 +261,49 @@ def test_lora_to_owl_cl_merges_a_runs_stage_adapters_into_its_base(setup, tmp_pa
   )
   with pytest.raises(SystemExit):
     cli.main(["lora-to-owl_cl", base_dir, str(workdir), str(tmp_path / "other")])
+
+
+def test_step_checkpoint_holds_the_adapters_and_restores_onto_the_fresh_base(setup, tmp_path):
+  """`trainer.LORA_ADAPTERS` through a step checkpoint: the saved parameters (train state and
+  best-epoch copy) are the adapters alone; restored into a fresh loop they are joined with that
+  loop's base, bit for bit, and the adapters come back as saved (not the fresh ones)."""
+  from owl_cl import trainer  # pylint: disable=g-import-not-at-top
+  from owl_cl.replay import setup as replay_setup  # pylint: disable=g-import-not-at-top
+  from owl_cl.train import checkpointing  # pylint: disable=g-import-not-at-top
+
+  model, params, _ = setup
+  trained = lora.init_adapters(model, OPTIONS, jax.random.PRNGKey(1))
+  trained = jax.tree.map(lambda x: np.asarray(x) + 0.5, trained)  # B != 0: trained adapters
+  full = lora.combine(params, trained)
+  tx = optax.sgd(0.1)
+  loop = trainer.LoopState(
+    train_state=step_lib.create_train_state(full, tx),
+    replay_state=None,
+    key=jax.random.PRNGKey(3),
+    step=2,
+    history={},
+    best_params=full,
+  )
+  items, meta = trainer.loop_checkpoint(loop, replay_setup.NoReplay(), trainer.LORA_ADAPTERS)
+  saved = jax.tree.structure(items["train_state"].params)
+  assert saved == jax.tree.structure(trained)
+  assert jax.tree.structure(items["best_params"]) == jax.tree.structure(trained)
+  steps = checkpointing.StepCheckpointer(str(tmp_path / "steps"), every_steps=1)
+  steps.save(1, loop.step, items, meta)
+  steps.wait()
+  # A fresh phase: the same base with fresh adapters (B = 0).
+  fresh_full = lora.combine(params, lora.init_adapters(model, OPTIONS, jax.random.PRNGKey(1)))
+  fresh = trainer.LoopState(
+    train_state=step_lib.create_train_state(fresh_full, tx),
+    replay_state=None,
+    key=jax.random.PRNGKey(0),
+  )
+  got = trainer.restore_loop(
+    steps, 1, fresh, replay_setup.NoReplay(), fresh_full, params_part=trainer.LORA_ADAPTERS
+  )
+  steps.close()
+  assert got.step == 2
+  for tree in (got.train_state.params, got.best_params):
+    assert jax.tree.structure(tree) == jax.tree.structure(full)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(full)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bit-exact
