@@ -94,3 +94,39 @@ def _differing(a, b, path=""):
   if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
     return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differing(x, y, f"{path}/{i}")]
   return [] if a == b else [(path, a, b)]
+
+
+# One whole run of two tasks: about 77 s of CPU (with the compilations), 5 min wall at load 15.
+@pytest.mark.slow
+def test_per_task_lora_starts_every_task_with_fresh_adapters_on_the_pretrained_base(
+  pretrained_cache_dir, tmp_path, monkeypatch
+):
+  from owl_cl import trainer  # pylint: disable=g-import-not-at-top
+
+  config = base.apply_lora(tiny_config("per_task", pretrained_cache_dir))
+  starts = []
+  train_on_dataset = trainer.train_on_dataset
+
+  def spy(detector, dataset, params, *args, **kwargs):
+    starts.append(jax.device_get(params))
+    return train_on_dataset(detector, dataset, params, *args, **kwargs)
+
+  monkeypatch.setattr(trainer, "train_on_dataset", spy)
+  results = experiment.run(config, str(tmp_path / "run"))
+  assert results["status"] == "complete" and results["schedule"] == "per_task"
+  assert len(starts) == 2
+  for tree in starts:  # the same start for each task: B = 0 (the pre-trained model)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(starts[0]), strict=True):
+      np.testing.assert_array_equal(a, b)
+    adapters = lora.adapters_of(tree)
+    b_leaves = [v for k, v in jax.tree_util.tree_leaves_with_path(adapters) if "lora_b" in str(k)]
+    assert b_leaves and all(not np.any(b) for b in b_leaves)
+  # Each stage checkpoint holds its own task's trained adapters.
+  detector = Detector(config)
+  like = jax.tree.map(
+    lambda s: np.zeros(s.shape, s.dtype), lora.abstract_adapters(detector.model, detector.lora)
+  )
+  stages = checkpointing.StageCheckpointer(str(tmp_path / "run" / "checkpoints"))
+  first, second = (stages.restore(i, like, None)[0] for i in (1, 2))
+  stages.close()
+  assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)))
