@@ -25,6 +25,8 @@ INSTALL_REQUIRES = [
   # owl_cl.data.tfds_source).
   "tensorflow-datasets>=4.9.10",  # tested version (as_data_source(deserialize_method=...))
   "array_record>=0.5",
+  # LoRA adapters on the Dense layers of the linen model (owl_cl.model.lora; docs/lora.md).
+  "qwix>=0.1.8",
 ]
 
 EXTRAS = {

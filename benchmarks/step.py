@@ -43,6 +43,8 @@ Two parts, one JSON and one Markdown file:
    compiles on a small host) in a fresh process with an empty persistent compilation cache,
    then in a second fresh process sharing it: cold vs warm compile time, what a resumed or
    repeated run pays.
+4. **LoRA** (`lora_arithmetic`, with the arithmetic; `--lora-only` alone): adapter sizes,
+   Adam state and saved activations of LoRA (docs/lora.md) against full fine-tuning.
 
 Usage:
   python benchmarks/step.py --quick        # CPU-sized: vit_b32 at 384 px, batch 4
@@ -51,7 +53,8 @@ Usage:
   python benchmarks/step.py --variant owlv2_l14 --skip-timing   # OWLv2 L/14 at 1008 px
   options: --variant, --image-size, --num-queries, --batches 1,2,4, --time-batches,
   --skip-arithmetic, --skip-timing, --skip-hf, --skip-model-only, --repeats, --rounds,
-  --threads, --diagnose, --out
+  --threads, --diagnose, --out, --lora-ranks 8,16, --skip-lora
+  python benchmarks/step.py --lora-only    # LoRA vs full fine-tuning memory at L/14 840 px
 
 Writes `<out>/step[_quick|_smoke].json` and `.md`. Nothing here is asserted: targets
 (activations <= 2 GB per image at 840 px with the paper's defaults; on CPU at least parity
@@ -92,6 +95,7 @@ from owl_cl import model as model_lib  # noqa: E402
 from owl_cl import utils  # noqa: E402
 from owl_cl.model import clip as clip_lib  # noqa: E402
 from owl_cl.model import convert  # noqa: E402
+from owl_cl.model import lora as lora_lib  # noqa: E402
 from owl_cl.train import losses  # noqa: E402
 from owl_cl.train import sharding as sharding_lib  # noqa: E402
 from owl_cl.train import step as step_lib  # noqa: E402
@@ -351,6 +355,111 @@ def arithmetic(args, dtypes, remats, attentions) -> dict:
     "device_bytes": DEVICE_BYTES,
     "model_flops_per_image_train": train_flops,
     "model_flops_per_image_eval": eval_flops,
+    "configs": rows,
+  }
+
+
+def lora_arithmetic(args) -> dict:
+  """Memory of LoRA against full fine-tuning (docs/lora.md), from abstract shapes.
+
+  Per rank of `args.lora_ranks` (alpha = 2 x rank; the default targets: attention q/k/v/out
+  and MLP Dense of both towers): the adapters' parameter count and bytes (float32), and the
+  resident training state: full fine-tuning holds parameters + gradients + Adam's two moments
+  of every parameter (16 B each); LoRA the frozen parameters (4 B each) + the adapters with
+  their gradients and moments (16 B each). Per dtype x remat (attention `args.attentions[0]`):
+  the activations saved for the backward pass per image (`_residual_bytes`, as `arithmetic`)
+  of full fine-tuning and of LoRA. LoRA's are traced with the gradient of the base too (a
+  `stop_gradient` would turn the base's weights into saved intermediates): the base's weight
+  gradient needs the layer input x, which the adapter's gradient (x^T (dy B^T)) needs as well,
+  so the count is what LoRA saves. The adapters' dropout is left out (its masks would add one
+  saved input per adapted layer). The largest batch in 80 GB of each.
+  """
+  base = model_lib.create_model(args.variant, image_size=args.image_size, dtype=jnp.float32)
+  new, replay = _inputs(base, 2, args.num_queries, args.max_instances, abstract=True)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  params = jax.eval_shape(base.init, jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
+  num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  images_traced = 2 * new["images"].shape[0]
+  full_state = 16 * num_params
+  ranks = []
+  for rank in args.lora_ranks:
+    options = lora_lib.LoraOptions(rank=rank, alpha=2.0 * rank)
+    adapters = lora_lib.abstract_adapters(base, options)
+    count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(adapters))
+    ranks.append(
+      {
+        "rank": rank,
+        "adapter_parameters": count,
+        "adapter_bytes": lora_lib.adapter_bytes(adapters),
+        # frozen parameters + adapters, their gradients and Adam moments
+        "state_bytes": 4 * num_params + 16 * count,
+        "adam_bytes": 8 * count,
+      }
+    )
+    print(
+      f"LoRA rank {rank}: {count:,} adapter parameters ({count / num_params:.2%}), "
+      f"{lora_lib.adapter_bytes(adapters) / 1e6:.1f} MB",
+      flush=True,
+    )
+  rows = []
+  attention = args.attentions[0]
+  for dtype in args.dtypes:
+    for remat in args.remats:
+      model = model_lib.create_model(
+        args.variant,
+        image_size=args.image_size,
+        dtype=getattr(jnp, dtype),
+        remat=remat,
+        attention=attention,
+      )
+      t0 = time.time()
+      loss = _loss(model, "jax")
+      full_act = (
+        _residual_bytes(lambda p, b, r, k: loss(p, b, r, k)[0], params, new, replay, key)
+        / images_traced
+      )
+      row = {
+        "dtype": dtype,
+        "remat": remat,
+        "attention": attention,
+        "full_activation_bytes_per_image": full_act,
+        "full_max_batch_80gb": int((DEVICE_BYTES - full_state) // full_act),
+        "lora": [],
+      }
+      for r in ranks:
+        options = lora_lib.LoraOptions(rank=r["rank"], alpha=2.0 * r["rank"])
+        adapters = lora_lib.abstract_adapters(base, options)
+        lora_loss = _loss(lora_lib.lora_model(model, options, train=False), "jax")
+
+        def fn(a, p, b, rep, k, lora_loss=lora_loss):
+          return lora_loss(lora_lib.combine(p, a), b, rep, k)[0]
+
+        act = _residual_bytes(fn, adapters, params, new, replay, key) / images_traced
+        row["lora"].append(
+          {
+            "rank": r["rank"],
+            "activation_bytes_per_image": act,
+            "max_batch_80gb": int((DEVICE_BYTES - r["state_bytes"]) // act),
+          }
+        )
+      rows.append(row)
+      print(
+        f"{dtype:9s} remat={remat:33s}: full {full_act / GB:.2f} GB/image, LoRA "
+        + ", ".join(f"r{x['rank']} {x['activation_bytes_per_image'] / GB:.2f}" for x in row["lora"])
+        + f" GB/image ({time.time() - t0:.0f} s)",
+        flush=True,
+      )
+  return {
+    "variant": args.variant,
+    "image_size": args.image_size,
+    "num_tokens": base.num_tokens,
+    "num_queries": args.num_queries,
+    "max_instances": args.max_instances,
+    "num_parameters": num_params,
+    "full_state_bytes": full_state,
+    "full_adam_bytes": 8 * num_params,
+    "device_bytes": DEVICE_BYTES,
+    "ranks": ranks,
     "configs": rows,
   }
 
@@ -835,6 +944,48 @@ def _fmt_gb(x):
   return "-" if x is None else f"{x / GB:.2f}"
 
 
+def render_lora(a: dict) -> list[str]:
+  """The LoRA arithmetic as Markdown lines (`lora_arithmetic`)."""
+  n = a["num_parameters"]
+  lines = [
+    f"## LoRA vs full fine-tuning: {a['variant']} at {a['image_size']} px ({a['num_tokens']} "
+    f"tokens, {a['num_queries']} queries, {a['max_instances']} instances per image)",
+    "",
+    "Adapters on attention q/k/v/out and MLP Dense of both towers, alpha = 2 x rank; "
+    "float32 parameters, gradients and Adam moments.",
+    "",
+    "| | trained parameters | checkpoint MB | Adam moments GB | resident state GB |",
+    "|---|---|---|---|---|",
+    f"| full fine-tuning | {n:,} | {4 * n / 1e6:,.0f} (whole model) | "
+    f"{_fmt_gb(a['full_adam_bytes'])} | {_fmt_gb(a['full_state_bytes'])} |",
+  ]
+  for r in a["ranks"]:
+    lines.append(
+      f"| LoRA rank {r['rank']} | {r['adapter_parameters']:,} "
+      f"({r['adapter_parameters'] / n:.2%}) | {r['adapter_bytes'] / 1e6:.1f} (adapters) | "
+      f"{_fmt_gb(r['adam_bytes'])} | {_fmt_gb(r['state_bytes'])} |"
+    )
+  head = " | ".join(f"LoRA r{r['rank']} GB/image (batch in 80 GB)" for r in a["ranks"])
+  lines += [
+    "",
+    "Saved activations per image ([new ; replay] step, DER++):",
+    "",
+    f"| dtype | remat | attention | full FT GB/image (batch in 80 GB) | {head} |",
+    "|---|---|---|---|" + "---|" * len(a["ranks"]),
+  ]
+  for row in a["configs"]:
+    cells = " | ".join(
+      f"{_fmt_gb(x['activation_bytes_per_image'])} ({x['max_batch_80gb']})" for x in row["lora"]
+    )
+    lines.append(
+      f"| {row['dtype']} | {row['remat']} | {row['attention']} | "
+      f"{_fmt_gb(row['full_activation_bytes_per_image'])} ({row['full_max_batch_80gb']}) | "
+      f"{cells} |"
+    )
+  lines.append("")
+  return lines
+
+
 def render_markdown(results: dict) -> str:
   lines = [f"# Train-step benchmark ({results['mode']})", ""]
   env = results["environment"]
@@ -869,6 +1020,8 @@ def render_markdown(results: dict) -> str:
         f"| {r['step_flops_per_image'] / 1e12:.2f} | {totals} | {r['max_batch_80gb']} |"
       )
     lines.append("")
+  if results.get("lora"):
+    lines += render_lora(results["lora"])
   t = results.get("timing")
   if t:
     lines += render_timing(t)
@@ -987,6 +1140,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--peak-matmul", type=int, default=8192, help=argparse.SUPPRESS)
   p.add_argument("--skip-arithmetic", action="store_true")
   p.add_argument("--skip-timing", action="store_true")
+  p.add_argument(
+    "--lora-ranks", default=None, help="LoRA ranks of the LoRA arithmetic (default 8,16; smoke 2)"
+  )
+  p.add_argument("--skip-lora", action="store_true", help="no LoRA arithmetic")
+  p.add_argument(
+    "--lora-only",
+    action="store_true",
+    help="only the LoRA arithmetic, written to step_lora[_<mode>].json/.md",
+  )
   p.add_argument("--skip-hf", action="store_true")
   p.add_argument("--skip-model-only", action="store_true")
   p.add_argument(
@@ -1030,6 +1192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.remat = args.remat or ("none" if quick or smoke else "block")
   args.matchers = (args.matchers or ("jax" if smoke else "scipy,jax")).split(",")
   args.repeats = args.repeats or (1 if smoke else 3 if quick else 10)
+  args.lora_ranks = [int(r) for r in (args.lora_ranks or ("2" if smoke else "8,16")).split(",")]
   args.threads = args.threads or default_threads()
   return args
 
@@ -1072,8 +1235,17 @@ def main(argv=None) -> dict:
   }
   if args.note:
     results["note"] = args.note
+  if args.lora_only:
+    results["lora"] = lora_arithmetic(args)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "step_lora" if mode == "full" else f"step_lora_{mode}")
+    utils.write_report(stem, results, render_markdown(results))
+    print(f"wrote {stem}.json and {stem}.md", flush=True)
+    return results
   if not args.skip_arithmetic:
     results["arithmetic"] = arithmetic(args, args.dtypes, args.remats, args.attentions)
+  if not args.skip_arithmetic and not args.skip_lora:
+    results["lora"] = lora_arithmetic(args)
   args.model_flops_per_image = (results.get("arithmetic") or {}).get("model_flops_per_image_train")
   on_accelerator = args.backend != "cpu"
   if not args.skip_timing and (mode != "full" or on_accelerator):

@@ -20,8 +20,9 @@ import ml_collections
 # `--config=configs/<algorithm>.py:<arg>` with arg a comma-separated list of these (e.g.
 # 'paper,released'): 'paper' the paper's protocol on real data, 'released' every switch set to
 # the released code's behaviour (`apply_released_code`), 'owlv2' the OWLv2 model (`apply_owlv2`),
-# 'builtin2' version 2 of the built-in benchmark (`apply_builtin_v2`).
-KNOWN_ARGS = ("", "paper", "released", "owlv2", "builtin2")
+# 'builtin2' version 2 of the built-in benchmark (`apply_builtin_v2`), 'lora' LoRA adapters
+# instead of full fine-tuning (`apply_lora`; docs/lora.md).
+KNOWN_ARGS = ("", "paper", "released", "owlv2", "builtin2", "lora")
 
 # The paper's ODinW sequence (docs/reference.md §10; the paper's Datasets table, tab:ds), in the
 # table's
@@ -116,6 +117,25 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     if "paper" in parts:
       raise ValueError(f"config argument {arg!r}: 'builtin2' is a built-in benchmark, not 'paper'")
     apply_builtin_v2(c)
+  if "lora" in parts:
+    apply_lora(c)
+  return c
+
+
+# The ':lora' adapters: rank 8 and alpha 16 (alpha / rank = 2), a common setting (HF peft's
+# examples; Hu et al. §7.2 find a small rank enough); dropout 0.05 as QLoRA (Dettmers et
+# al. 2023) for models up to 13B.
+LORA_RANK = 8
+LORA_ALPHA = 16.0
+LORA_DROPOUT = 0.05
+
+
+def apply_lora(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Turns on LoRA (`train.lora`, docs/lora.md): the adapters above on the default targets
+  (attention q/k/v/out and MLP Dense layers of both towers), the base model frozen."""
+  c.train.lora.rank = LORA_RANK
+  c.train.lora.alpha = LORA_ALPHA
+  c.train.lora.dropout = LORA_DROPOUT
   return c
 
 
@@ -283,6 +303,20 @@ def _train_section(c: ml_collections.ConfigDict) -> None:
   c.train.lwf.temperature = 2.0  # Li & Hoiem's T
   c.train.lwf.box_weight = 0.0
   c.train.lwf.box_threshold = 0.5
+  # LoRA (docs/lora.md; Hu et al., ICLR 2022): low-rank adapters (qwix) on the Dense layers
+  # whose module path matches one of `targets` in full; the base model is frozen (no optimizer
+  # state), checkpoints hold the adapters, evaluation merges them. rank 0: off. The adapters'
+  # update is (alpha / rank) x A B; dropout on the adapters' input in training.
+  c.train.lora = ml_collections.ConfigDict()
+  c.train.lora.rank = 0
+  c.train.lora.alpha = 16.0
+  c.train.lora.dropout = 0.0
+  # Attention query / key / value / out and the MLP's Dense layers of every block of both
+  # towers (= owl_cl.model.lora.DEFAULT_TARGETS; tests/model/test_lora.py checks).
+  c.train.lora.targets = (
+    r"backbone/clip/(visual|text)/transformer/resblocks_\d+/attn/(query|key|value|out)",
+    r"backbone/clip/(visual|text)/transformer/resblocks_\d+/mlp/(c_fc|c_proj)",
+  )
   # Linear warmup in epochs of the dataset (the paper's table); None: train.warmup_steps.
   c.train.warmup_epochs = ml_collections.config_dict.placeholder(int)
   # Per-dataset overrides {dataset name: {field: value}} of num_epochs, warmup_epochs,

@@ -41,6 +41,7 @@ from owl_cl.data import orders
 from owl_cl.data import prompts
 from owl_cl.data import suites
 from owl_cl.model import clip as clip_lib
+from owl_cl.model import lora as lora_lib
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
@@ -152,6 +153,10 @@ FIELD_RULES: dict[str, Rule] = {
   "train.lwf.temperature": POSITIVE,
   "train.lwf.box_weight": NON_NEGATIVE,
   "train.lwf.box_threshold": real(0.0, 1.0),
+  "train.lora.rank": integer(0),  # 0: off
+  "train.lora.alpha": POSITIVE,
+  "train.lora.dropout": real(0.0, 1.0, high_open=True),
+  "train.lora.targets": lambda value: lora_lib.targets_problem(value, None),
   "train.per_dataset": mapping,
   "train.carry": choice(CARRY_MODES),
   "train.schedule": choice(SCHEDULES),

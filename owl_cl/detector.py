@@ -30,6 +30,7 @@ from owl_cl.data import prompts
 from owl_cl.data import spec as data_spec
 from owl_cl.eval import detection
 from owl_cl.model import convert
+from owl_cl.model import lora as lora_lib
 from owl_cl.model import tokenizer as tokenizer_lib
 from owl_cl.train import optim
 from owl_cl.train import sharding as sharding_lib
@@ -74,6 +75,35 @@ def frozen_problem(config: ml_collections.ConfigDict) -> str:
     optim.frozen_labels(convert.abstract_params(model.config), frozen)
   except ValueError as e:
     return f"config.{e} of model.variant={config.model.variant!r}"
+  return ""
+
+
+def _names(key_path) -> tuple[str, ...]:
+  """The names of a `jax.tree_util` key path into a nested dict."""
+  return tuple(str(getattr(k, "key", k)) for k in key_path)
+
+
+def lora_problem(config: ml_collections.ConfigDict) -> str:
+  """What is wrong with `config.train.lora` ('' when fine or off) that its field rules cannot
+  see: a target regex matching no Dense layer of the config's model (its tree by
+  `jax.eval_shape`), or LoRA together with LwF (the teacher's forward would need the adapters'
+  dropout rng; not supported). Call it once the fields are valid."""
+  options = lora_lib.options_from_config(config.train.get("lora"))
+  if options is None:
+    return ""
+  lwf = config.train.get("lwf")
+  if lwf is not None and (lwf.weight or lwf.box_weight):
+    return (
+      f"config.train.lora.rank={options.rank} with config.train.lwf.weight={lwf.weight} / "
+      f"box_weight={lwf.box_weight}: LoRA and LwF do not combine (set one of them off)"
+    )
+  try:
+    model = model_lib.create_model(config.model.variant, **model_fields(config))
+  except (ValueError, TypeError, AttributeError):
+    return ""
+  paths = lora_lib.dense_module_paths(convert.abstract_params(model.config))
+  if problem := lora_lib.targets_problem(options.targets, paths):
+    return f"config.train.lora.targets: {problem} (model.variant={config.model.variant!r})"
   return ""
 
 
@@ -146,6 +176,16 @@ class Detector:
       "pad_then_resize" if self.model.config.version == "owlv2" else "resize_with_pad"
     )
     self._text_embed = step_lib.make_text_embed_step(self.model)
+    # LoRA (`train.lora`, docs/lora.md; None: off): fine-tuning trains adapters on the frozen
+    # model. `tuned_model` is the model the fine-tuning's eval-mode forwards apply to its
+    # parameters (retrieval features, loss adaptivity's pre-forward), `tuned_train_model` the
+    # one its train step applies (the adapters' dropout on); both are `model` without LoRA.
+    self.lora = lora_lib.options_from_config(config.train.get("lora"))
+    self.tuned_model = self.model
+    self.tuned_train_model = self.model
+    if self.lora is not None:
+      self.tuned_model = lora_lib.lora_model(self.model, self.lora, train=False)
+      self.tuned_train_model = lora_lib.lora_model(self.model, self.lora, train=True)
     self._predict_steps = {}  # (templates?, top_k, multi_label) -> jitted prediction
     self._class_frequencies = {}  # source -> float64 [C] images per class (negatives)
 
@@ -154,6 +194,28 @@ class Detector:
     images = jnp.zeros((1, size, size, 3), jnp.float32)
     queries = jnp.zeros((1, self.config.data.num_queries, self.tokenizer.context_length), jnp.int32)
     return jax.jit(self.model.init)(jax.random.PRNGKey(seed), images, queries)["params"]
+
+  def add_adapters(self, params, seed: int):
+    """`params` with fresh LoRA adapters (`lora.init_adapters`, A drawn from `seed`); `params`
+    unchanged when LoRA is off.
+
+    Raises:
+      ValueError: `params` already holds adapters, or the targets match no layer.
+    """
+    if self.lora is None:
+      return params
+    adapters = lora_lib.init_adapters(self.model, self.lora, jax.random.PRNGKey(seed))
+    return lora_lib.combine(params, adapters)
+
+  def model_params(self, params):
+    """The parameters of `model` for fine-tuned `params`: LoRA adapters merged into their
+    kernels (`lora.merge`; bit-identical to the base while B = 0), else `params` itself."""
+    if self.lora is None:
+      return params
+    flat_keys = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not any(lora_lib.is_adapter(_names(p)) for p, _ in flat_keys):
+      return params
+    return lora_lib.merge(params, self.lora)
 
   def class_tokens(self, source: coco.CocoSource) -> np.ndarray:
     names = [tokenizer_lib.canonicalize_label(n) for n in source.class_names]
@@ -331,6 +393,8 @@ class Detector:
     """
     if protocol not in ("coco", "lvis"):
       raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
+    # Evaluation runs the merged model (LoRA: adapters folded into the kernels).
+    params = self.model_params(params)
     eval_config = self.config.eval
     lvis = protocol == "lvis"
     templates = eval_config.prompt_templates != "none"

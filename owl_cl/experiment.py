@@ -74,6 +74,10 @@ from owl_cl.utils import expand_path
 # that is gone or hung turns into an error naming it instead of a hang.
 BARRIER_TIMEOUT_S = 1800.0
 
+# The LoRA adapters' seed is seed_of(config, 'data') * 1000 + this: the dataset step keys use
+# seed * 1000 + index with index <= the sequence's length, so the two never coincide.
+LORA_SEED_OFFSET = 999
+
 
 def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
   """Creates or validates `workdir/run.json`; returns the run id.
@@ -382,6 +386,13 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
   if config.replay.algorithm != "none":
     store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
   replay_state = replay_setup.initial_replay_state(store, seed_of(config, "retrieval"))
+  # LoRA (docs/lora.md): the pre-trained parameters are the frozen base of the whole run (the
+  # buffer above was built from them alone); fresh adapters (B = 0: the same model) train from
+  # stage 1 on: carried from stage to stage ('sequence'), or fresh for each task ('per_task':
+  # every stage starts from `_Session.pretrained`). The stage checkpoints hold the adapters:
+  # the base is rebuilt from init_checkpoint or the pre-trained cache on a resume.
+  # The adapters' A draw: the data seed (as the step keys) offset from the step keys' seeds.
+  params = detector.add_adapters(params, seed_of(config, "data") * 1000 + LORA_SEED_OFFSET)
   if jax.process_count() > 1:
     # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
     replay_state = sharding_lib.fetch_replicated(replay_state)
@@ -439,6 +450,17 @@ class _Session:
       if names is None or name in names
     }
 
+  def stored(self, params):
+    """The part of `params` a stage checkpoint holds: all of it, or (LoRA) the adapters."""
+    return params if self.detector.lora is None else trainer.LORA_ADAPTERS.part(params)
+
+  def from_stored(self, restored):
+    """The parameters of a restored stage checkpoint (`stored`'s inverse): LoRA's adapters
+    joined with the frozen base (the pre-trained parameters', bit for bit)."""
+    if self.detector.lora is None:
+      return restored
+    return trainer.LORA_ADAPTERS.join(self.pretrained, restored)
+
   def restore_or_start(self):
     """(params, replay state, last finished stage): the newest stage checkpoint's, or the
     pre-trained model evaluated and saved as stage 0."""
@@ -448,12 +470,13 @@ class _Session:
         {"name": "pretrained", "metrics": self.evaluate(self.pretrained, "pretrained")}
       ]
       meta = {"stages": self.stages, **replay_setup.CHECKPOINT_FORMAT}
-      self.checkpointer.save(0, self.pretrained, self.initial_replay, meta)
+      self.checkpointer.save(0, self.stored(self.pretrained), self.initial_replay, meta)
       return self.pretrained, self.initial_replay, 0
     logging.info("resuming %s after stage %d", self.workdir, latest)
-    params, replay_state, meta = self.checkpointer.restore(
-      latest, self.pretrained, self.initial_replay
+    restored, replay_state, meta = self.checkpointer.restore(
+      latest, self.stored(self.pretrained), self.initial_replay
     )
+    params = self.from_stored(restored)
     replay_state = replay_setup.upgrade_restored_state(replay_state, meta, self.workdir)
     self.stages = meta["stages"]
     self.step_timings = meta.get("step_timings", {})
@@ -553,7 +576,9 @@ class _Session:
       # is on one local device, which a multi-process save refuses (host copies it takes).
       replay_state = sharding_lib.fetch_replicated(replay_state)
     meta = {"stages": self.stages, "step_timings": self.step_timings}
-    self.checkpointer.save(index, params, replay_state, {**meta, **replay_setup.CHECKPOINT_FORMAT})
+    self.checkpointer.save(
+      index, self.stored(params), replay_state, {**meta, **replay_setup.CHECKPOINT_FORMAT}
+    )
     # Every process has finished the stage before the writer reports it.
     distributed.barrier(f"stage-{index}", timeout_s=BARRIER_TIMEOUT_S)
     self.step_checkpoints.discard(index)

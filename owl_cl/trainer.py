@@ -59,6 +59,7 @@ from owl_cl.config_fields import seed_of
 from owl_cl.data import mixture
 from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.detector import Detector
+from owl_cl.model import lora as lora_lib
 from owl_cl.replay import setup as replay_setup
 from owl_cl.train import optim
 from owl_cl.train import prefetch
@@ -67,6 +68,7 @@ from owl_cl.train import step as step_lib
 from owl_cl.train import timing
 from owl_cl.train.loop_state import GUARDED_METRICS  # noqa: F401 (re-exported)
 from owl_cl.train.loop_state import LoopState
+from owl_cl.train.loop_state import ParamsPart
 from owl_cl.train.loop_state import TrainingDivergedError  # noqa: F401 (re-exported)
 from owl_cl.train.loop_state import check_finite
 from owl_cl.train.loop_state import checkpoint_hook
@@ -75,6 +77,13 @@ from owl_cl.train.loop_state import restore_loop
 
 # The arrays a train step consumes (a batch also holds host-side bookkeeping such as image ids).
 MODEL_INPUTS = MODEL_INPUT_KEYS
+
+# What LoRA's checkpoints (step and stage) hold of a LoRA parameter tree: the adapters; the
+# frozen base is joined back from the phase's (the run's) starting parameters.
+LORA_ADAPTERS = ParamsPart(
+  part=lora_lib.adapters_of,
+  join=lambda params, adapters: lora_lib.combine(lora_lib.base_of(params), adapters),
+)
 
 # The name of the joint phase (its stage, step checkpoints' desc, TensorBoard prefix, records).
 JOINT = "joint"
@@ -581,6 +590,11 @@ def train_on_dataset(
   With `train.lwf` on (`lwf_options`), `teacher` (the pre-trained parameters) is passed to
   every train step for the LwF terms (docs/baselines.md); a missing teacher is a ValueError.
 
+  With `train.lora` on (`detector.lora`), `params` is a LoRA tree (`Detector.add_adapters`):
+  only its adapters train (the base has no optimizer state), the train step applies
+  `detector.tuned_train_model`, step checkpoints hold the adapters, and the returned
+  parameters are the LoRA tree (evaluation merges it, `Detector.model_params`).
+
   `store` is the replay store (None: retrieval 'none'). With `config.replay.records` and a
   `records_path`, the retrieval analysis records (`owl_cl.replay.records`) of the dataset
   are written there. `step_checkpoints` (`checkpointing.StepCheckpointer`; None: none) saves
@@ -658,7 +672,10 @@ def train_phase(
     loop.history = {"best_AP": -np.inf, "best_epoch": None, "validation": []}
   # After `prepare`: the restored replay state already holds what it prepared.
   # `params` gives best_params' tree structure, shapes and dtypes.
-  loop = restore_loop(step_checkpoints, phase.index, loop, replay, params if carry_best else None)
+  # LoRA: the step checkpoints hold the adapters alone (the base is `params`', frozen).
+  held = LORA_ADAPTERS if detector.lora is not None else None
+  like = params if carry_best else None
+  loop = restore_loop(step_checkpoints, phase.index, loop, replay, like, params_part=held)
   timer = timing.StepTimer()
   on_log, after_epoch = _phase_callbacks(detector, phase, replay, writer, schedule, timer)
   try:
@@ -681,6 +698,7 @@ def train_phase(
         phase.total,
         replay,
         phase.name if phase.dataset is None else f"dataset {phase.index}",
+        params_part=held,
       ),
       learning_rate=phase.settings["learning_rate"],
       prefetch_batches=config.data.prefetch_batches,
@@ -703,14 +721,16 @@ def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher)
   bound as the step's last argument (`_with_teacher`)."""
   config = detector.config
   optimizer = {k: v for k, v in phase.settings.items() if k not in ("num_epochs", "num_steps")}
+  # LoRA: the base model is frozen (no update, no optimizer state), only the adapters train.
+  lora = (lora_lib.FROZEN_BASE,) if detector.lora is not None else ()
   optimizer.update(
     layerwise_granularity=config.train.get("layerwise_granularity", "layer"),
     weight_decay=config.train.weight_decay,
-    frozen=tuple(config.train.get("frozen", ())),
+    frozen=tuple(config.train.get("frozen", ())) + lora,
   )
   tx, schedule = make_optimizer(params, optimizer, phase.total, config)
   train_step = step_lib.make_train_step(
-    detector.model,
+    detector.tuned_train_model,
     tx,
     detector.mesh,
     # The normalisation applies to fine-tuning only (pre-training and the buffer's per-image

@@ -41,6 +41,7 @@ from owl_cl.data import scan
 from owl_cl.data import suites
 from owl_cl.data.coco import DataError
 from owl_cl.detector import frozen_problem
+from owl_cl.detector import lora_problem
 from owl_cl.detector import model_fields
 from owl_cl.model import convert
 from owl_cl.utils import expand_path
@@ -79,8 +80,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   if fields_valid:  # The checks across fields read fields of the right type.
     problems += model_problems(config)
     problems += augment_problems(config)
-    problems += [p for p in [init_checkpoint_problem(config), frozen_problem(config)] if p]
-    problems += [p for p in [schedule_problem(config)] if p]
+    checks = (init_checkpoint_problem, frozen_problem, lora_problem, schedule_problem)
+    problems += [p for p in (check(config) for check in checks) if p]
     # With real data, `real_inputs.check_inputs` lists it with the files.
     if not uses_real_data(config):
       problems += [p for p in [clip_vocabulary_problem(config)] if p]

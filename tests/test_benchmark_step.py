@@ -63,6 +63,32 @@ def test_smoke_run_times_every_side_in_fresh_processes(tmp_path):
   md = (tmp_path / "step_smoke.md").read_text()
   assert md.startswith("# Train-step benchmark (smoke)")
   assert md.count("| ours_") == 2 and md.count("| hf_") == (2 if HAS_HF else 0)
+  _check_lora_rows(results["lora"], md)
+
+
+def _check_lora_rows(lora, md):
+  """The LoRA rows of the smoke run (tiny model, rank 2): adapter count by hand, state bytes,
+  and saved activations at least full fine-tuning's (LoRA keeps x for dA as full fine-tuning
+  keeps it for dW, plus x A)."""
+  from owl_cl import model as model_lib  # noqa: PLC0415
+
+  c = model_lib.get_variant_config("tiny")
+  (r,) = lora["ranks"]
+  rank = r["rank"]
+  assert rank == 2
+  # Per block: q, k, v, out (D x r + r x D each), c_fc (D x r + r x mlp), c_proj (mlp x r +
+  # r x D).
+  per_block = lambda d, mlp: rank * (4 * 2 * d + 2 * (d + mlp))  # noqa: E731
+  expected = c.vision_layers * per_block(c.vision_width, c.vision_mlp_dim) + c.text_layers * (
+    per_block(c.text_width, c.text_mlp_dim)
+  )
+  assert r["adapter_parameters"] == expected and r["adapter_bytes"] == 4 * expected
+  assert r["state_bytes"] == 4 * lora["num_parameters"] + 16 * expected
+  assert lora["full_state_bytes"] == 16 * lora["num_parameters"]
+  for row in lora["configs"]:
+    (x,) = row["lora"]
+    assert x["activation_bytes_per_image"] >= row["full_activation_bytes_per_image"] > 0
+  assert "## LoRA vs full fine-tuning" in md and "| LoRA rank 2 |" in md
 
 
 def test_hf_detection_loss_is_ours():

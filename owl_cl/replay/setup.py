@@ -469,7 +469,7 @@ class Replay:
     image_features = stores_image_features(config)
     self._new_losses = (
       step_lib.make_new_loss_step(
-        detector.model,
+        detector.tuned_model,
         detector.mesh,
         loss_config=detector.loss_config,
         k=top_k,
@@ -480,7 +480,7 @@ class Replay:
     )
     self._embed = (
       step_lib.make_embed_step(
-        detector.model, detector.mesh, k=top_k, image_features=image_features
+        detector.tuned_model, detector.mesh, k=top_k, image_features=image_features
       )
       if top_k and self._new_losses is None
       else None

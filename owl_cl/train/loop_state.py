@@ -10,6 +10,7 @@ loop's module stays within the project's 800 lines.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 from typing import Any
 
@@ -98,21 +99,46 @@ def _host_arrays(tree):
   return jax.tree.map(np.asarray, sharding_lib.fetch_replicated(tree))
 
 
-def loop_checkpoint(loop: LoopState, replay) -> tuple[dict, dict]:
+@dataclasses.dataclass(frozen=True)
+class ParamsPart:
+  """The part of the parameters a step checkpoint holds when not all of them change (LoRA's
+  adapters: the frozen base is the phase's starting parameters, bit for bit).
+
+  `part(params)` is the held subtree; `join(params, part)` the whole tree from a fresh
+  phase's parameters `params` and a restored `part` (`owl_cl.trainer.LORA_ADAPTERS`).
+  Passed in because this layer does not know the model's trees.
+  """
+
+  part: Callable[[Any], Any]
+  join: Callable[[Any, Any], Any]
+
+
+def _held(params, params_part: ParamsPart | None):
+  """The part of a parameter tree a checkpoint holds: all of it, or `params_part.part`."""
+  return params if params_part is None else params_part.part(params)
+
+
+def loop_checkpoint(
+  loop: LoopState, replay, params_part: ParamsPart | None = None
+) -> tuple[dict, dict]:
   """What a step checkpoint holds of `loop`: (array items, JSON-able meta).
 
   Items: 'train_state' (replicated arrays), 'key' uint32 [2], 'replay_state' and
   'best_params' (host copies, when present), plus `replay.checkpoint_items()` (the retrieval
-  records). Meta: the host ints, the counters and the last loss (fetched: one host sync per
-  checkpoint), and `history`. Inverse: `restore_loop`.
+  records). With `params_part` (LoRA), the parameters of 'train_state' and 'best_params' are
+  `params_part.part` of them (the adapters alone). Meta: the host ints, the counters and the
+  last loss (fetched: one host sync per checkpoint), and `history`. Inverse: `restore_loop`.
   """
-  items = {"train_state": loop.train_state, "key": np.asarray(jax.device_get(loop.key))}
+  train_state = loop.train_state
+  if params_part is not None:
+    train_state = train_state.replace(params=params_part.part(train_state.params))
+  items = {"train_state": train_state, "key": np.asarray(jax.device_get(loop.key))}
   if loop.replay_state is not None:
     # Host copy: after `initial_replay_state` it lives on one device, which a multi-process
     # save cannot take; the values are what matter.
     items["replay_state"] = _host_arrays(loop.replay_state)
   if loop.best_params is not None:
-    items["best_params"] = _host_arrays(loop.best_params)
+    items["best_params"] = _host_arrays(_held(loop.best_params, params_part))
   items.update(replay.checkpoint_items())
   replays_in_loss, replay_steps, loss = (
     sharding_lib.fetch_replicated(x) for x in (loop.replays_in_loss, loop.replay_steps, loop.loss)
@@ -131,20 +157,33 @@ def loop_checkpoint(loop: LoopState, replay) -> tuple[dict, dict]:
   return items, meta
 
 
-def restore_loop(checkpoints, phase: int, loop: LoopState, replay, params_like=None) -> LoopState:
+def restore_loop(
+  checkpoints,
+  phase: int,
+  loop: LoopState,
+  replay,
+  params_like=None,
+  params_part: ParamsPart | None = None,
+) -> LoopState:
   """`loop` (freshly set up for `phase`) with the state of the phase's newest step checkpoint.
 
   Returns `loop` unchanged when there is none (or `checkpoints` is None). `params_like`: the
-  host parameter tree's shapes (for 'best_params').
+  host parameter tree's shapes (for 'best_params'). `params_part` as `loop_checkpoint`: the
+  restored part is joined with the parameters of `loop`'s fresh train state
+  (`ParamsPart.join`).
   """
   step = None if checkpoints is None else checkpoints.latest(phase)
   if step is None:
     return loop
-  like = {"train_state": loop.train_state, "key": np.asarray(jax.device_get(loop.key))}
+  train_state = loop.train_state
+  if params_part is not None:
+    fresh = train_state.params
+    train_state = train_state.replace(params=params_part.part(fresh))
+  like = {"train_state": train_state, "key": np.asarray(jax.device_get(loop.key))}
   if loop.replay_state is not None:
     like["replay_state"] = _host_arrays(loop.replay_state)
   if params_like is not None:
-    like["best_params"] = params_like
+    like["best_params"] = _held(params_like, params_part)
   like.update(replay.checkpoint_items())
   items, meta = checkpoints.restore(phase, step, like)
   logging.info(
@@ -157,10 +196,15 @@ def restore_loop(checkpoints, phase: int, loop: LoopState, replay, params_like=N
   )
   replay.restore_items(items)
   loop.train_state = items["train_state"]
+  loop.best_params = items.get("best_params")
+  if params_part is not None:
+    restored = loop.train_state.params
+    loop.train_state = loop.train_state.replace(params=params_part.join(fresh, restored))
+    if loop.best_params is not None:
+      loop.best_params = params_part.join(_host_arrays(fresh), loop.best_params)
   loop.key = jnp.asarray(items["key"])
   if "replay_state" in items:
     loop.replay_state = items["replay_state"]
-  loop.best_params = items.get("best_params")
   loop.step, loop.epoch, loop.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
   loop.replayed = meta["replayed"]
   loop.replays_in_loss = jnp.asarray(meta["replays_in_loss"], jnp.int32)
@@ -170,11 +214,18 @@ def restore_loop(checkpoints, phase: int, loop: LoopState, replay, params_like=N
   return loop
 
 
-def checkpoint_hook(checkpoints, phase: int, total_steps: int, replay, desc: str):
+def checkpoint_hook(
+  checkpoints,
+  phase: int,
+  total_steps: int,
+  replay,
+  desc: str,
+  params_part: ParamsPart | None = None,
+):
   """The loop's per-step checkpoint call: `hook(loop)` saves a step checkpoint when one is due
   (`StepCheckpointer.step_due` / `time_due`) or SIGTERM was received, and after SIGTERM
   raises `preemption.Preempted` once the checkpoint is on disk. None: no step checkpoints
-  (and SIGTERM is not handled here).
+  (and SIGTERM is not handled here). `params_part`: see `loop_checkpoint`.
 
   The time and SIGTERM decisions are agreed by all processes (`preemption.any_process`), so
   every process saves (a collective write) and stops at the same step. A finished write is
@@ -189,7 +240,7 @@ def checkpoint_hook(checkpoints, phase: int, total_steps: int, replay, desc: str
     checkpoints.poll()
     time_due, stop = preemption.any_process(checkpoints.time_due(), preemption.requested_here())
     if stop or time_due or checkpoints.step_due(loop.step, total_steps):
-      items, meta = loop_checkpoint(loop, replay)
+      items, meta = loop_checkpoint(loop, replay, params_part)
       checkpoints.save(phase, loop.step, items, meta)
     if stop:
       checkpoints.wait()

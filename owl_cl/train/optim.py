@@ -30,6 +30,19 @@ _BLOCK = re.compile(r"resblocks_(\d+)$")
 
 GRANULARITIES = ("layer", "tensor")
 
+# The suffixes of a LoRA adapter's two parameters, beside the kernel they adapt (qwix's
+# names; owl_cl.model.lora). An adapter takes its kernel's LR multiplier.
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+def _kernel_path(path: tuple[str, ...]) -> tuple[str, ...]:
+  """The path of the kernel a LoRA adapter's parameter adapts; any other path unchanged."""
+  for suffix in ADAPTER_SUFFIXES:
+    if path[-1].endswith(suffix):
+      return path[:-1] + (path[-1][: -len(suffix)],)
+  return path
+
+
 # Named sets of frozen parameters (`train.frozen` may name them beside regexes). A pattern is
 # matched in full against the '/'-joined path below `params` (docs/reference.md §1.1 layout).
 # 'heads_only' trains the class and box heads alone; 'image_tower' freezes the ViT and the
@@ -232,7 +245,8 @@ def lr_multipliers(
       the released code: exponent of `tensor_decay_exponents`, one step per HF tensor).
 
   Returns:
-    A tree of Python floats with the structure of `params`.
+    A tree of Python floats with the structure of `params`; a LoRA adapter's A and B
+    (`ADAPTER_SUFFIXES`) get their kernel's multiplier.
 
   Raises:
     ValueError: if layerwise_decay is not in (0, 1], text_lr_multiplier < 0, an unknown
@@ -249,13 +263,15 @@ def lr_multipliers(
   flat = traverse_util.flatten_dict(params)
   num_vision = _num_blocks(flat, "visual")
   num_text = _num_blocks(flat, "text")
+  # LoRA adapters (owl_cl.model.lora) take the group and depth of the kernel they adapt.
+  kernels = {path: _kernel_path(path) for path in flat}
   if layerwise_granularity == "tensor":
-    depths = tensor_decay_exponents(list(flat), num_text, num_vision)
+    depths = tensor_decay_exponents(sorted(set(kernels.values())), num_text, num_vision)
   else:
-    depths = {path: parameter_depth(path, num_vision, num_text) for path in flat}
+    depths = {k: parameter_depth(k, num_vision, num_text) for k in kernels.values()}
   out = {}
   for path in flat:
-    group, depth = depths[path]
+    group, depth = depths[kernels[path]]
     base = text_lr_multiplier if group == "text" else 1.0
     out[path] = base * layerwise_decay**depth
   return traverse_util.unflatten_dict(out)

@@ -22,6 +22,7 @@ ALGORITHMS = [
   "grasp",
   "heads_only",
   "joint",
+  "lora",
   "lwf",
   "no_replay",
   "per_task",

@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import ast
 from collections.abc import Sequence
+import json
 import os
 import sys
 from typing import Any
 
 import jax
 
+from owl_cl import integrity
+from owl_cl.model import lora as lora_lib
 from owl_cl.model import owl_vit as owl_lib
 from owl_cl.model.convert import hf
 from owl_cl.model.convert import openai_clip
@@ -84,6 +87,42 @@ def _cmd_ours_to_hf(args) -> None:
   hf.save_hf_checkpoint(params, args.output, config, overwrite=args.overwrite)
 
 
+def _cmd_lora(args) -> None:
+  """The base checkpoint with a LoRA run's adapters (its newest intact stage checkpoint, or
+  `--stage`, verified against its manifest) merged into the kernels (docs/lora.md)."""
+  run_file = os.path.join(args.workdir, "run.json")
+  with open(run_file, encoding="utf-8") as f:
+    lora_config = json.load(f)["config"]["train"].get("lora")
+  options = lora_lib.options_from_config(lora_config)
+  if options is None:
+    raise ValueError(f"{run_file}: config.train.lora is off (rank 0): no adapters to merge")
+  params, meta = checkpointing.load_params(args.input)
+  config = (
+    tree.model_config_from_dict(meta["model_config"])
+    if "model_config" in meta
+    else tree.infer_model_config(params)
+  )
+  # The variant's name does not matter: every field of `config` is given.
+  model = owl_lib.create_model("tiny", **config.as_dict())
+  like = jax.tree.map(
+    lambda s: jax.numpy.zeros(s.shape, s.dtype), lora_lib.abstract_adapters(model, options)
+  )
+  stages = checkpointing.StageCheckpointer(os.path.join(args.workdir, "checkpoints"))
+  try:
+    stage = stages.latest_stage() if args.stage is None else args.stage
+    if stage is None:
+      raise ValueError(f"{args.workdir}/checkpoints holds no stage checkpoint")
+    if args.stage is not None:
+      integrity.verify_directory(os.path.join(stages.directory, str(stage)))
+    adapters, _, _ = stages.restore(stage, like, None)
+  finally:
+    stages.close()
+  merged = lora_lib.merge(lora_lib.combine(params, adapters), options)
+  out_meta = dict(meta, lora={"workdir": os.path.abspath(args.workdir), "stage": int(stage)})
+  out_meta["lora"].update(rank=options.rank, alpha=options.alpha, targets=list(options.targets))
+  _write_ours(args.output, merged, out_meta, args.overwrite)
+
+
 def _cmd_clip(args) -> None:
   config = _config_from_args(args)
   like = tree.flatten(tree.abstract_params(config))
@@ -138,6 +177,16 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("output", help="HF folder to write")
   model_args(p, required=False)
   p.set_defaults(fn=_cmd_ours_to_hf)
+
+  p = sub.add_parser(
+    "lora-to-owl_cl",
+    help="a LoRA run's adapters merged into its base -> owl_cl (then owl_cl-to-hf for HF)",
+  )
+  p.add_argument("input", help="the run's base: owl_cl checkpoint folder (save_params layout)")
+  p.add_argument("workdir", help="the LoRA run's workdir (run.json, checkpoints/)")
+  p.add_argument("output", help="owl_cl checkpoint folder to write")
+  p.add_argument("--stage", type=int, default=None, help="stage (default: the newest intact)")
+  p.set_defaults(fn=_cmd_lora)
 
   p = sub.add_parser("clip-to-owl_cl", help="OpenAI CLIP TorchScript file -> owl_cl init")
   p.add_argument("input", help="e.g. ViT-L-14.pt")
