@@ -126,6 +126,32 @@ def has_manifest(directory: str) -> bool:
   return os.path.isfile(os.path.join(directory, MANIFEST_NAME))
 
 
+def check_unmanifested(directory: str, checksums_field: str = "checksums") -> dict:
+  """The `meta.json` of an artifact folder without a manifest, when it is one of an earlier
+  version (its meta does not say a manifest was written); the caller loads it unverified.
+
+  Returns:
+    the folder's meta dict.
+
+  Raises:
+    IntegrityError: meta.json is missing or unreadable, or its `checksums_field` says a
+      manifest was written (so the manifest was lost: the folder is damaged).
+  """
+  meta_path = os.path.join(directory, "meta.json")
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+  except FileNotFoundError:
+    raise IntegrityError(meta_path, "missing") from None
+  except (OSError, ValueError) as e:
+    raise IntegrityError(meta_path, f"unreadable ({e})") from None
+  if not isinstance(meta, dict) or meta.get(checksums_field):
+    raise IntegrityError(
+      os.path.join(directory, MANIFEST_NAME), "missing (meta.json says it was written)"
+    )
+  return meta
+
+
 def read_manifest(directory: str) -> dict:
   """The manifest of `directory`, checked for its shape.
 

@@ -395,18 +395,7 @@ def _check_cached_model(path: str) -> bool:
   if integrity.has_manifest(path):
     integrity.verify_directory(path)
     return True
-  meta_path = os.path.join(path, "meta.json")
-  try:
-    with open(meta_path) as f:
-      meta = json.load(f)
-  except FileNotFoundError:
-    raise integrity.IntegrityError(meta_path, "missing") from None
-  except (OSError, ValueError) as e:
-    raise integrity.IntegrityError(meta_path, f"unreadable ({e})") from None
-  if not isinstance(meta, dict) or meta.get(CHECKSUMS_FIELD):
-    raise integrity.IntegrityError(
-      os.path.join(path, integrity.MANIFEST_NAME), "missing (meta.json says it was written)"
-    )
+  integrity.check_unmanifested(path, CHECKSUMS_FIELD)
   logging.warning(
     "the cached pre-trained model %s predates checksums: loaded unverified (delete it to "
     "pre-train it again with checksums)",

@@ -197,18 +197,7 @@ def _check_unverified_store(path: str) -> None:
   Raises:
     IntegrityError: meta.json is missing or unreadable, or says a manifest was written.
   """
-  meta_path = os.path.join(path, "meta.json")
-  try:
-    with open(meta_path) as f:
-      meta = json.load(f)
-  except FileNotFoundError:
-    raise integrity.IntegrityError(meta_path, "missing") from None
-  except (OSError, ValueError) as e:
-    raise integrity.IntegrityError(meta_path, f"unreadable ({e})") from None
-  if not isinstance(meta, dict) or meta.get(store_lib.CHECKSUMS_FIELD):
-    raise integrity.IntegrityError(
-      os.path.join(path, integrity.MANIFEST_NAME), "missing (meta.json says it was written)"
-    )
+  integrity.check_unmanifested(path, store_lib.CHECKSUMS_FIELD)
   logging.warning(
     "the cached replay buffer %s predates checksums: loaded unverified (delete it to build "
     "it again with checksums)",
