@@ -210,6 +210,9 @@ def test_buffer_several_times_one_datasets_replays():
   assert replays == 400 and c.replay.budget == 1200
   assert c.replay.budget / replays >= 3
   assert c.replay.budget <= c.data.builtin.num_pretrain_train
+  # Between stages only the datasets seen so far (the run's cost, docs/experiments.md).
+  assert c.eval.downstream_after_each_dataset == "seen"
+  assert not c.eval.pretraining_sets_after_each_dataset
   # Version 1 stays the default.
   assert base.get_config("").data.builtin.version == 1
   with pytest.raises(ValueError, match="'builtin2' is a built-in benchmark"):
