@@ -1,9 +1,13 @@
 """The report of repeated runs: per-algorithm intervals, paired differences, noise floor, figures.
 
-`python -m owl_cl.report DIR... [--reference uniform] [--stage K] [--out DIR]` (docs/experiments.md,
-"Report"): reads every run below the DIRs (a workdir holds `results.json`; a sweep folder
-holds workdirs), refuses incomplete runs and runs of different configs (other than the swept
-fields, `SWEPT_FIELDS`), and writes `report.md`, `report.json` and PNG figures.
+`python -m owl_cl.report DIR... [--reference uniform] [--stage K] [--out DIR] [--order A,B]`
+(docs/experiments.md, "Report"): reads every run below the DIRs (a workdir holds
+`results.json`; a sweep folder holds workdirs), refuses incomplete runs and runs of different
+configs (other than the swept fields, `SWEPT_FIELDS`), and writes `report.md`, `report.json`
+and PNG figures.
+
+* A summary table (`render_summary_table`, the README's): "No fine-tuning" (stage 0) and each
+  algorithm's mean ± 95% half-width of the Table 3 stand-ins, tail AP, min own, BWT, kept %.
 
 * Per algorithm and metric (`METRICS`; with IVLOD runs also `IVLOD_METRICS`: Avg, ZCOCO,
   LVIS APr): mean, standard deviation, n and a 95% t-interval.
@@ -94,6 +98,8 @@ SWEPT_FIELDS = (
 _ALGORITHM_FIELDS = ("replay", "train.schedule", "train.lwf", "train.frozen")
 BUILTIN_VERSION_FIELD = "data.builtin.version"
 TAIL_EVAL_SET = "pretrain_tail"  # owl_cl.data.builtin.TAIL_DATASET
+# The metrics that exist after pre-training (stage 0).
+_INITIAL = ("pretrain_AP", "open_vocab_AP", "held_out_AP", "tail_AP", "downstream_mean_AP")
 REPORT_MD, REPORT_JSON = "report.md", "report.json"
 FIGURE_FORGETTING, FIGURE_FOREST = "forgetting_curves.png", "forest_plot.png"
 
@@ -111,6 +117,8 @@ class RunPoint:
     pair: `pair_key` (seeds and order): runs of two algorithms with equal keys are paired.
     values: {metric key: float, NaN when the run has no such value}.
     curve: float64 [S]: the pre-training set's AP (points) after each stage.
+    initial: {metric key: float}: the evaluations after pre-training (stage 0, the "No
+      fine-tuning" row; equal in every run that shares the pre-trained model).
   """
 
   path: str
@@ -119,6 +127,7 @@ class RunPoint:
   pair: str
   values: dict[str, float]
   curve: np.ndarray
+  initial: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def find_runs(paths: Sequence[str]) -> list[str]:
@@ -314,7 +323,15 @@ def load_points(
       [_pct(table3.table3_row(s, results["roles"])["pretrain_AP"]) for s in results["stages"]]
     )
     points.append(
-      RunPoint(workdir, algorithm, results["run_id"], key, _run_values(results, stage), curve)
+      RunPoint(
+        workdir,
+        algorithm,
+        results["run_id"],
+        key,
+        _run_values(results, stage),
+        curve,
+        {k: v for k, v in _run_values(results, 0).items() if k in _INITIAL},
+      )
     )
   return points
 
@@ -357,7 +374,8 @@ def build_report(
     runs [{path, algorithm, run_id, pair}], summary {algorithm: {metric: `stats.summarize`}},
     versus_reference {algorithm: {metric: `stats.paired_difference` + p_holm, unpaired_runs}},
     pairwise {'a - b': {...same...}}, noise_floor {metric: {median, max, comparisons}} (the
-    half-widths of the paired intervals against the reference, points), curves {algorithm:
+    half-widths of the paired intervals against the reference, points), pretrained {metric:
+    `stats.summarize`} (stage 0 over every run, the "No fine-tuning" row), curves {algorithm:
     {mean [S], low [S], high [S]}}). Holm's correction is over the comparisons of one metric
     (against the reference: the other algorithms; pairwise: every pair).
 
@@ -397,6 +415,7 @@ def build_report(
       max=float(np.max(widths)) if widths else math.nan,
       comparisons=len(widths),
     )
+  pretrained = {m: stats.summarize(_finite([p.initial[m] for p in points])) for m in _INITIAL}
   curves = {}
   for a in algorithms:
     lengths = {p.curve.shape[0] for p in points if p.algorithm == a}
@@ -416,6 +435,7 @@ def build_report(
     versus_reference=versus,
     pairwise=pairwise,
     noise_floor=noise,
+    pretrained=pretrained,
     curves=curves,
   )
 
@@ -431,11 +451,65 @@ def _p(value: float) -> str:
 
 
 _HEADLINE = ("pretrain_AP", "downstream_mean_AP")
+# The summary table's columns (the README's): the Table 3 stand-ins, the tail classes, the
+# plasticity bound, BWT and kept %; stage 0 has the first five.
+SUMMARY_COLUMNS = (
+  "pretrain_AP",
+  "tail_AP",
+  "held_out_AP",
+  "downstream_mean_AP",
+  "own_min_AP50",
+  "bwt_AP",
+  "kept_AP50",
+)
+NO_FINETUNING = "No fine-tuning"
 
 
-def render_markdown(report: Mapping[str, Any], alpha: float = 0.05) -> str:
-  """report.md: noise floor first, then per-algorithm intervals, paired differences against the
-  reference, and the pairs that differ (Holm-adjusted p <= `alpha`)."""
+def render_summary_table(
+  report: Mapping[str, Any], order: Sequence[str] = (), columns: Sequence[str] = SUMMARY_COLUMNS
+) -> str:
+  """The summary table (markdown, the README's): a "No fine-tuning" row (the evaluations after
+  pre-training over every run), then one row per algorithm in `order` (algorithms not named
+  follow in the report's order); each cell the mean ± 95% half-width, n in its own column.
+
+  Raises:
+    ReportError: a name in `order` without runs, or an unknown column.
+  """
+  metrics = report["metrics"]
+  unknown = [c for c in columns if c not in metrics]
+  missing = [a for a in order if a not in report["algorithms"]]
+  if unknown or missing:
+    raise ReportError(
+      f"summary table: unknown columns {unknown} / algorithms without runs {missing}"
+    )
+  rows = list(order) + [a for a in report["algorithms"] if a not in order]
+
+  def cell(summary: Mapping[str, Any] | None) -> str:
+    if not summary or not summary["n"]:
+      return "-"
+    hw = summary["half_width"]
+    return _fmt(summary["mean"], 1) + ("" if math.isnan(hw) else f" ± {_fmt(hw, 1)}")
+
+  header = ["algorithm", "n"] + [metrics[c] for c in columns]
+  lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+  initial = report.get("pretrained") or {}
+  n0 = max((s["n"] for s in initial.values()), default=0)
+  lines.append(
+    "| " + " | ".join([NO_FINETUNING, str(n0)] + [cell(initial.get(c)) for c in columns]) + " |"
+  )
+  for a in rows:
+    summary = report["summary"][a]
+    n = max(summary[c]["n"] for c in columns)
+    lines.append("| " + " | ".join([a, str(n)] + [cell(summary[c]) for c in columns]) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def render_markdown(
+  report: Mapping[str, Any], alpha: float = 0.05, order: Sequence[str] = ()
+) -> str:
+  """report.md: noise floor first, the summary table (`render_summary_table`, rows in `order`),
+  then per-algorithm intervals, paired differences against the reference, and the pairs that
+  differ (Holm-adjusted p <= `alpha`)."""
   metrics = report["metrics"]
   conf = int(round(100 * report["confidence"]))
   stage = report["stage"]
@@ -455,6 +529,9 @@ def render_markdown(report: Mapping[str, Any], alpha: float = 0.05) -> str:
     f"{len(report['runs'])} runs, {len(report['algorithms'])} algorithms, {when}; "
     f"mean ± {conf}% t-interval half-width (n). Metrics in points, wall time in minutes.",
     "",
+    "## Summary",
+    "",
+    render_summary_table(report, order),
   ]
   header = ["algorithm"] + [metrics[m] for m in metrics]
   lines += ["## Per algorithm", "", "| " + " | ".join(header) + " |"]
@@ -503,9 +580,12 @@ def plot_forgetting_bands(report: Mapping[str, Any]) -> Figure:
   fig = _figure(6.4, 4.0)
   ax = fig.add_subplot()
   for a, c in report["curves"].items():
-    x = np.arange(len(c["mean"]))
-    line = ax.plot(x, c["mean"], marker="o", label=a)[0]
-    low, high = np.asarray(c["low"], float), np.asarray(c["high"], float)
+    # Stages that did not evaluate the set (`eval.pretraining_sets_after_each_dataset` off)
+    # are skipped: the line joins the stages that did.
+    mean = np.asarray(c["mean"], float)
+    x = np.flatnonzero(np.isfinite(mean))
+    line = ax.plot(x, mean[x], marker="o", label=a)[0]
+    low, high = np.asarray(c["low"], float)[x], np.asarray(c["high"], float)[x]
     if np.isfinite(low).any():
       ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
   ax.set_xlabel("stage (0 = after pre-training, i = after the i-th dataset)")
@@ -548,8 +628,11 @@ def _jsonable(value: Any) -> Any:
   return value
 
 
-def write_report(report: Mapping[str, Any], out_dir: str) -> dict[str, str]:
-  """Writes report.md, report.json and the two figures into `out_dir` (each atomically).
+def write_report(
+  report: Mapping[str, Any], out_dir: str, order: Sequence[str] = ()
+) -> dict[str, str]:
+  """Writes report.md (its tables' rows in `order`), report.json and the two figures into
+  `out_dir` (each atomically).
 
   Returns:
     {'md' | 'json' | 'forgetting' | 'forest': path}.
@@ -561,7 +644,7 @@ def write_report(report: Mapping[str, Any], out_dir: str) -> dict[str, str]:
     "forgetting": os.path.join(out_dir, FIGURE_FORGETTING),
     "forest": os.path.join(out_dir, FIGURE_FOREST),
   }
-  atomic_write_text(paths["md"], render_markdown(report))
+  atomic_write_text(paths["md"], render_markdown(report, order=order))
   clean = _jsonable(report)  # NaN -> null (strict JSON)
   atomic_write_text(paths["json"], json.dumps(clean, indent=1) + "\n")
   for key, fig in (("forgetting", plot_forgetting_bands(report)), ("forest", plot_forest(report))):
@@ -588,16 +671,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--stage", type=int, help="evaluations after this stage (default final)")
   parser.add_argument("--out", help="output folder (default the first DIR)")
   parser.add_argument(
+    "--order", default="", help="summary table's row order: a,b,c (others follow)"
+  )
+  parser.add_argument(
     "--ignore-field", action="append", default=[], help="config field that may differ (repeatable)"
   )
   args = parser.parse_args(argv)
   try:
     points = load_points(find_runs(args.dirs), stage=args.stage, ignore_fields=args.ignore_field)
     report = build_report(points, args.reference, stage=args.stage)
+    order = [a for a in args.order.split(",") if a]
+    markdown = render_markdown(report, order=order)  # refuses an unknown name in --order
   except ReportError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  paths = write_report(report, args.out or args.dirs[0])
-  print(render_markdown(report))
+  paths = write_report(report, args.out or args.dirs[0], order)
+  print(markdown)
   print(f"wrote {', '.join(paths.values())}", file=sys.stderr)
   return 0

@@ -178,6 +178,27 @@ def test_report_statistics_and_pairing(tmp_path):
   assert "swil - uniform" in md.split("## Pairs that differ")[1].splitlines()[2]
 
 
+def test_summary_table_hand_worked(tmp_path):
+  fake_sweep(str(tmp_path))
+  rep = report_lib.build_report(report_lib.load_points(report_lib.find_runs([str(tmp_path)])))
+  cols = ("pretrain_AP", "downstream_mean_AP", "bwt_AP")
+  table = report_lib.render_summary_table(rep, order=["uniform"], columns=cols).splitlines()
+  assert table[0] == (
+    "| algorithm | n | pre-training set AP | downstream mean AP | backward transfer (AP) |"
+  )
+  # Stage 0: o365 AP 30 and D1, D2 at 0 in all 12 runs: no spread; BWT exists only at the end.
+  assert table[2] == "| No fine-tuning | 12 | 30.0 ± 0.0 | 0.0 ± 0.0 | - |"
+  # uniform: pre-training AP 20.5 ± 2.571 * s / sqrt(6), s of (20, 22, 18, 21, 23, 19) points;
+  # downstream 40 everywhere; BWT (Lopez-Paz & Ranzato 2017) averages R_T,i - R_i,i over the
+  # T - 1 = 1 earlier task: the first-trained set, 50 -> 40: -10.
+  half = 2.571 * np.std([20, 22, 18, 21, 23, 19], ddof=1) / math.sqrt(6)
+  assert table[3] == f"| uniform | 6 | 20.5 ± {half:.1f} | 40.0 ± 0.0 | -10.0 ± 0.0 |"
+  assert table[4].startswith("| swil | 6 | 22.5 ± ")  # the unnamed algorithm follows
+  assert "## Summary" in report_lib.render_markdown(rep, order=["uniform"])
+  with pytest.raises(report_lib.ReportError, match=r"without runs \['lwf'\]"):
+    report_lib.render_summary_table(rep, order=["lwf"])
+
+
 def test_pairs_follow_seeds_and_order_not_file_order(tmp_path):
   """A missing swil run leaves its uniform partner unpaired (not paired with another)."""
   write_run(str(tmp_path), "uniform", 0, ("D1", "D2"), 0.20, 0.4)
