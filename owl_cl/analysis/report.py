@@ -119,6 +119,8 @@ class RunPoint:
     curve: float64 [S]: the pre-training set's AP (points) after each stage.
     initial: {metric key: float}: the evaluations after pre-training (stage 0, the "No
       fine-tuning" row; equal in every run that shares the pre-trained model).
+    per_set: {eval set: AP (points)} at the reported stage (empty for a `per_task` run, whose
+      last stage holds only its last task's model).
   """
 
   path: str
@@ -128,6 +130,7 @@ class RunPoint:
   values: dict[str, float]
   curve: np.ndarray
   initial: dict[str, float] = dataclasses.field(default_factory=dict)
+  per_set: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def find_runs(paths: Sequence[str]) -> list[str]:
@@ -203,6 +206,14 @@ def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, floa
   for key, _ in IVLOD_METRICS:
     values[key] = _pct(row.get(key.removeprefix("ivlod_")))
   return values
+
+
+def _per_set(results: Mapping[str, Any], stage: int | None) -> dict[str, float]:
+  """{eval set: AP (points)} of the stage (None: the last); {} for a per-task run."""
+  if results.get("schedule") == "per_task":
+    return {}
+  metrics = results["stages"][-1 if stage is None else stage].get("metrics") or {}
+  return {name: _pct(m.get("AP")) for name, m in metrics.items() if isinstance(m, Mapping)}
 
 
 def _metrics(points: Sequence[RunPoint]) -> tuple[tuple[str, str], ...]:
@@ -331,6 +342,7 @@ def load_points(
         _run_values(results, stage),
         curve,
         {k: v for k, v in _run_values(results, 0).items() if k in _INITIAL},
+        _per_set(results, stage),
       )
     )
   return points
@@ -375,7 +387,8 @@ def build_report(
     versus_reference {algorithm: {metric: `stats.paired_difference` + p_holm, unpaired_runs}},
     pairwise {'a - b': {...same...}}, noise_floor {metric: {median, max, comparisons}} (the
     half-widths of the paired intervals against the reference, points), pretrained {metric:
-    `stats.summarize`} (stage 0 over every run, the "No fine-tuning" row), curves {algorithm:
+    `stats.summarize`} (stage 0 over every run, the "No fine-tuning" row), per_set {algorithm:
+    {eval set: `stats.summarize` of its AP}}, curves {algorithm:
     {mean [S], low [S], high [S]}}). Holm's correction is over the comparisons of one metric
     (against the reference: the other algorithms; pairwise: every pair).
 
@@ -416,6 +429,14 @@ def build_report(
       comparisons=len(widths),
     )
   pretrained = {m: stats.summarize(_finite([p.initial[m] for p in points])) for m in _INITIAL}
+  sets = list(dict.fromkeys(name for p in points for name in p.per_set))
+  per_set = {
+    a: {
+      n: stats.summarize(_finite([p.per_set.get(n, math.nan) for p in points if p.algorithm == a]))
+      for n in sets
+    }
+    for a in algorithms
+  }
   curves = {}
   for a in algorithms:
     lengths = {p.curve.shape[0] for p in points if p.algorithm == a}
@@ -436,6 +457,7 @@ def build_report(
     pairwise=pairwise,
     noise_floor=noise,
     pretrained=pretrained,
+    per_set=per_set,
     curves=curves,
   )
 
@@ -465,6 +487,14 @@ SUMMARY_COLUMNS = (
 NO_FINETUNING = "No fine-tuning"
 
 
+def _cell(summary: Mapping[str, Any] | None) -> str:
+  """'mean ± half-width' to 0.1 point; the mean alone with n = 1; '-' without values."""
+  if not summary or not summary["n"]:
+    return "-"
+  hw = summary["half_width"]
+  return _fmt(summary["mean"], 1) + ("" if math.isnan(hw) else f" ± {_fmt(hw, 1)}")
+
+
 def render_summary_table(
   report: Mapping[str, Any], order: Sequence[str] = (), columns: Sequence[str] = SUMMARY_COLUMNS
 ) -> str:
@@ -484,23 +514,17 @@ def render_summary_table(
     )
   rows = list(order) + [a for a in report["algorithms"] if a not in order]
 
-  def cell(summary: Mapping[str, Any] | None) -> str:
-    if not summary or not summary["n"]:
-      return "-"
-    hw = summary["half_width"]
-    return _fmt(summary["mean"], 1) + ("" if math.isnan(hw) else f" ± {_fmt(hw, 1)}")
-
   header = ["algorithm", "n"] + [metrics[c] for c in columns]
   lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
   initial = report.get("pretrained") or {}
   n0 = max((s["n"] for s in initial.values()), default=0)
   lines.append(
-    "| " + " | ".join([NO_FINETUNING, str(n0)] + [cell(initial.get(c)) for c in columns]) + " |"
+    "| " + " | ".join([NO_FINETUNING, str(n0)] + [_cell(initial.get(c)) for c in columns]) + " |"
   )
   for a in rows:
     summary = report["summary"][a]
     n = max(summary[c]["n"] for c in columns)
-    lines.append("| " + " | ".join([a, str(n)] + [cell(summary[c]) for c in columns]) + " |")
+    lines.append("| " + " | ".join([a, str(n)] + [_cell(summary[c]) for c in columns]) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -556,6 +580,7 @@ def render_markdown(
         f"| {a} | {metrics[m]} | {stats.describe(r)} | {_p(r['p'])} | {_p(r['p_holm'])} | "
         f"{_p(r['wilcoxon_p'])} |"
       )
+  lines += ["", *_per_set_lines(report, order)]
   lines += ["", f"## Pairs that differ (Holm-adjusted p <= {alpha}, all pairs)", ""]
   for m in _HEADLINE:
     differ = [
@@ -566,6 +591,28 @@ def render_markdown(
     lines.append(f"- {metrics[m]}: " + ("; ".join(differ) if differ else "none"))
   lines.append("")
   return "\n".join(lines)
+
+
+def _per_set_lines(report: Mapping[str, Any], order: Sequence[str]) -> list[str]:
+  """The per-eval-set AP table (mean ± half-width; algorithms in `order`, then the rest)."""
+  per_set = report.get("per_set") or {}
+  sets = list(dict.fromkeys(n for by_set in per_set.values() for n in by_set))
+  if not sets:
+    return []
+  lines = [
+    "## AP per eval set",
+    "",
+    "Points, mean ± 95% half-width over the runs (`per_task` runs are left out: their last",
+    "stage holds only the last task's model).",
+    "",
+    "| algorithm | " + " | ".join(f"`{n}`" for n in sets) + " |",
+    "|---|" + "---:|" * len(sets),
+  ]
+  for a in list(order) + [a for a in report["algorithms"] if a not in order]:
+    cells = [_cell(per_set[a][n]) for n in sets]
+    if any(c != "-" for c in cells):
+      lines.append(f"| {a} | " + " | ".join(cells) + " |")
+  return lines
 
 
 def _figure(width: float, height: float) -> Figure:

@@ -194,7 +194,13 @@ def test_summary_table_hand_worked(tmp_path):
   half = 2.571 * np.std([20, 22, 18, 21, 23, 19], ddof=1) / math.sqrt(6)
   assert table[3] == f"| uniform | 6 | 20.5 ± {half:.1f} | 40.0 ± 0.0 | -10.0 ± 0.0 |"
   assert table[4].startswith("| swil | 6 | 22.5 ± ")  # the unnamed algorithm follows
-  assert "## Summary" in report_lib.render_markdown(rep, order=["uniform"])
+  md = report_lib.render_markdown(rep, order=["uniform"])
+  assert "## Summary" in md
+  # AP per eval set at the end: o365 as above, D1 and D2 40 in every run.
+  per_set = rep["per_set"]["uniform"]
+  assert per_set["o365"]["mean"] == pytest.approx(20.5) and per_set["o365"]["n"] == 6
+  assert per_set["D1"]["mean"] == pytest.approx(40.0) and per_set["D2"]["half_width"] == 0.0
+  assert "| uniform | 20.5 ± " in md.split("## AP per eval set")[1]
   with pytest.raises(report_lib.ReportError, match=r"without runs \['lwf'\]"):
     report_lib.render_summary_table(rep, order=["lwf"])
 
