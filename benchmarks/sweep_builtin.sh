@@ -53,4 +53,10 @@ python -m owl_cl.report "$OUT/runs" --reference uniform --order "$ORDER" --out "
   rc=$?
   [ "$status" -ne 0 ] || status=$rc
 }
+# Factor 3 (interference): the named classes' share of the class-step replays, from the runs'
+# retrieval records (in ROOT only: records are not copied).
+python -m owl_cl.analysis.interference "$ROOT" --out "$OUT/interference.md" || {
+  rc=$?
+  [ "$status" -ne 0 ] || status=$rc
+}
 exit "$status"
