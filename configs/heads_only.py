@@ -9,7 +9,10 @@ plasticity the heads alone have. Freezing composes with every retrieval algorith
 
 Run: `python -m owl_cl.main --config=configs/heads_only.py` (paper's protocol:
 `--config=configs/heads_only.py:paper --config.data.root=... --config.init_checkpoint=...`).
-Yields on the built-in benchmark: not yet measured.
+Yields on built-in version 2 (`:builtin2`; the committed sweep, seeds 0-4 on order `random_0`,
+mean ± 95% half-width, README "Results"): mAP@[.5:.95] after the 7th dataset 4.7 ± 0.6 on
+the pre-training set, 2.7 ± 0.1 downstream mean; min own AP50 1.1 (the heads barely learn in
+23 steps at the full model's learning rate).
 """
 
 from configs import base

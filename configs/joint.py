@@ -15,8 +15,10 @@ learning the datasets one after another.
 
 Run: `python -m owl_cl.main --config=configs/joint.py` (paper's protocol:
 `--config=configs/joint.py:paper --config.data.root=... --config.init_checkpoint=...`).
-Yields on the built-in benchmark: not yet measured (expected: the downstream mean at or above
-every sequential algorithm's, the pre-training set's AP near `uniform.py`'s).
+Yields on built-in version 2 (`:builtin2`; the committed sweep, seeds 0-4 on order `random_0`,
+mean ± 95% half-width, README "Results"): mAP@[.5:.95] 21.0 ± 0.3 on the pre-training set and
+12.0 ± 0.4 downstream mean, above every sequential algorithm (`uniform`: 18.5, 8.0), as
+expected of the upper bound.
 """
 
 from configs import base

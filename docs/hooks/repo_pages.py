@@ -22,10 +22,12 @@ log = logging.getLogger("mkdocs.hooks.repo_pages")
 
 # Repository file -> its path on the site. The README is the home page (docs/ has no index.md).
 REPO_PAGES = {"README.md": "index.md"}
-# Repository folders whose Markdown files join the site at the same path. benchmarks/README.md
-# is in the nav; the result tables are reached through its links, so a new result file needs
-# no nav entry. `*_smoke.md` (the scripts' smoke mode, never committed) is left out.
-REPO_PAGE_DIRS = ("benchmarks", "benchmarks/results")
+# Repository folders whose Markdown files (and PNG figures) join the site at the same path.
+# benchmarks/README.md is in the nav; the result tables are reached through its links, so a new
+# result file needs no nav entry. `*_smoke.md` (the scripts' smoke mode, never committed) is
+# left out. benchmarks/results/sweep_builtin holds the committed sweep's report and figures
+# (the README shows them; its runs/ subfolder holds only results.json files).
+REPO_PAGE_DIRS = ("benchmarks", "benchmarks/results", "benchmarks/results/sweep_builtin")
 NAV_PAGES = ("index.md", "benchmarks/README.md")
 
 # An inline Markdown link or image target: `](target)` or `](target "title")`.
@@ -37,12 +39,12 @@ def _repo_root(config) -> str:
 
 
 def _repo_pages(config) -> dict[str, str]:
-  """{repository path: site path} of every page outside docs/."""
+  """{repository path: site path} of every page (and figure) outside docs/."""
   root = _repo_root(config)
   pages = dict(REPO_PAGES)
   for folder in REPO_PAGE_DIRS:
     for name in sorted(os.listdir(os.path.join(root, folder))):
-      if name.endswith(".md") and not name.endswith("_smoke.md"):
+      if name.endswith((".md", ".png")) and not name.endswith(("_smoke.md", "_smoke.png")):
         pages[f"{folder}/{name}"] = f"{folder}/{name}"
   return pages
 

@@ -87,14 +87,23 @@ def render_markdown(table: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`python -m owl_cl.analysis.interference DIR... [--out FILE.md]`: prints (and writes) the
-  table of the runs below the DIRs (`owl_cl.analysis.report.find_runs`). Returns 0."""
+  table of the runs below the DIRs (`owl_cl.analysis.report.find_runs`).
+
+  Returns:
+    0, or 2 after printing a `ReportError` (no runs below the DIRs) to stderr.
+  """
   import argparse  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
 
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dirs", nargs="+", help="run workdirs or sweep folders")
   parser.add_argument("--out", help="also write the table to this markdown file")
   args = parser.parse_args(argv)
-  text = render_markdown(build_table(report_lib.find_runs(args.dirs)))
+  try:
+    text = render_markdown(build_table(report_lib.find_runs(args.dirs)))
+  except report_lib.ReportError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   print(text, end="")
   if args.out:
     atomic_write_text(args.out, text)

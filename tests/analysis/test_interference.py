@@ -77,3 +77,6 @@ def test_cli_writes_the_table(tmp_path, capsys):
   assert interference.main([str(tmp_path), "--out", str(out)]) == 0
   assert out.read_text() == capsys.readouterr().out
   assert "| swil | 100.0 (n = 1) |" in out.read_text()
+  (tmp_path / "empty").mkdir()
+  assert interference.main([str(tmp_path / "empty")]) == 2
+  assert "no results.json below" in capsys.readouterr().err

@@ -304,6 +304,19 @@ def test_tail_classes_ap_reported_for_version_2(tmp_path):
   assert math.isnan(points[0].values["tail_AP"])
 
 
+def test_baselines_may_differ_in_their_own_fields_only(tmp_path):
+  """LoRA's adapters (`train.lora`) are the `lora` baseline's own settings, like LwF's and the
+  frozen parts'; one algorithm's runs must still agree on them."""
+  root = str(tmp_path)
+  write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4)
+  write_run(root, "lora", 0, ("D1", "D2"), 0.1, 0.3, train__lora__rank=8)
+  write_run(root, "lwf", 0, ("D1", "D2"), 0.1, 0.3, train__lwf__weight=1.0)
+  assert len(report_lib.load_points(report_lib.find_runs([root]))) == 3
+  bad = write_run(root, "lora", 1, ("D1", "D2"), 0.1, 0.3, train__lora__rank=4)
+  with pytest.raises(report_lib.ReportError, match=f"{bad}: algorithm 'lora' with other"):
+    report_lib.load_points(report_lib.find_runs([root]))
+
+
 def _write_baseline(root, algorithm, seed, schedule, stages):
   """A joint or per_task run (config differs from BASE_CONFIG by train.schedule)."""
   config = json.loads(json.dumps(BASE_CONFIG))

@@ -242,6 +242,9 @@ def test_run_benchmark_evaluates_the_tail_set(tmp_path):
   bench = benchmark_lib.load_benchmark(c)
   assert bench.builtin_version == 2 and [d.name for d in bench.extra_evals] == ["pretrain_tail"]
   assert [n for n, _ in bench.eval_sets()][:3] == ["pretrain_val", "held_out", "pretrain_tail"]
+  # `:builtin2` evaluates the pre-training sets only after pre-training and at the end.
+  assert "pretrain_tail" not in benchmark_lib.stage_eval_names(c, bench, 1)
+  c.eval.pretraining_sets_after_each_dataset = True
   assert "pretrain_tail" in benchmark_lib.stage_eval_names(c, bench, 1)
   c.eval.pretraining_sets_after_each_dataset = False
   assert "pretrain_tail" not in benchmark_lib.stage_eval_names(c, bench, 1)
