@@ -643,11 +643,15 @@ def plot_forgetting_bands(report: Mapping[str, Any]) -> Figure:
   return fig
 
 
-def plot_forest(report: Mapping[str, Any], metrics: Sequence[str] = _HEADLINE) -> Figure:
+def plot_forest(
+  report: Mapping[str, Any], metrics: Sequence[str] = _HEADLINE, order: Sequence[str] = ()
+) -> Figure:
   """Forest plot: each algorithm's paired difference from the reference (points) with its
-  interval, one panel per metric, a vertical line at 0."""
+  interval, one panel per metric, a vertical line at 0; rows top-down in `order` (the others
+  after)."""
   versus = report["versus_reference"]
-  names = list(versus)
+  ordered = [a for a in order if a in versus] + [a for a in versus if a not in order]
+  names = ordered[::-1]  # the y axis grows upwards: the first name on top
   fig = _figure(4.0 * len(metrics), 1.0 + 0.35 * max(1, len(names)))
   axes = fig.subplots(1, len(metrics), squeeze=False)[0]
   for ax, m in zip(axes, metrics):
@@ -694,7 +698,11 @@ def write_report(
   atomic_write_text(paths["md"], render_markdown(report, order=order))
   clean = _jsonable(report)  # NaN -> null (strict JSON)
   atomic_write_text(paths["json"], json.dumps(clean, indent=1) + "\n")
-  for key, fig in (("forgetting", plot_forgetting_bands(report)), ("forest", plot_forest(report))):
+  figures = (
+    ("forgetting", plot_forgetting_bands(report)),
+    ("forest", plot_forest(report, order=order)),
+  )
+  for key, fig in figures:
     tmp = paths[key] + ".tmp.png"
     fig.savefig(tmp, dpi=120)
     os.replace(tmp, paths[key])
