@@ -261,7 +261,10 @@ def _residual_bytes(fn, *args) -> int:
 
 
 def _flops(fn, *args) -> float:
-  analysis = jax.jit(fn).lower(*args).cost_analysis()
+  # Counted on the CPU lowering whatever the backend: the FLOPs of the unoptimised HLO do not
+  # depend on the platform, and jax 0.11's lowering for CUDA returns no cost analysis (None,
+  # seen on an H200 on 2026-11-26).
+  analysis = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).cost_analysis()
   if isinstance(analysis, list | tuple):
     analysis = analysis[0]
   return float(analysis["flops"])

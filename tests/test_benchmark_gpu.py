@@ -87,15 +87,63 @@ def test_sections_past_the_budget_are_recorded_and_the_rest_still_runs(tmp_path)
 
 
 def test_budget_shares_add_up_to_the_budget():
-  args = type("Args", (), {"smoke": False, "budget": 540.0})()
-  plan = bench.plan(args)
+  plan = bench.plan(_args())
   assert sum(b for _, _, b in plan) == pytest.approx(540.0)
   assert [n for name, n, _ in plan if name == "retrieval"] == [54_226, 1_000_000]
+  # Each step beside its HF counterpart, in the order of the batches.
   assert [(n, b) for n, b, _ in plan if n in ("step", "hf")] == [
     ("step", 8),
-    ("step", 16),
-    ("step", 32),
     ("hf", 8),
+    ("step", 16),
     ("hf", 16),
+    ("step", 32),
     ("hf", 32),
   ]
+
+
+def _args(**kw):
+  defaults = dict(
+    smoke=False,
+    budget=540.0,
+    sections=bench.ORDER,
+    batches=bench.STEP_BATCHES,
+    retrieval_sizes=bench.RETRIEVAL_SIZES,
+  )
+  return type("Args", (), dict(defaults, **kw))()
+
+
+def test_sections_and_batches_choose_what_runs_in_the_fixed_order():
+  plan = bench.plan(_args(sections=("compile", "step", "peak"), batches=(8, 32)))
+  assert [(n, b) for n, b, _ in plan] == [("peak", None), ("step", 8), ("step", 32), ("compile", 8)]
+  # Unscaled, the shares are BUDGETS' seconds.
+  plan = bench.plan(_args(sections=("hf", "retrieval"), batches=(8,)), scale=False)
+  assert plan == [
+    ("hf", 8, bench.BUDGETS["hf"]),
+    ("retrieval", 54_226, bench.BUDGETS["retrieval"]),
+    ("retrieval", 1_000_000, bench.BUDGETS["retrieval"] + 30),
+  ]
+
+
+def test_grad_agreement_scales_the_key_bias_by_the_key_kernel():
+  # bf16 against float32 XLA attention at 17 tokens: every array within the bf16 tolerance
+  # once the key bias (zero in exact arithmetic: softmax cancels q . b_k) is divided by the
+  # key kernel's magnitude; divided by its own (~1e-6) it would read as ~1e4.
+  jnp = bench.jnp
+  rng = bench.np.random.default_rng(0)
+  x = rng.normal(size=(2, 17, 128)).astype("float32")
+  dy = rng.normal(size=(2, 17, 128)).astype("float32")
+  results = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    module = bench.clip_lib.SelfAttention(num_heads=4, dtype=dtype, attention="xla")
+    params, fwd_bwd = bench._attention_grads(module, jnp.asarray(x, dtype), jnp.asarray(dy, dtype))
+    results[dtype] = fwd_bwd(params, jnp.asarray(x, dtype))
+  diffs = bench.grad_agreement(results[jnp.float32], results[jnp.bfloat16])
+  (key_bias,) = [p for p in diffs if p.endswith("['key']['bias']")]
+  assert len(diffs) == 1 + 8 + 1  # output, 4 x (kernel, bias), input gradient
+  assert max(diffs.values()) < bench.BF16_TOLERANCE
+  # Rounding noise: below one bf16 rounding (2^-8) of the key kernel's gradient (~8).
+  assert diffs[key_bias] < 2**-8
+  # A 5% error in one array is caught.
+  y, (grads, dx) = results[jnp.bfloat16]
+  wrong = (y, (bench.jax.tree.map(lambda g: g, grads), dx * 1.05))
+  assert max(bench.grad_agreement(results[jnp.float32], wrong).values()) > bench.BF16_TOLERANCE

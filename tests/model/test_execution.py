@@ -254,11 +254,21 @@ def test_cudnn_attention_gradients_match_xla_on_gpu(length, with_mask):
     return jax.grad(loss, argnums=(0, 1))(params, x)
 
   want, got = grads("xla"), grads("cudnn")
-  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+  scales = {
+    jax.tree_util.keystr(p): np.abs(np.asarray(w, np.float32)).max()
+    for p, w in jax.tree_util.tree_leaves_with_path(want)
+  }
+  for (path, w), g in zip(
+    jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got), strict=True
+  ):
     g = np.asarray(g, np.float32)
     assert np.isfinite(g).all()
     # Both compute in bfloat16 (8-bit mantissa, relative rounding 2^-8 = 3.9e-3) with
     # float32 accumulation in different orders: a few bf16 roundings of the largest
-    # gradient entry, so 3e-2 of the leaf's largest magnitude.
-    w = np.asarray(w, np.float32)
-    np.testing.assert_allclose(g, w, atol=3e-2 * np.abs(w).max(), rtol=0)
+    # gradient entry, so 3e-2 of the leaf's largest magnitude. The key bias's gradient is
+    # zero in exact arithmetic (softmax cancels q . b_k in every row): both sides give
+    # rounding noise, measured against the key kernel's gradient (first H200 run: the noises
+    # differed by 1.06 of their own magnitude).
+    key = jax.tree_util.keystr(path)
+    scale = scales[key.replace("['key']['bias']", "['key']['kernel']")]
+    np.testing.assert_allclose(g, np.asarray(w, np.float32), atol=3e-2 * scale, rtol=0)
