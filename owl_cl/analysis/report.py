@@ -166,10 +166,15 @@ def _pct(value: Any) -> float:
   return math.nan if value is None else 100.0 * float(value)
 
 
+def _stage_index(results: Mapping[str, Any], stage: int | None) -> int:
+  """The index in `results['stages']` of `stage` (None: the last, the final evaluations)."""
+  return len(results["stages"]) - 1 if stage is None else stage
+
+
 def _run_values(results: Mapping[str, Any], stage: int | None) -> dict[str, float]:
   stages = results["stages"]
-  index = len(stages) - 1 if stage is None else stage
-  final = stage is None or index == len(stages) - 1
+  index = _stage_index(results, stage)
+  final = index == len(stages) - 1
   # The final row is the schedule's (a per-task run's: the mean over its task models).
   row = results["summary"]["final"] if final else table3.table3_row(stages[index], results["roles"])
   values = {k: _pct(row[k]) for k in ("pretrain_AP", "open_vocab_AP", "held_out_AP")}
@@ -212,7 +217,7 @@ def _per_set(results: Mapping[str, Any], stage: int | None) -> dict[str, float]:
   """{eval set: AP (points)} of the stage (None: the last); {} for a per-task run."""
   if results.get("schedule") == "per_task":
     return {}
-  metrics = results["stages"][-1 if stage is None else stage].get("metrics") or {}
+  metrics = results["stages"][_stage_index(results, stage)].get("metrics") or {}
   return {name: _pct(m.get("AP")) for name, m in metrics.items() if isinstance(m, Mapping)}
 
 
