@@ -53,6 +53,16 @@ python -m owl_cl.report "$OUT/runs" --reference uniform --order "$ORDER" --out "
   rc=$?
   [ "$status" -ne 0 ] || status=$rc
 }
+# Factor 4 (the order effect): the same report for each order's runs alone (its AP per eval set
+# shows where each dataset ends up after the order's later datasets).
+for order in random_0 random_1; do
+  compgen -G "$OUT/runs/*_${order}_seed*" > /dev/null || continue
+  python -m owl_cl.report "$OUT"/runs/*_"${order}"_seed* --reference uniform --order "$ORDER" \
+    --out "$OUT/by_order/$order" || {
+    rc=$?
+    [ "$status" -ne 0 ] || status=$rc
+  }
+done
 # Factor 3 (interference): the named classes' share of the class-step replays, from the runs'
 # retrieval records (in ROOT only: records are not copied).
 python -m owl_cl.analysis.interference "$ROOT" --out "$OUT/interference.md" || {

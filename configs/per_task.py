@@ -14,10 +14,10 @@ buffer).
 
 Run: `python -m owl_cl.main --config=configs/per_task.py` (paper's protocol:
 `--config=configs/per_task.py:paper --config.data.root=... --config.init_checkpoint=...`).
-Yields on built-in version 2 (`:builtin2`; the committed sweep, seeds 0-4 on order `random_0`,
-mean ± 95% half-width, README "Results"): own-task AP50 min 27.7 ± 4.5 (the sequences: 8-14),
-downstream mean 17.4 ± 0.7 (each dataset by its own model), pre-training set 3.1 ± 0.3 (the
-mean over the task models).
+Yields on built-in version 2 (`:builtin2`; the committed sweep, seeds 0-4 on orders `random_0` and
+`random_1`, n = 10, mean ± 95% half-width, README "Results"): own-task AP50 min 28.0 ± 2.2 (the
+sequences: 8.2-11.7), downstream mean 17.5 ± 0.3 (each dataset by its own model), pre-training set
+3.2 ± 0.1 (the mean over the task models).
 """
 
 from configs import base

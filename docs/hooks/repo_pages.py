@@ -26,8 +26,17 @@ REPO_PAGES = {"README.md": "index.md"}
 # benchmarks/README.md is in the nav; the result tables are reached through its links, so a new
 # result file needs no nav entry. `*_smoke.md` (the scripts' smoke mode, never committed) is
 # left out. benchmarks/results/sweep_builtin holds the committed sweep's report and figures
-# (the README shows them; its runs/ subfolder holds only results.json files).
-REPO_PAGE_DIRS = ("benchmarks", "benchmarks/results", "benchmarks/results/sweep_builtin")
+# (the README shows them; its runs/ subfolder holds only results.json files), and
+# benchmarks/results/owlv2_builtin/{v1,v2} the reports of OWLv2 beside v1.
+REPO_PAGE_DIRS = (
+  "benchmarks",
+  "benchmarks/results",
+  "benchmarks/results/sweep_builtin",
+  "benchmarks/results/sweep_builtin/by_order/random_0",
+  "benchmarks/results/sweep_builtin/by_order/random_1",
+  "benchmarks/results/owlv2_builtin/v1",
+  "benchmarks/results/owlv2_builtin/v2",
+)
 NAV_PAGES = ("index.md", "benchmarks/README.md")
 
 # An inline Markdown link or image target: `](target)` or `](target "title")`.

@@ -533,6 +533,28 @@ def render_summary_table(
   return "\n".join(lines) + "\n"
 
 
+def render_labelled_summary(
+  reports: Mapping[str, Mapping[str, Any]],
+  order: Sequence[str] = (),
+  columns: Sequence[str] = SUMMARY_COLUMNS,
+) -> str:
+  """One summary table of several reports that cannot share one (e.g. one per model): each
+  report's `render_summary_table` rows in the order of `reports`, the first cell prefixed by
+  its label ("OWLv2: swil", "OWLv2: No fine-tuning").
+
+  Raises:
+    ReportError: as `render_summary_table`, or no reports.
+  """
+  if not reports:
+    raise ReportError("labelled summary: no reports")
+  lines: list[str] = []
+  for label, report in reports.items():
+    table = render_summary_table(report, order, columns).splitlines()
+    lines = lines or table[:2]
+    lines += [f"| {label}: {row[2:]}" for row in table[2:]]
+  return "\n".join(lines) + "\n"
+
+
 def render_markdown(
   report: Mapping[str, Any], alpha: float = 0.05, order: Sequence[str] = ()
 ) -> str:

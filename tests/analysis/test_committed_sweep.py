@@ -3,7 +3,8 @@
 `benchmarks/sweep_builtin.sh` copies every complete run's results.json of the committed sweep
 into `benchmarks/results/sweep_builtin/runs/` and writes the report there; the README shows its
 summary table between the markers below. Re-computing the report from those files must give
-the README's table and the committed report.md, character for character.
+the README's table and the committed report.md, character for character. The same holds for
+`benchmarks/owlv2_builtin.sh` (OWLv2 beside v1): its two reports and the README's table of both.
 """
 
 import os
@@ -47,3 +48,51 @@ def test_committed_report_md_is_current():
   with open(os.path.join(SWEEP, report_lib.REPORT_MD), encoding="utf-8") as f:
     committed = f.read()
   assert committed == report_lib.render_markdown(_report(), order=order)
+
+
+def test_committed_reports_by_order_are_current():
+  # benchmarks/sweep_builtin.sh writes one report per stored order (factor 4, the order effect).
+  table = _readme_table()
+  order = [line.split("|")[1].strip() for line in table.splitlines()[3:]]
+  for task_order in ("random_0", "random_1"):
+    runs = sorted(
+      d
+      for d in report_lib.find_runs([os.path.join(SWEEP, "runs")])
+      if os.path.basename(d).split("_seed")[0].endswith(task_order)
+    )
+    assert len(runs) == 5 * len(order), task_order  # every algorithm, seeds 0-4
+    report = report_lib.build_report(report_lib.load_points(runs), "uniform")
+    path = os.path.join(SWEEP, "by_order", task_order, report_lib.REPORT_MD)
+    with open(path, encoding="utf-8") as f:
+      assert f.read() == report_lib.render_markdown(report, order=order)
+
+
+OWLV2 = os.path.join(ROOT, "benchmarks", "results", "owlv2_builtin")
+OWLV2_BEGIN = "<!-- owlv2_builtin summary: benchmarks/owlv2_builtin.sh -->"
+OWLV2_END = "<!-- /owlv2_builtin summary -->"
+OWLV2_MODELS = {"OWL-ViT v1": "v1", "OWLv2": "v2"}
+
+
+def _model_report(model: str):
+  runs = report_lib.find_runs([os.path.join(OWLV2, model, "runs")])
+  return report_lib.build_report(report_lib.load_points(runs), "swil")
+
+
+def test_readme_owlv2_table_is_the_committed_reports():
+  # benchmarks/owlv2_builtin.sh: one report per model (they differ in model.variant and
+  # loss.objectness_weight, so one report refuses them), their summaries in one table.
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  match = re.search(re.escape(OWLV2_BEGIN) + r"\n(.*?)" + re.escape(OWLV2_END), text, re.S)
+  assert match, f"README.md has no {OWLV2_BEGIN} ... {OWLV2_END} block"
+  reports = {label: _model_report(model) for label, model in OWLV2_MODELS.items()}
+  table = report_lib.render_labelled_summary(reports)
+  assert match.group(1) == table
+  with open(os.path.join(OWLV2, "summary.md"), encoding="utf-8") as f:
+    assert f.read() == table
+  for label, model in OWLV2_MODELS.items():
+    report = reports[label]
+    assert report["algorithms"] == ["swil"]
+    assert report["summary"]["swil"]["pretrain_AP"]["n"] >= 5
+    with open(os.path.join(OWLV2, model, report_lib.REPORT_MD), encoding="utf-8") as f:
+      assert f.read() == report_lib.render_markdown(report)
