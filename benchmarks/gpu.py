@@ -393,8 +393,11 @@ def run_section(args, name: str, batch: int | None, timeout: float) -> dict:
     output, _ = proc.communicate(timeout=max(timeout, 1.0))
   except subprocess.TimeoutExpired:
     os.killpg(proc.pid, signal.SIGKILL)  # the section and any process it started
-    proc.communicate()
-    return {"error": f"over its time budget ({timeout:.0f} s): killed", "wall_s": timeout}
+    output, _ = proc.communicate()
+    # The last lines it printed say how far it got (the second GPU run lost them).
+    tail = " | ".join((output or "").strip().splitlines()[-3:])
+    error = f"over its time budget ({timeout:.0f} s): killed" + (f"; last: {tail}" if tail else "")
+    return {"error": error, "wall_s": timeout}
   wall = time.perf_counter() - t0
   lines = output.strip().splitlines()
   if proc.returncode or not lines:
@@ -613,8 +616,8 @@ def main(argv=None) -> dict:
     return result
   if not args.smoke and jax.default_backend() == "cpu":
     print("no accelerator: the full sizes need a GPU (--smoke runs every section here)")
+  environment = step_bench._environment()  # imports torch: not counted in the budget (6 s)
   start = time.perf_counter()
-  environment = step_bench._environment()
   sections: dict[str, dict] = {}
   images: dict[str, int] = {}
   steps = plan(args)

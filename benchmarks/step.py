@@ -261,12 +261,22 @@ def _residual_bytes(fn, *args) -> int:
 
 
 def _flops(fn, *args) -> float:
-  # Counted on the CPU lowering whatever the backend: the FLOPs of the unoptimised HLO do not
-  # depend on the platform, and jax 0.11's lowering for CUDA returns no cost analysis (None,
-  # seen on an H200 on 2026-11-26).
-  analysis = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).cost_analysis()
+  """FLOPs of fn at args (abstract or concrete) by XLA's cost analysis of the CPU lowering.
+
+  Counted on the CPU whatever the default backend: the FLOPs of the unoptimised HLO do not
+  depend on the platform, and a lowering for CUDA returns no cost analysis. The arguments are
+  placed on the CPU device (their shardings) so that the lowering's backend is the CPU's too:
+  `lowering_platforms=("cpu",)` alone keeps the default backend for the analysis (None on an
+  H200 with jax 0.11.2, 2026-11-26). Raises RuntimeError when no count comes back.
+  """
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), args)
+  lowered = jax.jit(fn).trace(*args).lower()
+  analysis = lowered.cost_analysis()
   if isinstance(analysis, list | tuple):
-    analysis = analysis[0]
+    analysis = analysis[0] if analysis else None
+  if not analysis or "flops" not in analysis:
+    raise RuntimeError(f"no FLOP count from XLA's cost analysis of the CPU lowering: {analysis!r}")
   return float(analysis["flops"])
 
 
@@ -506,9 +516,13 @@ def timed_model(args, dtype=None, remat=None, attention=None):
 
 def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str):
   """Builds, compiles and warms our train step; returns (run, record) with run() one step."""
+  t0 = time.perf_counter()
   model = timed_model(args, dtype, remat, attention)
   new, replay = _inputs(model, batch, args.num_queries, args.max_instances, abstract=False)
   params = jax.jit(model.init)(jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
+  # Progress on stdout (the last line stays the result): a section killed at its time limit
+  # then says how far it got.
+  print(f"inputs and parameters ready ({time.perf_counter() - t0:.0f} s)", flush=True)
   tx = optax.adamw(1e-4)
   mesh = sharding_lib.create_mesh()
   train_step = step_lib.make_train_step(
@@ -530,6 +544,7 @@ def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attenti
   t0 = time.perf_counter()
   run()
   first = time.perf_counter() - t0
+  print(f"first step (compilation included) {first:.0f} s", flush=True)
   # The first call compiles; the second is a plain step (the same compiled executable), and
   # the timed steps start after it.
   t0 = time.perf_counter()

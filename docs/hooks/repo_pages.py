@@ -27,7 +27,8 @@ REPO_PAGES = {"README.md": "index.md"}
 # result file needs no nav entry. `*_smoke.md` (the scripts' smoke mode, never committed) is
 # left out. benchmarks/results/sweep_builtin holds the committed sweep's report and figures
 # (the README shows them; its runs/ subfolder holds only results.json files), and
-# benchmarks/results/owlv2_builtin/{v1,v2} the reports of OWLv2 beside v1.
+# benchmarks/results/owlv2_builtin/{v1,v2} the reports of OWLv2 beside v1, and
+# benchmarks/results/gpu_second_session/call{1,2} the raw output of two GPU calls.
 REPO_PAGE_DIRS = (
   "benchmarks",
   "benchmarks/results",
@@ -36,6 +37,8 @@ REPO_PAGE_DIRS = (
   "benchmarks/results/sweep_builtin/by_order/random_1",
   "benchmarks/results/owlv2_builtin/v1",
   "benchmarks/results/owlv2_builtin/v2",
+  "benchmarks/results/gpu_second_session/call1",
+  "benchmarks/results/gpu_second_session/call2",
 )
 NAV_PAGES = ("index.md", "benchmarks/README.md")
 

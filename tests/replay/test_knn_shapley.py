@@ -19,10 +19,12 @@ def _device_sort_order(distances, valid, candidate_major):
 
 @pytest.fixture(params=["host", "device"])
 def sort_path(request, monkeypatch):
-  """Runs a test with each sort of `knn_shapley._sort_order`: 'host' is this CPU's own (NumPy,
-  through a callback), 'device' the XLA sort that accelerators use."""
+  """Runs a test with each path of `knn_shapley`: 'host' is this CPU's own (NumPy's sort
+  through a callback, the sequential suffix sum), 'device' the one accelerators take (XLA's
+  sort, the parallel cumulative sum)."""
   if request.param == "device":
     monkeypatch.setattr(knn_shapley, "_sort_order", _device_sort_order)
+    monkeypatch.setattr(knn_shapley, "_platform_suffix_sum", knn_shapley._suffix_sum)
   return request.param
 
 
@@ -338,3 +340,20 @@ def test_precompute_left_term_equals_full_matrix():
   left, left_min = knn_shapley.precompute_left_term(ce, qe, k, chunk_size=3)  # 3 does not divide 7
   np.testing.assert_allclose(np.asarray(left), np.asarray(full).mean(0), atol=1e-6)
   np.testing.assert_allclose(np.asarray(left_min), np.asarray(full).min(0), atol=1e-6)
+
+
+def test_parallel_suffix_sum_is_the_sequential_one_up_to_rounding():
+  # ASER's left term at the paper's sizes: 1,344 candidates (t = 16 tokens x 84 images).
+  rng = np.random.default_rng(0)
+  delta = rng.normal(size=(1344, 64)).astype(np.float32) / 20.0
+  exact = np.cumsum(delta[::-1].astype(np.float64), axis=0)[::-1]
+  # Any order of n float32 additions errs by at most (n - 1) * eps * sum |terms| (Higham,
+  # "Accuracy and Stability of Numerical Algorithms", eq. 4.4).
+  bound = (len(delta) - 1) * np.finfo(np.float32).eps * np.abs(delta).sum(axis=0)
+  for suffix_sum in (knn_shapley._sequential_suffix_sum, knn_shapley._suffix_sum):
+    got = np.asarray(jax.jit(suffix_sum)(delta), np.float64)
+    assert np.all(np.abs(got - exact) <= bound)
+  # The CPU takes the sequential path: bit for bit NumPy's float32 order.
+  np.testing.assert_array_equal(
+    np.asarray(knn_shapley._platform_suffix_sum(delta)), np.cumsum(delta[::-1], axis=0)[::-1]
+  )

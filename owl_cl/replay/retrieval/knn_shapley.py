@@ -78,8 +78,9 @@ def knn_shapley(distances: Array, utilities: Array, k: int, valid: Array | None 
     utility U_j (module docstring). Rows sum to U_j(all valid candidates) (efficiency).
   Raises:
     ValueError: k < 1 or shapes that disagree.
-  Source: paper suppl. §C recursion (base case u / max(N_c, K), docs/reference.md §7); computed with
-    `jax.lax.scan(..., reverse=True)` over candidates sorted by distance.
+  Source: paper suppl. §C recursion (base case u / max(N_c, K), docs/reference.md §7); computed
+    over candidates sorted by distance as a suffix sum of the recursion's increments (a
+    sequential scan on CPU, a parallel cumulative sum elsewhere).
   """
   k = int(k)
   if k < 1:
@@ -118,7 +119,6 @@ def _sorted_shapley(u_sorted: Array, n_valid: Array, k: int, candidate_axis: int
   """float32 [N_c, N_e]: s at each sorted position, from the utilities in sorted order
   (float32 [N_e, N_c] with candidate_axis 1, [N_c, N_e] with 0; module docstring's recursion)."""
   n_c = u_sorted.shape[candidate_axis]
-  n_e = u_sorted.shape[1 - candidate_axis]
   # The recursion s_m = s_{m+1} + delta_m with delta_m = (u_m - u_{m+1}) / K * min(K, m) / m
   # for m < N, delta_N = u_N / max(N, K) (base case; s_{N+1} = 0) and delta_m = 0 beyond N
   # (invalid candidates, sorted last, get 0). The deltas are computed vectorised in the
@@ -138,18 +138,34 @@ def _sorted_shapley(u_sorted: Array, n_valid: Array, k: int, candidate_axis: int
     jnp.where(m == n_valid, u_sorted / base_denominator, 0.0),
   )
 
+  delta = delta if candidate_axis == 0 else delta.T  # [N_c, N_e]
+  return _platform_suffix_sum(delta)
+
+
+def _platform_suffix_sum(delta: Array) -> Array:
+  """float32 [N_c, N_e] -> [N_c, N_e]: the suffix sums along axis 0, sequential on CPU
+  (`_sequential_suffix_sum`), parallel elsewhere (`_suffix_sum`)."""
+  return jax.lax.platform_dependent(delta, cpu=_sequential_suffix_sum, default=_suffix_sum)
+
+
+def _sequential_suffix_sum(delta: Array) -> Array:
+  """float32 [N_c, N_e] -> [N_c, N_e]: s_m = sum of delta_m' over m' >= m, added from the
+  farthest candidate inwards (NumPy's order, the CPU path: each step is one vector add)."""
+
   def step(s_next, delta_m):
     s = s_next + delta_m
     return s, s
 
-  _, s_sorted = jax.lax.scan(
-    step,
-    jnp.zeros((n_e,), jnp.float32),
-    delta if candidate_axis == 0 else delta.T,
-    reverse=True,
-    unroll=SCAN_UNROLL,
-  )
-  return s_sorted
+  zeros = jnp.zeros(delta.shape[1:], jnp.float32)
+  return jax.lax.scan(step, zeros, delta, reverse=True, unroll=SCAN_UNROLL)[1]
+
+
+def _suffix_sum(delta: Array) -> Array:
+  """`_sequential_suffix_sum` as a parallel reverse cumulative sum (accelerators): on a GPU
+  each step of the scan is its own kernel launch, N_c of them per call (the first GPU run:
+  ASER 133 ms on an H200 against 41 ms on 2 CPU cores). The order of the additions differs,
+  so the values differ from the CPU path's by float32 rounding."""
+  return jax.lax.cumsum(delta, axis=0, reverse=True)
 
 
 def threshold_knn_shapley(
