@@ -189,31 +189,25 @@ def _attention_grads(module, x, dy):
 # sums over 64 (head) to 1,024 (width) terms, compared as the largest difference over the
 # largest magnitude of an array; XLA bf16 against float32 gives up to 0.014 (CPU, 17 tokens).
 BF16_TOLERANCE = 2e-2
-# Arrays that are zero in exact arithmetic, and the array whose magnitude scales their
-# rounding noise: the key projection's bias only adds q . b_k to every logit of a softmax row,
-# which the softmax cancels, so its gradient is the noise of sums of the key kernel's gradient
-# terms (first GPU run: 1.06 "relative" difference between two noises of ~1e-6).
-ZERO_IN_EXACT_ARITHMETIC = {"['key']['bias']": "['key']['kernel']"}
+
+
+def _arrays_by_path(tree: Any) -> dict[str, np.ndarray]:
+  """{`jax.tree_util.keystr` path: float32 NumPy array} of a tree's leaves."""
+  return {
+    jax.tree_util.keystr(p): np.asarray(v, np.float32)
+    for p, v in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 def grad_agreement(ref: Any, got: Any) -> dict[str, float]:
   """Per array of two equal trees (outputs and gradients): the largest |got - ref| over the
-  largest |ref| of the array, in float32; an array of `ZERO_IN_EXACT_ARITHMETIC` is divided
-  by its scaling array's largest |ref| instead. Keys are `jax.tree_util.keystr` paths."""
-  ref_arrays = {
-    jax.tree_util.keystr(p): np.asarray(v, np.float32)
-    for p, v in jax.tree_util.tree_leaves_with_path(ref)
-  }
-  got_arrays = {
-    jax.tree_util.keystr(p): np.asarray(v, np.float32)
-    for p, v in jax.tree_util.tree_leaves_with_path(got)
-  }
+  largest |ref| of the array, in float32; a gradient zero in exact arithmetic is divided by
+  its scaling array's largest |ref| instead (`clip_lib.gradient_scale_path`). Keys are
+  `jax.tree_util.keystr` paths."""
+  ref_arrays, got_arrays = _arrays_by_path(ref), _arrays_by_path(got)
   out = {}
   for path, a in ref_arrays.items():
-    scale_path = path
-    for zero, scaled_by in ZERO_IN_EXACT_ARITHMETIC.items():
-      if path.endswith(zero):
-        scale_path = path[: -len(zero)] + scaled_by
+    scale_path = clip_lib.gradient_scale_path(path)
     scale = max(float(np.max(np.abs(ref_arrays[scale_path]))), 1e-30)
     out[path] = float(np.max(np.abs(got_arrays[path] - a))) / scale
   return out

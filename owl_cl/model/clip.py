@@ -213,6 +213,32 @@ def _pad_seq(x: jax.Array, target: int, axis: int) -> jax.Array:
   return jnp.pad(x, pad)
 
 
+# `SelfAttention` parameters whose gradient is zero in exact arithmetic, each with the
+# parameter whose gradient scales its rounding noise: the key projection's bias only adds
+# q . b_k to every logit of a softmax row, which the softmax cancels, so its gradient is the
+# noise of sums of the key kernel's gradient terms (the first GPU run's check, which divided
+# that noise by itself, read 1.06).
+ZERO_GRADIENT_SCALED_BY = {"['key']['bias']": "['key']['kernel']"}
+
+
+def gradient_scale_path(path: str) -> str:
+  """The gradient whose largest magnitude a comparison of the gradient at ``path`` is relative to.
+
+  Args:
+    path: a ``jax.tree_util.keystr`` path into a gradient tree, e.g.
+      ``"['params']['attn']['key']['bias']"``.
+  Returns:
+    ``path`` itself, or, for a parameter of ``ZERO_GRADIENT_SCALED_BY`` (zero gradient in
+    exact arithmetic), the path of the parameter that scales its rounding noise.
+
+  Source: the softmax is invariant to a constant added to every logit of a row.
+  """
+  for zero, scaled_by in ZERO_GRADIENT_SCALED_BY.items():
+    if path.endswith(zero):
+      return path[: -len(zero)] + scaled_by
+  return path
+
+
 class SelfAttention(nn.Module):
   """Multi-head self-attention with biases, scenic's parameter tree, ``jax.nn`` kernel.
 

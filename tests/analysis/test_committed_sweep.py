@@ -18,12 +18,27 @@ BEGIN = "<!-- sweep_builtin summary: benchmarks/sweep_builtin.sh -->"
 END = "<!-- /sweep_builtin summary -->"
 
 
-def _readme_table() -> str:
+def _readme_block(begin: str, end: str) -> str:
+  """The README's text between the markers begin and end (their own lines excluded)."""
   with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
     text = f.read()
-  match = re.search(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), text, re.S)
-  assert match, f"README.md has no {BEGIN} ... {END} block"
+  match = re.search(re.escape(begin) + r"\n(.*?)" + re.escape(end), text, re.S)
+  assert match, f"README.md has no {begin} ... {end} block"
   return match.group(1)
+
+
+def _readme_table() -> str:
+  return _readme_block(BEGIN, END)
+
+
+def _readme_rows(table: str) -> list[str]:
+  """The first column of the table's rows, in the README's order (header and rule dropped)."""
+  return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+
+
+def _readme_order() -> list[str]:
+  """The algorithms in the README table's order (its first row, no fine-tuning, dropped)."""
+  return _readme_rows(_readme_table())[1:]
 
 
 def _report():
@@ -33,7 +48,7 @@ def _report():
 
 def test_readme_table_is_the_committed_sweeps_report():
   table = _readme_table()
-  rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+  rows = _readme_rows(table)
   assert rows[0] == report_lib.NO_FINETUNING
   report = _report()
   assert report["algorithms"] and set(rows[1:]) == set(report["algorithms"])
@@ -43,8 +58,7 @@ def test_readme_table_is_the_committed_sweeps_report():
 
 
 def test_committed_report_md_is_current():
-  table = _readme_table()
-  order = [line.split("|")[1].strip() for line in table.splitlines()[3:]]
+  order = _readme_order()
   with open(os.path.join(SWEEP, report_lib.REPORT_MD), encoding="utf-8") as f:
     committed = f.read()
   assert committed == report_lib.render_markdown(_report(), order=order)
@@ -52,8 +66,7 @@ def test_committed_report_md_is_current():
 
 def test_committed_reports_by_order_are_current():
   # benchmarks/sweep_builtin.sh writes one report per stored order (factor 4, the order effect).
-  table = _readme_table()
-  order = [line.split("|")[1].strip() for line in table.splitlines()[3:]]
+  order = _readme_order()
   for task_order in ("random_0", "random_1"):
     runs = sorted(
       d
@@ -81,13 +94,10 @@ def _model_report(model: str):
 def test_readme_owlv2_table_is_the_committed_reports():
   # benchmarks/owlv2_builtin.sh: one report per model (they differ in model.variant and
   # loss.objectness_weight, so one report refuses them), their summaries in one table.
-  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-    text = f.read()
-  match = re.search(re.escape(OWLV2_BEGIN) + r"\n(.*?)" + re.escape(OWLV2_END), text, re.S)
-  assert match, f"README.md has no {OWLV2_BEGIN} ... {OWLV2_END} block"
+  readme = _readme_block(OWLV2_BEGIN, OWLV2_END)
   reports = {label: _model_report(model) for label, model in OWLV2_MODELS.items()}
   table = report_lib.render_labelled_summary(reports)
-  assert match.group(1) == table
+  assert readme == table
   with open(os.path.join(OWLV2, "summary.md"), encoding="utf-8") as f:
     assert f.read() == table
   for label, model in OWLV2_MODELS.items():

@@ -265,10 +265,28 @@ def test_cudnn_attention_gradients_match_xla_on_gpu(length, with_mask):
     assert np.isfinite(g).all()
     # Both compute in bfloat16 (8-bit mantissa, relative rounding 2^-8 = 3.9e-3) with
     # float32 accumulation in different orders: a few bf16 roundings of the largest
-    # gradient entry, so 3e-2 of the leaf's largest magnitude. The key bias's gradient is
-    # zero in exact arithmetic (softmax cancels q . b_k in every row): both sides give
-    # rounding noise, measured against the key kernel's gradient (first H200 run: the noises
-    # differed by 1.06 of their own magnitude).
-    key = jax.tree_util.keystr(path)
-    scale = scales[key.replace("['key']['bias']", "['key']['kernel']")]
+    # gradient entry, so 3e-2 of the leaf's largest magnitude (of the scaling leaf's for a
+    # gradient zero in exact arithmetic, `clip_lib.gradient_scale_path`).
+    scale = scales[clip_lib.gradient_scale_path(jax.tree_util.keystr(path))]
     np.testing.assert_allclose(g, np.asarray(w, np.float32), atol=3e-2 * scale, rtol=0)
+
+
+def test_key_bias_gradient_is_zero_in_exact_arithmetic():
+  # The premise of `clip_lib.gradient_scale_path`: softmax cancels q . b_k, so the key bias's
+  # gradient is float32 rounding noise (8e-8 of the key kernel's here, under one eps = 1.2e-7;
+  # the bound leaves 100 eps for sums of 2 x 9 tokens), while the query bias's gradient is of
+  # the order of the query kernel's (2x here).
+  module = clip_lib.SelfAttention(num_heads=2, dtype=jnp.float32, attention="xla")
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16), jnp.float32)
+  params = module.init(jax.random.PRNGKey(1), x)
+  grads = jax.grad(lambda p: jnp.sum(jnp.sin(module.apply(p, x))))(params)
+  flat = {jax.tree_util.keystr(p): np.abs(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+  bias = "['params']['key']['bias']"
+  assert clip_lib.gradient_scale_path(bias) == "['params']['key']['kernel']"
+  assert clip_lib.gradient_scale_path("['params']['query']['bias']") == (
+    "['params']['query']['bias']"
+  )
+  assert flat[bias].max() < 1e-5 * flat["['params']['key']['kernel']"].max()
+  assert (
+    flat["['params']['query']['bias']"].max() > 1e-2 * flat["['params']['query']['kernel']"].max()
+  )
