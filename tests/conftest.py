@@ -6,9 +6,19 @@ temp root that the workers share (`_shared_root`), by whichever worker comes fir
 others wait for its lock (`utils.cache_entry_lock`). docs/tests.md has the measured costs.
 """
 
+# ruff: noqa: E402 (the imports below follow the XLA flags, set before JAX starts)
 import os
 import pathlib
 import shutil
+
+# XLA:CPU compiles the test session's programs without LLVM's optimisation passes: compiling,
+# not running, is most of the tiny programs' time (`tests/test_retrieval_e2e.py`'s every
+# algorithm config: 109 s of CPU with the default passes, 78 s without). The passes change the
+# machine code, not the HLO or its floating-point semantics (no fast math either way).
+# Set before JAX creates its CPU client, in this process and, through the environment, in
+# every subprocess the tests start (a test that adds its own flags appends them).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 import jax
 from jax._src import compilation_cache  # reset_cache: no public equivalent

@@ -31,7 +31,9 @@ def _process_env(nproc: int) -> dict:
   return dict(
     os.environ,
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
+    # The session's flags (tests/conftest.py) and the device count.
+    XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={8 // nproc}",
     PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     PYTHONUNBUFFERED="1",
   )

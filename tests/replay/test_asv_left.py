@@ -96,7 +96,11 @@ SHARDED = textwrap.dedent("""
 def test_sharded_over_8_devices_equals_one_device():
   """Each device takes its own rows: were they all to take every row, psum would multiply the
   sum by 8; were rows dropped, the masked tail would be wrong."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+  )
   proc = subprocess.run(
     [sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
   )

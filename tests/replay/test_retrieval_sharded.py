@@ -58,7 +58,11 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_every_algorithm_same_indices_on_8_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+  )
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.run(
     [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, cwd=root

@@ -484,7 +484,11 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_batch_over_8_cpu_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+  )
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   res = subprocess.run(

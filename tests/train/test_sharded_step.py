@@ -56,7 +56,11 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_train_step_matches_single_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+  )
   proc = subprocess.run(
     [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
   )
