@@ -194,6 +194,27 @@ def test_read_through_coco_source(tiny):
     assert len(ex["labels"]) >= 1
 
 
+def test_every_split_decodes_each_image_once(tiny, monkeypatch):
+  # The run's sources (`owl_cl.benchmark` reads the splits' `SplitFiles.source`) and the
+  # benchmark's own `source` keep decoded images in memory: a second load of an image returns
+  # the first's pixels without decoding again (pre-training reads each image ~10 times).
+  decoded = []
+  real = CocoSource.decode_image
+  monkeypatch.setattr(
+    CocoSource, "decode_image", lambda self, i: decoded.append(i) or real(self, i)
+  )
+  for split_files in (tiny.pretrain_train, tiny.downstream[0].train):
+    src = split_files.source()
+    first, again = src.load(1), src.load(1)
+    assert again["image"] is first["image"] and not first["image"].flags.writeable
+  src = tiny.source("pretrain", "val")
+  assert src.load(0)["image"] is src.load(0)["image"]
+  assert decoded == [1, 1, 0]
+  uncached = tiny.pretrain_train.source(cache_images=False)
+  uncached.load(1), uncached.load(1)
+  assert decoded == [1, 1, 0, 1, 1]
+
+
 def test_accessors(tiny):
   assert tiny.pretrain_train == tiny.split("pretrain", "train")
   assert tiny.pretrain_train.name == "pretrain/train"
