@@ -133,6 +133,7 @@ def test_pooled_timings_and_thread_settings():
     assert env[bench.CPUS_VARIABLE] == str(min(os.sched_getaffinity(0)))
 
 
+@pytest.mark.slow
 def test_owlv2_arithmetic_counts_the_objectness_head(tmp_path):
   """OWLv2's rows: more parameters (the objectness head: 2 D x D layers + D x 1) and more saved
   activations than v1's at the same size (the head's own, trained by the objectness term)."""

@@ -133,6 +133,7 @@ def _grads(model, params, images, queries):
   return jax.jit(jax.grad(loss))(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["block", "dots_with_no_batch_dims_saveable"])
 def test_remat_keeps_tree_and_gradients(remat):
   images, queries = _tiny_inputs()
@@ -162,6 +163,7 @@ def test_remat_policy_values():
     clip_lib.remat_policy("save_only_these_names")
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_stays_close_to_float32():
   """bfloat16 compute with float32 parameters: outputs float32, within the rounding bound."""
   images, queries = _tiny_inputs()

@@ -162,6 +162,7 @@ def test_cache_keys_v1_unchanged_owlv2_keyed():
   assert cache_keys.cache_key_fields(v2, "loss") == dict(v1, objectness_weight=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_k", [0, 5])
 def test_train_step_distils_stored_objectness_at_the_kept_tokens(tiny, top_k):
   """The train step's DER++ term with an OWLv2 store: the stored class logits are the model's

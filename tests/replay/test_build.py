@@ -449,6 +449,7 @@ def test_empty_source_is_refused_before_any_work(setup, tmp_path):
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_owlv2_store_keeps_objectness_and_selection_may_include_it(pretrained_cache_dir, tmp_path):
   """OWLv2 (random tiny model: the builder does not care whether it is pre-trained): the store
   keeps each kept image's objectness logits (float16: relative rounding 2^-11) beside its

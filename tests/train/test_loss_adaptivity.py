@@ -167,6 +167,7 @@ def _run_step(model, params, new, replay, **kwargs):
   return jax.device_get(state.opt_state), jax.device_get(metrics)
 
 
+@pytest.mark.slow
 def test_paper_train_step_equals_reference_combination():
   model, params, new, replay = _setup()
   # The pre-forward decides the active slots: new images whose loss exceeds l (eq. 5).
@@ -320,6 +321,7 @@ def test_inactive_slots_are_invalid_and_not_marked():
     assert int(new_state.total_replayed) == 2
 
 
+@pytest.mark.slow
 def test_released_gate_per_device():
   """The released gate per device (DDP): 2 groups of 2 images (the data sharding).
 

@@ -91,6 +91,7 @@ def test_matcher_names():
     losses.resolve_matcher("greedy")
 
 
+@pytest.mark.slow
 def test_train_step_with_jax_matcher_equals_scipy_matcher():
   model = model_lib.create_model(
     "tiny", vision_layers=1, text_layers=1, vocab_size=64, image_size=32, context_length=8

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     assert len(jax.devices()) == 8, jax.devices()
@@ -55,6 +57,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_train_step_matches_single_device():
   env = dict(
     os.environ,

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from owl_cl import model as model_lib
 from owl_cl.train import step as step_lib
@@ -61,6 +62,7 @@ def test_distinct_query_overflow_falls_back_to_plain_path():
   )
 
 
+@pytest.mark.slow
 def test_distinct_query_gradients_match():
   model, params, images, queries = _setup()
 
