@@ -366,6 +366,11 @@ def plan(args, scale: bool = True) -> list[tuple[str, int | None, float]]:
   return [(name, batch, budget * factor) for name, batch, budget in out]
 
 
+def _last_lines(output: str, count: int = 3) -> str:
+  """The last `count` lines of a section's output on one line, ' | '-separated."""
+  return " | ".join(output.strip().splitlines()[-count:])
+
+
 def run_section(args, name: str, batch: int | None, timeout: float) -> dict:
   """One section in a fresh process (its own process group, killed whole on time-out).
 
@@ -389,14 +394,13 @@ def run_section(args, name: str, batch: int | None, timeout: float) -> dict:
     os.killpg(proc.pid, signal.SIGKILL)  # the section and any process it started
     output, _ = proc.communicate()
     # The last lines it printed say how far it got (the second GPU run lost them).
-    tail = " | ".join((output or "").strip().splitlines()[-3:])
+    tail = _last_lines(output or "")
     error = f"over its time budget ({timeout:.0f} s): killed" + (f"; last: {tail}" if tail else "")
     return {"error": error, "wall_s": timeout}
   wall = time.perf_counter() - t0
   lines = output.strip().splitlines()
   if proc.returncode or not lines:
-    tail = " | ".join(lines[-3:])
-    return {"error": f"exit {proc.returncode}: {tail}", "wall_s": wall}
+    return {"error": f"exit {proc.returncode}: {_last_lines(output)}", "wall_s": wall}
   result = json.loads(lines[-1])
   result["wall_s"] = wall
   return result

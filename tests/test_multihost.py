@@ -21,6 +21,7 @@ import scipy.optimize
 from owl_cl import distributed
 from owl_cl import preemption
 from owl_cl.detector import DETECTIONS_HOOK_ENV
+from owl_cl.testing import devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "multihost_worker.py")
@@ -28,12 +29,8 @@ WORKER = os.path.join(REPO, "tests", "multihost_worker.py")
 
 def _process_env(nproc: int) -> dict:
   """The environment of one of `nproc` processes: CPU only, 8 devices over all of them."""
-  return dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    # The session's flags (tests/conftest.py) and the device count.
-    XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={8 // nproc}",
+  return devices.cpu_devices_env(
+    8 // nproc,
     PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
     PYTHONUNBUFFERED="1",
   )

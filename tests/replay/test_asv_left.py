@@ -16,6 +16,7 @@ from owl_cl.replay import state as state_lib
 from owl_cl.replay.retrieval import asv_left
 from owl_cl.replay.retrieval import knn_shapley
 from owl_cl.replay.retrieval import registry
+from owl_cl.testing import devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Values are KNN-SVs of cosine utilities in [-1, 1] divided by K or N*t (|s| <= 1, here
@@ -96,11 +97,7 @@ SHARDED = textwrap.dedent("""
 def test_sharded_over_8_devices_equals_one_device():
   """Each device takes its own rows: were they all to take every row, psum would multiply the
   sum by 8; were rows dropped, the masked tail would be wrong."""
-  env = dict(
-    os.environ,
-    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-    JAX_PLATFORMS="cpu",
-  )
+  env = devices.cpu_devices_env(8)
   proc = subprocess.run(
     [sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
   )
@@ -124,11 +121,8 @@ def test_killed_computation_resumes_bit_for_bit(tmp_path):
   """SIGKILL (the repo's OWL_CL_TEST_KILL_AT hook) after chunk 3 of 4 is computed but before
   it commits; the resumed call computes chunks 3 and 4 only and equals an uninterrupted one."""
   folder = str(tmp_path / "left.build")
-  env = dict(os.environ, **{preemption.KILL_HOOK_ENV: "asv_left_chunk:3"})
-  # One device, as this process; the session's other flags kept (they change the rounding).
-  env["XLA_FLAGS"] = " ".join(
-    f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
-  )
+  # One device, as this process (the session's other XLA flags kept).
+  env = devices.cpu_devices_env(1, **{preemption.KILL_HOOK_ENV: "asv_left_chunk:3"})
   proc = subprocess.run(
     [sys.executable, "-c", KILLED, folder],
     env=env,

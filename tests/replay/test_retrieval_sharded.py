@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from owl_cl.testing import devices
+
 SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
@@ -61,11 +63,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_every_algorithm_same_indices_on_8_devices():
-  env = dict(
-    os.environ,
-    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-    JAX_PLATFORMS="cpu",
-  )
+  env = devices.cpu_devices_env(8)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.run(
     [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, cwd=root

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
+from owl_cl.testing import devices
 from owl_cl.train import losses
 
 A, G = 0.3, 2.0
@@ -484,11 +485,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_batch_over_8_cpu_devices():
-  env = dict(
-    os.environ,
-    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-    JAX_PLATFORMS="cpu",
-  )
+  env = devices.cpu_devices_env(8)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   res = subprocess.run(

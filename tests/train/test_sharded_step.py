@@ -3,12 +3,13 @@
 Runs in a subprocess because the number of host devices is fixed when JAX starts.
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from owl_cl.testing import devices
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -59,11 +60,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sharded_train_step_matches_single_device():
-  env = dict(
-    os.environ,
-    XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-    JAX_PLATFORMS="cpu",
-  )
+  env = devices.cpu_devices_env(8)
   proc = subprocess.run(
     [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
   )
