@@ -18,7 +18,7 @@ from typing import Any
 import ml_collections
 
 # Fields a `train.per_dataset.<dataset name>` entry may set; each replaces the `train.*` field
-# of the same name while training on that dataset (`trainer.dataset_train_settings`).
+# of the same name while training on that dataset (`phases.dataset_train_settings`).
 PER_DATASET_FIELDS = (
   "num_epochs",
   "num_steps",

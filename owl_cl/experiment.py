@@ -46,11 +46,11 @@ import uuid
 from absl import logging
 import jax
 import ml_collections
-from tensorboardX import SummaryWriter
 
 from configs import base
 from owl_cl import benchmark as benchmark_lib
 from owl_cl import distributed
+from owl_cl import phases
 from owl_cl import preemption
 from owl_cl import pretrained
 from owl_cl import trainer
@@ -64,6 +64,7 @@ from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
 from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.replay import setup as replay_setup
+from owl_cl.summary_writer import SummaryWriter
 from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.utils import atomic_write_json
@@ -342,7 +343,7 @@ def stage_names(config: ml_collections.ConfigDict, bench: benchmark_lib.Benchmar
   """The stages after pre-training, by `train.schedule`: each dataset of the sequence
   ('sequence', 'per_task'), or the one joint stage ('joint')."""
   if schedule_of(config) == "joint":
-    return [trainer.JOINT]
+    return [phases.JOINT]
   return [d.name for d in bench.sequence]
 
 

@@ -34,6 +34,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from owl_cl import distributed
+from owl_cl import experiment
 from owl_cl import host_memory
 from owl_cl import preemption
 from owl_cl.config_fields import ConfigError
@@ -42,6 +43,7 @@ from owl_cl.eval.results import ResultsConflictError
 from owl_cl.integrity import IntegrityError
 from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.train.checkpointing import DiskFullError
+from owl_cl.train.loop_state import TrainingDivergedError
 from owl_cl.utils import WorkdirLockedError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -133,10 +135,6 @@ def main(argv):
       jax.local_device_count(),
       jax.device_count(),
     )
-  # Imported here, not at the top: experiment imports tensorboardX, which imports torch when it is
-  # installed (the 'hf' extra), seconds that --help and the tests importing main need not wait.
-  from owl_cl import experiment  # pylint: disable=g-import-not-at-top
-
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/swil.py")
@@ -162,9 +160,6 @@ def main(argv):
 
 def known_errors() -> tuple[type[BaseException], ...]:
   """The exceptions that are the user's input, not a bug: reported without a traceback."""
-  # Imported here: trainer imports tensorboardX, which imports torch when installed (as above).
-  from owl_cl.trainer import TrainingDivergedError  # pylint: disable=g-import-not-at-top
-
   return (
     ConfigError,
     DataError,
@@ -183,9 +178,6 @@ def fail(error: BaseException, verbose: bool = False) -> None:
   Raises:
     SystemExit: EXIT_DIVERGED for a diverged training, else EXIT_BAD_INPUT.
   """
-  # Imported here: trainer imports tensorboardX, which imports torch when installed (as above).
-  from owl_cl.trainer import TrainingDivergedError  # pylint: disable=g-import-not-at-top
-
   if verbose:
     traceback.print_exception(error)
   print(f"error: {error}", file=sys.stderr, flush=True)

@@ -21,14 +21,7 @@ LONG_FUNCTIONS = {}
 
 # In-function imports of owl_cl modules ((file, imported module) -> reason): only where the
 # module imported needs torch, transformers or tensorflow (docs/architecture.md, "Layers").
-_TENSORBOARDX = (
-  "imports tensorboardX, which imports torch when it is installed: loaded when a run starts, "
-  "not for --help or the tests that import main"
-)
-FUNCTION_IMPORTS = {
-  ("owl_cl/main.py", "owl_cl.experiment"): _TENSORBOARDX,
-  ("owl_cl/main.py", "owl_cl.trainer"): _TENSORBOARDX,
-}
+FUNCTION_IMPORTS = {}
 
 
 def file_lines(source: str) -> int:

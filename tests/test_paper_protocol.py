@@ -15,6 +15,7 @@ import pytest
 from configs import base
 from owl_cl import benchmark
 from owl_cl import experiment
+from owl_cl import phases
 from owl_cl import trainer
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
@@ -87,7 +88,7 @@ def test_paper_table_transcription():
 
 def test_dataset_train_settings_apply_per_dataset_overrides():
   c = paper_config()
-  got = trainer.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
+  got = phases.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
   assert got == {
     "num_epochs": 7,
     "learning_rate": 1.4e-4,
@@ -97,11 +98,11 @@ def test_dataset_train_settings_apply_per_dataset_overrides():
   }
   # A dataset without overrides falls back on train.*; warmup_epochs (global) still in epochs.
   c.train.per_dataset = {}
-  got = trainer.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
+  got = phases.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
   assert got["warmup_steps"] == 1 * 23 and got["num_epochs"] == c.train.num_epochs
   # The built-in config: exactly train.* (warmup in steps).
   builtin = importlib.import_module("configs.swil").get_config("")
-  got = trainer.dataset_train_settings(builtin, "thermal", steps_per_epoch=12)
+  got = phases.dataset_train_settings(builtin, "thermal", steps_per_epoch=12)
   assert got == {
     "num_epochs": builtin.train.num_epochs,
     "learning_rate": builtin.train.learning_rate,
@@ -111,7 +112,7 @@ def test_dataset_train_settings_apply_per_dataset_overrides():
   }
   c.train.per_dataset = {"Dice": {"epochs": 3}}
   with pytest.raises(ConfigError, match=r"per_dataset.Dice: unknown fields \['epochs'\]"):
-    trainer.dataset_train_settings(c, "Dice", steps_per_epoch=5)
+    phases.dataset_train_settings(c, "Dice", steps_per_epoch=5)
 
 
 def _bench(names):

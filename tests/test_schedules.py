@@ -11,6 +11,7 @@ import pytest
 
 from owl_cl import benchmark as benchmark_lib
 from owl_cl import experiment
+from owl_cl import phases
 from owl_cl import preemption
 from owl_cl import pretrained
 from owl_cl import trainer
@@ -79,18 +80,19 @@ def test_joint_run_trains_the_sequences_data_at_once_and_resumes(
   config = tiny_config("joint", pretrained_cache_dir)
   config.checkpoint.every_steps = 1
   assert config.train.schedule == "joint" and config.replay.algorithm == "uniform"
-  phases = []
-  joint_phase = trainer.joint_phase
+  planned = []
   monkeypatch.setattr(
-    trainer, "joint_phase", lambda *a, **k: phases.append(joint_phase(*a, **k)) or phases[-1]
+    trainer,
+    "joint_phase",
+    lambda *a, **k: planned.append(phases.joint_phase(*a, **k)) or planned[-1],
   )
   results = experiment.run(config, str(tmp_path / "reference"))
 
   # The mixture: the sequence's datasets, their steps (2 each: max_train_steps_per_dataset)
   # and examples (8 per step), in one stage of the sequence's total steps.
   bench = benchmark_lib.load_benchmark(config)
-  sequence = [trainer.dataset_phase(config, d, i) for i, d in enumerate(bench.sequence, 1)]
-  (phase,) = phases
+  sequence = [phases.dataset_phase(config, d, i) for i, d in enumerate(bench.sequence, 1)]
+  (phase,) = planned
   assert [p.name for p in phase.source.parts] == [d.name for d in bench.sequence]
   assert [p.steps for p in phase.source.parts] == [p.total for p in sequence] == [2, 2]
   assert [p.seed for p in phase.source.parts] == [p.data_seed for p in sequence]

@@ -456,31 +456,42 @@ class Replay:
     }
     self.records_path = records_path
     self.recorder = None
-    if config.replay.records and records_path:
+    records = bool(config.replay.records and records_path)
+    if records:
       self.recorder = records_lib.RetrievalRecords(
         store.num_classes, getattr(self.algorithm, "num_candidates", 0)
       )
-      self._retrieve = jax.jit(self.algorithm.retrieve_with_records, static_argnums=3)
-    else:
-      self._retrieve = jax.jit(self.algorithm, static_argnums=3)
+    # The jitted steps are the detector's, shared by every dataset of the run
+    # (`Detector.phase_steps`): the algorithm is a frozen dataclass, equal to an earlier
+    # dataset's when its hyperparameters are.
+    retrieve = self.algorithm.retrieve_with_records if records else self.algorithm
+    self._retrieve = detector.phase_steps(
+      ("retrieve", self.algorithm, records), lambda: jax.jit(retrieve, static_argnums=3)
+    )
     self.buffer = None
     top_k = config.replay.top_k if self.algorithm.needs_features else None
     # 'paper': one eval-mode forward gives the new images' losses (and the features).
     image_features = stores_image_features(config)
     self._new_losses = (
-      step_lib.make_new_loss_step(
-        detector.tuned_model,
-        detector.mesh,
-        loss_config=detector.loss_config,
-        k=top_k,
-        image_features=image_features,
+      detector.phase_steps(
+        ("new_losses", top_k, image_features),
+        lambda: step_lib.make_new_loss_step(
+          detector.tuned_model,
+          detector.mesh,
+          loss_config=detector.loss_config,
+          k=top_k,
+          image_features=image_features,
+        ),
       )
       if self.adaptivity == "paper"
       else None
     )
     self._embed = (
-      step_lib.make_embed_step(
-        detector.tuned_model, detector.mesh, k=top_k, image_features=image_features
+      detector.phase_steps(
+        ("embed", top_k, image_features),
+        lambda: step_lib.make_embed_step(
+          detector.tuned_model, detector.mesh, k=top_k, image_features=image_features
+        ),
       )
       if top_k and self._new_losses is None
       else None

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from owl_cl import benchmark
-from owl_cl import trainer
+from owl_cl import phases
 from owl_cl import validation
 from owl_cl.config_fields import ConfigError
 from owl_cl.data import entries
@@ -201,16 +201,16 @@ def test_zero_shot_sets_are_evaluated_with_the_pretraining_sets(tmp_path):
 
 def test_step_budget_replaces_epochs_by_name():
   config = tiny_detector_config()
-  settings = trainer.dataset_train_settings(config, "pothole", steps_per_epoch=5)
+  settings = phases.dataset_train_settings(config, "pothole", steps_per_epoch=5)
   assert "num_steps" not in settings  # epochs, as before
   config.train.num_steps = 7
-  assert trainer.dataset_train_settings(config, "pothole", 5)["num_steps"] == 7
+  assert phases.dataset_train_settings(config, "pothole", 5)["num_steps"] == 7
   config.train.num_steps_by_dataset = (("pothole", 3), ("Raccoon_Raccoon.v2-raw.coco", 4))
-  assert trainer.dataset_train_settings(config, "pothole", 5)["num_steps"] == 3
-  assert trainer.dataset_train_settings(config, "Raccoon_Raccoon.v2-raw.coco", 5)["num_steps"] == 4
-  assert trainer.dataset_train_settings(config, "other", 5)["num_steps"] == 7
+  assert phases.dataset_train_settings(config, "pothole", 5)["num_steps"] == 3
+  assert phases.dataset_train_settings(config, "Raccoon_Raccoon.v2-raw.coco", 5)["num_steps"] == 4
+  assert phases.dataset_train_settings(config, "other", 5)["num_steps"] == 7
   config.train.per_dataset = {"pothole": {"num_steps": 2}}
-  assert trainer.dataset_train_settings(config, "pothole", 5)["num_steps"] == 2
+  assert phases.dataset_train_settings(config, "pothole", 5)["num_steps"] == 2
   for bad, message in [
     ((("pothole", 0),), "steps >= 1"),
     ((("pothole", 2), ("pothole", 3)), "names ['pothole'] more than once"),

@@ -1,0 +1,65 @@
+"""The run's TensorBoard writer: imported without torch, writes scalars TensorBoard reads."""
+
+import importlib.util
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import owl_cl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(owl_cl.__file__)))
+
+
+def _events(path):
+  """The `Event` protos of a TFRecord file (length u64, its CRC u32, data, the data's CRC u32)."""
+  from tensorboardX.proto import event_pb2
+
+  with open(path, "rb") as f:
+    data = f.read()
+  events, at = [], 0
+  while at < len(data):
+    (length,) = struct.unpack("<Q", data[at : at + 8])
+    event = event_pb2.Event()
+    event.ParseFromString(data[at + 12 : at + 12 + length])
+    events.append(event)
+    at += 12 + length + 4
+  return events
+
+
+def test_scalars_are_written_as_tensorboard_events(tmp_path):
+  from owl_cl.summary_writer import SummaryWriter
+
+  writer = SummaryWriter(str(tmp_path))
+  writer.add_scalar("train/loss", 0.25, 3)
+  writer.add_scalar("train/loss", 0.125, 4)
+  writer.close()
+  (name,) = os.listdir(tmp_path)
+  values = [
+    (event.step, value.tag, value.simple_value)
+    for event in _events(tmp_path / name)
+    for value in event.summary.value
+  ]
+  # Both values are exact in float32.
+  assert values == [(3, "train/loss", 0.25), (4, "train/loss", 0.125)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_importing_the_writer_leaves_torch_unimported_but_importable():
+  code = (
+    "import sys\n"
+    "import owl_cl.summary_writer\n"
+    "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    "import torch\n"
+    "assert torch.zeros(2).sum().item() == 0.0\n"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", code],
+    env=dict(os.environ, PYTHONPATH=REPO),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
