@@ -10,7 +10,7 @@ category id order; boxes are float32 xyxy in pixels of the original image; image
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 import contextlib
 import io
 import json
@@ -167,6 +167,8 @@ class CocoSource:
     self.exif_orientation = exif_orientation
     self.annotation_file = os.fspath(annotation_file)
     self._cache: dict[int, np.ndarray] | None = {} if cache_images else None
+    # (index, key) -> what `derived` computed from the image's pixels (`cache_images` only).
+    self._derived: dict[tuple[int, Hashable], np.ndarray] | None = {} if cache_images else None
     self.image_dir = os.fspath(image_dir)
     self.name = name or os.path.splitext(os.path.basename(self.annotation_file))[0]
     self._options = dict(
@@ -414,6 +416,30 @@ class CocoSource:
         "pixels), which has no 8-bit scale; convert it to 8-bit RGB or 16-bit greyscale"
       )
     return np.asarray(im.convert("RGB"))
+
+  def derived(self, index: int, key: Hashable, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """`compute()`: an array computed from the pixels of image `index` alone, `key` naming how
+    (e.g. its network input at one size and padding: `input_pipeline`).
+
+    Kept in memory, read-only, beside the decoded image when the source keeps those
+    (`cache_images`), so a later epoch or evaluation reuses it; computed on every call
+    otherwise. Each process (grain worker) holds its own. Two threads asking at once may both
+    compute it: `compute` is deterministic, so either result is the same array.
+
+    Raises:
+      IndexError: index out of range. Whatever `compute` raises.
+    """
+    if not -len(self) <= index < len(self):
+      raise IndexError(f"{self.name}: index {index} out of range for {len(self)} images")
+    if self._derived is None:
+      return compute()
+    entry = (int(index) % len(self), key)
+    value = self._derived.get(entry)
+    if value is None:
+      value = np.asarray(compute())
+      value.setflags(write=False)
+      self._derived[entry] = value
+    return value
 
   def load(self, index: int) -> dict[str, Any]:
     """Decode example `index` (0 <= index < len).

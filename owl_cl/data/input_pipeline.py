@@ -170,6 +170,7 @@ def preprocess_train_example(
   crop_aspect_ratio_range: tuple[float, float] = CROP_ASPECT_RATIO_RANGE,
   crop_min_area_fraction: float = 0.6,
   annotated_negatives: bool = True,
+  network_image: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
   """One training example: image resized/padded, queries sampled, targets built.
 
@@ -192,6 +193,10 @@ def preprocess_train_example(
     annotated_negatives: use the example's `negative_labels` (LVIS `neg_category_ids`) as the
       first negatives, topped up by random ones (docs/reference.md §3). Classes in
       `excluded_labels` (boxes removed by augmentation) are never negatives.
+    network_image: float32 [S, S, 3], the example image's `preprocess_image` with these
+      `pad_value`, `squash` and `resize`, computed earlier (`_network_image`: kept by a source
+      that keeps its images); None: computed here. Not with `hflip` or `random_crop`, which
+      change the image first.
 
   Returns:
     dict with the per-example (unbatched) entries of the batch dict: images float32 [S, S, 3],
@@ -210,12 +215,14 @@ def preprocess_train_example(
   instances.
 
   Raises:
-    ValueError: labels outside [0, C) (names the image).
+    ValueError: labels outside [0, C) (names the image); `network_image` with an augmentation.
 
   Source: docs/reference.md §3 (targets per image), §5 (preprocessing); scenic owl_vit.
   """
   image_size, max_instances = spec.image_size, spec.max_instances
   example = _checked_annotations(example, spec.num_classes)
+  if network_image is not None and (hflip or random_crop):
+    raise ValueError("network_image is the image before augmentation: not with hflip/random_crop")
   if hflip or random_crop:
     crop = dict(area_range=crop_area_range, aspect_ratio_range=crop_aspect_ratio_range)
     crop["min_area_fraction"] = crop_min_area_fraction
@@ -238,7 +245,11 @@ def preprocess_train_example(
   scaled = xyxy_to_cxcywh(scale_boxes(inst_boxes, h, w, image_size, squash=squash)) / image_size
   out_labels, out_boxes = instance_targets(scaled, inst_labels, query_class, max_instances)
   return dict(
-    images=preprocess_image(image, image_size, pad_value, squash=squash, method=resize),
+    images=(
+      preprocess_image(image, image_size, pad_value, squash=squash, method=resize)
+      if network_image is None
+      else network_image
+    ),
     queries=query_tokens(query_class, spec.class_tokens, spec.empty_tokens, rng),
     labels=out_labels,
     boxes=out_boxes,
@@ -277,6 +288,7 @@ def preprocess_eval_example(
   pad_value: float = EVAL_PAD_VALUE,
   squash: bool = False,
   resize: str = "resize_with_pad",
+  network_image: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
   """One evaluation example.
 
@@ -284,6 +296,8 @@ def preprocess_eval_example(
     example: dict(image uint8 [H, W, 3], image_id int, ...).
     image_size: S. pad_value: 0.0 (docs/reference.md §5). squash: see `resize_with_pad`.
     resize: 'resize_with_pad' (v1) or 'pad_then_resize' (OWLv2), `image_ops.preprocess_image`.
+    network_image: the image's `preprocess_image` with these settings, computed earlier (see
+      `preprocess_train_example`); None: computed here.
 
   Returns:
     dict(images float32 [S, S, 3], image_id int64 [], orig_size int32 [2] (H, W),
@@ -292,8 +306,10 @@ def preprocess_eval_example(
   Source: docs/reference.md §4-§5.
   """
   image = example["image"]
+  if network_image is None:
+    network_image = preprocess_image(image, image_size, pad_value, squash=squash, method=resize)
   return dict(
-    images=preprocess_image(image, image_size, pad_value, squash=squash, method=resize),
+    images=network_image,
     image_id=np.int64(example["image_id"]),
     orig_size=np.array(image.shape[:2], np.int32),
     example_mask=np.bool_(True),
@@ -321,6 +337,22 @@ def stack_examples(examples: Sequence[dict[str, np.ndarray]]) -> dict[str, np.nd
 # ------------------------------------------------------------------------------------------
 # grain datasets. Transforms are module-level classes so they pickle to grain workers.
 # ------------------------------------------------------------------------------------------
+def _network_image(
+  source, index: int, example: dict[str, Any], size: int, pad_value: float, squash, resize
+) -> np.ndarray:
+  """`preprocess_image` of the example's image (source index `index`), kept by the source
+  when it keeps its images (`CocoSource.derived`): without augmentation an image's network
+  input is the same in every epoch and evaluation, and computing it (resize, scale, pad) was
+  the input pipeline's largest cost on the built-in benchmark (docs/host_cost.md)."""
+  compute = lambda: preprocess_image(
+    example["image"], size, pad_value, squash=squash, method=resize
+  )
+  derived = getattr(source, "derived", None)
+  if derived is None:  # a plain sequence of examples
+    return compute()
+  return derived(index, ("network_image", size, float(pad_value), bool(squash), resize), compute)
+
+
 class _TrainTransform:
   def __init__(
     self,
@@ -341,10 +373,10 @@ class _TrainTransform:
     index = int(self.perm[position])
     rng = example_rng(self.seed, self.epoch, index)
     if self.mosaic_sizes is None:
-      return preprocess_train_example(self.source[index], self.spec, rng=rng, **self.kwargs)
+      return self._single(index, rng)
     k = sample_mosaic_size(rng, self.mosaic_sizes, self.mosaic_probs)
     if k == 1:
-      return preprocess_train_example(self.source[index], self.spec, rng=rng, **self.kwargs)
+      return self._single(index, rng)
     others = rng.integers(0, len(self.source), size=k * k - 1)
     kw = self.kwargs
     mosaic = build_mosaic(
@@ -365,6 +397,22 @@ class _TrainTransform:
     return preprocess_train_example(
       mosaic, self.spec, rng=rng, **dict(kw, hflip=False, random_crop=False)
     )
+
+  def _single(self, index: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The example of source index `index` alone (no mosaic)."""
+    example, kw = self.source[index], self.kwargs
+    network_image = None
+    if not (kw.get("hflip") or kw.get("random_crop")):
+      network_image = _network_image(
+        self.source,
+        index,
+        example,
+        self.spec.image_size,
+        kw.get("pad_value", TRAIN_PAD_VALUE),
+        kw.get("squash", False),
+        kw.get("resize", "resize_with_pad"),
+      )
+    return preprocess_train_example(example, self.spec, rng=rng, network_image=network_image, **kw)
 
 
 class _EvalTransform:
@@ -389,12 +437,16 @@ class _EvalTransform:
   def __call__(self, index: int) -> dict[str, np.ndarray]:
     if index >= self.num_images:
       return padding_eval_example(self.image_size, self.pad_value)
+    example = self.source[index]
     return preprocess_eval_example(
-      self.source[index],
+      example,
       image_size=self.image_size,
       pad_value=self.pad_value,
       squash=self.squash,
       resize=self.resize,
+      network_image=_network_image(
+        self.source, index, example, self.image_size, self.pad_value, self.squash, self.resize
+      ),
     )
 
 

@@ -278,3 +278,26 @@ def test_duplicate_image_id_is_refused(tmp_path):
   assert str(e.value) == (
     f"{ann}: images[2] field 'id' has value 5, which images[0] also has (image ids must be unique)"
   )
+
+
+def test_derived_arrays_kept_only_with_the_images(coco_files):
+  ann, img_dir = coco_files
+  for keep in (True, False):
+    src = CocoSource(ann, img_dir, "x", cache_images=keep)
+    computed = []
+
+    def compute(computed=computed):
+      computed.append(1)
+      return np.arange(3.0)
+
+    first = src.derived(1, "k", compute)
+    again = src.derived(-2, "k", compute)  # the same image, indexed from the end
+    other = src.derived(1, "another key", compute)
+    np.testing.assert_array_equal(again, [0.0, 1.0, 2.0])
+    if keep:
+      assert again is first and other is not first and len(computed) == 2
+      assert not first.flags.writeable  # shared between batches: never written
+    else:
+      assert len(computed) == 3
+    with pytest.raises(IndexError, match="out of range"):
+      src.derived(3, "k", compute)

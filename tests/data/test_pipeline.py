@@ -2,6 +2,7 @@
 
 import numpy as np
 from owl_data_helpers import write_coco
+from PIL import Image
 import pytest
 
 from owl_cl.data import image_ops
@@ -421,4 +422,72 @@ def test_bad_tokens_raise():
       batch_size=1,
       seed=0,
       epoch=0,
+    )
+
+
+def _noisy_coco_source(tmp_path, cache_images):
+  """6 random-pixel images (so a resize is not trivially exact) with one box each, 3 classes."""
+  rng = np.random.default_rng(1)
+  img_dir = tmp_path / "images"
+  img_dir.mkdir(exist_ok=True)
+  images, annotations = [], []
+  for i in range(6):
+    h, w = int(rng.integers(40, 100)), int(rng.integers(40, 100))
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(img_dir / f"{i}.png")
+    images.append(dict(id=i + 1, file_name=f"{i}.png", height=h, width=w))
+    box = [2, 3, 20, 15]
+    annotations.append(dict(id=i + 1, image_id=i + 1, category_id=i % 3 + 1, bbox=box))
+  cats = [dict(id=c + 1, name=f"c{c}") for c in range(3)]
+  ann, _ = write_coco(str(tmp_path), images, annotations, cats, write_images=False)
+  return CocoSource(ann, str(img_dir), cache_images=cache_images)
+
+
+def test_kept_network_inputs_give_the_same_batches_and_are_computed_once(tmp_path, monkeypatch):
+  # A source that keeps its images also keeps each image's network input (`CocoSource.derived`):
+  # without augmentation it is the same in every epoch, so it is computed once per image and
+  # padding value, and the batches equal those of a source that keeps nothing, bit for bit.
+  calls = []
+  real = input_pipeline.preprocess_image
+  monkeypatch.setattr(
+    input_pipeline, "preprocess_image", lambda *a, **k: calls.append(a[2]) or real(*a, **k)
+  )
+  tok, empty = fake_tokens(3)
+  spec = ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW)
+  batches = {}
+  for keep in (False, True):
+    src = _noisy_coco_source(tmp_path, keep)
+    calls.clear()
+    train = [
+      b
+      for e in (0, 1)
+      for b in input_pipeline.train_dataset(src, spec, batch_size=3, seed=0, epoch=e)
+    ]
+    evals = [
+      b for _ in range(2) for b in input_pipeline.eval_dataset(src, image_size=64, batch_size=3)
+    ]
+    batches[keep] = train + evals
+    # 6 images x (2 epochs + 2 evaluations); kept: once per image for each padding value.
+    assert sorted(calls) == sorted([0.0] * 6 * (1 if keep else 2) + [0.5] * 6 * (1 if keep else 2))
+  for a, b in zip(batches[False], batches[True], strict=True):
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+  # With an augmentation the image changes before its network input: computed per example.
+  src = _noisy_coco_source(tmp_path, True)
+  calls.clear()
+  for e in (0, 1):
+    list(input_pipeline.train_dataset(src, spec, batch_size=3, seed=0, epoch=e, hflip=True))
+  assert calls == [0.5] * 12
+
+
+def test_network_image_is_refused_with_an_augmentation():
+  tok, empty = fake_tokens()
+  spec = ExampleSpec(class_tokens=tok, empty_tokens=empty, **KW)
+  with pytest.raises(ValueError, match="before augmentation"):
+    input_pipeline.preprocess_train_example(
+      make_example(),
+      spec,
+      rng=np.random.default_rng(0),
+      hflip=True,
+      network_image=np.zeros((64, 64, 3), np.float32),
     )
