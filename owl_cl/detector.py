@@ -7,7 +7,6 @@ evaluates parameters on a source under the COCO or the LVIS protocol.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import os
 import re
 from typing import Any
@@ -36,6 +35,7 @@ from owl_cl.model import tokenizer as tokenizer_lib
 from owl_cl.train import optim
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
+from owl_cl.train import step_cache
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
 
@@ -176,7 +176,11 @@ class Detector:
     self.resize_method = (
       "pad_then_resize" if self.model.config.version == "owlv2" else "resize_with_pad"
     )
-    self._text_embed = step_lib.make_text_embed_step(self.model)
+    # The jitted steps are the process's (`step_cache`): a later run with the same model
+    # reuses their traces and executables.
+    self._text_embed = step_cache.shared(
+      ("text_embed", self.model), lambda: step_lib.make_text_embed_step(self.model)
+    )
     # LoRA (`train.lora`, docs/lora.md; None: off): fine-tuning trains adapters on the frozen
     # model. `tuned_model` is the model the fine-tuning's eval-mode forwards apply to its
     # parameters (retrieval features, loss adaptivity's pre-forward), `tuned_train_model` the
@@ -189,21 +193,6 @@ class Detector:
       self.tuned_train_model = lora_lib.lora_model(self.model, self.lora, train=True)
     self._predict_steps = {}  # (templates?, top_k, multi_label) -> jitted prediction
     self._class_frequencies = {}  # source -> float64 [C] images per class (negatives)
-    self._phase_steps = {}  # `phase_steps`' key -> what its build returned
-
-  def phase_steps(self, key, build: Callable[[], Any]) -> Any:
-    """`build()`'s result, built once per hashable `key` for this detector.
-
-    The fine-tuning phases of a run build their optimizer, jitted train step and replay steps
-    anew (`trainer.train_phase`); a phase whose static settings (`key`: everything `build`
-    reads) equal an earlier phase's gets that phase's objects back, so jit's cache of traces,
-    lowerings and executables is hit instead of tracing the same program again (seconds per
-    phase on CPU for the tiny model, more for the paper's). The objects hold no state of their
-    own: parameters, optimizer state and keys are their arguments.
-    """
-    if key not in self._phase_steps:
-      self._phase_steps[key] = build()
-    return self._phase_steps[key]
 
   def init_params(self, seed: int):
     size = self.image_size
@@ -257,18 +246,20 @@ class Detector:
   def _predict_step(self, *, templates: bool, top_k: int, multi_label: bool):
     key = (templates, top_k, multi_label)
     if key not in self._predict_steps:
-      if templates:
-        self._predict_steps[key] = step_lib.make_template_predict_step(
-          self.model,
-          self.mesh,
-          top_k=top_k,
-          multi_label=multi_label,
-          ensemble=self.config.eval.ensemble,
-        )
-      else:
-        self._predict_steps[key] = step_lib.make_predict_step(
+      ensemble = self.config.eval.ensemble if templates else None
+
+      def build():
+        if templates:
+          return step_lib.make_template_predict_step(
+            self.model, self.mesh, top_k=top_k, multi_label=multi_label, ensemble=ensemble
+          )
+        return step_lib.make_predict_step(
           self.model, self.mesh, top_k=top_k, multi_label=multi_label
         )
+
+      self._predict_steps[key] = step_cache.shared(
+        ("predict", self.model, self.mesh, key, ensemble), build
+      )
     return self._predict_steps[key]
 
   def example_spec(self, class_tokens: np.ndarray) -> data_spec.ExampleSpec:

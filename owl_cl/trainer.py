@@ -63,6 +63,7 @@ from owl_cl.train import optim
 from owl_cl.train import prefetch
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
+from owl_cl.train import step_cache
 from owl_cl.train import timing
 from owl_cl.train.loop_state import GUARDED_METRICS  # noqa: F401 (re-exported)
 from owl_cl.train.loop_state import LoopState
@@ -592,6 +593,10 @@ def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher)
     frozen=tuple(config.train.get("frozen", ())) + lora,
   )
   step_options = replay.train_step_options
+  # The normalisation applies to fine-tuning only (pre-training and the buffer's per-image
+  # losses stay per image).
+  loss_config = dict(detector.loss_config, normalization=config.loss.normalization)
+  lwf = lwf_options(config)
 
   def build():
     tx, schedule = make_optimizer(params, optimizer, phase.total, config)
@@ -599,26 +604,31 @@ def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher)
       detector.tuned_train_model,
       tx,
       detector.mesh,
-      # The normalisation applies to fine-tuning only (pre-training and the buffer's per-image
-      # losses stay per image).
-      loss_config=dict(detector.loss_config, normalization=config.loss.normalization),
+      loss_config=loss_config,
       max_unique_queries=config.train.max_unique_queries,
-      lwf=lwf_options(config),
+      lwf=lwf,
       **step_options,
     )
     return tx, schedule, train_step
 
-  # The optimizer reads the parameters' tree paths only (LR groups, frozen labels): a later
-  # phase with the same settings and schedule length reuses this one's traced step.
+  # Everything `build` reads. The optimizer reads the parameters' tree paths only (LR groups,
+  # frozen labels): a later phase or run with the same settings and schedule length reuses
+  # this step's trace (`step_cache`).
+  train = config.train
   key = (
     "train_step",
+    detector.tuned_train_model,
+    detector.mesh,
     jax.tree.structure(params),
     tuple(sorted(optimizer.items())),
     phase.total,
+    (train.b1, train.b2, train.eps, train.grad_clip_norm, train.max_unique_queries),
+    tuple(sorted(loss_config.items())),
+    tuple(sorted(lwf.items())) if lwf else None,
     tuple(sorted(step_options.items())),
   )
-  tx, schedule, train_step = detector.phase_steps(key, build)
-  if lwf_options(config):
+  tx, schedule, train_step = step_cache.shared(key, build)
+  if lwf:
     train_step = _with_teacher(train_step, teacher, detector.mesh)
   return tx, schedule, train_step
 

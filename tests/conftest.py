@@ -30,6 +30,7 @@ from owl_cl import utils
 from owl_cl.detector import Detector
 from owl_cl.replay import setup as replay_setup
 from owl_cl.testing.configs import tiny_config
+from owl_cl.train import step_cache
 
 # The environment variables that point the session's subprocesses (`owl_cl.main`, sweeps,
 # benchmark smoke runs) at the session's compilation cache: JAX reads them when imported.
@@ -80,6 +81,16 @@ def _use_xla_cache(folder: str) -> None:
   jax.config.update("jax_compilation_cache_dir", folder)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   compilation_cache.reset_cache()  # decided again at the next compilation, with the folder
+
+
+@pytest.fixture(autouse=True)
+def _fresh_step_cache():
+  """Each test starts with no shared jitted steps (`owl_cl.train.step_cache`): a step that
+  another test built (perhaps under its monkeypatches) is never reused, so no test depends on
+  which ran before it in the worker. The runs within one test still share theirs."""
+  step_cache.clear()
+  yield
+  step_cache.clear()
 
 
 @pytest.fixture(autouse=True)

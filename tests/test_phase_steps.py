@@ -1,6 +1,6 @@
-"""The fine-tuning phases of a run share their jitted steps when, and only when, every static
-setting the steps are built from is equal (`Detector.phase_steps`, `trainer._phase_train_step`,
-`replay.setup.Replay`)."""
+"""The fine-tuning phases and runs of a process share their jitted steps when, and only when,
+every static setting the steps are built from is equal (`owl_cl.train.step_cache`,
+`trainer._phase_train_step`)."""
 
 import types
 
@@ -94,3 +94,37 @@ def test_another_parameter_tree_gets_its_own_steps(detector_and_params):
   grown = dict(params, extra={"kernel": jax.numpy.zeros((2, 2))})
   other = trainer._phase_train_step(detector, _phase("a", 1), grown, NO_REPLAY, None)
   assert other[0] is not base[0] and other[2] is not base[2]
+
+
+def test_another_run_of_the_same_model_gets_the_same_steps(detector_and_params):
+  detector, params = detector_and_params
+  base = trainer._phase_train_step(detector, _phase("a", 1), params, NO_REPLAY, None)
+  # Two more runs' detectors (built in this test: each test starts with an empty cache).
+  one, two = Detector(tiny_detector_config()), Detector(tiny_detector_config())
+  same = trainer._phase_train_step(one, _phase("a", 1), params, NO_REPLAY, None)
+  assert all(x is y for x, y in zip(base, same, strict=True))
+  assert one._text_embed is two._text_embed
+
+
+@pytest.mark.parametrize(
+  "changes",
+  [{"loss.focal_alpha": 0.5}, {"loss.normalization": "per_batch"}, {"train.b2": 0.99}],
+  ids=lambda changes: next(iter(changes)),
+)
+def test_another_run_with_other_options_gets_its_own_steps(detector_and_params, changes):
+  detector, params = detector_and_params
+  base = trainer._phase_train_step(detector, _phase("a", 1), params, NO_REPLAY, None)
+  config = tiny_detector_config(**changes)
+  assert config != detector.config
+  other = trainer._phase_train_step(Detector(config), _phase("a", 1), params, NO_REPLAY, None)
+  assert other[2] is not base[2]
+
+
+def test_another_model_gets_its_own_steps(detector_and_params):
+  detector, params = detector_and_params
+  base = trainer._phase_train_step(detector, _phase("a", 1), params, NO_REPLAY, None)
+  wider = Detector(tiny_detector_config(**{"model.overrides": {"vision_mlp_dim": 96}}))
+  assert wider.model != detector.model
+  other = trainer._phase_train_step(wider, _phase("a", 1), params, NO_REPLAY, None)
+  assert other[2] is not base[2]
+  assert wider._text_embed is not Detector(tiny_detector_config())._text_embed

@@ -193,10 +193,8 @@ def preprocess_train_example(
     annotated_negatives: use the example's `negative_labels` (LVIS `neg_category_ids`) as the
       first negatives, topped up by random ones (docs/reference.md §3). Classes in
       `excluded_labels` (boxes removed by augmentation) are never negatives.
-    network_image: float32 [S, S, 3], the example image's `preprocess_image` with these
-      `pad_value`, `squash` and `resize`, computed earlier (`_network_image`: kept by a source
-      that keeps its images); None: computed here. Not with `hflip` or `random_crop`, which
-      change the image first.
+    network_image: float32 [S, S, 3], the image's `preprocess_image` with these settings, made
+      earlier (`_network_image`); None: made here. Not with `hflip` or `random_crop`.
 
   Returns:
     dict with the per-example (unbatched) entries of the batch dict: images float32 [S, S, 3],
@@ -242,14 +240,12 @@ def preprocess_train_example(
     negative_weights,
     example.get("negative_labels", ()) if annotated_negatives else (),
   )
+  if network_image is None:
+    network_image = preprocess_image(image, image_size, pad_value, squash=squash, method=resize)
   scaled = xyxy_to_cxcywh(scale_boxes(inst_boxes, h, w, image_size, squash=squash)) / image_size
   out_labels, out_boxes = instance_targets(scaled, inst_labels, query_class, max_instances)
   return dict(
-    images=(
-      preprocess_image(image, image_size, pad_value, squash=squash, method=resize)
-      if network_image is None
-      else network_image
-    ),
+    images=network_image,
     queries=query_tokens(query_class, spec.class_tokens, spec.empty_tokens, rng),
     labels=out_labels,
     boxes=out_boxes,

@@ -44,6 +44,7 @@ from owl_cl.replay.retrieval import dedup
 from owl_cl.replay.retrieval import registry
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
+from owl_cl.train import step_cache
 from owl_cl.train import timing
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
@@ -461,11 +462,11 @@ class Replay:
       self.recorder = records_lib.RetrievalRecords(
         store.num_classes, getattr(self.algorithm, "num_candidates", 0)
       )
-    # The jitted steps are the detector's, shared by every dataset of the run
-    # (`Detector.phase_steps`): the algorithm is a frozen dataclass, equal to an earlier
-    # dataset's when its hyperparameters are.
+    # The jitted steps are the process's, shared by every dataset and run that builds them
+    # with equal settings (`step_cache`): the algorithm is a frozen dataclass, equal to an
+    # earlier one when its hyperparameters are.
     retrieve = self.algorithm.retrieve_with_records if records else self.algorithm
-    self._retrieve = detector.phase_steps(
+    self._retrieve = step_cache.shared(
       ("retrieve", self.algorithm, records), lambda: jax.jit(retrieve, static_argnums=3)
     )
     self.buffer = None
@@ -473,8 +474,15 @@ class Replay:
     # 'paper': one eval-mode forward gives the new images' losses (and the features).
     image_features = stores_image_features(config)
     self._new_losses = (
-      detector.phase_steps(
-        ("new_losses", top_k, image_features),
+      step_cache.shared(
+        (
+          "new_losses",
+          detector.tuned_model,
+          detector.mesh,
+          tuple(sorted(detector.loss_config.items())),
+          top_k,
+          image_features,
+        ),
         lambda: step_lib.make_new_loss_step(
           detector.tuned_model,
           detector.mesh,
@@ -487,8 +495,8 @@ class Replay:
       else None
     )
     self._embed = (
-      detector.phase_steps(
-        ("embed", top_k, image_features),
+      step_cache.shared(
+        ("embed", detector.tuned_model, detector.mesh, top_k, image_features),
         lambda: step_lib.make_embed_step(
           detector.tuned_model, detector.mesh, k=top_k, image_features=image_features
         ),
