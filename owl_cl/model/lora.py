@@ -17,6 +17,7 @@ W + (alpha / r) (A B).reshape(W.shape) (`merge`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -89,6 +90,11 @@ def options_from_config(lora_config) -> LoraOptions | None:
   )
 
 
+# Memoised: qwix makes a new subclass of the model's class per call, which compares unequal to
+# the one of an earlier call, so the jitted steps built on an equal LoRA model in a later run
+# of the process (`owl_cl.train.step_cache`, keyed by the model) would not be reused. The
+# returned module holds no state (parameters are passed to `apply`).
+@functools.lru_cache(maxsize=16)
 def lora_model(model: nn.Module, options: LoraOptions, *, train: bool) -> nn.Module:
   """`model` with adapters on the Dense layers `options.targets` matches (qwix).
 

@@ -63,6 +63,20 @@ def test_lora_model_equals_its_base_at_initialisation(setup):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_equal_lora_models_are_one_object(setup):
+  # What lets a later run's jitted steps be shared (`owl_cl.train.step_cache` keys on the
+  # model): qwix would otherwise make a new, unequal subclass on every call.
+  model = setup[0]
+  again = model_lib.create_model(
+    "tiny", vision_layers=1, text_layers=1, vocab_size=64, image_size=32
+  )
+  assert again == model
+  train = lora.lora_model(model, OPTIONS, train=True)
+  assert lora.lora_model(again, OPTIONS, train=True) is train
+  assert lora.lora_model(model, OPTIONS, train=False) != train
+  assert lora.lora_model(model, lora.LoraOptions(rank=4, alpha=4.0), train=True) != train
+
+
 def test_adapter_shapes_are_rank_by_the_layers_dims(setup):
   model, params, _ = setup
   config = model.config
