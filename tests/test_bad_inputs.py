@@ -271,6 +271,7 @@ def test_stale_lock_is_taken_over_with_a_log_line(workdir, caplog):
     assert f.read() == ""  # a clean end leaves no record: the next run logs nothing
 
 
+@pytest.mark.slow
 def test_two_runs_on_one_workdir_one_is_refused(tmp_path, workdir):
   """The first run holds the lock (this process); `python -m owl_cl.main` is refused."""
   fd = hold_lock(workdir, os.getpid(), socket.gethostname())
@@ -301,6 +302,7 @@ def run_main(tmp_path, workdir, *overrides) -> subprocess.CompletedProcess:
   return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_main_bad_fields_exit_2_without_traceback(tmp_path, workdir):
   before = snapshot(workdir)
   result = run_main(tmp_path, workdir, "--config.train.batch_size=0", "--config.replay.ratio=-1")
@@ -311,6 +313,7 @@ def test_main_bad_fields_exit_2_without_traceback(tmp_path, workdir):
   assert snapshot(workdir) == before
 
 
+@pytest.mark.slow
 def test_main_config_typo_is_one_line(tmp_path, workdir):
   before = snapshot(workdir)
   result = run_main(tmp_path, workdir, "--config.train.batchsize=4")
@@ -846,6 +849,7 @@ def test_loader_names_both_models_too(tmp_path):
     pretrained.load_init_checkpoint(str(tmp_path / "ckpt"), like, "the tiny config")
 
 
+@pytest.mark.slow
 def test_main_init_checkpoint_of_another_model_exits_2(tmp_path, workdir):
   save_other_model(tmp_path / "ckpt")
   before = snapshot(workdir)
@@ -1112,6 +1116,7 @@ def test_repeated_tuple_flag_with_a_tuple_is_refused(argv, expected):
     assert problem == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "overrides,expected",
   [

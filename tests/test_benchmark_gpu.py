@@ -124,6 +124,7 @@ def test_sections_and_batches_choose_what_runs_in_the_fixed_order():
   ]
 
 
+@pytest.mark.slow
 def test_grad_agreement_scales_the_key_bias_by_the_key_kernel():
   # bf16 against float32 XLA attention at 17 tokens: every array within the bf16 tolerance
   # once the key bias (zero in exact arithmetic: softmax cancels q . b_k) is divided by the

@@ -91,6 +91,7 @@ def _check_lora_rows(lora, md):
   assert "## LoRA vs full fine-tuning" in md and "| LoRA rank 2 |" in md
 
 
+@pytest.mark.slow
 def test_hf_detection_loss_is_ours():
   # The HF side's full step computes our detection loss (SciPy matching, focal + L1 + GIoU
   # per image): the same value as owl_cl.train.losses.detection_loss on the same inputs.

@@ -104,6 +104,7 @@ def _equal_trees(a, b):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "damage",
   ["flip", "truncate", "delete_metadata", "delete_manifest", "delete_meta_json"],

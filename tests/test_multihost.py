@@ -194,6 +194,7 @@ def _writer_and_log_prefix(single, multi):
   assert [str(r["log_prefix"]) for r in multi] == ["[process 0/2] ", "[process 1/2] "]
 
 
+@pytest.mark.slow
 def test_one_failure_ends_the_run_naming_it(tmp_path):
   start = time.monotonic()
   [(rc0, out0), (rc1, out1)] = _spawn([("fail", 2, str(tmp_path))], timeout=120)[0]
@@ -277,6 +278,7 @@ def test_single_process_sharding_is_device_put():
     sharding.local_rows({"a": np.ones(n), "b": np.ones(2 * n)}, mesh)
 
 
+@pytest.mark.slow
 def test_main_rejects_cluster_flags_without_distributed():
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   proc = subprocess.run(

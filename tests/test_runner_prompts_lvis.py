@@ -56,6 +56,7 @@ def lvis_source(tmp_path_factory):
   return coco.CocoSource(str(path), str(root / "images"), name="lvis_tiny")
 
 
+@pytest.mark.slow
 def test_template_query_embeddings_and_lvis_protocol(lvis_source):
   detector = Detector(tiny_config(**{"eval.prompt_templates": "owl_vit_7"}))
   params = detector.init_params(0)

@@ -46,6 +46,7 @@ def test_scalars_are_written_as_tensorboard_events(tmp_path):
   assert values == [(3, "train/loss", 0.25), (4, "train/loss", 0.125)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_importing_the_writer_leaves_torch_unimported_but_importable():
   code = (

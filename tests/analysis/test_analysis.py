@@ -168,6 +168,7 @@ def _bars(ax):
   return len(ax.patches)
 
 
+@pytest.mark.slow
 def test_figures(workdir, tmp_path):
   run = analysis.load_run(workdir)
   other = str(tmp_path / "no_replay_seed0")

@@ -10,6 +10,8 @@ the README's table and the committed report.md, character for character. The sam
 import os
 import re
 
+import pytest
+
 from owl_cl.analysis import report as report_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,6 +48,7 @@ def _report():
   return report_lib.build_report(report_lib.load_points(runs), "uniform")
 
 
+@pytest.mark.slow
 def test_readme_table_is_the_committed_sweeps_report():
   table = _readme_table()
   rows = _readme_rows(table)
@@ -57,6 +60,7 @@ def test_readme_table_is_the_committed_sweeps_report():
   assert min(report["summary"][a]["pretrain_AP"]["n"] for a in report["algorithms"]) >= 5
 
 
+@pytest.mark.slow
 def test_committed_report_md_is_current():
   order = _readme_order()
   with open(os.path.join(SWEEP, report_lib.REPORT_MD), encoding="utf-8") as f:
@@ -64,6 +68,7 @@ def test_committed_report_md_is_current():
   assert committed == report_lib.render_markdown(_report(), order=order)
 
 
+@pytest.mark.slow
 def test_committed_reports_by_order_are_current():
   # benchmarks/sweep_builtin.sh writes one report per stored order (factor 4, the order effect).
   order = _readme_order()

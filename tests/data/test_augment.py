@@ -305,6 +305,7 @@ AUG = dict(
 )
 
 
+@pytest.mark.slow
 def test_workers_give_the_same_batches(dice):
   t, e = tokens(dice.num_classes)
   spec = ExampleSpec(class_tokens=t, empty_tokens=e, **SIZES)

@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("scipy")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,size", [((30, 50, 3), 24), ((41, 17, 3), 32), ((20, 20, 3), 40)])
 def test_matches_hf_owlv2_image_processor(shape, size):
   """Down-sampling (both aspect ratios) and up-sampling; HF (transformers 5) pads with 0.0."""

@@ -343,6 +343,7 @@ def test_building_a_split_reads_its_records_and_decodes_no_image(tmp_path, monke
   np.testing.assert_array_equal(image, np.asarray(Image.open(io.BytesIO(_png(11, 77, 33)))))
 
 
+@pytest.mark.slow
 def test_reading_imports_no_tensorflow(pair):
   _, tf = pair
   spec = tf.split("test")

@@ -320,6 +320,7 @@ def test_train_dataset_shapes_and_determinism():
     np.testing.assert_array_equal(a[0][k][0], ref[k])
 
 
+@pytest.mark.slow
 def test_train_dataset_multiprocessing_matches():
   tok, empty = fake_tokens()
   src = _sequence_source(8)
@@ -393,6 +394,7 @@ def test_batch_rows_split_each_global_batch():
     )
 
 
+@pytest.mark.slow
 def test_eval_batch_rows_cover_every_image_once():
   src = [dict(make_example(h=20, w=30, boxes=[], labels=(), image_id=10 + i)) for i in range(5)]
   whole = list(input_pipeline.eval_dataset(src, image_size=32, batch_size=4))

@@ -31,6 +31,7 @@ def _padded_tokens():
   return jnp.asarray(tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_self_attention_equals_flax_multihead_attention(with_mask):
   tokens = _padded_tokens()
@@ -57,6 +58,7 @@ def test_self_attention_equals_flax_multihead_attention(with_mask):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_text_tower_with_padded_queries_equals_flax_attention(monkeypatch):
   """The whole text tower (padded queries, their mask) with flax's module swapped in."""
   tower = clip_lib.TextEncoder(
@@ -273,6 +275,7 @@ def test_cudnn_attention_gradients_match_xla_on_gpu(length, with_mask):
     np.testing.assert_allclose(g, np.asarray(w, np.float32), atol=3e-2 * scale, rtol=0)
 
 
+@pytest.mark.slow
 def test_key_bias_gradient_is_zero_in_exact_arithmetic():
   # The premise of `clip_lib.gradient_scale_path`: softmax cancels q . b_k, so the key bias's
   # gradient is float32 rounding noise (8e-8 of the key kernel's here, under one eps = 1.2e-7;

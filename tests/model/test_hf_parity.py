@@ -170,6 +170,7 @@ def test_config_derived_from_hf(converted):
   )
 
 
+@pytest.mark.slow
 def test_hf_to_ours_outputs_match(hf_model, converted):
   model, _ = hf_model
   params, config = converted
@@ -340,6 +341,7 @@ def test_hf_config_errors_name_field(tmp_path):
     ck.model_config_to_hf_config(owl_lib.get_variant_config("tiny").replace(embed_dim=64))
 
 
+@pytest.mark.slow
 def test_cli_hf_round_trip(hf_model, converted, tmp_path):
   from owl_cl.train import checkpointing
 

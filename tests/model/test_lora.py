@@ -49,6 +49,7 @@ def test_default_targets_are_the_configs():
   assert base.get_config("lora").train.lora.rank == base.LORA_RANK
 
 
+@pytest.mark.slow
 def test_lora_model_equals_its_base_at_initialisation(setup):
   model, params, batch = setup
   adapters = lora.init_adapters(model, OPTIONS, jax.random.PRNGKey(1))
@@ -151,6 +152,7 @@ def test_adapters_take_their_kernels_lr_multiplier(setup):
       assert multipliers[name] == multipliers[re.sub(r"_lora_[ab]$", "", name)]
 
 
+@pytest.mark.slow
 def test_training_moves_only_the_adapters_and_the_merge_equals_the_lora_model(setup):
   """Three real train steps (dropout on): the base is bit-identical and has no Adam state,
   every adapter's B moved, and the base model on the merged kernels equals the LoRA model."""

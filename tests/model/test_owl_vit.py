@@ -90,6 +90,7 @@ def tiny():
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_vit_l14_parameter_count_and_outputs():
   model = create_model("vit_l14")
   images = jax.ShapeDtypeStruct((1, 840, 840, 3), jnp.float32)
@@ -275,6 +276,7 @@ def test_masked_queries(tiny):
   np.testing.assert_allclose(out3["pred_logits"][:, :, :2], logits[:, :, :2], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_query_embedding_path_and_methods(tiny):
   model, v, images, queries, out = (
     tiny[k] for k in ("model", "variables", "images", "queries", "out")
@@ -496,6 +498,7 @@ def test_droplayer_rates():
   assert clip_lib.droplayer_rates(1, 0.5) == [0.0]
 
 
+@pytest.mark.slow
 def test_stochastic_depth_train_eval(tiny):
   model, v, images, queries, out = (
     tiny[k] for k in ("model", "variables", "images", "queries", "out")

@@ -47,6 +47,7 @@ def test_variants_and_tree():
     owl_lib.create_model("tiny", version="v3")
 
 
+@pytest.mark.slow
 def test_top_k_is_the_full_output_at_the_top_tokens(tiny):
   """Invariant: the train-time top-k outputs equal the full outputs gathered at the k tokens of
   highest objectness (stochastic depth off, so train and eval compute the same)."""
@@ -73,6 +74,7 @@ def test_top_k_is_the_full_output_at_the_top_tokens(tiny):
   assert ev["pred_logits"].shape[1] == t
 
 
+@pytest.mark.slow
 def test_objectness_gradient_reaches_only_its_head(tiny):
   """stop_gradient (scenic's OWLv2 config): d(objectness)/d(backbone) = 0, head's != 0."""
   model, params, images, queries = tiny

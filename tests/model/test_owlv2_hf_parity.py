@@ -127,6 +127,7 @@ def hf_model(request, tmp_path_factory):
   return model, folder, size
 
 
+@pytest.mark.slow
 def test_hf_owlv2_outputs_match_and_round_trip_bit_identical(hf_model, tmp_path):
   model, folder, size = hf_model
   params, config = ck.load_hf_checkpoint(folder)
@@ -169,6 +170,7 @@ def test_hf_owlv2_outputs_match_and_round_trip_bit_identical(hf_model, tmp_path)
     assert np.array_equal(_flat(reloaded)[k], v), k
 
 
+@pytest.mark.slow
 def test_owlv2_cli_round_trip_and_inferred_version(hf_model, tmp_path):
   from owl_cl.train import checkpointing
 
@@ -210,6 +212,7 @@ def test_owlv2_l14_mapping_covers_the_real_hf_model():
   assert back == config.replace(hf_compat=True)
 
 
+@pytest.mark.slow
 def test_image_guided_detection_matches_hf(hf_model):
   """Image-conditioned detection: the query is the class embedding of the query image's token
   of highest objectness (HF's ``embed_image_query``); the target logits and boxes match HF's

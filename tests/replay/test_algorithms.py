@@ -81,6 +81,7 @@ def test_uniform_balanced_cycles_classes(make_buffer):
   assert int(s.class_pointer) == 1
 
 
+@pytest.mark.slow
 def test_swil_follows_similarity(make_buffer):
   c, e = 4, 8
   buffer = make_buffer(seed=9, n=20, c=c, e=e)

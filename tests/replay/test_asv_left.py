@@ -94,6 +94,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_over_8_devices_equals_one_device():
   """Each device takes its own rows: were they all to take every row, psum would multiply the
   sum by 8; were rows dropped, the masked tail would be wrong."""

@@ -155,6 +155,7 @@ def test_prototypes_and_distances_match_numpy():
   assert len(sel_all[0][2]) == 9  # not capped at 6
 
 
+@pytest.mark.slow
 def test_prototype_from_model_class_embeddings_hand_worked():
   """Class head -> prototype -> prototype distance, worked by hand (scenic/released semantics).
 

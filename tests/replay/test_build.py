@@ -176,6 +176,7 @@ def analysis(setup):
 
 # Default: prototypes over the kept images; released: over every image, with the top-k tokens'
 # ViT features stored (ASER on image features).
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "changes", [{}, {"prototype_images": "all", "image_features": True}], ids=["paper", "released"]
 )
@@ -285,6 +286,7 @@ def test_interrupted_build_resumes_to_the_same_store(setup, whole, tmp_path, sto
   _assert_same_store(whole, path)
 
 
+@pytest.mark.slow
 def test_killed_subprocess_build_resumes_to_the_same_store(setup, whole, tmp_path):
   detector, params, source, options = setup
   options = _resume_options(options)

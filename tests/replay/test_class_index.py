@@ -86,6 +86,7 @@ def _reference_uniform_in_class(key, membership, eligible, classes, active, repl
   return jax.lax.scan(step, jnp.asarray(eligible, bool), (keys, classes, active))[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("without_replacement", [True, False])
 @pytest.mark.parametrize("fallback", [True, False])
 def test_uniform_in_class_equals_the_column_scan(without_replacement, fallback):
@@ -118,6 +119,7 @@ def test_uniform_in_class_equals_the_column_scan(without_replacement, fallback):
     assert not np.asarray(none[1]).any()
 
 
+@pytest.mark.slow
 def test_prototype_weighted_matches_exact_probabilities():
   # Chi-square of 4000 draws of a class of 20 members, two blocks of its segment (b = 16:
   # the block-then-member draw), against eq. 2's probabilities p_i = (d_i + 1e-8)^-w / sum,

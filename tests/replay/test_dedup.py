@@ -75,6 +75,7 @@ def test_dataset_schedule_never_repeats_until_exhausted(name, make_buffer, caplo
   assert not np.asarray(s.dedup_mask).any() and int(s.num_resets) == 2
 
 
+@pytest.mark.slow
 def test_dataset_schedule_partial_cycle(make_buffer):
   """N not a multiple of the batch: unique until fewer than `num` remain, then reset."""
   n, num = 10, 4
@@ -90,6 +91,7 @@ def test_dataset_schedule_partial_cycle(make_buffer):
   assert bool(s.auto_reset) and np.asarray(valid).all() and len(set(np.asarray(idx).tolist())) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALGOS)
 def test_none_schedule_allows_repeats(name, make_buffer):
   n, num = 6, 4
@@ -122,6 +124,7 @@ def test_epoch_schedule_resets_each_epoch(make_buffer):
   assert int(s.num_resets) == 2
 
 
+@pytest.mark.slow
 def test_none_without_replacement_within_call_released():
   """Released 'batch' schedule: nothing is marked across calls, but one call never repeats an
   image. One class of exactly 4 members, 4 replays per call: every call must return those 4
@@ -152,6 +155,7 @@ def test_none_without_replacement_within_call_released():
   assert repeats > 0  # P(4 distinct of 4 with replacement) = 24/256 per call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "fraction_reset, expected",
   [

@@ -61,6 +61,7 @@ def _recursion_reference(d, u, k, valid):
   return s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3, 20])
 def test_knn_shapley_equals_exact_shapley_by_enumeration(k, sort_path):
   rng = np.random.default_rng(k)
@@ -81,6 +82,7 @@ def test_knn_shapley_equals_exact_shapley_by_enumeration(k, sort_path):
   assert np.all(got[:, ~valid] == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 20, 45])
 def test_knn_shapley_matches_numpy_recursion(k, sort_path):
   rng = np.random.default_rng(10 + k)
@@ -93,6 +95,7 @@ def test_knn_shapley_matches_numpy_recursion(k, sort_path):
   np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_knn_shapley_infinite_and_negative_distances_keep_the_stable_order(sort_path):
   # The sort maps float distances to int32 keys: +inf valid candidates must still sort
   # before invalid ones (ties by index), negative distances before positive ones.
@@ -111,6 +114,7 @@ def _lexsort_rows(key):
   return np.stack([np.lexsort((np.arange(key.shape[1]), row)) for row in key], axis=1)
 
 
+@pytest.mark.slow
 def test_knn_shapley_every_sort_path_gives_the_stable_order(monkeypatch):
   # Four paths give the order: on CPU one NumPy sort of packed (key, index) words; elsewhere
   # the binned sort (N_c <= BINNED_SORT_MAX_CANDIDATES), the packed rank sort, and above
@@ -191,6 +195,7 @@ def _binned(d, valid):
   return np.asarray(order), bool(exact)
 
 
+@pytest.mark.slow
 def test_binned_sort_orders_candidates_that_share_a_bin():
   # The row's span (0 to 1e6) puts 1, 1 + 1 ulp and 1 + 2 ulp in one bin (bin width ~2e-3),
   # where the uint32 sort leaves them in index order, i.e. reversed; 7 + 1 ulp and 7 likewise.
@@ -206,6 +211,7 @@ def test_binned_sort_orders_candidates_that_share_a_bin():
   np.testing.assert_array_equal(order, _lexsort_rows(np.where(valid, d, np.inf)))
 
 
+@pytest.mark.slow
 def test_binned_sort_reports_groups_it_cannot_order():
   # Four distinct distances in one bin, in reverse order: three passes cannot sort them, the
   # check must say so, and `_sort_order` must still return the exact order (fallback).
@@ -231,6 +237,7 @@ def test_binned_sort_reports_groups_it_cannot_order():
   )
 
 
+@pytest.mark.slow
 def test_binned_sort_matches_exact_sort_on_paper_sized_rows():
   # [1344, 1344] (ASER's left term): uniform distances (ties in about 5% of the rows), L2-like
   # distances with a zero diagonal, and coarse distances with many exact ties; the binned path
@@ -252,6 +259,7 @@ def test_binned_sort_matches_exact_sort_on_paper_sized_rows():
     )
 
 
+@pytest.mark.slow
 def test_knn_shapley_errors_and_no_valid_candidate():
   with pytest.raises(ValueError, match="K must be >= 1"):
     knn_shapley.knn_shapley(np.zeros((1, 2)), np.zeros((1, 2)), 0)
@@ -271,6 +279,7 @@ def _l2(a, b):
   return np.sqrt(np.maximum(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1), 0))
 
 
+@pytest.mark.slow
 def test_image_knn_shapley_all_to_all_and_nearest_token_match_numpy():
   rng = np.random.default_rng(3)
   n_e, n_c, t, e, k = 3, 5, 2, 4, 3
@@ -311,6 +320,7 @@ def test_image_knn_shapley_all_to_all_and_nearest_token_match_numpy():
     knn_shapley.image_knn_shapley(ec, eq, cc, cq, k, token_matching="mean")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("token_matching", ["all_to_all", "nearest_token"])
 def test_image_knn_shapley_in_blocks_equals_one_block(monkeypatch, token_matching):
   # The evaluation images are split into blocks of about EVAL_BLOCK_TOKENS tokens (7 images of
@@ -332,6 +342,7 @@ def test_image_knn_shapley_in_blocks_equals_one_block(monkeypatch, token_matchin
   np.testing.assert_array_equal(blocked[1], whole[1])
 
 
+@pytest.mark.slow
 def test_precompute_left_term_equals_full_matrix():
   rng = np.random.default_rng(4)
   n, t, e, k = 7, 2, 4, 3

@@ -12,6 +12,7 @@ SW-ASER-PC's ASV scores) run here on the OWLv2 features themselves.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from owl_cl.model import owl_vit as owl_lib
 from owl_cl.replay import state as state_lib
@@ -22,6 +23,7 @@ from owl_cl.train import step as step_lib
 B, N, C, K, SIZE, Q = 4, 24, 6, 3, 32, 3
 
 
+@pytest.mark.slow
 def test_retrieval_reads_owlv2_features_as_v1s(make_buffer):
   model = owl_lib.create_model("owlv2_tiny", image_size=SIZE, vision_layers=1, text_layers=1)
   rng = np.random.default_rng(0)

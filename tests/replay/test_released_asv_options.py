@@ -28,6 +28,7 @@ def _one_class_buffer(distances, class_embeddings, query_embeddings):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["a_sw_grasp", "sw_aser_pc"])
 def test_within_class_weighting_frequencies(name):
   """One class with two images at prototype distances 0.1 and 0.4. A-SW-GRASP's SWIL slot
@@ -83,6 +84,7 @@ NEW_IMAGE = {
 
 
 # sw_aser_pc shares aser_pc's ASV code (it differs in the candidate class step only).
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["aser", "aser_pc"])
 def test_asv_without_left_term_hand_worked(name):
   """Released no_buff: ASV = -(right term). Candidate query embeddings e2, (1/2, sqrt(3)/2),
@@ -173,6 +175,7 @@ def test_tknn_harmonic_closed_form():
       assert abs(a2 - (sum(1.0 / i for i in range(1, c + 1)) - 1.0)) < 1e-12, (n, c)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["aser", "aser_pc"])
 def test_asv_tknn_reaches_both_terms(name):
   """ASER variants with asv_shapley='tknn' (released SV_type='TKNN'): the line buffer of
@@ -244,6 +247,7 @@ def test_prototypes_over_the_whole_pretraining_set_hand_worked():
     buffer_selection.buffer_prototypes(sums, counts, keep, "every")
 
 
+@pytest.mark.slow
 def test_per_image_candidate_subsets_hand_worked():
   """SW-ASER-PC with per-image candidate subsets (released caser.balanced=True), no left term.
 

@@ -14,6 +14,7 @@ def _entropy(p):
   return -(nz * np.log(nz)).sum() / np.log(len(p))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form, want_grasp", [("eligible", False), ("all", True)])
 def test_adaptive_entropy_classes(form, want_grasp):
   """A-SW-GRASP's switch entropy with an exhausted class.
@@ -95,6 +96,7 @@ def _three_class_buffer():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", [0, 1, 2])
 def test_exhausted_class_balanced_hand_worked(key):
   """Balanced (sequential order), 4 slots: classes 0, 1, 2, then class 0 again, which ran
@@ -114,6 +116,7 @@ def test_exhausted_class_balanced_hand_worked(key):
   assert len(set(idx.tolist())) == 4 and int(r_rd.class_pointer) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", [0, 1, 2])
 def test_exhausted_class_swil_hand_worked(key):
   """SWIL, one new image whose embedding is class 0's prototype (p(class 0) ~ 1 - 2e-8), two

@@ -63,6 +63,7 @@ def _state(algo, buffer, key=0):
 ALL_ACTIVE = jnp.ones(NUM, bool)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_dataset_dedup_determinism_and_reset(name, buffer):
   algo, retrieve = _jitted(name)
@@ -117,6 +118,7 @@ def test_active_none_means_all_active(buffer):
   np.testing.assert_array_equal(np.asarray(plain[2].dedup_mask), np.asarray(full[2].dedup_mask))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_classes_without_eligible_image_are_never_drawn(name, buffer):
   algo, retrieve = _jitted(name)
@@ -142,6 +144,7 @@ def test_classes_without_eligible_image_are_never_drawn(name, buffer):
     assert np.all(np.asarray(p)[:, target] == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "name, schedule",
   [("sw_grasp", "epoch"), ("uniform_balanced", "fraction"), ("aser_pc", "fraction")],
@@ -168,6 +171,7 @@ def test_no_repeat_within_period(name, schedule, buffer):
     assert resets == 5  # 8 replays per period = 2 calls; resets at 2,4,..,10
 
 
+@pytest.mark.slow
 def test_a_sw_grasp_switch(buffer):
   membership = np.asarray(buffer.class_membership)
   feats = _features(2)
@@ -184,6 +188,7 @@ def test_a_sw_grasp_switch(buffer):
       assert int(s.class_pointer) == -1 and np.isnan(np.asarray(rec["grasp_entropy"])).all()
 
 
+@pytest.mark.slow
 def test_aser_and_aser_pc_pick_the_top_asv_of_the_whole_buffer(buffer):
   """With N_c = N and no dedup the candidate set is the whole buffer, so ASER and ASER-PC
   (left term over the whole buffer) must both replay the top-NUM ASV of the kernels."""

@@ -71,6 +71,7 @@ def test_adversarial_shapley_value_matches_numpy():
     sample_selection.adversarial_shapley_value(left, right[:, :3], c)
 
 
+@pytest.mark.slow
 def test_balanced_classes_active_slots_do_not_consume_the_pointer():
   eligible = jnp.array([True, False, True, True, True])
   active = jnp.array([True, False, False, True, True, False, True])
@@ -105,6 +106,7 @@ def test_balanced_reshuffled_visits_each_eligible_class_once_per_pass():
   assert sorted(np.asarray(new_order).tolist()) == list(range(c))
 
 
+@pytest.mark.slow
 def test_prototype_weighted_in_class_distribution():
   d = np.full((6, 2), np.inf, np.float32)
   d[:4, 0] = [0.1, 0.2, 0.4, 0.8]  # class 0 has images 0..3

@@ -78,6 +78,7 @@ def test_uniform_in_class_is_uniform_over_eligible_members():
   assert abs(counts[1] / 3000 - 0.5) < 0.04
 
 
+@pytest.mark.slow
 def test_uniform_is_uniform_over_ordered_samples():
   # 4 eligible images, 2 slots: each of the 12 ordered pairs has probability 1/12
   # (chi-square, 11 degrees of freedom; p = 0.001 critical value 31.3). uniform_active's

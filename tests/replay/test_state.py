@@ -63,6 +63,7 @@ def test_make_replay_buffer_validation():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "name, hyperparameters",
   [
@@ -109,6 +110,7 @@ def test_no_key_is_drawn_twice(monkeypatch, name, hyperparameters):
   assert len(set(drawn)) == len(drawn)
 
 
+@pytest.mark.slow
 def test_a_fresh_state_can_be_donated():
   # Every leaf its own buffer: a retrieval jitted with the state donated (a user's loop may
   # do so to update it in place) must run from init_replay_state, and give what it gives

@@ -7,6 +7,7 @@ v1 objective unchanged (no objectness logits, no stored objectness, or weight 0)
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from owl_cl.train import losses
 
@@ -49,6 +50,7 @@ def test_objectness_distillation_hand_worked():
   assert not np.asarray(gs).any()
 
 
+@pytest.mark.slow
 def test_der_plus_plus_with_objectness_hand_worked():
   new_o, new_t, rep_o, rep_t, stored_logits, stored_obj = _problem()
   v1 = losses.der_plus_plus_loss(

@@ -223,6 +223,7 @@ def test_paper_train_step_equals_reference_combination():
   assert float(ref_total) + 1e-3 < float(unweighted)
 
 
+@pytest.mark.slow
 def test_released_gate_drops_replay_loss_below_threshold():
   model, params, new, replay = _setup()
   valid = np.array([True, True, False, True])
@@ -284,6 +285,7 @@ def test_unknown_mode_is_rejected():
     )
 
 
+@pytest.mark.slow
 def test_new_loss_step_matches_detection_loss():
   model, params, new, replay = _setup()
   step = step_lib.make_new_loss_step(model, sharding.create_mesh(), loss_config=LOSS_CONFIG, k=2)
@@ -296,6 +298,7 @@ def test_new_loss_step_matches_detection_loss():
 # ------------------------------------------------------- retrieval with inactive slots
 
 
+@pytest.mark.slow
 def test_inactive_slots_are_invalid_and_not_marked():
   rng = np.random.default_rng(1)
   n, c = 40, 5

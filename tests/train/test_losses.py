@@ -108,6 +108,7 @@ def test_box_conversions_roundtrip():
   np.testing.assert_allclose(losses.box_xyxy_to_cxcywh(xyxy), b, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_iou_giou_hand_computed():
   a = jnp.array([[0.0, 0.0, 2.0, 2.0]])
   cases = {  # box b: (IoU, GIoU) computed by hand
@@ -221,6 +222,7 @@ def test_hungarian_equals_scipy(b, t, m):
       assert sorted(got[i][got[i] != m].tolist()) == np.flatnonzero(real).tolist()
 
 
+@pytest.mark.slow
 def test_hungarian_under_vmap_and_validation():
   rng = np.random.default_rng(3)
   cost = rng.normal(size=(2, 3, 6, 4)).astype(np.float32)
@@ -240,6 +242,7 @@ def test_hungarian_under_vmap_and_validation():
 # ---------------------------------------------------------------- full detection loss
 
 
+@pytest.mark.slow
 def test_detection_loss_hand_worked():
   """T=2 tokens, Q=3 (slot 0 = ''), one real box (label 1) plus one padding instance."""
   logits = np.array(
@@ -327,6 +330,7 @@ def test_perfect_predictions_zero_box_loss_and_padding_ignored():
   )
 
 
+@pytest.mark.slow
 def test_per_example_normalisation_and_mask():
   rng = np.random.default_rng(7)
   logits, pboxes, labels, boxes = random_problem(rng, 3, 10, 4, 5, n_real=None)
@@ -347,6 +351,7 @@ def test_per_example_normalisation_and_mask():
   np.testing.assert_allclose(masked["loss"], (singles[0] + singles[2]) / 2, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_jit_and_finite_gradients():
   rng = np.random.default_rng(9)
   logits, pboxes, labels, boxes = random_problem(rng, 2, 8, 3, 5)
@@ -372,6 +377,7 @@ def test_jit_and_finite_gradients():
 # ---------------------------------------------------------------- DER++
 
 
+@pytest.mark.slow
 def test_distillation_mse_padding_and_mask():
   rng = np.random.default_rng(11)
   b, t, q = 3, 4, 5
@@ -401,6 +407,7 @@ def test_distillation_mse_padding_and_mask():
   np.testing.assert_array_equal(np.asarray(g)[:, :, 3:], 0.0)
 
 
+@pytest.mark.slow
 def test_der_plus_plus_composition_and_replay_mask():
   rng = np.random.default_rng(13)
   ln, pn, yn, bn = random_problem(rng, 2, 8, 3, 5)
@@ -484,6 +491,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_batch_over_8_cpu_devices():
   env = devices.cpu_devices_env(8)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -499,6 +507,7 @@ def test_sharded_batch_over_8_cpu_devices():
   assert res.returncode == 0 and "SHARDED_OK" in res.stdout, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_per_batch_normalization_hand_worked():
   """normalization='per_batch' (released code): the batch's sums over its total counts.
 

@@ -35,6 +35,7 @@ def test_class_loss_hand_worked():
   np.testing.assert_allclose(float(value), 0.25 * math.log(25 / 9), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_class_loss_zero_at_agreement_and_weighted_images():
   rng = np.random.default_rng(0)
   z = jnp.asarray(rng.normal(size=(2, 3, 4)) * 3, jnp.float32)
@@ -80,6 +81,7 @@ def _tiny():
   return model, batch, jax.device_get(params)
 
 
+@pytest.mark.slow
 def test_train_step_takes_the_teacher_as_an_argument():
   """One compiled step: teacher = the parameters gives LwF 0; another teacher a positive
   term, and the loss is the detection loss plus weight * the class term."""

@@ -23,6 +23,7 @@ def _random_cost(rng, n, m, integer):
   return rng.normal(size=(n, m)).astype(np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("integer", [True, False])
 def test_linear_sum_assignment_matches_scipy_both_orientations(integer):
   rng = np.random.default_rng(0 if integer else 1)
@@ -58,6 +59,7 @@ def _check_matching(cost, mask, index):
   return float(cost[tokens, index[tokens]].astype(np.float64).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("integer", [True, False])
 def test_match_targets_equals_scipy_matcher_with_padded_targets(integer):
   rng = np.random.default_rng(2 if integer else 3)

@@ -49,6 +49,7 @@ def _one_box_case():
   return pred_logits, pred_boxes, labels, boxes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalization", ["per_image", "per_batch"])
 def test_detection_loss_term_and_v1_unchanged(normalization):
   args = _one_box_case()
@@ -72,6 +73,7 @@ def test_detection_loss_term_and_v1_unchanged(normalization):
     np.testing.assert_array_equal(on[k], v1[k])
 
 
+@pytest.mark.slow
 def test_der_plus_plus_carries_objectness_in_both_halves():
   pred_logits, pred_boxes, labels, boxes = _one_box_case()
   obj = jnp.array([[0.0, np.log(3.0)]])

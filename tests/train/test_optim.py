@@ -321,6 +321,7 @@ def test_frozen_leaves_have_no_adam_state_and_zero_update():
       np.testing.assert_array_equal(np.asarray(u), np.asarray(r))
 
 
+@pytest.mark.slow
 def test_frozen_parameters_bit_identical_after_train_steps():
   """Two steps of the real train step (tiny model): the text tower is unchanged, the heads move."""
   model = model_lib.create_model(

@@ -36,6 +36,7 @@ def _setup():
   return model, params, jnp.asarray(images), jnp.asarray(queries)
 
 
+@pytest.mark.slow
 def test_distinct_query_path_equals_plain_forward():
   model, params, images, queries = _setup()
   plain = step_lib._forward(model, params, images, queries, train=False)

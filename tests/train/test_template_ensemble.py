@@ -75,6 +75,7 @@ def _sigmoid(x):
   return 1.0 / (1.0 + np.exp(-x))
 
 
+@pytest.mark.slow
 def test_scores_match_numpy_ensembling(setup):
   model, params, images, q = setup["model"], setup["params"], setup["images"], setup["q"]
   logits, boxes_ref = setup["logits"], setup["boxes"]
