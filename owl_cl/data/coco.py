@@ -25,6 +25,10 @@ from pycocotools.coco import COCO
 __all__ = ["DataError", "CocoSource"]
 
 
+# The most bytes of derived arrays (`CocoSource.derived`) one source keeps in memory.
+DERIVED_BUDGET_BYTES = 1 << 30
+
+
 class DataError(ValueError):
   """A dataset file is missing or malformed; the message names the file, field and value."""
 
@@ -169,6 +173,7 @@ class CocoSource:
     self._cache: dict[int, np.ndarray] | None = {} if cache_images else None
     # (index, key) -> what `derived` computed from the image's pixels (`cache_images` only).
     self._derived: dict[tuple[int, Hashable], np.ndarray] | None = {} if cache_images else None
+    self._derived_bytes = 0  # of the arrays in `_derived` (at most DERIVED_BUDGET_BYTES)
     self.image_dir = os.fspath(image_dir)
     self.name = name or os.path.splitext(os.path.basename(self.annotation_file))[0]
     self._options = dict(
@@ -422,9 +427,11 @@ class CocoSource:
     (e.g. its network input at one size and padding: `input_pipeline`).
 
     Kept in memory, read-only, beside the decoded image when the source keeps those
-    (`cache_images`), so a later epoch or evaluation reuses it; computed on every call
-    otherwise. Each process (grain worker) holds its own. Two threads asking at once may both
-    compute it: `compute` is deterministic, so either result is the same array.
+    (`cache_images`), so a later epoch or evaluation reuses it, while the kept arrays total at
+    most `DERIVED_BUDGET_BYTES` (the built-in benchmark's 64-pixel network inputs: about
+    200 MB; at 768 pixels one image's is 7 MB, so only the first ones are kept); computed on
+    every call otherwise. Each process (grain worker) holds its own. Two threads asking at
+    once may both compute it: `compute` is deterministic, so either result is the same array.
 
     Raises:
       IndexError: index out of range. Whatever `compute` raises.
@@ -437,8 +444,10 @@ class CocoSource:
     value = self._derived.get(entry)
     if value is None:
       value = np.asarray(compute())
-      value.setflags(write=False)
-      self._derived[entry] = value
+      if self._derived_bytes + value.nbytes <= DERIVED_BUDGET_BYTES:
+        value.setflags(write=False)
+        self._derived[entry] = value
+        self._derived_bytes += value.nbytes
     return value
 
   def load(self, index: int) -> dict[str, Any]:

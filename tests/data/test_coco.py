@@ -9,6 +9,7 @@ from owl_data_helpers import basic_dataset
 from owl_data_helpers import write_coco
 import pytest
 
+from owl_cl.data import coco as coco_lib
 from owl_cl.data.coco import CocoSource
 from owl_cl.data.coco import DataError
 
@@ -301,3 +302,15 @@ def test_derived_arrays_kept_only_with_the_images(coco_files):
       assert len(computed) == 3
     with pytest.raises(IndexError, match="out of range"):
       src.derived(3, "k", compute)
+
+
+def test_derived_arrays_kept_within_the_budget(coco_files, monkeypatch):
+  # 24 bytes each, 50 bytes kept at most: the first two entries stay, the third is computed on
+  # every call (still returned, never kept).
+  monkeypatch.setattr(coco_lib, "DERIVED_BUDGET_BYTES", 50)
+  ann, img_dir = coco_files
+  src = CocoSource(ann, img_dir, "x", cache_images=True)
+  first = [src.derived(i, "k", lambda: np.zeros(3)) for i in range(3)]
+  again = [src.derived(i, "k", lambda: np.ones(3)) for i in range(3)]
+  assert again[0] is first[0] and again[1] is first[1]
+  np.testing.assert_array_equal(again[2], np.ones(3))  # computed again: over the budget
