@@ -191,7 +191,6 @@ class Detector:
     if self.lora is not None:
       self.tuned_model = lora_lib.lora_model(self.model, self.lora, train=False)
       self.tuned_train_model = lora_lib.lora_model(self.model, self.lora, train=True)
-    self._predict_steps = {}  # (templates?, top_k, multi_label) -> jitted prediction
     self._class_frequencies = {}  # source -> float64 [C] images per class (negatives)
 
   def init_params(self, seed: int):
@@ -244,23 +243,19 @@ class Detector:
     return jnp.transpose(embeddings.reshape(num_classes, num_templates, -1), (1, 0, 2))
 
   def _predict_step(self, *, templates: bool, top_k: int, multi_label: bool):
-    key = (templates, top_k, multi_label)
-    if key not in self._predict_steps:
-      ensemble = self.config.eval.ensemble if templates else None
+    """The jitted prediction step (`step.make_predict_step`, or its template-ensemble form),
+    shared by every detector of the process with this model and mesh (`step_cache`)."""
+    ensemble = self.config.eval.ensemble if templates else None
 
-      def build():
-        if templates:
-          return step_lib.make_template_predict_step(
-            self.model, self.mesh, top_k=top_k, multi_label=multi_label, ensemble=ensemble
-          )
-        return step_lib.make_predict_step(
-          self.model, self.mesh, top_k=top_k, multi_label=multi_label
+    def build():
+      if templates:
+        return step_lib.make_template_predict_step(
+          self.model, self.mesh, top_k=top_k, multi_label=multi_label, ensemble=ensemble
         )
+      return step_lib.make_predict_step(self.model, self.mesh, top_k=top_k, multi_label=multi_label)
 
-      self._predict_steps[key] = step_cache.shared(
-        ("predict", self.model, self.mesh, key, ensemble), build
-      )
-    return self._predict_steps[key]
+    key = ("predict", self.model, self.mesh, templates, top_k, multi_label, ensemble)
+    return step_cache.shared(key, build)
 
   def example_spec(self, class_tokens: np.ndarray) -> data_spec.ExampleSpec:
     """The training example of this run with `class_tokens` (int32 [C, L] or [C, P, L]):

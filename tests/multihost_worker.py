@@ -80,7 +80,7 @@ def run(jax, distributed, pid: int, out: str) -> None:
   new, replay = batch(), batch()
   replay["stored_logits"] = rng.normal(size=(B, T, Q)).astype(np.float32)
   replay["replay_mask"] = np.array([True] * 7 + [False])
-  params = model.init(
+  params = jax.jit(model.init)(
     jax.random.PRNGKey(0), jnp.asarray(new["images"][:1]), jnp.asarray(new["queries"][:1])
   )["params"]
   params = jax.device_get(params)

@@ -25,6 +25,7 @@ from owl_cl.detector import Detector
 from owl_cl.eval import detection
 from owl_cl.testing import fake_data
 from owl_cl.train import checkpointing
+from owl_cl.train import step as step_lib
 
 # configs/ivlod_odinw13.py is a protocol on real data (its args: '' and 'glip'), not an
 # algorithm with the built-in / 'paper' / 'released' args (tests/data/test_ivlod_data.py).
@@ -339,6 +340,13 @@ def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypat
 
   monkeypatch.setattr(detection, "evaluate_source", fake_evaluate_source)
   monkeypatch.setattr(detector, "eval_query_embeddings", lambda params, source: None)
+  built = []  # top_k of each prediction step built
+
+  def fake_make_predict_step(model, mesh, *, top_k, multi_label):
+    built.append(top_k)
+    return None
+
+  monkeypatch.setattr(step_lib, "make_predict_step", fake_make_predict_step)
   for dataset in bench.sequence:
     detector.evaluate_dataset(None, dataset, "test")
   assert seen == {
@@ -346,4 +354,4 @@ def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypat
     by_name["Pothole"].test.annotation_file: 300,
   }
   # One prediction step per detection count: top_k 100 (EgoHands) and eval.top_k 300.
-  assert {key[1] for key in detector._predict_steps} == {100, 300}
+  assert sorted(built) == [100, 300]

@@ -2,7 +2,7 @@
 
 `python -m owl_cl.analysis.interference DIR... [--out FILE.md]` (docs/experiments.md, factor 3):
 for each downstream dataset that interferes with two named pre-training classes
-(`owl_cl.data.builtin.vocabulary.INTERFERENCE`), the share of the class-based replays
+(`owl_cl.data.builtin.vocabulary.interference()`), the share of the class-based replays
 (`records/<dataset>.npz` `sampled_class_counts`: the class each class step drew) that went to
 those two classes, per algorithm: mean ± 95% t-interval half-width over the runs, in percent.
 A class-balanced draw gives 2 / 20 = 10 %; an algorithm that protects the interfered classes
@@ -36,7 +36,7 @@ def named_class_shares(workdir: str) -> dict[str, float]:
   """
   names = vocabulary.pretrain_class_names()
   out = {}
-  for item in vocabulary.INTERFERENCE:
+  for item in vocabulary.interference():
     path = os.path.join(workdir, runs_lib.RECORDS_DIR, f"{item.dataset}.npz")
     if not os.path.exists(path):
       continue
@@ -73,7 +73,7 @@ def build_table(workdirs: Sequence[str]) -> dict[str, dict[str, dict[str, Any]]]
 def render_markdown(table: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
   """The table as markdown: one row per algorithm, one column per interfering dataset (its
   named classes in the header), cells 'mean ± half-width (n)'."""
-  items = [i for i in vocabulary.INTERFERENCE if any(i.dataset in t for t in table.values())]
+  items = [i for i in vocabulary.interference() if any(i.dataset in t for t in table.values())]
   header = [f"`{i.dataset}`: {' / '.join(i.pretrain_classes)}" for i in items]
   lines = [
     "| algorithm | " + " | ".join(header) + " |",

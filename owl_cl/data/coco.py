@@ -422,6 +422,13 @@ class CocoSource:
       )
     return np.asarray(im.convert("RGB"))
 
+  def _checked_index(self, index: int) -> int:
+    """`index` in [0, len) (a negative one counts from the end); IndexError naming the source
+    when out of range."""
+    if not -len(self) <= index < len(self):
+      raise IndexError(f"{self.name}: index {index} out of range for {len(self)} images")
+    return int(index) % len(self)
+
   def derived(self, index: int, key: Hashable, compute: Callable[[], np.ndarray]) -> np.ndarray:
     """`compute()`: an array computed from the pixels of image `index` alone, `key` naming how
     (e.g. its network input at one size and padding: `input_pipeline`).
@@ -431,16 +438,17 @@ class CocoSource:
     most `DERIVED_BUDGET_BYTES` (the built-in benchmark's 64-pixel network inputs: about
     200 MB; at 768 pixels one image's is 7 MB, so only the first ones are kept); computed on
     every call otherwise. Each process (grain worker) holds its own. Two threads asking at
-    once may both compute it: `compute` is deterministic, so either result is the same array.
+    once may both compute it: `compute` is deterministic, so either result is the same array
+    (and both may count it, so the budget can be passed by one entry per racing thread: no
+    lock, which a source pickled into grain's workers could not carry).
 
     Raises:
       IndexError: index out of range. Whatever `compute` raises.
     """
-    if not -len(self) <= index < len(self):
-      raise IndexError(f"{self.name}: index {index} out of range for {len(self)} images")
+    index = self._checked_index(index)
     if self._derived is None:
       return compute()
-    entry = (int(index) % len(self), key)
+    entry = (index, key)
     value = self._derived.get(entry)
     if value is None:
       value = np.asarray(compute())
@@ -462,9 +470,7 @@ class CocoSource:
       DataError: the image file is missing or unreadable (names path and image id), or its
         decoded size differs from the json's height/width.
     """
-    if not -len(self) <= index < len(self):
-      raise IndexError(f"{self.name}: index {index} out of range for {len(self)} images")
-    index = int(index) % len(self)
+    index = self._checked_index(index)
     info = self._images[index]
     if self._cache is not None and index in self._cache:
       return dict(

@@ -194,7 +194,7 @@ def preprocess_train_example(
       first negatives, topped up by random ones (docs/reference.md §3). Classes in
       `excluded_labels` (boxes removed by augmentation) are never negatives.
     network_image: float32 [S, S, 3], the image's `preprocess_image` with these settings, made
-      earlier (`_network_image`); None: made here. Not with `hflip` or `random_crop`.
+      earlier (`kept_network_image`); None: made here. Not with `hflip` or `random_crop`.
 
   Returns:
     dict with the per-example (unbatched) entries of the batch dict: images float32 [S, S, 3],
@@ -333,20 +333,28 @@ def stack_examples(examples: Sequence[dict[str, np.ndarray]]) -> dict[str, np.nd
 # ------------------------------------------------------------------------------------------
 # grain datasets. Transforms are module-level classes so they pickle to grain workers.
 # ------------------------------------------------------------------------------------------
-def _network_image(
-  source, index: int, example: dict[str, Any], size: int, pad_value: float, squash, resize
+def kept_network_image(
+  source, index: int, example: dict[str, Any], size: int, options: dict[str, Any]
 ) -> np.ndarray:
-  """`preprocess_image` of the example's image (source index `index`), kept by the source
-  when it keeps its images (`CocoSource.derived`): without augmentation an image's network
-  input is the same in every epoch and evaluation, and computing it (resize, scale, pad) was
-  the input pipeline's largest cost on the built-in benchmark (docs/host_cost.md)."""
+  """float32 [S, S, 3]: `preprocess_image` of `example`'s image (source index `index`) with
+  `options`' pad_value, squash and resize (the keywords of `preprocess_train_example`;
+  defaults when absent), kept by the source when it keeps its images (`CocoSource.derived`).
+
+  Without augmentation an image's network input is the same in every epoch, evaluation and
+  replay-buffer build, and computing it (resize, scale, pad) was the input pipeline's largest
+  cost on the built-in benchmark (docs/host_cost.md). `source` may also be a plain sequence
+  of examples (nothing kept).
+  """
+  pad_value = float(options.get("pad_value", TRAIN_PAD_VALUE))
+  squash = bool(options.get("squash", False))
+  resize = options.get("resize", "resize_with_pad")
   compute = lambda: preprocess_image(
     example["image"], size, pad_value, squash=squash, method=resize
   )
   derived = getattr(source, "derived", None)
-  if derived is None:  # a plain sequence of examples
+  if derived is None:
     return compute()
-  return derived(index, ("network_image", size, float(pad_value), bool(squash), resize), compute)
+  return derived(index, ("network_image", size, pad_value, squash, resize), compute)
 
 
 class _TrainTransform:
@@ -399,15 +407,7 @@ class _TrainTransform:
     example, kw = self.source[index], self.kwargs
     network_image = None
     if not (kw.get("hflip") or kw.get("random_crop")):
-      network_image = _network_image(
-        self.source,
-        index,
-        example,
-        self.spec.image_size,
-        kw.get("pad_value", TRAIN_PAD_VALUE),
-        kw.get("squash", False),
-        kw.get("resize", "resize_with_pad"),
-      )
+      network_image = kept_network_image(self.source, index, example, self.spec.image_size, kw)
     return preprocess_train_example(example, self.spec, rng=rng, network_image=network_image, **kw)
 
 
@@ -440,8 +440,12 @@ class _EvalTransform:
       pad_value=self.pad_value,
       squash=self.squash,
       resize=self.resize,
-      network_image=_network_image(
-        self.source, index, example, self.image_size, self.pad_value, self.squash, self.resize
+      network_image=kept_network_image(
+        self.source,
+        index,
+        example,
+        self.image_size,
+        dict(pad_value=self.pad_value, squash=self.squash, resize=self.resize),
       ),
     )
 

@@ -26,7 +26,6 @@ from flax import traverse_util
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import qwix
 
 from owl_cl.train import optim
 
@@ -116,6 +115,10 @@ def lora_model(model: nn.Module, options: LoraOptions, *, train: bool) -> nn.Mod
   Source: qwix `apply_lora_to_model`, `LoraProvider`, `LoraRule` (qwix 0.1.8,
   `qwix/_src/providers/lora.py`).
   """
+  # Imported here: qwix (with flax.nnx) takes about 0.17 s to import, which every process
+  # paid though only a LoRA run needs it.
+  import qwix
+
   rules = [
     qwix.LoraRule(
       module_path=pattern,

@@ -183,10 +183,17 @@ class BufferExample:
 
   def __call__(self, index) -> dict[str, np.ndarray]:
     index = int(index)
+    example = self.source.load(index)
+    # Never augmented (checked by BufferSpec): the image's network input is the one the
+    # source kept for pre-training, when it keeps them.
+    network_image = input_pipeline.kept_network_image(
+      self.source, index, example, self.spec.image_size, self.options
+    )
     example = input_pipeline.preprocess_train_example(
-      self.source.load(index),
+      example,
       self.spec,
       rng=input_pipeline.example_rng(self.seed, 0, index),
+      network_image=network_image,
       **self.options,
     )
     return {k: example[k] for k in EXAMPLE_KEYS + ("image_id",)}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.optimize
 
 from owl_cl.train import matching as matching_lib
 from owl_cl.train.boxes import box_cxcywh_to_xyxy
@@ -207,6 +206,10 @@ def _match_numpy(cost: np.ndarray, mask: np.ndarray) -> np.ndarray:
   cost = np.asarray(cost, np.float64)
   mask = np.asarray(mask, bool)
   *batch, t, k = cost.shape
+  # Imported here: scipy.optimize takes about 0.25 s to import, which every process paid
+  # (`owl_cl.main`, each test worker) though only the 'scipy' matcher needs it.
+  from scipy.optimize import linear_sum_assignment
+
   cost = cost.reshape(-1, t, k)
   mask = np.broadcast_to(mask, (*batch, k)).reshape(-1, k)
   out = np.full((cost.shape[0], t), k - 1, np.int32)
@@ -219,7 +222,7 @@ def _match_numpy(cost: np.ndarray, mask: np.ndarray) -> np.ndarray:
     if not np.all(np.isfinite(sub)):
       finite = sub[np.isfinite(sub)]
       sub = np.where(np.isfinite(sub), sub, (finite.max() if finite.size else 1.0) * 1.1 + 10)
-    rows, picked = scipy.optimize.linear_sum_assignment(sub)
+    rows, picked = linear_sum_assignment(sub)
     out[i, rows] = cols[picked]
   return out.reshape(*batch, t)
 

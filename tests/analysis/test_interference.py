@@ -37,9 +37,9 @@ def write_run(root, name, algorithm, counts_by_dataset, status="complete"):
 
 
 def test_shares_hand_worked(tmp_path):
-  # thermal's named classes: yellow striped, purple striped (vocabulary.INTERFERENCE).
-  assert V.INTERFERENCE[0].dataset == "thermal"
-  assert V.INTERFERENCE[0].pretrain_classes == ("yellow striped", "purple striped")
+  # thermal's named classes: yellow striped, purple striped (vocabulary.interference()).
+  assert V.interference()[0].dataset == "thermal"
+  assert V.interference()[0].pretrain_classes == ("yellow striped", "purple striped")
   a = write_run(
     tmp_path,
     "swil_0",

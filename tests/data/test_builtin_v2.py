@@ -198,7 +198,7 @@ def test_reappearing_class_and_negative_control(v2):
   assert not any(set(n.split()) & words for n, _ in control.classes)
   assert {s.color for _, s in control.classes} == {"black ink", "orange ink"}
   assert not {"black", "orange"} & set(V.PRETRAIN_COLORS)
-  assert not any(i.dataset == V.NEGATIVE_CONTROL for i in V.INTERFERENCE)
+  assert not any(i.dataset == V.NEGATIVE_CONTROL for i in V.interference())
 
 
 def test_buffer_several_times_one_datasets_replays():

@@ -9,6 +9,7 @@ from owl_cl.data import image_ops
 from owl_cl.data import input_pipeline
 from owl_cl.data.coco import CocoSource
 from owl_cl.data.spec import ExampleSpec
+from owl_cl.replay import build as build_lib
 
 L = 16
 C = 10
@@ -467,9 +468,11 @@ def test_kept_network_inputs_give_the_same_batches_and_are_computed_once(tmp_pat
     evals = [
       b for _ in range(2) for b in input_pipeline.eval_dataset(src, image_size=64, batch_size=3)
     ]
-    batches[keep] = train + evals
-    # 6 images x (2 epochs + 2 evaluations); kept: once per image for each padding value.
-    assert sorted(calls) == sorted([0.0] * 6 * (1 if keep else 2) + [0.5] * 6 * (1 if keep else 2))
+    # The replay buffer's examples of the same images (never augmented) reuse them too.
+    buffer = [build_lib.BufferExample(src, 0, spec, {})(i) for i in range(6)]
+    batches[keep] = train + evals + buffer
+    # 6 images x (2 epochs + 2 evaluations + the buffer); kept: once per image and padding.
+    assert sorted(calls) == sorted([0.0] * 6 * (1 if keep else 2) + [0.5] * 6 * (1 if keep else 3))
   for a, b in zip(batches[False], batches[True], strict=True):
     assert a.keys() == b.keys()
     for k in a:

@@ -139,10 +139,13 @@ def _grads(model, params, images, queries):
 @pytest.mark.parametrize("remat", ["block", "dots_with_no_batch_dims_saveable"])
 def test_remat_keeps_tree_and_gradients(remat):
   images, queries = _tiny_inputs()
-  base = owl_vit.create_model("tiny", remat="none")
-  params = base.init(jax.random.PRNGKey(0), images, queries)["params"]
-  remat_model = owl_vit.create_model("tiny", remat=remat)
-  params_remat = remat_model.init(jax.random.PRNGKey(0), images, queries)["params"]
+  # Two vision blocks (the tiny variant has 4): enough for remat to recompute a block whose
+  # input is another remat block's output; each block more only adds compilation time.
+  layers = dict(vision_layers=2, text_layers=1)
+  base = owl_vit.create_model("tiny", remat="none", **layers)
+  params = jax.jit(base.init)(jax.random.PRNGKey(0), images, queries)["params"]
+  remat_model = owl_vit.create_model("tiny", remat=remat, **layers)
+  params_remat = jax.jit(remat_model.init)(jax.random.PRNGKey(0), images, queries)["params"]
   assert jax.tree.structure(params) == jax.tree.structure(params_remat)
   jax.tree.map(np.testing.assert_array_equal, params, params_remat)
   # Stochastic depth on (train=True): the recomputed blocks must redraw the same masks.
@@ -171,7 +174,7 @@ def test_bfloat16_compute_stays_close_to_float32():
   images, queries = _tiny_inputs()
   f32 = owl_vit.create_model("tiny", dtype=jnp.float32)
   bf16 = owl_vit.create_model("tiny", dtype=jnp.bfloat16)
-  params = f32.init(jax.random.PRNGKey(0), images, queries)["params"]
+  params = jax.jit(f32.init)(jax.random.PRNGKey(0), images, queries)["params"]
   # Non-trivial heads (their last kernels are initialised at or near 0).
   params = jax.tree_util.tree_map_with_path(
     lambda path, x: (

@@ -31,7 +31,7 @@ def setup():
     "tiny", vision_layers=1, text_layers=1, vocab_size=64, image_size=32
   )
   batch = detection_batch(np.random.default_rng(0), 2, num_queries=4, max_boxes=3)
-  params = model.init(
+  params = jax.jit(model.init)(
     jax.random.PRNGKey(0), jnp.asarray(batch["images"]), jnp.asarray(batch["queries"])
   )["params"]
   return model, jax.device_get(params), batch

@@ -116,7 +116,7 @@ def test_train_step_with_jax_matcher_equals_scipy_matcher():
   boxes = np.concatenate([cxcy, rng.uniform(0.1, 0.3, (b, m, 2))], -1).astype(np.float32)
   batch = {k: jnp.asarray(v) for k, v in dict(images=images, queries=queries).items()}
   batch.update(labels=jnp.asarray(labels), boxes=jnp.asarray(boxes))
-  params = model.init(jax.random.PRNGKey(0), images, queries)["params"]
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), images, queries)["params"]
   tx = optax.adamw(1e-3)
   mesh = sharding_lib.create_mesh()
   results = {}

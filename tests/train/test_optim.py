@@ -329,7 +329,7 @@ def test_frozen_parameters_bit_identical_after_train_steps():
   )
   rng = np.random.default_rng(0)
   batch = detection_batch(rng, 2, num_queries=4, max_boxes=3, query_length=16)
-  params = model.init(
+  params = jax.jit(model.init)(
     jax.random.PRNGKey(0), jnp.asarray(batch["images"]), jnp.asarray(batch["queries"])
   )["params"]
   params = jax.device_get(params)

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     new, replay = batch(), batch()
     replay["stored_logits"] = rng.normal(size=(B, T, Q)).astype(np.float32)
     replay["replay_mask"] = np.array([True] * 7 + [False])
-    params = model.init(jax.random.PRNGKey(0), jnp.asarray(new["images"]),
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.asarray(new["images"]),
                         jnp.asarray(new["queries"]))["params"]
     params = jax.device_get(params)   # host copy: the step donates its device state
     loss_config = dict(focal_alpha=0.3, focal_gamma=2.0)

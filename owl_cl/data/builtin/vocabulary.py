@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -342,27 +343,36 @@ def _shared_pattern(dataset, name, pattern, colour_or_rgb):
   )
 
 
-INTERFERENCE: tuple[Interference, ...] = (
-  _shared_pattern("thermal", "striped pipe", "striped", "orange"),
-  _shared_pattern("negative", "dotted sticker", "dotted", "cyan"),
-  _shared_pattern("tiny", "plain bead", "plain", "orange"),
-  Interference(
-    "clutter",
-    None,
-    "",
-    None,
-    tuple(f"{c} {p}" for c, p in CLUTTER_DISTRACTOR_PAIRS),
-    "its 3-6 unannotated distractors are objects of the named classes (trained as background)",
-  ),
-  Interference(
-    "textured",
-    "checkered patch",
-    "checkered",
-    _CHECKERBOARD_RGB,
-    nearest_same_pattern(_CHECKERBOARD_RGB, "checkered"),
-    "a checkerboard-photograph fill and the word 'checkered' shared with the named classes",
-  ),
-)
+@functools.cache
+def interference() -> tuple[Interference, ...]:
+  """Version 2's designed interference: per downstream dataset, the class that shares a
+  pattern (and its word) with two named pre-training classes (docs/experiments.md).
+
+  A function, computed once on first use, not a module constant: the thermal colour comes
+  from matplotlib's inferno map, and importing matplotlib (about 0.1 s) would otherwise be paid
+  by every process that imports the built-in benchmark.
+  """
+  return (
+    _shared_pattern("thermal", "striped pipe", "striped", "orange"),
+    _shared_pattern("negative", "dotted sticker", "dotted", "cyan"),
+    _shared_pattern("tiny", "plain bead", "plain", "orange"),
+    Interference(
+      "clutter",
+      None,
+      "",
+      None,
+      tuple(f"{c} {p}" for c, p in CLUTTER_DISTRACTOR_PAIRS),
+      "its 3-6 unannotated distractors are objects of the named classes (trained as background)",
+    ),
+    Interference(
+      "textured",
+      "checkered patch",
+      "checkered",
+      _CHECKERBOARD_RGB,
+      nearest_same_pattern(_CHECKERBOARD_RGB, "checkered"),
+      "a checkerboard-photograph fill and the word 'checkered' shared with the named classes",
+    ),
+  )
 
 
 def _v2_domain(v1: Domain, classes, description: str, **changes) -> Domain:
@@ -471,7 +481,7 @@ def design(version: int) -> dict[str, Any]:
     "class_frequencies": class_frequencies(),
     "frequency_seed": FREQUENCY_SEED,
     "tail_classes": tail_class_names(),
-    "interference": [dataclasses.asdict(i) for i in INTERFERENCE],
+    "interference": [dataclasses.asdict(i) for i in interference()],
     "reappearing_class": {
       "name": REAPPEARING_CLASS,
       "datasets": [d.name for d in DOWNSTREAM_V2 if REAPPEARING_CLASS in dict(d.classes)],
