@@ -428,6 +428,8 @@ class _EvalTransform:
       squash,
     )
     self.resize = resize
+    # `kept_network_image`'s options, made once rather than per example.
+    self.image_options = dict(pad_value=pad_value, squash=squash, resize=resize)
     self.num_images = len(source) if num_images is None else num_images
 
   def __call__(self, index: int) -> dict[str, np.ndarray]:
@@ -441,11 +443,7 @@ class _EvalTransform:
       squash=self.squash,
       resize=self.resize,
       network_image=kept_network_image(
-        self.source,
-        index,
-        example,
-        self.image_size,
-        dict(pad_value=self.pad_value, squash=self.squash, resize=self.resize),
+        self.source, index, example, self.image_size, self.image_options
       ),
     )
 
