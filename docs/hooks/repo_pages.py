@@ -28,7 +28,7 @@ REPO_PAGES = {"README.md": "index.md"}
 # left out. benchmarks/results/sweep_builtin holds the committed sweep's report and figures
 # (the README shows them; its runs/ subfolder holds only results.json files), and
 # benchmarks/results/owlv2_builtin/{v1,v2} the reports of OWLv2 beside v1, and
-# benchmarks/results/gpu_{second,third}_session/call* the raw output of GPU calls.
+# benchmarks/results/gpu_{second,third,fourth}_session/call* the raw output of GPU calls.
 REPO_PAGE_DIRS = (
   "benchmarks",
   "benchmarks/results",
@@ -44,6 +44,8 @@ REPO_PAGE_DIRS = (
   "benchmarks/results/gpu_third_session/call3",
   "benchmarks/results/gpu_third_session/call4/peak1",
   "benchmarks/results/gpu_third_session/call4/peak2",
+  "benchmarks/results/gpu_fourth_session/call1",
+  "benchmarks/results/gpu_fourth_session/call2",
 )
 NAV_PAGES = ("index.md", "benchmarks/README.md")
 
