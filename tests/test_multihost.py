@@ -306,7 +306,6 @@ def get_config():
   c.data.builtin.downstream = ("thermal",)
   # A step checkpoint after each of thermal's 2 steps (results are the same either way).
   c.checkpoint.every_steps = {every_steps!r}
-  c.compilation_cache_dir = {xla_dir!r}
   return c
 """
 
@@ -483,10 +482,11 @@ def test_main_job_two_processes_matches_one(tmp_path, pretrained_cache_dir):
     configs[name].write_text(
       _MAIN_CONFIG.format(
         cache_dir=str(cache),
-        # Step checkpoints only where the test kills; an XLA cache lets the resumed 2-process
-        # run skip the compilations of the killed one.
+        # Step checkpoints only where the test kills. Both layouts compile into the session's
+        # compilation cache (tiny_config leaves `compilation_cache_dir` empty: JAX takes the
+        # folder from the environment, tests/conftest.py), so the resumed 2-process run
+        # skips the compilations of the killed one.
         every_steps=1 if name == "multi" else None,
-        xla_dir=str(tmp_path / "xla") if name == "multi" else "",
       )
     )
   single, multi = str(tmp_path / "single"), str(tmp_path / "multi")

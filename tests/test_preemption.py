@@ -29,13 +29,15 @@ from owl_cl.train import checkpointing
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(owl_cl.__file__)))
 
 
-def _write_config(path, cache_dir, xla_dir, image_cache=None):
+def _write_config(path, cache_dir, image_cache=None):
+  # No compilation cache of the run's own (tiny_config's ''): JAX reads the session's from
+  # the environment (tests/conftest.py), so the later runs compile nothing and the killed
+  # run's pre-training step comes from the session's pre-training.
   with open(path, "w") as f:
     f.write(
       "from owl_cl.testing.configs import tiny_config\n\n\n"
       "def get_config():\n"
       f"  c = tiny_config('swil', {cache_dir!r})\n"
-      f"  c.compilation_cache_dir = {xla_dir!r}\n"
       "  c.checkpoint.every_steps = 1\n"
       # Fewer evaluations between datasets (the last stage still evaluates every set).
       "  c.eval.pretraining_sets_after_each_dataset = False\n"
@@ -63,7 +65,6 @@ def _run_main(config_file, workdir, kill_at=None):
 
 @pytest.mark.slow
 def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, tmp_path):
-  xla = str(tmp_path / "xla")  # shared compilation cache: the later runs compile nothing
   configs = {}
   for name, folders in (("reference", ("builtin", "pretrained")), ("killed", ("builtin",))):
     # Own caches with the session's built-in benchmark. The reference also gets the session's
@@ -77,7 +78,7 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, t
     # The killed run replays through the uint8 image cache (killed while filling it, too),
     # the reference decodes every replayed image: the results must not differ.
     image_cache = str(tmp_path / "image_cache") if name == "killed" else None
-    _write_config(configs[name], str(cache), xla, image_cache)
+    _write_config(configs[name], str(cache), image_cache)
 
   reference = _run_main(configs["reference"], tmp_path / "ref")
   assert reference.returncode == 0, reference.stderr[-3000:]

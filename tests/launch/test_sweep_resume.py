@@ -19,7 +19,6 @@ from owl_cl.testing.configs import tiny_config
 
 def get_config(arg=""):
   c = tiny_config("uniform", {cache!r})
-  c.compilation_cache_dir = {xla!r}
   c.max_eval_images = 8
   c.eval.downstream_after_each_dataset = "seen"
   c.eval.pretraining_sets_after_each_dataset = False
@@ -50,9 +49,10 @@ def load(root, seed):
 def test_killed_sweep_finishes_like_an_uninterrupted_one(pretrained_cache_dir, tmp_path):
   configs = tmp_path / "configs"
   configs.mkdir()
-  (configs / "uniform.py").write_text(
-    CONFIG.format(cache=pretrained_cache_dir, xla=str(tmp_path / "xla"))
-  )
+  # The runs compile into (and read from) the session's compilation cache: tiny_config
+  # leaves `compilation_cache_dir` empty, and JAX takes the folder from the environment
+  # (tests/conftest.py).
+  (configs / "uniform.py").write_text(CONFIG.format(cache=pretrained_cache_dir))
   whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
   subprocess.run(sweep_command(configs, whole), cwd=REPO, check=True, capture_output=True)
   # The same sweep in its own process group, killed (SIGKILL: no clean-up at all) once its
