@@ -614,7 +614,7 @@ def main(argv=None) -> dict:
     return result
   if not args.smoke and jax.default_backend() == "cpu":
     print("no accelerator: the full sizes need a GPU (--smoke runs every section here)")
-  environment = step_bench._environment()  # imports torch: not counted in the budget (6 s)
+  environment = step_bench._environment()
   start = time.perf_counter()
   sections: dict[str, dict] = {}
   images: dict[str, int] = {}

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
 import os
 import platform
@@ -1115,13 +1116,12 @@ def _environment() -> dict:
     "python": platform.python_version(),
     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
   }
+  # The installed versions from the packages' metadata (the same strings as `__version__`,
+  # local tags such as '+cu130' included), without importing torch (2 s or more).
   try:
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-
-    env["torch"], env["transformers"] = torch.__version__, transformers.__version__
-  except ImportError:
-    pass
+    env.update({name: importlib.metadata.version(name) for name in ("torch", "transformers")})
+  except importlib.metadata.PackageNotFoundError:
+    pass  # the HF sides are skipped: no versions to report
   return env
 
 
