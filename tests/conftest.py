@@ -11,13 +11,18 @@ import os
 import pathlib
 import shutil
 
-# XLA:CPU compiles the test session's programs without LLVM's optimisation passes: compiling,
-# not running, is most of the tiny programs' time (`tests/test_retrieval_e2e.py`'s every
-# algorithm config: 109 s of CPU with the default passes, 78 s without). The passes change the
-# machine code, not the HLO or its floating-point semantics (no fast math either way).
-# Set before JAX creates its CPU client, in this process and, through the environment, in
-# every subprocess the tests start (a test that adds its own flags appends them).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA:CPU compiles the test session's programs without LLVM's optimisation passes and with
+# its elemental IR emitters instead of the MLIR fusion emitters: compiling, not running, is
+# most of the tiny programs' time (a tiny `swil` run from an empty compilation cache: 22 s
+# with the fusion emitters, 13 s without; docs/tests.md). Neither changes the HLO; both may
+# change the last bits of float32 results (no fast math either way), so every process of a
+# test must share them. Set before JAX creates its CPU client, in this process and, through
+# the environment, in every subprocess the tests start (a test that adds its own flags
+# appends them).
+TEST_XLA_FLAGS = (
+  "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  " --xla_cpu_use_fusion_emitters=false"
+)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 import jax
