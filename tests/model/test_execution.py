@@ -153,10 +153,17 @@ def test_remat_keeps_tree_and_gradients(remat):
   got = _grads(remat_model, params, images, queries)
   # The same float32 operations recomputed; XLA may fuse them differently, so allow a few
   # ulps (1.2e-7 relative) accumulated over the few layers, relative to the largest
-  # gradient entry of each tensor.
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    scale = float(np.max(np.abs(w))) + 1e-30
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5 * scale, rtol=0)
+  # gradient entry of each tensor. The attention key bias's gradient is zero in exact
+  # arithmetic: what is computed is rounding noise of terms as large as the key kernel's
+  # gradient, so it is compared against that (`clip_lib.gradient_scale_path`; measured with
+  # the test session's compile options: 1e-7 of it, against 0.97 of its own largest entry).
+  want_by_path = {jax.tree_util.keystr(p): w for p, w in jax.tree_util.tree_leaves_with_path(want)}
+  for path, g in jax.tree_util.tree_leaves_with_path(got):
+    path = jax.tree_util.keystr(path)
+    scale = float(np.max(np.abs(want_by_path[clip_lib.gradient_scale_path(path)]))) + 1e-30
+    np.testing.assert_allclose(
+      np.asarray(g), np.asarray(want_by_path[path]), atol=1e-5 * scale, rtol=0, err_msg=path
+    )
 
 
 def test_remat_policy_values():
