@@ -31,8 +31,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(owl_cl.__file__)))
 
 def _write_config(path, cache_dir, image_cache=None):
   # No compilation cache of the run's own (tiny_config's ''): JAX reads the session's from
-  # the environment (tests/conftest.py), so the later runs compile nothing and the killed
-  # run's pre-training step comes from the session's pre-training.
+  # the environment (tests/conftest.py), so the later runs compile nothing and programs that
+  # other tests of the session compiled are read back.
   with open(path, "w") as f:
     f.write(
       "from owl_cl.testing.configs import tiny_config\n\n\n"
