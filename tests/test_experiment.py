@@ -12,6 +12,7 @@ from owl_cl import trainer
 from owl_cl.config_fields import ConfigError
 from owl_cl.replay import setup as replay_setup
 from owl_cl.testing.configs import tiny_config
+from owl_cl.train import step_cache
 
 
 @pytest.fixture
@@ -66,6 +67,10 @@ def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
   with open(os.path.join(workdir, "results.md")) as f:
     text = f.read()
   assert "swil" in text and "No fine-tuning" in text
+  # One trace of the retrieval for every step of both runs and datasets: the replay state
+  # goes in placed as the retrieval returns it (`Replay.prepare`), not as host arrays.
+  retrievals = [f for k, f in step_cache.kept().items() if k[0] == "retrieve"]
+  assert len(retrievals) == 1 and retrievals[0]._cache_size() == 1
 
   # A third call finds the run complete and trains nothing.
   calls.clear()

@@ -518,15 +518,20 @@ class Replay:
     self._thread: futures.ThreadPoolExecutor | None = None
 
   def prepare(self, loop):
-    """Puts the buffer on the devices and lets the algorithm prepare its state (ASER-PC's left
-    term: sharded over the mesh, cached next to a cached store, `asv_left`)."""
+    """Puts the buffer and the replay state on the devices (replicated) and lets the algorithm
+    prepare its state (ASER-PC's left term: sharded over the mesh, cached next to a cached
+    store, `asv_left`)."""
     self.buffer = sharding_lib.replicate(self.store.replay_buffer(), self.detector.mesh)
-    loop.replay_state = self.algorithm.prepare(
+    state = self.algorithm.prepare(
       loop.replay_state,
       self.buffer,
       mesh=self.detector.mesh,
       cache_prefix=getattr(self.store, "path", None),
     )
+    # Placed as the retrieval returns it (replicated on the mesh), as the trainer places the
+    # train state: a host or uncommitted first state would make the second step's retrieval
+    # trace, lower and compile again for the committed state the first one returned.
+    loop.replay_state = sharding_lib.replicate(state, self.detector.mesh)
     return loop
 
   def _features(self, params, inputs) -> tuple[dict, Any]:

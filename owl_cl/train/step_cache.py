@@ -66,3 +66,9 @@ def size() -> int:
   """The number of kept functions."""
   with _lock:
     return len(_entries)
+
+
+def kept() -> dict[Hashable, Any]:
+  """A copy of the kept functions by key, oldest first (to inspect: tests, notebooks)."""
+  with _lock:
+    return dict(_entries)
