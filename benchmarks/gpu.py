@@ -86,6 +86,7 @@ import numpy as np  # noqa: E402
 
 from owl_cl import utils  # noqa: E402
 from owl_cl.model import clip as clip_lib  # noqa: E402
+from owl_cl.testing.gradients import grad_agreement  # noqa: E402
 from owl_cl.train import losses  # noqa: E402
 
 # The paper's step (configs :paper): 126 queries, 100 instances, L/14 at 840 px.
@@ -189,28 +190,6 @@ def _attention_grads(module, x, dy):
 # sums over 64 (head) to 1,024 (width) terms, compared as the largest difference over the
 # largest magnitude of an array; XLA bf16 against float32 gives up to 0.014 (CPU, 17 tokens).
 BF16_TOLERANCE = 2e-2
-
-
-def _arrays_by_path(tree: Any) -> dict[str, np.ndarray]:
-  """{`jax.tree_util.keystr` path: float32 NumPy array} of a tree's leaves."""
-  return {
-    jax.tree_util.keystr(p): np.asarray(v, np.float32)
-    for p, v in jax.tree_util.tree_leaves_with_path(tree)
-  }
-
-
-def grad_agreement(ref: Any, got: Any) -> dict[str, float]:
-  """Per array of two equal trees (outputs and gradients): the largest |got - ref| over the
-  largest |ref| of the array, in float32; a gradient zero in exact arithmetic is divided by
-  its scaling array's largest |ref| instead (`clip_lib.gradient_scale_path`). Keys are
-  `jax.tree_util.keystr` paths."""
-  ref_arrays, got_arrays = _arrays_by_path(ref), _arrays_by_path(got)
-  out = {}
-  for path, a in ref_arrays.items():
-    scale_path = clip_lib.gradient_scale_path(path)
-    scale = max(float(np.max(np.abs(ref_arrays[scale_path]))), 1e-30)
-    out[path] = float(np.max(np.abs(got_arrays[path] - a))) / scale
-  return out
 
 
 def section_attention(args) -> dict:
