@@ -254,13 +254,20 @@ def test_ivlod_config_budgets_and_declaration():
 def test_ivlod_budget_of_a_dataset_outside_the_run_is_refused(tmp_path):
   root = str(tmp_path)
   fake_data.write_fake_glip(root, "odinw13", names=["pothole"], num_images=dict(train=2, test=1))
+  fake_data.write_fake_coco2017(root, "val", num_images=2)
   config = tiny_detector_config()
+  # Every set declared: nothing built-in is generated (the default cache_dir is the user's).
+  config.cache_dir = str(tmp_path / "cache")
   config.data.sequence = [dict(suite="odinw13", root=root, names=["pothole"])]
+  config.data.pretrain = dict(name="pt", kind="coco2017", root=root, val=True)
+  config.data.held_out = dict(name="ho", kind="coco2017", root=root)
+  config.data.zero_shot = []
   config.train.num_steps_by_dataset = (("potholes", 3),)
   config.train.batch_size = 1
   bench = benchmark.load_benchmark(config)
   with pytest.raises(ConfigError, match="num_steps_by_dataset: no dataset named 'potholes'"):
     validation.check_sequence_config(config, bench)
+  assert not os.path.exists(config.cache_dir)
 
 
 def test_ivlod_inputs_do_not_need_the_papers_odinw(tmp_path):
