@@ -34,15 +34,15 @@ from owl_cl import pretrained
 from owl_cl import utils
 from owl_cl.detector import Detector
 from owl_cl.replay import setup as replay_setup
+from owl_cl.testing.configs import load_config
 from owl_cl.testing.configs import tiny_config
 from owl_cl.train import step_cache
 
-# The environment variables that point the session's subprocesses (`owl_cl.main`, sweeps,
-# benchmark smoke runs) at the session's compilation cache: JAX reads them when imported.
-XLA_CACHE_ENV = {
-  "JAX_COMPILATION_CACHE_DIR": None,  # set to the session's folder
-  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-}
+# Programs that compile faster than this are not written to the cache: writing one (serialising
+# and compressing the executable, a file per program) cost about as much as compiling it, for
+# the thousands of small programs of the suite (eager operations, helpers), while the steps,
+# losses and retrievals that take longer are still compiled once per session (docs/tests.md).
+MIN_COMPILE_SECS = 0.1
 # A compilation cache folder kept across pytest runs (docs/tests.md); unset: one per run.
 XLA_CACHE_KEEP_ENV = "OWL_CL_TEST_XLA_CACHE"
 
@@ -63,7 +63,7 @@ def xla_cache_dir(tmp_path_factory) -> str:
 
   The tiny configs compile the same programs (same shapes) test after test: a program
   compiled once is read back afterwards instead of compiled again (XLA's compile is most of
-  a tiny run's CPU time). Every compilation is kept (no minimum compile time). JAX reads
+  a tiny run's CPU time). Every compilation of `MIN_COMPILE_SECS` or more is kept. JAX reads
   the folder once per process, at its first compilation: a test that sets
   `compilation_cache_dir` (as `experiment.run` applies it) still uses this one, unless it
   calls `compilation_cache.reset_cache()` (tests/test_lookahead.py restores it after).
@@ -76,15 +76,17 @@ def xla_cache_dir(tmp_path_factory) -> str:
   folder = os.environ.get(XLA_CACHE_KEEP_ENV) or str(_shared_root(tmp_path_factory) / "xla")
   os.makedirs(folder, exist_ok=True)
   _use_xla_cache(folder)
-  for name, value in XLA_CACHE_ENV.items():
-    os.environ[name] = value if value is not None else folder
+  # The session's subprocesses (`owl_cl.main`, sweeps, benchmark smoke runs): JAX reads these
+  # when imported.
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(MIN_COMPILE_SECS)
   return folder
 
 
 def _use_xla_cache(folder: str) -> None:
-  """Points this process's JAX at the compilation cache `folder`, caching every program."""
+  """Points this process's JAX at the compilation cache `folder` (`MIN_COMPILE_SECS`)."""
   jax.config.update("jax_compilation_cache_dir", folder)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
   compilation_cache.reset_cache()  # decided again at the next compilation, with the folder
 
 
@@ -108,9 +110,28 @@ def _keep_xla_cache(xla_cache_dir):
   yield
   if (
     jax.config.jax_compilation_cache_dir != xla_cache_dir
-    or jax.config.jax_persistent_cache_min_compile_time_secs != 0.0
+    or jax.config.jax_persistent_cache_min_compile_time_secs != MIN_COMPILE_SECS
   ):
     _use_xla_cache(xla_cache_dir)
+
+
+# The default cache of configs/base.py, in the user's home: no test may write there (a test
+# that loads data sets its config's `cache_dir` to a folder of its own).
+HOME_CACHE = utils.expand_path(load_config("base").cache_dir)
+
+
+@pytest.fixture(autouse=True)
+def _home_cache_untouched():
+  """Fails the test after which the user's default cache (`HOME_CACHE`) exists when it did not
+  before: a test (or one running beside it on the other xdist worker) wrote outside its own
+  folders, e.g. generated the full built-in benchmark (about 25 s and 136 MB) into it."""
+  existed = os.path.exists(HOME_CACHE)
+  yield
+  if not existed and os.path.exists(HOME_CACHE):
+    pytest.fail(
+      f"{HOME_CACHE} was created during this test (or one beside it on another worker): "
+      "set the config's cache_dir to a folder under tmp_path"
+    )
 
 
 @pytest.fixture(scope="session")
