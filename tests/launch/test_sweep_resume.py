@@ -26,12 +26,12 @@ def get_config(arg=""):
 """
 
 
-def sweep_command(configs, root):
+def sweep_command(configs, root, seeds="0,1"):
   return [
     sys.executable,
     os.path.join(REPO, "launch", "sweep.py"),
     "--algorithms=uniform",
-    "--seeds=0,1",
+    f"--seeds={seeds}",
     "--orders=reversed",
     f"--configs-dir={configs}",
     f"--root={root}",
@@ -54,9 +54,13 @@ def test_killed_sweep_finishes_like_an_uninterrupted_one(pretrained_cache_dir, t
   # (tests/conftest.py).
   (configs / "uniform.py").write_text(CONFIG.format(cache=pretrained_cache_dir))
   whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-  subprocess.run(sweep_command(configs, whole), cwd=REPO, check=True, capture_output=True)
-  # The same sweep in its own process group, killed (SIGKILL: no clean-up at all) once its
-  # first run is complete, while the second one runs.
+  # The uninterrupted reference of the run the kill interrupts (seed 1); seed 0 is complete
+  # before the kill, and the resumed sweep must leave it as it is.
+  subprocess.run(
+    sweep_command(configs, whole, seeds="1"), cwd=REPO, check=True, capture_output=True
+  )
+  # The sweep in its own process group, killed (SIGKILL: no clean-up at all) once its first
+  # run is complete, while the second one runs.
   proc = subprocess.Popen(
     sweep_command(configs, killed),
     cwd=REPO,
@@ -78,17 +82,38 @@ def test_killed_sweep_finishes_like_an_uninterrupted_one(pretrained_cache_dir, t
   time.sleep(3.0)  # the second run is under way
   os.killpg(proc.pid, signal.SIGKILL)
   proc.wait()
+  done = _files(os.path.join(killed, "uniform_reversed_seed0"))
   again = subprocess.run(sweep_command(configs, killed), cwd=REPO, capture_output=True, text=True)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "complete, skipped" in again.stderr and "uniform_reversed_seed0" in again.stderr
+  # The completed run is skipped: not one of its files rewritten.
+  assert _files(os.path.join(killed, "uniform_reversed_seed0")) == done
   for seed in (0, 1):
-    a, b = load(whole, seed), load(killed, seed)
-    assert a["status"] == b["status"] == "complete"
-    assert a["task_order"] == b["task_order"]
-    assert a["task_order"]["name"] == "reversed" and a["sequence"] == ["digits", "thermal"]
-    assert a["seeds"] == b["seeds"] == {"model": 0, "data": seed, "retrieval": seed}
-    for stage_a, stage_b in zip(a["stages"], b["stages"], strict=True):
-      assert stage_a["metrics"] == stage_b["metrics"], (seed, stage_a["name"])
-      assert comparable(stage_a.get("train")) == comparable(stage_b.get("train"))
+    b = load(killed, seed)
+    assert b["status"] == "complete"
+    assert b["task_order"]["name"] == "reversed" and b["sequence"] == ["digits", "thermal"]
+    assert b["seeds"] == {"model": 0, "data": seed, "retrieval": seed}
+  # The interrupted run, resumed, ends as the uninterrupted one.
+  a, b = load(whole, 1), load(killed, 1)
+  assert a["status"] == "complete" and a["task_order"] == b["task_order"]
+  assert a["seeds"] == b["seeds"]
+  for stage_a, stage_b in zip(a["stages"], b["stages"], strict=True):
+    assert stage_a["metrics"] == stage_b["metrics"], stage_a["name"]
+    assert comparable(stage_a.get("train")) == comparable(stage_b.get("train"))
   # The two seeds differ in data order and retrieval only: same pre-trained model.
-  assert load(whole, 0)["stages"][0]["metrics"] == load(whole, 1)["stages"][0]["metrics"]
+  assert load(killed, 0)["stages"][0]["metrics"] == a["stages"][0]["metrics"]
+
+
+def _files(folder):
+  """{path relative to `folder`: (size, mtime in ns, bytes)} of every file under it."""
+  out = {}
+  for root, _, names in os.walk(folder):
+    for name in names:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, folder)] = (
+          os.stat(path).st_size,
+          os.stat(path).st_mtime_ns,
+          f.read(),
+        )
+  return out
