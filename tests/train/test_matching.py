@@ -117,7 +117,11 @@ def test_train_step_with_jax_matcher_equals_scipy_matcher():
   batch = {k: jnp.asarray(v) for k, v in dict(images=images, queries=queries).items()}
   batch.update(labels=jnp.asarray(labels), boxes=jnp.asarray(boxes))
   params = jax.jit(model.init)(jax.random.PRNGKey(0), images, queries)["params"]
-  tx = optax.adamw(1e-3)
+  # Plain SGD: a parameter moves by LR x its gradient. Adam's first step moves every
+  # parameter by about LR whatever its gradient's size, so a leaf whose gradient is float32
+  # noise (the same noise rounded another way by another program's XLA:CPU partitioning, as
+  # on one core) would move by O(LR) one way or the other.
+  tx = optax.sgd(1e-3)
   mesh = sharding_lib.create_mesh()
   results = {}
   for matcher in ("scipy", "jax"):
@@ -135,8 +139,11 @@ def test_train_step_with_jax_matcher_equals_scipy_matcher():
     state, metrics = train_step(state, batch, None, jax.random.PRNGKey(1))
     results[matcher] = (jax.device_get(state.params), jax.device_get(metrics))
   (p_scipy, m_scipy), (p_jax, m_jax) = results["scipy"], results["jax"]
-  # Continuous random costs have a unique optimum, so both matchers pick the same pairs
-  # and the step computes the same float32 values in the same order: equal to rounding.
+  # Continuous random costs have a unique optimum, so both matchers pick the same pairs and
+  # the step computes the same loss and gradients up to float32 rounding (bit for bit here, on
+  # one core or two): each parameter p - LR x g then agrees to a few ulps of float32 (rtol
+  # 1e-6; atol 1e-7 for parameters near 0). Another pair changes the gradients of the class
+  # and box heads by O(1), and this step's updates reach 0.4: far outside that.
   np.testing.assert_allclose(float(m_jax["loss"]), float(m_scipy["loss"]), rtol=1e-6)
   for a, w in zip(jax.tree.leaves(p_jax), jax.tree.leaves(p_scipy), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=0, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-6, atol=1e-7)
