@@ -148,6 +148,7 @@ def test_owlv2_arithmetic_counts_the_objectness_head(tmp_path):
     "--remats=none",
     "--attentions=xla",
     "--skip-timing",
+    "--skip-lora",  # the LoRA rows are the smoke run's (test_smoke_run_times_every_side...)
   ]
   rows = {}
   for variant in ("tiny", "owlv2_tiny"):
