@@ -38,13 +38,12 @@ from owl_cl.testing.configs import load_config
 from owl_cl.testing.configs import tiny_config
 from owl_cl.train import step_cache
 
-# Programs that compile faster than this are not written to the cache: writing the suite's
-# thousands of small programs (eager operations, helpers; serialised and compressed, a file
-# each) took as much CPU as compiling them (27.5 s and 28.5 s in a profile of the whole suite),
-# while the steps, losses and retrievals that take longer are still compiled once per session.
-# Side by side: the inner loop in the same time, the step-heavy tests 6% faster on average
-# (docs/tests.md).
-MIN_COMPILE_SECS = 0.1
+# Every compiled program is written to the cache, however fast it compiled: the suite's
+# thousands of small programs (eager operations, helpers) are written once and read by the
+# other worker, the subprocesses and later tests. Writing them took as much CPU as compiling
+# them (27.5 s and 28.5 s in a profile of the whole suite), but not writing those under 0.1 s
+# made the suite's short tests 20-25% slower in two clean-clone runs (docs/tests.md).
+MIN_COMPILE_SECS = 0.0
 # A compilation cache folder kept across pytest runs (docs/tests.md); unset: one per run.
 XLA_CACHE_KEEP_ENV = "OWL_CL_TEST_XLA_CACHE"
 
@@ -65,7 +64,7 @@ def xla_cache_dir(tmp_path_factory) -> str:
 
   The tiny configs compile the same programs (same shapes) test after test: a program
   compiled once is read back afterwards instead of compiled again (XLA's compile is most of
-  a tiny run's CPU time). Every compilation of `MIN_COMPILE_SECS` or more is kept. JAX reads
+  a tiny run's CPU time). Every compilation is kept (`MIN_COMPILE_SECS`). JAX reads
   the folder once per process, at its first compilation: a test that sets
   `compilation_cache_dir` (as `experiment.run` applies it) still uses this one, unless it
   calls `compilation_cache.reset_cache()` (tests/test_lookahead.py restores it after).
