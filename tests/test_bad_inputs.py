@@ -29,19 +29,9 @@ from owl_cl import utils
 from owl_cl import validation
 from owl_cl.config_fields import ConfigError
 from owl_cl.testing.configs import tiny_config
+from owl_cl.testing.files import snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def snapshot(folder) -> dict[str, bytes]:
-  """Every file below `folder` (relative path -> bytes)."""
-  files = {}
-  for root, _, names in os.walk(folder):
-    for name in names:
-      path = os.path.join(root, name)
-      with open(path, "rb") as f:
-        files[os.path.relpath(path, folder)] = f.read()
-  return files
 
 
 @pytest.fixture

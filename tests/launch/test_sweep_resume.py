@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from owl_cl.testing.files import snapshot
 from owl_cl.testing.results import comparable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,12 +83,12 @@ def test_killed_sweep_finishes_like_an_uninterrupted_one(pretrained_cache_dir, t
   time.sleep(3.0)  # the second run is under way
   os.killpg(proc.pid, signal.SIGKILL)
   proc.wait()
-  done = _files(os.path.join(killed, "uniform_reversed_seed0"))
+  done = snapshot(os.path.join(killed, "uniform_reversed_seed0"), mtimes=True)
   again = subprocess.run(sweep_command(configs, killed), cwd=REPO, capture_output=True, text=True)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "complete, skipped" in again.stderr and "uniform_reversed_seed0" in again.stderr
   # The completed run is skipped: not one of its files rewritten.
-  assert _files(os.path.join(killed, "uniform_reversed_seed0")) == done
+  assert snapshot(os.path.join(killed, "uniform_reversed_seed0"), mtimes=True) == done
   for seed in (0, 1):
     b = load(killed, seed)
     assert b["status"] == "complete"
@@ -102,18 +103,3 @@ def test_killed_sweep_finishes_like_an_uninterrupted_one(pretrained_cache_dir, t
     assert comparable(stage_a.get("train")) == comparable(stage_b.get("train"))
   # The two seeds differ in data order and retrieval only: same pre-trained model.
   assert load(killed, 0)["stages"][0]["metrics"] == a["stages"][0]["metrics"]
-
-
-def _files(folder):
-  """{path relative to `folder`: (size, mtime in ns, bytes)} of every file under it."""
-  out = {}
-  for root, _, names in os.walk(folder):
-    for name in names:
-      path = os.path.join(root, name)
-      with open(path, "rb") as f:
-        out[os.path.relpath(path, folder)] = (
-          os.stat(path).st_size,
-          os.stat(path).st_mtime_ns,
-          f.read(),
-        )
-  return out
