@@ -12,7 +12,6 @@ differ by the filter.
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage
 
 __all__ = [
   "OWLV2_PAD_VALUE",
@@ -67,6 +66,10 @@ def pad_then_resize(image: np.ndarray, size: int, pad_value: float = OWLV2_PAD_V
   factors = np.array([side / size, side / size, 1.0])
   # Anti-aliasing only when downsampling (sigma 0 elsewhere), as skimage / HF.
   sigma = np.maximum(0.0, (factors - 1) / 2)
+  # Imported here: scipy.ndimage takes about 0.2 s to import, which every process of a run
+  # (and every test subprocess) paid at start-up although only OWLv2 inputs use it.
+  from scipy import ndimage  # noqa: PLC0415
+
   filtered = ndimage.gaussian_filter(square, sigma, cval=0, mode="mirror")
   out = ndimage.zoom(filtered, 1 / factors, order=1, mode="mirror", cval=0, grid_mode=True)
   return np.clip(out, square.min(), square.max()).astype(np.float32)

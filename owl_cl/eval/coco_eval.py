@@ -75,7 +75,10 @@ def _result_coco(coco_gt, detections: list[dict[str, Any]]):
   from pycocotools.coco import COCO  # pylint: disable=g-import-not-at-top
 
   if detections:
-    return coco_gt.loadRes(copy.deepcopy(detections))  # loadRes mutates its input.
+    # loadRes sets keys of each detection dict ('area', 'id', 'iscrowd', 'segmentation') and
+    # changes nothing below them: a copy of each dict keeps the caller's detections as they
+    # were (a deep copy of every box list was most of this function's time).
+    return coco_gt.loadRes([dict(d) for d in detections])
   res = COCO()
   res.dataset["images"] = list(coco_gt.dataset.get("images", []))
   res.dataset["categories"] = copy.deepcopy(coco_gt.dataset.get("categories", []))

@@ -1,6 +1,7 @@
 """Tests of owl_cl.eval.detection: values checked against NumPy references and pycocotools."""
 
 import contextlib
+import copy
 import io
 import math
 import types
@@ -324,9 +325,9 @@ def perturbed_detections():
 def test_perturbed_agrees_with_cocoeval(max_dets):
   coco = make_coco()
   dets = perturbed_detections()
-  snapshot = [dict(d) for d in dets]
+  snapshot = copy.deepcopy(dets)
   metrics = coco_eval.coco_evaluate(coco, dets, max_dets=max_dets)
-  assert dets == snapshot  # input not mutated
+  assert dets == snapshot  # input not mutated, nor the box lists inside it
   stats = run_cocoeval_directly(coco, dets, max_dets=max_dets)
   for name, value in zip(coco_eval.COCO_METRIC_NAMES, stats):
     if value == -1:

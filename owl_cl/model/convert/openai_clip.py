@@ -19,7 +19,6 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.ndimage
 
 from owl_cl.model import owl_vit as owl_lib
 from owl_cl.model.convert import layouts
@@ -41,6 +40,10 @@ def _resize_vision_posemb(posemb: np.ndarray, rows: int, source: str) -> np.ndar
       f"{source}: cannot resize a vision positional embedding of "
       f"{posemb.shape[0]} rows to {rows} rows (grids must be square)"
     )
+  # Imported here: scipy.ndimage takes about 0.2 s to import, which every process of a run
+  # paid at start-up although only converting a CLIP file of another resolution uses it.
+  import scipy.ndimage  # noqa: PLC0415
+
   grid = posemb[1:].reshape(g0, g0, -1)
   grid = scipy.ndimage.zoom(grid, (g1 / g0, g1 / g0, 1), order=1)
   return np.concatenate([posemb[:1], grid.reshape(g1 * g1, -1)], axis=0).astype(posemb.dtype)
