@@ -11,7 +11,7 @@
 # Resumable (complete runs are skipped). The results.json of complete runs are copied to
 # benchmarks/results/owlv2_builtin/{v1,v2}/ and each model's report written beside them
 # (`python -m owl_cl.report`: mean and 95% interval per metric over the seeds), then both
-# summaries in one table, `summary.md` (the README's OWLv2 table; a test checks it).
+# summaries in one table, `summary.md` (docs/owlv2.md's table; a test checks it).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=${1:-workdirs/owlv2_builtin}
@@ -46,7 +46,7 @@ for model in v1 v2; do
     [ "$status" -ne 0 ] || status=$rc
   }
 done
-# The README's table: both reports' summaries in one table (report.render_labelled_summary).
+# docs/owlv2.md's table: both reports' summaries in one table (report.render_labelled_summary).
 python - "$OUT" > "$OUT/summary.md" <<'EOF' || { [ "$status" -ne 0 ] || status=1; }
 import os, sys
 from owl_cl.analysis import report as r
