@@ -89,17 +89,17 @@ def test_killed_sweep_finishes_like_an_uninterrupted_one(pretrained_cache_dir, t
   assert "complete, skipped" in again.stderr and "uniform_reversed_seed0" in again.stderr
   # The completed run is skipped: not one of its files rewritten.
   assert snapshot(os.path.join(killed, "uniform_reversed_seed0"), mtimes=True) == done
-  for seed in (0, 1):
-    b = load(killed, seed)
+  resumed = {seed: load(killed, seed) for seed in (0, 1)}
+  for seed, b in resumed.items():
     assert b["status"] == "complete"
     assert b["task_order"]["name"] == "reversed" and b["sequence"] == ["digits", "thermal"]
     assert b["seeds"] == {"model": 0, "data": seed, "retrieval": seed}
   # The interrupted run, resumed, ends as the uninterrupted one.
-  a, b = load(whole, 1), load(killed, 1)
+  a, b = load(whole, 1), resumed[1]
   assert a["status"] == "complete" and a["task_order"] == b["task_order"]
   assert a["seeds"] == b["seeds"]
   for stage_a, stage_b in zip(a["stages"], b["stages"], strict=True):
     assert stage_a["metrics"] == stage_b["metrics"], stage_a["name"]
     assert comparable(stage_a.get("train")) == comparable(stage_b.get("train"))
   # The two seeds differ in data order and retrieval only: same pre-trained model.
-  assert load(killed, 0)["stages"][0]["metrics"] == a["stages"][0]["metrics"]
+  assert resumed[0]["stages"][0]["metrics"] == a["stages"][0]["metrics"]
