@@ -7,11 +7,15 @@ leaf module, so neither imports the other (docs/architecture.md, "Layers").
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ml_collections
 
 from configs import base
+from owl_cl.utils import digest
+from owl_cl.utils import expand_path
+from owl_cl.utils import file_digest
 
 
 def _as_tuples(options: dict) -> dict:
@@ -87,3 +91,42 @@ def builtin_version_key(config: ml_collections.ConfigDict) -> dict[str, Any]:
   versions; this names the version explicitly."""
   version = config.data.get("builtin", {}).get("version", 1)
   return {"builtin_version": version} if version != 1 else {}
+
+
+def checkpoint_digest(path: str) -> str:
+  """A 16-hex-character SHA-256 naming the contents of the checkpoint at `path`.
+
+  A file (a scenic msgpack): its `file_digest`. A folder (an owl_cl parameter checkpoint, an
+  HF folder, scenic `checkpoint_<step>` files): the digest of every regular file below it,
+  each named by its '/'-separated relative path and its `file_digest`, so a file changed,
+  added, removed or renamed changes it. Every byte is read once per call (0.6 s for 500 MB
+  on a loaded 2-core machine); no digest is kept between runs, since a file replaced at the
+  same path may keep its size and modification time (`cp -p`, `rsync -a`).
+
+  Raises:
+    FileNotFoundError: nothing at `path`.
+  """
+  if not os.path.isdir(path):
+    return file_digest(path)
+  files = {}
+  for root, dirs, names in os.walk(path):
+    dirs.sort()
+    for name in names:
+      full = os.path.join(root, name)
+      if os.path.isfile(full):
+        files[os.path.relpath(full, path).replace(os.sep, "/")] = file_digest(full)
+  return digest(files)
+
+
+def init_checkpoint_model_key(config: ml_collections.ConfigDict) -> dict:
+  """How the buffer's cache key names a model read from `config.init_checkpoint`: the
+  checkpoint's contents (`checkpoint_digest`) and the model fields that change its outputs
+  (`cache_key_fields(config, 'model')`: variant, tokenizer, its vocabulary, overrides, dtype).
+
+  Raises:
+    FileNotFoundError: nothing at `config.init_checkpoint`.
+  """
+  return {
+    "checkpoint": checkpoint_digest(expand_path(config.init_checkpoint)),
+    **cache_key_fields(config, "model"),
+  }

@@ -30,6 +30,7 @@ from owl_cl import distributed
 from owl_cl import preemption
 from owl_cl.cache_keys import builtin_version_key
 from owl_cl.cache_keys import cache_key_fields
+from owl_cl.cache_keys import init_checkpoint_model_key
 from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import loss_adaptivity_mode
@@ -174,16 +175,28 @@ def build_options(detector, source) -> dict:
 
 
 def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta: dict) -> dict:
-  """What the replay store's cache key covers: the model (`pretrain_meta['cache_key']` or the
-  init checkpoint), the pre-training annotations of `source`, the selection settings and budget,
-  the input options, the loss and the seed. Fields added since the first stores enter it only
-  when set, so older caches keep their key. An OWLv2 model's store also holds the objectness
-  logits (`stored_objectness`): 'objectness' in its key, so an OWLv2 store of before is
-  rebuilt; v1's key is unchanged."""
+  """What the replay store's cache key covers: the model (the cached pre-trained model's key
+  `pretrain_meta['cache_key']`, or the init checkpoint's contents and the model fields,
+  `init_checkpoint_model_key`), the pre-training annotations of `source`, the selection
+  settings and budget, the input options, the loss and the seed. Fields added since the first
+  stores enter it only when set, so older caches keep their key. An OWLv2 model's store also
+  holds the objectness logits (`stored_objectness`): 'objectness' in its key, so an OWLv2
+  store of before is rebuilt; v1's key is unchanged.
+
+  Raises:
+    FileNotFoundError: nothing at `config.init_checkpoint` or at `source.annotation_file`.
+  """
   selection = config.replay.selection
   data = config.data
+  # An init checkpoint is named by its contents and the config's model fields, not its path
+  # (whose file may change) nor the key in its meta.json (a pre-trained model given as
+  # init_checkpoint names the config it was trained with, not this run's dtype or overrides).
+  if config.init_checkpoint:
+    model = init_checkpoint_model_key(config)
+  else:
+    model = pretrain_meta.get("cache_key")
   return {
-    "model": pretrain_meta.get("cache_key") or config.init_checkpoint,
+    "model": model,
     "pretrain_data": file_digest(source.annotation_file),
     # prototype_images enters the key only when set (older caches keep their key).
     "buffer": {
