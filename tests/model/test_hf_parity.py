@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from owl_cl.model import convert as ck  # noqa: E402
 from owl_cl.model import owl_vit as owl_lib  # noqa: E402
 from owl_cl.model.convert import hf as convert_hf  # noqa: E402
+from owl_cl.testing.hf import hf_warnings_as_errors  # noqa: E402
 
 VOCAB, CONTEXT, SIZE, PATCH = 100, 16, 32, 8
 SOT, EOT = VOCAB - 2, VOCAB - 1
@@ -284,7 +285,13 @@ def test_export_round_trip_bit_identical_and_runs_in_hf(converted, tmp_path):
   assert_identical(ck.hf_state_dict_to_params(torch_sd, config))
 
   folder = str(tmp_path / "exported")
-  ck.save_hf_checkpoint(params, folder, config)
+  # config.json carries our tokenizer's start, end and pad ids: HF's defaults (49406, 49407)
+  # lie outside this 100-id vocabulary, and HF warned on export and on load.
+  with hf_warnings_as_errors():
+    ck.save_hf_checkpoint(params, folder, config)
+    hf = transformers.OwlViTForObjectDetection.from_pretrained(folder).eval()
+  text = hf.config.text_config
+  assert (text.bos_token_id, text.eos_token_id, text.pad_token_id) == (SOT, EOT, 0)
   loaded, loaded_config = ck.load_hf_checkpoint(folder)
   assert_identical(loaded)
   assert loaded_config == config
@@ -292,7 +299,6 @@ def test_export_round_trip_bit_identical_and_runs_in_hf(converted, tmp_path):
     ck.save_hf_checkpoint(params, folder, config)
 
   # The exported folder is a working HF model giving our outputs.
-  hf = transformers.OwlViTForObjectDetection.from_pretrained(folder).eval()
   assert set(hf.state_dict()) - set(torch_sd) == set()
   images, queries = _inputs(2)
   _assert_matches_hf(
@@ -369,6 +375,9 @@ def test_real_variant_configs_round_trip(variant):
   hf = ck.model_config_to_hf_config(config)
   back = ck.hf_config_to_model_config(hf.to_dict(), dtype=config.dtype)
   assert back == config.replace(hf_compat=True)
+  # The released CLIP vocabulary's start/end ids (docs/reference.md §2), pad 0.
+  text = hf.text_config
+  assert (text.bos_token_id, text.eos_token_id, text.pad_token_id) == (49406, 49407, 0)
   if variant == "vit_l14":  # google/owlvit-large-patch14
     assert (
       hf.vision_config.image_size,

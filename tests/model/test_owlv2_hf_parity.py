@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from owl_cl.model import convert as ck  # noqa: E402
 from owl_cl.model import owl_vit as owl_lib  # noqa: E402
 from owl_cl.model.convert import hf as convert_hf  # noqa: E402
+from owl_cl.testing.hf import hf_warnings_as_errors  # noqa: E402
 
 VOCAB, CONTEXT = 100, 16
 SOT, EOT = VOCAB - 2, VOCAB - 1
@@ -161,8 +162,13 @@ def test_hf_owlv2_outputs_match_and_round_trip_bit_identical(hf_model, tmp_path)
 
   # Saved as an HF folder: HF's own class loads it and gives the same outputs.
   out_dir = str(tmp_path / "exported")
-  ck.save_hf_checkpoint(params, out_dir, config)
-  again = transformers.Owlv2ForObjectDetection.from_pretrained(out_dir).eval()
+  # With our tokenizer's start, end and pad ids: no HF warning (its defaults, 49406 and
+  # 49407, lie outside this 100-id vocabulary).
+  with hf_warnings_as_errors():
+    ck.save_hf_checkpoint(params, out_dir, config)
+    again = transformers.Owlv2ForObjectDetection.from_pretrained(out_dir).eval()
+  text = again.config.text_config
+  assert (text.bos_token_id, text.eos_token_id, text.pad_token_id) == (SOT, EOT, 0)
   _assert_matches_hf(ours, _hf_forward(again, images, queries))
   reloaded, reloaded_config = ck.load_hf_checkpoint(out_dir)
   assert reloaded_config == config

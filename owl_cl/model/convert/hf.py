@@ -237,9 +237,32 @@ def hf_config_to_model_config(
   )
 
 
+def special_token_ids(config: owl_lib.ModelConfig) -> dict[str, int]:
+  """The text config's special token ids of our tokenizers for ``config``'s vocabulary.
+
+  Both tokenizers put the start of text at ``vocab_size - 2``, the end of text at
+  ``vocab_size - 1`` (the largest id: the text tower pools at ``argmax(token id)``) and pad
+  with 0: ``WordHashTokenizer`` by construction, the CLIP BPE's released vocabulary as 49406,
+  49407 of 49,408 (HF's ``OwlViTTextConfig`` defaults, right for that vocabulary only).
+
+  Returns:
+    ``{'bos_token_id', 'eos_token_id', 'pad_token_id'}``, each an ``int`` in
+    ``[0, vocab_size)``.
+
+  Source: docs/reference.md §2 (tokenizer layout); ``owl_cl.model.tokenizer``.
+  """
+  return {
+    "bos_token_id": config.vocab_size - 2,
+    "eos_token_id": config.vocab_size - 1,
+    "pad_token_id": 0,
+  }
+
+
 def model_config_to_hf_config(config: owl_lib.ModelConfig) -> Any:
   """HF ``OwlViTConfig`` (``Owlv2Config`` for ``version='owlv2'``) of our ``ModelConfig``
-  (inverse of :func:`hf_config_to_model_config` on the architecture fields).
+  (inverse of :func:`hf_config_to_model_config` on the architecture fields), with the
+  tokenizer's special token ids (:func:`special_token_ids`): HF's defaults, 49406 and 49407,
+  lie outside a smaller vocabulary (the ``tiny`` variants' 8192) and HF warns on load.
 
   The HF model always computes as ``hf_compat=True`` (docs/reference.md §0).
 
@@ -265,6 +288,7 @@ def model_config_to_hf_config(config: owl_lib.ModelConfig) -> Any:
     max_position_embeddings=config.context_length,
     hidden_act="quick_gelu",
     layer_norm_eps=clip_lib.LAYER_NORM_EPS,
+    **special_token_ids(config),
   )
   vision = dict(
     hidden_size=config.vision_width,
