@@ -395,8 +395,8 @@ def _replay_section(c: ml_collections.ConfigDict) -> None:
   # 'all' classes with a buffer member (released code).
   c.replay.adaptive_entropy_classes = "eligible"
   # A class that runs out of unreplayed images within one retrieval call (compositions with a
-  # class step): 'fallback' (its slot draws among the remaining images) | 'redraw' (released
-  # code: balanced skips the class, similarity-weighted redraws the class).
+  # class step, and A-SW-GRASP): 'fallback' (its slot draws among the remaining images) |
+  # 'redraw' (released code: balanced skips the class, similarity-weighted redraws the class).
   c.replay.exhausted_class = "fallback"
   # Draw within a class where the paper draws uniformly (A-SW-GRASP's SWIL slots, the ASER
   # variants' candidate sets): 'uniform' (paper, released default) | 'grasp' (prototype-weighted

@@ -84,7 +84,8 @@ def test_released_preset_sets_every_switch(name):
 def test_released_switches_reach_the_retrieval_functions():
   c = _config("a_sw_grasp", "released")
   algorithm = replay_setup.make_algorithm(c)
-  assert algorithm.adaptive_entropy_classes == "all"
+  assert algorithm.adaptive_entropy_classes == "all" and algorithm.exhausted_class == "redraw"
+  assert replay_setup.make_algorithm(_config("a_sw_grasp", "")).exhausted_class == "fallback"
   assert algorithm.balanced_order == "reshuffled" and algorithm.grasp_weight == 0.7
   c.replay.dedup = "fraction"
   schedule = replay_setup.make_algorithm(c).dedup

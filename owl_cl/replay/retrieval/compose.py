@@ -28,7 +28,8 @@ Array = jax.Array
 # A class that runs out of eligible images within one call: 'fallback' (eligible classes fixed
 # at the start of the call; its slot draws uniformly among the remaining images) | 'redraw'
 # (released code: per slot, the class step sees the classes still available -> balanced
-# skips the class, similarity-weighted redraws). Class + sample compositions only.
+# skips the class, similarity-weighted redraws). Class + sample compositions and A-SW-GRASP
+# (`adaptive.AdaptiveSwGraspAlgorithm`).
 EXHAUSTED_CLASS = ("fallback", "redraw")
 
 # Per-call analysis records (`retrieve_with_records`); each algorithm returns the subset that
