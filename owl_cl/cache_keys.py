@@ -118,15 +118,47 @@ def checkpoint_digest(path: str) -> str:
   return digest(files)
 
 
-def init_checkpoint_model_key(config: ml_collections.ConfigDict) -> dict:
-  """How the buffer's cache key names a model read from `config.init_checkpoint`: the
-  checkpoint's contents (`checkpoint_digest`) and the model fields that change its outputs
-  (`cache_key_fields(config, 'model')`: variant, tokenizer, its vocabulary, overrides, dtype).
+# The files a CLIP vocabulary path may name or hold (`clip_tokenizer.load_vocabulary`).
+_VOCABULARY_FILES = (
+  "vocab.json",
+  "merges.txt",
+  "bpe_simple_vocab_16e6.txt.gz",
+  "bpe_simple_vocab_16e6.txt",
+)
+
+
+def vocabulary_digest(path: str) -> str:
+  """A 16-hex-character SHA-256 of the tokenizer vocabulary files at `path`: a folder's
+  `_VOCABULARY_FILES` that exist (not the rest of an HF checkpoint folder), or the file itself
+  with, for a `vocab.json`, the `merges.txt` beside it.
 
   Raises:
-    FileNotFoundError: nothing at `config.init_checkpoint`.
+    FileNotFoundError: nothing at `path`.
   """
+  if os.path.isdir(path):
+    folder, names = path, _VOCABULARY_FILES
+  elif os.path.isfile(path):
+    folder, names = os.path.dirname(path), (os.path.basename(path),)
+    if path.endswith(".json"):
+      names += ("merges.txt",)
+  else:
+    raise FileNotFoundError(f"no tokenizer vocabulary at {path}")
+  files = {name: os.path.join(folder, name) for name in names}
+  return digest({name: file_digest(f) for name, f in files.items() if os.path.isfile(f)})
+
+
+def init_checkpoint_model_key(config: ml_collections.ConfigDict) -> dict:
+  """How the buffer's cache key names a model read from `config.init_checkpoint`: the
+  checkpoint's contents (`checkpoint_digest`), the model fields that change its outputs
+  (`cache_key_fields(config, 'model')`: variant, tokenizer, vocabulary path, overrides, dtype)
+  and, when a vocabulary path is set, its files' contents (`vocabulary_digest`).
+
+  Raises:
+    FileNotFoundError: nothing at `config.init_checkpoint` or `model.tokenizer_vocab_path`.
+  """
+  vocabulary = config.model.get("tokenizer_vocab_path")
   return {
     "checkpoint": checkpoint_digest(expand_path(config.init_checkpoint)),
     **cache_key_fields(config, "model"),
+    **({"vocabulary": vocabulary_digest(expand_path(vocabulary))} if vocabulary else {}),
   }

@@ -19,7 +19,7 @@ from owl_cl.utils import file_digest
 MODEL_CHANGES = {
   "variant": "vit_b32",
   "tokenizer": "clip",
-  "tokenizer_vocab_path": "/vocab/bpe_simple_vocab_16e6.txt.gz",
+  "tokenizer_vocab_path": "vocab",  # a folder below tmp_path (the test writes it)
   "overrides": {"context_length": 16},
   "dtype": "bfloat16",
 }
@@ -75,11 +75,38 @@ def test_each_model_field_that_changes_outputs_changes_the_key(tmp_path, source,
   config.init_checkpoint = str(tmp_path / "weights.msgpack")
   (tmp_path / "weights.msgpack").write_bytes(b"model A")
   meta = {"cache_key": "0123456789abcdef"}
+  (tmp_path / "vocab").mkdir()
+  (tmp_path / "vocab" / "vocab.json").write_text('{"a</w>": 0}')
   before = replay_setup.buffer_key_material(config, source, meta)
-  config.model[field] = MODEL_CHANGES[field]
+  change = MODEL_CHANGES[field]
+  if field == "tokenizer_vocab_path":
+    change = str(tmp_path / change)
+  config.model[field] = change
   after = replay_setup.buffer_key_material(config, source, meta)
   assert after["model"] != before["model"]
-  assert after["model"][field] == MODEL_CHANGES[field]
+  assert after["model"][field] == change
+
+
+def test_another_vocabulary_at_the_same_path_changes_the_key(tmp_path, source):
+  """The vocabulary's files enter the key, not the rest of its folder (an HF checkpoint
+  folder holds the weights too)."""
+  config = tiny_config("uniform", str(tmp_path / "cache"))
+  config.init_checkpoint = str(tmp_path / "weights.msgpack")
+  (tmp_path / "weights.msgpack").write_bytes(b"model A")
+  folder = tmp_path / "hf"
+  folder.mkdir()
+  (folder / "vocab.json").write_text('{"a</w>": 0}')
+  (folder / "merges.txt").write_text("#version: 0.2\n")
+  config.model.tokenizer_vocab_path = str(folder)
+  keys = [replay_setup.buffer_key_material(config, source, {})["model"]]
+  (folder / "model.safetensors").write_bytes(b"weights")  # not a vocabulary file
+  keys.append(replay_setup.buffer_key_material(config, source, {})["model"])
+  (folder / "merges.txt").write_text("#version: 0.2\na b\n")
+  keys.append(replay_setup.buffer_key_material(config, source, {})["model"])
+  config.model.tokenizer_vocab_path = str(folder / "vocab.json")  # the file, merges beside it
+  keys.append(replay_setup.buffer_key_material(config, source, {})["model"])
+  assert keys[0] == keys[1] != keys[2]
+  assert keys[3]["vocabulary"] == keys[2]["vocabulary"]
 
 
 def test_the_fields_listed_are_every_model_field(tmp_path, source):
