@@ -128,7 +128,8 @@ class AdaptiveSwGraspAlgorithm(compose.AlgorithmBase):
     balanced pointer skips a class without such an image, a SWIL slot draws its class from
     p_SWIL over them (the released code redraws until it hits one: the same distribution);
     the slot then draws within the class as `_select` does. Records: `sampled_classes`,
-    `used_grasp`, and `swil_entropy` [B] as `_select` reads it at the start of the call.
+    `used_grasp`, and, as `_select` reads them at the start of the call, `swil_entropy` [B]
+    and `grasp_entropy` [num].
     """
     steps.require_features(features, ("class_embeddings",), "A-SW-GRASP")
     num = active.shape[0]
@@ -176,9 +177,13 @@ class AdaptiveSwGraspAlgorithm(compose.AlgorithmBase):
       (rstate, jnp.asarray(eligible, bool)),
       (rows, keys, sample_keys, active),
     )
+    weights = jnp.where(used_grasp, jnp.float32(self.grasp_weight), jnp.float32(swil_slot_weight))
     records = {
       "sampled_classes": jnp.where(valid, classes, -1),
       "swil_entropy": self._entropy(buffer, features, class_eligible),
+      "grasp_entropy": jnp.where(
+        used_grasp, steps.grasp_entropy(buffer, eligible, classes, weights), jnp.nan
+      ),
       "used_grasp": used_grasp,
     }
     return indices, valid, rstate, records
