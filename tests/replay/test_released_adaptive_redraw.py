@@ -98,15 +98,15 @@ def _our_frequencies(exhausted_class: str) -> dict:
   features = {"class_embeddings": EMBEDDINGS}
 
   def draw(key):
-    indices, valid, _, _ = algorithm.retrieve_with_records(
+    indices, valid, _, records = algorithm.retrieve_with_records(
       rstate.replace(key=key), buffer, features, SLOTS
     )
-    return indices, valid
+    return indices, valid, records
 
-  indices, valid = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.PRNGKey(1), DRAWS))
+  indices, valid, records = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.PRNGKey(1), DRAWS))
   assert bool(np.all(valid))
   counts = collections.Counter(tuple(int(i) for i in row) for row in np.asarray(indices))
-  return {outcome: n / DRAWS for outcome, n in counts.items()}
+  return {outcome: n / DRAWS for outcome, n in counts.items()}, records
 
 
 @pytest.mark.slow
@@ -119,8 +119,24 @@ def test_redraw_matches_the_released_distribution():
   draws among the remaining images)."""
   released = _released_distribution()
   assert len(released) == 96 and abs(sum(released.values()) - 1.0) < 1e-9
-  ours = _our_frequencies("redraw")
+  ours, records = _our_frequencies("redraw")
   assert set(ours) <= set(released)  # nothing the released code never draws
   for outcome, p in released.items():
     tolerance = 4.5 * np.sqrt(p * (1 - p) / DRAWS) + 1 / DRAWS
     assert abs(ours.get(outcome, 0.0) - p) <= tolerance, (outcome, ours.get(outcome), p)
+  # The records: new image 0's slots use SWIL, new image 1's GRASP, in every draw; the
+  # switch entropies over all classes (float32 cosines and logs of O(1) values: ~1e-6).
+  entropy = [
+    (lambda p: -(p * np.log(p)).sum() / np.log(3))(_swil_probs(e, np.ones(3))) for e in EMBEDDINGS
+  ]
+  np.testing.assert_allclose(records["swil_entropy"], np.tile(entropy, (DRAWS, 1)), atol=1e-5)
+  assert np.array_equal(records["used_grasp"], np.tile([False, True, False, True], (DRAWS, 1)))
+  # GRASP's entropy over the class's members at the start of the call, by its class: class 0
+  # has one member (0); class 1 (d = 0.2, 0.4, 0.8), w = 0.7: p = (3.085, 1.899, 1.169) /
+  # 6.153, H / log 3 = 0.93255; class 2 (d = 0.3, 0.3, 0.6): p = (2.323, 2.323, 1.430) /
+  # 6.076, H / log 3 = 0.97912 (4-digit hand arithmetic: tolerance 1e-4).
+  grasp_entropy = np.asarray(records["grasp_entropy"])
+  assert np.isnan(grasp_entropy[:, ::2]).all()
+  classes = np.asarray(records["sampled_classes"])[:, 1::2]
+  want = np.array([0.0, 0.93255, 0.97912])[classes]
+  np.testing.assert_allclose(grasp_entropy[:, 1::2], want, atol=1e-4)
