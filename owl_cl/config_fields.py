@@ -111,7 +111,9 @@ DATA_SEED = _seed(
   PRNG_SEEDS // DATA_KEY_STRIDE - 1, f"its PRNG keys seed * {DATA_KEY_STRIDE} + dataset index"
 )
 SEED_RULES = {"model": MODEL_SEED, "data": DATA_SEED, "retrieval": RETRIEVAL_SEED}
-SEED = integer(0, maximum=DATA_SEED.maximum, why=DATA_SEED.why + " (it is every part's seed)")
+SEED = integer(
+  0, maximum=DATA_SEED.maximum, why=f"config.seed stands in for seeds.data: {DATA_SEED.why}"
+)
 # Step counts and step intervals (a step checkpoint id, phase * PHASE_STRIDE + step).
 STEPS = integer(1, maximum=PHASE_STRIDE - 1, why="a step checkpoint's id, phase * 10**9 + step")
 OPTIONAL_STEPS = integer(1, maximum=STEPS.maximum, why=STEPS.why, optional=True)

@@ -86,7 +86,7 @@ BAD_FIELDS = [
   ("seeds.retrieval", -1, "config.seeds.retrieval=-1 must be >= 0 or None"),
   ("train.schedule", "parallel", "config.train.schedule='parallel' is unknown; known: ['seq"),
   # jax.random.PRNGKey raised OverflowError on it after run.json was written (issue 45, item 3).
-  ("seed", 2**63, "config.seed=9223372036854775808 must be <= 4294966 (its PRNG keys seed"),
+  ("seed", 2**63, "config.seed=9223372036854775808 must be <= 4294966 (config.seed stands in"),
   ("pretrain.num_steps", 10**9, "config.pretrain.num_steps=1000000000 must be <= 999999999"),
 ]
 
