@@ -52,21 +52,72 @@ class MissingInputsError(ConfigError):
 Rule = Callable[[Any], str]
 
 
+# ----------------------------------------------------------------------------- integer limits
+
+# What consumes the integer fields bounds them (one bound per consumer, named at its rule):
+# - JAX with 32-bit integers (`jax_enable_x64` off, its default) holds counts, steps and
+#   shapes as int32: at most INT32_MAX. It is every integer field's bound unless a stricter
+#   consumer below names its own.
+# - `jax.random.PRNGKey(seed)` keeps only a seed's low 32 bits (PRNGKey(2**32) ==
+#   PRNGKey(0): two seeds, one key) and raises OverflowError from 2**63, so every key a seed
+#   makes must stay below PRNG_SEEDS: the model seed makes keys seed + 0..2
+#   (`trainer`, `replay.setup.initial_replay_state`), the data seed seed * DATA_KEY_STRIDE +
+#   index, index < DATA_KEY_STRIDE (each dataset's step key, `trainer`; the LoRA adapters',
+#   `experiment.LORA_SEED_OFFSET`).
+# - A step checkpoint's id is phase * PHASE_STRIDE + step (`train.checkpointing`): a step count
+#   of PHASE_STRIDE or more would take the next phase's ids.
+INT32_MAX = 2**31 - 1
+PRNG_SEEDS = 2**32
+DATA_KEY_STRIDE = 1000
+MODEL_KEY_OFFSETS = 3  # keys seed, seed + 1, seed + 2
+PHASE_STRIDE = 10**9
+
+
 def _is_number(value: Any) -> bool:
   return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def integer(minimum: int, *, optional: bool = False) -> Rule:
-  """An int >= `minimum` (None allowed when `optional`)."""
+def integer(
+  minimum: int, *, maximum: int = INT32_MAX, why: str = "JAX's int32", optional: bool = False
+) -> Rule:
+  """An int in [minimum, maximum] (None allowed when `optional`); `why` names the consumer
+  that sets `maximum` (the message says it). The rule carries `minimum`, `maximum` and `why`
+  as attributes (tests/test_bad_inputs.py walks them)."""
 
   def rule(value):
     if value is None and optional:
       return ""
-    if not _is_number(value) or int(value) != value:
+    if not _is_number(value) or not math.isfinite(value) or int(value) != value:
       return "must be an integer" + (" or None" if optional else "")
-    return "" if value >= minimum else f"must be >= {minimum}" + (" or None" * optional)
+    if value < minimum:
+      return f"must be >= {minimum}" + (" or None" * optional)
+    return "" if value <= maximum else f"must be <= {maximum} ({why})"
 
+  rule.minimum, rule.maximum, rule.why = minimum, maximum, why
   return rule
+
+
+def _seed(maximum: int, keys: str) -> Rule:
+  return integer(
+    0, maximum=maximum, optional=True, why=f"{keys} must stay below 2**32, JAX's PRNG seeds"
+  )
+
+
+# The seed rules, one per consumer (`seed_of`): `config.seed` stands in for every part, so it
+# takes the strictest bound.
+MODEL_SEED = _seed(PRNG_SEEDS - MODEL_KEY_OFFSETS, "its PRNG keys seed + 0..2")
+RETRIEVAL_SEED = MODEL_SEED  # the replay state's key is seed + 2 (`initial_replay_state`)
+DATA_SEED = _seed(
+  PRNG_SEEDS // DATA_KEY_STRIDE - 1, f"its PRNG keys seed * {DATA_KEY_STRIDE} + dataset index"
+)
+SEED_RULES = {"model": MODEL_SEED, "data": DATA_SEED, "retrieval": RETRIEVAL_SEED}
+SEED = integer(
+  0, maximum=DATA_SEED.maximum, why=f"config.seed stands in for seeds.data: {DATA_SEED.why}"
+)
+# Step counts and step intervals (a step checkpoint id, phase * PHASE_STRIDE + step).
+STEPS = integer(1, maximum=PHASE_STRIDE - 1, why="a step checkpoint's id, phase * 10**9 + step")
+OPTIONAL_STEPS = integer(1, maximum=STEPS.maximum, why=STEPS.why, optional=True)
+WARMUP_STEPS = integer(0, maximum=STEPS.maximum, why=STEPS.why)
 
 
 def real(
@@ -260,8 +311,8 @@ def step_table(value: Any) -> str:
   for pair in value:
     if isinstance(pair, str) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
       return f"{shape}; got the item {pair!r}"
-    if not isinstance(pair[0], str) or not pair[0] or integer(1)(pair[1]):
-      return f"{shape} with steps >= 1; got the item {tuple(pair)!r}"
+    if not isinstance(pair[0], str) or not pair[0] or STEPS(pair[1]):
+      return f"{shape} with steps >= 1 and <= {STEPS.maximum}; got the item {tuple(pair)!r}"
   names_ = [p[0] for p in value]
   twice = sorted({n for n in names_ if names_.count(n) > 1})
   return f"names {twice} more than once" if twice else ""

@@ -18,9 +18,14 @@ from owl_cl.config_fields import FINITE
 from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
+from owl_cl.config_fields import OPTIONAL_STEPS
 from owl_cl.config_fields import POSITIVE
 from owl_cl.config_fields import SCHEDULES
+from owl_cl.config_fields import SEED
 from owl_cl.config_fields import SEED_PARTS
+from owl_cl.config_fields import SEED_RULES
+from owl_cl.config_fields import STEPS
+from owl_cl.config_fields import WARMUP_STEPS
 from owl_cl.config_fields import Rule
 from owl_cl.config_fields import boolean
 from owl_cl.config_fields import budget
@@ -59,11 +64,12 @@ from owl_cl.train import step as step_lib
 
 # The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
 TRAIN_FIELD_RULES: dict[str, Rule] = {
-  "num_epochs": integer(1),
+  # Epochs too are bounded by the steps they make (an epoch is one step or more).
+  "num_epochs": STEPS,
   # A budget in optimizer steps replacing num_epochs (the IVLOD protocol); None: epochs.
-  "num_steps": integer(1, optional=True),
-  "warmup_epochs": integer(0, optional=True),
-  "warmup_steps": integer(0),
+  "num_steps": OPTIONAL_STEPS,
+  "warmup_epochs": integer(0, maximum=STEPS.maximum, why=STEPS.why, optional=True),
+  "warmup_steps": WARMUP_STEPS,
   "learning_rate": POSITIVE,
   "text_lr_multiplier": NON_NEGATIVE,
   "layerwise_decay": FRACTION,
@@ -80,10 +86,11 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # `data.odinw_datasets` and Visual Genome settings).
 FIELD_RULES: dict[str, Rule] = {
   "experiment_name": text(),
-  "seed": integer(0),
+  "seed": SEED,
+  # NumPy's generators (`np.random.default_rng`) take any int >= 0: JAX's int32 bounds them.
   "sequence_seed": integer(0, optional=True),
   "task_order": orders.task_order_problem,
-  **{f"seeds.{part}": integer(0, optional=True) for part in SEED_PARTS},
+  **{f"seeds.{part}": SEED_RULES[part] for part in SEED_PARTS},
   "cache_dir": text(),
   "compilation_cache_dir": text(optional=True, empty=True),  # '' disables the cache
   "init_checkpoint": text(optional=True),
@@ -136,14 +143,14 @@ FIELD_RULES: dict[str, Rule] = {
   "data.augment.mosaic_probs": probabilities,
   # --- pre-training, continual fine-tuning, loss
   "pretrain.batch_size": integer(1),
-  "pretrain.num_steps": integer(1),
+  "pretrain.num_steps": STEPS,
   "pretrain.learning_rate": POSITIVE,
-  "pretrain.warmup_steps": integer(0),
+  "pretrain.warmup_steps": WARMUP_STEPS,
   "pretrain.text_lr_multiplier": NON_NEGATIVE,
   "pretrain.layerwise_decay": FRACTION,
   "pretrain.weight_decay": NON_NEGATIVE,
   "pretrain.max_unique_queries": integer(0),
-  "pretrain.eval_every_steps": integer(0, optional=True),
+  "pretrain.eval_every_steps": integer(0, maximum=STEPS.maximum, why=STEPS.why, optional=True),
   "train.batch_size": integer(1),
   **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
   "train.num_steps_by_dataset": step_table,
@@ -165,7 +172,7 @@ FIELD_RULES: dict[str, Rule] = {
   "train.eps": POSITIVE,
   "train.weight_decay": NON_NEGATIVE,
   "train.grad_clip_norm": real(0.0, low_open=True, optional=True),
-  "train.log_every_steps": integer(1),
+  "train.log_every_steps": STEPS,
   "train.max_unique_queries": integer(0),
   "loss.focal_alpha": real(0.0, 1.0),
   "loss.focal_gamma": NON_NEGATIVE,
@@ -240,9 +247,9 @@ FIELD_RULES: dict[str, Rule] = {
   "eval.lvis_max_dets": integer(1),
   "eval.report_ivlod": boolean,
   "checkpoint.max_to_keep": integer(1, optional=True),
-  "checkpoint.every_steps": integer(1, optional=True),
+  "checkpoint.every_steps": OPTIONAL_STEPS,
   "checkpoint.every_minutes": real(0.0, low_open=True, optional=True),
-  "max_train_steps_per_dataset": integer(1, optional=True),
+  "max_train_steps_per_dataset": OPTIONAL_STEPS,
   "max_eval_images": integer(1, optional=True),
 }
 

@@ -56,6 +56,7 @@ from owl_cl import pretrained
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl import validation
+from owl_cl.config_fields import DATA_KEY_STRIDE
 from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import schedule_of
@@ -77,7 +78,7 @@ BARRIER_TIMEOUT_S = 1800.0
 
 # The LoRA adapters' seed is seed_of(config, 'data') * 1000 + this: the dataset step keys use
 # seed * 1000 + index with index <= the sequence's length, so the two never coincide.
-LORA_SEED_OFFSET = 999
+LORA_SEED_OFFSET = DATA_KEY_STRIDE - 1
 
 
 def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
@@ -393,7 +394,9 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
   # every stage starts from `_Session.pretrained`). The stage checkpoints hold the adapters:
   # the base is rebuilt from init_checkpoint or the pre-trained cache on a resume.
   # The adapters' A draw: the data seed (as the step keys) offset from the step keys' seeds.
-  params = detector.add_adapters(params, seed_of(config, "data") * 1000 + LORA_SEED_OFFSET)
+  params = detector.add_adapters(
+    params, seed_of(config, "data") * DATA_KEY_STRIDE + LORA_SEED_OFFSET
+  )
   if jax.process_count() > 1:
     # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
     replay_state = sharding_lib.fetch_replicated(replay_state)

@@ -202,8 +202,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(f"error: unknown config field in the command line: {hint}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
   except flags.Error as e:
-    message = str(e).replace("\n", " ")
-    print(f"error: bad command line: {message}", file=sys.stderr)
+    print(f"error: bad command line: {short_flag_error(str(e))}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+  problem = config_file_problem(_CONFIG.value, flag_values(argv, "config"))
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
   # ml_collections defines a tuple field's flag as a MultiFlag (config_flags).
   tuple_flags = {
@@ -216,6 +219,30 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(f"error: {problem}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
   return rest
+
+
+def short_flag_error(message: str) -> str:
+  """absl's message of a bad flag on one line. A config file's `get_config` that raised
+  (`--config=configs/swil.py:unknownarg`) arrives with its whole traceback (ml_collections
+  adds it): only the flag and the exception's own last line are kept."""
+  lines = [line.strip() for line in message.splitlines() if line.strip()]
+  if any(line.startswith("Traceback (most recent call last)") for line in lines):
+    return f"{lines[0]} {lines[-1]}"
+  return " ".join(lines)
+
+
+def config_file_problem(config, values: list[str]) -> str:
+  """'' unless `--config` names a file that cannot be loaded (`configs/nosuch.py`), then one
+  line naming it and why. ml_collections defers that error to the config's first use (a
+  stand-in config raising OSError on any access, with the loader's reason as its cause)."""
+  if config is None:
+    return ""
+  try:
+    config.get("experiment_name")
+  except OSError as e:
+    lines = [line.strip() for line in str(e.__cause__ or e).splitlines() if line.strip()]
+    return f"--config={values[-1] if values else ''} cannot be loaded: {lines[-1]}"
+  return ""
 
 
 def flag_values(argv: list[str], name: str) -> list[str]:

@@ -49,6 +49,7 @@ import tqdm
 from owl_cl import preemption
 from owl_cl.benchmark import Benchmark
 from owl_cl.benchmark import Dataset
+from owl_cl.config_fields import DATA_KEY_STRIDE
 from owl_cl.config_fields import check_carry_mode
 from owl_cl.config_fields import seed_of
 from owl_cl.data.spec import MODEL_INPUT_KEYS
@@ -528,7 +529,7 @@ def train_phase(
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
     replay_state=replay_state,
-    key=jax.random.PRNGKey(seed_of(config, "data") * 1000 + phase.index),
+    key=jax.random.PRNGKey(seed_of(config, "data") * DATA_KEY_STRIDE + phase.index),
   )
   loop = replay.prepare(loop)
   carry_best = check_carry_mode(config) == "best_validation" and phase.dataset is not None

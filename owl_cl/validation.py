@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import importlib.util
 import json
 import os
+import tempfile
 from typing import Any
 
 import ml_collections
@@ -64,7 +65,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
     ConfigError: one message listing every field of the wrong type, out of range or with an
       unknown option with its value, an impossible model (`model_problems`) or augmentation
       (`augment_problems`), an unwritable workdir, a workdir holding another run's results
-      (`foreign_results_problem`), a CLIP tokenizer without its vocabulary or with an
+      (`foreign_results_problem`), a cache folder that is a file (`cache_dir_problem`), a
+      CLIP tokenizer without its vocabulary or with an
       incomplete one (`clip_vocabulary_files_problem`), an `init_checkpoint` that is no
       checkpoint, a checkpoint of another model (`init_checkpoint_model_problem`) or one
       whose format needs a missing optional extra (`missing_extra_problem`), a schedule
@@ -77,6 +79,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   fields_valid = not problems
   if workdir is not None:
     problems += [p for p in [workdir_problem(workdir)] if p]
+  if fields_valid:
+    problems += cache_dir_problem(config)
   if fields_valid:  # The checks across fields read fields of the right type.
     problems += model_problems(config)
     problems += augment_problems(config)
@@ -170,7 +174,9 @@ def workdir_problem(workdir: str) -> str:
   """What keeps the run from writing `workdir` ('' when it can).
 
   The nearest existing folder on the path must be a writable folder (the run creates the
-  rest); an existing `workdir` that is a file is refused.
+  rest; when it must, a folder is made there and removed at once, the one test a pseudo file
+  system such as /proc answers truly for root); an existing `workdir` that is a file is
+  refused.
   """
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
@@ -183,7 +189,33 @@ def workdir_problem(workdir: str) -> str:
   if not os.access(existing, os.W_OK | os.X_OK):
     what = "workdir" if existing == path else f"workdir {path} cannot be created: its parent"
     return f"{what} {existing} is not writable by this user"
+  if existing != path:
+    # os.access passes root anywhere, and a pseudo file system (/proc, /sys) refuses folders
+    # whatever its modes say: a folder made and removed at once is the only sure test.
+    try:
+      os.rmdir(tempfile.mkdtemp(prefix=".owl_cl-probe-", dir=existing))
+    except OSError as e:
+      return f"workdir {path} cannot be created in {existing}: {e.strerror or e}"
   return foreign_results_problem(path)
+
+
+def cache_dir_problem(config: ml_collections.ConfigDict) -> list[str]:
+  """`config.cache_dir` / `config.compilation_cache_dir` that exists and is not a folder, or
+  whose nearest existing folder on its path is a file: each one line (empty: fine). Whether
+  it can be written is left to its first use (a read-only cache can still be read)."""
+  problems = []
+  for field in ("cache_dir", "compilation_cache_dir"):
+    value = config.get(field)
+    if not value:
+      continue
+    path = expand_path(value)
+    existing = path
+    while not os.path.exists(existing):
+      existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+      where = "" if existing == path else f" cannot be created: {existing}"
+      problems.append(f"config.{field}={path}{where} is a file, not a folder")
+  return problems
 
 
 def foreign_results_problem(workdir: str) -> str:
@@ -217,10 +249,18 @@ def foreign_results_problem(workdir: str) -> str:
     )
   if owner is not None and owner == run_id:
     return ""
-  holder = f"run {run_id!r} (run.json)" if run_id else "no run.json"
+  if run_id is None:
+    # The results may be this very run's, its run.json deleted: nothing tells, so nothing is
+    # overwritten.
+    return (
+      f"workdir {workdir} holds {results_path} of run {owner!r} but no run.json, which "
+      "records the config those results were run with (deleted?): they cannot be resumed or "
+      "told apart from another config's; restore run.json to resume that run, or use another "
+      "--workdir"
+    )
   return (
-    f"workdir {workdir} holds {results_path} of run {owner!r} but {holder}: another run's "
-    "results, which this run would overwrite; use another --workdir"
+    f"workdir {workdir} holds {results_path} of run {owner!r} but run {run_id!r} (run.json): "
+    "another run's results, which this run would overwrite; use another --workdir"
   )
 
 
@@ -469,8 +509,8 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
     ConfigError: `train.per_dataset` or `train.num_steps_by_dataset` naming a dataset
       outside the run's registry, or `train.per_dataset` setting an unknown field;
       `train.carry` unknown, or 'best_validation' with a dataset that has no valid split;
-      an unknown `eval.downstream_after_each_dataset`; a training set smaller than one batch
-      (an empty one included).
+      an unknown `eval.downstream_after_each_dataset`; a split smaller than its phase needs
+      (`split_size_problems`, every one listed).
   """
   known = {d.name for d in benchmark.sequence}
   if uses_real_data(config):
@@ -494,13 +534,64 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
         f"{without} lack (the built-in benchmark has none)"
       )
   check_downstream_eval_mode(config)
+  problems = split_size_problems(config, benchmark)
+  if len(problems) == 1:
+    raise ConfigError(problems[0])
+  if problems:
+    raise ConfigError(
+      f"{len(problems)} problems of the data's sizes:\n" + "\n".join(f"  - {p}" for p in problems)
+    )
+
+
+def split_size_problems(config: ml_collections.ConfigDict, benchmark: Benchmark) -> list[str]:
+  """Every split smaller than what its phase needs, one line each (empty: fine).
+
+  The rule: a phase trains on whole batches (the last partial one is dropped), so a training
+  split must hold at least one batch: each sequence dataset's `train.batch_size`, and the
+  pre-training set's `pretrain.batch_size` unless `init_checkpoint` replaces pre-training
+  (with fewer images no step is taken: pre-training waited for its first batch forever). The
+  replay buffer is drawn from the pre-training set's training split (`replay.setup.build_store`),
+  so an image count `replay.budget` must not exceed it (a fraction always fits); a larger one
+  is refused rather than silently cut to the pool's size. A training split with images but no
+  box (`annotations: []`) is refused too: every query would be a negative, and a run would
+  end with no class learned (the pre-training set's split is checked when it is trained on or
+  is the replay pool).
+  """
+  problems = []
   batch_size = config.train.batch_size
   small = [f"{d.name} ({len(d.train)})" for d in benchmark.sequence if len(d.train) < batch_size]
   if small:
-    raise ConfigError(
+    problems.append(
       f"config.train.batch_size={batch_size} is larger than the training set of {small} "
       "(images in brackets): not one step could be taken; lower the batch size or fix the data"
     )
+  pool = len(benchmark.pretrain.train)
+  if not config.get("init_checkpoint") and pool < config.pretrain.batch_size:
+    problems.append(
+      f"config.pretrain.batch_size={config.pretrain.batch_size} is larger than the "
+      f"pre-training set's training split ({benchmark.pretrain.name}, {pool} images): not one "
+      "pre-training step could be taken; lower the batch size, give the set more images "
+      "(built-in: config.data.builtin.num_pretrain_train) or set config.init_checkpoint"
+    )
+  pretrain_used = not config.get("init_checkpoint") or config.replay.algorithm != "none"
+  boxless = [(d.name, d.train) for d in benchmark.sequence] + (
+    [(benchmark.pretrain.name, benchmark.pretrain.train)] if pretrain_used else []
+  )
+  for name, source in boxless:
+    if len(source) and getattr(source, "num_boxes", None) == 0:
+      problems.append(
+        f"dataset {name!r}: its training split {getattr(source, 'annotation_file', '')} holds "
+        f"{len(source)} images but no boxes (no annotations): training on it would teach no "
+        "class; annotate it or declare it for evaluation only"
+      )
+  budget = config.replay.get("budget")
+  if config.replay.algorithm != "none" and isinstance(budget, int) and budget > pool:
+    problems.append(
+      f"config.replay.budget={budget} images is more than the {pool} images of the "
+      f"pre-training set's training split ({benchmark.pretrain.name}), the pool the replay "
+      f"buffer is drawn from: give at most {pool}, or a fraction such as 1.0"
+    )
+  return problems
 
 
 def check_data(config: ml_collections.ConfigDict, benchmark: Benchmark) -> dict[str, int]:

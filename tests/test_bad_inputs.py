@@ -85,6 +85,9 @@ BAD_FIELDS = [
   ("task_order", "random_99", "config.task_order='random_99' is no stored order (names: canon"),
   ("seeds.retrieval", -1, "config.seeds.retrieval=-1 must be >= 0 or None"),
   ("train.schedule", "parallel", "config.train.schedule='parallel' is unknown; known: ['seq"),
+  # jax.random.PRNGKey raised OverflowError on it after run.json was written (issue 45, item 3).
+  ("seed", 2**63, "config.seed=9223372036854775808 must be <= 4294966 (config.seed stands in"),
+  ("pretrain.num_steps", 10**9, "config.pretrain.num_steps=1000000000 must be <= 999999999"),
 ]
 
 
@@ -226,9 +229,32 @@ def test_workdir_of_another_config_is_refused_unchanged(tmp_path, workdir, capsy
 def test_training_set_smaller_than_a_batch_is_refused():
   config = tiny_config("swil", "/nonexistent")
   dataset = lambda name, n: types.SimpleNamespace(name=name, train=[0] * n, valid=None)
-  bench = types.SimpleNamespace(sequence=[dataset("a", 16), dataset("b", 0)])
+  bench = types.SimpleNamespace(
+    sequence=[dataset("a", 16), dataset("b", 0)], pretrain=dataset("pretrain", 8)
+  )
   with pytest.raises(ConfigError, match=r"config.train.batch_size=8 is larger .*\['b \(0\)'\]"):
     validation.check_sequence_config(config, bench)
+
+
+def test_pretraining_set_smaller_than_a_batch_is_refused():
+  """`--config.data.builtin.num_pretrain_train=2` with batch 16 hung at 'pre-training: 0/40'
+  after run.json was written (issue 45, item 4): refused with the data checks, unless an
+  init checkpoint replaces pre-training."""
+  config = tiny_config("swil", "/nonexistent")
+  config.pretrain.batch_size = 16
+  dataset = lambda name, n: types.SimpleNamespace(name=name, train=[0] * n, valid=None)
+  bench = types.SimpleNamespace(sequence=[dataset("a", 16)], pretrain=dataset("pretrain", 2))
+  assert validation.split_size_problems(config, bench) == [
+    "config.pretrain.batch_size=16 is larger than the pre-training set's training split "
+    "(pretrain, 2 images): not one pre-training step could be taken; lower the batch size, give "
+    "the set more images (built-in: config.data.builtin.num_pretrain_train) or set "
+    "config.init_checkpoint"
+  ]
+  bench.pretrain.train = [0] * 16  # exactly one batch: fine
+  assert validation.split_size_problems(config, bench) == []
+  bench.pretrain.train = [0] * 2
+  config.init_checkpoint = "/a/checkpoint"  # no pre-training
+  assert validation.split_size_problems(config, bench) == []
 
 
 def hold_lock(workdir: str, pid: int, host: str):
@@ -783,8 +809,11 @@ def test_workdir_with_another_runs_results_is_refused(run_json, tmp_path, workdi
       json.dump({"run_id": "ours", "config": json.loads(config.to_json_best_effort())}, f)
   status, err = refuse(config, workdir, capsys)
   assert status == 2
-  holder = "run 'ours' (run.json)" if run_json else "no run.json"
-  assert f"holds {workdir}/results.json of run 'theirs' but {holder}: another run's" in err
+  if run_json:
+    assert f"holds {workdir}/results.json of run 'theirs' but run 'ours' (run.json): another" in err
+  else:  # perhaps this very run's, its run.json deleted: not called another run's (issue 45)
+    assert f"holds {workdir}/results.json of run 'theirs' but no run.json, which records" in err
+    assert "another run's" not in err and "restore run.json to resume that run" in err
 
 
 def test_unknown_dedup_schedule_is_refused(tmp_path, workdir, capsys):
@@ -1172,3 +1201,226 @@ def test_scenic_checkpoint_of_another_model_leaves_the_workdir_free(tmp_path, wo
   assert exited.value.code == 2
   assert str(path) in capsys.readouterr().err
   assert snapshot(workdir) == before  # no run.json, results.json or lock
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 45, items 3-6: integer ranges, data sizes, the last raw tracebacks.
+# ------------------------------------------------------------------------------------------
+
+
+def integer_rules():
+  """(field, rule) of every field whose rule is an `integer` one (it carries its bounds)."""
+  from owl_cl.config_fields import PER_DATASET_FIELDS  # pylint: disable=g-import-not-at-top
+
+  rules = dict(config_rules.FIELD_RULES)
+  rules.update(
+    {
+      f"train.per_dataset.thermal.{f}": config_rules.TRAIN_FIELD_RULES[f]
+      for f in PER_DATASET_FIELDS
+    }
+  )
+  rules.update({f"model.overrides.{f}": r for f, r in config_rules.MODEL_OVERRIDE_RULES.items()})
+  return {path: rule for path, rule in rules.items() if hasattr(rule, "maximum")}
+
+
+def test_every_integer_field_is_bounded_by_its_consumer():
+  """Each integer field refuses one past its consumer's bound (and 2**63, the issue's seed),
+  naming the bound and the consumer, and takes the bound itself; every int-valued leaf of
+  the config has such a rule."""
+  from configs import base  # pylint: disable=g-import-not-at-top
+
+  config = base.get_config("")
+  # The int-valued leaves, but those naming one of a set of options (data.builtin.version).
+  ints = [
+    p
+    for p in config_leaves(config)
+    if isinstance(_field_value(config, p), int)
+    and not isinstance(_field_value(config, p), bool)
+    and not getattr(config_rules.FIELD_RULES[p], "is_option", False)
+  ]
+  rules = integer_rules()
+  assert len(rules) >= 60 and len(ints) >= 30  # every section walked (66 and 35 when written)
+  assert [p for p in ints if p not in rules] == []
+  for path, rule in rules.items():
+    assert rule(rule.maximum) == "" and rule(rule.minimum) == "", path
+    for bad in (rule.maximum + 1, 2**63):
+      assert rule(bad) == f"must be <= {rule.maximum} ({rule.why})", (path, bad)
+    assert rule(rule.minimum - 1).startswith(f"must be >= {rule.minimum}"), path
+    assert rule(math.inf) and rule(math.nan), path  # refused, not an OverflowError
+  # Through the config checks: one line per field, each naming the field and the value.
+  wide = config.copy_and_resolve_references()
+  for path in ints:
+    section, _, name = path.rpartition(".")
+    (_node(wide, section) if section else wide)[name] = 2**63
+  problems = validation.range_problems(wide, num_devices=1)
+  assert sorted(p.split("=")[0] for p in problems) == sorted(f"config.{p}" for p in ints)
+
+
+def _field_value(config, path):
+  for part in path.split("."):
+    config = config[part]
+  return config
+
+
+def test_seed_bounds_are_where_jax_keys_would_collide():
+  """The seed rules' bounds against JAX itself: the largest key a seed at its bound makes is
+  kept whole by `jax.random.PRNGKey` ([0, seed]), one more collides with a smaller seed's key
+  (the low 32 bits kept), and 2**63 raises (the crash of issue 45)."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from owl_cl import config_fields as cf  # pylint: disable=g-import-not-at-top
+
+  stride = cf.DATA_KEY_STRIDE
+  largest = {
+    "data": cf.DATA_SEED.maximum * stride + stride - 1,  # the LoRA key, index stride - 1
+    "model": cf.MODEL_SEED.maximum + cf.MODEL_KEY_OFFSETS - 1,
+  }
+  for part, key in largest.items():
+    assert jax.random.PRNGKey(key).tolist() == [0, key], part
+  # The largest key of the seed one past each bound.
+  past = {
+    "data": (cf.DATA_SEED.maximum + 1) * stride + stride - 1,
+    "model": cf.MODEL_SEED.maximum + 1 + cf.MODEL_KEY_OFFSETS - 1,
+  }
+  for part, key in past.items():
+    assert key >= 2**32, part
+    assert jax.random.PRNGKey(key).tolist() == jax.random.PRNGKey(key - 2**32).tolist(), part
+  assert cf.SEED.maximum == min(r.maximum for r in cf.SEED_RULES.values())
+  assert cf.STEPS.maximum < cf.PHASE_STRIDE <= 2**31  # a step's id stays in its phase
+  with pytest.raises(OverflowError):
+    jax.random.PRNGKey(2**63)
+
+
+def test_pretraining_set_smaller_than_a_batch_leaves_the_workdir_free(tmp_path, workdir, capsys):
+  config, _ = own_data_config(tmp_path)  # 8 training images, the pre-training set's too
+  config.pretrain.batch_size = 16
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2 and err.count("\n") == 1
+  assert (
+    "config.pretrain.batch_size=16 is larger than the pre-training set's training split " in err
+  )
+
+
+def test_budget_larger_than_the_pool_is_refused(tmp_path, workdir, capsys):
+  config, _ = own_data_config(tmp_path)
+  config.replay.budget = 100000
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2 and err.count("\n") == 1
+  assert (
+    "config.replay.budget=100000 images is more than the 8 images of the pre-training set's "
+    "training split (pre), the pool the replay buffer is drawn from: give at most 8"
+  ) in err
+
+
+def test_budget_of_the_whole_pool_and_a_fraction_pass():
+  config = tiny_config("swil", "/nonexistent")
+  dataset = lambda name, n: types.SimpleNamespace(name=name, train=[0] * n, valid=None)
+  bench = types.SimpleNamespace(sequence=[dataset("a", 8)], pretrain=dataset("pretrain", 8))
+  for budget in (8, 1.0, 0.5):
+    config.replay.budget = budget
+    assert validation.split_size_problems(config, bench) == [], budget
+  config.replay.budget, config.replay.algorithm = 9, "none"  # no buffer: no pool to fit
+  assert validation.split_size_problems(config, bench) == []
+
+
+def test_training_split_without_annotations_is_refused(tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  train = os.path.join(folder, "train.json")
+  edit_json(train, lambda d: d.update(annotations=[]))
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"dataset 'kitchen': its training split {train} holds 8 images but no boxes" in err
+  assert f"dataset 'pre': its training split {train} holds 8 images but no boxes" in err
+
+
+def test_evaluation_split_without_annotations_is_not_refused(tmp_path):
+  """The rule is for training splits: a test split with no boxes is only evaluated."""
+  from owl_cl import benchmark  # pylint: disable=g-import-not-at-top
+
+  config, folder = own_data_config(tmp_path)
+  edit_json(os.path.join(folder, "test.json"), lambda d: d.update(annotations=[]))
+  bench = benchmark.load_benchmark(config)
+  assert validation.split_size_problems(config, bench) == []
+
+
+def test_string_image_id_is_refused(tmp_path, workdir, capsys):
+  config, folder = own_data_config(tmp_path)
+  train = os.path.join(folder, "train.json")
+
+  def string_id(data):
+    data["images"][0]["id"] = "one"
+    data["annotations"][0]["image_id"] = "one"
+
+  edit_json(train, string_id)
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2
+  assert f"{train}: images[0] field 'id' has value 'one' (str): COCO ids are integers" in err
+
+
+def test_cache_dir_that_is_a_file_is_refused(tmp_path, workdir, capsys):
+  blocker = tmp_path / "cache"
+  blocker.write_text("x")
+  for cache_dir, expected in (
+    (blocker, f"config.cache_dir={blocker} is a file, not a folder"),
+    (blocker / "sub", f"config.cache_dir={blocker / 'sub'} cannot be created: {blocker} is a file"),
+  ):
+    config = tiny_config("swil", str(cache_dir))
+    before = snapshot(workdir)
+    with pytest.raises(ConfigError) as raised:
+      experiment.run(config, workdir)
+    assert expected in str(raised.value) and "\n" not in str(raised.value)
+    assert snapshot(workdir) == before and blocker.read_text() == "x"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_workdir_under_proc_is_refused(tmp_path, capsys):
+  """/proc's modes let root pass `os.access`, but no folder can be made there."""
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  status, err = refuse(config, "/proc/owl_cl_run/run", capsys)
+  assert status == 2 and err.count("\n") == 1
+  assert "workdir /proc/owl_cl_run/run cannot be created" in err
+
+
+@pytest.mark.parametrize(
+  "config_arg,expected",
+  [
+    ("configs/nosuch.py", "error: --config={} cannot be loaded: [Errno 2] No such file or"),
+    (
+      "configs/swil.py:unknownarg",
+      "error: bad command line: flag --config={}: Error whilst parsing config file: ValueError: "
+      "unknown config argument 'unknownarg'; known: ",
+    ),
+  ],
+  ids=["missing config file", "unknown config argument"],
+)
+def test_bad_config_flag_is_one_short_line(config_arg, expected, capsys):
+  """Parsed in-process by `main.parse_flags` (a subprocess costs seconds): exit 2 with one
+  line before `main` runs (nothing written), without the loader's traceback."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  arg = os.path.join(REPO, config_arg)
+  try:
+    with pytest.raises(SystemExit) as exited:
+      main.parse_flags(["main.py", f"--config={arg}"])
+  finally:
+    flags.FLAGS.unparse_flags()
+  err = capsys.readouterr().err
+  assert exited.value.code == 2
+  assert err.startswith(expected.format(arg)) and err.count("\n") == 1, err
+  assert "Traceback" not in err and len(err) < 300, err  # with the traceback: ~930
+
+
+def test_builtin_folder_names_are_the_documented_ones():
+  """docs/stored_state.md names the built-in benchmark's folder as the code does: the number
+  after 'v' is the files' format, not the benchmark's version (version 1 writes v3)."""
+  import re  # pylint: disable=g-import-not-at-top
+
+  from owl_cl.data.builtin import benchmark  # pylint: disable=g-import-not-at-top
+
+  fmt = benchmark.FORMAT_VERSION
+  assert re.fullmatch(f"builtin_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinConfig(version=1).key())
+  assert re.fullmatch(f"builtin2_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinConfig(version=2).key())
+  with open(os.path.join(REPO, "docs", "stored_state.md")) as f:
+    row = next(line for line in f if line.startswith("| built-in benchmark |"))
+  assert "`builtin_v<format>_<hash>/` (version 1), `builtin2_v<format>_<hash>/` (version 2)" in row
+  assert f"is the files' format ({fmt})" in row

@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable, Sequence
 import contextlib
 import io
 import json
+import numbers
 import os
 from typing import Any
 
@@ -59,6 +60,18 @@ def _require(entry: Any, fields: Sequence[str], where: str, path: str, index: in
       raise DataError(
         f"{path}: {where}[{index}] is missing required field '{f}' (entry: {_short(entry)})"
       )
+
+
+def _require_int_id(entry: dict, where: str, path: str, index: int) -> None:
+  """Raises DataError unless `entry['id']` is an integer (a NumPy one too): the COCO format's
+  ids are ints (cocodataset.org/#format-data), and the ids are sorted (a str among ints cannot
+  be: the TypeError it gave)."""
+  value = entry["id"]
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    raise DataError(
+      f"{path}: {where}[{index}] field 'id' has value {value!r} ({type(value).__name__}): "
+      "COCO ids are integers"
+    )
 
 
 # Problems listed in one error; the rest are counted (a broken export can have millions).
@@ -135,7 +148,8 @@ class CocoSource:
 
   Raises:
     DataError: missing annotation file; unreadable json; missing required field (names the
-      entry); duplicate image id (names both positions) or category id. Then, all listed in
+      entry); an image or category id that is not an int; duplicate image id (names both
+      positions) or category id. Then, all listed in
       one error (up to `MAX_LISTED_PROBLEMS`): a category with an empty name; annotation
       with unknown `category_id` or `image_id`; box not finite, with w <= 0 or h <= 0 or
       outside the image by more than `box_tolerance`; duplicate annotation id (names both
@@ -309,6 +323,11 @@ class CocoSource:
       f"CocoSource(name={self.name!r}, images={len(self)}, classes={len(self.class_names)}, "
       f"file={self.annotation_file!r})"
     )
+
+  @property
+  def num_boxes(self) -> int:
+    """The training boxes of all images (crowd and excluded-category annotations not counted)."""
+    return sum(len(labels) for labels in self._labels)
 
   @property
   def num_classes(self) -> int:
@@ -528,6 +547,7 @@ def _check_categories(
   cat_by_id: dict[Any, dict] = {}
   for i, c in enumerate(cats):
     _require(c, _REQUIRED_CAT, "categories", path, i)
+    _require_int_id(c, "categories", path, i)
     if c["id"] in cat_by_id:
       raise DataError(f"{path}: categories[{i}] duplicate id {c['id']!r}")
     cat_by_id[c["id"]] = c
@@ -567,6 +587,7 @@ def _check_images(
   image_index: dict[Any, int] = {}  # image id -> its position in 'images'
   for i, im in enumerate(entries):
     _require(im, required, "images", path, i)
+    _require_int_id(im, "images", path, i)
     if selection is not None and im["id"] not in selection.keep:
       continue
     if im["id"] in images:

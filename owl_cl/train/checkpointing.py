@@ -36,6 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from owl_cl import config_fields
 from owl_cl import integrity
 from owl_cl import preemption
 from owl_cl import utils
@@ -282,8 +283,9 @@ class StageCheckpointer:
 
 
 # Step checkpoint ids: phase * PHASE_STRIDE + step (orbax numbers checkpoints with one int);
-# ids grow over a run, so orbax's "keep the newest" pruning keeps the newest steps.
-PHASE_STRIDE = 10**9
+# ids grow over a run, so orbax's "keep the newest" pruning keeps the newest steps. The step
+# fields' rule (`config_fields.STEPS`) keeps a step below it.
+PHASE_STRIDE = config_fields.PHASE_STRIDE
 
 
 class StepCheckpointer:

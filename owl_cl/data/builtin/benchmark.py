@@ -213,7 +213,8 @@ class BuiltinBenchmark:
   """A generated built-in benchmark (see the module docstring).
 
   Attributes:
-    root: the cache folder `<cache_dir>/builtin_v<version>_<hash>`.
+    root: the cache folder `<cache_dir>/<BuiltinConfig.key()>` (`builtin_v<FORMAT_VERSION>_<hash>`
+      for version 1).
     config: the `BuiltinConfig` it was generated from.
     splits: (dataset, split) -> SplitFiles; datasets 'pretrain' (train, val), 'held_out' (val)
       and each downstream name (train, test).
@@ -247,7 +248,8 @@ class BuiltinBenchmark:
 
   @property
   def fingerprint(self) -> str:
-    """The cache key 'builtin_v<version>_<hash>' (identifies the generated data)."""
+    """The cache key, its folder's name (`BuiltinConfig.key`: 'builtin_v<FORMAT_VERSION>_<hash>'
+    for version 1, 'builtin2_v<FORMAT_VERSION>_<hash>' for version 2)."""
     return os.path.basename(self.root)
 
   @property
@@ -431,7 +433,8 @@ def ensure_benchmark(
 ) -> BuiltinBenchmark:
   """Return the built-in benchmark, generating it into `cache_dir` if needed.
 
-  The cache folder is `cache_dir/builtin_v<FORMAT_VERSION>_<hash of all parameters>/`. It is
+  The cache folder is `cache_dir/<BuiltinConfig.key()>/` (version 1:
+  `builtin_v<FORMAT_VERSION>_<hash of all parameters>`; version 2: `builtin2_v...`). It is
   trusted only if complete (metadata present, every json and PNG there) and every file matches
   the manifest written with it (`integrity.verify_directory`). Otherwise the benchmark is
   generated into a temporary sibling folder, its manifest written last, and renamed into place
