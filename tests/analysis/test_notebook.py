@@ -7,6 +7,8 @@ import base64
 import os
 import struct
 import subprocess
+import sys
+import types
 
 import nbformat
 import pytest
@@ -70,9 +72,6 @@ def test_notebook_valid_stripped_and_compiles():
 def _install_cell(monkeypatch, on_colab: bool, repo_url: str = ""):
   """Runs the first code cell in this process with `subprocess.run` recorded (nothing is
   cloned or installed) and `google.colab` imported or not; returns the recorded commands."""
-  import sys
-  import types
-
   (cell,) = [c for c in _read().cells if c.get("id") == "install"]
   source = cell.source.replace('REPO_URL = ""', f"REPO_URL = {repo_url!r}")
   assert source.count(f"REPO_URL = {repo_url!r}") == 1
@@ -88,8 +87,6 @@ def _install_cell(monkeypatch, on_colab: bool, repo_url: str = ""):
 
 
 def test_install_cell_acts_on_colab_only(monkeypatch):
-  import sys
-
   assert _install_cell(monkeypatch, on_colab=False) == []  # a local kernel: nothing
   with pytest.raises(ValueError, match="Colab: set REPO_URL in this cell"):
     _install_cell(monkeypatch, on_colab=True)
@@ -104,10 +101,17 @@ def test_install_cell_acts_on_colab_only(monkeypatch):
 def _execute(tmp_path, monkeypatch, parameters: str | None = None):
   """Runs every cell in a fresh kernel whose working folder is an empty tmp folder; returns
   the executed notebook. `parameters`: code run after the `parameters` cell (as papermill
-  injects a cell there). IPython's and Jupyter's own files go below tmp_path too."""
+  injects a cell there). IPython's and Jupyter's own files go below tmp_path too, not into
+  the home folder."""
   import nbclient
 
-  for name, sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_RUNTIME_DIR", "jupyter_runtime")):
+  # JUPYTER_DATA_DIR: also hides a user's own `python3` kernel spec, which could name another
+  # interpreter; the kernel is this environment's (ipykernel's spec runs sys.executable).
+  for name, sub in (
+    ("IPYTHONDIR", "ipython"),
+    ("JUPYTER_DATA_DIR", "jupyter_data"),
+    ("JUPYTER_RUNTIME_DIR", "jupyter_runtime"),
+  ):
     os.makedirs(tmp_path / sub)
     monkeypatch.setenv(name, str(tmp_path / sub))
   cwd = tmp_path / "cwd"
@@ -144,29 +148,25 @@ def _outputs(nb, cell_id):
   return text, len(pngs)
 
 
-def _repo_status():
-  """`git status` of the checkout (None outside a git checkout)."""
-  if not os.path.isdir(os.path.join(REPO, ".git")) and not os.path.isfile(
-    os.path.join(REPO, ".git")
-  ):
-    return None
-  out = subprocess.run(
-    ["git", "status", "--porcelain", "--untracked-files=all"],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    check=True,
-  )
-  return out.stdout
+def _files(*folders):
+  """{path: (size, mtime in ns)} of every file below `folders`."""
+  out = {}
+  for folder in folders:
+    for parent, _, names in os.walk(folder):
+      for name in names:
+        stat = os.stat(os.path.join(parent, name))
+        out[os.path.join(parent, name)] = (stat.st_size, stat.st_mtime_ns)
+  return out
 
 
 @pytest.mark.slow
 def test_notebook_runs_on_committed_sweep(tmp_path, monkeypatch):
   """The notebook as committed, as a user opens it: it reads the committed sweep and draws
-  every figure, writing nothing into the checkout."""
-  before = _repo_status()
+  every figure, writing nothing into the checkout or its working folder."""
+  # The folders it reads and lives in (FIGURES_DIR or a relative path would land there).
+  before = _files(SWEEP_RUNS, os.path.dirname(NOTEBOOK))
   nb = _execute(tmp_path, monkeypatch)
-  assert _repo_status() == before
+  assert _files(SWEEP_RUNS, os.path.dirname(NOTEBOOK)) == before
   algorithms = sorted({n.rsplit("_random_", 1)[0] for n in os.listdir(SWEEP_RUNS)})
   assert len(algorithms) == 15  # docs/experiments.md: 10 retrieval + 5 baselines
   text, images = _outputs(nb, "load")
