@@ -177,6 +177,17 @@ def test_notebook_runs_on_committed_sweep(tmp_path, monkeypatch):
   assert _outputs(nb, "heatmaps")[1] == len(algorithms)  # one per algorithm
   text, images = _outputs(nb, "forgetting")
   assert images == 1 and len(text.splitlines()) == len(algorithms)
+  # After pre-training and after each of the 7 datasets (`joint`: after its one stage). As the
+  # notebook's text says, the sweep evaluates the pre-training set only first (the one
+  # pre-trained model: 21.8, the report's "No fine-tuning") and last, but for `per_task`.
+  for line in text.splitlines():
+    values = line.split(": ")[1].split(", ")
+    assert len(values) == (2 if line.startswith("joint ") else 8), line
+    assert values[0] == "21.8" and values[-1] != "nan", line
+    if line.startswith("per_task "):
+      assert "nan" not in values, line
+    else:
+      assert set(values[1:-1]) <= {"nan"}, line
   text, images = _outputs(nb, "records")
   # No records committed: the output says so and how to produce them, and draws nothing.
   assert text.startswith("0 of 150 runs have retrieval records.\nFigures 3-5 read a run's")
