@@ -32,7 +32,17 @@ INSTALL_REQUIRES = [
 EXTRAS = {
   # ruff is pinned: its formatter's output may change between releases (ruff.toml).
   # import-linter checks the import layers of .importlinter (2.10: the acyclic_siblings contract).
-  "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6", "import-linter>=2.10"],
+  # nbclient, nbformat and ipykernel: tests/analysis/test_notebook.py runs
+  # notebooks/analysis.ipynb in a Jupyter kernel.
+  "test": [
+    "pytest>=8",
+    "pytest-xdist>=3.5",
+    "ruff==0.17.6",
+    "import-linter>=2.10",
+    "nbclient>=0.10",
+    "nbformat>=5.10",
+    "ipykernel>=6.29",
+  ],
   # HF weight conversion and parity tests; OpenAI CLIP TorchScript init.
   "hf": ["torch==2.13.0", "transformers>=4.44", "safetensors>=0.4"],
   # The documentation site (mkdocs.yml): `mkdocs serve`, `mkdocs build --strict` in .ci/run.
