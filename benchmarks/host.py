@@ -53,7 +53,7 @@ SMOKE_CONFIG = """from owl_cl.testing import configs
 
 
 def get_config(arg=""):
-  c = configs.load_config("swil", arg)
+  c = configs.load_config("swil", ",".join(p for p in (configs.TINY_ARG, arg) if p))
   c.compilation_cache_dir = ""
   return configs.tiny_budget(c)
 """

@@ -113,8 +113,9 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def _default_config_json() -> dict:
-  """configs/base.py's config as JSON: the defaults every config field starts from."""
-  return json.loads(base.get_config("").to_json_best_effort())
+  """configs/base.py's config as JSON: the defaults every config field starts from (its own,
+  'builtin1': without the default benchmark's settings, `base.apply_builtin_v2`)."""
+  return json.loads(base.get_config("builtin1").to_json_best_effort())
 
 
 # Config fields a resumed run may change: they decide when checkpoints are written, never what
