@@ -203,14 +203,18 @@ def test_lwf_run_distils_to_the_pretrained_model(cache_dir, tmp_path, monkeypatc
   assert len(results["stages"]) == len(results["sequence"]) + 1
 
 
-@pytest.mark.slow  # a tiny run of 6 steps per dataset from the session's cached model and buffer
+@pytest.mark.slow  # a tiny run of 5 steps per dataset from the session's cached model and buffer
 def test_log_has_each_stages_metrics_and_no_warning_repeated_within_a_dataset(
   cache_dir, tmp_path, caplog
 ):
   config = tiny_config("swil", cache_dir)
-  # 6 steps of 8 replays per dataset from the tiny buffer (under 48 images): the dedup mask is
+  # 5 steps of 8 replays per dataset from the tiny buffer (under 48 images): the dedup mask is
   # exhausted and reset automatically more than once per dataset, each reset a warning.
-  config.train.num_epochs, config.max_train_steps_per_dataset = 3, 6
+  config.train.num_epochs, config.max_train_steps_per_dataset = 3, 5
+  # Between stages the datasets seen so far only (as version 2 and ':paper'), 8 images a set.
+  config.eval.downstream_after_each_dataset = "seen"
+  config.eval.pretraining_sets_after_each_dataset = False
+  config.max_eval_images = 8
   with caplog.at_level(logging.INFO):
     results = experiment.run(config, str(tmp_path / "run"))
   # Fewer than 3 x 8 images: the 3rd call finds under 8 unreplayed and resets, the 5th again.
