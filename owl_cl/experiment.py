@@ -53,6 +53,7 @@ from owl_cl import distributed
 from owl_cl import phases
 from owl_cl import preemption
 from owl_cl import pretrained
+from owl_cl import run_log
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl import validation
@@ -114,8 +115,9 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def _default_config_json() -> dict:
-  """configs/base.py's config as JSON: the defaults every config field starts from."""
-  return json.loads(base.get_config("").to_json_best_effort())
+  """configs/base.py's config as JSON: the defaults every config field starts from (its own,
+  'builtin1': without the default benchmark's settings, `base.apply_builtin_v2`)."""
+  return json.loads(base.get_config("builtin1").to_json_best_effort())
 
 
 # Config fields a resumed run may change: they decide when checkpoints are written, never what
@@ -274,9 +276,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if compilation_cache:
       jax.config.update("jax_compilation_cache_dir", compilation_cache)
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    with preemption.handle_sigterm():
+    # Repeated warnings of one kind: the first of each period shown, the rest counted and
+    # summarised at the period's end (`run_log`); each stage's metrics logged as one line.
+    with preemption.handle_sigterm(), run_log.summarised_warnings() as repeats:
       try:
-        return _run(config, workdir, bench, detector, init)
+        return _run(config, workdir, bench, detector, init, repeats)
       except (OSError, ValueError) as e:
         # A full disk anywhere in the workdir (results, TensorBoard, records): one line naming
         # the file; the checkpoints' own writes name their space needed (DiskFullError).
@@ -315,21 +319,28 @@ def _run(
   bench: benchmark_lib.Benchmark,
   detector: Detector,
   init: tuple[Any, dict] | None = None,
+  repeats: run_log.RepeatedWarnings | None = None,
 ) -> dict:
   """`run` after the checks of the config and the data, with the workdir locked; `init` the
-  (params, meta) of `config.init_checkpoint`, read by `run` (None: none is set)."""
+  (params, meta) of `config.init_checkpoint`, read by `run` (None: none is set); `repeats`
+  the run's warning filter, summarised after each stage (None: nothing summarised)."""
   session = _open_session(config, workdir, bench, detector, init)
   params, replay_state, latest = session.restore_or_start()
+  names = stage_names(config, bench)
+  # The stages finished so far (on a resume, those of the checkpoint): one line each.
+  for index, stage in enumerate(session.stages):
+    _log_stage(repeats, names, index, stage)
   if schedule_of(config) != "per_task" and not trainer.lwf_options(config):
     # Only a per-task run (every task starts from them) and LwF (the teacher) read the
     # pre-trained parameters after stage 0: not a second copy of the model in memory.
     session.pretrained = None
   session.write("running")
   try:
-    for index in range(latest + 1, len(stage_names(config, bench)) + 1):
+    for index in range(latest + 1, len(names) + 1):
       # A SIGTERM during an evaluation or a stage checkpoint stops here, after it.
       stop_if_preempted(f"after stage {index - 1}")
       params, replay_state = session.run_stage(index, params, replay_state)
+      _log_stage(repeats, names, index, session.stages[-1])
   except preemption.Preempted:
     session.write("preempted")
     session.close()
@@ -338,6 +349,15 @@ def _run(
   session.close()
   logging.info("results: %s", os.path.join(workdir, "results.md"))
   return results
+
+
+def _log_stage(repeats: run_log.RepeatedWarnings | None, names: list[str], index: int, stage):
+  """Summarises the warnings repeated during stage `index` (0: pre-training, the buffer and the
+  evaluation after them), then logs the stage's metrics line (`run_log.metrics_line`)."""
+  when = "pre-training" if index == 0 else f"{stage['name']} (stage {index} of {len(names)})"
+  if repeats is not None:
+    repeats.summarise(when)
+  logging.info("%s", run_log.metrics_line(when, stage["metrics"]))
 
 
 def stage_names(config: ml_collections.ConfigDict, bench: benchmark_lib.Benchmark) -> list[str]:

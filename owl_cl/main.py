@@ -104,18 +104,32 @@ def default_workdir(experiment_name: str) -> str:
   return os.path.join("workdirs", f"{experiment_name}_{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-class _QuietLibraryInfo(py_logging.Filter):
-  """Drops INFO lines of libraries that log every checkpoint file operation (orbax)."""
+class QuietLibraryInfo(py_logging.Filter):
+  """Drops the INFO lines of two libraries (their warnings and errors pass): orbax's, which
+  log every checkpoint file operation, and JAX's, whose backend probe on a machine without a
+  TPU logs "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so ...".
+
+  JAX logs that at INFO on purpose: jax/_src/xla_bridge.py (jax 0.10) registers the TPU
+  backend with `fail_quietly=True`, and a quiet backend that fails to start is logged with
+  `logger.info` (with JAX_PLATFORMS naming it, it is an error instead). Setting JAX_PLATFORMS
+  would also silence it, but would choose the platform for GPU and TPU users too.
+  JAX's warnings (a GPU present without a CUDA jaxlib, ...) still show; `--verbosity=1`
+  keeps every line (`main` does not install the filter then).
+  """
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    return record.levelno >= py_logging.WARNING or "orbax" not in record.pathname
+    if record.levelno >= py_logging.WARNING:
+      return True
+    jax = record.name == "jax" or record.name.startswith(("jax.", "jaxlib."))
+    return not jax and "orbax" not in record.pathname
 
 
 def main(argv):
   if _KEEP_FREED_MEMORY.value:
     # First: before JAX creates the threads that allocate (a thread keeps its malloc arena).
     malloc = host_memory.keep_freed_memory()
-  logging.get_absl_handler().addFilter(_QuietLibraryInfo())
+  if not logging.level_debug():
+    logging.get_absl_handler().addFilter(QuietLibraryInfo())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not _DISTRIBUTED.value and (

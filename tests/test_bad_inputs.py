@@ -937,7 +937,7 @@ def config_leaves(config, prefix: str = ""):
       yield path
 
 
-@pytest.mark.parametrize("arg", ["", "paper", "paper,released", "owlv2", "builtin2"])
+@pytest.mark.parametrize("arg", ["", "paper", "paper,released", "owlv2", "builtin1", "builtin2"])
 def test_every_config_field_has_a_rule(arg):
   from configs import base  # pylint: disable=g-import-not-at-top
 

@@ -1,7 +1,9 @@
 """End to end: the main job with a tiny budget, resume after an interruption, workdir safety."""
 
 import json
+import logging
 import os
+import re
 
 import jax
 import numpy as np
@@ -199,3 +201,48 @@ def test_lwf_run_distils_to_the_pretrained_model(cache_dir, tmp_path, monkeypatc
     for a, b in zip(jax.tree.leaves(seen[1]["params"]), jax.tree.leaves(pretrained))
   )
   assert len(results["stages"]) == len(results["sequence"]) + 1
+
+
+@pytest.mark.slow  # a tiny run of 5 steps per dataset from the session's cached model and buffer
+def test_log_has_each_stages_metrics_and_no_warning_repeated_within_a_dataset(
+  cache_dir, tmp_path, caplog
+):
+  config = tiny_config("swil", cache_dir)
+  # 5 steps of 8 replays per dataset from the tiny buffer (under 48 images): the dedup mask is
+  # exhausted and reset automatically more than once per dataset, each reset a warning.
+  config.train.num_epochs, config.max_train_steps_per_dataset = 3, 5
+  # Between stages the datasets seen so far only (as version 2 and ':paper'), 8 images a set.
+  config.eval.downstream_after_each_dataset = "seen"
+  config.eval.pretraining_sets_after_each_dataset = False
+  config.max_eval_images = 8
+  with caplog.at_level(logging.INFO):
+    results = experiment.run(config, str(tmp_path / "run"))
+  # Fewer than 3 x 8 images: the 3rd call finds under 8 unreplayed and resets, the 5th again.
+  assert results["buffer"]["images_kept"] < 3 * 8
+  records = [r for r in caplog.records if r.levelno >= logging.INFO]
+  # One metrics line per stage, in order, each set's AP (points, 1 decimal) as results.json.
+  ends = [i for i, r in enumerate(records) if r.getMessage().startswith("after ")]
+  whens = ["pre-training", "thermal (stage 1 of 2)", "digits (stage 2 of 2)"]
+  assert len(ends) == len(results["stages"]) == len(whens)
+  for end, when, stage in zip(ends, whens, results["stages"]):
+    sets = " | ".join(f"{k} AP {100 * v['AP']:.1f}" for k, v in stage["metrics"].items())
+    assert records[end].getMessage() == f"after {when}: {sets}"
+  # Between two metrics lines (one stage), each place logs at most one warning; the repeats
+  # of the dedup reset are one summary line whose count is the resets it stands for.
+  starts = [0, *(e + 1 for e in ends[:-1])]
+  for index, (start, end) in enumerate(zip(starts, ends)):
+    warnings = [r for r in records[start:end] if r.levelno == logging.WARNING]
+    summaries = [r.getMessage() for r in warnings if "above was repeated" in r.getMessage()]
+    places = [
+      (r.pathname, r.lineno) for r in warnings if "above was repeated" not in r.getMessage()
+    ]
+    assert len(places) == len(set(places)), [r.getMessage() for r in warnings]
+    assert len(summaries) == len(set(summaries))
+    if index == 0:
+      continue
+    resets = [
+      int(n) for n in re.findall(r"reset #(\d+)", " ".join(r.getMessage() for r in warnings))
+    ]
+    counted = re.search(r"repeated (\d+) more times? during ", " ".join(summaries))
+    assert len(resets) == 2 and counted, [r.getMessage() for r in warnings]
+    assert resets[1] - resets[0] == int(counted.group(1)) >= 1  # shown one, then the last

@@ -14,7 +14,7 @@ from owl_cl.testing.configs import tiny_budget
 
 @pytest.mark.slow  # about 90 s of CPU (its own pre-training), 7 min wall on a loaded machine
 def test_owlv2_main_job_runs(pretrained_cache_dir, tmp_path):
-  config = load_config("swil", "owlv2")
+  config = load_config("swil", "owlv2,builtin1")  # the tiny budget shrinks version 1
   assert (config.model.variant, config.loss.objectness_weight) == ("owlv2_tiny", 0.5)
   config.cache_dir = pretrained_cache_dir  # the benchmark is shared; OWLv2 pre-trains its own
   config.compilation_cache_dir = ""

@@ -82,6 +82,10 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(pretrained_cache_dir, t
 
   reference = _run_main(configs["reference"], tmp_path / "ref")
   assert reference.returncode == 0, reference.stderr[-3000:]
+  # The main job's log: each stage's metrics line, and not JAX's TPU probe (an INFO line that
+  # reads like an error on a machine without a TPU; owl_cl.main.QuietLibraryInfo).
+  assert "] after pre-training: pretrain_val AP " in reference.stderr
+  assert "Unable to initialize backend" not in reference.stderr
 
   # Seeded random kill points, in the order the resumed runs reach them (every process counts
   # its own events from 1): 4 pre-training steps, then the buffer, the evaluation of the

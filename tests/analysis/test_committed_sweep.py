@@ -113,3 +113,60 @@ def test_owlv2_page_table_is_the_committed_reports():
     assert report["summary"]["swil"]["pretrain_AP"]["n"] >= 5
     with open(os.path.join(OWLV2, model, report_lib.REPORT_MD), encoding="utf-8") as f:
       assert f.read() == report_lib.render_markdown(report)
+
+
+# The fields launch/sweep.py sets per run of benchmarks/sweep_builtin.sh (`--seed-fields`'s
+# default and `--orders`); every other field is the config file's.
+SWEEP_RUN_FIELDS = {"seeds.data", "seeds.retrieval", "task_order"}
+
+
+def _section(title: str) -> str:
+  """The README's section whose `## ` heading starts with `title`, up to the next one."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  match = re.search(rf"^## {re.escape(title)}[^\n]*\n(.*?)(?=^## )", text, re.S | re.M)
+  assert match, f"README.md has no '## {title}' section"
+  return match.group(1)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict) and value:
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def test_readme_main_command_runs_the_config_of_its_results():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  commands = re.findall(r"python -m owl_cl\.main --config=(\S+)", _section("Two commands"))
+  assert len(commands) == 1, commands
+  path, _, arg = commands[0].partition(":")
+  spec = importlib.util.spec_from_file_location("readme_main_config", os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg)
+  # What the results section says of its benchmark.
+  results = _section("Results")
+  version = re.search(r"built-in benchmark version (\d)", results)
+  datasets = re.search(r"(\d+) downstream datasets", results)
+  buffer = re.search(r"a ([\d,]+)-image buffer", results)
+  assert version and datasets and buffer, "the results section no longer states its benchmark"
+  assert config.data.builtin.version == int(version.group(1)) == 2
+  assert len(config.data.builtin.downstream) == int(datasets.group(1)) == 7
+  assert config.replay.budget == int(buffer.group(1).replace(",", "")) == 1200
+  # The committed sweep's runs of that algorithm ran this config, field for field, but for
+  # the fields the sweep sets per run.
+  want = _flat(json.loads(config.to_json_best_effort()))
+  runs = report_lib.find_runs([os.path.join(SWEEP, "runs")])
+  ran = [r for r in runs if os.path.basename(r).startswith(f"{config.experiment_name}_random_")]
+  assert len(ran) == 10, ran  # seeds 0-4 on random_0 and random_1
+  for run in ran:
+    with open(os.path.join(run, "results.json"), encoding="utf-8") as f:
+      got = _flat(json.load(f)["config"])
+    differing = {k for k in set(want) | set(got) if want.get(k, "?") != got.get(k, "?")}
+    assert differing <= SWEEP_RUN_FIELDS, (run, sorted(differing - SWEEP_RUN_FIELDS))

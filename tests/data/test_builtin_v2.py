@@ -213,14 +213,31 @@ def test_buffer_several_times_one_datasets_replays():
   # Between stages only the datasets seen so far (the run's cost, docs/experiments.md).
   assert c.eval.downstream_after_each_dataset == "seen"
   assert not c.eval.pretraining_sets_after_each_dataset
-  # Version 1 stays the default.
-  assert base.get_config("").data.builtin.version == 1
   with pytest.raises(ValueError, match="'builtin2' is a built-in benchmark"):
     base.get_config("paper,builtin2")
 
 
+def test_default_is_version_2_and_builtin1_is_version_1():
+  # The default job (`--config=configs/<algorithm>.py`) is ':builtin2', field for field.
+  default = base.get_config("").to_dict()
+  assert default == base.get_config("builtin2").to_dict()
+  # ':builtin1' is the fields' own values: version 1, eq. 7's buffer, 8 epochs, every set
+  # evaluated after each dataset; version 2's settings on top of it give the default.
+  v1 = base.get_config("builtin1")
+  assert (v1.data.builtin.version, v1.replay.budget, v1.train.num_epochs) == (1, None, 8)
+  assert v1.eval.downstream_after_each_dataset == "all"
+  assert v1.eval.pretraining_sets_after_each_dataset
+  assert base.apply_builtin_v2(v1).to_dict() == default
+  # The paper's protocol reads no built-in benchmark: neither version's settings apply.
+  assert base.get_config("paper").replay.budget is None
+  with pytest.raises(ValueError, match="'builtin1' is a built-in benchmark"):
+    base.get_config("paper,builtin1")
+  with pytest.raises(ValueError, match="'builtin1' and 'builtin2' exclude each other"):
+    base.get_config("builtin1,builtin2")
+
+
 def test_version_in_cache_keys(tmp_path):
-  v1, v2c = base.get_config(""), base.get_config("builtin2")
+  v1, v2c = base.get_config("builtin1"), base.get_config("builtin2")
   assert cache_keys.builtin_version_key(v1) == {}  # version 1's keys as before
   assert cache_keys.builtin_version_key(v2c) == {"builtin_version": 2}
   ann = tmp_path / "ann.json"

@@ -46,7 +46,8 @@ version 2"): the same classes, dataset names and domain shifts, with long-tailed
 classes (frequency proportional to 1 / rank), a tail-classes evaluation set `pretrain_tail/val`,
 downstream classes that interfere with named pre-training classes, a class in two downstream
 datasets and a negative control (`vocabulary.design(2)`, stored in `benchmark.json`). The
-description above is version 1, the default, which version 2 leaves byte for byte unchanged.
+description above is version 1 (`ensure_benchmark`'s default; the configs' default is version 2,
+`:builtin1` selects version 1), which version 2 leaves byte for byte unchanged.
 
 API: `ensure_benchmark(cache_dir, seed=0, **sizes) -> BuiltinBenchmark`,
 `BuiltinBenchmark.describe()`, `render_preview(...)`.
