@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -400,12 +401,21 @@ def _mib(n: int) -> str:
   return f"{n / 2**20:.1f} MiB"
 
 
+# NumPy's `ndarray.tofile` (hence `np.save`) reports a short write without an errno:
+# OSError("%ld requested and %ld written"), numpy/_core/src/multiarray/convert.c. On a
+# local file a write comes up short when the device (or the quota) is full.
+_NUMPY_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+
+
 def is_disk_full(error: BaseException) -> bool:
-  """Whether `error` is a full disk: OSError ENOSPC, or orbax's / tensorstore's ValueError
-  'RESOURCE_EXHAUSTED ... No space left on device' (raised from its write thread)."""
+  """Whether `error` is a full disk: OSError ENOSPC or EDQUOT, NumPy's short write
+  (`_NUMPY_SHORT_WRITE`), or orbax's / tensorstore's ValueError 'RESOURCE_EXHAUSTED ... No
+  space left on device' (raised from its write thread)."""
   if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
     return True
   text = str(error)
+  if isinstance(error, OSError) and error.errno is None and _NUMPY_SHORT_WRITE.fullmatch(text):
+    return True
   return "No space left on device" in text or "Disk quota exceeded" in text
 
 

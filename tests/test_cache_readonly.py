@@ -25,6 +25,7 @@ from owl_cl import utils
 from owl_cl.data import builtin as B
 from owl_cl.data import scan
 from owl_cl.replay import images
+from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import asv_left
 from owl_cl.testing.configs import tiny_config
 from owl_cl.testing.files import snapshot
@@ -170,6 +171,18 @@ def test_left_term_is_read_from_a_read_only_cache_and_a_missing_one_named(tmp_pa
     with pytest.raises(utils.ReadOnlyCacheError, match=r"^the ASER-PC left term .* not in the "):
       asv_left.cached_left_term(prefix, ce, qe, other, progress=False, chunk_hook=calls.append)
     assert calls == []
+
+
+def test_a_replay_buffer_missing_from_a_read_only_cache_is_named_and_not_built(tmp_path):
+  src = tmp_path / "buffers"
+  src.mkdir()
+  built = []
+  with read_only_view(str(src), str(tmp_path / "ro")) as ro:
+    with pytest.raises(utils.ReadOnlyCacheError) as raised:
+      store_cache.cached_store(ro, {"k": 1}, lambda *args: built.append(args))
+  entry = os.path.join(ro, utils.digest({"k": 1}))
+  assert str(raised.value).startswith(f"the replay buffer {entry} is not in the cache, and ")
+  assert built == [] and os.listdir(src) == []
 
 
 def test_data_scan_on_a_read_only_cache_scans_without_recording(tiny_cache, tmp_path):
