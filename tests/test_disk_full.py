@@ -43,7 +43,7 @@ def test_a_full_cache_is_named_not_the_workdir(tmp_path, capsys):
       os.makedirs(build_dir, exist_ok=True)
       np.save(os.path.join(build_dir, "examples.npy"), np.zeros(1 << 19, np.float32))  # 2 MiB
 
-    with pytest.raises(utils.DiskFullError) as raised:
+    with pytest.raises(checkpointing.DiskFullError) as raised:
       store_cache.cached_store(root, {"k": 1}, build)
     entry = os.path.join(root, utils.digest({"k": 1}))
     assert raised.value.errno == errno.ENOSPC
@@ -59,7 +59,7 @@ def test_a_full_cache_before_the_run_is_named_and_nothing_is_written(tmp_path, c
   workdir = tmp_path / "run"
   workdir.mkdir()
   with small_tmpfs(str(tmp_path / "cachefs"), 256 << 10) as fs:
-    with pytest.raises(utils.DiskFullError) as raised:
+    with pytest.raises(checkpointing.DiskFullError) as raised:
       experiment.run(tiny_config("swil", fs), str(workdir))
     message = str(raised.value)
     assert message.startswith(f"no space left for the built-in benchmark in {fs}/builtin/")
@@ -73,10 +73,10 @@ def test_a_full_workdir_is_named(tmp_path, capsys):
   with small_tmpfs(str(tmp_path / "workfs"), 2 << 20) as fs:
     steps = checkpointing.StepCheckpointer(os.path.join(fs, "step_checkpoints"), every_steps=1)
     big = {"tree": {"w": jnp.zeros(1 << 20, jnp.float32)}}  # 4 MiB
-    with pytest.raises(utils.DiskFullError) as raised:
+    with pytest.raises(checkpointing.DiskFullError) as raised:
       steps.save(1, 1, big, {})
     steps.close()
-    free = utils.free_bytes(fs)
+    free = checkpointing.free_bytes(fs)
   assert str(raised.value) == (
     f"no space left for the checkpoint of step 1 (phase 1) in {fs}/step_checkpoints (device "
     f"mounted at {fs}: about 5.0 MiB needed, {free / 2**20:.1f} MiB free); free space on that "
