@@ -6,10 +6,12 @@ names the path written and the tmpfs's mount point, and that `main` reports it a
 (exit status 2). Skipped where mounting is not permitted (not root).
 """
 
+import contextlib
 import errno
 import os
 
 import jax
+from jax._src import compilation_cache  # reset_cache: no public equivalent
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -96,3 +98,24 @@ def test_a_full_compilation_cache_is_named_and_read_only(tmp_path, caplog):
     "MiB): its programs are read, no new one is written" in caplog.text
   )
   # (conftest's _keep_xla_cache restores the session's settings after the test.)
+
+
+def test_a_compilation_cache_that_fills_during_a_run_costs_no_run(tmp_path):
+  # The gap (docs/errors.md): JAX's cache reports the failed write as a warning that does
+  # not name the folder, and the program runs uncached.
+  with small_tmpfs(str(tmp_path / "xlafs"), 80 << 20) as fs:
+    folder = os.path.join(fs, "xla")
+    assert experiment.enable_compilation_cache(folder) is True
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # write every program
+    compilation_cache.reset_cache()  # JAX reads the folder again at the next compilation
+    with open(os.path.join(fs, "filler"), "wb") as f:  # the device fills
+      with contextlib.suppress(OSError):
+        while True:
+          f.write(b"\0" * (1 << 20))
+    with pytest.warns(
+      UserWarning,
+      match="Error writing persistent compilation cache entry .*No space left on device",
+    ):
+      value = jax.jit(lambda x: x * 3 + 1)(jnp.arange(5))
+    assert value.tolist() == [1, 4, 7, 10, 13]
+  # (conftest's _keep_xla_cache restores the session's cache after the test.)

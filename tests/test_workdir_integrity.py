@@ -434,3 +434,21 @@ def test_full_disk_and_bad_checkpoint_are_one_line(tmp_path, capsys):
     2,
     f"error: {tmp_path / 'f'}: SHA-256 differs from the manifest\n",
   )
+
+
+def test_kill_before_orbax_renames_a_write_loses_only_that_write(tmp_path):
+  # docs/stored_state.md "Known limits": a write killed while orbax writes its temporary folder
+  # (`<id>.orbax-checkpoint-tmp`, renamed to `<id>` once complete) is removed when the
+  # checkpointer next opens the folder; the committed checkpoint before it is used.
+  folder = str(tmp_path / "steps")
+  steps = checkpointing.StepCheckpointer(folder, every_steps=1)
+  steps.save(1, 1, {"tree": _tree(1)}, {})
+  steps.close()
+  killed = os.path.join(folder, f"{checkpointing.PHASE_STRIDE + 2}.orbax-checkpoint-tmp")
+  os.makedirs(os.path.join(killed, "tree"))
+  with open(os.path.join(killed, "tree", "part"), "wb") as f:
+    f.write(b"\0" * 100)
+  resumed = checkpointing.StepCheckpointer(folder, every_steps=1)
+  assert resumed.latest(1) == 1
+  assert os.listdir(folder) == [str(checkpointing.PHASE_STRIDE + 1)]
+  resumed.close()
