@@ -21,6 +21,7 @@ import pytest
 from owl_cl import experiment
 from owl_cl import integrity
 from owl_cl import main
+from owl_cl import pretrained
 from owl_cl import utils
 from owl_cl.data import builtin as B
 from owl_cl.data import scan
@@ -122,6 +123,20 @@ def test_a_damaged_entry_that_cannot_be_set_aside_is_named_with_what_to_do(tmp_p
   assert os.listdir(src) == ["entry.npz"]  # left where it was
 
 
+def test_a_damaged_pre_trained_model_on_a_read_only_cache_is_named(pretrained_cache_dir, tmp_path):
+  src = shutil.copytree(os.path.join(pretrained_cache_dir, "pretrained"), str(tmp_path / "cache"))
+  (key,) = [n for n in os.listdir(src) if os.path.isdir(os.path.join(src, n))]
+  with read_only_view(src, str(tmp_path / "ro")) as ro:
+    assert pretrained.check_cached_model(os.path.join(ro, key))  # intact: verified, usable
+    listed = sorted(integrity.read_manifest(os.path.join(src, key))["files"])
+    with open(os.path.join(src, key, listed[-1]), "r+b") as f:
+      f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    with pytest.raises(utils.ReadOnlyCacheError) as raised:
+      pretrained.check_cached_model(os.path.join(ro, key))
+  assert str(raised.value).startswith(f"cache entry {ro}/{key} is damaged (")
+  assert key in os.listdir(src)  # left where it was
+
+
 def test_builtin_benchmark_is_read_from_a_read_only_cache(tiny_cache, tmp_path):
   src = _copy(tiny_cache, tmp_path)
   built = B.ensure_benchmark(src, seed=7, progress=False, **TINY)  # found, not generated
@@ -213,20 +228,27 @@ def test_replay_image_cache_on_a_read_only_cache_is_read_and_not_written(tmp_pat
   content = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
   cache.write({1: content})
   cache.close()
-  before = snapshot(str(src))
   with read_only_view(str(src), str(tmp_path / "ro")) as ro:
     read = images.ImageCache(ro, "k", num_images=4, image_size=2)
     np.testing.assert_array_equal(read.read(1), content)
     assert read.read(2) is None
     read.write({2: content})  # nothing written (read-only)
     assert read.read(2) is None and read.read_only
+    # A changed image (through the writable path): fails its CRC, is decoded, not rewritten.
+    with open(src / "k" / "pixels.u8", "r+b") as f:
+      f.seek(12)
+      f.write(b"\xff")
+    assert read.read(1) is None and read.damaged == 1
+    read.write({1: content})
+    assert read.read(1) is None
     read.close()
     # No folder of this key: the cache is off, every image decoded (read gives None).
     absent = images.ImageCache(ro, "other", num_images=4, image_size=2)
     assert absent.read(1) is None
     absent.write({1: content})
     absent.close()
-  assert snapshot(str(src)) == before
+  assert sorted(os.listdir(src)) == ["k", "k.lock"]
+  assert sorted(os.listdir(src / "k")) == ["entries.i32", "meta.json", "pixels.u8"]
 
 
 def test_compilation_cache_on_a_read_only_cache_is_read_and_not_written(tmp_path, caplog):
@@ -238,6 +260,9 @@ def test_compilation_cache_on_a_read_only_cache_is_read_and_not_written(tmp_path
     assert jax.config.jax_compilation_cache_dir == ro
     assert jax.config.jax_persistent_cache_min_compile_time_secs == float("inf")
     assert f"the compilation cache {ro} cannot be written (read-only)" in caplog.text
+    missing = os.path.join(ro, "xla")  # no folder to read: not used at all
+    assert experiment.enable_compilation_cache(missing) is False
+    assert jax.config.jax_compilation_cache_dir == ro
   # (conftest's _keep_xla_cache restores the session's settings after the test.)
 
 
@@ -249,22 +274,31 @@ def _ro_config(cache_dir):
   return c
 
 
-def test_a_read_only_cache_without_the_model_is_refused_before_any_write(
-  pretrained_cache_dir, tmp_path, capsys
+@pytest.mark.parametrize(
+  "change, entry",
+  [
+    ("seeds.model", "the pre-trained model {ro}/pretrained/"),
+    ("data.builtin.num_pretrain_val", "the built-in benchmark {ro}/builtin/builtin_v"),
+  ],
+)
+def test_a_read_only_cache_without_an_entry_is_refused_before_any_write(
+  pretrained_cache_dir, tmp_path, capsys, change, entry
 ):
   workdir = tmp_path / "run"
   workdir.mkdir()
   (workdir / "notes.txt").write_text("kept\n")
   with read_only_view(pretrained_cache_dir, str(tmp_path / "ro")) as ro:
     config = _ro_config(ro)
-    config.seeds.model = 1  # another pre-trained model: not in the cache
+    section, field = change.rsplit(".", 1)
+    target = config
+    for name in section.split("."):
+      target = target[name]
+    target[field] = 7  # another model / benchmark: not in the cache
     with pytest.raises(utils.ReadOnlyCacheError) as raised:
       experiment.run(config, str(workdir))
   assert os.listdir(workdir) == ["notes.txt"]  # no run.json, no lock
   message = str(raised.value)
-  assert (
-    message.startswith(f"the pre-trained model {ro}/pretrained/") and "not in the cache" in message
-  )
+  assert message.startswith(entry.format(ro=ro)) and "is not in the cache" in message
   with pytest.raises(SystemExit) as exited:
     main.fail(raised.value)
   assert exited.value.code == 2 and "Traceback" not in capsys.readouterr().err
