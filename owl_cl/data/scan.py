@@ -238,10 +238,14 @@ def _valid_record(record: str, source: CocoSource, writable: bool = True) -> boo
     reason = "its annotation file or image count differs from the split's"
   except (OSError, ValueError) as e:
     valid, reason = False, f"unreadable ({e})"
-  if not valid and writable:
-    integrity.set_aside(record, reason)
+  if not valid:
+    if writable:
+      integrity.set_aside(record, reason)
     logging.warning(
-      "data scan record %s was damaged (%s); scanning the split again", record, reason
+      "data scan record %s was damaged (%s); scanning the split again%s",
+      record,
+      reason,
+      "" if writable else " (left in place: the cache cannot be written)",
     )
   return valid
 
