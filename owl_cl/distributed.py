@@ -330,16 +330,20 @@ def writer_value(value: bool) -> bool:
 
 
 @contextlib.contextmanager
-def cache_entry_lock(path: str, what: str) -> Iterator[None]:
+def cache_entry_lock(path: str, what: str) -> Iterator[bool]:
   """`utils.cache_entry_lock` of the cache entry `path`, held by the writer (process 0).
 
   A multi-process run is one user of the cache: its writer takes the lock (waiting for
   another run that builds the entry), and the other processes, which only read the entry,
   follow the writer's decisions (`writer_value`). Taken on every process, the run's own
-  processes would wait for one another.
+  processes would wait for one another. Collective (every process enters it together).
+
+  Yields:
+    The writer's answer on every process: True, the entry may be built; False, the cache
+    cannot be written (`utils.cache_entry_lock`).
   """
-  with utils.cache_entry_lock(path, what) if is_writer() else contextlib.nullcontext():
-    yield
+  with utils.cache_entry_lock(path, what) if is_writer() else contextlib.nullcontext(True) as ok:
+    yield writer_value(ok)
 
 
 def barrier(name: str, timeout_s: float = 600.0) -> None:

@@ -217,6 +217,48 @@ def compilation_cache_dir(config: ml_collections.ConfigDict) -> str:
   return expand_path(folder) if folder else ""
 
 
+# Free space below which the compilation cache is read but not written: an XLA executable of
+# the runs here is kilobytes to a few MiB, so a write into less would likely fail mid-run
+# with JAX's warning, which does not name the folder.
+COMPILATION_CACHE_MIN_FREE = 64 << 20
+
+
+def enable_compilation_cache(folder: str) -> bool:
+  """Points JAX's persistent compilation cache at `folder`; returns whether it is written.
+
+  Programs compiled in over 1 s are written there, except where the folder cannot be written
+  (a read-only cache: `os.access` on it, or its nearest existing parent) or its device has
+  under `COMPILATION_CACHE_MIN_FREE` bytes free: then the programs it holds are read and
+  none is written, with one log line naming the folder and its device. JAX's cache reports
+  a failed write as a Python warning and goes on, so a disk that fills later costs no run.
+  """
+  write = True
+  if not os.access(utils.nearest_existing(folder), os.W_OK):
+    logging.warning(
+      "the compilation cache %s cannot be written (read-only): its programs are read, no new "
+      "one is written",
+      folder,
+    )
+    write = False
+  else:
+    free = utils.free_bytes(folder)
+    if free is not None and free < COMPILATION_CACHE_MIN_FREE:
+      logging.warning(
+        "the compilation cache %s has %.1f MiB free on the device mounted at %s (under %d "
+        "MiB): its programs are read, no new one is written; free space there to cache them",
+        folder,
+        free / 2**20,
+        utils.mount_point(folder),
+        COMPILATION_CACHE_MIN_FREE >> 20,
+      )
+      write = False
+  if write or os.path.isdir(folder):
+    jax.config.update("jax_compilation_cache_dir", folder)
+    # An infinite minimum compile time: JAX then never writes an entry, and still reads.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0 if write else float("inf"))
+  return write
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) the experiment of `config` in `workdir`. Returns the results dict.
 
@@ -228,9 +270,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       stays; results.json is not marked complete).
     owl_cl.integrity.IntegrityError: stage checkpoints exist and none matches its manifest
       (a bad newer one falls back to an older one with a warning instead).
-    owl_cl.train.checkpointing.DiskFullError: no space left on the workdir's device (named,
-      with the space needed when known); the committed checkpoints stay: the same call
-      resumes once space is freed.
+    owl_cl.utils.DiskFullError: no space left on a device (the workdir's, the cache's: named
+      by the path written and its mount point, with the space needed when known); the
+      committed checkpoints stay: the same call resumes once space is freed.
+    owl_cl.utils.ReadOnlyCacheError: the cache cannot be written and lacks an entry the run
+      needs, or holds it damaged (the built-in benchmark and the pre-trained model are
+      checked before anything is written; the replay buffer when it is reached).
     owl_cl.preemption.Preempted: SIGTERM; a step (or stage) checkpoint was saved and
       results.json says 'preempted'. The same call resumes.
   """
@@ -262,6 +307,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # An init checkpoint is read before the workdir is locked or claimed too: one of another
   # model (a scenic file's parameters are known only once read) is refused with it free.
   init = read_init_checkpoint(detector, bench)
+  if init is None:  # a read-only cache without the pre-trained model: refused with nothing written
+    pretrained.check_read_only_cache(detector, bench)
   # After the checks: nothing (not even the compilation cache's folder or the lock file) is
   # written to the workdir for a bad config or bad data. One run per workdir: a second one is
   # refused before it writes anything; on several hosts (one workdir on a shared file
@@ -274,8 +321,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     distributed.barrier("workdir-ready")
     compilation_cache = compilation_cache_dir(config)
     if compilation_cache:
-      jax.config.update("jax_compilation_cache_dir", compilation_cache)
-      jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+      enable_compilation_cache(compilation_cache)
     # Repeated warnings of one kind: the first of each period shown, the rest counted and
     # summarised at the period's end (`run_log`); each stage's metrics logged as one line.
     with preemption.handle_sigterm(), run_log.summarised_warnings() as repeats:

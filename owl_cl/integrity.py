@@ -315,7 +315,9 @@ def set_aside(path: str, reason: str) -> str:
     The new path.
 
   Raises:
-    OSError: the rename fails (e.g. a read-only cache).
+    utils.ReadOnlyCacheError: the folder cannot be written (a read-only cache): the damaged
+      entry is named, with what to do.
+    OSError: the rename fails for another reason.
   """
   stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
   target = f"{path}.corrupt-{stamp}"
@@ -323,6 +325,11 @@ def set_aside(path: str, reason: str) -> str:
   while os.path.exists(target):
     n += 1
     target = f"{path}.corrupt-{stamp}-{n}"
-  os.replace(path, target)
+  try:
+    os.replace(path, target)
+  except OSError as e:
+    if e.errno not in utils.READ_ONLY_ERRNOS:
+      raise
+    raise utils.ReadOnlyCacheError(path, "cache entry", f"damaged ({reason})") from None
   logging.warning("%s failed its integrity check (%s); moved to %s", path, reason, target)
   return target

@@ -44,6 +44,7 @@ from owl_cl.integrity import IntegrityError
 from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.train.checkpointing import DiskFullError
 from owl_cl.train.loop_state import TrainingDivergedError
+from owl_cl.utils import ReadOnlyCacheError
 from owl_cl.utils import WorkdirLockedError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -183,6 +184,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     TrainingDivergedError,
     IntegrityError,
     DiskFullError,
+    ReadOnlyCacheError,
   )
 
 

@@ -224,28 +224,14 @@ def load_init_checkpoint(path: str, like, needs: str = "") -> tuple[Any, dict]:
   return params, {"source": path, "format": "scenic"}
 
 
-def pretrained_params(
-  detector: Detector, bench: Benchmark, writer, step_checkpoints=None
-) -> tuple[Any, dict]:
-  """Loads `init_checkpoint`, or the cached pre-trained model, or pre-trains and caches it.
+def cache_entry(detector: Detector, bench: Benchmark) -> tuple[str, str]:
+  """(path, key) of the pre-trained model's cache entry, `cache_dir/pretrained/<key>`.
 
-  The cache key covers everything pre-training depends on (model, data, pre-training
-  config, seed), so a changed setting never reuses a stale model. `step_checkpoints`
-  (`checkpointing.StepCheckpointer` of the run's workdir, phase 0; None: none): a killed
-  pre-training resumes from its newest step checkpoint there; they are deleted once the
-  finished model is in the cache (written atomically, as before).
-
-  Raises:
-    owl_cl.preemption.Preempted: SIGTERM during pre-training (after its step checkpoint).
+  The key covers everything pre-training depends on (model, data, pre-training config, seed,
+  the pre-training annotation file's content), so a changed setting never reuses a stale
+  model.
   """
   config = detector.config
-  like = jax.eval_shape(lambda: detector.init_params(seed_of(config, "model")))
-  if config.init_checkpoint:
-    return load_init_checkpoint(
-      expand_path(config.init_checkpoint), like, needs=model_description(config)
-    )
-  if uses_real_data(config):
-    raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
   key = digest(
     {
       "model": cache_key_fields(config, "model"),
@@ -270,10 +256,57 @@ def pretrained_params(
       ],
     }
   )
-  path = os.path.join(expand_path(config.cache_dir), "pretrained", key)
+  return os.path.join(expand_path(config.cache_dir), "pretrained", key), key
+
+
+def check_read_only_cache(detector: Detector, bench: Benchmark) -> None:
+  """Refuses, before the run writes anything, a cache that cannot be written and lacks the
+  pre-trained model the run needs (it would be pre-trained for hours, then not stored).
+
+  Only whether the entry is there is checked here; its files are verified when it is
+  loaded (`pretrained_params`). Nothing to check with `init_checkpoint` or real data.
+
+  Raises:
+    utils.ReadOnlyCacheError: no entry, and its folder cannot be written (`os.access`, as
+      `experiment.enable_compilation_cache`; the entry lock detects the same from its lock
+      file's open).
+  """
+  config = detector.config
+  if config.init_checkpoint or uses_real_data(config):
+    return
+  path, _ = cache_entry(detector, bench)
+  if not os.path.exists(path) and not os.access(utils.nearest_existing(path), os.W_OK):
+    raise utils.ReadOnlyCacheError(path, "the pre-trained model", "not in the cache")
+
+
+def pretrained_params(
+  detector: Detector, bench: Benchmark, writer, step_checkpoints=None
+) -> tuple[Any, dict]:
+  """Loads `init_checkpoint`, or the cached pre-trained model, or pre-trains and caches it.
+
+  The cache key covers everything pre-training depends on (model, data, pre-training
+  config, seed), so a changed setting never reuses a stale model. `step_checkpoints`
+  (`checkpointing.StepCheckpointer` of the run's workdir, phase 0; None: none): a killed
+  pre-training resumes from its newest step checkpoint there; they are deleted once the
+  finished model is in the cache (written atomically, as before).
+
+  Raises:
+    owl_cl.preemption.Preempted: SIGTERM during pre-training (after its step checkpoint).
+    utils.ReadOnlyCacheError: the cache cannot be written and holds no intact model (one
+      found damaged is named as such).
+  """
+  config = detector.config
+  like = jax.eval_shape(lambda: detector.init_params(seed_of(config, "model")))
+  if config.init_checkpoint:
+    return load_init_checkpoint(
+      expand_path(config.init_checkpoint), like, needs=model_description(config)
+    )
+  if uses_real_data(config):
+    raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
+  path, key = cache_entry(detector, bench)
   # One run pre-trains while the others sharing the cache wait for its model (the lock), and
   # whoever gets the lock looks again: the model may have been cached meanwhile.
-  with distributed.cache_entry_lock(path, "pre-trained model"):
+  with distributed.cache_entry_lock(path, "pre-trained model") as writable:
     # The writer checks the files; every process then loads them together (orbax's restore
     # synchronises the processes of a multi-process run).
     usable = check_cached_model(path) if distributed.is_writer() else False
@@ -281,6 +314,8 @@ def pretrained_params(
     if loaded is not None:
       logging.info("re-using the cached pre-trained model %s", path)
       return loaded
+    if not writable:
+      raise utils.ReadOnlyCacheError(path, "the pre-trained model", "not in the cache")
     logging.info("no cached pre-trained model: pre-training (cache %s)", path)
     start = time.time()
     # Looked up on the module at call time, so a test can replace it.

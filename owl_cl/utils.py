@@ -9,7 +9,9 @@
 - `shuffled`: the seeded permutation that orders the downstream sequence (`sequence_seed`).
 - `expand_path`: `~` and relative paths of the config made absolute.
 - `workdir_lock`: one run per workdir (refuses a second one with the holder's pid and host).
-- `cache_entry_lock`: one builder per cache entry (the others wait for it, then reuse it).
+- `cache_entry_lock`: one builder per cache entry (the others wait for it, then reuse it);
+  on a cache that cannot be written, entries are read without it (`ReadOnlyCacheError`).
+- `DiskFullError`, `is_disk_full`, `free_bytes`: a full disk, named by its path and device.
 - `remove_stale_temporaries`: clears the `.tmp*` leftovers of killed cache writes.
 """
 
@@ -22,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -362,6 +365,106 @@ def _read_lock_record(fd: int) -> dict:
   return {}
 
 
+# ----------------------------------------------------------------------------- full disks
+
+
+class DiskFullError(OSError):
+  """No space left for a file the run writes (a checkpoint, a cache entry, another file).
+
+  The message names the path, the mount point of its device (the device that is full: the
+  workdir's, the cache's and the compilation cache's may differ), the space needed and the
+  space free; what was committed before stays, so the same command resumes once space is
+  freed. An OSError with errno ENOSPC (what `main` reports as one line, exit status 2).
+
+  Args:
+    path: the folder (or file) that could not be written.
+    needed: bytes the write takes (None: unknown). free: bytes free there (None: unknown).
+    what: the write, e.g. 'the checkpoint of stage 2'.
+  """
+
+  def __init__(self, path: str, needed: int | None, free: int | None, what: str):
+    need = f"about {_mib(needed)} needed, " if needed is not None else ""
+    have = f"{_mib(free)} free" if free is not None else "the device is full"
+    super().__init__(
+      errno.ENOSPC,
+      f"no space left for {what} in {path} (device mounted at {mount_point(path)}: {need}{have});"
+      " free space on that device and run the same command to resume (the last committed "
+      "checkpoint is kept)",
+    )
+    self.path, self.needed, self.free = path, needed, free
+
+  def __str__(self) -> str:
+    return self.strerror
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.1f} MiB"
+
+
+# NumPy's `ndarray.tofile` (hence `np.save`) reports a short write without an errno:
+# OSError("%ld requested and %ld written"), numpy/_core/src/multiarray/convert.c. On a
+# local file a write comes up short when the device (or the quota) is full.
+_NUMPY_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether `error` is a full disk: OSError ENOSPC or EDQUOT, NumPy's short write
+  (`_NUMPY_SHORT_WRITE`), or orbax's / tensorstore's ValueError 'RESOURCE_EXHAUSTED ... No
+  space left on device' (raised from its write thread)."""
+  if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+    return True
+  text = str(error)
+  if isinstance(error, OSError) and error.errno is None and _NUMPY_SHORT_WRITE.fullmatch(text):
+    return True
+  return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def nearest_existing(path: str) -> str:
+  """`path` made absolute, or its nearest existing parent folder."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return path
+
+
+def free_bytes(path: str) -> int | None:
+  """Bytes free for this user on the device holding `path` (its nearest existing folder);
+  None when unknown (no such device, or one that reports a total size of 0)."""
+  try:
+    usage = shutil.disk_usage(nearest_existing(path))
+  except OSError:
+    return None
+  # A file system that reports no size (some FUSE mounts of object stores) tells nothing.
+  return usage.free if usage.total > 0 else None
+
+
+def mount_point(path: str) -> str:
+  """The mount point of the file system holding `path` (its nearest existing folder): what
+  names the device in a message (`os.path.ismount` going up; '/' at the top)."""
+  path = nearest_existing(path)
+  while not os.path.ismount(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return path
+
+
+@contextlib.contextmanager
+def disk_full_named(path: str, what: str) -> Iterator[None]:
+  """Turns a full-disk error raised inside the block (`is_disk_full`) into a `DiskFullError`
+  naming the file it carries, else `path`, and that path's device.
+
+  For writers whose errors name no file (NumPy's `save`, orbax, a `write` on an open file),
+  so that a full cache disk is not reported as the workdir's. A `DiskFullError` raised inside
+  (a checkpoint of the workdir written within the block) passes unchanged.
+  """
+  try:
+    yield
+  except (OSError, ValueError) as e:
+    if isinstance(e, DiskFullError) or not is_disk_full(e):
+      raise
+    where = getattr(e, "filename", None) or path
+    raise DiskFullError(where, None, free_bytes(where), what) from e
+
+
 # ----------------------------------------------------------------------------- cache entry locks
 
 # The lock file of cache entry `<path>` is `<path>.lock` (never deleted, as the workdir's).
@@ -369,6 +472,32 @@ ENTRY_LOCK_SUFFIX = ".lock"
 # Seconds between two tries of a held entry lock, and between two "still waiting" log lines.
 ENTRY_LOCK_POLL_SECONDS = 0.5
 ENTRY_LOCK_PROGRESS_SECONDS = 30.0
+# What creating or opening a lock file for writing fails with where the cache cannot be
+# written: a read-only mount (EROFS), or a folder this user may not write (EACCES, EPERM).
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class ReadOnlyCacheError(OSError):
+  """A cache entry the run needs is missing or damaged where the cache cannot be written.
+
+  One line naming the entry, its state and what to do (`main` reports it with exit status 2).
+
+  Args:
+    path: the entry. what: its kind, e.g. 'pre-trained model'.
+    state: e.g. 'not in the cache', 'damaged (<reason>)'.
+  """
+
+  def __init__(self, path: str, what: str, state: str):
+    super().__init__(
+      errno.EROFS,
+      f"{what} {path} is {state}, and the cache cannot be written there (read-only): build "
+      "it with the same config and a writable cache_dir, then share that folder, or set "
+      "--config.cache_dir to a writable folder",
+    )
+    self.path = path
+
+  def __str__(self) -> str:
+    return self.strerror
 
 
 @contextlib.contextmanager
@@ -378,7 +507,7 @@ def cache_entry_lock(
   *,
   poll_s: float = ENTRY_LOCK_POLL_SECONDS,
   progress_s: float = ENTRY_LOCK_PROGRESS_SECONDS,
-) -> Iterator[None]:
+) -> Iterator[bool]:
   """Holds the exclusive lock of the cache entry `path` (`<path>.lock`), waiting for a holder.
 
   Runs sharing a `cache_dir` (a local sweep, one workdir each) need the same entries (the
@@ -398,46 +527,99 @@ def cache_entry_lock(
   process that each call this are kept apart as well, but one thread that calls it again
   for the same entry while holding it waits for itself.
 
+  A cache that cannot be written (a read-only mount shared across a cluster, a folder of
+  another user) is detected here: the lock file cannot be created or opened for writing
+  (`READ_ONLY_ERRNOS`). The body then runs without the exclusive lock and gets False: it
+  may read and verify the entry, and must raise `ReadOnlyCacheError` instead of building
+  it. Detected rather than set in the config: the same command then runs on a writable
+  cache and on a read-only mount of it, and nothing has to be kept in step with the mount.
+  Where the lock file exists, a shared flock is waited for (`LOCK_SH` works on a file open
+  for reading): a builder on a writable mount of the same files holds `LOCK_EX`, and its
+  entry is read once complete. A full disk inside the body (an error that names no file)
+  is reported as a `DiskFullError` naming `path` and its device (`disk_full_named`).
+
   Args:
     path: the cache entry (file or folder; it need not exist). Its parent is created.
     what: the entry's kind for the log lines, e.g. 'pre-trained model'.
     poll_s: seconds between two tries while another process holds the lock.
     progress_s: seconds between two "still waiting" log lines.
 
+  Yields:
+    True: the lock is held and the entry may be built. False: the cache cannot be written.
+
   Raises:
-    OSError: the lock file cannot be created or locked (e.g. a read-only cache folder).
+    OSError: the lock file cannot be created or locked for another reason.
+    DiskFullError: no space left on the entry's device (its parent, the lock, or the body).
   """
   path = os.path.abspath(path)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd = os.open(path + ENTRY_LOCK_SUFFIX, os.O_RDWR | os.O_CREAT, 0o666)
+  with disk_full_named(path, f"the {what}"):
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      fd = os.open(path + ENTRY_LOCK_SUFFIX, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+      if e.errno not in READ_ONLY_ERRNOS:
+        raise
+      fd = None
+    if fd is None:
+      with _read_only_lock(path, what, poll_s, progress_s):
+        yield False
+      return
+    try:
+      _wait_for_flock(fd, fcntl.LOCK_EX, path, what, poll_s, progress_s)
+      with _held(fd, f"{what} {path}"):
+        yield True
+    finally:
+      os.close(fd)
+
+
+@contextlib.contextmanager
+def _read_only_lock(path: str, what: str, poll_s: float, progress_s: float) -> Iterator[None]:
+  """A shared flock on the existing lock file of `path` opened for reading; nothing when
+  there is none (no builder ever locked it) or the file system refuses the flock."""
+  logging.info("%s %s: the cache cannot be written here; reading it without building", what, path)
   try:
-    start = time.monotonic()
-    next_log = start
-    while True:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        break
-      except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES):
-          raise
-      now = time.monotonic()
-      if now >= next_log:
-        holder = _read_lock_record(fd)
-        logging.info(
-          "%s %s is being built by pid %s on host %s (since %s); waiting for it (%.0f s so far)",
-          what,
-          path,
-          holder.get("pid", "?"),
-          holder.get("host", "?"),
-          holder.get("started", "?"),
-          now - start,
-        )
-        next_log = now + progress_s
-      time.sleep(poll_s)
-    with _held(fd, f"{what} {path}"):
-      yield
+    fd = os.open(path + ENTRY_LOCK_SUFFIX, os.O_RDONLY)
+  except OSError:
+    yield
+    return
+  try:
+    try:
+      _wait_for_flock(fd, fcntl.LOCK_SH, path, what, poll_s, progress_s)
+    except OSError as e:  # e.g. ENOLCK: a file system without locks; read unlocked
+      logging.info("%s %s: no shared lock (%s); reading it unlocked", what, path, e)
+    yield
   finally:
     os.close(fd)
+
+
+def _wait_for_flock(
+  fd: int, operation: int, path: str, what: str, poll_s: float, progress_s: float
+) -> None:
+  """Takes flock `operation` (LOCK_EX or LOCK_SH) on `fd`, polling every `poll_s` seconds
+  while another process holds a conflicting lock, logging the holder every `progress_s`."""
+  start = time.monotonic()
+  next_log = start
+  while True:
+    try:
+      fcntl.flock(fd, operation | fcntl.LOCK_NB)
+      return
+    except OSError as e:
+      if e.errno not in (errno.EAGAIN, errno.EACCES):
+        raise
+    now = time.monotonic()
+    if now >= next_log:
+      holder = _read_lock_record(fd)
+      logging.info(
+        "%s %s is being built by pid %s on host %s (since %s); waiting for it (%.0f s so far)",
+        what,
+        path,
+        holder.get("pid", "?"),
+        holder.get("host", "?"),
+        holder.get("started", "?"),
+        now - start,
+      )
+      next_log = now + progress_s
+    time.sleep(poll_s)
 
 
 # ----------------------------------------------------------------------------- temporaries

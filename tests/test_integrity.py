@@ -112,3 +112,17 @@ def test_lazy_verifier_checks_each_chunk_once_when_first_used(tmp_path, monkeypa
   os.truncate(folder / "a.bin", 100)
   with pytest.raises(integrity.IntegrityError, match="100 bytes, the manifest recorded 16384"):
     integrity.LazyVerifier(str(folder))
+
+
+def test_known_limit_a_manifest_rewritten_after_the_damage_passes(tmp_path):
+  # docs/stored_state.md "Known limits": the checksums are stored beside the files they
+  # check, so a manifest written again after a file changed vouches for the changed file.
+  folder = tmp_path / "entry"
+  folder.mkdir()
+  (folder / "a.bin").write_bytes(b"\1" * 64)
+  integrity.write_manifest(str(folder))
+  (folder / "a.bin").write_bytes(b"\2" * 64)  # same size, other bytes
+  with pytest.raises(integrity.IntegrityError, match="SHA-256"):
+    integrity.verify_directory(str(folder))
+  integrity.write_manifest(str(folder))  # e.g. a person "repairing" the entry
+  integrity.verify_directory(str(folder))  # passes: not detectable from inside the folder

@@ -172,8 +172,11 @@ def scan_splits(
     record = os.path.join(folder, f"{key}.json") if folder else None
     # One run scans a split while the others sharing the cache wait for its record.
     lock = utils.cache_entry_lock(record, "data scan") if record else contextlib.nullcontext()
-    with lock:
-      if key not in found and record and _valid_record(record, source):
+    with lock as writable:
+      # Where the cache cannot be written, a split without a valid record is scanned and
+      # not recorded: the scan is the check itself, so the run goes on (logged).
+      writable = writable is not False
+      if key not in found and record and _valid_record(record, source, writable):
         counts["cached"] += len(source)
         continue
       start = time.time()
@@ -186,7 +189,9 @@ def scan_splits(
       if bad:
         problems += [f"{where}: {line}" for line in problem_list(bad).split("\n")]
         continue
-      if record:
+      if record and not writable:
+        logging.info("data scan of %s/%s passed; not recorded (read-only cache)", name, split)
+      elif record:
         atomic_write_json(
           record,
           {
@@ -213,11 +218,12 @@ def scan_splits(
   return counts
 
 
-def _valid_record(record: str, source: CocoSource) -> bool:
+def _valid_record(record: str, source: CocoSource, writable: bool = True) -> bool:
   """Whether the scan record `record` vouches for `source` (False when there is none).
 
   A record that is not valid JSON naming `source`'s annotation file and image count is damaged:
-  it is set aside (`integrity.set_aside`, a warning naming it) and False returned (rescanned).
+  it is set aside (`integrity.set_aside`, a warning naming it; left in place when the cache
+  cannot be written, `writable` False) and False returned (rescanned).
   """
   if not os.path.isfile(record):
     return False
@@ -233,9 +239,13 @@ def _valid_record(record: str, source: CocoSource) -> bool:
   except (OSError, ValueError) as e:
     valid, reason = False, f"unreadable ({e})"
   if not valid:
-    integrity.set_aside(record, reason)
+    if writable:
+      integrity.set_aside(record, reason)
     logging.warning(
-      "data scan record %s was damaged (%s); scanning the split again", record, reason
+      "data scan record %s was damaged (%s); scanning the split again%s",
+      record,
+      reason,
+      "" if writable else " (left in place: the cache cannot be written)",
     )
   return valid
 

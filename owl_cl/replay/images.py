@@ -94,6 +94,8 @@ class ImageCache:
     self._lock = threading.Lock()
     # Entries found damaged by this object (each decoded again), for the log.
     self.damaged = 0
+    # Set when the folder's files open for reading only (a cache that cannot be written).
+    self.read_only = False
 
   def _create(self, if_exists: str) -> None:
     with utils.atomic_directory(self.path, if_exists=if_exists) as tmp:
@@ -102,19 +104,42 @@ class ImageCache:
           f.truncate(self.meta["images"] * size)  # sparse: every entry missing
       utils.atomic_write_json(os.path.join(tmp, "meta.json"), self.meta)
 
-  def _open(self) -> tuple[int, int]:
-    """(pixels fd, entries fd), creating the folder on first use (thread-safe)."""
+  def _open(self) -> tuple[int, ...]:
+    """(pixels fd, entries fd), creating the folder on first use (thread-safe); () when the
+    cache cannot be written and holds no complete folder of this layout (the cache is off)."""
     with self._lock:
       if self._fds is None:
+        usable = True
         if self._read_meta() != self.meta or not self._full_size():
           # Created, replaced or repaired by one process at a time (several runs may share it).
-          with utils.cache_entry_lock(self.path, "replay image cache"):
-            self._prepare()
-        self._fds = tuple(
-          os.open(os.path.join(self.path, name), os.O_RDWR) for name in ("pixels.u8", "entries.i32")
-        )
+          with utils.cache_entry_lock(self.path, "replay image cache") as writable:
+            if writable:
+              self._prepare()
+            usable = writable
+        self._fds = self._open_files() if usable else ()
+        if not usable:
+          # An accelerator, not a result: where it cannot be written, the images are decoded.
+          logging.warning(
+            "replay image cache %s cannot be written and is not complete: it is not used",
+            self.path,
+          )
         logging.info("replay image cache: %s", self.path)
       return self._fds
+
+  def _open_files(self) -> tuple[int, ...]:
+    """The folder's files open for reading and writing, or for reading only where the cache
+    cannot be written (then `write` caches nothing)."""
+    names = [os.path.join(self.path, name) for name in ("pixels.u8", "entries.i32")]
+    try:
+      return tuple(os.open(name, os.O_RDWR) for name in names)
+    except OSError as e:
+      if e.errno not in utils.READ_ONLY_ERRNOS:
+        raise
+    self.read_only = True
+    logging.info(
+      "replay image cache %s is read-only: cached images are read, none added", self.path
+    )
+    return tuple(os.open(name, os.O_RDONLY) for name in names)
 
   def _read_meta(self) -> dict | None:
     try:
@@ -170,7 +195,10 @@ class ImageCache:
   def read(self, index: int) -> np.ndarray | None:
     """Entry `index`'s uint8 [h, w, 3] content, or None when it is not cached yet or fails its
     check (the pixels' CRC-32 differs from the record's, or are cut short: logged)."""
-    pixels, entries = self._open()
+    fds = self._open()
+    if not fds:
+      return None
+    pixels, entries = fds
     record = np.frombuffer(os.pread(entries, 4 * _RECORD, 4 * _RECORD * index), np.int32)
     if len(record) != _RECORD or record[0] != _MARKER:
       return None
@@ -205,9 +233,10 @@ class ImageCache:
     Raises:
       OSError: the disk refused a write (e.g. full).
     """
-    if not contents:
+    fds = self._open() if contents else ()
+    if not fds or self.read_only:
       return
-    pixels, entries = self._open()
+    pixels, entries = fds
     for index, content in contents.items():
       data = np.ascontiguousarray(content, np.uint8).tobytes()
       if os.pwrite(pixels, data, self.slot * index) != len(data):

@@ -14,6 +14,7 @@ from absl import logging
 
 from owl_cl import distributed
 from owl_cl import integrity
+from owl_cl import utils
 from owl_cl.replay import store as store_lib
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import digest
@@ -73,7 +74,7 @@ def cached_store(
   stats_path = path + ".stats.json"
   # One run builds while the others sharing the cache wait for its store (the lock); whoever
   # gets the lock looks again, since the store may have been cached meanwhile.
-  with distributed.cache_entry_lock(path, "replay buffer"):
+  with distributed.cache_entry_lock(path, "replay buffer") as writable:
     found = _load_cached(path, stats_path, load, verification) if distributed.is_writer() else None
     if distributed.writer_value(found is not None):
       if found is None:  # verified by the writer
@@ -83,6 +84,8 @@ def cached_store(
           _attach_lazy_verifier(found[0], path, stats_path)
       logging.info("re-using the cached replay buffer %s", path)
       return found
+    if not writable:
+      raise utils.ReadOnlyCacheError(path, "the replay buffer", "not in the cache")
     for old_material, reason in superseded:
       old_path = os.path.join(cache_root, digest(old_material))
       if os.path.isdir(old_path):

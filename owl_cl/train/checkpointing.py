@@ -24,10 +24,8 @@ space needed, before the write where it can be foreseen; the previous checkpoint
 from __future__ import annotations
 
 from collections.abc import Callable
-import errno
 import json
 import os
-import shutil
 import time
 from typing import Any
 
@@ -44,58 +42,11 @@ from owl_cl import utils
 PyTree = Any
 
 
-class DiskFullError(OSError):
-  """No space left for a checkpoint (or another file of the workdir).
-
-  The message names the folder, the space needed and the space free; what was committed
-  before stays, so the same command resumes once space is freed. An OSError with errno
-  ENOSPC (what `main` reports as one line, exit status 2).
-
-  Args:
-    path: the folder (or file) that could not be written.
-    needed: bytes the write takes (None: unknown). free: bytes free there (None: unknown).
-    what: the write, e.g. 'the checkpoint of stage 2'.
-  """
-
-  def __init__(self, path: str, needed: int | None, free: int | None, what: str):
-    need = f"about {_mib(needed)} needed, " if needed is not None else ""
-    have = f"{_mib(free)} free" if free is not None else "the device is full"
-    super().__init__(
-      errno.ENOSPC,
-      f"no space left for {what} in {path} ({need}{have}); free space on that device and "
-      "run the same command to resume (the last committed checkpoint is kept)",
-    )
-    self.path, self.needed, self.free = path, needed, free
-
-  def __str__(self) -> str:
-    return self.strerror
-
-
-def _mib(n: int) -> str:
-  return f"{n / 2**20:.1f} MiB"
-
-
-def is_disk_full(error: BaseException) -> bool:
-  """Whether `error` is a full disk: OSError ENOSPC, or orbax's / tensorstore's ValueError
-  'RESOURCE_EXHAUSTED ... No space left on device' (raised from its write thread)."""
-  if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-    return True
-  text = str(error)
-  return "No space left on device" in text or "Disk quota exceeded" in text
-
-
-def free_bytes(path: str) -> int | None:
-  """Bytes free for this user on the device holding `path` (its nearest existing folder);
-  None when unknown (no such device, or one that reports a total size of 0)."""
-  path = os.path.abspath(path)
-  while not os.path.exists(path) and os.path.dirname(path) != path:
-    path = os.path.dirname(path)
-  try:
-    usage = shutil.disk_usage(path)
-  except OSError:
-    return None
-  # A file system that reports no size (some FUSE mounts of object stores) tells nothing.
-  return usage.free if usage.total > 0 else None
+# Full disks are named in `utils` (their path and device), where the cache entries' writers
+# reach them too; re-exported here for the checkpoints' callers.
+DiskFullError = utils.DiskFullError
+is_disk_full = utils.is_disk_full
+free_bytes = utils.free_bytes
 
 
 def tree_bytes(tree: PyTree) -> int:

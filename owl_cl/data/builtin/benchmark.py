@@ -483,9 +483,9 @@ def ensure_benchmark(
     num_tail_val=num_tail_val,
   )
   config.splits()  # validates the version and the names
-  os.makedirs(cache_dir, exist_ok=True)
   root = os.path.join(os.fspath(cache_dir), config.key())
-  with utils.cache_entry_lock(root, "built-in benchmark"):
+  # The lock creates `cache_dir`; where it cannot be written, an intact benchmark is read.
+  with utils.cache_entry_lock(root, "built-in benchmark") as writable:
     if integrity.has_manifest(root):
       try:
         integrity.verify_directory(root)
@@ -500,6 +500,9 @@ def ensure_benchmark(
         "the built-in benchmark at %s is incomplete or predates checksums: generating it again",
         root,
       )
+    if not writable:
+      state = "incomplete" if os.path.exists(root) else "not in the cache"
+      raise utils.ReadOnlyCacheError(root, "the built-in benchmark", state)
     # An incomplete leftover (a killed generation that predates atomic writes, or one of an
     # earlier version without a manifest) is replaced.
     with utils.atomic_directory(root, if_exists="replace") as tmp:

@@ -421,11 +421,13 @@ def cached_left_term(
       logging.warning("ASER-PC left term: %s is of another buffer or options; recomputing", path)
     return loaded
 
-  with distributed.cache_entry_lock(path, "ASER-PC left term"):
+  with distributed.cache_entry_lock(path, "ASER-PC left term") as writable:
     loaded = load_or_set_aside() if distributed.is_writer() else None
     if distributed.writer_value(loaded is not None):
       logging.info("ASER-PC left term: re-using %s", path)
       return loaded if loaded is not None else load()
+    if not writable:
+      raise utils.ReadOnlyCacheError(path, "the ASER-PC left term", "not in the cache")
     start = time.time()
     left, left_min = compute_left_term(
       class_tokens, query_embeddings, options, folder=path + ".build", key=material, **kwargs
