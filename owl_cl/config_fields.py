@@ -291,12 +291,20 @@ def names(known: Callable[[], Sequence[str]] | None = None, *, what: str = "name
 
 
 def budget(value: Any) -> str:
-  """`replay.budget`: None, a fraction in (0, 1] (float) or an image count >= 1 (int)."""
+  """`replay.budget`: None, a fraction in (0, 1] (float) or an image count in [1, INT32_MAX]
+  (int: the store's image indices are JAX int32; a count over the pool is refused against the
+  data, `validation.split_size_problems`)."""
   if value is None or (isinstance(value, float) and 0.0 < value <= 1.0):
     return ""
-  if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-    return ""
+  if isinstance(value, int) and not isinstance(value, bool):
+    problem = _BUDGET_COUNT(value)
+    return f"{problem} (an image count), or None, or a fraction in (0, 1]" if value < 1 else problem
   return "must be None, a fraction in (0, 1] (e.g. 0.01) or an image count >= 1 (e.g. 500)"
+
+
+# The count form of `budget`: its bounds are the rule's (tests/test_bad_inputs.py walks them).
+_BUDGET_COUNT = integer(1, why="JAX's int32 image indices of the replay store")
+budget.minimum, budget.maximum, budget.why = 1, _BUDGET_COUNT.maximum, _BUDGET_COUNT.why
 
 
 def step_table(value: Any) -> str:

@@ -69,7 +69,7 @@ BAD_FIELDS = [
   ("pretrain.num_steps", 0, "config.pretrain.num_steps=0 must be >= 1"),
   ("replay.ratio", -1.0, "config.replay.ratio=-1.0 must be > 0"),
   ("replay.budget", 1.5, "config.replay.budget=1.5 must be None, a fraction in (0, 1]"),
-  ("replay.budget", 0, "config.replay.budget=0 must be None, a fraction in (0, 1]"),
+  ("replay.budget", 0, "config.replay.budget=0 must be >= 1 (an image count), or None, or a"),
   ("train.lwf.temperature", 0.0, "config.train.lwf.temperature=0.0 must be > 0"),
   ("train.lwf.weight", -1.0, "config.train.lwf.weight=-1.0 must be >= 0"),
   ("replay.selection.loss_threshold", math.nan, "loss_threshold=nan must be a finite"),
