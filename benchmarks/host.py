@@ -146,7 +146,12 @@ def run_main(
 
 
 def measure(
-  cache: str, overrides: list[str], keep: str | None, cache_dir: str | None, smoke: bool
+  cache: str,
+  overrides: list[str],
+  keep: str | None,
+  cache_dir: str | None,
+  smoke: bool,
+  config: str = CONFIG,
 ) -> dict:
   """One timed run of the main job: 'empty' cache, or 'warm' after an untimed filling run
   (`cache_dir`: an existing cache folder instead, filled by an earlier run of the same
@@ -155,9 +160,9 @@ def measure(
   # With `keep`, the runs' folders (workdirs with results.json, logs) stay there.
   context = tempfile.TemporaryDirectory(prefix="host-bench-", dir=keep)
   if keep:
+    os.makedirs(keep, exist_ok=True)
     context = contextlib.nullcontext(tempfile.mkdtemp(prefix="host-bench-", dir=keep))
   with context as tmp:
-    config = CONFIG
     if smoke:
       config = os.path.join(tmp, "smoke_config.py")
       with open(config, "w") as f:
@@ -193,17 +198,18 @@ def render_markdown(rows: list[dict]) -> str:
   lines = [
     "# Host cost of the main job",
     "",
-    f"`python -m owl_cl.main --config={CONFIG}` in a subprocess, resource usage from `os.wait4` "
+    "`python -m owl_cl.main --config=<config>` in a subprocess, resource usage from `os.wait4` "
     "(as `/usr/bin/time -v`). The load is the 1-minute load average before / after the run: "
     "on a loaded machine compare user, sys and faults, not wall.",
     "",
-    "| label | commit | cache | overrides | user s | sys s | wall s | max RSS MiB | "
+    "| label | commit | config | cache | overrides | user s | sys s | wall s | max RSS MiB | "
     "minor faults | load | metrics digest | date |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     lines.append(
-      f"| {r['label']} | {r['commit']} | {r['cache']} | {' '.join(r['overrides']) or '-'} | "
+      f"| {r['label']} | {r['commit']} | `{r['config']}` | {r['cache']} | "
+      f"{' '.join(r['overrides']) or '-'} | "
       f"{r['user_s']:.1f} | {r['sys_s']:.1f} | {r['wall_s']:.0f} | {r['max_rss_mib']:.0f} | "
       f"{r['minor_faults']:,} | {r['load_before']:.1f} / {r['load_after']:.1f} | "
       f"{r['metrics_digest']} | {r['date']} |"
@@ -231,6 +237,11 @@ def main(argv=None):
     "--commit", default=None, help="the row's commit (default: this checkout's, from git)"
   )
   parser.add_argument("--smoke", action="store_true", help="the tests' tiny budget (seconds)")
+  parser.add_argument(
+    "--config",
+    default=CONFIG,
+    help=f"the main job's --config (default {CONFIG}; e.g. {CONFIG}:builtin1)",
+  )
   parser.add_argument("overrides", nargs="*", help="--config.* overrides of the main job")
   args = parser.parse_args(argv)
   name = args.name or ("host_smoke" if args.smoke else "host")
@@ -239,12 +250,12 @@ def main(argv=None):
     label=args.label,
     commit=args.commit or commit(),
     cache="warm" if args.cache_dir else args.cache,
-    config="tiny (smoke)" if args.smoke else CONFIG,
+    config="tiny (smoke)" if args.smoke else args.config,
     overrides=list(args.overrides),
     machine=machine(),
     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
   )
-  row.update(measure(args.cache, overrides, args.keep, args.cache_dir, args.smoke))
+  row.update(measure(args.cache, overrides, args.keep, args.cache_dir, args.smoke, args.config))
   stem = os.path.join(args.out, name)
   rows = []
   if os.path.exists(stem + ".json"):
