@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import os
 import socket
@@ -1399,11 +1400,15 @@ def test_bad_config_flag_is_one_short_line(config_arg, expected, capsys):
   from absl import flags  # pylint: disable=g-import-not-at-top
 
   arg = os.path.join(REPO, config_arg)
+  absl_level = logging.getLogger("absl").level
   try:
     with pytest.raises(SystemExit) as exited:
       main.parse_flags(["main.py", f"--config={arg}"])
   finally:
+    # unparse_flags resets --verbosity to its default, which sets the 'absl' logger to WARNING
+    # for the rest of this xdist worker: later tests reading INFO lines (caplog) saw none.
     flags.FLAGS.unparse_flags()
+    logging.getLogger("absl").setLevel(absl_level)
   err = capsys.readouterr().err
   assert exited.value.code == 2
   assert err.startswith(expected.format(arg)) and err.count("\n") == 1, err

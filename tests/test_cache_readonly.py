@@ -85,7 +85,9 @@ def test_a_reader_of_the_read_only_view_waits_for_a_builder_on_the_writable_path
       with utils.cache_entry_lock(os.path.join(ro, "entry"), "test entry", poll_s=0.01):
         order.append(("reader", open(os.path.join(ro, "entry")).read()))
 
-    with caplog.at_level("INFO"):
+    # The 'absl' logger's own level too: a test that parsed absl flags may have left it at
+    # WARNING in this process.
+    with caplog.at_level("INFO"), caplog.at_level("INFO", logger="absl"):
       with utils.cache_entry_lock(entry, "test entry") as writable:
         assert writable
         # Touched before the reader starts: its lock file exists, so it takes a shared flock.
