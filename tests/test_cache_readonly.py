@@ -28,6 +28,7 @@ from owl_cl.data import scan
 from owl_cl.replay import images
 from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import asv_left
+from owl_cl.testing.configs import MINIMAL_BUILTIN
 from owl_cl.testing.configs import tiny_config
 from owl_cl.testing.files import snapshot
 from owl_cl.testing.mounts import read_only_view
@@ -35,13 +36,7 @@ from owl_cl.testing.results import comparable
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools")
 
-TINY = dict(
-  num_pretrain_train=10,
-  num_pretrain_val=3,
-  num_held_out_val=4,
-  num_downstream_train=4,
-  num_downstream_test=2,
-)
+TINY = MINIMAL_BUILTIN
 
 
 @pytest.fixture(scope="module")

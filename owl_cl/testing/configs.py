@@ -38,6 +38,18 @@ TINY_BUILTIN = dict(
 )
 
 
+# The smallest built-in benchmark the data tests generate
+# (`ensure_benchmark(..., **MINIMAL_BUILTIN)`:
+# about a second), for tests of the benchmark's files rather than of training.
+MINIMAL_BUILTIN = dict(
+  num_pretrain_train=10,
+  num_pretrain_val=3,
+  num_held_out_val=4,
+  num_downstream_train=4,
+  num_downstream_test=2,
+)
+
+
 def tiny_budget(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """`c` (changed in place and returned) with the budget of `tiny_config`: a 1-layer, 64-wide
   OWL-ViT, 4 pre-training steps, 2 steps per downstream dataset, the `TINY_BUILTIN` benchmark.

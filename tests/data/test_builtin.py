@@ -15,16 +15,11 @@ from owl_cl.data.builtin import benchmark as builtin_benchmark
 from owl_cl.data.builtin import render
 from owl_cl.data.builtin import vocabulary as builtin_vocabulary
 from owl_cl.data.coco import CocoSource
+from owl_cl.testing.configs import MINIMAL_BUILTIN
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools")
 
-TINY = dict(
-  num_pretrain_train=10,
-  num_pretrain_val=3,
-  num_held_out_val=4,
-  num_downstream_train=4,
-  num_downstream_test=2,
-)
+TINY = MINIMAL_BUILTIN
 
 
 @pytest.fixture(scope="module")
