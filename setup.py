@@ -60,8 +60,11 @@ setuptools.setup(
   name="owl_cl",
   version="0.1.0",
   description="Continual learning of the open-vocabulary detector OWL-ViT with replay (JAX/Flax).",
-  packages=setuptools.find_packages(include=["owl_cl", "owl_cl.*", "configs"]),
-  package_data={"owl_cl.data": ["forbidden_labels.json", "orders/*.json"]},
+  packages=setuptools.find_packages(include=["owl_cl", "owl_cl.*"]),
+  package_data={
+    "owl_cl.data": ["forbidden_labels.json", "orders/*.json"],
+    "owl_cl.configs": ["examples/*.py"],
+  },
   python_requires=">=3.10",
   install_requires=INSTALL_REQUIRES,
   extras_require=EXTRAS,

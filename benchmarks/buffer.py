@@ -55,8 +55,8 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from configs import base  # noqa: E402
 from owl_cl import utils  # noqa: E402
+from owl_cl.configs import base  # noqa: E402
 from owl_cl.detector import Detector  # noqa: E402
 from owl_cl.model import owl_vit  # noqa: E402
 from owl_cl.replay import build as build_lib  # noqa: E402

@@ -48,7 +48,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # `python launch/sweep.py` from anywhere: import configs/.
+if REPO not in sys.path:  # `python launch/sweep.py` from anywhere: import owl_cl (a checkout).
   sys.path.insert(0, REPO)
 
 # configs/ that are no algorithm: the base and protocols (ivlod_odinw13: docs/ivlod.md).

@@ -12,7 +12,7 @@ from typing import Any
 
 import ml_collections
 
-from configs import base
+from owl_cl.configs import base
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest

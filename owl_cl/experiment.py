@@ -47,7 +47,6 @@ from absl import logging
 import jax
 import ml_collections
 
-from configs import base
 from owl_cl import benchmark as benchmark_lib
 from owl_cl import distributed
 from owl_cl import phases
@@ -62,6 +61,7 @@ from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import schedule_of
 from owl_cl.config_fields import seed_of
+from owl_cl.configs import base
 from owl_cl.detector import Detector
 from owl_cl.eval import results as results_lib
 from owl_cl.model.convert import CheckpointMismatchError

@@ -940,7 +940,7 @@ def config_leaves(config, prefix: str = ""):
 
 @pytest.mark.parametrize("arg", ["", "paper", "paper,released", "owlv2", "builtin1", "builtin2"])
 def test_every_config_field_has_a_rule(arg):
-  from configs import base  # pylint: disable=g-import-not-at-top
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
 
   config = base.get_config(arg)
   leaves = list(config_leaves(config))
@@ -1228,7 +1228,7 @@ def test_every_integer_field_is_bounded_by_its_consumer():
   """Each integer field refuses one past its consumer's bound (and 2**63, the issue's seed),
   naming the bound and the consumer, and takes the bound itself; every int-valued leaf of
   the config has such a rule."""
-  from configs import base  # pylint: disable=g-import-not-at-top
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
 
   config = base.get_config("")
   # The int-valued leaves, but those naming one of a set of options (data.builtin.version).

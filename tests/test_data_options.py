@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from configs import base
 from owl_cl import cache_keys
 from owl_cl.config_fields import ConfigError
+from owl_cl.configs import base
 from owl_cl.data import coco
 from owl_cl.data import input_pipeline
 from owl_cl.data import label_ops

@@ -14,9 +14,9 @@ import shutil
 import numpy as np
 import pytest
 
-from configs import base
 from owl_cl import benchmark
 from owl_cl.config_fields import MissingInputsError
+from owl_cl.configs import base
 from owl_cl.data import odinw
 from owl_cl.testing import fake_data
 

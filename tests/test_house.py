@@ -6,9 +6,12 @@ fails too, so the lists only shrink.
 """
 
 import ast
+import os
 import pathlib
+import re
 
 import pytest
+import setuptools
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "owl_cl"
@@ -180,3 +183,15 @@ def test_no_in_function_import_of_owl_cl_but_the_listed(sources):
 def test_every_exception_has_a_reason():
   for reason in list(LONG_FUNCTIONS.values()) + list(FUNCTION_IMPORTS.values()):
     assert isinstance(reason, str) and len(reason.split()) >= 3, reason
+
+
+def test_installing_adds_only_the_owl_cl_name():
+  # A top-level `configs` package in site-packages would collide with any other project's.
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "setup.py")) as f:
+    include = ast.literal_eval(re.search(r"find_packages\(include=(\[.*?\])\)", f.read())[1])
+  found = setuptools.find_packages(where=root, include=include)
+  assert "owl_cl.configs" in found
+  assert {name.split(".")[0] for name in found} == {"owl_cl"}
+  assert os.path.realpath(os.path.join(root, "configs")) == os.path.join(root, "owl_cl", "configs")

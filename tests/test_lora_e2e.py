@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from configs import base
 from owl_cl import experiment
 from owl_cl import preemption
+from owl_cl.configs import base
 from owl_cl.detector import Detector
 from owl_cl.model import lora
 from owl_cl.testing.configs import tiny_config

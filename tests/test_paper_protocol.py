@@ -12,13 +12,13 @@ import os
 import numpy as np
 import pytest
 
-from configs import base
 from owl_cl import benchmark
 from owl_cl import experiment
 from owl_cl import phases
 from owl_cl import trainer
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
+from owl_cl.configs import base
 from owl_cl.data import odinw
 from owl_cl.data import real_inputs
 from owl_cl.detector import Detector

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from configs import base
 from owl_cl import benchmark as benchmark_lib
 from owl_cl import cache_keys
 from owl_cl import integrity
 from owl_cl import validation
 from owl_cl.config_fields import ConfigError
+from owl_cl.configs import base
 from owl_cl.data import builtin as B
 from owl_cl.data.builtin import vocabulary as V
 from owl_cl.replay import setup as replay_setup

@@ -96,8 +96,8 @@ def test_owlv2_detector_and_buffer_images_pad_then_resize(tmp_path):
   """An OWLv2 detector's training and evaluation options pick 'pad_then_resize' (v1's stay
   as they were), the replay store's images by reference are re-made with it (the uint8 cache
   has no stage of it and is not used), and squash_resize is refused up front for OWLv2."""
-  from configs import base
   from owl_cl import validation
+  from owl_cl.configs import base
   from owl_cl.data import input_pipeline
   from owl_cl.detector import Detector
   from owl_cl.replay import images as images_lib

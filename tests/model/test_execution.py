@@ -211,9 +211,9 @@ def test_bfloat16_compute_stays_close_to_float32():
 
 
 def test_config_fields_reach_the_model():
-  from configs import base
   from owl_cl import detector
   from owl_cl import validation
+  from owl_cl.configs import base
 
   builtin = base.get_config()
   assert detector.model_fields(builtin) == {
@@ -231,8 +231,8 @@ def test_config_fields_reach_the_model():
 
 
 def test_execution_only_fields_leave_cache_keys_unchanged():
-  from configs import base
   from owl_cl import cache_keys
+  from owl_cl.configs import base
 
   c = base.get_config()
   before = {k: v for k, v in c.model.to_dict().items() if k not in ("attention", "remat", "dtype")}

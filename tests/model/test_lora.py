@@ -10,10 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-from configs import base
 from owl_cl import model as model_lib
 from owl_cl import validation
 from owl_cl.config_fields import ConfigError
+from owl_cl.configs import base
 from owl_cl.model import lora
 from owl_cl.testing.batches import detection_batch
 from owl_cl.testing.configs import tiny_detector_config

@@ -154,8 +154,8 @@ def test_scenic_owlv2_msgpack_loads_and_cli_reads_it(tmp_path):
 def test_cache_keys_v1_unchanged_owlv2_keyed():
   """v1's loss cache-key fields are those from before the objectness field (its cached
   models and buffers stay valid); OWLv2's weight enters its keys."""
-  from configs import base
   from owl_cl import cache_keys
+  from owl_cl.configs import base
 
   v1 = cache_keys.cache_key_fields(base.get_config(""), "loss")
   assert "objectness_weight" not in v1
@@ -219,8 +219,8 @@ def test_buffer_key_and_selection_objectness_rules(tmp_path):
   is refused up front for a v1 model or a zero objectness weight."""
   import types
 
-  from configs import base
   from owl_cl import validation
+  from owl_cl.configs import base
   from owl_cl.replay import setup as replay_setup
 
   annotations = tmp_path / "instances.json"

@@ -10,7 +10,7 @@ after the 7th dataset 19.4 ± 0.6 on the pre-training set, 20.9 ± 0.6 on the he
 1.1 downstream mean; 91.6 ± 2.4% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

@@ -21,7 +21,7 @@ pre-training set and 11.9 ± 0.2 downstream mean, above every sequential algorit
 7.0), as expected of the upper bound.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

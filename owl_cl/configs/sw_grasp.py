@@ -10,7 +10,7 @@ after the 7th dataset 19.7 ± 0.6 on the pre-training set, 20.7 ± 0.6 on the he
 1.0 downstream mean; 92.3 ± 1.9% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

@@ -12,7 +12,7 @@ after the 7th dataset 18.6 ± 0.2 on the pre-training set, 19.7 ± 0.5 on the he
 0.8 downstream mean; 89.0 ± 1.3% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

@@ -10,7 +10,7 @@ after the 7th dataset 18.9 ± 0.5 on the pre-training set, 20.3 ± 0.5 on the he
 1.0 downstream mean; 89.7 ± 2.4% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

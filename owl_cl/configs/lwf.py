@@ -18,7 +18,7 @@ Yields on built-in version 2 (`:builtin2`; the committed sweep, seeds 0-4 on ord
 ± 0.2 on the pre-training set (`no_replay.py`: 0.4), 6.5 ± 1.4 downstream mean.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

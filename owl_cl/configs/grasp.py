@@ -10,7 +10,7 @@ after the 7th dataset 19.1 ± 0.4 on the pre-training set, 20.4 ± 0.7 on the he
 0.9 downstream mean; 91.5 ± 1.6% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

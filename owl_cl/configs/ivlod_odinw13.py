@@ -33,7 +33,7 @@ import math
 
 import ml_collections
 
-from configs import base
+from owl_cl.configs import base
 from owl_cl.data import suites
 
 # DitHub's iterations per task at batch 2, by the position of the dataset in ODinW-13's

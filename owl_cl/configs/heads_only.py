@@ -15,7 +15,7 @@ Yields on built-in version 2 (`:builtin2`; the committed sweep, seeds 0-4 on ord
 in 23 steps at the full model's learning rate).
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

@@ -14,7 +14,7 @@ after the 7th dataset 19.3 ± 0.6 on the pre-training set, 20.3 ± 0.6 on the he
 0.9 downstream mean; 91.1 ± 2.4% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

@@ -12,7 +12,7 @@ after the 7th dataset 19.6 ± 0.5 on the pre-training set, 20.8 ± 0.7 on the he
 1.0 downstream mean; 92.4 ± 1.9% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

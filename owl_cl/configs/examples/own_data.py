@@ -12,7 +12,7 @@ tiny budget of the tests (`owl_cl.testing.configs.tiny_budget`).
 
 import os
 
-from configs import base
+from owl_cl.configs import base
 from owl_cl.testing.configs import tiny_budget
 
 

@@ -10,7 +10,7 @@ after the 7th dataset 18.5 ± 0.7 on the pre-training set, 20.0 ± 0.6 on the he
 0.9 downstream mean; 87.8 ± 3.1% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

@@ -10,7 +10,7 @@ after the 7th dataset 18.5 ± 0.7 on the pre-training set, 20.1 ± 0.9 on the he
 1.2 downstream mean; 88.2 ± 3.0% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

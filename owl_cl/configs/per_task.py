@@ -20,7 +20,7 @@ sequences: 8.2-11.7), downstream mean 17.5 ± 0.3 (each dataset by its own model
 3.2 ± 0.1 (the mean over the task models).
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

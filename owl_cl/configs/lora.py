@@ -16,7 +16,7 @@ Yields on built-in version 2 (`:builtin2`; the committed sweep, seeds 0-4 on ord
 learn in 23 steps at the full model's learning rate, 3e-4).
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

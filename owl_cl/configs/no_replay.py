@@ -12,7 +12,7 @@ after the 7th dataset 0.4 ± 0.3 on the pre-training set, 3.8 ± 1.4 on the held
 1.1 downstream mean; 3.2 ± 1.8% of the pre-trained model's pre-training set AP50 kept.
 """
 
-from configs import base
+from owl_cl.configs import base
 
 
 def get_config(arg: str = ""):

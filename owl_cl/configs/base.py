@@ -20,6 +20,8 @@ Any field can be overridden on the command line, e.g. `--config.replay.dedup=epo
 
 import ml_collections
 
+from owl_cl.data.builtin import vocabulary
+
 # `--config=configs/<algorithm>.py:<arg>` with arg a comma-separated list of these (e.g.
 # 'paper,released'): 'paper' the paper's protocol on real data, 'released' every switch set to
 # the released code's behaviour (`apply_released_code`), 'owlv2' the OWLv2 model (`apply_owlv2`),
@@ -603,8 +605,6 @@ def apply_builtin_v2(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   (`replay.budget`), three times one dataset's 400 replays, and after each dataset the
   evaluation of the datasets seen so far only.
   """
-  from owl_cl.data.builtin import vocabulary
-
   c.data.builtin.version = 2
   c.data.builtin.num_pretrain_val = 600
   c.data.builtin.downstream = tuple(vocabulary.DOWNSTREAM_NAMES)
