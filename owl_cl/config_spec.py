@@ -1,0 +1,205 @@
+"""Section specs: each config field written once, with its default, rule, doc and cache-key role.
+
+A config section (`model`, `loss`, `replay`, `data`, `train`, `eval`, `checkpoint`, ...) is a
+frozen dataclass defined beside the code that consumes it, in the way of big_vision's
+`Model(**config.model)`: the dataclass's fields are the section's schema. Everything else
+derives from it by iterating the fields:
+
+* `defaults(Spec)`: the section's ConfigDict of defaults, which `owl_cl/configs/base.py`
+  assigns (`c.replay = defaults(ReplaySpec)`), so the config files stay ml_collections
+  ConfigDicts as users write them;
+* `rules(Spec, 'replay')`: {'replay.<field>': rule} for `validation.range_problems` (through
+  `config_rules.FIELD_RULES`), which checks every field before any work;
+* `from_config(Spec, config.replay, 'replay')`: the typed, frozen settings the consumer passes
+  on, checked once at that boundary with the same one-line messages;
+* `key_material(spec)`: the fields that change what a cache entry holds, for the cache keys;
+  a field that does not says why (`key='...'`), and a test walks every field of every spec;
+* `doc_rows(Spec, 'replay')`: the rows of the field tables of docs/configs.md.
+
+A field whose value is itself a section (`replay.aser`) is a nested spec (`section(AserSpec)`).
+This module imports only `config_fields` (a leaf), so every layer may define its specs here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+
+from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import Rule
+
+# The metadata keys of a spec field.
+_RULE, _DOC, _KEY, _TYPE, _PRESET = "rule", "doc", "key", "type", "preset"
+
+
+def field(
+  default: Any,
+  rule: Rule,
+  doc: str,
+  *,
+  key: bool | str = True,
+  type_: type | None = None,
+  preset: str | None = None,
+) -> Any:
+  """One config field of a section spec (a `dataclasses.field`).
+
+  Args:
+    default: its value in the base config (a tuple for a sequence: specs are frozen).
+    rule: the `config_fields.Rule` its value must pass ('' when fine).
+    doc: one or two sentences for docs/configs.md: what it does, its unit, its source.
+    key: True when the field changes what a cache entry built from the section holds (it
+      enters that entry's key); otherwise the reason it does not, e.g. 'how a step executes,
+      not what it computes'.
+    type_: the type of a field whose default is None (ml_collections' placeholder, so that
+      `--config.<field>=<value>` is parsed to it).
+    preset: the config argument that adds the field (e.g. 'paper'); such a field is absent
+      from the base config and checked only when present.
+
+  Raises:
+    ValueError: a None default without `type_`, or an empty `doc` / `key` reason.
+  """
+  if default is None and type_ is None:
+    raise ValueError("a field whose default is None needs type_ (the placeholder's type)")
+  if not doc.strip() or (isinstance(key, str) and not key.strip()):
+    raise ValueError("a field needs a doc, and a key=False reason must say why")
+  metadata = {_RULE: rule, _DOC: doc, _KEY: key, _TYPE: type_, _PRESET: preset}
+  if isinstance(default, (list, dict, set)):
+    raise ValueError("a spec is frozen: give a sequence default as a tuple")
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+def section(spec: type, doc: str) -> Any:
+  """A field holding a nested section (`replay.aser`), its defaults those of `spec`."""
+  return dataclasses.field(
+    default_factory=spec, metadata={_DOC: doc, _KEY: True, _RULE: None, _TYPE: spec}
+  )
+
+
+def is_spec(value: Any) -> bool:
+  """True for a spec class or instance (a dataclass made with `field` / `section`)."""
+  return dataclasses.is_dataclass(value)
+
+
+def _nested(f: dataclasses.Field) -> type | None:
+  return f.metadata.get(_TYPE) if f.metadata.get(_RULE) is None else None
+
+
+def leaves(spec: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+  """('<prefix>.<field>', field) for every leaf field of `spec`, nested sections flattened."""
+  for f in dataclasses.fields(spec):
+    path = f"{prefix}.{f.name}" if prefix else f.name
+    if (nested := _nested(f)) is not None:
+      yield from leaves(nested, path)
+    else:
+      yield path, f
+
+
+def defaults(spec: type, *, presets: tuple[str, ...] = ()) -> ml_collections.ConfigDict:
+  """The section's base-config ConfigDict: each field's default (a None default as a typed
+  placeholder); fields of a `preset` only when it is in `presets`."""
+  out = ml_collections.ConfigDict()
+  for f in dataclasses.fields(spec):
+    if (nested := _nested(f)) is not None:
+      out[f.name] = defaults(nested, presets=presets)
+    elif f.metadata[_PRESET] is None or f.metadata[_PRESET] in presets:
+      out[f.name] = (
+        ml_collections.config_dict.placeholder(f.metadata[_TYPE])
+        if f.default is None
+        else f.default
+      )
+  return out
+
+
+def rules(spec: type, prefix: str) -> dict[str, Rule]:
+  """{'<prefix>.<field>': rule} for every leaf of `spec` (`config_rules.FIELD_RULES`)."""
+  return {path: f.metadata[_RULE] for path, f in leaves(spec, prefix)}
+
+
+def _frozen(value: Any) -> Any:
+  """`value` with lists as tuples and ConfigDicts / dicts as dicts of frozen values."""
+  if isinstance(value, (list, tuple)):
+    return tuple(_frozen(v) for v in value)
+  if hasattr(value, "keys") and hasattr(value, "items"):
+    return {k: _frozen(v) for k, v in value.items()}
+  return value
+
+
+def from_config(spec: type, config_section: Any, prefix: str) -> Any:
+  """The frozen settings of `config_section` (`config.<prefix>`), every field checked.
+
+  Args:
+    spec: the section's spec class.
+    config_section: the ConfigDict (or dict) of the section.
+    prefix: its path in the config, e.g. 'replay' (named in the messages).
+
+  Returns:
+    An instance of `spec`: sequences as tuples, nested sections as their specs; a field of a
+    preset that the section lacks keeps its default.
+
+  Raises:
+    ConfigError: one line per bad field, 'config.<prefix>.<field>=<value> <what it must be>'
+      (`validation.range_problems`' format), or a field the spec does not define.
+  """
+  values, problems = {}, []
+  known = {f.name for f in dataclasses.fields(spec)}
+  unknown = sorted(set(config_section.keys()) - known)
+  if unknown:
+    problems.append(f"config.{prefix} has unknown fields {unknown}; known: {sorted(known)}")
+  for f in dataclasses.fields(spec):
+    if f.name not in config_section:
+      continue
+    value = config_section[f.name]
+    if (nested := _nested(f)) is not None:
+      try:
+        values[f.name] = from_config(nested, value, f"{prefix}.{f.name}")
+      except ConfigError as e:
+        problems.append(str(e))
+      continue
+    if problem := f.metadata[_RULE](value):
+      problems.append(f"config.{prefix}.{f.name}={value!r} {problem}")
+    values[f.name] = _frozen(value)
+  if problems:
+    raise ConfigError("\n".join(problems))
+  return spec(**values)
+
+
+def _jsonable(value: Any) -> Any:
+  if isinstance(value, tuple):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, dict):
+    return {k: _jsonable(v) for k, v in sorted(value.items())}
+  if isinstance(value, float) and not math.isfinite(value):
+    return repr(value)
+  return value
+
+
+def key_material(settings: Any) -> dict[str, Any]:
+  """{field: value} of the fields of `settings` (a spec instance) that enter cache keys
+  (`key=True`), nested sections as nested dicts, JSON-serialisable (tuples as lists)."""
+  out = {}
+  for f in dataclasses.fields(settings):
+    value = getattr(settings, f.name)
+    if _nested(f) is not None:
+      out[f.name] = key_material(value)
+    elif f.metadata[_KEY] is True:
+      out[f.name] = _jsonable(value)
+  return out
+
+
+def not_in_keys(spec: type, prefix: str) -> dict[str, str]:
+  """{'<prefix>.<field>': reason} of the leaves left out of cache keys, with why."""
+  return {
+    path: f.metadata[_KEY] for path, f in leaves(spec, prefix) if f.metadata[_KEY] is not True
+  }
+
+
+def doc_rows(spec: type, prefix: str) -> list[tuple[str, str, str]]:
+  """(`'<prefix>.<field>'`, default as written in Python, doc) per leaf, for docs/configs.md."""
+  return [
+    (path, repr(f.default) if f.default is not None else "None", " ".join(f.metadata[_DOC].split()))
+    for path, f in leaves(spec, prefix)
+  ]
