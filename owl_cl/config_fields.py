@@ -196,7 +196,7 @@ def choice(options: Sequence[Any] | Callable[[], Sequence[Any]], *, optional: bo
       return ""
     return f"is unknown; known: {known}" + (" or None" if optional else "")
 
-  rule.is_option = True
+  rule.is_option, rule.options = True, options
   return rule
 
 

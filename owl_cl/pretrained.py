@@ -36,27 +36,14 @@ from owl_cl.config_fields import seed_of
 from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
 from owl_cl.model import convert
+from owl_cl.model import variants
 from owl_cl.train import checkpointing
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
 
 # The ModelConfig fields a parameter tree determines (`convert.infer_model_config`).
-ARCHITECTURE_FIELDS = (
-  "image_size",
-  "patch_size",
-  "vision_width",
-  "vision_layers",
-  "vision_heads",
-  "vision_mlp_dim",
-  "text_width",
-  "text_layers",
-  "text_heads",
-  "text_mlp_dim",
-  "embed_dim",
-  "vocab_size",
-  "context_length",
-)
+ARCHITECTURE_FIELDS = variants.ARCHITECTURE_FIELDS
 
 
 def architecture(tree) -> dict[str, int] | None:
