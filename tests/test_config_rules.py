@@ -1,0 +1,105 @@
+"""config_rules.SECTION_SPECS: every field of every section spec changes the cache key of what
+it feeds, or says why not and leaves every key unchanged (issue 47, "Done when" items 2-3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from owl_cl import cache_keys
+from owl_cl import config_rules
+from owl_cl import config_spec
+from owl_cl import pretrained
+from owl_cl.model.spec import ModelSpec
+from owl_cl.utils import digest
+
+# The pre-training annotations' digest stands for a benchmark's (no benchmark is built).
+_PRETRAIN_DATA = "0123456789abcdef"
+
+
+def _set(config, path: str, value) -> None:
+  """`config.<path> = value`, past ml_collections' type check of a None placeholder."""
+  *parents, name = path.split(".")
+  for part in parents:
+    config = config[part]
+  with config.ignore_type():
+    config[name] = value
+
+
+def _other_value(path: str, f: dataclasses.Field, checkpoint: str):
+  """A value of the field `path` other than its default that its rule takes."""
+  rule, default = f.metadata["rule"], f.default
+  if path == "init_checkpoint":
+    return checkpoint  # read by content: a file that exists
+  if hasattr(rule, "options"):
+    options = rule.options() if callable(rule.options) else rule.options
+    candidates = [o for o in options if o != default]
+  elif isinstance(default, bool):
+    candidates = [not default]
+  elif f.metadata["type"] is str or isinstance(default, str):
+    candidates = [f"{default or 'x'}_other", "0"]  # '0': the first stored task order
+  elif hasattr(default, "keys"):
+    candidates = [{**default, "vision_layers": 2}]
+  else:  # a number or None: the nearest values above and below its bounds' inside
+    base = 1 if default is None else default
+    candidates = [base + 1, base / 2, base - 1, 2]
+  return next(v for v in candidates if v != default and not rule(v))
+
+
+def _keys(config) -> dict[str, str]:
+  """The cache keys the section specs feed, computed from the config as their builders do:
+  the pre-trained model's (`pretrained.cache_key`), and with an init checkpoint the model's
+  key that the buffer's key names it by (`cache_keys.init_checkpoint_model_key`)."""
+  model = config_spec.from_config(ModelSpec, config.model, "model")
+  keys = {
+    "pretrained": pretrained.cache_key(
+      config, model, resize_method="resize_with_pad", pretrain_data=_PRETRAIN_DATA
+    )
+  }
+  if config.init_checkpoint:
+    keys["init_checkpoint"] = digest(cache_keys.init_checkpoint_model_key(config))
+  return keys
+
+
+def _fields():
+  for prefix, spec in config_rules.SECTION_SPECS.items():
+    yield from config_spec.leaves(spec, prefix)
+
+
+@pytest.mark.parametrize("path", [path for path, _ in _fields()])
+def test_each_field_changes_a_cache_key_or_says_why_not(path, tmp_path):
+  """A field in keys (`key=True`) set to another valid value changes a key; a field left out
+  names its reason, and that value changes no key (a wrong reason fails here)."""
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
+
+  f = dict(_fields())[path]
+  checkpoint = tmp_path / "ckpt.msgpack"
+  checkpoint.write_bytes(b"parameters")
+  config = base.get_config("builtin1")
+  before = _keys(config)
+  value = _other_value(path, f, str(checkpoint))
+  _set(config, path, value)
+  assert config_rules.FIELD_RULES[path](value) == ""
+  after = _keys(config)
+  if f.metadata["key"] is True:
+    assert after != before, f"config.{path}={value!r} changes no cache key"
+  else:
+    assert len(f.metadata["key"].split()) >= 3, "a field left out of keys says why"
+    assert after == before, f"config.{path}={value!r} changes a key: {f.metadata['key']!r}"
+
+
+def test_a_changed_init_checkpoint_file_at_the_same_path_changes_the_model_key(tmp_path):
+  """The model read from `init_checkpoint` is named by its contents, not its path."""
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "ckpt.msgpack"
+  path.write_bytes(b"parameters")
+  config = base.get_config("builtin1")
+  config.init_checkpoint = str(path)
+  before = _keys(config)
+  path.write_bytes(b"parameterz")
+  assert (
+    os.path.getsize(path) == 10 and _keys(config)["init_checkpoint"] != before["init_checkpoint"]
+  )
