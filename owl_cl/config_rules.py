@@ -226,3 +226,27 @@ SECTION_SPECS: dict[str, type] = {
   "eval": EvalSpec,
   "checkpoint": CheckpointSpec,
 }
+
+
+def fields_markdown() -> str:
+  """The field tables of docs/configs.md ("Fields written as specs"): per section of
+  `SECTION_SPECS`, one row per field with its default, its doc and whether it enters cache
+  keys (else why not), from the specs alone (`config_spec.doc_rows`, `not_in_keys`).
+
+  Returns:
+    Markdown, one `### <section>` heading and table per section.
+  """
+  out = []
+  for prefix, spec in SECTION_SPECS.items():
+    left_out = config_spec.not_in_keys(spec, prefix)
+    out += [
+      f"### {'`' + prefix + '`' if prefix else 'Top-level fields'}",
+      "",
+      "| field | default | what it does | cache keys |",
+      "|---|---|---|---|",
+    ]
+    for path, default, doc in config_spec.doc_rows(spec, prefix):
+      key = f"no: {left_out[path]}" if path in left_out else "yes"
+      out.append(f"| `{path}` | `{default}` | {doc.replace('|', '&#124;')} | {key} |")
+    out.append("")
+  return "\n".join(out)

@@ -81,8 +81,8 @@ class RunSpec:
   task_order: str | None = config_spec.field(
     None,
     orders.task_order_problem,
-    "A stored task order (owl_cl/data/orders/<suite>.json): its name ('random_3'), index "
-    "('2') or '<suite>/<name>'; set, it replaces `sequence_seed`'s shuffle.",
+    "A stored task order (`owl_cl/data/orders/<suite>.json`): its name (`random_3`), index "
+    "(`2`) or `<suite>/<name>`; set, it replaces `sequence_seed`'s shuffle.",
     key=_FINE_TUNING_ONLY,
     type_=str,
   )
@@ -96,7 +96,7 @@ class RunSpec:
     None,
     text(optional=True, empty=True),
     "XLA's persistent compilation cache, so later runs skip recompiling. None: "
-    "<cache_dir>/xla; '' disables it.",
+    "`<cache_dir>/xla`; `''` disables it.",
     key="where compiled programs are kept; they compute the same",
     type_=str,
   )

@@ -103,3 +103,16 @@ def test_a_changed_init_checkpoint_file_at_the_same_path_changes_the_model_key(t
   assert (
     os.path.getsize(path) == 10 and _keys(config)["init_checkpoint"] != before["init_checkpoint"]
   )
+
+
+def test_docs_list_every_spec_field_as_the_specs_say():
+  """docs/configs.md's tables of the spec sections are `config_rules.fields_markdown()`: a
+  field added to a spec, or a changed default or doc, shows here until the docs say it (the
+  assertion prints the tables to paste)."""
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "configs.md")
+  with open(path) as f:
+    docs = f.read()
+  start, end = "<!-- fields: begin -->\n", "<!-- fields: end -->"
+  written = docs[docs.index(start) + len(start) : docs.index(end)]
+  expected = config_rules.fields_markdown()
+  assert written.strip() == expected.strip(), expected
