@@ -116,3 +116,68 @@ def test_docs_list_every_spec_field_as_the_specs_say():
   written = docs[docs.index(start) + len(start) : docs.index(end)]
   expected = config_rules.fields_markdown()
   assert written.strip() == expected.strip(), expected
+
+
+def _section_paths(prefix: str, spec: type, paths) -> set[str]:
+  """The paths of `paths` in the section `prefix` ('' the top-level fields of `spec`)."""
+  if prefix:
+    return {p for p in paths if p.startswith(prefix + ".")}
+  top = {f.name for f in dataclasses.fields(spec)}
+  return {p for p in paths if p.split(".")[0] in top}
+
+
+@pytest.mark.parametrize("arg", ["", "paper"])
+def test_each_spec_section_is_its_spec_in_the_rules_and_the_config(arg):
+  """For each section of SECTION_SPECS, `FIELD_RULES` holds exactly the spec's rules (no rule
+  of a removed field, none copied) and the base config exactly its fields and defaults."""
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
+
+  config = base.get_config(arg)
+  for prefix, spec in config_rules.SECTION_SPECS.items():
+    rules = config_spec.rules(spec, prefix)
+    paths = _section_paths(prefix, spec, config_rules.FIELD_RULES)
+    assert {p: config_rules.FIELD_RULES[p] for p in paths} == rules, prefix
+    section = config[prefix] if prefix else config
+    leaves = [p for p, _ in config_spec.leaves(spec)]
+    assert sorted(_section_paths("", spec, _flat(section))) == sorted(leaves), prefix
+  # The presets leave defaults to the specs; with '' the sections equal their defaults.
+  if arg == "":
+    for prefix in ("model", "pretrain", "checkpoint"):
+      spec = config_rules.SECTION_SPECS[prefix]
+      assert config[prefix].to_dict() == config_spec.defaults(spec).to_dict(), prefix
+
+
+def _flat(section, prefix: str = "") -> list[str]:
+  """The leaf paths of a ConfigDict section (a dict-valued field such as `model.overrides`
+  is one leaf, as in `FIELD_RULES`)."""
+  out = []
+  for name in section.keys():
+    path = f"{prefix}.{name}" if prefix else name
+    value = section[name]
+    if hasattr(value, "keys") and name != "overrides":
+      out += _flat(value, path)
+    else:
+      out.append(path)
+  return out
+
+
+def test_a_field_added_to_a_spec_reaches_rules_docs_and_the_cache_key(monkeypatch):
+  """A throwaway field on `PretrainSpec` (a subclass standing in for the edited class): its
+  rule, its docs row and the pre-trained model's key follow with no other edit."""
+  from owl_cl.config_fields import integer  # pylint: disable=g-import-not-at-top
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
+  from owl_cl.train.pretrain_spec import PretrainSpec  # pylint: disable=g-import-not-at-top
+
+  probe = config_spec.field(3, integer(0), "A probe field.")
+  extended = dataclasses.make_dataclass(
+    "Extended", [("probe", int, probe)], bases=(PretrainSpec,), frozen=True
+  )
+  monkeypatch.setattr(pretrained, "PretrainSpec", extended)
+  monkeypatch.setitem(config_rules.SECTION_SPECS, "pretrain", extended)
+  assert config_spec.rules(extended, "pretrain")["pretrain.probe"](-1) == "must be >= 0"
+  assert "| `pretrain.probe` | `3` | A probe field. | yes |" in config_rules.fields_markdown()
+  config = base.get_config("builtin1")
+  config.pretrain = config_spec.defaults(extended)
+  before = _keys(config)
+  config.pretrain.probe = 4
+  assert _keys(config) != before
