@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 
 from owl_cl import config_spec
-from owl_cl.config_fields import DOWNSTREAM_EVAL_MODES
 from owl_cl.config_fields import boolean
 from owl_cl.config_fields import choice
 from owl_cl.config_fields import integer
 from owl_cl.data import prompts
 from owl_cl.train import step as step_lib
+
+#: `eval.downstream_after_each_dataset`: after each dataset, every downstream set or those seen.
+DOWNSTREAM_EVAL_MODES = ("all", "seen")
 
 # Why no evaluation field enters a cache key: evaluations are computed anew by every run (the
 # pre-trained model's entry stores its validation AP for information only, not as a result).
