@@ -27,7 +27,7 @@ import os
 
 import ml_collections
 
-from owl_cl import config_fields
+from owl_cl import config_spec
 from owl_cl.config_fields import uses_real_data
 from owl_cl.data import builtin
 from owl_cl.data import coco
@@ -37,6 +37,7 @@ from owl_cl.data import orders
 from owl_cl.data import pretraining
 from owl_cl.data import real_inputs
 from owl_cl.data import suites
+from owl_cl.eval_spec import EvalSpec
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import shuffled
@@ -522,7 +523,7 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index:
   Stage 0 (after pre-training) always evaluates everything (the "No fine-tuning" row).
 
   Raises:
-    ConfigError: an unknown `eval.downstream_after_each_dataset`.
+    ConfigError: an `eval` field that breaks its rule (`eval_spec.EvalSpec`).
   """
   names = [d.name for d in bench.sequence]
   extra = [d.name for d in bench.extra_evals + bench.zero_shot]
@@ -530,8 +531,8 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index:
   everything = pretraining_sets + names
   if index >= len(bench.sequence):
     return everything
-  mode = config_fields.check_downstream_eval_mode(config)
+  settings = config_spec.from_config(EvalSpec, config.eval, "eval")
   out = []
-  if config.eval.pretraining_sets_after_each_dataset:
+  if settings.pretraining_sets_after_each_dataset:
     out += pretraining_sets
-  return out + (names if mode == "all" else names[:index])
+  return out + (names if settings.downstream_after_each_dataset == "all" else names[:index])

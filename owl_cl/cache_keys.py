@@ -12,7 +12,10 @@ from typing import Any
 
 import ml_collections
 
+from owl_cl import config_spec
 from owl_cl.configs import base
+from owl_cl.model import spec as model_spec
+from owl_cl.model.spec import ModelSpec
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
@@ -43,21 +46,27 @@ DEFAULT_DATA_OPTIONS = _default_data_options()
 
 # Fields left out of the cache keys of pre-training and of the buffer, so that caches written
 # before they existed stay valid: those that choose how a step executes, not what it computes
-# (attention, remat, matcher: the same values up to rounding), and the loss normalisation, which
-# applies to continual fine-tuning only (pre-training and the buffer's losses are per image).
-_NOT_IN_CACHE_KEYS = {"model": ("attention", "remat"), "loss": ("matcher", "normalization")}
+# (matcher: the same values up to rounding), and the loss normalisation, which applies to
+# continual fine-tuning only (pre-training and the buffer's losses are per image). The model's
+# are its spec's (`model.spec.ModelSpec`: attention, remat).
+_NOT_IN_CACHE_KEYS = {"loss": ("matcher", "normalization")}
 
 
 def cache_key_fields(config: ml_collections.ConfigDict, section: str) -> dict:
   """`config.<section>` ('model' | 'loss') as it enters the cache keys.
 
-  Leaves out `_NOT_IN_CACHE_KEYS` and an unset (None) `model.dtype` (the variant's own).
+  'model': `model.spec.cache_key_material` of its spec (an unset dtype left out). 'loss':
+  without `_NOT_IN_CACHE_KEYS` and an unset objectness weight.
+
+  Raises:
+    ConfigError: a `model` field that breaks its rule.
   """
+  if section == "model":
+    settings = config_spec.from_config(ModelSpec, config.model, "model")
+    return model_spec.cache_key_material(settings)
   out = config[section].to_dict()
   for field in _NOT_IN_CACHE_KEYS.get(section, ()):
     out.pop(field, None)
-  if section == "model" and out.get("dtype") is None:
-    out.pop("dtype", None)
   if section == "loss" and not out.get("objectness_weight"):
     out.pop("objectness_weight", None)  # OWLv2's term off: the v1 keys of before it existed
   return out

@@ -2,7 +2,7 @@
 
 `ConfigError` / `MissingInputsError`, the range rules (`integer`, `real` and their named
 instances) and the predicates and mode checks that modules below `owl_cl.validation` need
-(`uses_real_data`, `loss_adaptivity_mode`, `check_downstream_eval_mode`, `check_carry_mode`,
+(`uses_real_data`, `loss_adaptivity_mode`, `check_carry_mode`,
 `clip_vocabulary_problem`, `check_per_dataset_fields`). It imports nothing of owl_cl, so
 `validation` (the top of the config checks) and every module below it import it without a
 cycle (docs/architecture.md, "Layers").
@@ -28,7 +28,6 @@ PER_DATASET_FIELDS = (
   "text_lr_multiplier",
   "layerwise_decay",
 )
-DOWNSTREAM_EVAL_MODES = ("all", "seen")
 CARRY_MODES = ("last", "best_validation")
 # config.train.schedule (docs/baselines.md): how the downstream datasets are trained.
 # 'sequence': one after another (continual learning); 'joint': all at once, the upper bound;
@@ -196,7 +195,7 @@ def choice(options: Sequence[Any] | Callable[[], Sequence[Any]], *, optional: bo
       return ""
     return f"is unknown; known: {known}" + (" or None" if optional else "")
 
-  rule.is_option = True
+  rule.is_option, rule.options = True, options
   return rule
 
 
@@ -365,14 +364,6 @@ def loss_adaptivity_mode(config: ml_collections.ConfigDict) -> str:
       f"config.replay.loss_adaptivity.mode={mode!r} is unknown; known: "
       f"{list(LOSS_ADAPTIVITY_MODES)}"
     )
-  return mode
-
-
-def check_downstream_eval_mode(config: ml_collections.ConfigDict) -> str:
-  """config.eval.downstream_after_each_dataset, checked. Raises ConfigError if unknown."""
-  mode = config.eval.downstream_after_each_dataset
-  if mode not in DOWNSTREAM_EVAL_MODES:
-    raise ConfigError(f"config.eval.downstream_after_each_dataset={mode!r}; use 'all' or 'seen'")
   return mode
 
 

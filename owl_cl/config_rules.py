@@ -10,10 +10,9 @@ valid value the moment it exists.
 
 from __future__ import annotations
 
-from owl_cl import model as model_lib
+from owl_cl import config_spec
 from owl_cl.config_fields import BETA
 from owl_cl.config_fields import CARRY_MODES
-from owl_cl.config_fields import DOWNSTREAM_EVAL_MODES
 from owl_cl.config_fields import FINITE
 from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
@@ -21,9 +20,6 @@ from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import OPTIONAL_STEPS
 from owl_cl.config_fields import POSITIVE
 from owl_cl.config_fields import SCHEDULES
-from owl_cl.config_fields import SEED
-from owl_cl.config_fields import SEED_PARTS
-from owl_cl.config_fields import SEED_RULES
 from owl_cl.config_fields import STEPS
 from owl_cl.config_fields import WARMUP_STEPS
 from owl_cl.config_fields import Rule
@@ -42,11 +38,12 @@ from owl_cl.config_fields import step_table
 from owl_cl.config_fields import text
 from owl_cl.data import builtin
 from owl_cl.data import coco
-from owl_cl.data import orders
 from owl_cl.data import prompts
 from owl_cl.data import suites
-from owl_cl.model import clip as clip_lib
+from owl_cl.eval_spec import EvalSpec
 from owl_cl.model import lora as lora_lib
+from owl_cl.model import variants
+from owl_cl.model.spec import ModelSpec
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
@@ -58,9 +55,11 @@ from owl_cl.replay.retrieval import knn_shapley
 from owl_cl.replay.retrieval import registry as retrieval_registry
 from owl_cl.replay.retrieval import sample_selection
 from owl_cl.replay.retrieval import steps as retrieval_steps
+from owl_cl.run_spec import RunSpec
 from owl_cl.train import losses
 from owl_cl.train import optim
-from owl_cl.train import step as step_lib
+from owl_cl.train.checkpointing import CheckpointSpec
+from owl_cl.train.pretrain_spec import PretrainSpec
 
 # The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
 TRAIN_FIELD_RULES: dict[str, Rule] = {
@@ -75,9 +74,6 @@ TRAIN_FIELD_RULES: dict[str, Rule] = {
   "layerwise_decay": FRACTION,
 }
 
-
-_DTYPES = ("float32", "bfloat16", "float16")
-
 # Every field of configs/base.py ('' and 'paper') and what it must be: its type and its range
 # or options (`tests/test_bad_inputs.py` walks every leaf of both configs and fails for a field
 # without a rule). A dict-valued field (`model.overrides`, `train.per_dataset`, a declared
@@ -85,23 +81,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # and `check_datasets`. Fields a config lacks are skipped (e.g. the 'paper' config's
 # `data.odinw_datasets` and Visual Genome settings).
 FIELD_RULES: dict[str, Rule] = {
-  "experiment_name": text(),
-  "seed": SEED,
-  # NumPy's generators (`np.random.default_rng`) take any int >= 0: JAX's int32 bounds them.
-  "sequence_seed": integer(0, optional=True),
-  "task_order": orders.task_order_problem,
-  **{f"seeds.{part}": SEED_RULES[part] for part in SEED_PARTS},
-  "cache_dir": text(),
-  "compilation_cache_dir": text(optional=True, empty=True),  # '' disables the cache
-  "init_checkpoint": text(optional=True),
-  # --- model
-  "model.variant": choice(sorted(model_lib.VARIANTS)),
-  "model.tokenizer": choice(model_lib.known_tokenizers),
-  "model.tokenizer_vocab_path": text(optional=True),
-  "model.overrides": mapping,
-  "model.dtype": choice(_DTYPES, optional=True),
-  "model.attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
-  "model.remat": choice(clip_lib.REMAT_POLICIES),
+  **config_spec.rules(RunSpec, ""),
+  **config_spec.rules(ModelSpec, "model"),
   # --- data
   "data.root": text(optional=True),
   "data.sequence": declared(list),
@@ -142,15 +123,7 @@ FIELD_RULES: dict[str, Rule] = {
   "data.augment.mosaic_sizes": integers(1, optional=True),
   "data.augment.mosaic_probs": probabilities,
   # --- pre-training, continual fine-tuning, loss
-  "pretrain.batch_size": integer(1),
-  "pretrain.num_steps": STEPS,
-  "pretrain.learning_rate": POSITIVE,
-  "pretrain.warmup_steps": WARMUP_STEPS,
-  "pretrain.text_lr_multiplier": NON_NEGATIVE,
-  "pretrain.layerwise_decay": FRACTION,
-  "pretrain.weight_decay": NON_NEGATIVE,
-  "pretrain.max_unique_queries": integer(0),
-  "pretrain.eval_every_steps": integer(0, maximum=STEPS.maximum, why=STEPS.why, optional=True),
+  **config_spec.rules(PretrainSpec, "pretrain"),
   "train.batch_size": integer(1),
   **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
   "train.num_steps_by_dataset": step_table,
@@ -235,55 +208,45 @@ FIELD_RULES: dict[str, Rule] = {
   "replay.selection.objectness_in_loss": boolean,
   "replay.selection.visual_genome_loss_threshold": FINITE,
   "replay.selection.visual_genome_min_per_class": integer(0),
-  # --- evaluation, checkpoints, budgets
-  "eval.top_k": integer(1),
-  "eval.max_dets": integer(1),
-  "eval.multi_label": boolean,
-  "eval.downstream_after_each_dataset": choice(DOWNSTREAM_EVAL_MODES),
-  "eval.pretraining_sets_after_each_dataset": boolean,
-  "eval.prompt_templates": choice(sorted(prompts.EVAL_TEMPLATE_SETS)),
-  "eval.ensemble": choice(step_lib.ENSEMBLE_MODES),
-  "eval.lvis_top_k": integer(1),
-  "eval.lvis_max_dets": integer(1),
-  "eval.report_ivlod": boolean,
-  "checkpoint.max_to_keep": integer(1, optional=True),
-  "checkpoint.every_steps": OPTIONAL_STEPS,
-  "checkpoint.every_minutes": real(0.0, low_open=True, optional=True),
-  "max_train_steps_per_dataset": OPTIONAL_STEPS,
-  "max_eval_images": integer(1, optional=True),
+  **config_spec.rules(EvalSpec, "eval"),
+  **config_spec.rules(CheckpointSpec, "checkpoint"),
 }
 
 # Every field of the model (`ModelConfig`, `config.model.overrides.<field>`) and what it must
-# be; the cross-field rules (image size a multiple of the patch size, widths of the heads) are
-# in `model_problems`.
-MODEL_OVERRIDE_RULES: dict[str, Rule] = {
-  "tokenizer": choice(model_lib.known_tokenizers),
-  **{
-    name: integer(1)
-    for name in (
-      "vocab_size",
-      "context_length",
-      "embed_dim",
-      "image_size",
-      "patch_size",
-      "vision_width",
-      "vision_layers",
-      "vision_heads",
-      "vision_mlp_dim",
-      "text_width",
-      "text_layers",
-      "text_heads",
-      "text_mlp_dim",
-    )
-  },
-  "text_stochastic_depth": real(0.0, 1.0),
-  "vision_stochastic_depth": real(0.0, 1.0),
-  "hf_compat": boolean,
-  # The compute dtype is config.model.dtype (a name, turned into the jnp type by
-  # `detector.model_fields`); an override would pass the name through unconverted.
-  "dtype": lambda value: "is set by config.model.dtype (e.g. 'bfloat16'), not an override",
-  "attention": choice(clip_lib.ATTENTION_IMPLEMENTATIONS),
-  "remat": choice(clip_lib.REMAT_POLICIES),
-  "version": choice(model_lib.MODEL_VERSIONS),
-  "objectness_top_k": integer(0),
+# be, from `ModelConfig`'s fields; the cross-field rules (image size a multiple of the patch
+# size, widths of the heads) are in `validation.model_problems`.
+MODEL_OVERRIDE_RULES: dict[str, Rule] = variants.OVERRIDE_RULES
+
+# The config sections written as a spec (`config_spec`), by their path ('' the top-level
+# fields): the cache-key test and the docs tables iterate them.
+SECTION_SPECS: dict[str, type] = {
+  "": RunSpec,
+  "model": ModelSpec,
+  "pretrain": PretrainSpec,
+  "eval": EvalSpec,
+  "checkpoint": CheckpointSpec,
 }
+
+
+def fields_markdown() -> str:
+  """The field tables of docs/configs.md ("Fields written as specs"): per section of
+  `SECTION_SPECS`, one row per field with its default, its doc and whether it enters cache
+  keys (else why not), from the specs alone (`config_spec.doc_rows`, `not_in_keys`).
+
+  Returns:
+    Markdown, one `### <section>` heading and table per section.
+  """
+  out = []
+  for prefix, spec in SECTION_SPECS.items():
+    left_out = config_spec.not_in_keys(spec, prefix)
+    out += [
+      f"### {'`' + prefix + '`' if prefix else 'Top-level fields'}",
+      "",
+      "| field | default | what it does | cache keys |",
+      "|---|---|---|---|",
+    ]
+    for path, default, doc in config_spec.doc_rows(spec, prefix):
+      key = f"no: {left_out[path]}" if path in left_out else "yes"
+      out.append(f"| `{path}` | `{default}` | {doc.replace('|', '&#124;')} | {key} |")
+    out.append("")
+  return "\n".join(out)

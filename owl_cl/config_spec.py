@@ -22,7 +22,7 @@ This module imports only `config_fields` (a leaf), so every layer may define its
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 import dataclasses
 import math
 from typing import Any
@@ -48,7 +48,8 @@ def field(
   """One config field of a section spec (a `dataclasses.field`).
 
   Args:
-    default: its value in the base config (a tuple for a sequence: specs are frozen).
+    default: its value in the base config (a tuple for a sequence, a hashable mapping such
+      as flax's `FrozenDict` for a mapping: specs are frozen).
     rule: the `config_fields.Rule` its value must pass ('' when fine).
     doc: one or two sentences for docs/configs.md: what it does, its unit, its source.
     key: True when the field changes what a cache entry built from the section holds (it
@@ -88,10 +89,15 @@ def _nested(f: dataclasses.Field) -> type | None:
   return f.metadata.get(_TYPE) if f.metadata.get(_RULE) is None else None
 
 
+def _join(prefix: str, name: str) -> str:
+  """'<prefix>.<name>', or `prefix` / `name` when the other is '' (the top level)."""
+  return ".".join(part for part in (prefix, name) if part)
+
+
 def leaves(spec: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
   """('<prefix>.<field>', field) for every leaf field of `spec`, nested sections flattened."""
   for f in dataclasses.fields(spec):
-    path = f"{prefix}.{f.name}" if prefix else f.name
+    path = _join(prefix, f.name)
     if (nested := _nested(f)) is not None:
       yield from leaves(nested, path)
     else:
@@ -106,11 +112,12 @@ def defaults(spec: type, *, presets: tuple[str, ...] = ()) -> ml_collections.Con
     if (nested := _nested(f)) is not None:
       out[f.name] = defaults(nested, presets=presets)
     elif f.metadata[_PRESET] is None or f.metadata[_PRESET] in presets:
-      out[f.name] = (
-        ml_collections.config_dict.placeholder(f.metadata[_TYPE])
-        if f.default is None
-        else f.default
-      )
+      if f.default is None:
+        out[f.name] = ml_collections.config_dict.placeholder(f.metadata[_TYPE])
+      elif isinstance(f.default, Mapping):  # a frozen mapping: the config's own ConfigDict
+        out[f.name] = ml_collections.ConfigDict(dict(f.default))
+      else:
+        out[f.name] = f.default
   return out
 
 
@@ -134,7 +141,8 @@ def from_config(spec: type, config_section: Any, prefix: str) -> Any:
   Args:
     spec: the section's spec class.
     config_section: the ConfigDict (or dict) of the section.
-    prefix: its path in the config, e.g. 'replay' (named in the messages).
+    prefix: its path in the config, e.g. 'replay' (named in the messages); '' for the
+      top-level fields.
 
   Returns:
     An instance of `spec`: sequences as tuples, nested sections as their specs; a field of a
@@ -148,19 +156,21 @@ def from_config(spec: type, config_section: Any, prefix: str) -> Any:
   known = {f.name for f in dataclasses.fields(spec)}
   unknown = sorted(set(config_section.keys()) - known)
   if unknown:
-    problems.append(f"config.{prefix} has unknown fields {unknown}; known: {sorted(known)}")
+    problems.append(
+      f"{_join('config', prefix)} has unknown fields {unknown}; known: {sorted(known)}"
+    )
   for f in dataclasses.fields(spec):
     if f.name not in config_section:
       continue
     value = config_section[f.name]
     if (nested := _nested(f)) is not None:
       try:
-        values[f.name] = from_config(nested, value, f"{prefix}.{f.name}")
+        values[f.name] = from_config(nested, value, _join(prefix, f.name))
       except ConfigError as e:
         problems.append(str(e))
       continue
     if problem := f.metadata[_RULE](value):
-      problems.append(f"config.{prefix}.{f.name}={value!r} {problem}")
+      problems.append(f"config.{_join(prefix, f.name)}={value!r} {problem}")
     values[f.name] = _frozen(value)
   if problems:
     raise ConfigError("\n".join(problems))
@@ -170,7 +180,7 @@ def from_config(spec: type, config_section: Any, prefix: str) -> Any:
 def _jsonable(value: Any) -> Any:
   if isinstance(value, tuple):
     return [_jsonable(v) for v in value]
-  if isinstance(value, dict):
+  if isinstance(value, Mapping):
     return {k: _jsonable(v) for k, v in sorted(value.items())}
   if isinstance(value, float) and not math.isfinite(value):
     return repr(value)
@@ -200,6 +210,11 @@ def not_in_keys(spec: type, prefix: str) -> dict[str, str]:
 def doc_rows(spec: type, prefix: str) -> list[tuple[str, str, str]]:
   """(`'<prefix>.<field>'`, default as written in Python, doc) per leaf, for docs/configs.md."""
   return [
-    (path, repr(f.default) if f.default is not None else "None", " ".join(f.metadata[_DOC].split()))
+    (path, _written(f.default), " ".join(f.metadata[_DOC].split()))
     for path, f in leaves(spec, prefix)
   ]
+
+
+def _written(default: Any) -> str:
+  """`default` as a config file writes it (a frozen mapping as a dict)."""
+  return repr(dict(default) if isinstance(default, Mapping) else default)

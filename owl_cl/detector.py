@@ -17,8 +17,10 @@ import ml_collections
 import numpy as np
 
 from owl_cl import config_fields
+from owl_cl import config_spec
 from owl_cl import distributed
 from owl_cl import model as model_lib
+from owl_cl import run_spec
 from owl_cl.benchmark import EVALUATION_PROTOCOLS
 from owl_cl.benchmark import Dataset
 from owl_cl.config_fields import ConfigError
@@ -29,9 +31,11 @@ from owl_cl.data import mixture
 from owl_cl.data import prompts
 from owl_cl.data import spec as data_spec
 from owl_cl.eval import detection
+from owl_cl.eval_spec import EvalSpec
 from owl_cl.model import convert
 from owl_cl.model import lora as lora_lib
 from owl_cl.model import tokenizer as tokenizer_lib
+from owl_cl.model.spec import ModelSpec
 from owl_cl.train import optim
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
@@ -47,17 +51,13 @@ DETECTIONS_HOOK_ENV = "OWL_CL_TEST_DETECTIONS_DIR"
 
 
 def model_fields(config: ml_collections.ConfigDict) -> dict:
-  """`create_model` keyword arguments: config.model.{dtype, attention, remat}, then
-  config.model.overrides (which win). dtype None keeps the variant's (checked in validation).
+  """`create_model` keyword arguments of `config.model` (`ModelSpec.model_fields`: dtype,
+  attention, remat, then the overrides, which win; dtype None keeps the variant's).
+
+  Raises:
+    ConfigError: a field of `config.model` that breaks its rule (`config_spec.from_config`).
   """
-  fields = {}
-  if config.model.dtype is not None:
-    fields["dtype"] = getattr(jnp, config.model.dtype)
-  for name in ("attention", "remat"):
-    if config.model[name] is not None:
-      fields[name] = config.model[name]
-  fields.update(dict(config.model.overrides))
-  return fields
+  return config_spec.from_config(ModelSpec, config.model, "model").model_fields()
 
 
 def frozen_problem(config: ml_collections.ConfigDict) -> str:
@@ -116,47 +116,51 @@ class Detector:
   (`train_batches`) and evaluates parameters (`evaluate`, `evaluate_dataset`). Holds no
   parameters: they are passed to every call.
 
+  Hands out the typed settings of the sections it converts once, at construction
+  (`config_spec.from_config`): `run` (`run_spec.RunSpec`, the top-level fields), `model_spec`
+  (`model.spec.ModelSpec`) and `eval_spec` (`eval_spec.EvalSpec`). `config` stays for the
+  sections not yet written as specs (data, loss, train, replay), read by their consumers.
+
   Raises (construction):
-    ConfigError: a CLIP tokenizer without its vocabulary, a tokenizer larger than the model's
-      vocabulary, unknown prompt templates or ensemble mode.
+    ConfigError: a field of those sections that breaks its rule, a CLIP tokenizer without its
+      vocabulary, a tokenizer larger than the model's vocabulary, unknown prompt templates.
   """
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config
-    self.model = model_lib.create_model(config.model.variant, **model_fields(config))
+    self.run = run_spec.run_settings(config)
+    self.model_spec = config_spec.from_config(ModelSpec, config.model, "model")
+    self.eval_spec = config_spec.from_config(EvalSpec, config.eval, "eval")
+    model_spec = self.model_spec
+    self.model = model_lib.create_model(model_spec.variant, **model_spec.model_fields())
     model_config = self.model.config
     # The self-contained tokenizer is sized by the model (vocabulary and context length); the
     # CLIP BPE reads its vocabulary from config.model.tokenizer_vocab_path (docs/reference.md §2).
     tokenizer_kwargs = {}
-    if config.model.tokenizer == "word_hash":
+    if model_spec.tokenizer == "word_hash":
       tokenizer_kwargs = {
         "vocab_size": model_config.vocab_size,
         "context_length": model_config.context_length,
       }
-    elif config.model.tokenizer == "clip":
+    elif model_spec.tokenizer == "clip":
       problem = config_fields.clip_vocabulary_problem(config)
       if problem:
         raise ConfigError(problem)
       tokenizer_kwargs = {
-        "vocab_path": expand_path(config.model.tokenizer_vocab_path),
+        "vocab_path": expand_path(model_spec.tokenizer_vocab_path),
         "context_length": model_config.context_length,
       }
-    self.tokenizer = tokenizer_lib.get_tokenizer(config.model.tokenizer, **tokenizer_kwargs)
+    self.tokenizer = tokenizer_lib.get_tokenizer(model_spec.tokenizer, **tokenizer_kwargs)
     if self.tokenizer.vocab_size > model_config.vocab_size:
       raise ConfigError(
-        f"config.model.tokenizer={config.model.tokenizer!r} has {self.tokenizer.vocab_size} "
+        f"config.model.tokenizer={model_spec.tokenizer!r} has {self.tokenizer.vocab_size} "
         f"ids but the model's vocab_size is {model_config.vocab_size}"
       )
     try:
       self.train_templates = prompts.train_templates(config.data.train_prompt_templates)
-      self.eval_templates = prompts.eval_templates(config.eval.prompt_templates)
+      self.eval_templates = prompts.eval_templates(self.eval_spec.prompt_templates)
     except ValueError as e:
       raise ConfigError(str(e)) from e
-    if config.eval.ensemble not in step_lib.ENSEMBLE_MODES:
-      raise ConfigError(
-        f"config.eval.ensemble={config.eval.ensemble!r} is unknown; known: "
-        f"{list(step_lib.ENSEMBLE_MODES)}"
-      )
     self.image_size = self.model.config.image_size
     self.mesh = sharding_lib.create_mesh()
     self.loss_config = dict(
@@ -235,7 +239,7 @@ class Detector:
   def eval_query_embeddings(self, params, source: coco.CocoSource) -> jax.Array:
     """Query embeddings of the source's classes: [C, E] (eval.prompt_templates='none') or
     [P, C, E], one slice per evaluation template (docs/reference.md §2)."""
-    if self.config.eval.prompt_templates == "none":
+    if self.eval_spec.prompt_templates == "none":
       return self._text_embed(params, jnp.asarray(self.class_tokens(source)))
     tokens = prompts.prompt_tokens(self.tokenizer, source.class_names, self.eval_templates)
     num_classes, num_templates, length = tokens.shape
@@ -245,7 +249,7 @@ class Detector:
   def _predict_step(self, *, templates: bool, top_k: int, multi_label: bool):
     """The jitted prediction step (`step.make_predict_step`, or its template-ensemble form),
     shared by every detector of the process with this model and mesh (`step_cache`)."""
-    ensemble = self.config.eval.ensemble if templates else None
+    ensemble = self.eval_spec.ensemble if templates else None
 
     def build():
       if templates:
@@ -397,7 +401,7 @@ class Detector:
       raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
     # Evaluation runs the merged model (LoRA: adapters folded into the kernels).
     params = self.model_params(params)
-    eval_config = self.config.eval
+    eval_config = self.eval_spec
     lvis = protocol == "lvis"
     templates = eval_config.prompt_templates != "none"
     top_k = eval_config.lvis_top_k if lvis else eval_config.top_k
@@ -423,7 +427,7 @@ class Detector:
       batch_size=batch_size,
       squash=bool(self.config.data.squash_resize),
       resize=self.resize_method,
-      max_images=self.config.max_eval_images,
+      max_images=self.run.max_eval_images,
       batch_rows=None if rows is None else (rows.start, rows.stop),
     )
     if multi_process:

@@ -48,6 +48,7 @@ import jax
 import ml_collections
 
 from owl_cl import benchmark as benchmark_lib
+from owl_cl import config_spec
 from owl_cl import distributed
 from owl_cl import phases
 from owl_cl import preemption
@@ -69,6 +70,7 @@ from owl_cl.replay import setup as replay_setup
 from owl_cl.summary_writer import SummaryWriter
 from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
+from owl_cl.train.checkpointing import CheckpointSpec
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
 
@@ -346,8 +348,8 @@ def read_init_checkpoint(detector: Detector, bench: benchmark_lib.Benchmark):
     ConfigError: a file or folder that cannot be read as a checkpoint (names the field, the
       path and the reader's reason).
   """
-  config = detector.config
-  if not config.init_checkpoint:
+  init_checkpoint = detector.run.init_checkpoint
+  if not init_checkpoint:
     return None
   try:
     return pretrained.pretrained_params(detector, bench, None)
@@ -355,7 +357,7 @@ def read_init_checkpoint(detector: Detector, bench: benchmark_lib.Benchmark):
     raise
   except (ValueError, OSError) as e:
     raise ConfigError(
-      f"config.init_checkpoint={expand_path(config.init_checkpoint)} cannot be read: {e}"
+      f"config.init_checkpoint={expand_path(init_checkpoint)} cannot be read: {e}"
     ) from e
 
 
@@ -442,10 +444,11 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
     # rebuilt from the stage checkpoints by the first `write`.
     results_lib.set_aside_unreadable(workdir)
   writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if is_writer else None
+  checkpoint = config_spec.from_config(CheckpointSpec, config.checkpoint, "checkpoint")
   step_checkpoints = checkpointing.StepCheckpointer(
     os.path.join(workdir, "step_checkpoints"),
-    every_steps=config.checkpoint.get("every_steps"),
-    every_minutes=config.checkpoint.get("every_minutes"),
+    every_steps=checkpoint.every_steps,
+    every_minutes=checkpoint.every_minutes,
   )
   params, pretrain_meta = init or pretrained.pretrained_params(
     detector, bench, writer, step_checkpoints
@@ -474,7 +477,7 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
     run_id=run_id,
     writer=writer,
     checkpointer=checkpointing.StageCheckpointer(
-      os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep
+      os.path.join(workdir, "checkpoints"), max_to_keep=checkpoint.max_to_keep
     ),
     step_checkpoints=step_checkpoints,
     pretrained=params,

@@ -22,6 +22,7 @@ from absl import logging
 import jax
 import ml_collections
 
+from owl_cl import config_spec
 from owl_cl import distributed
 from owl_cl import integrity
 from owl_cl import model as model_lib
@@ -36,27 +37,17 @@ from owl_cl.config_fields import seed_of
 from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
 from owl_cl.model import convert
+from owl_cl.model import spec as model_spec
+from owl_cl.model import variants
+from owl_cl.model.spec import ModelSpec
 from owl_cl.train import checkpointing
+from owl_cl.train.pretrain_spec import PretrainSpec
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
 
 # The ModelConfig fields a parameter tree determines (`convert.infer_model_config`).
-ARCHITECTURE_FIELDS = (
-  "image_size",
-  "patch_size",
-  "vision_width",
-  "vision_layers",
-  "vision_heads",
-  "vision_mlp_dim",
-  "text_width",
-  "text_layers",
-  "text_heads",
-  "text_mlp_dim",
-  "embed_dim",
-  "vocab_size",
-  "context_length",
-)
+ARCHITECTURE_FIELDS = variants.ARCHITECTURE_FIELDS
 
 
 def architecture(tree) -> dict[str, int] | None:
@@ -174,11 +165,9 @@ def hf_checkpoint_problem(path: str, like, needs: str = "") -> str:
 
 
 def model_description(config: ml_collections.ConfigDict) -> str:
-  """ "config.model.variant='tiny' with overrides {...}" (for error messages)."""
-  overrides = dict(config.model.overrides)
-  return f"config.model.variant={config.model.variant!r}" + (
-    f" with overrides {overrides}" if overrides else ""
-  )
+  """ "config.model.variant='tiny' with overrides {...}" (for error messages; a config whose
+  `model` fields break their rules raises their ConfigError)."""
+  return config_spec.from_config(ModelSpec, config.model, "model").description()
 
 
 def load_init_checkpoint(path: str, like, needs: str = "") -> tuple[Any, dict]:
@@ -229,13 +218,42 @@ def cache_entry(detector: Detector, bench: Benchmark) -> tuple[str, str]:
 
   The key covers everything pre-training depends on (model, data, pre-training config, seed,
   the pre-training annotation file's content), so a changed setting never reuses a stale
-  model.
+  model (`cache_key`).
   """
-  config = detector.config
-  key = digest(
+  key = cache_key(
+    detector.config,
+    detector.model_spec,
+    resize_method=detector.resize_method,
+    pretrain_data=file_digest(bench.pretrain.train.annotation_file),
+  )
+  return os.path.join(expand_path(detector.run.cache_dir), "pretrained", key), key
+
+
+def cache_key(
+  config: ml_collections.ConfigDict, model: ModelSpec, *, resize_method: str, pretrain_data: str
+) -> str:
+  """The pre-trained model's cache key: a 16-hex-character digest (`utils.digest`).
+
+  Derived from the specs pre-training reads: the model's (`model.spec.cache_key_material`),
+  every field of `pretrain` (`PretrainSpec`) that enters keys, the model's seed
+  (`seeds.model`, else `seed`); and, from the sections not yet written as specs, the data's
+  query settings and non-default input options, the built-in version, the loss and the
+  optimiser's Adam settings.
+
+  Args:
+    config: the run's config (its data, loss and train sections).
+    model: `config.model` as its spec (`Detector.model_spec`).
+    resize_method: the detector's (an OWLv2 model's own preprocessing enters the key).
+    pretrain_data: the digest of the pre-training annotation file (`utils.file_digest`).
+
+  Raises:
+    ConfigError: a `pretrain` or top-level field that breaks its rule.
+  """
+  pretrain = config_spec.from_config(PretrainSpec, config.pretrain, "pretrain")
+  return digest(
     {
-      "model": cache_key_fields(config, "model"),
-      "pretrain": config.pretrain.to_dict(),
+      "model": model_spec.cache_key_material(model),
+      "pretrain": config_spec.key_material(pretrain),
       "data": {
         k: v
         for k, v in config.data.to_dict().items()
@@ -244,10 +262,10 @@ def cache_entry(detector: Detector, bench: Benchmark) -> tuple[str, str]:
       **non_default_data_options(config),
       **builtin_version_key(config),
       # OWLv2 pre-trains on its own preprocessing (docs/owlv2.md); v1's key is unchanged.
-      **({"resize": detector.resize_method} if detector.resize_method != "resize_with_pad" else {}),
+      **({"resize": resize_method} if resize_method != "resize_with_pad" else {}),
       "loss": cache_key_fields(config, "loss"),
       "seed": seed_of(config, "model"),
-      "pretrain_data": file_digest(bench.pretrain.train.annotation_file),
+      "pretrain_data": pretrain_data,
       "train_opt": [
         config.train.b1,
         config.train.b2,
@@ -256,7 +274,6 @@ def cache_entry(detector: Detector, bench: Benchmark) -> tuple[str, str]:
       ],
     }
   )
-  return os.path.join(expand_path(config.cache_dir), "pretrained", key), key
 
 
 def check_read_only_cache(detector: Detector, bench: Benchmark) -> None:
@@ -271,8 +288,7 @@ def check_read_only_cache(detector: Detector, bench: Benchmark) -> None:
       `experiment.enable_compilation_cache`; the entry lock detects the same from its lock
       file's open).
   """
-  config = detector.config
-  if config.init_checkpoint or uses_real_data(config):
+  if detector.run.init_checkpoint or uses_real_data(detector.config):
     return
   path, _ = cache_entry(detector, bench)
   if not os.path.exists(path) and not os.access(utils.nearest_existing(path), os.W_OK):
@@ -297,9 +313,9 @@ def pretrained_params(
   """
   config = detector.config
   like = jax.eval_shape(lambda: detector.init_params(seed_of(config, "model")))
-  if config.init_checkpoint:
+  if detector.run.init_checkpoint:
     return load_init_checkpoint(
-      expand_path(config.init_checkpoint), like, needs=model_description(config)
+      expand_path(detector.run.init_checkpoint), like, needs=detector.model_spec.description()
     )
   if uses_real_data(config):
     raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
@@ -322,7 +338,7 @@ def pretrained_params(
     params, curve = trainer.pretrain(detector, bench, writer, step_checkpoints)
     meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
     # The model it holds, named when it is given as another config's init_checkpoint.
-    meta["model"] = cache_key_fields(config, "model")
+    meta["model"] = model_spec.cache_key_material(detector.model_spec)
     meta["validation"] = detector.evaluate(params, bench.pretrain.test, "pre-training val")
     # One writer: the temporary folder and the rename are not safe to run on several hosts
     # sharing the cache; the others wait until the model is on disk.

@@ -27,7 +27,6 @@ from owl_cl.benchmark import Benchmark
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import MissingInputsError
 from owl_cl.config_fields import check_carry_mode
-from owl_cl.config_fields import check_downstream_eval_mode
 from owl_cl.config_fields import check_per_dataset_fields
 from owl_cl.config_fields import clip_vocabulary_problem
 from owl_cl.config_fields import integer
@@ -533,7 +532,6 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
         f"config.train.carry='best_validation' needs a valid split, which "
         f"{without} lack (the built-in benchmark has none)"
       )
-  check_downstream_eval_mode(config)
   problems = split_size_problems(config, benchmark)
   if len(problems) == 1:
     raise ConfigError(problems[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flax.core import FrozenDict
 import ml_collections
 import pytest
 
@@ -12,6 +13,7 @@ from owl_cl.config_fields import POSITIVE
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import choice
 from owl_cl.config_fields import integer
+from owl_cl.config_fields import mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,3 +102,32 @@ def test_doc_rows():
   assert cs.doc_rows(_Outer, "r")[0] == ("r.ratio", "1.0", "replays per new image.")
   assert ("r.budget", "None", "images.") in cs.doc_rows(_Outer, "r")
   assert isinstance(cs.defaults(_Inner), ml_collections.ConfigDict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Top:
+  seed: int = cs.field(0, integer(0), "seed.")
+  overrides: FrozenDict = cs.field(FrozenDict({"k": 8}), mapping, "overrides.")
+  inner: _Inner = cs.section(_Inner, "the inner section.")
+
+
+def test_top_level_fields_and_a_frozen_mapping_default():
+  """Prefix '' (the config's top-level fields): paths and messages without a leading dot; a
+  frozen mapping default becomes the config's own ConfigDict and a dict in the keys."""
+  c = cs.defaults(_Top)
+  assert isinstance(c.overrides, ml_collections.ConfigDict)
+  assert c.to_dict() == {"seed": 0, "overrides": {"k": 8}, "inner": {"k": 20, "distance": "l2"}}
+  assert sorted(cs.rules(_Top, "")) == ["inner.distance", "inner.k", "overrides", "seed"]
+  c.seed, c.inner.k = -1, 0
+  with pytest.raises(ConfigError) as e:
+    cs.from_config(_Top, c, "")
+  assert str(e.value).splitlines() == [
+    "config.seed=-1 must be >= 0",
+    "config.inner.k=0 must be >= 1",
+  ]
+  c = cs.defaults(_Top)
+  c.sede = 1
+  with pytest.raises(ConfigError, match=r"^config has unknown fields \['sede'\]"):
+    cs.from_config(_Top, c, "")
+  assert cs.key_material(_Top()) == {"seed": 0, "overrides": {"k": 8}, "inner": {"k": 20}}
+  assert cs.doc_rows(_Top, "")[1] == ("overrides", "{'k': 8}", "overrides.")

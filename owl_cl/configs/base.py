@@ -20,7 +20,13 @@ Any field can be overridden on the command line, e.g. `--config.replay.dedup=epo
 
 import ml_collections
 
+from owl_cl import config_spec
 from owl_cl.data.builtin import vocabulary
+from owl_cl.eval_spec import EvalSpec
+from owl_cl.model.spec import ModelSpec
+from owl_cl.run_spec import RunSpec
+from owl_cl.train.checkpointing import CheckpointSpec
+from owl_cl.train.pretrain_spec import PretrainSpec
 
 # `--config=configs/<algorithm>.py:<arg>` with arg a comma-separated list of these (e.g.
 # 'paper,released'): 'paper' the paper's protocol on real data, 'released' every switch set to
@@ -88,25 +94,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   unknown = [p for p in parts if p not in KNOWN_ARGS or not p]
   if unknown:
     raise ValueError(f"unknown config argument {arg!r}; known: {KNOWN_ARGS} (comma-separated)")
-  c = ml_collections.ConfigDict()
-  c.experiment_name = "base"
-  c.seed = 0
-  # Each part's own seed (docs/experiments.md, "Seeds"); None takes `seed`. model: pre-training
-  # and the buffer (keys their caches); data: downstream image order, augmentation, step keys;
-  # retrieval: the retrieval algorithms' sampling.
-  c.seeds = ml_collections.ConfigDict()
-  for part in ("model", "data", "retrieval"):
-    c.seeds[part] = ml_collections.config_dict.placeholder(int)
-  # Order of the downstream sequence: None keeps the benchmark's order, an int shuffles it.
-  c.sequence_seed = ml_collections.config_dict.placeholder(int)
-  # A stored task order (owl_cl/data/orders/<suite>.json, docs/experiments.md): its name
-  # ('random_3'), index ('2') or '<suite>/<name>'. Set, it replaces sequence_seed's shuffle.
-  c.task_order = ml_collections.config_dict.placeholder(str)
-  # Where cached artefacts (built-in benchmark, pre-trained models, buffers) live.
-  c.cache_dir = "~/.cache/owl_cl"
-  # Persistent XLA compilation cache: later runs skip recompiling. None: <cache_dir>/xla
-  # (follows --config.cache_dir); '' disables it.
-  c.compilation_cache_dir = ml_collections.config_dict.placeholder(str)
+  # The top-level fields (seed, seeds, cache_dir, init_checkpoint, ...): owl_cl.run_spec.
+  c = config_spec.defaults(RunSpec)
   _model_section(c)
   _data_section(c)
   _pretrain_section(c)
@@ -115,9 +104,6 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   _replay_section(c)
   _eval_section(c)
   _checkpoint_section(c)
-  # --- debugging / tiny budgets ----------------------------------------------------------
-  c.max_train_steps_per_dataset = ml_collections.config_dict.placeholder(int)
-  c.max_eval_images = ml_collections.config_dict.placeholder(int)
   if "paper" in parts:
     apply_paper_protocol(c)
   if "released" in parts:
@@ -156,28 +142,8 @@ def apply_lora(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def _model_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.model` and `c.init_checkpoint`."""
-  c.model = ml_collections.ConfigDict()
-  c.model.variant = "tiny"
-  c.model.tokenizer = "word_hash"  # word_hash (tiny) | clip (ViT variants, docs/reference.md §2)
-  # The 'clip' tokenizer's local vocabulary: an HF checkpoint folder with vocab.json +
-  # merges.txt, or OpenAI's bpe_simple_vocab_16e6.txt.gz (nothing is downloaded).
-  c.model.tokenizer_vocab_path = ml_collections.config_dict.placeholder(str)
-  # Any field of the variant's ModelConfig, e.g. vision_layers=2. The tiny model's queries are
-  # at most a few words: a text context of 8 halves the text tower's cost.
-  c.model.overrides = ml_collections.ConfigDict({"context_length": 8})
-  # Compute dtype of the towers ('float32' | 'bfloat16'; parameters, softmax, heads, loss and
-  # optimizer stay float32). None: the variant's (float32 for tiny, bfloat16 for the ViTs).
-  c.model.dtype = ml_collections.config_dict.placeholder(str)
-  # Attention kernel (jax.nn.dot_product_attention): 'auto' (cuDNN's fused kernel on a GPU
-  # in bf16/fp16, XLA elsewhere) | 'xla' | 'cudnn'.
-  c.model.attention = "auto"
-  # Rematerialisation per residual block: 'none' | 'block' (recompute each block in the
-  # backward pass) | a jax.checkpoint_policies name, e.g. 'dots_with_no_batch_dims_saveable'.
-  c.model.remat = "none"
-  # A parameter checkpoint (owl_cl.train.checkpointing.save_params layout). None: pre-train
-  # the model on the pre-training set (built-in benchmark) and cache it.
-  c.init_checkpoint = ml_collections.config_dict.placeholder(str)
+  """Fills `c.model` (owl_cl.model.spec.ModelSpec: its fields, defaults and docs)."""
+  c.model = config_spec.defaults(ModelSpec)
 
 
 def _data_section(c: ml_collections.ConfigDict) -> None:
@@ -265,22 +231,9 @@ def _data_section(c: ml_collections.ConfigDict) -> None:
 
 
 def _pretrain_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.pretrain` (used only when no init_checkpoint is given)."""
-  c.pretrain = ml_collections.ConfigDict()
-  c.pretrain.batch_size = 32
-  # Measured on 2 idle CPU cores (version 1): ~0.37 s/step; validation AP50 0.66 at step 800,
-  # 0.70 at 1200 of a 1500-step run (0.68 and 0.71 in the 1,200-step run of caf8374), so 1200
-  # steps keep pre-training under 10 minutes.
-  c.pretrain.num_steps = 1200
-  c.pretrain.learning_rate = 1e-3
-  c.pretrain.warmup_steps = 100
-  c.pretrain.text_lr_multiplier = 1.0  # from scratch: the text tower learns at full LR
-  c.pretrain.layerwise_decay = 1.0
-  c.pretrain.weight_decay = 0.0
-  # The text tower embeds each distinct query row of a batch once (at most this many distinct
-  # rows; more falls back to embedding every row). 0 disables it.
-  c.pretrain.max_unique_queries = 64
-  c.pretrain.eval_every_steps = 400  # validation AP on the pre-training val split (curve)
+  """Fills `c.pretrain` (used only when no init_checkpoint is given;
+  owl_cl.train.pretrain_spec.PretrainSpec)."""
+  c.pretrain = config_spec.defaults(PretrainSpec)
 
 
 def _train_section(c: ml_collections.ConfigDict) -> None:
@@ -538,44 +491,13 @@ def _buffer_selection_section(c: ml_collections.ConfigDict) -> None:
 
 
 def _eval_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.eval` (docs/reference.md §4)."""
-  c.eval = ml_collections.ConfigDict()
-  c.eval.top_k = 100  # detections per image
-  c.eval.max_dets = 100  # COCOeval maxDets
-  c.eval.multi_label = False  # exclusive datasets: argmax class per token
-  # After each dataset (the final stage and stage 0 always evaluate every set):
-  # downstream sets 'all' or only those 'seen' so far; and whether the pre-training /
-  # held-out sets (O365, LVIS in the paper config) are evaluated too.
-  c.eval.downstream_after_each_dataset = "all"
-  c.eval.pretraining_sets_after_each_dataset = True
-  # Query prompts at evaluation (docs/reference.md §2): 'none' = the bare class name (built-in
-  # benchmark);
-  # 'owl_vit_7' = the 7 OWL-ViT templates, ensembled per `ensemble`.
-  c.eval.prompt_templates = "none"
-  c.eval.ensemble = "logits"  # logits (scenic) | probabilities (released code)
-  # LVIS protocol (Runner.evaluate(..., protocol='lvis')): multi-label top-k (token, class)
-  # pairs, the lvis API's federated AP with this many detections per image.
-  c.eval.lvis_top_k = 300
-  c.eval.lvis_max_dets = 300
-  # The IVLOD metric block (docs/ivlod.md: "Avg" over the downstream sets after the last
-  # task, "ZCOCO", LVIS APr) in results.json `ivlod` and results.md; configs/ivlod_odinw13.py.
-  c.eval.report_ivlod = False
+  """Fills `c.eval` (docs/reference.md §4; owl_cl.eval_spec.EvalSpec)."""
+  c.eval = config_spec.defaults(EvalSpec)
 
 
 def _checkpoint_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.checkpoint`."""
-  c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.max_to_keep = ml_collections.config_dict.placeholder(int)  # None = all
-  # Step checkpoints within pre-training and each dataset (<workdir>/step_checkpoints, the
-  # newest 2 kept; docs/architecture.md "Stored state"): every this many steps and/or minutes,
-  # and at a phase's last step when either is set. None for both: only SIGTERM writes one.
-  # A kill loses at most `every_minutes` of training. 10 min: one checkpoint of the built-in
-  # benchmark's model (27 MiB train state) blocks the loop 0.13 s and is written in 1 s in
-  # the background (2 CPU cores, measured), under 0.1 % of 10 min; the paper's L/14 state is
-  # ~5 GB, seconds of copy per 10 min.
-  c.checkpoint.every_steps = ml_collections.config_dict.placeholder(int)
-  c.checkpoint.every_minutes = ml_collections.config_dict.placeholder(float)
-  c.checkpoint.every_minutes = 10.0
+  """Fills `c.checkpoint` (owl_cl.train.checkpointing.CheckpointSpec)."""
+  c.checkpoint = config_spec.defaults(CheckpointSpec)
 
 
 def apply_owlv2(c: ml_collections.ConfigDict, real_data: bool = False) -> ml_collections.ConfigDict:

@@ -15,11 +15,21 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from owl_cl.config_fields import Rule
+from owl_cl.config_fields import boolean
+from owl_cl.config_fields import choice
+from owl_cl.config_fields import integer
+from owl_cl.config_fields import real
+from owl_cl.model.clip import ATTENTION_IMPLEMENTATIONS
+from owl_cl.model.clip import REMAT_POLICIES
 from owl_cl.model.text import DEFAULT_CONTEXT_LENGTH
 from owl_cl.model.tokenizer import DEFAULT_VOCAB_SIZE
+from owl_cl.model.tokenizer import known_tokenizers
 
 __all__ = [
+  "ARCHITECTURE_FIELDS",
   "MODEL_VERSIONS",
+  "OVERRIDE_RULES",
   "ModelConfig",
   "VARIANTS",
   "get_variant_config",
@@ -109,6 +119,19 @@ VARIANTS["owlv2_b16"] = dict(VARIANTS["vit_b16"], version="owlv2", image_size=96
 VARIANTS["owlv2_l14"] = dict(VARIANTS["vit_l14"], version="owlv2", image_size=1008)
 
 
+def _field(rule: Rule, doc: str, *, architecture: bool = False, **default) -> Any:
+  """A `ModelConfig` field with its `config.model.overrides` rule and a short doc;
+  `architecture`: a parameter tree's shapes determine it (`ARCHITECTURE_FIELDS`)."""
+  return dataclasses.field(
+    **default, metadata={"rule": rule, "doc": doc, "architecture": architecture}
+  )
+
+
+def _dtype_is_not_an_override(value: Any) -> str:
+  del value
+  return "is set by config.model.dtype (e.g. 'bfloat16'), not an override"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(collections.abc.Mapping):
   """Frozen model configuration; attribute (``cfg.image_size``) and mapping
@@ -119,31 +142,33 @@ class ModelConfig(collections.abc.Mapping):
   Source: docs/reference.md §1 table.
   """
 
-  tokenizer: str
-  vocab_size: int
-  context_length: int
-  embed_dim: int
-  image_size: int
-  patch_size: int
-  vision_width: int
-  vision_layers: int
-  vision_heads: int
-  vision_mlp_dim: int
-  text_width: int
-  text_layers: int
-  text_heads: int
-  text_mlp_dim: int
-  text_stochastic_depth: float
-  vision_stochastic_depth: float
-  hf_compat: bool
-  dtype: Any
+  tokenizer: str = _field(choice(known_tokenizers), "the query tokenizer's name")
+  vocab_size: int = _field(integer(1), "text token ids", architecture=True)
+  context_length: int = _field(integer(1), "L, tokens per query", architecture=True)
+  embed_dim: int = _field(integer(1), "E, the joint embedding's width", architecture=True)
+  image_size: int = _field(integer(1), "S, pixels per image side", architecture=True)
+  patch_size: int = _field(integer(1), "pixels per patch side", architecture=True)
+  vision_width: int = _field(integer(1), "D, the image tower's width", architecture=True)
+  vision_layers: int = _field(integer(1), "image tower blocks", architecture=True)
+  vision_heads: int = _field(integer(1), "image tower attention heads", architecture=True)
+  vision_mlp_dim: int = _field(integer(1), "image tower MLP width", architecture=True)
+  text_width: int = _field(integer(1), "text tower width", architecture=True)
+  text_layers: int = _field(integer(1), "text tower blocks", architecture=True)
+  text_heads: int = _field(integer(1), "text tower attention heads", architecture=True)
+  text_mlp_dim: int = _field(integer(1), "text tower MLP width", architecture=True)
+  text_stochastic_depth: float = _field(real(0.0, 1.0), "text tower drop-path rate")
+  vision_stochastic_depth: float = _field(real(0.0, 1.0), "image tower drop-path rate")
+  hf_compat: bool = _field(boolean, "HF transformers' numerics")
+  # The compute dtype is config.model.dtype (a name, turned into the jnp type by
+  # `detector.model_fields`); an override would pass the name through unconverted.
+  dtype: Any = _field(_dtype_is_not_an_override, "compute dtype (a jnp type)")
   # Execution choices that leave the parameters and (up to rounding) the outputs unchanged;
   # defaults so that configurations written before they existed still load.
-  attention: str = "auto"
-  remat: str = "none"
+  attention: str = _field(choice(ATTENTION_IMPLEMENTATIONS), "attention kernel", default="auto")
+  remat: str = _field(choice(REMAT_POLICIES), "rematerialisation", default="none")
   # OWLv2 (docs/owlv2.md); defaults so that v1 configurations written before them still load.
-  version: str = "v1"
-  objectness_top_k: int = 0
+  version: str = _field(choice(MODEL_VERSIONS), "'v1' | 'owlv2'", default="v1")
+  objectness_top_k: int = _field(integer(0), "OWLv2 heads' tokens in training", default=0)
 
   def __getitem__(self, key: str) -> Any:
     if key not in self.__dataclass_fields__:
@@ -173,6 +198,18 @@ class ModelConfig(collections.abc.Mapping):
   def num_tokens(self) -> int:
     """Image tokens T = grid_size ** 2."""
     return self.grid_size**2
+
+
+#: The fields a parameter tree determines (`convert.infer_model_config`), in field order.
+ARCHITECTURE_FIELDS = tuple(
+  f.name for f in dataclasses.fields(ModelConfig) if f.metadata["architecture"]
+)
+
+#: The rule of each field as a `config.model.overrides.<field>` (`validation.model_problems`);
+#: the cross-field rules (image size a multiple of the patch size, ...) are there.
+OVERRIDE_RULES: dict[str, Rule] = {
+  f.name: f.metadata["rule"] for f in dataclasses.fields(ModelConfig)
+}
 
 
 def get_variant_config(variant: str) -> ModelConfig:

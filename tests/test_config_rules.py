@@ -1,0 +1,183 @@
+"""config_rules.SECTION_SPECS: every field of every section spec changes the cache key of what
+it feeds, or says why not and leaves every key unchanged (issue 47, "Done when" items 2-3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from owl_cl import cache_keys
+from owl_cl import config_rules
+from owl_cl import config_spec
+from owl_cl import pretrained
+from owl_cl.model.spec import ModelSpec
+from owl_cl.utils import digest
+
+# The pre-training annotations' digest stands for a benchmark's (no benchmark is built).
+_PRETRAIN_DATA = "0123456789abcdef"
+
+
+def _set(config, path: str, value) -> None:
+  """`config.<path> = value`, past ml_collections' type check of a None placeholder."""
+  *parents, name = path.split(".")
+  for part in parents:
+    config = config[part]
+  with config.ignore_type():
+    config[name] = value
+
+
+def _other_value(path: str, f: dataclasses.Field, checkpoint: str):
+  """A value of the field `path` other than its default that its rule takes."""
+  rule, default = f.metadata["rule"], f.default
+  if path == "init_checkpoint":
+    return checkpoint  # read by content: a file that exists
+  if hasattr(rule, "options"):
+    options = rule.options() if callable(rule.options) else rule.options
+    candidates = [o for o in options if o != default]
+  elif isinstance(default, bool):
+    candidates = [not default]
+  elif f.metadata["type"] is str or isinstance(default, str):
+    candidates = [f"{default or 'x'}_other", "0"]  # '0': the first stored task order
+  elif hasattr(default, "keys"):
+    candidates = [{**default, "vision_layers": 2}]
+  else:  # a number or None: the nearest values above and below its bounds' inside
+    base = 1 if default is None else default
+    candidates = [base + 1, base / 2, base - 1, 2]
+  return next(v for v in candidates if v != default and not rule(v))
+
+
+def _keys(config) -> dict[str, str]:
+  """The cache keys the section specs feed, computed from the config as their builders do:
+  the pre-trained model's (`pretrained.cache_key`), and with an init checkpoint the model's
+  key that the buffer's key names it by (`cache_keys.init_checkpoint_model_key`)."""
+  model = config_spec.from_config(ModelSpec, config.model, "model")
+  keys = {
+    "pretrained": pretrained.cache_key(
+      config, model, resize_method="resize_with_pad", pretrain_data=_PRETRAIN_DATA
+    )
+  }
+  if config.init_checkpoint:
+    keys["init_checkpoint"] = digest(cache_keys.init_checkpoint_model_key(config))
+  return keys
+
+
+def _fields():
+  for prefix, spec in config_rules.SECTION_SPECS.items():
+    yield from config_spec.leaves(spec, prefix)
+
+
+@pytest.mark.parametrize("path", [path for path, _ in _fields()])
+def test_each_field_changes_a_cache_key_or_says_why_not(path, tmp_path):
+  """A field in keys (`key=True`) set to another valid value changes a key; a field left out
+  names its reason, and that value changes no key (a wrong reason fails here)."""
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
+
+  f = dict(_fields())[path]
+  checkpoint = tmp_path / "ckpt.msgpack"
+  checkpoint.write_bytes(b"parameters")
+  config = base.get_config("builtin1")
+  before = _keys(config)
+  value = _other_value(path, f, str(checkpoint))
+  _set(config, path, value)
+  assert config_rules.FIELD_RULES[path](value) == ""
+  after = _keys(config)
+  if f.metadata["key"] is True:
+    assert after != before, f"config.{path}={value!r} changes no cache key"
+  else:
+    assert len(f.metadata["key"].split()) >= 3, "a field left out of keys says why"
+    assert after == before, f"config.{path}={value!r} changes a key: {f.metadata['key']!r}"
+
+
+def test_a_changed_init_checkpoint_file_at_the_same_path_changes_the_model_key(tmp_path):
+  """The model read from `init_checkpoint` is named by its contents, not its path."""
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "ckpt.msgpack"
+  path.write_bytes(b"parameters")
+  config = base.get_config("builtin1")
+  config.init_checkpoint = str(path)
+  before = _keys(config)
+  path.write_bytes(b"parameterz")
+  assert (
+    os.path.getsize(path) == 10 and _keys(config)["init_checkpoint"] != before["init_checkpoint"]
+  )
+
+
+def test_docs_list_every_spec_field_as_the_specs_say():
+  """docs/configs.md's tables of the spec sections are `config_rules.fields_markdown()`: a
+  field added to a spec, or a changed default or doc, shows here until the docs say it (the
+  assertion prints the tables to paste)."""
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "configs.md")
+  with open(path) as f:
+    docs = f.read()
+  start, end = "<!-- fields: begin -->\n", "<!-- fields: end -->"
+  written = docs[docs.index(start) + len(start) : docs.index(end)]
+  expected = config_rules.fields_markdown()
+  assert written.strip() == expected.strip(), expected
+
+
+def _section_paths(prefix: str, spec: type, paths) -> set[str]:
+  """The paths of `paths` in the section `prefix` ('' the top-level fields of `spec`)."""
+  if prefix:
+    return {p for p in paths if p.startswith(prefix + ".")}
+  top = {f.name for f in dataclasses.fields(spec)}
+  return {p for p in paths if p.split(".")[0] in top}
+
+
+@pytest.mark.parametrize("arg", ["", "paper"])
+def test_each_spec_section_is_its_spec_in_the_rules_and_the_config(arg):
+  """For each section of SECTION_SPECS, `FIELD_RULES` holds exactly the spec's rules (no rule
+  of a removed field, none copied) and the base config exactly its fields and defaults."""
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
+
+  config = base.get_config(arg)
+  for prefix, spec in config_rules.SECTION_SPECS.items():
+    rules = config_spec.rules(spec, prefix)
+    paths = _section_paths(prefix, spec, config_rules.FIELD_RULES)
+    assert {p: config_rules.FIELD_RULES[p] for p in paths} == rules, prefix
+    section = config[prefix] if prefix else config
+    leaves = [p for p, _ in config_spec.leaves(spec)]
+    assert sorted(_section_paths("", spec, _flat(section))) == sorted(leaves), prefix
+  # The presets leave defaults to the specs; with '' the sections equal their defaults.
+  if arg == "":
+    for prefix in ("model", "pretrain", "checkpoint"):
+      spec = config_rules.SECTION_SPECS[prefix]
+      assert config[prefix].to_dict() == config_spec.defaults(spec).to_dict(), prefix
+
+
+def _flat(section, prefix: str = "") -> list[str]:
+  """The leaf paths of a ConfigDict section (a dict-valued field such as `model.overrides`
+  is one leaf, as in `FIELD_RULES`)."""
+  out = []
+  for name in section.keys():
+    path = f"{prefix}.{name}" if prefix else name
+    value = section[name]
+    if hasattr(value, "keys") and name != "overrides":
+      out += _flat(value, path)
+    else:
+      out.append(path)
+  return out
+
+
+def test_a_field_added_to_a_spec_reaches_rules_docs_and_the_cache_key(monkeypatch):
+  """A throwaway field on `PretrainSpec` (a subclass standing in for the edited class): its
+  rule, its docs row and the pre-trained model's key follow with no other edit."""
+  from owl_cl.config_fields import integer  # pylint: disable=g-import-not-at-top
+  from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
+  from owl_cl.train.pretrain_spec import PretrainSpec  # pylint: disable=g-import-not-at-top
+
+  probe = config_spec.field(3, integer(0), "A probe field.")
+  extended = dataclasses.make_dataclass(
+    "Extended", [("probe", int, probe)], bases=(PretrainSpec,), frozen=True
+  )
+  monkeypatch.setattr(pretrained, "PretrainSpec", extended)
+  monkeypatch.setitem(config_rules.SECTION_SPECS, "pretrain", extended)
+  assert config_spec.rules(extended, "pretrain")["pretrain.probe"](-1) == "must be >= 0"
+  assert "| `pretrain.probe` | `3` | A probe field. | yes |" in config_rules.fields_markdown()
+  config = base.get_config("builtin1")
+  config.pretrain = config_spec.defaults(extended)
+  before = _keys(config)
+  config.pretrain.probe = 4
+  assert _keys(config) != before
