@@ -1,6 +1,7 @@
 """The rule of every config field: its type and its range or options, as data.
 
-`FIELD_RULES` maps each leaf of `configs/base.py` ('' and 'paper') to a `config_fields.Rule`;
+`FIELD_RULES` maps each leaf of `configs/base.py` ('' and 'paper') to a `config_fields.Rule`
+(a section written as a spec, `SECTION_SPECS`, gives its own: `config_spec.rules`);
 `TRAIN_FIELD_RULES` the per-dataset fields shared by `train.*`; `MODEL_OVERRIDE_RULES` every
 field of `model.overrides`. `validation.range_problems` applies them before any work (and
 `tests/test_bad_inputs.py` fails for a config leaf without a rule). The options of the choice
@@ -10,17 +11,16 @@ valid value the moment it exists.
 
 from __future__ import annotations
 
+from owl_cl import config_spec
 from owl_cl import model as model_lib
-from owl_cl.config_fields import BETA
-from owl_cl.config_fields import CARRY_MODES
 from owl_cl.config_fields import DOWNSTREAM_EVAL_MODES
 from owl_cl.config_fields import FINITE
 from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import OPTIONAL_STEPS
+from owl_cl.config_fields import PER_DATASET_FIELDS
 from owl_cl.config_fields import POSITIVE
-from owl_cl.config_fields import SCHEDULES
 from owl_cl.config_fields import SEED
 from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import SEED_RULES
@@ -38,7 +38,6 @@ from owl_cl.config_fields import mapping
 from owl_cl.config_fields import names
 from owl_cl.config_fields import probabilities
 from owl_cl.config_fields import real
-from owl_cl.config_fields import step_table
 from owl_cl.config_fields import text
 from owl_cl.data import builtin
 from owl_cl.data import coco
@@ -46,7 +45,6 @@ from owl_cl.data import orders
 from owl_cl.data import prompts
 from owl_cl.data import suites
 from owl_cl.model import clip as clip_lib
-from owl_cl.model import lora as lora_lib
 from owl_cl.replay import buffer_selection
 from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
@@ -58,21 +56,22 @@ from owl_cl.replay.retrieval import knn_shapley
 from owl_cl.replay.retrieval import registry as retrieval_registry
 from owl_cl.replay.retrieval import sample_selection
 from owl_cl.replay.retrieval import steps as retrieval_steps
-from owl_cl.train import losses
-from owl_cl.train import optim
 from owl_cl.train import step as step_lib
+from owl_cl.train.spec import LossSpec
+from owl_cl.train.spec import TrainSpec
 
-# The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
+# The rules of the per-dataset fields (`PER_DATASET_FIELDS`), those of the `train.*` fields of
+# the same name (`TrainSpec`).
+_TRAIN_RULES = config_spec.rules(TrainSpec, "train")
 TRAIN_FIELD_RULES: dict[str, Rule] = {
-  # Epochs too are bounded by the steps they make (an epoch is one step or more).
-  "num_epochs": STEPS,
-  # A budget in optimizer steps replacing num_epochs (the IVLOD protocol); None: epochs.
-  "num_steps": OPTIONAL_STEPS,
-  "warmup_epochs": integer(0, maximum=STEPS.maximum, why=STEPS.why, optional=True),
-  "warmup_steps": WARMUP_STEPS,
-  "learning_rate": POSITIVE,
-  "text_lr_multiplier": NON_NEGATIVE,
-  "layerwise_decay": FRACTION,
+  name: _TRAIN_RULES[f"train.{name}"] for name in PER_DATASET_FIELDS
+}
+
+# The config sections written as specs (`owl_cl.config_spec`): {section path: spec class}.
+# The cache-key test and the docs table iterate it.
+SECTION_SPECS: dict[str, type] = {
+  "train": TrainSpec,
+  "loss": LossSpec,
 }
 
 
@@ -151,37 +150,8 @@ FIELD_RULES: dict[str, Rule] = {
   "pretrain.weight_decay": NON_NEGATIVE,
   "pretrain.max_unique_queries": integer(0),
   "pretrain.eval_every_steps": integer(0, maximum=STEPS.maximum, why=STEPS.why, optional=True),
-  "train.batch_size": integer(1),
-  **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
-  "train.num_steps_by_dataset": step_table,
-  "train.layerwise_granularity": choice(optim.GRANULARITIES),
-  "train.frozen": optim.frozen_rule,
-  "train.lwf.weight": NON_NEGATIVE,
-  "train.lwf.temperature": POSITIVE,
-  "train.lwf.box_weight": NON_NEGATIVE,
-  "train.lwf.box_threshold": real(0.0, 1.0),
-  "train.lora.rank": integer(0),  # 0: off
-  "train.lora.alpha": POSITIVE,
-  "train.lora.dropout": real(0.0, 1.0, high_open=True),
-  "train.lora.targets": lambda value: lora_lib.targets_problem(value, None),
-  "train.per_dataset": mapping,
-  "train.carry": choice(CARRY_MODES),
-  "train.schedule": choice(SCHEDULES),
-  "train.b1": BETA,
-  "train.b2": BETA,
-  "train.eps": POSITIVE,
-  "train.weight_decay": NON_NEGATIVE,
-  "train.grad_clip_norm": real(0.0, low_open=True, optional=True),
-  "train.log_every_steps": STEPS,
-  "train.max_unique_queries": integer(0),
-  "loss.focal_alpha": real(0.0, 1.0),
-  "loss.focal_gamma": NON_NEGATIVE,
-  "loss.class_weight": NON_NEGATIVE,
-  "loss.bbox_weight": NON_NEGATIVE,
-  "loss.giou_weight": NON_NEGATIVE,
-  "loss.objectness_weight": NON_NEGATIVE,
-  "loss.normalization": choice(losses.NORMALIZATIONS),
-  "loss.matcher": choice(losses.MATCHERS),
+  **config_spec.rules(TrainSpec, "train"),
+  **config_spec.rules(LossSpec, "loss"),
   # --- replay (retrieval)
   "replay.algorithm": choice(sorted(retrieval_registry.ALGORITHMS) + ["none"]),
   "replay.ratio": POSITIVE,

@@ -22,7 +22,7 @@ This module imports only `config_fields` (a leaf), so every layer may define its
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 import dataclasses
 import math
 from typing import Any
@@ -48,7 +48,8 @@ def field(
   """One config field of a section spec (a `dataclasses.field`).
 
   Args:
-    default: its value in the base config (a tuple for a sequence: specs are frozen).
+    default: its value in the base config (a tuple for a sequence, a
+      `types.MappingProxyType` for a mapping: specs are frozen).
     rule: the `config_fields.Rule` its value must pass ('' when fine).
     doc: one or two sentences for docs/configs.md: what it does, its unit, its source.
     key: True when the field changes what a cache entry built from the section holds (it
@@ -69,7 +70,16 @@ def field(
   metadata = {_RULE: rule, _DOC: doc, _KEY: key, _TYPE: type_, _PRESET: preset}
   if isinstance(default, (list, dict, set)):
     raise ValueError("a spec is frozen: give a sequence default as a tuple")
+  if isinstance(default, Mapping):
+    # A read-only mapping (`types.MappingProxyType`), e.g. `train.per_dataset`'s {}: not
+    # hashable, so a dataclass takes it only through a factory.
+    return dataclasses.field(default_factory=lambda: default, metadata=metadata)
   return dataclasses.field(default=default, metadata=metadata)
+
+
+def _default(f: dataclasses.Field) -> Any:
+  """The default of a leaf field (a mapping default comes from its factory)."""
+  return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def section(spec: type, doc: str) -> Any:
@@ -109,6 +119,10 @@ def defaults(spec: type, *, presets: tuple[str, ...] = ()) -> ml_collections.Con
       out[f.name] = (
         ml_collections.config_dict.placeholder(f.metadata[_TYPE])
         if f.default is None
+        # A mapping default (a read-only `types.MappingProxyType`: specs are frozen) becomes
+        # a ConfigDict users extend, e.g. `train.per_dataset.<name>`.
+        else ml_collections.ConfigDict(dict(_default(f)))
+        if isinstance(_default(f), Mapping)
         else f.default
       )
   return out
@@ -200,6 +214,10 @@ def not_in_keys(spec: type, prefix: str) -> dict[str, str]:
 def doc_rows(spec: type, prefix: str) -> list[tuple[str, str, str]]:
   """(`'<prefix>.<field>'`, default as written in Python, doc) per leaf, for docs/configs.md."""
   return [
-    (path, repr(f.default) if f.default is not None else "None", " ".join(f.metadata[_DOC].split()))
+    (
+      path,
+      repr(_default(f)) if f.default is not None else "None",
+      " ".join(f.metadata[_DOC].split()),
+    )
     for path, f in leaves(spec, prefix)
   ]
