@@ -100,3 +100,22 @@ def test_doc_rows():
   assert cs.doc_rows(_Outer, "r")[0] == ("r.ratio", "1.0", "replays per new image.")
   assert ("r.budget", "None", "images.") in cs.doc_rows(_Outer, "r")
   assert isinstance(cs.defaults(_Inner), ml_collections.ConfigDict)
+
+
+def test_a_mapping_default_is_a_config_dict_users_extend():
+  import types  # noqa: PLC0415
+
+  @dataclasses.dataclass(frozen=True)
+  class _WithMapping:
+    per_name: types.MappingProxyType = cs.field(
+      types.MappingProxyType({}), lambda v: "", "overrides by name."
+    )
+
+  c = cs.defaults(_WithMapping)
+  assert isinstance(c.per_name, ml_collections.ConfigDict) and c.per_name.to_dict() == {}
+  c.per_name.a = {"x": 1}  # a user's override of one name
+  assert cs.from_config(_WithMapping, c, "s").per_name == {"a": {"x": 1}}
+  assert cs.doc_rows(_WithMapping, "s") == [
+    ("s.per_name", "mappingproxy({})", "overrides by name.")
+  ]
+  assert _WithMapping().per_name == {}

@@ -54,3 +54,29 @@ def test_fields_left_out_of_keys_are_the_ones_the_caches_leave_out():
     cache_keys._NOT_IN_CACHE_KEYS["loss"]
   )
   assert list(config_spec.not_in_keys(TrainSpec, "train")) == ["train.log_every_steps"]
+
+
+def test_the_fine_tuning_step_spec_is_the_step_caches_key():
+  """Equal settings give equal, hashable step specs (a later phase reuses the step's trace);
+  LwF off and retrieval 'none' leave no LwF and no replay half."""
+  from owl_cl import trainer  # noqa: PLC0415
+
+  c = base.get_config("")
+  train, loss = trainer.train_settings(c)
+  options = {
+    "alpha": 2.0,
+    "beta": 1.0,
+    "objectness_distill_weight": 1,
+    "with_replay": True,
+    "loss_adaptivity": "released_gate",
+    "loss_threshold": 0.3,
+    "loss_gate_groups": 2,
+  }
+  spec = trainer._step_spec(train, loss, options)
+  assert hash(spec) == hash(trainer._step_spec(*trainer.train_settings(c), dict(options)))
+  assert spec.replay.objectness_distill_weight == 1.0 and spec.lwf is None
+  assert spec.loss.normalization == "per_image" and spec.max_unique_queries == 64
+  c.train.lwf.box_weight, c.loss.normalization = 0.5, "per_batch"
+  off = trainer._step_spec(*trainer.train_settings(c), {"with_replay": False})
+  assert off.replay is None and off.lwf == LwfSpec(box_weight=0.5)
+  assert off.loss.normalization == "per_batch" and off != spec
