@@ -100,6 +100,7 @@ from owl_cl.model import lora as lora_lib  # noqa: E402
 from owl_cl.train import losses  # noqa: E402
 from owl_cl.train import sharding as sharding_lib  # noqa: E402
 from owl_cl.train import step as step_lib  # noqa: E402
+from owl_cl.train.spec import LossSpec  # noqa: E402
 
 GB = 1e9
 DEVICE_BYTES = 80 * GB  # the paper's A100/H100 80 GB
@@ -181,14 +182,10 @@ def _loss(model, matcher: str):
   loss_config = dict(LOSS_CONFIG, matcher=matcher)
   if model.version == "owlv2":
     loss_config["objectness_weight"] = 0.5
-  return functools.partial(
-    step_lib._loss_fn,
-    model=model,
-    loss_config=loss_config,
-    alpha=2.0,
-    beta=1.0,
-    max_unique_queries=None,
+  spec = step_lib.StepSpec(
+    loss=LossSpec(**loss_config), replay=step_lib.ReplayLoss(alpha=2.0, beta=1.0)
   )
+  return functools.partial(step_lib._loss_fn, model=model, spec=spec)
 
 
 # ------------------------------------------------------------------ modelled flash attention
@@ -530,8 +527,7 @@ def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attenti
     model,
     tx,
     mesh,
-    loss_config=dict(LOSS_CONFIG, matcher=matcher),
-    with_replay=True,
+    step_lib.StepSpec(loss=LossSpec(**LOSS_CONFIG, matcher=matcher), replay=step_lib.ReplayLoss()),
   )
   # Placed as the trainer places it (replicated, committed): an uncommitted first state would
   # make the second call compile the step again, for the committed outputs of the first.
@@ -855,8 +851,7 @@ def compile_step(args, batch: int) -> dict:
     model,
     tx,
     sharding_lib.create_mesh(),
-    loss_config=dict(LOSS_CONFIG, matcher="jax"),
-    with_replay=True,
+    step_lib.StepSpec(loss=LossSpec(**LOSS_CONFIG, matcher="jax"), replay=step_lib.ReplayLoss()),
   )
   params = jax.eval_shape(model.init, jax.random.PRNGKey(0), new["images"], new["queries"])
   state = jax.eval_shape(lambda p: step_lib.create_train_state(p, tx), params["params"])

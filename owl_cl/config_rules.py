@@ -1,6 +1,7 @@
 """The rule of every config field: its type and its range or options, as data.
 
-`FIELD_RULES` maps each leaf of `configs/base.py` ('' and 'paper') to a `config_fields.Rule`;
+`FIELD_RULES` maps each leaf of `configs/base.py` ('' and 'paper') to a `config_fields.Rule`
+(a section written as a spec, `SECTION_SPECS`, gives its own: `config_spec.rules`);
 `TRAIN_FIELD_RULES` the per-dataset fields shared by `train.*`; `MODEL_OVERRIDE_RULES` every
 field of `model.overrides`. `validation.range_problems` applies them before any work (and
 `tests/test_bad_inputs.py` fails for a config leaf without a rule). The options of the choice
@@ -11,17 +12,12 @@ valid value the moment it exists.
 from __future__ import annotations
 
 from owl_cl import config_spec
-from owl_cl.config_fields import BETA
-from owl_cl.config_fields import CARRY_MODES
 from owl_cl.config_fields import FINITE
 from owl_cl.config_fields import FRACTION
 from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
 from owl_cl.config_fields import NON_NEGATIVE
-from owl_cl.config_fields import OPTIONAL_STEPS
+from owl_cl.config_fields import PER_DATASET_FIELDS
 from owl_cl.config_fields import POSITIVE
-from owl_cl.config_fields import SCHEDULES
-from owl_cl.config_fields import STEPS
-from owl_cl.config_fields import WARMUP_STEPS
 from owl_cl.config_fields import Rule
 from owl_cl.config_fields import boolean
 from owl_cl.config_fields import budget
@@ -30,18 +26,15 @@ from owl_cl.config_fields import declared
 from owl_cl.config_fields import integer
 from owl_cl.config_fields import integers
 from owl_cl.config_fields import interval
-from owl_cl.config_fields import mapping
 from owl_cl.config_fields import names
 from owl_cl.config_fields import probabilities
 from owl_cl.config_fields import real
-from owl_cl.config_fields import step_table
 from owl_cl.config_fields import text
 from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import prompts
 from owl_cl.data import suites
 from owl_cl.eval_spec import EvalSpec
-from owl_cl.model import lora as lora_lib
 from owl_cl.model import variants
 from owl_cl.model.spec import ModelSpec
 from owl_cl.replay import buffer_selection
@@ -56,22 +49,16 @@ from owl_cl.replay.retrieval import registry as retrieval_registry
 from owl_cl.replay.retrieval import sample_selection
 from owl_cl.replay.retrieval import steps as retrieval_steps
 from owl_cl.run_spec import RunSpec
-from owl_cl.train import losses
-from owl_cl.train import optim
 from owl_cl.train.checkpointing import CheckpointSpec
 from owl_cl.train.pretrain_spec import PretrainSpec
+from owl_cl.train.spec import LossSpec
+from owl_cl.train.spec import TrainSpec
 
-# The rules of the per-dataset fields (`PER_DATASET_FIELDS`), shared by `train.*`.
+# The rules of the per-dataset fields (`PER_DATASET_FIELDS`), those of the `train.*` fields of
+# the same name (`TrainSpec`).
+_TRAIN_RULES = config_spec.rules(TrainSpec, "train")
 TRAIN_FIELD_RULES: dict[str, Rule] = {
-  # Epochs too are bounded by the steps they make (an epoch is one step or more).
-  "num_epochs": STEPS,
-  # A budget in optimizer steps replacing num_epochs (the IVLOD protocol); None: epochs.
-  "num_steps": OPTIONAL_STEPS,
-  "warmup_epochs": integer(0, maximum=STEPS.maximum, why=STEPS.why, optional=True),
-  "warmup_steps": WARMUP_STEPS,
-  "learning_rate": POSITIVE,
-  "text_lr_multiplier": NON_NEGATIVE,
-  "layerwise_decay": FRACTION,
+  name: _TRAIN_RULES[f"train.{name}"] for name in PER_DATASET_FIELDS
 }
 
 # Every field of configs/base.py ('' and 'paper') and what it must be: its type and its range
@@ -124,37 +111,8 @@ FIELD_RULES: dict[str, Rule] = {
   "data.augment.mosaic_probs": probabilities,
   # --- pre-training, continual fine-tuning, loss
   **config_spec.rules(PretrainSpec, "pretrain"),
-  "train.batch_size": integer(1),
-  **{f"train.{name}": rule for name, rule in TRAIN_FIELD_RULES.items()},
-  "train.num_steps_by_dataset": step_table,
-  "train.layerwise_granularity": choice(optim.GRANULARITIES),
-  "train.frozen": optim.frozen_rule,
-  "train.lwf.weight": NON_NEGATIVE,
-  "train.lwf.temperature": POSITIVE,
-  "train.lwf.box_weight": NON_NEGATIVE,
-  "train.lwf.box_threshold": real(0.0, 1.0),
-  "train.lora.rank": integer(0),  # 0: off
-  "train.lora.alpha": POSITIVE,
-  "train.lora.dropout": real(0.0, 1.0, high_open=True),
-  "train.lora.targets": lambda value: lora_lib.targets_problem(value, None),
-  "train.per_dataset": mapping,
-  "train.carry": choice(CARRY_MODES),
-  "train.schedule": choice(SCHEDULES),
-  "train.b1": BETA,
-  "train.b2": BETA,
-  "train.eps": POSITIVE,
-  "train.weight_decay": NON_NEGATIVE,
-  "train.grad_clip_norm": real(0.0, low_open=True, optional=True),
-  "train.log_every_steps": STEPS,
-  "train.max_unique_queries": integer(0),
-  "loss.focal_alpha": real(0.0, 1.0),
-  "loss.focal_gamma": NON_NEGATIVE,
-  "loss.class_weight": NON_NEGATIVE,
-  "loss.bbox_weight": NON_NEGATIVE,
-  "loss.giou_weight": NON_NEGATIVE,
-  "loss.objectness_weight": NON_NEGATIVE,
-  "loss.normalization": choice(losses.NORMALIZATIONS),
-  "loss.matcher": choice(losses.MATCHERS),
+  **config_spec.rules(TrainSpec, "train"),
+  **config_spec.rules(LossSpec, "loss"),
   # --- replay (retrieval)
   "replay.algorithm": choice(sorted(retrieval_registry.ALGORITHMS) + ["none"]),
   "replay.ratio": POSITIVE,
@@ -225,6 +183,8 @@ SECTION_SPECS: dict[str, type] = {
   "pretrain": PretrainSpec,
   "eval": EvalSpec,
   "checkpoint": CheckpointSpec,
+  "train": TrainSpec,
+  "loss": LossSpec,
 }
 
 

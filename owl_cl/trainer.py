@@ -36,9 +36,11 @@ the results are the serial loop's bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import functools
 import itertools
 import time
+from typing import Any
 
 from absl import logging
 import jax
@@ -46,6 +48,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from owl_cl import config_spec
 from owl_cl import preemption
 from owl_cl.benchmark import Benchmark
 from owl_cl.benchmark import Dataset
@@ -74,6 +77,9 @@ from owl_cl.train.loop_state import check_finite
 from owl_cl.train.loop_state import checkpoint_hook
 from owl_cl.train.loop_state import loop_checkpoint  # noqa: F401 (re-exported)
 from owl_cl.train.loop_state import restore_loop
+from owl_cl.train.spec import LossSpec
+from owl_cl.train.spec import LwfSpec
+from owl_cl.train.spec import TrainSpec
 
 # The arrays a train step consumes (a batch also holds host-side bookkeeping such as image ids).
 MODEL_INPUTS = MODEL_INPUT_KEYS
@@ -100,14 +106,32 @@ def log_scalars(writer: SummaryWriter | None, prefix: str, metrics: dict, step: 
       writer.add_scalar(f"{prefix}/{name}", float(value), step)
 
 
-def make_optimizer(params, optimizer: dict, total_steps: int, config: ml_collections.ConfigDict):
+def train_settings(config: ml_collections.ConfigDict) -> tuple[TrainSpec, LossSpec]:
+  """The run's `train` and `loss` sections as the typed settings the trainer passes on
+  (`config_spec.from_config`: every field checked once).
+
+  Raises:
+    ConfigError: a field outside its rule or unknown to its spec (one line per field).
+  """
+  return (
+    config_spec.from_config(TrainSpec, config.train, "train"),
+    config_spec.from_config(LossSpec, config.loss, "loss"),
+  )
+
+
+def lwf_options(config: ml_collections.ConfigDict) -> LwfSpec | None:
+  """`train.lwf` as the train step's LwF settings; None when off (weight and box_weight 0)."""
+  lwf = config_spec.from_config(LwfSpec, config.train.lwf, "train.lwf")
+  return lwf if lwf.on else None
+
+
+def make_optimizer(params, optimizer: dict, total_steps: int, train: TrainSpec):
   """AdamW of one phase (`optim.create_optimizer`). Returns (tx, learning-rate schedule).
 
   `optimizer` holds the phase's learning_rate, warmup_steps, text_lr_multiplier,
   layerwise_decay, weight_decay, layerwise_granularity and (fine-tuning) frozen; Adam's b1 /
-  b2 / eps and the gradient clipping come from `config.train` for every phase.
+  b2 / eps and the gradient clipping come from `train` (`config.train`) for every phase.
   """
-  train = config.train
   return optim.create_optimizer(
     params,
     total_steps=total_steps,
@@ -207,12 +231,14 @@ def train_loop(
   continuing = start_batch > 0
   epochs = itertools.count(first) if num_epochs is None else range(first, num_epochs)
   left = max(0, total_steps - loop.step)
-  step = functools.partial(
-    _take_step,
+  step = _Stepper(
     train_step=train_step,
     replay=replay,
     total_steps=total_steps,
-    log=(detector.config.train.log_every_steps, desc, learning_rate, on_log),
+    log_every=detector.config.train.log_every_steps,
+    desc=desc,
+    learning_rate=learning_rate,
+    on_log=on_log,
     timer=timer,
     bar=bar,
   )
@@ -250,37 +276,53 @@ def train_loop(
   return loop
 
 
-def _take_step(loop, inputs, items, *, train_step, replay, total_steps, log, timer, bar):
-  """One step of `train_loop`: the key split, the replayed inputs, the next step's retrieval
-  dispatched ahead, the train step, the counters, and (every `log_every` steps and at the
-  last) the host metrics checked and logged. `log`: (log_every, desc, learning_rate, on_log).
-  Returns `loop`, advanced by the step."""
-  log_every, desc, learning_rate, on_log = log
-  loop.key, step_key = jax.random.split(loop.key)
-  loop, replay_inputs = replay.step_inputs(loop, inputs, timer)
-  if loop.step + 1 < total_steps:
-    # The next step's retrieval, dispatched before this train step, its gather in the
-    # background meanwhile (`Replay.look_ahead`; a no-op where it would be inexact).
-    next_inputs = None
-    if replay.reads_next_batch:
-      waited = time.perf_counter()
-      next_inputs = items.peek_batch()
-      timer.host("input", time.perf_counter() - waited)
-    replay.look_ahead(loop, next_inputs)
-  dispatched = time.perf_counter()
-  loop.train_state, metrics = train_step(loop.train_state, inputs, replay_inputs, step_key)
-  timer.device("train_step", dispatched, metrics["loss"])
-  timer.end_step()
-  loop.step += 1
-  loop.batch_in_epoch += 1
-  loop.loss = metrics["loss"]
-  bar.update(1)
-  loop = replay.count(loop, metrics)
-  if loop.step % log_every == 0 or loop.step == total_steps:
-    host_metrics = sharding_lib.fetch_replicated(metrics)
-    check_finite(host_metrics, desc, loop.step, learning_rate)
-    bar.set_postfix(**on_log(loop, host_metrics))
-  return loop
+@dataclasses.dataclass(frozen=True)
+class _Stepper:
+  """One step of `train_loop` (`__call__`), with what its every step shares: the jitted
+  `train_step`, the `replay`, the phase's `total_steps`, the logging every `log_every` steps
+  and at the last (`desc` and the peak `learning_rate` name a divergence; `on_log` returns
+  the progress bar's fields), the `timer` and the progress `bar`."""
+
+  train_step: Callable
+  replay: Any
+  total_steps: int
+  log_every: int
+  desc: str
+  learning_rate: float | None
+  on_log: Callable[[LoopState, dict], dict]
+  timer: timing.StepTimer
+  bar: Any
+
+  def __call__(self, loop: LoopState, inputs, items) -> LoopState:
+    """The key split, the replayed inputs, the next step's retrieval dispatched ahead, the
+    train step, the counters, and (when due) the host metrics checked and logged. Returns
+    `loop`, advanced by the step."""
+    replay, timer = self.replay, self.timer
+    loop.key, step_key = jax.random.split(loop.key)
+    loop, replay_inputs = replay.step_inputs(loop, inputs, timer)
+    if loop.step + 1 < self.total_steps:
+      # The next step's retrieval, dispatched before this train step, its gather in the
+      # background meanwhile (`Replay.look_ahead`; a no-op where it would be inexact).
+      next_inputs = None
+      if replay.reads_next_batch:
+        waited = time.perf_counter()
+        next_inputs = items.peek_batch()
+        timer.host("input", time.perf_counter() - waited)
+      replay.look_ahead(loop, next_inputs)
+    dispatched = time.perf_counter()
+    loop.train_state, metrics = self.train_step(loop.train_state, inputs, replay_inputs, step_key)
+    timer.device("train_step", dispatched, metrics["loss"])
+    timer.end_step()
+    loop.step += 1
+    loop.batch_in_epoch += 1
+    loop.loss = metrics["loss"]
+    self.bar.update(1)
+    loop = replay.count(loop, metrics)
+    if loop.step % self.log_every == 0 or loop.step == self.total_steps:
+      host_metrics = sharding_lib.fetch_replicated(metrics)
+      check_finite(host_metrics, self.desc, loop.step, self.learning_rate)
+      self.bar.set_postfix(**self.on_log(loop, host_metrics))
+    return loop
 
 
 # ----------------------------------------------------------------------------- pre-training
@@ -316,15 +358,14 @@ def pretrain(
       "weight_decay",
     )
   }
-  tx, schedule = make_optimizer(params, optimizer, settings.num_steps, config)
-  train_step = step_lib.make_train_step(
-    detector.model,
-    tx,
-    detector.mesh,
-    loss_config=detector.loss_config,
-    with_replay=False,
+  train, loss = train_settings(config)
+  tx, schedule = make_optimizer(params, optimizer, settings.num_steps, train)
+  # Pre-training's loss is normalised per image (loss.normalization is fine-tuning's).
+  spec = step_lib.StepSpec(
+    loss=dataclasses.replace(loss, normalization="per_image"),
     max_unique_queries=settings.max_unique_queries,
   )
+  train_step = step_lib.make_train_step(detector.model, tx, detector.mesh, spec)
   no_replay = replay_setup.NoReplay()
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
@@ -386,14 +427,6 @@ def pretrain(
 
 
 # ----------------------------------------------------------------------------- one dataset
-
-
-def lwf_options(config: ml_collections.ConfigDict) -> dict | None:
-  """`train.lwf` as the train step's `lwf` option; None when off (weight and box_weight 0)."""
-  lwf = config.train.get("lwf")
-  if lwf is None or not (lwf.weight or lwf.box_weight):
-    return None
-  return {k: float(lwf[k]) for k in ("weight", "temperature", "box_weight", "box_threshold")}
 
 
 def _with_teacher(train_step, teacher, mesh):
@@ -581,41 +614,53 @@ def _phase_desc(phase: Phase) -> str:
   return f"dataset {phase.index}: {phase.name}"
 
 
+def _step_spec(train: TrainSpec, loss: LossSpec, replay_options: dict) -> step_lib.StepSpec:
+  """The fine-tuning train step's `StepSpec`: `loss` (its normalisation applies here),
+  the replay's DER++ and loss-adaptivity options (`Replay.train_step_options`; without
+  'with_replay': no replay half), the distinct-query embedding and LwF of `train`."""
+  replay = None
+  if replay_options.get("with_replay"):
+    replay = step_lib.ReplayLoss(
+      alpha=replay_options["alpha"],
+      beta=replay_options["beta"],
+      objectness_distill_weight=float(replay_options["objectness_distill_weight"]),
+      loss_adaptivity=replay_options["loss_adaptivity"],
+      loss_threshold=float(replay_options["loss_threshold"]),
+      loss_gate_groups=int(replay_options["loss_gate_groups"]),
+    )
+  return step_lib.StepSpec(
+    loss=loss,
+    replay=replay,
+    max_unique_queries=train.max_unique_queries,
+    lwf=train.lwf if train.lwf.on else None,
+  )
+
+
 def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher):
   """(optimizer, learning-rate schedule, jitted train step) of the phase. LwF's teacher is
   bound as the step's last argument (`_with_teacher`)."""
-  config = detector.config
+  train, loss = train_settings(detector.config)
   optimizer = {k: v for k, v in phase.settings.items() if k not in ("num_epochs", "num_steps")}
   # LoRA: the base model is frozen (no update, no optimizer state), only the adapters train.
   lora = (lora_lib.FROZEN_BASE,) if detector.lora is not None else ()
   optimizer.update(
-    layerwise_granularity=config.train.get("layerwise_granularity", "layer"),
-    weight_decay=config.train.weight_decay,
-    frozen=tuple(config.train.get("frozen", ())) + lora,
+    layerwise_granularity=train.layerwise_granularity,
+    weight_decay=train.weight_decay,
+    frozen=train.frozen + lora,
   )
-  step_options = replay.train_step_options
-  # The normalisation applies to fine-tuning only (pre-training and the buffer's per-image
-  # losses stay per image).
-  loss_config = dict(detector.loss_config, normalization=config.loss.normalization)
-  lwf = lwf_options(config)
+  spec = _step_spec(train, loss, replay.train_step_options)
 
   def build():
-    tx, schedule = make_optimizer(params, optimizer, phase.total, config)
-    train_step = step_lib.make_train_step(
-      detector.tuned_train_model,
+    tx, schedule = make_optimizer(params, optimizer, phase.total, train)
+    return (
       tx,
-      detector.mesh,
-      loss_config=loss_config,
-      max_unique_queries=config.train.max_unique_queries,
-      lwf=lwf,
-      **step_options,
+      schedule,
+      step_lib.make_train_step(detector.tuned_train_model, tx, detector.mesh, spec),
     )
-    return tx, schedule, train_step
 
   # Everything `build` reads. The optimizer reads the parameters' tree paths only (LR groups,
   # frozen labels): a later phase or run with the same settings and schedule length reuses
   # this step's trace (`step_cache`).
-  train = config.train
   key = (
     "train_step",
     detector.tuned_train_model,
@@ -623,13 +668,11 @@ def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher)
     jax.tree.structure(params),
     tuple(sorted(optimizer.items())),
     phase.total,
-    (train.b1, train.b2, train.eps, train.grad_clip_norm, train.max_unique_queries),
-    tuple(sorted(loss_config.items())),
-    tuple(sorted(lwf.items())) if lwf else None,
-    tuple(sorted(step_options.items())),
+    (train.b1, train.b2, train.eps, train.grad_clip_norm),
+    spec,
   )
   tx, schedule, train_step = step_cache.shared(key, build)
-  if lwf:
+  if spec.lwf is not None:
     train_step = _with_teacher(train_step, teacher, detector.mesh)
   return tx, schedule, train_step
 

@@ -50,6 +50,7 @@ def run(jax, distributed, pid: int, out: str) -> None:
   from owl_cl.train import optim  # pylint: disable=g-import-not-at-top
   from owl_cl.train import sharding
   from owl_cl.train import step as step_lib
+  from owl_cl.train.spec import LossSpec
 
   assert jax.device_count() == 8, jax.devices()
   mesh = sharding.create_mesh()
@@ -86,7 +87,10 @@ def run(jax, distributed, pid: int, out: str) -> None:
   params = jax.device_get(params)
   tx, _ = optim.create_optimizer(params, learning_rate=1e-3, total_steps=10, warmup_steps=0)
   train_step = step_lib.make_train_step(
-    model, tx, mesh, loss_config=dict(focal_alpha=0.3, focal_gamma=2.0), with_replay=True
+    model,
+    tx,
+    mesh,
+    step_lib.StepSpec(LossSpec(focal_alpha=0.3, focal_gamma=2.0), step_lib.ReplayLoss()),
   )
   state = sharding.replicate(step_lib.create_train_state(params, tx), mesh)
   for i in range(2):

@@ -40,11 +40,14 @@ def _other_value(path: str, f: dataclasses.Field, checkpoint: str):
     candidates = [not default]
   elif f.metadata["type"] is str or isinstance(default, str):
     candidates = [f"{default or 'x'}_other", "0"]  # '0': the first stored task order
+  elif isinstance(default, tuple) or f.metadata["type"] is tuple:
+    # a shorter tuple, a step table, a preset name
+    candidates = [(default or ())[:1], (("a", 1),), ("text_tower",)]
   elif hasattr(default, "keys"):
     candidates = [{**default, "vision_layers": 2}]
   else:  # a number or None: the nearest values above and below its bounds' inside
     base = 1 if default is None else default
-    candidates = [base + 1, base / 2, base - 1, 2]
+    candidates = [base + 1, base / 2, base - 1, 2, 0.5]
   return next(v for v in candidates if v != default and not rule(v))
 
 
@@ -148,13 +151,13 @@ def test_each_spec_section_is_its_spec_in_the_rules_and_the_config(arg):
 
 
 def _flat(section, prefix: str = "") -> list[str]:
-  """The leaf paths of a ConfigDict section (a dict-valued field such as `model.overrides`
-  is one leaf, as in `FIELD_RULES`)."""
+  """The leaf paths of a ConfigDict section (a dict-valued field such as `model.overrides` or
+  `train.per_dataset` is one leaf, as in `FIELD_RULES`)."""
   out = []
   for name in section.keys():
     path = f"{prefix}.{name}" if prefix else name
     value = section[name]
-    if hasattr(value, "keys") and name != "overrides":
+    if hasattr(value, "keys") and name not in ("overrides", "per_dataset"):
       out += _flat(value, path)
     else:
       out.append(path)

@@ -25,6 +25,7 @@ from owl_cl.data.builtin import vocabulary
 from owl_cl.eval_spec import EvalSpec
 from owl_cl.model.spec import ModelSpec
 from owl_cl.run_spec import RunSpec
+from owl_cl.train import spec as train_spec
 from owl_cl.train.checkpointing import CheckpointSpec
 from owl_cl.train.pretrain_spec import PretrainSpec
 
@@ -237,99 +238,14 @@ def _pretrain_section(c: ml_collections.ConfigDict) -> None:
 
 
 def _train_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.train` (continual fine-tuning, per downstream dataset)."""
-  c.train = ml_collections.ConfigDict()
-  c.train.batch_size = 16  # new images per step
-  c.train.num_epochs = 8
-  # A budget per dataset in optimizer steps that replaces num_epochs (the IVLOD protocol's
-  # iterations per task, docs/ivlod.md); None: num_epochs epochs.
-  c.train.num_steps = ml_collections.config_dict.placeholder(int)
-  # The same per dataset: ((dataset name, steps), ...), for names a ConfigDict key cannot hold
-  # (dots: ODinW-13's 'Raccoon_Raccoon.v2-raw.coco'). A `train.per_dataset.<name>.num_steps`
-  # wins over it, it over `num_steps`. None: none.
-  c.train.num_steps_by_dataset = ml_collections.config_dict.placeholder(tuple)
-  # 3e-4 (not the pre-training 1e-3): with 1e-3 one dataset's training wrecked the features
-  # the next one needs (sequence probe without replay: `textured` AP50 0.19 after its own
-  # training at 1e-3, 0.56 at 3e-4; every dataset >= 0.56 at 3e-4).
-  c.train.learning_rate = 3e-4
-  c.train.warmup_steps = 10
-  # The paper trains the text tower at 0.1x; CLIP's text tower already knows the downstream
-  # words. The tiny model's text tower has never seen the built-in benchmark's downstream
-  # words, so it trains at the full LR here (probe: at 0.1x, `glyphs` reached AP50 0.37 after
-  # its own training instead of 0.57).
-  c.train.text_lr_multiplier = 1.0
-  c.train.layerwise_decay = 1.0
-  # 'layer' (the paper: m**depth per transformer block) or 'tensor' (as in the released code:
-  # one decay step per parameter tensor in HF order; owl_cl.train.optim.hf_tensor_order).
-  c.train.layerwise_granularity = "layer"
-  # Frozen parts (docs/baselines.md): presets 'heads_only', 'text_tower', 'image_tower' or
-  # regexes matched in full against parameter paths ('backbone/clip/text/.*'); frozen
-  # parameters get no update and no optimizer state (owl_cl.train.optim.frozen_labels).
-  c.train.frozen = ()
-  # LwF (docs/baselines.md; Li & Hoiem 2017, Feng et al. CVPR'22): distillation to the
-  # pre-trained model on the new images, weight * T^2 * binary KL of the tempered sigmoids,
-  # plus box_weight * L1 to its boxes where its score >= box_threshold; weights 0: off.
-  c.train.lwf = ml_collections.ConfigDict()
-  c.train.lwf.weight = 0.0
-  c.train.lwf.temperature = 2.0  # Li & Hoiem's T
-  c.train.lwf.box_weight = 0.0
-  c.train.lwf.box_threshold = 0.5
-  # LoRA (docs/lora.md; Hu et al., ICLR 2022): low-rank adapters (qwix) on the Dense layers
-  # whose module path matches one of `targets` in full; the base model is frozen (no optimizer
-  # state), checkpoints hold the adapters, evaluation merges them. rank 0: off. The adapters'
-  # update is (alpha / rank) x A B; dropout on the adapters' input in training.
-  c.train.lora = ml_collections.ConfigDict()
-  c.train.lora.rank = 0
-  c.train.lora.alpha = 16.0
-  c.train.lora.dropout = 0.0
-  # Attention query / key / value / out and the MLP's Dense layers of every block of both
-  # towers (= owl_cl.model.lora.DEFAULT_TARGETS; tests/model/test_lora.py checks).
-  c.train.lora.targets = (
-    r"backbone/clip/(visual|text)/transformer/resblocks_\d+/attn/(query|key|value|out)",
-    r"backbone/clip/(visual|text)/transformer/resblocks_\d+/mlp/(c_fc|c_proj)",
-  )
-  # Linear warmup in epochs of the dataset (the paper's table); None: train.warmup_steps.
-  c.train.warmup_epochs = ml_collections.config_dict.placeholder(int)
-  # Per-dataset overrides {dataset name: {field: value}} of num_epochs, warmup_epochs,
-  # warmup_steps, learning_rate, text_lr_multiplier, layerwise_decay
-  # (owl_cl.config_fields.PER_DATASET_FIELDS; the paper's per-dataset table in 'paper').
-  c.train.per_dataset = ml_collections.ConfigDict()
-  # Parameters carried to the next dataset: 'last' (end of training) or 'best_validation'
-  # (as in the released code: AP on the dataset's valid split after every epoch, the best
-  # epoch's parameters are kept; needs datasets with a valid split).
-  c.train.carry = "last"
-  # How the downstream datasets are trained (docs/baselines.md): 'sequence' one after another
-  # (continual learning); 'joint' all of them at once, the same examples and total steps as the
-  # sequence, shuffled together (the upper bound, configs/joint.py); 'per_task' each alone from
-  # the pre-trained model, one model per task (configs/per_task.py).
-  c.train.schedule = "sequence"
-  c.train.b1 = 0.9
-  c.train.b2 = 0.999
-  c.train.eps = 1e-8
-  c.train.weight_decay = 0.0
-  c.train.grad_clip_norm = 1.0
-  c.train.log_every_steps = 20
-  c.train.max_unique_queries = 64  # see pretrain.max_unique_queries
+  """Fills `c.train` (continual fine-tuning, per downstream dataset): `TrainSpec`'s fields
+  (owl_cl/train/spec.py: each field's default, rule and doc)."""
+  c.train = config_spec.defaults(train_spec.TrainSpec)
 
 
 def _loss_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.loss` (the detection loss, docs/reference.md §3)."""
-  c.loss = ml_collections.ConfigDict()
-  c.loss.focal_alpha = 0.3
-  c.loss.focal_gamma = 2.0
-  c.loss.class_weight = 1.0
-  c.loss.bbox_weight = 1.0
-  c.loss.giou_weight = 1.0
-  # OWLv2's objectness term (docs/owlv2.md): weight of the focal loss of the objectness logit
-  # against "matched to a real box"; used only by an OWLv2 model (model.variant 'owlv2_*').
-  c.loss.objectness_weight = 0.0
-  # Continual fine-tuning's loss normalisation: 'per_image' (scenic, paper: each image's sums
-  # over its own #positives/#boxes, then the mean) | 'per_batch' (released code: the batch's
-  # sums over its total #positives/#boxes). Pre-training and buffer losses stay per image.
-  c.loss.normalization = "per_image"
-  # Hungarian solver: 'scipy' (host callback) | 'jax' (on the device, no callback) | 'auto'
-  # (per platform, owl_cl.train.losses.AUTO_MATCHER: jax, measured faster on CPU too).
-  c.loss.matcher = "auto"
+  """Fills `c.loss` (the detection loss, docs/reference.md §3): `LossSpec`'s fields."""
+  c.loss = config_spec.defaults(train_spec.LossSpec)
 
 
 def _replay_section(c: ml_collections.ConfigDict) -> None:

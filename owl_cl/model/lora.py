@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from typing import Any
 
 from flax import traverse_util
@@ -28,17 +27,15 @@ import jax
 import jax.numpy as jnp
 
 from owl_cl.train import optim
+from owl_cl.train import spec as train_spec
 
 PyTree = Any
 
-# The adapted layers by default: attention query / key / value / out and the MLP's two Dense
-# layers of every block of both towers (Hu et al. adapt the attention projections; the MLP
-# Dense layers are the other matrices of a block, as QLoRA, Dettmers et al. 2023, adapts).
-# Regexes matched in full against a module's '/'-joined path (qwix `module_path`).
-DEFAULT_TARGETS = (
-  r"backbone/clip/(visual|text)/transformer/resblocks_\d+/attn/(query|key|value|out)",
-  r"backbone/clip/(visual|text)/transformer/resblocks_\d+/mlp/(c_fc|c_proj)",
-)
+# The adapted layers by default (`train.lora.targets`' default): attention q/k/v/out and the MLP's
+# Dense layers of every block of both towers; with the targets' check, defined beside the
+# `train.lora` section's spec (owl_cl/train/spec.py).
+DEFAULT_TARGETS = train_spec.DEFAULT_TARGETS
+targets_problem = train_spec.targets_problem
 
 # The model methods qwix intercepts: every entry point of `OwlViT` the steps call
 # (`owl_cl.train.step`: the text tower alone, the image tower alone, the heads).
@@ -249,27 +246,6 @@ def merge(params: PyTree, options: LoraOptions) -> PyTree:
 def adapter_bytes(adapters: PyTree) -> int:
   """Bytes of an adapter tree's leaves (arrays or ShapeDtypeStructs)."""
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(adapters))
-
-
-def targets_problem(targets, module_paths) -> str:
-  """What makes `train.lora.targets` unusable ('' when fine): not a non-empty tuple of str, a
-  regex that does not compile, or one that matches none of `module_paths` (the '/'-joined
-  paths of the model's Dense layers)."""
-  if not isinstance(targets, (tuple, list)) or not targets:
-    return "must be a non-empty tuple of regexes"
-  problems = []
-  for pattern in targets:
-    if not isinstance(pattern, str):
-      problems.append(f"{pattern!r} is not a str")
-      continue
-    try:
-      compiled = re.compile(pattern)
-    except re.error as e:
-      problems.append(f"{pattern!r} is not a valid regex ({e})")
-      continue
-    if module_paths is not None and not any(compiled.fullmatch(p) for p in module_paths):
-      problems.append(f"{pattern!r} matches no Dense layer of the model")
-  return "; ".join(problems)
 
 
 def dense_module_paths(params: PyTree) -> list[str]:

@@ -9,6 +9,7 @@ batches split along 'data', parameters and optimizer state replicated
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import functools
 from typing import Any
 
@@ -24,6 +25,8 @@ from owl_cl.train import losses
 from owl_cl.train import lwf as lwf_lib
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import top_k as top_k_lib
+from owl_cl.train.spec import LossSpec
+from owl_cl.train.spec import LwfSpec
 
 PyTree = Any
 Batch = dict[str, jax.Array]
@@ -42,6 +45,65 @@ class TrainState:
   step: jax.Array
   params: PyTree
   opt_state: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayLoss:
+  """The replay half's loss: DER++ (docs/reference.md §3) and loss adaptivity (§9).
+
+  Attributes:
+    alpha: weight of DER++'s logit distillation (`replay.der_alpha`; the paper: 2).
+    beta: weight of the replays' detection loss (`replay.der_beta`; the paper: 1).
+    objectness_distill_weight: OWLv2's objectness MSE relative to the class logits' in the
+      distillation (`replay.der_objectness_weight`; `losses.der_distillation`).
+    loss_adaptivity: 'none' L = L_B + L_R; 'paper' L = L_B + (r/|B|) L_R (eq. 6) with r =
+      sum of `replay['replay_active']` and L_R over the active replays; 'released_gate' drops
+      L_R when L_B < `loss_threshold`.
+    loss_threshold: l of 'released_gate', in units of the detection loss.
+    loss_gate_groups: G >= 1: 'released_gate' per device as in the released code's DDP
+      (G = the device count; `_per_device_gate`).
+
+  Raises:
+    ValueError: an unknown `loss_adaptivity`, or `loss_gate_groups` < 1.
+  """
+
+  alpha: float = 2.0
+  beta: float = 1.0
+  objectness_distill_weight: float = 1.0
+  loss_adaptivity: str = "none"
+  loss_threshold: float = 0.0
+  loss_gate_groups: int = 1
+
+  def __post_init__(self):
+    if self.loss_adaptivity not in config_fields.LOSS_ADAPTIVITY_MODES:
+      raise ValueError(
+        f"unknown loss_adaptivity {self.loss_adaptivity!r}; known: "
+        f"{config_fields.LOSS_ADAPTIVITY_MODES}"
+      )
+    if int(self.loss_gate_groups) < 1:
+      raise ValueError(f"loss_gate_groups must be >= 1, got {self.loss_gate_groups!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+  """What a train step computes besides the model and optimizer (`make_train_step`); frozen
+  and hashable, so it keys the process's step cache (`owl_cl.train.step_cache`).
+
+  Attributes:
+    loss: the detection loss's weights and options (`LossSpec`, `config.loss`; pre-training
+      and the buffer use normalization 'per_image').
+    replay: the replay half's loss; None: a step without replay (its `replay` argument is
+      ignored).
+    max_unique_queries: see `_forward` (the text tower embeds each distinct query once);
+      None or 0: every query row.
+    lwf: LwfSpec when LwF is on (`train.lwf`): the step takes the teacher (the pre-trained
+      parameters) as its last argument and adds the LwF terms (`owl_cl.train.lwf`); None: off.
+  """
+
+  loss: LossSpec = LossSpec()
+  replay: ReplayLoss | None = None
+  max_unique_queries: int | None = None
+  lwf: LwfSpec | None = None
 
 
 def create_train_state(params: PyTree, tx: optax.GradientTransformation) -> TrainState:
@@ -103,7 +165,7 @@ def _forward(
   )
 
 
-def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
+def _new_loss_only(params, batch, key, model, spec: StepSpec):
   """`_loss_fn` without replay: the new images' detection loss, its metrics and the outputs."""
   outputs = _forward(
     model,
@@ -112,7 +174,7 @@ def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
     batch["queries"],
     train=True,
     key=key,
-    max_unique_queries=max_unique_queries,
+    max_unique_queries=spec.max_unique_queries,
   )
   new = losses.detection_loss(
     outputs["pred_logits"],
@@ -120,7 +182,7 @@ def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
     batch["labels"],
     batch["boxes"],
     objectness_logits=outputs.get("objectness_logits"),  # OWLv2 (docs/owlv2.md)
-    **loss_config,
+    **dataclasses.asdict(spec.loss),
   )
   metrics = {
     "loss": new["loss"],
@@ -134,10 +196,10 @@ def _new_loss_only(params, batch, key, model, loss_config, max_unique_queries):
   return new["loss"], metrics, outputs
 
 
-def _add_lwf(loss, metrics, new_outputs, teacher, batch, *, model, lwf, max_unique_queries):
-  """(loss, metrics) with the LwF terms added (`lwf` None: unchanged). The teacher (the
+def _add_lwf(loss, metrics, new_outputs, teacher, batch, *, model, spec: StepSpec):
+  """(loss, metrics) with the LwF terms added (`spec.lwf` None: unchanged). The teacher (the
   pre-trained parameters, an argument of the step) scores the new images in eval mode."""
-  if lwf is None:
+  if spec.lwf is None:
     return loss, metrics
   teacher_outputs = jax.lax.stop_gradient(
     _forward(
@@ -146,10 +208,10 @@ def _add_lwf(loss, metrics, new_outputs, teacher, batch, *, model, lwf, max_uniq
       batch["images"],
       batch["queries"],
       train=False,
-      max_unique_queries=max_unique_queries,
+      max_unique_queries=spec.max_unique_queries,
     )
   )
-  terms = lwf_lib.lwf_loss(new_outputs, teacher_outputs, lwf)
+  terms = lwf_lib.lwf_loss(new_outputs, teacher_outputs, dataclasses.asdict(spec.lwf))
   loss = loss + terms["lwf_loss"]
   return loss, dict(metrics, **terms, loss=loss)
 
@@ -176,22 +238,14 @@ def _split_outputs(outputs, replay, num_new):
   return new_outputs, replay_outputs, stored_logits, stored_objectness
 
 
-def _per_device_gate(
-  result,
-  distill_inputs,
-  replay,
-  replay_mask,
-  alpha,
-  beta,
-  loss_threshold,
-  loss_gate_groups,
-):
+def _per_device_gate(result, distill_inputs, replay, replay_mask, options: ReplayLoss):
   """'released_gate' per device (the released code's DDP): the new and replay halves split
-  into G contiguous groups, group g's replay term kept iff the mean of its per-image new
-  losses is >= loss_threshold. `distill_inputs`: `losses.der_distillation`'s arguments but
-  the example mask. Returns (loss [], weight [] = the fraction of open gates, bool
-  [num_slots] whether each replay slot's gate is open)."""
-  g = int(loss_gate_groups)
+  into G = `options.loss_gate_groups` contiguous groups, group g's replay term kept iff the
+  mean of its per-image new losses is >= `options.loss_threshold`. `distill_inputs`:
+  `losses.der_distillation`'s arguments but the example mask. Returns (loss [], weight [] =
+  the fraction of open gates, bool [num_slots] whether each replay slot's gate is open)."""
+  alpha, beta, loss_threshold = options.alpha, options.beta, options.loss_threshold
+  g = int(options.loss_gate_groups)
   num_slots = replay["images"].shape[0]
   new_per_group = jax.lax.stop_gradient(result["per_example_new"]).reshape(g, -1).mean(axis=1)
   gates = new_per_group >= loss_threshold  # [G]
@@ -208,22 +262,12 @@ def _per_device_gate(
   return loss, weight, gates[group]
 
 
-def _replay_weighting(
-  result,
-  distill_inputs,
-  replay,
-  replay_mask,
-  metrics,
-  *,
-  alpha,
-  beta,
-  loss_adaptivity,
-  loss_threshold,
-  loss_gate_groups,
-):
-  """(total loss, replay weight, the replays used) of `_loss_fn` under `loss_adaptivity`
-  (docs/reference.md §9); `metrics` gains 'num_above_threshold' under 'paper'."""
-  replay_total = alpha * result["distill_loss"] + beta * result["replay_loss"]
+def _replay_weighting(result, distill_inputs, replay, replay_mask, metrics, options: ReplayLoss):
+  """(total loss, replay weight, the replays used) of `_loss_fn` under
+  `options.loss_adaptivity` (docs/reference.md §9); `metrics` gains 'num_above_threshold'
+  under 'paper'."""
+  loss_adaptivity = options.loss_adaptivity
+  replay_total = options.alpha * result["distill_loss"] + options.beta * result["replay_loss"]
   num_slots = replay["images"].shape[0]
   used = replay_mask
   if loss_adaptivity == "none":
@@ -237,20 +281,11 @@ def _replay_weighting(
     loss = losses.loss_adaptive_combination(result["new_loss"], replay_total, r, num_slots)
     weight = r.astype(jnp.float32) / num_slots
     metrics["num_above_threshold"] = r
-  elif loss_adaptivity == "released_gate" and loss_gate_groups > 1:
-    loss, weight, gated = _per_device_gate(
-      result,
-      distill_inputs,
-      replay,
-      replay_mask,
-      alpha,
-      beta,
-      loss_threshold,
-      loss_gate_groups,
-    )
+  elif loss_adaptivity == "released_gate" and options.loss_gate_groups > 1:
+    loss, weight, gated = _per_device_gate(result, distill_inputs, replay, replay_mask, options)
     used = used & gated
   elif loss_adaptivity == "released_gate":
-    gate = jax.lax.stop_gradient(result["new_loss"]) >= loss_threshold
+    gate = jax.lax.stop_gradient(result["new_loss"]) >= options.loss_threshold
     weight = gate.astype(jnp.float32)
     loss = result["new_loss"] + weight * replay_total
     used = used & gate
@@ -262,61 +297,39 @@ def _replay_weighting(
 
 
 def _loss_fn(
-  params,
-  batch: Batch,
-  replay: Batch | None,
-  key,
-  *,
-  model,
-  loss_config,
-  alpha: float,
-  beta: float,
-  max_unique_queries: int | None,
-  objectness_distill_weight: float = 1.0,
-  loss_adaptivity: str = "none",
-  loss_threshold: float = 0.0,
-  loss_gate_groups: int = 1,
-  teacher: PyTree | None = None,
-  lwf: dict | None = None,
+  params, batch: Batch, replay: Batch | None, key, teacher=None, *, model, spec: StepSpec
 ):
   """Detection loss of the new half plus DER++ on the replay half (docs/reference.md §3).
 
   L_T = L_B + weight * L_R with L_R = alpha * distillation + beta * replay detection loss
-  (averaged over the replays with `replay_mask`); weight by `loss_adaptivity`
-  (docs/reference.md §9):
+  (averaged over the replays with `replay_mask`; `spec.replay`: `ReplayLoss`); weight by
+  `loss_adaptivity` (docs/reference.md §9):
   'none' 1; 'paper' r / |B| with r = sum(replay['replay_active']) (eq. 6); 'released_gate'
   1 if L_B >= loss_threshold else 0 (L_B of this forward, as the released code).
   With `loss_gate_groups` G > 1 ('released_gate' only) the gate is per device as in the
   released code (DDP): the new and replay halves are split into G contiguous groups (the data
   sharding), group g's gate reads the mean of its images' per-image new losses, and the replay
   term is (1/G) sum_g gate_g * L_R,g with L_R,g = alpha * MSE_g + beta * the mean of group g's
-  per-image replay losses (its valid replays). With `lwf` (`train.lwf`), the LwF terms of the
-  new images against `teacher`'s outputs are added (`owl_cl.train.lwf.lwf_loss`). OWLv2 with
-  `replay['stored_objectness']`: the distillation is MSE_class + `objectness_distill_weight`
-  x MSE_objectness (`losses.der_distillation`, docs/owlv2.md).
+  per-image replay losses (its valid replays). With `spec.lwf` (`train.lwf`), the LwF terms
+  of the new images against `teacher`'s outputs are added (`owl_cl.train.lwf.lwf_loss`).
+  OWLv2 with `replay['stored_objectness']`: the distillation is MSE_class +
+  `objectness_distill_weight` x MSE_objectness (`losses.der_distillation`, docs/owlv2.md).
+  `replay` None (or `spec.replay` None): the new half alone.
   """
   num_new = batch["images"].shape[0]
-  add_lwf = functools.partial(
-    _add_lwf,
-    teacher=teacher,
-    batch=batch,
-    model=model,
-    lwf=lwf,
-    max_unique_queries=max_unique_queries,
-  )
-  if replay is None:
-    loss, metrics, outputs = _new_loss_only(
-      params, batch, key, model, loss_config, max_unique_queries
-    )
+  add_lwf = functools.partial(_add_lwf, teacher=teacher, batch=batch, model=model, spec=spec)
+  options = spec.replay
+  if replay is None or options is None:
+    loss, metrics, outputs = _new_loss_only(params, batch, key, model, spec)
     return add_lwf(loss, metrics, outputs)
   replay_mask = jnp.asarray(replay["replay_mask"], bool)
-  if loss_adaptivity == "paper":  # L_R over the active replays only
+  if options.loss_adaptivity == "paper":  # L_R over the active replays only
     replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
   # One forward over [new ; replay] (docs/reference.md §3).
   images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
   queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
   outputs = _forward(
-    model, params, images, queries, train=True, key=key, max_unique_queries=max_unique_queries
+    model, params, images, queries, train=True, key=key, max_unique_queries=spec.max_unique_queries
   )
   new_outputs, replay_outputs, stored_logits, stored_objectness = _split_outputs(
     outputs, replay, num_new
@@ -326,7 +339,7 @@ def _loss_fn(
     replay_outputs=replay_outputs,
     stored_logits=stored_logits,
     stored_objectness=stored_objectness,
-    objectness_distill_weight=objectness_distill_weight,
+    objectness_distill_weight=options.objectness_distill_weight,
   )
   result = losses.der_plus_plus_loss(
     new_outputs=new_outputs,
@@ -335,92 +348,52 @@ def _loss_fn(
     replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
     stored_logits=stored_logits,
     stored_objectness=stored_objectness,
-    objectness_distill_weight=objectness_distill_weight,
+    objectness_distill_weight=options.objectness_distill_weight,
     replay_mask=replay_mask,
-    alpha=alpha,
-    beta=beta,
-    **loss_config,
+    alpha=options.alpha,
+    beta=options.beta,
+    **dataclasses.asdict(spec.loss),
   )
   metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
   loss, weight, used = _replay_weighting(
-    result,
-    distill_inputs,
-    replay,
-    replay_mask,
-    metrics,
-    alpha=alpha,
-    beta=beta,
-    loss_adaptivity=loss_adaptivity,
-    loss_threshold=loss_threshold,
-    loss_gate_groups=loss_gate_groups,
+    result, distill_inputs, replay, replay_mask, metrics, options
   )
   metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
   return add_lwf(loss, metrics, new_outputs)
 
 
 def make_train_step(
-  model: nn.Module,
-  tx: optax.GradientTransformation,
-  mesh,
-  *,
-  loss_config: dict,
-  alpha: float = 2.0,
-  beta: float = 1.0,
-  objectness_distill_weight: float = 1.0,
-  with_replay: bool,
-  max_unique_queries: int | None = None,
-  loss_adaptivity: str = "none",
-  loss_threshold: float = 0.0,
-  loss_gate_groups: int = 1,
-  lwf: dict | None = None,
+  model: nn.Module, tx: optax.GradientTransformation, mesh, spec: StepSpec = StepSpec()
 ) -> Callable:
   """Builds the jitted, sharded train step.
 
+  Args:
+    model: the model the step applies (an `OwlViT`, or its LoRA version).
+    tx: the optimizer (`optim.create_optimizer`).
+    mesh: the device mesh: batches split along 'data', state replicated.
+    spec: what the step computes (`StepSpec`: the loss, the replay half's DER++ and loss
+      adaptivity, the distinct-query embedding, LwF).
+
   Returns:
     `train_step(state: TrainState, batch, replay, key, teacher=None) -> (state, metrics)`;
-    `teacher` is the pre-trained parameters (replicated) when `lwf` (`train.lwf`: weight,
-    temperature, box_weight, box_threshold) is set, whose LwF terms (`owl_cl.train.lwf`) are
-    added to the loss and to the metrics (`lwf_loss`, `lwf_class`, `lwf_box`); `replay` is
-    ignored (pass None) when `with_replay` is False. `batch` holds `images` [B,S,S,3],
-    `queries` [B,Q,L], `labels` [B,M,Q], `boxes` [B,M,4]; `replay` the same for B_r replayed
-    images plus `stored_logits` [B_r,T,Q] and `replay_mask` [B_r] bool, and for an OWLv2
-    store `stored_objectness` [B_r,T] (DER++ distils it at `objectness_distill_weight`
-    relative to the class logits: `losses.der_distillation`, docs/owlv2.md). Metrics are scalars
-    (loss, its terms, grad norm, LR multiplier-free step count).
-    `max_unique_queries`: see `_forward` (the text tower embeds each distinct query once).
-    `loss_adaptivity` (docs/reference.md §9; static): 'none' L = L_B + L_R; 'paper' L = L_B +
-    (r/|B|) L_R
-    (eq. 6) with r = sum of `replay['replay_active']` bool [B_r] (slots of the new images whose
-    pre-forward loss exceeds l; B_r = B) and L_R over the replays with `replay_mask` and
-    `replay_active`; 'released_gate' drops L_R when L_B < `loss_threshold` (per device as
-    in the released code with `loss_gate_groups` = the device count: `_loss_fn`).
-    With replay, metrics also hold `replay_weight` (the factor of L_R) and `replays_in_loss`
-    (int32, replayed images that contribute to the loss).
-  Raises:
-    ValueError: unknown `loss_adaptivity`.
+    `teacher` is the pre-trained parameters (replicated) when `spec.lwf` is set, whose LwF
+    terms (`owl_cl.train.lwf`) are added to the loss and to the metrics (`lwf_loss`,
+    `lwf_class`, `lwf_box`); `replay` is ignored (pass None) when `spec.replay` is None.
+    `batch` holds `images` [B,S,S,3], `queries` [B,Q,L], `labels` [B,M,Q], `boxes` [B,M,4];
+    `replay` the same for B_r replayed images plus `stored_logits` [B_r,T,Q] and
+    `replay_mask` [B_r] bool, and for an OWLv2 store `stored_objectness` [B_r,T] (DER++
+    distils it at `objectness_distill_weight` relative to the class logits:
+    `losses.der_distillation`, docs/owlv2.md). Metrics are scalars (loss, its terms, grad
+    norm). Loss adaptivity ('paper': B_r = B, r = sum of `replay['replay_active']` bool
+    [B_r]): `_loss_fn`. With replay, metrics also hold `replay_weight` (the factor of L_R)
+    and `replays_in_loss` (int32, replayed images that contribute to the loss).
+
   Source: docs/reference.md §3 (DER++ with alpha 2, beta 1; one forward over new and replay),
-  docs/reference.md §9
-  (paper eqs. 5-6; the released code's gate).
+  docs/reference.md §9 (paper eqs. 5-6; the released code's gate).
   """
-  if loss_adaptivity not in config_fields.LOSS_ADAPTIVITY_MODES:
-    raise ValueError(
-      f"unknown loss_adaptivity {loss_adaptivity!r}; known: {config_fields.LOSS_ADAPTIVITY_MODES}"
-    )
-  if int(loss_gate_groups) < 1:
-    raise ValueError(f"loss_gate_groups must be >= 1, got {loss_gate_groups!r}")
-  loss_fn = functools.partial(
-    _loss_fn,
-    model=model,
-    loss_config=loss_config,
-    alpha=alpha,
-    beta=beta,
-    max_unique_queries=max_unique_queries,
-    objectness_distill_weight=float(objectness_distill_weight),
-    loss_adaptivity=loss_adaptivity,
-    loss_threshold=float(loss_threshold),
-    loss_gate_groups=int(loss_gate_groups),
-    lwf=dict(lwf) if lwf else None,
-  )
+  loss_fn = functools.partial(_loss_fn, model=model, spec=spec)
+  with_replay = spec.replay is not None
+  lwf = spec.lwf is not None
 
   def step(state: TrainState, batch: Batch, replay: Batch | None, key, teacher=None):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

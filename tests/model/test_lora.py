@@ -20,6 +20,7 @@ from owl_cl.testing.configs import tiny_detector_config
 from owl_cl.train import optim
 from owl_cl.train import sharding
 from owl_cl.train import step as step_lib
+from owl_cl.train.spec import LossSpec
 
 OPTIONS = lora.LoraOptions(rank=2, alpha=4.0)
 
@@ -179,8 +180,7 @@ def test_training_moves_only_the_adapters_and_the_merge_equals_the_lora_model(se
     lora.lora_model(model, options, train=True),
     tx,
     mesh,
-    loss_config=dict(focal_alpha=0.3, focal_gamma=2.0),
-    with_replay=False,
+    step_lib.StepSpec(LossSpec(focal_alpha=0.3, focal_gamma=2.0)),
   )
   state = sharding.replicate(state, mesh)
   for i in range(3):

@@ -172,6 +172,7 @@ def test_train_step_distils_stored_objectness_at_the_kept_tokens(tiny, top_k):
   t, so the objectness MSE is the mean of d_t^2 over the tokens the heads saw (all, or the
   top-k by objectness: `_split_outputs` gathers the stored arrays at `keep_tokens`)."""
   from owl_cl.train import step as step_lib
+  from owl_cl.train.spec import LossSpec
 
   model, params, images, queries = tiny
   model = model.clone(objectness_top_k=top_k)
@@ -195,11 +196,10 @@ def test_train_step_distils_stored_objectness_at_the_kept_tokens(tiny, top_k):
     replay,
     key,
     model=model,
-    loss_config=dict(objectness_weight=0.5),
-    alpha=2.0,
-    beta=1.0,
-    max_unique_queries=None,
-    objectness_distill_weight=0.25,
+    spec=step_lib.StepSpec(
+      loss=LossSpec(objectness_weight=0.5),
+      replay=step_lib.ReplayLoss(alpha=2.0, beta=1.0, objectness_distill_weight=0.25),
+    ),
   )
   if top_k:
     kept = model.apply({"params": params}, images, queries, train=True, rngs={"dropout": key})[

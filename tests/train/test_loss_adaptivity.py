@@ -16,6 +16,7 @@ from owl_cl.testing.batches import detection_batch
 from owl_cl.train import losses
 from owl_cl.train import sharding
 from owl_cl.train import step as step_lib
+from owl_cl.train.spec import LossSpec
 
 ALPHA, BETA = 2.0, 1.0
 LOSS_CONFIG = dict(focal_alpha=0.3, focal_gamma=2.0)
@@ -154,9 +155,10 @@ def _run_step(model, params, new, replay, **kwargs):
   """One train step; returns (its gradient w.r.t. params, its metrics)."""
   mesh = sharding.create_mesh()
   tx = _gradient_recorder()
-  train_step = step_lib.make_train_step(
-    model, tx, mesh, loss_config=LOSS_CONFIG, alpha=ALPHA, beta=BETA, with_replay=True, **kwargs
+  spec = step_lib.StepSpec(
+    loss=LossSpec(**LOSS_CONFIG), replay=step_lib.ReplayLoss(alpha=ALPHA, beta=BETA, **kwargs)
   )
+  train_step = step_lib.make_train_step(model, tx, mesh, spec)
   state = sharding.replicate(step_lib.create_train_state(params, tx), mesh)
   state, metrics = train_step(
     state,
@@ -248,12 +250,12 @@ def test_released_gate_drops_replay_loss_below_threshold():
       replay,
       jax.random.PRNGKey(0),
       model=model,
-      loss_config=LOSS_CONFIG,
-      alpha=ALPHA,
-      beta=BETA,
-      max_unique_queries=None,
-      loss_adaptivity="released_gate",
-      loss_threshold=threshold,
+      spec=step_lib.StepSpec(
+        loss=LossSpec(**LOSS_CONFIG),
+        replay=step_lib.ReplayLoss(
+          alpha=ALPHA, beta=BETA, loss_adaptivity="released_gate", loss_threshold=threshold
+        ),
+      ),
     )
 
   # Mean new loss above l: the gate is open, the step is the plain DER++ objective.
@@ -279,9 +281,9 @@ def test_unknown_mode_is_rejected():
       model,
       optax.sgd(1.0),
       sharding.create_mesh(),
-      loss_config=LOSS_CONFIG,
-      with_replay=True,
-      loss_adaptivity="sometimes",
+      step_lib.StepSpec(
+        loss=LossSpec(**LOSS_CONFIG), replay=step_lib.ReplayLoss(loss_adaptivity="sometimes")
+      ),
     )
 
 
@@ -352,13 +354,16 @@ def test_released_gate_per_device():
       replay,
       jax.random.PRNGKey(0),
       model=model,
-      loss_config=LOSS_CONFIG,
-      alpha=ALPHA,
-      beta=BETA,
-      max_unique_queries=None,
-      loss_adaptivity="released_gate",
-      loss_threshold=threshold,
-      loss_gate_groups=2,
+      spec=step_lib.StepSpec(
+        loss=LossSpec(**LOSS_CONFIG),
+        replay=step_lib.ReplayLoss(
+          alpha=ALPHA,
+          beta=BETA,
+          loss_adaptivity="released_gate",
+          loss_threshold=threshold,
+          loss_gate_groups=2,
+        ),
+      ),
     )
   )
   loss, metrics = jax.device_get(grad_fn(params))

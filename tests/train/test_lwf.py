@@ -13,6 +13,8 @@ from owl_cl.train import lwf
 from owl_cl.train import optim
 from owl_cl.train import sharding
 from owl_cl.train import step as step_lib
+from owl_cl.train.spec import LossSpec
+from owl_cl.train.spec import LwfSpec
 
 PAD = -1e6  # the model's logit on padded query slots
 
@@ -89,14 +91,8 @@ def test_train_step_takes_the_teacher_as_an_argument():
   mesh = sharding.create_mesh(jax.devices()[:1])
   tx, _ = optim.create_optimizer(params, learning_rate=1e-3, total_steps=10, warmup_steps=0)
   options = dict(weight=2.0, temperature=2.0, box_weight=0.0, box_threshold=0.5)
-  train_step = step_lib.make_train_step(
-    model,
-    tx,
-    mesh,
-    loss_config=dict(focal_alpha=0.3, focal_gamma=2.0),
-    with_replay=False,
-    lwf=options,
-  )
+  spec = step_lib.StepSpec(LossSpec(focal_alpha=0.3, focal_gamma=2.0), lwf=LwfSpec(**options))
+  train_step = step_lib.make_train_step(model, tx, mesh, spec)
   inputs = sharding.shard_batch(batch, mesh)
   other = jax.tree.map(lambda x: x + 0.05 * np.sign(x + 1e-3), params)
   results = {}

@@ -12,6 +12,7 @@ from owl_cl.train import losses
 from owl_cl.train import matching
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
+from owl_cl.train.spec import LossSpec
 
 _SOLVE = jax.jit(matching.linear_sum_assignment)
 _MATCH = jax.jit(matching.match_targets)
@@ -133,7 +134,7 @@ def test_train_step_with_jax_matcher_equals_scipy_matcher():
       giou_weight=1.0,
       matcher=matcher,
     )
-    train_step = step_lib.make_train_step(model, tx, mesh, loss_config=config, with_replay=False)
+    train_step = step_lib.make_train_step(model, tx, mesh, step_lib.StepSpec(LossSpec(**config)))
     # The step donates its state: give each run its own copy of the parameters.
     state = step_lib.create_train_state(jax.tree.map(jnp.array, params), tx)
     state, metrics = train_step(state, batch, None, jax.random.PRNGKey(1))

@@ -11,6 +11,7 @@ from owl_cl.testing.batches import detection_batch
 from owl_cl.train import optim
 from owl_cl.train import sharding
 from owl_cl.train import step as step_lib
+from owl_cl.train.spec import LossSpec
 
 
 def _params(num_vision=3, num_text=2):
@@ -338,7 +339,7 @@ def test_frozen_parameters_bit_identical_after_train_steps():
     params, learning_rate=1e-2, total_steps=10, warmup_steps=0, frozen=("text_tower",)
   )
   train_step = step_lib.make_train_step(
-    model, tx, mesh, loss_config=dict(focal_alpha=0.3, focal_gamma=2.0), with_replay=False
+    model, tx, mesh, step_lib.StepSpec(LossSpec(focal_alpha=0.3, focal_gamma=2.0))
   )
   state = sharding.replicate(step_lib.create_train_state(params, tx), mesh)
   for i in range(2):

@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent("""
     from owl_cl import model as model_lib
     from owl_cl.testing.batches import detection_batch
     from owl_cl.train import optim, sharding, step as step_lib
+    from owl_cl.train.spec import LossSpec
 
     model = model_lib.create_model("tiny", vision_layers=1, text_layers=1, vocab_size=64,
                                    image_size=32)
@@ -38,8 +39,9 @@ SCRIPT = textwrap.dedent("""
       mesh = sharding.create_mesh(devices)
       tx, _ = optim.create_optimizer(params, learning_rate=1e-3, total_steps=10,
                                      warmup_steps=0)
-      train_step = step_lib.make_train_step(model, tx, mesh, loss_config=loss_config,
-                                            with_replay=True)
+      train_step = step_lib.make_train_step(
+        model, tx, mesh, step_lib.StepSpec(LossSpec(**loss_config), step_lib.ReplayLoss())
+      )
       state = sharding.replicate(step_lib.create_train_state(params, tx), mesh)
       for i in range(2):
         state, metrics = train_step(state, sharding.shard_batch(new, mesh),
