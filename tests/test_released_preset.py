@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from owl_cl import cache_keys
 from owl_cl.config_fields import ConfigError
 from owl_cl.replay import setup as replay_setup
 
@@ -184,7 +185,8 @@ def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, w
     lambda folder, key, build, superseded, **kw: (build("store", "store.build", "key"), key),
   )
   benchmark = types.SimpleNamespace(pretrain=types.SimpleNamespace(train=source))
-  _, key = replay_setup.build_store(detector, benchmark, None, {})
+  material = cache_keys.buffer_key_material(c, source, {})
+  _, key = replay_setup.build_store(detector, benchmark, None, key_material=material)
   assert seen["buffer_spec"].prototype_images == want
   assert key["buffer"].get("prototype_images", "buffer") == want
   assert ("prototype_images" in key["buffer"]) == (want == "all")

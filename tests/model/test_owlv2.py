@@ -219,16 +219,16 @@ def test_buffer_key_and_selection_objectness_rules(tmp_path):
   is refused up front for a v1 model or a zero objectness weight."""
   import types
 
+  from owl_cl import cache_keys
   from owl_cl import validation
   from owl_cl.configs import base
-  from owl_cl.replay import setup as replay_setup
 
   annotations = tmp_path / "instances.json"
   annotations.write_text('{"images": []}')
   source = types.SimpleNamespace(annotation_file=str(annotations))
 
   def key(config):
-    return replay_setup.buffer_key_material(config, source, {"cache_key": "m"})
+    return cache_keys.buffer_key_material(config, source, {"cache_key": "m"})
 
   v1, v2 = base.get_config(""), base.get_config("owlv2")
   assert "objectness" not in key(v1) and "objectness_in_loss" not in key(v1)["buffer"]

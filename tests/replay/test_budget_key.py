@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from owl_cl.replay import setup as replay_setup
+from owl_cl import cache_keys
 from owl_cl.testing.configs import tiny_config
 from owl_cl.utils import digest
 
@@ -18,7 +18,7 @@ def key(tmp_path):
 
   def material(budget):
     config.replay.budget = budget
-    return replay_setup.buffer_key_material(config, source, {"cache_key": "m"})
+    return cache_keys.buffer_key_material(config, source, {"cache_key": "m"})
 
   return material
 
