@@ -196,7 +196,6 @@ def build_store(detector, benchmark, params, *, key_material: dict):
   """
   config = detector.config
   source = benchmark.pretrain.train
-  superseded = ((dict(key_material, format=1), "built with unnormalised class embeddings"),)
 
   def build(path, build_dir, build_key):
     preemption.checkpoint_event("buffer")  # test-only kill hook (a no-op otherwise)
@@ -218,10 +217,9 @@ def build_store(detector, benchmark, params, *, key_material: dict):
     os.path.join(expand_path(config.cache_dir), "buffers"),
     key_material,
     build,
-    superseded,
     source=source,
     image_cache=image_cache_dir(config),
-    verification=config.replay.get("store_verification", "full"),
+    verification=replay_spec.settings(config).store_verification,
   )
 
 

@@ -3,13 +3,16 @@ the docs read it."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import os
 import re
+import types
 
 import pytest
 
+from owl_cl import cache_keys
 from owl_cl import config_rules
 from owl_cl import config_spec
 from owl_cl.config_fields import ConfigError
@@ -18,6 +21,7 @@ from owl_cl.replay import setup as replay_setup
 from owl_cl.replay import spec as replay_spec
 from owl_cl.replay.retrieval import registry
 from owl_cl.replay.retrieval import spec as retrieval_spec
+from owl_cl.utils import digest
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
 
@@ -71,6 +75,53 @@ def test_field_rules_of_the_section_are_the_spec_rules():
   # when checking (the throwaway one: tests/replay/test_extending.py).
   assert rules["replay.algorithm"]("sw_grasp") == "" and rules["replay.algorithm"]("none") == ""
   assert "known: ['a_sw_grasp'" in rules["replay.algorithm"]("sweel")
+
+
+def _another_value(rule, default):
+  """A valid value of a field other than its default: the other bool, another option of a
+  choice (as its message lists them), else the first candidate the rule accepts."""
+  if isinstance(default, bool):
+    return not default
+  message = rule(object())
+  if "known: [" in message:
+    options = ast.literal_eval(message.split("known: ")[1].removesuffix(" or None"))
+    return next(o for o in options if o != default)
+  numeric = isinstance(default, (int, float))
+  for candidate in ((default + 1,) if numeric else ()) + (1, 0.5, "another_folder"):
+    if candidate != default and not rule(candidate):
+      return candidate
+  raise AssertionError(f"no other value for {rule}")
+
+
+def test_each_replay_field_changes_the_buffer_key_or_says_why(tmp_path):
+  """Every leaf of ReplaySpec, set to another valid value: the buffer's key changes exactly
+  for the fields that declare `key=True` (a field added to the spec is covered unedited)."""
+  annotations = tmp_path / "instances.json"
+  annotations.write_text("{}")
+  source = types.SimpleNamespace(annotation_file=str(annotations))
+  why = config_spec.not_in_keys(replay_spec.ReplaySpec, "replay")
+  baseline = digest(cache_keys.buffer_key_material(base.get_config(""), source, {}))
+  changed = []
+  for path, field in config_spec.leaves(replay_spec.ReplaySpec, "replay"):
+    config = base.get_config("")
+    *parents, name = path.split(".")
+    section = config
+    for parent in parents:
+      section = section[parent]
+    default = section.get(name, field.default)
+    section[name] = _another_value(field.metadata["rule"], default)
+    key = digest(cache_keys.buffer_key_material(config, source, {}))
+    assert (key != baseline) == (path not in why), (path, section[name])
+    changed += [path] * (key != baseline)
+  # What the buffer is made of (docs/reference.md §6): its size, k and eq. 7's selection.
+  selection = (
+    "loss_threshold min_per_class fill_all_for_rare_classes max_instances_per_prototype "
+    "distance_max_instances drop_images_without_class top_up_order prototype_images "
+    "objectness_in_loss"
+  )
+  assert sorted(changed) == sorted(
+    ["replay.budget", "replay.top_k"] + [f"replay.selection.{n}" for n in selection.split()]
+  )
 
 
 def field_table(prefix: str, spec: type) -> str:
