@@ -31,7 +31,6 @@ import ml_collections
 from owl_cl import distributed
 from owl_cl import preemption
 from owl_cl.config_fields import ConfigError
-from owl_cl.config_fields import loss_adaptivity_mode
 from owl_cl.config_fields import seed_of
 from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.model import get_variant_config
@@ -226,7 +225,7 @@ def build_store(detector, benchmark, params, *, key_material: dict):
 def image_cache_dir(config: ml_collections.ConfigDict) -> str | None:
   """The replay image cache's folder: `replay.image_cache` ('~' and $VARS expanded; a relative
   path inside `cache_dir`), or None when it is unset or '' (decode at every replay)."""
-  folder = config.replay.get("image_cache")
+  folder = replay_spec.settings(config).image_cache
   if not folder:
     return None
   folder = os.path.expandvars(os.path.expanduser(folder))
@@ -404,9 +403,10 @@ class Replay:
     sharding_lib.check_batch_divisible(
       self.num_replay, detector.mesh, "replay batch (ratio * batch)"
     )
-    self.algorithm = make_algorithm(config)
-    gate = config.replay.loss_adaptivity
-    self.adaptivity = loss_adaptivity_mode(config)
+    settings = replay_spec.settings(config)
+    self.algorithm = algorithm_of(settings)
+    gate = settings.loss_adaptivity
+    self.adaptivity = gate.mode
     if (
       self.adaptivity == "released_gate"
       and gate.gate_feature_based_only
@@ -417,9 +417,9 @@ class Replay:
       self.adaptivity = "none"
     self.threshold = float(gate.threshold)
     self.train_step_options = {
-      "alpha": config.replay.der_alpha,
-      "beta": config.replay.der_beta,
-      "objectness_distill_weight": config.replay.get("der_objectness_weight", 1.0),
+      "alpha": settings.der_alpha,
+      "beta": settings.der_beta,
+      "objectness_distill_weight": settings.der_objectness_weight,
       "with_replay": True,
       "loss_adaptivity": self.adaptivity,
       "loss_threshold": self.threshold,
@@ -430,7 +430,7 @@ class Replay:
     }
     self.records_path = records_path
     self.recorder = None
-    records = bool(config.replay.records and records_path)
+    records = bool(settings.records and records_path)
     if records:
       self.recorder = records_lib.RetrievalRecords(
         store.num_classes, getattr(self.algorithm, "num_candidates", 0)
@@ -443,7 +443,7 @@ class Replay:
       ("retrieve", self.algorithm, records), lambda: jax.jit(retrieve, static_argnums=3)
     )
     self.buffer = None
-    top_k = config.replay.top_k if self.algorithm.needs_features else None
+    top_k = settings.top_k if self.algorithm.needs_features else None
     # 'paper': one eval-mode forward gives the new images' losses (and the features).
     image_features = stores_image_features(config)
     self._new_losses = (
@@ -482,10 +482,10 @@ class Replay:
     # replay.stale_retrieval allows its features one step old, None: serial.
     reads_params = self._new_losses is not None or self._embed is not None
     self.lookahead = None
-    if config.replay.get("lookahead", True):
+    if settings.lookahead:
       if not reads_params:
         self.lookahead = "exact"
-      elif config.replay.get("stale_retrieval", False):
+      elif settings.stale_retrieval:
         self.lookahead = "stale"
     self._ahead: _Ahead | None = None
     self._thread: futures.ThreadPoolExecutor | None = None
