@@ -26,7 +26,8 @@ other contents is never overwritten. `--run`: run them here, skipping complete r
 built-in benchmark, the pre-trained model, the buffer); each run's output goes to
 `<root>/logs/<name>.log`. Stops launching at the first failure and returns its status.
 
-Values are checked before anything is printed: algorithms against configs/*.py, every
+Values are checked before anything is printed: algorithms against the registries (the
+retrieval algorithms and the baselines, `known_algorithms`), every
 `--set` / `--fixed` field against the algorithm's config. A value list is split on commas
 outside brackets, so `--set "data.augment.mosaic_sizes=(1,2),(1,2,3)"` gives two values.
 """
@@ -51,16 +52,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # `python launch/sweep.py` from anywhere: import owl_cl (a checkout).
   sys.path.insert(0, REPO)
 
-# configs/ that are no algorithm: the base and protocols (ivlod_odinw13: docs/ivlod.md).
-_NOT_ALGORITHMS = ("base", "__init__", "ivlod_odinw13")
+from owl_cl import configs  # noqa: E402 (after the checkout joins sys.path)
+from owl_cl.replay.retrieval import registry  # noqa: E402
 
 
-def known_algorithms(configs_dir: str = os.path.join(REPO, "configs")) -> list[str]:
-  """Algorithm config names: configs/<name>.py except `_NOT_ALGORITHMS`, sorted."""
+def known_algorithms(configs_dir: str | None = None) -> list[str]:
+  """Algorithm config names, sorted. The package's configs: every retrieval algorithm of the
+  registry (`registry.ALGORITHMS`, configs/<name>.py) and every baseline
+  (`owl_cl.configs.BASELINES`); `configs_dir`: its <name>.py files but base.py and
+  __init__.py."""
+  if configs_dir is None:
+    return sorted(set(registry.ALGORITHMS) | set(configs.BASELINES))
   names = [
     os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(configs_dir, "*.py"))
   ]
-  return sorted(n for n in names if n not in _NOT_ALGORITHMS)
+  return sorted(n for n in names if n not in ("base", "__init__"))
 
 
 def split_values(text: str) -> list[str]:
@@ -200,7 +206,7 @@ def build_sweep(
       seeds, an unknown order, a repeated field, a field missing from the config, or two tasks
       with the same workdir.
   """
-  known = known_algorithms(configs_dir) if configs_dir else known_algorithms()
+  known = known_algorithms(configs_dir)
   unknown = [a for a in algorithms if a not in known]
   if unknown:
     raise ValueError(f"unknown algorithm(s) {unknown}; known: {', '.join(known)}")

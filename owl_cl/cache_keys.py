@@ -13,9 +13,12 @@ from typing import Any
 import ml_collections
 
 from owl_cl import config_spec
+from owl_cl.config_fields import seed_of
 from owl_cl.configs import base
 from owl_cl.model import spec as model_spec
 from owl_cl.model.spec import ModelSpec
+from owl_cl.replay import setup as replay_setup
+from owl_cl.replay import spec as replay_spec
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
@@ -170,4 +173,44 @@ def init_checkpoint_model_key(config: ml_collections.ConfigDict) -> dict:
     "checkpoint": checkpoint_digest(expand_path(config.init_checkpoint)),
     **cache_key_fields(config, "model"),
     **({"vocabulary": vocabulary_digest(expand_path(vocabulary))} if vocabulary else {}),
+  }
+
+
+def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta: dict) -> dict:
+  """What the replay store's cache key covers: the model (the cached pre-trained model's key
+  `pretrain_meta['cache_key']`, or the init checkpoint's contents and the model fields,
+  `init_checkpoint_model_key`), the pre-training annotations of `source`, the replay fields
+  the buffer is made of (`config_spec.key_material` of `replay.spec.ReplaySpec`: `top_k`,
+  `budget` and `selection`; a field left out says why), the input options, the loss and the
+  seed. A store that keeps the ViT image features (`image_features`) or an OWLv2 model's
+  objectness logits (`objectness`, DER++) says so.
+
+  Raises:
+    FileNotFoundError: nothing at `config.init_checkpoint` or at `source.annotation_file`.
+    ConfigError: a bad `config.replay` field (`replay.spec.settings`).
+  """
+  data = config.data
+  # An init checkpoint is named by its contents and the config's model fields, not its path
+  # (whose file may change) nor the key in its meta.json (a pre-trained model given as
+  # init_checkpoint names the config it was trained with, not this run's dtype or overrides).
+  if config.init_checkpoint:
+    model = init_checkpoint_model_key(config)
+  else:
+    model = pretrain_meta.get("cache_key")
+  return {
+    "model": model,
+    "pretrain_data": file_digest(source.annotation_file),
+    "replay": config_spec.key_material(replay_spec.settings(config)),
+    # The store then also holds the top-k tokens' ViT features.
+    **({"image_features": True} if replay_setup.stores_image_features(config) else {}),
+    # OWLv2: the store keeps the objectness logits for DER++ (docs/owlv2.md).
+    **({"objectness": True} if replay_setup.model_version(config) == "owlv2" else {}),
+    "data": [data.num_queries, data.num_negatives, data.max_instances],
+    "loss": cache_key_fields(config, "loss"),
+    "seed": seed_of(config, "model"),
+    # 3: the replay fields from their spec (2 named them by hand; 1 stored raw class
+    # embeddings, 2 normalised as scenic's class head returns them).
+    "format": 3,
+    **non_default_data_options(config, buffer=True),
+    **builtin_version_key(config),
   }

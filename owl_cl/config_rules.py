@@ -12,15 +12,9 @@ valid value the moment it exists.
 from __future__ import annotations
 
 from owl_cl import config_spec
-from owl_cl.config_fields import FINITE
-from owl_cl.config_fields import FRACTION
-from owl_cl.config_fields import LOSS_ADAPTIVITY_MODES
-from owl_cl.config_fields import NON_NEGATIVE
 from owl_cl.config_fields import PER_DATASET_FIELDS
-from owl_cl.config_fields import POSITIVE
 from owl_cl.config_fields import Rule
 from owl_cl.config_fields import boolean
-from owl_cl.config_fields import budget
 from owl_cl.config_fields import choice
 from owl_cl.config_fields import declared
 from owl_cl.config_fields import integer
@@ -37,17 +31,7 @@ from owl_cl.data import suites
 from owl_cl.eval_spec import EvalSpec
 from owl_cl.model import variants
 from owl_cl.model.spec import ModelSpec
-from owl_cl.replay import buffer_selection
-from owl_cl.replay import store_cache
-from owl_cl.replay.retrieval import adaptive as retrieval_adaptive
-from owl_cl.replay.retrieval import asv as retrieval_asv
-from owl_cl.replay.retrieval import class_selection
-from owl_cl.replay.retrieval import compose as retrieval_compose
-from owl_cl.replay.retrieval import dedup
-from owl_cl.replay.retrieval import knn_shapley
-from owl_cl.replay.retrieval import registry as retrieval_registry
-from owl_cl.replay.retrieval import sample_selection
-from owl_cl.replay.retrieval import steps as retrieval_steps
+from owl_cl.replay import spec as replay_spec
 from owl_cl.run_spec import RunSpec
 from owl_cl.train.checkpointing import CheckpointSpec
 from owl_cl.train.pretrain_spec import PretrainSpec
@@ -113,59 +97,8 @@ FIELD_RULES: dict[str, Rule] = {
   **config_spec.rules(PretrainSpec, "pretrain"),
   **config_spec.rules(TrainSpec, "train"),
   **config_spec.rules(LossSpec, "loss"),
-  # --- replay (retrieval)
-  "replay.algorithm": choice(sorted(retrieval_registry.ALGORITHMS) + ["none"]),
-  "replay.ratio": POSITIVE,
-  "replay.budget": budget,
-  "replay.dedup": choice(dedup.SCHEDULE_NAMES),
-  "replay.dedup_fraction": FRACTION,
-  "replay.dedup_without_replacement": boolean,
-  "replay.dedup_fraction_reset": choice(dedup.FRACTION_RESETS),
-  "replay.der_alpha": NON_NEGATIVE,
-  "replay.der_beta": NON_NEGATIVE,
-  "replay.der_objectness_weight": NON_NEGATIVE,
-  "replay.swil_weight": FINITE,
-  "replay.swil_reduction": choice(class_selection.SWIL_REDUCTIONS),
-  "replay.grasp_weight": FINITE,
-  "replay.balanced_order": choice(retrieval_steps.BALANCED_ORDERS),
-  "replay.adaptive_entropy_threshold": FINITE,
-  "replay.adaptive_entropy_classes": choice(retrieval_adaptive.ADAPTIVE_ENTROPY_CLASSES),
-  "replay.exhausted_class": choice(retrieval_compose.EXHAUSTED_CLASS),
-  "replay.within_class_weighting": choice(retrieval_steps.WITHIN_CLASS_WEIGHTINGS),
-  "replay.aser.num_candidates": integer(1, optional=True),
-  "replay.aser.knn_k": integer(1),
-  "replay.aser.asv_c": FINITE,
-  "replay.aser.asv_token_matching": choice(knn_shapley.TOKEN_MATCHING),
-  "replay.aser.asv_distance": choice(knn_shapley.DISTANCES),
-  "replay.aser.asv_weight_reduction": choice(sample_selection.WEIGHT_REDUCTIONS),
-  "replay.aser.asv_chunk_size": integer(1),
-  "replay.aser.asv_left_term": choice((True, False)),
-  "replay.aser.asv_shapley": choice(knn_shapley.SHAPLEY),
-  "replay.aser.asv_distance_threshold": real(0.0, low_open=True, optional=True),
-  "replay.aser.tknn_num_classes": POSITIVE,
-  "replay.aser.candidate_subsets": choice(retrieval_asv.CANDIDATE_SUBSETS),
-  "replay.aser.asv_features": choice(retrieval_asv.ASV_FEATURES),
-  "replay.records": boolean,
-  "replay.lookahead": boolean,
-  "replay.stale_retrieval": boolean,
-  "replay.top_k": integer(1),
-  "replay.image_cache": text(optional=True),
-  "replay.store_verification": choice(store_cache.STORE_VERIFICATIONS),
-  "replay.loss_adaptivity.mode": choice(LOSS_ADAPTIVITY_MODES),
-  "replay.loss_adaptivity.threshold": FINITE,
-  "replay.loss_adaptivity.gate_per_device": boolean,
-  "replay.loss_adaptivity.gate_feature_based_only": boolean,
-  "replay.selection.loss_threshold": FINITE,
-  "replay.selection.min_per_class": integer(0),
-  "replay.selection.fill_all_for_rare_classes": boolean,
-  "replay.selection.max_instances_per_prototype": integer(1),
-  "replay.selection.distance_max_instances": integer(1, optional=True),
-  "replay.selection.drop_images_without_class": boolean,
-  "replay.selection.top_up_order": choice(buffer_selection.TOP_UP_ORDERS),
-  "replay.selection.prototype_images": choice(buffer_selection.PROTOTYPE_IMAGES),
-  "replay.selection.objectness_in_loss": boolean,
-  "replay.selection.visual_genome_loss_threshold": FINITE,
-  "replay.selection.visual_genome_min_per_class": integer(0),
+  # --- replay: its spec (owl_cl.replay.spec)
+  **config_spec.rules(replay_spec.ReplaySpec, "replay"),
   **config_spec.rules(EvalSpec, "eval"),
   **config_spec.rules(CheckpointSpec, "checkpoint"),
 }
@@ -185,6 +118,7 @@ SECTION_SPECS: dict[str, type] = {
   "checkpoint": CheckpointSpec,
   "train": TrainSpec,
   "loss": LossSpec,
+  "replay": replay_spec.ReplaySpec,
 }
 
 

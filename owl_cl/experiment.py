@@ -48,6 +48,7 @@ import jax
 import ml_collections
 
 from owl_cl import benchmark as benchmark_lib
+from owl_cl import cache_keys
 from owl_cl import config_spec
 from owl_cl import distributed
 from owl_cl import phases
@@ -455,7 +456,8 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
   )
   store, buffer_stats = None, None
   if config.replay.algorithm != "none":
-    store, buffer_stats = replay_setup.build_store(detector, bench, params, pretrain_meta)
+    key = cache_keys.buffer_key_material(config, bench.pretrain.train, pretrain_meta)
+    store, buffer_stats = replay_setup.build_store(detector, bench, params, key_material=key)
   replay_state = replay_setup.initial_replay_state(store, seed_of(config, "retrieval"))
   # LoRA (docs/lora.md): the pre-trained parameters are the frozen base of the whole run (the
   # buffer above was built from them alone); fresh adapters (B = 0: the same model) train from

@@ -30,6 +30,7 @@ from jax._src import compilation_cache  # reset_cache: no public equivalent
 import pytest
 
 from owl_cl import benchmark
+from owl_cl import cache_keys
 from owl_cl import pretrained
 from owl_cl import utils
 from owl_cl.detector import Detector
@@ -155,7 +156,8 @@ def pretrained_cache_dir(tmp_path_factory) -> str:
       detector = Detector(config)
       bench = benchmark.load_benchmark(config)
       params, meta = pretrained.pretrained_params(detector, bench, None)
-      replay_setup.build_store(detector, bench, params, meta)
+      key = cache_keys.buffer_key_material(config, bench.pretrain.train, meta)
+      replay_setup.build_store(detector, bench, params, key_material=key)
       open(done, "w").close()
   cache_dir = str(tmp_path_factory.mktemp("cache"))
   shutil.copytree(built, cache_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("COMPLETE"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 
 import pytest
 
@@ -54,7 +55,8 @@ def _other_value(path: str, f: dataclasses.Field, checkpoint: str):
 def _keys(config) -> dict[str, str]:
   """The cache keys the section specs feed, computed from the config as their builders do:
   the pre-trained model's (`pretrained.cache_key`), and with an init checkpoint the model's
-  key that the buffer's key names it by (`cache_keys.init_checkpoint_model_key`)."""
+  key that the buffer's key names it by (`cache_keys.init_checkpoint_model_key`), and the
+  replay buffer's (`cache_keys.buffer_key_material`)."""
   model = config_spec.from_config(ModelSpec, config.model, "model")
   keys = {
     "pretrained": pretrained.cache_key(
@@ -63,6 +65,11 @@ def _keys(config) -> dict[str, str]:
   }
   if config.init_checkpoint:
     keys["init_checkpoint"] = digest(cache_keys.init_checkpoint_model_key(config))
+  # The replay buffer's, on the pre-trained model above (this file stands for the pre-training
+  # annotations, whose digest the key takes).
+  source = types.SimpleNamespace(annotation_file=__file__)
+  material = cache_keys.buffer_key_material(config, source, {"cache_key": keys["pretrained"]})
+  keys["buffer"] = digest(material)
   return keys
 
 
@@ -141,7 +148,9 @@ def test_each_spec_section_is_its_spec_in_the_rules_and_the_config(arg):
     paths = _section_paths(prefix, spec, config_rules.FIELD_RULES)
     assert {p: config_rules.FIELD_RULES[p] for p in paths} == rules, prefix
     section = config[prefix] if prefix else config
-    leaves = [p for p, _ in config_spec.leaves(spec)]
+    # A field of a preset (`preset='paper'`) is in the config of that preset only.
+    presets = (None, *arg.split(","))
+    leaves = [p for p, f in config_spec.leaves(spec) if f.metadata["preset"] in presets]
     assert sorted(_section_paths("", spec, _flat(section))) == sorted(leaves), prefix
   # The presets leave defaults to the specs; with '' the sections equal their defaults.
   if arg == "":

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from owl_cl import benchmark
+from owl_cl import cache_keys
 from owl_cl import preemption
 from owl_cl import pretrained
 from owl_cl import trainer
@@ -40,7 +41,8 @@ def shared(pretrained_cache_dir, tmp_path_factory):
   detector = Detector(config)
   bench = benchmark.load_benchmark(config)
   params, meta = pretrained.pretrained_params(detector, bench, None)
-  store, _ = replay_setup.build_store(detector, bench, params, meta)
+  key = cache_keys.buffer_key_material(config, bench.pretrain.train, meta)
+  store, _ = replay_setup.build_store(detector, bench, params, key_material=key)
   # Set for this module only: later tests in the same worker process see the settings they had.
   saved = {
     name: getattr(jax.config, name)

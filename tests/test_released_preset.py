@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from owl_cl import cache_keys
 from owl_cl.config_fields import ConfigError
 from owl_cl.replay import setup as replay_setup
 
@@ -155,8 +156,8 @@ def test_released_option_values_are_checked_before_any_work():
 
 @pytest.mark.parametrize("arg, want", [("", "buffer"), ("released", "all")])
 def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, want):
-  """replay.selection.prototype_images is passed to `build.build_store`, and enters the
-  buffer cache key only when it is not the default (caches built before it keep their key)."""
+  """replay.selection.prototype_images is passed to `build.build_store` and enters the
+  buffer cache key (from the replay spec)."""
   import types
 
   from owl_cl.replay import build as buffer_build
@@ -181,10 +182,10 @@ def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, w
   monkeypatch.setattr(
     store_cache,
     "cached_store",
-    lambda folder, key, build, superseded, **kw: (build("store", "store.build", "key"), key),
+    lambda folder, key, build, **kw: (build("store", "store.build", "key"), key),
   )
   benchmark = types.SimpleNamespace(pretrain=types.SimpleNamespace(train=source))
-  _, key = replay_setup.build_store(detector, benchmark, None, {})
+  material = cache_keys.buffer_key_material(c, source, {})
+  _, key = replay_setup.build_store(detector, benchmark, None, key_material=material)
   assert seen["buffer_spec"].prototype_images == want
-  assert key["buffer"].get("prototype_images", "buffer") == want
-  assert ("prototype_images" in key["buffer"]) == (want == "all")
+  assert key["replay"]["selection"]["prototype_images"] == want

@@ -1,10 +1,11 @@
 """Smoke test: the main job runs with the retrieval algorithm configs (tiny budget, one shared
 pre-trained model, buffer and compilation cache) and writes its analysis records.
 
-Six of the nine algorithms run the main job; between them they use every class step
+Six of the Table 2 algorithms run the main job; between them they use every class step
 (balanced, similarity-weighted, adaptive) and every sample step (uniform, prototype-weighted,
-ASV with the left term per call and precomputed). The other three (uniform_balanced, swil,
-aser_pc) only recombine those steps: their configs are checked to build their algorithm, and
+ASV with the left term per call and precomputed). Every other algorithm of the registry
+(uniform_balanced, swil and aser_pc recombine those steps; one registered later is checked
+too) has its config checked to build its algorithm, and
 tests/replay/test_retrieval_sharded.py runs every algorithm's jitted retrieval.
 """
 
@@ -20,13 +21,11 @@ from owl_cl.replay.retrieval import registry
 from owl_cl.testing.configs import tiny_config
 
 CONFIGS = ("uniform", "grasp", "sw_grasp", "a_sw_grasp", "aser", "sw_aser_pc")
-RECOMBINED = ("uniform_balanced", "swil", "aser_pc")  # steps of the ones above
 
 
 @pytest.mark.slow
 def test_every_algorithm_config_runs(pretrained_cache_dir, tmp_path):
-  assert set(CONFIGS + RECOMBINED) == set(registry.ALGORITHMS)
-  for name in RECOMBINED:
+  for name in sorted(set(registry.ALGORITHMS) - set(CONFIGS)):  # the registry's others
     config = tiny_config(name, pretrained_cache_dir)
     assert replay_setup.make_algorithm(config).name == name
   cache, xla = pretrained_cache_dir, str(tmp_path / "xla")

@@ -24,6 +24,7 @@ from owl_cl import config_spec
 from owl_cl.data.builtin import vocabulary
 from owl_cl.eval_spec import EvalSpec
 from owl_cl.model.spec import ModelSpec
+from owl_cl.replay import spec as replay_spec
 from owl_cl.run_spec import RunSpec
 from owl_cl.train import spec as train_spec
 from owl_cl.train.checkpointing import CheckpointSpec
@@ -249,161 +250,9 @@ def _loss_section(c: ml_collections.ConfigDict) -> None:
 
 
 def _replay_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.replay` (docs/reference.md §6-§9)."""
-  c.replay = ml_collections.ConfigDict()
-  # uniform | uniform_balanced | grasp | swil | sw_grasp | a_sw_grasp | aser | aser_pc |
-  # sw_aser_pc | none (paper Table 2)
-  c.replay.algorithm = "swil"
-  c.replay.ratio = 1.0  # replayed images per new image (paper 1:1)
-  c.replay.dedup = "dataset"  # none | epoch | dataset | fraction (docs/reference.md §8)
-  c.replay.dedup_fraction = 1.0 / 3.0  # 'fraction': reset after this fraction of the buffer
-  # dedup 'none': True samples each retrieval call without replacement (released code).
-  c.replay.dedup_without_replacement = False
-  # dedup 'fraction': 'before' resets inside the call that would pass ceil(fraction * N);
-  # 'after' (released code) after the call that took the count past fraction * N.
-  c.replay.dedup_fraction_reset = "before"
-  c.replay.der_alpha = 2.0  # DER++ logit distillation weight
-  c.replay.der_beta = 1.0  # DER++ replay detection-loss weight
-  # OWLv2 (docs/owlv2.md): weight of the objectness logits' MSE in DER++'s distillation,
-  # relative to the class logits' MSE (both then times der_alpha); 0: class logits only.
-  c.replay.der_objectness_weight = 1.0
-  c.replay.swil_weight = 1.0  # similarity weighting exponent w (SWIL, paper 1.0)
-  # SWIL distance over an image's k top embeddings: 'min' (paper, released default) | 'mean'
-  # (the released option swil_reduce_type='avg').
-  c.replay.swil_reduction = "min"
-  c.replay.grasp_weight = 1.0  # prototype weighting exponent w (GRASP, paper 1.0; code 0.7)
-  # Balanced class order: 'sequential' (paper) | 'reshuffled' (released code: a random
-  # permutation reshuffled after every pass).
-  c.replay.balanced_order = "sequential"
-  # A-SW-GRASP: GRASP for a new image iff the normalised entropy of its SWIL distribution
-  # exceeds tau (the paper gives no value; it describes tau as "too close to 1.0").
-  c.replay.adaptive_entropy_threshold = 0.99
-  # A-SW-GRASP switch entropy over: 'eligible' classes (still holding an unreplayed image) |
-  # 'all' classes with a buffer member (released code).
-  c.replay.adaptive_entropy_classes = "eligible"
-  # A class that runs out of unreplayed images within one retrieval call (compositions with a
-  # class step, and A-SW-GRASP): 'fallback' (its slot draws among the remaining images) |
-  # 'redraw' (released code: balanced skips the class, similarity-weighted redraws the class).
-  c.replay.exhausted_class = "fallback"
-  # Draw within a class where the paper draws uniformly (A-SW-GRASP's SWIL slots, the ASER
-  # variants' candidate sets): 'uniform' (paper, released default) | 'grasp' (prototype-weighted
-  # with grasp_weight: the released option bal_prob_type='GRASP').
-  c.replay.within_class_weighting = "uniform"
-  _aser_section(c)
-  # Analysis records (paper Figs. 3-5) in <workdir>/records/<dataset>.npz.
-  c.replay.records = True
-  # Lookahead (owl_cl.replay.setup `Replay.look_ahead`): while step t trains, step t+1's
-  # retrieval is dispatched and its replay batch gathered from the store and transferred in a
-  # background thread. Exact, hence on, where the retrieval reads no parameters (uniform,
-  # uniform_balanced, grasp and their dedup variants: the same indices, replay state, records
-  # and parameters bit for bit; not across a dedup reset, where it is redone). False: the
-  # serial loop (retrieval, then gather, then train step).
-  c.replay.lookahead = True
-  # Feature-based retrievals (SWIL, ASER, ... and the paper's loss adaptivity) read the
-  # parameters: True computes step t+1's features (and new-image losses) from the parameters
-  # before step t's update, one step stale, so that they, the retrieval and the gather also
-  # overlap step t. An approximation, not in the paper: results differ from False (the
-  # default, exact), and a run resumed from a step checkpoint computes its first step's
-  # features from the current parameters. Needs lookahead.
-  c.replay.stale_retrieval = False
-  c.replay.top_k = 8  # k class embeddings per image
-  # The buffer store keeps its images by reference and decodes them from the pre-training set
-  # when replayed (docs/reference.md §6). image_cache: a folder on local disk where each buffer
-  # image's resized uint8 pixels are kept once decoded (up to S*S*3 bytes per buffer image,
-  # filled lazily), so later replays read them instead of decoding again; a relative path lies
-  # inside cache_dir, an absolute one (e.g. a local NVMe '/tmp/owl_cl_replay_images'; '~' and
-  # $VARS expanded) anywhere; None: decode at every replay. On for the built-in benchmark
-  # (its 306 images at 64 px: 3.8 MB; decoding them instead costs ~6% of a CPU step); off in
-  # 'paper', whose 54k images at 840 px would take about 115 GB.
-  c.replay.image_cache = ml_collections.config_dict.placeholder(str)
-  c.replay.image_cache = "replay_images"
-  # How the cached replay store is checked against its manifest when a run loads it
-  # (docs/stored_state.md): 'full' hashes every file before the run (about 1-2 GB/s per core);
-  # 'lazy' checks the sizes and the small files at once and each 16 MiB chunk of the per-image
-  # arrays when a replay first reads it (a damaged chunk ends the run with an error naming the
-  # file and sets the store aside, so the next run rebuilds it).
-  c.replay.store_verification = "full"
-  _loss_adaptivity_section(c)
-  _buffer_selection_section(c)
-
-
-def _aser_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.replay.aser` (the ASV algorithms)."""
-  # Adversarial Shapley value (ASER, ASER-PC, SW-ASER-PC; paper suppl. Table 7, docs/reference.md
-  # §7).
-  c.replay.aser = ml_collections.ConfigDict()
-  # N_c candidates per call; None = the algorithm's paper value (ASER 168, *-PC 352).
-  c.replay.aser.num_candidates = ml_collections.config_dict.placeholder(int)
-  c.replay.aser.knn_k = 20  # K of the KNN-SV recursion
-  c.replay.aser.asv_c = 0.15  # c of eq. 4 (dynamic w)
-  c.replay.aser.asv_token_matching = "all_to_all"  # paper | 'nearest_token' (released code)
-  c.replay.aser.asv_distance = "l2"  # 'l2' (released code) | 'cosine'
-  c.replay.aser.asv_weight_reduction = "min"  # eq. 4 min/min (paper) | 'max' (released code)
-  # Images per chunk of the ASER-PC precomputation (rounded up to a multiple of the devices; the
-  # chunk's rows are split over them; memory per device ~10 float32 [chunk/devices*k, N*k]).
-  c.replay.aser.asv_chunk_size = 64
-  # False: ASV = -(right term), no value-to-the-buffer term (released option no_buff=True).
-  c.replay.aser.asv_left_term = True
-  # Shapley value of both ASV terms: 'knn' (paper, released default) | 'tknn' (released option
-  # SV_type='TKNN': thresholded KNN-SV, docs/reference.md §7).
-  c.replay.aser.asv_shapley = "knn"
-  # 'tknn': candidates at distance >= this do not count (released l2_thresh; None: none).
-  c.replay.aser.asv_distance_threshold = ml_collections.config_dict.placeholder(float)
-  c.replay.aser.tknn_num_classes = 400.0  # 'tknn': C of the (u - 1/C) term (released 400)
-  # SW-ASER-PC candidate sets: 'shared' (paper: top candidates of one set) | 'per_image'
-  # (released option caser.balanced=True: each new image draws N_c / B candidates from its own
-  # SWIL class and replays the best of them).
-  c.replay.aser.candidate_subsets = "shared"
-  # Tokens the ASV's KNN distances compare: 'class_embeddings' (paper, released default) |
-  # 'image_features' (released option cls_embeds=False: the ViT's output tokens; the buffer
-  # then also stores them, [N, k, D]).
-  c.replay.aser.asv_features = "class_embeddings"
-
-
-def _loss_adaptivity_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.replay.loss_adaptivity` (docs/reference.md §9)."""
-  # Loss adaptivity (paper §4 eqs. 5-6, Table 4; docs/reference.md §9). mode: 'none' (1:1 replay,
-  # the
-  # paper's main results); 'paper' (replay only for the r new images whose pre-step loss
-  # exceeds l, L_T = L_B + (r/|B|) L_R; needs ratio 1); 'released_gate' (the released code:
-  # drop L_R on steps whose mean new loss is below l; replays still retrieved and marked).
-  # The paper gives no value of l (Table 4 reports the resulting replay fractions, 97% and
-  # 85%; the released code's `replay_thresh` has no default): 0.3 here, the buffer loss
-  # threshold, i.e. "replay for new images not yet learned as well as the buffer images".
-  c.replay.loss_adaptivity = ml_collections.ConfigDict()
-  c.replay.loss_adaptivity.mode = "none"  # none | paper | released_gate
-  c.replay.loss_adaptivity.threshold = 0.3  # l, in units of the detection loss
-  # 'released_gate' as in the released code: True gates each device's replay loss on its own
-  # new loss (make_train_step's loss_gate_groups = the device count) ...
-  c.replay.loss_adaptivity.gate_per_device = False
-  # ... and True applies the gate only to the feature-based algorithms (swil, sw_grasp,
-  # a_sw_grasp, aser, aser_pc, sw_aser_pc); the others then train with mode 'none'.
-  c.replay.loss_adaptivity.gate_feature_based_only = False
-
-
-def _buffer_selection_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.replay.selection` (the one-off buffer selection, paper eq. 7) and the budget."""
-  # Replay budget (docs/baselines.md): None keeps eq. 7's buffer; a float in (0, 1] is a
-  # fraction of the pre-training set (0.001 / 0.01 / 0.1), an int an image count; the buffer
-  # is then brought to exactly that size (owl_cl.replay.buffer_selection.apply_budget).
-  c.replay.budget = ml_collections.config_dict.placeholder(object)
-  c.replay.selection = ml_collections.ConfigDict()
-  c.replay.selection.loss_threshold = 0.3  # eq. 7: keep images with pre-trained loss < t
-  c.replay.selection.min_per_class = 20  # then top up each class to this many images
-  c.replay.selection.fill_all_for_rare_classes = False  # released code: add all of them
-  c.replay.selection.max_instances_per_prototype = 6
-  # Prototype distance: min over at most this many of an image's class-c tokens (None: all
-  # its instances, the paper; 6: the released code's top-n_c prototype tokens).
-  c.replay.selection.distance_max_instances = ml_collections.config_dict.placeholder(int)
-  c.replay.selection.drop_images_without_class = False  # True: released code
-  # Order in which classes are topped up: 'class_index' | 'first_appearance' (released code).
-  c.replay.selection.top_up_order = "class_index"
-  # Images the class prototypes average over: 'buffer' (the selected images) | 'all' (every
-  # image of the pre-training set, released code).
-  c.replay.selection.prototype_images = "buffer"
-  # OWLv2 (docs/owlv2.md): whether the selection loss of eq. 7 includes the objectness term
-  # (at loss.objectness_weight). False: the v1 detection loss, the units of loss_threshold.
-  c.replay.selection.objectness_in_loss = False
+  """Fills `c.replay` from its spec (`owl_cl.replay.spec.ReplaySpec`: every field's default,
+  rule and doc; docs/reference.md §6-§9)."""
+  c.replay = config_spec.defaults(replay_spec.ReplaySpec)
 
 
 def _eval_section(c: ml_collections.ConfigDict) -> None:

@@ -1,8 +1,9 @@
 """Replay as the training loop sees it, built from the config.
 
 - `make_algorithm(config)`: the retrieval algorithm of `config.replay.algorithm`.
-- `build_store(detector, benchmark, params, pretrain_meta)`: the host `ReplayStore` over
-  the pre-training set (selected once, cached under `cache_dir/buffers`).
+- `build_store(detector, benchmark, params, key_material=...)`: the host `ReplayStore` over
+  the pre-training set (selected once, cached under `cache_dir/buffers` by
+  `cache_keys.buffer_key_material`).
 - `make_replay(...)`: the object the step loop calls. `Replay` prepares the device buffer
   before a dataset and, per step, computes the new images' features, retrieves, gathers the
   replayed examples (or takes them prepared during the previous step: `Replay.look_ahead`),
@@ -17,6 +18,7 @@ device arrays (`ReplayBuffer`), the *replay state* the retrieval's counters and 
 from __future__ import annotations
 
 from concurrent import futures
+import dataclasses
 import os
 import time
 from typing import Any, NamedTuple
@@ -28,17 +30,13 @@ import ml_collections
 
 from owl_cl import distributed
 from owl_cl import preemption
-from owl_cl.cache_keys import builtin_version_key
-from owl_cl.cache_keys import cache_key_fields
-from owl_cl.cache_keys import init_checkpoint_model_key
-from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
-from owl_cl.config_fields import loss_adaptivity_mode
 from owl_cl.config_fields import seed_of
 from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.model import get_variant_config
 from owl_cl.replay import build as buffer_build
 from owl_cl.replay import records as records_lib
+from owl_cl.replay import spec as replay_spec
 from owl_cl.replay import state as replay_state_lib
 from owl_cl.replay import store_cache
 from owl_cl.replay.retrieval import dedup
@@ -48,7 +46,6 @@ from owl_cl.train import step as step_lib
 from owl_cl.train import step_cache
 from owl_cl.train import timing
 from owl_cl.utils import expand_path
-from owl_cl.utils import file_digest
 
 # The arrays of a replayed example the train step consumes (`replay_active` is added when the
 # loss adaptivity decides per slot).
@@ -58,25 +55,34 @@ OWLV2_REPLAY_INPUTS = ("stored_objectness",)
 
 
 def make_algorithm(config: ml_collections.ConfigDict):
-  """The retrieval algorithm named by config.replay.algorithm with its hyperparameters.
-
-  Every hyperparameter the algorithm accepts (`registry.ALGORITHMS[name]
-  .hyperparameter_names`) is the `config.replay` (or `config.replay.aser`) field of the same
-  name, None = the algorithm's default; the dedup schedule
-  from `replay.dedup` (+ `replay.dedup_fraction` for 'fraction').
+  """The retrieval algorithm of `config.replay` (`algorithm_of` its typed settings).
 
   Raises:
-    ConfigError: unknown algorithm, dedup schedule or option value (naming the field).
+    ConfigError: a bad `config.replay` field (`replay.spec.settings`), an unknown algorithm or
+      a hyperparameter the algorithm refuses (naming the field).
   """
-  replay_config = config.replay
-  name = replay_config.algorithm
+  return algorithm_of(replay_spec.settings(config))
+
+
+def algorithm_of(settings: replay_spec.ReplaySpec):
+  """The retrieval algorithm named by `settings.algorithm` with its hyperparameters.
+
+  Every hyperparameter the algorithm accepts (`registry.ALGORITHMS[name]
+  .hyperparameter_names`) is the `replay` (or `replay.aser`) field of the same name
+  (`retrieval.spec.RetrievalSpec`), None = the algorithm's default; the dedup schedule from
+  `replay.dedup` (+ `replay.dedup_fraction` for 'fraction').
+
+  Raises:
+    ConfigError: an unknown algorithm ('none' included: it has no algorithm) or a value the
+      algorithm refuses (naming the field).
+  """
+  name = settings.algorithm
   if name not in registry.ALGORITHMS:
     raise ConfigError(
-      f"config.replay.algorithm={name!r} is unknown; known: "
-      f"{sorted(registry.ALGORITHMS) + ['none']}"
+      f"config.replay.algorithm={name!r} is unknown; known: {replay_spec.algorithm_names()}"
     )
-  # Config fields are named like the algorithm's arguments: passed straight through.
-  values = {**replay_config.to_dict(), **replay_config.aser.to_dict()}
+  # Fields are named like the algorithm's arguments: passed straight through.
+  values = {**dataclasses.asdict(settings), **dataclasses.asdict(settings.aser)}
   hyperparameters = {
     argument: values[argument]
     for argument in registry.ALGORITHMS[name].hyperparameter_names
@@ -84,10 +90,10 @@ def make_algorithm(config: ml_collections.ConfigDict):
   }
   try:
     schedule = dedup.DedupSchedule(
-      replay_config.dedup,
-      replay_config.dedup_fraction if replay_config.dedup == "fraction" else None,
-      without_replacement=replay_config.dedup_without_replacement,
-      fraction_reset=replay_config.dedup_fraction_reset,
+      settings.dedup,
+      settings.dedup_fraction if settings.dedup == "fraction" else None,
+      without_replacement=settings.dedup_without_replacement,
+      fraction_reset=settings.dedup_fraction_reset,
     )
     return registry.get_algorithm(name, dedup=schedule, **hyperparameters)
   except ValueError as e:
@@ -103,32 +109,34 @@ def check_replay_config(config: ml_collections.ConfigDict) -> None:
   """The replay settings, checked before any work (no-op for retrieval 'none').
 
   Raises:
-    ConfigError: an unknown algorithm / dedup schedule / hyperparameter, an unknown
-      loss-adaptivity mode, mode 'paper' (one replay per new image, paper eq. 5) with
+    ConfigError: a bad `config.replay` field, an unknown algorithm / dedup schedule /
+      hyperparameter, mode 'paper' (one replay per new image, paper eq. 5) with
       `replay.ratio` != 1, or `replay.stale_retrieval` without `replay.lookahead`.
   """
-  if config.replay.algorithm == "none":
+  settings = replay_spec.settings(config)
+  if settings.algorithm == replay_spec.NO_REPLAY:
     return
-  make_algorithm(config)
-  if config.replay.get("stale_retrieval", False) and not config.replay.get("lookahead", True):
+  algorithm_of(settings)
+  if settings.stale_retrieval and not settings.lookahead:
     raise ConfigError(
       "config.replay.stale_retrieval=True computes the next step's retrieval ahead and needs "
       "config.replay.lookahead=True, got False"
     )
   num_replay = num_replay_per_step(config)
-  if loss_adaptivity_mode(config) == "paper" and num_replay != config.train.batch_size:
+  if settings.loss_adaptivity.mode == "paper" and num_replay != config.train.batch_size:
     raise ConfigError(
       f"config.replay.loss_adaptivity.mode='paper' replays one image per new image above "
-      f"the threshold and needs config.replay.ratio=1.0, got {config.replay.ratio}"
+      f"the threshold and needs config.replay.ratio=1.0, got {settings.ratio}"
     )
 
 
 def stores_image_features(config: ml_collections.ConfigDict) -> bool:
   """Whether the buffer and the retrieval features carry the ViT image features (ASER on
   image features: `replay.aser.asv_features='image_features'` with an ASV algorithm)."""
-  names = registry.ALGORITHMS.get(config.replay.algorithm)
-  uses = names is not None and "asv_features" in names.hyperparameter_names
-  return uses and config.replay.aser.get("asv_features", "class_embeddings") == "image_features"
+  settings = replay_spec.settings(config)
+  algorithm = registry.ALGORITHMS.get(settings.algorithm)
+  uses = algorithm is not None and "asv_features" in algorithm.hyperparameter_names
+  return uses and settings.aser.asv_features == "image_features"
 
 
 def model_version(config: ml_collections.ConfigDict) -> str:
@@ -146,7 +154,8 @@ def build_options(detector, source) -> dict:
     ValueError: a selection setting `buffer_build.BufferSpec` refuses (names the field).
   """
   config = detector.config
-  selection = config.replay.selection
+  replay = replay_spec.settings(config)
+  selection = replay.selection
   data = config.data
   buffer_spec = buffer_build.BufferSpec(
     example=detector.example_spec(detector.class_tokens(source)),
@@ -154,17 +163,17 @@ def build_options(detector, source) -> dict:
     loss_threshold=selection.loss_threshold,
     min_per_class=selection.min_per_class,
     fill_all_for_rare_classes=selection.fill_all_for_rare_classes,
-    top_k=config.replay.top_k,
+    top_k=replay.top_k,
     max_per_class=selection.max_instances_per_prototype,
     loss_config=detector.loss_config,
     example_options=detector.example_options(source),
     distance_max_instances=selection.distance_max_instances,
     drop_images_without_class=selection.drop_images_without_class,
     top_up_order=selection.top_up_order,
-    budget=config.replay.get("budget"),
-    prototype_images=selection.get("prototype_images", "buffer"),
+    budget=replay.budget,
+    prototype_images=selection.prototype_images,
     image_features=stores_image_features(config),
-    selection_objectness=bool(selection.get("objectness_in_loss", False)),
+    selection_objectness=selection.objectness_in_loss,
   )
   return dict(
     buffer_spec=buffer_spec,
@@ -174,67 +183,18 @@ def build_options(detector, source) -> dict:
   )
 
 
-def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta: dict) -> dict:
-  """What the replay store's cache key covers: the model (the cached pre-trained model's key
-  `pretrain_meta['cache_key']`, or the init checkpoint's contents and the model fields,
-  `init_checkpoint_model_key`), the pre-training annotations of `source`, the selection
-  settings and budget, the input options, the loss and the seed. Fields added since the first
-  stores enter it only when set, so older caches keep their key. An OWLv2 model's store also
-  holds the objectness logits (`stored_objectness`): 'objectness' in its key, so an OWLv2
-  store of before is rebuilt; v1's key is unchanged.
-
-  Raises:
-    FileNotFoundError: nothing at `config.init_checkpoint` or at `source.annotation_file`.
-  """
-  selection = config.replay.selection
-  data = config.data
-  # An init checkpoint is named by its contents and the config's model fields, not its path
-  # (whose file may change) nor the key in its meta.json (a pre-trained model given as
-  # init_checkpoint names the config it was trained with, not this run's dtype or overrides).
-  if config.init_checkpoint:
-    model = init_checkpoint_model_key(config)
-  else:
-    model = pretrain_meta.get("cache_key")
-  return {
-    "model": model,
-    "pretrain_data": file_digest(source.annotation_file),
-    # prototype_images enters the key only when set (older caches keep their key).
-    "buffer": {
-      k: v
-      for k, v in selection.to_dict().items()
-      if not (k == "prototype_images" and v == "buffer")
-      and not (k == "objectness_in_loss" and not v)
-    },
-    # Only when set, as above (1 and 1.0 differ: a count and the whole set).
-    **({"budget": config.replay.budget} if config.replay.get("budget") is not None else {}),
-    # Only when set, as above: the store then also holds the top-k tokens' ViT features.
-    **({"image_features": True} if stores_image_features(config) else {}),
-    # OWLv2: the store keeps the objectness logits for DER++ (docs/owlv2.md).
-    **({"objectness": True} if model_version(config) == "owlv2" else {}),
-    "top_k": config.replay.top_k,
-    "data": [data.num_queries, data.num_negatives, data.max_instances],
-    "loss": cache_key_fields(config, "loss"),
-    "seed": seed_of(config, "model"),
-    # 2: class embeddings normalised as scenic's class head returns them (1: raw).
-    "format": 2,
-    **non_default_data_options(config, buffer=True),
-    **builtin_version_key(config),
-  }
-
-
-def build_store(detector, benchmark, params, pretrain_meta: dict):
+def build_store(detector, benchmark, params, *, key_material: dict):
   """The replay store over the pre-training set (cached). Returns (store, stats).
 
-  The cache key covers everything the selection depends on (the model, the pre-training
-  annotations, the selection settings, the input options, the loss and the seed). The store
+  `key_material` names the store in the cache: everything the selection depends on (the model,
+  the pre-training annotations, the selection settings, the input options, the loss and the
+  seed; `cache_keys.buffer_key_material`). The store
   keeps its images by reference and decodes them from `benchmark.pretrain.train` when
   gathered, cached as uint8 under `config.replay.image_cache` when set (docs/reference.md §6);
   a store cached by an earlier version with its pixels keeps working from them.
   """
   config = detector.config
   source = benchmark.pretrain.train
-  key_material = buffer_key_material(config, source, pretrain_meta)
-  superseded = ((dict(key_material, format=1), "built with unnormalised class embeddings"),)
 
   def build(path, build_dir, build_key):
     preemption.checkpoint_event("buffer")  # test-only kill hook (a no-op otherwise)
@@ -256,17 +216,16 @@ def build_store(detector, benchmark, params, pretrain_meta: dict):
     os.path.join(expand_path(config.cache_dir), "buffers"),
     key_material,
     build,
-    superseded,
     source=source,
     image_cache=image_cache_dir(config),
-    verification=config.replay.get("store_verification", "full"),
+    verification=replay_spec.settings(config).store_verification,
   )
 
 
 def image_cache_dir(config: ml_collections.ConfigDict) -> str | None:
   """The replay image cache's folder: `replay.image_cache` ('~' and $VARS expanded; a relative
   path inside `cache_dir`), or None when it is unset or '' (decode at every replay)."""
-  folder = config.replay.get("image_cache")
+  folder = replay_spec.settings(config).image_cache
   if not folder:
     return None
   folder = os.path.expandvars(os.path.expanduser(folder))
@@ -444,9 +403,10 @@ class Replay:
     sharding_lib.check_batch_divisible(
       self.num_replay, detector.mesh, "replay batch (ratio * batch)"
     )
-    self.algorithm = make_algorithm(config)
-    gate = config.replay.loss_adaptivity
-    self.adaptivity = loss_adaptivity_mode(config)
+    settings = replay_spec.settings(config)
+    self.algorithm = algorithm_of(settings)
+    gate = settings.loss_adaptivity
+    self.adaptivity = gate.mode
     if (
       self.adaptivity == "released_gate"
       and gate.gate_feature_based_only
@@ -457,9 +417,9 @@ class Replay:
       self.adaptivity = "none"
     self.threshold = float(gate.threshold)
     self.train_step_options = {
-      "alpha": config.replay.der_alpha,
-      "beta": config.replay.der_beta,
-      "objectness_distill_weight": config.replay.get("der_objectness_weight", 1.0),
+      "alpha": settings.der_alpha,
+      "beta": settings.der_beta,
+      "objectness_distill_weight": settings.der_objectness_weight,
       "with_replay": True,
       "loss_adaptivity": self.adaptivity,
       "loss_threshold": self.threshold,
@@ -470,7 +430,7 @@ class Replay:
     }
     self.records_path = records_path
     self.recorder = None
-    records = bool(config.replay.records and records_path)
+    records = bool(settings.records and records_path)
     if records:
       self.recorder = records_lib.RetrievalRecords(
         store.num_classes, getattr(self.algorithm, "num_candidates", 0)
@@ -483,7 +443,7 @@ class Replay:
       ("retrieve", self.algorithm, records), lambda: jax.jit(retrieve, static_argnums=3)
     )
     self.buffer = None
-    top_k = config.replay.top_k if self.algorithm.needs_features else None
+    top_k = settings.top_k if self.algorithm.needs_features else None
     # 'paper': one eval-mode forward gives the new images' losses (and the features).
     image_features = stores_image_features(config)
     self._new_losses = (
@@ -522,10 +482,10 @@ class Replay:
     # replay.stale_retrieval allows its features one step old, None: serial.
     reads_params = self._new_losses is not None or self._embed is not None
     self.lookahead = None
-    if config.replay.get("lookahead", True):
+    if settings.lookahead:
       if not reads_params:
         self.lookahead = "exact"
-      elif config.replay.get("stale_retrieval", False):
+      elif settings.stale_retrieval:
         self.lookahead = "stale"
     self._ahead: _Ahead | None = None
     self._thread: futures.ThreadPoolExecutor | None = None

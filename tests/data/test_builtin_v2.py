@@ -22,7 +22,6 @@ from owl_cl.config_fields import ConfigError
 from owl_cl.configs import base
 from owl_cl.data import builtin as B
 from owl_cl.data.builtin import vocabulary as V
-from owl_cl.replay import setup as replay_setup
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools")
 
@@ -244,8 +243,8 @@ def test_version_in_cache_keys(tmp_path):
   ann.write_text("{}")
   source = ml_collections.ConfigDict({"annotation_file": str(ann)})
   meta = {"cache_key": "model"}
-  assert "builtin_version" not in replay_setup.buffer_key_material(v1, source, meta)
-  assert replay_setup.buffer_key_material(v2c, source, meta)["builtin_version"] == 2
+  assert "builtin_version" not in cache_keys.buffer_key_material(v1, source, meta)
+  assert cache_keys.buffer_key_material(v2c, source, meta)["builtin_version"] == 2
 
 
 def test_run_benchmark_evaluates_the_tail_set(tmp_path):

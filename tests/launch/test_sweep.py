@@ -8,6 +8,10 @@ import sys
 
 import pytest
 
+from owl_cl import configs
+from owl_cl.replay.retrieval import registry
+from owl_cl.testing.configs import load_config
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = os.path.join(REPO, "launch")
 _spec = importlib.util.spec_from_file_location("launch_sweep", os.path.join(LAUNCH, "sweep.py"))
@@ -15,27 +19,21 @@ sweep = importlib.util.module_from_spec(_spec)
 sys.modules["launch_sweep"] = sweep  # dataclasses look the module up
 _spec.loader.exec_module(sweep)
 
-ALGORITHMS = [
-  "a_sw_grasp",
-  "aser",
-  "aser_pc",
-  "grasp",
-  "heads_only",
-  "joint",
-  "lora",
-  "lwf",
-  "no_replay",
-  "per_task",
-  "sw_aser_pc",
-  "sw_grasp",
-  "swil",
-  "uniform",
-  "uniform_balanced",
-]
+# The registries: every retrieval algorithm and every baseline is an algorithm of a sweep.
+ALGORITHMS = sorted(set(registry.ALGORITHMS) | set(configs.BASELINES))
 
 
-def test_known_algorithms_are_the_configs():
+def test_known_algorithms_are_the_registries_and_each_has_its_config():
   assert sweep.known_algorithms() == ALGORITHMS
+  files = {os.path.splitext(f)[0] for f in os.listdir(os.path.dirname(configs.__file__))}
+  files -= {"base", "__init__", "__pycache__", "examples"}
+  # Every config file is an algorithm or a protocol, and every algorithm has its file.
+  assert files == set(ALGORITHMS) | set(configs.PROTOCOLS)
+  for name in registry.ALGORITHMS:  # a retrieval algorithm's config sets it
+    assert load_config(name).replay.algorithm == name
+  assert sweep.known_algorithms(os.path.dirname(configs.__file__)) == sorted(
+    set(ALGORITHMS) | set(configs.PROTOCOLS)
+  )
 
 
 def test_exact_commands_small_grid(capsys):

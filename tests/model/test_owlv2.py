@@ -215,26 +215,26 @@ def test_train_step_distils_stored_objectness_at_the_kept_tokens(tiny, top_k):
 
 def test_buffer_key_and_selection_objectness_rules(tmp_path):
   """An OWLv2 store (it keeps the objectness logits) has 'objectness' in its key, v1's key
-  has no new entry; `replay.selection.objectness_in_loss` enters the key only when True and
-  is refused up front for a v1 model or a zero objectness weight."""
+  has no such entry; `replay.selection.objectness_in_loss` enters the key (from the replay
+  spec) and is refused up front for a v1 model or a zero objectness weight."""
   import types
 
+  from owl_cl import cache_keys
   from owl_cl import validation
   from owl_cl.configs import base
-  from owl_cl.replay import setup as replay_setup
 
   annotations = tmp_path / "instances.json"
   annotations.write_text('{"images": []}')
   source = types.SimpleNamespace(annotation_file=str(annotations))
 
   def key(config):
-    return replay_setup.buffer_key_material(config, source, {"cache_key": "m"})
+    return cache_keys.buffer_key_material(config, source, {"cache_key": "m"})
 
   v1, v2 = base.get_config(""), base.get_config("owlv2")
-  assert "objectness" not in key(v1) and "objectness_in_loss" not in key(v1)["buffer"]
-  assert key(v2)["objectness"] is True and "objectness_in_loss" not in key(v2)["buffer"]
+  assert "objectness" not in key(v1) and not key(v1)["replay"]["selection"]["objectness_in_loss"]
+  assert key(v2)["objectness"] is True and not key(v2)["replay"]["selection"]["objectness_in_loss"]
   v2.replay.selection.objectness_in_loss = True
-  assert key(v2)["buffer"]["objectness_in_loss"] is True
+  assert key(v2)["replay"]["selection"]["objectness_in_loss"] is True
   assert validation.model_problems(v2) == []
   v2.loss.objectness_weight = 0.0
   (problem,) = validation.model_problems(v2)

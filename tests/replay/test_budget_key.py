@@ -1,10 +1,10 @@
-"""`replay.budget` enters the replay store's cache key only when set (docs/baselines.md)."""
+"""`replay.budget` enters the replay store's cache key (docs/baselines.md)."""
 
 import types
 
 import pytest
 
-from owl_cl.replay import setup as replay_setup
+from owl_cl import cache_keys
 from owl_cl.testing.configs import tiny_config
 from owl_cl.utils import digest
 
@@ -18,16 +18,17 @@ def key(tmp_path):
 
   def material(budget):
     config.replay.budget = budget
-    return replay_setup.buffer_key_material(config, source, {"cache_key": "m"})
+    return cache_keys.buffer_key_material(config, source, {"cache_key": "m"})
 
   return material
 
 
 def test_budget_changes_the_buffer_key(key):
   unset = key(None)
-  assert "budget" not in unset  # stores built before the field existed keep their key
+  assert unset["replay"]["budget"] is None
   keys = [key(b) for b in (0.01, 0.1, 500, 1, 1.0)]
-  assert [k["budget"] for k in keys] == [0.01, 0.1, 500, 1, 1.0]
-  assert all({**k, "budget": None} == {**unset, "budget": None} for k in keys)
-  # The store cache's digest (sorted-key JSON): a count of 1 and the whole set (1.0) differ.
+  assert [k["replay"]["budget"] for k in keys] == [0.01, 0.1, 500, 1, 1.0]
+  # Nothing else changes, and the store cache's digest (sorted-key JSON) tells a count of 1
+  # from the whole set (1.0).
+  assert all({**k, "replay": {**k["replay"], "budget": None}} == unset for k in keys)
   assert len({digest(k) for k in [unset, *keys]}) == 6

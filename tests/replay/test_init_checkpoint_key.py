@@ -8,7 +8,6 @@ import types
 import pytest
 
 from owl_cl import cache_keys
-from owl_cl.replay import setup as replay_setup
 from owl_cl.testing.configs import tiny_config
 from owl_cl.utils import digest
 from owl_cl.utils import file_digest
@@ -48,9 +47,9 @@ def test_another_checkpoint_file_at_the_same_path_changes_the_key(tmp_path, sour
   config.init_checkpoint = str(tmp_path / "weights.msgpack")
   (tmp_path / "weights.msgpack").write_bytes(b"model A")
   meta = {"source": config.init_checkpoint, "format": "scenic"}
-  first = replay_setup.buffer_key_material(config, source, meta)
+  first = cache_keys.buffer_key_material(config, source, meta)
   _write_same_size(config.init_checkpoint, b"model B")
-  second = replay_setup.buffer_key_material(config, source, meta)
+  second = cache_keys.buffer_key_material(config, source, meta)
   assert digest(first) != digest(second)
   # An owl_cl parameter folder (a cached pre-trained model given as init_checkpoint): its
   # meta.json's key names the config it was trained with, the same for both files.
@@ -59,14 +58,14 @@ def test_another_checkpoint_file_at_the_same_path_changes_the_key(tmp_path, sour
   (folder / "params" / "data").write_bytes(b"weights A")
   meta = {"cache_key": "0123456789abcdef"}
   config.init_checkpoint = str(folder)
-  first = replay_setup.buffer_key_material(config, source, meta)
+  first = cache_keys.buffer_key_material(config, source, meta)
   _write_same_size(folder / "params" / "data", b"weights B")
-  second = replay_setup.buffer_key_material(config, source, meta)
+  second = cache_keys.buffer_key_material(config, source, meta)
   assert digest(first) != digest(second)
   # The same contents elsewhere select the same buffer: the path is not in the key.
   shutil.copytree(folder, tmp_path / "copy")
   config.init_checkpoint = str(tmp_path / "copy")
-  assert replay_setup.buffer_key_material(config, source, meta) == second
+  assert cache_keys.buffer_key_material(config, source, meta) == second
 
 
 @pytest.mark.parametrize("field", sorted(MODEL_CHANGES))
@@ -77,12 +76,12 @@ def test_each_model_field_that_changes_outputs_changes_the_key(tmp_path, source,
   meta = {"cache_key": "0123456789abcdef"}
   (tmp_path / "vocab").mkdir()
   (tmp_path / "vocab" / "vocab.json").write_text('{"a</w>": 0}')
-  before = replay_setup.buffer_key_material(config, source, meta)
+  before = cache_keys.buffer_key_material(config, source, meta)
   change = MODEL_CHANGES[field]
   if field == "tokenizer_vocab_path":
     change = str(tmp_path / change)
   config.model[field] = change
-  after = replay_setup.buffer_key_material(config, source, meta)
+  after = cache_keys.buffer_key_material(config, source, meta)
   assert after["model"] != before["model"]
   assert after["model"][field] == change
 
@@ -98,13 +97,13 @@ def test_another_vocabulary_at_the_same_path_changes_the_key(tmp_path, source):
   (folder / "vocab.json").write_text('{"a</w>": 0}')
   (folder / "merges.txt").write_text("#version: 0.2\n")
   config.model.tokenizer_vocab_path = str(folder)
-  keys = [replay_setup.buffer_key_material(config, source, {})["model"]]
+  keys = [cache_keys.buffer_key_material(config, source, {})["model"]]
   (folder / "model.safetensors").write_bytes(b"weights")  # not a vocabulary file
-  keys.append(replay_setup.buffer_key_material(config, source, {})["model"])
+  keys.append(cache_keys.buffer_key_material(config, source, {})["model"])
   (folder / "merges.txt").write_text("#version: 0.2\na b\n")
-  keys.append(replay_setup.buffer_key_material(config, source, {})["model"])
+  keys.append(cache_keys.buffer_key_material(config, source, {})["model"])
   config.model.tokenizer_vocab_path = str(folder / "vocab.json")  # the file, merges beside it
-  keys.append(replay_setup.buffer_key_material(config, source, {})["model"])
+  keys.append(cache_keys.buffer_key_material(config, source, {})["model"])
   assert keys[0] == keys[1] != keys[2]
   assert keys[3]["vocabulary"] == keys[2]["vocabulary"]
 
@@ -115,16 +114,16 @@ def test_the_fields_listed_are_every_model_field(tmp_path, source):
   assert set(config.model) == set(MODEL_CHANGES) | set(NOT_IN_KEY)
   config.init_checkpoint = str(tmp_path / "weights.msgpack")
   (tmp_path / "weights.msgpack").write_bytes(b"model A")
-  before = replay_setup.buffer_key_material(config, source, {})
+  before = cache_keys.buffer_key_material(config, source, {})
   config.model.update(NOT_IN_KEY)
-  assert replay_setup.buffer_key_material(config, source, {}) == before
+  assert cache_keys.buffer_key_material(config, source, {}) == before
 
 
 def test_without_init_checkpoint_the_key_is_the_pretrained_models(tmp_path, source):
   """The cached pre-trained model's key already covers the model fields: a buffer built on
   it keeps the key it had before init checkpoints were digested."""
   config = tiny_config("uniform", str(tmp_path / "cache"))
-  assert replay_setup.buffer_key_material(config, source, {"cache_key": "m"})["model"] == "m"
+  assert cache_keys.buffer_key_material(config, source, {"cache_key": "m"})["model"] == "m"
 
 
 def test_checkpoint_digest_names_each_file_by_path_and_contents(tmp_path):

@@ -1,5 +1,6 @@
 """Retrieval algorithms by their paper Table 2 names: what configs and `replay.setup` call.
 
+`ALGORITHMS` is the registry (`register` adds to it).
 `get_algorithm(name, dedup=..., **hyperparameters)` looks a name up in `ALGORITHMS`, rejects
 unknown hyperparameters and option values, and builds the algorithm. The call protocol of
 what it returns: `owl_cl.replay.retrieval` (package docstring). Source: paper Table 2, suppl.
@@ -13,12 +14,8 @@ from typing import Any
 
 from owl_cl.replay.retrieval import adaptive
 from owl_cl.replay.retrieval import asv
-from owl_cl.replay.retrieval import class_selection
-from owl_cl.replay.retrieval import compose
 from owl_cl.replay.retrieval import dedup as dedup_lib
-from owl_cl.replay.retrieval import knn_shapley
-from owl_cl.replay.retrieval import sample_selection
-from owl_cl.replay.retrieval import steps
+from owl_cl.replay.retrieval import spec
 from owl_cl.replay.retrieval.compose import Composition
 from owl_cl.replay.retrieval.steps import balanced_step
 from owl_cl.replay.retrieval.steps import prototype_weighted_step
@@ -27,6 +24,8 @@ from owl_cl.replay.retrieval.steps import uniform_in_class_step
 from owl_cl.replay.retrieval.steps import uniform_step
 
 # The Table 2 compositions (hyperparameter defaults: paper suppl. Table 7 / docs/reference.md §7).
+# The one list of retrieval algorithms: configs, validation, the sweep script, the docs' table
+# and the tests iterate it; `register` adds one from another module.
 ALGORITHMS: dict[str, Any] = {
   "uniform": Composition(None, uniform_step),
   "uniform_balanced": Composition(balanced_step, uniform_in_class_step),
@@ -38,6 +37,31 @@ ALGORITHMS: dict[str, Any] = {
   "aser_pc": asv.AsvComposition(balanced_step, precomputed=True, num_candidates=352),
   "sw_aser_pc": asv.AsvComposition(similarity_weighted_step, precomputed=True, num_candidates=352),
 }
+
+
+def register(name: str, entry: Any) -> Any:
+  """Adds the retrieval algorithm `entry` to `ALGORITHMS` under `name` and returns it.
+
+  `entry` is what `get_algorithm` builds from: a `compose.Composition` of a class step and a
+  sample step (docs/extending.md, "A retrieval algorithm"), or an object with the same
+  `hyperparameter_names` and `build(name, dedup, hyperparameters)`. Every hyperparameter of
+  its steps must be a field of `spec.RetrievalSpec` (checked here), so the config passes it on
+  and validates it. From then on `name` is a valid `replay.algorithm`.
+
+  Raises:
+    ValueError: `name` already registered or 'none', or a hyperparameter that
+      `spec.RetrievalSpec` does not define (listing them).
+  """
+  if name in ALGORITHMS or name == "none":
+    raise ValueError(f"retrieval algorithm {name!r} is already registered")
+  unknown = sorted(set(entry.hyperparameter_names) - set(spec.hyperparameter_rules()))
+  if unknown:
+    raise ValueError(
+      f"retrieval algorithm {name!r} takes hyperparameters {unknown} that are no field of "
+      "replay.spec.RetrievalSpec: add them there (default, rule, doc)"
+    )
+  ALGORITHMS[name] = entry
+  return entry
 
 
 def get_algorithm(
@@ -81,26 +105,8 @@ def get_algorithm(
 
 
 def _check_option_values(hp: Mapping[str, Any]):
-  choices = {
-    "balanced_order": steps.BALANCED_ORDERS,
-    "adaptive_entropy_classes": adaptive.ADAPTIVE_ENTROPY_CLASSES,
-    "swil_reduction": class_selection.SWIL_REDUCTIONS,
-    "exhausted_class": compose.EXHAUSTED_CLASS,
-    "asv_token_matching": knn_shapley.TOKEN_MATCHING,
-    "asv_distance": knn_shapley.DISTANCES,
-    "asv_weight_reduction": sample_selection.WEIGHT_REDUCTIONS,
-    "within_class_weighting": steps.WITHIN_CLASS_WEIGHTINGS,
-    "asv_shapley": knn_shapley.SHAPLEY,
-    "asv_left_term": (True, False),
-    "candidate_subsets": asv.CANDIDATE_SUBSETS,
-    "asv_features": asv.ASV_FEATURES,
-  }
-  for field, allowed in choices.items():
-    if field in hp and hp[field] not in allowed:
-      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} is not one of {allowed}")
-  for field in ("num_candidates", "knn_k", "asv_chunk_size"):
-    if field in hp and int(hp[field]) < 1:
-      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be >= 1")
-  for field in ("asv_distance_threshold", "tknn_num_classes"):
-    if field in hp and hp[field] is not None and not float(hp[field]) > 0:
-      raise ValueError(f"retrieval hyperparameter {field}={hp[field]!r} must be > 0")
+  """Each hyperparameter's value against the rule of its config field (`spec.RetrievalSpec`)."""
+  rules = spec.hyperparameter_rules()
+  for field, value in hp.items():
+    if problem := rules[field](value):
+      raise ValueError(f"retrieval hyperparameter {field}={value!r} {problem}")
