@@ -31,6 +31,7 @@ from owl_cl import config_fields
 from owl_cl.config_fields import uses_real_data
 from owl_cl.data import builtin
 from owl_cl.data import coco
+from owl_cl.data import data_spec
 from owl_cl.data import entries as entries_lib
 from owl_cl.data import odinw
 from owl_cl.data import orders
@@ -337,7 +338,7 @@ def _load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
 def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Benchmark:
   """The Benchmark of `declared` entries; undeclared roles from `default` (built-in)."""
   pretrain_eval, held_out_eval = PRETRAIN_EVAL, HELD_OUT_EVAL
-  exif = config.data.get("exif_orientation", "ignore")
+  exif = data_spec.settings(config).exif_orientation
   load = _SplitLoader(exif_orientation=exif)
   if declared["pretrain"] is None:
     pretrain = default.pretrain
@@ -426,19 +427,11 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
 
 def _builtin_benchmark(config: ml_collections.ConfigDict):
   """(generated BuiltinBenchmark, its Benchmark: sequence ordered by sequence_seed)."""
-  settings = config.data.builtin
+  # `data.builtin`'s fields are `ensure_benchmark`'s keywords; a config (run.json) that
+  # predates a field (version 2's `version`, `num_tail_val`) gets its default, version 1's.
+  settings = data_spec.settings(config).builtin
   bench = builtin.ensure_benchmark(
-    os.path.join(expand_path(config.cache_dir), "builtin"),
-    # Fields added with version 2: a config (run.json) that predates them is version 1.
-    version=settings.get("version", 1),
-    num_tail_val=settings.get("num_tail_val", 200),
-    seed=settings.seed,
-    num_pretrain_train=settings.num_pretrain_train,
-    num_pretrain_val=settings.num_pretrain_val,
-    num_held_out_val=settings.num_held_out_val,
-    num_downstream_train=settings.num_downstream_train,
-    num_downstream_test=settings.num_downstream_test,
-    downstream=tuple(settings.downstream),
+    os.path.join(expand_path(config.cache_dir), "builtin"), **dataclasses.asdict(settings)
   )
   pretrain = Dataset("pretrain", bench.pretrain_train.source(), bench.pretrain_val.source())
   held_out = Dataset(HELD_OUT_EVAL, None, bench.held_out_val.source())

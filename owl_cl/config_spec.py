@@ -35,6 +35,11 @@ from owl_cl.config_fields import Rule
 # The metadata keys of a spec field.
 _RULE, _DOC, _KEY, _TYPE, _PRESET = "rule", "doc", "key", "type", "preset"
 
+# `type_` of a None default that any value replaces (a plain None in the ConfigDict, not a
+# typed placeholder): fields holding structures, e.g. `data.sequence`'s list of dataset
+# entries, whose dicts ml_collections then turns into ConfigDicts as users write them.
+UNTYPED = type(None)
+
 
 def field(
   default: Any,
@@ -55,7 +60,7 @@ def field(
       enters that entry's key); otherwise the reason it does not, e.g. 'how a step executes,
       not what it computes'.
     type_: the type of a field whose default is None (ml_collections' placeholder, so that
-      `--config.<field>=<value>` is parsed to it).
+      `--config.<field>=<value>` is parsed to it); `UNTYPED` keeps a plain None.
     preset: the config argument that adds the field (e.g. 'paper'); such a field is absent
       from the base config and checked only when present.
 
@@ -108,7 +113,7 @@ def defaults(spec: type, *, presets: tuple[str, ...] = ()) -> ml_collections.Con
     elif f.metadata[_PRESET] is None or f.metadata[_PRESET] in presets:
       out[f.name] = (
         ml_collections.config_dict.placeholder(f.metadata[_TYPE])
-        if f.default is None
+        if f.default is None and f.metadata[_TYPE] is not UNTYPED
         else f.default
       )
   return out
