@@ -36,6 +36,7 @@ from owl_cl.data import entries as entries_lib
 from owl_cl.data import odinw
 from owl_cl.data import orders
 from owl_cl.data import pretraining
+from owl_cl.data import readers
 from owl_cl.data import real_inputs
 from owl_cl.data import suites
 from owl_cl.utils import digest
@@ -59,10 +60,21 @@ PAPER_DECLARATION = {
   "pretrain": {"name": OBJECTS365_EVAL, "kind": "objects365"},
   "held_out": {"name": LVIS_EVAL, "kind": "lvis", "evaluation": "lvis"},
 }
-_ROOTED = ("odinw", "objects365", "lvis", "coco2017")
-# Labels of the results table's columns for the paper's datasets (else the entry's name);
-# COCO val 2017 as a zero-shot set is the IVLOD papers' "ZCOCO" (docs/ivlod.md).
-_KIND_LABELS = {"objects365": "O365", "lvis": "LVIS", "coco2017": "ZCOCO"}
+
+
+def _rooted(kind) -> bool:
+  """True for a kind whose files sit below the data root (`Reader.root_folder`): an item of
+  it without `root` takes `data.root`."""
+  return isinstance(kind, str) and kind in readers.READERS and bool(readers.get(kind).root_folder)
+
+
+def _label(entry: entries_lib.DatasetEntry | None) -> str:
+  """The results table's column label of a pre-training / held-out / zero-shot set: its
+  reader's (`Reader.label`: 'O365', 'LVIS', 'ZCOCO', COCO val 2017 being the IVLOD papers'
+  "ZCOCO", docs/ivlod.md), else the entry's name."""
+  if entry is None:
+    return "pre-training"
+  return readers.get(entry.kind).label or entry.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +182,7 @@ def declaration(config: ml_collections.ConfigDict) -> dict:
           item["names"] = list(data.odinw_datasets)
         if "subset_seed" not in item and "subset_seed" in data:
           item["subset_seed"] = data.subset_seed
-    elif item.get("kind") in _ROOTED and not item.get("root") and root:
+    elif _rooted(item.get("kind")) and not item.get("root") and root:
       item["root"] = root
       if item.get("kind") == "odinw" and "subset_seed" not in item and "subset_seed" in data:
         item["subset_seed"] = data.subset_seed
@@ -228,8 +240,6 @@ def _eval_split(entry: entries_lib.DatasetEntry) -> str:
 def _protocol(entry: entries_lib.DatasetEntry, split: str, source=True) -> str:
   if source is None:
     return "coco"  # the split could not be read: reported by `_SplitLoader`, never evaluated
-  if entry.evaluation is None and entry.kind in ("objects365", "lvis", "coco2017"):
-    return "lvis" if entry.kind == "lvis" else "coco"  # their jsons are large
   return entries_lib.evaluation_protocol(entry, split)
 
 
@@ -380,11 +390,10 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
   roles = None
   if held_out.evaluation == "lvis" and declared["held_out"] is not None:
     # The paper's columns: pre-training proxy, open-vocabulary AP and its rare classes' APr.
-    label = lambda e: _KIND_LABELS.get(e.kind, e.name) if e is not None else "pre-training"
-    ho_label = label(declared["held_out"])
+    ho_label = _label(declared["held_out"])
     odinw_only = declared["sequence"] and all(e.kind == "odinw" for e in declared["sequence"])
     roles = {
-      "pretrain": {"eval_set": pretrain_eval, "label": label(declared["pretrain"])},
+      "pretrain": {"eval_set": pretrain_eval, "label": _label(declared["pretrain"])},
       "open_vocab": {"eval_set": held_out_eval, "label": ho_label},
       "held_out": {
         "eval_set": held_out_eval,
@@ -396,7 +405,7 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
       "downstream_label": "ODinW mean" if odinw_only else "downstream mean",
     }
     if declared.get("zero_shot"):
-      roles["zero_shot"] = [{"eval_set": e.name, "label": label(e)} for e in declared["zero_shot"]]
+      roles["zero_shot"] = [{"eval_set": e.name, "label": _label(e)} for e in declared["zero_shot"]]
   fingerprint = digest(
     {
       "declared": {
