@@ -285,7 +285,8 @@ def data_options_key(settings: DataSpec, *, buffer: bool = False) -> dict[str, A
   Values as `config_spec.key_material` gives them (tuples as lists, nested sections as
   dicts): `utils.digest`'s JSON of either is the same.
   """
-  material, default = cs.key_material(settings), cs.key_material(DataSpec())
+  # The defaults of the settings' own class: a spec extending DataSpec keys its fields too.
+  material, default = cs.key_material(settings), cs.key_material(type(settings)())
   skip = set(EXAMPLE_FIELDS) | {"builtin"} | ({"augment"} if buffer else set())
   differing = {k: v for k, v in material.items() if k not in skip and v != default[k]}
   return {"data_options": differing} if differing else {}

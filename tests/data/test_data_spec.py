@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 import pytest
 
@@ -9,6 +11,7 @@ from owl_cl import cache_keys
 from owl_cl import config_spec as cs
 from owl_cl import validation
 from owl_cl.config_fields import ConfigError
+from owl_cl.config_fields import real
 from owl_cl.config_fields import uses_real_data
 from owl_cl.config_rules import FIELD_RULES
 from owl_cl.configs import base
@@ -154,3 +157,17 @@ def test_a_bad_value_is_one_line_once():
   config.data.num_queries = 0
   problems = validation.range_problems(config, num_devices=1)
   assert problems == ["config.data.num_queries=0 must be >= 1"]
+
+
+def test_a_field_added_to_the_spec_reaches_config_rules_docs_and_keys():
+  # A spec with one more field (as an edit of DataSpec would add it): no other edit needed.
+  field = cs.field(0.5, real(0.0, 1.0), "A new pipeline option.")
+  extended = dataclasses.make_dataclass(
+    "Extended", [("jitter", float, field)], bases=(DataSpec,), frozen=True
+  )
+  assert cs.defaults(extended).jitter == 0.5
+  assert cs.rules(extended, "data")["data.jitter"](2.0) == "must be in [0, 1]"
+  assert ("data.jitter", "0.5", "A new pipeline option.") in cs.doc_rows(extended, "data")
+  changed = cs.from_config(extended, dict(cs.defaults(extended).to_dict(), jitter=0.25), "data")
+  assert data_spec.data_options_key(changed) == {"data_options": {"jitter": 0.25}}
+  assert data_spec.data_options_key(extended()) == {}
