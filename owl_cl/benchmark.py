@@ -31,10 +31,12 @@ from owl_cl import config_spec
 from owl_cl.config_fields import uses_real_data
 from owl_cl.data import builtin
 from owl_cl.data import coco
+from owl_cl.data import data_spec
 from owl_cl.data import entries as entries_lib
 from owl_cl.data import odinw
 from owl_cl.data import orders
 from owl_cl.data import pretraining
+from owl_cl.data import readers
 from owl_cl.data import real_inputs
 from owl_cl.data import suites
 from owl_cl.eval_spec import EvalSpec
@@ -59,10 +61,21 @@ PAPER_DECLARATION = {
   "pretrain": {"name": OBJECTS365_EVAL, "kind": "objects365"},
   "held_out": {"name": LVIS_EVAL, "kind": "lvis", "evaluation": "lvis"},
 }
-_ROOTED = ("odinw", "objects365", "lvis", "coco2017")
-# Labels of the results table's columns for the paper's datasets (else the entry's name);
-# COCO val 2017 as a zero-shot set is the IVLOD papers' "ZCOCO" (docs/ivlod.md).
-_KIND_LABELS = {"objects365": "O365", "lvis": "LVIS", "coco2017": "ZCOCO"}
+
+
+def _rooted(kind) -> bool:
+  """True for a kind whose files sit below the data root (`Reader.root_folder`): an item of
+  it without `root` takes `data.root`."""
+  return isinstance(kind, str) and kind in readers.READERS and bool(readers.get(kind).root_folder)
+
+
+def _label(entry: entries_lib.DatasetEntry | None) -> str:
+  """The results table's column label of a pre-training / held-out / zero-shot set: its
+  reader's (`Reader.label`: 'O365', 'LVIS', 'ZCOCO', COCO val 2017 being the IVLOD papers'
+  "ZCOCO", docs/ivlod.md), else the entry's name."""
+  if entry is None:
+    return "pre-training"
+  return readers.get(entry.kind).label or entry.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +183,7 @@ def declaration(config: ml_collections.ConfigDict) -> dict:
           item["names"] = list(data.odinw_datasets)
         if "subset_seed" not in item and "subset_seed" in data:
           item["subset_seed"] = data.subset_seed
-    elif item.get("kind") in _ROOTED and not item.get("root") and root:
+    elif _rooted(item.get("kind")) and not item.get("root") and root:
       item["root"] = root
       if item.get("kind") == "odinw" and "subset_seed" not in item and "subset_seed" in data:
         item["subset_seed"] = data.subset_seed
@@ -228,8 +241,6 @@ def _eval_split(entry: entries_lib.DatasetEntry) -> str:
 def _protocol(entry: entries_lib.DatasetEntry, split: str, source=True) -> str:
   if source is None:
     return "coco"  # the split could not be read: reported by `_SplitLoader`, never evaluated
-  if entry.evaluation is None and entry.kind in ("objects365", "lvis", "coco2017"):
-    return "lvis" if entry.kind == "lvis" else "coco"  # their jsons are large
   return entries_lib.evaluation_protocol(entry, split)
 
 
@@ -338,7 +349,7 @@ def _load_benchmark(config: ml_collections.ConfigDict) -> Benchmark:
 def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Benchmark:
   """The Benchmark of `declared` entries; undeclared roles from `default` (built-in)."""
   pretrain_eval, held_out_eval = PRETRAIN_EVAL, HELD_OUT_EVAL
-  exif = config.data.get("exif_orientation", "ignore")
+  exif = data_spec.settings(config).exif_orientation
   load = _SplitLoader(exif_orientation=exif)
   if declared["pretrain"] is None:
     pretrain = default.pretrain
@@ -380,11 +391,10 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
   roles = None
   if held_out.evaluation == "lvis" and declared["held_out"] is not None:
     # The paper's columns: pre-training proxy, open-vocabulary AP and its rare classes' APr.
-    label = lambda e: _KIND_LABELS.get(e.kind, e.name) if e is not None else "pre-training"
-    ho_label = label(declared["held_out"])
+    ho_label = _label(declared["held_out"])
     odinw_only = declared["sequence"] and all(e.kind == "odinw" for e in declared["sequence"])
     roles = {
-      "pretrain": {"eval_set": pretrain_eval, "label": label(declared["pretrain"])},
+      "pretrain": {"eval_set": pretrain_eval, "label": _label(declared["pretrain"])},
       "open_vocab": {"eval_set": held_out_eval, "label": ho_label},
       "held_out": {
         "eval_set": held_out_eval,
@@ -396,7 +406,7 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
       "downstream_label": "ODinW mean" if odinw_only else "downstream mean",
     }
     if declared.get("zero_shot"):
-      roles["zero_shot"] = [{"eval_set": e.name, "label": label(e)} for e in declared["zero_shot"]]
+      roles["zero_shot"] = [{"eval_set": e.name, "label": _label(e)} for e in declared["zero_shot"]]
   fingerprint = digest(
     {
       "declared": {
@@ -427,19 +437,11 @@ def _declared_benchmark(config, declared: dict, default: Benchmark | None) -> Be
 
 def _builtin_benchmark(config: ml_collections.ConfigDict):
   """(generated BuiltinBenchmark, its Benchmark: sequence ordered by sequence_seed)."""
-  settings = config.data.builtin
+  # `data.builtin`'s fields are `ensure_benchmark`'s keywords; a config (run.json) that
+  # predates a field (version 2's `version`, `num_tail_val`) gets its default, version 1's.
+  settings = data_spec.settings(config).builtin
   bench = builtin.ensure_benchmark(
-    os.path.join(expand_path(config.cache_dir), "builtin"),
-    # Fields added with version 2: a config (run.json) that predates them is version 1.
-    version=settings.get("version", 1),
-    num_tail_val=settings.get("num_tail_val", 200),
-    seed=settings.seed,
-    num_pretrain_train=settings.num_pretrain_train,
-    num_pretrain_val=settings.num_pretrain_val,
-    num_held_out_val=settings.num_held_out_val,
-    num_downstream_train=settings.num_downstream_train,
-    num_downstream_test=settings.num_downstream_test,
-    downstream=tuple(settings.downstream),
+    os.path.join(expand_path(config.cache_dir), "builtin"), **dataclasses.asdict(settings)
   )
   pretrain = Dataset("pretrain", bench.pretrain_train.source(), bench.pretrain_val.source())
   held_out = Dataset(HELD_OUT_EVAL, None, bench.held_out_val.source())

@@ -14,7 +14,7 @@ import ml_collections
 
 from owl_cl import config_spec
 from owl_cl.config_fields import seed_of
-from owl_cl.configs import base
+from owl_cl.data import data_spec
 from owl_cl.model import spec as model_spec
 from owl_cl.model.spec import ModelSpec
 from owl_cl.replay import setup as replay_setup
@@ -22,30 +22,6 @@ from owl_cl.replay import spec as replay_spec
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
-
-
-def _as_tuples(options: dict) -> dict:
-  """`options` with list values as tuples (a config read from JSON or flags holds lists)."""
-  return {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in options.items()}
-
-
-def _default_data_options() -> dict[str, Any]:
-  """The input-pipeline options of configs/base.py, where their defaults are defined."""
-  data = base.get_config("").data
-  return {
-    "squash_resize": data.squash_resize,
-    "merge_iou": data.merge_iou,
-    "negatives_by_frequency": data.negatives_by_frequency,
-    # Decoded pixels: 'apply' turns EXIF-tagged photos (`CocoSource.decode_image`).
-    "exif_orientation": data.exif_orientation,
-    "augment": _as_tuples(data.augment.to_dict()),
-  }
-
-
-# The input-pipeline options' defaults. Cache keys list only the options that differ from
-# them, so caches made before an option existed stay valid.
-DEFAULT_DATA_OPTIONS = _default_data_options()
-
 
 # Fields left out of the cache keys of pre-training and of the buffer, so that caches written
 # before they existed stay valid: those that choose how a step executes, not what it computes
@@ -78,31 +54,27 @@ def cache_key_fields(config: ml_collections.ConfigDict, section: str) -> dict:
 def non_default_data_options(
   config: ml_collections.ConfigDict, buffer: bool = False
 ) -> dict[str, Any]:
-  """{'data_options': {...}} with the `config.data` pipeline options that differ from
-  `DEFAULT_DATA_OPTIONS` ({} when none do), for the cache keys of the pre-trained model and
-  (buffer=True: augmentations excluded, the buffer's images are not augmented) the buffer."""
-  data = config.data
-  differing = {}
-  for name, default in DEFAULT_DATA_OPTIONS.items():
-    if name == "augment":
-      if buffer:
-        continue
-      value = _as_tuples(data.augment.to_dict())
-      default = _as_tuples(default)
-    else:
-      value = data.get(name, default)
-    if value != default:
-      differing[name] = value
-  return {"data_options": differing} if differing else {}
+  """{'data_options': {...}}: the keyed `config.data` fields (the input-pipeline options) that
+  differ from their defaults ({} when none do), for the cache keys of the pre-trained model
+  and (buffer=True: augmentations excluded, the buffer's images are not augmented) the buffer;
+  `data_spec.data_options_key` of the section's settings.
+
+  Raises:
+    ConfigError: a bad or unknown `config.data` field (`config_spec.from_config`).
+  """
+  return data_spec.data_options_key(data_spec.settings(config), buffer=buffer)
 
 
 def builtin_version_key(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """{'builtin_version': v} for a built-in benchmark version other than 1, else {} (version 1's
   keys stay those of before the field existed), for the cache keys of the pre-trained model
-  and the buffer. Their keys also hash the pre-training annotation file, which differs between
-  versions; this names the version explicitly."""
-  version = config.data.get("builtin", {}).get("version", 1)
-  return {"builtin_version": version} if version != 1 else {}
+  and the buffer (`data_spec.builtin_version_key`). Their keys also hash the pre-training
+  annotation file, which differs between versions; this names the version explicitly.
+
+  Raises:
+    ConfigError: a bad or unknown `config.data` field (`config_spec.from_config`).
+  """
+  return data_spec.builtin_version_key(data_spec.settings(config))
 
 
 def checkpoint_digest(path: str) -> str:

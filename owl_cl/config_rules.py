@@ -14,20 +14,7 @@ from __future__ import annotations
 from owl_cl import config_spec
 from owl_cl.config_fields import PER_DATASET_FIELDS
 from owl_cl.config_fields import Rule
-from owl_cl.config_fields import boolean
-from owl_cl.config_fields import choice
-from owl_cl.config_fields import declared
-from owl_cl.config_fields import integer
-from owl_cl.config_fields import integers
-from owl_cl.config_fields import interval
-from owl_cl.config_fields import names
-from owl_cl.config_fields import probabilities
-from owl_cl.config_fields import real
-from owl_cl.config_fields import text
-from owl_cl.data import builtin
-from owl_cl.data import coco
-from owl_cl.data import prompts
-from owl_cl.data import suites
+from owl_cl.data.data_spec import DataSpec
 from owl_cl.eval_spec import EvalSpec
 from owl_cl.model import variants
 from owl_cl.model.spec import ModelSpec
@@ -54,45 +41,8 @@ TRAIN_FIELD_RULES: dict[str, Rule] = {
 FIELD_RULES: dict[str, Rule] = {
   **config_spec.rules(RunSpec, ""),
   **config_spec.rules(ModelSpec, "model"),
-  # --- data
-  "data.root": text(optional=True),
-  "data.sequence": declared(list),
-  "data.pretrain": declared(dict),
-  "data.held_out": declared(dict),
-  "data.zero_shot": declared(list),
-  "data.odinw13_variant": choice(list(suites.ODINW13_VARIANTS), optional=True),
-  "data.odinw_datasets": names(what="ODinW dataset"),
-  "data.subset_seed": integer(0),
-  "data.num_queries": integer(1),
-  "data.num_negatives": integer(0),
-  "data.max_instances": integer(1),
-  "data.num_workers": integer(0),
-  "data.prefetch_batches": integer(0),
-  "data.validate_images": boolean,
-  "data.exif_orientation": choice(coco.EXIF_ORIENTATIONS),
-  "data.squash_resize": boolean,
-  "data.merge_iou": real(0.0, 1.0, low_open=True, optional=True),
-  "data.negatives_by_frequency": boolean,
-  "data.host_sharding": boolean,
-  "data.eval_batch_size": integer(1),
-  "data.train_prompt_templates": choice(sorted(prompts.TRAIN_TEMPLATE_SETS)),
-  "data.builtin.version": choice(builtin.BENCHMARK_VERSIONS),
-  "data.builtin.seed": integer(0),
-  "data.builtin.num_pretrain_train": integer(1),
-  "data.builtin.num_pretrain_val": integer(1),
-  "data.builtin.num_held_out_val": integer(1),
-  "data.builtin.num_downstream_train": integer(1),
-  "data.builtin.num_downstream_test": integer(1),
-  "data.builtin.num_tail_val": integer(1),
-  "data.builtin.downstream": names(lambda: builtin.DOWNSTREAM_NAMES, what="built-in dataset"),
-  # --- augmentation
-  "data.augment.hflip": boolean,
-  "data.augment.random_crop": boolean,
-  "data.augment.crop_area_range": interval(0.0, 1.0),
-  "data.augment.crop_aspect_ratio_range": interval(0.0),
-  "data.augment.crop_min_area_fraction": real(0.0, 1.0),
-  "data.augment.mosaic_sizes": integers(1, optional=True),
-  "data.augment.mosaic_probs": probabilities,
+  # --- data (with data.augment, data.builtin and the paper's data fields)
+  **config_spec.rules(DataSpec, "data"),
   # --- pre-training, continual fine-tuning, loss
   **config_spec.rules(PretrainSpec, "pretrain"),
   **config_spec.rules(TrainSpec, "train"),
@@ -119,6 +69,7 @@ SECTION_SPECS: dict[str, type] = {
   "train": TrainSpec,
   "loss": LossSpec,
   "replay": replay_spec.ReplaySpec,
+  "data": DataSpec,
 }
 
 

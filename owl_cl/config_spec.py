@@ -35,6 +35,11 @@ from owl_cl.config_fields import Rule
 # The metadata keys of a spec field.
 _RULE, _DOC, _KEY, _TYPE, _PRESET = "rule", "doc", "key", "type", "preset"
 
+# `type_` of a None default that any value replaces (a plain None in the ConfigDict, not a
+# typed placeholder): fields holding structures, e.g. `data.sequence`'s list of dataset
+# entries, whose dicts ml_collections then turns into ConfigDicts as users write them.
+UNTYPED = type(None)
+
 
 def field(
   default: Any,
@@ -56,7 +61,7 @@ def field(
       enters that entry's key); otherwise the reason it does not, e.g. 'how a step executes,
       not what it computes'.
     type_: the type of a field whose default is None (ml_collections' placeholder, so that
-      `--config.<field>=<value>` is parsed to it).
+      `--config.<field>=<value>` is parsed to it); `UNTYPED` keeps a plain None.
     preset: the config argument that adds the field (e.g. 'paper'); such a field is absent
       from the base config and checked only when present.
 
@@ -112,7 +117,7 @@ def defaults(spec: type, *, presets: tuple[str, ...] = ()) -> ml_collections.Con
     if (nested := _nested(f)) is not None:
       out[f.name] = defaults(nested, presets=presets)
     elif f.metadata[_PRESET] is None or f.metadata[_PRESET] in presets:
-      if f.default is None:
+      if f.default is None and f.metadata[_TYPE] is not UNTYPED:
         out[f.name] = ml_collections.config_dict.placeholder(f.metadata[_TYPE])
       elif isinstance(f.default, Mapping):  # a frozen mapping: the config's own ConfigDict
         out[f.name] = ml_collections.ConfigDict(dict(f.default))

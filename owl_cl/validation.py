@@ -21,6 +21,7 @@ from typing import Any
 import ml_collections
 
 from owl_cl import benchmark as benchmark_lib
+from owl_cl import config_spec
 from owl_cl import model as model_lib
 from owl_cl import pretrained
 from owl_cl.benchmark import Benchmark
@@ -33,6 +34,7 @@ from owl_cl.config_fields import integer
 from owl_cl.config_fields import uses_real_data
 from owl_cl.config_rules import FIELD_RULES
 from owl_cl.config_rules import MODEL_OVERRIDE_RULES
+from owl_cl.config_rules import SECTION_SPECS
 from owl_cl.config_rules import TRAIN_FIELD_RULES
 from owl_cl.data import entries
 from owl_cl.data import odinw
@@ -126,14 +128,24 @@ def range_problems(config: ml_collections.ConfigDict, num_devices: int | None = 
     num_devices: devices the batches are split over; None = `jax.device_count()`.
 
   Returns:
-    One line per bad field (FIELD_RULES, `train.per_dataset.*`, the batch sizes'
-    divisibility by the devices); empty when every field is valid.
+    One line per bad field (FIELD_RULES, `train.per_dataset.*`, a field a `SECTION_SPECS`
+    section does not define, the batch sizes' divisibility by the devices); empty when every
+    field is valid.
   """
   problems = []
   for path, rule in FIELD_RULES.items():
     value = _field(config, path)
     if value is not _MISSING and (problem := rule(value)):
       problems.append(f"config.{path}={value!r} {problem}")
+  # A section written as a spec also refuses a field it does not define (a typo in a config
+  # file); its rule lines are those above.
+  for prefix, spec in SECTION_SPECS.items():
+    section = _field(config, prefix)
+    try:
+      if section is not _MISSING:
+        config_spec.from_config(spec, section, prefix)
+    except ConfigError as e:
+      problems += [p for p in str(e).splitlines() if p not in problems]
   per_dataset = config.train.get("per_dataset", {})
   for name, overrides in per_dataset.items() if hasattr(per_dataset, "items") else ():
     if not hasattr(overrides or {}, "items"):

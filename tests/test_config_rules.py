@@ -29,11 +29,27 @@ def _set(config, path: str, value) -> None:
     config[name] = value
 
 
+# Values the generic candidates below cannot make: dataset entries, ranges, distributions.
+_GIVEN = {
+  "data.sequence": ({"suite": "odinw_paper"},),
+  "data.pretrain": {"name": "o365", "kind": "objects365"},
+  "data.held_out": {"name": "lvis", "kind": "lvis"},
+  "data.zero_shot": ({"name": "coco", "kind": "coco2017"},),
+  "data.augment.crop_area_range": (0.5, 1.0),
+  "data.augment.crop_aspect_ratio_range": (0.5, 2.0),
+  "data.augment.mosaic_sizes": (1, 2),
+  "data.augment.mosaic_probs": (0.5, 0.5),
+}
+
+
 def _other_value(path: str, f: dataclasses.Field, checkpoint: str):
   """A value of the field `path` other than its default that its rule takes."""
   rule, default = f.metadata["rule"], f.default
   if path == "init_checkpoint":
     return checkpoint  # read by content: a file that exists
+  if path in _GIVEN:
+    assert _GIVEN[path] != default and not rule(_GIVEN[path]), path
+    return _GIVEN[path]
   if hasattr(rule, "options"):
     options = rule.options() if callable(rule.options) else rule.options
     candidates = [o for o in options if o != default]
@@ -151,7 +167,8 @@ def test_each_spec_section_is_its_spec_in_the_rules_and_the_config(arg):
     # A field of a preset (`preset='paper'`) is in the config of that preset only.
     presets = (None, *arg.split(","))
     leaves = [p for p, f in config_spec.leaves(spec) if f.metadata["preset"] in presets]
-    assert sorted(_section_paths("", spec, _flat(section))) == sorted(leaves), prefix
+    flat = _flat(section, leaves={p for p, _ in config_spec.leaves(spec)})
+    assert sorted(_section_paths("", spec, flat)) == sorted(leaves), prefix
   # The presets leave defaults to the specs; with '' the sections equal their defaults.
   if arg == "":
     for prefix in ("model", "pretrain", "checkpoint"):
@@ -159,15 +176,16 @@ def test_each_spec_section_is_its_spec_in_the_rules_and_the_config(arg):
       assert config[prefix].to_dict() == config_spec.defaults(spec).to_dict(), prefix
 
 
-def _flat(section, prefix: str = "") -> list[str]:
-  """The leaf paths of a ConfigDict section (a dict-valued field such as `model.overrides` or
-  `train.per_dataset` is one leaf, as in `FIELD_RULES`)."""
+def _flat(section, prefix: str = "", *, leaves: set[str]) -> list[str]:
+  """The leaf paths of a ConfigDict section: a field of the spec (`leaves`) is one leaf even
+  when its value is a dict (`model.overrides`, `train.per_dataset`, `data.held_out`), as in
+  `FIELD_RULES`."""
   out = []
   for name in section.keys():
     path = f"{prefix}.{name}" if prefix else name
     value = section[name]
-    if hasattr(value, "keys") and name not in ("overrides", "per_dataset"):
-      out += _flat(value, path)
+    if hasattr(value, "keys") and path not in leaves:
+      out += _flat(value, path, leaves=leaves)
     else:
       out.append(path)
   return out

@@ -116,14 +116,16 @@ def test_mosaic_lengths_must_match(tmp_path):
     Detector(c).augment_options()
 
 
-def test_defaults_match_the_config_and_the_paper_weights_negatives_by_frequency():
-  d = base.get_config().data
-  assert {k: d[k] for k in ("squash_resize", "merge_iou", "negatives_by_frequency")} == {
-    k: cache_keys.DEFAULT_DATA_OPTIONS[k]
-    for k in ("squash_resize", "merge_iou", "negatives_by_frequency")
+def test_defaults_key_nothing_and_the_paper_weights_negatives_by_frequency():
+  # The options' defaults are the config's (both are `DataSpec`'s): a default config adds
+  # nothing to the cache keys; the paper's protocol (released-code options) adds its own.
+  for arg in ("", "builtin1"):
+    assert cache_keys.non_default_data_options(base.get_config(arg)) == {}
+  paper = base.get_config("paper")
+  assert paper.data.negatives_by_frequency
+  assert cache_keys.non_default_data_options(paper) == {
+    "data_options": {"negatives_by_frequency": True}
   }
-  augment = {
-    k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in d.augment.to_dict().items()
+  assert cache_keys.non_default_data_options(base.get_config("paper,released")) == {
+    "data_options": {"negatives_by_frequency": True, "squash_resize": True}
   }
-  assert augment == cache_keys.DEFAULT_DATA_OPTIONS["augment"]
-  assert base.get_config("paper").data.negatives_by_frequency

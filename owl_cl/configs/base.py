@@ -21,6 +21,8 @@ Any field can be overridden on the command line, e.g. `--config.replay.dedup=epo
 import ml_collections
 
 from owl_cl import config_spec
+from owl_cl.data import data_spec
+from owl_cl.data import odinw
 from owl_cl.data.builtin import vocabulary
 from owl_cl.eval_spec import EvalSpec
 from owl_cl.model.spec import ModelSpec
@@ -40,25 +42,8 @@ KNOWN_ARGS = ("", "paper", "released", "owlv2", "builtin1", "builtin2", "lora")
 BUILTIN_ARGS = ("builtin1", "builtin2")
 
 # The paper's ODinW sequence (docs/reference.md §10; the paper's Datasets table, tab:ds), in the
-# table's
-# order. `sequence_seed` shuffles it.
-PAPER_ODINW_DATASETS = (
-  "Pothole",
-  "WildfireSmoke",
-  "ThermalCheetah",
-  "ThermalDogsAndPeople",
-  "BCCD",
-  "ShellfishOpenImages",
-  "EgoHands",
-  "AerialMaritimeDrone",
-  "BrackishUnderwater",
-  "Dice",
-  "Aquarium",
-  "ChessPieces",
-  "AmericanSignLanguageLetters",
-  "Plantdoc",
-  "OxfordPets",
-)
+# table's order (the ODinW registry's). `sequence_seed` shuffles it.
+PAPER_ODINW_DATASETS = odinw.ODINW_NAMES
 
 # The paper's per-dataset hyperparameters, transcribed from the supplementary material's
 # "Hyperparameters used for each dataset in this work" table and its continuation
@@ -149,87 +134,9 @@ def _model_section(c: ml_collections.ConfigDict) -> None:
 
 
 def _data_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.data` (datasets, input pipeline, the built-in benchmark's sizes)."""
-  c.data = ml_collections.ConfigDict()
-  c.data.root = ml_collections.config_dict.placeholder(str)  # None: built-in benchmark
-  # The run's datasets, declared as dataset entries (owl_cl.data.entries; docs/data.md "Your own
-  # data"; owl_cl.benchmark): `sequence` a list of entries or suite references such as
-  # dict(suite="odinw13", root=...); `pretrain` one entry, the pre-training / replay source
-  # (train split: buffer candidates; test, else val: the pre-training proxy eval); `held_out`
-  # one entry, the held-out / open-vocabulary eval set (test, else val). None: the built-in
-  # benchmark's (the built-in suite), or with data.root the paper's (benchmark.PAPER_DECLARATION).
-  c.data.sequence = None
-  c.data.pretrain = None
-  c.data.held_out = None
-  # Further zero-shot eval sets, a list of entries (test split, else val), evaluated when the
-  # pre-training and held-out sets are: e.g. COCO val 2017, the IVLOD papers' "ZCOCO"
-  # (docs/ivlod.md). None: none.
-  c.data.zero_shot = None
-  # Which ODinW-13 an 'odinw13' suite item without its own `variant` reads: 'glip' (GLIP's
-  # configs/odinw_13) or 'zira' (ZiRa's / DitHub's folders, docs/ivlod.md). None: 'glip'.
-  c.data.odinw13_variant = ml_collections.config_dict.placeholder(str)
-  # Q per training image: '' + positives + negatives, padded with ''. 24 > 20 pre-training
-  # classes: every image contrasts its objects against every other class name.
-  c.data.num_queries = 24
-  c.data.num_negatives = 23  # random negative class names per training image (up to)
-  c.data.max_instances = 8  # M boxes per image
-  c.data.num_workers = 0  # grain worker processes (0 = in process)
-  # Training batches read and transferred ahead by a background thread while the loop waits
-  # for the retrieval (owl_cl.train.prefetch); 0 = in the loop's thread. Same results.
-  c.data.prefetch_batches = 1
-  # Decode every image of every split the run reads before training (owl_cl.data.scan: a
-  # truncated or missing file is one error up front, not a crash hours in), once per split
-  # and data version (recorded under <cache_dir>/data_scan). False skips the decoding (empty
-  # splits are still refused); e.g. for a first run on Objects365's 1.7M images.
-  c.data.validate_images = True
-  # An image file with an EXIF orientation tag (phone photos): 'ignore' decodes the stored
-  # pixels, the frame of COCO boxes and of pycocotools / PIL / torchvision users; 'apply' turns
-  # them as the tag says (annotations drawn in a photo viewer); 'refuse' names each such file
-  # (docs/reference.md §5).
-  c.data.exif_orientation = "ignore"
-  # Input-pipeline options (docs/reference.md §3, §5; owl_cl.data.input_pipeline). The defaults
-  # are the built-in benchmark's; a non-default value also keys the cached pre-trained model and
-  # buffer.
-  c.data.squash_resize = False  # True: resize to S x S ignoring aspect (released code, HF)
-  # Boxes with IoU >= this become one multi-label instance (scenic); None: off.
-  c.data.merge_iou = ml_collections.FieldReference(0.9, field_type=float)
-  # Random negatives drawn by label frequency (images per class in the training set; released
-  # code's add_negatives) instead of uniformly.
-  c.data.negatives_by_frequency = False
-  # Each JAX process (host) reads a disjoint part of every training set (grain
-  # ShardByJaxProcess); False: every process reads everything.
-  c.data.host_sharding = False
-  c.data.augment = ml_collections.ConfigDict()
-  c.data.augment.hflip = False  # random horizontal flip, p = 0.5 (scenic)
-  c.data.augment.random_crop = False  # scenic random crop:
-  c.data.augment.crop_area_range = (0.3, 1.0)
-  c.data.augment.crop_aspect_ratio_range = (0.75, 1.33)
-  c.data.augment.crop_min_area_fraction = 0.6  # boxes keeping less of their area are dropped
-  # Mosaics of k x k images with these probabilities (scenic: (1, 2, 3) / (.4, .3, .3));
-  # None: off.
-  c.data.augment.mosaic_sizes = ml_collections.config_dict.placeholder(tuple)
-  c.data.augment.mosaic_probs = (0.4, 0.3, 0.3)
-  c.data.eval_batch_size = 64
-  # Training prompts (docs/reference.md §2): 'none' = the bare class name (built-in benchmark);
-  # 'clip_80' =
-  # per label and image one template drawn from ['{}'] + the 80 CLIP ImageNet templates.
-  c.data.train_prompt_templates = "none"
-  c.data.builtin = ml_collections.ConfigDict()
-  # 1: the original benchmark; 2: the one where the retrieval algorithm matters by
-  # construction (docs/experiments.md). The fields below are version 1's; `get_config` sets
-  # version 2 with its training settings (`apply_builtin_v2`) unless 'builtin1' or 'paper'.
-  c.data.builtin.version = 1
-  c.data.builtin.seed = 0
-  c.data.builtin.num_pretrain_train = 4000
-  c.data.builtin.num_pretrain_val = 200
-  c.data.builtin.num_held_out_val = 100
-  c.data.builtin.num_downstream_train = 200
-  c.data.builtin.num_downstream_test = 60
-  c.data.builtin.num_tail_val = 200  # version 2's tail-classes evaluation set (pretrain_tail)
-  # The sequence (ODinW stand-in), one domain shift each: colour map, inversion, clutter,
-  # photo textures, scale. Also available: "glyphs" (reached AP50 0.25 after its own training
-  # with SWIL replay, below the 0.3 bar) and "digits" (slower to learn from scratch).
-  c.data.builtin.downstream = ("thermal", "negative", "clutter", "textured", "tiny")
+  """Fills `c.data` (datasets, input pipeline, the built-in benchmark's sizes) from its spec,
+  `owl_cl.data.data_spec.DataSpec` (each field's default, rule and doc)."""
+  c.data = config_spec.defaults(data_spec.DataSpec)
 
 
 def _pretrain_section(c: ml_collections.ConfigDict) -> None:
