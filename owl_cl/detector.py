@@ -380,8 +380,10 @@ class Detector:
     *,
     protocol: str = "coco",
     max_detections: int | None = None,
+    per_class: bool = False,
   ) -> dict[str, float]:
-    """AP of `params` on `source`, queries = the source's class names.
+    """AP of `params` on `source`, queries = the source's class names (with `per_class`, also
+    'per_class': each class's AP, `detection.per_class_table`).
 
     protocol 'coco': pycocotools AP, eval.top_k detections (argmax class per token unless
     eval.multi_label). 'lvis': the lvis API's federated AP/APr/APc/APf of the top
@@ -440,6 +442,7 @@ class Detector:
       image_size=self.image_size,
       max_dets=max_dets,
       desc=desc,
+      per_class=per_class,
       **({"return_detections": True} if dump_dir else {}),
     )
     if dump_dir:
@@ -478,7 +481,9 @@ class Detector:
     by_batch = {id(b): o for b, o in zip(batches, outputs)}
     return batches, lambda batch: by_batch[id(batch)]
 
-  def evaluate_dataset(self, params, dataset: Dataset, desc: str) -> dict[str, float]:
+  def evaluate_dataset(
+    self, params, dataset: Dataset, desc: str, per_class: bool = False
+  ) -> dict[str, float]:
     """Metrics of `params` on `dataset.test`: COCO AP (`dataset.evaluation` 'coco') or LVIS AP /
     APr ('lvis'), with `dataset.max_detections` detections per image when set.
 
@@ -495,4 +500,5 @@ class Detector:
       desc,
       protocol=dataset.evaluation,
       max_detections=dataset.max_detections,
+      per_class=per_class,
     )
