@@ -7,7 +7,8 @@ as `tests/reference_runs/tiny_swil/results.json` with the machine it ran on
 (`machine.json`, `fingerprint()`). tests/test_reproducible.py runs the same config at HEAD and
 compares `compared(...)` of both:
 
-* **on the same machine** (equal fingerprints: CPU model and count, device platform and kind,
+* **on the same machine** (equal fingerprints: CPU model, features and count, device platform
+  and kind,
   jax / jaxlib / NumPy versions, XLA_FLAGS) with no tolerance: the same XLA programs on the
   same device and the same data order give the same bits (tests/test_reproducible.py shows it
   for two runs of one session), so any difference is a change of what the code computes;
@@ -35,6 +36,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from owl_cl import utils
 from owl_cl.testing import configs
 from owl_cl.testing import results as results_testing
 from owl_cl.utils import atomic_write_json
@@ -62,28 +64,36 @@ def reference_config(cache_dir: str, compilation_cache_dir: str = "") -> ml_coll
   return config
 
 
-def _cpu_model() -> str:
-  """The CPU's model name (/proc/cpuinfo on Linux, else `platform.processor()`)."""
+def _cpu() -> tuple[str, str]:
+  """(the CPU's model name, a digest of its feature flags) from /proc/cpuinfo on Linux, else
+  (`platform.processor()`, ''). XLA:CPU compiles for the host's features (AVX-512 or not,
+  ...), and a virtual machine's model name may not tell them apart."""
+  model, flags = platform.processor(), ""
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+          model = value.strip()
+        elif key.strip() == "flags" and not flags:
+          flags = utils.digest(sorted(value.split()))
   except OSError:
     pass
-  return platform.processor()
+  return model, flags
 
 
 def fingerprint() -> dict[str, Any]:
   """What decides the bits of a run besides the code and the config: {'machine', 'cpu',
-  'cpu_count', 'device' (platform and kind of device 0), 'jax', 'jaxlib', 'numpy', 'xla_flags'}
-  (all str, cpu_count int)."""
+  'cpu_flags' (a digest), 'cpu_count', 'device' (platform and kind of device 0), 'jax',
+  'jaxlib', 'numpy', 'xla_flags'} (all str, cpu_count int)."""
   import jaxlib  # pylint: disable=g-import-not-at-top
 
   device = jax.devices()[0]
+  model, flags = _cpu()
   return {
     "machine": platform.machine(),
-    "cpu": _cpu_model(),
+    "cpu": model,
+    "cpu_flags": flags,
     "cpu_count": os.cpu_count(),
     "device": f"{device.platform} {device.device_kind}",
     "jax": jax.__version__,
