@@ -246,6 +246,7 @@ FIELD_RULES: dict[str, Rule] = {
   "eval.lvis_top_k": integer(1),
   "eval.lvis_max_dets": integer(1),
   "eval.report_ivlod": boolean,
+  "eval.save_detections": boolean,
   "checkpoint.max_to_keep": integer(1, optional=True),
   "checkpoint.every_steps": OPTIONAL_STEPS,
   "checkpoint.every_minutes": real(0.0, low_open=True, optional=True),

@@ -63,6 +63,7 @@ from owl_cl.config_fields import schedule_of
 from owl_cl.config_fields import seed_of
 from owl_cl.configs import base
 from owl_cl.detector import Detector
+from owl_cl.eval import detection_files
 from owl_cl.eval import provenance as provenance_lib
 from owl_cl.eval import results as results_lib
 from owl_cl.model.convert import CheckpointMismatchError
@@ -523,11 +524,18 @@ class _Session:
     """A stage's evaluation of `params` on the eval sets `names` (None: every one):
     {'metrics': {eval set: metrics}, 'per_class': {eval set: {class name: AP values}}}."""
     metrics, per_class = {}, {}
+    save = bool(self.config.eval.get("save_detections"))
     for name, dataset in self.bench.eval_sets():
       if names is None or name in names:
         desc = f"eval {name} @ {stage_name}"
-        metrics[name] = self.detector.evaluate_dataset(params, dataset, desc, per_class=True)
+        metrics[name] = self.detector.evaluate_dataset(
+          params, dataset, desc, per_class=True, return_detections=save
+        )
         per_class[name] = metrics[name].pop("per_class")
+        if save and self.run_id is not None:  # the writer process (eval.save_detections)
+          path = detection_files.detections_path(self.workdir, stage_name, name)
+          detection_files.write_detections(path, metrics[name].pop("detections"))
+        metrics[name].pop("detections", None)
     return {"metrics": metrics, "per_class": per_class}
 
   def stored(self, params):

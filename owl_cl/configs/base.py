@@ -560,6 +560,9 @@ def _eval_section(c: ml_collections.ConfigDict) -> None:
   # The IVLOD metric block (docs/ivlod.md: "Avg" over the downstream sets after the last
   # task, "ZCOCO", LVIS APr) in results.json `ivlod` and results.md; configs/ivlod_odinw13.py.
   c.eval.report_ivlod = False
+  # Also write each stage's detections of every eval set (per image: class, box, score) to
+  # <workdir>/detections/<stage>/<eval set>.json.gz (owl_cl.eval.detection_files).
+  c.eval.save_detections = False
 
 
 def _checkpoint_section(c: ml_collections.ConfigDict) -> None:
