@@ -384,8 +384,12 @@ class Detector:
     *,
     protocol: str = "coco",
     max_detections: int | None = None,
+    per_class: bool = False,
+    return_detections: bool = False,
   ) -> dict[str, float]:
-    """AP of `params` on `source`, queries = the source's class names.
+    """AP of `params` on `source`, queries = the source's class names (with `per_class`, also
+    'per_class': each class's AP, `detection.per_class_table`; with `return_detections`,
+    'detections': the COCO result dicts, `detection.to_coco_detections`).
 
     protocol 'coco': pycocotools AP, eval.top_k detections (argmax class per token unless
     eval.multi_label). 'lvis': the lvis API's federated AP/APr/APc/APf of the top
@@ -444,10 +448,11 @@ class Detector:
       image_size=self.image_size,
       max_dets=max_dets,
       desc=desc,
-      **({"return_detections": True} if dump_dir else {}),
+      per_class=per_class,
+      return_detections=bool(dump_dir) or return_detections,
     )
     if dump_dir:
-      detections = result.pop("detections")
+      detections = result["detections"] if return_detections else result.pop("detections")
       if distributed.is_writer():
         name = re.sub(r"[^A-Za-z0-9@._-]+", "_", desc).strip("_")
         atomic_write_json(os.path.join(dump_dir, f"{name}.json"), detections)
@@ -482,9 +487,10 @@ class Detector:
     by_batch = {id(b): o for b, o in zip(batches, outputs)}
     return batches, lambda batch: by_batch[id(batch)]
 
-  def evaluate_dataset(self, params, dataset: Dataset, desc: str) -> dict[str, float]:
+  def evaluate_dataset(self, params, dataset: Dataset, desc: str, **options) -> dict[str, float]:
     """Metrics of `params` on `dataset.test`: COCO AP (`dataset.evaluation` 'coco') or LVIS AP /
-    APr ('lvis'), with `dataset.max_detections` detections per image when set.
+    APr ('lvis'), with `dataset.max_detections` detections per image when set; `options`:
+    `evaluate`'s per_class and return_detections.
 
     Raises:
       ConfigError: an unknown evaluation protocol.
@@ -499,4 +505,5 @@ class Detector:
       desc,
       protocol=dataset.evaluation,
       max_detections=dataset.max_detections,
+      **options,
     )

@@ -87,3 +87,10 @@ class EvalSpec:
     "Adds the IVLOD metric block (docs/ivlod.md) to results.json and results.md.",
     key=_SCORED_EACH_RUN,
   )
+  save_detections: bool = config_spec.field(
+    False,
+    boolean,
+    "Also writes each stage's detections of every eval set (per image: class, box, score) to "
+    "<workdir>/detections/<stage>/<eval set>.json.gz (`owl_cl.eval.detection_files`).",
+    key=_SCORED_EACH_RUN,
+  )

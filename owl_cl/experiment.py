@@ -65,6 +65,8 @@ from owl_cl.config_fields import schedule_of
 from owl_cl.config_fields import seed_of
 from owl_cl.configs import base
 from owl_cl.detector import Detector
+from owl_cl.eval import detection_files
+from owl_cl.eval import provenance as provenance_lib
 from owl_cl.eval import results as results_lib
 from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.replay import setup as replay_setup
@@ -79,6 +81,9 @@ from owl_cl.utils import expand_path
 # evaluation run in lockstep (collectives), so the processes arrive within seconds; a peer
 # that is gone or hung turns into an error naming it instead of a hang.
 BARRIER_TIMEOUT_S = 1800.0
+
+# Why a run resumed from stage checkpoints of a version that recorded no commit has none.
+UNRECORDED = "the run's first stage was computed by a version of owl_cl that recorded none"
 
 # The LoRA adapters' seed is seed_of(config, 'data') * 1000 + this: the dataset step keys use
 # seed * 1000 + index with index <= the sequence's length, so the two never coincide.
@@ -488,6 +493,7 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
     store=store,
     buffer_stats=buffer_stats,
     wall_start=wall_start,
+    provenance=provenance_lib.code_provenance(),
   )
 
 
@@ -514,16 +520,28 @@ class _Session:
   store: Any
   buffer_stats: dict | None
   wall_start: float
+  # This process's code (`provenance_lib.code_provenance`): recorded in each stage it computes.
+  provenance: dict = dataclasses.field(default_factory=dict)
   stages: list = dataclasses.field(default_factory=list)
   step_timings: dict = dataclasses.field(default_factory=dict)
 
   def evaluate(self, params, stage_name: str, names=None) -> dict:
-    """{eval set: metrics} of `params` on the eval sets `names` (None: every one)."""
-    return {
-      name: self.detector.evaluate_dataset(params, dataset, f"eval {name} @ {stage_name}")
-      for name, dataset in self.bench.eval_sets()
-      if names is None or name in names
-    }
+    """A stage's evaluation of `params` on the eval sets `names` (None: every one):
+    {'metrics': {eval set: metrics}, 'per_class': {eval set: {class name: AP values}}}."""
+    metrics, per_class = {}, {}
+    save = self.detector.eval_spec.save_detections
+    for name, dataset in self.bench.eval_sets():
+      if names is None or name in names:
+        desc = f"eval {name} @ {stage_name}"
+        metrics[name] = self.detector.evaluate_dataset(
+          params, dataset, desc, per_class=True, return_detections=save
+        )
+        per_class[name] = metrics[name].pop("per_class")
+        if save and self.run_id is not None:  # the writer process (eval.save_detections)
+          path = detection_files.detections_path(self.workdir, stage_name, name)
+          detection_files.write_detections(path, metrics[name].pop("detections"))
+        metrics[name].pop("detections", None)
+    return {"metrics": metrics, "per_class": per_class}
 
   def stored(self, params):
     """The part of `params` a stage checkpoint holds: all of it, or (LoRA) the adapters."""
@@ -542,7 +560,11 @@ class _Session:
     latest = self.checkpointer.latest_stage()
     if latest is None:
       self.stages = [
-        {"name": "pretrained", "metrics": self.evaluate(self.pretrained, "pretrained")}
+        {
+          "name": "pretrained",
+          **self.evaluate(self.pretrained, "pretrained"),
+          "provenance": self.provenance,
+        }
       ]
       meta = {"stages": self.stages, **replay_setup.CHECKPOINT_FORMAT}
       self.checkpointer.save(0, self.stored(self.pretrained), self.initial_replay, meta)
@@ -594,6 +616,9 @@ class _Session:
         "step_timings": self.step_timings,
       },
       "buffer": self.buffer_stats,
+      # The code that started the run (stage 0's): a resume keeps it, and each stage records
+      # the code that computed it (docs/runs.md "Outputs").
+      **(self.stages[0].get("provenance") or provenance_lib.unknown(UNRECORDED)),
     }
     if bench.roles is not None:
       results["roles"] = bench.roles
@@ -641,10 +666,10 @@ class _Session:
     start = time.time()
     name, params, replay_state, train_summary = self.train(index, params, replay_state)
     self.step_timings[name] = train_summary.pop("step_timings")
-    metrics = self.evaluate(params, name, stage_eval_sets(self.config, self.bench, index))
-    for eval_set, values in metrics.items():
+    evaluation = self.evaluate(params, name, stage_eval_sets(self.config, self.bench, index))
+    for eval_set, values in evaluation["metrics"].items():
       trainer.log_scalars(self.writer, f"eval/{eval_set}", values, index)
-    stage = {"name": name, "metrics": metrics, "train": train_summary}
+    stage = {"name": name, **evaluation, "train": train_summary, "provenance": self.provenance}
     self.stages.append(dict(stage, seconds=round(time.time() - start, 1)))
     if jax.process_count() > 1:
       # A stage resumed at its last step never ran a replicated retrieval: its replay state

@@ -9,9 +9,11 @@ import jax
 import numpy as np
 import pytest
 
+from owl_cl import benchmark
 from owl_cl import experiment
 from owl_cl import trainer
 from owl_cl.config_fields import ConfigError
+from owl_cl.eval import provenance
 from owl_cl.replay import setup as replay_setup
 from owl_cl.testing.configs import tiny_config
 from owl_cl.train import step_cache
@@ -27,10 +29,29 @@ def _stage_names(results):
   return [s["name"] for s in results["stages"]]
 
 
+# Two versions of the code (`provenance.code_provenance`'s records): the interrupted run's and
+# the resuming one's.
+FIRST_CODE = {"commit": "a" * 40, "dirty": False, "commit_source": "git"}
+RESUMING_CODE = {"commit": "b" * 40, "dirty": True, "commit_source": "git"}
+
+
+def _check_per_class(stage, bench_classes):
+  """Each evaluation's per-class AP: every class of the set, named; the set's AP their mean
+  over the classes with ground truth (pycocotools averages precision over them, each class the
+  same number of entries); 1e-12 is float64 rounding of a 16-term mean."""
+  assert set(stage["per_class"]) == set(stage["metrics"]), stage["name"]
+  for name, per_class in stage["per_class"].items():
+    assert list(per_class) == bench_classes[name], (stage["name"], name)
+    values = [v["AP"] for v in per_class.values() if v["AP"] is not None]
+    assert values, (stage["name"], name)
+    assert stage["metrics"][name]["AP"] == pytest.approx(np.mean(values), abs=1e-12)
+
+
 @pytest.mark.slow
 def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
   config = tiny_config("swil", cache_dir)
   workdir = str(tmp_path / "run")
+  monkeypatch.setattr(provenance, "code_provenance", lambda: dict(FIRST_CODE))
 
   # Interrupt the first run while it trains on the second downstream dataset.
   original = trainer.train_on_dataset
@@ -50,10 +71,12 @@ def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
   assert _stage_names(partial) == ["pretrained", "thermal"]
 
   # The same command on the same workdir resumes after the last finished dataset.
+  assert {k: partial[k] for k in FIRST_CODE} == FIRST_CODE
   calls.clear()
   monkeypatch.setattr(
     trainer, "train_on_dataset", lambda *a, **k: (calls.append(a[1].name), original(*a, **k))[1]
   )
+  monkeypatch.setattr(provenance, "code_provenance", lambda: dict(RESUMING_CODE))
   results = experiment.run(config, workdir)
   assert calls == ["digits"]  # 'thermal' was not trained again
   assert results["status"] == "complete"
@@ -61,6 +84,13 @@ def test_main_job_end_to_end_and_resume(cache_dir, tmp_path, monkeypatch):
   # Metrics of the finished stages are carried over unchanged.
   final = json.load(open(os.path.join(workdir, "results.json")))
   assert final["stages"][1]["metrics"] == partial["stages"][1]["metrics"]
+  # The commit: the run's first code at the top, each stage the code that computed it.
+  assert {k: final[k] for k in FIRST_CODE} == FIRST_CODE
+  assert [s["provenance"] for s in final["stages"]] == [FIRST_CODE, FIRST_CODE, RESUMING_CODE]
+  bench = benchmark.load_benchmark(config)
+  classes = {name: list(dataset.test.class_names) for name, dataset in bench.eval_sets()}
+  for stage in final["stages"]:
+    _check_per_class(stage, classes)
   for stage in results["stages"]:
     assert set(stage["metrics"]) == {"pretrain_val", "held_out", "thermal", "digits"}
     for values in stage["metrics"].values():

@@ -27,6 +27,7 @@ over a subset of categories (e.g. the held-out / rare classes of a stand-in set)
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable, Mapping, Sequence
 import functools
 import logging
@@ -496,6 +497,7 @@ def evaluate_source(
   cat_ids: Sequence[int] | None = None,
   restrict_to_seen_images: bool = True,
   per_category: bool = False,
+  per_class: bool = False,
   return_detections: bool = False,
   progress: bool = True,
   total: int | None = None,
@@ -527,6 +529,7 @@ def evaluate_source(
     max_dets: detections per image scored (default 100 for 'coco', 300 for 'lvis').
     cat_ids: see `coco_eval.coco_evaluate` / `lvis_eval.lvis_evaluate`.
     per_category: see `coco_eval.coco_evaluate` / `lvis_eval.lvis_evaluate`.
+    per_class: also return 'per_class' (`per_class_table`, names from `source.class_names`).
     restrict_to_seen_images: evaluate only the images present in the batches (True, so a
       partial pass over a set is scored on what was predicted) or on all images of the
       ground truth.
@@ -548,10 +551,8 @@ def evaluate_source(
   gt, score, metric_names, count_images, max_dets = _protocol(
     protocol, source, ground_truth, coco_gt, max_dets
   )
-  if category_ids is None:
-    category_ids = source.category_ids
-  if name is None:
-    name = getattr(source, "name", None) or ("eval" if protocol == "coco" else "lvis")
+  category_ids = source.category_ids if category_ids is None else category_ids
+  name = name or getattr(source, "name", None) or ("eval" if protocol == "coco" else "lvis")
   detections, seen = collect_detections(
     predict_fn,
     batches,
@@ -561,12 +562,11 @@ def evaluate_source(
     total=total,
     desc=desc or f"eval {name}",
   )
-
   if restrict_to_seen_images and not seen:
     logger.warning("evaluate_source(%s): no images were evaluated; metrics are NaN.", name)
     result: dict[str, Any] = {key: float("nan") for key in metric_names}
     result.update(num_detections=0, num_images=0)
-    if per_category:
+    if per_category or per_class:
       result["per_category"] = {}
   else:
     result = score(
@@ -575,12 +575,60 @@ def evaluate_source(
       image_ids=sorted(seen) if restrict_to_seen_images else None,
       cat_ids=cat_ids,
       max_dets=max_dets,
-      per_category=per_category,
+      per_category=per_category or per_class,
     )
     result["num_images"] = len(seen) if restrict_to_seen_images else count_images()
+  if per_class:
+    _add_per_class(result, per_category, category_ids, source.class_names)
   if return_detections:
     result["detections"] = detections
   return result
+
+
+def _add_per_class(result: dict, keep_per_category: bool, category_ids, class_names) -> None:
+  """Adds `result['per_class']` (`per_class_table` of `result['per_category']`), keeping
+  'per_category' only when it was asked for too."""
+  by_id = result["per_category"] if keep_per_category else result.pop("per_category")
+  result["per_class"] = per_class_table(by_id, category_ids, class_names)
+
+
+def per_class_table(
+  per_category: Mapping[int, Mapping[str, Any]],
+  category_ids: Sequence[int],
+  class_names: Sequence[str],
+) -> dict[str, dict[str, Any]]:
+  """The per-category AP of `coco_evaluate` / `lvis_evaluate` keyed by class name (results.json
+  `per_class`; JSON keys are strings, and a name reads without the dataset's id table).
+
+  Args:
+    per_category: {category id: {'AP', 'AP50', ... (floats in [0, 1] or NaN)}}.
+    category_ids: int [C] category id of each class index (the source's `category_ids`).
+    class_names: [C] the classes' names, in the same order.
+
+  Returns:
+    {class name: {'category_id': int, **per_category[id]}} in class-index order, for every
+    class of `per_category`; a name that two classes share gets ' (<category id>)' appended.
+
+  Raises:
+    ValueError: `category_ids` and `class_names` differ in length, or a category of
+      `per_category` is not among `category_ids`.
+  """
+  if len(category_ids) != len(class_names):
+    raise ValueError(
+      f"per_class_table: {len(category_ids)} category ids against {len(class_names)} names"
+    )
+  name_of = {int(c): str(n) for c, n in zip(category_ids, class_names)}
+  unknown = sorted(set(int(c) for c in per_category) - set(name_of))
+  if unknown:
+    raise ValueError(f"per_class_table: category ids {unknown} have no class name")
+  count = collections.Counter(name_of.values())
+  per_category = {int(c): v for c, v in per_category.items()}
+  out = {}
+  for cat in (int(c) for c in category_ids):
+    if cat in per_category:
+      name = f"{name_of[cat]} ({cat})" if count[name_of[cat]] > 1 else name_of[cat]
+      out[name] = {"category_id": cat, **per_category[cat]}
+  return out
 
 
 def evaluate_lvis_source(

@@ -163,6 +163,12 @@ def _results(api, lvis_gt, detections: list, max_dets: int):
   return res
 
 
+def _valid_mean(values: np.ndarray) -> float:
+  """Mean of the entries > -1 (LVISEval's "no ground truth" marker), NaN if there are none."""
+  valid = values[values > -1]
+  return float(np.mean(valid)) if valid.size else float("nan")
+
+
 def _no_data_to_nan(value: float) -> float:
   value = float(value)
   return float("nan") if value == -1.0 else value
@@ -188,7 +194,10 @@ def lvis_evaluate(
     cat_ids: evaluate these category ids only (default: all).
     max_dets: detections kept per image, highest scores first (LVIS: 300), applied by
       `LVISResults`; also LVISEval's `max_dets`.
-    per_category: also return {'per_category': {cat_id: {'AP', 'frequency'}}}.
+    per_category: also return {'per_category': {cat_id: {'AP', 'AP50', 'frequency'}}}: each
+      evaluated category's AP@[.5:.95] and AP at IoU 0.5 over all areas (LVISEval's
+      `eval['precision']` [iou, recall, category, area] of that category, averaged over its
+      entries > -1), NaN for a category without ground truth among the evaluated images.
 
   Returns:
     dict of floats `LVIS_METRIC_NAMES` in [0, 1]: 'AP' (AP@[.5:.95]), 'AP50', 'AP75',
@@ -245,13 +254,13 @@ def lvis_evaluate(
   }
   result["num_detections"] = len(dt.dataset["annotations"])
   if per_category:
-    precision = evaluator.eval["precision"]  # [iou, recall, category, area]
+    precision = evaluator.eval["precision"]  # [iou, recall, category, area]; area 0 = all
+    at_50 = np.flatnonzero(np.isclose(evaluator.params.iou_thrs, 0.5))
     per_cat = {}
     for k, cat in enumerate(evaluator.params.cat_ids):
-      values = precision[:, :, k, 0]
-      valid = values[values > -1]
       per_cat[int(cat)] = {
-        "AP": float(np.mean(valid)) if valid.size else float("nan"),
+        "AP": _valid_mean(precision[:, :, k, 0]),
+        "AP50": _valid_mean(precision[at_50, :, k, 0]),
         "frequency": gt.cats[cat]["frequency"],
       }
     result["per_category"] = per_cat

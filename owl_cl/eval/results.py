@@ -15,7 +15,11 @@
   "schedule": str | null,             # 'sequence' (null: the same), 'joint' (one stage named
                                       # 'joint'), 'per_task' (stage i: task i's own model)
   "wall_times": {str: float},         # seconds, e.g. {"total": 812.5, "<stage name>": 60.1}
-  "metadata": dict,                   # free form: git commit, host, jax version, ...
+  "metadata": dict,                   # free form: host, jax version, ...
+  "commit": str | null,               # the code that started the run (owl_cl.eval.provenance):
+  "dirty": bool | null,               # git HEAD and whether a tracked file differed from it,
+  "commit_source": str | null,        # 'git' / 'package metadata' / 'unknown: <why>'; null
+                                      # in files written before these were recorded
   "created_at": str, "updated_at": str,   # ISO 8601 UTC, set by write_results
   "roles": {                          # which eval set plays which Table-3 column
     "pretrain":   {"eval_set": str|null, "AP": "AP", "AP50": "AP50"|null, "label": str},
@@ -30,6 +34,12 @@
   "stages": [                         # stage 0 = after pre-training, stage i = after dataset i
     {"name": str, "index": int, "trained_on": str|null, "wall_time_s": float|null,
      "metrics": {eval_set: {"AP": float|null, "AP50": float|null, "AP75": ..., ...}},
+     "provenance": {"commit", "dirty", "commit_source"},   # the code that computed the
+                                      # stage (a resumed run's later stages may differ)
+     "per_class": {eval_set: {class name: {"category_id": int, "AP": float|null,
+                   "AP50": float|null}}},  # AP of each class with ground truth in the set
+                                      # (COCO: AP, AP50; LVIS: AP, frequency); absent in
+                                      # files written before per-class AP was recorded
      "train": {...},                  # optional training summary of the stage; with replay:
                                       # steps, replayed_images (retrieved), replays_in_loss,
                                       # replay_slots, replay_steps, replay_steps_fraction,
@@ -180,6 +190,9 @@ def finalize_results(results: Mapping[str, Any]) -> dict[str, Any]:
       "sequence": sequence,
       "wall_times": results.get("wall_times") or {},
       "metadata": results.get("metadata") or {},
+      "commit": results.get("commit"),
+      "dirty": results.get("dirty"),
+      "commit_source": results.get("commit_source"),
       "created_at": results.get("created_at"),
       "updated_at": results.get("updated_at"),
       "roles": table3.normalize_roles(

@@ -318,3 +318,29 @@ def test_eval_sets_alias_extra_keys_and_hidden_columns(tmp_path):
   assert "- wall time: 1.00 h" in md and "- status: complete" in md
   merged = rl.merge_results_tables([str(tmp_path)])
   assert "| swil | 1 | 22.5 | 24.9 | 55.5 |" in merged
+
+
+def test_provenance_and_per_class_are_kept_and_old_files_still_load(tmp_path):
+  """Issue 49: `commit` / `dirty` / `commit_source` and each stage's `per_class` and
+  `provenance` are written as given; a file written before them (none of these keys) loads,
+  with `commit`, `dirty` and `commit_source` null and the same summary."""
+  code = {"commit": "f" * 40, "dirty": True, "commit_source": "git"}
+  new = make_results(run_id="new")
+  new.update(code)
+  new["stages"][0]["per_class"] = {"o365": {"person": {"category_id": 1, "AP": 0.25}}}
+  new["stages"][0]["provenance"] = code
+  written = rl.write_results(str(tmp_path / "new"), new)
+  loaded = rl.load_results(str(tmp_path / "new"))
+  assert {k: loaded[k] for k in code} == code == {k: written[k] for k in code}
+  assert loaded["stages"][0]["per_class"] == new["stages"][0]["per_class"]
+  assert loaded["stages"][0]["provenance"] == code
+  old = rl.finalize_results(make_results(run_id="old"))
+  for key in code:
+    del old[key]
+  os.makedirs(tmp_path / "old")
+  with open(tmp_path / "old" / "results.json", "w") as f:
+    json.dump(old, f)
+  reloaded = rl.load_results(str(tmp_path / "old"))
+  assert {k: reloaded[k] for k in code} == {"commit": None, "dirty": None, "commit_source": None}
+  assert "per_class" not in reloaded["stages"][0]
+  assert reloaded["summary"] == loaded["summary"]
