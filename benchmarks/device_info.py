@@ -155,3 +155,9 @@ def describe() -> dict:
     "spec_peak_bf16_flops": peak[0] if peak else None,
     "spec_peak_source": peak[1] if peak else f"no spec peak for {device.device_kind!r}",
   }
+
+
+if __name__ == "__main__":
+  import json
+
+  print(json.dumps(describe(), indent=2))

@@ -53,7 +53,7 @@ Usage:
   python benchmarks/step.py                # L/14 at 840 px: arithmetic; timing on a GPU
   python benchmarks/step.py --variant owlv2_l14 --skip-timing   # OWLv2 L/14 at 1008 px
   options: --variant, --image-size, --num-queries, --batches 1,2,4, --time-batches,
-  --skip-arithmetic, --skip-timing, --skip-hf, --skip-model-only, --repeats, --rounds,
+  --skip-arithmetic, --skip-timing, --skip-hf, --skip-model-only, --skip-step, --repeats, --rounds,
   --threads, --diagnose, --out, --lora-ranks 8,16, --skip-lora
   python benchmarks/step.py --lora-only    # LoRA vs full fine-tuning memory at L/14 840 px
 
@@ -1249,6 +1249,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--skip-hf", action="store_true")
   p.add_argument("--skip-model-only", action="store_true")
   p.add_argument(
+    "--skip-step", action="store_true", help="time the model alone only (no full-step sides)"
+  )
+  p.add_argument(
     "--diagnose",
     action="store_true",
     help="also time HF in a process where our model ran first (the old, shared-process method)",
@@ -1318,10 +1321,13 @@ def main(argv=None) -> dict:
       f"--rounds, --repeats and --threads must be >= 1, got {args.rounds}, {args.repeats}, "
       f"{args.threads}"
     )
+  if args.skip_model_only and args.skip_step:
+    raise ValueError("--skip-model-only and --skip-step leave nothing to time")
   args.sides = [] if args.skip_model_only else ["ours_model"]
-  args.sides += [f"ours_step:{m}" for m in args.matchers]
+  args.sides += [] if args.skip_step else [f"ours_step:{m}" for m in args.matchers]
   if not args.skip_hf:
-    args.sides += ["hf_step"] if args.skip_model_only else ["hf_model", "hf_step"]
+    args.sides += [] if args.skip_model_only else ["hf_model"]
+    args.sides += [] if args.skip_step else ["hf_step"]
     args.sides += ["hf_model_after_jax"] if args.diagnose else []
   args.backend = jax.default_backend()
   mode = "smoke" if args.smoke else "quick" if args.quick else "full"
