@@ -1297,6 +1297,24 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+def timed_sides(args) -> list[str]:
+  """The sides `timing` runs: the model alone (ours, HF) unless --skip-model-only, the full
+  step (ours per matcher, HF) unless --skip-step, HF's only without --skip-hf.
+
+  Raises:
+    ValueError: --skip-model-only with --skip-step (nothing left to time).
+  """
+  if args.skip_model_only and args.skip_step:
+    raise ValueError("--skip-model-only and --skip-step leave nothing to time")
+  sides = [] if args.skip_model_only else ["ours_model"]
+  sides += [] if args.skip_step else [f"ours_step:{m}" for m in args.matchers]
+  if not args.skip_hf:
+    sides += [] if args.skip_model_only else ["hf_model"]
+    sides += [] if args.skip_step else ["hf_step"]
+    sides += ["hf_model_after_jax"] if args.diagnose else []
+  return sides
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
   if args.cache_dir:
@@ -1321,14 +1339,7 @@ def main(argv=None) -> dict:
       f"--rounds, --repeats and --threads must be >= 1, got {args.rounds}, {args.repeats}, "
       f"{args.threads}"
     )
-  if args.skip_model_only and args.skip_step:
-    raise ValueError("--skip-model-only and --skip-step leave nothing to time")
-  args.sides = [] if args.skip_model_only else ["ours_model"]
-  args.sides += [] if args.skip_step else [f"ours_step:{m}" for m in args.matchers]
-  if not args.skip_hf:
-    args.sides += [] if args.skip_model_only else ["hf_model"]
-    args.sides += [] if args.skip_step else ["hf_step"]
-    args.sides += ["hf_model_after_jax"] if args.diagnose else []
+  args.sides = timed_sides(args)
   args.backend = jax.default_backend()
   mode = "smoke" if args.smoke else "quick" if args.quick else "full"
   results: dict[str, Any] = {
