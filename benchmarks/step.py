@@ -36,8 +36,9 @@ Two parts, one JSON and one Markdown file:
    once timed in the process that had just run our steps: there XLA:CPU's thread pool
    competed with torch's threads (`--diagnose` times that condition as
    `hf_model_after_jax`). `--rounds R` runs every side in R processes, one after the other;
-   each row is the median over all timed steps with their min-max. On accelerators the MFU
-   is against a bf16 matmul peak measured in a fresh process.
+   each row is the median over all timed steps with their min-max. The MFU is against the
+   device's spec bf16 peak (`device_info.SPEC_PEAKS`, by `device_kind`; none on a CPU); on
+   accelerators a measured matmul roofline (`measure_roofline`) is recorded beside it.
 3. **Compilation** (`--compile-cache`, any backend): the step is traced, lowered and compiled
    from abstract inputs (no parameters allocated, nothing executed, so L/14 at 840 px
    compiles on a small host) in a fresh process with an empty persistent compilation cache,
@@ -52,7 +53,7 @@ Usage:
   python benchmarks/step.py                # L/14 at 840 px: arithmetic; timing on a GPU
   python benchmarks/step.py --variant owlv2_l14 --skip-timing   # OWLv2 L/14 at 1008 px
   options: --variant, --image-size, --num-queries, --batches 1,2,4, --time-batches,
-  --skip-arithmetic, --skip-timing, --skip-hf, --skip-model-only, --repeats, --rounds,
+  --skip-arithmetic, --skip-timing, --skip-hf, --skip-model-only, --skip-step, --repeats, --rounds,
   --threads, --diagnose, --out, --lora-ranks 8,16, --skip-lora
   python benchmarks/step.py --lora-only    # LoRA vs full fine-tuning memory at L/14 840 px
 
@@ -66,6 +67,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -97,10 +99,18 @@ from owl_cl import utils  # noqa: E402
 from owl_cl.model import clip as clip_lib  # noqa: E402
 from owl_cl.model import convert  # noqa: E402
 from owl_cl.model import lora as lora_lib  # noqa: E402
+from owl_cl.train import checkpointing  # noqa: E402
 from owl_cl.train import losses  # noqa: E402
 from owl_cl.train import sharding as sharding_lib  # noqa: E402
 from owl_cl.train import step as step_lib  # noqa: E402
 from owl_cl.train.spec import LossSpec  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+  "benchmark_device_info",
+  os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_info.py"),
+)
+device_info = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(device_info)
 
 GB = 1e9
 DEVICE_BYTES = 80 * GB  # the paper's A100/H100 80 GB
@@ -492,12 +502,47 @@ def _peak_memory(device) -> int | None:
   return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def measure_peak_flops(n: int = 8192) -> float:
-  """Peak bf16 FLOP/s of the default device: an [n, n] x [n, n] matmul, median of 5."""
-  a = jnp.ones((n, n), jnp.bfloat16)
-  f = jax.jit(lambda x, y: x @ y)
-  f(a, a).block_until_ready()
-  return 2 * n**3 / _median_time(lambda: f(a, a).block_until_ready(), 5)
+def roofline_chain(n: int) -> int:
+  """Matmuls per timed call of `measure_roofline` at size n: about 4e13 FLOPs per call (about
+  50 ms at 800 TFLOP/s: far above the launch and timer overheads), between 2 and 64."""
+  return min(64, max(2, int(4e13 // (2 * n**3))))
+
+
+def measure_roofline(n: int = 8192, repeats: int = 5) -> dict:
+  """The measured bf16 matmul roofline of the default device (not its spec peak).
+
+  Each timed call runs a chain of `roofline_chain(n)` dependent [n, n] x [n, n] products,
+  x <- x @ w, in one jitted `fori_loop`, from random normal inputs with w scaled by 1/sqrt(n)
+  (x stays O(1): no overflow, and no constant inputs a kernel could shortcut); bf16 inputs,
+  float32 accumulation (the model's matmuls). FLOPs per call: chain * 2 n^3.
+
+  Returns:
+    {'n', 'chain', 'flops_per_s' (median over `repeats` calls after one warm-up),
+    'flops_per_s_min', 'flops_per_s_max'}.
+  """
+  chain = roofline_chain(n)
+  kx, kw = jax.random.split(jax.random.PRNGKey(0))
+  x = jax.random.normal(kx, (n, n), jnp.bfloat16)
+  w = (jax.random.normal(kw, (n, n), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
+
+  def product(_, x):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+  f = jax.jit(lambda x: jax.lax.fori_loop(0, chain, product, x))
+  f(x).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  flops = chain * 2 * n**3
+  return {
+    "n": n,
+    "chain": chain,
+    "flops_per_s": flops / statistics.median(times),
+    "flops_per_s_min": flops / max(times),
+    "flops_per_s_max": flops / min(times),
+  }
 
 
 def timed_model(args, dtype=None, remat=None, attention=None):
@@ -512,12 +557,29 @@ def timed_model(args, dtype=None, remat=None, attention=None):
   )
 
 
+def init_params(model, num_queries: int, max_instances: int):
+  """The model's parameters (seed 0) initialised from a 1-image batch: the parameters do not
+  depend on the batch, and the init's forward pass then costs least."""
+  new, _ = _inputs(model, 2, num_queries, max_instances, abstract=False)
+  return jax.jit(model.init)(jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
+
+
+def init_or_load_params(model, args, new):
+  """`args.params_file` (a `checkpointing.save_params` folder written once per run, e.g. by
+  benchmarks/gpu.py's `params` section) when set, else `init_params`; `new` gives the shapes."""
+  path = getattr(args, "params_file", None)
+  if not path:
+    return init_params(model, args.num_queries, args.max_instances)
+  like = jax.eval_shape(model.init, jax.random.PRNGKey(0), new["images"], new["queries"])
+  return checkpointing.load_params(path, like["params"])[0]
+
+
 def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attention: str):
   """Builds, compiles and warms our train step; returns (run, record) with run() one step."""
   t0 = time.perf_counter()
   model = timed_model(args, dtype, remat, attention)
   new, replay = _inputs(model, batch, args.num_queries, args.max_instances, abstract=False)
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), new["images"], new["queries"])["params"]
+  params = init_or_load_params(model, args, new)
   # Progress on stdout (the last line stays the result): a section killed at its time limit
   # then says how far it got.
   print(f"inputs and parameters ready ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -558,6 +620,8 @@ def prepare_ours(args, batch: int, matcher: str, dtype: str, remat: str, attenti
     # Compiled executables of the step after two calls: 1 when the second call reused the
     # first's (jit's private cache counter; the public API has no equivalent).
     "compilations": train_step._cache_size(),  # pylint: disable=protected-access
+    # Restored from the run's one initialisation (gpu.py's `params` section), or None.
+    "params_file": getattr(args, "params_file", None),
   }
   return run, record
 
@@ -581,7 +645,7 @@ def prepare_ours_model(args, batch: int):
   model = timed_model(args)
   data = side_batch(args, batch, model.context_length)
   images, queries = jnp.asarray(data["images"]), jnp.asarray(data["queries"])
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), images, queries)["params"]
+  params = init_params(model, args.num_queries, args.max_instances)
 
   def loss(p, x, q):
     out = model.apply({"params": p}, x, q)
@@ -741,8 +805,8 @@ def time_side(args, side: str, batch: int) -> dict:
     run_ours, _ = prepare_ours_model(args, batch)
     run_ours()
     run, record, peak = prepare_hf(args, batch, full=False)
-  elif side == "peak_flops":
-    return {"side": side, "peak_bf16_flops": measure_peak_flops(args.peak_matmul)}
+  elif side == "roofline":
+    return {"side": side, **measure_roofline(args.peak_matmul)}
   else:
     raise ValueError(f"unknown side {side!r}; known: {sorted(SIDES)} (ours_step:<matcher>)")
   t0 = time.perf_counter()
@@ -913,8 +977,12 @@ def timing(args) -> dict:
   (`time_in_fresh_process`), the sides one after the other, `args.rounds` times; the ratios
   HF step time / ours of the model alone and of the full step."""
   result = {"backend": args.backend, "threads": args.threads, "rows": [], "ratios": []}
+  # MFU is against the device's spec peak (device_info.SPEC_PEAKS); the measured matmul
+  # roofline is recorded beside it, never used as the denominator.
+  result["device"] = device_info.describe()
+  peak = result["device"]["spec_peak_bf16_flops"]
   if args.backend != "cpu":
-    result["peak_bf16_flops"] = time_in_fresh_process(args, "peak_flops", 0)["peak_bf16_flops"]
+    result["roofline"] = time_in_fresh_process(args, "roofline", 0)
   for batch in args.time_batches:
     records = {side: [] for side in args.sides}
     for r in range(args.rounds):
@@ -929,10 +997,8 @@ def timing(args) -> dict:
         print(f"  {side} failed: {failed[0]['error']}", flush=True)
         continue
       rows[side] = summarize(recs)
-      if "peak_bf16_flops" in result and args.model_flops_per_image and side != "hf_step":
-        rows[side]["mfu"] = (
-          rows[side]["images_per_s"] * args.model_flops_per_image / result["peak_bf16_flops"]
-        )
+      if peak and args.model_flops_per_image and side != "hf_step":
+        rows[side]["mfu"] = rows[side]["images_per_s"] * args.model_flops_per_image / peak
       print(f"  {side}: {rows[side]['step_s']:.3f} s", flush=True)
     result["rows"] += list(rows.values())
     ok = {k: v for k, v in rows.items() if "error" not in v}
@@ -1062,8 +1128,20 @@ def render_markdown(results: dict) -> str:
 
 def render_timing(t: dict) -> list[str]:
   """The timing table and the ratios (Markdown lines)."""
+  device = t.get("device") or {}
+  peak = device.get("spec_peak_bf16_flops")
+  roof = (t.get("roofline") or {}).get("flops_per_s")
   lines = [
     f"## Timing on {t['backend']} ({t['threads']} threads per process)",
+    "",
+    f"Device kind {device.get('device_kind', '-')!r}; MFU against its spec bf16 peak "
+    + (f"{peak / 1e12:.1f} TFLOP/s ({device['spec_peak_source']})" if peak else "(none known)")
+    + (
+      f"; measured matmul roofline {roof / 1e12:.1f} TFLOP/s (not the MFU's denominator)"
+      if roof
+      else ""
+    )
+    + ".",
     "",
     "Each row is one side in its own fresh process(es) (`processes`), warm-up steps excluded; "
     "step s is the median over all timed steps, min-max beside it.",
@@ -1151,6 +1229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--rounds", type=int, default=1, help="fresh processes per side")
   p.add_argument("--threads", type=int, default=None, help="compute threads per side")
   p.add_argument("--peak-matmul", type=int, default=8192, help=argparse.SUPPRESS)
+  p.add_argument("--params-file", default=None, help=argparse.SUPPRESS)
   p.add_argument("--skip-arithmetic", action="store_true")
   p.add_argument("--skip-timing", action="store_true")
   p.add_argument(
@@ -1164,6 +1243,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument("--skip-hf", action="store_true")
   p.add_argument("--skip-model-only", action="store_true")
+  p.add_argument(
+    "--skip-step", action="store_true", help="time the model alone only (no full-step sides)"
+  )
   p.add_argument(
     "--diagnose",
     action="store_true",
@@ -1210,6 +1292,24 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+def timed_sides(args) -> list[str]:
+  """The sides `timing` runs: the model alone (ours, HF) unless --skip-model-only, the full
+  step (ours per matcher, HF) unless --skip-step, HF's only without --skip-hf.
+
+  Raises:
+    ValueError: --skip-model-only with --skip-step (nothing left to time).
+  """
+  if args.skip_model_only and args.skip_step:
+    raise ValueError("--skip-model-only and --skip-step leave nothing to time")
+  sides = [] if args.skip_model_only else ["ours_model"]
+  sides += [] if args.skip_step else [f"ours_step:{m}" for m in args.matchers]
+  if not args.skip_hf:
+    sides += [] if args.skip_model_only else ["hf_model"]
+    sides += [] if args.skip_step else ["hf_step"]
+    sides += ["hf_model_after_jax"] if args.diagnose else []
+  return sides
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
   if args.cache_dir:
@@ -1234,11 +1334,7 @@ def main(argv=None) -> dict:
       f"--rounds, --repeats and --threads must be >= 1, got {args.rounds}, {args.repeats}, "
       f"{args.threads}"
     )
-  args.sides = [] if args.skip_model_only else ["ours_model"]
-  args.sides += [f"ours_step:{m}" for m in args.matchers]
-  if not args.skip_hf:
-    args.sides += ["hf_step"] if args.skip_model_only else ["hf_model", "hf_step"]
-    args.sides += ["hf_model_after_jax"] if args.diagnose else []
+  args.sides = timed_sides(args)
   args.backend = jax.default_backend()
   mode = "smoke" if args.smoke else "quick" if args.quick else "full"
   results: dict[str, Any] = {

@@ -1,0 +1,508 @@
+"""The host side of the paper's protocol, measured on CPU (issue 48 item 2): no GPU needed.
+
+Writes `<out>/protocol_host.{json,md}` (`protocol_host_smoke.*` with `--smoke`):
+
+1. **Input pipeline** (`input`): training images/s on ONE core (this process pinned to one CPU,
+   one reader thread) at 840 px, 126 queries, 100 instances, batches of 16, from synthetic
+   JPEG files of Objects365's typical size (`--jpeg-size`, 1024 x 768, 8 boxes each), with the
+   `:paper` preset's preprocessing (resize with pad, no augmentation: the preset turns none
+   on) and with scenic's OWL-ViT augmentations (flip, random crop, mosaics of 1 / 2 / 3,
+   docs/reference.md §5), through `input_pipeline.train_dataset` as the trainer calls it.
+2. **Scoring** (`scoring`): COCO AP (`coco_eval.coco_evaluate`, pycocotools) and LVIS AP
+   (`lvis_eval.lvis_evaluate`) of synthetic detections at the paper's evaluation sizes:
+   Objects365 v2 val (80,000 images, 365 classes, 100 detections per image) and LVIS v1 val
+   (19,809 images, 1,203 classes, 300 per image). Ground truth: 1-12 boxes per image (random
+   classes); detections: jittered copies of the ground truth plus random boxes, random scores.
+3. **Checkpoints** (`checkpoint`): write and restore time and size of the L/14 train state
+   (float32 parameters + Adam's two moments, `StepCheckpointer` as the trainer writes it) and
+   of a 54,226-image buffer store's per-image arrays (the sizes of benchmarks/buffer.py's
+   paper projection, written in 16 MiB chunks and read back with a SHA-256 of every file, as
+   `replay.store_verification='full'` reads them).
+4. **Buffer build host cost** (`buffer`): CPU seconds per pre-training image of the streaming
+   build (benchmarks/buffer.py's child: the tiny model at 64 px, so its forward is a small
+   part: an upper bound of the host's share), from the children's rusage.
+
+Usage:
+  python benchmarks/protocol_host.py            # the paper's sizes: ~10 GB free disk, an idle
+                                                # machine; tens of minutes
+  python benchmarks/protocol_host.py --smoke --out D   # every part at a tiny size (CI)
+  options: --parts input,scoring,checkpoint,buffer, --tmp DIR (where the files go)
+
+Timings are wall seconds of one process on one core unless a row says otherwise; the load
+average before and after is recorded (a shared machine's figures are not the machine's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PARTS = ("input", "scoring", "checkpoint", "buffer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """What each part measures at (FULL: the paper's; SMOKE: seconds on CPU)."""
+
+  variant: str = "vit_l14"
+  jpeg_images: int = 64
+  jpeg_size: tuple[int, int] = (1024, 768)
+  input_batches: int = 4
+  batch_size: int = 16
+  num_queries: int = 126
+  max_instances: int = 100
+  # (name, images, classes, detections per image, protocol)
+  eval_sets: tuple = (
+    ("o365_val", 80_000, 365, 100, "coco"),
+    ("lvis_val", 19_809, 1203, 300, "lvis"),
+  )
+  buffer_images: int = 54_226
+  buffer_build_images: int = 2_000
+  # scenic's mosaics and their probabilities (the tiny model's 64 px is not divisible by 3).
+  mosaic: tuple = ((1, 2, 3), (0.4, 0.3, 0.3))
+
+
+FULL = Sizes()
+SMOKE = Sizes(
+  variant="tiny",
+  jpeg_images=6,
+  jpeg_size=(96, 64),
+  input_batches=2,
+  batch_size=2,
+  num_queries=8,
+  max_instances=4,
+  eval_sets=(("o365_val", 20, 6, 10, "coco"), ("lvis_val", 20, 8, 10, "lvis")),
+  buffer_images=40,
+  buffer_build_images=64,
+  mosaic=((1, 2), (0.5, 0.5)),
+)
+
+
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(
+    f"benchmark_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+# ------------------------------------------------------------------------------ 1. input
+
+
+def write_jpegs(folder: str, sizes: Sizes, rng: np.random.Generator) -> str:
+  """`sizes.jpeg_images` JPEG files (smooth colour fields + noise, quality 90) with 8 boxes each
+  of 20 classes, and their COCO json; returns the json's path."""
+  from PIL import Image  # noqa: PLC0415
+
+  w, h = sizes.jpeg_size
+  images, annotations = [], []
+  for i in range(sizes.jpeg_images):
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([(xx * (c + 1) + yy * (3 - c)) % 256 for c in range(3)], -1)
+    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    name = f"{i:06d}.jpg"
+    Image.fromarray(pixels).save(os.path.join(folder, name), quality=90)
+    images.append({"id": i + 1, "file_name": name, "width": w, "height": h})
+    for _ in range(8):
+      bw, bh = rng.uniform(0.05, 0.4) * w, rng.uniform(0.05, 0.4) * h
+      x, y = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
+      annotations.append(
+        {
+          "id": len(annotations) + 1,
+          "image_id": i + 1,
+          "category_id": int(rng.integers(1, 21)),
+          "bbox": [x, y, bw, bh],
+          "area": bw * bh,
+          "iscrowd": 0,
+        }
+      )
+  path = os.path.join(folder, "instances.json")
+  categories = [{"id": c, "name": f"class {c}"} for c in range(1, 21)]
+  with open(path, "w") as f:
+    json.dump({"images": images, "annotations": annotations, "categories": categories}, f)
+  return path
+
+
+def part_input(sizes: Sizes, tmp: str) -> dict:
+  """Training images per second on one core, without and with scenic's augmentations."""
+  from owl_cl.data import coco  # noqa: PLC0415
+
+  folder = os.path.join(tmp, "jpegs")
+  os.makedirs(folder, exist_ok=True)
+  source = coco.CocoSource(write_jpegs(folder, sizes, np.random.default_rng(0)), folder)
+  pinned = hasattr(os, "sched_setaffinity")
+  if pinned:
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, [min(cpus)])  # one core (restored below)
+  try:
+    return _time_pipeline(sizes, tmp, source)
+  finally:
+    if pinned:
+      os.sched_setaffinity(0, cpus)
+
+
+def _time_pipeline(sizes: Sizes, tmp: str, source) -> dict:
+  from owl_cl.configs import base  # noqa: PLC0415
+  from owl_cl.data import input_pipeline  # noqa: PLC0415
+  from owl_cl.detector import Detector  # noqa: PLC0415
+
+  out = {"jpeg_size": list(sizes.jpeg_size), "batch_size": sizes.batch_size}
+  for label, augment in (("paper preset (no augmentation)", False), ("scenic augmentations", True)):
+    config = base.get_config("rehearsal")
+    config.model.variant = sizes.variant
+    config.data.num_queries = sizes.num_queries
+    config.data.num_negatives = min(50, sizes.num_queries - 1)
+    config.data.max_instances = sizes.max_instances
+    config.cache_dir = os.path.join(tmp, "cache")
+    if augment:
+      config.data.augment.hflip = True
+      config.data.augment.random_crop = True
+      config.data.augment.mosaic_sizes, config.data.augment.mosaic_probs = sizes.mosaic
+    detector = Detector(config)
+    batches = input_pipeline.train_dataset(
+      source,
+      detector.example_spec(detector.train_class_tokens(source)),
+      batch_size=sizes.batch_size,
+      seed=0,
+      epoch=0,
+      num_threads=1,
+      prefetch=1,
+      **detector.example_options(source),
+      **detector.augment_options(),
+    )
+    next(batches)  # the first batch: the pipeline's start-up
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    n = 0
+    for _ in range(sizes.input_batches):
+      try:
+        next(batches)
+      except StopIteration:
+        break
+      n += sizes.batch_size
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    out[label] = {
+      "image_size": detector.image_size,
+      "images": n,
+      "images_per_s": n / wall,
+      "cpu_s_per_image": cpu / n,
+    }
+  return out
+
+
+# ------------------------------------------------------------------------------ 2. scoring
+
+
+def synthetic_eval(name, images, classes, dets, rng):
+  """(ground truth dict, detections) of one synthetic evaluation set (module docstring)."""
+  gt = {"images": [], "annotations": [], "categories": []}
+  lvis = name.startswith("lvis")
+  gt["categories"] = [
+    {"id": c, "name": f"c{c}", **({"frequency": "rfc"[c % 3]} if lvis else {})}
+    for c in range(1, classes + 1)
+  ]
+  detections = []
+  for i in range(1, images + 1):
+    gt["images"].append(
+      {
+        "id": i,
+        "width": 640,
+        "height": 480,
+        "file_name": f"{i}.jpg",
+        **({"neg_category_ids": [], "not_exhaustive_category_ids": []} if lvis else {}),
+      }
+    )
+    boxes = rng.uniform(
+      [0, 0, 10, 10], [500, 380, 140, 100], size=(int(rng.integers(1, min(12, dets) + 1)), 4)
+    )
+    cats = rng.integers(1, classes + 1, len(boxes))
+    for box, c in zip(boxes, cats):
+      gt["annotations"].append(
+        {
+          "id": len(gt["annotations"]) + 1,
+          "image_id": i,
+          "category_id": int(c),
+          "bbox": box.tolist(),
+          "area": float(box[2] * box[3]),
+          "iscrowd": 0,
+        }
+      )
+    # Jittered copies of the ground truth, then random boxes, up to `dets` per image.
+    jitter = boxes + rng.normal(0, 5, boxes.shape)
+    extra = rng.uniform([0, 0, 10, 10], [500, 380, 140, 100], size=(dets - len(boxes), 4))
+    all_boxes = np.concatenate([jitter, extra])
+    all_cats = np.concatenate([cats, rng.integers(1, classes + 1, len(extra))])
+    for box, c, s in zip(all_boxes, all_cats, rng.uniform(size=len(all_boxes))):
+      detections.append(
+        {"image_id": i, "category_id": int(c), "bbox": np.abs(box).tolist(), "score": float(s)}
+      )
+  return gt, detections
+
+
+def part_scoring(sizes: Sizes, tmp: str) -> dict:
+  """Scoring seconds of each evaluation set (ground truth loading included, as a run pays)."""
+  from pycocotools import coco as pycoco  # noqa: PLC0415
+
+  from owl_cl.eval import coco_eval  # noqa: PLC0415
+  from owl_cl.eval import lvis_eval  # noqa: PLC0415
+
+  rng = np.random.default_rng(0)
+  out = {}
+  for name, images, classes, dets, protocol in sizes.eval_sets:
+    gt, detections = synthetic_eval(name, images, classes, dets, rng)
+    t0 = time.perf_counter()
+    if protocol == "coco":
+      ground = pycoco.COCO()
+      ground.dataset = gt
+      ground.createIndex()
+      metrics = coco_eval.coco_evaluate(ground, detections, max_dets=dets)
+    else:
+      metrics = lvis_eval.lvis_evaluate(
+        lvis_eval.load_lvis_ground_truth(gt), detections, max_dets=dets
+      )
+    seconds = time.perf_counter() - t0
+    out[name] = {
+      "protocol": protocol,
+      "images": images,
+      "classes": classes,
+      "detections": len(detections),
+      "seconds": seconds,
+      "ms_per_image": 1e3 * seconds / images,
+      "AP": float(metrics["AP"]),
+    }
+  return out
+
+
+# ------------------------------------------------------------------------------ 3. checkpoint
+
+
+def _tree_bytes_on_disk(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def part_checkpoint(sizes: Sizes, tmp: str) -> dict:
+  """The train state's and the buffer store's write and restore times and sizes."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from owl_cl import model as model_lib  # noqa: PLC0415
+  from owl_cl.train import checkpointing  # noqa: PLC0415
+
+  model = model_lib.create_model(sizes.variant)
+  s = model.image_size
+  like = jax.eval_shape(
+    model.init,
+    jax.random.PRNGKey(0),
+    jax.ShapeDtypeStruct((1, s, s, 3), jnp.float32),
+    jax.ShapeDtypeStruct((1, 2, model.context_length), jnp.int32),
+  )["params"]
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda x: rng.standard_normal(x.shape, np.float32), like)
+  state = {"params": params, "mu": params, "nu": params}  # AdamW's state: two moments
+  folder = os.path.join(tmp, "step_checkpoints")
+  ckpt = checkpointing.StepCheckpointer(folder)
+  t0 = time.perf_counter()
+  ckpt.save(1, 10, state, {})
+  write_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  ckpt.restore(1, 10, state)
+  restore_s = time.perf_counter() - t0
+  out = {
+    "train_state": {
+      "variant": sizes.variant,
+      "parameters": int(sum(x.size for x in jax.tree.leaves(params))),
+      "bytes": _tree_bytes_on_disk(folder),
+      "write_s": write_s,
+      "restore_s": restore_s,
+    }
+  }
+  shutil.rmtree(folder, ignore_errors=True)
+  out["buffer_store"] = _store_write_read(sizes, tmp)
+  return out
+
+
+CHUNK = 16 << 20  # the store's verification chunk (docs/stored_state.md)
+
+
+def _store_write_read(sizes: Sizes, tmp: str) -> dict:
+  """Writes the store's per-image arrays (bytes per image from buffer.py's paper projection;
+  smoke: 1 KB per image) in 16 MiB chunks with fsync, then reads every file back hashing it."""
+  if sizes.variant == "tiny":
+    per_image = 1024
+  else:
+    projection = _load("buffer").paper_projection(
+      os.path.join(ROOT, "benchmarks/results/step.json")
+    )
+    per_image = int(projection["store_bytes_per_image_paper"])
+  total = per_image * sizes.buffer_images
+  path = os.path.join(tmp, "store.bin")
+  block = np.random.default_rng(0).integers(0, 256, min(CHUNK, total), np.uint8).tobytes()
+  t0 = time.perf_counter()
+  with open(path, "wb") as f:
+    left = total
+    while left > 0:
+      f.write(block[: min(left, len(block))])
+      left -= len(block)
+    f.flush()
+    os.fsync(f.fileno())
+  write_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    while chunk := f.read(CHUNK):
+      digest.update(chunk)
+  read_s = time.perf_counter() - t0
+  os.remove(path)
+  return {
+    "images": sizes.buffer_images,
+    "bytes_per_image": per_image,
+    "bytes": total,
+    "write_s": write_s,
+    "read_and_hash_s": read_s,
+    "note": "read back from the page cache when the file fits in memory: a lower bound",
+  }
+
+
+# ------------------------------------------------------------------------------ 4. buffer
+
+
+def part_buffer(sizes: Sizes, tmp: str) -> dict:
+  """CPU seconds per image of benchmarks/buffer.py's streaming build (in its own process)."""
+  buffer = _load("buffer")
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
+  n = sizes.buffer_build_images
+  # Several chunk commits (the child times pass 1 between its first and last).
+  result = buffer.run_size(n, 16, 0.18, chunk_images=min(buffer.CHUNK_IMAGES, n // 4))
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+  return {
+    "images": sizes.buffer_build_images,
+    "wall_s": result["seconds"],
+    "cpu_s": cpu,
+    "cpu_ms_per_image": 1e3 * cpu / sizes.buffer_build_images,
+    "note": "tiny model at 64 px: its forward pass included (an upper bound of the host's share)",
+  }
+
+
+# ------------------------------------------------------------------------------ driver
+
+RUNNERS = {
+  "input": part_input,
+  "scoring": part_scoring,
+  "checkpoint": part_checkpoint,
+  "buffer": part_buffer,
+}
+
+
+def render(report: dict) -> str:
+  r = report["parts"]
+  lines = [
+    f"# The protocol's host side ({report['mode']})",
+    "",
+    f"{report['machine']}; load average {report['load_before']} before, "
+    f"{report['load_after']} after; {report['date']}.",
+    "",
+  ]
+  if "input" in r:
+    lines += [
+      "## Input pipeline, one core",
+      "",
+      "| preprocessing | px | images/s | CPU ms/image |",
+      "|---|---|---|---|",
+    ]
+    for label, v in r["input"].items():
+      if isinstance(v, dict):
+        lines.append(
+          f"| {label} | {v['image_size']} | {v['images_per_s']:.2f} | "
+          f"{1e3 * v['cpu_s_per_image']:.1f} |"
+        )
+  if "scoring" in r:
+    lines += [
+      "",
+      "## Scoring (synthetic detections)",
+      "",
+      "| set | images | classes | detections | s | ms/image |",
+      "|---|---|---|---|---|---|",
+    ]
+    for name, v in r["scoring"].items():
+      lines.append(
+        f"| {name} ({v['protocol']}) | {v['images']} | {v['classes']} | {v['detections']} | "
+        f"{v['seconds']:.1f} | {v['ms_per_image']:.2f} |"
+      )
+  if "checkpoint" in r:
+    t, b = r["checkpoint"]["train_state"], r["checkpoint"]["buffer_store"]
+    lines += [
+      "",
+      "## Checkpoints",
+      "",
+      f"Train state ({t['variant']}, {t['parameters']:,} parameters, + Adam): "
+      f"{t['bytes'] / 1e9:.2f} GB, "
+      f"written in {t['write_s']:.1f} s, restored in {t['restore_s']:.1f} s. Buffer store "
+      f"({b['images']:,} images x {b['bytes_per_image']:,} B): {b['bytes'] / 1e9:.2f} GB, written "
+      f"in {b['write_s']:.1f} s, read and hashed in {b['read_and_hash_s']:.1f} s ({b['note']}).",
+    ]
+  if "buffer" in r:
+    v = r["buffer"]
+    lines += [
+      "",
+      "## Buffer build",
+      "",
+      f"{v['images']} images: {v['cpu_s']:.1f} CPU s, {v['cpu_ms_per_image']:.1f} CPU ms per "
+      f"image ({v['note']}).",
+    ]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--smoke", action="store_true")
+  p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+  p.add_argument("--parts", default=",".join(PARTS))
+  p.add_argument("--tmp", default=None, help="where the files go (default: a temporary folder)")
+  args = p.parse_args(argv)
+  parts = [x for x in args.parts.split(",") if x]
+  unknown = sorted(set(parts) - set(PARTS))
+  if unknown:
+    p.error(f"--parts: unknown {unknown}; known: {','.join(PARTS)}")
+  from owl_cl import utils  # noqa: PLC0415
+
+  sizes = SMOKE if args.smoke else FULL
+  tmp = tempfile.mkdtemp(prefix="protocol_host_", dir=args.tmp)
+  report = {
+    "mode": "smoke" if args.smoke else "full",
+    "sizes": dataclasses.asdict(sizes),
+    "machine": f"{os.cpu_count()} logical CPUs",
+    "load_before": os.getloadavg()[0],
+    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    "parts": {},
+  }
+  try:
+    for name in parts:
+      print(f"{name} ...", flush=True)
+      report["parts"][name] = RUNNERS[name](sizes, tmp)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  report["load_after"] = os.getloadavg()[0]
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, "protocol_host_smoke" if args.smoke else "protocol_host")
+  utils.write_report(stem, report, render(report), indent=2)
+  return report
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,193 @@
+"""Issue 48's protocol benchmarks: the ':rehearsal' preset, benchmarks/protocol_gpu.py's
+per-phase rows, benchmarks/protocol_host.py's parts and the prepared GPU session's smoke run."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from owl_cl.configs import base
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(
+    f"benchmark_{name}", os.path.join(_ROOT, "benchmarks", f"{name}.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+protocol_gpu = _load("protocol_gpu")
+protocol_host = _load("protocol_host")
+
+
+def test_rehearsal_is_the_paper_step_on_the_builtin_benchmark():
+  c = base.get_config("rehearsal")
+  paper = base.get_config("paper")
+  # The paper's model and step (configs/base.py apply_paper_protocol) ...
+  for field in ("variant", "dtype", "remat"):
+    assert c.model[field] == paper.model[field]
+  for field in ("num_queries", "max_instances", "eval_batch_size"):
+    assert c.data[field] == paper.data[field]
+  assert (c.train.batch_size, c.replay.ratio) == (16, 1.0)  # 16 + 16 images per step
+  assert c.model.overrides.to_dict() == {}  # L/14's own context length, not the tiny one's 8
+  # ... on the built-in benchmark (no data.root, no download), 2 datasets of 1 epoch each.
+  assert c.data.root is None and c.data.builtin.downstream == ("thermal", "clutter")
+  assert c.train.num_epochs == 1 and c.replay.image_cache is None
+  assert {k: c.data.builtin[k] for k in base.REHEARSAL_SIZES} == base.REHEARSAL_SIZES
+  # Every other argument is left as it was.
+  assert base.get_config("").model.variant == "tiny"
+
+
+def test_synthetic_detections_score_as_their_construction_says():
+  # Independent check of the scoring part's inputs: the ground truth given back as detections
+  # scores AP 1 with pycocotools; the part's jittered copies + random boxes score below it.
+  from pycocotools import coco as pycoco
+
+  from owl_cl.eval import coco_eval
+
+  rng = protocol_host.np.random.default_rng(0)
+  gt, detections = protocol_host.synthetic_eval("o365_val", 12, 5, 20, rng)
+  assert len(detections) == 12 * 20  # `dets` per image
+  ground = pycoco.COCO()
+  ground.dataset = gt
+  ground.createIndex()
+  perfect = [
+    {"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 1.0}
+    for a in gt["annotations"]
+  ]
+  assert coco_eval.coco_evaluate(ground, perfect)["AP"] == pytest.approx(1.0)
+  assert 0.0 < coco_eval.coco_evaluate(ground, detections, max_dets=20)["AP"] < 1.0
+
+
+def test_protocol_rows_join_the_records_with_the_step_timings():
+  config = base.get_config("rehearsal")
+  records = [
+    {"kind": "buffer", "name": "buffer build", "wall_s": 20.0, "compile_s": 5.0, "scoring_s": 0},
+    {"kind": "train", "name": "train thermal", "wall_s": 90.0, "compile_s": 70.0, "scoring_s": 0},
+    {
+      "kind": "eval",
+      "name": "eval thermal @ thermal",
+      "wall_s": 10.0,
+      "compile_s": 4.0,
+      "scoring_s": 2.5,
+      "images": 250,
+    },
+  ]
+  timings = {
+    "thermal": {
+      "steps": 19,
+      "mean": {"step_seconds": 1.25, "input": 0.05},
+      "median": {"step_seconds": 1.2},
+      "host_idle_fraction": 0.08,
+    }
+  }
+  rows = protocol_gpu.summarize(records, {"timings": {"step_timings": timings}}, config)
+  buffer, train, evaluation = rows
+  # The pool: 1,000 images in 20 s.
+  assert buffer["images"] == 1000 and buffer["images_per_s"] == pytest.approx(50.0)
+  # 16 + 16 images per 1.2 s median step; the input wait is 0.05 / 1.25 of the mean step.
+  assert train["images_per_s"] == pytest.approx(32 / 1.2)
+  assert train["input_fraction"] == pytest.approx(0.04)
+  assert train["host_idle_fraction"] == 0.08 and train["steps"] == 19
+  # Evaluation: 250 images in 10 s, of which 2.5 s scoring and 7.5 s the rest.
+  assert evaluation["images_per_s"] == pytest.approx(25.0)
+  assert evaluation["model_s"] == pytest.approx(7.5)
+  table = protocol_gpu.render(
+    {
+      "mode": "test",
+      "device": {"device_kind": "cpu", "device_count": 1, "nvidia_smi": "not a GPU"},
+      "date": "d",
+      "commit": "c",
+      "main_argv": ["--config=configs/swil.py:rehearsal"],
+      "exit_status": 0,
+      "run_wall_s": 130.0,
+      "init_checkpoint": {"write_s": 1.0, "bytes": 2e9},
+      "phases": rows,
+    }
+  )
+  assert "| train thermal | 90.0 | 70.0 |" in table and "| 8.0% / 4.0% |" in table
+
+
+@pytest.mark.slow
+def test_protocol_host_smoke(tmp_path):
+  report = protocol_host.main(
+    ["--smoke", f"--out={tmp_path}", "--parts=input,scoring,checkpoint", f"--tmp={tmp_path}"]
+  )
+  sizes = protocol_host.SMOKE
+  parts = report["parts"]
+  for label in ("paper preset (no augmentation)", "scenic augmentations"):
+    row = parts["input"][label]
+    assert row["images"] == sizes.input_batches * sizes.batch_size and row["images_per_s"] > 0
+  for name, images, _, dets, protocol in sizes.eval_sets:
+    row = parts["scoring"][name]
+    assert (row["protocol"], row["detections"]) == (protocol, images * dets)
+    assert 0.0 <= row["AP"] <= 1.0
+  state = parts["checkpoint"]["train_state"]
+  # Parameters + two Adam moments: 12 bytes per parameter in float32. Orbax's compression can
+  # shrink N(0, 1) draws only in their sign and exponent bits: their 23 random mantissa bits
+  # (72% of each value) stay, and the whole is more than the moments alone (8 bytes).
+  assert 0.72 * 12 * state["parameters"] <= state["bytes"] <= 12 * state["parameters"] + 1e6
+  store = parts["checkpoint"]["buffer_store"]
+  assert store["bytes"] == sizes.buffer_images * store["bytes_per_image"]
+  assert json.loads((tmp_path / "protocol_host_smoke.json").read_text())["mode"] == "smoke"
+  assert os.listdir(tmp_path) == sorted(["protocol_host_smoke.json", "protocol_host_smoke.md"])
+
+
+@pytest.mark.slow
+def test_gpu_session_smoke(tmp_path):
+  # The prepared session at its smoke size on CPU: every part ends on its own and writes its
+  # own folder; the rehearsal ran the main job through every phase.
+  out = tmp_path / "out"
+  env = dict(os.environ, OUT=str(out))
+  script = os.path.join(_ROOT, "benchmarks", "gpu_session.sh")
+  subprocess.run([script, "--smoke"], check=True, env=env, timeout=1800, capture_output=True)
+  session = (out / "session.txt").read_text()
+  lines = [line.split()[:3] for line in session.splitlines() if " exit " in line]
+  assert lines == [[name, "exit", "0"] for name in ("rehearsal", "hf_model", "hf_step")]
+  assert '"device_kind": "cpu"' in session  # the device record comes first
+  # At most 8 files come back from the device machine: 7 here.
+  files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+  assert files == [
+    "hf_model/log.txt",
+    "hf_model/step_smoke.json",
+    "hf_step/log.txt",
+    "hf_step/step_smoke.json",
+    "rehearsal/log.txt",
+    "rehearsal/protocol_gpu_smoke.json",
+    "session.txt",
+  ]
+  rehearsal = json.loads((out / "rehearsal" / "protocol_gpu_smoke.json").read_text())
+  assert rehearsal["exit_status"] == 0
+  kinds = [r["kind"] for r in rehearsal["phases"]]
+  for kind in ("init", "buffer", "eval", "train", "stage_checkpoint", "step_checkpoint"):
+    assert kind in kinds, kind
+  assert kinds.count("train") == 2  # the two downstream datasets
+  for r in rehearsal["phases"]:
+    if r["kind"] == "train":
+      assert r["images_per_s"] > 0 and 0 <= r["host_idle_fraction"] <= 1
+    if r["kind"].endswith("checkpoint"):
+      assert r["restore_s"] > 0 and r["bytes"] > 0
+  model = json.loads((out / "hf_model" / "step_smoke.json").read_text())
+  assert {r["side"] for r in model["timing"]["rows"]} >= {"ours_model"}
+  step = json.loads((out / "hf_step" / "step_smoke.json").read_text())
+  assert {r["side"] for r in step["timing"]["rows"]} >= {"ours_step:jax"}
+
+
+def test_step_sides_of_the_like_for_like_parts():
+  # The GPU session's two HF parts: the model alone (no full-step sides) and the full step
+  # alone (no model-only sides); both flags together leave nothing and are refused.
+  step = _load("step")
+  model_only = step.parse_args(["--smoke", "--skip-step"])
+  assert step.timed_sides(model_only) == ["ours_model", "hf_model"]
+  full = step.parse_args(["--smoke", "--skip-model-only", "--matchers=jax"])
+  assert step.timed_sides(full) == ["ours_step:jax", "hf_step"]
+  with pytest.raises(ValueError, match="leave nothing to time"):
+    step.timed_sides(step.parse_args(["--smoke", "--skip-step", "--skip-model-only"]))
