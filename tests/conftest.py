@@ -68,7 +68,7 @@ def xla_cache_dir(tmp_path_factory) -> str:
   a tiny run's CPU time). Every compilation is kept (`MIN_COMPILE_SECS`). JAX reads
   the folder once per process, at its first compilation: a test that sets
   `compilation_cache_dir` (as `experiment.run` applies it) still uses this one, unless it
-  calls `compilation_cache.reset_cache()` (tests/test_lookahead.py restores it after).
+  calls `compilation_cache.reset_cache()` (tests/e2e/test_lookahead.py restores it after).
   Loaded executables are the compiled ones byte for byte: results do not change. A process
   that reads an entry another one is still writing compiles the program instead (JAX warns
   and goes on).

@@ -195,3 +195,26 @@ def test_installing_adds_only_the_owl_cl_name():
   assert "owl_cl.configs" in found
   assert {name.split(".")[0] for name in found} == {"owl_cl"}
   assert os.path.realpath(os.path.join(root, "configs")) == os.path.join(root, "owl_cl", "configs")
+
+
+# Test folders beside the package's sub-packages: whole runs and cross-cutting behaviour
+# (e2e), the benchmark scripts (benchmarks), the launch scripts (launch), committed reference
+# outputs (reference_runs).
+TEST_FOLDERS_BESIDE_THE_PACKAGE = {"e2e", "benchmarks", "launch", "reference_runs"}
+# Top-level test files named after no one module: the package's house rules and the bad
+# inputs of every layer, refused before any work.
+TOP_LEVEL_TESTS_OF_THE_WHOLE = {"test_house.py", "test_bad_inputs.py"}
+
+
+def test_tests_mirror_the_package():
+  tests = pathlib.Path(__file__).parent
+  package = tests.parent / "owl_cl"
+  subpackages = {p.parent.name for p in package.glob("*/__init__.py")}
+  folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+  assert folders - subpackages - TEST_FOLDERS_BESIDE_THE_PACKAGE == set()
+  modules = {p.stem for p in package.glob("*.py")}
+  for test in tests.glob("test_*.py"):
+    named = test.stem.removeprefix("test_")
+    assert test.name in TOP_LEVEL_TESTS_OF_THE_WHOLE or any(
+      named == m or named.startswith(m + "_") for m in modules
+    ), f"{test.name}: name it after the top-level module it tests, or move it to its folder"

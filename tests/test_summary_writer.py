@@ -1,5 +1,5 @@
 """The run's TensorBoard writer writes scalars TensorBoard reads (that importing it leaves
-torch unimported: tests/test_startup.py)."""
+torch unimported: tests/e2e/test_startup.py)."""
 
 import os
 import struct

@@ -4,13 +4,13 @@ The committed sweep's runs take about a minute each on 2 cores, too long for CI;
 reference is a tiny run instead: `reference_config` (the `swil` tiny config, 8 evaluated
 images per set, the pre-training sets evaluated after pre-training and at the end), committed
 as `tests/reference_runs/tiny_swil/results.json` with the machine it ran on
-(`machine.json`, `fingerprint()`). tests/test_reproducible.py runs the same config at HEAD and
+(`machine.json`, `fingerprint()`). tests/e2e/test_reproducible.py runs the same config at HEAD and
 compares `compared(...)` of both:
 
 * **on the same machine** (equal fingerprints: CPU model, features and count, device platform
   and kind,
   jax / jaxlib / NumPy versions, XLA_FLAGS) with no tolerance: the same XLA programs on the
-  same device and the same data order give the same bits (tests/test_reproducible.py shows it
+  same device and the same data order give the same bits (tests/e2e/test_reproducible.py shows it
   for two runs of one session), so any difference is a change of what the code computes;
 * elsewhere only the structure (stages, eval sets, classes, configs, step and replay counts):
   another CPU, library version or device compiles other programs whose rounding differs, and
@@ -18,7 +18,7 @@ compares `compared(...)` of both:
 
 The reference is written by that test itself when `WRITE_ENV` names a folder
 (`OWL_CL_WRITE_REFERENCE=tests/reference_runs/tiny_swil python -m pytest -n 0
-tests/test_reproducible.py`): its run then has the test session's conditions exactly (the
+tests/e2e/test_reproducible.py`): its run then has the test session's conditions exactly (the
 session's pre-trained model and buffer, `pretrained_cache_dir`, and its XLA flags,
 tests/conftest.py). Regenerate it only when a change of the computed values is intended, and
 say so in the commit.

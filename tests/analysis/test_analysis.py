@@ -17,7 +17,7 @@ def metrics(ap, ap50):
 
 
 def make_results(run_id="run-a", algorithm="swil", o365_final=0.225):
-  """Same shape as tests/eval/test_eval_results.py make_results; D2 not evaluated at stage 1."""
+  """Same shape as tests/eval/test_results.py make_results; D2 not evaluated at stage 1."""
   stages = [
     {
       "name": "pretrained",

@@ -261,7 +261,7 @@ def _host_sort_order(key: Array, candidate_major: bool) -> Array:
   whole kernel went from 72 to 31 ms there, and the order of [64, 433,808] rows (ASER-PC's
   precomputation, 8 images against the paper's buffer) from 5.1 to 0.29 s.
   Under a jit over several devices the callback runs once, on the first device, and the others
-  receive its result (tests/test_multihost.py checks this across processes); inside
+  receive its result (tests/e2e/test_multihost.py checks this across processes); inside
   `shard_map`, once per device on its own rows. JAX's persistent compilation cache does not
   store programs with host callbacks: they compile again in each process.
   """

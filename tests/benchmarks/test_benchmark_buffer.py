@@ -8,7 +8,9 @@ import sys
 import pytest
 
 _PATH = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "buffer.py"
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "benchmarks",
+  "buffer.py",
 )
 
 

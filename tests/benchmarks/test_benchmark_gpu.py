@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PATH = os.path.join(_ROOT, "benchmarks", "gpu.py")
 _spec = importlib.util.spec_from_file_location("benchmark_gpu", _PATH)
 bench = importlib.util.module_from_spec(_spec)

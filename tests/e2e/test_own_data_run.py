@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("tensorflow_datasets", reason="writing the TFDS fixture needs it")
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PAGE = os.path.join(REPO, "docs", "data.md")
 WRITE = "python -m owl_cl.testing.own_data "
 RUN = "python -m owl_cl.main --config=configs/examples/own_data.py:"

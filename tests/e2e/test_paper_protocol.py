@@ -31,7 +31,7 @@ from owl_cl.train import step as step_lib
 # algorithm with the built-in / 'paper' / 'released' args (tests/data/test_ivlod_data.py).
 ALGORITHM_FILES = sorted(
   f[:-3]
-  for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))
+  for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
   if f.endswith(".py") and f not in ("__init__.py", "base.py", "ivlod_odinw13.py")
 )
 # Two datasets with the same row of the paper's table (5 epochs, 1 warmup, 1.4e-4, 0.99): their

@@ -1,7 +1,7 @@
 """Multi-process runs: 2 JAX processes x 4 CPU devices against 1 process x 8 devices.
 
 The processes join one runtime through `jax.distributed.initialize` on a localhost coordinator
-(free port) with Gloo CPU collectives; each runs tests/multihost_worker.py. Subprocesses are
+(free port) with Gloo CPU collectives; each runs tests/e2e/multihost_worker.py. Subprocesses are
 killed on every exit path.
 """
 
@@ -23,8 +23,8 @@ from owl_cl import preemption
 from owl_cl.detector import DETECTIONS_HOOK_ENV
 from owl_cl.testing import devices
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "multihost_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(REPO, "tests", "e2e", "multihost_worker.py")
 
 
 def _process_env(nproc: int) -> dict:

@@ -281,7 +281,7 @@ def test_odinw13_suite_end_to_end(tmp_path):
   """`data.sequence=[dict(suite='odinw13', ...)]` over a fake tree in GLIP's folder names:
   checked (a missing member folder is named with its paths) and loaded (names, categories,
   image counts). Its members are COCO-format sources like any declared dataset, whose run
-  through the loop tests/test_own_data_run.py covers."""
+  through the loop tests/e2e/test_own_data_run.py covers."""
   from owl_cl import validation
   from owl_cl.testing.configs import tiny_config
 

@@ -14,7 +14,7 @@ from owl_cl.replay import setup as replay_setup
 # algorithm with the built-in / 'paper' / 'released' args (tests/data/test_ivlod_data.py).
 ALGORITHM_FILES = sorted(
   f[:-3]
-  for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))
+  for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
   if f.endswith(".py") and f not in ("__init__.py", "base.py", "ivlod_odinw13.py")
 )
 

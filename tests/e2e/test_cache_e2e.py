@@ -13,7 +13,7 @@ import pytest
 
 from owl_cl.testing.results import comparable
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = """
 from owl_cl.testing.configs import tiny_config

@@ -1,4 +1,4 @@
-"""One process of tests/test_multihost.py: `python multihost_worker.py MODE PORT NPROC PID OUT`.
+"""One process of tests/e2e/test_multihost.py: `python multihost_worker.py MODE PORT NPROC PID OUT`.
 
 MODE 'run': the sharded train step, dataset shards, gathered predictions, replay slots, a stage
 checkpoint and a host callback; the outputs go to OUT/process<PID>.npz. NPROC=1 (no

@@ -13,7 +13,7 @@ from owl_cl.testing import reproduction
 from owl_cl.testing.results import comparable
 from owl_cl.train import step_cache
 
-REPOSITORY = str(pathlib.Path(__file__).resolve().parent.parent)
+REPOSITORY = str(pathlib.Path(__file__).resolve().parent.parent.parent)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from owl_cl.data.spec import ExampleSpec
 from owl_cl.detector import Detector
 from owl_cl.testing.configs import tiny_config
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "data"))
 from owl_data_helpers import basic_dataset  # noqa: E402  pylint: disable=g-import-not-at-top
 from owl_data_helpers import write_coco  # noqa: E402  pylint: disable=g-import-not-at-top
 

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 _PATH = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "retrieval.py"
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "benchmarks",
+  "retrieval.py",
 )
 _spec = importlib.util.spec_from_file_location("benchmark_retrieval", _PATH)
 bench = importlib.util.module_from_spec(_spec)

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 _PATH = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "host.py"
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "benchmarks",
+  "host.py",
 )
 
 

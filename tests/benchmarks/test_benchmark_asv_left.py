@@ -11,7 +11,9 @@ import sys
 import pytest
 
 _PATH = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "asv_left.py"
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "benchmarks",
+  "asv_left.py",
 )
 _spec = importlib.util.spec_from_file_location("benchmark_asv_left", _PATH)
 bench = importlib.util.module_from_spec(_spec)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PATH = os.path.join(_ROOT, "benchmarks", "step.py")
 _spec = importlib.util.spec_from_file_location("benchmark_step", _PATH)
 bench = importlib.util.module_from_spec(_spec)
