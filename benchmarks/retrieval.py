@@ -114,7 +114,8 @@ QUICK = Sizes(
   knn_k=5,
   precompute_chunk=600,
 )
-# --smoke: every path in seconds (tests, CI); the sizes of tests/benchmarks/test_benchmark_retrieval.py.
+# --smoke: every path in seconds (tests, CI); the sizes of
+# tests/benchmarks/test_benchmark_retrieval.py.
 SMOKE = Sizes(
   num_images=200,
   num_classes=12,
