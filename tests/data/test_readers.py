@@ -1,7 +1,7 @@
 """owl_cl.data.readers: one reader module per entry kind, registered in one place.
 
 A throwaway reader of a format owl_cl does not know (a CSV of boxes, one row per box) is
-written as one module in a temporary folder, exactly as docs/extending_data.md tells a user
+written as one module in a temporary folder, exactly as docs/extending.md ("A dataset format") tells a user
 to, imported, and used: declared, checked, loaded (against the COCO source of the same data)
 and run end to end.
 """
@@ -28,7 +28,7 @@ from owl_cl.testing.configs import tiny_config
 
 KIND = "csv_boxes"
 
-# The whole reader: the file docs/extending_data.md shows (kept equal by
+# The whole reader: the file docs/extending.md ("A dataset format") shows (kept equal by
 # `test_the_docs_show_this_reader`), formatted as `ruff format` formats the page's code.
 READER_MODULE = '''\
 """Kind 'csv_boxes': one CSV row per box, `file_name,width,height,label,x,y,w,h` (pixels)."""
@@ -209,7 +209,7 @@ def test_the_built_in_kinds_and_their_roles():
 
 
 def test_the_docs_show_this_reader():
-  with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "extending_data.md")) as f:
+  with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "extending.md")) as f:
     page = f.read()
   assert textwrap.dedent(READER_MODULE).strip() in page
 

@@ -5,7 +5,7 @@ Each module defines its `Reader` (`reader.Reader`: how an entry of its kind is d
 checked and read) and registers it (`reader.register`) in `reader.READERS`, which
 `owl_cl.data.entries`, `owl_cl.benchmark` and validation iterate. Importing this package
 registers the built-in kinds below, in this order; a reader of your own is one module that
-does the same, imported by your config file (docs/extending_data.md).
+does the same, imported by your config file (docs/extending.md ("A dataset format")).
 """
 
 from owl_cl.data.readers import coco  # noqa: F401  kind 'coco'

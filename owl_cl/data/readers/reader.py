@@ -5,7 +5,7 @@ a `Reader` says how entries of its `kind` are declared, checked and read, and `r
 it to `READERS`, the one registry `owl_cl.data.entries`, `owl_cl.benchmark` and validation look
 kinds up in (big_vision's one module per dataset). A reader module defines its `Reader` and
 calls `register`; `owl_cl.data.readers` imports the built-in ones, and a config file imports
-its own (docs/extending_data.md).
+its own (docs/extending.md ("A dataset format")).
 
 Source: COCO data format (cocodataset.org/#format-data); docs/data.md ("Your own data").
 """
