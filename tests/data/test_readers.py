@@ -1,8 +1,8 @@
 """owl_cl.data.readers: one reader module per entry kind, registered in one place.
 
 A throwaway reader of a format owl_cl does not know (a CSV of boxes, one row per box) is
-written as one module in a temporary folder, exactly as docs/extending.md ("A dataset format") tells a user
-to, imported, and used: declared, checked, loaded (against the COCO source of the same data)
+written as one module in a temporary folder, exactly as docs/extending.md ("A dataset
+format") tells a user to, imported, and used: declared, checked, loaded (against the COCO source of the same data)
 and run end to end.
 """
 
