@@ -2,8 +2,8 @@
 
 A throwaway reader of a format owl_cl does not know (a CSV of boxes, one row per box) is
 written as one module in a temporary folder, exactly as docs/extending.md ("A dataset
-format") tells a user to, imported, and used: declared, checked, loaded (against the COCO source of the same data)
-and run end to end.
+format") tells a user to, imported, and used: declared, checked, loaded (against the COCO
+source of the same data) and run end to end.
 """
 
 from __future__ import annotations
