@@ -208,6 +208,8 @@ def _ivlod_section(results: Mapping[str, Any]) -> list[str]:
     "",
     f"ZCOCO: AP on `{block['zero_shot_set']}`; Avg: mean AP over the {len(datasets)} "
     f"downstream test sets; LVIS APr: `{block['lvis_set']}` rare classes (docs/ivlod.md).",
+    f"One task order (`{results.get('task_order')}`): an IVLOD result is the mean and spread "
+    "over the stored orders (`python -m owl_cl.report`), never this row alone.",
     "",
     *table(header, rows),
     "",
