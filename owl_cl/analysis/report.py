@@ -36,6 +36,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 import numpy as np
 
+from owl_cl.analysis import ivlod_orders
 from owl_cl.analysis import stats
 from owl_cl.eval import ivlod
 from owl_cl.eval import results as results_lib
@@ -394,7 +395,8 @@ def build_report(
     half-widths of the paired intervals against the reference, points), pretrained {metric:
     `stats.summarize`} (stage 0 over every run, the "No fine-tuning" row), per_set {algorithm:
     {eval set: `stats.summarize` of its AP}}, curves {algorithm:
-    {mean [S], low [S], high [S]}}). Holm's correction is over the comparisons of one metric
+    {mean [S], low [S], high [S]}}, with IVLOD runs ivlod_orders {algorithm: {IVLOD metric:
+    `ivlod_orders.over_orders`}}). Holm's correction is over the comparisons of one metric
     (against the reference: the other algorithms; pairwise: every pair).
 
   Raises:
@@ -450,7 +452,11 @@ def build_report(
     matrix = np.stack([p.curve for p in points if p.algorithm == a])
     cols = [stats.summarize(_finite(matrix[:, s])) for s in range(matrix.shape[1])]
     curves[a] = {k: [c[k] for c in cols] for k in ("mean", "low", "high")}
+  # IVLOD runs: each metric also as a mean and spread over the task orders (docs/ivlod.md).
+  ivlod_keys = [k for k, _ in IVLOD_METRICS if k in keys]
+  extra = {"ivlod_orders": ivlod_orders.by_algorithm(points, ivlod_keys)} if ivlod_keys else {}
   return dict(
+    **extra,
     stage="final" if stage is None else stage,
     reference=reference,
     confidence=stats.CONFIDENCE,
@@ -590,7 +596,9 @@ def render_markdown(
   for a in report["algorithms"]:
     cells = [stats.describe(report["summary"][a][m]) for m in metrics]
     lines.append("| " + " | ".join([a] + cells) + " |")
-  lines += ["", f"## Paired differences against `{report['reference']}`", ""]
+  ivlod_labels = {k: metrics[k] for k, _ in IVLOD_METRICS if k in metrics}
+  lines += ["", *ivlod_orders.render_lines(report.get("ivlod_orders") or {}, ivlod_labels)]
+  lines += [f"## Paired differences against `{report['reference']}`", ""]
   lines.append(
     "Over the runs that share seeds and order: mean difference ± half-width (n), paired t-test "
     "p, Holm-adjusted p (over the algorithms, per metric), Wilcoxon signed-rank p."

@@ -203,11 +203,14 @@ def _ivlod_section(results: Mapping[str, Any]) -> list[str]:
     cells = [pct(row[k]) for k in ("ZCOCO", "Avg", "LVIS_APr")]
     rows.append([label] + cells + [pct(row["per_dataset"].get(d)) for d in datasets])
   final = block["rows"]["final"]["stage"]
+  order = f" (`{results['task_order']}`)" if results.get("task_order") else ""
   return [
     f"## IVLOD (ZiRa, DitHub): AP (%) after stage `{final}`",
     "",
     f"ZCOCO: AP on `{block['zero_shot_set']}`; Avg: mean AP over the {len(datasets)} "
     f"downstream test sets; LVIS APr: `{block['lvis_set']}` rare classes (docs/ivlod.md).",
+    f"One task order{order}: an IVLOD result is the mean and spread over the stored orders "
+    "(`python -m owl_cl.report`), never this row alone.",
     "",
     *table(header, rows),
     "",

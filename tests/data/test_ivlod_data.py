@@ -251,6 +251,37 @@ def test_ivlod_config_budgets_and_declaration():
     ivlod.get_config("large")
 
 
+def test_zira_budget_is_selectable_with_hand_checked_steps():
+  ivlod = importlib.import_module("configs.ivlod_odinw13")
+  # ZiRa's for_train configs at batch 2 (e.g. test_aquarium.py: 10 epochs x 200 iterations);
+  # ceil(iterations * 2 / 16) = ceil(iterations / 8) by hand: 2000 -> 250, 200 -> 25,
+  # 20000 -> 2500, 400 -> 50.
+  assert ivlod.ZIRA_STEPS == (250, 250, 250, 250, 25, 25, 2500, 25, 50, 50, 250, 250, 25)
+  assert sum(ivlod.ZIRA_STEPS) == 4200  # 6 x 250 + 4 x 25 + 2 x 50 + 2500
+  assert ivlod.ivlod_steps(2, "zira") == ivlod.ZIRA_ITERATIONS
+  # "About two thirds": ZiRa's 33,600 iterations against DitHub's 46,700 at batch 2.
+  assert (sum(ivlod.ZIRA_ITERATIONS), sum(ivlod.DITHUB_ITERATIONS)) == (33600, 46700)
+  with pytest.raises(ValueError, match=r"unknown IVLOD budget 'glip'; known: \['dithub', 'zira'\]"):
+    ivlod.ivlod_steps(16, "glip")
+  for arg, variant, members, steps in [
+    ("budget=zira", "zira", suites.ODINW13_ZIRA, ivlod.ZIRA_STEPS),
+    ("glip,budget=zira", "glip", suites.ODINW13, ivlod.ZIRA_STEPS),
+    ("budget=dithub", "zira", suites.ODINW13_ZIRA, ivlod.IVLOD_STEPS),
+  ]:
+    c = ivlod.get_config(arg)
+    assert c.data.odinw13_variant == variant
+    assert c.train.num_steps_by_dataset == tuple(
+      (d.name, n) for d, n in zip(members, steps, strict=True)
+    )
+    assert validation.range_problems(c, num_devices=1) == []
+  for bad, message in [
+    ("budget=glip", "unknown config argument 'budget=glip'"),
+    ("budget=zira,budget=dithub", "'budget' given twice"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      ivlod.get_config(bad)
+
+
 def test_ivlod_budget_of_a_dataset_outside_the_run_is_refused(tmp_path):
   root = str(tmp_path)
   fake_data.write_fake_glip(root, "odinw13", names=["pothole"], num_images=dict(train=2, test=1))

@@ -27,7 +27,7 @@ from owl_cl.testing import fake_data
 from owl_cl.train import checkpointing
 from owl_cl.train import step as step_lib
 
-# configs/ivlod_odinw13.py is a protocol on real data (its args: '' and 'glip'), not an
+# configs/ivlod_odinw13.py is a protocol on real data (its args: parse_arg's), not an
 # algorithm with the built-in / 'paper' / 'released' args (tests/data/test_ivlod_data.py).
 ALGORITHM_FILES = sorted(
   f[:-3]

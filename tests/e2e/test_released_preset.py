@@ -10,7 +10,7 @@ from owl_cl import cache_keys
 from owl_cl.config_fields import ConfigError
 from owl_cl.replay import setup as replay_setup
 
-# configs/ivlod_odinw13.py is a protocol on real data (its args: '' and 'glip'), not an
+# configs/ivlod_odinw13.py is a protocol on real data (its args: parse_arg's), not an
 # algorithm with the built-in / 'paper' / 'released' args (tests/data/test_ivlod_data.py).
 ALGORITHM_FILES = sorted(
   f[:-3]

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from owl_cl.analysis import ivlod_orders
 from owl_cl.analysis import report as report_lib
 from owl_cl.eval import ivlod
 from owl_cl.eval import results as results_lib
@@ -63,7 +64,7 @@ def test_row_hand_worked():
 def test_results_json_and_md_carry_the_block(tmp_path):
   aps = [k / 100 for k in range(1, 14)]
   aps[12] = None  # D13 not evaluated: Avg is null, its cell '-'
-  written = results_lib.write_results(str(tmp_path), _results(_stages(aps)))
+  written = results_lib.write_results(str(tmp_path), _results(_stages(aps), task_order="canonical"))
   block = written["ivlod"]
   assert block["zero_shot_set"] == "coco_val2017" and block["datasets"] == DATASETS
   assert block["rows"]["final"]["Avg"] is None  # NaN stored as null
@@ -77,6 +78,8 @@ def test_results_json_and_md_carry_the_block(tmp_path):
   with open(tmp_path / "results.md") as f:
     md = f.read()
   section = md.split("## IVLOD (ZiRa, DitHub): AP (%) after stage `D13`")[1].split("\n## ")[0]
+  # One run is one order: the section says so and where the IVLOD result comes from.
+  assert "One task order (`canonical`): an IVLOD result is the mean and spread" in section
   lines = [line for line in section.splitlines() if line.startswith("| ")]
   assert lines[0].startswith("| Algorithm | ZCOCO | Avg (13) | LVIS APr | `D01` |")
   # No fine-tuning: ZCOCO 48.0, Avg 5.0, APr 30.0, every dataset 5.0.
@@ -109,7 +112,11 @@ def test_report_adds_the_ivlod_metrics_when_runs_have_them(tmp_path):
   assert s["ivlod_ZCOCO"]["mean"] == pytest.approx(42.0)
   assert s["ivlod_LVIS_APr"]["mean"] == pytest.approx(25.0)
   assert rep["metrics"]["ivlod_ZCOCO"] == "ZCOCO (COCO val AP)"
-  assert "ZCOCO (COCO val AP)" in report_lib.render_markdown(rep)
+  md = report_lib.render_markdown(rep)
+  assert "ZCOCO (COCO val AP)" in md
+  # Both runs share one order: no spread over orders, and the report says it is no result.
+  (row,) = [line for line in md.splitlines() if line.startswith("| no_replay | 1 (2) |")]
+  assert row.split(" | ")[2] == "8.00 (1 order: not an IVLOD result)"
   # Runs without the block: the report's metrics are the usual ones.
   for seed in (0, 1):
     path = os.path.join(tmp_path, f"run{seed}", "results.json")
@@ -121,3 +128,51 @@ def test_report_adds_the_ivlod_metrics_when_runs_have_them(tmp_path):
     results_lib.write_results(os.path.join(tmp_path, f"run{seed}"), r)
   rep = report_lib.build_report(report_lib.load_points(report_lib.find_runs([str(tmp_path)])))
   assert list(rep["metrics"]) == [k for k, _ in report_lib.METRICS]
+  assert "ivlod_orders" not in rep and "IVLOD over task orders" not in report_lib.render_markdown(
+    rep
+  )
+
+
+def test_over_orders_hand_worked():
+  # Order A: runs 7 and 9 (two seeds) -> 8; B: 10; C: 12 (and a run without the metric).
+  values = [("A", 7.0), ("A", 9.0), ("B", 10.0), ("C", 12.0), ("C", math.nan)]
+  s = ivlod_orders.over_orders(values)
+  # Per-order means 8, 10, 12: mean 10, sd sqrt(((-2)^2 + 0 + 2^2) / 2) = 2.
+  assert (s["orders"], s["runs"]) == (3, 4)
+  assert s["mean"] == pytest.approx(10.0) and s["std"] == pytest.approx(2.0)
+  assert (s["min"], s["max"]) == (8.0, 12.0) and s["per_order"] == {"A": 8.0, "B": 10.0, "C": 12.0}
+  one = ivlod_orders.over_orders([("A", 7.0), ("A", 9.0)])
+  assert one["orders"] == 1 and one["mean"] == 8.0 and math.isnan(one["std"])
+  none = ivlod_orders.over_orders([("A", math.nan)])
+  assert none["orders"] == 0 and math.isnan(none["mean"])
+
+
+def test_report_gives_ivlod_as_mean_and_spread_over_orders(tmp_path):
+  # Order A (the listing) with seeds 0 and 1, order B (reversed) with seed 0; Avg points 7, 9
+  # and 11 (shifts 0, 2, 4 points on every dataset).
+  for name, order, seed, shift in (
+    ("a0", DATASETS, 0, 0.0),
+    ("a1", DATASETS, 1, 0.02),
+    ("b0", DATASETS[::-1], 0, 0.04),
+  ):
+    r = _results(
+      _stages([k / 100 + shift for k in range(1, 14)]),
+      run_id=name,
+      sequence=order,
+      seed=seed,
+      seeds={"model": 0, "data": seed, "retrieval": seed},
+      config={"seed": seed},
+      status="complete",
+    )
+    results_lib.write_results(os.path.join(tmp_path, name), r)
+  rep = report_lib.build_report(report_lib.load_points(report_lib.find_runs([str(tmp_path)])))
+  avg = rep["ivlod_orders"]["no_replay"]["ivlod_Avg"]
+  # Per-order means A (7 + 9) / 2 = 8 and B 11: mean 9.5, sd |11 - 8| / sqrt(2), min 8, max 11.
+  assert (avg["orders"], avg["runs"]) == (2, 3)
+  assert avg["mean"] == pytest.approx(9.5) and avg["std"] == pytest.approx(3 / math.sqrt(2))
+  assert (avg["min"], avg["max"]) == pytest.approx((8.0, 11.0))
+  # The pooled summary weighs order A twice: (7 + 9 + 11) / 3 = 9, not the IVLOD result.
+  assert rep["summary"]["no_replay"]["ivlod_Avg"]["mean"] == pytest.approx(9.0)
+  md = report_lib.render_markdown(rep)
+  (row,) = [line for line in md.splitlines() if line.startswith("| no_replay | 2 (3) |")]
+  assert row.split(" | ")[2] == "9.50 ± 2.12 [8.00, 11.00]"
