@@ -582,12 +582,11 @@ def test_exif_orientation_reaches_every_split_and_keys_the_caches(tmp_path):
   assert {s.exif_orientation for s in splits(default)} == {"ignore"}
   assert {s.exif_orientation for s in splits(applied)} == {"apply"}
   assert applied.fingerprint != default.fingerprint
-  # The pre-trained model's and the buffer's cache keys: the option only when not the default.
-  assert cache_keys.non_default_data_options(config, buffer=True) == {
-    "data_options": {"exif_orientation": "apply"}
-  }
+  # The pre-trained model's and the buffer's cache keys hold the option.
+  source = splits(applied)[0]
+  assert cache_keys.buffer_key_material(config, source, {})["data"]["exif_orientation"] == "apply"
   config.data.exif_orientation = "ignore"
-  assert cache_keys.non_default_data_options(config, buffer=True) == {}
+  assert cache_keys.buffer_key_material(config, source, {})["data"]["exif_orientation"] == "ignore"
   assert scan.split_key(splits(applied)[0]) != scan.split_key(splits(default)[0])
 
 

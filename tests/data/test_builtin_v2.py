@@ -237,14 +237,12 @@ def test_default_is_version_2_and_builtin1_is_version_1():
 
 def test_version_in_cache_keys(tmp_path):
   v1, v2c = base.get_config("builtin1"), base.get_config("builtin2")
-  assert cache_keys.builtin_version_key(v1) == {}  # version 1's keys as before
-  assert cache_keys.builtin_version_key(v2c) == {"builtin_version": 2}
   ann = tmp_path / "ann.json"
   ann.write_text("{}")
   source = ml_collections.ConfigDict({"annotation_file": str(ann)})
   meta = {"cache_key": "model"}
-  assert "builtin_version" not in cache_keys.buffer_key_material(v1, source, meta)
-  assert cache_keys.buffer_key_material(v2c, source, meta)["builtin_version"] == 2
+  assert cache_keys.buffer_key_material(v1, source, meta)["data"]["builtin"] == {"version": 1}
+  assert cache_keys.buffer_key_material(v2c, source, meta)["data"]["builtin"] == {"version": 2}
 
 
 def test_run_benchmark_evaluates_the_tail_set(tmp_path):
