@@ -1422,8 +1422,8 @@ def test_builtin_folder_names_are_the_documented_ones():
   from owl_cl.data.builtin import benchmark  # pylint: disable=g-import-not-at-top
 
   fmt = benchmark.FORMAT_VERSION
-  assert re.fullmatch(f"builtin_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinConfig(version=1).key())
-  assert re.fullmatch(f"builtin2_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinConfig(version=2).key())
+  assert re.fullmatch(f"builtin_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinSpec(version=1).key())
+  assert re.fullmatch(f"builtin2_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinSpec(version=2).key())
   with open(os.path.join(REPO, "docs", "stored_state.md")) as f:
     row = next(line for line in f if line.startswith("| built-in benchmark |"))
   assert "`builtin_v<format>_<hash>/` (version 1), `builtin2_v<format>_<hash>/` (version 2)" in row

@@ -3,8 +3,8 @@
 The section's fields with their defaults, rules, docs and cache-key roles; `configs/base.py`
 builds `c.data` from it (`config_spec.defaults(DataSpec)`), `config_rules.FIELD_RULES` takes
 its rules, docs/configs.md its rows. Nested: `AugmentSpec` (`data.augment`, scenic's training
-augmentations, read by `input_pipeline.train_dataset`) and `BuiltinSpec` (`data.builtin`, the
-generated benchmark's parameters, read by `builtin.ensure_benchmark`).
+augmentations, read by `input_pipeline.train_dataset`) and `BuiltinSpec` (`data.builtin`, defined
+beside its generator, `builtin.ensure_benchmark`, which takes its fields).
 
 Cache keys: `config_spec.key_material(settings, cache)` of the section is the `data` part of
 the pre-trained model's and the buffer's keys (`owl_cl.cache_keys`); the fields the buffer's
@@ -31,11 +31,11 @@ from owl_cl.config_fields import names
 from owl_cl.config_fields import probabilities
 from owl_cl.config_fields import real
 from owl_cl.config_fields import text
-from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import odinw
 from owl_cl.data import prompts
 from owl_cl.data import suites
+from owl_cl.data.builtin import BuiltinSpec
 
 __all__ = [
   "AugmentSpec",
@@ -54,10 +54,6 @@ _HOW = "how the data is read, not what: the same examples"
 # The training example's fields the buffer's builder does not read (`buffer.BufferExample`).
 _NOT_THE_BUFFERS = "the buffer's images are not augmented (they are re-made from the source)"
 _BUFFER_PROMPTS = "the buffer's queries are the class names (`Detector.class_tokens`), not prompts"
-_GENERATED = (
-  "changes the generated files; the keys hold the pre-training annotation file's digest "
-  "(pretrain_data), which changes with it"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,46 +82,6 @@ class AugmentSpec:
   )
   mosaic_probs: tuple = cs.field(
     (0.4, 0.3, 0.3), probabilities, "The probability of each of `mosaic_sizes` (scenic's)."
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class BuiltinSpec:
-  """`data.builtin`: the generated built-in benchmark (`builtin.ensure_benchmark`'s keywords;
-  docs/experiments.md). The defaults are version 1's; `configs/base.py` sets version 2's
-  (`apply_builtin_v2`) unless the config argument is 'builtin1' or 'paper'."""
-
-  version: int = cs.field(
-    1,
-    choice(builtin.BENCHMARK_VERSIONS),
-    "1: the original benchmark; 2: the one where the retrieval algorithm matters by "
-    "construction (docs/experiments.md).",
-  )
-  seed: int = cs.field(0, integer(0), "The generation seed.", key=_GENERATED)
-  num_pretrain_train: int = cs.field(
-    4000, integer(1), "Images of the pre-training train split.", key=_GENERATED
-  )
-  num_pretrain_val: int = cs.field(
-    200, integer(1), "Images of the pre-training val split.", key=_GENERATED
-  )
-  num_held_out_val: int = cs.field(
-    100, integer(1), "Images of the held-out classes' val split.", key=_GENERATED
-  )
-  num_downstream_train: int = cs.field(
-    200, integer(1), "Images of each downstream train split.", key=_GENERATED
-  )
-  num_downstream_test: int = cs.field(
-    60, integer(1), "Images of each downstream test split.", key=_GENERATED
-  )
-  num_tail_val: int = cs.field(
-    200, integer(1), "Images of version 2's tail-classes set (pretrain_tail).", key=_GENERATED
-  )
-  downstream: tuple = cs.field(
-    ("thermal", "negative", "clutter", "textured", "tiny"),
-    names(lambda: builtin.DOWNSTREAM_NAMES, what="built-in dataset"),
-    "The sequence, an ODinW stand-in with one domain shift each; 'glyphs' and 'digits' are "
-    "also available (docs/experiments.md).",
-    key=_GENERATED,
   )
 
 

@@ -34,6 +34,7 @@ SMALLEST = dict(
   num_held_out_val=1,
   num_downstream_train=1,
   num_downstream_test=1,
+  downstream=B.DOWNSTREAM_NAMES,
 )
 # Version 1's key and content digest of SMALLEST, computed at main (05e91f2, before version 2
 # existed) with `_content_digest`: version 1 must stay byte for byte what it was, so that
@@ -93,6 +94,7 @@ def v2(tmp_path_factory):
     num_tail_val=20,
     num_downstream_train=2,
     num_downstream_test=1,
+    downstream=B.DOWNSTREAM_NAMES,
   )
 
 
