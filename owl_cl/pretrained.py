@@ -35,7 +35,6 @@ from owl_cl.config_fields import seed_of
 from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
 from owl_cl.model import convert
-from owl_cl.model import spec as model_spec
 from owl_cl.model import variants
 from owl_cl.model.spec import ModelSpec
 from owl_cl.train import checkpointing
@@ -311,7 +310,7 @@ def pretrained_params(
     params, curve = trainer.pretrain(detector, bench, writer, step_checkpoints)
     meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
     # The model it holds, named when it is given as another config's init_checkpoint.
-    meta["model"] = model_spec.cache_key_material(detector.model_spec)
+    meta["model"] = config_spec.key_material(detector.model_spec)  # as in its key
     meta["validation"] = detector.evaluate(params, bench.pretrain.test, "pre-training val")
     # One writer: the temporary folder and the rename are not safe to run on several hosts
     # sharing the cache; the others wait until the model is on disk.
