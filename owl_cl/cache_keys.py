@@ -1,12 +1,18 @@
-"""What enters the cache keys of the pre-trained model and of the replay buffer.
+"""The cache keys of the pre-trained model and of the replay buffer, derived from the specs.
 
-`cache_key_fields(config, section)` and `non_default_data_options(config)` are shared by
-`owl_cl.pretrained` (the pre-training cache) and `owl_cl.replay.setup` (the buffer cache); a
-leaf module, so neither imports the other (docs/architecture.md, "Layers").
+Each key is the digest of a frozen record of what its builder consumes: `PretrainedKeySpec`
+(pre-training: the model, `pretrain`, the train fields pre-training reads, data, loss, seed,
+the pre-training annotations) and `BufferKeySpec` (the buffer's selection: the model it scores
+with, by content, its replay fields, data, loss, seed, the annotations). `key_material` walks
+such a record's fields: a section spec gives its `config_spec.key_material` for that cache (a
+field left out says why in its spec, `key=`), any other field its value, so a field added to a
+record or a spec enters the key with no other edit. Shared by `owl_cl.pretrained` and
+`owl_cl.experiment`; below both (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -15,66 +21,104 @@ import ml_collections
 from owl_cl import config_spec
 from owl_cl.config_fields import seed_of
 from owl_cl.data import data_spec
-from owl_cl.model import spec as model_spec
+from owl_cl.data.data_spec import DataSpec
 from owl_cl.model.spec import ModelSpec
 from owl_cl.replay import setup as replay_setup
 from owl_cl.replay import spec as replay_spec
+from owl_cl.replay.spec import ReplaySpec
+from owl_cl.train.pretrain_spec import PretrainSpec
+from owl_cl.train.spec import LossSpec
+from owl_cl.train.spec import TrainSpec
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
 
-# Fields left out of the cache keys of pre-training and of the buffer, so that caches written
-# before they existed stay valid: those that choose how a step executes, not what it computes
-# (matcher: the same values up to rounding), and the loss normalisation, which applies to
-# continual fine-tuning only (pre-training and the buffer's losses are per image). The model's
-# are its spec's (`model.spec.ModelSpec`: attention, remat).
-_NOT_IN_CACHE_KEYS = {"loss": ("matcher", "normalization")}
+PRETRAINED, BUFFER = config_spec.CACHES
 
 
-def cache_key_fields(config: ml_collections.ConfigDict, section: str) -> dict:
-  """`config.<section>` ('model' | 'loss') as it enters the cache keys.
+@dataclasses.dataclass(frozen=True)
+class PretrainedKeySpec:
+  """What the pre-trained model is made of (`trainer.pretrain` on the pre-training set).
 
-  'model': `model.spec.cache_key_material` of its spec (an unset dtype left out). 'loss':
-  without `_NOT_IN_CACHE_KEYS` and an unset objectness weight.
+  Attributes:
+    model: `config.model` (ModelSpec). pretrain: `config.pretrain` (PretrainSpec).
+    train: `config.train` (TrainSpec): pre-training reads its Adam settings and clipping,
+      the fields keyed there; the others are fine-tuning's and say so.
+    data: `config.data` (DataSpec). loss: `config.loss` (LossSpec; pre-training's
+      normalisation is per image whatever `loss.normalization`, which says so).
+    seed: the model's seed (`seed_of(config, 'model')`).
+    resize: the detector's preprocessing ('resize_with_pad' v1, 'pad_then_resize' OWLv2).
+    pretrain_data: the digest of the pre-training annotation file (`utils.file_digest`).
+  """
+
+  model: ModelSpec
+  pretrain: PretrainSpec
+  train: TrainSpec
+  data: DataSpec
+  loss: LossSpec
+  seed: int
+  resize: str
+  pretrain_data: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferKeySpec:
+  """What a replay store is made of (`replay.build.build_store`'s `BufferSpec` and model).
+
+  Attributes:
+    model: the model it scores the candidates with: the cached pre-trained model's key
+      (str; None when unknown), or an init checkpoint's contents and model fields
+      (`init_checkpoint_model_key`, a dict).
+    pretrain_data: the digest of the pre-training annotation file (the candidates).
+    replay: `config.replay` (ReplaySpec: `top_k`, `budget`, the selection's fields).
+    data: `config.data` (DataSpec; the buffer's images are neither augmented nor prompted).
+    loss: `config.loss` (LossSpec): the selection's per-image loss.
+    seed: the model's seed, which draws each image's queries and the budget.
+    image_features: the store also keeps the top-k tokens' ViT features.
+    objectness: an OWLv2 store keeps the objectness logits for DER++ (docs/owlv2.md).
+    format: the store's layout (4: keys from the specs; 3 named fields by hand).
+  """
+
+  model: Any
+  pretrain_data: str
+  replay: ReplaySpec
+  data: DataSpec
+  loss: LossSpec
+  seed: int
+  image_features: bool
+  objectness: bool
+  format: int = 4
+
+
+def key_material(record: Any, cache: str) -> dict[str, Any]:
+  """{field: material} of a key record (`PretrainedKeySpec`, `BufferKeySpec`): a section
+  spec's `config_spec.key_material` for `cache` (of `config_spec.CACHES`), any other value as
+  it is (JSON-serialisable for `utils.digest`)."""
+  return {
+    f.name: (config_spec.key_material(value, cache) if config_spec.is_spec(value) else value)
+    for f in dataclasses.fields(record)
+    for value in (getattr(record, f.name),)
+  }
+
+
+def pretrained_key_spec(
+  config: ml_collections.ConfigDict, model: ModelSpec, *, resize_method: str, pretrain_data: str
+) -> PretrainedKeySpec:
+  """The pre-trained model's `PretrainedKeySpec` from the run's config.
 
   Raises:
-    ConfigError: a `model` field that breaks its rule.
+    ConfigError: a `pretrain`, `train`, `data` or `loss` field that breaks its rule.
   """
-  if section == "model":
-    settings = config_spec.from_config(ModelSpec, config.model, "model")
-    return model_spec.cache_key_material(settings)
-  out = config[section].to_dict()
-  for field in _NOT_IN_CACHE_KEYS.get(section, ()):
-    out.pop(field, None)
-  if section == "loss" and not out.get("objectness_weight"):
-    out.pop("objectness_weight", None)  # OWLv2's term off: the v1 keys of before it existed
-  return out
-
-
-def non_default_data_options(
-  config: ml_collections.ConfigDict, buffer: bool = False
-) -> dict[str, Any]:
-  """{'data_options': {...}}: the keyed `config.data` fields (the input-pipeline options) that
-  differ from their defaults ({} when none do), for the cache keys of the pre-trained model
-  and (buffer=True: augmentations excluded, the buffer's images are not augmented) the buffer;
-  `data_spec.data_options_key` of the section's settings.
-
-  Raises:
-    ConfigError: a bad or unknown `config.data` field (`config_spec.from_config`).
-  """
-  return data_spec.data_options_key(data_spec.settings(config), buffer=buffer)
-
-
-def builtin_version_key(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """{'builtin_version': v} for a built-in benchmark version other than 1, else {} (version 1's
-  keys stay those of before the field existed), for the cache keys of the pre-trained model
-  and the buffer (`data_spec.builtin_version_key`). Their keys also hash the pre-training
-  annotation file, which differs between versions; this names the version explicitly.
-
-  Raises:
-    ConfigError: a bad or unknown `config.data` field (`config_spec.from_config`).
-  """
-  return data_spec.builtin_version_key(data_spec.settings(config))
+  return PretrainedKeySpec(
+    model=model,
+    pretrain=config_spec.from_config(PretrainSpec, config.pretrain, "pretrain"),
+    train=config_spec.from_config(TrainSpec, config.train, "train"),
+    data=data_spec.settings(config),
+    loss=config_spec.from_config(LossSpec, config.loss, "loss"),
+    seed=seed_of(config, "model"),
+    resize=resize_method,
+    pretrain_data=pretrain_data,
+  )
 
 
 def checkpoint_digest(path: str) -> str:
@@ -134,34 +178,34 @@ def vocabulary_digest(path: str) -> str:
 def init_checkpoint_model_key(config: ml_collections.ConfigDict) -> dict:
   """How the buffer's cache key names a model read from `config.init_checkpoint`: the
   checkpoint's contents (`checkpoint_digest`), the model fields that change its outputs
-  (`cache_key_fields(config, 'model')`: variant, tokenizer, vocabulary path, overrides, dtype)
-  and, when a vocabulary path is set, its files' contents (`vocabulary_digest`).
+  (`config_spec.key_material` of `ModelSpec`: variant, tokenizer, vocabulary path,
+  overrides, dtype) and, when a vocabulary path is set, its files' contents
+  (`vocabulary_digest`).
 
   Raises:
     FileNotFoundError: nothing at `config.init_checkpoint` or `model.tokenizer_vocab_path`.
+    ConfigError: a `model` field that breaks its rule.
   """
-  vocabulary = config.model.get("tokenizer_vocab_path")
+  model = config_spec.from_config(ModelSpec, config.model, "model")
+  vocabulary = model.tokenizer_vocab_path
   return {
     "checkpoint": checkpoint_digest(expand_path(config.init_checkpoint)),
-    **cache_key_fields(config, "model"),
+    **config_spec.key_material(model, BUFFER),
     **({"vocabulary": vocabulary_digest(expand_path(vocabulary))} if vocabulary else {}),
   }
 
 
-def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta: dict) -> dict:
-  """What the replay store's cache key covers: the model (the cached pre-trained model's key
-  `pretrain_meta['cache_key']`, or the init checkpoint's contents and the model fields,
-  `init_checkpoint_model_key`), the pre-training annotations of `source`, the replay fields
-  the buffer is made of (`config_spec.key_material` of `replay.spec.ReplaySpec`: `top_k`,
-  `budget` and `selection`; a field left out says why), the input options, the loss and the
-  seed. A store that keeps the ViT image features (`image_features`) or an OWLv2 model's
-  objectness logits (`objectness`, DER++) says so.
+def buffer_key_spec(
+  config: ml_collections.ConfigDict, source, pretrain_meta: dict
+) -> BufferKeySpec:
+  """The replay store's `BufferKeySpec` from the run's config, the pre-training set `source`
+  (its `annotation_file`) and the pre-trained model's meta (`pretrain_meta['cache_key']`;
+  unused with an init checkpoint).
 
   Raises:
     FileNotFoundError: nothing at `config.init_checkpoint` or at `source.annotation_file`.
-    ConfigError: a bad `config.replay` field (`replay.spec.settings`).
+    ConfigError: a bad `config.replay`, `data`, `loss` or `model` field.
   """
-  data = config.data
   # An init checkpoint is named by its contents and the config's model fields, not its path
   # (whose file may change) nor the key in its meta.json (a pre-trained model given as
   # init_checkpoint names the config it was trained with, not this run's dtype or overrides).
@@ -169,20 +213,24 @@ def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta
     model = init_checkpoint_model_key(config)
   else:
     model = pretrain_meta.get("cache_key")
-  return {
-    "model": model,
-    "pretrain_data": file_digest(source.annotation_file),
-    "replay": config_spec.key_material(replay_spec.settings(config)),
-    # The store then also holds the top-k tokens' ViT features.
-    **({"image_features": True} if replay_setup.stores_image_features(config) else {}),
-    # OWLv2: the store keeps the objectness logits for DER++ (docs/owlv2.md).
-    **({"objectness": True} if replay_setup.model_version(config) == "owlv2" else {}),
-    "data": [data.num_queries, data.num_negatives, data.max_instances],
-    "loss": cache_key_fields(config, "loss"),
-    "seed": seed_of(config, "model"),
-    # 3: the replay fields from their spec (2 named them by hand; 1 stored raw class
-    # embeddings, 2 normalised as scenic's class head returns them).
-    "format": 3,
-    **non_default_data_options(config, buffer=True),
-    **builtin_version_key(config),
-  }
+  return BufferKeySpec(
+    model=model,
+    pretrain_data=file_digest(source.annotation_file),
+    replay=replay_spec.settings(config),
+    data=data_spec.settings(config),
+    loss=config_spec.from_config(LossSpec, config.loss, "loss"),
+    seed=seed_of(config, "model"),
+    image_features=replay_setup.stores_image_features(config),
+    objectness=replay_setup.model_version(config) == "owlv2",
+  )
+
+
+def buffer_key_material(config: ml_collections.ConfigDict, source, pretrain_meta: dict) -> dict:
+  """What the replay store's cache key covers: `key_material` of its `BufferKeySpec`
+  (`buffer_key_spec`), the digest of which names the store (`store_cache.cached_store`).
+
+  Raises:
+    FileNotFoundError: nothing at `config.init_checkpoint` or at `source.annotation_file`.
+    ConfigError: a bad `config.replay`, `data`, `loss` or `model` field.
+  """
+  return key_material(buffer_key_spec(config, source, pretrain_meta), BUFFER)

@@ -76,14 +76,14 @@ SECTION_SPECS: dict[str, type] = {
 def fields_markdown() -> str:
   """The field tables of docs/configs.md ("Fields written as specs"): per section of
   `SECTION_SPECS`, one row per field with its default, its doc and whether it enters cache
-  keys (else why not), from the specs alone (`config_spec.doc_rows`, `not_in_keys`).
+  keys (else why not), from the specs alone (`config_spec.doc_rows`, `key_roles`).
 
   Returns:
     Markdown, one `### <section>` heading and table per section.
   """
   out = []
   for prefix, spec in SECTION_SPECS.items():
-    left_out = config_spec.not_in_keys(spec, prefix)
+    roles = config_spec.key_roles(spec, prefix)
     out += [
       f"### {'`' + prefix + '`' if prefix else 'Top-level fields'}",
       "",
@@ -91,7 +91,16 @@ def fields_markdown() -> str:
       "|---|---|---|---|",
     ]
     for path, default, doc in config_spec.doc_rows(spec, prefix):
-      key = f"no: {left_out[path]}" if path in left_out else "yes"
+      key = _key_cell(roles[path])
       out.append(f"| `{path}` | `{default}` | {doc.replace('|', '&#124;')} | {key} |")
     out.append("")
   return "\n".join(out)
+
+
+def _key_cell(role) -> str:
+  """The 'cache keys' cell of a field of `config_spec.key_roles` role."""
+  if role is True:
+    return "yes"
+  if isinstance(role, str):
+    return f"no: {role}"
+  return "yes, but " + "; ".join(f"not the {cache}'s: {why}" for cache, why in role.items())

@@ -12,8 +12,10 @@ derives from it by iterating the fields:
   `config_rules.FIELD_RULES`), which checks every field before any work;
 * `from_config(Spec, config.replay, 'replay')`: the typed, frozen settings the consumer passes
   on, checked once at that boundary with the same one-line messages;
-* `key_material(spec)`: the fields that change what a cache entry holds, for the cache keys;
-  a field that does not says why (`key='...'`), and a test walks every field of every spec;
+* `key_material(spec, cache)`: the fields that change what a cache entry holds, for the cache
+  keys; a field that does not says why (`key='...'`), a field that one cache's builder does
+  not read says so for that cache (`key={'buffer': '...'}`), and a test walks every field of
+  every spec;
 * `doc_rows(Spec, 'replay')`: the rows of the field tables of docs/configs.md.
 
 A field whose value is itself a section (`replay.aser`) is a nested spec (`section(AserSpec)`).
@@ -35,6 +37,10 @@ from owl_cl.config_fields import Rule
 # The metadata keys of a spec field.
 _RULE, _DOC, _KEY, _TYPE, _PRESET = "rule", "doc", "key", "type", "preset"
 
+# The stored caches whose keys the specs feed (`owl_cl.cache_keys`): the pre-trained model's
+# and the replay buffer's. A field's `key={cache: reason}` names some of them.
+CACHES = ("pretrained", "buffer")
+
 # `type_` of a None default that any value replaces (a plain None in the ConfigDict, not a
 # typed placeholder): fields holding structures, e.g. `data.sequence`'s list of dataset
 # entries, whose dicts ml_collections then turns into ConfigDicts as users write them.
@@ -46,7 +52,7 @@ def field(
   rule: Rule,
   doc: str,
   *,
-  key: bool | str = True,
+  key: bool | str | Mapping[str, str] = True,
   type_: type | None = None,
   preset: str | None = None,
 ) -> Any:
@@ -59,29 +65,44 @@ def field(
     doc: one or two sentences for docs/configs.md: what it does, its unit, its source.
     key: True when the field changes what a cache entry built from the section holds (it
       enters that entry's key); otherwise the reason it does not, e.g. 'how a step executes,
-      not what it computes'.
+      not what it computes'; or {cache: reason} (caches of `CACHES`): it enters the keys of
+      every other cache, and those named say why their builder does not read it.
     type_: the type of a field whose default is None (ml_collections' placeholder, so that
       `--config.<field>=<value>` is parsed to it); `UNTYPED` keeps a plain None.
     preset: the config argument that adds the field (e.g. 'paper'); such a field is absent
       from the base config and checked only when present.
 
   Raises:
-    ValueError: a None default without `type_`, or an empty `doc` / `key` reason.
+    ValueError: a None default without `type_`, an empty `doc` / `key` reason, or a cache
+      in `key` that `CACHES` lacks.
   """
   if default is None and type_ is None:
     raise ValueError("a field whose default is None needs type_ (the placeholder's type)")
-  if not doc.strip() or (isinstance(key, str) and not key.strip()):
-    raise ValueError("a field needs a doc, and a key=False reason must say why")
+  _check_key(key)
+  if not doc.strip():
+    raise ValueError("a field needs a doc")
   metadata = {_RULE: rule, _DOC: doc, _KEY: key, _TYPE: type_, _PRESET: preset}
   if isinstance(default, (list, dict, set)):
     raise ValueError("a spec is frozen: give a sequence default as a tuple")
   return dataclasses.field(default=default, metadata=metadata)
 
 
-def section(spec: type, doc: str) -> Any:
-  """A field holding a nested section (`replay.aser`), its defaults those of `spec`."""
+def _check_key(key: bool | str | Mapping[str, str]) -> None:
+  """Raises ValueError for a `key` reason that is empty or names a cache `CACHES` lacks."""
+  reasons = dict(key) if isinstance(key, Mapping) else {"": key}
+  if any(isinstance(r, str) and not r.strip() for r in reasons.values()):
+    raise ValueError("a field needs a doc, and a key=False reason must say why")
+  unknown = sorted(set(reasons) - {"", *CACHES})
+  if unknown:
+    raise ValueError(f"key names unknown caches {unknown}; known: {list(CACHES)}")
+
+
+def section(spec: type, doc: str, *, key: bool | Mapping[str, str] = True) -> Any:
+  """A field holding a nested section (`replay.aser`), its defaults those of `spec`; `key`
+  {cache: reason} leaves the whole section out of those caches' keys (as `field`'s)."""
+  _check_key(key)
   return dataclasses.field(
-    default_factory=spec, metadata={_DOC: doc, _KEY: True, _RULE: None, _TYPE: spec}
+    default_factory=spec, metadata={_DOC: doc, _KEY: key, _RULE: None, _TYPE: spec}
   )
 
 
@@ -192,24 +213,51 @@ def _jsonable(value: Any) -> Any:
   return value
 
 
-def key_material(settings: Any) -> dict[str, Any]:
+def _keyed(key: bool | str | Mapping[str, str], cache: str | None) -> bool:
+  """Whether a field of `key` enters the key of `cache` (None: any cache's)."""
+  if isinstance(key, Mapping):
+    return cache not in key
+  return key is True
+
+
+def key_material(settings: Any, cache: str | None = None) -> dict[str, Any]:
   """{field: value} of the fields of `settings` (a spec instance) that enter cache keys
-  (`key=True`), nested sections as nested dicts, JSON-serialisable (tuples as lists)."""
+  (`key=True`, or a `key` mapping that does not name `cache`), nested sections as nested
+  dicts, JSON-serialisable (tuples as lists).
+
+  Args:
+    settings: a spec instance.
+    cache: the cache of `CACHES` whose key is made; None: the fields that enter any key.
+  """
   out = {}
   for f in dataclasses.fields(settings):
     value = getattr(settings, f.name)
-    if _nested(f) is not None:
-      out[f.name] = key_material(value)
-    elif f.metadata[_KEY] is True:
-      out[f.name] = _jsonable(value)
+    if not _keyed(f.metadata[_KEY], cache):
+      continue
+    out[f.name] = key_material(value, cache) if _nested(f) is not None else _jsonable(value)
+  return out
+
+
+def key_roles(spec: type, prefix: str) -> dict[str, bool | str | dict[str, str]]:
+  """{'<prefix>.<field>': role} per leaf: True (in every key of its section's caches), the
+  reason it is in none, or {cache: reason} of the caches whose keys leave it out (a nested
+  section's own `key` mapping included)."""
+  out = {}
+  for f in dataclasses.fields(spec):
+    path, key = _join(prefix, f.name), f.metadata[_KEY]
+    if (nested := _nested(f)) is None:
+      out[path] = dict(key) if isinstance(key, Mapping) else key
+      continue
+    for inner, role in key_roles(nested, path).items():
+      if isinstance(key, Mapping) and not isinstance(role, str):
+        role = {**key, **(role if isinstance(role, dict) else {})}
+      out[inner] = role
   return out
 
 
 def not_in_keys(spec: type, prefix: str) -> dict[str, str]:
-  """{'<prefix>.<field>': reason} of the leaves left out of cache keys, with why."""
-  return {
-    path: f.metadata[_KEY] for path, f in leaves(spec, prefix) if f.metadata[_KEY] is not True
-  }
+  """{'<prefix>.<field>': reason} of the leaves left out of every cache key, with why."""
+  return {path: role for path, role in key_roles(spec, prefix).items() if isinstance(role, str)}
 
 
 def doc_rows(spec: type, prefix: str) -> list[tuple[str, str, str]]:

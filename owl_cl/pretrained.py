@@ -22,6 +22,7 @@ from absl import logging
 import jax
 import ml_collections
 
+from owl_cl import cache_keys
 from owl_cl import config_spec
 from owl_cl import distributed
 from owl_cl import integrity
@@ -29,19 +30,14 @@ from owl_cl import model as model_lib
 from owl_cl import trainer
 from owl_cl import utils
 from owl_cl.benchmark import Benchmark
-from owl_cl.cache_keys import builtin_version_key
-from owl_cl.cache_keys import cache_key_fields
-from owl_cl.cache_keys import non_default_data_options
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import seed_of
 from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
 from owl_cl.model import convert
-from owl_cl.model import spec as model_spec
 from owl_cl.model import variants
 from owl_cl.model.spec import ModelSpec
 from owl_cl.train import checkpointing
-from owl_cl.train.pretrain_spec import PretrainSpec
 from owl_cl.utils import digest
 from owl_cl.utils import expand_path
 from owl_cl.utils import file_digest
@@ -232,48 +228,24 @@ def cache_entry(detector: Detector, bench: Benchmark) -> tuple[str, str]:
 def cache_key(
   config: ml_collections.ConfigDict, model: ModelSpec, *, resize_method: str, pretrain_data: str
 ) -> str:
-  """The pre-trained model's cache key: a 16-hex-character digest (`utils.digest`).
-
-  Derived from the specs pre-training reads: the model's (`model.spec.cache_key_material`),
-  every field of `pretrain` (`PretrainSpec`) that enters keys, the model's seed
-  (`seeds.model`, else `seed`); and, from the sections not yet written as specs, the data's
-  query settings and non-default input options, the built-in version, the loss and the
-  optimiser's Adam settings.
+  """The pre-trained model's cache key: a 16-hex-character digest (`utils.digest`) of the
+  `cache_keys.key_material` of its `cache_keys.PretrainedKeySpec`: the specs pre-training
+  reads (model, pretrain, the train fields it reads, data, loss), each field keyed or saying
+  why not, the model's seed, the preprocessing and the pre-training annotations.
 
   Args:
-    config: the run's config (its data, loss and train sections).
+    config: the run's config (its pretrain, train, data and loss sections and seeds).
     model: `config.model` as its spec (`Detector.model_spec`).
     resize_method: the detector's (an OWLv2 model's own preprocessing enters the key).
     pretrain_data: the digest of the pre-training annotation file (`utils.file_digest`).
 
   Raises:
-    ConfigError: a `pretrain` or top-level field that breaks its rule.
+    ConfigError: a `pretrain`, `train`, `data`, `loss` or top-level field that breaks its rule.
   """
-  pretrain = config_spec.from_config(PretrainSpec, config.pretrain, "pretrain")
-  return digest(
-    {
-      "model": model_spec.cache_key_material(model),
-      "pretrain": config_spec.key_material(pretrain),
-      "data": {
-        k: v
-        for k, v in config.data.to_dict().items()
-        if k in ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
-      },
-      **non_default_data_options(config),
-      **builtin_version_key(config),
-      # OWLv2 pre-trains on its own preprocessing (docs/owlv2.md); v1's key is unchanged.
-      **({"resize": resize_method} if resize_method != "resize_with_pad" else {}),
-      "loss": cache_key_fields(config, "loss"),
-      "seed": seed_of(config, "model"),
-      "pretrain_data": pretrain_data,
-      "train_opt": [
-        config.train.b1,
-        config.train.b2,
-        config.train.eps,
-        config.train.grad_clip_norm,
-      ],
-    }
+  record = cache_keys.pretrained_key_spec(
+    config, model, resize_method=resize_method, pretrain_data=pretrain_data
   )
+  return digest(cache_keys.key_material(record, cache_keys.PRETRAINED))
 
 
 def check_read_only_cache(detector: Detector, bench: Benchmark) -> None:
@@ -338,7 +310,7 @@ def pretrained_params(
     params, curve = trainer.pretrain(detector, bench, writer, step_checkpoints)
     meta = {"seconds": round(time.time() - start, 1), "curve": curve, "cache_key": key}
     # The model it holds, named when it is given as another config's init_checkpoint.
-    meta["model"] = model_spec.cache_key_material(detector.model_spec)
+    meta["model"] = config_spec.key_material(detector.model_spec)  # as in its key
     meta["validation"] = detector.evaluate(params, bench.pretrain.test, "pre-training val")
     # One writer: the temporary folder and the rename are not safe to run on several hosts
     # sharing the cache; the others wait until the model is on disk.

@@ -582,12 +582,11 @@ def test_exif_orientation_reaches_every_split_and_keys_the_caches(tmp_path):
   assert {s.exif_orientation for s in splits(default)} == {"ignore"}
   assert {s.exif_orientation for s in splits(applied)} == {"apply"}
   assert applied.fingerprint != default.fingerprint
-  # The pre-trained model's and the buffer's cache keys: the option only when not the default.
-  assert cache_keys.non_default_data_options(config, buffer=True) == {
-    "data_options": {"exif_orientation": "apply"}
-  }
+  # The pre-trained model's and the buffer's cache keys hold the option.
+  source = splits(applied)[0]
+  assert cache_keys.buffer_key_material(config, source, {})["data"]["exif_orientation"] == "apply"
   config.data.exif_orientation = "ignore"
-  assert cache_keys.non_default_data_options(config, buffer=True) == {}
+  assert cache_keys.buffer_key_material(config, source, {})["data"]["exif_orientation"] == "ignore"
   assert scan.split_key(splits(applied)[0]) != scan.split_key(splits(default)[0])
 
 
@@ -1423,8 +1422,8 @@ def test_builtin_folder_names_are_the_documented_ones():
   from owl_cl.data.builtin import benchmark  # pylint: disable=g-import-not-at-top
 
   fmt = benchmark.FORMAT_VERSION
-  assert re.fullmatch(f"builtin_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinConfig(version=1).key())
-  assert re.fullmatch(f"builtin2_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinConfig(version=2).key())
+  assert re.fullmatch(f"builtin_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinSpec(version=1).key())
+  assert re.fullmatch(f"builtin2_v{fmt}_[0-9a-f]{{12}}", benchmark.BuiltinSpec(version=2).key())
   with open(os.path.join(REPO, "docs", "stored_state.md")) as f:
     row = next(line for line in f if line.startswith("| built-in benchmark |"))
   assert "`builtin_v<format>_<hash>/` (version 1), `builtin2_v<format>_<hash>/` (version 2)" in row

@@ -29,8 +29,12 @@ def _set(config, path: str, value) -> None:
     config[name] = value
 
 
-# Values the generic candidates below cannot make: dataset entries, ranges, distributions.
+# Values the generic candidates below cannot make: dataset entries, ranges, distributions, a
+# file that exists (the model read from `init_checkpoint` is named by its contents), a model
+# override.
 _GIVEN = {
+  "init_checkpoint": __file__,
+  "model.overrides": {"context_length": 8, "vision_layers": 2},
   "data.sequence": ({"suite": "odinw_paper"},),
   "data.pretrain": {"name": "o365", "kind": "objects365"},
   "data.held_out": {"name": "lvis", "kind": "lvis"},
@@ -42,11 +46,9 @@ _GIVEN = {
 }
 
 
-def _other_value(path: str, f: dataclasses.Field, checkpoint: str):
+def _other_value(path: str, f: dataclasses.Field):
   """A value of the field `path` other than its default that its rule takes."""
   rule, default = f.metadata["rule"], f.default
-  if path == "init_checkpoint":
-    return checkpoint  # read by content: a file that exists
   if path in _GIVEN:
     assert _GIVEN[path] != default and not rule(_GIVEN[path]), path
     return _GIVEN[path]
@@ -61,7 +63,7 @@ def _other_value(path: str, f: dataclasses.Field, checkpoint: str):
     # a shorter tuple, a step table, a preset name
     candidates = [(default or ())[:1], (("a", 1),), ("text_tower",)]
   elif hasattr(default, "keys"):
-    candidates = [{**default, "vision_layers": 2}]
+    candidates = [{**default, "x": {"y": 1}}]
   else:  # a number or None: the nearest values above and below its bounds' inside
     base = 1 if default is None else default
     candidates = [base + 1, base / 2, base - 1, 2, 0.5]
@@ -69,24 +71,18 @@ def _other_value(path: str, f: dataclasses.Field, checkpoint: str):
 
 
 def _keys(config) -> dict[str, str]:
-  """The cache keys the section specs feed, computed from the config as their builders do:
-  the pre-trained model's (`pretrained.cache_key`), and with an init checkpoint the model's
-  key that the buffer's key names it by (`cache_keys.init_checkpoint_model_key`), and the
-  replay buffer's (`cache_keys.buffer_key_material`)."""
+  """The cache keys the section specs feed, by cache (`config_spec.CACHES`), computed from
+  the config as their builders do: the pre-trained model's (`pretrained.cache_key`) and the
+  replay buffer's (`cache_keys.buffer_key_material`) on a fixed pre-trained model (its key
+  holds the pre-trained model's; with an init checkpoint, that model's contents and fields)."""
   model = config_spec.from_config(ModelSpec, config.model, "model")
-  keys = {
-    "pretrained": pretrained.cache_key(
-      config, model, resize_method="resize_with_pad", pretrain_data=_PRETRAIN_DATA
-    )
-  }
-  if config.init_checkpoint:
-    keys["init_checkpoint"] = digest(cache_keys.init_checkpoint_model_key(config))
-  # The replay buffer's, on the pre-trained model above (this file stands for the pre-training
-  # annotations, whose digest the key takes).
+  pretrained_key = pretrained.cache_key(
+    config, model, resize_method="resize_with_pad", pretrain_data=_PRETRAIN_DATA
+  )
+  # This file stands for the pre-training annotations, whose digest the key takes.
   source = types.SimpleNamespace(annotation_file=__file__)
-  material = cache_keys.buffer_key_material(config, source, {"cache_key": keys["pretrained"]})
-  keys["buffer"] = digest(material)
-  return keys
+  material = cache_keys.buffer_key_material(config, source, {"cache_key": "a fixed model"})
+  return {"pretrained": pretrained_key, "buffer": digest(material)}
 
 
 def _fields():
@@ -94,26 +90,34 @@ def _fields():
     yield from config_spec.leaves(spec, prefix)
 
 
+def _roles():
+  for prefix, spec in config_rules.SECTION_SPECS.items():
+    yield from config_spec.key_roles(spec, prefix).items()
+
+
 @pytest.mark.parametrize("path", [path for path, _ in _fields()])
-def test_each_field_changes_a_cache_key_or_says_why_not(path, tmp_path):
+def test_each_field_changes_a_cache_key_or_says_why_not(path):
   """A field in keys (`key=True`) set to another valid value changes a key; a field left out
-  names its reason, and that value changes no key (a wrong reason fails here)."""
+  names its reason, and that value changes no key; a field left out of some caches' keys
+  (`key={cache: reason}`) changes another's and none of theirs (a wrong reason fails here)."""
   from owl_cl.configs import base  # pylint: disable=g-import-not-at-top
 
-  f = dict(_fields())[path]
-  checkpoint = tmp_path / "ckpt.msgpack"
-  checkpoint.write_bytes(b"parameters")
+  f, role = dict(_fields())[path], dict(_roles())[path]
   config = base.get_config("builtin1")
   before = _keys(config)
-  value = _other_value(path, f, str(checkpoint))
+  value = _other_value(path, f)
   _set(config, path, value)
   assert config_rules.FIELD_RULES[path](value) == ""
   after = _keys(config)
-  if f.metadata["key"] is True:
-    assert after != before, f"config.{path}={value!r} changes no cache key"
+  changed = {cache for cache in before if after[cache] != before[cache]}
+  if role is True:
+    assert changed, f"config.{path}={value!r} changes no cache key"
+  elif isinstance(role, str):
+    assert len(role.split()) >= 3, "a field left out of keys says why"
+    assert not changed, f"config.{path}={value!r} changes a key: {role!r}"
   else:
-    assert len(f.metadata["key"].split()) >= 3, "a field left out of keys says why"
-    assert after == before, f"config.{path}={value!r} changes a key: {f.metadata['key']!r}"
+    assert all(len(why.split()) >= 3 for why in role.values()), "each cache says why"
+    assert changed and not changed & set(role), f"config.{path}={value!r}: {changed}, {role}"
 
 
 def test_a_changed_init_checkpoint_file_at_the_same_path_changes_the_model_key(tmp_path):
@@ -126,9 +130,7 @@ def test_a_changed_init_checkpoint_file_at_the_same_path_changes_the_model_key(t
   config.init_checkpoint = str(path)
   before = _keys(config)
   path.write_bytes(b"parameterz")
-  assert (
-    os.path.getsize(path) == 10 and _keys(config)["init_checkpoint"] != before["init_checkpoint"]
-  )
+  assert os.path.getsize(path) == 10 and _keys(config)["buffer"] != before["buffer"]
 
 
 def test_docs_list_every_spec_field_as_the_specs_say():
@@ -202,7 +204,7 @@ def test_a_field_added_to_a_spec_reaches_rules_docs_and_the_cache_key(monkeypatc
   extended = dataclasses.make_dataclass(
     "Extended", [("probe", int, probe)], bases=(PretrainSpec,), frozen=True
   )
-  monkeypatch.setattr(pretrained, "PretrainSpec", extended)
+  monkeypatch.setattr(cache_keys, "PretrainSpec", extended)
   monkeypatch.setitem(config_rules.SECTION_SPECS, "pretrain", extended)
   assert config_spec.rules(extended, "pretrain")["pretrain.probe"](-1) == "must be >= 0"
   assert "| `pretrain.probe` | `3` | A probe field. | yes |" in config_rules.fields_markdown()

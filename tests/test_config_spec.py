@@ -89,6 +89,34 @@ def test_key_material_keeps_only_fields_that_change_results():
   assert cs.not_in_keys(_Outer, "replay") == {"replay.inner.distance": "how, not what"}
 
 
+@dataclasses.dataclass(frozen=True)
+class _PerCache:
+  seed: int = cs.field(0, integer(0), "seed.")
+  prompts: str = cs.field("none", choice(("none", "all")), "prompts.", key={"buffer": "not read"})
+  inner: _Inner = cs.section(_Inner, "augmentations.", key={"buffer": "not augmented"})
+
+
+def test_a_field_left_out_of_one_caches_key():
+  """`key={cache: reason}`: in the other caches' keys, out of that one's (a nested section's
+  mapping reaching its leaves, whose own reasons win)."""
+  settings = _PerCache()
+  assert cs.key_material(settings, "pretrained") == {
+    "seed": 0,
+    "prompts": "none",
+    "inner": {"k": 20},
+  }
+  assert cs.key_material(settings, "buffer") == {"seed": 0}
+  assert cs.key_roles(_PerCache, "data") == {
+    "data.seed": True,
+    "data.prompts": {"buffer": "not read"},
+    "data.inner.k": {"buffer": "not augmented"},
+    "data.inner.distance": "how, not what",
+  }
+  assert cs.not_in_keys(_PerCache, "data") == {"data.inner.distance": "how, not what"}
+  with pytest.raises(ValueError, match=r"unknown caches \['bufer'\]"):
+    cs.field(0, integer(0), "doc", key={"bufer": "a typo"})
+
+
 def test_a_field_must_say_what_it_is():
   with pytest.raises(ValueError, match="type_"):
     cs.field(None, POSITIVE, "doc")

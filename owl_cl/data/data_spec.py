@@ -3,13 +3,13 @@
 The section's fields with their defaults, rules, docs and cache-key roles; `configs/base.py`
 builds `c.data` from it (`config_spec.defaults(DataSpec)`), `config_rules.FIELD_RULES` takes
 its rules, docs/configs.md its rows. Nested: `AugmentSpec` (`data.augment`, scenic's training
-augmentations, read by `input_pipeline.train_dataset`) and `BuiltinSpec` (`data.builtin`, the
-generated benchmark's parameters, read by `builtin.ensure_benchmark`).
+augmentations, read by `input_pipeline.train_dataset`) and `BuiltinSpec` (`data.builtin`, defined
+beside its generator, `builtin.ensure_benchmark`, which takes its fields).
 
-Cache keys: `data_options_key` gives the input-pipeline options that differ from their
-defaults (the pre-trained model's and the buffer's keys, `cache_keys.non_default_data_options`)
-and `builtin_version_key` the built-in benchmark's version; both come from
-`config_spec.key_material`, so a new keyed field enters them with no other edit.
+Cache keys: `config_spec.key_material(settings, cache)` of the section is the `data` part of
+the pre-trained model's and the buffer's keys (`owl_cl.cache_keys`); the fields the buffer's
+builder does not read (augmentations, training prompts) say so (`key={'buffer': ...}`), so a
+new keyed field enters both keys with no other edit.
 
 Source: docs/reference.md §3 (queries and targets per image), §5 (preprocessing and
 augmentation), §10 (the paper's datasets); docs/data.md (dataset entries).
@@ -31,20 +31,17 @@ from owl_cl.config_fields import names
 from owl_cl.config_fields import probabilities
 from owl_cl.config_fields import real
 from owl_cl.config_fields import text
-from owl_cl.data import builtin
 from owl_cl.data import coco
 from owl_cl.data import odinw
 from owl_cl.data import prompts
 from owl_cl.data import suites
+from owl_cl.data.builtin import BuiltinSpec
 
 __all__ = [
   "AugmentSpec",
   "BuiltinSpec",
   "DataSpec",
-  "EXAMPLE_FIELDS",
   "settings",
-  "data_options_key",
-  "builtin_version_key",
 ]
 
 # The reasons of the fields left out of cache keys.
@@ -54,10 +51,9 @@ _DATASETS = (
 )
 _DOWNSTREAM = "chooses downstream or evaluation sets, which no cached model or buffer reads"
 _HOW = "how the data is read, not what: the same examples"
-_GENERATED = (
-  "changes the generated files; the keys hold the pre-training annotation file's digest "
-  "(pretrain_data), which changes with it"
-)
+# The training example's fields the buffer's builder does not read (`buffer.BufferExample`).
+_NOT_THE_BUFFERS = "the buffer's images are not augmented (they are re-made from the source)"
+_BUFFER_PROMPTS = "the buffer's queries are the class names (`Detector.class_tokens`), not prompts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,46 +82,6 @@ class AugmentSpec:
   )
   mosaic_probs: tuple = cs.field(
     (0.4, 0.3, 0.3), probabilities, "The probability of each of `mosaic_sizes` (scenic's)."
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class BuiltinSpec:
-  """`data.builtin`: the generated built-in benchmark (`builtin.ensure_benchmark`'s keywords;
-  docs/experiments.md). The defaults are version 1's; `configs/base.py` sets version 2's
-  (`apply_builtin_v2`) unless the config argument is 'builtin1' or 'paper'."""
-
-  version: int = cs.field(
-    1,
-    choice(builtin.BENCHMARK_VERSIONS),
-    "1: the original benchmark; 2: the one where the retrieval algorithm matters by "
-    "construction (docs/experiments.md).",
-  )
-  seed: int = cs.field(0, integer(0), "The generation seed.", key=_GENERATED)
-  num_pretrain_train: int = cs.field(
-    4000, integer(1), "Images of the pre-training train split.", key=_GENERATED
-  )
-  num_pretrain_val: int = cs.field(
-    200, integer(1), "Images of the pre-training val split.", key=_GENERATED
-  )
-  num_held_out_val: int = cs.field(
-    100, integer(1), "Images of the held-out classes' val split.", key=_GENERATED
-  )
-  num_downstream_train: int = cs.field(
-    200, integer(1), "Images of each downstream train split.", key=_GENERATED
-  )
-  num_downstream_test: int = cs.field(
-    60, integer(1), "Images of each downstream test split.", key=_GENERATED
-  )
-  num_tail_val: int = cs.field(
-    200, integer(1), "Images of version 2's tail-classes set (pretrain_tail).", key=_GENERATED
-  )
-  downstream: tuple = cs.field(
-    ("thermal", "negative", "clutter", "textured", "tiny"),
-    names(lambda: builtin.DOWNSTREAM_NAMES, what="built-in dataset"),
-    "The sequence, an ODinW stand-in with one domain shift each; 'glyphs' and 'digits' are "
-    "also available (docs/experiments.md).",
-    key=_GENERATED,
   )
 
 
@@ -230,7 +186,9 @@ class DataSpec:
     "ShardByJaxProcess); False: every process reads everything.",
     key="which process reads which part of a training set; one process reads it all",
   )
-  augment: AugmentSpec = cs.section(AugmentSpec, "Training augmentations (scenic).")
+  augment: AugmentSpec = cs.section(
+    AugmentSpec, "Training augmentations (scenic).", key={"buffer": _NOT_THE_BUFFERS}
+  )
   eval_batch_size: int = cs.field(
     64,
     integer(1),
@@ -242,6 +200,7 @@ class DataSpec:
     choice(sorted(prompts.TRAIN_TEMPLATE_SETS)),
     "Training prompts (reference §2): 'none' the bare class name; 'clip_80' one template "
     "per label and image from ['{}'] + the 80 CLIP ImageNet templates.",
+    key={"buffer": _BUFFER_PROMPTS},
   )
   builtin: BuiltinSpec = cs.section(BuiltinSpec, "The generated built-in benchmark.")
   odinw_datasets: tuple = cs.field(
@@ -260,14 +219,6 @@ class DataSpec:
   )
 
 
-# The fields that say what a training example holds: the pre-trained model's and the
-# buffer's keys hold them whatever their value (`pretrained.cache_entry`,
-# `replay.setup.buffer_key_material`); the other keyed fields enter only when they differ
-# from their defaults (`data_options_key`), so caches made before a field existed keep their
-# key.
-EXAMPLE_FIELDS = ("num_queries", "num_negatives", "max_instances", "train_prompt_templates")
-
-
 def settings(config: Any) -> DataSpec:
   """The typed `data` section of `config` (a run's ConfigDict), every field checked.
 
@@ -275,25 +226,3 @@ def settings(config: Any) -> DataSpec:
     ConfigError: a bad or unknown field, one line each ('config.data.<field>=<value> ...').
   """
   return cs.from_config(DataSpec, config.data, "data")
-
-
-def data_options_key(settings: DataSpec, *, buffer: bool = False) -> dict[str, Any]:
-  """{'data_options': {field: value}} of the keyed fields of `settings` (`key_material`) that
-  differ from their defaults, `EXAMPLE_FIELDS` and `builtin` (`builtin_version_key`) aside;
-  {} when none differ. `buffer`: without `augment` (the buffer's images are not augmented).
-
-  Values as `config_spec.key_material` gives them (tuples as lists, nested sections as
-  dicts): `utils.digest`'s JSON of either is the same.
-  """
-  # The defaults of the settings' own class: a spec extending DataSpec keys its fields too.
-  material, default = cs.key_material(settings), cs.key_material(type(settings)())
-  skip = set(EXAMPLE_FIELDS) | {"builtin"} | ({"augment"} if buffer else set())
-  differing = {k: v for k, v in material.items() if k not in skip and v != default[k]}
-  return {"data_options": differing} if differing else {}
-
-
-def builtin_version_key(settings: DataSpec) -> dict[str, Any]:
-  """{'builtin_version': v} for a built-in benchmark version other than 1, else {} (version 1's
-  keys stay those of before the field existed)."""
-  version = cs.key_material(settings)["builtin"]["version"]
-  return {"builtin_version": version} if version != 1 else {}

@@ -99,17 +99,3 @@ class ModelSpec:
     return f"config.model.variant={self.variant!r}" + (
       f" with overrides {overrides}" if overrides else ""
     )
-
-
-def cache_key_material(settings: ModelSpec) -> dict[str, Any]:
-  """The model as it enters the cache keys of the pre-trained model: its
-  `config_spec.key_material`, with an unset `dtype` (the variant's own) left out, as in the
-  keys written before the field existed.
-
-  Returns:
-    {field: value}, JSON-serialisable (`overrides` a dict).
-  """
-  material = config_spec.key_material(settings)
-  if material.get("dtype") is None:
-    material.pop("dtype", None)
-  return material

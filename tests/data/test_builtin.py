@@ -19,7 +19,8 @@ from owl_cl.testing.configs import MINIMAL_BUILTIN
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools")
 
-TINY = MINIMAL_BUILTIN
+# Every downstream dataset (`BuiltinSpec`'s default sequence is 5 of the 7).
+TINY = dict(MINIMAL_BUILTIN, downstream=B.DOWNSTREAM_NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +241,7 @@ def test_held_out_never_in_pretraining(tiny):
 
 
 def test_requirements_at_default_sizes():
-  cfg = B.BuiltinConfig()
+  cfg = B.BuiltinSpec()
   splits = {(d, s): (dom, n) for d, s, dom, n in cfg.splits()}
   pre_dom, n_pre = splits[("pretrain", "train")]
   assert len(pre_dom.classes) >= 20 and n_pre >= 1000
@@ -261,7 +262,7 @@ def test_requirements_at_default_sizes():
     assert dom.n_objects[0] >= 1 and dom.n_objects[1] <= 4
   assert len(all_names) == len(set(all_names))  # new class names per dataset
   total = sum(n for _, n in splits.values())
-  assert total == 1200 + 200 + 100 + len(downstream) * 260
+  assert total == 4000 + 200 + 100 + len(downstream) * 260
 
 
 def test_object_sizes_after_resize(tiny):

@@ -34,6 +34,7 @@ SMALLEST = dict(
   num_held_out_val=1,
   num_downstream_train=1,
   num_downstream_test=1,
+  downstream=B.DOWNSTREAM_NAMES,
 )
 # Version 1's key and content digest of SMALLEST, computed at main (05e91f2, before version 2
 # existed) with `_content_digest`: version 1 must stay byte for byte what it was, so that
@@ -93,6 +94,7 @@ def v2(tmp_path_factory):
     num_tail_val=20,
     num_downstream_train=2,
     num_downstream_test=1,
+    downstream=B.DOWNSTREAM_NAMES,
   )
 
 
@@ -237,14 +239,12 @@ def test_default_is_version_2_and_builtin1_is_version_1():
 
 def test_version_in_cache_keys(tmp_path):
   v1, v2c = base.get_config("builtin1"), base.get_config("builtin2")
-  assert cache_keys.builtin_version_key(v1) == {}  # version 1's keys as before
-  assert cache_keys.builtin_version_key(v2c) == {"builtin_version": 2}
   ann = tmp_path / "ann.json"
   ann.write_text("{}")
   source = ml_collections.ConfigDict({"annotation_file": str(ann)})
   meta = {"cache_key": "model"}
-  assert "builtin_version" not in cache_keys.buffer_key_material(v1, source, meta)
-  assert cache_keys.buffer_key_material(v2c, source, meta)["builtin_version"] == 2
+  assert cache_keys.buffer_key_material(v1, source, meta)["data"]["builtin"] == {"version": 1}
+  assert cache_keys.buffer_key_material(v2c, source, meta)["data"]["builtin"] == {"version": 2}
 
 
 def test_run_benchmark_evaluates_the_tail_set(tmp_path):

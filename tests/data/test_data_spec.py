@@ -104,21 +104,14 @@ def test_every_field_is_keyed_or_says_why():
   for path, value in _OTHER.items():
     settings = _changed(path, value)
     assert settings != default, path
-    keyed = leaves[path].metadata["key"] is True
-    moved = cs.key_material(settings) != cs.key_material(default)
-    assert moved == keyed, path
-    options = data_spec.data_options_key(settings)
-    top = path.split(".")[0]
-    if keyed and top not in data_spec.EXAMPLE_FIELDS + ("builtin",):
-      # The pipeline options enter the pre-trained model's key when not the default.
-      assert top in options["data_options"], path
-    else:
-      assert options == {}, path
-  assert data_spec.builtin_version_key(_changed("builtin.version", 2)) == {"builtin_version": 2}
-  assert data_spec.builtin_version_key(default) == {}
+    role = cs.key_roles(DataSpec, "")[path]
+    for cache in cs.CACHES:
+      keyed = role is True or (isinstance(role, dict) and cache not in role)
+      moved = cs.key_material(settings, cache) != cs.key_material(default, cache)
+      assert moved == keyed, (path, cache)
 
 
-def test_data_options_key_hand_worked():
+def test_data_key_material_hand_worked():
   settings = _changed("augment.hflip", True)
   augment = {
     "hflip": True,
@@ -129,15 +122,30 @@ def test_data_options_key_hand_worked():
     "mosaic_sizes": None,
     "mosaic_probs": [0.4, 0.3, 0.3],
   }
-  assert data_spec.data_options_key(settings) == {"data_options": {"augment": augment}}
-  # The buffer's images are not augmented: its key leaves `augment` out.
-  assert data_spec.data_options_key(settings, buffer=True) == {}
+  example = {"num_queries": 24, "num_negatives": 23, "max_instances": 8}
+  options = {
+    "exif_orientation": "ignore",
+    "squash_resize": False,
+    "merge_iou": 0.9,
+    "negatives_by_frequency": False,
+  }
+  assert cs.key_material(settings, "pretrained") == {
+    **example,
+    **options,
+    "augment": augment,
+    "train_prompt_templates": "none",
+    "builtin": {"version": 1},
+  }
+  # The buffer's images are neither augmented nor prompted: its key leaves both out.
+  buffer = {**example, **options, "builtin": {"version": 1}}
+  assert cs.key_material(settings, "buffer") == buffer
   config = base.get_config("builtin1")
   config.data.merge_iou = None
   config.data.exif_orientation = "refuse"
-  assert cache_keys.non_default_data_options(config, buffer=True) == {
-    "data_options": {"merge_iou": None, "exif_orientation": "refuse"}
-  }
+  source = ml_collections.ConfigDict({"annotation_file": __file__})
+  assert cache_keys.buffer_key_material(config, source, {})["data"] == dict(
+    buffer, merge_iou=None, exif_orientation="refuse"
+  )
 
 
 def test_a_field_the_data_section_lacks_is_refused_before_any_work():
@@ -169,5 +177,5 @@ def test_a_field_added_to_the_spec_reaches_config_rules_docs_and_keys():
   assert cs.rules(extended, "data")["data.jitter"](2.0) == "must be in [0, 1]"
   assert ("data.jitter", "0.5", "A new pipeline option.") in cs.doc_rows(extended, "data")
   changed = cs.from_config(extended, dict(cs.defaults(extended).to_dict(), jitter=0.25), "data")
-  assert data_spec.data_options_key(changed) == {"data_options": {"jitter": 0.25}}
-  assert data_spec.data_options_key(extended()) == {}
+  for cache in cs.CACHES:  # in both caches' keys
+    assert cs.key_material(changed, cache) == dict(cs.key_material(extended(), cache), jitter=0.25)

@@ -231,15 +231,18 @@ def test_config_fields_reach_the_model():
 
 
 def test_execution_only_fields_leave_cache_keys_unchanged():
-  from owl_cl import cache_keys
+  from owl_cl import config_spec
   from owl_cl.configs import base
+  from owl_cl.model.spec import ModelSpec
+  from owl_cl.train.spec import LossSpec
 
   c = base.get_config()
-  before = {k: v for k, v in c.model.to_dict().items() if k not in ("attention", "remat", "dtype")}
-  assert cache_keys.cache_key_fields(c, "model") == before
-  assert "matcher" not in cache_keys.cache_key_fields(c, "loss")
+  key = lambda spec, section: config_spec.key_material(config_spec.from_config(spec, section, ""))
+  before = {k: v for k, v in c.model.to_dict().items() if k not in ("attention", "remat")}
+  assert key(ModelSpec, c.model) == before
+  assert "matcher" not in key(LossSpec, c.loss)
   c.model.dtype = "bfloat16"  # changes what is computed: part of the key
-  assert cache_keys.cache_key_fields(c, "model")["dtype"] == "bfloat16"
+  assert key(ModelSpec, c.model)["dtype"] == "bfloat16"
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")

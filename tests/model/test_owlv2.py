@@ -151,17 +151,18 @@ def test_scenic_owlv2_msgpack_loads_and_cli_reads_it(tmp_path):
   assert ck.tree.flatten(restored).keys() == ck.tree.flatten(params).keys()
 
 
-def test_cache_keys_v1_unchanged_owlv2_keyed():
-  """v1's loss cache-key fields are those from before the objectness field (its cached
-  models and buffers stay valid); OWLv2's weight enters its keys."""
-  from owl_cl import cache_keys
+def test_cache_keys_hold_the_objectness_weight():
+  """The loss's cache-key fields hold the objectness weight: 0 for v1, OWLv2's 0.5."""
+  from owl_cl import config_spec
   from owl_cl.configs import base
+  from owl_cl.train.spec import LossSpec
 
-  v1 = cache_keys.cache_key_fields(base.get_config(""), "loss")
-  assert "objectness_weight" not in v1
+  key = lambda c: config_spec.key_material(config_spec.from_config(LossSpec, c.loss, "loss"))
+  v1 = key(base.get_config(""))
+  assert v1["objectness_weight"] == 0.0
   v2 = base.get_config("owlv2")
   assert v2.model.variant == "owlv2_tiny"
-  assert cache_keys.cache_key_fields(v2, "loss") == dict(v1, objectness_weight=0.5)
+  assert key(v2) == dict(v1, objectness_weight=0.5)
 
 
 @pytest.mark.slow
@@ -231,7 +232,7 @@ def test_buffer_key_and_selection_objectness_rules(tmp_path):
     return cache_keys.buffer_key_material(config, source, {"cache_key": "m"})
 
   v1, v2 = base.get_config(""), base.get_config("owlv2")
-  assert "objectness" not in key(v1) and not key(v1)["replay"]["selection"]["objectness_in_loss"]
+  assert key(v1)["objectness"] is False and not key(v1)["replay"]["selection"]["objectness_in_loss"]
   assert key(v2)["objectness"] is True and not key(v2)["replay"]["selection"]["objectness_in_loss"]
   v2.replay.selection.objectness_in_loss = True
   assert key(v2)["replay"]["selection"]["objectness_in_loss"] is True

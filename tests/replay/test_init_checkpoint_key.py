@@ -14,7 +14,7 @@ from owl_cl.utils import file_digest
 
 # One value per field of `config.model` that changes the model's outputs, each unlike the
 # tiny config's; `attention` and `remat` choose how a step executes (the same values up to
-# rounding) and stay out of every cache key (cache_keys._NOT_IN_CACHE_KEYS).
+# rounding) and stay out of every cache key (their `key=` reasons, `model.spec.ModelSpec`).
 MODEL_CHANGES = {
   "variant": "vit_b32",
   "tokenizer": "clip",

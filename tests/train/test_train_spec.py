@@ -49,19 +49,26 @@ def test_the_per_dataset_rules_are_the_train_fields_rules():
 
 
 def test_fields_left_out_of_keys_are_the_ones_the_caches_leave_out():
-  # The pre-trained model's key leaves out exactly these loss fields (cache_keys).
-  assert {path.split(".")[-1] for path in config_spec.not_in_keys(LossSpec, "loss")} == set(
-    cache_keys._NOT_IN_CACHE_KEYS["loss"]
-  )
+  # The caches' keys leave out exactly these loss fields (their `key=` reasons).
+  assert set(config_spec.not_in_keys(LossSpec, "loss")) == {"loss.matcher", "loss.normalization"}
   # Fine-tuning settings feed no stored cache but the optimiser's Adam settings and clipping,
-  # which pre-training shares (`pretrained.cache_key`).
-  leaves = {path for path, _ in config_spec.leaves(TrainSpec, "train")}
-  assert leaves - set(config_spec.not_in_keys(TrainSpec, "train")) == {
-    "train.b1",
-    "train.b2",
-    "train.eps",
-    "train.grad_clip_norm",
+  # which pre-training reads (`trainer.make_optimizer`): its key holds them alone.
+  assert cache_keys.key_material(_pretrained_key_spec(), cache_keys.PRETRAINED)["train"] == {
+    "lwf": {},
+    "lora": {},
+    "b1": 0.9,
+    "b2": 0.999,
+    "eps": 1e-8,
+    "grad_clip_norm": 1.0,
   }
+
+
+def _pretrained_key_spec():
+  from owl_cl.model.spec import ModelSpec  # noqa: PLC0415
+
+  c = base.get_config("builtin1")
+  model = config_spec.from_config(ModelSpec, c.model, "model")
+  return cache_keys.pretrained_key_spec(c, model, resize_method="resize_with_pad", pretrain_data="")
 
 
 def test_the_fine_tuning_step_spec_is_the_step_caches_key():

@@ -16,14 +16,15 @@ Objects never overlap (their masks are at least 2 px apart, box IoU < 0.3); each
 box is the tight bounding box of the object's pixel mask (also stored as COCO RLE
 `segmentation`, `area` = mask pixels).
 
-Splits (defaults; see `BuiltinConfig`):
+Splits (defaults; see `BuiltinSpec`):
 
 * `pretrain` (Objects365 stand-in): 20 colour x fill-pattern classes ('red plain',
   'blue striped', ...: 6 colours x 4 patterns minus 4 held-out pairs; object shapes vary as a
-  nuisance), `train` 1,200 images, `val` 200 images, muted photograph backgrounds.
+  nuisance), `train` 4,000 images, `val` 200 images, muted photograph backgrounds.
 * `held_out` (LVIS-rare stand-in): the 4 held-out colour-pattern pairs — each word occurs in
   pre-training, the combination never does (also never as a downstream distractor); `val` 100.
-* downstream (ODinW stand-in), 7 datasets of 2-4 new concepts, `train` 200 / `test` 60 each:
+* downstream (ODinW stand-in), 7 datasets of 2-4 new concepts (the first 5 below by default),
+  `train` 200 / `test` 60 each:
   `thermal` (inferno false colour; hot / warm objects), `negative` (inverted colours; patterned
   stickers), `tiny` (9-13 px objects after resizing to 64), `clutter` (unannotated
   distractors of pre-training classes), `textured` (objects filled with photograph crops),
@@ -49,7 +50,7 @@ datasets and a negative control (`vocabulary.design(2)`, stored in `benchmark.js
 description above is version 1 (`ensure_benchmark`'s default; the configs' default is version 2,
 `:builtin1` selects version 1), which version 2 leaves byte for byte unchanged.
 
-API: `ensure_benchmark(cache_dir, seed=0, **sizes) -> BuiltinBenchmark`,
+API: `ensure_benchmark(cache_dir, seed=0, **parameters) -> BuiltinBenchmark` (`BuiltinSpec`),
 `BuiltinBenchmark.describe()`, `render_preview(...)`.
 
 Modules: `vocabulary.py` (the classes and each dataset's rendering recipe), `render.py` (the
@@ -60,7 +61,7 @@ the splits, the cache folder, `BuiltinBenchmark`); the public names are re-expor
 from owl_cl.data.builtin.benchmark import FORMAT_VERSION
 from owl_cl.data.builtin.benchmark import TAIL_DATASET
 from owl_cl.data.builtin.benchmark import BuiltinBenchmark
-from owl_cl.data.builtin.benchmark import BuiltinConfig
+from owl_cl.data.builtin.benchmark import BuiltinSpec
 from owl_cl.data.builtin.benchmark import DownstreamDataset
 from owl_cl.data.builtin.benchmark import SplitFiles
 from owl_cl.data.builtin.benchmark import ensure_benchmark
@@ -80,7 +81,7 @@ __all__ = [
   "FORMAT_VERSION",
   "TAIL_DATASET",
   "BENCHMARK_VERSIONS",
-  "BuiltinConfig",
+  "BuiltinSpec",
   "SplitFiles",
   "DownstreamDataset",
   "BuiltinBenchmark",
