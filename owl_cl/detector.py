@@ -453,17 +453,20 @@ class Detector:
         batches, lambda images: predict_step(params, images, query_embeddings)
       )
     dump_dir = os.environ.get(DETECTIONS_HOOK_ENV)
+    scoring = detection.Scoring(
+      protocol=protocol,
+      max_dets=max_dets,
+      per_class=per_class,
+      return_detections=bool(dump_dir) or return_detections,
+    )
     result = detection.evaluate_source(
       predict_fn,
       source,
       batches,
+      scoring,
       category_ids=source.category_ids,
-      protocol=protocol,
       image_size=self.image_size,
-      max_dets=max_dets,
       desc=desc,
-      per_class=per_class,
-      return_detections=bool(dump_dir) or return_detections,
     )
     if dump_dir:
       detections = result["detections"] if return_detections else result.pop("detections")

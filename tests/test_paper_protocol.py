@@ -341,8 +341,8 @@ def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypat
   detector = Detector(c)
   seen = {}
 
-  def fake_evaluate_source(predict_fn, source, batches, **kwargs):
-    seen[source.annotation_file] = kwargs["max_dets"]
+  def fake_evaluate_source(predict_fn, source, batches, scoring, **kwargs):
+    seen[source.annotation_file] = scoring.max_dets
     return {"AP": 0.0}
 
   monkeypatch.setattr(detection, "evaluate_source", fake_evaluate_source)
