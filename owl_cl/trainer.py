@@ -255,7 +255,8 @@ def train_loop(
     if plan is not None or hooks is not None:
       raise TypeError("train_loop takes a LoopPlan and LoopHooks, or their fields, not both")
     plan_fields = {k: v for k, v in fields.items() if k in _PLAN_FIELDS}
-    plan_fields.setdefault("log_every", detector.config.train.log_every_steps)
+    if "log_every" not in plan_fields:
+      plan_fields["log_every"] = detector.config.train.log_every_steps
     plan = LoopPlan(**plan_fields)
     hooks = LoopHooks(**{k: v for k, v in fields.items() if k not in _PLAN_FIELDS})
   return _run_loop(detector, loop, plan, hooks, train_step, replay)
