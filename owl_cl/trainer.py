@@ -610,44 +610,42 @@ def train_phase(
   like = params if carry_best else None
   loop = restore_loop(step_checkpoints, phase.index, loop, replay, like, params_part=held)
   timer = timing.StepTimer()
-  on_log, after_epoch = _phase_callbacks(detector, phase, replay, writer, schedule, timer)
+  hooks = _phase_hooks(detector, phase, replay, writer, schedule, timer, carry_best)
+  checkpoint = checkpoint_hook(
+    step_checkpoints,
+    phase.index,
+    phase.total,
+    replay,
+    phase.name if phase.dataset is None else f"dataset {phase.index}",
+    params_part=held,
+  )
+  hooks = dataclasses.replace(hooks, checkpoint=checkpoint)
   try:
-    plan = LoopPlan(
-      source=phase.source,
-      batch_size=phase.batch_size,
-      data_seed=phase.data_seed,
-      total_steps=phase.total,
-      num_epochs=phase.num_epochs,
-      desc=_phase_desc(phase),
-      log_every=detector.train_spec.log_every_steps,
-      learning_rate=phase.settings["learning_rate"],
-      prefetch_batches=detector.data_spec.prefetch_batches,
-    )
-    checkpoint = checkpoint_hook(
-      step_checkpoints,
-      phase.index,
-      phase.total,
-      replay,
-      phase.name if phase.dataset is None else f"dataset {phase.index}",
-      params_part=held,
-    )
-    hooks = LoopHooks(
-      on_log,
-      after_epoch=after_epoch if carry_best else replay.end_epoch,
-      checkpoint=checkpoint,
-      timer=timer,
-    )
+    plan = _phase_plan(detector, phase)
     loop = train_loop(detector, loop, plan, hooks, train_step=train_step, replay=replay)
   finally:
     timer.close()
   return _phase_result(replay.end_dataset(loop), phase, replay, timer, carry_best)
 
 
-def _phase_desc(phase: Phase) -> str:
-  """The progress bar's and the divergence message's name of the phase."""
+def _phase_plan(detector: Detector, phase: Phase) -> LoopPlan:
+  """The `LoopPlan` of a fine-tuning phase: its source, batches, steps and epochs, logged
+  every `train.log_every_steps`, read ahead by `data.prefetch_batches`."""
   if phase.dataset is None:
-    return f"{phase.name} ({len(phase.source.parts)} datasets)"
-  return f"dataset {phase.index}: {phase.name}"
+    desc = f"{phase.name} ({len(phase.source.parts)} datasets)"
+  else:
+    desc = f"dataset {phase.index}: {phase.name}"
+  return LoopPlan(
+    source=phase.source,
+    batch_size=phase.batch_size,
+    data_seed=phase.data_seed,
+    total_steps=phase.total,
+    num_epochs=phase.num_epochs,
+    desc=desc,
+    log_every=detector.train_spec.log_every_steps,
+    learning_rate=phase.settings["learning_rate"],
+    prefetch_batches=detector.data_spec.prefetch_batches,
+  )
 
 
 def _step_spec(train: TrainSpec, loss: LossSpec, replay_options: dict) -> step_lib.StepSpec:
@@ -713,9 +711,12 @@ def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher)
   return tx, schedule, train_step
 
 
-def _phase_callbacks(detector: Detector, phase: Phase, replay, writer, schedule, timer):
-  """(on_log, after_epoch) of a phase's `train_loop`: TensorBoard scalars and the progress
-  bar's fields; the replay's end of epoch and the best-validation-epoch carry."""
+def _phase_hooks(
+  detector: Detector, phase: Phase, replay, writer, schedule, timer, carry_best: bool
+) -> LoopHooks:
+  """The `LoopHooks` of a phase (no checkpoint hook): on_log, the TensorBoard scalars and the
+  progress bar's fields; after_epoch, the replay's end of epoch, and with `carry_best` the
+  best-validation-epoch carry; `timer`."""
   dataset = phase.dataset
 
   def on_log(loop, metrics):
@@ -743,7 +744,7 @@ def _phase_callbacks(detector: Detector, phase: Phase, replay, writer, schedule,
     loop.best_params = best["params"]
     return loop
 
-  return on_log, after_epoch
+  return LoopHooks(on_log, after_epoch=after_epoch if carry_best else replay.end_epoch, timer=timer)
 
 
 def _phase_result(loop: LoopState, phase: Phase, replay, timer, carry_best: bool):
