@@ -44,11 +44,9 @@ from typing import Any
 
 from absl import logging
 import jax
-import ml_collections
 import numpy as np
 import tqdm
 
-from owl_cl import config_spec
 from owl_cl import preemption
 from owl_cl.benchmark import Benchmark
 from owl_cl.benchmark import Dataset
@@ -77,7 +75,6 @@ from owl_cl.train.loop_state import loop_checkpoint  # noqa: F401 (re-exported)
 from owl_cl.train.loop_state import restore_loop
 from owl_cl.train.pretrain_spec import PretrainSpec
 from owl_cl.train.spec import LossSpec
-from owl_cl.train.spec import LwfSpec
 from owl_cl.train.spec import TrainSpec
 
 # The arrays a train step consumes (a batch also holds host-side bookkeeping such as image ids).
@@ -103,12 +100,6 @@ def log_scalars(writer: SummaryWriter | None, prefix: str, metrics: dict, step: 
   for name, value in metrics.items():
     if np.ndim(value) == 0 and np.isfinite(float(value)):
       writer.add_scalar(f"{prefix}/{name}", float(value), step)
-
-
-def lwf_options(config: ml_collections.ConfigDict) -> LwfSpec | None:
-  """`train.lwf` as the train step's LwF settings; None when off (weight and box_weight 0)."""
-  lwf = config_spec.from_config(LwfSpec, config.train.lwf, "train.lwf")
-  return lwf if lwf.on else None
 
 
 def make_optimizer(params, optimizer: dict, total_steps: int, train: TrainSpec):
@@ -521,7 +512,7 @@ def train_on_dataset(
 ):
   """Fine-tunes on one downstream dataset with retrieval + DER++ (fresh optimizer).
 
-  With `train.lwf` on (`lwf_options`), `teacher` (the pre-trained parameters) is passed to
+  With `train.lwf` on (`TrainSpec.lwf.on`), `teacher` (the pre-trained parameters) is passed to
   every train step for the LwF terms (docs/baselines.md); a missing teacher is a ValueError.
 
   With `train.lora` on (`detector.lora`), `params` is a LoRA tree (`Detector.add_adapters`):
