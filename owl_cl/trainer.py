@@ -237,7 +237,8 @@ def train_loop(
     the loop state after the last step (`loop.loss`: the last step's loss).
 
   Raises:
-    TypeError: `fields` together with `plan` / `hooks`, or a name of neither's fields.
+    TypeError: `fields` together with `plan` / `hooks`, a name of neither's fields, or
+      neither `plan` and `hooks` nor `fields`.
     TrainingDivergedError: a non-finite loss or gradient norm at a logged step
       (`check_finite`).
     owl_cl.preemption.Preempted: SIGTERM was received (from `checkpoint`).
@@ -250,6 +251,8 @@ def train_loop(
       plan_fields["log_every"] = detector.config.train.log_every_steps
     plan = LoopPlan(**plan_fields)
     hooks = LoopHooks(**{k: v for k, v in fields.items() if k not in _PLAN_FIELDS})
+  if plan is None or hooks is None:
+    raise TypeError("train_loop needs a LoopPlan and LoopHooks, or their fields")
   return _run_loop(detector, loop, plan, hooks, train_step, replay)
 
 

@@ -81,6 +81,8 @@ def test_train_loop_takes_a_plan_or_its_fields_not_both():
   hooks = trainer.LoopHooks(on_log=lambda loop, metrics: {})
   with pytest.raises(TypeError, match="LoopPlan and LoopHooks, or their fields, not both"):
     trainer.train_loop(None, None, plan, hooks, train_step=None, replay=None, desc="t")
+  with pytest.raises(TypeError, match="needs a LoopPlan and LoopHooks, or their fields"):
+    trainer.train_loop(None, None, plan, train_step=None, replay=None)
   with pytest.raises(TypeError, match="unexpected keyword argument 'log_evry'"):
     trainer.train_loop(
       None,
