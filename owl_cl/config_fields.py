@@ -391,13 +391,14 @@ def schedule_of(config: ml_collections.ConfigDict) -> str:
   return config.train.get("schedule", "sequence")
 
 
-def check_per_dataset_fields(config: ml_collections.ConfigDict, name: str) -> dict:
-  """The `train.per_dataset.<name>` overrides ({} when none), fields checked.
+def check_per_dataset_fields(per_dataset: Any, name: str) -> dict:
+  """The overrides of dataset `name` in `per_dataset` (`train.per_dataset`: a mapping
+  {dataset name: {field: value}}; {} when none), fields checked.
 
   Raises:
     ConfigError: a field outside `PER_DATASET_FIELDS`.
   """
-  overrides = dict(config.train.per_dataset.get(name, {}) or {})
+  overrides = dict(per_dataset.get(name, {}) or {})
   unknown = sorted(set(overrides) - set(PER_DATASET_FIELDS))
   if unknown:
     raise ConfigError(

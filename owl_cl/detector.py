@@ -7,6 +7,7 @@ evaluates parameters on a source under the COCO or the LVIS protocol.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any
@@ -30,6 +31,7 @@ from owl_cl.data import label_ops
 from owl_cl.data import mixture
 from owl_cl.data import prompts
 from owl_cl.data import spec as data_spec
+from owl_cl.data.data_spec import DataSpec
 from owl_cl.eval import detection
 from owl_cl.eval_spec import EvalSpec
 from owl_cl.model import convert
@@ -40,6 +42,9 @@ from owl_cl.train import optim
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
 from owl_cl.train import step_cache
+from owl_cl.train.pretrain_spec import PretrainSpec
+from owl_cl.train.spec import LossSpec
+from owl_cl.train.spec import TrainSpec
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
 
@@ -117,9 +122,12 @@ class Detector:
   parameters: they are passed to every call.
 
   Hands out the typed settings of the sections it converts once, at construction
-  (`config_spec.from_config`): `run` (`run_spec.RunSpec`, the top-level fields), `model_spec`
-  (`model.spec.ModelSpec`) and `eval_spec` (`eval_spec.EvalSpec`). `config` stays for the
-  sections not yet written as specs (data, loss, train, replay), read by their consumers.
+  (`config_spec.from_config`), and reads only those: `run` (`run_spec.RunSpec`, the top-level
+  fields), `model_spec` (`model.spec.ModelSpec`), `eval_spec` (`eval_spec.EvalSpec`),
+  `data_spec` (`data.data_spec.DataSpec`), `train_spec` (`train.spec.TrainSpec`),
+  `loss_spec` (`train.spec.LossSpec`) and `pretrain_spec` (`train.pretrain_spec.PretrainSpec`).
+  `config`, the run's ConfigDict, stays for the replay setup (`replay.setup`) and the
+  pre-trained model's cache entry (`pretrained`), which read it themselves.
 
   Raises (construction):
     ConfigError: a field of those sections that breaks its rule, a CLIP tokenizer without its
@@ -131,6 +139,10 @@ class Detector:
     self.run = run_spec.run_settings(config)
     self.model_spec = config_spec.from_config(ModelSpec, config.model, "model")
     self.eval_spec = config_spec.from_config(EvalSpec, config.eval, "eval")
+    self.data_spec = config_spec.from_config(DataSpec, config.data, "data")
+    self.train_spec = config_spec.from_config(TrainSpec, config.train, "train")
+    self.loss_spec = config_spec.from_config(LossSpec, config.loss, "loss")
+    self.pretrain_spec = config_spec.from_config(PretrainSpec, config.pretrain, "pretrain")
     model_spec = self.model_spec
     self.model = model_lib.create_model(model_spec.variant, **model_spec.model_fields())
     model_config = self.model.config
@@ -157,23 +169,24 @@ class Detector:
         f"ids but the model's vocab_size is {model_config.vocab_size}"
       )
     try:
-      self.train_templates = prompts.train_templates(config.data.train_prompt_templates)
+      self.train_templates = prompts.train_templates(self.data_spec.train_prompt_templates)
       self.eval_templates = prompts.eval_templates(self.eval_spec.prompt_templates)
     except ValueError as e:
       raise ConfigError(str(e)) from e
     self.image_size = self.model.config.image_size
     self.mesh = sharding_lib.create_mesh()
+    loss = self.loss_spec
     self.loss_config = dict(
-      focal_alpha=config.loss.focal_alpha,
-      focal_gamma=config.loss.focal_gamma,
-      class_weight=config.loss.class_weight,
-      bbox_weight=config.loss.bbox_weight,
-      giou_weight=config.loss.giou_weight,
-      matcher=config.loss.matcher,
+      focal_alpha=loss.focal_alpha,
+      focal_gamma=loss.focal_gamma,
+      class_weight=loss.class_weight,
+      bbox_weight=loss.bbox_weight,
+      giou_weight=loss.giou_weight,
+      matcher=loss.matcher,
     )
     if self.model.config.version == "owlv2":
       # Only OWLv2 has the term (docs/owlv2.md); v1's loss options and cache keys unchanged.
-      self.loss_config["objectness_weight"] = config.loss.objectness_weight
+      self.loss_config["objectness_weight"] = loss.objectness_weight
     self.empty_tokens = self.tokenizer.encode([""])[0]
     # How images become the S x S input: OWLv2 pads to a square, then resizes (HF's and
     # scenic's OWLv2 preprocessing); v1 resizes, then pads (docs/owlv2.md).
@@ -189,7 +202,7 @@ class Detector:
     # model. `tuned_model` is the model the fine-tuning's eval-mode forwards apply to its
     # parameters (retrieval features, loss adaptivity's pre-forward), `tuned_train_model` the
     # one its train step applies (the adapters' dropout on); both are `model` without LoRA.
-    self.lora = lora_lib.options_from_config(config.train.get("lora"))
+    self.lora = lora_lib.options_from_config(dataclasses.asdict(self.train_spec.lora))
     self.tuned_model = self.model
     self.tuned_train_model = self.model
     if self.lora is not None:
@@ -200,7 +213,8 @@ class Detector:
   def init_params(self, seed: int):
     size = self.image_size
     images = jnp.zeros((1, size, size, 3), jnp.float32)
-    queries = jnp.zeros((1, self.config.data.num_queries, self.tokenizer.context_length), jnp.int32)
+    num_queries = self.data_spec.num_queries
+    queries = jnp.zeros((1, num_queries, self.tokenizer.context_length), jnp.int32)
     return jax.jit(self.model.init)(jax.random.PRNGKey(seed), images, queries)["params"]
 
   def add_adapters(self, params, seed: int):
@@ -232,7 +246,7 @@ class Detector:
   def train_class_tokens(self, source: coco.CocoSource) -> np.ndarray:
     """Training query tokens: [C, L] class names (data.train_prompt_templates='none'), or
     [C, P, L] prompts, one drawn per label and image by the pipeline (docs/reference.md §2)."""
-    if self.config.data.train_prompt_templates == "none":
+    if self.data_spec.train_prompt_templates == "none":
       return self.class_tokens(source)
     return prompts.prompt_tokens(self.tokenizer, source.class_names, self.train_templates)
 
@@ -265,7 +279,7 @@ class Detector:
     """The training example of this run with `class_tokens` (int32 [C, L] or [C, P, L]):
     the detector's '' tokens and image size, config.data's num_queries, max_instances and
     num_negatives (`ExampleSpec`; raises its ValueError on token shapes that disagree)."""
-    data = self.config.data
+    data = self.data_spec
     return data_spec.ExampleSpec(
       class_tokens=class_tokens,
       empty_tokens=self.empty_tokens,
@@ -284,7 +298,7 @@ class Detector:
 
     Source: docs/reference.md §3, §5; input_pipeline.preprocess_train_example.
     """
-    data = self.config.data
+    data = self.data_spec
     options = {
       "squash": bool(data.squash_resize),
       "merge_iou": None if data.merge_iou is None else float(data.merge_iou),
@@ -306,7 +320,7 @@ class Detector:
     Raises:
       ConfigError: mosaic_sizes and mosaic_probs of different lengths.
     """
-    augment = self.config.data.augment
+    augment = self.data_spec.augment
     options = {
       "hflip": bool(augment.hflip),
       "random_crop": bool(augment.random_crop),
@@ -341,7 +355,7 @@ class Detector:
 
     Raises:
       ValueError: a JointSource with epoch != 0 or another batch size than its plan's."""
-    shard: Any = "jax" if self.config.data.host_sharding else None
+    shard: Any = "jax" if self.data_spec.host_sharding else None
     batch_rows = None
     if jax.process_count() > 1:
       rows = sharding_lib.process_rows(batch_size, self.mesh)
@@ -357,7 +371,7 @@ class Detector:
         source,
         [self.example_spec(self.train_class_tokens(s)) for s in sources],
         [dict(self.example_options(s), **self.augment_options()) for s in sources],
-        num_workers=self.config.data.num_workers,
+        num_workers=self.data_spec.num_workers,
         shard=shard,
         batch_rows=batch_rows,
         start_batch=start_batch,
@@ -368,7 +382,7 @@ class Detector:
       batch_size=batch_size,
       seed=seed,
       epoch=epoch,
-      num_workers=self.config.data.num_workers,
+      num_workers=self.data_spec.num_workers,
       shard=shard,
       batch_rows=batch_rows,
       start_batch=start_batch,
@@ -416,7 +430,7 @@ class Detector:
       templates=templates, top_k=top_k, multi_label=True if lvis else eval_config.multi_label
     )
     query_embeddings = self.eval_query_embeddings(params, source)
-    batch_size = self.config.data.eval_batch_size
+    batch_size = self.data_spec.eval_batch_size
     sharding_lib.check_batch_divisible(batch_size, self.mesh, "config.data.eval_batch_size")
 
     def predict_fn(batch):
@@ -429,7 +443,7 @@ class Detector:
       source,
       image_size=self.image_size,
       batch_size=batch_size,
-      squash=bool(self.config.data.squash_resize),
+      squash=bool(self.data_spec.squash_resize),
       resize=self.resize_method,
       max_images=self.run.max_eval_images,
       batch_rows=None if rows is None else (rows.start, rows.stop),
@@ -439,17 +453,20 @@ class Detector:
         batches, lambda images: predict_step(params, images, query_embeddings)
       )
     dump_dir = os.environ.get(DETECTIONS_HOOK_ENV)
+    scoring = detection.Scoring(
+      protocol=protocol,
+      max_dets=max_dets,
+      per_class=per_class,
+      return_detections=bool(dump_dir) or return_detections,
+    )
     result = detection.evaluate_source(
       predict_fn,
       source,
       batches,
+      scoring,
       category_ids=source.category_ids,
-      protocol=protocol,
       image_size=self.image_size,
-      max_dets=max_dets,
       desc=desc,
-      per_class=per_class,
-      return_detections=bool(dump_dir) or return_detections,
     )
     if dump_dir:
       detections = result["detections"] if return_detections else result.pop("detections")

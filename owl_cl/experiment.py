@@ -384,7 +384,7 @@ def _run(
   # The stages finished so far (on a resume, those of the checkpoint): one line each.
   for index, stage in enumerate(session.stages):
     _log_stage(repeats, names, index, stage)
-  if schedule_of(config) != "per_task" and not trainer.lwf_options(config):
+  if schedule_of(config) != "per_task" and not detector.train_spec.lwf.on:
     # Only a per-task run (every task starts from them) and LwF (the teacher) read the
     # pre-trained parameters after stage 0: not a second copy of the model in memory.
     session.pretrained = None
@@ -652,13 +652,20 @@ class _Session:
       records_path=os.path.join(self.workdir, "records", f"{name}.npz"),
       step_checkpoints=self.step_checkpoints,
       # LwF's teacher: the pre-trained parameters (not a resumed run's restored ones).
-      teacher=self.pretrained if trainer.lwf_options(config) else None,
+      teacher=self.pretrained if self.detector.train_spec.lwf.on else None,
     )
-    state = (params, self.store, replay_state, self.writer, index)
+    detector, store, writer = self.detector, self.store, self.writer
     if schedule == "joint":
-      return (name, *trainer.train_joint(self.detector, self.bench.sequence, *state, **options))
-    dataset = self.bench.sequence[index - 1]
-    return (name, *trainer.train_on_dataset(self.detector, dataset, *state, **options))
+      sequence = self.bench.sequence
+      trained = trainer.train_joint(
+        detector, sequence, params, store, replay_state, writer, index, **options
+      )
+    else:
+      dataset = self.bench.sequence[index - 1]
+      trained = trainer.train_on_dataset(
+        detector, dataset, params, store, replay_state, writer, index, **options
+      )
+    return (name, *trained)
 
   def run_stage(self, index: int, params, replay_state):
     """Trains stage `index` (resuming its step checkpoint, if any), evaluates, and saves the

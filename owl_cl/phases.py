@@ -8,25 +8,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import ml_collections
-
 from owl_cl.benchmark import Dataset
 from owl_cl.config_fields import ConfigError
 from owl_cl.config_fields import check_per_dataset_fields
-from owl_cl.config_fields import seed_of
 from owl_cl.data import mixture
+from owl_cl.run_spec import RunSpec
+from owl_cl.train.spec import TrainSpec
 
 # The name of the joint phase (its stage, step checkpoints' desc, TensorBoard prefix, records).
 JOINT = "joint"
 
 
-def dataset_train_settings(
-  config: ml_collections.ConfigDict, name: str, steps_per_epoch: int
-) -> dict:
+def dataset_train_settings(train: TrainSpec, name: str, steps_per_epoch: int) -> dict:
   """The optimiser settings of one dataset: `train.*` with `train.per_dataset.<name>` applied.
 
   Args:
-    config: the run's config.
+    train: the run's `train` section (`TrainSpec`).
     name: the dataset's name (a key of `train.per_dataset`, e.g. 'Pothole').
     steps_per_epoch: optimiser steps per epoch of this dataset (images // batch size).
 
@@ -46,16 +43,15 @@ def dataset_train_settings(
   Source: the paper's per-dataset hyperparameter table (configs/base.py
   PAPER_HYPERPARAMETERS).
   """
-  train = config.train
-  overrides = check_per_dataset_fields(config, name)
-  value = lambda field, default=None: overrides.get(field, train.get(field, default))
+  overrides = check_per_dataset_fields(train.per_dataset, name)
+  value = lambda field: overrides.get(field, getattr(train, field))
   warmup_epochs = value("warmup_epochs")
   if "warmup_steps" in overrides or warmup_epochs is None:
     warmup_steps = int(value("warmup_steps"))
   else:
     warmup_steps = int(warmup_epochs) * steps_per_epoch
-  table = dict(train.get("num_steps_by_dataset") or ())
-  num_steps = overrides.get("num_steps", table.get(name, train.get("num_steps")))
+  table = dict(train.num_steps_by_dataset or ())
+  num_steps = overrides.get("num_steps", table.get(name, train.num_steps))
   return {
     "num_epochs": int(value("num_epochs")),
     "learning_rate": float(value("learning_rate")),
@@ -94,32 +90,32 @@ class Phase:
   dataset: Dataset | None = None
 
 
-def dataset_phase(config: ml_collections.ConfigDict, dataset: Dataset, index: int) -> Phase:
+def dataset_phase(train: TrainSpec, run: RunSpec, dataset: Dataset, index: int) -> Phase:
   """The phase of `dataset`, the `index`-th (1-based) of the sequence: steps_per_epoch =
-  images // train.batch_size, total = steps_per_epoch * num_epochs, capped by
-  `max_train_steps_per_dataset`.
+  images // train.batch_size, total = steps_per_epoch * num_epochs, capped by the run's
+  `max_train_steps_per_dataset`; its data seed is the run's seeds.data + index.
 
   Raises:
     ConfigError: a dataset with fewer training images than one batch.
   """
-  batch_size = config.train.batch_size
+  batch_size = train.batch_size
   steps_per_epoch = len(dataset.train) // batch_size
   if steps_per_epoch < 1:
     raise ConfigError(
       f"dataset {dataset.name} has {len(dataset.train)} training images, "
       f"fewer than config.train.batch_size={batch_size}"
     )
-  settings = dataset_train_settings(config, dataset.name, steps_per_epoch)
+  settings = dataset_train_settings(train, dataset.name, steps_per_epoch)
   # A budget in steps (train.num_steps) runs as many epochs as it takes, the last one cut.
   num_epochs = None if "num_steps" in settings else settings["num_epochs"]
   total = settings.get("num_steps") or steps_per_epoch * settings["num_epochs"]
-  if config.max_train_steps_per_dataset:
-    total = min(total, config.max_train_steps_per_dataset)
+  if run.max_train_steps_per_dataset:
+    total = min(total, run.max_train_steps_per_dataset)
   return Phase(
     name=dataset.name,
     index=index,
     source=dataset.train,
-    data_seed=seed_of(config, "data") + index,
+    data_seed=run.seed_of("data") + index,
     batch_size=batch_size,
     total=total,
     num_epochs=num_epochs,
@@ -128,7 +124,7 @@ def dataset_phase(config: ml_collections.ConfigDict, dataset: Dataset, index: in
   )
 
 
-def joint_phase(config: ml_collections.ConfigDict, datasets, index: int = 1) -> Phase:
+def joint_phase(train: TrainSpec, run: RunSpec, datasets, index: int = 1) -> Phase:
   """The joint phase over `datasets` (the sequence, in order): the examples every
   `dataset_phase` reads, shuffled together (`mixture.joint_plan`, seeded by seeds.data), and
   their total steps. The optimiser settings are `train.*` (no `train.per_dataset` entry
@@ -137,16 +133,15 @@ def joint_phase(config: ml_collections.ConfigDict, datasets, index: int = 1) -> 
   Raises:
     ConfigError: a dataset with fewer training images than one batch.
   """
-  phases = [dataset_phase(config, d, i) for i, d in enumerate(datasets, start=1)]
-  batch_size = config.train.batch_size
+  phases = [dataset_phase(train, run, d, i) for i, d in enumerate(datasets, start=1)]
+  batch_size = train.batch_size
+  data_seed = run.seed_of("data")
   plan = mixture.joint_plan(
-    [len(d.train) for d in datasets], [p.total for p in phases], batch_size, seed_of(config, "data")
+    [len(d.train) for d in datasets], [p.total for p in phases], batch_size, data_seed
   )
   parts = tuple(mixture.JointPart(p.name, p.source, p.data_seed, p.total) for p in phases)
   source = mixture.JointSource(parts, plan, batch_size)
   one_pass = sum(len(d.train) // batch_size for d in datasets)
-  settings = dataset_train_settings(config, JOINT, one_pass)
+  settings = dataset_train_settings(train, JOINT, one_pass)
   settings["num_epochs"] = 1
-  return Phase(
-    JOINT, index, source, seed_of(config, "data") + index, batch_size, source.steps, 1, settings
-  )
+  return Phase(JOINT, index, source, data_seed + index, batch_size, source.steps, 1, settings)

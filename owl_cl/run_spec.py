@@ -20,6 +20,7 @@ from owl_cl.config_fields import OPTIONAL_STEPS
 from owl_cl.config_fields import SEED
 from owl_cl.config_fields import SEED_RULES
 from owl_cl.config_fields import integer
+from owl_cl.config_fields import seed_of
 from owl_cl.config_fields import text
 from owl_cl.data import orders
 
@@ -121,6 +122,15 @@ class RunSpec:
     key="how many images an evaluation scores, anew by every run",
     type_=int,
   )
+
+  def seed_of(self, part: str) -> int:
+    """The seed of one part of the run (`config_fields.seed_of`'s rule on the typed fields):
+    `seeds.<part>` when set, else `seed`.
+
+    Raises:
+      ValueError: an unknown part (not 'model', 'data' or 'retrieval').
+    """
+    return seed_of(ml_collections.ConfigDict(dataclasses.asdict(self)), part)
 
 
 def run_settings(config: ml_collections.ConfigDict) -> RunSpec:

@@ -44,17 +44,13 @@ from typing import Any
 
 from absl import logging
 import jax
-import ml_collections
 import numpy as np
 import tqdm
 
-from owl_cl import config_spec
 from owl_cl import preemption
 from owl_cl.benchmark import Benchmark
 from owl_cl.benchmark import Dataset
 from owl_cl.config_fields import DATA_KEY_STRIDE
-from owl_cl.config_fields import check_carry_mode
-from owl_cl.config_fields import seed_of
 from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.detector import Detector
 from owl_cl.model import lora as lora_lib
@@ -77,8 +73,8 @@ from owl_cl.train.loop_state import check_finite
 from owl_cl.train.loop_state import checkpoint_hook
 from owl_cl.train.loop_state import loop_checkpoint  # noqa: F401 (re-exported)
 from owl_cl.train.loop_state import restore_loop
+from owl_cl.train.pretrain_spec import PretrainSpec
 from owl_cl.train.spec import LossSpec
-from owl_cl.train.spec import LwfSpec
 from owl_cl.train.spec import TrainSpec
 
 # The arrays a train step consumes (a batch also holds host-side bookkeeping such as image ids).
@@ -106,25 +102,6 @@ def log_scalars(writer: SummaryWriter | None, prefix: str, metrics: dict, step: 
       writer.add_scalar(f"{prefix}/{name}", float(value), step)
 
 
-def train_settings(config: ml_collections.ConfigDict) -> tuple[TrainSpec, LossSpec]:
-  """The run's `train` and `loss` sections as the typed settings the trainer passes on
-  (`config_spec.from_config`: every field checked once).
-
-  Raises:
-    ConfigError: a field outside its rule or unknown to its spec (one line per field).
-  """
-  return (
-    config_spec.from_config(TrainSpec, config.train, "train"),
-    config_spec.from_config(LossSpec, config.loss, "loss"),
-  )
-
-
-def lwf_options(config: ml_collections.ConfigDict) -> LwfSpec | None:
-  """`train.lwf` as the train step's LwF settings; None when off (weight and box_weight 0)."""
-  lwf = config_spec.from_config(LwfSpec, config.train.lwf, "train.lwf")
-  return lwf if lwf.on else None
-
-
 def make_optimizer(params, optimizer: dict, total_steps: int, train: TrainSpec):
   """AdamW of one phase (`optim.create_optimizer`). Returns (tx, learning-rate schedule).
 
@@ -143,12 +120,12 @@ def make_optimizer(params, optimizer: dict, total_steps: int, train: TrainSpec):
   )
 
 
-def _phase_items(detector, source, epochs, first, start_batch, left, batch_size, data_seed):
+def _phase_items(detector, plan, epochs, first, start_batch, left):
   """(epoch, None) as an epoch begins, then (epoch, host batch) for each of its batches: every
   epoch of `epochs` in order, read by one reader; at most the `left` batches the phase's
   remaining steps take (none wasted at its end), and no epoch begun without steps left (but a
   restored loop's epoch `first`, read from batch `start_batch` > 0 on, which its after_epoch
-  still ends)."""
+  still ends). The batches: `plan`'s source, batch size and data seed."""
   remaining = left
   for epoch in epochs:
     resumed = epoch == first and start_batch > 0
@@ -156,9 +133,9 @@ def _phase_items(detector, source, epochs, first, start_batch, left, batch_size,
       return
     yield epoch, None
     batches = detector.train_batches(
-      source,
-      batch_size=batch_size,
-      seed=data_seed,
+      plan.source,
+      batch_size=plan.batch_size,
+      seed=plan.data_seed,
       epoch=epoch,
       start_batch=start_batch if resumed else 0,
     )
@@ -176,39 +153,80 @@ def _shard_inputs(mesh, item):
   return epoch, sharding_lib.shard_batch({k: batch[k] for k in MODEL_INPUTS}, mesh)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+  """What one phase's `train_loop` reads and how long it runs.
+
+  Attributes:
+    source: what `Detector.train_batches` reads (`CocoSource`, `mixture.JointSource`).
+    batch_size: new images per step.
+    data_seed: the input pipeline's seed.
+    total_steps: the phase's optimizer steps.
+    num_epochs: epochs read at most (None: as many as `total_steps` take).
+    desc: the progress bar's and the divergence message's name of the phase.
+    log_every: host metrics are fetched, checked and logged every this many steps and at the
+      last (`train.log_every_steps`).
+    learning_rate: the phase's peak, named in the divergence message (None: not named).
+    prefetch_batches: batches read ahead by a background thread (`data.prefetch_batches`).
+  """
+
+  source: Any
+  batch_size: int
+  data_seed: int
+  total_steps: int
+  num_epochs: int | None
+  desc: str
+  log_every: int
+  learning_rate: float | None = None
+  prefetch_batches: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopHooks:
+  """The callbacks of one phase's `train_loop`: what differs between the phases.
+
+  Attributes:
+    on_log: `on_log(loop, host metrics)` at each logged step; returns the progress bar's fields.
+    after_step: runs after every step.
+    after_epoch: runs after every epoch begun with steps left; returns the loop state.
+    checkpoint: runs after `after_step` (`checkpoint_hook`: a step checkpoint when due;
+      raises `preemption.Preempted` after SIGTERM).
+    timer: records every step's time breakdown (`timing.StepTimer`; None: none).
+  """
+
+  on_log: Callable[[LoopState, dict], dict]
+  after_step: Callable[[LoopState], None] = lambda loop: None
+  after_epoch: Callable[[LoopState], LoopState] = lambda loop: loop
+  checkpoint: Callable[[LoopState], None] = lambda loop: None
+  timer: timing.StepTimer | None = None
+
+
+_PLAN_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopPlan))
+
+
 def train_loop(
   detector: Detector,
   loop: LoopState,
+  plan: LoopPlan | None = None,
+  hooks: LoopHooks | None = None,
   *,
   train_step: Callable,
   replay,
-  source,
-  batch_size: int,
-  data_seed: int,
-  total_steps: int,
-  num_epochs: int | None,
-  desc: str,
-  on_log: Callable[[LoopState, dict], dict],
-  after_step: Callable[[LoopState], None] = lambda loop: None,
-  after_epoch: Callable[[LoopState], LoopState] = lambda loop: loop,
-  checkpoint: Callable[[LoopState], None] = lambda loop: None,
-  learning_rate: float | None = None,
-  prefetch_batches: int = 0,
-  timer: timing.StepTimer | None = None,
+  **fields,
 ) -> LoopState:
-  """Runs train steps until `total_steps` (or `num_epochs` epochs; None = as many as needed).
+  """Runs train steps until `plan.total_steps` (or `plan.num_epochs` epochs).
 
   Per step: the next batch, sharded, the key split, the replayed inputs
-  (`replay.step_inputs`), the train step, the replay counters; every
-  `train.log_every_steps` steps and at the last one `on_log(loop, host metrics)` returns the
-  progress bar's fields. `after_step(loop)` runs after every step, then `checkpoint(loop)`
-  (`checkpoint_hook`: a step checkpoint when due; raises `preemption.Preempted` after
-  SIGTERM); `after_epoch(loop)` after every epoch begun with steps left. `learning_rate`
-  (the phase's peak) only enters the divergence message.
+  (`replay.step_inputs`), the train step, the replay counters; every `plan.log_every` steps
+  and at the last one `hooks.on_log(loop, host metrics)` returns the progress bar's fields.
+  `hooks.after_step(loop)` runs after every step, then `hooks.checkpoint(loop)`;
+  `hooks.after_epoch(loop)` after every epoch begun with steps left.
+
+  Without `plan` and `hooks`, `fields` gives their fields by keyword (`log_every` defaults to
+  the detector's `config.train.log_every_steps`), as a test's fake detector calls it.
 
   Overlap of input, retrieval and train step: the module docstring ("Overlap"); with it the
-  results are the serial loop's bit for bit. `timer` (`timing.StepTimer`; None: none)
-  records every step's time breakdown.
+  results are the serial loop's bit for bit.
 
   A `loop` restored from a step checkpoint (`restore_loop`) goes on exactly where it
   stopped: from batch `loop.batch_in_epoch` of epoch `loop.epoch` (that epoch's
@@ -219,34 +237,52 @@ def train_loop(
     the loop state after the last step (`loop.loss`: the last step's loss).
 
   Raises:
+    TypeError: `fields` together with `plan` / `hooks`, a name of neither's fields, or
+      neither `plan` and `hooks` nor `fields`.
     TrainingDivergedError: a non-finite loss or gradient norm at a logged step
       (`check_finite`).
     owl_cl.preemption.Preempted: SIGTERM was received (from `checkpoint`).
   """
-  timer = timing.NULL_TIMER if timer is None else timer
-  bar = progress(total_steps, desc)
+  if fields:
+    if plan is not None or hooks is not None:
+      raise TypeError("train_loop takes a LoopPlan and LoopHooks, or their fields, not both")
+    plan_fields = {k: v for k, v in fields.items() if k in _PLAN_FIELDS}
+    if "log_every" not in plan_fields:
+      plan_fields["log_every"] = detector.config.train.log_every_steps
+    plan = LoopPlan(**plan_fields)
+    hooks = LoopHooks(**{k: v for k, v in fields.items() if k not in _PLAN_FIELDS})
+  if plan is None or hooks is None:
+    raise TypeError("train_loop needs a LoopPlan and LoopHooks, or their fields")
+  return _run_loop(detector, loop, plan, hooks, train_step, replay)
+
+
+def _run_loop(detector, loop, plan: LoopPlan, hooks: LoopHooks, train_step, replay) -> LoopState:
+  """`train_loop` with its plan and hooks."""
+  timer = timing.NULL_TIMER if hooks.timer is None else hooks.timer
+  bar = progress(plan.total_steps, plan.desc)
   bar.update(loop.step)
   first, start_batch = loop.epoch, loop.batch_in_epoch
   # A restored loop part-way into its epoch finishes it (and its after_epoch) first.
   continuing = start_batch > 0
+  num_epochs = plan.num_epochs
   epochs = itertools.count(first) if num_epochs is None else range(first, num_epochs)
-  left = max(0, total_steps - loop.step)
+  left = max(0, plan.total_steps - loop.step)
   step = _Stepper(
     train_step=train_step,
     replay=replay,
-    total_steps=total_steps,
-    log_every=detector.config.train.log_every_steps,
-    desc=desc,
-    learning_rate=learning_rate,
-    on_log=on_log,
+    total_steps=plan.total_steps,
+    log_every=plan.log_every,
+    desc=plan.desc,
+    learning_rate=plan.learning_rate,
+    on_log=hooks.on_log,
     timer=timer,
     bar=bar,
   )
   begun = False  # an epoch was begun (its after_epoch is due when it ends)
   try:
-    phase = _phase_items(detector, source, epochs, first, start_batch, left, batch_size, data_seed)
+    phase = _phase_items(detector, plan, epochs, first, start_batch, left)
     to_device = functools.partial(_shard_inputs, detector.mesh)
-    with prefetch.Prefetcher(phase, to_device, prefetch_batches, None) as reader:
+    with prefetch.Prefetcher(phase, to_device, plan.prefetch_batches, None) as reader:
       items = prefetch.ReadAhead(reader)
       while True:
         waited = time.perf_counter()
@@ -256,18 +292,18 @@ def train_loop(
         epoch, inputs = item
         if inputs is None:  # an epoch begins: the previous one has ended
           if begun:
-            loop = after_epoch(loop)
+            loop = hooks.after_epoch(loop)
           begun = True
           if not (epoch == first and continuing):
             loop.epoch, loop.batch_in_epoch = epoch, 0
           continue
         timer.host("input", time.perf_counter() - waited)
         loop = step(loop, inputs, items)
-        after_step(loop)
-        checkpoint(loop)
+        hooks.after_step(loop)
+        hooks.checkpoint(loop)
         preemption.checkpoint_event("train_step")
     if begun:
-      loop = after_epoch(loop)
+      loop = hooks.after_epoch(loop)
   finally:
     # A retrieval prepared ahead that no step took (the phase's end, a stop, an error)
     # is dropped: the serial loop would not have computed it.
@@ -342,14 +378,14 @@ def pretrain(
   Raises:
     owl_cl.preemption.Preempted: SIGTERM (after the checkpoint is saved).
   """
-  config = detector.config
-  settings = config.pretrain
+  settings: PretrainSpec = detector.pretrain_spec
   sharding_lib.check_batch_divisible(
     settings.batch_size, detector.mesh, "config.pretrain.batch_size"
   )
-  params = detector.init_params(seed_of(config, "model"))
+  seed = detector.run.seed_of("model")
+  params = detector.init_params(seed)
   optimizer = {
-    name: settings[name]
+    name: getattr(settings, name)
     for name in (
       "learning_rate",
       "warmup_steps",
@@ -358,7 +394,7 @@ def pretrain(
       "weight_decay",
     )
   }
-  train, loss = train_settings(config)
+  train, loss = detector.train_spec, detector.loss_spec
   tx, schedule = make_optimizer(params, optimizer, settings.num_steps, train)
   # Pre-training's loss is normalised per image (loss.normalization is fine-tuning's).
   spec = step_lib.StepSpec(
@@ -370,7 +406,7 @@ def pretrain(
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
     replay_state=None,
-    key=jax.random.PRNGKey(seed_of(config, "model") + 1),
+    key=jax.random.PRNGKey(seed + 1),
     history={"curve": []},
   )
   loop = restore_loop(step_checkpoints, 0, loop, no_replay)
@@ -401,26 +437,20 @@ def pretrain(
     )
 
   try:
-    loop = train_loop(
-      detector,
-      loop,
-      train_step=train_step,
-      replay=no_replay,
+    plan = LoopPlan(
       source=bench.pretrain.train,
       batch_size=settings.batch_size,
-      data_seed=seed_of(config, "model"),
+      data_seed=seed,
       total_steps=settings.num_steps,
       num_epochs=None,
       desc="pre-training",
-      on_log=on_log,
-      after_step=after_step,
-      checkpoint=checkpoint_hook(
-        step_checkpoints, 0, settings.num_steps, no_replay, "pre-training"
-      ),
+      log_every=train.log_every_steps,
       learning_rate=settings.learning_rate,
-      prefetch_batches=config.data.prefetch_batches,
-      timer=timer,
+      prefetch_batches=detector.data_spec.prefetch_batches,
     )
+    checkpoint = checkpoint_hook(step_checkpoints, 0, settings.num_steps, no_replay, "pre-training")
+    hooks = LoopHooks(on_log, after_step, checkpoint=checkpoint, timer=timer)
+    loop = train_loop(detector, loop, plan, hooks, train_step=train_step, replay=no_replay)
   finally:
     timer.close()
   return sharding_lib.fetch_replicated(loop.train_state.params), loop.history["curve"]
@@ -485,7 +515,7 @@ def train_on_dataset(
 ):
   """Fine-tunes on one downstream dataset with retrieval + DER++ (fresh optimizer).
 
-  With `train.lwf` on (`lwf_options`), `teacher` (the pre-trained parameters) is passed to
+  With `train.lwf` on (`TrainSpec.lwf.on`), `teacher` (the pre-trained parameters) is passed to
   every train step for the LwF terms (docs/baselines.md); a missing teacher is a ValueError.
 
   With `train.lora` on (`detector.lora`), `params` is a LoRA tree (`Detector.add_adapters`):
@@ -508,7 +538,7 @@ def train_on_dataset(
     ConfigError: a dataset with fewer training images than one batch.
     owl_cl.preemption.Preempted: SIGTERM (after the checkpoint is saved).
   """
-  phase = dataset_phase(detector.config, dataset, index)
+  phase = dataset_phase(detector.train_spec, detector.run, dataset, index)
   return train_phase(
     detector, phase, params, store, replay_state, writer, records_path, step_checkpoints, teacher
   )
@@ -532,7 +562,7 @@ def train_joint(
   Arguments, returns and errors as `train_on_dataset` (the phase is stage `index`); the
   summary also holds 'joint': {dataset name: its steps in the sequence}.
   """
-  phase = joint_phase(detector.config, datasets, index)
+  phase = joint_phase(detector.train_spec, detector.run, datasets, index)
   params, replay_state, summary = train_phase(
     detector, phase, params, store, replay_state, writer, records_path, step_checkpoints, teacher
   )
@@ -555,17 +585,16 @@ def train_phase(
 
   Returns and raises as `train_on_dataset`.
   """
-  config = detector.config
   sharding_lib.check_batch_divisible(phase.batch_size, detector.mesh, "config.train.batch_size")
   replay = replay_setup.make_replay(detector, store, records_path)
   tx, schedule, train_step = _phase_train_step(detector, phase, params, replay, teacher)
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
     replay_state=replay_state,
-    key=jax.random.PRNGKey(seed_of(config, "data") * DATA_KEY_STRIDE + phase.index),
+    key=jax.random.PRNGKey(detector.run.seed_of("data") * DATA_KEY_STRIDE + phase.index),
   )
   loop = replay.prepare(loop)
-  carry_best = check_carry_mode(config) == "best_validation" and phase.dataset is not None
+  carry_best = detector.train_spec.carry == "best_validation" and phase.dataset is not None
   if carry_best:
     loop.history = {"best_AP": -np.inf, "best_epoch": None, "validation": []}
   # After `prepare`: the restored replay state already holds what it prepared.
@@ -575,43 +604,42 @@ def train_phase(
   like = params if carry_best else None
   loop = restore_loop(step_checkpoints, phase.index, loop, replay, like, params_part=held)
   timer = timing.StepTimer()
-  on_log, after_epoch = _phase_callbacks(detector, phase, replay, writer, schedule, timer)
+  hooks = _phase_hooks(detector, phase, replay, writer, schedule, timer, carry_best)
+  checkpoint = checkpoint_hook(
+    step_checkpoints,
+    phase.index,
+    phase.total,
+    replay,
+    phase.name if phase.dataset is None else f"dataset {phase.index}",
+    params_part=held,
+  )
+  hooks = dataclasses.replace(hooks, checkpoint=checkpoint)
   try:
-    loop = train_loop(
-      detector,
-      loop,
-      train_step=train_step,
-      replay=replay,
-      source=phase.source,
-      batch_size=phase.batch_size,
-      data_seed=phase.data_seed,
-      total_steps=phase.total,
-      num_epochs=phase.num_epochs,
-      desc=_phase_desc(phase),
-      on_log=on_log,
-      after_epoch=after_epoch if carry_best else replay.end_epoch,
-      checkpoint=checkpoint_hook(
-        step_checkpoints,
-        phase.index,
-        phase.total,
-        replay,
-        phase.name if phase.dataset is None else f"dataset {phase.index}",
-        params_part=held,
-      ),
-      learning_rate=phase.settings["learning_rate"],
-      prefetch_batches=config.data.prefetch_batches,
-      timer=timer,
-    )
+    plan = _phase_plan(detector, phase)
+    loop = train_loop(detector, loop, plan, hooks, train_step=train_step, replay=replay)
   finally:
     timer.close()
   return _phase_result(replay.end_dataset(loop), phase, replay, timer, carry_best)
 
 
-def _phase_desc(phase: Phase) -> str:
-  """The progress bar's and the divergence message's name of the phase."""
+def _phase_plan(detector: Detector, phase: Phase) -> LoopPlan:
+  """The `LoopPlan` of a fine-tuning phase: its source, batches, steps and epochs, logged
+  every `train.log_every_steps`, read ahead by `data.prefetch_batches`."""
   if phase.dataset is None:
-    return f"{phase.name} ({len(phase.source.parts)} datasets)"
-  return f"dataset {phase.index}: {phase.name}"
+    desc = f"{phase.name} ({len(phase.source.parts)} datasets)"
+  else:
+    desc = f"dataset {phase.index}: {phase.name}"
+  return LoopPlan(
+    source=phase.source,
+    batch_size=phase.batch_size,
+    data_seed=phase.data_seed,
+    total_steps=phase.total,
+    num_epochs=phase.num_epochs,
+    desc=desc,
+    log_every=detector.train_spec.log_every_steps,
+    learning_rate=phase.settings["learning_rate"],
+    prefetch_batches=detector.data_spec.prefetch_batches,
+  )
 
 
 def _step_spec(train: TrainSpec, loss: LossSpec, replay_options: dict) -> step_lib.StepSpec:
@@ -639,7 +667,7 @@ def _step_spec(train: TrainSpec, loss: LossSpec, replay_options: dict) -> step_l
 def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher):
   """(optimizer, learning-rate schedule, jitted train step) of the phase. LwF's teacher is
   bound as the step's last argument (`_with_teacher`)."""
-  train, loss = train_settings(detector.config)
+  train, loss = detector.train_spec, detector.loss_spec
   optimizer = {k: v for k, v in phase.settings.items() if k not in ("num_epochs", "num_steps")}
   # LoRA: the base model is frozen (no update, no optimizer state), only the adapters train.
   lora = (lora_lib.FROZEN_BASE,) if detector.lora is not None else ()
@@ -677,9 +705,12 @@ def _phase_train_step(detector: Detector, phase: Phase, params, replay, teacher)
   return tx, schedule, train_step
 
 
-def _phase_callbacks(detector: Detector, phase: Phase, replay, writer, schedule, timer):
-  """(on_log, after_epoch) of a phase's `train_loop`: TensorBoard scalars and the progress
-  bar's fields; the replay's end of epoch and the best-validation-epoch carry."""
+def _phase_hooks(
+  detector: Detector, phase: Phase, replay, writer, schedule, timer, carry_best: bool
+) -> LoopHooks:
+  """The `LoopHooks` of a phase (no checkpoint hook): on_log, the TensorBoard scalars and the
+  progress bar's fields; after_epoch, the replay's end of epoch, and with `carry_best` the
+  best-validation-epoch carry; `timer`."""
   dataset = phase.dataset
 
   def on_log(loop, metrics):
@@ -707,7 +738,7 @@ def _phase_callbacks(detector: Detector, phase: Phase, replay, writer, schedule,
     loop.best_params = best["params"]
     return loop
 
-  return on_log, after_epoch
+  return LoopHooks(on_log, after_epoch=after_epoch if carry_best else replay.end_epoch, timer=timer)
 
 
 def _phase_result(loop: LoopState, phase: Phase, replay, timer, carry_best: bool):

@@ -531,7 +531,7 @@ def check_sequence_config(config: ml_collections.ConfigDict, benchmark: Benchmar
       raise ConfigError(
         f"config.train.per_dataset.{name}: no dataset named {name!r}; known: {sorted(known)}"
       )
-    check_per_dataset_fields(config, name)
+    check_per_dataset_fields(config.train.per_dataset, name)
   for name, _ in config.train.get("num_steps_by_dataset") or ():
     if name not in known:
       raise ConfigError(

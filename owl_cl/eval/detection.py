@@ -20,7 +20,7 @@ Pipeline for one evaluation set (docs/reference.md §4):
    function returning `pred_logits` / `pred_boxes`), so the driver is testable with fakes.
 
 LVIS's federated AP (the `lvis` API: APr/APc/APf, `neg_category_ids`) is computed by
-`owl_cl.eval.lvis_eval`, through `evaluate_source(..., protocol='lvis')` or
+`owl_cl.eval.lvis_eval`, through `evaluate_source(..., Scoring(protocol='lvis'))` or
 `evaluate_lvis_source`; `coco_eval.coco_evaluate(..., cat_ids=...)` gives the plain COCO AP
 over a subset of categories (e.g. the held-out / rare classes of a stand-in set).
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable, Mapping, Sequence
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -456,20 +457,48 @@ def collect_detections(
   return detections, seen
 
 
-def _protocol(protocol, source, ground_truth, coco_gt, max_dets):
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+  """How `evaluate_source` scores an evaluation set's detections.
+
+  Attributes:
+    protocol: 'coco' (pycocotools AP, `coco_eval.coco_evaluate`) or 'lvis' (the federated
+      LVIS AP, `lvis_eval.lvis_evaluate`).
+    ground_truth: overrides the source's ground truth: a pycocotools COCO ('coco'), or an LVIS
+      json path, dict or `lvis.LVIS` ('lvis'); None: `source.coco` / `source.annotation_file`.
+    max_dets: detections per image scored; None: the protocol's (100 'coco', 300 'lvis').
+    cat_ids: the categories scored (see `coco_eval.coco_evaluate`); None: all.
+    restrict_to_seen_images: score only the images present in the batches (a partial pass
+      over a set is scored on what was predicted), else every image of the ground truth.
+    per_category: also return 'per_category' (see `coco_eval.coco_evaluate`).
+    per_class: also return 'per_class' (`per_class_table`, names from `source.class_names`).
+    return_detections: also return the COCO result dicts under 'detections'.
+  """
+
+  protocol: str = "coco"
+  ground_truth: Any = None
+  max_dets: int | None = None
+  cat_ids: Sequence[int] | None = None
+  restrict_to_seen_images: bool = True
+  per_category: bool = False
+  per_class: bool = False
+  return_detections: bool = False
+
+
+def _protocol(scoring: Scoring, source):
   """`evaluate_source`'s protocol: (ground truth, scoring function, metric names, a function
   counting the ground truth's images, max_dets with the protocol's default).
 
   Raises:
     ValueError: an unknown protocol; 'lvis' without ground truth.
   """
-  if protocol == "coco":
-    gt = ground_truth if ground_truth is not None else coco_gt
-    gt = source.coco if gt is None else gt
+  ground_truth, max_dets = scoring.ground_truth, scoring.max_dets
+  if scoring.protocol == "coco":
+    gt = source.coco if ground_truth is None else ground_truth
     score, metric_names = coco_eval.coco_evaluate, coco_eval.COCO_METRIC_NAMES
     count_images = lambda: len(gt.getImgIds())
     max_dets = 100 if max_dets is None else max_dets
-  elif protocol == "lvis":
+  elif scoring.protocol == "lvis":
     if ground_truth is None:
       ground_truth = getattr(source, "annotation_file", None)
       if ground_truth is None:
@@ -479,7 +508,7 @@ def _protocol(protocol, source, ground_truth, coco_gt, max_dets):
     count_images = lambda: len(gt.imgs)
     max_dets = 300 if max_dets is None else max_dets
   else:
-    raise ValueError(f"protocol must be 'coco' or 'lvis', got {protocol!r}")
+    raise ValueError(f"protocol must be 'coco' or 'lvis', got {scoring.protocol!r}")
   return gt, score, metric_names, count_images, max_dets
 
 
@@ -487,60 +516,39 @@ def evaluate_source(
   predict_fn: PredictFn,
   source: Any,
   batches: Iterable[Mapping[str, Any]],
-  category_ids: Sequence[int] | None = None,
+  scoring: Scoring = Scoring(),
   *,
-  protocol: str = "coco",
-  ground_truth: Any = None,
-  coco_gt: Any = None,
+  category_ids: Sequence[int] | None = None,
   image_size: int | None = None,
-  max_dets: int | None = None,
-  cat_ids: Sequence[int] | None = None,
-  restrict_to_seen_images: bool = True,
-  per_category: bool = False,
-  per_class: bool = False,
-  return_detections: bool = False,
   progress: bool = True,
-  total: int | None = None,
-  name: str | None = None,
   desc: str | None = None,
 ) -> dict[str, Any]:
   """Runs `predict_fn` over batches of one evaluation set and scores them: the one evaluator
   of the COCO and the LVIS protocol.
 
   The batches are run and converted by `collect_detections` (device work overlaps the
-  host-side conversion); the detections are then scored by `coco_eval.coco_evaluate` (protocol
-  'coco': pycocotools AP, exclusive classes) or `lvis_eval.lvis_evaluate` ('lvis': the
-  federated LVIS AP with APr / APc / APf).
+  host-side conversion); the detections are then scored as `scoring` says
+  (`coco_eval.coco_evaluate` for protocol 'coco': pycocotools AP, exclusive classes;
+  `lvis_eval.lvis_evaluate` for 'lvis': the federated LVIS AP with APr / APc / APf).
 
   Args:
     predict_fn: `predict_fn(batch) -> (scores [B, K], labels [B, K], boxes [B, K, 4])`
       (`top_predictions` semantics; e.g. from `make_predict_fn`; for LVIS the multi-label
       top-300 (token, class) pairs). Supplied by the caller.
     source: the evaluation set, e.g. `owl_cl.data.coco.CocoSource`; uses `source.coco`
-      ('coco') or `source.annotation_file` ('lvis') when no ground truth is given,
+      ('coco') or `source.annotation_file` ('lvis') when `scoring` gives no ground truth,
       `source.category_ids` (if `category_ids` is None) and `source.name` (messages).
     batches: iterable of batch dicts (CONVENTIONS.md) with at least `image_id` int [B],
       `orig_size` int [B, 2] (h, w) and optionally `example_mask` bool [B].
+    scoring: the protocol and what is returned (`Scoring`).
     category_ids: int [C] dataset category id of each label index (see `to_coco_detections`).
-    protocol: 'coco' or 'lvis'.
-    ground_truth: overrides the source's ground truth: a pycocotools COCO ('coco'), or an
-      LVIS json path, dict or `lvis.LVIS` ('lvis'). `coco_gt` is the same for 'coco'.
     image_size: padded square side S, see `unpad_boxes` (not needed by the default un-pad).
-    max_dets: detections per image scored (default 100 for 'coco', 300 for 'lvis').
-    cat_ids: see `coco_eval.coco_evaluate` / `lvis_eval.lvis_evaluate`.
-    per_category: see `coco_eval.coco_evaluate` / `lvis_eval.lvis_evaluate`.
-    per_class: also return 'per_class' (`per_class_table`, names from `source.class_names`).
-    restrict_to_seen_images: evaluate only the images present in the batches (True, so a
-      partial pass over a set is scored on what was predicted) or on all images of the
-      ground truth.
-    return_detections: also return the detection list under 'detections'.
-    progress: show a tqdm progress bar; total: its number of batches.
-    name: the set's name in messages (default `source.name`).
-    desc: progress-bar text (default f"eval {name}").
+    progress: show a tqdm progress bar (its total: `len(batches)` where it has one).
+    desc: progress-bar text (default f"eval {source.name}").
 
   Returns:
     The protocol's metric dict plus 'num_images' (int, evaluated images). With
-    `restrict_to_seen_images` and no valid example in `batches`, every metric is NaN.
+    `scoring.restrict_to_seen_images` and no valid example in `batches`, every metric is NaN.
 
   Raises:
     ValueError: an unknown protocol; 'lvis' without ground truth (no `annotation_file`);
@@ -548,39 +556,37 @@ def evaluate_source(
 
   Source: docs/reference.md §4 (evaluation protocols); scenic's owl_vit evaluator.
   """
-  gt, score, metric_names, count_images, max_dets = _protocol(
-    protocol, source, ground_truth, coco_gt, max_dets
-  )
+  gt, score, metric_names, count_images, max_dets = _protocol(scoring, source)
   category_ids = source.category_ids if category_ids is None else category_ids
-  name = name or getattr(source, "name", None) or ("eval" if protocol == "coco" else "lvis")
+  name = getattr(source, "name", None) or ("eval" if scoring.protocol == "coco" else "lvis")
   detections, seen = collect_detections(
     predict_fn,
     batches,
     category_ids,
     image_size=image_size,
     progress=progress,
-    total=total,
     desc=desc or f"eval {name}",
   )
-  if restrict_to_seen_images and not seen:
+  restrict, per_category = scoring.restrict_to_seen_images, scoring.per_category
+  if restrict and not seen:
     logger.warning("evaluate_source(%s): no images were evaluated; metrics are NaN.", name)
     result: dict[str, Any] = {key: float("nan") for key in metric_names}
     result.update(num_detections=0, num_images=0)
-    if per_category or per_class:
+    if per_category or scoring.per_class:
       result["per_category"] = {}
   else:
     result = score(
       gt,
       detections,
-      image_ids=sorted(seen) if restrict_to_seen_images else None,
-      cat_ids=cat_ids,
+      image_ids=sorted(seen) if restrict else None,
+      cat_ids=scoring.cat_ids,
       max_dets=max_dets,
-      per_category=per_category or per_class,
+      per_category=per_category or scoring.per_class,
     )
-    result["num_images"] = len(seen) if restrict_to_seen_images else count_images()
-  if per_class:
+    result["num_images"] = len(seen) if restrict else count_images()
+  if scoring.per_class:
     _add_per_class(result, per_category, category_ids, source.class_names)
-  if return_detections:
+  if scoring.return_detections:
     result["detections"] = detections
   return result
 
@@ -635,14 +641,12 @@ def evaluate_lvis_source(
   predict_fn: PredictFn,
   source: Any,
   batches: Iterable[Mapping[str, Any]],
-  category_ids: Sequence[int] | None = None,
-  *,
-  lvis_gt: Any = None,
-  max_dets: int = 300,
-  **kwargs,
+  scoring: Scoring = Scoring(protocol="lvis", max_dets=300),
+  **options,
 ) -> dict[str, Any]:
-  """`evaluate_source` with protocol 'lvis' (the one evaluator); `lvis_gt` is its
-  `ground_truth` (path, dict or `lvis.LVIS`; default `source.annotation_file`).
+  """`evaluate_source` with protocol 'lvis' (the one evaluator): `scoring`'s protocol is set
+  to 'lvis' (its `ground_truth`: an LVIS json path, dict or `lvis.LVIS`; default
+  `source.annotation_file`); `options`: `evaluate_source`'s keywords.
 
   Returns:
     `lvis_eval.lvis_evaluate`'s dict plus 'num_images'.
@@ -650,13 +654,5 @@ def evaluate_lvis_source(
   Raises:
     ValueError: see `evaluate_source`.
   """
-  return evaluate_source(
-    predict_fn,
-    source,
-    batches,
-    category_ids,
-    protocol="lvis",
-    ground_truth=lvis_gt,
-    max_dets=max_dets,
-    **kwargs,
-  )
+  scoring = dataclasses.replace(scoring, protocol="lvis")
+  return evaluate_source(predict_fn, source, batches, scoring, **options)

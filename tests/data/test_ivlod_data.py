@@ -11,6 +11,7 @@ import os
 import pytest
 
 from owl_cl import benchmark
+from owl_cl import config_spec
 from owl_cl import phases
 from owl_cl import validation
 from owl_cl.config_fields import ConfigError
@@ -21,6 +22,7 @@ from owl_cl.data import suites
 from owl_cl.data.coco import DataError
 from owl_cl.testing import fake_data
 from owl_cl.testing.configs import tiny_detector_config
+from owl_cl.train.spec import TrainSpec
 
 ANN = "annotations_without_background.json"
 
@@ -199,18 +201,26 @@ def test_zero_shot_sets_are_evaluated_with_the_pretraining_sets(tmp_path):
   assert any("'pt': field 'name' is also used" in p for p in validation.dataset_problems(config))
 
 
+def _train(config):
+  """The typed `train` section of `config`, as the trainer hands it to `phases`."""
+  return config_spec.from_config(TrainSpec, config.train, "train")
+
+
 def test_step_budget_replaces_epochs_by_name():
   config = tiny_detector_config()
-  settings = phases.dataset_train_settings(config, "pothole", steps_per_epoch=5)
+  settings = phases.dataset_train_settings(_train(config), "pothole", steps_per_epoch=5)
   assert "num_steps" not in settings  # epochs, as before
   config.train.num_steps = 7
-  assert phases.dataset_train_settings(config, "pothole", 5)["num_steps"] == 7
+  assert phases.dataset_train_settings(_train(config), "pothole", 5)["num_steps"] == 7
   config.train.num_steps_by_dataset = (("pothole", 3), ("Raccoon_Raccoon.v2-raw.coco", 4))
-  assert phases.dataset_train_settings(config, "pothole", 5)["num_steps"] == 3
-  assert phases.dataset_train_settings(config, "Raccoon_Raccoon.v2-raw.coco", 5)["num_steps"] == 4
-  assert phases.dataset_train_settings(config, "other", 5)["num_steps"] == 7
+  assert phases.dataset_train_settings(_train(config), "pothole", 5)["num_steps"] == 3
+  assert (
+    phases.dataset_train_settings(_train(config), "Raccoon_Raccoon.v2-raw.coco", 5)["num_steps"]
+    == 4
+  )
+  assert phases.dataset_train_settings(_train(config), "other", 5)["num_steps"] == 7
   config.train.per_dataset = {"pothole": {"num_steps": 2}}
-  assert phases.dataset_train_settings(config, "pothole", 5)["num_steps"] == 2
+  assert phases.dataset_train_settings(_train(config), "pothole", 5)["num_steps"] == 2
   for bad, message in [
     ((("pothole", 0),), "steps >= 1"),
     ((("pothole", 2), ("pothole", 3)), "names ['pothole'] more than once"),

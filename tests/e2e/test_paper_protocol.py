@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from owl_cl import benchmark
+from owl_cl import config_spec
 from owl_cl import experiment
 from owl_cl import phases
 from owl_cl import trainer
@@ -26,6 +27,7 @@ from owl_cl.eval import detection
 from owl_cl.testing import fake_data
 from owl_cl.train import checkpointing
 from owl_cl.train import step as step_lib
+from owl_cl.train.spec import TrainSpec
 
 # configs/ivlod_odinw13.py is a protocol on real data (its args: parse_arg's), not an
 # algorithm with the built-in / 'paper' / 'released' args (tests/data/test_ivlod_data.py).
@@ -87,9 +89,14 @@ def test_paper_table_transcription():
   }
 
 
+def _train(config):
+  """The typed `train` section of `config`, as the trainer hands it to `phases`."""
+  return config_spec.from_config(TrainSpec, config.train, "train")
+
+
 def test_dataset_train_settings_apply_per_dataset_overrides():
   c = paper_config()
-  got = phases.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
+  got = phases.dataset_train_settings(_train(c), "AerialMaritimeDrone", steps_per_epoch=23)
   assert got == {
     "num_epochs": 7,
     "learning_rate": 1.4e-4,
@@ -99,11 +106,11 @@ def test_dataset_train_settings_apply_per_dataset_overrides():
   }
   # A dataset without overrides falls back on train.*; warmup_epochs (global) still in epochs.
   c.train.per_dataset = {}
-  got = phases.dataset_train_settings(c, "AerialMaritimeDrone", steps_per_epoch=23)
+  got = phases.dataset_train_settings(_train(c), "AerialMaritimeDrone", steps_per_epoch=23)
   assert got["warmup_steps"] == 1 * 23 and got["num_epochs"] == c.train.num_epochs
   # The built-in config: exactly train.* (warmup in steps).
   builtin = importlib.import_module("configs.swil").get_config("")
-  got = phases.dataset_train_settings(builtin, "thermal", steps_per_epoch=12)
+  got = phases.dataset_train_settings(_train(builtin), "thermal", steps_per_epoch=12)
   assert got == {
     "num_epochs": builtin.train.num_epochs,
     "learning_rate": builtin.train.learning_rate,
@@ -113,7 +120,7 @@ def test_dataset_train_settings_apply_per_dataset_overrides():
   }
   c.train.per_dataset = {"Dice": {"epochs": 3}}
   with pytest.raises(ConfigError, match=r"per_dataset.Dice: unknown fields \['epochs'\]"):
-    phases.dataset_train_settings(c, "Dice", steps_per_epoch=5)
+    phases.dataset_train_settings(_train(c), "Dice", steps_per_epoch=5)
 
 
 def _bench(names):
@@ -334,8 +341,8 @@ def test_egohands_and_brackish_keep_100_detections_per_image(tmp_path, monkeypat
   detector = Detector(c)
   seen = {}
 
-  def fake_evaluate_source(predict_fn, source, batches, **kwargs):
-    seen[source.annotation_file] = kwargs["max_dets"]
+  def fake_evaluate_source(predict_fn, source, batches, scoring, **kwargs):
+    seen[source.annotation_file] = scoring.max_dets
     return {"AP": 0.0}
 
   monkeypatch.setattr(detection, "evaluate_source", fake_evaluate_source)

@@ -10,16 +10,19 @@ import numpy as np
 import pytest
 
 from owl_cl import benchmark as benchmark_lib
+from owl_cl import config_spec
 from owl_cl import experiment
 from owl_cl import phases
 from owl_cl import preemption
 from owl_cl import pretrained
+from owl_cl import run_spec
 from owl_cl import trainer
 from owl_cl.config_fields import ConfigError
 from owl_cl.detector import Detector
 from owl_cl.testing.configs import tiny_config
 from owl_cl.testing.results import comparable
 from owl_cl.train import checkpointing
+from owl_cl.train.spec import TrainSpec
 
 
 def _interrupt_at_step(monkeypatch, n):
@@ -91,7 +94,9 @@ def test_joint_run_trains_the_sequences_data_at_once_and_resumes(
   # The mixture: the sequence's datasets, their steps (2 each: max_train_steps_per_dataset)
   # and examples (8 per step), in one stage of the sequence's total steps.
   bench = benchmark_lib.load_benchmark(config)
-  sequence = [phases.dataset_phase(config, d, i) for i, d in enumerate(bench.sequence, 1)]
+  train = config_spec.from_config(TrainSpec, config.train, "train")
+  run = run_spec.run_settings(config)
+  sequence = [phases.dataset_phase(train, run, d, i) for i, d in enumerate(bench.sequence, 1)]
   (phase,) = planned
   assert [p.name for p in phase.source.parts] == [d.name for d in bench.sequence]
   assert [p.steps for p in phase.source.parts] == [p.total for p in sequence] == [2, 2]

@@ -434,8 +434,9 @@ def test_evaluate_source_with_fake_predict_fn():
     )
 
   source = types.SimpleNamespace(coco=coco, category_ids=CATEGORY_IDS, name="fake")
+  scoring = detection.Scoring(return_detections=True)
   result = detection.evaluate_source(
-    predict_fn, source, batches, progress=False, return_detections=True, desc="eval fake @ stage 0"
+    predict_fn, source, batches, scoring, progress=False, desc="eval fake @ stage 0"
   )
   assert len(calls) == 2
   assert result["AP"] == pytest.approx(1.0)
@@ -446,9 +447,8 @@ def test_evaluate_source_with_fake_predict_fn():
   partial = detection.evaluate_source(predict_fn, source, batches[:1], progress=False)
   assert partial["num_images"] == 2 and partial["AP"] == pytest.approx(1.0)
   # Same, scored on every image of the set: the unseen image's objects are misses.
-  full = detection.evaluate_source(
-    predict_fn, source, batches[:1], progress=False, restrict_to_seen_images=False
-  )
+  everything = detection.Scoring(restrict_to_seen_images=False)
+  full = detection.evaluate_source(predict_fn, source, batches[:1], everything, progress=False)
   assert full["AP"] < 1.0
   empty = detection.evaluate_source(predict_fn, source, [], progress=False)
   assert empty["num_images"] == 0 and math.isnan(empty["AP"])

@@ -309,9 +309,8 @@ def test_evaluate_lvis_source_maps_ids_back_and_scores_top_k(gt_path):
   def predict_fn(batch):  # multi-label top-K over (token, class) pairs, as for LVIS
     return detection.top_predictions(batch["scores"], batch["boxes"], top_k=300, multi_label=True)
 
-  result = detection.evaluate_lvis_source(
-    predict_fn, source, batches, progress=False, return_detections=True
-  )
+  scoring = detection.Scoring(max_dets=300, return_detections=True)
+  result = detection.evaluate_lvis_source(predict_fn, source, batches, scoring, progress=False)
   # K = min(300, T*C) = 24 pairs per image, 3 valid images; zero-score pairs count as
   # detections too (they never outrank a true positive here).
   assert result["num_images"] == 3 and len(result["detections"]) == 3 * 24

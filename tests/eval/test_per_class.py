@@ -194,9 +194,11 @@ def test_evaluate_source_per_class_by_name(protocol):
   """`evaluate_source(per_class=True)`: the per-class AP keyed by class name, the metrics
   themselves unchanged."""
   batches, predict_fn = _batches_and_predict()
-  kwargs = dict(protocol=protocol, progress=False)
-  result = detection.evaluate_source(predict_fn, _Source(), batches, per_class=True, **kwargs)
-  plain = detection.evaluate_source(predict_fn, _Source(), batches, **kwargs)
+  by_class = detection.Scoring(protocol=protocol, per_class=True)
+  result = detection.evaluate_source(predict_fn, _Source(), batches, by_class, progress=False)
+  plain = detection.evaluate_source(
+    predict_fn, _Source(), batches, detection.Scoring(protocol=protocol), progress=False
+  )
   per_class = result.pop("per_class")
   assert list(per_class) == ["a", "b", "c"] and "per_category" not in result
   assert {n: v["category_id"] for n, v in per_class.items()} == {"a": 4, "b": 9, "c": 13}

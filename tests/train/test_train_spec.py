@@ -77,7 +77,11 @@ def test_the_fine_tuning_step_spec_is_the_step_caches_key():
   from owl_cl import trainer  # noqa: PLC0415
 
   c = base.get_config("")
-  train, loss = trainer.train_settings(c)
+  settings = lambda c: (
+    config_spec.from_config(TrainSpec, c.train, "train"),
+    config_spec.from_config(LossSpec, c.loss, "loss"),
+  )
+  train, loss = settings(c)
   options = {
     "alpha": 2.0,
     "beta": 1.0,
@@ -88,10 +92,10 @@ def test_the_fine_tuning_step_spec_is_the_step_caches_key():
     "loss_gate_groups": 2,
   }
   spec = trainer._step_spec(train, loss, options)
-  assert hash(spec) == hash(trainer._step_spec(*trainer.train_settings(c), dict(options)))
+  assert hash(spec) == hash(trainer._step_spec(*settings(c), dict(options)))
   assert spec.replay.objectness_distill_weight == 1.0 and spec.lwf is None
   assert spec.loss.normalization == "per_image" and spec.max_unique_queries == 64
   c.train.lwf.box_weight, c.loss.normalization = 0.5, "per_batch"
-  off = trainer._step_spec(*trainer.train_settings(c), {"with_replay": False})
+  off = trainer._step_spec(*settings(c), {"with_replay": False})
   assert off.replay is None and off.lwf == LwfSpec(box_weight=0.5)
   assert off.loss.normalization == "per_batch" and off != spec
