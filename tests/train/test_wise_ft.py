@@ -97,6 +97,12 @@ def test_lora_blend_is_the_blend_of_the_merged_kernels():
   )
   with pytest.raises(ValueError, match="no '\\*_lora_b' adapter"):
     wise_ft.blend_lora(theta_0, 0.5)
+  # A LoRA run's stage blend is this form, without theta_0 (a LoRA run keeps none).
+  spec = wise_ft.WiseFtSpec(alpha=0.5, when="each")
+  staged = wise_ft.after_stage(
+    spec, None, params, stage=1, num_stages=2, schedule="sequence", lora=True
+  )
+  np.testing.assert_array_equal(np.asarray(staged["d"]["kernel_lora_b"]), [[1.5, 2.0]])
 
 
 @pytest.mark.parametrize(
