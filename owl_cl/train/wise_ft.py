@@ -69,8 +69,9 @@ def blend(theta_0: PyTree, theta_ft: PyTree, alpha: float) -> PyTree:
 
   Returns:
     A tree like `theta_ft`, each leaf in `theta_ft`'s dtype (computed in float32, or the
-    leaves' own dtype if wider). In exact IEEE arithmetic alpha 0 gives `theta_0` and alpha 1
-    `theta_ft` bit for bit (0 * x = 0 for finite x), alpha 0.5 the mean.
+    leaves' own dtype if wider). Alpha 0 gives the values of `theta_0` and alpha 1 those of
+    `theta_ft` exactly (0 * x = 0 for finite x; a -0.0 may come back as +0.0), alpha 0.5 the
+    mean rounded once.
 
   Raises:
     ValueError: alpha outside [0, 1]; trees of different structure; a leaf whose shapes
