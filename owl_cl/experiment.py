@@ -73,6 +73,7 @@ from owl_cl.replay import setup as replay_setup
 from owl_cl.summary_writer import SummaryWriter
 from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
+from owl_cl.train import wise_ft
 from owl_cl.train.checkpointing import CheckpointSpec
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
@@ -384,9 +385,11 @@ def _run(
   # The stages finished so far (on a resume, those of the checkpoint): one line each.
   for index, stage in enumerate(session.stages):
     _log_stage(repeats, names, index, stage)
-  if schedule_of(config) != "per_task" and not detector.train_spec.lwf.on:
-    # Only a per-task run (every task starts from them) and LwF (the teacher) read the
-    # pre-trained parameters after stage 0: not a second copy of the model in memory.
+  if (
+    schedule_of(config) != "per_task" and not detector.train_spec.lwf.on and not session.blend_base
+  ):
+    # Only a per-task run (every task starts from them), LwF (the teacher) and WiSE-FT of full
+    # fine-tuning read the pre-trained parameters after stage 0: not a second copy otherwise.
     session.pretrained = None
   session.write("running")
   try:
@@ -543,6 +546,17 @@ class _Session:
         metrics[name].pop("detections", None)
     return {"metrics": metrics, "per_class": per_class}
 
+  @property
+  def wise_ft_spec(self) -> wise_ft.WiseFtSpec:
+    """`train.wise_ft`, the WiSE-FT blend after the stages (off at alpha 1)."""
+    return config_spec.from_config(wise_ft.WiseFtSpec, self.config.train.wise_ft, "train.wise_ft")
+
+  @property
+  def blend_base(self) -> bool:
+    """Whether WiSE-FT reads the pre-trained parameters after stage 0 (a LoRA run's blend
+    scales its adapters and needs none)."""
+    return self.wise_ft_spec.on and self.detector.lora is None
+
   def stored(self, params):
     """The part of `params` a stage checkpoint holds: all of it, or (LoRA) the adapters."""
     return params if self.detector.lora is None else trainer.LORA_ADAPTERS.part(params)
@@ -672,6 +686,16 @@ class _Session:
     stage checkpoint (which supersedes the stage's step checkpoints)."""
     start = time.time()
     name, params, replay_state, train_summary = self.train(index, params, replay_state)
+    # WiSE-FT (`train.wise_ft`): the stage evaluates, checkpoints and carries the blend.
+    params = wise_ft.after_stage(
+      self.wise_ft_spec,
+      self.pretrained,
+      params,
+      stage=index,
+      num_stages=len(stage_names(self.config, self.bench)),
+      schedule=schedule_of(self.config),
+      lora=self.detector.lora is not None,
+    )
     self.step_timings[name] = train_summary.pop("step_timings")
     evaluation = self.evaluate(params, name, stage_eval_sets(self.config, self.bench, index))
     for eval_set, values in evaluation["metrics"].items():

@@ -73,6 +73,8 @@ BAD_FIELDS = [
   ("replay.budget", 0, "config.replay.budget=0 must be >= 1 (an image count), or None, or a"),
   ("train.lwf.temperature", 0.0, "config.train.lwf.temperature=0.0 must be > 0"),
   ("train.lwf.weight", -1.0, "config.train.lwf.weight=-1.0 must be >= 0"),
+  ("train.wise_ft.alpha", 1.5, "config.train.wise_ft.alpha=1.5 must be in [0, 1]"),
+  ("train.wise_ft.when", "both", "config.train.wise_ft.when='both' is unknown; known:"),
   ("replay.selection.loss_threshold", math.nan, "loss_threshold=nan must be a finite"),
   ("replay.loss_adaptivity.threshold", math.nan, "adaptivity.threshold=nan must be a finite"),
   ("max_eval_images", 0, "config.max_eval_images=0 must be >= 1 or None"),

@@ -96,7 +96,14 @@ SWEPT_FIELDS = (
   "cache_dir",
   "compilation_cache_dir",
 )
-_ALGORITHM_FIELDS = ("replay", "train.schedule", "train.lwf", "train.frozen", "train.lora")
+_ALGORITHM_FIELDS = (
+  "replay",
+  "train.schedule",
+  "train.lwf",
+  "train.frozen",
+  "train.lora",
+  "train.wise_ft",
+)
 BUILTIN_VERSION_FIELD = "data.builtin.version"
 TAIL_EVAL_SET = "pretrain_tail"  # owl_cl.data.builtin.TAIL_DATASET
 # The metrics that exist after pre-training (stage 0).

@@ -15,6 +15,7 @@ BASELINES = {
   "lora": "low-rank adapters, the base frozen (train.lora), no replay",
   "joint": "every dataset at once (train.schedule='joint'), with uniform replay",
   "per_task": "one model per dataset (train.schedule='per_task'), no replay",
+  "wise_ft": "each dataset's model blended with the pre-trained one (train.wise_ft), no replay",
 }
 
 # Config files that are protocols on real data, not algorithms: ODinW-13's (docs/ivlod.md).

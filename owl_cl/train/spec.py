@@ -38,6 +38,7 @@ from owl_cl.config_fields import step_table
 from owl_cl.train import optim
 from owl_cl.train.detection import NORMALIZATIONS
 from owl_cl.train.matcher import MATCHERS
+from owl_cl.train.wise_ft import WiseFtSpec
 
 field, section = config_spec.field, config_spec.section
 
@@ -185,6 +186,7 @@ class TrainSpec:
   )
   lwf: LwfSpec = section(LwfSpec, "Learning without Forgetting (docs/baselines.md).")
   lora: LoraSpec = section(LoraSpec, "LoRA adapters (docs/lora.md).")
+  wise_ft: WiseFtSpec = section(WiseFtSpec, "WiSE-FT weight-space ensembling (docs/baselines.md).")
   warmup_epochs: int | None = _fine_tuning_field(
     None,
     integer(0, maximum=STEPS.maximum, why=STEPS.why, optional=True),

@@ -305,15 +305,21 @@ def test_tail_classes_ap_reported_for_version_2(tmp_path):
 
 
 def test_baselines_may_differ_in_their_own_fields_only(tmp_path):
-  """LoRA's adapters (`train.lora`) are the `lora` baseline's own settings, like LwF's and the
-  frozen parts'; one algorithm's runs must still agree on them."""
+  """LoRA's adapters (`train.lora`) are the `lora` baseline's own settings, like LwF's, WiSE-FT's
+  and the frozen parts'; one algorithm's runs must still agree on them."""
   root = str(tmp_path)
   write_run(root, "uniform", 0, ("D1", "D2"), 0.2, 0.4)
   write_run(root, "lora", 0, ("D1", "D2"), 0.1, 0.3, train__lora__rank=8)
   write_run(root, "lwf", 0, ("D1", "D2"), 0.1, 0.3, train__lwf__weight=1.0)
-  assert len(report_lib.load_points(report_lib.find_runs([root]))) == 3
+  write_run(root, "wise_ft", 0, ("D1", "D2"), 0.1, 0.3, train__wise_ft__alpha=0.5)
+  assert len(report_lib.load_points(report_lib.find_runs([root]))) == 4
   bad = write_run(root, "lora", 1, ("D1", "D2"), 0.1, 0.3, train__lora__rank=4)
   with pytest.raises(report_lib.ReportError, match=f"{bad}: algorithm 'lora' with other"):
+    report_lib.load_points(report_lib.find_runs([root]))
+  root = str(tmp_path / "wise_ft")
+  write_run(root, "wise_ft", 0, ("D1", "D2"), 0.1, 0.3, train__wise_ft__alpha=0.5)
+  bad = write_run(root, "wise_ft", 1, ("D1", "D2"), 0.1, 0.3, train__wise_ft__alpha=0.3)
+  with pytest.raises(report_lib.ReportError, match=f"{bad}: algorithm 'wise_ft' with other"):
     report_lib.load_points(report_lib.find_runs([root]))
 
 

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+from owl_cl.config_fields import ConfigError
 from owl_cl.data import image_ops
 from owl_cl.replay import images as images_lib
 from owl_cl.replay import store as store_lib
@@ -228,9 +229,12 @@ def test_image_cache_folder_from_the_config(tmp_path, monkeypatch):
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   config.replay.image_cache = "~/images"
   assert replay_setup.image_cache_dir(config) == str(tmp_path / "home" / "images")
-  for off in (None, ""):
-    config.replay.image_cache = off
-    assert replay_setup.image_cache_dir(config) is None
+  config.replay.image_cache = None
+  assert replay_setup.image_cache_dir(config) is None
+  # '' is no folder: refused, as the config's validation refuses it before any work.
+  config.replay.image_cache = ""
+  with pytest.raises(ConfigError, match=r"config.replay.image_cache='' must be a non-empty"):
+    replay_setup.image_cache_dir(config)
 
 
 def _filled_cache(tmp_path):
