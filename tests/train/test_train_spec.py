@@ -56,6 +56,7 @@ def test_fields_left_out_of_keys_are_the_ones_the_caches_leave_out():
   assert cache_keys.key_material(_pretrained_key_spec(), cache_keys.PRETRAINED)["train"] == {
     "lwf": {},
     "lora": {},
+    "wise_ft": {},
     "b1": 0.9,
     "b2": 0.999,
     "eps": 1e-8,
