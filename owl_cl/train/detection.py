@@ -200,8 +200,7 @@ def detection_loss(
     objectness_logits: OWLv2's float [B, T] objectness logits; None: the v1 loss exactly
       (`loss_terms.objectness_term`).
     objectness_weight: the objectness term's weight (``loss.objectness_weight``); 0: v1's.
-    **term_weights: the weights of terms registered beyond these (`loss_terms.register`),
-      each under its `LossSpec` field's name; a term left out has weight 0 (off).
+    **term_weights: further registered terms' weights by field name; absent: 0 (off).
 
   Returns:
     dict of float32:
@@ -214,7 +213,6 @@ def detection_loss(
       loss_class, loss_bbox, loss_giou []: the unweighted terms, averaged like `loss`.
       loss_objectness []: the unweighted objectness term (only with the term on); likewise
         each registered term under its name.
-    Every term is summed in the registry's order (`owl_cl.train.loss_terms`).
 
   Raises:
     ValueError: inconsistent shapes, or an unknown `normalization`.
@@ -240,6 +238,32 @@ def detection_loss(
   unknown = set(weights) - {term.weight for term in loss_terms.TERMS.values()}
   if unknown:
     raise TypeError(f"detection_loss got weights of no registered loss term: {sorted(unknown)}")
+  terms = _term_sums(
+    pred_logits,
+    pred_boxes,
+    labels,
+    boxes,
+    matcher,
+    objectness_logits,
+    weights,
+    (focal_alpha, focal_gamma),
+  )
+  if normalization == "per_batch":
+    return _per_batch(terms, example_mask)
+  return _per_image(terms, example_mask)
+
+
+def _term_sums(pred_logits, pred_boxes, labels, boxes, matcher, objectness_logits, weights, focal):
+  """`detection_loss`'s per-image terms: the Hungarian matching (its cost weighted by the
+  class, bbox and giou weights of `weights` {weight field: weight}), then each registered
+  term that is on, in the registry's order, as (name, weight, sums float32 [B], normalisers
+  float32 [B]). `focal`: (alpha, gamma)."""
+  focal_alpha, focal_gamma = focal
+  class_weight, bbox_weight, giou_weight = (
+    weights["class_weight"],
+    weights["bbox_weight"],
+    weights["giou_weight"],
+  )
   labels_k, boxes_k, target_index = _match(
     pred_logits,
     pred_boxes,
@@ -268,9 +292,7 @@ def detection_loss(
     value = term.fn(m) if term.always or weight else None
     if value is not None:
       terms.append((term.name, weight, *value))
-  if normalization == "per_batch":
-    return _per_batch(terms, example_mask)
-  return _per_image(terms, example_mask)
+  return terms
 
 
 def _weighted_sum(values):
