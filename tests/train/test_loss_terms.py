@@ -3,6 +3,7 @@ own reaches `detection_loss` and the train step's loss (docs/extending.md, "A lo
 
 import dataclasses
 import importlib
+import pathlib
 import sys
 import textwrap
 
@@ -114,3 +115,9 @@ def test_registered_term_reaches_the_train_step(count_term):
   # As above: float32 sums of magnitude ~10, spacing ~1e-6.
   np.testing.assert_allclose(on["loss"], off["loss"] + 0.5 * real.mean(), atol=1e-5)
   assert on["loss_class"] == off["loss_class"]
+
+
+def test_extending_docs_show_the_tested_module():
+  """docs/extending.md's "A loss term" shows exactly the module this file registers."""
+  docs = (pathlib.Path(__file__).parents[2] / "docs" / "extending.md").read_text()
+  assert textwrap.indent(TERM_MODULE.strip(), "    ") in docs
