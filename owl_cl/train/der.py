@@ -252,6 +252,47 @@ def der_plus_plus_loss(
     out["loss_objectness"] = new["loss_objectness"]
   if replay_outputs is None:
     return {**out, **_no_replay_terms(new["loss"])}
+  replay = der_replay_terms(
+    replay_outputs,
+    replay_targets,
+    stored_logits,
+    stored_objectness=stored_objectness,
+    objectness_distill_weight=objectness_distill_weight,
+    replay_mask=replay_mask,
+    replay_query_mask=replay_query_mask,
+    **loss_kwargs,
+  )
+  return {
+    **out,
+    **replay,
+    "loss": new["loss"] + alpha * replay["distill_loss"] + beta * replay["replay_loss"],
+  }
+
+
+def der_replay_terms(
+  replay_outputs: Mapping[str, Array],
+  replay_targets: Mapping[str, Array] | None,
+  stored_logits: Array | None,
+  *,
+  stored_objectness: Array | None = None,
+  objectness_distill_weight: float = 1.0,
+  replay_mask: Array | None = None,
+  replay_query_mask: Array | None = None,
+  **loss_kwargs: Any,
+) -> dict[str, Array]:
+  """DER++'s two replay terms, before alpha and beta: the replays' detection loss and the
+  logit distillation (`der_plus_plus_loss`'s arguments of the same names).
+
+  Returns:
+    dict of float32: replay_loss [], distill_loss [], replay_loss_class / replay_loss_bbox /
+    replay_loss_giou [], per_example_replay [B_r], and distill_objectness [] with the
+    objectness distillation on.
+
+  Raises:
+    ValueError: inconsistent shapes, or no replay_targets or stored_logits.
+
+  Source: docs/reference.md §3 (DER++, paper §3; Buzzega et al. 2020).
+  """
   if replay_targets is None or stored_logits is None:
     raise ValueError("replay_outputs needs replay_targets and stored_logits")
   replay = _half_loss(replay_outputs, replay_targets, replay_mask, loss_kwargs)
@@ -263,10 +304,7 @@ def der_plus_plus_loss(
     query_mask=replay_query_mask,
     example_mask=replay_mask,
   )
-  if distill_objectness is not None:
-    out["distill_objectness"] = distill_objectness
-  out.update(
-    loss=new["loss"] + alpha * distill + beta * replay["loss"],
+  out = dict(
     replay_loss=replay["loss"],
     distill_loss=distill,
     replay_loss_class=replay["loss_class"],
@@ -274,4 +312,6 @@ def der_plus_plus_loss(
     replay_loss_giou=replay["loss_giou"],
     per_example_replay=replay["per_example"],
   )
+  if distill_objectness is not None:
+    out["distill_objectness"] = distill_objectness
   return out

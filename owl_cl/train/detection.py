@@ -2,7 +2,9 @@
 
 Normalisation is per example (scenic `normalization='per_example'`): each image's class loss
 is divided by max(#positive (instance, label) pairs, 1), its box losses by max(#matched real
-boxes, 1); the batch value is then the (optionally weighted) mean over images.
+boxes, 1); the batch value is then the (optionally weighted) mean over images. The terms
+(and OWLv2's objectness term) are the registry `owl_cl.train.loss_terms.TERMS`, each with its
+weight field; `detection_loss` sums them in its order.
 
 Source: docs/reference.md §3; scenic `scenic/projects/owl_vit/matching_base_models.py`
 (`loss_function`, `labels_losses_and_metrics`, `boxes_losses_and_metrics`) and
@@ -14,43 +16,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from owl_cl.train import loss_terms
 from owl_cl.train.boxes import box_cxcywh_to_xyxy
-from owl_cl.train.boxes import generalized_box_iou
 from owl_cl.train.matcher import append_padding_instance
 from owl_cl.train.matcher import check_predictions
 from owl_cl.train.matcher import hungarian_matching
 from owl_cl.train.matcher import matching_cost
 from owl_cl.train.matcher import real_target_mask
-from owl_cl.train.objectness_loss import objectness_loss_per_example
 
 Array = jax.Array
-
-
-def sigmoid_focal_loss(
-  logits: Array, targets: Array, *, alpha: float = 0.3, gamma: float = 2.0
-) -> Array:
-  """Element-wise sigmoid focal loss (Lin et al. 2017), unreduced.
-
-  loss = -alpha_t (1 - p_t)^gamma log p_t with p_t = sigmoid(x) if y = 1 else 1 - sigmoid(x),
-  alpha_t = alpha if y = 1 else 1 - alpha. For soft targets it is scenic's generalisation:
-  ce = -(y log s(x) + (1-y) log s(-x)), loss = ce (1 - e^-ce)^gamma (alpha y + (1-alpha)(1-y)).
-
-  Args:
-    logits: float [...] (any float dtype; computed in float32).
-    targets: float [...] in [0, 1], broadcastable to logits.
-    alpha: weight of positives (docs/reference.md §3: 0.3).
-    gamma: focusing exponent (docs/reference.md §3: 2.0).
-
-  Returns:
-    float32 [...] the loss of every element.
-
-  Source: scenic `model_utils.focal_sigmoid_cross_entropy`.
-  """
-  x = jnp.asarray(logits, jnp.float32)
-  y = jnp.asarray(targets, jnp.float32)
-  ce = -(y * jax.nn.log_sigmoid(x) + (1.0 - y) * jax.nn.log_sigmoid(-x))
-  one_minus_pt = -jnp.expm1(-ce)  # 1 - exp(-ce), accurate when ce is small
-  return ce * one_minus_pt**gamma * (alpha * y + (1.0 - alpha) * (1.0 - y))
 
 
 def _gather_targets(x: Array, index: Array) -> Array:
@@ -69,7 +43,8 @@ def detection_loss_per_example(
   focal_alpha: float = 0.3,
   focal_gamma: float = 2.0,
 ) -> dict[str, Array]:
-  """Per-image normalised loss terms for a given matching.
+  """Per-image normalised loss terms for a given matching: the registry's three v1 terms
+  (`loss_terms.class_term`, `bbox_term`, `giou_term`).
 
   Args:
     pred_logits: float [B, T, Q].
@@ -104,29 +79,40 @@ def detection_loss_per_example(
     raise ValueError(
       f"target_index must be [B,T] = {pred_logits.shape[:2]}, got {target_index.shape}"
     )
-  target_index = jax.lax.stop_gradient(target_index)
-  tgt_labels = _gather_targets(labels.astype(jnp.float32), target_index)[..., 1:]  # [B,T,Q-1]
-  focal = sigmoid_focal_loss(pred_logits[..., 1:], tgt_labels, alpha=focal_alpha, gamma=focal_gamma)
-  num_pos = jnp.sum(tgt_labels, axis=(1, 2))
-  loss_class = jnp.sum(focal, axis=(1, 2)) / jnp.maximum(num_pos, 1.0)
-
-  matched = _gather_targets(real_target_mask(labels), target_index)  # [B, T]
-  src = box_cxcywh_to_xyxy(pred_boxes.astype(jnp.float32))
-  tgt = box_cxcywh_to_xyxy(_gather_targets(boxes.astype(jnp.float32), target_index))
-  l1 = jnp.where(matched, jnp.sum(jnp.abs(src - tgt), axis=-1), 0.0)
-  giou = jnp.where(matched, 1.0 - generalized_box_iou(src, tgt, all_pairs=False), 0.0)
-  num_boxes = jnp.sum(matched.astype(jnp.float32), axis=1)
+  m = _matched(pred_logits, pred_boxes, labels, boxes, target_index, None, focal_alpha, focal_gamma)
+  (sum_class, num_pos), (sum_bbox, num_boxes), (sum_giou, _) = (
+    loss_terms.TERMS[name].fn(m) for name in ("loss_class", "loss_bbox", "loss_giou")
+  )
   denom = jnp.maximum(num_boxes, 1.0)
   return dict(
-    loss_class=loss_class,
-    loss_bbox=jnp.sum(l1, axis=1) / denom,
-    loss_giou=jnp.sum(giou, axis=1) / denom,
+    loss_class=sum_class / jnp.maximum(num_pos, 1.0),
+    loss_bbox=sum_bbox / denom,
+    loss_giou=sum_giou / denom,
     num_positives=num_pos,
     num_boxes=num_boxes,
-    # The unnormalised sums, for normalization='per_batch' (`detection_loss`).
-    sum_class=jnp.sum(focal, axis=(1, 2)),
-    sum_bbox=jnp.sum(l1, axis=1),
-    sum_giou=jnp.sum(giou, axis=1),
+    # The unnormalised sums (what normalization='per_batch' adds over the batch).
+    sum_class=sum_class,
+    sum_bbox=sum_bbox,
+    sum_giou=sum_giou,
+  )
+
+
+def _matched(
+  pred_logits, pred_boxes, labels_k, boxes_k, target_index, objectness_logits, alpha, gamma
+) -> loss_terms.Matched:
+  """What the terms read (`loss_terms.Matched`) from the predictions, the targets with the
+  padding instance, labels_k [B, K, Q] and boxes_k [B, K, 4], and target_index int [B, T]."""
+  target_index = jax.lax.stop_gradient(target_index)
+  target_labels = _gather_targets(labels_k.astype(jnp.float32), target_index)[..., 1:]
+  return loss_terms.Matched(
+    pred_logits=pred_logits,
+    target_labels=target_labels,
+    pred_xyxy=box_cxcywh_to_xyxy(pred_boxes.astype(jnp.float32)),
+    target_xyxy=box_cxcywh_to_xyxy(_gather_targets(boxes_k.astype(jnp.float32), target_index)),
+    matched=_gather_targets(real_target_mask(labels_k), target_index),
+    objectness_logits=objectness_logits,
+    focal_alpha=alpha,
+    focal_gamma=gamma,
   )
 
 
@@ -162,45 +148,6 @@ def _match(pred_logits, pred_boxes, labels, boxes, matcher, **cost_options):
   return labels_k, boxes_k, hungarian_matching(cost, mask, matcher)
 
 
-def _per_image_loss(terms, per_example, example_mask) -> dict[str, Array]:
-  """`detection_loss`'s 'per_image' normalisation (scenic): the weighted means over images
-  of the per-image normalised terms."""
-  return dict(
-    loss=weighted_mean(per_example, example_mask),
-    per_example=per_example,
-    loss_class=weighted_mean(terms["loss_class"], example_mask),
-    loss_bbox=weighted_mean(terms["loss_bbox"], example_mask),
-    loss_giou=weighted_mean(terms["loss_giou"], example_mask),
-  )
-
-
-def _per_batch_loss(terms, per_example, example_mask, weights) -> dict[str, Array]:
-  """`detection_loss`'s 'per_batch' normalisation (the released code): the batch's sums over
-  its (unmasked, weighted) images divided by its total #positives / #boxes, each >= 1.
-  `weights`: (class_weight, bbox_weight, giou_weight)."""
-  class_weight, bbox_weight, giou_weight = weights
-  w = jnp.ones(per_example.shape, jnp.float32) if example_mask is None else example_mask
-  w = jnp.asarray(w, jnp.float32)
-  if w.shape != per_example.shape:
-    raise ValueError(f"example weights must be [B] = {per_example.shape}, got {w.shape}")
-  w = jnp.where(w > 0, w, 0.0)
-
-  def total(x):
-    return jnp.sum(w * x)
-
-  loss_class = total(terms["sum_class"]) / jnp.maximum(total(terms["num_positives"]), 1.0)
-  num_boxes = jnp.maximum(total(terms["num_boxes"]), 1.0)
-  loss_bbox = total(terms["sum_bbox"]) / num_boxes
-  loss_giou = total(terms["sum_giou"]) / num_boxes
-  return dict(
-    loss=class_weight * loss_class + bbox_weight * loss_bbox + giou_weight * loss_giou,
-    per_example=per_example,
-    loss_class=loss_class,
-    loss_bbox=loss_bbox,
-    loss_giou=loss_giou,
-  )
-
-
 # `detection_loss(normalization=...)`: per image (scenic, paper) | per batch (released code).
 NORMALIZATIONS = ("per_image", "per_batch")
 
@@ -221,6 +168,7 @@ def detection_loss(
   matcher: str = "auto",
   objectness_logits: Array | None = None,
   objectness_weight: float = 0.0,
+  **term_weights: float,
 ) -> dict[str, Array]:
   """OWL-ViT detection loss: matching, focal class, L1 + GIoU box (+ OWLv2's objectness).
 
@@ -250,21 +198,25 @@ def detection_loss(
       batch where the released code normalises per device). `per_example` is per image.
     matcher: Hungarian solver, 'auto' | 'scipy' | 'jax' (`hungarian_matching`).
     objectness_logits: OWLv2's float [B, T] objectness logits; None: the v1 loss exactly
-      (`_add_objectness`).
+      (`loss_terms.objectness_term`).
     objectness_weight: the objectness term's weight (``loss.objectness_weight``); 0: v1's.
+    **term_weights: further registered terms' weights by field name; absent: 0 (off).
 
   Returns:
     dict of float32:
       loss []: weighted mean over images of per_example ('per_image'), or the weighted
         per-batch-normalised terms ('per_batch').
-      per_example [B]: class_weight * cls + bbox_weight * l1 + giou_weight * giou of each
-        image, each term normalised within the image (independent of the rest of the batch
-        and of example_mask; the replay buffer ranks images by it).
+      per_example [B]: class_weight * cls + bbox_weight * l1 + giou_weight * giou (+ each
+        further term that is on, weight x value) of each image, each term normalised within
+        the image (independent of the rest of the batch and of example_mask; the replay
+        buffer ranks images by it).
       loss_class, loss_bbox, loss_giou []: the unweighted terms, averaged like `loss`.
-      loss_objectness []: the unweighted objectness term (only with the term on).
+      loss_objectness []: the unweighted objectness term (only with the term on); likewise
+        each registered term under its name.
 
   Raises:
     ValueError: inconsistent shapes, or an unknown `normalization`.
+    TypeError: a keyword in `term_weights` is no registered term's weight.
 
   Source: docs/reference.md §3; scenic `owl_vit/losses.py`, `owl_vit/matching_base_models.py`
   (normalization='per_example'); 'per_batch' as in the released code.
@@ -276,33 +228,42 @@ def detection_loss(
   pred_logits, pred_boxes = jnp.asarray(pred_logits), jnp.asarray(pred_boxes)
   labels, boxes = jnp.asarray(labels), jnp.asarray(boxes)
   check_predictions(pred_logits, pred_boxes, labels, boxes)
-  weights = (class_weight, bbox_weight, giou_weight)
-  terms, obj = _per_example_terms(
+  weights = dict(
+    class_weight=class_weight,
+    bbox_weight=bbox_weight,
+    giou_weight=giou_weight,
+    objectness_weight=objectness_weight,
+    **term_weights,
+  )
+  unknown = set(weights) - {term.weight for term in loss_terms.TERMS.values()}
+  if unknown:
+    raise TypeError(f"detection_loss got weights of no registered loss term: {sorted(unknown)}")
+  terms = _term_sums(
     pred_logits,
     pred_boxes,
     labels,
     boxes,
     matcher,
-    (focal_alpha, focal_gamma),
+    objectness_logits,
     weights,
-    objectness_logits if objectness_weight else None,
+    (focal_alpha, focal_gamma),
   )
-  return _normalised(terms, weights, example_mask, normalization, obj, objectness_weight)
+  if normalization == "per_batch":
+    return _per_batch(terms, example_mask)
+  return _per_image(terms, example_mask)
 
 
-def _per_example_terms(
-  pred_logits, pred_boxes, labels, boxes, matcher, focal, weights, objectness_logits
-):
-  """`detection_loss`'s per-image terms: the Hungarian matching (`_match`, its cost weighted
-  by `weights` = (class, bbox, giou)), then `detection_loss_per_example` with `focal` =
-  (alpha, gamma), and OWLv2's objectness term where `objectness_logits` float [B, T] is given
-  (a token's target: whether it is matched to a real instance).
-
-  Returns:
-    (`detection_loss_per_example`'s dict, `objectness_loss_per_example`'s dict or None).
-  """
+def _term_sums(pred_logits, pred_boxes, labels, boxes, matcher, objectness_logits, weights, focal):
+  """`detection_loss`'s per-image terms: the Hungarian matching (its cost weighted by the
+  class, bbox and giou weights of `weights` {weight field: weight}), then each registered
+  term that is on, in the registry's order, as (name, weight, sums float32 [B], normalisers
+  float32 [B]). `focal`: (alpha, gamma)."""
   focal_alpha, focal_gamma = focal
-  class_weight, bbox_weight, giou_weight = weights
+  class_weight, bbox_weight, giou_weight = (
+    weights["class_weight"],
+    weights["bbox_weight"],
+    weights["giou_weight"],
+  )
   labels_k, boxes_k, target_index = _match(
     pred_logits,
     pred_boxes,
@@ -315,57 +276,60 @@ def _per_example_terms(
     bbox_weight=bbox_weight,
     giou_weight=giou_weight,
   )
-  terms = detection_loss_per_example(
+  m = _matched(
     pred_logits,
     pred_boxes,
     labels_k,
     boxes_k,
     target_index,
-    focal_alpha=focal_alpha,
-    focal_gamma=focal_gamma,
+    objectness_logits,
+    focal_alpha,
+    focal_gamma,
   )
-  if objectness_logits is None:
-    return terms, None
-  matched = _gather_targets(real_target_mask(labels_k), target_index)  # [B, T]
-  return terms, objectness_loss_per_example(
-    objectness_logits, matched, focal_alpha=focal_alpha, focal_gamma=focal_gamma
+  terms = []  # (name, weight, per-image sums, per-image normalisers) of the terms that are on
+  for term in loss_terms.TERMS.values():
+    weight = weights.get(term.weight, 0.0)
+    value = term.fn(m) if term.always or weight else None
+    if value is not None:
+      terms.append((term.name, weight, *value))
+  return terms
+
+
+def _weighted_sum(values):
+  """The sum of weight x value over (weight, value) pairs, added in their order (the
+  registry's: the order of the float additions is part of the result)."""
+  total = None
+  for weight, value in values:
+    total = weight * value if total is None else total + weight * value
+  return total
+
+
+def _per_image(terms, example_mask) -> dict[str, Array]:
+  """`detection_loss`'s 'per_image' normalisation (scenic): each image's term values
+  sum / max(normaliser, 1), their weighted sum `per_example`, and the weighted means over the
+  images of both."""
+  values = {name: total / jnp.maximum(norm, 1.0) for name, _, total, norm in terms}
+  per_example = _weighted_sum((weight, values[name]) for name, weight, _, _ in terms)
+  out = dict(loss=weighted_mean(per_example, example_mask), per_example=per_example)
+  out.update({name: weighted_mean(value, example_mask) for name, value in values.items()})
+  return out
+
+
+def _per_batch(terms, example_mask) -> dict[str, Array]:
+  """`detection_loss`'s 'per_batch' normalisation (the released code): each term's sums over
+  the (unmasked, weighted) images over the sum of its normalisers, >= 1; the loss their
+  weighted sum. `per_example` is per image, as in 'per_image'."""
+  per_example = _weighted_sum(
+    (weight, total / jnp.maximum(norm, 1.0)) for _, weight, total, norm in terms
   )
-
-
-def _normalised(terms, weights, example_mask, normalization, obj, objectness_weight):
-  """`detection_loss`'s result from its per-image terms: `per_example` (the weighted sum of
-  the three terms), the batch values by `normalization`, and OWLv2's objectness term `obj`
-  (None: off) at `objectness_weight` (`_add_objectness`)."""
-  class_weight, bbox_weight, giou_weight = weights
-  per_example = (
-    class_weight * terms["loss_class"]
-    + bbox_weight * terms["loss_bbox"]
-    + giou_weight * terms["loss_giou"]
-  )
-  if normalization == "per_batch":
-    out = _per_batch_loss(terms, per_example, example_mask, weights)
-  else:
-    out = _per_image_loss(terms, per_example, example_mask)
-  if obj is None:
-    return out
-  return _add_objectness(out, obj, objectness_weight, example_mask, normalization)
-
-
-def _add_objectness(out, obj, weight, example_mask, normalization) -> dict[str, Array]:
-  """`detection_loss`'s result `out` with OWLv2's objectness term (`obj`, from
-  `objectness_loss_per_example`) at `weight`: weight x the per-image term added to
-  `per_example`; `loss_objectness` normalised as the box losses ('per_image': the weighted
-  mean of the per-image values; 'per_batch': the batch's sum over its total #boxes); `loss`
-  recomputed ('per_image': the weighted mean of the new `per_example`) or weight x
-  `loss_objectness` added ('per_batch')."""
-  out = dict(out, per_example=out["per_example"] + weight * obj["loss_objectness"])
-  if normalization == "per_batch":
-    w = jnp.ones(obj["num_boxes"].shape, jnp.float32) if example_mask is None else example_mask
-    w = jnp.where(jnp.asarray(w, jnp.float32) > 0, jnp.asarray(w, jnp.float32), 0.0)
-    value = jnp.sum(w * obj["sum_objectness"]) / jnp.maximum(jnp.sum(w * obj["num_boxes"]), 1.0)
-    out["loss"] = out["loss"] + weight * value
-  else:
-    value = weighted_mean(obj["loss_objectness"], example_mask)
-    out["loss"] = weighted_mean(out["per_example"], example_mask)
-  out["loss_objectness"] = value
+  w = jnp.ones(per_example.shape, jnp.float32) if example_mask is None else example_mask
+  w = jnp.asarray(w, jnp.float32)
+  if w.shape != per_example.shape:
+    raise ValueError(f"example weights must be [B] = {per_example.shape}, got {w.shape}")
+  w = jnp.where(w > 0, w, 0.0)
+  values = {
+    name: jnp.sum(w * total) / jnp.maximum(jnp.sum(w * norm), 1.0) for name, _, total, norm in terms
+  }
+  out = dict(per_example=per_example, **values)
+  out["loss"] = _weighted_sum((weight, values[name]) for name, weight, _, _ in terms)
   return out

@@ -5,7 +5,9 @@ The terms live in one module per concern and are re-exported here (`__all__`):
   `owl_cl.train.boxes`      box conversions, IoU, GIoU (scenic `box_utils`);
   `owl_cl.train.matcher`    targets, the matching cost and the Hungarian matching glue
                             (the device solver itself: `owl_cl.train.matching`);
-  `owl_cl.train.detection`  the focal class loss and `detection_loss` (per image or per batch);
+  `owl_cl.train.loss_terms` the detection loss's terms (focal class, L1, GIoU, OWLv2's
+                            objectness), registered with their weight fields;
+  `owl_cl.train.detection`  `detection_loss`, their sum (per image or per batch);
   `owl_cl.train.der`        the DER++ logit distillation and `der_plus_plus_loss`;
   this module               loss adaptivity (paper eqs. 5-6).
 
@@ -34,12 +36,13 @@ from owl_cl.train.boxes import generalized_box_iou
 from owl_cl.train.der import PADDED_LOGIT_THRESHOLD
 from owl_cl.train.der import der_distillation
 from owl_cl.train.der import der_plus_plus_loss
+from owl_cl.train.der import der_replay_terms
 from owl_cl.train.der import distillation_mse
 from owl_cl.train.der import objectness_distillation_mse
 from owl_cl.train.detection import NORMALIZATIONS
 from owl_cl.train.detection import detection_loss
 from owl_cl.train.detection import detection_loss_per_example
-from owl_cl.train.detection import sigmoid_focal_loss
+from owl_cl.train.loss_terms import sigmoid_focal_loss
 from owl_cl.train.matcher import AUTO_MATCHER
 from owl_cl.train.matcher import MATCHERS
 from owl_cl.train.matcher import append_padding_instance
@@ -73,6 +76,7 @@ __all__ = [
   "objectness_distillation_mse",
   "der_distillation",
   "der_plus_plus_loss",
+  "der_replay_terms",
   "loss_adaptive_combination",
   "loss_adaptive_total",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 from flax import struct
 import flax.linen as nn
@@ -165,17 +165,9 @@ def _forward(
   )
 
 
-def _new_loss_only(params, batch, key, model, spec: StepSpec):
-  """`_loss_fn` without replay: the new images' detection loss, its metrics and the outputs."""
-  outputs = _forward(
-    model,
-    params,
-    batch["images"],
-    batch["queries"],
-    train=True,
-    key=key,
-    max_unique_queries=spec.max_unique_queries,
-  )
+def _new_half(outputs, batch, spec: StepSpec) -> tuple[jax.Array, dict, dict]:
+  """The new images' detection loss (`losses.detection_loss`, OWLv2's objectness term with
+  its logits): (loss [], its metrics, the loss's dict)."""
   new = losses.detection_loss(
     outputs["pred_logits"],
     outputs["pred_boxes"],
@@ -184,36 +176,98 @@ def _new_loss_only(params, batch, key, model, spec: StepSpec):
     objectness_logits=outputs.get("objectness_logits"),  # OWLv2 (docs/owlv2.md)
     **dataclasses.asdict(spec.loss),
   )
-  metrics = {
-    "loss": new["loss"],
-    "new_loss": new["loss"],
-    "loss_class": new["loss_class"],
-    "loss_bbox": new["loss_bbox"],
-    "loss_giou": new["loss_giou"],
-  }
-  if "loss_objectness" in new:
-    metrics["loss_objectness"] = new["loss_objectness"]
-  return new["loss"], metrics, outputs
+  metrics = {"loss": new["loss"], "new_loss": new["loss"]}
+  metrics.update({k: v for k, v in new.items() if k not in ("loss", "per_example")})
+  return new["loss"], metrics, new
 
 
-def _add_lwf(loss, metrics, new_outputs, teacher, batch, *, model, spec: StepSpec):
-  """(loss, metrics) with the LwF terms added (`spec.lwf` None: unchanged). The teacher (the
+class StepContext(NamedTuple):
+  """What the train step's terms (`STEP_TERMS`) read besides their settings.
+
+  Attributes:
+    batch: the new images' batch. new: `losses.detection_loss` of the new half (its
+      `per_example` float32 [B]). new_outputs: the model's outputs on the new images.
+    replay: the replay batch (None: no replay this step); replay_mask: bool [B_r] the replays
+      in the loss; replay_outputs: the outputs on them; stored_logits float32 [B_r, T, Q],
+      stored_objectness float32 [B_r, T] or None (`_split_outputs`).
+    teacher: LwF's pre-trained parameters or None. model, spec: the step's.
+  """
+
+  batch: Batch
+  new: dict
+  new_outputs: dict
+  replay: Batch | None
+  replay_mask: jax.Array | None
+  replay_outputs: dict | None
+  stored_logits: jax.Array | None
+  stored_objectness: jax.Array | None
+  teacher: PyTree
+  model: nn.Module
+  spec: StepSpec
+
+
+def _add_lwf(loss, metrics, ctx: StepContext, options: LwfSpec):
+  """(loss, metrics) with the LwF terms added (`owl_cl.train.lwf`). The teacher (the
   pre-trained parameters, an argument of the step) scores the new images in eval mode."""
-  if spec.lwf is None:
-    return loss, metrics
+  batch = ctx.batch
   teacher_outputs = jax.lax.stop_gradient(
     _forward(
-      model,
-      teacher,
+      ctx.model,
+      ctx.teacher,
       batch["images"],
       batch["queries"],
       train=False,
-      max_unique_queries=spec.max_unique_queries,
+      max_unique_queries=ctx.spec.max_unique_queries,
     )
   )
-  terms = lwf_lib.lwf_loss(new_outputs, teacher_outputs, dataclasses.asdict(spec.lwf))
+  terms = lwf_lib.lwf_loss(ctx.new_outputs, teacher_outputs, dataclasses.asdict(options))
   loss = loss + terms["lwf_loss"]
   return loss, dict(metrics, **terms, loss=loss)
+
+
+def _add_der(loss, metrics, ctx: StepContext, options: ReplayLoss):
+  """(loss, metrics) with DER++'s replay terms added (`losses.der_replay_terms`) under
+  `options.loss_adaptivity` (`_replay_weighting`); unchanged without a replay batch."""
+  if ctx.replay is None:
+    return loss, metrics
+  # DER++'s distillation inputs (class and, OWLv2, objectness logits; docs/owlv2.md).
+  distill_inputs = dict(
+    replay_outputs=ctx.replay_outputs,
+    stored_logits=ctx.stored_logits,
+    stored_objectness=ctx.stored_objectness,
+    objectness_distill_weight=options.objectness_distill_weight,
+  )
+  terms = losses.der_replay_terms(
+    replay_targets={"labels": ctx.replay["labels"], "boxes": ctx.replay["boxes"]},
+    replay_mask=ctx.replay_mask,
+    **distill_inputs,
+    **dataclasses.asdict(ctx.spec.loss),
+  )
+  metrics = dict(metrics, **{k: v for k, v in terms.items() if jnp.ndim(v) == 0})
+  result = dict(terms, new_loss=ctx.new["loss"], per_example_new=ctx.new["per_example"])
+  loss, weight, used = _replay_weighting(
+    loss, result, distill_inputs, ctx.replay, ctx.replay_mask, metrics, options
+  )
+  metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
+  return loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTerm:
+  """A term the train step adds to the new images' detection loss.
+
+  Attributes:
+    setting: the `StepSpec` field holding its settings (None there: off).
+    add: `add(loss [], metrics, ctx: StepContext, settings) -> (loss, metrics)`.
+  """
+
+  setting: str
+  add: Callable
+
+
+# The train step's terms beyond the detection loss's own (`owl_cl.train.loss_terms`), added
+# in this order (the order of the float additions): DER++'s replay half, then LwF.
+STEP_TERMS = (StepTerm("replay", _add_der), StepTerm("lwf", _add_lwf))
 
 
 def _split_outputs(outputs, replay, num_new):
@@ -238,12 +292,13 @@ def _split_outputs(outputs, replay, num_new):
   return new_outputs, replay_outputs, stored_logits, stored_objectness
 
 
-def _per_device_gate(result, distill_inputs, replay, replay_mask, options: ReplayLoss):
+def _per_device_gate(base, result, distill_inputs, replay, replay_mask, options: ReplayLoss):
   """'released_gate' per device (the released code's DDP): the new and replay halves split
   into G = `options.loss_gate_groups` contiguous groups, group g's replay term kept iff the
   mean of its per-image new losses is >= `options.loss_threshold`. `distill_inputs`:
   `losses.der_distillation`'s arguments but the example mask. Returns (loss [], weight [] =
-  the fraction of open gates, bool [num_slots] whether each replay slot's gate is open)."""
+  the fraction of open gates, bool [num_slots] whether each replay slot's gate is open);
+  `base`: the loss the replay terms are added to."""
   alpha, beta, loss_threshold = options.alpha, options.beta, options.loss_threshold
   g = int(options.loss_gate_groups)
   num_slots = replay["images"].shape[0]
@@ -258,36 +313,40 @@ def _per_device_gate(result, distill_inputs, replay, replay_mask, options: Repla
     mse_d, _ = losses.der_distillation(**distill_inputs, example_mask=in_d)
     terms.append(gates[d] * (alpha * mse_d + beta * det_d))
   weight = jnp.mean(gates.astype(jnp.float32))
-  loss = result["new_loss"] + jnp.sum(jnp.stack(terms)) / g
+  loss = base + jnp.sum(jnp.stack(terms)) / g
   return loss, weight, gates[group]
 
 
-def _replay_weighting(result, distill_inputs, replay, replay_mask, metrics, options: ReplayLoss):
-  """(total loss, replay weight, the replays used) of `_loss_fn` under
-  `options.loss_adaptivity` (docs/reference.md §9); `metrics` gains 'num_above_threshold'
-  under 'paper'."""
+def _replay_weighting(
+  base, result, distill_inputs, replay, replay_mask, metrics, options: ReplayLoss
+):
+  """(`base` + the weighted replay terms, replay weight, the replays used) under
+  `options.loss_adaptivity` (docs/reference.md §9); the gates read the new images' loss
+  `result['new_loss']`; `metrics` gains 'num_above_threshold' under 'paper'."""
   loss_adaptivity = options.loss_adaptivity
   replay_total = options.alpha * result["distill_loss"] + options.beta * result["replay_loss"]
   num_slots = replay["images"].shape[0]
   used = replay_mask
   if loss_adaptivity == "none":
     weight = jnp.ones((), jnp.float32)
-    loss = result["loss"]
+    loss = base + options.alpha * result["distill_loss"] + options.beta * result["replay_loss"]
   elif loss_adaptivity == "paper":
     # r = replay slots made active by the pre-forward (new images whose loss exceeds l);
     # slot j serves new image j, so |B| = the number of slots (1:1, checked by the caller).
     active = jnp.asarray(replay["replay_active"], bool)
     r = jnp.sum(active, dtype=jnp.int32)
-    loss = losses.loss_adaptive_combination(result["new_loss"], replay_total, r, num_slots)
+    loss = losses.loss_adaptive_combination(base, replay_total, r, num_slots)
     weight = r.astype(jnp.float32) / num_slots
     metrics["num_above_threshold"] = r
   elif loss_adaptivity == "released_gate" and options.loss_gate_groups > 1:
-    loss, weight, gated = _per_device_gate(result, distill_inputs, replay, replay_mask, options)
+    loss, weight, gated = _per_device_gate(
+      base, result, distill_inputs, replay, replay_mask, options
+    )
     used = used & gated
   elif loss_adaptivity == "released_gate":
     gate = jax.lax.stop_gradient(result["new_loss"]) >= options.loss_threshold
     weight = gate.astype(jnp.float32)
-    loss = result["new_loss"] + weight * replay_total
+    loss = base + weight * replay_total
     used = used & gate
   else:
     raise ValueError(
@@ -315,51 +374,60 @@ def _loss_fn(
   OWLv2 with `replay['stored_objectness']`: the distillation is MSE_class +
   `objectness_distill_weight` x MSE_objectness (`losses.der_distillation`, docs/owlv2.md).
   `replay` None (or `spec.replay` None): the new half alone.
+
+  The detection loss of the new half is the sum of the registered terms
+  (`owl_cl.train.loss_terms`); DER++ and LwF are `STEP_TERMS`, added to it in their order.
   """
   num_new = batch["images"].shape[0]
-  add_lwf = functools.partial(_add_lwf, teacher=teacher, batch=batch, model=model, spec=spec)
-  options = spec.replay
-  if replay is None or options is None:
-    loss, metrics, outputs = _new_loss_only(params, batch, key, model, spec)
-    return add_lwf(loss, metrics, outputs)
-  replay_mask = jnp.asarray(replay["replay_mask"], bool)
-  if options.loss_adaptivity == "paper":  # L_R over the active replays only
-    replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
-  # One forward over [new ; replay] (docs/reference.md §3).
-  images = jnp.concatenate([batch["images"], replay["images"]], axis=0)
-  queries = jnp.concatenate([batch["queries"], replay["queries"]], axis=0)
-  outputs = _forward(
-    model, params, images, queries, train=True, key=key, max_unique_queries=spec.max_unique_queries
+  if spec.replay is None:
+    replay = None
+  replay_mask = replay_outputs = stored_logits = stored_objectness = None
+  if replay is None:
+    new_outputs = _forward(
+      model,
+      params,
+      batch["images"],
+      batch["queries"],
+      train=True,
+      key=key,
+      max_unique_queries=spec.max_unique_queries,
+    )
+  else:
+    replay_mask = jnp.asarray(replay["replay_mask"], bool)
+    if spec.replay.loss_adaptivity == "paper":  # L_R over the active replays only
+      replay_mask = replay_mask & jnp.asarray(replay["replay_active"], bool)
+    # One forward over [new ; replay] (docs/reference.md §3).
+    outputs = _forward(
+      model,
+      params,
+      jnp.concatenate([batch["images"], replay["images"]], axis=0),
+      jnp.concatenate([batch["queries"], replay["queries"]], axis=0),
+      train=True,
+      key=key,
+      max_unique_queries=spec.max_unique_queries,
+    )
+    new_outputs, replay_outputs, stored_logits, stored_objectness = _split_outputs(
+      outputs, replay, num_new
+    )
+  loss, metrics, new = _new_half(new_outputs, batch, spec)
+  ctx = StepContext(
+    batch,
+    new,
+    new_outputs,
+    replay,
+    replay_mask,
+    replay_outputs,
+    stored_logits,
+    stored_objectness,
+    teacher,
+    model,
+    spec,
   )
-  new_outputs, replay_outputs, stored_logits, stored_objectness = _split_outputs(
-    outputs, replay, num_new
-  )
-  # DER++'s distillation inputs (class and, OWLv2, objectness logits; docs/owlv2.md).
-  distill_inputs = dict(
-    replay_outputs=replay_outputs,
-    stored_logits=stored_logits,
-    stored_objectness=stored_objectness,
-    objectness_distill_weight=options.objectness_distill_weight,
-  )
-  result = losses.der_plus_plus_loss(
-    new_outputs=new_outputs,
-    new_targets={"labels": batch["labels"], "boxes": batch["boxes"]},
-    replay_outputs=replay_outputs,
-    replay_targets={"labels": replay["labels"], "boxes": replay["boxes"]},
-    stored_logits=stored_logits,
-    stored_objectness=stored_objectness,
-    objectness_distill_weight=options.objectness_distill_weight,
-    replay_mask=replay_mask,
-    alpha=options.alpha,
-    beta=options.beta,
-    **dataclasses.asdict(spec.loss),
-  )
-  metrics = {k: v for k, v in result.items() if jnp.ndim(v) == 0}
-  loss, weight, used = _replay_weighting(
-    result, distill_inputs, replay, replay_mask, metrics, options
-  )
-  metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
-  return add_lwf(loss, metrics, new_outputs)
+  for term in STEP_TERMS:
+    settings = getattr(spec, term.setting)
+    if settings is not None:
+      loss, metrics = term.add(loss, metrics, ctx, settings)
+  return loss, metrics
 
 
 def make_train_step(
