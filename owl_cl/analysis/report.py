@@ -32,11 +32,12 @@ import math
 import os
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 import numpy as np
 
+from owl_cl.analysis import claims
 from owl_cl.analysis import stats
+from owl_cl.analysis.report_figures import plot_forest
+from owl_cl.analysis.report_figures import plot_forgetting_bands
 from owl_cl.eval import ivlod
 from owl_cl.eval import results as results_lib
 from owl_cl.eval import table3
@@ -376,7 +377,11 @@ def _with_holm(comparisons: dict[str, dict[str, dict]], metric_keys) -> None:
 
 
 def build_report(
-  points: Sequence[RunPoint], reference: str | None = None, *, stage: int | None = None
+  points: Sequence[RunPoint],
+  reference: str | None = None,
+  *,
+  stage: int | None = None,
+  plan: claims.Plan | None = None,
 ) -> dict[str, Any]:
   """The report's numbers (report.json) from checked runs.
 
@@ -385,6 +390,7 @@ def build_report(
     reference: the algorithm every other is compared with; default 'uniform' when present,
       else the first algorithm.
     stage: recorded in the report (None: final evaluations).
+    plan: the analysis plan whose comparisons are confirmatory (`claims.PLANS`), or None.
 
   Returns:
     dict(stage, reference, confidence, metrics {key: label}, algorithms [names, first seen],
@@ -392,13 +398,14 @@ def build_report(
     versus_reference {algorithm: {metric: `stats.paired_difference` + p_holm, unpaired_runs}},
     pairwise {'a - b': {...same...}}, noise_floor {metric: {median, max, comparisons}} (the
     half-widths of the paired intervals against the reference, points), pretrained {metric:
-    `stats.summarize`} (stage 0 over every run, the "No fine-tuning" row), per_set {algorithm:
-    {eval set: `stats.summarize` of its AP}}, curves {algorithm:
-    {mean [S], low [S], high [S]}}). Holm's correction is over the comparisons of one metric
-    (against the reference: the other algorithms; pairwise: every pair).
+    `stats.summarize`} (stage 0 over the pre-trained models, the "No fine-tuning" row),
+    per_set {algorithm: {eval set: `stats.summarize` of its AP}}, curves {algorithm:
+    {mean [S], low [S], high [S]}}, and `claims.sections`' plan, power, variance and
+    confirmatory). Holm's correction is over the comparisons of one metric (against the
+    reference: the other algorithms; pairwise: every pair); the plan's across its comparisons.
 
   Raises:
-    ReportError: no runs, or an unknown reference algorithm.
+    ReportError: no runs, an unknown reference algorithm, or a plan the runs do not fit.
   """
   if not points:
     raise ReportError("no runs to report")
@@ -433,7 +440,7 @@ def build_report(
       max=float(np.max(widths)) if widths else math.nan,
       comparisons=len(widths),
     )
-  pretrained = {m: stats.summarize(_finite([p.initial[m] for p in points])) for m in _INITIAL}
+  pretrained = _pretrained(points)
   sets = list(dict.fromkeys(name for p in points for name in p.per_set))
   per_set = {
     a: {
@@ -450,7 +457,7 @@ def build_report(
     matrix = np.stack([p.curve for p in points if p.algorithm == a])
     cols = [stats.summarize(_finite(matrix[:, s])) for s in range(matrix.shape[1])]
     curves[a] = {k: [c[k] for c in cols] for k in ("mean", "low", "high")}
-  return dict(
+  out = dict(
     stage="final" if stage is None else stage,
     reference=reference,
     confidence=stats.CONFIDENCE,
@@ -465,6 +472,24 @@ def build_report(
     per_set=per_set,
     curves=curves,
   )
+  try:
+    return {**out, **claims.sections(points, out, plan)}
+  except ValueError as e:
+    raise ReportError(str(e)) from None
+
+
+def _pretrained(points: Sequence[RunPoint]) -> dict[str, dict]:
+  """`stats.summarize` of each stage-0 metric over the pre-trained models (model seeds), each
+  model once: its runs share one evaluation after pre-training, which n runs do not repeat."""
+  by_model: dict[str, list[RunPoint]] = {}
+  for p in points:
+    by_model.setdefault(claims.run_factors(p.pair)[0], []).append(p)
+  return {
+    m: stats.summarize(
+      _finite([float(np.mean([p.initial[m] for p in runs])) for runs in by_model.values()])
+    )
+    for m in _INITIAL
+  }
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -504,8 +529,8 @@ def render_summary_table(
   report: Mapping[str, Any], order: Sequence[str] = (), columns: Sequence[str] = SUMMARY_COLUMNS
 ) -> str:
   """The summary table (markdown, the README's): a "No fine-tuning" row (the evaluations after
-  pre-training over every run), then one row per algorithm in `order` (algorithms not named
-  follow in the report's order); each cell the mean ± 95% half-width, n in its own column.
+  pre-training, n = the pre-trained models), then one row per algorithm in `order` (algorithms
+  not named follow in the report's order); each cell the mean ± 95% half-width, n in its own column.
 
   Raises:
     ReportError: a name in `order` without runs, or an unknown column.
@@ -577,6 +602,8 @@ def render_markdown(
     + "; ".join(parts)
     + ". Differences smaller than this are not resolved by these runs.",
     "",
+    claims.power_sentence(report, _HEADLINE),
+    "",
     f"{len(report['runs'])} runs, {len(report['algorithms'])} algorithms, {when}; "
     f"mean ± {conf}% t-interval half-width (n). Metrics in points, wall time in minutes.",
     "",
@@ -608,15 +635,8 @@ def render_markdown(
         f"{_p(r['wilcoxon_p'])} |"
       )
   lines += ["", *_per_set_lines(report, order)]
-  lines += ["", f"## Pairs that differ (Holm-adjusted p <= {alpha}, all pairs)", ""]
-  for m in _HEADLINE:
-    differ = [
-      f"{name} ({stats.describe(r[m])})"
-      for name, r in report["pairwise"].items()
-      if not math.isnan(r[m]["p_holm"]) and r[m]["p_holm"] <= alpha
-    ]
-    lines.append(f"- {metrics[m]}: " + ("; ".join(differ) if differ else "none"))
-  lines.append("")
+  lines += ["", *claims.pairs_lines(report, alpha)]
+  lines += ["", *claims.render_lines(report)]
   return "\n".join(lines)
 
 
@@ -640,58 +660,6 @@ def _per_set_lines(report: Mapping[str, Any], order: Sequence[str]) -> list[str]
     if any(c != "-" for c in cells):
       lines.append(f"| {a} | " + " | ".join(cells) + " |")
   return lines
-
-
-def _figure(width: float, height: float) -> Figure:
-  fig = Figure(figsize=(width, height), layout="constrained")
-  FigureCanvasAgg(fig)
-  return fig
-
-
-def plot_forgetting_bands(report: Mapping[str, Any]) -> Figure:
-  """The pre-training set's AP (points) after each stage: per algorithm its mean over runs and
-  its t-interval as a band (stage 0 = after pre-training)."""
-  fig = _figure(6.4, 4.0)
-  ax = fig.add_subplot()
-  for a, c in report["curves"].items():
-    # Stages that did not evaluate the set (`eval.pretraining_sets_after_each_dataset` off)
-    # are skipped: the line joins the stages that did.
-    mean = np.asarray(c["mean"], float)
-    x = np.flatnonzero(np.isfinite(mean))
-    line = ax.plot(x, mean[x], marker="o", label=a)[0]
-    low, high = np.asarray(c["low"], float)[x], np.asarray(c["high"], float)[x]
-    if np.isfinite(low).any():
-      ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-  ax.set_xlabel("stage (0 = after pre-training, i = after the i-th dataset)")
-  ax.set_ylabel("pre-training set AP (points)")
-  ax.set_title(f"Forgetting: mean and {int(round(100 * report['confidence']))}% interval")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  return fig
-
-
-def plot_forest(
-  report: Mapping[str, Any], metrics: Sequence[str] = _HEADLINE, order: Sequence[str] = ()
-) -> Figure:
-  """Forest plot: each algorithm's paired difference from the reference (points) with its
-  interval, one panel per metric, a vertical line at 0; rows top-down in `order` (the others
-  after)."""
-  versus = report["versus_reference"]
-  ordered = [a for a in order if a in versus] + [a for a in versus if a not in order]
-  names = ordered[::-1]  # the y axis grows upwards: the first name on top
-  fig = _figure(4.0 * len(metrics), 1.0 + 0.35 * max(1, len(names)))
-  axes = fig.subplots(1, len(metrics), squeeze=False)[0]
-  for ax, m in zip(axes, metrics):
-    y = np.arange(len(names))
-    means = np.array([versus[n][m]["mean"] for n in names], float)
-    half = np.array([versus[n][m]["half_width"] for n in names], float)
-    ax.errorbar(means, y, xerr=np.nan_to_num(half), fmt="o", capsize=3)
-    ax.axvline(0.0, color="k", linewidth=0.8)
-    ax.set_yticks(y, names)
-    ax.set_xlabel(f"difference from {report['reference']} (points)")
-    ax.set_title(report["metrics"][m], fontsize=9)
-    ax.grid(alpha=0.3, axis="x")
-  return fig
 
 
 def _jsonable(value: Any) -> Any:
@@ -753,6 +721,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--stage", type=int, help="evaluations after this stage (default final)")
   parser.add_argument("--out", help="output folder (default the first DIR)")
   parser.add_argument(
+    "--plan", choices=sorted(claims.PLANS), help="analysis plan: its comparisons confirmatory"
+  )
+  parser.add_argument(
     "--order", default="", help="summary table's row order: a,b,c (others follow)"
   )
   parser.add_argument(
@@ -761,7 +732,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     points = load_points(find_runs(args.dirs), stage=args.stage, ignore_fields=args.ignore_field)
-    report = build_report(points, args.reference, stage=args.stage)
+    plan = claims.PLANS[args.plan] if args.plan else None
+    report = build_report(points, args.reference, stage=args.stage, plan=plan)
     order = [a for a in args.order.split(",") if a]
     markdown = render_markdown(report, order=order)  # refuses an unknown name in --order
   except ReportError as e:

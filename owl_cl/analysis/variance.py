@@ -47,7 +47,8 @@ def variance_components(
     dict(n, models, orders (distinct levels), variance {model, order, residual} (squared
     units of values, >= 0), fraction {same / their sum}, converged (bool), method 'REML').
     With fewer than 2 models or 2 orders that component is not estimable: the model is fitted
-    without it and its variance is NaN.
+    without it and its variance is NaN; with neither, the residual is the pooled within-group
+    variance (method 'pooled within-group variance').
 
   Raises:
     ValueError: lengths that differ, a NaN value, or fewer than 3 runs.
@@ -81,6 +82,25 @@ def variance_components(
   levels = {c: frame[c].nunique() for c in ("model", "order")}
   crossed = {c: f"0 + C({c})" for c in ("model", "order") if levels[c] >= 2}
   formula = "y ~ C(group)" if frame["group"].nunique() > 1 else "y ~ 1"
+  variance = {c: math.nan for c in COMPONENTS}
+  if not crossed:
+    # One model and one order: nothing random but the residual, the pooled within-group
+    # variance (the group means the fixed effect; ddof: one per group).
+    groups = frame.groupby("group")["y"]
+    dof = n - frame["group"].nunique()
+    residual = (
+      float(((frame["y"] - groups.transform("mean")) ** 2).sum() / dof) if dof else math.nan
+    )
+    variance["residual"] = residual
+    return dict(
+      n=n,
+      models=levels["model"],
+      orders=levels["order"],
+      variance=variance,
+      fraction={c: 1.0 if c == "residual" else math.nan for c in COMPONENTS},
+      converged=True,
+      method="pooled within-group variance",
+    )
   frame["all"] = 1  # one group holding every run: the crossed effects are its components
   with warnings.catch_warnings():
     # A component estimated on the boundary (0) warns; the estimate is still the REML one.
@@ -89,7 +109,6 @@ def variance_components(
       formula, data=frame, groups="all", vc_formula=crossed, re_formula="0"
     ).fit(reml=True)
   names = list(fitted.model.exog_vc.names)
-  variance = {c: math.nan for c in COMPONENTS}
   for name, value in zip(names, np.asarray(fitted.vcomp, dtype=np.float64)):
     variance[name] = max(0.0, float(value))
   variance["residual"] = float(fitted.scale)
