@@ -72,7 +72,9 @@ def detectable_difference(
   Args:
     std: float >= 0, the sample standard deviation (ddof 1) of the paired differences, or NaN.
     n: int, the number of pairs.
-    comparisons, alpha, power: as `detectable_effect`.
+    comparisons: as `detectable_effect`.
+    alpha: as `detectable_effect`.
+    power: as `detectable_effect`.
 
   Returns:
     float >= 0 in std's units; NaN when n < 2 or std is NaN.

@@ -449,3 +449,19 @@ def test_variance_components_in_the_report(tmp_path):
   assert (got["n"], got["models"], got["orders"]) == (12, 1, 2)
   assert math.isnan(got["variance"]["model"]) and got["variance"]["order"] > 0
   assert "| pre-training set AP | 12 | n/a | " in report_lib.render_markdown(rep)
+
+
+def test_design_page_states_the_plan_the_report_applies():
+  # docs/design_round2.md's confirmatory table is claims.ROUND2, row for row.
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  with open(os.path.join(root, "docs", "design_round2.md"), encoding="utf-8") as f:
+    text = f.read()
+  block = text.split("<!-- round2 plan: owl_cl/analysis/claims.py ROUND2 -->\n")[1]
+  rows = [r.split("|")[1:-1] for r in block.split("<!-- /round2 plan -->")[0].splitlines()[2:]]
+  want = [
+    [c.factor, c.algorithm, c.metric, f"{c.algorithm} - {claims.ROUND2.reference} > 0"]
+    for c in claims.ROUND2.confirmatory
+  ]
+  assert [[cell.strip() for cell in r] for r in rows] == want
+  assert f"m = {len(claims.ROUND2.confirmatory)}" in text
+  assert all(c.metric in dict(report_lib.METRICS) for c in claims.ROUND2.confirmatory)
