@@ -600,7 +600,8 @@ def render_markdown(
     f"**Noise floor** (median half-width of the {conf}% paired-difference intervals against "
     f"`{report['reference']}`, over {floor[_HEADLINE[0]]['comparisons']} comparisons): "
     + "; ".join(parts)
-    + ". Differences smaller than this are not resolved by these runs.",
+    + ". A difference of this size is detected with about 50% power, uncorrected; smaller ones "
+    "are not resolved by these runs.",
     "",
     claims.power_sentence(report, _HEADLINE),
     "",
@@ -620,7 +621,8 @@ def render_markdown(
   lines += ["", f"## Paired differences against `{report['reference']}`", ""]
   lines.append(
     "Over the runs that share seeds and order: mean difference ± half-width (n), paired t-test "
-    "p, Holm-adjusted p (over the algorithms, per metric), Wilcoxon signed-rank p."
+    "p, Holm-adjusted p (over the algorithms, per metric), Wilcoxon signed-rank p. Exploratory "
+    "unless listed as confirmatory under 'Confirmatory and exploratory claims'."
   )
   lines += [
     "",
