@@ -262,6 +262,11 @@ def test_cli_writes_the_report(tmp_path, capsys):
     data = json.load(f)  # strict JSON: NaN written as null
   assert data["versus_reference"]["swil"]["pretrain_AP"]["mean"] == pytest.approx(2.0)
   assert (out / "report.md").read_text().startswith("# Sweep report")
+  # A plan whose comparisons the runs lack: one line, exit 2, nothing written.
+  planned = tmp_path / "planned"
+  assert report_lib.main([str(tmp_path / "sweep"), "--plan", "round2", "--out", str(planned)]) == 2
+  assert "plan 'round2': no runs of 'sw_grasp'" in capsys.readouterr().err
+  assert not planned.exists()
   write_run(str(tmp_path / "sweep"), "swil", 9, ("D1", "D2"), 0.2, 0.4, status="running")
   assert report_lib.main([str(tmp_path / "sweep"), "--out", str(out)]) == 2
   assert "is incomplete" in capsys.readouterr().err
@@ -413,8 +418,6 @@ def test_power_beside_the_noise_floor_leaves_the_baselines_out(tmp_path):
 def test_plan_labels_confirmatory_and_exploratory_claims(tmp_path):
   fake_sweep(str(tmp_path))
   points = report_lib.load_points(report_lib.find_runs([str(tmp_path)]))
-  plain = report_lib.render_markdown(report_lib.build_report(points))
-  assert "every comparison in this report is exploratory" in plain
   plan = claims.Plan(
     "test",
     "uniform",
@@ -448,7 +451,10 @@ def test_variance_components_in_the_report(tmp_path):
   # point to every run, so the order component is positive.
   assert (got["n"], got["models"], got["orders"]) == (12, 1, 2)
   assert math.isnan(got["variance"]["model"]) and got["variance"]["order"] > 0
-  assert "| pre-training set AP | 12 | n/a | " in report_lib.render_markdown(rep)
+  md = report_lib.render_markdown(rep)
+  assert "| pre-training set AP | 12 | n/a | " in md
+  # No plan: every claim is labelled exploratory.
+  assert "every comparison in this report is exploratory" in md
 
 
 def test_design_page_states_the_plan_the_report_applies():
