@@ -12,6 +12,8 @@ INSTALL_REQUIRES = [
   "absl-py>=2.1",
   "numpy>=1.26",
   "scipy>=1.13",
+  # owl_cl.analysis: the mixed model of variance components and the power of paired tests.
+  "statsmodels>=0.14",
   "pycocotools>=2.0.8",
   "pillow>=10.0",
   "scikit-learn>=1.5",  # built-in benchmark: bundled handwritten digits

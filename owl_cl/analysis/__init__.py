@@ -2,8 +2,10 @@
 
 `load_run(workdir)`, `stage_matrix`, `forgetting_curve` (owl_cl/analysis/runs.py) and the
 matplotlib figures (owl_cl/analysis/plots.py, Agg canvas, no display). Repeated runs:
-`owl_cl.analysis.stats` (t-intervals, paired tests, Holm) and `owl_cl.analysis.report`
-(`python -m owl_cl.report`, docs/experiments.md). Example: notebooks/analysis.ipynb.
+`owl_cl.analysis.stats` (t-intervals, paired tests, Holm), `owl_cl.analysis.power`
+(detectable differences), `owl_cl.analysis.variance` (model / order / residual components)
+and `owl_cl.analysis.report` (`python -m owl_cl.report`, docs/experiments.md). Example:
+notebooks/analysis.ipynb.
 """
 
 from owl_cl.analysis.plots import plot_distance_ranks

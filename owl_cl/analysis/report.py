@@ -32,12 +32,13 @@ import math
 import os
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 import numpy as np
 
+from owl_cl.analysis import claims
 from owl_cl.analysis import ivlod_orders
 from owl_cl.analysis import stats
+from owl_cl.analysis.report_figures import plot_forest
+from owl_cl.analysis.report_figures import plot_forgetting_bands
 from owl_cl.eval import ivlod
 from owl_cl.eval import results as results_lib
 from owl_cl.eval import table3
@@ -384,7 +385,11 @@ def _with_holm(comparisons: dict[str, dict[str, dict]], metric_keys) -> None:
 
 
 def build_report(
-  points: Sequence[RunPoint], reference: str | None = None, *, stage: int | None = None
+  points: Sequence[RunPoint],
+  reference: str | None = None,
+  *,
+  stage: int | None = None,
+  plan: claims.Plan | None = None,
 ) -> dict[str, Any]:
   """The report's numbers (report.json) from checked runs.
 
@@ -393,6 +398,7 @@ def build_report(
     reference: the algorithm every other is compared with; default 'uniform' when present,
       else the first algorithm.
     stage: recorded in the report (None: final evaluations).
+    plan: the analysis plan whose comparisons are confirmatory (`claims.PLANS`), or None.
 
   Returns:
     dict(stage, reference, confidence, metrics {key: label}, algorithms [names, first seen],
@@ -400,14 +406,15 @@ def build_report(
     versus_reference {algorithm: {metric: `stats.paired_difference` + p_holm, unpaired_runs}},
     pairwise {'a - b': {...same...}}, noise_floor {metric: {median, max, comparisons}} (the
     half-widths of the paired intervals against the reference, points), pretrained {metric:
-    `stats.summarize`} (stage 0 over every run, the "No fine-tuning" row), per_set {algorithm:
-    {eval set: `stats.summarize` of its AP}}, curves {algorithm:
+    `stats.summarize`} (stage 0 over the pre-trained models, the "No fine-tuning" row),
+    per_set {algorithm: {eval set: `stats.summarize` of its AP}}, curves {algorithm:
     {mean [S], low [S], high [S]}}, with IVLOD runs ivlod_orders {algorithm: {IVLOD metric:
-    `ivlod_orders.over_orders`}}). Holm's correction is over the comparisons of one metric
-    (against the reference: the other algorithms; pairwise: every pair).
+    `ivlod_orders.over_orders`}}, and `claims.sections`' plan, power, variance and
+    confirmatory). Holm's correction is over the comparisons of one metric (against the
+    reference: the other algorithms; pairwise: every pair); the plan's across its comparisons.
 
   Raises:
-    ReportError: no runs, or an unknown reference algorithm.
+    ReportError: no runs, an unknown reference algorithm, or a plan the runs do not fit.
   """
   if not points:
     raise ReportError("no runs to report")
@@ -434,15 +441,8 @@ def build_report(
     for b in algorithms[i + 1 :]
   }
   _with_holm(pairwise, keys)
-  noise = {}
-  for m in keys:
-    widths = _finite([versus[a][m]["half_width"] for a in versus])
-    noise[m] = dict(
-      median=float(np.median(widths)) if widths else math.nan,
-      max=float(np.max(widths)) if widths else math.nan,
-      comparisons=len(widths),
-    )
-  pretrained = {m: stats.summarize(_finite([p.initial[m] for p in points])) for m in _INITIAL}
+  noise = _noise_floor(versus, keys)
+  pretrained = _pretrained(points)
   sets = list(dict.fromkeys(name for p in points for name in p.per_set))
   per_set = {
     a: {
@@ -451,18 +451,11 @@ def build_report(
     }
     for a in algorithms
   }
-  curves = {}
-  for a in algorithms:
-    lengths = {p.curve.shape[0] for p in points if p.algorithm == a}
-    if len(lengths) != 1:
-      continue  # runs of different lengths: no common stage axis
-    matrix = np.stack([p.curve for p in points if p.algorithm == a])
-    cols = [stats.summarize(_finite(matrix[:, s])) for s in range(matrix.shape[1])]
-    curves[a] = {k: [c[k] for c in cols] for k in ("mean", "low", "high")}
+  curves = _curves(points, algorithms)
   # IVLOD runs: each metric also as a mean and spread over the task orders (docs/ivlod.md).
   ivlod_keys = [k for k, _ in IVLOD_METRICS if k in keys]
   extra = {"ivlod_orders": ivlod_orders.by_algorithm(points, ivlod_keys)} if ivlod_keys else {}
-  return dict(
+  out = dict(
     **extra,
     stage="final" if stage is None else stage,
     reference=reference,
@@ -478,6 +471,50 @@ def build_report(
     per_set=per_set,
     curves=curves,
   )
+  try:
+    return {**out, **claims.sections(points, out, plan)}
+  except ValueError as e:
+    raise ReportError(str(e)) from None
+
+
+def _noise_floor(versus: dict, keys: Sequence[str]) -> dict[str, dict]:
+  """{metric: {median, max, comparisons}} of the paired intervals' half-widths (points)."""
+  noise = {}
+  for m in keys:
+    widths = _finite([versus[a][m]["half_width"] for a in versus])
+    noise[m] = dict(
+      median=float(np.median(widths)) if widths else math.nan,
+      max=float(np.max(widths)) if widths else math.nan,
+      comparisons=len(widths),
+    )
+  return noise
+
+
+def _curves(points: Sequence[RunPoint], algorithms: Sequence[str]) -> dict[str, dict]:
+  """{algorithm: {mean [S], low [S], high [S]}} of the stage curves (runs of one length)."""
+  curves = {}
+  for a in algorithms:
+    lengths = {p.curve.shape[0] for p in points if p.algorithm == a}
+    if len(lengths) != 1:
+      continue  # runs of different lengths: no common stage axis
+    matrix = np.stack([p.curve for p in points if p.algorithm == a])
+    cols = [stats.summarize(_finite(matrix[:, s])) for s in range(matrix.shape[1])]
+    curves[a] = {k: [c[k] for c in cols] for k in ("mean", "low", "high")}
+  return curves
+
+
+def _pretrained(points: Sequence[RunPoint]) -> dict[str, dict]:
+  """`stats.summarize` of each stage-0 metric over the pre-trained models (model seeds), each
+  model once: its runs share one evaluation after pre-training, which n runs do not repeat."""
+  by_model: dict[str, list[RunPoint]] = {}
+  for p in points:
+    by_model.setdefault(claims.run_factors(p.pair)[0], []).append(p)
+  return {
+    m: stats.summarize(
+      _finite([float(np.mean([p.initial[m] for p in runs])) for runs in by_model.values()])
+    )
+    for m in _INITIAL
+  }
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -517,8 +554,8 @@ def render_summary_table(
   report: Mapping[str, Any], order: Sequence[str] = (), columns: Sequence[str] = SUMMARY_COLUMNS
 ) -> str:
   """The summary table (markdown, the README's): a "No fine-tuning" row (the evaluations after
-  pre-training over every run), then one row per algorithm in `order` (algorithms not named
-  follow in the report's order); each cell the mean ± 95% half-width, n in its own column.
+  pre-training, n = the pre-trained models), then one row per algorithm in `order` (algorithms
+  not named follow in the report's order); each cell the mean ± 95% half-width, n in its own column.
 
   Raises:
     ReportError: a name in `order` without runs, or an unknown column.
@@ -588,7 +625,10 @@ def render_markdown(
     f"**Noise floor** (median half-width of the {conf}% paired-difference intervals against "
     f"`{report['reference']}`, over {floor[_HEADLINE[0]]['comparisons']} comparisons): "
     + "; ".join(parts)
-    + ". Differences smaller than this are not resolved by these runs.",
+    + ". A difference of this size is detected with about 50% power, uncorrected; smaller ones "
+    "are not resolved by these runs.",
+    "",
+    claims.power_sentence(report, _HEADLINE),
     "",
     f"{len(report['runs'])} runs, {len(report['algorithms'])} algorithms, {when}; "
     f"mean ± {conf}% t-interval half-width (n). Metrics in points, wall time in minutes.",
@@ -608,7 +648,8 @@ def render_markdown(
   lines += [f"## Paired differences against `{report['reference']}`", ""]
   lines.append(
     "Over the runs that share seeds and order: mean difference ± half-width (n), paired t-test "
-    "p, Holm-adjusted p (over the algorithms, per metric), Wilcoxon signed-rank p."
+    "p, Holm-adjusted p (over the algorithms, per metric), Wilcoxon signed-rank p. Exploratory "
+    "unless listed as confirmatory under 'Confirmatory and exploratory claims'."
   )
   lines += [
     "",
@@ -623,15 +664,8 @@ def render_markdown(
         f"{_p(r['wilcoxon_p'])} |"
       )
   lines += ["", *_per_set_lines(report, order)]
-  lines += ["", f"## Pairs that differ (Holm-adjusted p <= {alpha}, all pairs)", ""]
-  for m in _HEADLINE:
-    differ = [
-      f"{name} ({stats.describe(r[m])})"
-      for name, r in report["pairwise"].items()
-      if not math.isnan(r[m]["p_holm"]) and r[m]["p_holm"] <= alpha
-    ]
-    lines.append(f"- {metrics[m]}: " + ("; ".join(differ) if differ else "none"))
-  lines.append("")
+  lines += ["", *claims.pairs_lines(report, alpha)]
+  lines += ["", *claims.render_lines(report)]
   return "\n".join(lines)
 
 
@@ -655,58 +689,6 @@ def _per_set_lines(report: Mapping[str, Any], order: Sequence[str]) -> list[str]
     if any(c != "-" for c in cells):
       lines.append(f"| {a} | " + " | ".join(cells) + " |")
   return lines
-
-
-def _figure(width: float, height: float) -> Figure:
-  fig = Figure(figsize=(width, height), layout="constrained")
-  FigureCanvasAgg(fig)
-  return fig
-
-
-def plot_forgetting_bands(report: Mapping[str, Any]) -> Figure:
-  """The pre-training set's AP (points) after each stage: per algorithm its mean over runs and
-  its t-interval as a band (stage 0 = after pre-training)."""
-  fig = _figure(6.4, 4.0)
-  ax = fig.add_subplot()
-  for a, c in report["curves"].items():
-    # Stages that did not evaluate the set (`eval.pretraining_sets_after_each_dataset` off)
-    # are skipped: the line joins the stages that did.
-    mean = np.asarray(c["mean"], float)
-    x = np.flatnonzero(np.isfinite(mean))
-    line = ax.plot(x, mean[x], marker="o", label=a)[0]
-    low, high = np.asarray(c["low"], float)[x], np.asarray(c["high"], float)[x]
-    if np.isfinite(low).any():
-      ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-  ax.set_xlabel("stage (0 = after pre-training, i = after the i-th dataset)")
-  ax.set_ylabel("pre-training set AP (points)")
-  ax.set_title(f"Forgetting: mean and {int(round(100 * report['confidence']))}% interval")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  return fig
-
-
-def plot_forest(
-  report: Mapping[str, Any], metrics: Sequence[str] = _HEADLINE, order: Sequence[str] = ()
-) -> Figure:
-  """Forest plot: each algorithm's paired difference from the reference (points) with its
-  interval, one panel per metric, a vertical line at 0; rows top-down in `order` (the others
-  after)."""
-  versus = report["versus_reference"]
-  ordered = [a for a in order if a in versus] + [a for a in versus if a not in order]
-  names = ordered[::-1]  # the y axis grows upwards: the first name on top
-  fig = _figure(4.0 * len(metrics), 1.0 + 0.35 * max(1, len(names)))
-  axes = fig.subplots(1, len(metrics), squeeze=False)[0]
-  for ax, m in zip(axes, metrics):
-    y = np.arange(len(names))
-    means = np.array([versus[n][m]["mean"] for n in names], float)
-    half = np.array([versus[n][m]["half_width"] for n in names], float)
-    ax.errorbar(means, y, xerr=np.nan_to_num(half), fmt="o", capsize=3)
-    ax.axvline(0.0, color="k", linewidth=0.8)
-    ax.set_yticks(y, names)
-    ax.set_xlabel(f"difference from {report['reference']} (points)")
-    ax.set_title(report["metrics"][m], fontsize=9)
-    ax.grid(alpha=0.3, axis="x")
-  return fig
 
 
 def _jsonable(value: Any) -> Any:
@@ -768,6 +750,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--stage", type=int, help="evaluations after this stage (default final)")
   parser.add_argument("--out", help="output folder (default the first DIR)")
   parser.add_argument(
+    "--plan", choices=sorted(claims.PLANS), help="analysis plan: its comparisons confirmatory"
+  )
+  parser.add_argument(
     "--order", default="", help="summary table's row order: a,b,c (others follow)"
   )
   parser.add_argument(
@@ -776,7 +761,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     points = load_points(find_runs(args.dirs), stage=args.stage, ignore_fields=args.ignore_field)
-    report = build_report(points, args.reference, stage=args.stage)
+    plan = claims.PLANS[args.plan] if args.plan else None
+    report = build_report(points, args.reference, stage=args.stage, plan=plan)
     order = [a for a in args.order.split(",") if a]
     markdown = render_markdown(report, order=order)  # refuses an unknown name in --order
   except ReportError as e:

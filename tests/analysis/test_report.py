@@ -7,6 +7,8 @@ import os
 import numpy as np
 import pytest
 
+from owl_cl.analysis import claims
+from owl_cl.analysis import power
 from owl_cl.analysis import report as report_lib
 from owl_cl.analysis import stats
 from owl_cl.eval import results as results_lib
@@ -175,7 +177,7 @@ def test_report_statistics_and_pairing(tmp_path):
   assert rep["curves"]["swil"]["mean"][0] == pytest.approx(30.0)
   md = report_lib.render_markdown(rep)
   assert md.splitlines()[2].startswith("**Noise floor**")
-  assert "swil - uniform" in md.split("## Pairs that differ")[1].splitlines()[2]
+  assert "- pre-training set AP: retrieval pairs: swil - uniform (2.00 ± " in md
 
 
 def test_summary_table_hand_worked(tmp_path):
@@ -186,8 +188,9 @@ def test_summary_table_hand_worked(tmp_path):
   assert table[0] == (
     "| algorithm | n | pre-training set AP | downstream mean AP | backward transfer (AP) |"
   )
-  # Stage 0: o365 AP 30 and D1, D2 at 0 in all 12 runs: no spread; BWT exists only at the end.
-  assert table[2] == "| No fine-tuning | 12 | 30.0 ± 0.0 | 0.0 ± 0.0 | - |"
+  # Stage 0: o365 AP 30 and D1, D2 at 0 in all 12 runs, which share one pre-trained model
+  # (seeds.model 0): one evaluation, n = 1, no interval; BWT exists only at the end.
+  assert table[2] == "| No fine-tuning | 1 | 30.0 | 0.0 | - |"
   # uniform: pre-training AP 20.5 ± 2.571 * s / sqrt(6), s of (20, 22, 18, 21, 23, 19) points;
   # downstream 40 everywhere; BWT (Lopez-Paz & Ranzato 2017) averages R_T,i - R_i,i over the
   # T - 1 = 1 earlier task: the first-trained set, 50 -> 40: -10.
@@ -259,6 +262,11 @@ def test_cli_writes_the_report(tmp_path, capsys):
     data = json.load(f)  # strict JSON: NaN written as null
   assert data["versus_reference"]["swil"]["pretrain_AP"]["mean"] == pytest.approx(2.0)
   assert (out / "report.md").read_text().startswith("# Sweep report")
+  # A plan whose comparisons the runs lack: one line, exit 2, nothing written.
+  planned = tmp_path / "planned"
+  assert report_lib.main([str(tmp_path / "sweep"), "--plan", "round2", "--out", str(planned)]) == 2
+  assert "plan 'round2': no runs of 'sw_grasp'" in capsys.readouterr().err
+  assert not planned.exists()
   write_run(str(tmp_path / "sweep"), "swil", 9, ("D1", "D2"), 0.2, 0.4, status="running")
   assert report_lib.main([str(tmp_path / "sweep"), "--out", str(out)]) == 2
   assert "is incomplete" in capsys.readouterr().err
@@ -381,3 +389,91 @@ def test_joint_and_per_task_are_their_own_rows_beside_the_sequences_min_own(tmp_
   rows = [line.split(" | ")[0] for line in md.split("## Per algorithm")[1].splitlines()[4:7]]
   assert rows == ["| joint", "| per_task", "| uniform"]
   assert "own-task AP50 (min own)" in md
+
+
+def test_pairs_that_differ_cover_every_metric(tmp_path):
+  # swil and uniform equal on the pre-training set, swil 3 points (+- a wobble) ahead on the
+  # tail set only: a metric outside the report's two headline metrics.
+  wobble = {0: 0.001, 1: -0.002, 2: 0.001}
+  for order in (("D1", "D2"), ("D2", "D1")):
+    for seed in (0, 1, 2):
+      write_run(str(tmp_path), "uniform", seed, order, 0.2, 0.4, tail=0.10)
+      write_run(str(tmp_path), "swil", seed, order, 0.2, 0.4, tail=0.13 + wobble[seed])
+  rep = report_lib.build_report(report_lib.load_points(report_lib.find_runs([str(tmp_path)])))
+  md = report_lib.render_markdown(rep)
+  assert "- pre-training tail classes AP: retrieval pairs: swil - uniform (3.00 ± " in md
+  assert "- pre-training set AP: retrieval pairs: none; pairs with a baseline: 0 of 0" in md
+
+
+def test_power_beside_the_noise_floor_leaves_the_baselines_out(tmp_path):
+  fake_sweep(str(tmp_path))
+  for order in (("D1", "D2"), ("D2", "D1")):  # a baseline, far below: not a retrieval claim
+    for seed in (0, 1, 2):
+      write_run(str(tmp_path), "no_replay", seed, order, 0.01 + 0.01 * seed, 0.4)
+  rep = report_lib.build_report(report_lib.load_points(report_lib.find_runs([str(tmp_path)])))
+  got = rep["power"]["pretrain_AP"]
+  d = rep["versus_reference"]["swil"]["pretrain_AP"]
+  # The correction used: Holm over the 2 comparisons with uniform, level 0.05 / 2 at its
+  # first step; only swil's comparison is a retrieval one.
+  assert (got["m"], got["comparisons"], got["n"]) == (2, 1, 6)
+  assert got["median"] == pytest.approx(power.detectable_difference(d["std"], 6, 2), rel=1e-12)
+  md = report_lib.render_markdown(rep).splitlines()
+  assert md[4].startswith("**Detectable at 80% power**") and "m = 2, n = 6" in md[4]
+
+
+def test_plan_labels_confirmatory_and_exploratory_claims(tmp_path):
+  fake_sweep(str(tmp_path))
+  points = report_lib.load_points(report_lib.find_runs([str(tmp_path)]))
+  plan = claims.Plan(
+    "test",
+    "uniform",
+    (
+      claims.Comparison("1", "swil", "pretrain_AP"),
+      claims.Comparison("2", "swil", "downstream_mean_AP"),
+    ),
+  )
+  rep = report_lib.build_report(points, plan=plan)
+  rows = rep["confirmatory"]
+  p = rep["versus_reference"]["swil"]["pretrain_AP"]["p"]
+  # Holm across the plan's two comparisons (across metrics): the smaller p doubled; the
+  # downstream difference is exactly 0 (p 1).
+  assert rows[0]["p_holm_plan"] == pytest.approx(min(1.0, 2 * p), rel=1e-12)
+  assert rows[1]["p_holm_plan"] == 1.0
+  assert rows[0]["detectable"] == pytest.approx(
+    power.detectable_difference(rows[0]["std"], 6, 2), rel=1e-12
+  )
+  md = report_lib.render_markdown(rep)
+  assert "its 2 comparisons are **confirmatory**" in md and "**exploratory**" in md
+  assert "| 1 | swil - uniform | pre-training set AP | 2.00 ± " in md
+  with pytest.raises(report_lib.ReportError, match="--reference uniform"):
+    report_lib.build_report(points, "swil", plan=plan)
+
+
+def test_variance_components_in_the_report(tmp_path):
+  fake_sweep(str(tmp_path))
+  rep = report_lib.build_report(report_lib.load_points(report_lib.find_runs([str(tmp_path)])))
+  got = rep["variance"]["pretrain_AP"]
+  # One model seed, two orders: the model component is not estimable; order D2-first adds 1
+  # point to every run, so the order component is positive.
+  assert (got["n"], got["models"], got["orders"]) == (12, 1, 2)
+  assert math.isnan(got["variance"]["model"]) and got["variance"]["order"] > 0
+  md = report_lib.render_markdown(rep)
+  assert "| pre-training set AP | 12 | n/a | " in md
+  # No plan: every claim is labelled exploratory.
+  assert "every comparison in this report is exploratory" in md
+
+
+def test_design_page_states_the_plan_the_report_applies():
+  # docs/design_round2.md's confirmatory table is claims.ROUND2, row for row.
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  with open(os.path.join(root, "docs", "design_round2.md"), encoding="utf-8") as f:
+    text = f.read()
+  block = text.split("<!-- round2 plan: owl_cl/analysis/claims.py ROUND2 -->\n")[1]
+  rows = [r.split("|")[1:-1] for r in block.split("<!-- /round2 plan -->")[0].splitlines()[2:]]
+  want = [
+    [c.factor, c.algorithm, c.metric, f"{c.algorithm} - {claims.ROUND2.reference} > 0"]
+    for c in claims.ROUND2.confirmatory
+  ]
+  assert [[cell.strip() for cell in r] for r in rows] == want
+  assert f"m = {len(claims.ROUND2.confirmatory)}" in text
+  assert all(c.metric in dict(report_lib.METRICS) for c in claims.ROUND2.confirmatory)

@@ -1,0 +1,140 @@
+"""owl_cl.analysis.power (detectable differences) and owl_cl.analysis.variance (mixed model).
+
+Power: checked against the exact non-central t power computed with scipy (an independent
+route to the same quantity) and the normal approximation worked by hand. Variance: synthetic
+crossed designs whose ANOVA (expected mean squares) estimates are known exactly, which REML
+reproduces on balanced data with positive components.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from owl_cl.analysis import power
+from owl_cl.analysis import variance
+
+
+def _t_test_power(d: float, n: int, level: float) -> float:
+  """Power of the two-sided one-sample t-test of n values at `level` when the mean is d
+  standard deviations: P(|T'| > t_crit), T' ~ non-central t(n - 1, d sqrt(n))."""
+  crit = scipy_stats.t.ppf(1 - level / 2, n - 1)
+  nct = scipy_stats.nct(n - 1, d * math.sqrt(n))
+  return float(nct.sf(crit) + nct.cdf(-crit))
+
+
+@pytest.mark.parametrize("n, m", [(10, 14), (12, 1), (12, 9), (30, 45)])
+def test_detectable_effect_has_the_stated_power(n, m):
+  d = power.detectable_effect(n, comparisons=m)
+  # The solver's tolerance (statsmodels' brentq) is far below 1e-4 in power.
+  assert _t_test_power(d, n, 0.05 / m) == pytest.approx(0.8, abs=1e-4)
+  # A smaller effect has less power: d is the smallest with 80%.
+  assert _t_test_power(0.97 * d, n, 0.05 / m) < 0.79
+
+
+def test_detectable_effect_against_the_normal_approximation():
+  # Worked by hand: at n = 2000 the t-test is the z-test, d ~ (z_{1-a/2} + z_{0.8}) / sqrt(n):
+  # (1.95996 + 0.84162) / 44.7214 = 0.062645 for a = 0.05. The t's heavier tail adds O(1/n).
+  assert power.detectable_effect(2000) == pytest.approx(0.062645, rel=2e-3)
+  # The issue's figure: n = 10 pairs, Holm over 14 comparisons (first step at 0.05 / 14):
+  # d = 1.560, so a standard deviation of 0.81 point gives about 1.26 points.
+  assert power.detectable_effect(10, 14) == pytest.approx(1.560, abs=2e-3)
+
+
+def test_detectable_difference_scales_with_the_spread():
+  d = power.detectable_effect(12, 9)
+  assert power.detectable_difference(0.5, 12, 9) == pytest.approx(0.5 * d, rel=1e-12)
+  assert power.detectable_difference(0.0, 12, 9) == 0.0
+  assert math.isnan(power.detectable_difference(math.nan, 12))
+  assert math.isnan(power.detectable_difference(1.0, 1))
+  # More comparisons, a stricter level, a larger detectable difference.
+  assert power.detectable_effect(12, 45) > power.detectable_effect(12, 9)
+  with pytest.raises(ValueError, match="comparisons"):
+    power.detectable_effect(12, 0)
+  with pytest.raises(ValueError, match="std"):
+    power.detectable_difference(-1.0, 12)
+
+
+def _anova(y: np.ndarray) -> tuple[float, float, float]:
+  """The balanced two-way (no replicate) ANOVA estimators: (MS_model - MS_E) / O,
+  (MS_order - MS_E) / M, MS_E (Searle, Casella & McCulloch 1992, ch. 4)."""
+  m, o = y.shape
+  grand = y.mean()
+  ms_model = o * ((y.mean(1) - grand) ** 2).sum() / (m - 1)
+  ms_order = m * ((y.mean(0) - grand) ** 2).sum() / (o - 1)
+  resid = y - y.mean(1, keepdims=True) - y.mean(0, keepdims=True) + grand
+  ms_e = (resid**2).sum() / ((m - 1) * (o - 1))
+  return (ms_model - ms_e) / o, (ms_order - ms_e) / m, ms_e
+
+
+def _cells(m: int, o: int):
+  return [i for i in range(m) for _ in range(o)], [j for _ in range(m) for j in range(o)]
+
+
+def test_known_components_are_recovered():
+  # 3 model seeds x 4 orders, one run per cell, built so that the ANOVA estimators are
+  # exactly model 4, order 1, residual 0.25: effects scaled to sample variances 4 + 0.25 / 4
+  # and 1 + 0.25 / 3 (E[MS_model] = s2_e + O s2_model), a double-centred residual scaled to
+  # MS_E = 0.25.
+  rng = np.random.default_rng(0)
+  m, o = 3, 4
+  u = rng.normal(size=m)
+  u = (u - u.mean()) / u.std(ddof=1) * math.sqrt(4 + 0.25 / o)
+  v = rng.normal(size=o)
+  v = (v - v.mean()) / v.std(ddof=1) * math.sqrt(1 + 0.25 / m)
+  e = rng.normal(size=(m, o))
+  e = e - e.mean(1, keepdims=True) - e.mean(0, keepdims=True) + e.mean()
+  e *= math.sqrt(0.25 * (m - 1) * (o - 1) / (e**2).sum())
+  y = 20.0 + u[:, None] + v[None, :] + e
+  assert _anova(y) == pytest.approx((4.0, 1.0, 0.25), rel=1e-12)
+  models, orders = _cells(m, o)
+  got = variance.variance_components(y.reshape(-1), models, orders)
+  # REML = ANOVA here; 1e-3: the optimizer's convergence (its estimates agree to ~1e-5).
+  assert got["variance"] == pytest.approx(dict(model=4.0, order=1.0, residual=0.25), rel=1e-3)
+  assert got["fraction"]["model"] == pytest.approx(4.0 / 5.25, rel=1e-3)
+  assert (got["n"], got["models"], got["orders"], got["converged"]) == (12, 3, 4, True)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_reml_equals_anova_on_random_balanced_designs_with_a_group_shift(seed):
+  rng = np.random.default_rng(seed)
+  m, o = 3, 4
+  y = rng.normal(0, 2, m)[:, None] + rng.normal(0, 1, o)[None, :] + rng.normal(0, 0.5, (m, o))
+  want = _anova(y)
+  assert min(want) > 0  # REML = ANOVA holds for positive estimates
+  models, orders = _cells(m, o)
+  plain = variance.variance_components(y.reshape(-1), models, orders)
+  assert [plain["variance"][c] for c in variance.COMPONENTS] == pytest.approx(want, rel=1e-3)
+  # Two algorithms whose runs are the same up to a constant: the group's fixed effect takes
+  # the shift. Worked by hand from the single design's mean squares: each mean square of model
+  # and order doubles (twice the runs per level), the residual sum of squares doubles over
+  # 24 - 2 (groups) - 2 (models) - 3 (orders) = 17 degrees of freedom instead of 6.
+  ms_e = want[2]
+  ms_model, ms_order = o * want[0] + ms_e, m * want[1] + ms_e
+  ms_e2 = 2 * ms_e * (m - 1) * (o - 1) / 17
+  both = variance.variance_components(
+    np.concatenate([y.reshape(-1), y.reshape(-1) + 7.0]),
+    models * 2,
+    orders * 2,
+    group=["a"] * 12 + ["b"] * 12,
+  )
+  assert both["variance"]["model"] == pytest.approx((2 * ms_model - ms_e2) / (2 * o), rel=1e-3)
+  assert both["variance"]["order"] == pytest.approx((2 * ms_order - ms_e2) / (2 * m), rel=1e-3)
+  assert both["variance"]["residual"] == pytest.approx(ms_e2, rel=1e-3)
+
+
+def test_one_model_seed_leaves_its_component_unestimated():
+  # The first committed sweep's design: one pre-trained model, two orders.
+  rng = np.random.default_rng(3)
+  y = np.repeat([10.0, 12.0], 6) + rng.normal(0, 0.3, 12)
+  got = variance.variance_components(y, [0] * 12, [0] * 6 + [1] * 6)
+  assert math.isnan(got["variance"]["model"]) and got["models"] == 1
+  assert got["variance"]["order"] > got["variance"]["residual"] > 0
+
+
+def test_bad_inputs_are_refused():
+  with pytest.raises(ValueError, match="one each per run"):
+    variance.variance_components([1.0, 2.0, 3.0], [0, 1], [0, 1, 2])
+  with pytest.raises(ValueError, match="NaN"):
+    variance.variance_components([1.0, math.nan, 3.0], [0, 1, 2], [0, 1, 2])
