@@ -195,7 +195,7 @@ def _install(rec: _Recorder) -> None:
   trainer.train_on_dataset = timed("train", lambda det, ds, *a, **k: f"train {ds.name}")(
     trainer.train_on_dataset
   )
-  Detector.evaluate_dataset = timed("eval", lambda self, p, ds, desc: desc)(
+  Detector.evaluate_dataset = timed("eval", lambda self, p, ds, desc, **k: desc)(
     Detector.evaluate_dataset
   )
   coco_eval.coco_evaluate = scoring(coco_eval.coco_evaluate)

@@ -37,6 +37,7 @@ import ml_collections
 import numpy as np
 
 from owl_cl import utils
+from owl_cl.configs import base
 from owl_cl.testing import configs
 from owl_cl.testing import results as results_testing
 from owl_cl.utils import atomic_write_json
@@ -134,6 +135,18 @@ def structure(results: Mapping[str, Any]) -> dict[str, Any]:
   return {"config": compared(results)["config"], "stages": stages}
 
 
+def with_added_fields(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+  """`config` (a config as JSON) with each field of `defaults` it lacks, at that default;
+  what it holds is kept as it is (a dict-valued field it holds is not filled further)."""
+  out = dict(config)
+  for key, default in defaults.items():
+    if key not in out:
+      out[key] = default
+    elif isinstance(default, dict) and default and isinstance(out[key], dict):
+      out[key] = with_added_fields(out[key], default)
+  return out
+
+
 def load_reference(root: str) -> tuple[dict[str, Any], dict[str, Any]]:
   """(results.json, machine.json) of the reference below the repository root `root`.
 
@@ -143,6 +156,10 @@ def load_reference(root: str) -> tuple[dict[str, Any], dict[str, Any]]:
   folder = os.path.join(root, REFERENCE_DIR)
   with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
     results = json.load(f)
+  # A config field added after the reference was written is absent from it: it was added at a
+  # default that keeps earlier results (as `experiment.existing_run` accepts on a resume).
+  defaults = json.loads(base.get_config(configs.TINY_ARG).to_json_best_effort())
+  results["config"] = with_added_fields(results["config"], defaults)
   with open(os.path.join(folder, MACHINE_JSON), encoding="utf-8") as f:
     machine = json.load(f)
   return results, machine

@@ -109,3 +109,19 @@ def test_committed_reference_run_is_reproduced(first_run):
   ours, theirs = reproduction.compared(results), reproduction.compared(reference)
   for key in sorted(set(ours) | set(theirs)):
     assert ours.get(key) == theirs.get(key), key
+
+
+def test_a_field_added_after_the_reference_is_taken_at_its_default():
+  reference = {"seed": 0, "train": {"b1": 0.9}, "model": {"overrides": {"vision_layers": 1}}}
+  defaults = {
+    "seed": 1,
+    "train": {"b1": 0.5, "wise_ft": {"alpha": 1.0}},
+    "model": {"overrides": {"context_length": 8}},
+    "eval": {"save_detections": False},
+  }
+  assert reproduction.with_added_fields(reference, defaults) == {
+    "seed": 0,
+    "train": {"b1": 0.9, "wise_ft": {"alpha": 1.0}},
+    "model": {"overrides": {"vision_layers": 1, "context_length": 8}},
+    "eval": {"save_detections": False},
+  }
