@@ -83,6 +83,12 @@ def _cpu() -> tuple[str, str]:
   return model, flags
 
 
+def xla_flags(value: str) -> str:
+  """XLA_FLAGS as a set of flags (sorted, each once): tests/conftest.py appends the suite's
+  flags to those a process inherits, so an xdist worker holds them twice, to the same effect."""
+  return " ".join(sorted(set(value.split())))
+
+
 def fingerprint() -> dict[str, Any]:
   """What decides the bits of a run besides the code and the config: {'machine', 'cpu',
   'cpu_flags' (a digest), 'cpu_count', 'device' (platform and kind of device 0), 'jax',
@@ -100,7 +106,7 @@ def fingerprint() -> dict[str, Any]:
     "jax": jax.__version__,
     "jaxlib": jaxlib.__version__,
     "numpy": np.__version__,
-    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "xla_flags": xla_flags(os.environ.get("XLA_FLAGS", "")),
   }
 
 
@@ -162,6 +168,7 @@ def load_reference(root: str) -> tuple[dict[str, Any], dict[str, Any]]:
   results["config"] = with_added_fields(results["config"], defaults)
   with open(os.path.join(folder, MACHINE_JSON), encoding="utf-8") as f:
     machine = json.load(f)
+  machine["xla_flags"] = xla_flags(machine.get("xla_flags", ""))
   return results, machine
 
 
