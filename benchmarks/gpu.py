@@ -350,7 +350,7 @@ def section_retrieval(args) -> dict:
   options = types.SimpleNamespace(
     skip_kernels=True, skip_floors=True, skip_precompute=True, repeats=args.repeats
   )
-  run = retrieval_bench.bench_size(size, list(retrieval_bench.ALGORITHM_NAMES), options)
+  run = retrieval_bench.bench_size(size, list(retrieval_bench.registry.ALGORITHMS), options)
   algorithms = {
     r["name"]: {"jax_s": r["jax_s"]["median_s"], "numpy_s": r["numpy_s"]["median_s"]}
     for r in run["rows"]
