@@ -201,9 +201,9 @@ def test_installing_adds_only_the_owl_cl_name():
 # (e2e), the benchmark scripts (benchmarks), the launch scripts (launch), committed reference
 # outputs (reference_runs).
 TEST_FOLDERS_BESIDE_THE_PACKAGE = {"e2e", "benchmarks", "launch", "reference_runs"}
-# Top-level test files named after no one module: the package's house rules and the bad
-# inputs of every layer, refused before any work.
-TOP_LEVEL_TESTS_OF_THE_WHOLE = {"test_house.py", "test_bad_inputs.py"}
+# Top-level test files named after no one module: the package's house rules, the bad inputs
+# of every layer, refused before any work, and the names written by hand (test_names.py).
+TOP_LEVEL_TESTS_OF_THE_WHOLE = {"test_house.py", "test_bad_inputs.py", "test_names.py"}
 
 
 def test_tests_mirror_the_package():
