@@ -74,7 +74,7 @@ from owl_cl.summary_writer import SummaryWriter
 from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import wise_ft
-from owl_cl.train.checkpointing import CheckpointSpec
+from owl_cl.train.checkpoint_spec import CheckpointSpec
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
 
