@@ -350,9 +350,10 @@ def section_retrieval(args) -> dict:
   options = types.SimpleNamespace(
     skip_kernels=True, skip_floors=True, skip_precompute=True, repeats=args.repeats
   )
-  run = retrieval_bench.bench_size(size, list(retrieval_bench.ALGORITHM_NAMES), options)
+  run = retrieval_bench.bench_size(size, list(retrieval_bench.registry.ALGORITHMS), options)
   algorithms = {
-    r["name"]: {"jax_s": r["jax_s"]["median_s"], "numpy_s": r["numpy_s"]["median_s"]}
+    # numpy_s None: the algorithm has no NumPy reference (retrieval.NUMPY_REFERENCES).
+    r["name"]: {"jax_s": r["jax_s"]["median_s"], "numpy_s": (r["numpy_s"] or {}).get("median_s")}
     for r in run["rows"]
     if r["kind"] == "algorithm"
   }
@@ -630,10 +631,12 @@ def render_markdown(report: dict) -> str:
       n = run["num_images"]
       for name, t in run["algorithms"].items():
         pct = s["retrieval_percent_of_step"].get(n, {}).get("percent", {}).get(name)
-        lines.append(
-          f"| {n} | `{name}` | {t['jax_s'] * 1e3:.2f} | {t['numpy_s'] * 1e3:.2f} | "
-          f"{t['numpy_s'] / t['jax_s']:.1f}x | {_fmt(pct, '.2f')} |"
+        numpy = (
+          f"{t['numpy_s'] * 1e3:.2f} | {t['numpy_s'] / t['jax_s']:.1f}x"
+          if t["numpy_s"] is not None
+          else f"{retrieval_bench.NO_REFERENCE} | -"
         )
+        lines.append(f"| {n} | `{name}` | {t['jax_s'] * 1e3:.2f} | {numpy} | {_fmt(pct, '.2f')} |")
   c = r.get("compile", {})
   if "cold" in c:
     lines += [

@@ -5,7 +5,8 @@ B 16 new images, N_c 168 (ASER) / 352 (ASER-PC, SW-ASER-PC) candidates, K 20):
 
   * every retrieval algorithm of the registry (`owl_cl.replay.retrieval.registry.get_algorithm`),
     jitted, one call = one training step's retrieval (B replays), median over repeats after
-    a compiling warm-up call;
+    a compiling warm-up call; against its NumPy reference (`NUMPY_REFERENCES`, by registry
+    name), or timed alone with the note 'no NumPy reference' when it has none;
   * the kernels (`knn_shapley`, `prototype_weighted_probs`, `adversarial_shapley_value`,
     `normalized_entropy`, `similarity_weighted_probs`) at the sizes one call uses;
   * the fixed parts of a call (`bench_floors`): the replay state's round trip through a
@@ -131,17 +132,6 @@ SMOKE = Sizes(
 # Paper hyperparameters (suppl. Table 7): SWIL / GRASP w = 1, ASER c = 0.15; tau of
 # A-SW-GRASP 0.99 (configs/base.py).
 SWIL_W, GRASP_W, ASV_C, TAU = 1.0, 1.0, 0.15, 0.99
-ALGORITHM_NAMES = (
-  "uniform",
-  "uniform_balanced",
-  "grasp",
-  "swil",
-  "sw_grasp",
-  "a_sw_grasp",
-  "aser",
-  "aser_pc",
-  "sw_aser_pc",
-)
 
 
 # ------------------------------------------------------------------------- synthetic data
@@ -348,58 +338,86 @@ class NumpyRetrieval:
       asv = np_asv(left, right, ASV_C)
     return candidates[np.argsort(-asv, kind="stable")[: self.sizes.batch]]
 
-  def __call__(self, name: str, features: dict[str, np.ndarray]) -> np.ndarray:
-    sizes, num = self.sizes, self.sizes.batch
-    if (~self.replayed).sum() < num:
+  # One method per algorithm: (eligible [N] bool, features) -> the B chosen indices.
+  def uniform(self, eligible, features):
+    del features
+    return self.rng.choice(np.flatnonzero(eligible), self.sizes.batch, replace=False)
+
+  def uniform_balanced(self, eligible, features):
+    del features
+    classes = self.balanced(self._class_eligible(eligible), self.sizes.batch)
+    return self.uniform_in_class(classes, eligible.copy())
+
+  def grasp(self, eligible, features):
+    del features
+    num = self.sizes.batch
+    classes = self.balanced(self._class_eligible(eligible), num)
+    return self.prototype_in_class(classes, eligible.copy(), np.full(num, GRASP_W))
+
+  def swil(self, eligible, features):
+    classes = self.sample_classes(self.swil_probs(features, self._class_eligible(eligible)))
+    return self.uniform_in_class(classes, eligible.copy())
+
+  def sw_grasp(self, eligible, features):
+    classes = self.sample_classes(self.swil_probs(features, self._class_eligible(eligible)))
+    return self.prototype_in_class(classes, eligible.copy(), np.full(self.sizes.batch, GRASP_W))
+
+  def a_sw_grasp(self, eligible, features):
+    class_eligible = self._class_eligible(eligible)
+    probs = self.swil_probs(features, class_eligible)
+    use_grasp = np_normalized_entropy(probs) > TAU
+    classes = self.sample_classes(probs)
+    if use_grasp.any():
+      classes[use_grasp] = self.balanced(class_eligible, int(use_grasp.sum()))
+    return self.prototype_in_class(classes, eligible.copy(), np.where(use_grasp, GRASP_W, 0.0))
+
+  def aser(self, eligible, features):
+    classes = self.balanced(self._class_eligible(eligible), self.sizes.candidates_aser)
+    return self._asv_select(classes, eligible, features, precomputed=False)
+
+  def aser_pc(self, eligible, features):
+    classes = self.balanced(self._class_eligible(eligible), self.sizes.candidates_pc)
+    return self._asv_select(classes, eligible, features, precomputed=True)
+
+  def sw_aser_pc(self, eligible, features):
+    probs = self.swil_probs(features, self._class_eligible(eligible))
+    rows = np.arange(self.sizes.candidates_pc) % self.sizes.batch
+    return self._asv_select(self.sample_classes(probs[rows]), eligible, features, precomputed=True)
+
+  def run(self, method: Callable, features: dict[str, np.ndarray]) -> np.ndarray:
+    """One retrieval call of `method` (a method of this class, e.g. `NumpyRetrieval.grasp`):
+    a fresh dedup period when fewer than B images are left, then the B chosen images marked
+    replayed. Returns their indices [B]."""
+    if (~self.replayed).sum() < self.sizes.batch:
       self.replayed[:] = False
-    eligible = ~self.replayed
-    if name == "uniform":
-      indices = self.rng.choice(np.flatnonzero(eligible), num, replace=False)
-    else:
-      class_eligible = self._class_eligible(eligible)
-      if name == "uniform_balanced":
-        indices = self.uniform_in_class(self.balanced(class_eligible, num), eligible.copy())
-      elif name == "grasp":
-        indices = self.prototype_in_class(
-          self.balanced(class_eligible, num), eligible.copy(), np.full(num, GRASP_W)
-        )
-      elif name in ("swil", "sw_grasp"):
-        classes = self.sample_classes(self.swil_probs(features, class_eligible))
-        indices = (
-          self.uniform_in_class(classes, eligible.copy())
-          if name == "swil"
-          else self.prototype_in_class(classes, eligible.copy(), np.full(num, GRASP_W))
-        )
-      elif name == "a_sw_grasp":
-        probs = self.swil_probs(features, class_eligible)
-        use_grasp = np_normalized_entropy(probs) > TAU
-        classes = self.sample_classes(probs)
-        if use_grasp.any():
-          classes[use_grasp] = self.balanced(class_eligible, int(use_grasp.sum()))
-        indices = self.prototype_in_class(
-          classes, eligible.copy(), np.where(use_grasp, GRASP_W, 0.0)
-        )
-      elif name == "aser":
-        indices = self._asv_select(
-          self.balanced(class_eligible, sizes.candidates_aser),
-          eligible,
-          features,
-          precomputed=False,
-        )
-      elif name == "aser_pc":
-        indices = self._asv_select(
-          self.balanced(class_eligible, sizes.candidates_pc), eligible, features, precomputed=True
-        )
-      elif name == "sw_aser_pc":
-        probs = self.swil_probs(features, class_eligible)
-        rows = np.arange(sizes.candidates_pc) % num
-        indices = self._asv_select(
-          self.sample_classes(probs[rows]), eligible, features, precomputed=True
-        )
-      else:
-        raise ValueError(f"unknown algorithm {name!r}")
+    indices = method(self, ~self.replayed, features)
     self.replayed[indices] = True
     return indices
+
+  def __call__(self, name: str, features: dict[str, np.ndarray]) -> np.ndarray:
+    """One call of the NumPy reference of the registry algorithm `name` (`NUMPY_REFERENCES`).
+
+    Raises:
+      KeyError: `name` has no NumPy reference.
+    """
+    return self.run(NUMPY_REFERENCES[name], features)
+
+
+# The NumPy reference of each registry algorithm, by its registry name: the one place that
+# pairs them. `bench_algorithms` iterates the registry; an algorithm missing here is timed in
+# JAX alone and its row says it has no NumPy reference.
+NUMPY_REFERENCES: dict[str, Callable] = {
+  "uniform": NumpyRetrieval.uniform,
+  "uniform_balanced": NumpyRetrieval.uniform_balanced,
+  "grasp": NumpyRetrieval.grasp,
+  "swil": NumpyRetrieval.swil,
+  "sw_grasp": NumpyRetrieval.sw_grasp,
+  "a_sw_grasp": NumpyRetrieval.a_sw_grasp,
+  "aser": NumpyRetrieval.aser,
+  "aser_pc": NumpyRetrieval.aser_pc,
+  "sw_aser_pc": NumpyRetrieval.sw_aser_pc,
+}
+NO_REFERENCE = "no NumPy reference"
 
 
 # ----------------------------------------------------------------------------- timing
@@ -588,13 +606,24 @@ def bench_precompute(sizes: Sizes, buf, buffer, repeats: int) -> dict:
 
 def algorithm_hyperparameters(name: str, sizes: Sizes) -> dict:
   """The hyperparameters that make a registry algorithm do the NumPy reference's work at
-  `sizes`: the ASV algorithms' N_c and K (the registry's defaults are the paper's, which
-  only the full sizes use)."""
-  if name == "aser":
-    return dict(num_candidates=sizes.candidates_aser, knn_k=sizes.knn_k)
-  if name in ("aser_pc", "sw_aser_pc"):
-    return dict(num_candidates=sizes.candidates_pc, knn_k=sizes.knn_k)
-  return {}
+  `sizes`: an algorithm with a candidate set (its registry entry's `num_candidates`, the
+  paper's N_c: `FULL.candidates_aser` or `FULL.candidates_pc`) gets the N_c of `sizes` that
+  stands for it, and K = `sizes.knn_k` (the registry's defaults are the paper's, which only
+  the full sizes use). A candidate set of another size is capped at `sizes.candidates_pc`."""
+  entry = registry.ALGORITHMS[name]
+  paper_n_c = getattr(entry, "num_candidates", None)
+  if paper_n_c is None:
+    return {}
+  scaled = {FULL.candidates_aser: sizes.candidates_aser, FULL.candidates_pc: sizes.candidates_pc}
+  out = dict(num_candidates=scaled.get(paper_n_c, min(paper_n_c, sizes.candidates_pc)))
+  if "knn_k" in entry.hyperparameter_names:
+    out["knn_k"] = sizes.knn_k
+  return out
+
+
+def _precomputed(name: str) -> bool:
+  """Whether the registry algorithm `name` reads the precomputed ASV left term."""
+  return bool(getattr(registry.ALGORITHMS[name], "precomputed", False))
 
 
 def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> list[dict]:
@@ -608,7 +637,7 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
       name, dedup="dataset", **algorithm_hyperparameters(name, sizes)
     )
     rstate = state_lib.init_replay_state(sizes.num_images, jax.random.PRNGKey(0), sizes.num_classes)
-    if name in ("aser_pc", "sw_aser_pc"):
+    if _precomputed(name):
       # The per-call cost does not depend on the precomputed values (timed separately).
       rstate = rstate.replace(
         asv_left=jnp.asarray(left),
@@ -622,15 +651,15 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
       indices, valid, holder["state"] = call(holder["state"], buffer, features, sizes.batch)
       return indices
 
-    ref = NumpyRetrieval(buf, sizes)
-    ref.left, ref.left_min = left, left_min
     jt = median_seconds(run_jax, repeats)
-    nt = median_seconds(lambda: ref(name, feats), repeats)
-    rows.append(_row("algorithm", name, jt, nt, f"B={sizes.batch}"))
-    print(
-      f"  {name}: jax {jt['median_s'] * 1e3:.2f} ms, numpy {nt['median_s'] * 1e3:.2f} ms",
-      flush=True,
-    )
+    nt, note = None, NO_REFERENCE
+    if name in NUMPY_REFERENCES:
+      ref = NumpyRetrieval(buf, sizes)
+      ref.left, ref.left_min = left, left_min
+      nt, note = median_seconds(lambda: ref(name, feats), repeats), ""
+    rows.append(_row("algorithm", name, jt, nt, f"B={sizes.batch}", note=note))
+    numpy_ms = f"{nt['median_s'] * 1e3:.2f} ms" if nt else NO_REFERENCE
+    print(f"  {name}: jax {jt['median_s'] * 1e3:.2f} ms, numpy {numpy_ms}", flush=True)
   return rows
 
 
@@ -672,16 +701,18 @@ def bench_floors(sizes: Sizes, buf, buffer, feats, repeats: int) -> list[dict]:
   def class_pass(index, e):
     return class_index.class_available_counts(index, class_index.pools(index, e))
 
-  timings = {}
-  for name in ("uniform", "uniform_balanced"):
+  def numpy_call(method):
     ref = NumpyRetrieval(buf, sizes)
-    timings[name] = median_seconds(lambda: ref(name, feats), repeats)
+    return median_seconds(lambda: ref.run(method, feats), repeats)
+
+  uniform_s = numpy_call(NumpyRetrieval.uniform)
+  uniform_balanced_s = numpy_call(NumpyRetrieval.uniform_balanced)
   return [
     _row(
       "floor",
       "state round trip",
       median_seconds(run_round_trip, repeats),
-      timings["uniform"],
+      uniform_s,
       f"B={sizes.batch}",
       note="key split + B images marked; NumPy: its whole uniform call",
     ),
@@ -689,7 +720,7 @@ def bench_floors(sizes: Sizes, buf, buffer, feats, repeats: int) -> list[dict]:
       "floor",
       "class_index.block_pool",
       median_seconds(lambda: block_pool(eligible), repeats),
-      timings["uniform"],
+      uniform_s,
       f"[{sizes.num_images}]",
       note="uniform's O(N) availability pass; NumPy: its whole uniform call",
     ),
@@ -697,7 +728,7 @@ def bench_floors(sizes: Sizes, buf, buffer, feats, repeats: int) -> list[dict]:
       "floor",
       "class_index.pools",
       median_seconds(lambda: class_pass(index, eligible), repeats),
-      timings["uniform_balanced"],
+      uniform_balanced_s,
       f"P={index.members.shape[0]}",
       note="the class-based calls' O(P) availability pass; NumPy: its whole uniform_balanced call",
     ),
@@ -808,7 +839,7 @@ def bench_size(sizes: Sizes, names, args) -> dict:
   if not args.skip_floors:
     print("floors", flush=True)
     rows += bench_floors(sizes, buf, buffer, feats, args.repeats)
-  if not args.skip_precompute and "aser_pc" in names:
+  if not args.skip_precompute and any(_precomputed(name) for name in names):
     print("precompute", flush=True)
     rows.append(bench_precompute(sizes, buf, buffer, args.repeats))
   return {"sizes": dataclasses.asdict(sizes), "repeats": args.repeats, "rows": rows}
@@ -835,7 +866,8 @@ def algorithms_in_processes(sizes: Sizes, names, args) -> dict:
       for row in rows:
         if row["kind"] == "algorithm":
           per_name[row["name"]]["jax_ms"].append(row["jax_s"]["median_s"] * 1e3)
-          per_name[row["name"]]["numpy_ms"].append(row["numpy_s"]["median_s"] * 1e3)
+          if row["numpy_s"]:  # else it has no NumPy reference
+            per_name[row["name"]]["numpy_ms"].append(row["numpy_s"]["median_s"] * 1e3)
   return per_name
 
 
@@ -851,8 +883,12 @@ def _render_processes(per_name: dict) -> list[str]:
   ]
   for name, t in per_name.items():
     jax_ms, np_ms = np.asarray(t["jax_ms"]), np.asarray(t["numpy_ms"])
+    jax_cell = f"{np.median(jax_ms):.2f} ms ({jax_ms.min():.2f}-{jax_ms.max():.2f})"
+    if not np_ms.size:
+      lines.append(f"| `{name}` | {jax_cell} | {NO_REFERENCE} | - | - |")
+      continue
     lines.append(
-      f"| `{name}` | {np.median(jax_ms):.2f} ms ({jax_ms.min():.2f}-{jax_ms.max():.2f}) "
+      f"| `{name}` | {jax_cell} "
       f"| {np.median(np_ms):.2f} ms ({np_ms.min():.2f}-{np_ms.max():.2f}) "
       f"| {np.median(np_ms) / np.median(jax_ms):.1f}x | {int((jax_ms <= np_ms).sum())} of {count} |"
     )
@@ -880,7 +916,11 @@ def main(argv=None):
     help="a measured train step time (s) to express retrieval as a "
     "fraction of it; default: the built-in tiny model, CPU",
   )
-  parser.add_argument("--algorithms", default=",".join(ALGORITHM_NAMES))
+  parser.add_argument(
+    "--algorithms",
+    default=None,
+    help="comma-separated registry names (default: every algorithm of the registry)",
+  )
   parser.add_argument("--skip-precompute", action="store_true")
   parser.add_argument("--skip-kernels", action="store_true")
   parser.add_argument("--skip-floors", action="store_true")
@@ -901,7 +941,7 @@ def main(argv=None):
     all_sizes = [QUICK]
   else:
     all_sizes = [sizes_for(int(n)) for n in args.sizes.split(",") if n]
-  names = [n for n in args.algorithms.split(",") if n]
+  names = [n for n in (args.algorithms or ",".join(registry.ALGORITHMS)).split(",") if n]
   known = [n for n in names if n in registry.ALGORITHMS]
   missing = [n for n in names if n not in registry.ALGORITHMS]
   runs = [bench_size(sizes, known, args) for sizes in all_sizes]

@@ -20,7 +20,7 @@ from owl_cl.model import variants
 from owl_cl.model.spec import ModelSpec
 from owl_cl.replay import spec as replay_spec
 from owl_cl.run_spec import RunSpec
-from owl_cl.train.checkpointing import CheckpointSpec
+from owl_cl.train.checkpoint_spec import CheckpointSpec
 from owl_cl.train.pretrain_spec import PretrainSpec
 from owl_cl.train.spec import LossSpec
 from owl_cl.train.spec import TrainSpec

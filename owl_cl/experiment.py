@@ -74,7 +74,7 @@ from owl_cl.summary_writer import SummaryWriter
 from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import wise_ft
-from owl_cl.train.checkpointing import CheckpointSpec
+from owl_cl.train.checkpoint_spec import CheckpointSpec
 from owl_cl.utils import atomic_write_json
 from owl_cl.utils import expand_path
 
@@ -129,12 +129,11 @@ def _default_config_json() -> dict:
   return json.loads(base.get_config("builtin1").to_json_best_effort())
 
 
-# Config fields a resumed run may change: they decide when checkpoints are written, never what
-# is computed (a resumed run's results equal the uninterrupted run's), so a run begun before
-# `checkpoint.every_minutes` had a default, or with another interval, is resumed as it is.
-RESUMABLE_FIELDS = frozenset(
-  {"checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.max_to_keep"}
-)
+# Config fields a resumed run may change: the checkpoint section's (`CheckpointSpec`), which
+# decide when checkpoints are written, never what is computed (a resumed run's results equal
+# the uninterrupted run's), so a run begun before `checkpoint.every_minutes` had a default, or
+# with another interval, is resumed as it is.
+RESUMABLE_FIELDS = frozenset(config_spec.rules(CheckpointSpec, "checkpoint"))
 
 
 def read_run_json(run_file: str) -> dict:

@@ -84,6 +84,52 @@ def _imported(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
   ]
 
 
+def top_level_imports(tree: ast.Module, package: str) -> set[str]:
+  """The modules a parsed module of `package` imports when it is imported: its imports outside
+  function bodies (dotted, absolute, as `_imported` names them)."""
+  found = set()
+
+  def visit(node: ast.AST) -> None:
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, (ast.Import, ast.ImportFrom)):
+        found.update(_imported(child, package))
+      elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        visit(child)
+
+  visit(tree)
+  return found
+
+
+def import_chain(sources: dict, start: str, third_party: str) -> list[str] | None:
+  """The shortest chain of imports by which importing the module `start` (dotted) imports the
+  top-level package `third_party`, statically from `sources` ({'owl_cl/...py': (text, tree)}):
+  [start, ..., the module that imports it, third_party]; None when none does. Importing
+  'a.b.c' runs 'a' and 'a.b' too."""
+  paths = {}
+  for path in sources:
+    name = path.removesuffix(".py").replace("/", ".")
+    paths[name.removesuffix(".__init__")] = path
+  parent = {start: None}
+  queue = [start]
+  while queue:
+    name = queue.pop(0)
+    path = paths[name]
+    package = path.rsplit("/", 1)[0].replace("/", ".")
+    for imported in sorted(top_level_imports(sources[path][1], package)):
+      parts = imported.split(".")
+      if parts[0] == third_party:
+        chain = [third_party, name]
+        while parent[chain[-1]] is not None:
+          chain.append(parent[chain[-1]])
+        return chain[::-1]
+      for i in range(1, len(parts) + 1):
+        module = ".".join(parts[:i])
+        if module in paths and module not in parent:
+          parent[module] = name
+          queue.append(module)
+  return None
+
+
 def _is_module(name: str) -> bool:
   """Whether `name` (dotted) is a module or package of the repository."""
   path = REPO.joinpath(*name.split("."))
@@ -180,6 +226,31 @@ def test_no_in_function_import_of_owl_cl_but_the_listed(sources):
   assert stale == [], "no longer imported in a function: remove them from FUNCTION_IMPORTS"
 
 
+def test_import_chain_follows_top_level_imports_and_parent_packages():
+  sources = {
+    path: (text, ast.parse(text))
+    for path, text in {
+      "owl_cl/configs/base.py": "from owl_cl.train import spec\n",
+      "owl_cl/train/__init__.py": "",
+      "owl_cl/train/spec.py": "import os\ndef f():\n  import orbax\nfrom . import step\n",
+      "owl_cl/train/step.py": "import orbax.checkpoint as ocp\n",
+      "owl_cl/model/__init__.py": "import jax\n",
+    }.items()
+  }
+  chain = import_chain(sources, "owl_cl.configs.base", "orbax")
+  assert chain == ["owl_cl.configs.base", "owl_cl.train.spec", "owl_cl.train.step", "orbax"]
+  assert import_chain(sources, "owl_cl.configs.base", "jax") is None  # model is not imported
+  assert import_chain(sources, "owl_cl.train.spec", "os") == ["owl_cl.train.spec", "os"]
+
+
+def test_a_config_file_imports_no_orbax(sources):
+  # configs/base.py, which every config file imports, imports the specs: none of them may
+  # pull in the checkpoint library (0.2 s and ~290 modules; CheckpointSpec has its own light
+  # module). jax still comes in (the specs take option lists from the JAX modules).
+  chain = import_chain(sources, "owl_cl.configs.base", "orbax")
+  assert chain is None, " -> ".join(chain)
+
+
 def test_every_exception_has_a_reason():
   for reason in list(LONG_FUNCTIONS.values()) + list(FUNCTION_IMPORTS.values()):
     assert isinstance(reason, str) and len(reason.split()) >= 3, reason
@@ -201,9 +272,9 @@ def test_installing_adds_only_the_owl_cl_name():
 # (e2e), the benchmark scripts (benchmarks), the launch scripts (launch), committed reference
 # outputs (reference_runs).
 TEST_FOLDERS_BESIDE_THE_PACKAGE = {"e2e", "benchmarks", "launch", "reference_runs"}
-# Top-level test files named after no one module: the package's house rules and the bad
-# inputs of every layer, refused before any work.
-TOP_LEVEL_TESTS_OF_THE_WHOLE = {"test_house.py", "test_bad_inputs.py"}
+# Top-level test files named after no one module: the package's house rules, the bad inputs
+# of every layer, refused before any work, and the names written by hand (test_names.py).
+TOP_LEVEL_TESTS_OF_THE_WHOLE = {"test_house.py", "test_bad_inputs.py", "test_names.py"}
 
 
 def test_tests_mirror_the_package():

@@ -29,7 +29,7 @@ from owl_cl.model.spec import ModelSpec
 from owl_cl.replay import spec as replay_spec
 from owl_cl.run_spec import RunSpec
 from owl_cl.train import spec as train_spec
-from owl_cl.train.checkpointing import CheckpointSpec
+from owl_cl.train.checkpoint_spec import CheckpointSpec
 from owl_cl.train.pretrain_spec import PretrainSpec
 
 # `--config=configs/<algorithm>.py:<arg>` with arg a comma-separated list of these (e.g.
@@ -209,7 +209,7 @@ def _eval_section(c: ml_collections.ConfigDict) -> None:
 
 
 def _checkpoint_section(c: ml_collections.ConfigDict) -> None:
-  """Fills `c.checkpoint` (owl_cl.train.checkpointing.CheckpointSpec)."""
+  """Fills `c.checkpoint` (owl_cl.train.checkpoint_spec.CheckpointSpec)."""
   c.checkpoint = config_spec.defaults(CheckpointSpec)
 
 

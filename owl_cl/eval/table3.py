@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from owl_cl import config_fields
+
 _DEFAULT_LABELS = {
   "pretrain": "O365 stand-in",
   "open_vocab": "LVIS stand-in",
@@ -164,8 +166,9 @@ def mean_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
   return out
 
 
-# results.json `schedule` (config `train.schedule`, docs/baselines.md); absent: 'sequence'.
-SCHEDULES = ("sequence", "joint", "per_task")
+# results.json `schedule`: config `train.schedule`'s values (docs/baselines.md); absent:
+# 'sequence'.
+SCHEDULES = config_fields.SCHEDULES
 
 
 def _mean_cells(cells: Sequence[Any]) -> dict[str, float]:

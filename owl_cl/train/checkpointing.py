@@ -24,7 +24,6 @@ space needed, before the write where it can be foreseen; the previous checkpoint
 from __future__ import annotations
 
 from collections.abc import Callable
-import dataclasses
 import json
 import os
 import time
@@ -36,7 +35,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from owl_cl import config_fields
-from owl_cl import config_spec
 from owl_cl import integrity
 from owl_cl import preemption
 from owl_cl import utils
@@ -238,41 +236,6 @@ class StageCheckpointer:
 # Step checkpoint ids: phase * PHASE_STRIDE + step (orbax numbers checkpoints with one int);
 # ids grow over a run, so orbax's "keep the newest" pruning keeps the newest steps. The step
 # fields' rule (`config_fields.STEPS`) keeps a step below it.
-# Why no checkpoint field enters a cache key: a resumed run continues bit-identically.
-_WHEN_NOT_WHAT = "when checkpoints are written, not what a run computes (resuming is exact)"
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointSpec:
-  """`config.checkpoint`: how many phase checkpoints stay and when step checkpoints are
-  written (`config_spec`; docs/stored_state.md)."""
-
-  max_to_keep: int | None = config_spec.field(
-    None,
-    config_fields.integer(1, optional=True),
-    "Phase checkpoints kept in the workdir, the newest first. None: all of them.",
-    key=_WHEN_NOT_WHAT,
-    type_=int,
-  )
-  every_steps: int | None = config_spec.field(
-    None,
-    config_fields.OPTIONAL_STEPS,
-    "A step checkpoint (the newest 2 kept) every this many steps of pre-training and of "
-    "each dataset, and at a phase's last step. None: by time only.",
-    key=_WHEN_NOT_WHAT,
-    type_=int,
-  )
-  every_minutes: float | None = config_spec.field(
-    10.0,
-    config_fields.real(0.0, low_open=True, optional=True),
-    "A step checkpoint every this many minutes: a kill loses at most that much training. "
-    "10 min: the built-in model's checkpoint blocks the loop 0.13 s (2 CPU cores, measured). "
-    "None for both: only SIGTERM writes one.",
-    key=_WHEN_NOT_WHAT,
-    type_=float,
-  )
-
-
 PHASE_STRIDE = config_fields.PHASE_STRIDE
 
 

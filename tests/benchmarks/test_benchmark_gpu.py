@@ -67,7 +67,7 @@ def test_smoke_runs_every_section(tmp_path):
   assert "error" in attention["cudnn"] and attention["cudnn_padded"]
   assert sections["matcher"]["shape"] == [2, 16, 3]
   run = sections["retrieval:N=200"]
-  assert list(run["algorithms"]) == list(bench.retrieval_bench.ALGORITHM_NAMES)
+  assert list(run["algorithms"]) == list(bench.retrieval_bench.registry.ALGORITHMS)
   compile_ = sections["compile:1+1"]
   assert compile_["cold"]["compile_s"] > 0 and compile_["warm"]["compile_s"] > 0
   assert compile_["cache_files"] > 0  # the cold process filled the persistent cache

@@ -184,9 +184,61 @@ def test_smoke_runs_every_row_in_fresh_processes(tmp_path):
   (run,) = report["runs"]
   assert run["sizes"]["num_images"] == bench.SMOKE.num_images and report["smoke"]
   kinds = [r["kind"] for r in run["rows"]]
-  assert kinds.count("algorithm") == len(bench.ALGORITHM_NAMES)
+  assert kinds.count("algorithm") == len(bench.registry.ALGORITHMS)
   assert {"build", "kernel", "floor", "precompute"} <= set(kinds)
-  for name in bench.ALGORITHM_NAMES:
+  for name in bench.registry.ALGORITHMS:
     assert len(run["processes"][name]["jax_ms"]) == 2
   md = (tmp_path / "retrieval_smoke.md").read_text()
   assert "The algorithms again in 2 fresh processes" in md
+
+
+def test_numpy_references_pair_registry_names_with_their_methods():
+  # The one table that names algorithms here: each key a registry algorithm, each value the
+  # method of the same name (a swapped pair would time one algorithm against another's maths).
+  assert set(bench.NUMPY_REFERENCES) <= set(bench.registry.ALGORITHMS)
+  assert {name: fn.__name__ for name, fn in bench.NUMPY_REFERENCES.items()} == {
+    name: name for name in bench.NUMPY_REFERENCES
+  }
+
+
+def test_numpy_references_draw_distinct_unreplayed_images():
+  # Invariants of every reference at the smoke sizes: B distinct indices in [0, N), each call's
+  # images disjoint from the previous call's (dedup 'dataset': N = 200 >> 2 B = 8).
+  sizes = bench.SMOKE
+  buf, feats = bench.synthetic_buffer(sizes), bench.synthetic_features(sizes)
+  for name in bench.NUMPY_REFERENCES:
+    ref = bench.NumpyRetrieval(buf, sizes)
+    ref.left = np.linspace(-0.01, 0.05, sizes.num_images, dtype=np.float32)
+    ref.left_min = ref.left - 0.02
+    first, second = ref(name, feats), ref(name, feats)
+    for indices in (first, second):
+      assert len(set(indices.tolist())) == sizes.batch, name
+      assert 0 <= indices.min() and indices.max() < sizes.num_images, name
+    assert not set(first.tolist()) & set(second.tolist()), name
+    assert ref.replayed.sum() == 2 * sizes.batch, name
+
+
+def test_an_algorithm_without_a_numpy_reference_is_timed_and_said(monkeypatch):
+  # A registry algorithm the benchmark has no NumPy maths for (another branch's new one) is
+  # picked up from the registry, timed in JAX, and its rows say it has no reference.
+  monkeypatch.setitem(
+    bench.registry.ALGORITHMS, "copy_of_uniform", bench.registry.ALGORITHMS["uniform"]
+  )
+  sizes = bench.SMOKE
+  buf, feats = bench.synthetic_buffer(sizes), bench.synthetic_features(sizes)
+  arrays = (buf[k] for k in ("class_membership", "prototypes", "prototype_distances"))
+  buffer = bench.state_lib.make_replay_buffer(
+    *arrays, buf["class_embeddings"], buf["query_embeddings"]
+  )
+  (row,) = bench.bench_algorithms(sizes, buf, buffer, feats, ["copy_of_uniform"], repeats=1)
+  assert row["numpy_s"] is None and row["ratio_numpy_over_jax"] is None
+  assert row["jax_s"]["median_s"] > 0 and row["note"] == bench.NO_REFERENCE
+  run = {"sizes": bench.dataclasses.asdict(sizes), "repeats": 1, "rows": [row]}
+  run["processes"] = {"copy_of_uniform": {"jax_ms": [0.30, 0.50], "numpy_ms": []}}
+  report = dict(
+    runs=[run], device="cpu", backend="cpu", jax_version="x", numpy_version="y", not_measured=[]
+  )
+  text = bench.render_markdown(report)
+  assert "| algorithm: `copy_of_uniform` (no NumPy reference) | B=4 |" in text
+  assert "| not measured | - | - |" in text
+  assert "| `copy_of_uniform` | 0.40 ms (0.30-0.50) | no NumPy reference | - | - |" in text

@@ -643,3 +643,21 @@ def test_module_constants():
   assert owl_lib.MASKED_LOGIT == -1e6
   np.testing.assert_allclose(owl_lib.LOGIT_SHIFT_BIAS_INIT, -4.59512, atol=1e-5)
   assert clip_lib.LAYER_NORM_EPS == 1e-5
+
+
+def test_create_model_checks_every_field_by_its_rule():
+  # `_validate_config` applies each ModelConfig field's own rule (no hand list): every
+  # architecture field refuses 0 with its name. main's hand list missed the widths and the
+  # image size (0 % patch == 0 and 0 % heads == 0 passed), and a drop-path rate of 2.
+  architecture = [
+    f.name for f in dataclasses.fields(owl_lib.ModelConfig) if f.metadata["architecture"]
+  ]
+  assert len(architecture) == 13
+  for name in architecture:
+    with pytest.raises(ValueError, match=f"^{name}=0 must be >= 1"):
+      create_model("tiny", **{name: 0})
+  with pytest.raises(ValueError, match="vision_stochastic_depth=2.0 must be"):
+    create_model("tiny", vision_stochastic_depth=2.0)
+  with pytest.raises(ValueError, match="vision_width=30 is not divisible by vision_heads=4"):
+    create_model("tiny", vision_width=30, vision_heads=4)
+  assert create_model("tiny", vision_layers=1).vision_layers == 1

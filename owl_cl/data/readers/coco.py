@@ -17,7 +17,6 @@ import json
 import os
 
 from owl_cl.data import tfds_source
-from owl_cl.data.coco import CocoSource
 from owl_cl.data.coco import DataError
 from owl_cl.data.readers import reader as reader_lib
 from owl_cl.data.readers.reader import SPLITS
@@ -199,24 +198,11 @@ def json_protocol(entry: DatasetEntry, split: str) -> str:
   return "lvis" if has_lvis_fields(data) else "coco"
 
 
-def _load(entry: DatasetEntry, split: str, coco_options: dict) -> CocoSource:
-  spec = entry.split(split)
-  label = entry.name if split == "train" else f"{entry.name}/{split}"
-  source = CocoSource(
-    spec.annotation_file,
-    spec.image_dir,
-    label,
-    exclude_category_ids=entry.exclude_category_ids,
-    **coco_options,
-  )
-  return reader_lib.balanced_train_subset(entry, split, source)
-
-
 READER = reader_lib.register(
   reader_lib.Reader(
     kind="coco",
     splits=lambda cfg, where, problems: declared_splits(cfg, where, problems, _coco_split),
-    load=_load,
+    load=reader_lib.coco_json_source,
     check=_check,
   )
 )

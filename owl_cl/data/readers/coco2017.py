@@ -12,26 +12,17 @@ Source: COCO 2017 release (cocodataset.org); `owl_cl.data.pretraining`.
 from __future__ import annotations
 
 from owl_cl.data import pretraining
-from owl_cl.data.coco import CocoSource
 from owl_cl.data.readers import reader as reader_lib
 from owl_cl.data.readers.rooted import rooted_reader
 
-
-def _load(entry: reader_lib.DatasetEntry, split: str, options: dict) -> CocoSource:
-  spec = entry.split(split)
-  name = entry.name if split == "train" else f"{entry.name}/{split}"
-  source = CocoSource(
-    spec.annotation_file,
-    spec.image_dir,
-    name,
-    exclude_category_ids=entry.exclude_category_ids,
-    **options,
-  )
-  return reader_lib.balanced_train_subset(entry, split, source)
-
-
 READER = reader_lib.register(
   rooted_reader(
-    "coco2017", "coco", ("val",), pretraining.coco_paths, _load, evaluation="coco", label="ZCOCO"
+    "coco2017",
+    "coco",
+    ("val",),
+    pretraining.coco_paths,
+    reader_lib.coco_json_source,
+    evaluation="coco",
+    label="ZCOCO",
   )
 )

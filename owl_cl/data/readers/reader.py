@@ -34,6 +34,7 @@ __all__ = [
   "ints",
   "entry_root",
   "balanced_train_subset",
+  "coco_json_source",
 ]
 
 SPLITS = ("train", "val", "test")
@@ -235,3 +236,25 @@ def balanced_train_subset(entry: DatasetEntry, split: str, source: CocoSource) -
     if len(ids) < len(source):
       return source.subset(ids, name=entry.name)
   return source
+
+
+def coco_json_source(entry: DatasetEntry, split: str, coco_options: dict) -> CocoSource:
+  """The `CocoSource` of `split`'s COCO json and image folder (`entry.split(split)`): named
+  `entry.name` for 'train', `<name>/<split>` otherwise, the entry's excluded category ids left
+  out, restricted to its balanced training subset (`balanced_train_subset`). `coco_options`:
+  `CocoSource`'s keyword options. The `Reader.load` of every kind whose splits are COCO jsons
+  (kinds 'coco', 'coco2017').
+
+  Raises:
+    DataError: undeclared split; what `CocoSource` raises for an unreadable json.
+  """
+  spec = entry.split(split)
+  label = entry.name if split == "train" else f"{entry.name}/{split}"
+  source = CocoSource(
+    spec.annotation_file,
+    spec.image_dir,
+    label,
+    exclude_category_ids=entry.exclude_category_ids,
+    **coco_options,
+  )
+  return balanced_train_subset(entry, split, source)
