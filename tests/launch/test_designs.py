@@ -114,6 +114,13 @@ def test_builtin_design_is_the_committed_sweep():
   assert orders == sorted(orders) and planned[0].name == "no_replay_random_0_seed0"
   with open(os.path.join(COMMITTED_RUNS, "lwf_random_0_seed0", "results.json")) as f:
     assert json.load(f)["algorithm"] == "lwf"
+  # Its rows' order is the README table's (the report's --order), the pre-trained row first.
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  table = readme.split("<!-- sweep_builtin summary: benchmarks/sweep_builtin.sh -->\n")[1]
+  table = table.split("<!-- /sweep_builtin summary -->")[0]
+  rows = [line.split("|")[1].strip() for line in table.splitlines()[3:]]
+  assert rows == [r.name for r in designs.BUILTIN.rows]
 
 
 # The whole command at tiny size: 2 tiny runs on the session's pre-trained model (the first
