@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from owl_cl.analysis import claims
 from owl_cl.analysis import report as report_lib
 from owl_cl.analysis import stats
 from owl_cl.analysis import wise_ft_curve
@@ -136,3 +137,10 @@ def test_report_has_the_section_and_figure_only_with_blended_rows(points, tmp_pa
   assert "wise_ft_curve" not in report
   assert "WiSE-FT" not in report_lib.render_markdown(report)
   assert "wise_ft" not in report_lib.write_report(report, str(tmp_path / "plain"))
+
+
+def test_rows_of_a_baseline_are_not_retrieval_algorithms():
+  # WiSE-FT alone at any alpha is the baseline wise_ft's row (power, variance components and
+  # 'Pairs that differ' leave it out with the baselines); a composed row is its config's.
+  names = ["uniform", "wise_ft(0.25)", "wise_ft", "swil+wise_ft(0.5)", "no_replay", "joint"]
+  assert claims.retrieval_algorithms(names) == ["uniform", "swil+wise_ft(0.5)"]
