@@ -126,4 +126,4 @@ def render_lines(report: Mapping[str, Any]) -> list[str]:
       cells = [label, r["algorithm"], f"{r['alpha']:g}", str(n)]
       cells += [_cell(r[role]) for _, role in AXES] + diffs
       lines.append("| " + " | ".join(cells) + " |")
-  return lines + [""]
+  return lines
