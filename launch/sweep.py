@@ -23,8 +23,11 @@ one per line, for `launch/slurm_gpu.sbatch` (line i+1 = array task i); an existi
 other contents is never overwritten. `--run`: run them here, skipping complete runs
 (`results.json` status 'complete'); an interrupted run resumes (owl_cl.main). `--processes N`
 (with `--run`): up to N runs at once, the first one alone (it fills the shared cache: the
-built-in benchmark, the pre-trained model, the buffer); each run's output goes to
-`<root>/logs/<name>.log`. Stops launching at the first failure and returns its status.
+built-in benchmark, the pre-trained model, the buffer; with `--seed-fields` `seed` or
+`seeds.model`, each model seed's first run before that seed's others), a line with the rate
+and the time left after each; each run's output goes to `<root>/logs/<name>.log`. Stops
+launching at the first failure and returns its status. The committed sweeps' designs run
+with `launch/sweep_design.py`.
 
 Values are checked before anything is printed: algorithms against the registries (the
 retrieval algorithms and the baselines, `known_algorithms`), every
