@@ -26,6 +26,7 @@ import importlib
 import math
 
 from owl_cl import configs
+from owl_cl.analysis import claims
 from owl_cl.config_fields import SCHEDULES
 from owl_cl.configs import wise_ft as wise_ft_config
 from owl_cl.replay.retrieval import registry
@@ -74,6 +75,7 @@ class Design:
     out: the report's folder (the runs' results.json in `<out>/runs/`).
     root: the workdirs' default parent folder.
     plan: the report's analysis plan (`owl_cl.analysis.claims.PLANS`), or None.
+    reference: the row every other is compared with in the report (`--reference`).
     interference / protection: factor 3's tables (`owl_cl.analysis.interference` from the
       workdirs' records, `owl_cl.analysis.protection` from the copied results).
   """
@@ -89,6 +91,7 @@ class Design:
   out: str
   root: str
   plan: str | None = None
+  reference: str = "uniform"
   interference: bool = False
   protection: bool = False
 
@@ -167,10 +170,12 @@ ROUND2 = Design(
   seed_fields=("seed",),  # the model seed, and with it the data and retrieval seeds
   config_arg="builtin2",
   cells="model_order",
-  first_rows=("uniform",),  # the reference: it fills the cache (model and buffer) of a seed
+  # The plan's reference first in each cell: it fills the seed's cache (model and buffer).
+  first_rows=(claims.ROUND2.reference,),
   out="benchmarks/results/sweep_round2",
   root="workdirs/sweep_round2",
-  plan="round2",
+  plan=claims.ROUND2.name,
+  reference=claims.ROUND2.reference,
   protection=True,
 )
 

@@ -16,7 +16,7 @@ after each run gives the rate and the time left. Then, as with `--report-only`:
 1. each complete run's results.json is copied to `<out>/runs/<workdir name>/` (atomically;
    checkpoints and records stay in the root), so the report is reproduced from committed
    files alone;
-2. `python -m owl_cl.report <out>/runs --reference uniform [--plan P] --order <rows>`: report.md,
+2. `python -m owl_cl.report <out>/runs --reference R [--plan P] --order <rows>`: report.md,
    report.json and the figures in `<out>` (rows with runs, in the design's order), and the
    same report of each order's runs in `<out>/by_order/<order>/` (the order effect; with
    two orders or more);
@@ -130,7 +130,7 @@ def write_reports(design: designs.Design, planned: Sequence[Planned], root: str,
   have = [p for p in planned if os.path.isfile(os.path.join(out, RUNS, p.name, "results.json"))]
   rows = {p.row.name for p in have}
   order = ",".join(r.name for r in design.rows if r.name in rows)
-  options = ["--reference", "uniform", "--order", order]
+  options = ["--reference", design.reference, "--order", order]
   options += ["--plan", design.plan] if design.plan else []
   status = report_lib.main([os.path.join(out, RUNS), *options, "--out", out])
   for task_order in design.orders if len(design.orders) > 1 else ():
@@ -199,13 +199,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--out", help="report folder (default the design's)")
   parser.add_argument("--processes", type=int, default=2, help="runs at once (2)")
   parser.add_argument("--python", default=sys.executable, help="interpreter of the runs")
-  parser.add_argument("--run", action="store_true", help="run, copy and report")
-  parser.add_argument("--report-only", action="store_true", help="copy and report, no runs")
+  mode = parser.add_mutually_exclusive_group()
+  mode.add_argument("--run", action="store_true", help="run, copy and report")
+  mode.add_argument("--report-only", action="store_true", help="copy and report, no runs")
   parser.add_argument("--smoke", action="store_true", help="tiny size (module docstring)")
   parser.add_argument("--cache-dir", help="with --smoke: the tiny runs' cache folder")
   args = parser.parse_args(argv)
   if args.processes < 1:
     parser.error(f"--processes must be >= 1, got {args.processes}")
+  if args.cache_dir and not args.smoke:
+    parser.error("--cache-dir is for --smoke (a design's runs use their configs' cache_dir)")
   design, configs_dir = designs.DESIGNS[args.design], None
   root = _place(args.root, design.root)
   if args.smoke:

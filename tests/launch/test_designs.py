@@ -96,6 +96,27 @@ def test_round2_commands_name_and_group_the_runs():
   assert by_name["uniform_random_0_seed0"].argv[-1] == "--config.seed=0"
 
 
+def test_command_line_refusals(capsys, tmp_path):
+  # Each refused before anything is written: one line naming the option, status 2.
+  for argv, message in [
+    (["nope"], "invalid choice: 'nope'"),
+    (["round2", "--processes=0"], "--processes must be >= 1, got 0"),
+    (["round2", "--cache-dir=x"], "--cache-dir is for --smoke"),
+    (["round2", "--run", "--report-only"], "not allowed with argument"),
+  ]:
+    with pytest.raises(SystemExit) as e:
+      sweep_design.main([*argv, f"--root={tmp_path / 'root'}"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+  assert not os.listdir(tmp_path)
+  # Without --run: the design's line and its commands, nothing run or written.
+  assert sweep_design.main(["round2", f"--root={tmp_path / 'root'}"]) == 0
+  captured = capsys.readouterr()
+  assert "design round2" in captured.err and len(captured.out.splitlines()) == 12 * len(
+    designs.ROUND2.rows
+  )
+  assert not os.listdir(tmp_path)
+
+
 def test_builtin_design_is_the_committed_sweep():
   # The first design's runs are exactly the committed sweep's 150 runs, with its seeds.
   planned = sweep_design.plan_runs(designs.BUILTIN, "workdirs/sweep_builtin2", python="python")
