@@ -23,8 +23,11 @@ one per line, for `launch/slurm_gpu.sbatch` (line i+1 = array task i); an existi
 other contents is never overwritten. `--run`: run them here, skipping complete runs
 (`results.json` status 'complete'); an interrupted run resumes (owl_cl.main). `--processes N`
 (with `--run`): up to N runs at once, the first one alone (it fills the shared cache: the
-built-in benchmark, the pre-trained model, the buffer); each run's output goes to
-`<root>/logs/<name>.log`. Stops launching at the first failure and returns its status.
+built-in benchmark, the pre-trained model, the buffer; with `--seed-fields` `seed` or
+`seeds.model`, each model seed's first run before that seed's others), a line with the rate
+and the time left after each; each run's output goes to `<root>/logs/<name>.log`. Stops
+launching at the first failure and returns its status. The committed sweeps' designs run
+with `launch/sweep_design.py`.
 
 Values are checked before anything is printed: algorithms against the registries (the
 retrieval algorithms and the baselines, `known_algorithms`), every
@@ -42,6 +45,7 @@ import importlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -142,7 +146,12 @@ def _load_config(algorithm: str, paper: bool, configs_dir: str | None = None, co
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """One run of the sweep: its workdir and its command line (argv, unquoted)."""
+  """One run of the sweep: its workdir and its command line (argv, unquoted).
+
+  `cache_group`: the runs that share one pre-trained model and buffer (the model seed when the
+  sweep's seed sets it, else None: one model for the whole sweep); `run_tasks` runs a group's
+  first task before the group's others.
+  """
 
   algorithm: str
   seed: int
@@ -150,11 +159,22 @@ class Task:
   workdir: str
   argv: tuple[str, ...]
   order: str | None = None
+  cache_group: int | None = None
 
   @property
   def command(self) -> str:
     """The shell-quoted command line."""
     return " ".join(shlex.quote(a) for a in self.argv)
+
+
+# The seed fields that choose the pre-trained model (and so the cache entries a run fills).
+MODEL_SEED_FIELDS = ("seed", "seeds.model")
+
+
+def workdir_head(label: str) -> str:
+  """A row label as the head of its workdirs' names: 'swil+wise_ft(0.5)' -> 'swil+wise_ft_0.5'
+  ('(' becomes '_', ')' goes, other characters but letters, digits and `._=-+,` become '-')."""
+  return _name_part("", label.replace("(", "_").replace(")", ""))[1:]
 
 
 def _name_part(field: str, value: str) -> str:
@@ -176,6 +196,7 @@ def build_sweep(
   seed_fields: Sequence[str] | None = None,
   configs_dir: str | None = None,
   config_arg: str = "",
+  label: str = "",
 ) -> list[Task]:
   """The sweep's tasks in deterministic order (algorithm, order, seed, then grid product).
 
@@ -197,6 +218,9 @@ def build_sweep(
       instead of the repository's configs/; the commands name its files.
     config_arg: a further `get_config` argument of every config, e.g. 'builtin2' (version 2
       of the built-in benchmark): `--config=configs/<algorithm>.py:builtin2`.
+    label: with one algorithm, the runs' name (`--config.experiment_name=<label>`, a report's
+      row, e.g. 'swil+wise_ft(0.5)') and their workdirs' head (`workdir_head`) instead of the
+      algorithm's; '' keeps the config's own.
 
   Returns:
     [Task] of len(algorithms) * max(1, len(orders)) * len(seeds) * prod(len(values)).
@@ -212,6 +236,8 @@ def build_sweep(
     raise ValueError(f"unknown algorithm(s) {unknown}; known: {', '.join(known)}")
   if not algorithms or not seeds:
     raise ValueError("a sweep needs at least one algorithm and one seed.")
+  if label and len(algorithms) != 1:
+    raise ValueError(f"a label ({label!r}) names the runs of one algorithm, got {algorithms}")
   if seed_fields is None:
     seed_fields = ["seeds.data", "seeds.retrieval"] if orders else ["sequence_seed"]
   if not seed_fields:
@@ -223,7 +249,8 @@ def build_sweep(
       if problem := orders_lib.task_order_problem(order):
         raise ValueError(f"--orders: {order!r} {problem}")
   seed_set = list(seed_fields) + (["task_order"] if orders else [])
-  fields = [f for f, _ in grid] + [f for f, _ in fixed] + seed_set
+  named = [("experiment_name", label)] if label else []
+  fields = [f for f, _ in grid] + [f for f, _ in list(fixed) + named] + seed_set
 
   arg = _config_arg(paper, config_arg)
 
@@ -248,7 +275,8 @@ def build_sweep(
   for algorithm, order, seed in itertools.product(algorithms, list(orders) or [None], seeds):
     for values in itertools.product(*[list(v) for _, v in grid]):
       pairs = tuple(zip(grid_fields, values))
-      head = algorithm if order is None else f"{algorithm}_{_name_part('', order)[1:]}"
+      head = workdir_head(label) if label else algorithm
+      head = head if order is None else f"{head}_{_name_part('', order)[1:]}"
       name = "_".join([f"{head}_seed{int(seed)}"] + [_name_part(f, v) for f, v in pairs])
       workdir = os.path.join(root, name)
       if workdir in workdirs:
@@ -266,8 +294,9 @@ def build_sweep(
       if order is not None:
         argv.append(f"--config.task_order={order}")
       argv += [f"--config.{f}={int(seed)}" for f in seed_fields]
-      argv += [f"--config.{f}={v}" for f, v in list(pairs) + list(fixed)]
-      tasks.append(Task(algorithm, int(seed), pairs, workdir, tuple(argv), order))
+      argv += [f"--config.{f}={v}" for f, v in list(pairs) + list(fixed) + named]
+      group = int(seed) if set(MODEL_SEED_FIELDS) & set(seed_fields) else None
+      tasks.append(Task(algorithm, int(seed), pairs, workdir, tuple(argv), order, group))
   return tasks
 
 
@@ -286,19 +315,33 @@ def _log_path(task: Task) -> str:
   return os.path.join(root, "logs", os.path.basename(os.path.normpath(task.workdir)) + ".log")
 
 
-def run_tasks(tasks: Sequence[Task], processes: int = 1, *, poll_seconds: float = 1.0) -> int:
-  """Runs the tasks here (cwd: the repository), skipping complete ones.
+def run_tasks(
+  tasks: Sequence[Task],
+  processes: int = 1,
+  *,
+  poll_seconds: float = 1.0,
+  keep_going: bool = False,
+  clock=time.monotonic,
+) -> int:
+  """Runs the tasks here (cwd: the repository) in their order, skipping complete ones.
 
   Args:
-    tasks: `build_sweep`'s tasks.
+    tasks: `build_sweep`'s tasks (a design's, in its priority order).
     processes: at most this many at once; 1 runs them one after another in this terminal.
-      With more, the first pending task runs alone (it fills the shared cache), then up to
-      `processes` at a time, each writing to `<root>/logs/<name>.log` (appended).
+      With more, each writes to `<root>/logs/<name>.log` (appended).
     poll_seconds: how often running tasks are checked.
+    keep_going: after a failure, go on starting the other tasks (a long unattended sweep);
+      default: no new task starts after it (running ones finish).
+    clock: seconds, for the progress lines (tests pass a fake).
+
+  The first pending task of each `cache_group` (it fills the group's cache: the pre-trained
+  model, the buffer) runs before the group's others start, beside other groups' tasks; with
+  one group (the model shared) it runs alone. A task starts when a process is free, in order,
+  skipping those whose group's first task has not ended. After each task, a progress line on
+  stderr: tasks ended, failed, the rate over this invocation and the estimated time left.
 
   Returns:
-    0, or the exit status of the first task that failed (no new task starts after it; running
-    ones finish).
+    0, or the exit status of the first task that failed.
 
   Raises:
     ValueError: processes < 1.
@@ -311,7 +354,11 @@ def run_tasks(tasks: Sequence[Task], processes: int = 1, *, poll_seconds: float 
       print(f"# complete, skipped: {task.workdir}", file=sys.stderr, flush=True)
     else:
       pending.append(task)
-  total = len(pending)
+  total, begin = len(pending), clock()
+  first_of = {}  # cache group -> its first pending task (filling its cache)
+  for task in pending:
+    first_of.setdefault(task.cache_group, task)
+  filled: set[int | None] = set()
 
   def start(task: Task, n: int) -> subprocess.Popen:
     print(f"# [{n}/{total}] {task.workdir}", file=sys.stderr, flush=True)
@@ -322,27 +369,50 @@ def run_tasks(tasks: Sequence[Task], processes: int = 1, *, poll_seconds: float 
       return subprocess.Popen(list(task.argv), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
   running: list[tuple[Task, subprocess.Popen]] = []
-  failed = started = 0
-  first_running = True
-  while (pending and not failed) or running:
-    # The first task alone until it has finished (it fills the shared cache), then up to
-    # `processes` at once.
-    while pending and not failed and len(running) < (1 if started and first_running else processes):
-      task = pending.pop(0)
+  failed = started = ended = failures = 0
+  while (pending and not (failed and not keep_going)) or running:
+    while len(running) < processes and not (failed and not keep_going):
+      ready = [t for t in pending if t.cache_group in filled or first_of[t.cache_group] is t]
+      if not ready:
+        break
+      pending.remove(ready[0])
       started += 1
-      running.append((task, start(task, started)))
+      running.append((ready[0], start(ready[0], started)))
     finished = [(t, p) for t, p in running if p.poll() is not None]
     if not finished:
       time.sleep(poll_seconds)
       continue
     for task, proc in finished:
       running.remove((task, proc))
+      filled.add(task.cache_group)
+      ended += 1
       if proc.returncode:
         where = "" if processes == 1 else f" (log: {_log_path(task)})"
         print(f"# failed with status {proc.returncode}: {task.command}{where}", file=sys.stderr)
         failed = failed or proc.returncode
-    first_running = first_running and bool(running)
+        failures += 1
+      print(f"# {progress_line(ended, total, failures, clock() - begin)}", file=sys.stderr)
   return failed
+
+
+def progress_line(ended: int, total: int, failures: int, elapsed_s: float) -> str:
+  """'12/228 ended (1 failed), 14.2 runs/h, about 15.2 h left' (the rate: tasks ended per hour
+  of this invocation; the time left: the tasks not ended at that rate)."""
+  rate = 3600.0 * ended / elapsed_s if elapsed_s > 0 else math.inf
+  left = (total - ended) / rate * 3600.0 if rate > 0 else math.inf
+  when = "done" if ended == total else f"about {format_duration(left)} left"
+  return f"{ended}/{total} ended ({failures} failed), {rate:.1f} runs/h, {when}"
+
+
+def format_duration(seconds: float) -> str:
+  """'45 s', '12 min', '3.4 h'."""
+  if not math.isfinite(seconds):
+    return "unknown time"
+  if seconds < 90:
+    return f"{seconds:.0f} s"
+  if seconds < 5400:
+    return f"{seconds / 60:.0f} min"
+  return f"{seconds / 3600:.1f} h"
 
 
 def write_task_file(path: str, tasks: Sequence[Task]) -> None:

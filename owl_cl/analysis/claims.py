@@ -86,8 +86,10 @@ PLANS = {ROUND2.name: ROUND2}
 
 def retrieval_algorithms(algorithms: Sequence[str]) -> list[str]:
   """The names among `algorithms` that are retrieval algorithms: not a baseline of
-  `owl_cl.configs.BASELINES` (`no_replay`, `lwf`, `joint`, ...)."""
-  return [a for a in algorithms if a not in configs.BASELINES]
+  `owl_cl.configs.BASELINES` (`no_replay`, `lwf`, `joint`, ...), nor a row of one: a design's
+  row is named by its config, then '(<alpha>)' or '+<blend>(<alpha>)' (launch/designs.py), so
+  'wise_ft(0.25)' is the baseline's and 'swil+wise_ft(0.5)' swil's, with WiSE-FT."""
+  return [a for a in algorithms if a.split("+")[0].split("(")[0] not in configs.BASELINES]
 
 
 def run_factors(pair: str) -> tuple[str, str]:

@@ -37,8 +37,10 @@ import numpy as np
 from owl_cl.analysis import claims
 from owl_cl.analysis import ivlod_orders
 from owl_cl.analysis import stats
+from owl_cl.analysis import wise_ft_curve
 from owl_cl.analysis.report_figures import plot_forest
 from owl_cl.analysis.report_figures import plot_forgetting_bands
+from owl_cl.analysis.report_figures import plot_wise_ft_curve
 from owl_cl.eval import ivlod
 from owl_cl.eval import results as results_lib
 from owl_cl.eval import table3
@@ -111,6 +113,7 @@ TAIL_EVAL_SET = "pretrain_tail"  # owl_cl.data.builtin.TAIL_DATASET
 _INITIAL = ("pretrain_AP", "open_vocab_AP", "held_out_AP", "tail_AP", "downstream_mean_AP")
 REPORT_MD, REPORT_JSON = "report.md", "report.json"
 FIGURE_FORGETTING, FIGURE_FOREST = "forgetting_curves.png", "forest_plot.png"
+FIGURE_WISE_FT = "wise_ft_curve.png"
 
 
 class ReportError(ValueError):
@@ -130,6 +133,8 @@ class RunPoint:
       fine-tuning" row; equal in every run that shares the pre-trained model).
     per_set: {eval set: AP (points)} at the reported stage (empty for a `per_task` run, whose
       last stage holds only its last task's model).
+    settings: {dotted config field: value}: its algorithm's settings (the fields under
+      `_ALGORITHM_FIELDS`: replay, schedule, lwf, frozen, lora, wise_ft).
   """
 
   path: str
@@ -140,6 +145,7 @@ class RunPoint:
   curve: np.ndarray
   initial: dict[str, float] = dataclasses.field(default_factory=dict)
   per_set: dict[str, float] = dataclasses.field(default_factory=dict)
+  settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def find_runs(paths: Sequence[str]) -> list[str]:
@@ -357,6 +363,7 @@ def load_points(
         curve,
         {k: v for k, v in _run_values(results, 0).items() if k in _INITIAL},
         _per_set(results, stage),
+        {k: v for k, v in config.items() if k.startswith(_ALGORITHM_FIELDS)},
       )
     )
   return points
@@ -409,7 +416,8 @@ def build_report(
     `stats.summarize`} (stage 0 over the pre-trained models, the "No fine-tuning" row),
     per_set {algorithm: {eval set: `stats.summarize` of its AP}}, curves {algorithm:
     {mean [S], low [S], high [S]}}, with IVLOD runs ivlod_orders {algorithm: {IVLOD metric:
-    `ivlod_orders.over_orders`}}, and `claims.sections`' plan, power, variance and
+    `ivlod_orders.over_orders`}}, with rows at several WiSE-FT alphas wise_ft_curve
+    (`wise_ft_curve.section`), and `claims.sections`' plan, power, variance and
     confirmatory). Holm's correction is over the comparisons of one metric (against the
     reference: the other algorithms; pairwise: every pair); the plan's across its comparisons.
 
@@ -455,6 +463,8 @@ def build_report(
   # IVLOD runs: each metric also as a mean and spread over the task orders (docs/ivlod.md).
   ivlod_keys = [k for k, _ in IVLOD_METRICS if k in keys]
   extra = {"ivlod_orders": ivlod_orders.by_algorithm(points, ivlod_keys)} if ivlod_keys else {}
+  if curve := wise_ft_curve.section(points):  # rows at several WiSE-FT alphas
+    extra["wise_ft_curve"] = curve
   out = dict(
     **extra,
     stage="final" if stage is None else stage,
@@ -664,6 +674,7 @@ def render_markdown(
         f"{_p(r['wilcoxon_p'])} |"
       )
   lines += ["", *_per_set_lines(report, order)]
+  lines += ["", *wise_ft_curve.render_lines(report)] if report.get("wise_ft_curve") else []
   lines += ["", *claims.pairs_lines(report, alpha)]
   lines += ["", *claims.render_lines(report)]
   return "\n".join(lines)
@@ -707,10 +718,10 @@ def write_report(
   report: Mapping[str, Any], out_dir: str, order: Sequence[str] = ()
 ) -> dict[str, str]:
   """Writes report.md (its tables' rows in `order`), report.json and the two figures into
-  `out_dir` (each atomically).
+  `out_dir` (each atomically), and the WiSE-FT curve's figure when the report has one.
 
   Returns:
-    {'md' | 'json' | 'forgetting' | 'forest': path}.
+    {'md' | 'json' | 'forgetting' | 'forest' [| 'wise_ft']: path}.
   """
   os.makedirs(out_dir, exist_ok=True)
   paths = {
@@ -722,10 +733,13 @@ def write_report(
   atomic_write_text(paths["md"], render_markdown(report, order=order))
   clean = _jsonable(report)  # NaN -> null (strict JSON)
   atomic_write_text(paths["json"], json.dumps(clean, indent=1) + "\n")
-  figures = (
+  figures = [
     ("forgetting", plot_forgetting_bands(report)),
     ("forest", plot_forest(report, order=order)),
-  )
+  ]
+  if report.get("wise_ft_curve"):
+    paths["wise_ft"] = os.path.join(out_dir, FIGURE_WISE_FT)
+    figures.append(("wise_ft", plot_wise_ft_curve(report)))
   for key, fig in figures:
     tmp = paths[key] + ".tmp.png"
     fig.savefig(tmp, dpi=120)

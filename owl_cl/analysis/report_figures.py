@@ -1,4 +1,5 @@
-"""The sweep report's figures (`owl_cl.analysis.report`): forgetting bands and a forest plot.
+"""The sweep report's figures (`owl_cl.analysis.report`): forgetting bands, a forest plot and
+WiSE-FT's retention / plasticity curve.
 
 Matplotlib on an Agg canvas (no display); each function takes a `report.build_report` dict and
 returns the Figure, which `report.write_report` saves.
@@ -13,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 import numpy as np
 
-__all__ = ["plot_forgetting_bands", "plot_forest"]
+__all__ = ["plot_forgetting_bands", "plot_forest", "plot_wise_ft_curve"]
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -67,4 +68,33 @@ def plot_forest(
     ax.set_xlabel(f"difference from {report['reference']} (points)")
     ax.set_title(report["metrics"][m], fontsize=9)
     ax.grid(alpha=0.3, axis="x")
+  return fig
+
+
+def plot_wise_ft_curve(report: Mapping[str, Any]) -> Figure:
+  """WiSE-FT's trade-off (`report['wise_ft_curve']`, `owl_cl.analysis.wise_ft_curve`): per
+  curve, retention (pre-training set AP, y) against plasticity (downstream mean AP, x), points,
+  each row's mean with its interval on both axes, joined in the order of alpha and labelled
+  with it; the pre-trained model (alpha 0, `report['pretrained']`) as a star."""
+  fig = _figure(5.6, 4.4)
+  ax = fig.add_subplot()
+  for curve in report["wise_ft_curve"]:
+    rows = curve["rows"]
+    x = np.array([r["plasticity"]["mean"] for r in rows], float)
+    y = np.array([r["retention"]["mean"] for r in rows], float)
+    xerr = np.nan_to_num([r["plasticity"]["half_width"] for r in rows])
+    yerr = np.nan_to_num([r["retention"]["half_width"] for r in rows])
+    ax.errorbar(x, y, xerr=xerr, yerr=yerr, fmt="o-", capsize=3, label=curve["label"])
+    for r, xi, yi in zip(rows, x, y):
+      ax.annotate(f"{r['alpha']:g}", (xi, yi), textcoords="offset points", xytext=(4, 4))
+  initial = report.get("pretrained") or {}
+  if "pretrain_AP" in initial and "downstream_mean_AP" in initial:
+    x0, y0 = initial["downstream_mean_AP"]["mean"], initial["pretrain_AP"]["mean"]
+    ax.plot([x0], [y0], "k*", markersize=10, label="pre-trained (alpha 0)")
+  ax.set_xlabel("plasticity: downstream mean AP (points)")
+  ax.set_ylabel("retention: pre-training set AP (points)")
+  conf = int(round(100 * report["confidence"]))
+  ax.set_title(f"WiSE-FT over alpha: mean and {conf}% intervals", fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
   return fig

@@ -10,9 +10,10 @@ per-distribution optimum. `--config.train.wise_ft.when=end` blends only after th
 Measures how much of sequential fine-tuning's (`no_replay.py`) forgetting moving back toward the
 pre-trained weights undoes, and what it costs in plasticity; `--config.train.wise_ft.alpha=...`
 traces the trade-off. Composes with replay: `--config=configs/swil.py
---config.train.wise_ft.alpha=0.5 --config.experiment_name=swil_wise_ft` (a run of its own name,
-so a report keeps it apart from `swil`), and with LoRA (`:lora`: the adapters' B factors are
-scaled by alpha, which is the blend of the merged weights).
+--config.train.wise_ft.alpha=0.5 --config.experiment_name='swil+wise_ft(0.5)'` (a run of its
+own name, so a report keeps it apart from `swil`; the second sweep's name of that row), and
+with LoRA (`:lora`: the adapters' B factors are scaled by alpha, which is the blend of the
+merged weights).
 
 Run: `python -m owl_cl.main --config=configs/wise_ft.py` (paper's protocol:
 `--config=configs/wise_ft.py:paper --config.data.root=... --config.init_checkpoint=...`).

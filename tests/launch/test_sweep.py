@@ -1,6 +1,8 @@
 """Tests of launch/: sweep command lines, task file, and the cluster scripts (syntax, dry runs)."""
 
+import dataclasses
 import importlib.util
+import math
 import os
 import shlex
 import subprocess
@@ -407,3 +409,31 @@ def test_run_tasks_stops_at_the_first_failure(tmp_path):
   assert sorted(read_times(root)) == ["a", "b"]  # c never started
   with pytest.raises(ValueError, match="--processes must be >= 1"):
     sweep.run_tasks(tasks, processes=0)
+
+
+def test_run_tasks_fills_each_cache_group_first_and_keeps_going(tmp_path, capsys):
+  root = str(tmp_path)
+  # Model seeds 0 and 1 (cache groups): a0 and b0 fill their groups' caches; a1 and b1 wait
+  # for their own group's first task only; f fails, and with keep_going the rest still run.
+  tasks = fake_tasks(root, ["a0", "b0", "a1", "f", "b1"], fail=("f",))
+  groups = {"a0": 0, "a1": 0, "f": 0, "b0": 1, "b1": 1}
+  tasks = [dataclasses.replace(t, cache_group=groups[os.path.basename(t.workdir)]) for t in tasks]
+  assert sweep.run_tasks(tasks, processes=2, poll_seconds=0.05, keep_going=True) == 3
+  times = read_times(root)
+  assert sorted(times) == ["a0", "a1", "b0", "b1", "f"]  # f's failure stopped nothing
+  # The two groups' first tasks started together (before any task ended); each group's
+  # others after its first.
+  lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("# fail")]
+  assert lines[0].endswith("a0") and lines[1].endswith("b0") and "ended" in lines[2]
+  assert all(times[n]["start"] >= times["a0"]["end"] for n in ("a1", "f"))
+  assert times["b1"]["start"] >= times["b0"]["end"]
+
+
+def test_progress_line_hand_worked():
+  # 3 ended in 1800 s: 6 runs/h; 9 left at that rate: 1.5 h.
+  assert (
+    sweep.progress_line(3, 12, 1, 1800.0) == "3/12 ended (1 failed), 6.0 runs/h, about 1.5 h left"
+  )
+  assert sweep.progress_line(12, 12, 0, 7200.0) == "12/12 ended (0 failed), 6.0 runs/h, done"
+  assert sweep.progress_line(1, 4, 0, 60.0).endswith("about 3 min left")  # 60 runs/h
+  assert sweep.format_duration(45.0) == "45 s" and sweep.format_duration(math.inf) == "unknown time"
