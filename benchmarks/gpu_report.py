@@ -131,7 +131,9 @@ def hf_goals(parts: dict) -> list[dict]:
   sides = {r["side"]: r for r in _rows(result, "")}
   remats = {s: sides[s].get("remat") for s in ("ours_model", "hf_model") if s in sides}
   value = ratio.get("model_only")
-  if value is not None and set(remats.values()) != {"none"}:
+  if value is None:
+    note = "not timed"
+  elif set(remats.values()) != {"none"}:
     value, note = None, f"remat not none on both sides: {remats}"
   else:
     note = f"batch {ratio.get('batch')}, remat {remats}"
