@@ -22,19 +22,20 @@
 #   4. remat_selective (120) the same with remat=$SELECTIVE (dots_with_no_batch_dims_saveable:
 #                            the weight matmuls' outputs kept, attention, softmax, LayerNorm
 #                            and GELU recomputed), in its own process, the same batch;
-#   5. retrieval       (60)  benchmarks/retrieval.py at N = 1M buffer images, every
+#   5. retrieval       (90)  benchmarks/retrieval.py at N = 1M buffer images, every
 #                            registered algorithm (its default list), one process;
-#   6. owlv2           (120, or the about 50 s left) benchmarks/step.py, OWLv2 L/14 at
+#   6. owlv2           (120, or the about 20 s left: skipped) benchmarks/step.py, OWLv2 L/14 at
 #                            1008 px, 16 + 16, remat per block: peak memory and MFU. The L/14
 #                            16 + 16 step took 70-86 s to its first step on an H200/H100
 #                            (docs/benchmarks.md), so what is left will not do: run it in a
-#                            second call, `PARTS=owlv2 SESSION_S=150`;
+#                            second call, `PARTS=owlv2 SESSION_S=150`, and put its owlv2.tgz
+#                            beside the first call's parts before reading them;
 #   7. rehearsal       (330, run only when PARTS names it) benchmarks/protocol_gpu.py: the main
 #                            job at real size, per phase (each phase's record is written when
 #                            it ends: a killed run keeps the others).
 # benchmarks/gpu_report.py reads $OUT afterwards and states each item-4 goal as met / not met
 # / not measured, with its figure and file.
-# PARTS (a space-separated list, default all) runs only those parts: the CI smoke runs
+# PARTS (a space-separated list, default parts 1-6) runs only those parts: the CI smoke runs
 # `PARTS=rehearsal` (the step.py parts' smoke runs in tests/benchmarks/test_benchmark_step.py;
 # each of them took over 4 min of a loaded 2-core CPU here, which CI has not to spare).
 # Each part's output goes to $OUT/<part>.tgz (the folder <part>/ with its JSON result and
@@ -112,7 +113,7 @@ part remat_block $((120 * scale)) "$py" benchmarks/step.py $smoke $ours_only --r
 part remat_selective $((120 * scale)) "$py" benchmarks/step.py $smoke $ours_only \
   --remats="$SELECTIVE" --remat="$SELECTIVE" --out "$OUT/remat_selective"
 # shellcheck disable=SC2086
-part retrieval $((60 * scale)) "$py" benchmarks/retrieval.py $smoke $million --repeats=10 \
+part retrieval $((90 * scale)) "$py" benchmarks/retrieval.py $smoke $million --repeats=10 \
   --skip-kernels --skip-floors --skip-precompute --out "$OUT/retrieval"
 # shellcheck disable=SC2086
 part owlv2 $((120 * scale)) "$py" benchmarks/step.py $smoke $ours_only --variant=owlv2_l14 \
