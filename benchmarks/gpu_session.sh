@@ -21,7 +21,9 @@
 #                            with the FLOP arithmetic of that configuration (MFU and HFU);
 #   4. remat_selective (120) the same with remat=$SELECTIVE (dots_with_no_batch_dims_saveable:
 #                            the weight matmuls' outputs kept, attention, softmax, LayerNorm
-#                            and GELU recomputed), in its own process, the same batch;
+#                            and GELU recomputed), in its own process, the same batch (the
+#                            arithmetic's 6.93 + 32 x 2.35 = 82 GB fits an H200, not surely an
+#                            80 GB H100: an out-of-memory is recorded as the side's error);
 #   5. retrieval       (90)  benchmarks/retrieval.py at N = 1M buffer images, every
 #                            registered algorithm (its default list), one process;
 #   6. owlv2           (120, or the about 20 s left: skipped) benchmarks/step.py, OWLv2 L/14 at
