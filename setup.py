@@ -44,6 +44,7 @@ EXTRAS = {
     "nbclient>=0.10",
     "nbformat>=5.10",
     "ipykernel>=6.29",
+    "faster-coco-eval>=1.8",
   ],
   # HF weight conversion and parity tests; OpenAI CLIP TorchScript init.
   "hf": ["torch==2.13.0", "transformers>=4.44", "safetensors>=0.4"],
@@ -54,6 +55,9 @@ EXTRAS = {
     "mkdocstrings>=1.0",
     "mkdocstrings-python>=2.0",
   ],
+  # owl_cl.eval.coco_eval's backend='faster_coco_eval': a maintained C++ drop-in for
+  # pycocotools' COCOeval (every metric equal on generated data: tests/eval/test_coco_backends.py).
+  "fast_coco": ["faster-coco-eval>=1.8"],
   "cuda12": ["jax[cuda12]"],
   "tpu": ["jax[tpu]"],
 }

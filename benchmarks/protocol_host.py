@@ -26,7 +26,11 @@ Usage:
   python benchmarks/protocol_host.py            # the paper's sizes: ~10 GB free disk, an idle
                                                 # machine; tens of minutes
   python benchmarks/protocol_host.py --smoke --out D   # every part at a tiny size (CI)
-  options: --parts input,scoring,checkpoint,buffer, --tmp DIR (where the files go)
+  options: --parts input,scoring,checkpoint,buffer, --tmp DIR (where the files go),
+  --coco-backend pycocotools|faster_coco_eval, --eval-sets o365_val,lvis_val,
+  --scoring-images N (the scoring part at a smaller size)
+  python benchmarks/protocol_host.py --parts=scoring --eval-sets=o365_val \
+    --scoring-images=2000 --coco-backend=faster_coco_eval --out D   # one backend's COCO time
 
 Timings are wall seconds of one process on one core unless a row says otherwise; the load
 average before and after is recorded (a shared machine's figures are not the machine's).
@@ -74,6 +78,8 @@ class Sizes:
   buffer_build_images: int = 2_000
   # scenic's mosaics and their probabilities (the tiny model's 64 px is not divisible by 3).
   mosaic: tuple = ((1, 2, 3), (0.4, 0.3, 0.3))
+  # `coco_eval.coco_evaluate`'s backend for the COCO sets (`coco_eval.COCO_BACKENDS`).
+  coco_backend: str = "pycocotools"
 
 
 FULL = Sizes()
@@ -270,7 +276,9 @@ def part_scoring(sizes: Sizes, tmp: str) -> dict:
       ground = pycoco.COCO()
       ground.dataset = gt
       ground.createIndex()
-      metrics = coco_eval.coco_evaluate(ground, detections, max_dets=dets)
+      metrics = coco_eval.coco_evaluate(
+        ground, detections, max_dets=dets, backend=sizes.coco_backend
+      )
     else:
       metrics = lvis_eval.lvis_evaluate(
         lvis_eval.load_lvis_ground_truth(gt), detections, max_dets=dets
@@ -278,6 +286,7 @@ def part_scoring(sizes: Sizes, tmp: str) -> dict:
     seconds = time.perf_counter() - t0
     out[name] = {
       "protocol": protocol,
+      **({"backend": sizes.coco_backend} if protocol == "coco" else {}),
       "images": images,
       "classes": classes,
       "detections": len(detections),
@@ -468,12 +477,43 @@ def render(report: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def scoring_sizes(sizes: Sizes, args) -> Sizes:
+  """`sizes` with the scoring options applied: the COCO backend, the named eval sets only,
+  at most `--scoring-images` images each. ValueError for an unknown set or backend."""
+  from owl_cl.eval import coco_eval  # noqa: PLC0415
+
+  if args.coco_backend not in coco_eval.COCO_BACKENDS:
+    raise ValueError(f"--coco-backend={args.coco_backend!r}; known: {coco_eval.COCO_BACKENDS}")
+  sets = sizes.eval_sets
+  if args.eval_sets:
+    names = args.eval_sets.split(",")
+    unknown = sorted(set(names) - {s[0] for s in sets})
+    if unknown:
+      raise ValueError(f"--eval-sets: unknown {unknown}; known: {[s[0] for s in sets]}")
+    sets = tuple(s for s in sets if s[0] in names)
+  if args.scoring_images:
+    sets = tuple((n, min(i, args.scoring_images), *rest) for n, i, *rest in sets)
+  return dataclasses.replace(sizes, eval_sets=sets, coco_backend=args.coco_backend)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
   p.add_argument("--parts", default=",".join(PARTS))
   p.add_argument("--tmp", default=None, help="where the files go (default: a temporary folder)")
+  p.add_argument(
+    "--coco-backend",
+    default="pycocotools",
+    help="COCOeval of the COCO sets: pycocotools or "
+    "faster_coco_eval (time each in its own process: one run per backend)",
+  )
+  p.add_argument(
+    "--eval-sets", default=None, help="scoring: only these sets (e.g. o365_val; default all)"
+  )
+  p.add_argument(
+    "--scoring-images", type=int, default=None, help="scoring: at most this many images per set"
+  )
   args = p.parse_args(argv)
   parts = [x for x in args.parts.split(",") if x]
   unknown = sorted(set(parts) - set(PARTS))
@@ -481,7 +521,7 @@ def main(argv=None) -> dict:
     p.error(f"--parts: unknown {unknown}; known: {','.join(PARTS)}")
   from owl_cl import utils  # noqa: PLC0415
 
-  sizes = SMOKE if args.smoke else FULL
+  sizes = scoring_sizes(SMOKE if args.smoke else FULL, args)
   tmp = tempfile.mkdtemp(prefix="protocol_host_", dir=args.tmp)
   report = {
     "mode": "smoke" if args.smoke else "full",

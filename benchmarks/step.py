@@ -715,6 +715,13 @@ def hf_detection_loss(torch, logits, pred_boxes, labels, boxes):
   return total / logits.shape[0]
 
 
+def _hf_checkpointing(model) -> bool:
+  """Whether HF's activation checkpointing is on (transformers 5 renamed the property;
+  the old name warns)."""
+  on = getattr(model, "is_activation_checkpointing", None)
+  return bool(model.is_gradient_checkpointing if on is None else on)
+
+
 def prepare_hf(args, batch: int, full: bool):
   """HF OwlViT's forward + backward, warmed up; returns (run, record).
 
@@ -767,6 +774,9 @@ def prepare_hf(args, batch: int, full: bool):
     "batch": batch,
     "dtype": "bf16 autocast" if device == "cuda" else "float32",
     "attention": getattr(model.config, "_attn_implementation", None),
+    # HF's gradient checkpointing (its remat) stays off: the like-for-like model-alone
+    # comparison has no remat on either side (issue 48 item 4).
+    "remat": "block" if _hf_checkpointing(model) else "none",
     "torch_threads": torch.get_num_threads(),
   }
 
@@ -972,6 +982,19 @@ def compile_cache(args) -> dict:
   return out
 
 
+def step_flops_of(args, row: dict) -> float | None:
+  """FLOPs per image our step executes at `row`'s dtype and remat (recomputation included),
+  from the arithmetic's config rows (`args.step_flops`, None without them); XLA-attention
+  rows preferred: cuDNN's are modelled off a GPU and its kernel's FLOPs are not in the HLO."""
+  rows = [
+    r
+    for r in getattr(args, "step_flops", None) or []
+    if r["dtype"] == row.get("dtype") and r["remat"] == row.get("remat")
+  ]
+  rows.sort(key=lambda r: r["attention"] != "xla")
+  return rows[0]["step_flops_per_image"] if rows else None
+
+
 def timing(args) -> dict:
   """Every side of `args.sides` at every `args.time_batches`, each in its own fresh process
   (`time_in_fresh_process`), the sides one after the other, `args.rounds` times; the ratios
@@ -999,6 +1022,11 @@ def timing(args) -> dict:
       rows[side] = summarize(recs)
       if peak and args.model_flops_per_image and side != "hf_step":
         rows[side]["mfu"] = rows[side]["images_per_s"] * args.model_flops_per_image / peak
+      hardware = step_flops_of(args, rows[side]) if side.startswith("ours_step") else None
+      if peak and hardware:
+        # HFU: the FLOPs the configuration executes (remat's recomputation included).
+        rows[side]["hfu"] = rows[side]["images_per_s"] * hardware / peak
+        rows[side]["step_flops_per_image"] = hardware
       print(f"  {side}: {rows[side]['step_s']:.3f} s", flush=True)
     result["rows"] += list(rows.values())
     ok = {k: v for k, v in rows.items() if "error" not in v}
@@ -1146,22 +1174,23 @@ def render_timing(t: dict) -> list[str]:
     "Each row is one side in its own fresh process(es) (`processes`), warm-up steps excluded; "
     "step s is the median over all timed steps, min-max beside it.",
     "",
-    "| side | work | batch | matcher | dtype | attention | step s | min-max s | images/s "
-    "| first step s | peak GB | MFU | processes |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| side | work | batch | matcher | dtype | remat | attention | step s | min-max s | images/s "
+    "| first step s | peak GB | MFU | HFU | processes |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in t["rows"]:
     side = r["side"]
     work = SIDES[side.split(":")[0]]
     if "error" in r:
-      lines.append(f"| {side} | {work} | {r['batch']} | failed: {r['error']} |" + " |" * 9)
+      lines.append(f"| {side} | {work} | {r['batch']} | failed: {r['error']} |" + " |" * 11)
       continue
-    mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+    mfu, hfu = (f"{r[k]:.1%}" if k in r else "-" for k in ("mfu", "hfu"))
     lines.append(
       f"| {side} | {work} | {r['batch']} | {r.get('matcher', '-')} | {r['dtype']} | "
-      f"{r.get('attention') or '-'} | {r['step_s']:.3f} | {r['step_s_min']:.3f}-"
-      f"{r['step_s_max']:.3f} | {r['images_per_s']:.2f} | {r['first_step_s']:.1f} | "
-      f"{_fmt_gb(r['peak_bytes'])} | {mfu} | {r['processes']} |"
+      f"{r.get('remat', '-')} | {r.get('attention') or '-'} | {r['step_s']:.3f} | "
+      f"{r['step_s_min']:.3f}-{r['step_s_max']:.3f} | {r['images_per_s']:.2f} | "
+      f"{r['first_step_s']:.1f} | {_fmt_gb(r['peak_bytes'])} | {mfu} | {hfu} | "
+      f"{r['processes']} |"
     )
   lines.append("")
   for r in t["ratios"]:
@@ -1356,6 +1385,7 @@ def main(argv=None) -> dict:
   if not args.skip_arithmetic and not args.skip_lora:
     results["lora"] = lora_arithmetic(args)
   args.model_flops_per_image = (results.get("arithmetic") or {}).get("model_flops_per_image_train")
+  args.step_flops = (results.get("arithmetic") or {}).get("configs")
   on_accelerator = args.backend != "cpu"
   if not args.skip_timing and (mode != "full" or on_accelerator):
     results["timing"] = timing(args)

@@ -70,9 +70,31 @@ def _no_data_to_nan(value: float) -> float:
   return float("nan") if value == -1.0 else float(value)
 
 
-def _result_coco(coco_gt, detections: list[dict[str, Any]]):
+#: The COCOeval implementations `coco_evaluate` may run: pycocotools' (the reference) and
+#: faster-coco-eval's C++ `COCOeval_faster` (the `fast_coco` extra), whose 12 statistics equal
+#: pycocotools' on generated data (tests/eval/test_coco_backends.py), 10x faster at 2,000
+#: images x 100 detections of 365 classes (docs/benchmarks.md).
+COCO_BACKENDS = ("pycocotools", "faster_coco_eval")
+
+
+def _backend(backend: str):
+  """(COCO class, COCOeval class) of a `COCO_BACKENDS` name; ValueError for another."""
+  if backend == "pycocotools":
+    from pycocotools.coco import COCO  # pylint: disable=g-import-not-at-top
+    from pycocotools.cocoeval import COCOeval  # pylint: disable=g-import-not-at-top
+
+    return COCO, COCOeval
+  if backend == "faster_coco_eval":
+    from faster_coco_eval import COCO  # pylint: disable=g-import-not-at-top
+    from faster_coco_eval import COCOeval_faster  # pylint: disable=g-import-not-at-top
+
+    return COCO, COCOeval_faster
+  raise ValueError(f"backend={backend!r} is unknown; known: {list(COCO_BACKENDS)}")
+
+
+def _result_coco(coco_gt, detections: list[dict[str, Any]], coco_class=None):
   """COCO result object; pycocotools' `loadRes` crashes on an empty list, handle it here."""
-  from pycocotools.coco import COCO  # pylint: disable=g-import-not-at-top
+  COCO = coco_class or _backend("pycocotools")[0]  # noqa: N806
 
   if detections:
     # loadRes sets keys of each detection dict ('area', 'id', 'iscrowd', 'segmentation') and
@@ -102,6 +124,25 @@ def _truncate_per_image(
   return out
 
 
+def _statistics(coco_eval, m: int) -> list[float]:
+  """The 12 statistics of `COCOeval.summarize` in `COCO_METRIC_NAMES` order (-1: no data),
+  with AP and AR at `m` detections per image."""
+  return [
+    _summarize(coco_eval, True, max_dets=m),
+    _summarize(coco_eval, True, iou_thr=0.5, max_dets=m),
+    _summarize(coco_eval, True, iou_thr=0.75, max_dets=m),
+    _summarize(coco_eval, True, area="small", max_dets=m),
+    _summarize(coco_eval, True, area="medium", max_dets=m),
+    _summarize(coco_eval, True, area="large", max_dets=m),
+    _summarize(coco_eval, False, max_dets=1),
+    _summarize(coco_eval, False, max_dets=10),
+    _summarize(coco_eval, False, max_dets=m),
+    _summarize(coco_eval, False, area="small", max_dets=m),
+    _summarize(coco_eval, False, area="medium", max_dets=m),
+    _summarize(coco_eval, False, area="large", max_dets=m),
+  ]
+
+
 def coco_evaluate(
   coco_gt,
   detections: Sequence[Mapping[str, Any]],
@@ -111,6 +152,7 @@ def coco_evaluate(
   max_dets: int = 100,
   truncate_per_image: bool = True,
   per_category: bool = False,
+  backend: str = "pycocotools",
 ) -> dict[str, Any]:
   """COCO box AP of detections against a ground truth, via pycocotools' COCOeval.
 
@@ -131,6 +173,9 @@ def coco_evaluate(
       image (the COCO challenge rule, as the LVIS API does), so the limit is per image.
       A no-op for `top_predictions` output with top_k <= max_dets.
     per_category: also return {'per_category': {cat_id: {'AP', 'AP50'}}}.
+    backend: the COCOeval implementation (`COCO_BACKENDS`): 'pycocotools' or
+      'faster_coco_eval' (the same statistics, its C++ evaluate and accumulate; needs the
+      `fast_coco` extra). `coco_gt` stays a pycocotools COCO either way.
 
   Returns:
     dict with float keys `COCO_METRIC_NAMES` ('AP' = AP@[.5:.95], 'AP50', 'AP75', 'APs',
@@ -140,15 +185,14 @@ def coco_evaluate(
 
   Raises:
     ValueError: a detection refers to an image id absent from `coco_gt`, a ground-truth
-      annotation lacks 'area', or max_dets < 1.
+      annotation lacks 'area', max_dets < 1, or an unknown backend.
 
   Source: docs/reference.md §4; pycocotools `COCOeval` (iouType 'bbox'): the statistics are computed
   as
   `COCOeval.summarize` does, without its printing (evaluate/accumulate output goes to the
   logger at DEBUG level).
   """
-  from pycocotools.cocoeval import COCOeval  # pylint: disable=g-import-not-at-top
-
+  coco_class, COCOeval = _backend(backend)  # noqa: N806
   if max_dets < 1:
     raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
   detections = list(detections)
@@ -164,8 +208,14 @@ def coco_evaluate(
     detections = _truncate_per_image(detections, int(max_dets))
   log = io.StringIO()
   with contextlib.redirect_stdout(log):
-    coco_dt = _result_coco(coco_gt, detections)
-    coco_eval = COCOeval(coco_gt, coco_dt, iouType="bbox")
+    ground = coco_gt
+    if backend != "pycocotools":
+      # The same ground-truth dict indexed by the backend's own COCO class.
+      ground = coco_class()
+      ground.dataset = coco_gt.dataset
+      ground.createIndex()
+    coco_dt = _result_coco(ground, detections, coco_class)
+    coco_eval = COCOeval(ground, coco_dt, iouType="bbox")
     if image_ids is not None:
       coco_eval.params.imgIds = sorted({int(i) for i in image_ids})
     if cat_ids is not None:
@@ -175,20 +225,7 @@ def coco_evaluate(
     coco_eval.accumulate()
   logger.debug("pycocotools: %s", log.getvalue())
   m = int(max_dets)
-  stats = [
-    _summarize(coco_eval, True, max_dets=m),
-    _summarize(coco_eval, True, iou_thr=0.5, max_dets=m),
-    _summarize(coco_eval, True, iou_thr=0.75, max_dets=m),
-    _summarize(coco_eval, True, area="small", max_dets=m),
-    _summarize(coco_eval, True, area="medium", max_dets=m),
-    _summarize(coco_eval, True, area="large", max_dets=m),
-    _summarize(coco_eval, False, max_dets=1),
-    _summarize(coco_eval, False, max_dets=10),
-    _summarize(coco_eval, False, max_dets=m),
-    _summarize(coco_eval, False, area="small", max_dets=m),
-    _summarize(coco_eval, False, area="medium", max_dets=m),
-    _summarize(coco_eval, False, area="large", max_dets=m),
-  ]
+  stats = _statistics(coco_eval, m)
   result: dict[str, Any] = {name: _no_data_to_nan(v) for name, v in zip(COCO_METRIC_NAMES, stats)}
   result["num_detections"] = len(detections)  # after truncation
   if per_category:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -152,16 +153,20 @@ def test_gpu_session_smoke(tmp_path):
   session = (out / "session.txt").read_text()
   lines = [line.split()[:3] for line in session.splitlines() if " exit " in line]
   assert lines == [["rehearsal", "exit", "0"]]
-  assert "hf_model not in PARTS" in session and "hf_step not in PARTS" in session
+  for name in ("hf_model", "hf_step", "remat_block", "remat_selective", "retrieval", "owlv2"):
+    assert f"{name} not in PARTS" in session, name
   assert '"device_kind": "cpu"' in session  # the device record comes first
-  # At most 8 files come back from the device machine: 3 here, 7 with every part.
+  # At most 8 files come back from the device machine: one archive per part and session.txt.
   files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-  assert files == [
-    "rehearsal/log.txt",
-    "rehearsal/protocol_gpu_smoke.json",
-    "session.txt",
-  ]
-  rehearsal = json.loads((out / "rehearsal" / "protocol_gpu_smoke.json").read_text())
+  assert files == ["rehearsal.tgz", "session.txt"]
+  with tarfile.open(out / "rehearsal.tgz") as archive:
+    assert sorted(archive.getnames()) == [
+      "rehearsal",
+      "rehearsal/log.txt",
+      "rehearsal/protocol_gpu_smoke.json",
+    ]
+    raw = archive.extractfile("rehearsal/protocol_gpu_smoke.json").read()
+  rehearsal = json.loads(raw)
   assert rehearsal["exit_status"] == 0
   kinds = [r["kind"] for r in rehearsal["phases"]]
   for kind in ("init", "buffer", "eval", "train", "stage_checkpoint", "step_checkpoint"):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -56,6 +57,8 @@ def test_smoke_run_times_every_side_in_fresh_processes(tmp_path):
   (ratio,) = t["ratios"]
   if HAS_HF:
     assert by_side["hf_model"]["torch_threads"] == 2
+    # The like-for-like model alone: no remat on either side (HF's checkpointing off).
+    assert by_side["hf_model"]["remat"] == by_side["ours_model"]["remat"] == "none"
     assert ratio["model_only"] == pytest.approx(
       by_side["hf_model"]["step_s"] / by_side["ours_model"]["step_s"]
     )
@@ -163,3 +166,22 @@ def test_owlv2_arithmetic_counts_the_objectness_head(tmp_path):
   assert extra == 2 * (d * d + d) + (d + 1)
   v1, v2 = (rows[v]["configs"][0]["activation_bytes_per_image"] for v in ("tiny", "owlv2_tiny"))
   assert v2 > v1
+
+
+def test_hfu_flops_and_hf_remat_record():
+  # HFU's FLOPs: the arithmetic row of the timed dtype and remat, the XLA-attention one first
+  # (cuDNN's are modelled off a GPU); none without a matching row or without arithmetic.
+  rows = [
+    {"dtype": "bfloat16", "remat": "block", "attention": "cudnn", "step_flops_per_image": 2.0},
+    {"dtype": "bfloat16", "remat": "block", "attention": "xla", "step_flops_per_image": 3.0},
+    {"dtype": "float32", "remat": "block", "attention": "xla", "step_flops_per_image": 5.0},
+  ]
+  args = types.SimpleNamespace(step_flops=rows)
+  assert bench.step_flops_of(args, {"dtype": "bfloat16", "remat": "block"}) == 3.0
+  assert bench.step_flops_of(args, {"dtype": "float32", "remat": "block"}) == 5.0
+  assert bench.step_flops_of(args, {"dtype": "bfloat16", "remat": "none"}) is None
+  assert bench.step_flops_of(types.SimpleNamespace(), {"dtype": "float32"}) is None
+  # HF's remat as recorded: transformers 5's property, else the older name.
+  model = types.SimpleNamespace
+  assert bench._hf_checkpointing(model(is_activation_checkpointing=False)) is False
+  assert bench._hf_checkpointing(model(is_gradient_checkpointing=True)) is True

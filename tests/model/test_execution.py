@@ -5,6 +5,8 @@ values (beyond float32 rounding); bfloat16 compute stays within a bound derived 
 8-bit mantissa.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -125,7 +127,7 @@ def _tiny_inputs():
   return images, jnp.asarray(queries)
 
 
-def _grads(model, params, images, queries):
+def _loss_and_grads(model, params, images, queries):
   def loss(p):
     out = model.apply(
       {"params": p}, images, queries, train=True, rngs={"dropout": jax.random.PRNGKey(4)}
@@ -133,25 +135,68 @@ def _grads(model, params, images, queries):
     logits = jnp.where(out["pred_logits"] > -1e5, out["pred_logits"], 0.0)
     return jnp.sum(logits**2) + jnp.sum(out["pred_boxes"]) + jnp.sum(out["query_embeddings"])
 
-  return jax.jit(jax.grad(loss))(params)
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+# Two vision blocks (the tiny variant has 4): enough for remat to recompute a block whose input
+# is another remat block's output; each block more only adds compilation time.
+_REMAT_LAYERS = dict(vision_layers=2, text_layers=1)
+
+
+@functools.cache
+def _no_remat_reference():
+  """(params, loss, gradients) of the tiny model without remat: every policy's reference,
+  computed once per process (a pure function of fixed seeds)."""
+  images, queries = _tiny_inputs()
+  base = owl_vit.create_model("tiny", remat="none", **_REMAT_LAYERS)
+  params = jax.jit(base.init)(jax.random.PRNGKey(0), images, queries)["params"]
+  return (params, *_loss_and_grads(base, params, images, queries))
+
+
+def _distinct_remats() -> list[str]:
+  """The `remat` values but 'none', one name per distinct policy: jax's checkpoint_dots and
+  checkpoint_dots_with_no_batch_dims are other names of dots_saveable and
+  dots_with_no_batch_dims_saveable (the same functions: `test_remat_policy_aliases`)."""
+  seen, names = set(), []
+  for name in clip_lib.REMAT_POLICIES[1:]:
+    policy = clip_lib.remat_policy(name)[1]
+    if id(policy) not in seen:
+      seen.add(id(policy))
+      names.append(name)
+  return names
+
+
+def test_remat_policy_aliases():
+  assert _distinct_remats() == [
+    "block",
+    "everything_saveable",
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+  ]
+  policies = jax.checkpoint_policies
+  assert policies.checkpoint_dots is policies.dots_saveable
+  assert policies.checkpoint_dots_with_no_batch_dims is policies.dots_with_no_batch_dims_saveable
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["block", "dots_with_no_batch_dims_saveable"])
-def test_remat_keeps_tree_and_gradients(remat):
+@pytest.mark.parametrize("remat", _distinct_remats())
+def test_remat_keeps_tree_loss_and_gradients(remat):
+  # Every `remat` policy (block and each distinct `jax.checkpoint_policies` one, the selective
+  # dots_saveable and dots_with_no_batch_dims_saveable included) against no remat: the same
+  # parameters, loss and gradients.
   images, queries = _tiny_inputs()
-  # Two vision blocks (the tiny variant has 4): enough for remat to recompute a block whose
-  # input is another remat block's output; each block more only adds compilation time.
-  layers = dict(vision_layers=2, text_layers=1)
-  base = owl_vit.create_model("tiny", remat="none", **layers)
-  params = jax.jit(base.init)(jax.random.PRNGKey(0), images, queries)["params"]
-  remat_model = owl_vit.create_model("tiny", remat=remat, **layers)
+  params, want_loss, want = _no_remat_reference()
+  remat_model = owl_vit.create_model("tiny", remat=remat, **_REMAT_LAYERS)
   params_remat = jax.jit(remat_model.init)(jax.random.PRNGKey(0), images, queries)["params"]
   assert jax.tree.structure(params) == jax.tree.structure(params_remat)
   jax.tree.map(np.testing.assert_array_equal, params, params_remat)
   # Stochastic depth on (train=True): the recomputed blocks must redraw the same masks.
-  want = _grads(base, params, images, queries)
-  got = _grads(remat_model, params, images, queries)
+  got_loss, got = _loss_and_grads(remat_model, params, images, queries)
+  # Remat changes only the backward pass: the forward (the loss) is the same computation.
+  # XLA may still fuse it differently around the checkpoints: a few float32 ulps (1.2e-7
+  # relative each) over the ~40 rounding steps of the tiny model's longest path, so 1e-5.
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   # The same float32 operations recomputed; XLA may fuse them differently, so allow a few
   # ulps (1.2e-7 relative) accumulated over the few layers, relative to the largest
   # gradient entry of each tensor. The attention key bias's gradient is zero in exact
