@@ -46,7 +46,7 @@ _REFERENCE = "the algorithm the paired comparisons are made against (a default t
 _NUMPY = (
   "benchmarks/retrieval.py's NUMPY_REFERENCES: the NumPy maths paired with each registry name"
 )
-_SWEEP = "moved to the design table by sweep2"
+_DESIGN = "the first design's record: the rows it ran, fixed before its runs"
 _MESSAGE = "names the field in an error message"
 _CLAIM = "a confirmatory claim of the round-2 design names the algorithms it compares"
 # The nine of paper Table 2 (the registry's built-in ones), as benchmarks/retrieval.py's
@@ -109,9 +109,14 @@ ALGORITHM_NAMES_ALLOWED = {
   ("owl_cl/replay/retrieval/asv.py", "AsvAlgorithm", "uniform"): _WEIGHTING,
   ("owl_cl/replay/retrieval/asv.py", "AsvAlgorithm", "grasp"): _WEIGHTING,
   **{
-    ("benchmarks/sweep_builtin.sh", "", name): _SWEEP
+    ("launch/designs.py", "BUILTIN", name): _DESIGN
     for name in (*_NUMPY_NAMES, "no_replay", "joint", "per_task", "lwf", "heads_only", "lora")
   },
+  ("launch/designs.py", "Design", "uniform"): _REFERENCE,
+  ("launch/designs.py", "WISE_FT", "wise_ft"): "the WiSE-FT baseline's config, whose alphas the "
+  "second design's curve rows expand",
+  ("launch/designs.py", "COMPOSED", "swil"): "the replay the second design composes with WiSE-FT "
+  "(docs/design_round2.md)",
 }
 
 # (path, first field of the list) -> why.
@@ -136,6 +141,7 @@ CONFIG_PATHS_ALLOWED = {
   "train.lwf": "analysis.report's method-defining fields (the composed method's name)",
   "train.frozen": "analysis.report's method-defining fields (the composed method's name)",
   "train.lora": "analysis.report's method-defining fields (the composed method's name)",
+  "train.wise_ft.alpha": "launch/designs.py: the override each WiSE-FT row of a design sets",
 }
 
 

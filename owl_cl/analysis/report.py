@@ -738,8 +738,8 @@ def write_report(
     ("forest", plot_forest(report, order=order)),
   ]
   if report.get("wise_ft_curve"):
-    paths["wise_ft"] = os.path.join(out_dir, FIGURE_WISE_FT)
-    figures.append(("wise_ft", plot_wise_ft_curve(report)))
+    paths["wise_ft_curve"] = os.path.join(out_dir, FIGURE_WISE_FT)
+    figures.append(("wise_ft_curve", plot_wise_ft_curve(report)))
   for key, fig in figures:
     tmp = paths[key] + ".tmp.png"
     fig.savefig(tmp, dpi=120)

@@ -128,8 +128,8 @@ def test_report_has_the_section_and_figure_only_with_blended_rows(points, tmp_pa
   md = report_lib.render_markdown(report)
   assert "\n".join(wise_ft_curve.render_lines(report)) in md
   paths = report_lib.write_report(report, str(tmp_path / "out"))
-  assert os.path.basename(paths["wise_ft"]) == report_lib.FIGURE_WISE_FT
-  assert os.path.getsize(paths["wise_ft"]) > 0
+  assert os.path.basename(paths["wise_ft_curve"]) == report_lib.FIGURE_WISE_FT
+  assert os.path.getsize(paths["wise_ft_curve"]) > 0
   # Without a blended row (the rows at alpha 1 only): no section, no figure, and report.md
   # and report.json as before the section existed.
   plain = [p for p in points if p.algorithm in ("no_replay", "swil")]
