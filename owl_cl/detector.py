@@ -131,7 +131,7 @@ class Detector:
   `LossSpec.per_image_options`) and `real_data` (`config_fields.uses_real_data`) are derived
   from them. The replay setup, the trainer, the pre-trained model's cache entry and the
   experiment read these; `config`, the run's ConfigDict, is kept for the tests that compare it
-  and read by no module of the package (tests/test_typed_settings.py checks the source).
+  and read by no module of the package (tests/test_detector_settings.py checks the source).
 
   Raises (construction):
     ConfigError: a field of those sections that breaks its rule, a CLIP tokenizer without its

@@ -1,6 +1,9 @@
-"""Replay as the training loop sees it, built from the config.
+"""Replay as the training loop sees it, built from the detector's typed settings.
 
-- `make_algorithm(config)`: the retrieval algorithm of `config.replay.algorithm`.
+- `make_algorithm(config)`: the retrieval algorithm of `config.replay.algorithm` (the config's
+  checks: `check_replay_config`); `build_options`, `build_store` and `Replay` read the
+  detector's `replay_spec`, `train_spec`, `data_spec`, `run` and `loss_options`, never its
+  ConfigDict.
 - `build_store(detector, benchmark, params, key_material=...)`: the host `ReplayStore` over
   the pre-training set (selected once, cached under `cache_dir/buffers` by
   `cache_keys.buffer_key_material`).
@@ -99,11 +102,6 @@ def algorithm_of(settings: replay_spec.ReplaySpec):
     raise ConfigError(f"config.replay ({name}): {e}") from e
 
 
-def num_replay_per_step(config: ml_collections.ConfigDict) -> int:
-  """Replay slots per step of `config` (`replay_slots`)."""
-  return replay_slots(config.replay.ratio, config.train.batch_size)
-
-
 def replay_slots(ratio: float, batch_size: int) -> int:
   """Replay slots per step: round(replay.ratio * train.batch_size), at least 1."""
   return max(1, int(round(ratio * batch_size)))
@@ -154,9 +152,10 @@ def model_version(config: ml_collections.ConfigDict) -> str:
 
 
 def build_options(detector, source) -> dict:
-  """`buffer_build.build_store`'s keywords for the pre-training set `source` from the run's
-  config and detector: `buffer_spec` (the `buffer_build.BufferSpec`: the images' preprocessing,
-  the selection settings, the loss), the batch size, the mesh and the grain workers.
+  """`buffer_build.build_store`'s keywords for the pre-training set `source` from the
+  detector's typed settings (`replay_spec`, `data_spec`, `run`, `loss_options`):
+  `buffer_spec` (the `buffer_build.BufferSpec`: the images' preprocessing, the selection
+  settings, the loss), the batch size, the mesh and the grain workers.
 
   Raises:
     ValueError: a selection setting `buffer_build.BufferSpec` refuses (names the field).
