@@ -527,13 +527,18 @@ def stage_eval_names(config: ml_collections.ConfigDict, bench: Benchmark, index:
   Raises:
     ConfigError: an `eval` field that breaks its rule (`eval_spec.EvalSpec`).
   """
+  return eval_names_after(config_spec.from_config(EvalSpec, config.eval, "eval"), bench, index)
+
+
+def eval_names_after(settings: EvalSpec, bench: Benchmark, index: int) -> list[str]:
+  """`stage_eval_names` with the typed `config.eval` (`settings`): the eval sets evaluated
+  after dataset `index` (1-based) of the sequence."""
   names = [d.name for d in bench.sequence]
   extra = [d.name for d in bench.extra_evals + bench.zero_shot]
   pretraining_sets = [bench.pretrain_eval, bench.held_out_eval] + extra
   everything = pretraining_sets + names
   if index >= len(bench.sequence):
     return everything
-  settings = config_spec.from_config(EvalSpec, config.eval, "eval")
   out = []
   if settings.pretraining_sets_after_each_dataset:
     out += pretraining_sets

@@ -38,6 +38,7 @@ from owl_cl.model import convert
 from owl_cl.model import lora as lora_lib
 from owl_cl.model import tokenizer as tokenizer_lib
 from owl_cl.model.spec import ModelSpec
+from owl_cl.replay import spec as replay_spec
 from owl_cl.train import optim
 from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import step as step_lib
@@ -125,9 +126,12 @@ class Detector:
   (`config_spec.from_config`), and reads only those: `run` (`run_spec.RunSpec`, the top-level
   fields), `model_spec` (`model.spec.ModelSpec`), `eval_spec` (`eval_spec.EvalSpec`),
   `data_spec` (`data.data_spec.DataSpec`), `train_spec` (`train.spec.TrainSpec`),
-  `loss_spec` (`train.spec.LossSpec`) and `pretrain_spec` (`train.pretrain_spec.PretrainSpec`).
-  `config`, the run's ConfigDict, stays for the replay setup (`replay.setup`) and the
-  pre-trained model's cache entry (`pretrained`), which read it themselves.
+  `loss_spec` (`train.spec.LossSpec`), `pretrain_spec` (`train.pretrain_spec.PretrainSpec`)
+  and `replay_spec` (`replay.spec.ReplaySpec`); `loss_options` (the per-image loss's options,
+  `LossSpec.per_image_options`) and `real_data` (`config_fields.uses_real_data`) are derived
+  from them. The replay setup, the trainer, the pre-trained model's cache entry and the
+  experiment read these; `config`, the run's ConfigDict, is kept for the tests that compare it
+  and read by no module of the package (tests/test_detector_settings.py checks the source).
 
   Raises (construction):
     ConfigError: a field of those sections that breaks its rule, a CLIP tokenizer without its
@@ -143,6 +147,10 @@ class Detector:
     self.train_spec = config_spec.from_config(TrainSpec, config.train, "train")
     self.loss_spec = config_spec.from_config(LossSpec, config.loss, "loss")
     self.pretrain_spec = config_spec.from_config(PretrainSpec, config.pretrain, "pretrain")
+    self.replay_spec = replay_spec.settings(config)
+    # The paper's protocol (data.root or a `:paper` config's ODinW list): whether the section
+    # holds `odinw_datasets` is the config's, not a typed field's (`uses_real_data`).
+    self.real_data = config_fields.uses_real_data(config)
     model_spec = self.model_spec
     self.model = model_lib.create_model(model_spec.variant, **model_spec.model_fields())
     model_config = self.model.config
@@ -175,18 +183,9 @@ class Detector:
       raise ConfigError(str(e)) from e
     self.image_size = self.model.config.image_size
     self.mesh = sharding_lib.create_mesh()
-    loss = self.loss_spec
-    self.loss_config = dict(
-      focal_alpha=loss.focal_alpha,
-      focal_gamma=loss.focal_gamma,
-      class_weight=loss.class_weight,
-      bbox_weight=loss.bbox_weight,
-      giou_weight=loss.giou_weight,
-      matcher=loss.matcher,
-    )
-    if self.model.config.version == "owlv2":
-      # Only OWLv2 has the term (docs/owlv2.md); v1's loss options and cache keys unchanged.
-      self.loss_config["objectness_weight"] = loss.objectness_weight
+    # The per-image loss options of the buffer selection and the loss adaptivity, derived
+    # from the loss section's fields (`LossSpec.per_image_options`).
+    self.loss_options = self.loss_spec.per_image_options(self.model.config.version)
     self.empty_tokens = self.tokenizer.encode([""])[0]
     # How images become the S x S input: OWLv2 pads to a square, then resizes (HF's and
     # scenic's OWLv2 preprocessing); v1 resizes, then pads (docs/owlv2.md).

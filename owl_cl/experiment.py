@@ -61,15 +61,15 @@ from owl_cl import validation
 from owl_cl.config_fields import DATA_KEY_STRIDE
 from owl_cl.config_fields import SEED_PARTS
 from owl_cl.config_fields import ConfigError
-from owl_cl.config_fields import schedule_of
-from owl_cl.config_fields import seed_of
 from owl_cl.configs import base
 from owl_cl.detector import Detector
 from owl_cl.eval import detection_files
 from owl_cl.eval import provenance as provenance_lib
 from owl_cl.eval import results as results_lib
+from owl_cl.eval_spec import EvalSpec
 from owl_cl.model.convert import CheckpointMismatchError
 from owl_cl.replay import setup as replay_setup
+from owl_cl.replay import spec as replay_spec
 from owl_cl.summary_writer import SummaryWriter
 from owl_cl.train import checkpointing
 from owl_cl.train import sharding as sharding_lib
@@ -380,13 +380,12 @@ def _run(
   the run's warning filter, summarised after each stage (None: nothing summarised)."""
   session = _open_session(config, workdir, bench, detector, init)
   params, replay_state, latest = session.restore_or_start()
-  names = stage_names(config, bench)
+  schedule = detector.train_spec.schedule
+  names = stage_names(schedule, bench)
   # The stages finished so far (on a resume, those of the checkpoint): one line each.
   for index, stage in enumerate(session.stages):
     _log_stage(repeats, names, index, stage)
-  if (
-    schedule_of(config) != "per_task" and not detector.train_spec.lwf.on and not session.blend_base
-  ):
+  if schedule != "per_task" and not detector.train_spec.lwf.on and not session.blend_base:
     # Only a per-task run (every task starts from them), LwF (the teacher) and WiSE-FT of full
     # fine-tuning read the pre-trained parameters after stage 0: not a second copy otherwise.
     session.pretrained = None
@@ -416,27 +415,26 @@ def _log_stage(repeats: run_log.RepeatedWarnings | None, names: list[str], index
   logging.info("%s", run_log.metrics_line(when, stage["metrics"]))
 
 
-def stage_names(config: ml_collections.ConfigDict, bench: benchmark_lib.Benchmark) -> list[str]:
-  """The stages after pre-training, by `train.schedule`: each dataset of the sequence
-  ('sequence', 'per_task'), or the one joint stage ('joint')."""
-  if schedule_of(config) == "joint":
+def stage_names(schedule: str, bench: benchmark_lib.Benchmark) -> list[str]:
+  """The stages after pre-training, by `schedule` (`train.schedule`): each dataset of the
+  sequence ('sequence', 'per_task'), or the one joint stage ('joint')."""
+  if schedule == "joint":
     return [phases.JOINT]
   return [d.name for d in bench.sequence]
 
 
 def stage_eval_sets(
-  config: ml_collections.ConfigDict, bench: benchmark_lib.Benchmark, index: int
+  schedule: str, settings: EvalSpec, bench: benchmark_lib.Benchmark, index: int
 ) -> list[str]:
-  """The eval sets evaluated after stage `index` (1-based). 'sequence': as
-  `benchmark.stage_eval_names`; 'joint': every set (its one stage is the last); 'per_task':
-  the task's own dataset and the pre-training and held-out sets (what one task's model keeps;
-  the other datasets are not its task)."""
-  schedule = schedule_of(config)
+  """The eval sets evaluated after stage `index` (1-based) by `schedule` (`train.schedule`).
+  'sequence': as `benchmark.eval_names_after` with `settings` (`config.eval`); 'joint': every
+  set (its one stage is the last); 'per_task': the task's own dataset and the pre-training
+  and held-out sets (what one task's model keeps; the other datasets are not its task)."""
   if schedule == "joint":
-    return benchmark_lib.stage_eval_names(config, bench, len(bench.sequence))
+    return benchmark_lib.eval_names_after(settings, bench, len(bench.sequence))
   if schedule == "per_task":
     return [bench.pretrain_eval, bench.held_out_eval, bench.sequence[index - 1].name]
-  return benchmark_lib.stage_eval_names(config, bench, index)
+  return benchmark_lib.eval_names_after(settings, bench, index)
 
 
 def _open_session(config, workdir, bench, detector, init) -> _Session:
@@ -462,24 +460,26 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
     detector, bench, writer, step_checkpoints
   )
   store, buffer_stats = None, None
-  if config.replay.algorithm != "none":
+  if detector.replay_spec.algorithm != replay_spec.NO_REPLAY:
+    # The buffer's key converts the config's sections itself (`cache_keys`).
     key = cache_keys.buffer_key_material(config, bench.pretrain.train, pretrain_meta)
     store, buffer_stats = replay_setup.build_store(detector, bench, params, key_material=key)
-  replay_state = replay_setup.initial_replay_state(store, seed_of(config, "retrieval"))
+  seeds = detector.run
+  replay_state = replay_setup.initial_replay_state(store, seeds.seed_of("retrieval"))
   # LoRA (docs/lora.md): the pre-trained parameters are the frozen base of the whole run (the
   # buffer above was built from them alone); fresh adapters (B = 0: the same model) train from
   # stage 1 on: carried from stage to stage ('sequence'), or fresh for each task ('per_task':
   # every stage starts from `_Session.pretrained`). The stage checkpoints hold the adapters:
   # the base is rebuilt from init_checkpoint or the pre-trained cache on a resume.
   # The adapters' A draw: the data seed (as the step keys) offset from the step keys' seeds.
-  params = detector.add_adapters(
-    params, seed_of(config, "data") * DATA_KEY_STRIDE + LORA_SEED_OFFSET
-  )
+  params = detector.add_adapters(params, seeds.seed_of("data") * DATA_KEY_STRIDE + LORA_SEED_OFFSET)
   if jax.process_count() > 1:
     # Made on one local device; orbax's multi-process save takes host (NumPy) or global arrays.
     replay_state = sharding_lib.fetch_replicated(replay_state)
   return _Session(
-    config=config,
+    # What results.json records of the config (its "config"); the session reads the detector's
+    # typed settings.
+    config_json=json.loads(config.to_json_best_effort()),
     workdir=workdir,
     bench=bench,
     detector=detector,
@@ -501,14 +501,16 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
 
 @dataclasses.dataclass
 class _Session:
-  """One run's fixed parts (config, data, detector, writers, checkpointers, the pre-trained
-  parameters and the initial replay state, the store) and what it accumulates: the stages'
-  results and the step timings ({dataset name: `timing.summarize` of its steps}: wall-clock
-  figures, kept apart from the stages' training summaries, which two runs reproduce exactly,
-  and carried in the stage checkpoints' meta; a stage resumed from a step checkpoint
-  summarises the steps run after the resume)."""
+  """One run's fixed parts (the config as results.json records it, data, detector, writers,
+  checkpointers, the pre-trained parameters and the initial replay state, the store) and what
+  it accumulates: the stages' results and the step timings ({dataset name: `timing.summarize`
+  of its steps}: wall-clock figures, kept apart from the stages' training summaries, which two
+  runs reproduce exactly, and carried in the stage checkpoints' meta; a stage resumed from a
+  step checkpoint summarises the steps run after the resume). It reads the run's settings
+  from the detector's typed specs (`Detector.run`, `.train_spec`, ...), never the config.
+  """
 
-  config: ml_collections.ConfigDict
+  config_json: dict
   workdir: str
   bench: benchmark_lib.Benchmark
   detector: Detector
@@ -548,7 +550,7 @@ class _Session:
   @property
   def wise_ft_spec(self) -> wise_ft.WiseFtSpec:
     """`train.wise_ft`, the WiSE-FT blend after the stages (off at alpha 1)."""
-    return config_spec.from_config(wise_ft.WiseFtSpec, self.config.train.wise_ft, "train.wise_ft")
+    return self.detector.train_spec.wise_ft
 
   @property
   def blend_base(self) -> bool:
@@ -594,20 +596,20 @@ class _Session:
 
   def results(self, status: str) -> dict:
     """The results dict (`results_lib.write_results`' input) with `status`."""
-    config, bench, meta = self.config, self.bench, self.pretrain_meta
+    bench, meta, run = self.bench, self.pretrain_meta, self.detector.run
     results = {
       "run_id": self.run_id,
       "status": status,
-      "algorithm": config.experiment_name,
-      "retrieval": config.replay.algorithm,
-      "schedule": schedule_of(config),
-      "seed": config.seed,
+      "algorithm": run.experiment_name,
+      "retrieval": self.detector.replay_spec.algorithm,
+      "schedule": self.detector.train_spec.schedule,
+      "seed": run.seed,
       # The seed of each part (config_fields.seed_of): model, data, retrieval.
-      "seeds": {part: seed_of(config, part) for part in SEED_PARTS},
+      "seeds": {part: run.seed_of(part) for part in SEED_PARTS},
       "sequence": [d.name for d in bench.sequence],
       # The stored order (suite, name, index, datasets) or None: sequence_seed's shuffle.
       "task_order": bench.task_order,
-      "sequence_seed": config.get("sequence_seed"),
+      "sequence_seed": run.sequence_seed,
       # The built-in benchmark's version (1 or 2) when the run reads any of its datasets,
       # else None; the report refuses to mix versions.
       "builtin_version": bench.builtin_version,
@@ -619,7 +621,7 @@ class _Session:
         **({"extra": [d.name for d in bench.extra_evals]} if bench.extra_evals else {}),
       },
       "stages": self.stages,
-      "config": json.loads(config.to_json_best_effort()),
+      "config": self.config_json,
       "pretraining": {k: meta.get(k) for k in ("seconds", "curve", "validation")},
       "timings": {
         "pretrain_seconds": meta.get("seconds"),
@@ -635,7 +637,7 @@ class _Session:
     }
     if bench.roles is not None:
       results["roles"] = bench.roles
-    if config.eval.get("report_ivlod"):
+    if self.detector.eval_spec.report_ivlod:
       # The IVLOD block's sets (owl_cl.eval.ivlod; results.finalize_results computes it).
       lvis = bench.held_out.evaluation == "lvis"
       results["ivlod"] = {
@@ -657,27 +659,28 @@ class _Session:
     `train_joint`): 'sequence' from `params` and `replay_state`, 'per_task' from the
     pre-trained parameters and the initial replay state. Returns (name, params, replay
     state, training summary)."""
-    config, schedule = self.config, schedule_of(self.config)
-    name = stage_names(config, self.bench)[index - 1]
+    schedule = self.detector.train_spec.schedule
+    name = stage_names(schedule, self.bench)[index - 1]
     if schedule == "per_task":
       params, replay_state = self.pretrained, self.initial_replay
-    options = dict(
-      records_path=os.path.join(self.workdir, "records", f"{name}.npz"),
-      step_checkpoints=self.step_checkpoints,
+    context = trainer.ReplayContext(
+      replay_state,
+      store=self.store,
       # LwF's teacher: the pre-trained parameters (not a resumed run's restored ones).
       teacher=self.pretrained if self.detector.train_spec.lwf.on else None,
     )
-    detector, store, writer = self.detector, self.store, self.writer
+    outputs = trainer.StageOutputs(
+      writer=self.writer,
+      records_path=os.path.join(self.workdir, "records", f"{name}.npz"),
+      step_checkpoints=self.step_checkpoints,
+    )
     if schedule == "joint":
-      sequence = self.bench.sequence
       trained = trainer.train_joint(
-        detector, sequence, params, store, replay_state, writer, index, **options
+        self.detector, self.bench.sequence, params, context, index, outputs
       )
     else:
       dataset = self.bench.sequence[index - 1]
-      trained = trainer.train_on_dataset(
-        detector, dataset, params, store, replay_state, writer, index, **options
-      )
+      trained = trainer.train_on_dataset(self.detector, dataset, params, context, index, outputs)
     return (name, *trained)
 
   def run_stage(self, index: int, params, replay_state):
@@ -685,18 +688,20 @@ class _Session:
     stage checkpoint (which supersedes the stage's step checkpoints)."""
     start = time.time()
     name, params, replay_state, train_summary = self.train(index, params, replay_state)
+    schedule = self.detector.train_spec.schedule
     # WiSE-FT (`train.wise_ft`): the stage evaluates, checkpoints and carries the blend.
     params = wise_ft.after_stage(
       self.wise_ft_spec,
       self.pretrained,
       params,
       stage=index,
-      num_stages=len(stage_names(self.config, self.bench)),
-      schedule=schedule_of(self.config),
+      num_stages=len(stage_names(schedule, self.bench)),
+      schedule=schedule,
       lora=self.detector.lora is not None,
     )
     self.step_timings[name] = train_summary.pop("step_timings")
-    evaluation = self.evaluate(params, name, stage_eval_sets(self.config, self.bench, index))
+    eval_sets = stage_eval_sets(schedule, self.detector.eval_spec, self.bench, index)
+    evaluation = self.evaluate(params, name, eval_sets)
     for eval_set, values in evaluation["metrics"].items():
       trainer.log_scalars(self.writer, f"eval/{eval_set}", values, index)
     stage = {"name": name, **evaluation, "train": train_summary, "provenance": self.provenance}

@@ -31,8 +31,6 @@ from owl_cl import trainer
 from owl_cl import utils
 from owl_cl.benchmark import Benchmark
 from owl_cl.config_fields import ConfigError
-from owl_cl.config_fields import seed_of
-from owl_cl.config_fields import uses_real_data
 from owl_cl.detector import Detector
 from owl_cl.model import convert
 from owl_cl.model import variants
@@ -216,12 +214,18 @@ def cache_entry(detector: Detector, bench: Benchmark) -> tuple[str, str]:
   the pre-training annotation file's content), so a changed setting never reuses a stale
   model (`cache_key`).
   """
-  key = cache_key(
-    detector.config,
-    detector.model_spec,
-    resize_method=detector.resize_method,
+  # The detector's typed settings: the same specs `cache_key` converts from a config.
+  record = cache_keys.PretrainedKeySpec(
+    model=detector.model_spec,
+    pretrain=detector.pretrain_spec,
+    train=detector.train_spec,
+    data=detector.data_spec,
+    loss=detector.loss_spec,
+    seed=detector.run.seed_of("model"),
+    resize=detector.resize_method,
     pretrain_data=file_digest(bench.pretrain.train.annotation_file),
   )
+  key = digest(cache_keys.key_material(record, cache_keys.PRETRAINED))
   return os.path.join(expand_path(detector.run.cache_dir), "pretrained", key), key
 
 
@@ -260,7 +264,7 @@ def check_read_only_cache(detector: Detector, bench: Benchmark) -> None:
       `experiment.enable_compilation_cache`; the entry lock detects the same from its lock
       file's open).
   """
-  if detector.run.init_checkpoint or uses_real_data(detector.config):
+  if detector.run.init_checkpoint or detector.real_data:
     return
   path, _ = cache_entry(detector, bench)
   if not os.path.exists(path) and not os.access(utils.nearest_existing(path), os.W_OK):
@@ -283,13 +287,12 @@ def pretrained_params(
     utils.ReadOnlyCacheError: the cache cannot be written and holds no intact model (one
       found damaged is named as such).
   """
-  config = detector.config
-  like = jax.eval_shape(lambda: detector.init_params(seed_of(config, "model")))
+  like = jax.eval_shape(lambda: detector.init_params(detector.run.seed_of("model")))
   if detector.run.init_checkpoint:
     return load_init_checkpoint(
       expand_path(detector.run.init_checkpoint), like, needs=detector.model_spec.description()
     )
-  if uses_real_data(config):
+  if detector.real_data:
     raise ConfigError("config.init_checkpoint is required with real data (config.data.root)")
   path, key = cache_entry(detector, bench)
   # One run pre-trains while the others sharing the cache wait for its model (the lock), and

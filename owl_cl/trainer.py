@@ -201,6 +201,39 @@ class LoopHooks:
   timer: timing.StepTimer | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplayContext:
+  """What a fine-tuning stage rehearses with besides its parameters (`train_on_dataset`).
+
+  Attributes:
+    replay_state: the retrieval's state the stage starts from (`replay.state.ReplayState`).
+    store: the replay store (`replay.store.ReplayStore`; None: retrieval 'none').
+    teacher: LwF's teacher, the pre-trained parameters (a pytree; None without
+      `train.lwf`), passed to every train step (docs/baselines.md).
+  """
+
+  replay_state: Any
+  store: Any = None
+  teacher: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOutputs:
+  """Where a fine-tuning stage writes besides what it returns (`train_on_dataset`).
+
+  Attributes:
+    writer: TensorBoard's (`SummaryWriter`; None: none, as on every process but the writer).
+    records_path: the retrieval analysis records' .npz file (`owl_cl.replay.records`), written
+      with `config.replay.records` (None: none).
+    step_checkpoints: the run's `checkpointing.StepCheckpointer` (None: none): saves the loop
+      as configured and on SIGTERM; a checkpoint of this stage there is resumed from.
+  """
+
+  writer: SummaryWriter | None = None
+  records_path: str | None = None
+  step_checkpoints: Any = None
+
+
 _PLAN_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopPlan))
 
 
@@ -223,7 +256,7 @@ def train_loop(
   `hooks.after_epoch(loop)` after every epoch begun with steps left.
 
   Without `plan` and `hooks`, `fields` gives their fields by keyword (`log_every` defaults to
-  the detector's `config.train.log_every_steps`), as a test's fake detector calls it.
+  the detector's `train_spec.log_every_steps`), as a test's fake detector calls it.
 
   Overlap of input, retrieval and train step: the module docstring ("Overlap"); with it the
   results are the serial loop's bit for bit.
@@ -248,7 +281,7 @@ def train_loop(
       raise TypeError("train_loop takes a LoopPlan and LoopHooks, or their fields, not both")
     plan_fields = {k: v for k, v in fields.items() if k in _PLAN_FIELDS}
     if "log_every" not in plan_fields:
-      plan_fields["log_every"] = detector.config.train.log_every_steps
+      plan_fields["log_every"] = detector.train_spec.log_every_steps
     plan = LoopPlan(**plan_fields)
     hooks = LoopHooks(**{k: v for k, v in fields.items() if k not in _PLAN_FIELDS})
   if plan is None or hooks is None:
@@ -505,29 +538,28 @@ def train_on_dataset(
   detector: Detector,
   dataset: Dataset,
   params,
-  store,
-  replay_state,
-  writer,
+  context: ReplayContext,
   index: int,
-  records_path: str | None = None,
-  step_checkpoints=None,
-  teacher=None,
+  outputs: StageOutputs = StageOutputs(),
 ):
-  """Fine-tunes on one downstream dataset with retrieval + DER++ (fresh optimizer).
+  """Fine-tunes on one downstream dataset (stage `index`) with retrieval + DER++ (fresh
+  optimizer), from `params` and `context`'s replay state.
 
-  With `train.lwf` on (`TrainSpec.lwf.on`), `teacher` (the pre-trained parameters) is passed to
-  every train step for the LwF terms (docs/baselines.md); a missing teacher is a ValueError.
+  With `train.lwf` on (`TrainSpec.lwf.on`), `context.teacher` (the pre-trained parameters) is
+  passed to every train step for the LwF terms (docs/baselines.md); a missing teacher is a
+  ValueError.
 
   With `train.lora` on (`detector.lora`), `params` is a LoRA tree (`Detector.add_adapters`):
   only its adapters train (the base has no optimizer state), the train step applies
   `detector.tuned_train_model`, step checkpoints hold the adapters, and the returned
   parameters are the LoRA tree (evaluation merges it, `Detector.model_params`).
 
-  `store` is the replay store (None: retrieval 'none'). With `config.replay.records` and a
-  `records_path`, the retrieval analysis records (`owl_cl.replay.records`) of the dataset
-  are written there. `step_checkpoints` (`checkpointing.StepCheckpointer`; None: none) saves
-  the loop (phase `index`) as configured and on SIGTERM; when it holds a checkpoint of this
-  dataset, training resumes from it and ends as the uninterrupted run would.
+  `context.store` is the replay store (None: retrieval 'none'). With `config.replay.records`
+  and `outputs.records_path`, the retrieval analysis records (`owl_cl.replay.records`) of the
+  dataset are written there. `outputs.step_checkpoints` (None: none) saves the loop (phase
+  `index`) as configured and on SIGTERM; when it holds a checkpoint of this dataset, training
+  resumes from it and ends as the uninterrupted run would. `outputs.writer` takes the
+  TensorBoard scalars.
 
   Returns:
     (params, replay state, training summary dict for results.json; its 'step_timings' is
@@ -539,22 +571,16 @@ def train_on_dataset(
     owl_cl.preemption.Preempted: SIGTERM (after the checkpoint is saved).
   """
   phase = dataset_phase(detector.train_spec, detector.run, dataset, index)
-  return train_phase(
-    detector, phase, params, store, replay_state, writer, records_path, step_checkpoints, teacher
-  )
+  return train_phase(detector, phase, params, context, outputs)
 
 
 def train_joint(
   detector: Detector,
   datasets,
   params,
-  store,
-  replay_state,
-  writer,
+  context: ReplayContext,
   index: int = 1,
-  records_path: str | None = None,
-  step_checkpoints=None,
-  teacher=None,
+  outputs: StageOutputs = StageOutputs(),
 ):
   """Fine-tunes on every dataset of `datasets` at once (`joint_phase`: the sequence's
   examples and total steps, shuffled together), with retrieval + DER++ as configured.
@@ -563,9 +589,7 @@ def train_joint(
   summary also holds 'joint': {dataset name: its steps in the sequence}.
   """
   phase = joint_phase(detector.train_spec, detector.run, datasets, index)
-  params, replay_state, summary = train_phase(
-    detector, phase, params, store, replay_state, writer, records_path, step_checkpoints, teacher
-  )
+  params, replay_state, summary = train_phase(detector, phase, params, context, outputs)
   summary["joint"] = {part.name: part.steps for part in phase.source.parts}
   return params, replay_state, summary
 
@@ -574,23 +598,19 @@ def train_phase(
   detector: Detector,
   phase: Phase,
   params,
-  store,
-  replay_state,
-  writer,
-  records_path: str | None = None,
-  step_checkpoints=None,
-  teacher=None,
+  context: ReplayContext,
+  outputs: StageOutputs = StageOutputs(),
 ):
   """Fine-tunes on one `Phase` (fresh optimizer): `train_on_dataset` / `train_joint`.
 
   Returns and raises as `train_on_dataset`.
   """
   sharding_lib.check_batch_divisible(phase.batch_size, detector.mesh, "config.train.batch_size")
-  replay = replay_setup.make_replay(detector, store, records_path)
-  tx, schedule, train_step = _phase_train_step(detector, phase, params, replay, teacher)
+  replay = replay_setup.make_replay(detector, context.store, outputs.records_path)
+  tx, schedule, train_step = _phase_train_step(detector, phase, params, replay, context.teacher)
   loop = LoopState(
     train_state=sharding_lib.replicate(step_lib.create_train_state(params, tx), detector.mesh),
-    replay_state=replay_state,
+    replay_state=context.replay_state,
     key=jax.random.PRNGKey(detector.run.seed_of("data") * DATA_KEY_STRIDE + phase.index),
   )
   loop = replay.prepare(loop)
@@ -602,9 +622,10 @@ def train_phase(
   # LoRA: the step checkpoints hold the adapters alone (the base is `params`', frozen).
   held = LORA_ADAPTERS if detector.lora is not None else None
   like = params if carry_best else None
+  step_checkpoints = outputs.step_checkpoints
   loop = restore_loop(step_checkpoints, phase.index, loop, replay, like, params_part=held)
   timer = timing.StepTimer()
-  hooks = _phase_hooks(detector, phase, replay, writer, schedule, timer, carry_best)
+  hooks = _phase_hooks(detector, phase, replay, outputs.writer, schedule, timer, carry_best)
   checkpoint = checkpoint_hook(
     step_checkpoints,
     phase.index,
@@ -645,7 +666,8 @@ def _phase_plan(detector: Detector, phase: Phase) -> LoopPlan:
 def _step_spec(train: TrainSpec, loss: LossSpec, replay_options: dict) -> step_lib.StepSpec:
   """The fine-tuning train step's `StepSpec`: `loss` (its normalisation applies here),
   the replay's DER++ and loss-adaptivity options (`Replay.train_step_options`; without
-  'with_replay': no replay half), the distinct-query embedding and LwF of `train`."""
+  'with_replay': no replay half), the distinct-query embedding of `train` and every step
+  term's settings that `train` gives (`StepTerm.of_train`: LwF's)."""
   replay = None
   if replay_options.get("with_replay"):
     replay = step_lib.ReplayLoss(
@@ -656,11 +678,9 @@ def _step_spec(train: TrainSpec, loss: LossSpec, replay_options: dict) -> step_l
       loss_threshold=float(replay_options["loss_threshold"]),
       loss_gate_groups=int(replay_options["loss_gate_groups"]),
     )
+  terms = {t.setting: t.of_train(train) for t in step_lib.STEP_TERMS if t.of_train is not None}
   return step_lib.StepSpec(
-    loss=loss,
-    replay=replay,
-    max_unique_queries=train.max_unique_queries,
-    lwf=train.lwf if train.lwf.on else None,
+    loss=loss, replay=replay, max_unique_queries=train.max_unique_queries, **terms
   )
 
 

@@ -397,7 +397,7 @@ def test_step_loop_stops_at_the_first_logged_non_finite_loss(monkeypatch):
 
   batch = {name: np.zeros((1,)) for name in trainer.MODEL_INPUTS}
   detector = types.SimpleNamespace(
-    config=types.SimpleNamespace(train=types.SimpleNamespace(log_every_steps=2)),
+    train_spec=types.SimpleNamespace(log_every_steps=2),
     train_batches=lambda source, **kwargs: iter([batch] * 8),
     mesh=None,
   )

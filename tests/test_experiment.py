@@ -209,7 +209,7 @@ def test_lwf_run_distils_to_the_pretrained_model(cache_dir, tmp_path, monkeypatc
   train_on_dataset = trainer.train_on_dataset
 
   def spy_train(detector, dataset, params, *args, **kwargs):
-    seen.append({"params": jax.device_get(params), "teacher": kwargs["teacher"]})
+    seen.append({"params": jax.device_get(params), "teacher": args[0].teacher})
     return train_on_dataset(detector, dataset, params, *args, **kwargs)
 
   def spy_teacher(train_step, teacher, mesh):

@@ -197,7 +197,7 @@ def _fake_loop_run(
       yield batch
 
   class Detector:
-    config = type("C", (), {"train": type("T", (), {"log_every_steps": 100})})
+    train_spec = type("T", (), {"log_every_steps": 100})
     mesh = None
 
   Detector.train_batches = staticmethod(train_batches)

@@ -57,11 +57,9 @@ def test_the_plan_and_the_keyword_form_run_the_same_steps(monkeypatch):
   typed_log, keyword_log = [], []
   bare = types.SimpleNamespace(mesh=None, train_batches=_batches)
   loop = _run(bare, typed_log, typed=True)
-  # The keyword form takes log_every from the detector's config.train.log_every_steps.
+  # The keyword form takes log_every from the detector's train_spec.log_every_steps.
   configured = types.SimpleNamespace(
-    mesh=None,
-    train_batches=_batches,
-    config=types.SimpleNamespace(train=types.SimpleNamespace(log_every_steps=2)),
+    mesh=None, train_batches=_batches, train_spec=types.SimpleNamespace(log_every_steps=2)
   )
   _run(configured, keyword_log)
   assert typed_log == keyword_log

@@ -1,6 +1,9 @@
-"""Replay as the training loop sees it, built from the config.
+"""Replay as the training loop sees it, built from the detector's typed settings.
 
-- `make_algorithm(config)`: the retrieval algorithm of `config.replay.algorithm`.
+- `make_algorithm(config)`: the retrieval algorithm of `config.replay.algorithm` (the config's
+  checks: `check_replay_config`); `build_options`, `build_store` and `Replay` read the
+  detector's `replay_spec`, `train_spec`, `data_spec`, `run` and `loss_options`, never its
+  ConfigDict.
 - `build_store(detector, benchmark, params, key_material=...)`: the host `ReplayStore` over
   the pre-training set (selected once, cached under `cache_dir/buffers` by
   `cache_keys.buffer_key_material`).
@@ -31,7 +34,6 @@ import ml_collections
 from owl_cl import distributed
 from owl_cl import preemption
 from owl_cl.config_fields import ConfigError
-from owl_cl.config_fields import seed_of
 from owl_cl.data.spec import MODEL_INPUT_KEYS
 from owl_cl.model import get_variant_config
 from owl_cl.replay import build as buffer_build
@@ -100,9 +102,9 @@ def algorithm_of(settings: replay_spec.ReplaySpec):
     raise ConfigError(f"config.replay ({name}): {e}") from e
 
 
-def num_replay_per_step(config: ml_collections.ConfigDict) -> int:
+def replay_slots(ratio: float, batch_size: int) -> int:
   """Replay slots per step: round(replay.ratio * train.batch_size), at least 1."""
-  return max(1, int(round(config.replay.ratio * config.train.batch_size)))
+  return max(1, int(round(ratio * batch_size)))
 
 
 def check_replay_config(config: ml_collections.ConfigDict) -> None:
@@ -122,7 +124,7 @@ def check_replay_config(config: ml_collections.ConfigDict) -> None:
       "config.replay.stale_retrieval=True computes the next step's retrieval ahead and needs "
       "config.replay.lookahead=True, got False"
     )
-  num_replay = num_replay_per_step(config)
+  num_replay = replay_slots(settings.ratio, config.train.batch_size)
   if settings.loss_adaptivity.mode == "paper" and num_replay != config.train.batch_size:
     raise ConfigError(
       f"config.replay.loss_adaptivity.mode='paper' replays one image per new image above "
@@ -131,9 +133,13 @@ def check_replay_config(config: ml_collections.ConfigDict) -> None:
 
 
 def stores_image_features(config: ml_collections.ConfigDict) -> bool:
+  """`uses_image_features` of `config.replay` (raises its ConfigError on a bad field)."""
+  return uses_image_features(replay_spec.settings(config))
+
+
+def uses_image_features(settings: replay_spec.ReplaySpec) -> bool:
   """Whether the buffer and the retrieval features carry the ViT image features (ASER on
   image features: `replay.aser.asv_features='image_features'` with an ASV algorithm)."""
-  settings = replay_spec.settings(config)
   algorithm = registry.ALGORITHMS.get(settings.algorithm)
   uses = algorithm is not None and "asv_features" in algorithm.hyperparameter_names
   return uses and settings.aser.asv_features == "image_features"
@@ -146,33 +152,33 @@ def model_version(config: ml_collections.ConfigDict) -> str:
 
 
 def build_options(detector, source) -> dict:
-  """`buffer_build.build_store`'s keywords for the pre-training set `source` from the run's
-  config and detector: `buffer_spec` (the `buffer_build.BufferSpec`: the images' preprocessing,
-  the selection settings, the loss), the batch size, the mesh and the grain workers.
+  """`buffer_build.build_store`'s keywords for the pre-training set `source` from the
+  detector's typed settings (`replay_spec`, `data_spec`, `run`, `loss_options`):
+  `buffer_spec` (the `buffer_build.BufferSpec`: the images' preprocessing, the selection
+  settings, the loss), the batch size, the mesh and the grain workers.
 
   Raises:
     ValueError: a selection setting `buffer_build.BufferSpec` refuses (names the field).
   """
-  config = detector.config
-  replay = replay_spec.settings(config)
+  replay = detector.replay_spec
   selection = replay.selection
-  data = config.data
+  data = detector.data_spec
   buffer_spec = buffer_build.BufferSpec(
     example=detector.example_spec(detector.class_tokens(source)),
-    seed=seed_of(config, "model"),
+    seed=detector.run.seed_of("model"),
     loss_threshold=selection.loss_threshold,
     min_per_class=selection.min_per_class,
     fill_all_for_rare_classes=selection.fill_all_for_rare_classes,
     top_k=replay.top_k,
     max_per_class=selection.max_instances_per_prototype,
-    loss_config=detector.loss_config,
+    loss_config=detector.loss_options,
     example_options=detector.example_options(source),
     distance_max_instances=selection.distance_max_instances,
     drop_images_without_class=selection.drop_images_without_class,
     top_up_order=selection.top_up_order,
     budget=replay.budget,
     prototype_images=selection.prototype_images,
-    image_features=stores_image_features(config),
+    image_features=uses_image_features(replay),
     selection_objectness=selection.objectness_in_loss,
   )
   return dict(
@@ -193,8 +199,8 @@ def build_store(detector, benchmark, params, *, key_material: dict):
   gathered, cached as uint8 under `config.replay.image_cache` when set (docs/reference.md §6);
   a store cached by an earlier version with its pixels keeps working from them.
   """
-  config = detector.config
   source = benchmark.pretrain.train
+  replay, cache_dir = detector.replay_spec, detector.run.cache_dir
 
   def build(path, build_dir, build_key):
     preemption.checkpoint_event("buffer")  # test-only kill hook (a no-op otherwise)
@@ -213,23 +219,28 @@ def build_store(detector, benchmark, params, *, key_material: dict):
   # (an optional uint8 cache on local disk keeps them once decoded). Not in the key: a store
   # is the same whether or where its images are cached.
   return store_cache.cached_store(
-    os.path.join(expand_path(config.cache_dir), "buffers"),
+    os.path.join(expand_path(cache_dir), "buffers"),
     key_material,
     build,
     source=source,
-    image_cache=image_cache_dir(config),
-    verification=replay_spec.settings(config).store_verification,
+    image_cache=image_cache_folder(replay.image_cache, cache_dir),
+    verification=replay.store_verification,
   )
 
 
 def image_cache_dir(config: ml_collections.ConfigDict) -> str | None:
-  """The replay image cache's folder: `replay.image_cache` ('~' and $VARS expanded; a relative
-  path inside `cache_dir`), or None when it is unset or '' (decode at every replay)."""
-  folder = replay_spec.settings(config).image_cache
+  """`image_cache_folder` of `config` (raises ConfigError on a bad `replay` field)."""
+  return image_cache_folder(replay_spec.settings(config).image_cache, config.cache_dir)
+
+
+def image_cache_folder(folder: str | None, cache_dir: str) -> str | None:
+  """The replay image cache's folder: `folder` (`replay.image_cache`; '~' and $VARS
+  expanded; a relative path inside `cache_dir`), or None when it is unset or '' (decode at
+  every replay)."""
   if not folder:
     return None
   folder = os.path.expandvars(os.path.expanduser(folder))
-  return os.path.join(expand_path(config.cache_dir), folder)  # an absolute folder wins
+  return os.path.join(expand_path(cache_dir), folder)  # an absolute folder wins
 
 
 # Written into every stage checkpoint's meta: the form of the class embeddings its replay state
@@ -396,14 +407,13 @@ class Replay:
   """
 
   def __init__(self, detector, store, records_path: str | None):
-    config = detector.config
+    settings = detector.replay_spec
     self.detector = detector
     self.store = store
-    self.num_replay = num_replay_per_step(config)
+    self.num_replay = replay_slots(settings.ratio, detector.train_spec.batch_size)
     sharding_lib.check_batch_divisible(
       self.num_replay, detector.mesh, "replay batch (ratio * batch)"
     )
-    settings = replay_spec.settings(config)
     self.algorithm = algorithm_of(settings)
     gate = settings.loss_adaptivity
     self.adaptivity = gate.mode
@@ -445,21 +455,21 @@ class Replay:
     self.buffer = None
     top_k = settings.top_k if self.algorithm.needs_features else None
     # 'paper': one eval-mode forward gives the new images' losses (and the features).
-    image_features = stores_image_features(config)
+    image_features = uses_image_features(settings)
     self._new_losses = (
       step_cache.shared(
         (
           "new_losses",
           detector.tuned_model,
           detector.mesh,
-          tuple(sorted(detector.loss_config.items())),
+          tuple(sorted(detector.loss_options.items())),
           top_k,
           image_features,
         ),
         lambda: step_lib.make_new_loss_step(
           detector.tuned_model,
           detector.mesh,
-          loss_config=detector.loss_config,
+          loss_config=detector.loss_options,
           k=top_k,
           image_features=image_features,
         ),

@@ -274,3 +274,22 @@ class LossSpec:
     "platform, owl_cl.train.matcher.AUTO_MATCHER).",
     key="each solver finds an exact minimum-cost matching: how it is computed, not what",
   )
+
+  def per_image_options(self, version: str) -> dict:
+    """The `detection.detection_loss` keyword options of a per-image loss outside the train
+    step (the buffer selection's pass 1, loss adaptivity's pre-forward), derived from the
+    fields: every field but `normalization` (those losses stay per image); `objectness_weight`
+    only for an OWLv2 model (`version` 'owlv2': only it has the term; v1's options, and the
+    build manifests that digest them, stay as they were). Source: docs/reference.md §3, §6,
+    §9; docs/owlv2.md.
+
+    Args:
+      version: the model's version ('v1' or 'owlv2', `OwlVitConfig.version`).
+
+    Returns:
+      {field name: value}: floats, and `matcher` a str.
+    """
+    skipped = {"normalization"} | ({"objectness_weight"} if version != "owlv2" else set())
+    return {
+      f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skipped
+    }

@@ -27,6 +27,7 @@ from owl_cl.train import sharding as sharding_lib
 from owl_cl.train import top_k as top_k_lib
 from owl_cl.train.spec import LossSpec
 from owl_cl.train.spec import LwfSpec
+from owl_cl.train.spec import TrainSpec
 
 PyTree = Any
 Batch = dict[str, jax.Array]
@@ -252,6 +253,11 @@ def _add_der(loss, metrics, ctx: StepContext, options: ReplayLoss):
   return loss, metrics
 
 
+def _lwf_of(train: TrainSpec) -> LwfSpec | None:
+  """LwF's settings in a fine-tuning step: `train.lwf` when on, else None (off)."""
+  return train.lwf if train.lwf.on else None
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTerm:
   """A term the train step adds to the new images' detection loss.
@@ -259,15 +265,19 @@ class StepTerm:
   Attributes:
     setting: the `StepSpec` field holding its settings (None there: off).
     add: `add(loss [], metrics, ctx: StepContext, settings) -> (loss, metrics)`.
+    of_train: `of_train(train: TrainSpec) -> settings or None`, the field's value in a
+      fine-tuning step (`trainer._step_spec` fills every term's from it); None: the trainer
+      fills the field otherwise (the replay half's from `Replay.train_step_options`).
   """
 
   setting: str
   add: Callable
+  of_train: Callable[[TrainSpec], Any] | None = None
 
 
 # The train step's terms beyond the detection loss's own (`owl_cl.train.loss_terms`), added
 # in this order (the order of the float additions): DER++'s replay half, then LwF.
-STEP_TERMS = (StepTerm("replay", _add_der), StepTerm("lwf", _add_lwf))
+STEP_TERMS = (StepTerm("replay", _add_der), StepTerm("lwf", _add_lwf, of_train=_lwf_of))
 
 
 def _split_outputs(outputs, replay, num_new):

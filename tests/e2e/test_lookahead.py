@@ -90,12 +90,9 @@ def _run(config, shared, tmp_path, name, step_checkpoints=None, threads=None):
       detector,
       bench.sequence[0],
       params,
-      store,
-      state,
-      None,
+      trainer.ReplayContext(state, store=store),
       1,
-      records_path=str(records),
-      step_checkpoints=step_checkpoints,
+      trainer.StageOutputs(records_path=str(records), step_checkpoints=step_checkpoints),
     )
   summary.pop("step_timings")
   recorded = dict(np.load(records)) if records.exists() else None

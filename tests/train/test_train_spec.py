@@ -100,3 +100,37 @@ def test_the_fine_tuning_step_spec_is_the_step_caches_key():
   off = trainer._step_spec(*settings(c), {"with_replay": False})
   assert off.replay is None and off.lwf == LwfSpec(box_weight=0.5)
   assert off.loss.normalization == "per_batch" and off != spec
+
+
+def test_a_step_term_fills_its_step_spec_field_from_the_train_section(monkeypatch):
+  """docs/extending.md, "A loss term": a train-step term declares how its settings come from
+  `train` (`StepTerm.of_train`), so the trainer fills its `StepSpec` field with no edit. The
+  throwaway term: a `count` section (a subclass of `TrainSpec`, as the field added to
+  `owl_cl/train/spec.py` would be) and a `StepSpec` field of that name."""
+  import dataclasses  # noqa: PLC0415
+
+  from owl_cl import trainer  # noqa: PLC0415
+  from owl_cl.train import step as step_lib  # noqa: PLC0415
+
+  @dataclasses.dataclass(frozen=True)
+  class CountSpec:
+    weight: float = 0.0
+
+  train_cls = dataclasses.make_dataclass(
+    "CountTrainSpec", [("count", CountSpec, CountSpec())], bases=(TrainSpec,), frozen=True
+  )
+  spec_cls = dataclasses.make_dataclass(
+    "CountStepSpec", [("count", object, None)], bases=(step_lib.StepSpec,), frozen=True
+  )
+  term = step_lib.StepTerm(
+    "count",
+    lambda loss, metrics, ctx, settings: (loss, metrics),
+    of_train=lambda train: train.count if train.count.weight else None,  # off at weight 0
+  )
+  monkeypatch.setattr(step_lib, "StepSpec", spec_cls)
+  monkeypatch.setattr(step_lib, "STEP_TERMS", step_lib.STEP_TERMS + (term,))
+  on = trainer._step_spec(train_cls(count=CountSpec(0.5)), LossSpec(), {})
+  assert on.count == CountSpec(0.5) and on.lwf is None and on.replay is None
+  assert trainer._step_spec(train_cls(), LossSpec(), {}).count is None
+  # LwF, the built-in term, fills its field the same way.
+  assert trainer._step_spec(train_cls(lwf=LwfSpec(weight=1.0)), LossSpec(), {}).lwf.weight == 1.0
