@@ -457,6 +457,7 @@ class Detector:
       max_dets=max_dets,
       per_class=per_class,
       return_detections=bool(dump_dir) or return_detections,
+      coco_backend=self.eval_spec.coco_backend,
     )
     result = detection.evaluate_source(
       predict_fn,

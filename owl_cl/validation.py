@@ -85,7 +85,13 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   if fields_valid:  # The checks across fields read fields of the right type.
     problems += model_problems(config)
     problems += augment_problems(config)
-    checks = (init_checkpoint_problem, frozen_problem, lora_problem, schedule_problem)
+    checks = (
+      init_checkpoint_problem,
+      frozen_problem,
+      lora_problem,
+      schedule_problem,
+      coco_backend_problem,
+    )
     problems += [p for p in (check(config) for check in checks) if p]
     # With real data, `real_inputs.check_inputs` lists it with the files.
     if not uses_real_data(config):
@@ -502,6 +508,18 @@ def missing_extra_problem(field: str, feature: str, extra: str, modules: Sequenc
   return (
     f"{field}: {feature} needs the optional extra '{extra}', which is not installed "
     f"(missing: {', '.join(missing)}); pip install -e '.[{extra}]'"
+  )
+
+
+def coco_backend_problem(config: ml_collections.ConfigDict) -> str:
+  """'' unless `config.eval.coco_backend` names faster-coco-eval and it is not installed (the
+  `fast_coco` extra): one line, before any work, instead of an ImportError at the first
+  evaluation."""
+  value = config.eval.coco_backend
+  if value == "pycocotools":
+    return ""
+  return missing_extra_problem(
+    f"config.eval.coco_backend={value!r}", "COCO scoring with it", "fast_coco", (value,)
   )
 
 

@@ -1118,6 +1118,20 @@ def test_hf_checkpoint_without_the_hf_extra_is_refused(tmp_path, workdir, capsys
   assert sorted(os.listdir(workdir)) == ["notes.txt"]
 
 
+def test_faster_coco_eval_without_its_extra_is_refused(tmp_path, workdir, capsys, monkeypatch):
+  monkeypatch.setitem(sys.modules, "faster_coco_eval", None)  # as if not installed
+  config = tiny_config("swil", str(tmp_path / "cache"))
+  config.eval.coco_backend = "faster_coco_eval"
+  status, err = refuse(config, workdir, capsys)
+  assert status == 2 and err.count("\n") == 1
+  assert (
+    "config.eval.coco_backend='faster_coco_eval': COCO scoring with it needs the optional "
+    "extra 'fast_coco', which is not installed (missing: faster_coco_eval); "
+    "pip install -e '.[fast_coco]'"
+  ) in err
+  assert sorted(os.listdir(workdir)) == ["notes.txt"]
+
+
 @pytest.mark.parametrize(
   "argv,expected",
   [

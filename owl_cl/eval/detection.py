@@ -473,6 +473,7 @@ class Scoring:
     per_category: also return 'per_category' (see `coco_eval.coco_evaluate`).
     per_class: also return 'per_class' (`per_class_table`, names from `source.class_names`).
     return_detections: also return the COCO result dicts under 'detections'.
+    coco_backend: protocol 'coco''s COCOeval implementation (`coco_eval.COCO_BACKENDS`).
   """
 
   protocol: str = "coco"
@@ -483,6 +484,7 @@ class Scoring:
   per_category: bool = False
   per_class: bool = False
   return_detections: bool = False
+  coco_backend: str = "pycocotools"
 
 
 def _protocol(scoring: Scoring, source):
@@ -495,7 +497,8 @@ def _protocol(scoring: Scoring, source):
   ground_truth, max_dets = scoring.ground_truth, scoring.max_dets
   if scoring.protocol == "coco":
     gt = source.coco if ground_truth is None else ground_truth
-    score, metric_names = coco_eval.coco_evaluate, coco_eval.COCO_METRIC_NAMES
+    score = functools.partial(coco_eval.coco_evaluate, backend=scoring.coco_backend)
+    metric_names = coco_eval.COCO_METRIC_NAMES
     count_images = lambda: len(gt.getImgIds())
     max_dets = 100 if max_dets is None else max_dets
   elif scoring.protocol == "lvis":

@@ -1,12 +1,14 @@
 """`coco_evaluate(backend='faster_coco_eval')` gives every metric pycocotools gives."""
 
 import math
+import types
 
 import numpy as np
 from pycocotools.coco import COCO
 import pytest
 
 from owl_cl.eval import coco_eval
+from owl_cl.eval import detection
 
 pytest.importorskip("faster_coco_eval")
 
@@ -90,3 +92,20 @@ def test_faster_coco_eval_without_detections_and_unknown_backend():
   _assert_same(want, coco_eval.coco_evaluate(coco, [], backend="faster_coco_eval"))
   with pytest.raises(ValueError, match="backend='cocoapi' is unknown"):
     coco_eval.coco_evaluate(coco, [], backend="cocoapi")
+
+
+def test_the_scorings_backend_is_the_one_that_scores(monkeypatch):
+  """`Scoring.coco_backend` (`config.eval.coco_backend` through `Detector`) reaches COCOeval:
+  each backend is asked for once, and they agree (`_assert_same`'s tolerance)."""
+  asked = []
+  backend_of = coco_eval._backend
+  monkeypatch.setattr(coco_eval, "_backend", lambda name: asked.append(name) or backend_of(name))
+  coco, detections = _generated(1, images=12)
+  source = types.SimpleNamespace(coco=coco)
+  results = {}
+  for backend in coco_eval.COCO_BACKENDS:
+    scoring = detection.Scoring(coco_backend=backend)
+    gt, score, _, _, max_dets = detection._protocol(scoring, source)
+    results[backend] = score(gt, detections, max_dets=max_dets)
+  assert asked == list(coco_eval.COCO_BACKENDS)
+  _assert_same(*results.values())
