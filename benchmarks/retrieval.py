@@ -282,6 +282,7 @@ class NumpyRetrieval:
     self.pointer = -1
     self.members = [np.flatnonzero(col) for col in buffer["class_membership"].T]
     self.left = self.left_min = None
+    self.forgetting_scores = None  # float32 [N] (forgetting-aware retrieval)
 
   # class steps
   def _class_eligible(self, eligible):
@@ -396,10 +397,41 @@ class NumpyRetrieval:
         indices = self._asv_select(
           self.sample_classes(probs[rows]), eligible, features, precomputed=True
         )
+      elif name in FORGETTING:
+        classes = (
+          self.balanced(class_eligible, num)
+          if name == "forgetting"
+          else self.sample_classes(self.swil_probs(features, class_eligible))
+        )
+        indices = np_forgetting_in_class(self, classes, eligible.copy(), self.forgetting_scores)
       else:
         raise ValueError(f"unknown algorithm {name!r}")
     self.replayed[indices] = True
     return indices
+
+
+# Forgetting-aware retrieval (beyond the paper, `owl_cl.replay.retrieval.forgetting`): its
+# NumPy reference, apart from the Table 2 ones. T and eps: the config's defaults.
+FORGETTING, FORGETTING_T, FORGETTING_EPS = ("forgetting", "sw_forgetting"), 1.0, 0.1
+
+
+def np_forgetting_in_class(ref: NumpyRetrieval, classes, eligible, scores) -> np.ndarray:
+  """One image per class, p = (1 - eps) softmax(score / T) + eps / M over the eligible
+  members (M of them), without replacement; no member left: any eligible image."""
+  out = []
+  for cls in classes:
+    members = ref.members[cls]
+    members = members[eligible[members]]
+    if members.size:
+      z = np.exp((scores[members] - scores[members].max()) / FORGETTING_T)
+      p = (1 - FORGETTING_EPS) * z / z.sum() + FORGETTING_EPS / members.size
+      i = members[ref.rng.choice(members.size, p=p)]
+    else:
+      pool = np.flatnonzero(eligible)
+      i = pool[ref.rng.integers(pool.size)]
+    eligible[i] = False
+    out.append(i)
+  return np.array(out)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -603,6 +635,7 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
   rng = np.random.default_rng(3)
   left = rng.uniform(-0.01, 0.05, sizes.num_images).astype(np.float32)
   left_min = (left - 0.02).astype(np.float32)
+  scores = rng.normal(0.0, 0.5, sizes.num_images).astype(np.float32)
   for name in names:
     algorithm = registry.get_algorithm(
       name, dedup="dataset", **algorithm_hyperparameters(name, sizes)
@@ -615,6 +648,11 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
         asv_left_min=jnp.asarray(left_min),
         asv_left_ready=jnp.ones((), bool),
       )
+    if name in FORGETTING:
+      # Observed losses (the per-call cost does not depend on their values): rise = scores.
+      rstate = algorithm.prepare(rstate, buffer).replace(
+        forget_latest=jnp.asarray(scores + 1.0), forget_reference=jnp.ones_like(scores)
+      )
     call = jax.jit(algorithm, static_argnums=3)
     holder = {"state": rstate}
 
@@ -624,6 +662,7 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
 
     ref = NumpyRetrieval(buf, sizes)
     ref.left, ref.left_min = left, left_min
+    ref.forgetting_scores = scores
     jt = median_seconds(run_jax, repeats)
     nt = median_seconds(lambda: ref(name, feats), repeats)
     rows.append(_row("algorithm", name, jt, nt, f"B={sizes.batch}"))

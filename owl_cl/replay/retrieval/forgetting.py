@@ -134,7 +134,8 @@ def forgetting_scores(latest, reference) -> Array:
   NaN (never observed), 0 when no image is observed (the module docstring's rule).
 
   Args:
-    latest, reference: float [N] (`ReplayState.forget_latest` / `forget_reference`).
+    latest: float [N] (`ForgettingReplayState.forget_latest`).
+    reference: float [N] (`ForgettingReplayState.forget_reference`).
   """
   rise = jnp.asarray(latest, jnp.float32) - jnp.asarray(reference, jnp.float32)
   observed = jnp.isfinite(rise)
@@ -149,7 +150,8 @@ def forgetting_probs(scores, available, temperature, exploration) -> Array:
   Args:
     scores: float [..., M] forgetting scores (loss units; `forgetting_scores`).
     available: bool [..., M]; entries that may be drawn (M = their count).
-    temperature: T > 0 (loss units); exploration: eps in [0, 1].
+    temperature: T > 0 (loss units).
+    exploration: eps in [0, 1].
   Returns:
     probabilities summing to 1 over the last axis, all zeros where nothing is available.
   """
@@ -191,9 +193,16 @@ def forgetting_in_class(
   valid False. The draw reads the class's own blocks (`class_index.by_class_size`).
 
   Args:
-    key: PRNG key. index: `class_index.ClassIndex`. eligible: bool [N]. classes: int [num].
-    scores: float32 [N]. active: bool [num]. temperature, exploration: as `forgetting_probs`.
-    without_replacement: static. pool: optional `class_index.pools(index, eligible)`.
+    key: PRNG key.
+    index: `class_index.ClassIndex` (`ReplayBuffer.class_index`).
+    eligible: bool [N].
+    classes: int [num]; -1 = no class.
+    scores: float32 [N] (`forgetting_scores`).
+    active: bool [num].
+    temperature: T, as `forgetting_probs`.
+    exploration: eps, as `forgetting_probs`.
+    without_replacement: static.
+    pool: optional `class_index.pools(index, eligible)`.
   Returns:
     indices int32 [num], valid bool [num].
   """
