@@ -257,6 +257,18 @@ def upgrade_restored_state(
   return replay_state
 
 
+def _loss_writeback(algorithm, step_options: dict):
+  """(whether `algorithm` reads the replays' training losses, its jitted write-back or None).
+
+  Forgetting-aware retrieval (`retrieval.forgetting`): sets the train step's option that
+  exports the losses (`observe_losses`); `Replay.count` writes them back after each step.
+  """
+  if not getattr(algorithm, "observes_losses", False):
+    return False, None
+  step_options["observe_losses"] = True
+  return True, step_cache.shared(("observe", algorithm), lambda: jax.jit(algorithm.observe))
+
+
 def initial_replay_state(store, seed: int, config=None) -> replay_state_lib.ReplayState:
   """The replay state before the first dataset (key from `seed + 2`).
 
@@ -436,14 +448,8 @@ class Replay:
         detector.mesh.shape[sharding_lib.DATA_AXIS] if gate.gate_per_device else 1
       ),
     }
-    # Forgetting-aware retrieval reads each step's replay losses (`count` writes them back).
-    self._observes = bool(getattr(self.algorithm, "observes_losses", False))
-    if self._observes:
-      self.train_step_options["observe_losses"] = True
-      self._observe = step_cache.shared(
-        ("observe", self.algorithm), lambda: jax.jit(self.algorithm.observe)
-      )
-    self._consumed = None
+    self._observes, self._observe = _loss_writeback(self.algorithm, self.train_step_options)
+    self._consumed = None  # the retrieval the last train step consumed (`_apply`)
     self.records_path = records_path
     self.recorder = None
     records = bool(settings.records and records_path)
