@@ -80,6 +80,7 @@ from owl_cl.replay.retrieval import dedup  # noqa: E402
 from owl_cl.replay.retrieval import knn_shapley  # noqa: E402
 from owl_cl.replay.retrieval import registry  # noqa: E402
 from owl_cl.replay.retrieval import sample_selection  # noqa: E402
+from owl_cl.replay.retrieval import spec as retrieval_spec  # noqa: E402
 
 EPS = 1e-8
 
@@ -272,6 +273,7 @@ class NumpyRetrieval:
     self.pointer = -1
     self.members = [np.flatnonzero(col) for col in buffer["class_membership"].T]
     self.left = self.left_min = None
+    self.forgetting_scores = None  # float32 [N] (forgetting-aware retrieval)
 
   # class steps
   def _class_eligible(self, eligible):
@@ -384,6 +386,15 @@ class NumpyRetrieval:
     rows = np.arange(self.sizes.candidates_pc) % self.sizes.batch
     return self._asv_select(self.sample_classes(probs[rows]), eligible, features, precomputed=True)
 
+  def forgetting(self, eligible, features):
+    del features
+    classes = self.balanced(self._class_eligible(eligible), self.sizes.batch)
+    return np_forgetting_in_class(self, classes, eligible.copy(), self.forgetting_scores)
+
+  def sw_forgetting(self, eligible, features):
+    classes = self.sample_classes(self.swil_probs(features, self._class_eligible(eligible)))
+    return np_forgetting_in_class(self, classes, eligible.copy(), self.forgetting_scores)
+
   def run(self, method: Callable, features: dict[str, np.ndarray]) -> np.ndarray:
     """One retrieval call of `method` (a method of this class, e.g. `NumpyRetrieval.grasp`):
     a fresh dedup period when fewer than B images are left, then the B chosen images marked
@@ -416,8 +427,35 @@ NUMPY_REFERENCES: dict[str, Callable] = {
   "aser": NumpyRetrieval.aser,
   "aser_pc": NumpyRetrieval.aser_pc,
   "sw_aser_pc": NumpyRetrieval.sw_aser_pc,
+  "forgetting": NumpyRetrieval.forgetting,
+  "sw_forgetting": NumpyRetrieval.sw_forgetting,
 }
 NO_REFERENCE = "no NumPy reference"
+
+
+# Forgetting-aware retrieval (beyond the paper, `owl_cl.replay.retrieval.forgetting`): its
+# NumPy reference, apart from the Table 2 ones. T and eps: the config's defaults.
+FORGETTING_T = retrieval_spec.RetrievalSpec.forgetting_temperature
+FORGETTING_EPS = retrieval_spec.RetrievalSpec.forgetting_exploration
+
+
+def np_forgetting_in_class(ref: NumpyRetrieval, classes, eligible, scores) -> np.ndarray:
+  """One image per class, p = (1 - eps) softmax(score / T) + eps / M over the eligible
+  members (M of them), without replacement; no member left: any eligible image."""
+  out = []
+  for cls in classes:
+    members = ref.members[cls]
+    members = members[eligible[members]]
+    if members.size:
+      z = np.exp((scores[members] - scores[members].max()) / FORGETTING_T)
+      p = (1 - FORGETTING_EPS) * z / z.sum() + FORGETTING_EPS / members.size
+      i = members[ref.rng.choice(members.size, p=p)]
+    else:
+      pool = np.flatnonzero(eligible)
+      i = pool[ref.rng.integers(pool.size)]
+    eligible[i] = False
+    out.append(i)
+  return np.array(out)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -632,6 +670,7 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
   rng = np.random.default_rng(3)
   left = rng.uniform(-0.01, 0.05, sizes.num_images).astype(np.float32)
   left_min = (left - 0.02).astype(np.float32)
+  scores = rng.normal(0.0, 0.5, sizes.num_images).astype(np.float32)
   for name in names:
     algorithm = registry.get_algorithm(
       name, dedup="dataset", **algorithm_hyperparameters(name, sizes)
@@ -643,6 +682,11 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
         asv_left=jnp.asarray(left),
         asv_left_min=jnp.asarray(left_min),
         asv_left_ready=jnp.ones((), bool),
+      )
+    if getattr(algorithm, "observes_losses", False):
+      # Observed losses (the per-call cost does not depend on their values): rise = scores.
+      rstate = algorithm.prepare(rstate, buffer).replace(
+        forget_latest=jnp.asarray(scores + 1.0), forget_reference=jnp.ones_like(scores)
       )
     call = jax.jit(algorithm, static_argnums=3)
     holder = {"state": rstate}
@@ -656,6 +700,7 @@ def bench_algorithms(sizes: Sizes, buf, buffer, feats, names, repeats: int) -> l
     if name in NUMPY_REFERENCES:
       ref = NumpyRetrieval(buf, sizes)
       ref.left, ref.left_min = left, left_min
+      ref.forgetting_scores = scores
       nt, note = median_seconds(lambda: ref(name, feats), repeats), ""
     rows.append(_row("algorithm", name, jt, nt, f"B={sizes.batch}", note=note))
     numpy_ms = f"{nt['median_s'] * 1e3:.2f} ms" if nt else NO_REFERENCE

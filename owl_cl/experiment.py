@@ -465,7 +465,9 @@ def _open_session(config, workdir, bench, detector, init) -> _Session:
     key = cache_keys.buffer_key_material(config, bench.pretrain.train, pretrain_meta)
     store, buffer_stats = replay_setup.build_store(detector, bench, params, key_material=key)
   seeds = detector.run
-  replay_state = replay_setup.initial_replay_state(store, seeds.seed_of("retrieval"))
+  replay_state = replay_setup.initial_replay_state(
+    store, seeds.seed_of("retrieval"), detector.replay_spec
+  )
   # LoRA (docs/lora.md): the pre-trained parameters are the frozen base of the whole run (the
   # buffer above was built from them alone); fresh adapters (B = 0: the same model) train from
   # stage 1 on: carried from stage to stage ('sequence'), or fresh for each task ('per_task':

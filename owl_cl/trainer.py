@@ -677,6 +677,7 @@ def _step_spec(train: TrainSpec, loss: LossSpec, replay_options: dict) -> step_l
       loss_adaptivity=replay_options["loss_adaptivity"],
       loss_threshold=float(replay_options["loss_threshold"]),
       loss_gate_groups=int(replay_options["loss_gate_groups"]),
+      observe_losses=bool(replay_options.get("observe_losses", False)),
     )
   terms = {t.setting: t.of_train(train) for t in step_lib.STEP_TERMS if t.of_train is not None}
   return step_lib.StepSpec(

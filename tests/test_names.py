@@ -58,7 +58,10 @@ _NUMPY_NAMES += ("aser", "aser_pc", "sw_aser_pc")
 # (path, scope, literal) -> why it is written there; scope: the top-level function, class or
 # assigned name holding it (`_scope`), '' for a shell script's words.
 ALGORITHM_NAMES_ALLOWED = {
-  **{("benchmarks/retrieval.py", "NUMPY_REFERENCES", name): _NUMPY for name in _NUMPY_NAMES},
+  **{
+    ("benchmarks/retrieval.py", "NUMPY_REFERENCES", name): _NUMPY
+    for name in (*_NUMPY_NAMES, "forgetting", "sw_forgetting")
+  },
   ("benchmarks/buffer.py", "child", "swil"): _EXAMPLE,
   ("benchmarks/protocol_gpu.py", "main", "swil"): _EXAMPLE,
   ("benchmarks/owlv2_builtin.sh", "", "swil"): _EXAMPLE,

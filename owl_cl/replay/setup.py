@@ -268,17 +268,39 @@ def upgrade_restored_state(
   return replay_state
 
 
-def initial_replay_state(store, seed: int) -> replay_state_lib.ReplayState:
+def _loss_writeback(algorithm, step_options: dict):
+  """(whether `algorithm` reads the replays' training losses, its jitted write-back or None).
+
+  Forgetting-aware retrieval (`retrieval.forgetting`): sets the train step's option that
+  exports the losses (`observe_losses`); `Replay.count` writes them back after each step.
+  """
+  if not getattr(algorithm, "observes_losses", False):
+    return False, None
+  step_options["observe_losses"] = True
+  return True, step_cache.shared(("observe", algorithm), lambda: jax.jit(algorithm.observe))
+
+
+def initial_replay_state(
+  store, seed: int, settings: replay_spec.ReplaySpec | None = None
+) -> replay_state_lib.ReplayState:
   """The replay state before the first dataset (key from `seed + 2`).
 
   Without a store it is sized for one image and one class: orbax saves no empty arrays, and
-  the run's checkpoints hold a replay state either way.
+  the run's checkpoints hold a replay state either way. With `settings` naming an algorithm
+  that observes losses (forgetting-aware), the state holds its fields from the start, so the
+  stage checkpoints restore them (`forgetting.initial_state`); other algorithms' states are
+  unchanged.
   """
-  return replay_state_lib.init_replay_state(
+  state = replay_state_lib.init_replay_state(
     store.num_images if store else 1,
     jax.random.PRNGKey(seed + 2),
     num_classes=store.num_classes if store else 1,
   )
+  if store is not None and settings is not None:
+    algorithm = algorithm_of(settings)
+    if getattr(algorithm, "observes_losses", False):
+      state = algorithm.prepare(state, None)
+  return state
 
 
 def replay_fractions(
@@ -438,6 +460,8 @@ class Replay:
         detector.mesh.shape[sharding_lib.DATA_AXIS] if gate.gate_per_device else 1
       ),
     }
+    self._observes, self._observe = _loss_writeback(self.algorithm, self.train_step_options)
+    self._consumed = None  # the retrieval the last train step consumed (`_apply`)
     self.records_path = records_path
     self.recorder = None
     records = bool(settings.records and records_path)
@@ -492,7 +516,8 @@ class Replay:
     # replay.stale_retrieval allows its features one step old, None: serial.
     reads_params = self._new_losses is not None or self._embed is not None
     self.lookahead = None
-    if settings.lookahead:
+    # A write-back changes the state after every step: a look-ahead would always be redone.
+    if settings.lookahead and not self._observes:
       if not reads_params:
         self.lookahead = "exact"
       elif settings.stale_retrieval:
@@ -572,6 +597,7 @@ class Replay:
     timer.device("retrieval", dispatched.retrieve_at, gathered.fetched_at)
     timer.host("gather", gathered.gather_seconds)
     loop.replay_state = dispatched.retrieved.replay_state
+    self._consumed = dispatched.retrieved
     if self.recorder is not None:
       self.recorder.add(gathered.records, gathered.valid)
     dedup.check_auto_reset(loop.replay_state)
@@ -650,6 +676,12 @@ class Replay:
 
   def count(self, loop, metrics):
     """Adds the step's replays in the loss, and whether there was any, to the counters."""
+    if self._observes:
+      # Out of the metrics before the loop logs them (scalars only): the step's replay
+      # losses, into the state at the indices that step consumed (`forgetting.observe_losses`).
+      losses = metrics.pop("per_example_replay")
+      consumed = self._consumed
+      loop.replay_state = self._observe(loop.replay_state, consumed.indices, consumed.valid, losses)
     used = metrics["replays_in_loss"]
     loop.replays_in_loss = loop.replays_in_loss + used
     loop.replay_steps = loop.replay_steps + (used > 0).astype(jnp.int32)

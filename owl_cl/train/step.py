@@ -63,6 +63,9 @@ class ReplayLoss:
     loss_threshold: l of 'released_gate', in units of the detection loss.
     loss_gate_groups: G >= 1: 'released_gate' per device as in the released code's DDP
       (G = the device count; `_per_device_gate`).
+    observe_losses: the metrics also hold `per_example_replay` float32 [B_r], each replay's
+      detection loss (no gradient), for a retrieval that reads them (forgetting-aware:
+      `owl_cl.replay.retrieval.forgetting`); the loop takes it out before logging.
 
   Raises:
     ValueError: an unknown `loss_adaptivity`, or `loss_gate_groups` < 1.
@@ -74,6 +77,7 @@ class ReplayLoss:
   loss_adaptivity: str = "none"
   loss_threshold: float = 0.0
   loss_gate_groups: int = 1
+  observe_losses: bool = False
 
   def __post_init__(self):
     if self.loss_adaptivity not in config_fields.LOSS_ADAPTIVITY_MODES:
@@ -250,6 +254,8 @@ def _add_der(loss, metrics, ctx: StepContext, options: ReplayLoss):
     loss, result, distill_inputs, ctx.replay, ctx.replay_mask, metrics, options
   )
   metrics.update(loss=loss, replay_weight=weight, replays_in_loss=jnp.sum(used, dtype=jnp.int32))
+  if options.observe_losses:
+    metrics["per_example_replay"] = jax.lax.stop_gradient(terms["per_example_replay"])
   return loss, metrics
 
 

@@ -46,6 +46,8 @@ RECORD_KEYS = {
   "each new image (Fig. 5 right)",
   "selected_rank": "int32 [num]: distance rank of each replayed candidate to its nearest "
   "new image (-1: invalid slot)",
+  "forgetting_rise": "float32 [num]: forgetting score (loss rise) of each replayed image "
+  "(NaN: invalid slot; `forgetting.forgetting_step`)",
 }
 
 

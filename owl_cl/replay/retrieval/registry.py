@@ -15,6 +15,7 @@ from typing import Any
 from owl_cl.replay.retrieval import adaptive
 from owl_cl.replay.retrieval import asv
 from owl_cl.replay.retrieval import dedup as dedup_lib
+from owl_cl.replay.retrieval import forgetting
 from owl_cl.replay.retrieval import spec
 from owl_cl.replay.retrieval.compose import Composition
 from owl_cl.replay.retrieval.steps import balanced_step
@@ -36,6 +37,10 @@ ALGORITHMS: dict[str, Any] = {
   "aser": asv.AsvComposition(balanced_step, precomputed=False, num_candidates=168),
   "aser_pc": asv.AsvComposition(balanced_step, precomputed=True, num_candidates=352),
   "sw_aser_pc": asv.AsvComposition(similarity_weighted_step, precomputed=True, num_candidates=352),
+  # Beyond the paper: forgetting-aware sample selection (after mix-cd, arXiv 2402.08096),
+  # named as Table 2 names GRASP's pair: the balanced class step unprefixed, 'sw_' with SWIL's.
+  "forgetting": forgetting.ForgettingComposition(balanced_step),
+  "sw_forgetting": forgetting.ForgettingComposition(similarity_weighted_step),
 }
 
 

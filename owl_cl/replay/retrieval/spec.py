@@ -179,6 +179,22 @@ class RetrievalSpec:
     "candidates): 'uniform' (paper) or 'grasp' (released option bal_prob_type='GRASP').",
     key=RETRIEVAL_ONLY,
   )
+  forgetting_temperature: float = config_spec.field(
+    1.0,
+    real(0.0, low_open=True),
+    "Forgetting-aware retrieval's T: within a class, p_i follows softmax(rise_i / T), rise_i "
+    "the rise of image i's training loss (loss units) since its reference "
+    "(`retrieval.forgetting`).",
+    key=RETRIEVAL_ONLY,
+  )
+  forgetting_exploration: float = config_spec.field(
+    0.1,
+    real(0.0, 1.0),
+    "Forgetting-aware retrieval's eps: the share of each draw made uniformly within the class, "
+    "so every eligible image stays drawable (unobserved images otherwise score the mean "
+    "observed rise).",
+    key=RETRIEVAL_ONLY,
+  )
   aser: AserSpec = config_spec.section(AserSpec, "The ASV algorithms' hyperparameters.")
 
 
