@@ -273,7 +273,8 @@ class NumpyRetrieval:
     self.pointer = -1
     self.members = [np.flatnonzero(col) for col in buffer["class_membership"].T]
     self.left = self.left_min = None
-    self.forgetting_scores = None  # float32 [N] (forgetting-aware retrieval)
+    # float32 [N]: forgetting-aware retrieval's rises (none observed: all equal) until set.
+    self.forgetting_scores = np.zeros(sizes.num_images, np.float32)
 
   # class steps
   def _class_eligible(self, eligible):
@@ -386,12 +387,12 @@ class NumpyRetrieval:
     rows = np.arange(self.sizes.candidates_pc) % self.sizes.batch
     return self._asv_select(self.sample_classes(probs[rows]), eligible, features, precomputed=True)
 
-  def forgetting(self, eligible, features):
+  def forgetting_aware(self, eligible, features):
     del features
     classes = self.balanced(self._class_eligible(eligible), self.sizes.batch)
     return np_forgetting_in_class(self, classes, eligible.copy(), self.forgetting_scores)
 
-  def sw_forgetting(self, eligible, features):
+  def sw_forgetting_aware(self, eligible, features):
     classes = self.sample_classes(self.swil_probs(features, self._class_eligible(eligible)))
     return np_forgetting_in_class(self, classes, eligible.copy(), self.forgetting_scores)
 
@@ -427,8 +428,8 @@ NUMPY_REFERENCES: dict[str, Callable] = {
   "aser": NumpyRetrieval.aser,
   "aser_pc": NumpyRetrieval.aser_pc,
   "sw_aser_pc": NumpyRetrieval.sw_aser_pc,
-  "forgetting": NumpyRetrieval.forgetting,
-  "sw_forgetting": NumpyRetrieval.sw_forgetting,
+  "forgetting_aware": NumpyRetrieval.forgetting_aware,
+  "sw_forgetting_aware": NumpyRetrieval.sw_forgetting_aware,
 }
 NO_REFERENCE = "no NumPy reference"
 

@@ -60,7 +60,7 @@ _NUMPY_NAMES += ("aser", "aser_pc", "sw_aser_pc")
 ALGORITHM_NAMES_ALLOWED = {
   **{
     ("benchmarks/retrieval.py", "NUMPY_REFERENCES", name): _NUMPY
-    for name in (*_NUMPY_NAMES, "forgetting", "sw_forgetting")
+    for name in (*_NUMPY_NAMES, "forgetting_aware", "sw_forgetting_aware")
   },
   ("benchmarks/buffer.py", "child", "swil"): _EXAMPLE,
   ("benchmarks/protocol_gpu.py", "main", "swil"): _EXAMPLE,

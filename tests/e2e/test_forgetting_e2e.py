@@ -22,7 +22,7 @@ from owl_cl.train import checkpointing
 
 @pytest.mark.slow  # three tiny train_on_dataset runs (one interrupted)
 def test_replay_losses_are_written_back_and_a_resume_is_exact(shared, tmp_path, monkeypatch):  # noqa: F811
-  config = _config("forgetting", shared, dedup="none")
+  config = _config("forgetting_aware", shared, dedup="none")
   seen = []
   count = replay_setup.Replay.count
 

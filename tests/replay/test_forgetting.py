@@ -106,7 +106,9 @@ def test_equal_rises_draw_uniformly_within_the_class():
   probs = forgetting.forgetting_probs(scores[:4], jnp.ones(4, bool), 0.3, 0.1)
   np.testing.assert_allclose(probs, 0.25, atol=TOL)
   buffer = _buffer()
-  algorithms = [registry.get_algorithm(n, dedup="none") for n in ("forgetting", "uniform_balanced")]
+  algorithms = [
+    registry.get_algorithm(n, dedup="none") for n in ("forgetting_aware", "uniform_balanced")
+  ]
   states = [
     algorithms[0].prepare(_state(latest, reference), buffer),
     state_lib.init_replay_state(6, jax.random.PRNGKey(0), 2),
@@ -154,15 +156,15 @@ def test_observe_losses_writes_the_valid_slots_only():
 
 
 def test_registry_compositions_and_refusals():
-  for name, needs in (("forgetting", False), ("sw_forgetting", True)):
+  for name, needs in (("forgetting_aware", False), ("sw_forgetting_aware", True)):
     algorithm = registry.get_algorithm(name, forgetting_temperature=0.5)
     assert isinstance(algorithm, forgetting.ForgettingAlgorithm) and algorithm.observes_losses
     assert algorithm.needs_features == needs
     assert dict(algorithm.sample_hyperparameters)["forgetting_temperature"] == 0.5
   with pytest.raises(ValueError, match="forgetting_temperature=0"):
-    registry.get_algorithm("forgetting", forgetting_temperature=0)
+    registry.get_algorithm("forgetting_aware", forgetting_temperature=0)
   with pytest.raises(ValueError, match="forgetting_exploration=1.5"):
-    registry.get_algorithm("forgetting", forgetting_exploration=1.5)
+    registry.get_algorithm("forgetting_aware", forgetting_exploration=1.5)
   buffer = _buffer()
   plain = state_lib.init_replay_state(6, jax.random.PRNGKey(0), 2)
   with pytest.raises(ValueError, match="prepare"):  # a state the algorithm did not prepare

@@ -39,8 +39,8 @@ ALGORITHMS: dict[str, Any] = {
   "sw_aser_pc": asv.AsvComposition(similarity_weighted_step, precomputed=True, num_candidates=352),
   # Beyond the paper: forgetting-aware sample selection (after mix-cd, arXiv 2402.08096),
   # named as Table 2 names GRASP's pair: the balanced class step unprefixed, 'sw_' with SWIL's.
-  "forgetting": forgetting.ForgettingComposition(balanced_step),
-  "sw_forgetting": forgetting.ForgettingComposition(similarity_weighted_step),
+  "forgetting_aware": forgetting.ForgettingComposition(balanced_step),
+  "sw_forgetting_aware": forgetting.ForgettingComposition(similarity_weighted_step),
 }
 
 
