@@ -6,6 +6,7 @@ fails too, so the lists only shrink.
 """
 
 import ast
+import collections
 import os
 import pathlib
 import re
@@ -289,3 +290,11 @@ def test_tests_mirror_the_package():
     assert test.name in TOP_LEVEL_TESTS_OF_THE_WHOLE or any(
       named == m or named.startswith(m + "_") for m in modules
     ), f"{test.name}: name it after the top-level module it tests, or move it to its folder"
+
+
+def test_no_two_test_files_share_a_name():
+  # pytest imports a test file by its base name (no __init__.py in tests/): a second file of
+  # the same name anywhere under tests/ is an error of the whole collection, not of one file.
+  tests = pathlib.Path(__file__).parent
+  names = collections.Counter(p.name for p in tests.rglob("test_*.py"))
+  assert [name for name, count in names.items() if count > 1] == []
