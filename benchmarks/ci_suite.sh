@@ -37,6 +37,11 @@ status=$?
   echo "--- pytest's slowest phases and summary (raw) ---"
   sed -n '/slowest .* durations/,/=\{5,\} .* in [0-9.]*s/p' "$tmp/log"
   echo
+  if [ "$status" -ne 0 ]; then
+    echo "--- the last 60 lines of .ci/run's output (it failed) ---"
+    tail -n 60 "$tmp/log"
+    echo
+  fi
   echo "--- /usr/bin/time -v of .ci/run (raw) ---"
   grep -E 'Elapsed \(wall clock\)|User time|System time|Maximum resident' "$tmp/log"
 } >>"$out"

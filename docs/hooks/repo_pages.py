@@ -28,7 +28,8 @@ REPO_PAGES = {"README.md": "index.md"}
 # left out. benchmarks/results/sweep_builtin holds the committed sweep's report and figures
 # (the README shows them; its runs/ subfolder holds only results.json files), and
 # benchmarks/results/owlv2_builtin/{v1,v2} the reports of OWLv2 beside v1, and
-# benchmarks/results/gpu_{second,third,fourth}_session/call* the raw output of GPU calls.
+# benchmarks/results/gpu_{second,third,fourth}_session/call* the raw output of GPU calls, and
+# benchmarks/results/coco_backends/* the COCO scoring time of each backend.
 REPO_PAGE_DIRS = (
   "benchmarks",
   "benchmarks/results",
@@ -46,6 +47,8 @@ REPO_PAGE_DIRS = (
   "benchmarks/results/gpu_third_session/call4/peak2",
   "benchmarks/results/gpu_fourth_session/call1",
   "benchmarks/results/gpu_fourth_session/call2",
+  "benchmarks/results/coco_backends/pycocotools",
+  "benchmarks/results/coco_backends/faster_coco_eval",
 )
 NAV_PAGES = ("index.md", "benchmarks/README.md")
 
