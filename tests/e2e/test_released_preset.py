@@ -7,8 +7,13 @@ import os
 import pytest
 
 from owl_cl import cache_keys
+from owl_cl import config_spec
+from owl_cl import run_spec
 from owl_cl.config_fields import ConfigError
+from owl_cl.data.data_spec import DataSpec
 from owl_cl.replay import setup as replay_setup
+from owl_cl.replay import spec as replay_spec
+from owl_cl.train.spec import TrainSpec
 
 # configs/ivlod_odinw13.py is a protocol on real data (its args: parse_arg's), not an
 # algorithm with the built-in / 'paper' / 'released' args (tests/data/test_ivlod_data.py).
@@ -168,12 +173,16 @@ def test_prototype_images_reaches_the_buffer_build(monkeypatch, tmp_path, arg, w
   annotations = tmp_path / "train.json"
   annotations.write_text("{}")
   source = types.SimpleNamespace(annotation_file=str(annotations), class_names=["a"])
+  # The settings `replay.setup` reads, converted as `Detector` converts them.
   detector = types.SimpleNamespace(
-    config=c,
+    run=run_spec.run_settings(c),
+    replay_spec=replay_spec.settings(c),
+    data_spec=config_spec.from_config(DataSpec, c.data, "data"),
+    train_spec=config_spec.from_config(TrainSpec, c.train, "train"),
     model=None,
     class_tokens=lambda s: None,
     example_spec=lambda tokens: None,
-    loss_config={},
+    loss_options={},
     example_options=lambda s: {},
     mesh=None,
   )
