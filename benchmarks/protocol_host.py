@@ -44,6 +44,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import resource
 import shutil
 import sys
@@ -418,13 +419,26 @@ RUNNERS = {
 }
 
 
+def cpu_model() -> str:
+  """The CPU's model name (/proc/cpuinfo), else the machine type (`platform.machine`)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.machine()
+
+
 def render(report: dict) -> str:
   r = report["parts"]
   lines = [
     f"# The protocol's host side ({report['mode']})",
     "",
-    f"{report['machine']}; load average {report['load_before']} before, "
-    f"{report['load_after']} after; {report['date']}.",
+    f"{report['machine']} ({report['cpu']}); load average {report['load_before']} before, "
+    f"{report['load_after']} after; {report['date']}; commit {report['code']['commit']}"
+    f"{' (dirty)' if report['code'].get('dirty') else ''}.",
     "",
   ]
   if "input" in r:
@@ -520,6 +534,7 @@ def main(argv=None) -> dict:
   if unknown:
     p.error(f"--parts: unknown {unknown}; known: {','.join(PARTS)}")
   from owl_cl import utils  # noqa: PLC0415
+  from owl_cl.eval import provenance  # noqa: PLC0415
 
   sizes = scoring_sizes(SMOKE if args.smoke else FULL, args)
   tmp = tempfile.mkdtemp(prefix="protocol_host_", dir=args.tmp)
@@ -527,6 +542,9 @@ def main(argv=None) -> dict:
     "mode": "smoke" if args.smoke else "full",
     "sizes": dataclasses.asdict(sizes),
     "machine": f"{os.cpu_count()} logical CPUs",
+    "cpu": cpu_model(),
+    # The code measured: commit, dirty, commit_source (`owl_cl.eval.provenance`).
+    "code": provenance.code_provenance(),
     "load_before": os.getloadavg()[0],
     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     "parts": {},
