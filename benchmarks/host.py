@@ -178,20 +178,9 @@ def measure(
 def machine() -> dict:
   return {
     "machine": f"{platform.machine()}, {os.cpu_count()} logical CPUs",
-    "cpu": _cpu_model(),
+    "cpu": utils.cpu_model(),
     "python": platform.python_version(),
   }
-
-
-def _cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
 
 
 def render_markdown(rows: list[dict]) -> str:

@@ -44,7 +44,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import platform
 import resource
 import shutil
 import sys
@@ -419,18 +418,6 @@ RUNNERS = {
 }
 
 
-def cpu_model() -> str:
-  """The CPU's model name (/proc/cpuinfo), else the machine type (`platform.machine`)."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.machine()
-
-
 def render(report: dict) -> str:
   r = report["parts"]
   lines = [
@@ -542,7 +529,7 @@ def main(argv=None) -> dict:
     "mode": "smoke" if args.smoke else "full",
     "sizes": dataclasses.asdict(sizes),
     "machine": f"{os.cpu_count()} logical CPUs",
-    "cpu": cpu_model(),
+    "cpu": utils.cpu_model(),
     # The code measured: commit, dirty, commit_source (`owl_cl.eval.provenance`).
     "code": provenance.code_provenance(),
     "load_before": os.getloadavg()[0],

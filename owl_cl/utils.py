@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import socket
@@ -66,6 +67,20 @@ def file_digest(path: str) -> str:
     for chunk in iter(lambda: f.read(1 << 24), b""):
       sha.update(chunk)
   return sha.hexdigest()[:DIGEST_CHARS]
+
+
+def cpu_model() -> str:
+  """The CPU's model name from /proc/cpuinfo (Linux), else `platform.processor()`, else
+  'unknown': what a benchmark's record names its machine by."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+          return value.strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
 
 
 def shuffled(items: Sequence[T], seed: int | None) -> list[T]:
