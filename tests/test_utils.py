@@ -1,6 +1,7 @@
 """owl_cl.utils.atomic_directory: a folder appears complete or not at all."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -95,3 +96,11 @@ def test_killed_writer_leaves_only_a_stale_temporary(tmp_path):
   (leftover,) = os.listdir(tmp_path)
   removed = utils.remove_stale_temporaries(str(tmp_path), min_age_seconds=0.0)
   assert removed == [str(tmp_path / leftover)] and os.listdir(tmp_path) == []
+
+
+def test_cpu_model_is_the_model_name_of_proc_cpuinfo():
+  names = []
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+  assert utils.cpu_model() == (names[0] if names else platform.processor() or "unknown")
