@@ -27,6 +27,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKER = os.path.join(REPO, "tests", "e2e", "multihost_worker.py")
 
 
+def _wait_all(procs, timeout: float) -> None:
+  """Waits for every process until `timeout` seconds from now have passed in all."""
+  deadline = time.monotonic() + timeout
+  for proc in procs:
+    try:
+      proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      break
+
+
+def _kill_left(procs) -> None:
+  """Kills the process group of every process still running (None: never started); its
+  returncode becomes None, which the callers report as a timeout."""
+  for proc in procs:
+    if proc is not None and proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+      proc.returncode = None
+
+
 def _process_env(nproc: int) -> dict:
   """The environment of one of `nproc` processes: CPU only, 8 devices over all of them."""
   return devices.cpu_devices_env(
@@ -64,18 +84,9 @@ def _spawn(jobs: list[tuple[str, int, str]], timeout: float) -> list[list[tuple[
           start_new_session=True,  # its own process group: killed as a whole below
         )
         handles[-1] = (j, proc, log)
-    deadline = time.monotonic() + timeout
-    for _, proc, _ in handles:
-      try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        break
+    _wait_all([proc for _, proc, _ in handles], timeout)
   finally:
-    for _, proc, _ in handles:
-      if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.returncode = None  # reported as a timeout
+    _kill_left(proc for _, proc, _ in handles)
   results = [[] for _ in jobs]
   for j, proc, log in handles:
     log.seek(0)
@@ -356,18 +367,9 @@ def _main_jobs(jobs: list[dict], timeout: float) -> list[list[tuple[int, str]]]:
           start_new_session=True,  # its own process group: killed as a whole below
         )
         procs[-1] = (j, proc, log)
-    deadline = time.monotonic() + timeout
-    for _, proc, _ in procs:
-      try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        break
+    _wait_all([proc for _, proc, _ in procs], timeout)
   finally:
-    for _, proc, _ in procs:
-      if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.returncode = None
+    _kill_left(proc for _, proc, _ in procs)
   out = [[] for _ in jobs]
   for j, proc, log in procs:
     log.seek(0)
