@@ -38,7 +38,7 @@ outside brackets, so `--set "data.augment.mosaic_sizes=(1,2),(1,2,3)"` gives two
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
 import glob
 import importlib
@@ -322,6 +322,7 @@ def run_tasks(
   poll_seconds: float = 1.0,
   keep_going: bool = False,
   clock=time.monotonic,
+  on_end: Callable[[Task, int], None] | None = None,
 ) -> int:
   """Runs the tasks here (cwd: the repository) in their order, skipping complete ones.
 
@@ -333,6 +334,9 @@ def run_tasks(
     keep_going: after a failure, go on starting the other tasks (a long unattended sweep);
       default: no new task starts after it (running ones finish).
     clock: seconds, for the progress lines (tests pass a fake).
+    on_end: called as `on_end(task, exit_status)` as soon as each task ends, before the next
+      starts (`launch/sweep_design.py` copies a complete run's results there, so a sweep
+      killed later keeps every run that ended).
 
   The first pending task of each `cache_group` (it fills the group's cache: the pre-trained
   model, the buffer) runs before the group's others start, beside other groups' tasks; with
@@ -391,6 +395,8 @@ def run_tasks(
         print(f"# failed with status {proc.returncode}: {task.command}{where}", file=sys.stderr)
         failed = failed or proc.returncode
         failures += 1
+      if on_end is not None:
+        on_end(task, proc.returncode)
       print(f"# {progress_line(ended, total, failures, clock() - begin)}", file=sys.stderr)
   return failed
 

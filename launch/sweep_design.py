@@ -1,21 +1,30 @@
 r"""One command for a committed sweep: its runs, the copy of their results, and its report.
 
     python launch/sweep_design.py round2 [--run] [--root=workdirs/sweep_round2] \
-        [--processes=2] [--report-only] [--smoke --cache-dir=DIR]
+        [--processes=2] [--report-only] [--allow-code-change] [--smoke --cache-dir=DIR]
 
 DESIGN is a design of `launch/designs.py` (`builtin`: the first committed sweep, `round2`:
 docs/design_round2.md). Without `--run` (or `--report-only`) it prints the design's line (rows,
 runs, planning estimate of the time) and its commands, and runs nothing.
 
 `--run`: every run of the design in its priority order (`designs.run_order`), `--processes` at
-a time (`launch/sweep.py`'s `run_tasks`): complete runs are skipped, an interrupted one
-resumes, the first run of each model seed runs before that seed's others (it pre-trains the
-model and fills the buffer they share), a failed run does not stop the others, and a line
-after each run gives the rate and the time left. Then, as with `--report-only`:
+a time (`launch/sweep.py`'s `run_tasks`): complete runs are skipped (a complete workdir in the
+root, or a complete copy in `<out>/runs/`: a committed run), an interrupted one resumes, the
+first run of each model seed runs before that seed's others (it pre-trains the model and
+fills the buffer they share), a failed run does not stop the others, and a line after each
+run gives the rate and the time left. Each run is copied (step 1) as soon as it ends, so a
+sweep killed at any point has every ended run in `<out>/runs/`: commit that folder, and the
+same command on another machine or checkout runs only the rest (a sweep longer than one
+sitting). Before any run it refuses (exit 2) when the package code (`CODE_PATHS`) differs
+from the commit a copied run records, so the runs of one design all ran one code
+(`--allow-code-change` overrides); a copied run recorded with a dirty tree, or made on
+another CPU or with other package versions (its `environment.json`), is named in a warning. Then, as with `--report-only`:
 
 1. each complete run's results.json is copied to `<out>/runs/<workdir name>/` (atomically;
-   checkpoints and records stay in the root), so the report is reproduced from committed
-   files alone;
+   checkpoints and records stay in the root), with `environment.json` beside it (the CPU,
+   Python and package versions of the machine that copies it: the one that ran it, as the
+   workdir is local), so the report is reproduced from committed files alone; an identical
+   copy is left as it is;
 2. `python -m owl_cl.report <out>/runs --reference R [--plan P] --order <rows>`: report.md,
    report.json and the figures in `<out>` (rows with runs, in the design's order), and the
    same report of each order's runs in `<out>/by_order/<order>/` (the order effect; with
@@ -35,9 +44,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 import dataclasses
+import importlib.metadata
+import json
 import os
+import platform
 import shutil
+import subprocess
 import sys
+import time
 
 LAUNCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(LAUNCH)
@@ -48,11 +62,17 @@ for _path in (REPO, LAUNCH):  # `python launch/sweep_design.py` from anywhere: a
 import designs  # noqa: E402 (after the checkout joins sys.path)
 import sweep  # noqa: E402
 
+from owl_cl import utils  # noqa: E402
 from owl_cl.analysis import interference  # noqa: E402
 from owl_cl.analysis import protection  # noqa: E402
 from owl_cl.analysis import report as report_lib  # noqa: E402
 
 RUNS = "runs"
+ENVIRONMENT = "environment.json"
+# The files whose change changes what a run computes: the package and its requirements.
+CODE_PATHS = ("owl_cl", "setup.py")
+# The distributions whose versions a copied run's environment.json records (the numerics).
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "scipy", "pycocotools", "lvis")
 SMOKE_ORDER = "reversed"  # a stored order of the tiny configs' two-dataset benchmark
 SMOKE_CONFIG = """# A tiny config of `launch/sweep_design.py --smoke` (owl_cl.testing.configs).
 from owl_cl.testing.configs import tiny_config
@@ -104,20 +124,125 @@ def plan_runs(
   return [by_run[(row.name, seed, order)] for row, seed, order in designs.run_order(design)]
 
 
+def environment() -> dict:
+  """The machine and packages of this process: {'cpu', 'cores', 'platform', 'python',
+  'packages': {name: version or None}} (`PACKAGES`)."""
+  packages = {}
+  for name in PACKAGES:
+    try:
+      packages[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      packages[name] = None
+  return {
+    "cpu": utils.cpu_model(),
+    "cores": os.cpu_count(),
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+    "packages": packages,
+  }
+
+
+def _write_atomically(path: str, write) -> None:
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    write(f)
+  os.replace(path + ".tmp", path)
+
+
+def copy_result(p: Planned, out: str) -> bool:
+  """Copies the run's results.json to `<out>/runs/<name>/` when its workdir is complete
+  (through a temporary file and a rename: a copy is whole or absent), with `ENVIRONMENT`
+  beside it (`environment()`, and the UTC time of the copy). A copy equal to the workdir's
+  is left as it is, with its environment. Returns whether the run has a copy now."""
+  if not sweep.is_complete(p.task.workdir):
+    return committed(p, out)  # an incomplete run stays in the root, where running resumes it
+  folder = os.path.join(out, RUNS, p.name)
+  source, target = (
+    os.path.join(p.task.workdir, "results.json"),
+    os.path.join(folder, "results.json"),
+  )
+  with open(source, "rb") as f:
+    data = f.read()
+  if os.path.isfile(target):
+    with open(target, "rb") as f:
+      if f.read() == data:
+        return True
+  os.makedirs(folder, exist_ok=True)
+  record = {**environment(), "copied_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+  _write_atomically(os.path.join(folder, ENVIRONMENT), lambda f: json.dump(record, f, indent=1))
+  shutil.copyfile(source, target + ".tmp")
+  os.replace(target + ".tmp", target)
+  return True
+
+
 def copy_results(planned: Sequence[Planned], out: str) -> int:
-  """Copies each complete run's results.json to `<out>/runs/<name>/results.json` (through a
-  temporary file and a rename: a copy is whole or absent). Returns how many were copied."""
-  copied = 0
+  """`copy_result` of each planned run. Returns how many have a copy."""
+  return sum(copy_result(p, out) for p in planned)
+
+
+def _copied(p: Planned, out: str, name: str) -> dict | None:
+  try:
+    with open(os.path.join(out, RUNS, p.name, name), encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def committed(p: Planned, out: str) -> bool:
+  """Whether `<out>/runs/<name>/results.json` is a complete run's (a committed run: the
+  sweep does not run it again; delete the folder to run it again)."""
+  record = _copied(p, out, "results.json")
+  return isinstance(record, dict) and record.get("status") == "complete"
+
+
+def code_changes(commit: str | None, repo: str = REPO) -> list[str] | str:
+  """The `CODE_PATHS` files that differ between `commit` and the working tree of the checkout
+  `repo` (`git diff --name-only`), or a sentence saying why they cannot be compared."""
+  if not commit:
+    return "its commit is not recorded"
+  try:
+    done = subprocess.run(
+      ["git", "-C", repo, "diff", "--name-only", commit, "--", *CODE_PATHS],
+      capture_output=True,
+      text=True,
+      timeout=60,
+      check=False,
+    )
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"git could not run ({type(e).__name__})"
+  if done.returncode != 0:
+    return f"git diff failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+  return done.stdout.split()
+
+
+def check_committed(
+  planned: Sequence[Planned], out: str, repo: str = REPO
+) -> tuple[list[str], list[str]]:
+  """(refusals, warnings) about the copied runs a sweep goes on from. Refused: a recorded
+  commit whose package code (`CODE_PATHS`) differs from the working tree's, or that cannot
+  be compared (not recorded, not in this checkout's history). Warned: a commit recorded
+  with a dirty tree (any tracked file changed, `owl_cl.eval.provenance`), and a copy whose
+  environment (CPU model, package versions) differs from this machine's."""
+  refusals, warnings, commits, here = [], [], {}, environment()
   for p in planned:
-    if not sweep.is_complete(p.task.workdir):
-      continue  # an incomplete run stays in the root, where running again resumes it
-    folder = os.path.join(out, RUNS, p.name)
-    os.makedirs(folder, exist_ok=True)
-    target = os.path.join(folder, "results.json")
-    shutil.copyfile(os.path.join(p.task.workdir, "results.json"), target + ".tmp")
-    os.replace(target + ".tmp", target)
-    copied += 1
-  return copied
+    record = _copied(p, out, "results.json") if committed(p, out) else None
+    if record is None:
+      continue
+    key = (record.get("commit"), bool(record.get("dirty")))
+    commits.setdefault(key, []).append(p.name)
+    env = _copied(p, out, ENVIRONMENT) or {}
+    differ = [k for k in ("cpu", "packages") if env.get(k) != here[k]]
+    if differ:
+      warnings.append(f"{p.name} ran with another {' and '.join(differ)}: {env or 'unrecorded'}")
+  for (commit, dirty), names in commits.items():
+    changes = code_changes(commit, repo)
+    where = f"{len(names)} copied run(s) (e.g. {names[0]}) of commit {commit}"
+    if isinstance(changes, str):
+      refusals.append(f"{where}: the code cannot be compared ({changes})")
+    elif changes:
+      refusals.append(f"{where}: the package code differs here: {', '.join(changes)}")
+    elif dirty:  # a tracked file differed from the commit: perhaps only a doc, so a warning
+      warnings.append(f"{where} recorded a dirty tree: its code may differ from the commit's")
+  return refusals, warnings
 
 
 def _first_failure(*statuses: int) -> int:
@@ -186,6 +311,44 @@ def _place(given: str | None, default: str) -> str:
   return default if here or os.path.isabs(default) else os.path.join(REPO, default)
 
 
+def refuse_to_go_on(planned: Sequence[Planned], out: str, allow: bool) -> bool:
+  """Prints `check_committed`'s warnings and refusals (stderr); whether to refuse (any
+  refusal, unless `allow`)."""
+  refusals, warnings = check_committed(planned, out)
+  for line in warnings:
+    print(f"# warning: {line}", file=sys.stderr)
+  for line in refusals:
+    print(f"error: {line}", file=sys.stderr)
+  if refusals and not allow:
+    print(
+      "error: the sweep would go on from copied runs of other code; nothing run "
+      "(--allow-code-change goes on anyway)",
+      file=sys.stderr,
+    )
+  return bool(refusals) and not allow
+
+
+def run_design(design: designs.Design, planned: Sequence[Planned], out: str, processes: int) -> int:
+  """Runs the planned runs that have no complete copy in `<out>/runs`, copying each as it
+  ends (module docstring, `--run`). Returns `sweep.run_tasks`' status."""
+  todo = [p for p in planned if not committed(p, out)]
+  if len(todo) < len(planned):
+    hours = designs.estimate_seconds(design, len(todo)) / 3600.0
+    print(
+      f"# {len(planned) - len(todo)} of {len(planned)} runs already copied to "
+      f"{os.path.join(out, RUNS)} (skipped); {len(todo)} to run, estimate {hours:.1f} h",
+      file=sys.stderr,
+      flush=True,
+    )
+  by_workdir = {p.task.workdir: p for p in todo}
+
+  def on_end(task: sweep.Task, exit_status: int) -> None:
+    if exit_status == 0:
+      copy_result(by_workdir[task.workdir], out)
+
+  return sweep.run_tasks([p.task for p in todo], processes, keep_going=True, on_end=on_end)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Command line (module docstring). Returns the exit status."""
   parser = argparse.ArgumentParser(
@@ -204,6 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   mode.add_argument("--report-only", action="store_true", help="copy and report, no runs")
   parser.add_argument("--smoke", action="store_true", help="tiny size (module docstring)")
   parser.add_argument("--cache-dir", help="with --smoke: the tiny runs' cache folder")
+  parser.add_argument(
+    "--allow-code-change",
+    action="store_true",
+    help="go on from copied runs whose commit's package code differs from this checkout's",
+  )
   args = parser.parse_args(argv)
   if args.processes < 1:
     parser.error(f"--processes must be >= 1, got {args.processes}")
@@ -227,7 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
   status = 0
   if args.run:
-    status = sweep.run_tasks([p.task for p in planned], args.processes, keep_going=True)
+    if refuse_to_go_on(planned, out, args.allow_code_change):
+      return 2
+    status = run_design(design, planned, out, args.processes)
   copied = copy_results(planned, out)
   print(f"# {copied} complete runs copied to {os.path.join(out, RUNS)}", file=sys.stderr)
   return _first_failure(status, write_reports(design, planned, root, out))

@@ -1,9 +1,12 @@
 """launch/designs.py and launch/sweep_design.py: the committed sweeps' table, run order,
 estimate, and the one command (its smoke run at tiny size)."""
 
+import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -166,9 +169,138 @@ def test_smoke_runs_copies_reports_and_skips_complete_runs(pretrained_cache_dir,
     report = f.read()
   assert "| swil+wise_ft(0.5) | 1 |" in report and "## WiSE-FT" in report
   assert not os.path.exists(os.path.join(out, "by_order"))  # one order: the report itself
-  # Again: every run complete, none started; the report is written again.
+  # Again: every run copied, none started; the report is written again.
   os.remove(os.path.join(out, "report.md"))
   assert sweep_design.main(argv) == 0
   err = capsys.readouterr().err
-  assert err.count("# complete, skipped") == 2 and "[1/" not in err
+  assert "2 of 2 runs already copied" in err and "[1/" not in err
   assert os.path.isfile(os.path.join(out, "report.md"))
+  # On a fresh machine (no workdirs, no cache): the committed copies alone; nothing runs.
+  for name in names:
+    shutil.rmtree(os.path.join(root, name))
+  assert sweep_design.main(argv) == 0
+  err = capsys.readouterr().err
+  assert "2 of 2 runs already copied" in err and "[1/" not in err
+  for name in names:
+    with open(os.path.join(out, "runs", name, sweep_design.ENVIRONMENT)) as f:
+      assert json.load(f)["packages"]["jax"] == importlib.metadata.version("jax")
+
+
+# A stand-in run: fails unless every path after its workdir exists, then writes a complete
+# results.json into its workdir.
+STAND_IN_RUN = r"""
+import json, os, sys
+if not all(os.path.exists(p) for p in sys.argv[2:]):
+  sys.exit(1)
+os.makedirs(sys.argv[1], exist_ok=True)
+with open(os.path.join(sys.argv[1], "results.json"), "w") as f:
+  json.dump({"status": "complete", "run": os.path.basename(sys.argv[1])}, f)
+"""
+
+
+def stand_in(root, name, *needs):
+  workdir = os.path.join(root, name)
+  argv = (sys.executable, "-c", STAND_IN_RUN, workdir, *needs)
+  task = sweep_design.sweep.Task("uniform", 0, (), workdir, argv)
+  return sweep_design.Planned(designs.Row("uniform", "uniform"), task)
+
+
+def write_copy(out, name, record, environment=None):
+  folder = os.path.join(out, "runs", name)
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, "results.json"), "w") as f:
+    json.dump(record, f)
+  if environment is not None:
+    with open(os.path.join(folder, sweep_design.ENVIRONMENT), "w") as f:
+      json.dump(environment, f)
+
+
+def test_run_design_skips_copied_runs_and_copies_each_run_as_it_ends(tmp_path, capsys):
+  root, out = str(tmp_path / "root"), str(tmp_path / "out")
+  a_copy = os.path.join(out, "runs", "a", "results.json")
+  # c runs after a (one process) and fails unless a's copy is already there.
+  planned = [stand_in(root, "a"), stand_in(root, "b"), stand_in(root, "c", a_copy)]
+  write_copy(out, "b", {"status": "complete", "run": "b (committed)"})
+  write_copy(out, "d", {"status": "running"})  # not a run of the design: ignored
+  assert sweep_design.run_design(designs.ROUND2, planned, out, processes=1) == 0
+  assert "1 of 3 runs already copied" in capsys.readouterr().err
+  assert not os.path.exists(os.path.join(root, "b"))  # committed: not run again
+  for name in ("a", "c"):
+    with open(os.path.join(root, name, "results.json"), "rb") as f:
+      ran = f.read()
+    with open(os.path.join(out, "runs", name, "results.json"), "rb") as f:
+      assert f.read() == ran
+    with open(os.path.join(out, "runs", name, sweep_design.ENVIRONMENT)) as f:
+      env = json.load(f)
+    assert env["cpu"] == sweep_design.utils.cpu_model() and env["cores"] == os.cpu_count()
+    assert env["packages"]["numpy"] == importlib.metadata.version("numpy")
+  # A copy equal to its workdir's is left as it is, with the environment of its first copy.
+  env_path = os.path.join(out, "runs", "a", sweep_design.ENVIRONMENT)
+  with open(env_path, "w") as f:
+    json.dump({"cpu": "the machine that ran it"}, f)
+  assert sweep_design.copy_results(planned, out) == 3
+  with open(env_path) as f:
+    assert json.load(f) == {"cpu": "the machine that ran it"}
+  with open(os.path.join(out, "runs", "b", "results.json")) as f:
+    assert json.load(f)["run"] == "b (committed)"
+
+
+def git(repo, *args):
+  command = ["git", "-C", repo, "-c", "user.name=t", "-c", "user.email=t@t", *args]
+  return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_check_committed_refuses_other_code_and_warns_of_another_machine(tmp_path):
+  repo, out = str(tmp_path / "repo"), str(tmp_path / "out")
+  os.makedirs(os.path.join(repo, "owl_cl"))
+  for path in ("owl_cl/a.py", "README.md"):
+    with open(os.path.join(repo, path), "w") as f:
+      f.write("x = 1\n")
+  git(repo, "init", "-q")
+  git(repo, "add", ".")
+  git(repo, "commit", "-q", "-m", "one")
+  commit = git(repo, "rev-parse", "HEAD")
+  planned = [stand_in(str(tmp_path), "a"), stand_in(str(tmp_path), "b")]
+  here = sweep_design.environment()
+
+  def check(a, b=None, env_b=here):
+    write_copy(out, "a", {"status": "complete", **a}, here)
+    if b is not None:
+      write_copy(out, "b", {"status": "complete", **b}, env_b)
+    return sweep_design.check_committed(planned, out, repo)
+
+  assert check({"commit": commit, "dirty": False}) == ([], [])
+  # b copied on another CPU: a warning naming it, no refusal.
+  refusals, warnings = check({"commit": commit}, {"commit": commit}, {**here, "cpu": "Z80"})
+  assert refusals == [] and len(warnings) == 1 and "b ran with another cpu" in warnings[0]
+  # Outside the package, a change is not a change of the code a run executes.
+  with open(os.path.join(repo, "README.md"), "w") as f:
+    f.write("x = 2\n")
+  assert check({"commit": commit}, {"commit": commit}) == ([], [])
+  with open(os.path.join(repo, "owl_cl", "a.py"), "w") as f:
+    f.write("x = 2\n")
+  refusals, _ = check({"commit": commit}, {"commit": commit})
+  assert len(refusals) == 1 and "2 copied run(s)" in refusals[0]
+  assert refusals[0].endswith("the package code differs here: owl_cl/a.py")
+  git(repo, "checkout", "-q", "--", "owl_cl")
+  refusals, warnings = check({"commit": commit, "dirty": True})
+  assert refusals == [] and warnings == [
+    f"1 copied run(s) (e.g. a) of commit {commit} recorded a dirty tree: its code may differ "
+    "from the commit's"
+  ]
+  for record, message in [
+    ({"commit": None}, "its commit is not recorded"),
+    ({"commit": "f" * 40}, "the code cannot be compared (git diff failed"),
+  ]:
+    refusals, _ = check(record, {"commit": commit})
+    assert len(refusals) == 1 and message in refusals[0], refusals
+
+
+def test_run_refuses_to_go_on_from_copied_runs_of_other_code(tmp_path, capsys):
+  root, out = tmp_path / "root", str(tmp_path / "out")
+  write_copy(out, "uniform_reversed_seed0", {"status": "complete", "commit": "f" * 40})
+  argv = ["round2", "--smoke", "--run", f"--root={root}", f"--out={out}"]
+  assert sweep_design.main(argv) == 2
+  err = capsys.readouterr().err
+  assert f"(e.g. uniform_reversed_seed0) of commit {'f' * 40}" in err and "nothing run" in err
+  assert sorted(os.listdir(root)) == ["configs"]  # no run started, no log

@@ -437,3 +437,23 @@ def test_progress_line_hand_worked():
   assert sweep.progress_line(12, 12, 0, 7200.0) == "12/12 ended (0 failed), 6.0 runs/h, done"
   assert sweep.progress_line(1, 4, 0, 60.0).endswith("about 3 min left")  # 60 runs/h
   assert sweep.format_duration(45.0) == "45 s" and sweep.format_duration(math.inf) == "unknown time"
+
+
+def test_run_tasks_calls_on_end_once_per_task_as_it_ends(tmp_path):
+  root = str(tmp_path)
+  tasks = fake_tasks(root, ["a", "f", "b"], fail=("f",))
+  ended = []
+
+  def on_end(task, status):
+    # Called after the task ended (its results are written) and before the next one starts.
+    name = os.path.basename(task.workdir)
+    started = [n for n in read_times(root) if "start" in read_times(root)[n]]
+    ended.append((name, status, sweep.is_complete(task.workdir), sorted(started)))
+
+  status = sweep.run_tasks(tasks, processes=1, poll_seconds=0.05, keep_going=True, on_end=on_end)
+  assert status == 3
+  assert ended == [
+    ("a", 0, True, ["a"]),
+    ("f", 3, False, ["a", "f"]),
+    ("b", 0, True, ["a", "b", "f"]),
+  ]
