@@ -31,6 +31,9 @@ Usage:
   --scoring-images N (the scoring part at a smaller size)
   python benchmarks/protocol_host.py --parts=scoring --eval-sets=o365_val \
     --scoring-images=2000 --coco-backend=faster_coco_eval --out D   # one backend's COCO time
+  python benchmarks/protocol_host.py --combine benchmarks/results/protocol_host
+      # measures nothing: the records of DIR/<part>/ (one invocation each) as one
+      # <out>/protocol_host.{json,md}, each record whole with its own CPU, load and commit
 
 Timings are wall seconds of one process on one core unless a row says otherwise; the load
 average before and after is recorded (a shared machine's figures are not the machine's).
@@ -497,6 +500,61 @@ def scoring_sizes(sizes: Sizes, args) -> Sizes:
   return dataclasses.replace(sizes, eval_sets=sets, coco_backend=args.coco_backend)
 
 
+RECORD = "protocol_host.json"
+
+
+def combine(folder: str) -> dict:
+  """The records of `folder`'s subfolders (`<sub>/protocol_host.json`, one invocation each),
+  unchanged, as {'combined_from', 'records': {sub: record}, 'without_record': {sub: [its
+  files]}} (a part that left no record, e.g. one killed out of memory, is named with what it
+  left). Raises FileNotFoundError when `folder` has no record at all."""
+  records, without = {}, {}
+  for sub in sorted(os.listdir(folder)):
+    path = os.path.join(folder, sub)
+    if not os.path.isdir(path):
+      continue
+    if os.path.isfile(os.path.join(path, RECORD)):
+      with open(os.path.join(path, RECORD), encoding="utf-8") as f:
+        records[sub] = json.load(f)
+    else:
+      without[sub] = sorted(os.listdir(path))
+  if not records:
+    raise FileNotFoundError(f"{folder}: no subfolder holds a {RECORD}")
+  return {
+    "combined_from": os.path.relpath(folder, ROOT),
+    "records": records,
+    "without_record": without,
+  }
+
+
+def render_combined(combined: dict) -> str:
+  """Markdown: a table of the records (parts, CPU, load, date, commit), then each record's
+  own page (`render`) one heading level down, and the folders without a record."""
+  lines = [
+    "# The protocol's host side: every part's record",
+    "",
+    f"The records of `{combined['combined_from']}/`, one invocation per part (so that a "
+    "failed part lost only itself), combined unchanged by `benchmarks/protocol_host.py "
+    "--combine`. Each names its own machine, load and commit.",
+    "",
+    "| folder | parts | CPU | load before / after | date | commit |",
+    "|---|---|---|---|---|---|",
+  ]
+  for sub, r in combined["records"].items():
+    code = r["code"]
+    lines.append(
+      f"| {sub} | {', '.join(r['parts'])} | {r['machine']}, {r['cpu']} | "
+      f"{r['load_before']:.2f} / {r['load_after']:.2f} | {r['date']} | "
+      f"{(code['commit'] or '?')[:10]}{' (dirty)' if code.get('dirty') else ''} |"
+    )
+  for sub, files in combined["without_record"].items():
+    lines.append(f"| {sub} | no record: {', '.join(files) or 'empty'} | | | | |")
+  for sub, r in combined["records"].items():
+    page = render(r).splitlines()[1:]  # its title becomes the folder's heading
+    lines += ["", f"## {sub}", *("#" + line if line.startswith("#") else line for line in page)]
+  return "\n".join(lines).rstrip("\n") + "\n"
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--smoke", action="store_true")
@@ -515,7 +573,21 @@ def main(argv=None) -> dict:
   p.add_argument(
     "--scoring-images", type=int, default=None, help="scoring: at most this many images per set"
   )
+  p.add_argument(
+    "--combine",
+    metavar="DIR",
+    help="measure nothing: combine the records of DIR/<part>/ into <out>/protocol_host.*",
+  )
   args = p.parse_args(argv)
+  if args.combine:
+    from owl_cl import utils  # noqa: PLC0415
+
+    combined = combine(args.combine)
+    os.makedirs(args.out, exist_ok=True)
+    utils.write_report(
+      os.path.join(args.out, "protocol_host"), combined, render_combined(combined), indent=2
+    )
+    return combined
   parts = [x for x in args.parts.split(",") if x]
   unknown = sorted(set(parts) - set(PARTS))
   if unknown:

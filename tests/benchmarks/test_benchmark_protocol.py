@@ -117,6 +117,43 @@ def test_protocol_rows_join_the_records_with_the_step_timings():
   assert "| train thermal | 90.0 | 70.0 |" in table and "| 8.0% / 4.0% |" in table
 
 
+HOST_RESULTS = os.path.join(_ROOT, "benchmarks", "results")
+
+
+def test_protocol_host_combine_keeps_each_record_and_names_a_part_without_one(tmp_path):
+  with open(os.path.join(HOST_RESULTS, "protocol_host", "buffer", "protocol_host.json")) as f:
+    record = json.load(f)
+  (tmp_path / "buffer").mkdir()
+  (tmp_path / "buffer" / "protocol_host.json").write_text(json.dumps(record))
+  (tmp_path / "killed").mkdir()
+  (tmp_path / "killed" / "killed_out_of_memory.txt").write_text("oom")
+  (tmp_path / "notes.txt").write_text("not a part")
+  combined = protocol_host.combine(str(tmp_path))
+  assert combined["records"] == {"buffer": record}  # unchanged
+  assert combined["without_record"] == {"killed": ["killed_out_of_memory.txt"]}
+  page = protocol_host.render_combined(combined)
+  commit = record["code"]["commit"][:10]
+  assert f"| buffer | buffer | 2 logical CPUs, {record['cpu']} | 1.04 / 1.16 |" in page
+  assert f"| {commit} |" in page and "| killed | no record: killed_out_of_memory.txt |" in page
+  # The record's own page, one level down: its title is the folder's heading.
+  assert "\n## buffer\n" in page and "\n### Buffer build\n" in page
+  assert "The protocol's host side (full)" not in page
+  (tmp_path / "buffer" / "protocol_host.json").unlink()
+  (tmp_path / "killed" / "killed_out_of_memory.txt").unlink()
+  with pytest.raises(FileNotFoundError, match="no subfolder holds a protocol_host.json"):
+    protocol_host.combine(str(tmp_path))
+
+
+def test_committed_protocol_host_is_the_combined_records(tmp_path):
+  # benchmarks/results/protocol_host.{json,md} is `--combine` of the committed part folders.
+  protocol_host.main(
+    ["--combine", os.path.join(HOST_RESULTS, "protocol_host"), f"--out={tmp_path}"]
+  )
+  for name in ("protocol_host.json", "protocol_host.md"):
+    with open(os.path.join(HOST_RESULTS, name)) as f:
+      assert (tmp_path / name).read_text() == f.read(), name
+
+
 @pytest.mark.slow
 def test_protocol_host_smoke(tmp_path):
   report = protocol_host.main(
