@@ -15,10 +15,11 @@ fills the buffer they share), a failed run does not stop the others, and a line 
 run gives the rate and the time left. Each run is copied (step 1) as soon as it ends, so a
 sweep killed at any point has every ended run in `<out>/runs/`: commit that folder, and the
 same command on another machine or checkout runs only the rest (a sweep longer than one
-sitting). Before any run it refuses (exit 2) when the package code (`CODE_PATHS`) differs
-from the commit a copied run records, so the runs of one design all ran one code
-(`--allow-code-change` overrides); a copied run recorded with a dirty tree, or made on
-another CPU or with other package versions (its `environment.json`), is named in a warning. Then, as with `--report-only`:
+sitting). Before any run it refuses (exit 2) when the code a run executes
+(`run_code_paths`) differs from the commit a copied run records, so the runs of one design
+all ran one code (`--allow-code-change` overrides); a copied run recorded with a dirty tree,
+or made on another CPU or with other package versions (its `environment.json`), is named in
+a warning. Then, as with `--report-only`:
 
 1. each complete run's results.json is copied to `<out>/runs/<workdir name>/` (atomically;
    checkpoints and records stay in the root), with `environment.json` beside it (the CPU,
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+import configparser
 import dataclasses
 import importlib.metadata
 import json
@@ -69,8 +71,9 @@ from owl_cl.analysis import report as report_lib  # noqa: E402
 
 RUNS = "runs"
 ENVIRONMENT = "environment.json"
-# The files whose change changes what a run computes: the package and its requirements.
+# The package and its requirements: what a run executes, less `run_code_paths`' exclusions.
 CODE_PATHS = ("owl_cl", "setup.py")
+IMPORT_LAYERS = os.path.join(REPO, ".importlinter")
 # The distributions whose versions a copied run's environment.json records (the numerics).
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "scipy", "pycocotools", "lvis")
 SMOKE_ORDER = "reversed"  # a stored order of the tiny configs' two-dataset benchmark
@@ -194,14 +197,42 @@ def committed(p: Planned, out: str) -> bool:
   return isinstance(record, dict) and record.get("status") == "complete"
 
 
+def run_code_paths(layers_file: str = IMPORT_LAYERS) -> tuple[str, ...]:
+  """The git pathspecs of the code `python -m owl_cl.main` executes: `CODE_PATHS`, less the
+  modules that the import layers (`layers_file`, checked by lint-imports in CI) put in main's
+  layer (independent of main) or above it: `report`, `analysis` and `testing` today, so a
+  change of the report alone leaves a sweep's runs comparable.
+
+  Raises:
+    ValueError: the layers contract names no `main`.
+  """
+  parser = configparser.ConfigParser()
+  parser.read(layers_file, encoding="utf-8")
+  text = parser["importlinter:contract:layers"]["layers"]
+  # One layer a line, top first; independent modules of one layer separated by '|'.
+  rows = [[m.strip() for m in line.split("|")] for line in text.strip().splitlines()]
+  top = next((i for i, row in enumerate(rows) if "main" in row), None)
+  if top is None:
+    raise ValueError(f"{layers_file}: no layer holds main")
+  package = CODE_PATHS[0]
+  above = [m for row in rows[: top + 1] for m in row if m != "main"]
+  excluded = []
+  for module in above:
+    path = f"{package}/{module}"
+    path = path if os.path.isdir(os.path.join(REPO, path)) else f"{path}.py"
+    excluded.append(f":(exclude){path}")
+  return (*CODE_PATHS, *excluded)
+
+
 def code_changes(commit: str | None, repo: str = REPO) -> list[str] | str:
-  """The `CODE_PATHS` files that differ between `commit` and the working tree of the checkout
-  `repo` (`git diff --name-only`), or a sentence saying why they cannot be compared."""
+  """The files of `run_code_paths` that differ between `commit` and the working tree of the
+  checkout `repo` (`git diff --name-only`), or a sentence saying why they cannot be
+  compared."""
   if not commit:
     return "its commit is not recorded"
   try:
     done = subprocess.run(
-      ["git", "-C", repo, "diff", "--name-only", commit, "--", *CODE_PATHS],
+      ["git", "-C", repo, "diff", "--name-only", commit, "--", *run_code_paths()],
       capture_output=True,
       text=True,
       timeout=60,
@@ -218,7 +249,7 @@ def check_committed(
   planned: Sequence[Planned], out: str, repo: str = REPO
 ) -> tuple[list[str], list[str]]:
   """(refusals, warnings) about the copied runs a sweep goes on from. Refused: a recorded
-  commit whose package code (`CODE_PATHS`) differs from the working tree's, or that cannot
+  commit whose run code (`run_code_paths`) differs from the working tree's, or that cannot
   be compared (not recorded, not in this checkout's history). Warned: a commit recorded
   with a dirty tree (any tracked file changed, `owl_cl.eval.provenance`), and a copy whose
   environment (CPU model, package versions) differs from this machine's."""

@@ -252,8 +252,8 @@ def git(repo, *args):
 
 def test_check_committed_refuses_other_code_and_warns_of_another_machine(tmp_path):
   repo, out = str(tmp_path / "repo"), str(tmp_path / "out")
-  os.makedirs(os.path.join(repo, "owl_cl"))
-  for path in ("owl_cl/a.py", "README.md"):
+  os.makedirs(os.path.join(repo, "owl_cl", "analysis"))
+  for path in ("owl_cl/a.py", "owl_cl/analysis/report_part.py", "README.md"):
     with open(os.path.join(repo, path), "w") as f:
       f.write("x = 1\n")
   git(repo, "init", "-q")
@@ -273,9 +273,11 @@ def test_check_committed_refuses_other_code_and_warns_of_another_machine(tmp_pat
   # b copied on another CPU: a warning naming it, no refusal.
   refusals, warnings = check({"commit": commit}, {"commit": commit}, {**here, "cpu": "Z80"})
   assert refusals == [] and len(warnings) == 1 and "b ran with another cpu" in warnings[0]
-  # Outside the package, a change is not a change of the code a run executes.
-  with open(os.path.join(repo, "README.md"), "w") as f:
-    f.write("x = 2\n")
+  # Outside the package, or in the analysis (above main's layer), a change is not a change
+  # of the code a run executes.
+  for path in ("README.md", "owl_cl/analysis/report_part.py"):
+    with open(os.path.join(repo, path), "w") as f:
+      f.write("x = 2\n")
   assert check({"commit": commit}, {"commit": commit}) == ([], [])
   with open(os.path.join(repo, "owl_cl", "a.py"), "w") as f:
     f.write("x = 2\n")
@@ -304,3 +306,24 @@ def test_run_refuses_to_go_on_from_copied_runs_of_other_code(tmp_path, capsys):
   err = capsys.readouterr().err
   assert f"(e.g. uniform_reversed_seed0) of commit {'f' * 40}" in err and "nothing run" in err
   assert sorted(os.listdir(root)) == ["configs"]  # no run started, no log
+
+
+def test_run_code_paths_leave_out_what_main_never_imports(tmp_path):
+  # The committed import layers: report above main; analysis and testing beside it.
+  assert sweep_design.run_code_paths() == (
+    "owl_cl",
+    "setup.py",
+    ":(exclude)owl_cl/report.py",
+    ":(exclude)owl_cl/analysis",
+    ":(exclude)owl_cl/testing",
+  )
+  layers = tmp_path / "layers"
+  contract = "[importlinter:contract:layers]\nname = x\nlayers =\n  report\n  {}\n  experiment\n"
+  layers.write_text(contract.format("main | analysis"))
+  assert sweep_design.run_code_paths(str(layers))[2:] == (
+    ":(exclude)owl_cl/report.py",
+    ":(exclude)owl_cl/analysis",
+  )
+  layers.write_text(contract.format("analysis"))
+  with pytest.raises(ValueError, match="no layer holds main"):
+    sweep_design.run_code_paths(str(layers))
