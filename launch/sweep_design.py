@@ -1,7 +1,8 @@
 r"""One command for a committed sweep: its runs, the copy of their results, and its report.
 
     python launch/sweep_design.py round2 [--run] [--root=workdirs/sweep_round2] \
-        [--processes=2] [--report-only] [--allow-code-change] [--smoke --cache-dir=DIR]
+        [--processes=2] [--report-only] [--interim] [--allow-code-change] \
+        [--smoke --cache-dir=DIR]
 
 DESIGN is a design of `launch/designs.py` (`builtin`: the first committed sweep, `round2`:
 docs/design_round2.md). Without `--run` (or `--report-only`) it prints the design's line (rows,
@@ -33,6 +34,11 @@ a warning. Then, as with `--report-only`:
 3. factor 3: `owl_cl.analysis.protection` of the copied runs (`<out>/protection.md`) and/or
    `owl_cl.analysis.interference` of the root's records (`<out>/interference.md`), as the
    design says.
+
+Steps 2-3 of a design with an analysis plan wait for every planned run: its confirmatory
+claims are stated for the design's n, so with runs missing nothing is written (a line says
+how many), unless `--interim` asks for an exploratory report without the plan in
+`<out>/interim/` (to check a long sweep's runs as it goes, not to commit).
 
 `--smoke`: the same at tiny size (`owl_cl.testing.configs.tiny_config`): the design's first-run
 row and its first composed row (`smoke_design`), model seed 0, the stored order `reversed`,
@@ -70,6 +76,7 @@ from owl_cl.analysis import protection  # noqa: E402
 from owl_cl.analysis import report as report_lib  # noqa: E402
 
 RUNS = "runs"
+INTERIM = "interim"  # the folder of `--interim`'s report (`<out>/interim`)
 ENVIRONMENT = "environment.json"
 # The package and its requirements: what a run executes, less `run_code_paths`' exclusions.
 CODE_PATHS = ("owl_cl", "setup.py")
@@ -280,22 +287,26 @@ def _first_failure(*statuses: int) -> int:
   return next((s for s in statuses if s), 0)
 
 
-def write_reports(design: designs.Design, planned: Sequence[Planned], root: str, out: str) -> int:
-  """The design's report of the runs copied to `<out>/runs` (module docstring, steps 2-3).
-  Returns 0 or the first non-zero status of the reports (2: `report.ReportError`)."""
-  have = [p for p in planned if os.path.isfile(os.path.join(out, RUNS, p.name, "results.json"))]
+def write_reports(
+  design: designs.Design, planned: Sequence[Planned], root: str, out: str, into: str | None = None
+) -> int:
+  """The design's report of the runs copied to `<out>/runs` (module docstring, steps 2-3),
+  written into `into` (default `out`). Returns 0 or the first non-zero status of the reports
+  (2: `report.ReportError`)."""
+  runs, out = os.path.join(out, RUNS), into or out
+  have = [p for p in planned if os.path.isfile(os.path.join(runs, p.name, "results.json"))]
   rows = {p.row.name for p in have}
   order = ",".join(r.name for r in design.rows if r.name in rows)
   options = ["--reference", design.reference, "--order", order]
   options += ["--plan", design.plan] if design.plan else []
-  status = report_lib.main([os.path.join(out, RUNS), *options, "--out", out])
+  status = report_lib.main([runs, *options, "--out", out])
   for task_order in design.orders if len(design.orders) > 1 else ():
-    dirs = sorted({os.path.join(out, RUNS, p.name) for p in have if p.task.order == task_order})
+    dirs = sorted({os.path.join(runs, p.name) for p in have if p.task.order == task_order})
     if dirs:  # the order's own report: no plan (the plan's n is the whole design's)
       folder = os.path.join(out, "by_order", task_order)
       status = _first_failure(status, report_lib.main([*dirs, *options[:4], "--out", folder]))
   if design.protection:
-    argv = [os.path.join(out, RUNS), "--out", os.path.join(out, "protection.md")]
+    argv = [runs, "--out", os.path.join(out, "protection.md")]
     status = _first_failure(status, protection.main(argv))
   if design.interference:
     argv = [root, "--out", os.path.join(out, "interference.md")]
@@ -399,6 +410,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--smoke", action="store_true", help="tiny size (module docstring)")
   parser.add_argument("--cache-dir", help="with --smoke: the tiny runs' cache folder")
   parser.add_argument(
+    "--interim",
+    action="store_true",
+    help="a design with an analysis plan and runs missing: write an exploratory report "
+    "without the plan into <out>/interim (default: no report until every run is copied)",
+  )
+  parser.add_argument(
     "--allow-code-change",
     action="store_true",
     help="go on from copied runs whose commit's package code differs from this checkout's",
@@ -431,7 +448,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = run_design(design, planned, out, args.processes)
   copied = copy_results(planned, out)
   print(f"# {copied} complete runs copied to {os.path.join(out, RUNS)}", file=sys.stderr)
-  return _first_failure(status, write_reports(design, planned, root, out))
+  into = None
+  if design.plan and copied < len(planned):
+    # The plan's confirmatory claims are about every run of the design (its n, its power): a
+    # report of part of them would state them at another n, after looking at the data.
+    if not args.interim:
+      print(
+        f"# {len(planned) - copied} of {len(planned)} runs not copied yet: the report of the "
+        f"analysis plan {design.plan!r} waits for every run; nothing written (--interim: an "
+        f"exploratory report without the plan in {os.path.join(out, INTERIM)})",
+        file=sys.stderr,
+      )
+      return status
+    design, into = dataclasses.replace(design, plan=None), os.path.join(out, INTERIM)
+  return _first_failure(status, write_reports(design, planned, root, out, into))
 
 
 if __name__ == "__main__":
