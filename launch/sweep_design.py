@@ -260,7 +260,7 @@ def check_committed(
   be compared (not recorded, not in this checkout's history). Warned: a commit recorded
   with a dirty tree (any tracked file changed, `owl_cl.eval.provenance`), and a copy whose
   environment (CPU model, package versions) differs from this machine's."""
-  refusals, warnings, commits, here = [], [], {}, environment()
+  refusals, warnings, commits, machines, here = [], [], {}, {}, environment()
   for p in planned:
     record = _copied(p, out, "results.json") if committed(p, out) else None
     if record is None:
@@ -268,9 +268,15 @@ def check_committed(
     key = (record.get("commit"), bool(record.get("dirty")))
     commits.setdefault(key, []).append(p.name)
     env = _copied(p, out, ENVIRONMENT) or {}
-    differ = [k for k in ("cpu", "packages") if env.get(k) != here[k]]
-    if differ:
-      warnings.append(f"{p.name} ran with another {' and '.join(differ)}: {env or 'unrecorded'}")
+    differ = tuple(k for k in ("cpu", "packages") if env.get(k) != here[k])
+    if differ:  # one line per other machine, not per run
+      other = json.dumps({k: env.get(k) for k in differ}, sort_keys=True)
+      machines.setdefault((differ, other), []).append(p.name)
+  for (differ, other), names in machines.items():
+    warnings.append(
+      f"{len(names)} copied run(s) (e.g. {names[0]}) ran with another {' and '.join(differ)}: "
+      f"{other} (here: {json.dumps({k: here[k] for k in differ}, sort_keys=True)})"
+    )
   for (commit, dirty), names in commits.items():
     changes = code_changes(commit, repo)
     where = f"{len(names)} copied run(s) (e.g. {names[0]}) of commit {commit}"

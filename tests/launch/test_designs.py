@@ -272,7 +272,10 @@ def test_check_committed_refuses_other_code_and_warns_of_another_machine(tmp_pat
   assert check({"commit": commit, "dirty": False}) == ([], [])
   # b copied on another CPU: a warning naming it, no refusal.
   refusals, warnings = check({"commit": commit}, {"commit": commit}, {**here, "cpu": "Z80"})
-  assert refusals == [] and len(warnings) == 1 and "b ran with another cpu" in warnings[0]
+  assert refusals == [] and warnings == [
+    f'1 copied run(s) (e.g. b) ran with another cpu: {{"cpu": "Z80"}} (here: {{"cpu": '
+    f"{json.dumps(here['cpu'])}}})"
+  ]
   # Outside the package, or in the analysis (above main's layer), a change is not a change
   # of the code a run executes.
   for path in ("README.md", "owl_cl/analysis/report_part.py"):
