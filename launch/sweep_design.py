@@ -301,16 +301,20 @@ def write_reports(
   (2: `report.ReportError`)."""
   runs, out = os.path.join(out, RUNS), into or out
   have = [p for p in planned if os.path.isfile(os.path.join(runs, p.name, "results.json"))]
-  rows = {p.row.name for p in have}
-  order = ",".join(r.name for r in design.rows if r.name in rows)
-  options = ["--reference", design.reference, "--order", order]
-  options += ["--plan", design.plan] if design.plan else []
-  status = report_lib.main([runs, *options, "--out", out])
+
+  def options(among: Sequence[Planned]) -> list[str]:  # the rows with runs, in the design's order
+    rows = {p.row.name for p in among}
+    order = ",".join(r.name for r in design.rows if r.name in rows)
+    return ["--reference", design.reference, "--order", order]
+
+  plan = ["--plan", design.plan] if design.plan else []
+  status = report_lib.main([runs, *options(have), *plan, "--out", out])
   for task_order in design.orders if len(design.orders) > 1 else ():
-    dirs = sorted({os.path.join(runs, p.name) for p in have if p.task.order == task_order})
-    if dirs:  # the order's own report: no plan (the plan's n is the whole design's)
+    mine = [p for p in have if p.task.order == task_order]
+    if mine:  # the order's own report: no plan (the plan's n is the whole design's)
+      dirs = sorted({os.path.join(runs, p.name) for p in mine})
       folder = os.path.join(out, "by_order", task_order)
-      status = _first_failure(status, report_lib.main([*dirs, *options[:4], "--out", folder]))
+      status = _first_failure(status, report_lib.main([*dirs, *options(mine), "--out", folder]))
   if design.protection:
     argv = [runs, "--out", os.path.join(out, "protection.md")]
     status = _first_failure(status, protection.main(argv))

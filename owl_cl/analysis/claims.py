@@ -44,6 +44,8 @@ __all__ = [
   "render_lines",
 ]
 
+# `variance.variance_components`' methods that need no note under the table.
+PLAIN_VARIANCE_METHODS = ("REML", "pooled within-group variance")
 # The metrics whose variance the report decomposes: the primary metrics of the plan's factors
 # (docs/design_round2.md) and the plasticity one (each fit costs about 0.06 CPU-s).
 VARIANCE_METRICS = ("pretrain_AP", "tail_AP", "downstream_mean_AP")
@@ -298,4 +300,15 @@ def _variance_lines(report: Mapping[str, Any]) -> list[str]:
     ]
     lines.append(f"| {report['metrics'][metric]} | {r['n']} | " + " | ".join(cells) + " |")
   lines.append("")
-  return lines
+  # A fit to read with care: statsmodels' last iterate when REML did not converge, or a
+  # method other than the plain fit (confounded factors, a singular fit).
+  flagged = [
+    f"- {report['metrics'][m]}: "
+    + "; ".join(
+      ([] if r["converged"] else ["the REML fit did not converge (its last iterate is shown)"])
+      + ([r["method"]] if r["method"] not in PLAIN_VARIANCE_METHODS else [])
+    )
+    for m, r in found.items()
+    if not r["converged"] or r["method"] not in PLAIN_VARIANCE_METHODS
+  ]
+  return lines + flagged + ([""] if flagged else [])

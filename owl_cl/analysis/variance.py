@@ -48,7 +48,11 @@ def variance_components(
     units of values, >= 0), fraction {same / their sum}, converged (bool), method 'REML').
     With fewer than 2 models or 2 orders that component is not estimable: the model is fitted
     without it and its variance is NaN; with neither, the residual is the pooled within-group
-    variance (method 'pooled within-group variance').
+    variance (method 'pooled within-group variance'). When the runs' models and orders are
+    confounded (each model seed with one order and each order with one model, as in the first
+    cells of a crossed design), the two components are one effect: it is fitted once, both
+    are NaN, the residual is that fit's, and `method` says so. A fit that statsmodels cannot
+    solve (a singular matrix) gives NaN everywhere, converged False and the error in `method`.
 
   Raises:
     ValueError: lengths that differ, a NaN value, or fewer than 3 runs.
@@ -101,16 +105,35 @@ def variance_components(
       converged=True,
       method="pooled within-group variance",
     )
+  method = "REML"
+  if len(crossed) == 2 and _confounded(frame["model"], frame["order"]):
+    # The same partition of the runs twice: their two design blocks are equal up to column
+    # order, REML's information matrix is singular, and no data can tell the two apart.
+    crossed = {"model": crossed["model"]}
+    method = "REML; model and order confounded (each model with one order): not separable"
   frame["all"] = 1  # one group holding every run: the crossed effects are its components
-  with warnings.catch_warnings():
-    # A component estimated on the boundary (0) warns; the estimate is still the REML one.
-    warnings.simplefilter("ignore")
-    fitted = MixedLM.from_formula(
-      formula, data=frame, groups="all", vc_formula=crossed, re_formula="0"
-    ).fit(reml=True)
-  names = list(fitted.model.exog_vc.names)
-  for name, value in zip(names, np.asarray(fitted.vcomp, dtype=np.float64)):
-    variance[name] = max(0.0, float(value))
+  try:
+    with warnings.catch_warnings():
+      # A component estimated on the boundary (0) warns; the estimate is still the REML one.
+      warnings.simplefilter("ignore")
+      fitted = MixedLM.from_formula(
+        formula, data=frame, groups="all", vc_formula=crossed, re_formula="0"
+      ).fit(reml=True)
+  except np.linalg.LinAlgError as e:
+    nan = {c: math.nan for c in COMPONENTS}
+    return dict(
+      n=n,
+      models=levels["model"],
+      orders=levels["order"],
+      variance=nan,
+      fraction=dict(nan),
+      converged=False,
+      method=f"not estimable (statsmodels: {e})",
+    )
+  if method == "REML":
+    names = list(fitted.model.exog_vc.names)
+    for name, value in zip(names, np.asarray(fitted.vcomp, dtype=np.float64)):
+      variance[name] = max(0.0, float(value))
   variance["residual"] = float(fitted.scale)
   total = sum(v for v in variance.values() if not math.isnan(v))
   fraction = {c: (v / total if total > 0 else math.nan) for c, v in variance.items()}
@@ -121,5 +144,11 @@ def variance_components(
     variance=variance,
     fraction=fraction,
     converged=bool(fitted.converged),
-    method="REML",
+    method=method,
   )
+
+
+def _confounded(model, order) -> bool:
+  """Whether two labelings of the runs are one partition (a one-to-one map between levels)."""
+  pairs = set(zip(model, order))
+  return len(pairs) == len(set(model)) == len(set(order))

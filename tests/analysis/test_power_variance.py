@@ -133,6 +133,30 @@ def test_one_model_seed_leaves_its_component_unestimated():
   assert got["variance"]["order"] > got["variance"]["residual"] > 0
 
 
+def test_confounded_model_and_order_are_one_effect():
+  # The first cells of a crossed design: model seed k only with order k (3 cells), 4
+  # algorithms (a fixed effect), one run per cell and algorithm.
+  rng = np.random.default_rng(4)
+  cells, groups = 3, 4
+  y = (
+    rng.normal(0, 1.0, (groups, 1))
+    + rng.normal(0, 2.0, (1, cells))
+    + rng.normal(0, 0.5, (groups, cells))
+  )
+  model = [c for _ in range(groups) for c in range(cells)]
+  order = [f"random_{c}" for c in model]
+  group = [g for g in range(groups) for _ in range(cells)]
+  got = variance.variance_components(y.reshape(-1), model, order, group=group)
+  assert math.isnan(got["variance"]["model"]) and math.isnan(got["variance"]["order"])
+  assert got["method"].startswith("REML; model and order confounded")
+  # The residual is the additive two-way ANOVA's (balanced, one run per group and cell):
+  # sum (y_gc - y_g. - y_.c + y_..)^2 / ((G - 1)(C - 1)).
+  interaction = y - y.mean(1, keepdims=True) - y.mean(0, keepdims=True) + y.mean()
+  ms_error = (interaction**2).sum() / ((groups - 1) * (cells - 1))
+  assert got["variance"]["residual"] == pytest.approx(ms_error, rel=1e-3)
+  assert got["fraction"]["residual"] == 1.0 and got["converged"]
+
+
 def test_bad_inputs_are_refused():
   with pytest.raises(ValueError, match="one each per run"):
     variance.variance_components([1.0, 2.0, 3.0], [0, 1], [0, 1, 2])

@@ -463,6 +463,25 @@ def test_variance_components_in_the_report(tmp_path):
   assert "every comparison in this report is exploratory" in md
 
 
+def test_variance_table_notes_a_fit_to_read_with_care():
+  variance = {
+    "pretrain_AP": dict(n=90, models=1, orders=2, converged=False, method="REML"),
+    "tail_AP": dict(n=90, models=1, orders=2, converged=True, method="REML"),
+    "downstream_mean_AP": dict(n=9, models=3, orders=3, converged=True, method="REML; x"),
+  }
+  for r in variance.values():
+    r.update(variance=dict(model=math.nan, order=1.0, residual=3.0))
+    r.update(fraction=dict(model=math.nan, order=0.25, residual=0.75))
+  metrics = {"pretrain_AP": "pre-training set AP", "tail_AP": "tail AP", "downstream_mean_AP": "d"}
+  lines = claims._variance_lines({"variance": variance, "metrics": metrics})
+  assert "| tail AP | 90 | n/a | 1.00 (25%) | 3.00 (75%) |" in lines
+  notes = [line for line in lines if line.startswith("- ")]
+  assert notes == [
+    "- pre-training set AP: the REML fit did not converge (its last iterate is shown)",
+    "- d: REML; x",
+  ]
+
+
 def test_design_page_states_the_plan_the_report_applies():
   # docs/design_round2.md's confirmatory table is claims.ROUND2, row for row.
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

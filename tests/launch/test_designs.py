@@ -335,27 +335,39 @@ def test_run_code_paths_leave_out_what_main_never_imports(tmp_path):
 def test_a_planned_design_reports_only_when_every_run_is_copied(tmp_path, capsys, monkeypatch):
   root, out = str(tmp_path / "root"), str(tmp_path / "out")
   write_copy(out, "uniform_random_0_seed0", {"status": "complete"})
+  write_copy(out, "swil_random_1_seed1", {"status": "complete"})
   argv = ["round2", "--report-only", f"--root={root}", f"--out={out}"]
   calls = []
   monkeypatch.setattr(sweep_design.report_lib, "main", lambda a: calls.append(a) or 0)
   monkeypatch.setattr(sweep_design.protection, "main", lambda a: calls.append(a) or 0)
   assert sweep_design.main(argv) == 0
   runs = 12 * len(designs.ROUND2.rows)
-  assert f"{runs - 1} of {runs} runs not copied yet" in capsys.readouterr().err
+  assert f"{runs - 2} of {runs} runs not copied yet" in capsys.readouterr().err
   assert calls == [] and sorted(os.listdir(out)) == ["runs"]  # no report of part of the runs
-  # --interim: the report without the plan, in <out>/interim (one order: no by_order reports).
+  # --interim: the report without the plan, in <out>/interim; each order's report names the
+  # rows with runs in that order only.
   assert sweep_design.main([*argv, "--interim"]) == 0
-  interim = os.path.join(out, "interim")
+  interim, copies = os.path.join(out, "interim"), os.path.join(out, "runs")
+  by_order = os.path.join(interim, "by_order")
   assert calls == [
-    [os.path.join(out, "runs"), "--reference", "uniform", "--order", "uniform", "--out", interim],
+    [copies, "--reference", "uniform", "--order", "uniform,swil", "--out", interim],
     [
-      os.path.join(out, "runs", "uniform_random_0_seed0"),
+      os.path.join(copies, "uniform_random_0_seed0"),
       "--reference",
       "uniform",
       "--order",
       "uniform",
       "--out",
-      os.path.join(interim, "by_order", "random_0"),
+      os.path.join(by_order, "random_0"),
     ],
-    [os.path.join(out, "runs"), "--out", os.path.join(interim, "protection.md")],
+    [
+      os.path.join(copies, "swil_random_1_seed1"),
+      "--reference",
+      "uniform",
+      "--order",
+      "swil",
+      "--out",
+      os.path.join(by_order, "random_1"),
+    ],
+    [copies, "--out", os.path.join(interim, "protection.md")],
   ]
