@@ -20,7 +20,9 @@ sitting). Before any run it refuses (exit 2) when the code a run executes
 (`run_code_paths`) differs from the commit a copied run records, so the runs of one design
 all ran one code (`--allow-code-change` overrides); a copied run recorded with a dirty tree,
 or made on another CPU or with other package versions (its `environment.json`), is named in
-a warning. Then, as with `--report-only`:
+a warning, and so is a model seed whose copied runs hold two pre-trained models (their
+stage-0 metrics differ: a model rebuilt elsewhere), at the start and as soon as a run shows
+it. Then, as with `--report-only`:
 
 1. each complete run's results.json is copied to `<out>/runs/<workdir name>/` (atomically;
    checkpoints and records stay in the root), with `environment.json` beside it (the CPU,
@@ -52,6 +54,7 @@ import argparse
 from collections.abc import Sequence
 import configparser
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -289,6 +292,36 @@ def check_committed(
   return refusals, warnings
 
 
+def pretrained_fingerprint(record: dict) -> str | None:
+  """A digest of a run's stage-0 metrics (`results.json`: the pre-trained model evaluated on
+  every set before any training), equal for every run of one pre-trained model whatever its
+  order or algorithm; None without a stage."""
+  stages = record.get("stages") or []
+  if not stages:
+    return None
+  text = json.dumps(stages[0].get("metrics"), sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_mismatches(planned: Sequence[Planned], out: str) -> list[str]:
+  """One line per cache group (model seed) whose copied runs hold more than one pre-trained
+  model (`pretrained_fingerprint`): a model rebuilt on another machine, whose arithmetic
+  differs, so that the group's pairs would mix two models."""
+  groups: dict[object, dict[str, list[str]]] = {}
+  for p in planned:
+    record = _copied(p, out, "results.json") if committed(p, out) else None
+    digest = pretrained_fingerprint(record) if record else None
+    if digest:
+      groups.setdefault(p.task.cache_group, {}).setdefault(digest, []).append(p.name)
+  return [
+    f"the copied runs of model seed {group} hold {len(found)} different pre-trained models "
+    "(their stage-0 metrics differ): "
+    + "; ".join(f"{len(names)} like {names[0]}" for names in found.values())
+    for group, found in groups.items()
+    if len(found) > 1
+  ]
+
+
 def _first_failure(*statuses: int) -> int:
   return next((s for s in statuses if s), 0)
 
@@ -367,6 +400,7 @@ def refuse_to_go_on(planned: Sequence[Planned], out: str, allow: bool) -> bool:
   """Prints `check_committed`'s warnings and refusals (stderr); whether to refuse (any
   refusal, unless `allow`)."""
   refusals, warnings = check_committed(planned, out)
+  warnings += model_mismatches(planned, out)
   for line in warnings:
     print(f"# warning: {line}", file=sys.stderr)
   for line in refusals:
@@ -393,10 +427,14 @@ def run_design(design: designs.Design, planned: Sequence[Planned], out: str, pro
       flush=True,
     )
   by_workdir = {p.task.workdir: p for p in todo}
+  known = set(model_mismatches(planned, out))
 
   def on_end(task: sweep.Task, exit_status: int) -> None:
-    if exit_status == 0:
-      copy_result(by_workdir[task.workdir], out)
+    if exit_status == 0 and copy_result(by_workdir[task.workdir], out):
+      group = [p for p in planned if p.task.cache_group == task.cache_group]
+      for line in set(model_mismatches(group, out)) - known:  # new since the start
+        print(f"# warning: {line}", file=sys.stderr, flush=True)
+        known.add(line)
 
   return sweep.run_tasks([p.task for p in todo], processes, keep_going=True, on_end=on_end)
 

@@ -186,22 +186,23 @@ def test_smoke_runs_copies_reports_and_skips_complete_runs(pretrained_cache_dir,
       assert json.load(f)["packages"]["jax"] == importlib.metadata.version("jax")
 
 
-# A stand-in run: fails unless every path after its workdir exists, then writes a complete
-# results.json into its workdir.
+# A stand-in run: fails unless every path after its workdir and stage-0 AP exists, then
+# writes a complete results.json with that stage 0 into its workdir.
 STAND_IN_RUN = r"""
 import json, os, sys
-if not all(os.path.exists(p) for p in sys.argv[2:]):
+if not all(os.path.exists(p) for p in sys.argv[3:]):
   sys.exit(1)
 os.makedirs(sys.argv[1], exist_ok=True)
+stages = [{"name": "pretrained", "metrics": {"pretrain_val": {"AP": float(sys.argv[2])}}}]
 with open(os.path.join(sys.argv[1], "results.json"), "w") as f:
-  json.dump({"status": "complete", "run": os.path.basename(sys.argv[1])}, f)
+  json.dump({"status": "complete", "run": os.path.basename(sys.argv[1]), "stages": stages}, f)
 """
 
 
-def stand_in(root, name, *needs):
+def stand_in(root, name, *needs, ap=0.25, group=None):
   workdir = os.path.join(root, name)
-  argv = (sys.executable, "-c", STAND_IN_RUN, workdir, *needs)
-  task = sweep_design.sweep.Task("uniform", 0, (), workdir, argv)
+  argv = (sys.executable, "-c", STAND_IN_RUN, workdir, str(ap), *needs)
+  task = sweep_design.sweep.Task("uniform", 0, (), workdir, argv, cache_group=group)
   return sweep_design.Planned(designs.Row("uniform", "uniform"), task)
 
 
@@ -371,3 +372,34 @@ def test_a_planned_design_reports_only_when_every_run_is_copied(tmp_path, capsys
     ],
     [copies, "--out", os.path.join(interim, "protection.md")],
   ]
+
+
+def test_a_model_seed_whose_runs_hold_two_pretrained_models_is_named(tmp_path, capsys):
+  root, out = str(tmp_path / "root"), str(tmp_path / "out")
+  stage0 = lambda ap: [{"name": "pretrained", "metrics": {"pretrain_val": {"AP": ap}}}]
+  record = lambda ap, later: {"status": "complete", "stages": [*stage0(ap), {"later": later}]}
+  # The fingerprint is the stage-0 metrics' alone: later stages (the algorithm) do not count.
+  digest = sweep_design.pretrained_fingerprint
+  assert digest(record(0.25, 1)) == digest(record(0.25, 2)) != digest(record(0.26, 1))
+  assert digest({"status": "complete"}) is None
+  # Seed 0's two committed runs share one model; seed 1's committed run another model; a
+  # run of seed 0 rebuilt elsewhere (stage-0 AP 0.26) is named as soon as it ends.
+  planned = [
+    stand_in(root, "a", group=0),
+    stand_in(root, "b", group=0),
+    stand_in(root, "c", group=1, ap=0.5),
+    stand_in(root, "d", group=0, ap=0.26),
+    stand_in(root, "e", group=1, ap=0.5),
+  ]
+  write_copy(out, "a", record(0.25, 1))
+  write_copy(out, "b", record(0.25, 2))
+  write_copy(out, "c", record(0.5, 3))
+  assert sweep_design.model_mismatches(planned, out) == []
+  assert sweep_design.run_design(designs.ROUND2, planned, out, processes=1) == 0
+  err = capsys.readouterr().err
+  line = (
+    "# warning: the copied runs of model seed 0 hold 2 different pre-trained models (their "
+    "stage-0 metrics differ): 2 like a; 1 like d"
+  )
+  assert err.count(line) == 1 and "model seed 1" not in err
+  assert sweep_design.model_mismatches(planned, out) == [line[len("# warning: ") :]]
