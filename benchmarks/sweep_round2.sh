@@ -9,9 +9,9 @@
 #
 # Resumable (complete runs skipped, an interrupted one resumed); the (model seed, order) cells
 # run one after another with every row in each, so a sweep stopped early has complete cells
-# for every row. Each run's results.json is copied to benchmarks/results/sweep_round2/runs/
-# as it ends: commit that folder, and the same command on a fresh machine runs only the rest
-# (docs/design_round2.md, "Over more than one sitting"). The report goes to
+# for every row. The runs of each cell are copied to benchmarks/results/sweep_round2/runs/
+# once the cell is whole: commit that folder, and the same command on a fresh machine runs
+# only the rest (docs/design_round2.md, "Over more than one sitting"). The report goes to
 # benchmarks/results/sweep_round2/ (launch/sweep_design.py).
 set -u
 cd "$(dirname "$0")/.."

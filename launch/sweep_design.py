@@ -8,27 +8,27 @@ DESIGN is a design of `launch/designs.py` (`builtin`: the first committed sweep,
 docs/design_round2.md). Without `--run` (or `--report-only`) it prints the design's line (rows,
 runs, planning estimate of the time) and its commands, and runs nothing.
 
-`--run`: every run of the design in its priority order (`designs.run_order`), `--processes` at
-a time (`launch/sweep.py`'s `run_tasks`): complete runs are skipped (a complete workdir in the
-root, or a complete copy in `<out>/runs/`: a committed run), an interrupted one resumes, the
-first run of each model seed runs before that seed's others (it pre-trains the model and
-fills the buffer they share), a failed run does not stop the others, and a line after each
-run gives the rate and the time left. Each run is copied (step 1) as soon as it ends, so a
-sweep killed at any point has every ended run in `<out>/runs/`: commit that folder, and the
-same command on another machine or checkout runs only the rest (a sweep longer than one
-sitting). Before any run it refuses (exit 2) when the code a run executes
-(`run_code_paths`) differs from the commit a copied run records, so the runs of one design
-all ran one code (`--allow-code-change` overrides); a copied run recorded with a dirty tree,
-or made on another CPU or with other package versions (its `environment.json`), is named in
-a warning, and so is a model seed whose copied runs hold two pre-trained models (their
-stage-0 metrics differ: a model rebuilt elsewhere), at the start and as soon as a run shows
-it. Then, as with `--report-only`:
+`--run`: every run of the design in its priority order (`designs.run_order`), `--processes` at a
+time (`launch/sweep.py`'s `run_tasks`): complete runs are skipped (a complete workdir in the root,
+or a complete copy in `<out>/runs/`: a committed run), an interrupted one resumes, the first run of
+each model seed runs before that seed's others (it pre-trains the model and fills the buffer they
+share), a failed run does not stop the others, and a line after each run gives the rate and the time
+left. The runs of a cell (`cell_of`: one pre-trained model and one order, the runs a paired
+comparison pairs) are copied (step 1) together as soon as the cell's last run ends, so a sweep
+killed at any point has every whole cell in `<out>/runs/` and no part of one: commit that folder,
+and the same command on another machine or checkout runs only the rest (a sweep longer than one
+sitting), each cell on one machine. Before any run it refuses (exit 2) when the code a run executes
+(`run_code_paths`) differs from the commit a copied run records, so the runs of one design all ran
+one code (`--allow-code-change` overrides); a copied run recorded with a dirty tree, or made on
+another CPU or with other package versions (its `environment.json`), is named in a warning, and so
+is a model seed whose copied runs hold two pre-trained models (their stage-0 metrics differ: a model
+rebuilt elsewhere), at the start and as soon as a run shows it. Then, as with `--report-only`:
 
-1. each complete run's results.json is copied to `<out>/runs/<workdir name>/` (atomically;
-   checkpoints and records stay in the root), with `environment.json` beside it (the CPU,
-   Python and package versions of the machine that copies it: the one that ran it, as the
-   workdir is local), so the report is reproduced from committed files alone; an identical
-   copy is left as it is;
+1. the results.json of each run of a complete cell is copied to `<out>/runs/<workdir name>/`
+   (atomically; checkpoints and records stay in the root), with `environment.json` beside it
+   (`environment()`: the CPU model and flags, Python and package versions of the machine that
+   copies it, the one that ran it, as the workdir is local), so the report is reproduced from
+   committed files alone; an identical copy is left as it is;
 2. `python -m owl_cl.report <out>/runs --reference R [--plan P] --order <rows>`: report.md,
    report.json and the figures in `<out>` (rows with runs, in the design's order), and the
    same report of each order's runs in `<out>/by_order/<order>/` (the order effect; with
@@ -73,10 +73,10 @@ for _path in (REPO, LAUNCH):  # `python launch/sweep_design.py` from anywhere: a
 import designs  # noqa: E402 (after the checkout joins sys.path)
 import sweep  # noqa: E402
 
-from owl_cl import utils  # noqa: E402
 from owl_cl.analysis import interference  # noqa: E402
 from owl_cl.analysis import protection  # noqa: E402
 from owl_cl.analysis import report as report_lib  # noqa: E402
+from owl_cl.testing import reproduction  # noqa: E402
 
 RUNS = "runs"
 INTERIM = "interim"  # the folder of `--interim`'s report (`<out>/interim`)
@@ -84,8 +84,11 @@ ENVIRONMENT = "environment.json"
 # The package and its requirements: what a run executes, less `run_code_paths`' exclusions.
 CODE_PATHS = ("owl_cl", "setup.py")
 IMPORT_LAYERS = os.path.join(REPO, ".importlinter")
-# The distributions whose versions a copied run's environment.json records (the numerics).
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "scipy", "pycocotools", "lvis")
+# The distributions whose versions a copied run's environment.json records besides the
+# fingerprint's jax, jaxlib and numpy (the numerics and the scoring).
+PACKAGES = ("flax", "optax", "scipy", "pycocotools", "lvis")
+# Environment entries that do not decide a run's bits (the kernel's version string).
+NOT_COMPARED = ("platform",)
 SMOKE_ORDER = "reversed"  # a stored order of the tiny configs' two-dataset benchmark
 SMOKE_CONFIG = """# A tiny config of `launch/sweep_design.py --smoke` (owl_cl.testing.configs).
 from owl_cl.testing.configs import tiny_config
@@ -138,8 +141,10 @@ def plan_runs(
 
 
 def environment() -> dict:
-  """The machine and packages of this process: {'cpu', 'cores', 'platform', 'python',
-  'packages': {name: version or None}} (`PACKAGES`)."""
+  """The machine and packages of this process: `owl_cl.testing.reproduction.fingerprint()`
+  (what decides a run's bits besides its code and config: the CPU model and a digest of its
+  flags, the core count, XLA_FLAGS, jax, jaxlib, numpy), the platform, Python and the
+  versions of `PACKAGES` ('packages': {name: version or None})."""
   packages = {}
   for name in PACKAGES:
     try:
@@ -147,8 +152,7 @@ def environment() -> dict:
     except importlib.metadata.PackageNotFoundError:
       packages[name] = None
   return {
-    "cpu": utils.cpu_model(),
-    "cores": os.cpu_count(),
+    **reproduction.fingerprint(),
     "platform": platform.platform(),
     "python": platform.python_version(),
     "packages": packages,
@@ -187,9 +191,24 @@ def copy_result(p: Planned, out: str) -> bool:
   return True
 
 
+def cell_of(p: Planned) -> tuple:
+  """The run's cell: (cache group, order), the runs of one pre-trained model and one task
+  order, which a paired comparison pairs."""
+  return (p.task.cache_group, p.task.order)
+
+
 def copy_results(planned: Sequence[Planned], out: str) -> int:
-  """`copy_result` of each planned run. Returns how many have a copy."""
-  return sum(copy_result(p, out) for p in planned)
+  """`copy_result` of every run of each cell of `planned` whose runs are all complete (in the
+  root or already copied); a cell with a run missing is not copied at all, so that no cell's
+  runs come from two machines. Returns how many planned runs have a copy."""
+  cells: dict[tuple, list[Planned]] = {}
+  for p in planned:
+    cells.setdefault(cell_of(p), []).append(p)
+  for members in cells.values():
+    if all(sweep.is_complete(p.task.workdir) or committed(p, out) for p in members):
+      for p in members:
+        copy_result(p, out)
+  return sum(committed(p, out) for p in planned)
 
 
 def _copied(p: Planned, out: str, name: str) -> dict | None:
@@ -262,7 +281,8 @@ def check_committed(
   commit whose run code (`run_code_paths`) differs from the working tree's, or that cannot
   be compared (not recorded, not in this checkout's history). Warned: a commit recorded
   with a dirty tree (any tracked file changed, `owl_cl.eval.provenance`), and a copy whose
-  environment (CPU model, package versions) differs from this machine's."""
+  environment (`environment()`: CPU model and flags, XLA_FLAGS, package versions) differs
+  from this machine's."""
   refusals, warnings, commits, machines, here = [], [], {}, {}, environment()
   for p in planned:
     record = _copied(p, out, "results.json") if committed(p, out) else None
@@ -271,7 +291,7 @@ def check_committed(
     key = (record.get("commit"), bool(record.get("dirty")))
     commits.setdefault(key, []).append(p.name)
     env = _copied(p, out, ENVIRONMENT) or {}
-    differ = tuple(k for k in ("cpu", "packages") if env.get(k) != here[k])
+    differ = tuple(k for k in here if k not in NOT_COMPARED and env.get(k) != here[k])
     if differ:  # one line per other machine, not per run
       other = json.dumps({k: env.get(k) for k in differ}, sort_keys=True)
       machines.setdefault((differ, other), []).append(p.name)
@@ -320,6 +340,26 @@ def model_mismatches(planned: Sequence[Planned], out: str) -> list[str]:
     for group, found in groups.items()
     if len(found) > 1
   ]
+
+
+def rebuilt_model(p: Planned, planned: Sequence[Planned], out: str) -> str | None:
+  """A line when the run `p` just ended (its workdir's results) has another pre-trained model
+  than the copied runs of its model seed (`pretrained_fingerprint`), else None."""
+  try:
+    with open(os.path.join(p.task.workdir, "results.json"), encoding="utf-8") as f:
+      digest = pretrained_fingerprint(json.load(f))
+  except (OSError, ValueError):
+    return None
+  group = [q for q in planned if q.task.cache_group == p.task.cache_group and q is not p]
+  copied = {pretrained_fingerprint(_copied(q, out, "results.json") or {}) for q in group}
+  copied.discard(None)
+  if digest is None or not copied or digest in copied:
+    return None
+  return (
+    f"{p.name}'s pre-trained model differs from the copied runs' of model seed "
+    f"{p.task.cache_group} (their stage-0 metrics differ: rebuilt on another machine); each "
+    "cell stays on one model, the model seed now names two"
+  )
 
 
 def _first_failure(*statuses: int) -> int:
@@ -415,8 +455,8 @@ def refuse_to_go_on(planned: Sequence[Planned], out: str, allow: bool) -> bool:
 
 
 def run_design(design: designs.Design, planned: Sequence[Planned], out: str, processes: int) -> int:
-  """Runs the planned runs that have no complete copy in `<out>/runs`, copying each as it
-  ends (module docstring, `--run`). Returns `sweep.run_tasks`' status."""
+  """Runs the planned runs that have no complete copy in `<out>/runs`, copying each cell as its
+  last run ends (module docstring, `--run`). Returns `sweep.run_tasks`' status."""
   todo = [p for p in planned if not committed(p, out)]
   if len(todo) < len(planned):
     hours = designs.estimate_seconds(design, len(todo)) / 3600.0
@@ -426,15 +466,17 @@ def run_design(design: designs.Design, planned: Sequence[Planned], out: str, pro
       file=sys.stderr,
       flush=True,
     )
-  by_workdir = {p.task.workdir: p for p in todo}
-  known = set(model_mismatches(planned, out))
+  by_workdir, warned = {p.task.workdir: p for p in todo}, set()
 
   def on_end(task: sweep.Task, exit_status: int) -> None:
-    if exit_status == 0 and copy_result(by_workdir[task.workdir], out):
-      group = [p for p in planned if p.task.cache_group == task.cache_group]
-      for line in set(model_mismatches(group, out)) - known:  # new since the start
-        print(f"# warning: {line}", file=sys.stderr, flush=True)
-        known.add(line)
+    if exit_status:
+      return
+    p = by_workdir[task.workdir]
+    line = rebuilt_model(p, planned, out)
+    if line and p.task.cache_group not in warned:  # once per model seed
+      print(f"# warning: {line}", file=sys.stderr, flush=True)
+      warned.add(p.task.cache_group)
+    copy_results([q for q in planned if cell_of(q) == cell_of(p)], out)
 
   return sweep.run_tasks([p.task for p in todo], processes, keep_going=True, on_end=on_end)
 

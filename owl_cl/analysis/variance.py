@@ -61,7 +61,6 @@ def variance_components(
   balanced ANOVA estimators, ch. 4); `statsmodels.regression.mixed_linear_model.MixedLM`.
   """
   import pandas as pd  # pylint: disable=g-import-not-at-top
-  from statsmodels.regression.mixed_linear_model import MixedLM  # pylint: disable=g-import-not-at-top
 
   y = np.asarray(values, dtype=np.float64).reshape(-1)
   n = y.size
@@ -86,50 +85,44 @@ def variance_components(
   levels = {c: frame[c].nunique() for c in ("model", "order")}
   crossed = {c: f"0 + C({c})" for c in ("model", "order") if levels[c] >= 2}
   formula = "y ~ C(group)" if frame["group"].nunique() > 1 else "y ~ 1"
+  if crossed:
+    variance, fraction, converged, method = _components(frame, formula, crossed)
+  else:
+    variance, fraction, converged, method = _pooled(frame)
+  return dict(
+    n=n,
+    models=levels["model"],
+    orders=levels["order"],
+    variance=variance,
+    fraction=fraction,
+    converged=converged,
+    method=method,
+  )
+
+
+def _pooled(frame) -> tuple[dict, dict, bool, str]:
+  """One model and one order: nothing random but the residual, the pooled within-group
+  variance (the group means the fixed effect; ddof: one per group)."""
+  groups = frame.groupby("group")["y"]
+  dof = len(frame) - frame["group"].nunique()
+  residual = float(((frame["y"] - groups.transform("mean")) ** 2).sum() / dof) if dof else math.nan
+  variance = {c: residual if c == "residual" else math.nan for c in COMPONENTS}
+  fraction = {c: 1.0 if c == "residual" else math.nan for c in COMPONENTS}
+  return variance, fraction, True, "pooled within-group variance"
+
+
+def _components(frame, formula: str, crossed: dict) -> tuple[dict, dict, bool, str]:
+  """(variance, fraction, converged, method) of the REML fit of the `crossed` components."""
   variance = {c: math.nan for c in COMPONENTS}
-  if not crossed:
-    # One model and one order: nothing random but the residual, the pooled within-group
-    # variance (the group means the fixed effect; ddof: one per group).
-    groups = frame.groupby("group")["y"]
-    dof = n - frame["group"].nunique()
-    residual = (
-      float(((frame["y"] - groups.transform("mean")) ** 2).sum() / dof) if dof else math.nan
-    )
-    variance["residual"] = residual
-    return dict(
-      n=n,
-      models=levels["model"],
-      orders=levels["order"],
-      variance=variance,
-      fraction={c: 1.0 if c == "residual" else math.nan for c in COMPONENTS},
-      converged=True,
-      method="pooled within-group variance",
-    )
   method = "REML"
   if len(crossed) == 2 and _confounded(frame["model"], frame["order"]):
     # The same partition of the runs twice: their two design blocks are equal up to column
     # order, REML's information matrix is singular, and no data can tell the two apart.
     crossed = {"model": crossed["model"]}
     method = "REML; model and order confounded (each model with one order): not separable"
-  frame["all"] = 1  # one group holding every run: the crossed effects are its components
-  try:
-    with warnings.catch_warnings():
-      # A component estimated on the boundary (0) warns; the estimate is still the REML one.
-      warnings.simplefilter("ignore")
-      fitted = MixedLM.from_formula(
-        formula, data=frame, groups="all", vc_formula=crossed, re_formula="0"
-      ).fit(reml=True)
-  except np.linalg.LinAlgError as e:
-    nan = {c: math.nan for c in COMPONENTS}
-    return dict(
-      n=n,
-      models=levels["model"],
-      orders=levels["order"],
-      variance=nan,
-      fraction=dict(nan),
-      converged=False,
-      method=f"not estimable (statsmodels: {e})",
-    )
+  fitted = _reml(frame, formula, crossed)
+  if isinstance(fitted, str):
+    return variance, dict(variance), False, f"not estimable (statsmodels: {fitted})"
   if method == "REML":
     names = list(fitted.model.exog_vc.names)
     for name, value in zip(names, np.asarray(fitted.vcomp, dtype=np.float64)):
@@ -137,15 +130,24 @@ def variance_components(
   variance["residual"] = float(fitted.scale)
   total = sum(v for v in variance.values() if not math.isnan(v))
   fraction = {c: (v / total if total > 0 else math.nan) for c, v in variance.items()}
-  return dict(
-    n=n,
-    models=levels["model"],
-    orders=levels["order"],
-    variance=variance,
-    fraction=fraction,
-    converged=bool(fitted.converged),
-    method=method,
-  )
+  return variance, fraction, bool(fitted.converged), method
+
+
+def _reml(frame, formula: str, crossed: dict):
+  """statsmodels' REML fit of the crossed components `crossed` as variance components of one
+  all-runs group, or the error's text when its matrix is singular."""
+  from statsmodels.regression.mixed_linear_model import MixedLM  # pylint: disable=g-import-not-at-top
+
+  frame = frame.assign(all=1)  # one group holding every run: the crossed effects are its components
+  try:
+    with warnings.catch_warnings():
+      # A component estimated on the boundary (0) warns; the estimate is still the REML one.
+      warnings.simplefilter("ignore")
+      return MixedLM.from_formula(
+        formula, data=frame, groups="all", vc_formula=crossed, re_formula="0"
+      ).fit(reml=True)
+  except np.linalg.LinAlgError as e:
+    return str(e)
 
 
 def _confounded(model, order) -> bool:

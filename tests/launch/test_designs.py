@@ -183,15 +183,15 @@ def test_smoke_runs_copies_reports_and_skips_complete_runs(pretrained_cache_dir,
   assert "2 of 2 runs already copied" in err and "[1/" not in err
   for name in names:
     with open(os.path.join(out, "runs", name, sweep_design.ENVIRONMENT)) as f:
-      assert json.load(f)["packages"]["jax"] == importlib.metadata.version("jax")
+      assert json.load(f)["jax"] == importlib.metadata.version("jax")
 
 
-# A stand-in run: fails unless every path after its workdir and stage-0 AP exists, then
-# writes a complete results.json with that stage 0 into its workdir.
+# A stand-in run: fails (status 3) when its stage-0 AP is 'fail' or a path after it is
+# missing, else writes a complete results.json with that stage 0 into its workdir.
 STAND_IN_RUN = r"""
 import json, os, sys
-if not all(os.path.exists(p) for p in sys.argv[3:]):
-  sys.exit(1)
+if sys.argv[2] == "fail" or not all(os.path.exists(p) for p in sys.argv[3:]):
+  sys.exit(3)
 os.makedirs(sys.argv[1], exist_ok=True)
 stages = [{"name": "pretrained", "metrics": {"pretrain_val": {"AP": float(sys.argv[2])}}}]
 with open(os.path.join(sys.argv[1], "results.json"), "w") as f:
@@ -216,25 +216,35 @@ def write_copy(out, name, record, environment=None):
       json.dump(environment, f)
 
 
-def test_run_design_skips_copied_runs_and_copies_each_run_as_it_ends(tmp_path, capsys):
+def test_run_design_skips_copied_runs_and_copies_each_cell_once_it_is_whole(tmp_path, capsys):
   root, out = str(tmp_path / "root"), str(tmp_path / "out")
   a_copy = os.path.join(out, "runs", "a", "results.json")
-  # c runs after a (one process) and fails unless a's copy is already there.
-  planned = [stand_in(root, "a"), stand_in(root, "b"), stand_in(root, "c", a_copy)]
+  # Cells (model seeds): {a, b}, {c, d}, {e}. b is committed; c runs after a (one process)
+  # and fails unless a's cell was copied when a ended; d fails, so c's cell stays uncopied.
+  planned = [
+    stand_in(root, "a", group=0),
+    stand_in(root, "b", group=0),
+    stand_in(root, "c", a_copy, group=1),
+    stand_in(root, "d", group=1, ap="fail"),
+    stand_in(root, "e", group=2),
+  ]
   write_copy(out, "b", {"status": "complete", "run": "b (committed)"})
-  write_copy(out, "d", {"status": "running"})  # not a run of the design: ignored
-  assert sweep_design.run_design(designs.ROUND2, planned, out, processes=1) == 0
-  assert "1 of 3 runs already copied" in capsys.readouterr().err
+  write_copy(out, "x", {"status": "running"})  # not a run of the design: ignored
+  assert sweep_design.run_design(designs.ROUND2, planned, out, processes=1) == 3
+  assert "1 of 5 runs already copied" in capsys.readouterr().err
   assert not os.path.exists(os.path.join(root, "b"))  # committed: not run again
-  for name in ("a", "c"):
+  assert sweep_design.sweep.is_complete(os.path.join(root, "c"))
+  assert sorted(os.listdir(os.path.join(out, "runs"))) == ["a", "b", "e", "x"]  # no part of c's
+  for name in ("a", "e"):
     with open(os.path.join(root, name, "results.json"), "rb") as f:
       ran = f.read()
     with open(os.path.join(out, "runs", name, "results.json"), "rb") as f:
       assert f.read() == ran
     with open(os.path.join(out, "runs", name, sweep_design.ENVIRONMENT)) as f:
       env = json.load(f)
-    assert env["cpu"] == sweep_design.utils.cpu_model() and env["cores"] == os.cpu_count()
-    assert env["packages"]["numpy"] == importlib.metadata.version("numpy")
+    fingerprint = sweep_design.reproduction.fingerprint()  # CPU model and flags, XLA_FLAGS...
+    assert {k: env[k] for k in fingerprint} == fingerprint and env["cpu_count"] == os.cpu_count()
+    assert env["packages"]["scipy"] == importlib.metadata.version("scipy")
   # A copy equal to its workdir's is left as it is, with the environment of its first copy.
   env_path = os.path.join(out, "runs", "a", sweep_design.ENVIRONMENT)
   with open(env_path, "w") as f:
@@ -277,6 +287,10 @@ def test_check_committed_refuses_other_code_and_warns_of_another_machine(tmp_pat
     f'1 copied run(s) (e.g. b) ran with another cpu: {{"cpu": "Z80"}} (here: {{"cpu": '
     f"{json.dumps(here['cpu'])}}})"
   ]
+  # The same CPU model with other instruction-set flags (this project's machines differ so):
+  # XLA's CPU code, and so a run's last bits, can differ.
+  _, warnings = check({"commit": commit}, {"commit": commit}, {**here, "cpu_flags": "0" * 16})
+  assert len(warnings) == 1 and "(e.g. b) ran with another cpu_flags" in warnings[0]
   # Outside the package, or in the analysis (above main's layer), a change is not a change
   # of the code a run executes.
   for path in ("README.md", "owl_cl/analysis/report_part.py"):
@@ -382,14 +396,15 @@ def test_a_model_seed_whose_runs_hold_two_pretrained_models_is_named(tmp_path, c
   digest = sweep_design.pretrained_fingerprint
   assert digest(record(0.25, 1)) == digest(record(0.25, 2)) != digest(record(0.26, 1))
   assert digest({"status": "complete"}) is None
-  # Seed 0's two committed runs share one model; seed 1's committed run another model; a
-  # run of seed 0 rebuilt elsewhere (stage-0 AP 0.26) is named as soon as it ends.
+  # Seed 0's two committed runs share one model, seed 1's one another; two runs of seed 0
+  # rebuilt elsewhere (stage-0 AP 0.26): named once, as soon as the first ends.
   planned = [
     stand_in(root, "a", group=0),
     stand_in(root, "b", group=0),
     stand_in(root, "c", group=1, ap=0.5),
     stand_in(root, "d", group=0, ap=0.26),
-    stand_in(root, "e", group=1, ap=0.5),
+    stand_in(root, "e", group=0, ap=0.26),
+    stand_in(root, "f", group=1, ap=0.5),
   ]
   write_copy(out, "a", record(0.25, 1))
   write_copy(out, "b", record(0.25, 2))
@@ -398,8 +413,13 @@ def test_a_model_seed_whose_runs_hold_two_pretrained_models_is_named(tmp_path, c
   assert sweep_design.run_design(designs.ROUND2, planned, out, processes=1) == 0
   err = capsys.readouterr().err
   line = (
-    "# warning: the copied runs of model seed 0 hold 2 different pre-trained models (their "
-    "stage-0 metrics differ): 2 like a; 1 like d"
+    "# warning: d's pre-trained model differs from the copied runs' of model seed 0 (their "
+    "stage-0 metrics differ: rebuilt on another machine); each cell stays on one model, the "
+    "model seed now names two"
   )
-  assert err.count(line) == 1 and "model seed 1" not in err
-  assert sweep_design.model_mismatches(planned, out) == [line[len("# warning: ") :]]
+  assert err.count("pre-trained model differs") == 1 and line in err
+  # Once copied, the start of the next sweep names them too.
+  assert sweep_design.model_mismatches(planned, out) == [
+    "the copied runs of model seed 0 hold 2 different pre-trained models (their stage-0 "
+    "metrics differ): 2 like a; 2 like d"
+  ]
