@@ -26,7 +26,8 @@ REPO_PAGES = {"README.md": "index.md"}
 # benchmarks/README.md is in the nav; the result tables are reached through its links, so a new
 # result file needs no nav entry. `*_smoke.md` (the scripts' smoke mode, never committed) is
 # left out. benchmarks/results/sweep_builtin holds the committed sweep's report and figures
-# (the README shows them; its runs/ subfolder holds only results.json files), and
+# (the README shows them; its runs/ subfolder holds only results.json files), as
+# benchmarks/results/sweep_round2 the second's (with protection.md), and
 # benchmarks/results/owlv2_builtin/{v1,v2} the reports of OWLv2 beside v1, and
 # benchmarks/results/gpu_{second,third,fourth}_session/call* the raw output of GPU calls, and
 # benchmarks/results/coco_backends/* the COCO scoring time of each backend.
@@ -36,6 +37,11 @@ REPO_PAGE_DIRS = (
   "benchmarks/results/sweep_builtin",
   "benchmarks/results/sweep_builtin/by_order/random_0",
   "benchmarks/results/sweep_builtin/by_order/random_1",
+  "benchmarks/results/sweep_round2",
+  "benchmarks/results/sweep_round2/by_order/random_0",
+  "benchmarks/results/sweep_round2/by_order/random_1",
+  "benchmarks/results/sweep_round2/by_order/random_2",
+  "benchmarks/results/sweep_round2/by_order/random_3",
   "benchmarks/results/owlv2_builtin/v1",
   "benchmarks/results/owlv2_builtin/v2",
   "benchmarks/results/gpu_second_session/call1",

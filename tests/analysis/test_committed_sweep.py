@@ -1,17 +1,22 @@
-"""The README's results table is `python -m owl_cl.report` on the committed sweep's runs.
+"""The committed sweeps' tables are `python -m owl_cl.report` on their committed runs.
 
-`benchmarks/sweep_builtin.sh` copies every complete run's results.json of the committed sweep
-into `benchmarks/results/sweep_builtin/runs/` and writes the report there; the README shows its
-summary table between the markers below. Re-computing the report from those files must give
-the README's table and the committed report.md, character for character. The same holds for
-`benchmarks/owlv2_builtin.sh` (OWLv2 beside v1): its two reports and docs/owlv2.md's table of both.
+`benchmarks/sweep_round2.sh` (the second design) and `benchmarks/sweep_builtin.sh` (the first)
+copy every complete run's results.json into `benchmarks/results/<sweep>/runs/` and write the
+report there; the README shows the second's summary table and docs/experiments.md the first's,
+between the markers below. Re-computing the reports from those files must give those tables
+and the committed report.md files (by order too) and factor 3's protection.md, character for
+character. The same holds for `benchmarks/owlv2_builtin.sh` (OWLv2 beside v1): its two reports
+and docs/owlv2.md's table of both.
 """
 
+import json
 import os
 import re
 
 import pytest
 
+from owl_cl.analysis import claims
+from owl_cl.analysis import protection
 from owl_cl.analysis import report as report_lib
 from owl_cl.configs import base
 
@@ -19,6 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SWEEP = os.path.join(ROOT, "benchmarks", "results", "sweep_builtin")
 BEGIN = "<!-- sweep_builtin summary: benchmarks/sweep_builtin.sh -->"
 END = "<!-- /sweep_builtin summary -->"
+FIRST_SWEEP_PAGE = "docs/experiments.md"
+# The second committed sweep (docs/design_round2.md; the README's table).
+ROUND2 = os.path.join(ROOT, "benchmarks", "results", "sweep_round2")
+ROUND2_BEGIN = "<!-- sweep_round2 summary: benchmarks/sweep_round2.sh -->"
+ROUND2_END = "<!-- /sweep_round2 summary -->"
+ROUND2_ORDERS = ("random_0", "random_1", "random_2", "random_3")
+ROUND2_SEEDS = (0, 1, 2)
 
 
 def _marked_block(begin: str, end: str, page: str = "README.md") -> str:
@@ -32,7 +44,8 @@ def _marked_block(begin: str, end: str, page: str = "README.md") -> str:
 
 
 def _readme_table() -> str:
-  return _marked_block(BEGIN, END)
+  """The first sweep's table: the README's until the second sweep, now docs/experiments.md's."""
+  return _marked_block(BEGIN, END, page=FIRST_SWEEP_PAGE)
 
 
 def _readme_rows(table: str) -> list[str]:
@@ -51,7 +64,7 @@ def _report():
 
 
 @pytest.mark.slow
-def test_readme_table_is_the_committed_sweeps_report():
+def test_first_sweeps_table_is_its_report():
   table = _readme_table()
   rows = _readme_rows(table)
   assert rows[0] == report_lib.NO_FINETUNING
@@ -119,6 +132,8 @@ def test_owlv2_page_table_is_the_committed_reports():
 # The fields launch/sweep.py sets per run of benchmarks/sweep_builtin.sh (`--seed-fields`'s
 # default and `--orders`); every other field is the config file's.
 SWEEP_RUN_FIELDS = {"seeds.data", "seeds.retrieval", "task_order"}
+# benchmarks/sweep_round2.sh's (launch/designs.py ROUND2: `--seed-fields=seed`, the orders).
+ROUND2_RUN_FIELDS = {"seed", "task_order"}
 
 
 def _section(title: str) -> str:
@@ -142,7 +157,6 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def test_readme_main_command_runs_the_config_of_its_results():
   import importlib.util  # pylint: disable=g-import-not-at-top
-  import json  # pylint: disable=g-import-not-at-top
 
   commands = re.findall(r"python -m owl_cl\.main --config=(\S+)", _section("Two commands"))
   assert len(commands) == 1, commands
@@ -163,10 +177,19 @@ def test_readme_main_command_runs_the_config_of_its_results():
   # The committed sweep's runs of that algorithm ran this config, field for field, but for
   # the fields the sweep sets per run.
   want = _flat(json.loads(config.to_json_best_effort()))
-  runs = report_lib.find_runs([os.path.join(SWEEP, "runs")])
-  ran = [r for r in runs if os.path.basename(r).startswith(f"{config.experiment_name}_random_")]
-  assert len(ran) == 10, ran  # seeds 0-4 on random_0 and random_1
   defaults = _flat(json.loads(base.get_config("builtin1").to_json_best_effort()))
+  # The second sweep's table (3 model seeds x 4 orders) and the first sweep's (seeds 0-4 on
+  # random_0 and random_1), each with the fields it sets per run.
+  for sweep, n, fields in ((ROUND2, 12, ROUND2_RUN_FIELDS), (SWEEP, 10, SWEEP_RUN_FIELDS)):
+    _check_runs_of(want, defaults, sweep, config.experiment_name, n, fields)
+
+
+def _check_runs_of(want: dict, defaults: dict, sweep: str, name: str, n: int, fields: set):
+  """The sweep's n runs of `name` ran the config `want` (flat), field for field, but for the
+  `fields` the sweep sets per run."""
+  runs = report_lib.find_runs([os.path.join(sweep, "runs")])
+  ran = [r for r in runs if os.path.basename(r).startswith(f"{name}_random_")]
+  assert len(ran) == n, ran
   for run in ran:
     with open(os.path.join(run, "results.json"), encoding="utf-8") as f:
       got = _flat(json.load(f)["config"])
@@ -174,4 +197,89 @@ def test_readme_main_command_runs_the_config_of_its_results():
     # their results (`experiment.existing_run` accepts it so on resume too).
     got = {**{k: v for k, v in defaults.items() if k not in got}, **got}
     differing = {k for k in set(want) | set(got) if want.get(k, "?") != got.get(k, "?")}
-    assert differing <= SWEEP_RUN_FIELDS, (run, sorted(differing - SWEEP_RUN_FIELDS))
+    assert differing <= fields, (run, sorted(differing - fields))
+
+
+# The second committed sweep (docs/design_round2.md): benchmarks/sweep_round2.sh copies each
+# cell's runs into benchmarks/results/sweep_round2/runs/ and, once all are in, writes its report
+# with the analysis plan `round2`, one report per order and factor 3's protection.md there.
+
+
+def _round2_order() -> list[str]:
+  """The rows of the README's round-2 table, no fine-tuning dropped: the design's order."""
+  return _readme_rows(_marked_block(ROUND2_BEGIN, ROUND2_END))[1:]
+
+
+def _round2_runs(task_order: str | None = None) -> list[str]:
+  runs = report_lib.find_runs([os.path.join(ROUND2, "runs")])
+  if task_order is None:
+    return runs
+  return sorted(r for r in runs if os.path.basename(r).split("_seed")[0].endswith(task_order))
+
+
+@pytest.fixture(scope="module")
+def round2_report():
+  points = report_lib.load_points(_round2_runs())
+  return report_lib.build_report(points, "uniform", plan=claims.PLANS["round2"])
+
+
+@pytest.mark.slow
+def test_round2_design_is_complete_and_says_where_each_run_comes_from():
+  # n = 12 per row: 3 model seeds x 4 orders, each run with its commit and a clean tree and the
+  # environment.json of the machine that ran it (launch/sweep_design.py). A cell (model seed,
+  # order: the runs a paired comparison pairs) ran at one commit on one machine, and every run
+  # of a model seed evaluated one pre-trained model (stage 0) however many sittings it took.
+  # That the commits' run code is one is tests/launch/test_designs.py's.
+  order = _round2_order()
+  cells, cell_sources, pretrained = set(), {}, {}
+  for run in _round2_runs():
+    with open(os.path.join(run, "results.json"), encoding="utf-8") as f:
+      results = json.load(f)
+    with open(os.path.join(run, "environment.json"), encoding="utf-8") as f:
+      machine = json.load(f)["cpu_flags"]
+    assert results["status"] == "complete" and results["dirty"] is False, run
+    assert re.fullmatch(r"[0-9a-f]{40}", results["commit"]), run
+    model, task_order = results["seeds"]["model"], results["task_order"]["name"]
+    cells.add((results["algorithm"], task_order, model))
+    cell_sources.setdefault((model, task_order), set()).add((results["commit"], machine))
+    stage0 = json.dumps(results["stages"][0]["metrics"], sort_keys=True)
+    pretrained.setdefault(model, set()).add(stage0)
+  assert cells == {(a, o, s) for a in order for o in ROUND2_ORDERS for s in ROUND2_SEEDS}
+  assert all(len(sources) == 1 for sources in cell_sources.values()), cell_sources
+  assert all(len(models) == 1 for models in pretrained.values())
+
+
+@pytest.mark.slow
+def test_round2_readme_table_is_its_report(round2_report):
+  order = _round2_order()
+  assert set(order) == set(round2_report["algorithms"])
+  table = _marked_block(ROUND2_BEGIN, ROUND2_END)
+  assert table == report_lib.render_summary_table(round2_report, order=order)
+  assert min(round2_report["summary"][a]["pretrain_AP"]["n"] for a in order) == 12
+  assert round2_report["plan"] == "round2"
+
+
+@pytest.mark.slow
+def test_round2_committed_report_is_current(round2_report):
+  with open(os.path.join(ROUND2, report_lib.REPORT_MD), encoding="utf-8") as f:
+    assert f.read() == report_lib.render_markdown(round2_report, order=_round2_order())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task_order", ROUND2_ORDERS)
+def test_round2_reports_by_order_are_current(task_order):
+  runs = _round2_runs(task_order)
+  order = _round2_order()
+  assert len(runs) == len(ROUND2_SEEDS) * len(order), task_order
+  report = report_lib.build_report(report_lib.load_points(runs), "uniform")
+  path = os.path.join(ROUND2, "by_order", task_order, report_lib.REPORT_MD)
+  with open(path, encoding="utf-8") as f:
+    assert f.read() == report_lib.render_markdown(report, order=order)
+
+
+def test_round2_protection_table_is_current():
+  # Factor 3 (docs/design_round2.md): the protective effect on the named classes, recomputed
+  # from the committed per-class AP.
+  table = protection.build_table(_round2_runs(), "uniform")
+  with open(os.path.join(ROUND2, "protection.md"), encoding="utf-8") as f:
+    assert f.read() == protection.render_markdown(table)

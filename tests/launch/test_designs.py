@@ -138,13 +138,56 @@ def test_builtin_design_is_the_committed_sweep():
   assert orders == sorted(orders) and planned[0].name == "no_replay_random_0_seed0"
   with open(os.path.join(COMMITTED_RUNS, "lwf_random_0_seed0", "results.json")) as f:
     assert json.load(f)["algorithm"] == "lwf"
-  # Its rows' order is the README table's (the report's --order), the pre-trained row first.
-  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-    readme = f.read()
-  table = readme.split("<!-- sweep_builtin summary: benchmarks/sweep_builtin.sh -->\n")[1]
-  table = table.split("<!-- /sweep_builtin summary -->")[0]
-  rows = [line.split("|")[1].strip() for line in table.splitlines()[3:]]
-  assert rows == [r.name for r in designs.BUILTIN.rows]
+  # Its rows' order is its table's (the report's --order), the pre-trained row first.
+  assert _table_rows("docs/experiments.md", "sweep_builtin") == designs.row_names(
+    designs.BUILTIN.rows
+  )
+
+
+def _table_rows(page: str, sweep: str) -> list[str]:
+  """The algorithms of the `<!-- <sweep> summary ... -->` table of `page`, "No fine-tuning"
+  dropped."""
+  with open(os.path.join(REPO, page), encoding="utf-8") as f:
+    text = f.read()
+  table = text.split(f"<!-- {sweep} summary: benchmarks/{sweep}.sh -->\n")[1]
+  table = table.split(f"<!-- /{sweep} summary -->")[0]
+  return [line.split("|")[1].strip() for line in table.splitlines()[3:]]
+
+
+def test_round2_design_is_the_committed_sweep():
+  # The second design's 252 runs are the committed ones, its rows in the README table's order,
+  # and the commits its runs record (two sittings) hold one run code (`run_code_paths`), as
+  # the command checked before it went on from the first sitting's runs.
+  planned = sweep_design.plan_runs(designs.ROUND2, "workdirs/sweep_round2", python="python")
+  runs = os.path.join(REPO, designs.ROUND2.out, sweep_design.RUNS)
+  assert sorted(p.name for p in planned) == sorted(os.listdir(runs))
+  assert _table_rows("README.md", "sweep_round2") == designs.row_names(designs.ROUND2.rows)
+  commits = set()
+  for name in os.listdir(runs):
+    with open(os.path.join(runs, name, "results.json"), encoding="utf-8") as f:
+      commits.add(json.load(f)["commit"])
+  for commit in commits:
+    if subprocess.run(["git", "-C", REPO, "cat-file", "-e", commit], check=False).returncode:
+      pytest.skip(f"commit {commit} is not in this checkout's history")
+  first, *others = sorted(commits)
+  for commit in others:
+    done = subprocess.run(
+      [
+        "git",
+        "-C",
+        REPO,
+        "diff",
+        "--name-only",
+        first,
+        commit,
+        "--",
+        *sweep_design.run_code_paths(),
+      ],
+      capture_output=True,
+      text=True,
+      check=True,
+    )
+    assert done.stdout.split() == [], (first, commit)
 
 
 # The whole command at tiny size: 2 tiny runs on the session's pre-trained model (the first
