@@ -253,15 +253,25 @@ def run_code_paths(layers_file: str = IMPORT_LAYERS) -> tuple[str, ...]:
   return (*CODE_PATHS, *excluded)
 
 
-def code_changes(commit: str | None, repo: str = REPO) -> list[str] | str:
-  """The files of `run_code_paths` that differ between `commit` and the working tree of the
-  checkout `repo` (`git diff --name-only`), or a sentence saying why they cannot be
-  compared."""
+def code_changes(commit: str | None, repo: str = REPO, other: str | None = None) -> list[str] | str:
+  """The files of `run_code_paths` that differ between `commit` and the commit `other` (None:
+  the working tree of the checkout `repo`) (`git diff --name-only`), or a sentence saying why
+  they cannot be compared."""
   if not commit:
     return "its commit is not recorded"
   try:
     done = subprocess.run(
-      ["git", "-C", repo, "diff", "--name-only", commit, "--", *run_code_paths()],
+      [
+        "git",
+        "-C",
+        repo,
+        "diff",
+        "--name-only",
+        commit,
+        *([other] if other else []),
+        "--",
+        *run_code_paths(),
+      ],
       capture_output=True,
       text=True,
       timeout=60,
