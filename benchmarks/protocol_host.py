@@ -28,7 +28,8 @@ Usage:
   python benchmarks/protocol_host.py --smoke --out D   # every part at a tiny size (CI)
   options: --parts input,scoring,checkpoint,buffer, --tmp DIR (where the files go),
   --coco-backend pycocotools|faster_coco_eval, --eval-sets o365_val,lvis_val,
-  --scoring-images N (the scoring part at a smaller size)
+  --scoring-images N (the scoring part at a smaller size), --scoring-processes P and
+  --scoring-shards S (category shards in P worker processes: `owl_cl.eval.category_shards`)
   python benchmarks/protocol_host.py --parts=scoring --eval-sets=o365_val \
     --scoring-images=2000 --coco-backend=faster_coco_eval --out D   # one backend's COCO time
   python benchmarks/protocol_host.py --combine benchmarks/results/protocol_host
@@ -83,6 +84,9 @@ class Sizes:
   mosaic: tuple = ((1, 2, 3), (0.4, 0.3, 0.3))
   # `coco_eval.coco_evaluate`'s backend for the COCO sets (`coco_eval.COCO_BACKENDS`).
   coco_backend: str = "pycocotools"
+  # The scorers' `processes` and `shards` (`owl_cl.eval.category_shards`; None: chosen).
+  scoring_processes: int = 1
+  scoring_shards: int | None = None
 
 
 FULL = Sizes()
@@ -267,11 +271,13 @@ def part_scoring(sizes: Sizes, tmp: str) -> dict:
   """Scoring seconds of each evaluation set (ground truth loading included, as a run pays)."""
   from pycocotools import coco as pycoco  # noqa: PLC0415
 
+  from owl_cl.eval import category_shards  # noqa: PLC0415
   from owl_cl.eval import coco_eval  # noqa: PLC0415
   from owl_cl.eval import lvis_eval  # noqa: PLC0415
 
   rng = np.random.default_rng(0)
   out = {}
+  sharding = {"processes": sizes.scoring_processes, "shards": sizes.scoring_shards}
   for name, images, classes, dets, protocol in sizes.eval_sets:
     gt, detections = synthetic_eval(name, images, classes, dets, rng)
     t0 = time.perf_counter()
@@ -280,11 +286,11 @@ def part_scoring(sizes: Sizes, tmp: str) -> dict:
       ground.dataset = gt
       ground.createIndex()
       metrics = coco_eval.coco_evaluate(
-        ground, detections, max_dets=dets, backend=sizes.coco_backend
+        ground, detections, max_dets=dets, backend=sizes.coco_backend, progress=True, **sharding
       )
     else:
       metrics = lvis_eval.lvis_evaluate(
-        lvis_eval.load_lvis_ground_truth(gt), detections, max_dets=dets
+        lvis_eval.load_lvis_ground_truth(gt), detections, max_dets=dets, progress=True, **sharding
       )
     seconds = time.perf_counter() - t0
     out[name] = {
@@ -293,10 +299,20 @@ def part_scoring(sizes: Sizes, tmp: str) -> dict:
       "images": images,
       "classes": classes,
       "detections": len(detections),
+      "processes": sizes.scoring_processes,
+      "shards": category_shards.shard_count(
+        len(detections), classes, sizes.scoring_processes, sizes.scoring_shards
+      ),
       "seconds": seconds,
       "ms_per_image": 1e3 * seconds / images,
       "AP": float(metrics["AP"]),
+      "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, float)},
     }
+  # Peak resident memory (ru_maxrss, KiB on Linux): this process, and the largest worker.
+  out["peak_rss_gb"] = {
+    "this_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    "largest_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+  }
   return out
 
 
@@ -449,14 +465,25 @@ def render(report: dict) -> str:
       "",
       "## Scoring (synthetic detections)",
       "",
-      "| set | images | classes | detections | s | ms/image |",
-      "|---|---|---|---|---|---|",
+      "| set | images | classes | detections | processes / shards | s | ms/image |",
+      "|---|---|---|---|---|---|---|",
     ]
     for name, v in r["scoring"].items():
+      if name == "peak_rss_gb":
+        continue
+      # Records from before category shards scored in this process, in one pass.
+      split = f"{v.get('processes', 1)} / {v.get('shards', 1)}"
       lines.append(
         f"| {name} ({v['protocol']}) | {v['images']} | {v['classes']} | {v['detections']} | "
-        f"{v['seconds']:.1f} | {v['ms_per_image']:.2f} |"
+        f"{split} | {v['seconds']:.1f} | {v['ms_per_image']:.2f} |"
       )
+    if "peak_rss_gb" in r["scoring"]:
+      rss = r["scoring"]["peak_rss_gb"]
+      lines += [
+        "",
+        f"Peak RSS: this process {rss['this_process']:.1f} GiB, the largest worker "
+        f"{rss['largest_worker']:.1f} GiB.",
+      ]
   if "checkpoint" in r:
     t, b = r["checkpoint"]["train_state"], r["checkpoint"]["buffer_store"]
     lines += [
@@ -497,7 +524,13 @@ def scoring_sizes(sizes: Sizes, args) -> Sizes:
     sets = tuple(s for s in sets if s[0] in names)
   if args.scoring_images:
     sets = tuple((n, min(i, args.scoring_images), *rest) for n, i, *rest in sets)
-  return dataclasses.replace(sizes, eval_sets=sets, coco_backend=args.coco_backend)
+  return dataclasses.replace(
+    sizes,
+    eval_sets=sets,
+    coco_backend=args.coco_backend,
+    scoring_processes=args.scoring_processes,
+    scoring_shards=args.scoring_shards,
+  )
 
 
 RECORD = "protocol_host.json"
@@ -572,6 +605,18 @@ def main(argv=None) -> dict:
   )
   p.add_argument(
     "--scoring-images", type=int, default=None, help="scoring: at most this many images per set"
+  )
+  p.add_argument(
+    "--scoring-processes",
+    type=int,
+    default=1,
+    help="scoring: worker processes over category shards (owl_cl.eval.category_shards)",
+  )
+  p.add_argument(
+    "--scoring-shards",
+    type=int,
+    default=None,
+    help="scoring: category shards (default: chosen by category_shards.shard_count)",
   )
   p.add_argument(
     "--combine",

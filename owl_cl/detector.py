@@ -458,6 +458,7 @@ class Detector:
       per_class=per_class,
       return_detections=bool(dump_dir) or return_detections,
       coco_backend=self.eval_spec.coco_backend,
+      processes=self.eval_spec.scoring_processes,
     )
     result = detection.evaluate_source(
       predict_fn,

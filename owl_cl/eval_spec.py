@@ -15,6 +15,7 @@ from owl_cl.config_fields import boolean
 from owl_cl.config_fields import choice
 from owl_cl.config_fields import integer
 from owl_cl.data import prompts
+from owl_cl.eval import category_shards
 from owl_cl.eval import coco_eval
 from owl_cl.train import step as step_lib
 
@@ -95,6 +96,16 @@ class EvalSpec:
     "(the reference) or `faster_coco_eval` (its C++ port, the `fast_coco` extra: the same 12 "
     "statistics and per-class AP to 1e-12 in tests/eval/test_coco_backends.py, about 10x "
     "faster; Objects365 val's 80,000 images are hours of pycocotools).",
+    key=_SCORED_EACH_RUN,
+  )
+  scoring_processes: int = config_spec.field(
+    1,
+    integer(1),
+    "Processes that score an evaluation set in category shards side by side (both "
+    "protocols; spawned, each shard's ground truth and detections only): the same floats "
+    "as one pass (`owl_cl.eval.category_shards`). A set of more detections than "
+    f"{category_shards.SHARD_DETECTIONS:,} is scored in shards of about that many even at 1, "
+    "one worker process each, so that Objects365 val fits in host memory.",
     key=_SCORED_EACH_RUN,
   )
   save_detections: bool = config_spec.field(

@@ -12,9 +12,12 @@ import contextlib
 import copy
 import io
 import logging
+import types
 from typing import Any
 
 import numpy as np
+
+from owl_cl.eval import category_shards
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +146,96 @@ def _statistics(coco_eval, m: int) -> list[float]:
   ]
 
 
+def _accumulated(coco_gt, detections, image_ids, cat_ids, max_dets: int, backend: str, classes):
+  """COCOeval (bbox) of `backend` (`classes`: its `_backend`) after `evaluate` and
+  `accumulate` on these images and categories (None: all of `coco_gt`'s), maxDets
+  [1, 10, max_dets]."""
+  coco_class, COCOeval = classes  # noqa: N806
+  log = io.StringIO()
+  with contextlib.redirect_stdout(log):
+    ground = coco_gt
+    if backend != "pycocotools":
+      # The same ground-truth dict indexed by the backend's own COCO class.
+      ground = coco_class()
+      ground.dataset = coco_gt.dataset
+      ground.createIndex()
+    coco_dt = _result_coco(ground, detections, coco_class)
+    coco_eval = COCOeval(ground, coco_dt, iouType="bbox")
+    if image_ids is not None:
+      coco_eval.params.imgIds = list(image_ids)
+    if cat_ids is not None:
+      coco_eval.params.catIds = list(cat_ids)
+    coco_eval.params.maxDets = sorted({1, 10, int(max_dets)})
+    coco_eval.evaluate()
+    coco_eval.accumulate()
+  logger.debug("pycocotools: %s", log.getvalue())
+  return coco_eval
+
+
+def _score_shard(payload: tuple) -> dict[str, Any]:
+  """One category shard (a `category_shards.run` worker): `_accumulated` on the shard's ground
+  truth dict; returns its [T, R, K_j, A, M] precision, [T, K_j, A, M] recall and the params
+  `_summarize` reads."""
+  dataset, detections, image_ids, cat_ids, max_dets, backend = payload
+  coco_class, _ = _backend("pycocotools")
+  with contextlib.redirect_stdout(io.StringIO()):
+    ground = coco_class()
+    ground.dataset = dataset
+    ground.createIndex()
+  classes = _backend(backend)
+  coco_eval = _accumulated(ground, detections, image_ids, cat_ids, max_dets, backend, classes)
+  p = coco_eval.params
+  return {
+    "precision": np.asarray(coco_eval.eval["precision"]),
+    "recall": np.asarray(coco_eval.eval["recall"]),
+    "params": {"iouThrs": p.iouThrs, "areaRngLbl": p.areaRngLbl, "maxDets": p.maxDets},
+  }
+
+
+def _sharded(
+  coco_gt, detections, image_ids, cats, max_dets, backend, n_shards, processes, progress
+):
+  """`_accumulated`'s precision and recall computed in `n_shards` contiguous ranges of the
+  sorted categories `cats`, in `processes` spawned workers, concatenated along K: the same
+  arrays bit for bit (`category_shards`). Returns an object with `params` and `eval` as
+  `_summarize` reads them."""
+  dataset, kept = coco_gt.dataset, set(cats)
+  # COCOeval loads only the evaluated categories' boxes: the others are not scored.
+  annotations = [a for a in dataset.get("annotations", []) if int(a["category_id"]) in kept]
+  detections = [d for d in detections if int(d["category_id"]) in kept]
+  category = lambda entry: int(entry["category_id"])
+  weights = category_shards.weights_by_category(
+    cats, map(category, detections), map(category, annotations)
+  )
+  ranges = category_shards.split_categories(cats, weights, n_shards)
+  dets = category_shards.partition(detections, category, ranges)
+  anns = category_shards.partition(annotations, category, ranges)
+  by_id = {int(c["id"]): c for c in dataset.get("categories", [])}
+  rest = {k: v for k, v in dataset.items() if k not in ("annotations", "categories")}
+  payloads = [
+    (
+      {**rest, "annotations": anns[j], "categories": [by_id[c] for c in r if c in by_id]},
+      dets[j],
+      image_ids,
+      r,
+      max_dets,
+      backend,
+    )
+    for j, r in enumerate(ranges)
+  ]
+  parts = category_shards.run(
+    _score_shard, payloads, processes, progress=progress, desc=f"COCO AP, {n_shards} shards"
+  )
+  params = types.SimpleNamespace(**parts[0]["params"], catIds=list(cats))
+  return types.SimpleNamespace(
+    params=params,
+    eval={
+      "precision": np.concatenate([part["precision"] for part in parts], axis=2),
+      "recall": np.concatenate([part["recall"] for part in parts], axis=1),
+    },
+  )
+
+
 def coco_evaluate(
   coco_gt,
   detections: Sequence[Mapping[str, Any]],
@@ -153,6 +246,9 @@ def coco_evaluate(
   truncate_per_image: bool = True,
   per_category: bool = False,
   backend: str = "pycocotools",
+  processes: int = 1,
+  shards: int | None = None,
+  progress: bool = False,
 ) -> dict[str, Any]:
   """COCO box AP of detections against a ground truth, via pycocotools' COCOeval.
 
@@ -176,6 +272,14 @@ def coco_evaluate(
     backend: the COCOeval implementation (`COCO_BACKENDS`): 'pycocotools' or
       'faster_coco_eval' (the same statistics, its C++ evaluate and accumulate; needs the
       `fast_coco` extra). `coco_gt` stays a pycocotools COCO either way.
+    processes: worker processes scoring category shards side by side (spawned; 1: none
+      unless the set needs shards, see `shards`).
+    shards: contiguous ranges of the sorted categories scored one by one, each in its own
+      worker process with its own categories' ground truth and detections; the statistics
+      are the same floats as one pass (`category_shards`: COCOeval's per-category arrays
+      concatenated). None: max(processes, ceil(detections /
+      category_shards.SHARD_DETECTIONS)); 1: in this process.
+    progress: a progress bar over the finished shards.
 
   Returns:
     dict with float keys `COCO_METRIC_NAMES` ('AP' = AP@[.5:.95], 'AP50', 'AP75', 'APs',
@@ -185,14 +289,14 @@ def coco_evaluate(
 
   Raises:
     ValueError: a detection refers to an image id absent from `coco_gt`, a ground-truth
-      annotation lacks 'area', max_dets < 1, or an unknown backend.
+      annotation lacks 'area', max_dets < 1, processes < 1, shards < 1 or an unknown backend.
 
   Source: docs/reference.md §4; pycocotools `COCOeval` (iouType 'bbox'): the statistics are computed
   as
   `COCOeval.summarize` does, without its printing (evaluate/accumulate output goes to the
   logger at DEBUG level).
   """
-  coco_class, COCOeval = _backend(backend)  # noqa: N806
+  classes = _backend(backend)  # an unknown backend fails here, before any work
   if max_dets < 1:
     raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
   detections = list(detections)
@@ -206,24 +310,16 @@ def coco_evaluate(
     )
   if truncate_per_image:
     detections = _truncate_per_image(detections, int(max_dets))
-  log = io.StringIO()
-  with contextlib.redirect_stdout(log):
-    ground = coco_gt
-    if backend != "pycocotools":
-      # The same ground-truth dict indexed by the backend's own COCO class.
-      ground = coco_class()
-      ground.dataset = coco_gt.dataset
-      ground.createIndex()
-    coco_dt = _result_coco(ground, detections, coco_class)
-    coco_eval = COCOeval(ground, coco_dt, iouType="bbox")
-    if image_ids is not None:
-      coco_eval.params.imgIds = sorted({int(i) for i in image_ids})
-    if cat_ids is not None:
-      coco_eval.params.catIds = sorted({int(c) for c in cat_ids})
-    coco_eval.params.maxDets = sorted({1, 10, int(max_dets)})
-    coco_eval.evaluate()
-    coco_eval.accumulate()
-  logger.debug("pycocotools: %s", log.getvalue())
+  image_ids = None if image_ids is None else sorted({int(i) for i in image_ids})
+  cats = sorted(coco_gt.getCatIds()) if cat_ids is None else sorted({int(c) for c in cat_ids})
+  n_shards = category_shards.shard_count(len(detections), len(cats), processes, shards)
+  if n_shards == 1:
+    chosen = None if cat_ids is None else cats
+    coco_eval = _accumulated(coco_gt, detections, image_ids, chosen, max_dets, backend, classes)
+  else:
+    coco_eval = _sharded(
+      coco_gt, detections, image_ids, cats, max_dets, backend, n_shards, processes, progress
+    )
   m = int(max_dets)
   stats = _statistics(coco_eval, m)
   result: dict[str, Any] = {name: _no_data_to_nan(v) for name, v in zip(COCO_METRIC_NAMES, stats)}

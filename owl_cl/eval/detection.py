@@ -474,6 +474,8 @@ class Scoring:
     per_class: also return 'per_class' (`per_class_table`, names from `source.class_names`).
     return_detections: also return the COCO result dicts under 'detections'.
     coco_backend: protocol 'coco''s COCOeval implementation (`coco_eval.COCO_BACKENDS`).
+    processes: worker processes that score category shards side by side (the scorers'
+      `processes`; the same floats as one pass).
   """
 
   protocol: str = "coco"
@@ -485,6 +487,7 @@ class Scoring:
   per_class: bool = False
   return_detections: bool = False
   coco_backend: str = "pycocotools"
+  processes: int = 1
 
 
 def _protocol(scoring: Scoring, source):
@@ -585,6 +588,8 @@ def evaluate_source(
       cat_ids=scoring.cat_ids,
       max_dets=max_dets,
       per_category=per_category or scoring.per_class,
+      processes=scoring.processes,
+      progress=progress,
     )
     result["num_images"] = len(seen) if restrict else count_images()
   if scoring.per_class:

@@ -23,6 +23,7 @@ Source: docs/reference.md §4; the `lvis` API (lvis-dataset/lvis-api: `LVIS`, `L
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 import contextlib
 import copy
@@ -34,6 +35,8 @@ from typing import Any
 import warnings
 
 import numpy as np
+
+from owl_cl.eval import category_shards
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +177,96 @@ def _no_data_to_nan(value: float) -> float:
   return float("nan") if value == -1.0 else value
 
 
+def _quiet():
+  """stdout captured and lvis 0.5.3's deprecated `Logger.warn` silenced (a context)."""
+  stack = contextlib.ExitStack()
+  stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+  stack.enter_context(warnings.catch_warnings())
+  warnings.filterwarnings(
+    "ignore", message="The 'warn' method is deprecated", category=DeprecationWarning
+  )
+  return stack
+
+
+def _accumulated(gt, detections: list, image_ids, cat_ids, max_dets: int):
+  """`lvis.LVISEval` (bbox) after `evaluate` and `accumulate` on these images and categories
+  (None: all of `gt`'s), at most `max_dets` detections per image."""
+  api = _lvis_api()
+  with _quiet():
+    dt = _results(api, gt, detections, max_dets)
+    evaluator = api.LVISEval(gt, dt, iou_type="bbox")
+    evaluator.params.max_dets = max_dets
+    if image_ids is not None:
+      evaluator.params.img_ids = list(image_ids)
+    if cat_ids is not None:
+      evaluator.params.cat_ids = list(cat_ids)
+    evaluator.evaluate()
+    evaluator.accumulate()
+  return evaluator
+
+
+def _score_shard(payload: tuple) -> dict[str, Any]:
+  """One category shard (a `category_shards.run` worker): `_accumulated` on the shard's ground
+  truth dict; returns its [T, R, K_j, A] precision and [T, K_j, A] recall."""
+  dataset, detections, image_ids, cat_ids, max_dets = payload
+  # Its "Assuming user provided the results in correct format" once per shard is noise.
+  logging.getLogger("lvis.results").setLevel(logging.ERROR)
+  evaluator = _accumulated(
+    load_lvis_ground_truth(dataset), detections, image_ids, cat_ids, max_dets
+  )
+  return {"precision": evaluator.eval["precision"], "recall": evaluator.eval["recall"]}
+
+
+def _sharded(
+  gt, limited: list, image_ids, cats, max_dets: int, n_shards: int, processes: int, progress: bool
+):
+  """An `LVISEval` whose `eval` holds `_accumulated`'s precision and recall computed in
+  `n_shards` contiguous ranges of the sorted categories `cats` (spawned workers, arrays
+  concatenated along K: the same bit for bit, `category_shards`), ready for `summarize`.
+  `limited`: the detections after the per-image limit."""
+  api = _lvis_api()
+  kept = set(cats)
+  dataset = gt.dataset
+  annotations = [a for a in dataset["annotations"] if int(a["category_id"]) in kept]
+  limited = [d for d in limited if int(d["category_id"]) in kept]
+  category = lambda entry: int(entry["category_id"])
+  weights = category_shards.weights_by_category(
+    cats, map(category, limited), map(category, annotations)
+  )
+  ranges = category_shards.split_categories(cats, weights, n_shards)
+  dets = category_shards.partition(limited, category, ranges)
+  anns = category_shards.partition(annotations, category, ranges)
+  rest = {k: v for k, v in dataset.items() if k not in ("annotations", "categories")}
+  payloads = [
+    (
+      {**rest, "annotations": anns[j], "categories": [gt.cats[c] for c in r if c in gt.cats]},
+      dets[j],
+      image_ids,
+      r,
+      max_dets,
+    )
+    for j, r in enumerate(ranges)
+  ]
+  parts = category_shards.run(
+    _score_shard, payloads, processes, progress=progress, desc=f"LVIS AP, {n_shards} shards"
+  )
+  # The unsharded evaluator's state that `summarize` and `get_results` read.
+  evaluator = api.LVISEval.__new__(api.LVISEval)
+  evaluator.logger = logging.getLogger("lvis.eval")
+  evaluator.lvis_gt = gt
+  evaluator.params = api.eval.Params(iou_type="bbox")
+  evaluator.params.max_dets = max_dets
+  evaluator.params.cat_ids = list(cats)
+  evaluator.params.img_ids = sorted(gt.get_img_ids()) if image_ids is None else list(image_ids)
+  evaluator.freq_groups = evaluator._prepare_freq_group()  # pylint: disable=protected-access
+  evaluator.results = collections.OrderedDict()
+  evaluator.eval = {
+    "precision": np.concatenate([part["precision"] for part in parts], axis=2),
+    "recall": np.concatenate([part["recall"] for part in parts], axis=1),
+  }
+  return evaluator
+
+
 def lvis_evaluate(
   lvis_gt: Any,
   detections: Sequence[Mapping[str, Any]],
@@ -182,6 +275,9 @@ def lvis_evaluate(
   cat_ids: Sequence[int] | None = None,
   max_dets: int = 300,
   per_category: bool = False,
+  processes: int = 1,
+  shards: int | None = None,
+  progress: bool = False,
 ) -> dict[str, Any]:
   """LVIS box AP of detections (docs/reference.md §4), via `lvis.LVISEval`.
 
@@ -198,6 +294,10 @@ def lvis_evaluate(
       evaluated category's AP@[.5:.95] and AP at IoU 0.5 over all areas (LVISEval's
       `eval['precision']` [iou, recall, category, area] of that category, averaged over its
       entries > -1), NaN for a category without ground truth among the evaluated images.
+    processes, shards, progress: scoring in category shards, in spawned worker processes,
+      as `coco_eval.coco_evaluate` does (the same floats as one pass; `category_shards`);
+      the per-image limit is applied before the split. shards None: max(processes,
+      ceil(detections / category_shards.SHARD_DETECTIONS)); 1: in this process.
 
   Returns:
     dict of floats `LVIS_METRIC_NAMES` in [0, 1]: 'AP' (AP@[.5:.95]), 'AP50', 'AP75',
@@ -208,7 +308,8 @@ def lvis_evaluate(
 
   Raises:
     ValueError: a detection's image id or category id is absent from the ground truth,
-      max_dets < 1, or a ground-truth schema error (see `load_lvis_ground_truth`).
+      max_dets < 1, processes < 1, shards < 1, or a ground-truth schema error (see
+      `load_lvis_ground_truth`).
 
   Source: docs/reference.md §4; `lvis.LVISEval` (federated: detections of categories neither
   annotated in
@@ -231,28 +332,28 @@ def lvis_evaluate(
       f"{len(unknown_cats)} detection category ids are not in the LVIS ground "
       f"truth, e.g. {sorted(unknown_cats)[:5]}."
     )
-  log = io.StringIO()
-  with contextlib.redirect_stdout(log), warnings.catch_warnings():
-    # lvis 0.5.3 calls the deprecated Logger.warn.
-    warnings.filterwarnings(
-      "ignore", message="The 'warn' method is deprecated", category=DeprecationWarning
-    )
-    dt = _results(api, gt, detections, int(max_dets))
-    evaluator = api.LVISEval(gt, dt, iou_type="bbox")
-    evaluator.params.max_dets = int(max_dets)
-    if image_ids is not None:
-      evaluator.params.img_ids = sorted({int(i) for i in image_ids})
-    if cat_ids is not None:
-      evaluator.params.cat_ids = sorted({int(c) for c in cat_ids})
-    evaluator.run()
-  logger.debug("lvis: %s", log.getvalue())
+  image_ids = None if image_ids is None else sorted({int(i) for i in image_ids})
+  cats = sorted(gt.get_cat_ids()) if cat_ids is None else sorted({int(c) for c in cat_ids})
+  n_shards = category_shards.shard_count(len(detections), len(cats), processes, shards)
+  if n_shards == 1:
+    chosen = None if cat_ids is None else cats
+    evaluator = _accumulated(gt, detections, image_ids, chosen, int(max_dets))
+    num_detections = len(evaluator.lvis_dt.dataset["annotations"])
+  else:
+    # The one step across categories, the per-image limit, before the split (LVISResults'
+    # own function: its `self` is unused).
+    limited = api.LVISResults.limit_dets_per_image(None, detections, int(max_dets))
+    evaluator = _sharded(gt, limited, image_ids, cats, int(max_dets), n_shards, processes, progress)
+    num_detections = len(limited)
+  with _quiet():
+    evaluator.summarize()
   raw = evaluator.get_results()
   m = int(max_dets)
   keys = {"AR": f"AR@{m}", "ARs": f"ARs@{m}", "ARm": f"ARm@{m}", "ARl": f"ARl@{m}"}
   result: dict[str, Any] = {
     name: _no_data_to_nan(raw[keys.get(name, name)]) for name in LVIS_METRIC_NAMES
   }
-  result["num_detections"] = len(dt.dataset["annotations"])
+  result["num_detections"] = num_detections
   if per_category:
     precision = evaluator.eval["precision"]  # [iou, recall, category, area]; area 0 = all
     at_50 = np.flatnonzero(np.isclose(evaluator.params.iou_thrs, 0.5))

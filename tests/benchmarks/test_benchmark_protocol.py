@@ -184,7 +184,10 @@ def test_gpu_session_smoke(tmp_path):
   # The prepared session at its smoke size on CPU, its rehearsal part (PARTS): it ends on its
   # own, writes its own folder, and the rehearsal ran the main job through every phase.
   out = tmp_path / "out"
-  env = dict(os.environ, OUT=str(out), PARTS="rehearsal")  # the HF parts: test_benchmark_step
+  # The script runs `python3`: this interpreter's, also where pytest runs without the venv's
+  # bin on PATH.
+  path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+  env = dict(os.environ, OUT=str(out), PARTS="rehearsal", PATH=path)  # HF: test_benchmark_step
   script = os.path.join(_ROOT, "benchmarks", "gpu_session.sh")
   subprocess.run([script, "--smoke"], check=True, env=env, timeout=1800, capture_output=True)
   session = (out / "session.txt").read_text()
