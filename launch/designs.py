@@ -31,11 +31,13 @@ from owl_cl.config_fields import SCHEDULES
 from owl_cl.configs import wise_ft as wise_ft_config
 from owl_cl.replay.retrieval import registry
 
-# The planning figures of docs/design_round2.md ("Cost"), measured by the first sweep on the
-# idle 2-core machine: a pre-training with its buffer per model seed, and the wall time per
-# cached run with 2 runs at a time.
-PRETRAIN_SECONDS = 5 * 60
-RUN_SECONDS = 65
+# The planning figures of docs/design_round2.md ("Cost"), measured by the second sweep's
+# sittings on the 2-core machine, 2 runs at a time: a model seed's pre-training (333-405 s,
+# 2026-12-01) and the machine's wall time per cached run (82 s each, two side by side). They
+# give 3.2 h for the 252 runs, against 3.4 h at the idle second sitting's 74 runs an hour.
+# (The first sweep's figures, 5 min and 65 s, gave 4.8 h.)
+PRETRAIN_SECONDS = 400
+RUN_SECONDS = 41
 WISE_FT = "wise_ft"
 SEQUENTIAL = SCHEDULES[0]  # one dataset after another (the others: joint, per task)
 ALPHA_FIELD = "train.wise_ft.alpha"
@@ -224,7 +226,7 @@ def summary(design: Design) -> str:
   return (
     f"design {design.name}: {len(design.rows)} rows x {len(design.seeds)} seed(s) x "
     f"{len(design.orders)} order(s) = {runs} runs; estimate {hours:.1f} h on 2 idle cores "
-    f"({model_count(design)} pre-training(s) x {PRETRAIN_SECONDS // 60} min + {runs} x "
+    f"({model_count(design)} pre-training(s) x {PRETRAIN_SECONDS} s + {runs} x "
     f"{RUN_SECONDS} s, docs/design_round2.md 'Cost')"
   )
 

@@ -77,8 +77,8 @@ def test_round2_run_order_and_estimate():
   ]
   assert runs[0][0].name == "uniform"
   assert {r.name for r, _, _ in runs[:n]} == {r.name for r in design.rows}
-  # 3 pre-trainings x 5 min + 12 n runs x 65 s (docs/design_round2.md, "Cost").
-  assert designs.estimate_seconds(design) == 3 * 300 + 12 * n * 65
+  # 3 pre-trainings x 400 s + 12 n runs x 41 s (docs/design_round2.md, "Cost").
+  assert designs.estimate_seconds(design) == 3 * 400 + 12 * n * 41
   assert f"= {12 * n} runs" in designs.summary(design)
 
 
