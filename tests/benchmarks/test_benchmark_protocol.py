@@ -154,6 +154,30 @@ def test_committed_protocol_host_is_the_combined_records(tmp_path):
       assert (tmp_path / name).read_text() == f.read(), name
 
 
+def test_committed_shard_records_equal_their_one_pass_records():
+  # The measured sharded rows of docs/benchmarks.md ("Scoring in category shards") score the
+  # same synthetic sets as their one-pass rows, each in its own process: every statistic is
+  # the same float, and the rows were scored as their folders say.
+  def row(folder):
+    with open(os.path.join(HOST_RESULTS, "protocol_host", folder, "protocol_host.json")) as f:
+      record = json.load(f)
+    assert not record["code"]["dirty"] and len(record["code"]["commit"]) == 40
+    (name,) = [k for k in record["parts"]["scoring"] if k != "peak_rss_gb"]
+    return record["parts"]["scoring"][name]
+
+  for one_pass, sharded in [
+    ("scoring_lvis_10000_one_pass", "scoring_lvis_10000_1_process_shards"),
+    ("scoring_lvis_10000_one_pass", "scoring_lvis_10000_2_processes"),
+    (
+      "scoring_o365_20000_faster_coco_eval_one_pass",
+      "scoring_o365_20000_faster_coco_eval_2_processes",
+    ),
+  ]:
+    want, got = row(one_pass), row(sharded)
+    assert (want["processes"], want["shards"]) == (1, 1) and got["shards"] > 1
+    assert got["metrics"] == want["metrics"] and got["detections"] == want["detections"]
+
+
 @pytest.mark.slow
 def test_protocol_host_smoke(tmp_path):
   report = protocol_host.main(
