@@ -25,10 +25,12 @@ spawned workers score the shards side by side, each worker process used for one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 import concurrent.futures
 import multiprocessing
 from typing import Any, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -173,3 +175,56 @@ def weights_by_category(cat_ids: Sequence[int], *groups: Iterable[int]) -> list[
       if cat in count:
         count[cat] += 1
   return [count[c] for c in cat_ids]
+
+
+def _category(entry: Mapping[str, Any]) -> int:
+  return int(entry["category_id"])
+
+
+def shard_sets(
+  dataset: Mapping[str, Any],
+  detections: Sequence[Mapping[str, Any]],
+  cats: Sequence[int],
+  shards: int,
+) -> list[tuple[dict[str, Any], list, list[int]]]:
+  """The ground truth and detections of each of `shards` contiguous ranges of `cats`,
+  balanced by their detections + ground-truth boxes (`split_categories`).
+
+  Args:
+    dataset: a COCO or LVIS ground-truth dict ('images', 'annotations', 'categories', ...).
+    detections: result dicts with 'category_id'; those of other categories than `cats` are
+      left out (a scorer evaluating `cats` does not read them).
+    cats: [K] the scored category ids, sorted ascending.
+    shards: 1 <= shards <= K.
+
+  Returns:
+    Per range: (its ground-truth dict: `dataset`'s other keys as they are, every image, the
+    annotations and category entries of its categories; its detections in their order; its
+    category ids).
+  """
+  kept = set(cats)
+  annotations = [a for a in dataset.get("annotations", []) if _category(a) in kept]
+  detections = [d for d in detections if _category(d) in kept]
+  weights = weights_by_category(cats, map(_category, detections), map(_category, annotations))
+  ranges = split_categories(cats, weights, shards)
+  dets = partition(detections, _category, ranges)
+  anns = partition(annotations, _category, ranges)
+  by_id = {int(c["id"]): c for c in dataset.get("categories", [])}
+  rest = {k: v for k, v in dataset.items() if k not in ("annotations", "categories")}
+  return [
+    (
+      {**rest, "annotations": anns[j], "categories": [by_id[c] for c in r if c in by_id]},
+      dets[j],
+      r,
+    )
+    for j, r in enumerate(ranges)
+  ]
+
+
+def concatenate(parts: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+  """The shards' 'precision' [T, R, K_j, A(, M)] and 'recall' [T, K_j, A(, M)] (COCOeval's and
+  LVISEval's `eval` layout) joined along K, in the shards' order."""
+  return {
+    "precision": np.concatenate([part["precision"] for part in parts], axis=2),
+    "recall": np.concatenate([part["recall"] for part in parts], axis=1),
+  }

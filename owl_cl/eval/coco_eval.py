@@ -199,29 +199,9 @@ def _sharded(
   sorted categories `cats`, in `processes` spawned workers, concatenated along K: the same
   arrays bit for bit (`category_shards`). Returns an object with `params` and `eval` as
   `_summarize` reads them."""
-  dataset, kept = coco_gt.dataset, set(cats)
-  # COCOeval loads only the evaluated categories' boxes: the others are not scored.
-  annotations = [a for a in dataset.get("annotations", []) if int(a["category_id"]) in kept]
-  detections = [d for d in detections if int(d["category_id"]) in kept]
-  category = lambda entry: int(entry["category_id"])
-  weights = category_shards.weights_by_category(
-    cats, map(category, detections), map(category, annotations)
-  )
-  ranges = category_shards.split_categories(cats, weights, n_shards)
-  dets = category_shards.partition(detections, category, ranges)
-  anns = category_shards.partition(annotations, category, ranges)
-  by_id = {int(c["id"]): c for c in dataset.get("categories", [])}
-  rest = {k: v for k, v in dataset.items() if k not in ("annotations", "categories")}
   payloads = [
-    (
-      {**rest, "annotations": anns[j], "categories": [by_id[c] for c in r if c in by_id]},
-      dets[j],
-      image_ids,
-      r,
-      max_dets,
-      backend,
-    )
-    for j, r in enumerate(ranges)
+    (dataset, dets, image_ids, r, max_dets, backend)
+    for dataset, dets, r in category_shards.shard_sets(coco_gt.dataset, detections, cats, n_shards)
   ]
   parts = category_shards.run(
     _score_shard, payloads, processes, progress=progress, desc=f"COCO AP, {n_shards} shards"
@@ -229,10 +209,7 @@ def _sharded(
   params = types.SimpleNamespace(**parts[0]["params"], catIds=list(cats))
   return types.SimpleNamespace(
     params=params,
-    eval={
-      "precision": np.concatenate([part["precision"] for part in parts], axis=2),
-      "recall": np.concatenate([part["recall"] for part in parts], axis=1),
-    },
+    eval=category_shards.concatenate(parts),
   )
 
 

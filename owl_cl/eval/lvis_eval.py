@@ -225,27 +225,9 @@ def _sharded(
   concatenated along K: the same bit for bit, `category_shards`), ready for `summarize`.
   `limited`: the detections after the per-image limit."""
   api = _lvis_api()
-  kept = set(cats)
-  dataset = gt.dataset
-  annotations = [a for a in dataset["annotations"] if int(a["category_id"]) in kept]
-  limited = [d for d in limited if int(d["category_id"]) in kept]
-  category = lambda entry: int(entry["category_id"])
-  weights = category_shards.weights_by_category(
-    cats, map(category, limited), map(category, annotations)
-  )
-  ranges = category_shards.split_categories(cats, weights, n_shards)
-  dets = category_shards.partition(limited, category, ranges)
-  anns = category_shards.partition(annotations, category, ranges)
-  rest = {k: v for k, v in dataset.items() if k not in ("annotations", "categories")}
   payloads = [
-    (
-      {**rest, "annotations": anns[j], "categories": [gt.cats[c] for c in r if c in gt.cats]},
-      dets[j],
-      image_ids,
-      r,
-      max_dets,
-    )
-    for j, r in enumerate(ranges)
+    (dataset, dets, image_ids, r, max_dets)
+    for dataset, dets, r in category_shards.shard_sets(gt.dataset, limited, cats, n_shards)
   ]
   parts = category_shards.run(
     _score_shard, payloads, processes, progress=progress, desc=f"LVIS AP, {n_shards} shards"
@@ -260,10 +242,7 @@ def _sharded(
   evaluator.params.img_ids = sorted(gt.get_img_ids()) if image_ids is None else list(image_ids)
   evaluator.freq_groups = evaluator._prepare_freq_group()  # pylint: disable=protected-access
   evaluator.results = collections.OrderedDict()
-  evaluator.eval = {
-    "precision": np.concatenate([part["precision"] for part in parts], axis=2),
-    "recall": np.concatenate([part["recall"] for part in parts], axis=1),
-  }
+  evaluator.eval = category_shards.concatenate(parts)
   return evaluator
 
 

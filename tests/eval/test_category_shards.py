@@ -11,6 +11,7 @@ from owl_cl.eval import category_shards
 from owl_cl.eval import coco_eval
 from owl_cl.eval import detection
 from owl_cl.eval import lvis_eval
+from owl_cl.testing import detections as testing_detections
 
 # ------------------------------------------------------------------------------ the split
 
@@ -76,45 +77,39 @@ def test_weights_by_category():
   assert category_shards.weights_by_category([1, 2, 5], [1, 1, 5, 9], [2, 5, 5]) == [2, 1, 3]
 
 
+def test_shard_sets_split_ground_truth_and_detections_by_category():
+  dataset = {
+    "info": {"v": 1},
+    "images": [{"id": 1}, {"id": 2}],
+    "categories": [{"id": 1}, {"id": 2}, {"id": 3}],
+    "annotations": [{"id": 1, "category_id": 3}, {"id": 2, "category_id": 1}],
+  }
+  dets = [{"category_id": c, "n": n} for n, c in enumerate([2, 1, 3, 2, 9])]  # 9: not scored
+  # Weights (detections + boxes): 1 + 1, 2 + 0, 1 + 1 (total 6); the first range closes once
+  # it holds half (after category 2: 4 of 6).
+  (first, dets1, cats1), (second, dets2, cats2) = category_shards.shard_sets(
+    dataset, dets, [1, 2, 3], 2
+  )
+  assert (cats1, cats2) == ([1, 2], [3])
+  assert first == {
+    **dataset,
+    "categories": [{"id": 1}, {"id": 2}],
+    "annotations": [dataset["annotations"][1]],
+  }
+  assert second["categories"] == [{"id": 3}] and second["images"] == dataset["images"]
+  assert second["annotations"] == [dataset["annotations"][0]] and second["info"] == {"v": 1}
+  assert [d["n"] for d in dets1] == [0, 1, 3] and [d["n"] for d in dets2] == [2]
+
+
 # ------------------------------------------------------------------------------ COCO
 
 
 def _coco(seed, images=30, classes=9, dets=25):
-  """(COCO ground truth, detections): 1-10 boxes per image of every area range, one in ten a
-  crowd, category ids not contiguous (2, 4, ...); detections jittered ground truth (some of
-  a wrong class) and random boxes; one in five scores rounded to 0.1 so that ties occur."""
-  rng = np.random.default_rng(seed)
-  ids = [2 * c for c in range(1, classes + 1)]
-  gt = {"images": [], "annotations": [], "categories": [{"id": c} for c in ids]}
-  detections = []
-  for i in range(1, images + 1):
-    gt["images"].append({"id": i, "width": 640, "height": 480})
-    n = int(rng.integers(1, 11))
-    boxes = np.concatenate([rng.uniform(0, 300, (n, 2)), rng.uniform(4, 300, (n, 2))], 1)
-    cats = rng.choice(ids, n)
-    for box, c in zip(boxes, cats):
-      gt["annotations"].append(
-        {
-          "id": len(gt["annotations"]) + 1,
-          "image_id": i,
-          "category_id": int(c),
-          "bbox": box.tolist(),
-          "area": float(box[2] * box[3]),
-          "iscrowd": int(rng.uniform() < 0.1),
-        }
-      )
-    jitter = np.abs(boxes + rng.normal(0, 0.05, boxes.shape) * boxes[:, 2:].repeat(2, 1))
-    extra = np.concatenate(
-      [rng.uniform(0, 400, (dets - n, 2)), rng.uniform(4, 200, (dets - n, 2))], 1
-    )
-    wrong = np.where(rng.uniform(size=n) < 0.2, rng.choice(ids, n), cats)
-    all_cats = np.concatenate([wrong, rng.choice(ids, dets - n)])
-    scores = rng.uniform(size=dets)
-    scores = np.where(rng.uniform(size=dets) < 0.2, np.round(scores, 1), scores)
-    for box, c, s in zip(np.concatenate([jitter, extra]), all_cats, scores):
-      detections.append(
-        {"image_id": i, "category_id": int(c), "bbox": box.tolist(), "score": float(s)}
-      )
+  """(COCO ground truth, detections) of `testing.detections.coco_set` with category ids
+  2, 4, ... and one in five scores rounded to 0.1, so that ties occur."""
+  gt, detections = testing_detections.coco_set(
+    seed, images, classes, dets, id_step=2, tie_rate=0.2, max_boxes=10
+  )
   coco = COCO()
   coco.dataset = gt
   coco.createIndex()
@@ -157,61 +152,8 @@ def test_coco_in_shards_is_one_pass_bit_for_bit(backend):
 # ------------------------------------------------------------------------------ LVIS
 
 
-def _lvis(seed, images=30, classes=12, dets=40):
-  """(LVIS v1 ground truth dict, detections): frequencies r / c / f in turn, each image with
-  1-8 boxes, a few negative and not-exhaustive categories, and `dets` detections (jittered
-  ground truth and random boxes of any category, so that the federated rules drop some)."""
-  rng = np.random.default_rng(seed)
-  ids = [3 * c + 1 for c in range(classes)]
-  gt = {
-    "images": [],
-    "annotations": [],
-    "categories": [
-      {"id": c, "name": f"c{c}", "frequency": "rcf"[j % 3]} for j, c in enumerate(ids)
-    ],
-  }
-  detections = []
-  for i in range(1, images + 1):
-    n = int(rng.integers(1, 9))
-    cats = rng.choice(ids, n)
-    others = sorted(set(ids) - set(cats.tolist()))
-    negative = rng.choice(others, min(4, len(others)), replace=False).tolist()
-    gt["images"].append(
-      {
-        "id": i,
-        "width": 640,
-        "height": 480,
-        "neg_category_ids": sorted(int(c) for c in negative),
-        "not_exhaustive_category_ids": [int(cats[0])] if rng.uniform() < 0.3 else [],
-      }
-    )
-    boxes = np.concatenate([rng.uniform(0, 300, (n, 2)), rng.uniform(4, 300, (n, 2))], 1)
-    for box, c in zip(boxes, cats):
-      gt["annotations"].append(
-        {
-          "id": len(gt["annotations"]) + 1,
-          "image_id": i,
-          "category_id": int(c),
-          "bbox": box.tolist(),
-          "area": float(box[2] * box[3]),
-        }
-      )
-    jitter = np.abs(boxes + rng.normal(0, 0.05, boxes.shape) * boxes[:, 2:].repeat(2, 1))
-    extra = np.concatenate(
-      [rng.uniform(0, 400, (dets - n, 2)), rng.uniform(4, 200, (dets - n, 2))], 1
-    )
-    all_cats = np.concatenate([cats, rng.choice(ids, dets - n)])
-    scores = rng.uniform(size=dets)
-    scores = np.where(rng.uniform(size=dets) < 0.2, np.round(scores, 1), scores)
-    for box, c, s in zip(np.concatenate([jitter, extra]), all_cats, scores):
-      detections.append(
-        {"image_id": i, "category_id": int(c), "bbox": box.tolist(), "score": float(s)}
-      )
-  return gt, detections
-
-
 def test_lvis_in_shards_is_one_pass_bit_for_bit():
-  gt, detections = _lvis(0)
+  gt, detections = testing_detections.lvis_set(0)
   ground = lvis_eval.load_lvis_ground_truth(gt)
   cases = [
     ({"max_dets": 300, "per_category": True}, 5),
@@ -232,7 +174,7 @@ def test_bad_processes_and_shards_fail_before_any_work():
   coco, detections = _coco(1, images=3)
   with pytest.raises(ValueError, match="processes must be >= 1, got 0"):
     coco_eval.coco_evaluate(coco, detections, processes=0)
-  gt, lvis_detections = _lvis(1, images=3)
+  gt, lvis_detections = testing_detections.lvis_set(1, images=3)
   with pytest.raises(ValueError, match="shards must be >= 1 or None, got 0"):
     lvis_eval.lvis_evaluate(gt, lvis_detections, shards=0)
 

@@ -3,50 +3,20 @@
 import math
 import types
 
-import numpy as np
 from pycocotools.coco import COCO
 import pytest
 
 from owl_cl.eval import coco_eval
 from owl_cl.eval import detection
+from owl_cl.testing import detections as testing_detections
 
 pytest.importorskip("faster_coco_eval")
 
 
 def _generated(seed, images=40, classes=7, dets=30):
-  """(pycocotools COCO ground truth, detections): 1-12 boxes per image of every COCO area
-  range (sides 4 to 300 px: small < 32^2, medium, large > 96^2), one in ten a crowd; the
-  detections jittered copies of the ground truth (some with a wrong class) and random boxes,
-  `dets` per image, scores uniform (ties among them improbable but allowed)."""
-  rng = np.random.default_rng(seed)
-  gt = {"images": [], "annotations": [], "categories": [{"id": c} for c in range(1, classes + 1)]}
-  detections = []
-  for i in range(1, images + 1):
-    gt["images"].append({"id": i, "width": 640, "height": 480})
-    n = int(rng.integers(1, 13))
-    boxes = np.concatenate([rng.uniform(0, 300, (n, 2)), rng.uniform(4, 300, (n, 2))], 1)
-    cats = rng.integers(1, classes + 1, n)
-    for box, c in zip(boxes, cats):
-      gt["annotations"].append(
-        {
-          "id": len(gt["annotations"]) + 1,
-          "image_id": i,
-          "category_id": int(c),
-          "bbox": box.tolist(),
-          "area": float(box[2] * box[3]),
-          "iscrowd": int(rng.uniform() < 0.1),
-        }
-      )
-    jitter = np.abs(boxes + rng.normal(0, 0.05, boxes.shape) * boxes[:, 2:].repeat(2, 1))
-    extra = np.concatenate(
-      [rng.uniform(0, 400, (dets - n, 2)), rng.uniform(4, 200, (dets - n, 2))], 1
-    )
-    wrong = np.where(rng.uniform(size=n) < 0.2, rng.integers(1, classes + 1, n), cats)
-    all_cats = np.concatenate([wrong, rng.integers(1, classes + 1, dets - n)])
-    for box, c, s in zip(np.concatenate([jitter, extra]), all_cats, rng.uniform(size=dets)):
-      detections.append(
-        {"image_id": i, "category_id": int(c), "bbox": box.tolist(), "score": float(s)}
-      )
+  """(pycocotools COCO ground truth, detections) of `testing.detections.coco_set`: boxes of
+  every COCO area range, one in ten a crowd, jittered and random detections."""
+  gt, detections = testing_detections.coco_set(seed, images, classes, dets)
   coco = COCO()
   coco.dataset = gt
   coco.createIndex()
