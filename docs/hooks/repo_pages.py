@@ -21,7 +21,10 @@ from mkdocs.structure.files import InclusionLevel
 log = logging.getLogger("mkdocs.hooks.repo_pages")
 
 # Repository file -> its path on the site. The README is the home page (docs/ has no index.md).
-REPO_PAGES = {"README.md": "index.md"}
+# benchmarks/README.md gets a name of its own: as `benchmarks/README.md` it would be the site's
+# benchmarks/index.html, the path of docs/benchmarks.md too, and one page would replace the
+# other.
+REPO_PAGES = {"README.md": "index.md", "benchmarks/README.md": "benchmarks/methods.md"}
 # Repository folders whose Markdown files (and PNG figures) join the site at the same path.
 # benchmarks/README.md is in the nav; the result tables are reached through its links, so a new
 # result file needs no nav entry. `*_smoke.md` (the scripts' smoke mode, never committed) is
@@ -56,7 +59,7 @@ REPO_PAGE_DIRS = (
   "benchmarks/results/coco_backends/pycocotools",
   "benchmarks/results/coco_backends/faster_coco_eval",
 )
-NAV_PAGES = ("index.md", "benchmarks/README.md")
+NAV_PAGES = ("index.md", "benchmarks/methods.md")
 
 # An inline Markdown link or image target: `](target)` or `](target "title")`.
 _LINK = re.compile(r"\]\(([^)\s]+)((?:\s+\"[^\"]*\")?)\)")
@@ -73,7 +76,7 @@ def _repo_pages(config) -> dict[str, str]:
   for folder in REPO_PAGE_DIRS:
     for name in sorted(os.listdir(os.path.join(root, folder))):
       if name.endswith((".md", ".png")) and not name.endswith(("_smoke.md", "_smoke.png")):
-        pages[f"{folder}/{name}"] = f"{folder}/{name}"
+        pages.setdefault(f"{folder}/{name}", f"{folder}/{name}")
   return pages
 
 

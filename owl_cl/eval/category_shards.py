@@ -145,8 +145,8 @@ def run(
     The results in the order of `payloads`.
 
   Raises:
-    Whatever `fn` raised in a worker (re-raised here); BrokenProcessPool when a worker died
-    (e.g. killed out of memory).
+    Exception: whatever `fn` raised in a worker, re-raised here.
+    concurrent.futures.process.BrokenProcessPool: a worker died (e.g. killed out of memory).
   """
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 

@@ -273,10 +273,13 @@ def lvis_evaluate(
       evaluated category's AP@[.5:.95] and AP at IoU 0.5 over all areas (LVISEval's
       `eval['precision']` [iou, recall, category, area] of that category, averaged over its
       entries > -1), NaN for a category without ground truth among the evaluated images.
-    processes, shards, progress: scoring in category shards, in spawned worker processes,
-      as `coco_eval.coco_evaluate` does (the same floats as one pass; `category_shards`);
-      the per-image limit is applied before the split. shards None: max(processes,
-      ceil(detections / category_shards.SHARD_DETECTIONS)); 1: in this process.
+    processes: worker processes scoring category shards side by side (spawned), as
+      `coco_eval.coco_evaluate` does: the same floats as one pass (`category_shards`); the
+      per-image limit is applied before the split.
+    shards: the number of contiguous category ranges, each scored in its own worker process;
+      None: max(processes, ceil(detections / category_shards.SHARD_DETECTIONS)); 1: in this
+      process.
+    progress: a progress bar over the finished shards.
 
   Returns:
     dict of floats `LVIS_METRIC_NAMES` in [0, 1]: 'AP' (AP@[.5:.95]), 'AP50', 'AP75',
