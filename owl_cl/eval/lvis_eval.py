@@ -246,6 +246,31 @@ def _sharded(
   return evaluator
 
 
+def _results_of(evaluator, gt, num_detections: int, m: int, per_category: bool) -> dict[str, Any]:
+  """`lvis_evaluate`'s dict from an accumulated `LVISEval` (its `summarize`, then the
+  per-category AP from its precision array)."""
+  with _quiet():
+    evaluator.summarize()
+  raw = evaluator.get_results()
+  keys = {"AR": f"AR@{m}", "ARs": f"ARs@{m}", "ARm": f"ARm@{m}", "ARl": f"ARl@{m}"}
+  result: dict[str, Any] = {
+    name: _no_data_to_nan(raw[keys.get(name, name)]) for name in LVIS_METRIC_NAMES
+  }
+  result["num_detections"] = num_detections
+  if per_category:
+    precision = evaluator.eval["precision"]  # [iou, recall, category, area]; area 0 = all
+    at_50 = np.flatnonzero(np.isclose(evaluator.params.iou_thrs, 0.5))
+    per_cat = {}
+    for k, cat in enumerate(evaluator.params.cat_ids):
+      per_cat[int(cat)] = {
+        "AP": _valid_mean(precision[:, :, k, 0]),
+        "AP50": _valid_mean(precision[at_50, :, k, 0]),
+        "frequency": gt.cats[cat]["frequency"],
+      }
+    result["per_category"] = per_cat
+  return result
+
+
 def lvis_evaluate(
   lvis_gt: Any,
   detections: Sequence[Mapping[str, Any]],
@@ -327,24 +352,4 @@ def lvis_evaluate(
     limited = api.LVISResults.limit_dets_per_image(None, detections, int(max_dets))
     evaluator = _sharded(gt, limited, image_ids, cats, int(max_dets), n_shards, processes, progress)
     num_detections = len(limited)
-  with _quiet():
-    evaluator.summarize()
-  raw = evaluator.get_results()
-  m = int(max_dets)
-  keys = {"AR": f"AR@{m}", "ARs": f"ARs@{m}", "ARm": f"ARm@{m}", "ARl": f"ARl@{m}"}
-  result: dict[str, Any] = {
-    name: _no_data_to_nan(raw[keys.get(name, name)]) for name in LVIS_METRIC_NAMES
-  }
-  result["num_detections"] = num_detections
-  if per_category:
-    precision = evaluator.eval["precision"]  # [iou, recall, category, area]; area 0 = all
-    at_50 = np.flatnonzero(np.isclose(evaluator.params.iou_thrs, 0.5))
-    per_cat = {}
-    for k, cat in enumerate(evaluator.params.cat_ids):
-      per_cat[int(cat)] = {
-        "AP": _valid_mean(precision[:, :, k, 0]),
-        "AP50": _valid_mean(precision[at_50, :, k, 0]),
-        "frequency": gt.cats[cat]["frequency"],
-      }
-    result["per_category"] = per_cat
-  return result
+  return _results_of(evaluator, gt, num_detections, int(max_dets), per_category)
