@@ -154,7 +154,7 @@ def _accumulated(coco_gt, detections, image_ids, cat_ids, max_dets: int, backend
   log = io.StringIO()
   with contextlib.redirect_stdout(log):
     ground = coco_gt
-    if backend != "pycocotools":
+    if not isinstance(coco_gt, coco_class):
       # The same ground-truth dict indexed by the backend's own COCO class.
       ground = coco_class()
       ground.dataset = coco_gt.dataset
@@ -177,12 +177,11 @@ def _score_shard(payload: tuple) -> dict[str, Any]:
   truth dict; returns its [T, R, K_j, A, M] precision, [T, K_j, A, M] recall and the params
   `_summarize` reads."""
   dataset, detections, image_ids, cat_ids, max_dets, backend = payload
-  coco_class, _ = _backend("pycocotools")
+  classes = _backend(backend)
   with contextlib.redirect_stdout(io.StringIO()):
-    ground = coco_class()
+    ground = classes[0]()  # indexed once, by the backend's own COCO class
     ground.dataset = dataset
     ground.createIndex()
-  classes = _backend(backend)
   coco_eval = _accumulated(ground, detections, image_ids, cat_ids, max_dets, backend, classes)
   p = coco_eval.params
   return {

@@ -177,15 +177,17 @@ def _no_data_to_nan(value: float) -> float:
   return float("nan") if value == -1.0 else value
 
 
+@contextlib.contextmanager
 def _quiet():
-  """stdout captured and lvis 0.5.3's deprecated `Logger.warn` silenced (a context)."""
-  stack = contextlib.ExitStack()
-  stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
-  stack.enter_context(warnings.catch_warnings())
-  warnings.filterwarnings(
-    "ignore", message="The 'warn' method is deprecated", category=DeprecationWarning
-  )
-  return stack
+  """The API's printing sent to the logger at DEBUG level, and lvis 0.5.3's deprecated
+  `Logger.warn` silenced."""
+  log = io.StringIO()
+  with contextlib.redirect_stdout(log), warnings.catch_warnings():
+    warnings.filterwarnings(
+      "ignore", message="The 'warn' method is deprecated", category=DeprecationWarning
+    )
+    yield
+  logger.debug("lvis: %s", log.getvalue())
 
 
 def _accumulated(gt, detections: list, image_ids, cat_ids, max_dets: int):

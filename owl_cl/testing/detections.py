@@ -147,3 +147,13 @@ def lvis_set(
     scores = _scores(rng, dets, tie_rate)
     _append_detections(detections, i, np.concatenate([jitter, extra]), all_cats, scores)
   return gt, detections
+
+
+def as_coco(gt: dict[str, Any]):
+  """A pycocotools `COCO` indexing the ground-truth dict `gt` (not copied)."""
+  from pycocotools.coco import COCO  # noqa: PLC0415 (only the COCO tests need it)
+
+  coco = COCO()
+  coco.dataset = gt
+  coco.createIndex()
+  return coco

@@ -4,7 +4,6 @@ LVIS statistics bit for bit equal to one pass, for each backend."""
 import math
 
 import numpy as np
-from pycocotools.coco import COCO
 import pytest
 
 from owl_cl.eval import category_shards
@@ -110,10 +109,7 @@ def _coco(seed, images=30, classes=9, dets=25):
   gt, detections = testing_detections.coco_set(
     seed, images, classes, dets, id_step=2, tie_rate=0.2, max_boxes=10
   )
-  coco = COCO()
-  coco.dataset = gt
-  coco.createIndex()
-  return coco, detections
+  return testing_detections.as_coco(gt), detections
 
 
 def _assert_identical(want, got):

@@ -3,7 +3,6 @@
 import math
 import types
 
-from pycocotools.coco import COCO
 import pytest
 
 from owl_cl.eval import coco_eval
@@ -17,10 +16,7 @@ def _generated(seed, images=40, classes=7, dets=30):
   """(pycocotools COCO ground truth, detections) of `testing.detections.coco_set`: boxes of
   every COCO area range, one in ten a crowd, jittered and random detections."""
   gt, detections = testing_detections.coco_set(seed, images, classes, dets)
-  coco = COCO()
-  coco.dataset = gt
-  coco.createIndex()
-  return coco, detections
+  return testing_detections.as_coco(gt), detections
 
 
 def _assert_same(want, got):
