@@ -33,6 +33,7 @@ from owl_cl.data import prompts
 from owl_cl.data import spec as data_spec
 from owl_cl.data.data_spec import DataSpec
 from owl_cl.eval import detection
+from owl_cl.eval import peers as peers_lib
 from owl_cl.eval_spec import EvalSpec
 from owl_cl.model import convert
 from owl_cl.model import lora as lora_lib
@@ -459,6 +460,9 @@ class Detector:
       return_detections=bool(dump_dir) or return_detections,
       coco_backend=self.eval_spec.coco_backend,
       processes=self.eval_spec.scoring_processes,
+      # Every process holds the gathered detections: each scores its share of the category
+      # shards (the same floats on every process as one pass, `category_shards`).
+      peers=peers_lib.jax_peers(),
     )
     result = detection.evaluate_source(
       predict_fn,

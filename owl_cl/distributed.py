@@ -6,7 +6,8 @@ joins them into one JAX runtime. Then:
 - data: each process reads only its rows of every global batch (`sharding.process_rows`, the
   pipeline's `batch_rows`; or its block of a list of image ids, `process_shard`) and passes
   them to `owl_cl.train.sharding.shard_batch`, which assembles the global batch; evaluation
-  predictions are gathered back (`gather_rows`) so AP is computed once over the whole eval set;
+  predictions are gathered back (`gather_rows`) so AP is computed once over the whole eval set,
+  each process scoring its share of the category shards (`gather_objects` exchanges them);
 - replay: retrieval is replicated (every process computes the same indices) and each process
   gathers only its slots (`owl_cl.train.sharding.local_rows`);
 - output: process 0 alone writes results, records and TensorBoard (`is_writer`); every
@@ -34,6 +35,7 @@ import contextlib
 import dataclasses
 import logging as py_logging
 import os
+import pickle
 import sys
 from typing import Any
 
@@ -298,6 +300,30 @@ def gather_rows(tree: Any) -> Any:
   return jax.tree.map(
     lambda s: np.concatenate([np.asarray(s)[p, :c] for p, c in enumerate(counts)]), stacked
   )
+
+
+def gather_objects(value: Any) -> list[Any]:
+  """Every process's picklable `value`, on every process, in process order.
+
+  Collective: every process calls it at the same point. Each value is pickled to bytes, and
+  the bytes and their lengths go through `gather_rows` (one all-gather each). For results a
+  process computed alone, such as its category shards' precision arrays
+  (`owl_cl.eval.category_shards.run` with `peers`); the peers are this run's own
+  processes, so unpickling their bytes is as safe as the run's code.
+
+  Args:
+    value: any picklable object (tens of MB at most: it travels through device memory).
+  Returns:
+    list [process_count] of the values (`[value]` itself with a single process).
+  Source: `jax.experimental.multihost_utils.process_allgather` (via `gather_rows`).
+  """
+  if jax.process_count() == 1:
+    return [value]
+  data = np.frombuffer(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+  sizes = gather_rows(np.asarray([data.size], np.int64))
+  joined = gather_rows(data)
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  return [pickle.loads(joined[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def failed_processes() -> dict[int, str]:

@@ -105,7 +105,8 @@ class EvalSpec:
     "protocols; spawned, each shard's ground truth and detections only): the same floats "
     "as one pass (`owl_cl.eval.category_shards`). A set of more detections than "
     f"{category_shards.SHARD_DETECTIONS:,} is scored in shards of about that many even at 1, "
-    "one worker process each, so that Objects365 val fits in host memory.",
+    "one worker process each, so that Objects365 val fits in host memory. In a multi-process "
+    "run the processes share the shards (each scores every P-th one, with this many workers).",
     key=_SCORED_EACH_RUN,
   )
   save_detections: bool = config_spec.field(

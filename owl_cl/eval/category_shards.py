@@ -20,13 +20,17 @@ category) tables, about 5.6 KB per detection at peak (docs/benchmarks.md): Objec
 8 million detections need about 45 GB in one process, and LVIS val takes 10+ minutes of one
 core. By default a shard holds about `SHARD_DETECTIONS` detections, and `processes`
 spawned workers score the shards side by side, each worker process used for one shard only
-(its memory goes back to the system when it exits).
+(its memory goes back to the system when it exits). In a multi-process JAX run (`Peers`) every
+process holds the whole gathered set; each scores every P-th shard and the parts are exchanged
+(`owl_cl.distributed.gather_objects`), so P hosts share the scoring instead of each repeating
+all of it. This module imports no JAX: the spawned workers import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 import concurrent.futures
+import dataclasses
 import multiprocessing
 from typing import Any, TypeVar
 
@@ -40,30 +44,62 @@ T = TypeVar("T")
 SHARD_DETECTIONS = 500_000
 
 
+@dataclasses.dataclass(frozen=True)
+class Peers:
+  """The processes of a multi-process run that share the shards (`owl_cl.eval.peers.jax_peers`
+  builds them from JAX's runtime).
+
+  Attributes:
+    index: this process, in [0, count).
+    count: the processes, >= 1.
+    gather: `gather(value) -> [every process's value]` in process order; collective (every
+      process calls it at the same point), e.g. `owl_cl.distributed.gather_objects`.
+  """
+
+  index: int
+  count: int
+  gather: Callable[[Any], list]
+
+
 def shard_count(
-  num_detections: int, num_categories: int, processes: int, shards: int | None
+  num_detections: int,
+  num_categories: int,
+  processes: int,
+  shards: int | None,
+  hosts: int = 1,
 ) -> int:
-  """How many category shards to score in: `shards` if given, else
-  max(processes, ceil(num_detections / SHARD_DETECTIONS)); at most one per category.
+  """How many category shards to score in: `shards` if given; else 1 for a set that one
+  process scores in one pass (processes 1, at most SHARD_DETECTIONS detections: on every host,
+  where spawning and exchanging would cost more than the scoring); else
+  max(processes * hosts, ceil(num_detections / SHARD_DETECTIONS)). At most one per category.
 
   Args:
     num_detections: detections to score (after the per-image limit).
     num_categories: categories scored (K).
-    processes: worker processes, >= 1.
+    processes: worker processes per host, >= 1.
     shards: the number asked for (>= 1), or None to choose it.
+    hosts: processes that share the shards (`Peers.count`), >= 1.
 
   Returns:
     int in [1, max(1, num_categories)]; 1 means scoring in the calling process.
 
   Raises:
-    ValueError: processes < 1 or shards < 1.
+    ValueError: processes < 1, shards < 1 or hosts < 1.
   """
   if processes < 1:
     raise ValueError(f"processes must be >= 1, got {processes}.")
   if shards is not None and shards < 1:
     raise ValueError(f"shards must be >= 1 or None, got {shards}.")
-  wanted = shards if shards is not None else max(processes, -(-num_detections // SHARD_DETECTIONS))
-  return max(1, min(wanted, num_categories))
+  if hosts < 1:
+    raise ValueError(f"hosts must be >= 1, got {hosts}.")
+  by_size = -(-num_detections // SHARD_DETECTIONS)
+  wanted = 1 if max(processes, by_size) == 1 else max(processes * hosts, by_size)
+  return max(1, min(wanted if shards is None else shards, num_categories))
+
+
+def host_count(peers: Peers | None) -> int:
+  """The processes that share the shards: `peers.count`, 1 without peers."""
+  return 1 if peers is None else peers.count
 
 
 def split_categories(
@@ -128,6 +164,7 @@ def run(
   *,
   progress: bool = False,
   desc: str = "scoring shards",
+  peers: Peers | None = None,
 ) -> list[T]:
   """`[fn(p) for p in payloads]`, in spawned worker processes, one process per payload.
 
@@ -137,19 +174,38 @@ def run(
   Args:
     fn: the shard scorer.
     payloads: one picklable argument per shard.
-    processes: at most this many workers at a time.
+    processes: at most this many workers at a time (per process of `peers`).
     progress: a tqdm bar over the finished shards (rate and ETA).
     desc: its text.
+    peers: process p of P runs payloads p, p + P, p + 2P, ... (the shards are balanced, so
+      each gets about 1 / P of the work) and the results are exchanged (`peers.gather`).
+      Collective: every peer calls `run` with the same payloads at the same point. None or
+      one process: all here.
 
   Returns:
-    The results in the order of `payloads`.
+    The results in the order of `payloads` (every result on every peer).
 
   Raises:
-    Exception: whatever `fn` raised in a worker, re-raised here.
+    Exception: whatever `fn` raised in a worker, re-raised here (a peer then waits in the
+      exchange until the run's runtime ends it: `owl_cl.distributed.fail_fast`).
     concurrent.futures.process.BrokenProcessPool: a worker died (e.g. killed out of memory).
   """
+  if host_count(peers) == 1:
+    return _run_here(fn, payloads, processes, progress, desc)
+  mine = list(range(peers.index, len(payloads), peers.count))
+  local = _run_here(fn, [payloads[j] for j in mine], processes, progress, desc)
+  merged: dict[int, Any] = {}
+  for part in peers.gather(dict(zip(mine, local))):
+    merged.update(part)
+  return [merged[j] for j in range(len(payloads))]
+
+
+def _run_here(fn, payloads, processes: int, progress: bool, desc: str) -> list:
+  """`run` in this JAX process alone."""
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
+  if not payloads:
+    return []
   results: list[Any] = [None] * len(payloads)
   with concurrent.futures.ProcessPoolExecutor(
     max_workers=max(1, min(processes, len(payloads))),

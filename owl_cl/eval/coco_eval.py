@@ -191,25 +191,34 @@ def _score_shard(payload: tuple) -> dict[str, Any]:
   }
 
 
-def _sharded(
-  coco_gt, detections, image_ids, cats, max_dets, backend, n_shards, processes, progress
-):
+def _sharded(coco_gt, detections, image_ids, cats, max_dets, backend, n_shards, workers: dict):
   """`_accumulated`'s precision and recall computed in `n_shards` contiguous ranges of the
-  sorted categories `cats`, in `processes` spawned workers, concatenated along K: the same
-  arrays bit for bit (`category_shards`). Returns an object with `params` and `eval` as
-  `_summarize` reads them."""
+  sorted categories `cats` by `category_shards.run` (`workers`: its processes, progress and
+  peers), concatenated along K: the same arrays bit for bit (`category_shards`). Returns an
+  object with `params` and `eval` as `_summarize` reads them."""
   payloads = [
     (dataset, dets, image_ids, r, max_dets, backend)
     for dataset, dets, r in category_shards.shard_sets(coco_gt.dataset, detections, cats, n_shards)
   ]
-  parts = category_shards.run(
-    _score_shard, payloads, processes, progress=progress, desc=f"COCO AP, {n_shards} shards"
-  )
+  parts = category_shards.run(_score_shard, payloads, desc=f"COCO AP, {n_shards} shards", **workers)
   params = types.SimpleNamespace(**parts[0]["params"], catIds=list(cats))
   return types.SimpleNamespace(
     params=params,
     eval=category_shards.concatenate(parts),
   )
+
+
+def _check_inputs(coco_gt, detections: list, max_dets: int) -> None:
+  """`coco_evaluate`'s checks of its inputs, before any work. Raises ValueError."""
+  if max_dets < 1:
+    raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
+  if any("area" not in a for a in coco_gt.dataset.get("annotations", [])):
+    raise ValueError("Every ground-truth annotation needs an 'area' (COCOeval's area ranges).")
+  unknown = {int(d["image_id"]) for d in detections} - set(coco_gt.getImgIds())
+  if unknown:
+    raise ValueError(
+      f"{len(unknown)} detection image ids are not in the ground truth, e.g. {sorted(unknown)[:5]}."
+    )
 
 
 def coco_evaluate(
@@ -225,6 +234,7 @@ def coco_evaluate(
   processes: int = 1,
   shards: int | None = None,
   progress: bool = False,
+  peers: category_shards.Peers | None = None,
 ) -> dict[str, Any]:
   """COCO box AP of detections against a ground truth, via pycocotools' COCOeval.
 
@@ -253,9 +263,13 @@ def coco_evaluate(
     shards: contiguous ranges of the sorted categories scored one by one, each in its own
       worker process with its own categories' ground truth and detections; the statistics
       are the same floats as one pass (`category_shards`: COCOeval's per-category arrays
-      concatenated). None: max(processes, ceil(detections /
+      concatenated). None: max(processes * JAX processes sharing them, ceil(detections /
       category_shards.SHARD_DETECTIONS)); 1: in this process.
     progress: a progress bar over the finished shards.
+    peers: the processes of a multi-process run, each holding the same `coco_gt` and
+      `detections` (`owl_cl.eval.peers.jax_peers`): each scores its share of the shards and
+      receives the others' (`category_shards.run`; collective). The same floats on every
+      process as one pass. None: all in this process.
 
   Returns:
     dict with float keys `COCO_METRIC_NAMES` ('AP' = AP@[.5:.95], 'AP50', 'AP75', 'APs',
@@ -273,29 +287,20 @@ def coco_evaluate(
   logger at DEBUG level).
   """
   classes = _backend(backend)  # an unknown backend fails here, before any work
-  if max_dets < 1:
-    raise ValueError(f"max_dets must be >= 1, got {max_dets}.")
   detections = list(detections)
-  if any("area" not in a for a in coco_gt.dataset.get("annotations", [])):
-    raise ValueError("Every ground-truth annotation needs an 'area' (COCOeval's area ranges).")
-  gt_image_ids = set(coco_gt.getImgIds())
-  unknown = {int(d["image_id"]) for d in detections} - gt_image_ids
-  if unknown:
-    raise ValueError(
-      f"{len(unknown)} detection image ids are not in the ground truth, e.g. {sorted(unknown)[:5]}."
-    )
+  _check_inputs(coco_gt, detections, max_dets)
   if truncate_per_image:
     detections = _truncate_per_image(detections, int(max_dets))
   image_ids = None if image_ids is None else sorted({int(i) for i in image_ids})
   cats = sorted(coco_gt.getCatIds()) if cat_ids is None else sorted({int(c) for c in cat_ids})
-  n_shards = category_shards.shard_count(len(detections), len(cats), processes, shards)
+  hosts = category_shards.host_count(peers)
+  n_shards = category_shards.shard_count(len(detections), len(cats), processes, shards, hosts)
   if n_shards == 1:
     chosen = None if cat_ids is None else cats
     coco_eval = _accumulated(coco_gt, detections, image_ids, chosen, max_dets, backend, classes)
   else:
-    coco_eval = _sharded(
-      coco_gt, detections, image_ids, cats, max_dets, backend, n_shards, processes, progress
-    )
+    workers = {"processes": processes, "progress": progress, "peers": peers}
+    coco_eval = _sharded(coco_gt, detections, image_ids, cats, max_dets, backend, n_shards, workers)
   m = int(max_dets)
   stats = _statistics(coco_eval, m)
   result: dict[str, Any] = {name: _no_data_to_nan(v) for name, v in zip(COCO_METRIC_NAMES, stats)}

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from owl_cl import preemption
+from owl_cl.eval import category_shards
 from owl_cl.eval import coco_eval
 from owl_cl.eval import lvis_eval
 
@@ -476,6 +477,8 @@ class Scoring:
     coco_backend: protocol 'coco''s COCOeval implementation (`coco_eval.COCO_BACKENDS`).
     processes: worker processes that score category shards side by side (the scorers'
       `processes`; the same floats as one pass).
+    peers: the processes of a multi-process run that share the shards (the scorers' `peers`,
+      `owl_cl.eval.peers.jax_peers`; collective). The Detector sets it in such a run.
   """
 
   protocol: str = "coco"
@@ -488,6 +491,7 @@ class Scoring:
   return_detections: bool = False
   coco_backend: str = "pycocotools"
   processes: int = 1
+  peers: category_shards.Peers | None = None
 
 
 def _protocol(scoring: Scoring, source):
@@ -590,6 +594,7 @@ def evaluate_source(
       per_category=per_category or scoring.per_class,
       processes=scoring.processes,
       progress=progress,
+      peers=scoring.peers,
     )
     result["num_images"] = len(seen) if restrict else count_images()
   if scoring.per_class:

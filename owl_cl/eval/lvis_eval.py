@@ -219,21 +219,18 @@ def _score_shard(payload: tuple) -> dict[str, Any]:
   return {"precision": evaluator.eval["precision"], "recall": evaluator.eval["recall"]}
 
 
-def _sharded(
-  gt, limited: list, image_ids, cats, max_dets: int, n_shards: int, processes: int, progress: bool
-):
+def _sharded(gt, limited: list, image_ids, cats, max_dets: int, n_shards: int, workers: dict):
   """An `LVISEval` whose `eval` holds `_accumulated`'s precision and recall computed in
-  `n_shards` contiguous ranges of the sorted categories `cats` (spawned workers, arrays
-  concatenated along K: the same bit for bit, `category_shards`), ready for `summarize`.
+  `n_shards` contiguous ranges of the sorted categories `cats` (`category_shards.run`,
+  `workers` its processes, progress and peers; arrays concatenated along K: the same bit for bit,
+  `category_shards`), ready for `summarize`.
   `limited`: the detections after the per-image limit."""
   api = _lvis_api()
   payloads = [
     (dataset, dets, image_ids, r, max_dets)
     for dataset, dets, r in category_shards.shard_sets(gt.dataset, limited, cats, n_shards)
   ]
-  parts = category_shards.run(
-    _score_shard, payloads, processes, progress=progress, desc=f"LVIS AP, {n_shards} shards"
-  )
+  parts = category_shards.run(_score_shard, payloads, desc=f"LVIS AP, {n_shards} shards", **workers)
   # The unsharded evaluator's state that `summarize` and `get_results` read.
   evaluator = api.LVISEval.__new__(api.LVISEval)
   evaluator.logger = logging.getLogger("lvis.eval")
@@ -284,6 +281,7 @@ def lvis_evaluate(
   processes: int = 1,
   shards: int | None = None,
   progress: bool = False,
+  peers: category_shards.Peers | None = None,
 ) -> dict[str, Any]:
   """LVIS box AP of detections (docs/reference.md §4), via `lvis.LVISEval`.
 
@@ -304,9 +302,11 @@ def lvis_evaluate(
       `coco_eval.coco_evaluate` does: the same floats as one pass (`category_shards`); the
       per-image limit is applied before the split.
     shards: the number of contiguous category ranges, each scored in its own worker process;
-      None: max(processes, ceil(detections / category_shards.SHARD_DETECTIONS)); 1: in this
-      process.
+      None: max(processes * JAX processes sharing them, ceil(detections /
+      category_shards.SHARD_DETECTIONS)); 1: in this process.
     progress: a progress bar over the finished shards.
+    peers: the processes of a multi-process run share the shards, each scoring its share and
+      receiving the others' (collective; as `coco_eval.coco_evaluate`). None: all here.
 
   Returns:
     dict of floats `LVIS_METRIC_NAMES` in [0, 1]: 'AP' (AP@[.5:.95]), 'AP50', 'AP75',
@@ -343,7 +343,8 @@ def lvis_evaluate(
     )
   image_ids = None if image_ids is None else sorted({int(i) for i in image_ids})
   cats = sorted(gt.get_cat_ids()) if cat_ids is None else sorted({int(c) for c in cat_ids})
-  n_shards = category_shards.shard_count(len(detections), len(cats), processes, shards)
+  hosts = category_shards.host_count(peers)
+  n_shards = category_shards.shard_count(len(detections), len(cats), processes, shards, hosts)
   if n_shards == 1:
     chosen = None if cat_ids is None else cats
     evaluator = _accumulated(gt, detections, image_ids, chosen, int(max_dets))
@@ -352,6 +353,7 @@ def lvis_evaluate(
     # The one step across categories, the per-image limit, before the split (LVISResults'
     # own function: its `self` is unused).
     limited = api.LVISResults.limit_dets_per_image(None, detections, int(max_dets))
-    evaluator = _sharded(gt, limited, image_ids, cats, int(max_dets), n_shards, processes, progress)
+    workers = {"processes": processes, "progress": progress, "peers": peers}
+    evaluator = _sharded(gt, limited, image_ids, cats, int(max_dets), n_shards, workers)
     num_detections = len(limited)
   return _results_of(evaluator, gt, num_detections, int(max_dets), per_category)

@@ -253,3 +253,21 @@ def test_step_sides_of_the_like_for_like_parts():
   assert step.timed_sides(full) == ["ours_step:jax", "hf_step"]
   with pytest.raises(ValueError, match="leave nothing to time"):
     step.timed_sides(step.parse_args(["--smoke", "--skip-step", "--skip-model-only"]))
+
+
+@pytest.mark.slow
+def test_scoring_hosts_smoke_shares_the_shards_with_the_same_metrics(tmp_path):
+  # benchmarks/scoring_hosts.py --smoke: 2 JAX processes per side on a localhost coordinator;
+  # the script itself fails when a metric differs between the sides or the processes.
+  subprocess.run(
+    [sys.executable, os.path.join(_ROOT, "benchmarks", "scoring_hosts.py"), "--smoke"]
+    + [f"--out={tmp_path}"],
+    check=True,
+    timeout=300,
+  )
+  with open(tmp_path / "scoring_hosts_smoke.json") as f:
+    report = json.load(f)
+  assert report["metrics_equal"] and 0 < report["AP"] < 1
+  # 2 workers per process: 2 shards scored whole by each process, 2 x 2 shared.
+  assert [report["sides"][s]["shards"] for s in ("each_scores_all", "shared")] == [2, 4]
+  assert all(len(report["sides"][s]["seconds"]) == 2 for s in report["sides"])

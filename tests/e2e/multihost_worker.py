@@ -1,10 +1,10 @@
 """One process of tests/e2e/test_multihost.py: `python multihost_worker.py MODE PORT NPROC PID OUT`.
 
 MODE 'run': the sharded train step, dataset shards, gathered predictions, replay slots, a stage
-checkpoint and a host callback; the outputs go to OUT/process<PID>.npz. NPROC=1 (no
-jax.distributed) is the single-process reference. MODE 'fail': process 1 raises inside
-`fail_fast`, process 0 waits at a barrier. Not a test module (no test_ prefix): it runs only
-as a subprocess.
+checkpoint, a host callback and scoring shared by the processes; the outputs go to
+OUT/process<PID>.npz. NPROC=1 (no jax.distributed) is the single-process reference. MODE
+'fail': process 1 raises inside `fail_fast`, process 0 waits at a barrier. Not a test module
+(no test_ prefix): it runs only as a subprocess.
 """
 
 import json
@@ -172,11 +172,53 @@ def run(jax, distributed, pid: int, out: str) -> None:
   result["knn_distances"], result["knn_utilities"] = distances, utilities
   result["knn_values"] = np.asarray(values.addressable_data(0))
   result["knn_values_last_device"] = np.asarray(values.addressable_data(-1))
+  result["scoring"] = np.asarray(json.dumps(_shared_scoring()))
   result["is_writer"] = np.asarray(distributed.is_writer())
   result["log_prefix"] = np.asarray(distributed.log_prefix())
   distributed.barrier("worker-done", timeout_s=120)
   np.savez(os.path.join(out, f"process{pid}.npz"), **result)
   print(json.dumps({"process": pid, "done": True}), flush=True)
+
+
+def _shared_scoring() -> dict:
+  """8. COCO and LVIS AP scored in category shards shared by the processes (`peers`):
+  every process holds the same detections, scores every P-th shard in a spawned worker and
+  receives the others' arrays. Returns the metrics and how many shards this process scored."""
+  from owl_cl.eval import category_shards  # pylint: disable=g-import-not-at-top
+  from owl_cl.eval import coco_eval
+  from owl_cl.eval import lvis_eval
+  from owl_cl.eval import peers as peers_lib
+  from owl_cl.testing import detections as synthetic
+
+  scored = []
+  run_here = category_shards._run_here  # pylint: disable=protected-access
+
+  def counting(fn, payloads, *args):
+    scored.append(len(payloads))
+    return run_here(fn, payloads, *args)
+
+  category_shards._run_here = counting  # pylint: disable=protected-access
+  try:
+    gt, dets = synthetic.coco_set(3, images=30, classes=9, id_step=3, tie_rate=0.2)
+    coco_gt = synthetic.as_coco(gt)
+    out = {
+      # processes x hosts shards (2 x 2), then 3 asked for (2 + 1).
+      "coco": coco_eval.coco_evaluate(
+        coco_gt, dets, per_category=True, processes=2, peers=peers_lib.jax_peers()
+      ),
+      "coco_3_shards": coco_eval.coco_evaluate(
+        coco_gt, dets, shards=3, peers=peers_lib.jax_peers()
+      ),
+    }
+    lvis_gt, lvis_dets = synthetic.lvis_set(0)
+    out["lvis"] = lvis_eval.lvis_evaluate(
+      lvis_gt, lvis_dets, max_dets=20, per_category=True, shards=2, peers=peers_lib.jax_peers()
+    )
+    # A set one process scores in one pass: scored so on every process, nothing spawned.
+    out["coco_one_pass"] = coco_eval.coco_evaluate(coco_gt, dets, peers=peers_lib.jax_peers())
+  finally:
+    category_shards._run_here = run_here  # pylint: disable=protected-access
+  return {**out, "scored": scored}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ import scipy.optimize
 from owl_cl import distributed
 from owl_cl import preemption
 from owl_cl.detector import DETECTIONS_HOOK_ENV
+from owl_cl.eval import coco_eval
+from owl_cl.eval import lvis_eval
+from owl_cl.testing import detections as synthetic
 from owl_cl.testing import devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,6 +129,7 @@ def test_two_process_run_matches_one_process_run(tmp_path):
   _host_callback_result_reaches_every_process(single, multi)
   _orbax_stage_checkpoint_roundtrip(single, multi)
   _writer_and_log_prefix(single, multi)
+  _shared_scoring_equals_one_pass(single, multi)
 
 
 def _collectives_across_processes(single, multi):
@@ -205,6 +209,30 @@ def _writer_and_log_prefix(single, multi):
   assert [str(r["log_prefix"]) for r in multi] == ["[process 0/2] ", "[process 1/2] "]
 
 
+def _shared_scoring_equals_one_pass(single, multi):
+  # The worker's `_shared_scoring`: every metric and per-category AP of the processes' shared
+  # shards equals one pass in this process, to the bit (the JSON text of floats is exact), and
+  # each process scored only its shards: 4 (2 processes x 2 hosts: 2 each), 3 asked for
+  # (2 + 1), LVIS's 2 (1 + 1), and none for a set one process scores in one pass. The
+  # 1-process run scores the same shards alone: 2, 3 and 2.
+  gt, dets = synthetic.coco_set(3, images=30, classes=9, id_step=3, tie_rate=0.2)
+  lvis_gt, lvis_dets = synthetic.lvis_set(0)
+  one_pass = coco_eval.coco_evaluate(synthetic.as_coco(gt), dets, shards=1)
+  want = {
+    "coco": coco_eval.coco_evaluate(synthetic.as_coco(gt), dets, per_category=True, shards=1),
+    "coco_3_shards": one_pass,
+    "lvis": lvis_eval.lvis_evaluate(lvis_gt, lvis_dets, max_dets=20, per_category=True, shards=1),
+    "coco_one_pass": one_pass,
+  }
+  text = lambda value: json.dumps(json.loads(json.dumps(value)), sort_keys=True)
+  for r in [single] + multi:
+    got = json.loads(str(r["scoring"]))
+    for key, value in want.items():
+      assert text(got[key]) == text(value), key
+  assert json.loads(str(single["scoring"]))["scored"] == [2, 3, 2]
+  assert [json.loads(str(r["scoring"]))["scored"] for r in multi] == [[2, 2, 1], [2, 1, 1]]
+
+
 @pytest.mark.slow
 def test_one_failure_ends_the_run_naming_it(tmp_path):
   start = time.monotonic()
@@ -254,6 +282,9 @@ def test_single_process_helpers():
   np.testing.assert_array_equal(out["a"], tree["a"])
   with pytest.raises(ValueError, match="common leading size"):
     distributed.gather_rows({"a": np.ones(3), "b": np.ones(2)})
+  value = {"precision": np.ones((2, 3)), 4: [1, 2]}
+  got = distributed.gather_objects(value)
+  assert len(got) == 1 and got[0] is value  # the object itself with one process
   distributed.barrier("noop", timeout_s=1)  # a no-op with one process
   assert distributed.failed_processes() == {}
   with pytest.raises(ZeroDivisionError):  # single process: the exception propagates

@@ -62,6 +62,15 @@ def test_shard_count():
   assert category_shards.shard_count(10, 3, 8, None) == 3  # at most one per category
   assert category_shards.shard_count(10, 365, 1, 7) == 7
   assert category_shards.shard_count(0, 0, 2, None) == 1
+  # Shared by 4 hosts: every host's processes get shards, but a set one process scores in one
+  # pass is scored so on every host; `shards` is taken as it is.
+  assert category_shards.shard_count(n, 365, 1, None, hosts=4) == 1
+  assert category_shards.shard_count(n + 1, 365, 1, None, hosts=4) == 4
+  assert category_shards.shard_count(10, 365, 2, None, hosts=4) == 8
+  assert category_shards.shard_count(16 * n, 365, 2, None, hosts=4) == 16
+  assert category_shards.shard_count(10, 365, 1, 3, hosts=4) == 3
+  with pytest.raises(ValueError, match="hosts must be >= 1"):
+    category_shards.shard_count(10, 365, 1, None, hosts=0)
 
 
 def test_partition_is_stable_and_names_a_missing_category():
