@@ -33,7 +33,8 @@ REPO_PAGES = {"README.md": "index.md", "benchmarks/README.md": "benchmarks/metho
 # benchmarks/results/sweep_round2 the second's (with protection.md), and
 # benchmarks/results/owlv2_builtin/{v1,v2} the reports of OWLv2 beside v1, and
 # benchmarks/results/gpu_{second,third,fourth}_session/call* the raw output of GPU calls, and
-# benchmarks/results/coco_backends/* the COCO scoring time of each backend.
+# benchmarks/results/coco_backends/* the COCO scoring time of each backend, and
+# benchmarks/results/scoring_hosts the scoring shared by the processes of a multi-process run.
 REPO_PAGE_DIRS = (
   "benchmarks",
   "benchmarks/results",
@@ -58,6 +59,7 @@ REPO_PAGE_DIRS = (
   "benchmarks/results/gpu_fourth_session/call2",
   "benchmarks/results/coco_backends/pycocotools",
   "benchmarks/results/coco_backends/faster_coco_eval",
+  "benchmarks/results/scoring_hosts",
 )
 NAV_PAGES = ("index.md", "benchmarks/methods.md")
 
