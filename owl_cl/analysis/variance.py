@@ -12,7 +12,7 @@ components are estimated by restricted maximum likelihood with `statsmodels`' Mi
 crossed effects written as variance components of one all-runs group (the statsmodels
 documentation's recipe for crossed random effects). For a balanced design (every model with
 every order, one run per cell and group) and positive estimates, REML equals the ANOVA
-(expected mean squares) estimates; tests/analysis/test_variance.py checks that.
+(expected mean squares) estimates; tests/analysis/test_power_variance.py checks that.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def variance_components(
 
   Returns:
     dict(n, models, orders (distinct levels), variance {model, order, residual} (squared
-    units of values, >= 0), fraction {same / their sum}, converged (bool), method 'REML').
+    units of values, >= 0), fraction {same / their sum}, converged (bool: the REML
+    objective's largest gradient component under 1e-4 per run), method 'REML').
     With fewer than 2 models or 2 orders that component is not estimable: the model is fitted
     without it and its variance is NaN; with neither, the residual is the pooled within-group
     variance (method 'pooled within-group variance'). When the runs' models and orders are
@@ -123,6 +124,7 @@ def _components(frame, formula: str, crossed: dict) -> tuple[dict, dict, bool, s
   fitted = _reml(frame, formula, crossed)
   if isinstance(fitted, str):
     return variance, dict(variance), False, f"not estimable (statsmodels: {fitted})"
+  fitted, converged = fitted
   if method == "REML":
     names = list(fitted.model.exog_vc.names)
     for name, value in zip(names, np.asarray(fitted.vcomp, dtype=np.float64)):
@@ -130,12 +132,13 @@ def _components(frame, formula: str, crossed: dict) -> tuple[dict, dict, bool, s
   variance["residual"] = float(fitted.scale)
   total = sum(v for v in variance.values() if not math.isnan(v))
   fraction = {c: (v / total if total > 0 else math.nan) for c, v in variance.items()}
-  return variance, fraction, bool(fitted.converged), method
+  return variance, fraction, converged, method
 
 
 def _reml(frame, formula: str, crossed: dict):
   """statsmodels' REML fit of the crossed components `crossed` as variance components of one
-  all-runs group, or the error's text when its matrix is singular."""
+  all-runs group and whether it is a stationary point (`_STATIONARY`), or the error's text
+  when its matrix is singular."""
   from statsmodels.regression.mixed_linear_model import MixedLM  # pylint: disable=g-import-not-at-top
 
   frame = frame.assign(all=1)  # one group holding every run: the crossed effects are its components
@@ -143,11 +146,36 @@ def _reml(frame, formula: str, crossed: dict):
     with warnings.catch_warnings():
       # A component estimated on the boundary (0) warns; the estimate is still the REML one.
       warnings.simplefilter("ignore")
-      return MixedLM.from_formula(
+      model = MixedLM.from_formula(
         formula, data=frame, groups="all", vc_formula=crossed, re_formula="0"
-      ).fit(reml=True)
+      )
+      fitted = model.fit(reml=True, method="bfgs")
+      if _gradient(model, fitted) > _STATIONARY:
+        # BFGS stops short of a flat or boundary optimum when its line search loses precision.
+        # statsmodels' own fallback (L-BFGS from where BFGS stopped) calls a fit converged by a
+        # relative change in the objective: on the first committed sweep's pre-training AP it
+        # stopped with a gradient of 3e-3 and the order component 14% above the optimum, called
+        # converged on one CPU and not on another. Powell's derivative-free search from the
+        # usual start values (not from where BFGS stopped, which varies with the CPU) reaches
+        # the optimum's basin; BFGS from there ends at a gradient under 1e-5.
+        start = model.fit(reml=True, method="powell")
+        fitted = model.fit(reml=True, method="bfgs", start_params=start.params_object)
+      return fitted, _gradient(model, fitted) <= _STATIONARY
   except np.linalg.LinAlgError as e:
     return str(e)
+
+
+# The largest gradient component of the REML objective (statsmodels' optimiser units: the
+# negative log-likelihood per run, in the square-root parametrisation of the components)
+# at which a fit counts as converged: scipy's BFGS stops at a gradient norm of 1e-5, so this
+# leaves a tenfold margin; the fits that stopped short measured 1.4e-4, 2.9e-3 and 5.1e-2.
+_STATIONARY = 1e-4
+
+
+def _gradient(model, fitted) -> float:
+  """The largest absolute component of the REML objective's gradient at `fitted`."""
+  packed = fitted.params_object.get_packed(use_sqrt=model.use_sqrt, has_fe=False)
+  return float(np.abs(model.score(packed)).max() / model.nobs)
 
 
 def _confounded(model, order) -> bool:
