@@ -121,10 +121,10 @@ def _components(frame, formula: str, crossed: dict) -> tuple[dict, dict, bool, s
     # order, REML's information matrix is singular, and no data can tell the two apart.
     crossed = {"model": crossed["model"]}
     method = "REML; model and order confounded (each model with one order): not separable"
-  fitted = _reml(frame, formula, crossed)
-  if isinstance(fitted, str):
-    return variance, dict(variance), False, f"not estimable (statsmodels: {fitted})"
-  fitted, converged = fitted
+  result = _reml(frame, formula, crossed)
+  if isinstance(result, str):
+    return variance, dict(variance), False, f"not estimable (statsmodels: {result})"
+  fitted, converged = result
   if method == "REML":
     names = list(fitted.model.exog_vc.names)
     for name, value in zip(names, np.asarray(fitted.vcomp, dtype=np.float64)):

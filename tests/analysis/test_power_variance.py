@@ -217,20 +217,17 @@ def test_first_committed_sweep_is_the_reml_optimum():
   points = report_lib.load_points(
     report_lib.find_runs([os.path.join(ROOT, "benchmarks", "results", "sweep_builtin", "runs")])
   )
+  # The runs the report's section fits (`claims.variance_section`), rebuilt here as the
+  # reference's design matrices: the algorithm a fixed effect, the order a random one.
   keep = set(claims.retrieval_algorithms(list(dict.fromkeys(p.algorithm for p in points))))
   runs = [p for p in points if p.algorithm in keep]
+  run_orders = [claims.run_factors(p.pair)[1] for p in runs]
+  algorithms, orders = sorted(keep), sorted(set(run_orders))
   y = np.array([p.values["pretrain_AP"] for p in runs])
-  algorithms = sorted(keep)
-  orders = sorted({claims.run_factors(p.pair)[1] for p in runs})
   fixed = np.eye(len(algorithms))[[algorithms.index(p.algorithm) for p in runs]]
-  random = np.eye(len(orders))[[orders.index(claims.run_factors(p.pair)[1]) for p in runs]]
+  random = np.eye(len(orders))[[orders.index(o) for o in run_orders]]
   want = _profile_reml(y, fixed, random)
-  got = variance.variance_components(
-    y,
-    [0] * y.size,
-    [claims.run_factors(p.pair)[1] for p in runs],
-    group=[p.algorithm for p in runs],
-  )
+  got = claims.variance_section(points)["pretrain_AP"]
   assert got["converged"] and (got["n"], got["orders"]) == (90, 2)
   # 1e-2: the restricted likelihood is flat in the order component (2 levels); a stationary
   # point (gradient under 1e-5 per run) is within about 1e-3 of its maximiser in relative terms.
